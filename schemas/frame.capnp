@@ -25,27 +25,33 @@ enum PixelRange {
 struct Plane {
   offset @0 :UInt64;     # bytes from the start of the slot payload
   rowStride @1 :UInt32;  # bytes between rows
-  width @2 :UInt32;      # samples per row (UV plane: pairs)
+  width @2 :UInt32;      # samples per row (NV12 UV plane: UV pairs)
   height @3 :UInt32;     # rows
 }
 
+# How the bytes of a frame are laid out. Constant for a stream, so it travels in the
+# slot's SlotLayout and a reader validates it once per distinct layout, not per frame.
+struct FrameFormat {
+  sensor @0 :Sensor;
+  pixelFormat @1 :PixelFormat;
+  pixelRange @2 :PixelRange;
+  width @3 :UInt32;
+  height @4 :UInt32;
+  planes @5 :List(Plane);
+}
+
+# What changes every frame; travels in the SlotHeader. The publish timestamp is
+# SlotHeader.publishTsNs (one clock reading for every kind of message).
 struct FrameMeta {
   frameId @0 :UInt64;
-  sensor @1 :Sensor;
-  pixelFormat @2 :PixelFormat;
-  pixelRange @3 :PixelRange;
-  width @4 :UInt32;
-  height @5 :UInt32;
-  planes @6 :List(Plane);
-  captureTsNs @7 :UInt64;   # CLOCK_MONOTONIC at exposure end
-  publishTsNs @8 :UInt64;   # CLOCK_MONOTONIC when handed to the bridge
+  captureTsNs @1 :UInt64;   # CLOCK_MONOTONIC at exposure end
   # Optional camera fields: absent means unknown, not zero.
   exposure :union {
-    unknown @9 :Void;
-    microseconds @10 :UInt32;
+    unknown @2 :Void;
+    microseconds @3 :UInt32;
   }
   gain :union {
-    unknown @11 :Void;
-    value @12 :Float32;
+    unknown @4 :Void;
+    value @5 :Float32;
   }
 }

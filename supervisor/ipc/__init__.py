@@ -1,0 +1,27 @@
+"""The IPC tensor bridge: single-writer shared-memory channels described by Cap'n Proto.
+
+    chan = Channel.create(ChannelSpec(name="road", slot_size=4 << 20))   # supervisor
+    w = Writer(chan.writer_handle(), domain="control")                   # the one writer
+    with w.loan() as loan:
+        loan.array((1208, 1928), "uint8")[...] = pixels
+        loan.publish()
+    r = Reader(chan.reader_handle(0))                                     # a reader
+    with r.receive(timeout=1.0) as msg:
+        use(msg.array)                                                    # read-only view
+"""
+from .channel import Channel, ReaderHandle, WriterHandle, env_name, handle_from_env
+from .codec import FrameFormat, Layout, PlaneInfo, Stamp
+from .errors import (BoundsError, BridgeError, ChannelTimeout, ConfigError, CrcMismatch,
+                     DTypeMismatch, FormatError, LeaseLost, MalformedHeader, Rejected,
+                     SequenceError, StaleMessage, TornRead)
+from .reader import FrameInfo, Message, Reader, ReaderStats
+from .spec import ChannelSpec
+from .writer import Loan, Writer, WriterStats
+
+__all__ = [
+    "BoundsError", "BridgeError", "Channel", "ChannelSpec", "ChannelTimeout", "ConfigError",
+    "CrcMismatch", "DTypeMismatch", "FormatError", "FrameFormat", "FrameInfo", "Layout",
+    "LeaseLost", "Loan", "MalformedHeader", "Message", "PlaneInfo", "Reader", "ReaderHandle",
+    "ReaderStats", "Rejected", "SequenceError", "Stamp", "StaleMessage", "TornRead", "Writer",
+    "WriterHandle", "WriterStats", "env_name", "handle_from_env",
+]

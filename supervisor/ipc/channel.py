@@ -1,0 +1,161 @@
+"""Creating a channel and handing it out as file descriptors.
+
+The creator (the supervisor) allocates every segment and eventfd, but writes none of
+them: the channel segment is written only by the writer, each lease table only by its
+reader. Endpoints get fds, never names: nothing here has a name to open.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+from . import shm
+from .errors import ConfigError
+from .spec import ChannelSpec
+
+ENV_PREFIX = "TRIO_BRIDGE_"
+
+
+def _spec_from(d: dict) -> ChannelSpec:
+    d = dict(d)
+    d["pixel_formats"] = tuple(d.get("pixel_formats", ()))
+    d.pop("extra", None)
+    return ChannelSpec(**d)
+
+
+@dataclass(frozen=True)
+class WriterHandle:
+    """What the single writer of a channel needs: the segment read-write, every
+    reader's lease table read-only, and every reader's wake-up eventfd."""
+
+    spec: ChannelSpec
+    data_fd: int
+    lease_fds: tuple[int, ...]
+    event_fds: tuple[int, ...]
+
+    def fds(self) -> list[int]:
+        return [self.data_fd, *self.lease_fds, *self.event_fds]
+
+    def to_json(self) -> str:
+        return json.dumps({"role": "writer", "spec": _spec_dict(self.spec),
+                           "data_fd": self.data_fd, "lease_fds": list(self.lease_fds),
+                           "event_fds": list(self.event_fds)})
+
+    @classmethod
+    def from_json(cls, text: str) -> WriterHandle:
+        d = _load(text, "writer")
+        return cls(_spec_from(d["spec"]), d["data_fd"], tuple(d["lease_fds"]),
+                   tuple(d["event_fds"]))
+
+
+@dataclass(frozen=True)
+class ReaderHandle:
+    """What reader ``index`` needs: the segment read-only, its own lease table
+    read-write, and its own eventfd."""
+
+    spec: ChannelSpec
+    index: int
+    data_fd: int
+    lease_fd: int
+    event_fd: int
+
+    def fds(self) -> list[int]:
+        return [self.data_fd, self.lease_fd, self.event_fd]
+
+    def to_json(self) -> str:
+        return json.dumps({"role": "reader", "spec": _spec_dict(self.spec),
+                           "index": self.index, "data_fd": self.data_fd,
+                           "lease_fd": self.lease_fd, "event_fd": self.event_fd})
+
+    @classmethod
+    def from_json(cls, text: str) -> ReaderHandle:
+        d = _load(text, "reader")
+        return cls(_spec_from(d["spec"]), d["index"], d["data_fd"], d["lease_fd"],
+                   d["event_fd"])
+
+
+def _spec_dict(spec: ChannelSpec) -> dict:
+    d = asdict(spec)
+    d.pop("extra", None)
+    return d
+
+
+def _load(text: str, role: str) -> dict:
+    try:
+        d = json.loads(text)
+        if d.get("role") != role:
+            raise ConfigError(f"handle is for a {d.get('role')!r}, not a {role}")
+        return d
+    except (ValueError, AttributeError) as e:
+        raise ConfigError(f"bad {role} handle: {e}") from None
+
+
+def env_name(channel: str) -> str:
+    return ENV_PREFIX + channel.upper()
+
+
+def handle_from_env(channel: str, environ: dict[str, str] | None = None
+                    ) -> WriterHandle | ReaderHandle:
+    """The handle the supervisor passed for ``channel`` in the environment."""
+    environ = os.environ if environ is None else environ
+    text = environ.get(env_name(channel))
+    if text is None:
+        raise ConfigError(f"no handle for channel {channel!r} ({env_name(channel)} unset)")
+    role = json.loads(text).get("role")
+    return WriterHandle.from_json(text) if role == "writer" else ReaderHandle.from_json(text)
+
+
+class Channel:
+    """Owns the fds of one channel (in the supervisor or a test)."""
+
+    def __init__(self, spec: ChannelSpec, data_fd: int, lease_fds: list[int],
+                 event_fds: list[int]) -> None:
+        self.spec = spec
+        self._data_fd = data_fd
+        self._data_ro = shm.reopen_read_only(data_fd)
+        self._lease_fds = lease_fds
+        self._lease_ro = [shm.reopen_read_only(fd) for fd in lease_fds]
+        self._event_fds = event_fds
+        self._closed = False
+
+    @classmethod
+    def create(cls, spec: ChannelSpec) -> Channel:
+        data = shm.create_segment(f"trio-bridge:{spec.name}", spec.segment_size)
+        leases = [shm.create_segment(f"trio-bridge:{spec.name}:lease{i}", spec.lease_size)
+                  for i in range(spec.max_readers)]
+        events = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                  for _ in range(spec.max_readers)]
+        return cls(spec, data, leases, events)
+
+    def writer_handle(self) -> WriterHandle:
+        return WriterHandle(self.spec, self._data_fd, tuple(self._lease_ro),
+                            tuple(self._event_fds))
+
+    def reader_handle(self, index: int) -> ReaderHandle:
+        if not 0 <= index < self.spec.max_readers:
+            raise ConfigError(f"channel {self.spec.name!r} has reader slots "
+                              f"0..{self.spec.max_readers - 1}, not {index}")
+        return ReaderHandle(self.spec, index, self._data_ro, self._lease_fds[index],
+                            self._event_fds[index])
+
+    def writer_sealed(self) -> bool:
+        """True once the writer has mapped the segment and sealed out other writers."""
+        return shm.is_write_sealed(self._data_fd)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for fd in [self._data_fd, self._data_ro, *self._lease_fds, *self._lease_ro,
+                   *self._event_fds]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __enter__(self) -> Channel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,297 @@
+"""Encode and validate the capnp SlotHeader / SlotLayout of a slot.
+
+Everything a reader takes from shared memory passes through ``decode_layout`` and
+``decode_header``: they either return plain, checked Python values or raise a typed
+``Rejected``. Nothing here trusts the writer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import capnp
+import numpy as np
+
+import schemas
+
+from .errors import BoundsError, DTypeMismatch, FormatError, MalformedHeader
+from .spec import MAX_NDIM, ChannelSpec
+
+_slot = schemas.load("slot")
+SlotHeader = _slot.SlotHeader
+SlotLayout = _slot.SlotLayout
+SCHEMA_VERSION: int = _slot.schemaVersion
+
+# Small messages: a generous but firm bound on what a hostile header may make us walk.
+TRAVERSAL_LIMIT_WORDS = 4096
+NESTING_LIMIT = 8
+MAX_FRAME_DIM = 16384
+
+# numpy dtype name <-> DLPack (code, bits). Lanes are always 1 on this bridge.
+_DLPACK = {
+    "bool": (6, 8), "int8": (0, 8), "int16": (0, 16), "int32": (0, 32), "int64": (0, 64),
+    "uint8": (1, 8), "uint16": (1, 16), "uint32": (1, 32), "uint64": (1, 64),
+    "float16": (2, 16), "float32": (2, 32), "float64": (2, 64),
+}
+_FROM_DLPACK = {v: k for k, v in _DLPACK.items()}
+_CODE_NAMES = ["int", "uint", "float", "opaqueHandle", "bfloat", "complex", "bool"]
+
+# Per format: bytes per sample of each plane, and the plane's (width, height) divisor.
+_PLANES = {
+    "nv12": ((1, 1, 1), (2, 2, 2)),   # Y: 1 B/px full size; UV: 2 B per pair, half size
+    "rgb888": ((3, 1, 1),),
+    "bgr888": ((3, 1, 1),),
+    "gray8": ((1, 1, 1),),
+}
+
+
+@dataclass(frozen=True)
+class PlaneInfo:
+    offset: int
+    row_stride: int
+    width: int
+    height: int
+    bytes_per_sample: int
+
+
+@dataclass(frozen=True)
+class FrameFormat:
+    sensor: str
+    pixel_format: str
+    pixel_range: str
+    width: int
+    height: int
+    planes: tuple[PlaneInfo, ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A validated tensor view description, relative to the slot payload."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+    nbytes: int
+    span: tuple[int, int]          # [lo, hi) bytes of the payload the view touches
+    frame: FrameFormat | None
+
+
+@dataclass(frozen=True)
+class Stamp:
+    """The checked per-message fields of a SlotHeader."""
+
+    sequence: int
+    generation: int
+    writer_pid: int
+    publish_ts_ns: int
+    crc32: int | None
+    frame_id: int | None
+    capture_ts_ns: int | None
+    exposure_us: int | None
+    gain: float | None
+
+
+def dlpack_of(dtype: np.dtype) -> tuple[int, int]:
+    try:
+        return _DLPACK[np.dtype(dtype).name]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} has no DLPack mapping on this bridge") from None
+
+
+def tensor_span(shape: tuple[int, ...], strides: tuple[int, ...], offset: int,
+                itemsize: int) -> tuple[int, int]:
+    """[lo, hi) of the bytes a strided view touches (negative strides included)."""
+    if any(n == 0 for n in shape):
+        return offset, offset
+    lo = hi = offset
+    for n, s in zip(shape, strides):
+        reach = (n - 1) * s
+        if reach < 0:
+            lo += reach
+        else:
+            hi += reach
+    return lo, hi + itemsize
+
+
+# ---------------------------------------------------------------- writer side
+
+
+def encode_layout(dtype: np.dtype, shape: tuple[int, ...], strides: tuple[int, ...],
+                  offset: int, frame: FrameFormat | None) -> bytes:
+    code, bits = dlpack_of(dtype)
+    msg = SlotLayout.new_message(schemaVersion=SCHEMA_VERSION)
+    t = msg.init("tensor")
+    t.dtype.code = code
+    t.dtype.bits = bits
+    t.dtype.lanes = 1
+    t.shape = list(shape)
+    t.strides = list(strides)
+    t.byteOffset = offset
+    lo, hi = tensor_span(shape, strides, offset, np.dtype(dtype).itemsize)
+    t.nbytes = hi - lo
+    t.device.type = "cpu"
+    if frame is None:
+        msg.frame.none = None
+    else:
+        f = msg.frame.init("format")
+        f.sensor = frame.sensor
+        f.pixelFormat = frame.pixel_format
+        f.pixelRange = frame.pixel_range
+        f.width = frame.width
+        f.height = frame.height
+        planes = f.init("planes", len(frame.planes))
+        for dst, p in zip(planes, frame.planes):
+            dst.offset, dst.rowStride, dst.width, dst.height = (
+                p.offset, p.row_stride, p.width, p.height)
+    return msg.to_bytes()
+
+
+def encode_header(spec: ChannelSpec, *, sequence: int, generation: int, writer_pid: int,
+                  domain: str, publish_ts_ns: int, crc32: int | None,
+                  frame_id: int | None = None, capture_ts_ns: int | None = None,
+                  exposure_us: int | None = None, gain: float | None = None) -> bytes:
+    msg = SlotHeader.new_message(
+        schemaVersion=SCHEMA_VERSION, channelId=spec.channel_id, sequence=sequence,
+        generation=generation, writerPid=writer_pid, writerDomain=domain,
+        publishTsNs=publish_ts_ns)
+    if crc32 is not None:
+        msg.payloadCrc.crc32 = crc32
+    if frame_id is not None:
+        m = msg.frame.init("meta")
+        m.frameId = frame_id
+        m.captureTsNs = capture_ts_ns or 0
+        if exposure_us is not None:
+            m.exposure.microseconds = exposure_us
+        if gain is not None:
+            m.gain.value = gain
+    return msg.to_bytes()
+
+
+# ---------------------------------------------------------------- reader side
+
+
+def decode_layout(raw: bytes, spec: ChannelSpec, capacity: int) -> Layout:
+    """Parse and check a SlotLayout against the channel contract and slot capacity."""
+    name = spec.name
+    try:
+        with SlotLayout.from_bytes(raw, traversal_limit_in_words=TRAVERSAL_LIMIT_WORDS,
+                                   nesting_limit=NESTING_LIMIT) as msg:
+            t = msg.tensor
+            dt = t.dtype
+            code, bits, lanes = dt.code.raw, dt.bits, dt.lanes
+            shape = tuple(t.shape)
+            strides = tuple(t.strides)
+            offset, nbytes = t.byteOffset, t.nbytes
+            device = t.device.type.raw
+            which = msg.frame.which()
+            fmt = None
+            if which == "format":
+                f = msg.frame.format
+                fmt = (str(f.sensor), str(f.pixelFormat), str(f.pixelRange), f.width,
+                       f.height, [(p.offset, p.rowStride, p.width, p.height)
+                                  for p in f.planes])
+    except (capnp.KjException, ValueError, AttributeError, TypeError) as e:
+        raise MalformedHeader(name, f"SlotLayout does not decode: {_short(e)}") from None
+
+    key = (code, bits)
+    if lanes != 1:
+        raise DTypeMismatch(name, f"lanes={lanes}; only scalar lanes=1 is supported")
+    if key not in _FROM_DLPACK:
+        label = _CODE_NAMES[code] if code < len(_CODE_NAMES) else str(code)
+        raise DTypeMismatch(name, f"DLPack dtype {label}{bits} is not supported")
+    dtype = np.dtype(_FROM_DLPACK[key])
+    if dtype != spec.np_dtype:
+        raise DTypeMismatch(name, f"tensor is {dtype.name}, channel contract is {spec.dtype}")
+    if device != 1:
+        raise MalformedHeader(name, f"device type {device} is not CPU shared memory")
+    if not 0 < len(shape) <= MAX_NDIM or len(strides) != len(shape):
+        raise BoundsError(name, f"ndim {len(shape)} with {len(strides)} strides "
+                                f"(need 1..{MAX_NDIM}, one stride per dim)")
+    item = dtype.itemsize
+    if offset % item or any(s % item for s in strides):
+        raise BoundsError(name, f"offset {offset} / strides {list(strides)} are not "
+                                f"multiples of the item size {item} (DLPack needs it)")
+    if any(n > capacity for n in shape) or offset > capacity:
+        raise BoundsError(name, f"shape {list(shape)} / offset {offset} exceed the slot "
+                                f"capacity {capacity}")
+    lo, hi = tensor_span(shape, strides, offset, item)
+    if lo < 0 or hi > capacity:
+        raise BoundsError(name, f"view shape={list(shape)} strides={list(strides)} "
+                                f"offset={offset} touches bytes [{lo}, {hi}) outside the "
+                                f"slot payload [0, {capacity})")
+    if nbytes != hi - lo:
+        raise BoundsError(name, f"nbytes {nbytes} disagrees with the span {hi - lo} "
+                                f"of shape/strides")
+    frame = None
+    if spec.kind == "frame":
+        if fmt is None:
+            raise FormatError(name, "frame channel message carries no FrameFormat")
+        frame = _check_frame(name, spec, capacity, *fmt)
+    elif fmt is not None:
+        raise FormatError(name, "tensor channel message carries a FrameFormat")
+    return Layout(dtype, shape, strides, offset, nbytes, (lo, hi), frame)
+
+
+def _check_frame(name: str, spec: ChannelSpec, capacity: int, sensor: str, pix: str,
+                 rng: str, width: int, height: int, planes: list) -> FrameFormat:
+    if pix not in _PLANES:
+        raise FormatError(name, f"pixel format {pix!r} is not supported")
+    if spec.pixel_formats and pix not in spec.pixel_formats:
+        raise FormatError(name, f"pixel format {pix} not in the channel contract "
+                                f"{list(spec.pixel_formats)}")
+    if not (0 < width <= MAX_FRAME_DIM and 0 < height <= MAX_FRAME_DIM):
+        raise FormatError(name, f"frame size {width}x{height} out of 1..{MAX_FRAME_DIM}")
+    expect = _PLANES[pix]
+    if len(planes) != len(expect):
+        raise FormatError(name, f"{pix} needs {len(expect)} planes, got {len(planes)}")
+    if pix == "nv12" and (width % 2 or height % 2):
+        raise FormatError(name, f"nv12 needs even width and height, got {width}x{height}")
+    out = []
+    for i, ((off, stride, pw, ph), (bps, dx, dy)) in enumerate(zip(planes, expect)):
+        want = (width // dx, height // dy)
+        if (pw, ph) != want:
+            raise FormatError(name, f"{pix} plane {i} is {pw}x{ph}, expected {want[0]}x{want[1]}")
+        if stride < pw * bps:
+            raise FormatError(name, f"plane {i} row stride {stride} < {pw} samples x {bps} B")
+        end = off + stride * (ph - 1) + pw * bps
+        if end > capacity:
+            raise BoundsError(name, f"plane {i} spans [{off}, {end}) beyond slot capacity "
+                                    f"{capacity}")
+        out.append(PlaneInfo(off, stride, pw, ph, bps))
+    return FrameFormat(sensor, pix, rng, width, height, tuple(out))
+
+
+def decode_header(raw: bytes, spec: ChannelSpec) -> Stamp:
+    """Parse a SlotHeader; only structural checks here (the reader checks ordering/age)."""
+    name = spec.name
+    try:
+        with SlotHeader.from_bytes(raw, traversal_limit_in_words=TRAVERSAL_LIMIT_WORDS,
+                                   nesting_limit=NESTING_LIMIT) as h:
+            version, channel = h.schemaVersion, h.channelId
+            seq, gen, pid, ts = h.sequence, h.generation, h.writerPid, h.publishTsNs
+            crc = h.payloadCrc.crc32 if h.payloadCrc.which() == "crc32" else None
+            frame_id = capture = exposure = gain = None
+            if h.frame.which() == "meta":
+                m = h.frame.meta
+                frame_id, capture = m.frameId, m.captureTsNs
+                if m.exposure.which() == "microseconds":
+                    exposure = m.exposure.microseconds
+                if m.gain.which() == "value":
+                    gain = m.gain.value
+    except (capnp.KjException, ValueError, AttributeError, TypeError) as e:
+        raise MalformedHeader(name, f"SlotHeader does not decode: {_short(e)}") from None
+    if version < 1:
+        raise MalformedHeader(name, f"schema version {version} is not a valid version")
+    if channel != spec.channel_id:
+        raise MalformedHeader(name, f"header names channel id {channel}, expected "
+                                    f"{spec.channel_id}", seq)
+    if spec.crc and crc is None:
+        raise MalformedHeader(name, "channel requires a payload CRC; header has none", seq)
+    if spec.kind == "frame" and frame_id is None:
+        raise FormatError(name, "frame channel message carries no FrameMeta", seq)
+    return Stamp(seq, gen, pid, ts, crc, frame_id, capture, exposure, gain)
+
+
+def _short(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return (text[-1] if text else type(e).__name__)[:200]

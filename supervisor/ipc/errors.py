@@ -1,0 +1,67 @@
+"""Typed errors of the bridge. Every rejection a reader can see is a ``Rejected``
+subclass with a short ``reason`` used as its counter key."""
+from __future__ import annotations
+
+
+class BridgeError(Exception):
+    """Base of every bridge error."""
+
+
+class ConfigError(BridgeError, ValueError):
+    """A channel spec or handle is not usable."""
+
+
+class ChannelTimeout(BridgeError, TimeoutError):
+    """No message arrived within the timeout."""
+
+
+class Rejected(BridgeError):
+    """A message was refused; the reader counts it under ``reason`` and carries on."""
+
+    reason = "rejected"
+
+    def __init__(self, channel: str, detail: str, sequence: int | None = None) -> None:
+        self.channel = channel
+        self.detail = detail
+        self.sequence = sequence
+        at = f" seq {sequence}" if sequence is not None else ""
+        super().__init__(f"channel {channel!r}{at}: {self.reason}: {detail}")
+
+
+class MalformedHeader(Rejected):
+    reason = "malformed_header"
+
+
+class BoundsError(Rejected):
+    reason = "out_of_bounds"
+
+
+class DTypeMismatch(Rejected):
+    reason = "dtype_mismatch"
+
+
+class FormatError(Rejected):
+    reason = "bad_frame_format"
+
+
+class SequenceError(Rejected):
+    reason = "sequence_not_increasing"
+
+
+class StaleMessage(Rejected):
+    reason = "stale"
+
+
+class CrcMismatch(Rejected):
+    reason = "crc_mismatch"
+
+
+class TornRead(Rejected):
+    """The writer reused the slot while it was being read; retrying is pointless."""
+
+    reason = "overwritten_during_read"
+
+
+class LeaseLost(BridgeError):
+    """The slot behind a message was reused by the writer (the lease expired or the reader
+    stalled). Any result computed from the view since the last check is invalid."""

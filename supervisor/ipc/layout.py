@@ -1,0 +1,59 @@
+"""Binary layout of a channel segment and of a reader's lease table.
+
+Channel segment (written only by the channel's writer):
+    [0, PAGE)                   channel header
+    [PAGE, control_size)        one 64-byte control block per slot
+    slot i at control_size + i * slot_stride:
+        [0, 2048)               capnp SlotHeader   (per message)
+        [2048, HEADER_AREA)     capnp SlotLayout   (per stream)
+        [HEADER_AREA, ...)      payload, page aligned, spec.slot_size usable bytes
+
+Lease table (one per reader, written only by that reader, mapped read-only by the writer):
+    [0, 64)                     lease header
+    64 + 32 * k                 lease entry k < max_leases
+
+Each control block's ``gen`` is a seqlock: odd while the writer fills the slot, even
+when stable. Every 8-byte field is 8-byte aligned, so x86-64 loads and stores of it are
+single instructions and TSO keeps their order; see README for other architectures.
+"""
+from __future__ import annotations
+
+import struct
+
+from .spec import HEADER_AREA, PAGE
+
+MAGIC = 0x31475242_4F495254  # b"TRIOBRG1" little-endian
+LEASE_MAGIC = 0x31455341_454C4254  # b"TBLEASE1"
+LAYOUT_VERSION = 1
+HEADER_MAX = 2048
+LAYOUT_OFFSET = 2048
+LAYOUT_MAX = HEADER_AREA - LAYOUT_OFFSET
+
+# Channel header: magic, version, slot_count, slot_size, slot_stride, control_size,
+# channel_id, writer_pid, last_seq, last_slot, writer_epoch.
+CHANNEL_HDR = struct.Struct("<QIIQQQIIQIxxxxQ")
+OFF_LAST_SEQ = 48  # offset of last_seq inside the channel header
+OFF_LAST_SLOT = 56
+
+# Control block: gen, seq, publish_ts_ns, header_len, layout_len.
+CONTROL = struct.Struct("<QQQII")
+CONTROL_SIZE = 64
+OFF_GEN = 0
+OFF_SEQ = 8
+
+# Lease header: magic, pid, max_leases. Lease entry: slot, gen, deadline_ns.
+LEASE_HDR = struct.Struct("<QII")
+LEASE_ENTRY = struct.Struct("<IxxxxQQ")
+LEASE_BASE = 64
+LEASE_STRIDE = 32
+
+U64 = struct.Struct("<Q")
+GEN_SEQ = struct.Struct("<QQ")
+
+
+def control_offset(slot: int) -> int:
+    return PAGE + CONTROL_SIZE * slot
+
+
+def lease_offset(k: int) -> int:
+    return LEASE_BASE + LEASE_STRIDE * k

@@ -1,0 +1,295 @@
+"""The single writer of a channel: loans a free slot, fills it in place, publishes."""
+from __future__ import annotations
+
+import mmap
+import os
+import time
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import codec, layout as L, shm
+from .channel import WriterHandle
+from .codec import FrameFormat, PlaneInfo
+from .errors import BridgeError
+from .spec import HEADER_AREA
+
+_NV12_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class WriterStats:
+    published: int
+    leases_honoured: int    # times a slot was skipped because a live lease protected it
+    loans_discarded: int
+
+
+class Loan:
+    """A slot the writer owns until ``publish`` or ``discard``. Fill it through the
+    writable arrays it hands out; they must not be used after publish."""
+
+    def __init__(self, writer: Writer, slot: int) -> None:
+        self._w = writer
+        self.slot = slot
+        self._payload = writer._payload_view(slot)
+        self._desc: tuple | None = None
+        self._frame: FrameFormat | None = None
+        self._done = False
+
+    @property
+    def capacity(self) -> int:
+        return len(self._payload)
+
+    def array(self, shape: tuple[int, ...] | int, dtype: str | np.dtype | None = None,
+              strides: tuple[int, ...] | None = None, offset: int = 0) -> np.ndarray:
+        """A writable view that becomes the published tensor (C-contiguous by default)."""
+        shape = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
+        dt = np.dtype(dtype) if dtype is not None else self._w.spec.np_dtype
+        if dt != self._w.spec.np_dtype:
+            raise BridgeError(f"channel {self._w.spec.name!r} carries {self._w.spec.dtype}, "
+                              f"not {dt}")
+        if strides is None:
+            strides = _c_strides(shape, dt.itemsize)
+        lo, hi = codec.tensor_span(shape, tuple(strides), offset, dt.itemsize)
+        if lo < 0 or hi > self.capacity:
+            raise BridgeError(f"tensor spans [{lo}, {hi}), slot holds {self.capacity} bytes")
+        self._desc = (dt, shape, tuple(strides), offset)
+        return np.ndarray(shape, dt, buffer=self._payload, offset=offset,
+                          strides=strides)
+
+    def frame(self, pixel_format: str, width: int, height: int, *,
+              row_stride: int | None = None, sensor: str = "road",
+              pixel_range: str = "full") -> tuple[np.ndarray, ...]:
+        """Writable plane views for a frame; the tensor published is the whole frame."""
+        pf = {"nv12": (1, 2), "rgb888": (3, 1), "bgr888": (3, 1), "gray8": (1, 1)}
+        if pixel_format not in pf:
+            raise BridgeError(f"unsupported pixel format {pixel_format!r}")
+        bpp, nplanes = pf[pixel_format]
+        rs = row_stride or width * bpp
+        if pixel_format == "nv12":
+            planes = (PlaneInfo(0, rs, width, height, 1),
+                      PlaneInfo(rs * height, rs, width // 2, height // 2, 2))
+            self.array((height * 3 // 2, width), "uint8", (rs, 1))
+        elif bpp == 3:
+            planes = (PlaneInfo(0, rs, width, height, 3),)
+            self.array((height, width, 3), "uint8", (rs, 3, 1))
+        else:
+            planes = (PlaneInfo(0, rs, width, height, 1),)
+            self.array((height, width), "uint8", (rs, 1))
+        self._frame = FrameFormat(sensor, pixel_format, pixel_range, width, height, planes)
+        return tuple(plane_view(self._payload, p) for p in planes)
+
+    def publish(self, *, frame_id: int | None = None, capture_ts_ns: int | None = None,
+                exposure_us: int | None = None, gain: float | None = None,
+                publish_ts_ns: int | None = None) -> int:
+        """Make the slot visible to readers and wake them. Returns the sequence number."""
+        if self._done:
+            raise BridgeError("loan already published or discarded")
+        if self._desc is None:
+            raise BridgeError("nothing to publish: call array() or frame() first")
+        if self._frame is not None and frame_id is None:
+            raise BridgeError("a frame needs frame_id and capture_ts_ns")
+        self._done = True
+        return self._w._publish(self, frame_id, capture_ts_ns, exposure_us, gain,
+                                publish_ts_ns)
+
+    def discard(self) -> None:
+        if not self._done:
+            self._done = True
+            self._w._discard(self)
+
+    def __enter__(self) -> Loan:
+        return self
+
+    def __exit__(self, exc_type, *rest: object) -> None:
+        if not self._done:
+            self.discard()   # an unpublished loan (or an exception) returns the slot
+
+
+def _c_strides(shape: tuple[int, ...], item: int) -> tuple[int, ...]:
+    strides, acc = [], item
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def plane_view(buf, p: PlaneInfo, *, readonly: bool = False) -> np.ndarray:
+    if p.bytes_per_sample == 1:
+        shape, strides = (p.height, p.width), (p.row_stride, 1)
+    else:
+        shape, strides = (p.height, p.width, p.bytes_per_sample), (p.row_stride,
+                                                                   p.bytes_per_sample, 1)
+    a = np.ndarray(shape, np.uint8, buffer=buf, offset=p.offset, strides=strides)
+    if readonly:
+        a.flags.writeable = False
+    return a
+
+
+class Writer:
+    """The one process allowed to write a channel's segment."""
+
+    def __init__(self, handle: WriterHandle, *, domain: str = "unknown",
+                 seal: bool = True) -> None:
+        self.spec = spec = handle.spec
+        self._handle = handle
+        self._domain = domain
+        self._pid = os.getpid()
+        try:
+            self._mm = shm.map_segment(handle.data_fd, spec.segment_size, writable=True)
+        except PermissionError:
+            raise BridgeError(f"channel {spec.name!r}: segment is sealed by a previous "
+                              f"writer; the supervisor must re-create the channel") from None
+        if seal:
+            shm.seal_writes(handle.data_fd)
+        self._buf = memoryview(self._mm)
+        self._leases = [shm.map_segment(fd, spec.lease_size, writable=False)
+                        for fd in handle.lease_fds]
+        self._events = list(handle.event_fds)
+        self._gen = [0] * spec.slot_count
+        self._seq = [0] * spec.slot_count
+        self._last_seq = 0
+        self._loaned: set[int] = set()
+        self._layout_cache: dict[tuple, bytes] = {}
+        self._published = self._honoured = self._discarded = 0
+        self._attach()
+
+    # A restarted writer continues the sequence and generations it finds, so readers
+    # never see a sequence go backwards.
+    def _attach(self) -> None:
+        spec, buf = self.spec, self._buf
+        magic, version, count, size, stride, ctl, *_ = L.CHANNEL_HDR.unpack_from(buf, 0)
+        if magic == L.MAGIC:
+            if (version, count, size, stride, ctl) != (L.LAYOUT_VERSION, spec.slot_count,
+                                                       spec.slot_size, spec.slot_stride,
+                                                       spec.control_size):
+                raise BridgeError(f"channel {spec.name!r}: segment layout does not match spec")
+            self._last_seq = L.U64.unpack_from(buf, L.OFF_LAST_SEQ)[0]
+            for i in range(spec.slot_count):
+                gen, seq = L.GEN_SEQ.unpack_from(buf, L.control_offset(i))
+                self._gen[i] = gen + (gen & 1)    # an interrupted write is abandoned
+                self._seq[i] = seq if not gen & 1 else 0
+                L.U64.pack_into(buf, L.control_offset(i), self._gen[i])
+        L.CHANNEL_HDR.pack_into(buf, 0, L.MAGIC, L.LAYOUT_VERSION, spec.slot_count,
+                                spec.slot_size, spec.slot_stride, spec.control_size,
+                                spec.channel_id, self._pid, self._last_seq, 0, 0)
+
+    def _payload_view(self, slot: int) -> memoryview:
+        base = self.spec.control_size + slot * self.spec.slot_stride + HEADER_AREA
+        return self._buf[base:base + self.spec.slot_size]
+
+    def _protected(self, now: int) -> set[int]:
+        """Slots a live lease protects; a lease counts only for the slot's current
+        generation and within the channel's lease bound, whatever the reader wrote."""
+        bound = self.spec.lease_ms * 1_000_000
+        out = set()
+        for mm in self._leases:
+            for k in range(self.spec.max_leases):
+                slot, gen, deadline = L.LEASE_ENTRY.unpack_from(mm, L.lease_offset(k))
+                if (gen and slot < self.spec.slot_count and gen == self._gen[slot]
+                        and now < deadline <= now + bound):
+                    out.add(slot)
+        return out
+
+    def loan(self) -> Loan:
+        """Claim the oldest slot no live lease protects. Never blocks."""
+        protected = self._protected(time.monotonic_ns())
+        free = [i for i in range(self.spec.slot_count)
+                if i not in protected and i not in self._loaned]
+        if not free:
+            if len(self._loaned) >= self.spec.slot_count - self.spec.max_readers * self.spec.max_leases:
+                raise BridgeError(f"channel {self.spec.name!r}: too many open loans")
+            raise BridgeError(f"channel {self.spec.name!r}: no free slot (leases exceed bound)")
+        skipped = sum(1 for i in protected if i not in self._loaned)
+        self._honoured += skipped
+        slot = min(free, key=lambda i: self._seq[i])
+        # Odd generation: readers that look now see "being written" and keep off.
+        self._gen[slot] += 1
+        L.U64.pack_into(self._buf, L.control_offset(slot), self._gen[slot])
+        self._loaned.add(slot)
+        return Loan(self, slot)
+
+    def _discard(self, loan: Loan) -> None:
+        # The slot's old contents may be half overwritten: leave it invalid (seq 0).
+        slot = loan.slot
+        self._gen[slot] += 1
+        self._seq[slot] = 0
+        L.GEN_SEQ.pack_into(self._buf, L.control_offset(slot), self._gen[slot], 0)
+        self._loaned.discard(slot)
+        self._discarded += 1
+
+    def _publish(self, loan: Loan, frame_id, capture_ts_ns, exposure_us, gain,
+                 publish_ts_ns) -> int:
+        spec, buf, slot = self.spec, self._buf, loan.slot
+        dt, shape, strides, offset = loan._desc
+        key = (dt.str, shape, strides, offset, loan._frame)
+        raw_layout = self._layout_cache.get(key)
+        if raw_layout is None:
+            raw_layout = codec.encode_layout(dt, shape, strides, offset, loan._frame)
+            if len(raw_layout) > L.LAYOUT_MAX:
+                raise BridgeError(f"layout needs {len(raw_layout)} bytes > {L.LAYOUT_MAX}")
+            if len(self._layout_cache) > 64:
+                self._layout_cache.clear()
+            self._layout_cache[key] = raw_layout
+        crc = None
+        if spec.crc:
+            lo, hi = codec.tensor_span(shape, strides, offset, dt.itemsize)
+            crc = zlib.crc32(loan._payload[lo:hi])
+        seq = self._last_seq + 1
+        gen = self._gen[slot] + 1
+        ts = time.monotonic_ns() if publish_ts_ns is None else publish_ts_ns
+        raw_header = codec.encode_header(
+            spec, sequence=seq, generation=gen, writer_pid=self._pid, domain=self._domain
+            if self._domain in ("control", "research", "supervisor") else "unknown",
+            publish_ts_ns=ts, crc32=crc, frame_id=frame_id, capture_ts_ns=capture_ts_ns,
+            exposure_us=exposure_us, gain=gain)
+        if len(raw_header) > L.HEADER_MAX:
+            raise BridgeError(f"header needs {len(raw_header)} bytes > {L.HEADER_MAX}")
+        base = spec.control_size + slot * spec.slot_stride
+        buf[base:base + len(raw_header)] = raw_header
+        buf[base + L.LAYOUT_OFFSET:base + L.LAYOUT_OFFSET + len(raw_layout)] = raw_layout
+        cb = L.control_offset(slot)
+        # Fields first, generation last (even = stable), then the channel's latest.
+        L.CONTROL.pack_into(buf, cb, self._gen[slot], seq, ts, len(raw_header),
+                            len(raw_layout))
+        L.U64.pack_into(buf, cb, gen)
+        L.U64.pack_into(buf, L.OFF_LAST_SEQ, seq)
+        self._gen[slot], self._seq[slot], self._last_seq = gen, seq, seq
+        self._loaned.discard(slot)
+        self._published += 1
+        for fd in self._events:
+            try:
+                os.eventfd_write(fd, 1)
+            except BlockingIOError:
+                pass  # counter saturated: that reader is long gone or asleep; it will see it
+        return seq
+
+    # Conveniences that copy (the camera path fills a loan directly instead).
+    def publish_array(self, array: np.ndarray, **stamp) -> int:
+        with self.loan() as loan:
+            loan.array(array.shape, array.dtype)[...] = array
+            return loan.publish(**stamp)
+
+    @property
+    def stats(self) -> WriterStats:
+        return WriterStats(self._published, self._honoured, self._discarded)
+
+    @property
+    def last_sequence(self) -> int:
+        return self._last_seq
+
+    def close(self) -> None:
+        for mm in self._leases:
+            mm.close()
+        try:
+            self._buf.release()
+            self._mm.close()
+        except BufferError:
+            pass  # a caller still holds a loaned array; the mapping goes with the process
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
