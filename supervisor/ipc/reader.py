@@ -54,7 +54,7 @@ class Message:
     while ``check()`` passes (the writer may reuse the slot once the lease expires)."""
 
     __slots__ = ("_reader", "_slot", "_gen", "_lease", "_layout", "stamp", "_array",
-                 "_released")
+                 "_released", "_lost")
 
     def __init__(self, reader: Reader, slot: int, gen: int, lease: int, layout: Layout,
                  stamp: Stamp) -> None:
@@ -62,6 +62,7 @@ class Message:
         self._layout, self.stamp = layout, stamp
         self._array: np.ndarray | None = None
         self._released = False
+        self._lost = False
 
     @property
     def sequence(self) -> int:
@@ -76,11 +77,16 @@ class Message:
         return self._layout
 
     def check(self) -> None:
-        """Raise LeaseLost if the writer has reused the slot since we received it."""
-        if self._released:
+        """Raise LeaseLost if the writer has reused the slot since we received it
+        (the lease is then given back: the message is dead)."""
+        if self._released and not self._lost:
             raise BridgeError("message already released")
-        if self._reader._slot_gen(self._slot) != self._gen:
-            self._reader._lost += 1
+        if self._lost or self._reader._slot_gen(self._slot) != self._gen:
+            if not self._lost:
+                self._lost = self._released = True
+                self._array = None
+                self._reader._lost += 1
+                self._reader._drop_lease(self._lease)
             raise LeaseLost(f"channel {self._reader.spec.name!r} seq {self.sequence}: slot "
                             f"{self._slot} was reused by the writer (lease expired or "
                             f"reader too slow); discard anything computed from it")
@@ -124,14 +130,12 @@ class Message:
 
     def release(self) -> None:
         """Give the lease back; raises LeaseLost if the data changed while held."""
-        if self._released:
+        if self._released and not self._lost:
             return
-        try:
-            self.check()
-        finally:
-            self._released = True
-            self._array = None
-            self._reader._drop_lease(self._lease)
+        self.check()
+        self._released = True
+        self._array = None
+        self._reader._drop_lease(self._lease)
 
     def __enter__(self) -> Message:
         return self
@@ -149,7 +153,8 @@ class Message:
 class Reader:
     """Reader ``handle.index`` of a channel. In-order delivery: every receive returns
     the oldest message newer than the last one still in the ring; what the writer
-    reused before we got to it counts as dropped. A new reader starts at the newest."""
+    reused before we got to it counts as dropped. A new reader starts at the newest
+    message already published (subject to max_age), never at older history."""
 
     def __init__(self, handle: ReaderHandle, *, attach_timeout_s: float = ATTACH_TIMEOUT_S
                  ) -> None:
@@ -166,7 +171,8 @@ class Reader:
         L.LEASE_HDR.pack_into(self._lease_mm, 0, L.LEASE_MAGIC, os.getpid(), spec.max_leases)
         self._free_leases = list(range(spec.max_leases))
         self._layouts: dict[bytes, Layout] = {}
-        self._last_seq = self._latest_seq()
+        # Start at the newest message already published (if any): fresh, not history.
+        self._last_seq = max(self._latest_seq() - 1, 0)
         self._last_capture = 0
         self._received = self._dropped = self._lost = 0
         self._rejected: Counter[str] = Counter()
@@ -256,8 +262,8 @@ class Reader:
     def _accept(self, slot: int, gen: int, seq: int, k: int, raw_h: bytes,
                 raw_l: bytes) -> Message:
         spec = self.spec
-        gap = seq - self._last_seq - 1
-        self._dropped += gap
+        if self._received or self._rejected:
+            self._dropped += seq - self._last_seq - 1
         self._last_seq = seq   # accepted or rejected, this sequence is consumed
         try:
             layout = self._layouts.get(raw_l)

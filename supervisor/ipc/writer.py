@@ -15,7 +15,6 @@ from .codec import FrameFormat, PlaneInfo
 from .errors import BridgeError
 from .spec import HEADER_AREA
 
-_NV12_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -62,23 +61,14 @@ class Loan:
               row_stride: int | None = None, sensor: str = "road",
               pixel_range: str = "full") -> tuple[np.ndarray, ...]:
         """Writable plane views for a frame; the tensor published is the whole frame."""
-        pf = {"nv12": (1, 2), "rgb888": (3, 1), "bgr888": (3, 1), "gray8": (1, 1)}
-        if pixel_format not in pf:
-            raise BridgeError(f"unsupported pixel format {pixel_format!r}")
-        bpp, nplanes = pf[pixel_format]
-        rs = row_stride or width * bpp
-        if pixel_format == "nv12":
-            planes = (PlaneInfo(0, rs, width, height, 1),
-                      PlaneInfo(rs * height, rs, width // 2, height // 2, 2))
-            self.array((height * 3 // 2, width), "uint8", (rs, 1))
-        elif bpp == 3:
-            planes = (PlaneInfo(0, rs, width, height, 3),)
-            self.array((height, width, 3), "uint8", (rs, 3, 1))
-        else:
-            planes = (PlaneInfo(0, rs, width, height, 1),)
-            self.array((height, width), "uint8", (rs, 1))
-        self._frame = FrameFormat(sensor, pixel_format, pixel_range, width, height, planes)
-        return tuple(plane_view(self._payload, p) for p in planes)
+        key = (pixel_format, width, height, row_stride, sensor, pixel_range)
+        made = self._w._frame_cache.get(key)
+        if made is None:
+            made = self._w._frame_cache[key] = _frame_layout(*key)
+        fmt, tensor = made
+        self.array(*tensor)
+        self._frame = fmt
+        return tuple(plane_view(self._payload, p) for p in fmt.planes)
 
     def publish(self, *, frame_id: int | None = None, capture_ts_ns: int | None = None,
                 exposure_us: int | None = None, gain: float | None = None,
@@ -105,6 +95,28 @@ class Loan:
     def __exit__(self, exc_type, *rest: object) -> None:
         if not self._done:
             self.discard()   # an unpublished loan (or an exception) returns the slot
+
+
+def _frame_layout(pixel_format: str, width: int, height: int, row_stride: int | None,
+                  sensor: str, pixel_range: str) -> tuple[FrameFormat, tuple]:
+    """Plane layout and whole-frame tensor of a tightly packed (or row-padded) frame."""
+    bpp = {"nv12": 1, "rgb888": 3, "bgr888": 3, "gray8": 1}.get(pixel_format)
+    if bpp is None:
+        raise BridgeError(f"unsupported pixel format {pixel_format!r}")
+    rs = row_stride or width * bpp
+    if pixel_format == "nv12":
+        if width % 2 or height % 2:
+            raise BridgeError(f"nv12 needs even width and height, got {width}x{height}")
+        planes = (PlaneInfo(0, rs, width, height, 1),
+                  PlaneInfo(rs * height, rs, width // 2, height // 2, 2))
+        tensor = ((height * 3 // 2, width), "uint8", (rs, 1))
+    elif bpp == 3:
+        planes = (PlaneInfo(0, rs, width, height, 3),)
+        tensor = ((height, width, 3), "uint8", (rs, 3, 1))
+    else:
+        planes = (PlaneInfo(0, rs, width, height, 1),)
+        tensor = ((height, width), "uint8", (rs, 1))
+    return FrameFormat(sensor, pixel_format, pixel_range, width, height, planes), tensor
 
 
 def _c_strides(shape: tuple[int, ...], item: int) -> tuple[int, ...]:
@@ -134,7 +146,8 @@ class Writer:
                  seal: bool = True) -> None:
         self.spec = spec = handle.spec
         self._handle = handle
-        self._domain = domain
+        # The capnp Domain enum names the domains the schema knows.
+        self._domain = domain if domain in ("control", "research", "supervisor") else "unknown"
         self._pid = os.getpid()
         try:
             self._mm = shm.map_segment(handle.data_fd, spec.segment_size, writable=True)
@@ -152,6 +165,7 @@ class Writer:
         self._last_seq = 0
         self._loaned: set[int] = set()
         self._layout_cache: dict[tuple, bytes] = {}
+        self._frame_cache: dict[tuple, tuple] = {}
         self._published = self._honoured = self._discarded = 0
         self._attach()
 
@@ -239,11 +253,8 @@ class Writer:
         seq = self._last_seq + 1
         gen = self._gen[slot] + 1
         ts = time.monotonic_ns() if publish_ts_ns is None else publish_ts_ns
-        raw_header = codec.encode_header(
-            spec, sequence=seq, generation=gen, writer_pid=self._pid, domain=self._domain
-            if self._domain in ("control", "research", "supervisor") else "unknown",
-            publish_ts_ns=ts, crc32=crc, frame_id=frame_id, capture_ts_ns=capture_ts_ns,
-            exposure_us=exposure_us, gain=gain)
+        raw_header = codec.HEADER.encode(spec, seq, gen, self._pid, self._domain, ts, crc,
+                                         frame_id, capture_ts_ns, exposure_us, gain)
         if len(raw_header) > L.HEADER_MAX:
             raise BridgeError(f"header needs {len(raw_header)} bytes > {L.HEADER_MAX}")
         base = spec.control_size + slot * spec.slot_stride
