@@ -190,7 +190,7 @@ def decode_layout(raw: bytes, spec: ChannelSpec, capacity: int) -> Layout:
                 fmt = (str(f.sensor), str(f.pixelFormat), str(f.pixelRange), f.width,
                        f.height, [(p.offset, p.rowStride, p.width, p.height)
                                   for p in f.planes])
-    except (capnp.KjException, ValueError, AttributeError, TypeError) as e:
+    except Exception as e:  # pycapnp raises KjException, RuntimeError, ValueError, ...: all mean "bad bytes"
         raise MalformedHeader(name, f"SlotLayout does not decode: {_short(e)}") from None
 
     key = (code, bits)
@@ -390,7 +390,7 @@ def _decode_header_dynamic(raw: bytes, spec: ChannelSpec) -> tuple:
                     gain = m.gain.value
             return (h.schemaVersion, h.channelId, h.sequence, h.generation, h.writerPid,
                     h.publishTsNs, crc, frame_id, capture, exposure, gain)
-    except (capnp.KjException, ValueError, AttributeError, TypeError) as e:
+    except Exception as e:  # pycapnp raises KjException, RuntimeError, ValueError, ...: all mean "bad bytes"
         raise MalformedHeader(spec.name, f"SlotHeader does not decode: {_short(e)}") from None
 
 

@@ -1,0 +1,632 @@
+"""Static import-graph walker: which modules could a worker load, without loading any.
+
+Importing a candidate worker just to inspect it would defeat the point (the
+import itself could map libtorch), so modules are located with
+``PathFinder.find_spec`` on the worker's own sys.path and their source is read
+with ``ast``. Every import statement counts, including ones in function bodies
+and try/except blocks: a conditional import is still a path into the address
+space. Only ``if TYPE_CHECKING:`` bodies are skipped, because they never run.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import sys
+import sysconfig
+from collections import deque
+from dataclasses import dataclass, field
+from importlib.machinery import EXTENSION_SUFFIXES, ExtensionFileLoader, PathFinder
+
+from .rules import LazyImportWaiver, ModuleRule, find_waiver, forbidden_module_rule
+
+# Modules we never descend into: they ship with the interpreter, so they
+# cannot drag torch in by themselves.
+_STDLIB: frozenset[str] = frozenset(sys.stdlib_module_names) | frozenset(sys.builtin_module_names)
+
+
+@dataclass(frozen=True)
+class ImportSite:
+    """One statement (or literal dynamic call) that imports ``target``."""
+
+    target: str
+    line: int
+    # "import" (statement), "from-name" (``from a import b``: b may be a plain
+    # attribute rather than a submodule), "dynamic" (import_module/__import__)
+    how: str
+    scope: str = ""  # enclosing def/class qualname; "" = module level
+    lazy: bool = False  # inside a function body: runs only when called
+    # for how == "pattern": target is a regex; this is its literal head
+    # ("" when the name starts with a computed part)
+    head: str = ""
+
+
+@dataclass
+class ModuleNode:
+    name: str
+    # "source", "extension", "namespace", "stdlib", "missing", "opaque"
+    kind: str
+    file: str | None = None
+    search_locations: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class Hop:
+    """A module on the path, and the line in it that leads to the next hop."""
+
+    module: str
+    file: str | None
+    line: int | None
+    verb: str  # how this hop reaches the next: "imports" / "is inside package"
+
+
+@dataclass
+class ImportHit:
+    forbidden: str  # the module name as written in the source (e.g. "torch.nn")
+    rule: ModuleRule
+    hops: list[Hop]  # entry ... importer
+    scope: str = ""  # function/class the import sits in ("" = module level)
+    lazy: bool = False  # inside a function body
+    waiver: LazyImportWaiver | None = None  # audited lazy import: a note, not a refusal
+
+    def chain(self, display: "PathDisplay") -> list[str]:
+        out = []
+        for i, hop in enumerate(self.hops):
+            where = display(hop.file) if hop.file else "?"
+            if hop.line is not None:
+                where += f":{hop.line}"
+            if i == len(self.hops) - 1 and self.scope:
+                where += f", in {self.scope}()" if self.lazy else f", in {self.scope}"
+            out.append(f"{hop.module} ({where})")
+        out.append(self.forbidden)
+        return out
+
+    def describe(self, display: "PathDisplay") -> str:
+        parts = self.chain(display)
+        text = parts[0]
+        for hop, nxt in zip(self.hops, parts[1:]):
+            text += f" {hop.verb} {nxt}"
+        return text
+
+
+class PathDisplay:
+    """Show a file relative to the sys.path entry it was found under (shorter chains)."""
+
+    def __init__(self, sys_path: list[str]) -> None:
+        roots = [os.path.abspath(p or os.curdir) for p in sys_path]
+        self._roots = sorted({r.rstrip(os.sep) + os.sep for r in roots}, key=len, reverse=True)
+
+    def __call__(self, path: str) -> str:
+        if path.startswith("<"):
+            return path
+        apath = os.path.abspath(path)
+        for root in self._roots:
+            if apath.startswith(root):
+                return apath[len(root):]
+        return apath
+
+
+@dataclass
+class WalkResult:
+    entry: str
+    sys_path: list[str]
+    hits: list[ImportHit] = field(default_factory=list)
+    modules: dict[str, ModuleNode] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def display(self) -> PathDisplay:
+        return PathDisplay(self.sys_path)
+
+    def reached_package_roots(self) -> dict[str, list[str]]:
+        """Top-level non-stdlib package -> files/dirs to search for native code.
+
+        A package directory is returned whole: any .so inside it ships with the
+        package and could be loaded (even via ctypes), so it all gets checked.
+        """
+        roots: dict[str, list[str]] = {}
+        for name, node in self.modules.items():
+            top = name.split(".", 1)[0]
+            if top in _STDLIB or top == "__main__" or node.kind in ("missing", "stdlib"):
+                continue
+            top_node = self.modules.get(top)
+            if top_node is None:
+                continue
+            if top_node.search_locations:
+                roots.setdefault(top, list(top_node.search_locations))
+            elif top_node.file and top_node.kind == "extension":
+                roots.setdefault(top, [top_node.file])
+        return roots
+
+    def extension_files(self) -> list[str]:
+        return sorted(n.file for n in self.modules.values() if n.kind == "extension" and n.file)
+
+
+# --------------------------------------------------------------------------
+# Source scanning (cached per file version: a supervisor checks many workers
+# that share site-packages, and tinygrad alone is ~200 files)
+
+_SCAN_CACHE: dict[tuple[str, int, int, str, bool], tuple[tuple[ImportSite, ...], tuple[str, ...]]] = {}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    if isinstance(test, ast.Name):
+        return test.id == "TYPE_CHECKING"
+    if isinstance(test, ast.Attribute):
+        return test.attr == "TYPE_CHECKING"
+    return False
+
+
+def _str_const(node: ast.expr | None) -> str | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    return None
+
+
+def _str_seq(node: ast.expr | None) -> list[str]:
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        return [s for s in (_str_const(e) for e in node.elts) if s]
+    return []
+
+
+_PATTERN_HOLE = r"[A-Za-z0-9_.]+"
+
+
+def _name_pattern(node: ast.expr | None) -> tuple[str, str] | None:
+    """A regex for a computed module name (f-string or ``"lit" + x``), and its literal head.
+
+    ``f"{base}.runtime.ops_{x}"`` (tinygrad picks its device backend this way)
+    becomes ``[A-Za-z0-9_.]+\\.runtime\\.ops_[A-Za-z0-9_.]+``. None when the literal
+    text carries no name at all (``f"{path}.{name}"`` would match everything).
+    """
+    parts: list[str | None] = []  # None = a hole
+
+    def flatten(n: ast.expr) -> bool:
+        if isinstance(n, ast.JoinedStr):
+            for v in n.values:
+                if isinstance(v, ast.Constant) and isinstance(v.value, str):
+                    parts.append(v.value)
+                else:
+                    parts.append(None)
+            return True
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Add):
+            return flatten(n.left) and flatten(n.right)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str):
+            parts.append(n.value)
+            return True
+        parts.append(None)
+        return True
+
+    if node is None or not isinstance(node, (ast.JoinedStr, ast.BinOp)):
+        return None
+    flatten(node)
+    literal = "".join(p for p in parts if p)
+    if not literal.replace(".", "").strip() or None not in parts:
+        return None
+    regex = "".join(_PATTERN_HOLE if p is None else re.escape(p) for p in parts)
+    head = parts[0] if parts and parts[0] is not None else ""
+    return regex, head
+
+
+def _resolve_relative(name: str, package: str | None, level: int) -> str | None:
+    """``importlib.util.resolve_name`` without raising: None when it would fail."""
+    if level == 0:
+        return name
+    if not package:
+        return None
+    bits = package.split(".")
+    if level - 1 >= len(bits):
+        return None
+    base = ".".join(bits[: len(bits) - (level - 1)])
+    return f"{base}.{name}" if name else base
+
+
+_STMT_LISTS = ("body", "orelse", "finalbody")
+
+
+class _Scanner:
+    """Collects import sites with their scope.
+
+    Hand-rolled instead of ``ast.NodeVisitor``: a generic visit of every
+    expression node costs ~10x more, and only statements can import unless the
+    file mentions ``import_module``/``__import__`` (then calls are scanned too).
+    """
+
+    def __init__(self, module: str, package: str | None, filename: str, scan_calls: bool) -> None:
+        self.module = module
+        self.package = package
+        self.filename = filename
+        self.scan_calls = scan_calls
+        self.sites: list[ImportSite] = []
+        self.notes: list[str] = []
+        # names bound to the importlib module / its import_module / __import__
+        self.importlib_names: set[str] = set()
+        self.import_module_names: set[str] = set()
+        self.dunder_import_names: set[str] = {"__import__"}
+        self.builtins_names: set[str] = set()
+
+    # --- alias discovery (first pass, only when calls are scanned) -------------
+    def collect_aliases(self, tree: ast.AST) -> None:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name == "importlib":
+                        self.importlib_names.add(a.asname or "importlib")
+                    elif a.name == "builtins":
+                        self.builtins_names.add(a.asname or "builtins")
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                if node.module in ("importlib", "builtins"):
+                    for a in node.names:
+                        if a.name == "import_module" and node.module == "importlib":
+                            self.import_module_names.add(a.asname or a.name)
+                        elif a.name == "__import__":
+                            self.dunder_import_names.add(a.asname or a.name)
+
+    # --- statements ------------------------------------------------------------
+    def walk(self, stmts: list[ast.stmt], scope: str, lazy: bool) -> None:
+        for st in stmts:
+            self._stmt(st, scope, lazy)
+
+    def _stmt(self, st: ast.stmt, scope: str, lazy: bool) -> None:
+        if isinstance(st, ast.Import):
+            for alias in st.names:
+                self.sites.append(ImportSite(alias.name, st.lineno, "import", scope, lazy))
+            return
+        if isinstance(st, ast.ImportFrom):
+            self._import_from(st, scope, lazy)
+            return
+        if self.scan_calls:
+            self._calls_in(st, scope, lazy)
+        if isinstance(st, ast.If):
+            if _is_type_checking(st.test):
+                self.walk(st.orelse, scope, lazy)  # the body never runs
+                return
+            test = st.test
+            if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and _is_type_checking(test.operand):
+                self.walk(st.body, scope, lazy)
+                return
+        if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            # runs only if called, but it is still a path into the address space
+            self.walk(st.body, f"{scope}.{st.name}" if scope else st.name, True)
+            return
+        if isinstance(st, ast.ClassDef):
+            self.walk(st.body, f"{scope}.{st.name}" if scope else st.name, lazy)
+            return
+        for fld in _STMT_LISTS:
+            self.walk(getattr(st, fld, None) or [], scope, lazy)
+        for handler in getattr(st, "handlers", None) or []:  # try / try*
+            self.walk(handler.body, scope, lazy)
+        for case in getattr(st, "cases", None) or []:  # match
+            self.walk(case.body, scope, lazy)
+
+    def _import_from(self, st: ast.ImportFrom, scope: str, lazy: bool) -> None:
+        base = _resolve_relative(st.module or "", self.package, st.level)
+        if base is None:
+            self.notes.append(f"{self.filename}:{st.lineno}: relative import beyond top-level package ignored")
+            return
+        if base:
+            self.sites.append(ImportSite(base, st.lineno, "import", scope, lazy))
+        for alias in st.names:
+            if alias.name != "*":
+                sub = f"{base}.{alias.name}" if base else alias.name
+                self.sites.append(ImportSite(sub, st.lineno, "from-name", scope, lazy))
+
+    # --- literal dynamic imports -------------------------------------------------
+    def _calls_in(self, st: ast.stmt, scope: str, lazy: bool) -> None:
+        """Calls in this statement's own expressions (nested statements are walked separately)."""
+        for child in ast.iter_child_nodes(st):
+            if isinstance(child, (ast.stmt, ast.excepthandler, ast.match_case)):
+                continue
+            for node in ast.walk(child):
+                if isinstance(node, ast.Call):
+                    self._call(node, scope, lazy or isinstance(child, ast.Lambda))
+
+    def _call(self, node: ast.Call, scope: str, lazy: bool) -> None:
+        func = node.func
+        kind = None
+        if isinstance(func, ast.Name):
+            if func.id in self.import_module_names:
+                kind = "import_module"
+            elif func.id in self.dunder_import_names:
+                kind = "__import__"
+        elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+            owner = func.value.id
+            if func.attr == "import_module" and owner in self.importlib_names:
+                kind = "import_module"
+            elif func.attr == "__import__" and (owner in self.importlib_names or owner in self.builtins_names):
+                kind = "__import__"
+        if kind is None:
+            return
+        kwargs = {k.arg: k.value for k in node.keywords if k.arg}
+        first = node.args[0] if node.args else kwargs.get("name")
+        name = _str_const(first)
+        if name is None:
+            pattern = _name_pattern(first)
+            if pattern is not None:
+                # resolved later against the modules that actually exist
+                regex, head = pattern
+                self.sites.append(ImportSite(regex, node.lineno, "pattern", scope, lazy, head))
+            else:
+                self.notes.append(
+                    f"{self.filename}:{node.lineno}: {kind}() with a computed name is not statically resolvable"
+                )
+            return
+        if kind == "import_module":
+            target: str | None = name
+            if name.startswith("."):
+                pkg_node = node.args[1] if len(node.args) > 1 else kwargs.get("package")
+                pkg = _str_const(pkg_node)
+                if pkg is None and isinstance(pkg_node, ast.Name) and pkg_node.id in ("__package__", "__name__"):
+                    pkg = self.package if pkg_node.id == "__package__" else self.module
+                level = len(name) - len(name.lstrip("."))
+                target = _resolve_relative(name[level:], pkg, level)
+            if target:
+                self.sites.append(ImportSite(target, node.lineno, "dynamic", scope, lazy))
+            return
+        # __import__(name, globals, locals, fromlist, level)
+        level_node = node.args[4] if len(node.args) > 4 else kwargs.get("level")
+        level = level_node.value if isinstance(level_node, ast.Constant) and isinstance(level_node.value, int) else 0
+        base = _resolve_relative(name, self.package, level)
+        if not base:
+            return
+        self.sites.append(ImportSite(base, node.lineno, "dynamic", scope, lazy))
+        for sub in _str_seq(node.args[3] if len(node.args) > 3 else kwargs.get("fromlist")):
+            if sub != "*":
+                self.sites.append(ImportSite(f"{base}.{sub}", node.lineno, "from-name", scope, lazy))
+
+
+def scan_source(
+    source: str | bytes, filename: str, module: str, is_package: bool
+) -> tuple[tuple[ImportSite, ...], tuple[str, ...]]:
+    """Import sites of one module's source, and notes on what could not be resolved."""
+    package = module if is_package else (module.rpartition(".")[0] or None)
+    if module == "__main__":
+        package = None
+    raw = source.encode("utf-8", "surrogateescape") if isinstance(source, str) else source
+    tree = ast.parse(source, filename=filename)
+    scanner = _Scanner(module, package, filename, b"import_module" in raw or b"__import__" in raw)
+    if scanner.scan_calls:
+        scanner.collect_aliases(tree)
+    scanner.walk(tree.body, "", False)
+    sites = sorted(scanner.sites, key=lambda s: s.line)
+    return tuple(sites), tuple(scanner.notes)
+
+
+def _scan_file(path: str, module: str, is_package: bool) -> tuple[tuple[ImportSite, ...], tuple[str, ...]]:
+    st = os.stat(path)
+    key = (path, st.st_mtime_ns, st.st_size, module, is_package)
+    cached = _SCAN_CACHE.get(key)
+    if cached is None:
+        with open(path, "rb") as f:
+            data = f.read()
+        cached = scan_source(data, path, module, is_package)
+        _SCAN_CACHE[key] = cached
+    return cached
+
+
+# --------------------------------------------------------------------------
+# The walk
+
+
+def _stdlib_dirs() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    return tuple(
+        os.path.realpath(paths[k]) + os.sep for k in ("stdlib", "platstdlib") if paths.get(k)
+    )
+
+
+_STDLIB_DIRS = _stdlib_dirs()
+
+
+def _in_stdlib_dir(path: str) -> bool:
+    # the stdlib's own "test" package and friends are not in stdlib_module_names
+    real = os.path.realpath(path)
+    return real.startswith(_STDLIB_DIRS) and "site-packages" not in real and "dist-packages" not in real
+
+
+class ImportWalker:
+    """Breadth-first walk, so the chain reported for each hit is a shortest one."""
+
+    def __init__(self, sys_path: list[str]) -> None:
+        self.sys_path = [os.path.abspath(p or os.curdir) for p in sys_path]
+        self.nodes: dict[str, ModuleNode] = {}
+        self.notes: list[str] = []
+        self._package_modules: dict[str, list[str]] = {}
+        # FileFinder caches directory listings; files created since the last
+        # look (tests, freshly deployed workers) must be seen.
+        PathFinder.invalidate_caches()
+
+    # --- locating modules --------------------------------------------------
+    def resolve(self, name: str) -> ModuleNode:
+        node = self.nodes.get(name)
+        if node is None:
+            node = self._resolve_uncached(name)
+            self.nodes[name] = node
+        return node
+
+    def _resolve_uncached(self, name: str) -> ModuleNode:
+        top = name.split(".", 1)[0]
+        if top in _STDLIB:
+            return ModuleNode(name, "stdlib")
+        parent, _, last = name.rpartition(".")
+        if parent:
+            pnode = self.resolve(parent)
+            if pnode.kind == "stdlib":
+                return ModuleNode(name, "stdlib")
+            if not pnode.search_locations:
+                return ModuleNode(name, "missing")
+            locations = pnode.search_locations
+        else:
+            locations = self.sys_path
+        try:
+            spec = PathFinder.find_spec(name, locations)
+        except Exception as exc:  # odd path entries, unreadable dirs: note, keep walking
+            self.notes.append(f"could not locate {name}: {exc!r}")
+            return ModuleNode(name, "missing")
+        if spec is None:
+            return ModuleNode(name, "missing")
+        if spec.loader is None and spec.origin is None:
+            # namespace package; computed by hand because _NamespacePath would
+            # consult the *live* sys.modules / sys.path, not the worker's
+            dirs = [os.path.join(p, last) for p in locations if os.path.isdir(os.path.join(p, last))]
+            return ModuleNode(name, "namespace", None, dirs)
+        subs = list(spec.submodule_search_locations) if spec.submodule_search_locations is not None else None
+        origin = spec.origin
+        if origin and not parent and _in_stdlib_dir(origin):
+            return ModuleNode(name, "stdlib", origin)
+        if isinstance(spec.loader, ExtensionFileLoader) or (
+            origin and any(origin.endswith(s) for s in EXTENSION_SUFFIXES)
+        ):
+            return ModuleNode(name, "extension", origin, subs)
+        if origin and origin.endswith(".py") and os.path.isfile(origin):
+            return ModuleNode(name, "source", origin, subs)
+        return ModuleNode(name, "opaque", origin, subs)
+
+    def package_modules(self, top: str) -> list[str]:
+        """Every module name under top-level package ``top`` (for pattern imports)."""
+        cached = self._package_modules.get(top)
+        if cached is not None:
+            return cached
+        out: list[str] = []
+        node = self.resolve(top)
+        suffixes = (".py", *EXTENSION_SUFFIXES)
+        for root in node.search_locations or []:
+            for dirpath, dirnames, filenames in os.walk(root):
+                dirnames[:] = [d for d in dirnames if d.isidentifier()]
+                rel = os.path.relpath(dirpath, root)
+                prefix = top if rel == "." else f"{top}.{rel.replace(os.sep, '.')}"
+                out.append(prefix)
+                for fn in filenames:
+                    for suf in suffixes:
+                        if fn.endswith(suf):
+                            stem = fn[: -len(suf)]
+                            if stem != "__init__" and stem.isidentifier():
+                                out.append(f"{prefix}.{stem}")
+                            break
+        self._package_modules[top] = out = sorted(set(out))
+        return out
+
+    def _sites_of(self, node: ModuleNode) -> tuple[ImportSite, ...]:
+        if node.kind != "source" or not node.file:
+            if node.kind == "opaque":
+                self.notes.append(f"{node.name}: no source to read ({node.file}); its imports were not walked")
+            return ()
+        try:
+            sites, notes = _scan_file(node.file, node.name, node.search_locations is not None)
+        except (OSError, SyntaxError, ValueError) as exc:
+            self.notes.append(f"{node.name}: could not parse {node.file}: {exc}")
+            return ()
+        self.notes.extend(notes)
+        return sites
+
+    def _expand(self, site: ImportSite, importer: str) -> list[tuple[ImportSite, list[str]]]:
+        """(site, targets in the order they run) for one import site."""
+        if site.how != "pattern":
+            return [(site, _prefixes(site.target))]
+        top = site.head.split(".", 1)[0] if "." in site.head else importer.split(".", 1)[0]
+        rx = re.compile(site.target)
+        matched = [m for m in self.package_modules(top) if rx.fullmatch(m)]
+        if not matched:
+            self.notes.append(f"{importer}:{site.line}: computed import /{site.target}/ matches no module of {top}")
+        return [(ImportSite(m, site.line, "dynamic", site.scope, site.lazy), _prefixes(m)) for m in matched]
+
+    # --- walking ---------------------------------------------------------------
+    def walk_module(self, entry: str) -> WalkResult:
+        return self._walk(entry, self.resolve(entry))
+
+    def walk_file(self, path: str, module: str = "__main__") -> WalkResult:
+        path = os.path.abspath(path)
+        node = ModuleNode(module, "source", path)
+        self.nodes[module] = node
+        return self._walk(module, node)
+
+    def walk_code(self, code: str, module: str = "__main__") -> WalkResult:
+        """``python -c CODE``."""
+        sites, notes = scan_source(code, "<string>", module, False)
+        node = ModuleNode(module, "code", "<string>")
+        self.nodes[module] = node
+        self.notes.extend(notes)
+        return self._walk(module, node, initial_sites=sites)
+
+    def _walk(
+        self, entry: str, entry_node: ModuleNode, initial_sites: tuple[ImportSite, ...] | None = None
+    ) -> WalkResult:
+        result = WalkResult(entry, list(self.sys_path))
+        # module -> (importer, line, verb): the BFS tree, for rebuilding chains
+        came_from: dict[str, tuple[str, int | None, str]] = {}
+        seen_hits: set[tuple[str, str, int]] = set()
+        queue: deque[str] = deque([entry])
+        visited = {entry}
+
+        if entry_node.kind == "missing":
+            self.notes.append(f"entry module {entry} not found on the worker's sys.path")
+        # Running a.b.c runs a/__init__ and a/b/__init__ first.
+        bits = entry.split(".")
+        for i in range(len(bits) - 1, 0, -1):
+            parent = ".".join(bits[:i])
+            if parent not in visited:
+                visited.add(parent)
+                came_from[parent] = (".".join(bits[: i + 1]), None, "is inside package")
+                queue.append(parent)
+
+        def chain_to(module: str) -> list[Hop]:
+            rev: list[tuple[str, int | None, str]] = []
+            cur = module
+            while cur in came_from:
+                rev.append(came_from[cur])
+                cur = came_from[cur][0]
+            return [Hop(m, self.nodes[m].file if m in self.nodes else None, line, verb) for m, line, verb in reversed(rev)]
+
+        while queue:
+            current = queue.popleft()
+            node = self.nodes.get(current) or self.resolve(current)
+            sites = initial_sites if (current == entry and initial_sites is not None) else self._sites_of(node)
+            for raw_site in sites:
+                for site, targets in self._expand(raw_site, current):
+                    for target in targets:
+                        if forbidden_module_rule(target, importer=current) is not None:
+                            # name the most specific rule for what the source wrote
+                            rule = forbidden_module_rule(site.target, importer=current)
+                            assert rule is not None
+                            waiver = find_waiver(current, site.scope, site.target) if site.lazy else None
+                            key = (current, rule.name, site.line if waiver else 0)
+                            if key not in seen_hits:
+                                seen_hits.add(key)
+                                hops = chain_to(current) + [Hop(current, node.file, site.line, "imports")]
+                                result.hits.append(ImportHit(site.target, rule, hops, site.scope, site.lazy, waiver))
+                            break  # anything below a forbidden package is never reached through it
+                        if target in visited:
+                            continue
+                        tnode = self.resolve(target)
+                        if site.how == "from-name" and tnode.kind == "missing":
+                            continue  # ``from a import b`` where b is an attribute
+                        visited.add(target)
+                        came_from[target] = (current, site.line, "imports")
+                        if tnode.kind not in ("stdlib", "missing"):
+                            queue.append(target)
+
+        result.modules = {k: v for k, v in self.nodes.items() if k in visited}
+        result.notes = list(dict.fromkeys(self.notes))
+        return result
+
+
+def _prefixes(name: str) -> list[str]:
+    """``import a.b.c`` runs a, a.b and a.b.c, in that order."""
+    bits = name.split(".")
+    return [".".join(bits[: i + 1]) for i in range(len(bits))]
+
+
+def walk_module(entry: str, sys_path: list[str]) -> WalkResult:
+    """Walk everything ``python -m entry`` could import, statically."""
+    return ImportWalker(sys_path).walk_module(entry)
+
+
+def walk_script(path: str, sys_path: list[str]) -> WalkResult:
+    """Walk ``python path``: the script's directory comes first on sys.path."""
+    return ImportWalker([os.path.dirname(os.path.abspath(path))] + list(sys_path)).walk_file(path)
+
+
+def walk_code(code: str, sys_path: list[str]) -> WalkResult:
+    """Walk ``python -c code``."""
+    return ImportWalker(list(sys_path)).walk_code(code)

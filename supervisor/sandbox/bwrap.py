@@ -1,0 +1,246 @@
+"""Turn a SandboxPolicy into a bubblewrap command line.
+
+Design notes:
+* New user/pid/ipc/uts/cgroup (and, unless allowed, net) namespaces; the
+  root is an empty tmpfs into which only the policy's paths are bound
+  read-only, so anything not listed (home dirs, /work, host /tmp, /etc/shadow,
+  other workers' files) simply does not exist inside.
+* No --as-pid-1: bwrap's tiny init stays pid 1 and reaps zombies; the worker
+  is pid 2 and gets normal signal semantics (pid 1 ignores unhandled signals).
+  Killing the outer bwrap (Popen.pid) takes the whole sandbox down through
+  --die-with-parent; there is no signal forwarding, so graceful shutdown
+  must go through the worker's IPC channel.
+* bwrap itself sets PR_SET_NO_NEW_PRIVS in the sandbox (tests assert it).
+* Inherited fds keep their numbers: bwrap does not close them.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import glob
+import os
+import re
+import shutil
+import subprocess
+from typing import Iterable, Mapping, Sequence
+
+from .policy import SandboxPolicy
+
+# Environment keys a caller may never inject: loader hooks and interpreter
+# knobs that would let the environment run code or pick other modules.
+_FORBIDDEN_ENV = re.compile(
+    r"^(LD_.*|GCONV_PATH|GLIBC_TUNABLES|MALLOC_.*|PYTHONHOME|PYTHONPATH|PYTHONSTARTUP|"
+    r"PYTHONUSERBASE|PYTHONNOUSERSITE|PYTHONSAFEPATH|PYTHONINSPECT|PYTHONBREAKPOINT|"
+    r"PYTHONEXECUTABLE|PYTHONPLATLIBDIR)$"
+)
+_HOSTNAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+
+# Executable names of compilers, assemblers, linkers and JIT drivers, with or
+# without a target triplet prefix (x86_64-linux-gnu-gcc) or version suffix
+# (gcc-12, clang-15). Matched against bin directories inside the bound tree.
+_TOOL_NAMES = (
+    "cc", "c++", "c89", "c99", "c89-gcc", "c99-gcc", "gcc", "g++", "cpp", "gfortran",
+    "gcc-ar", "gcc-nm", "gcc-ranlib",
+    "gccgo", "as", "ld", "ld.bfd", "ld.gold", "ld.lld", "ld.mold", "gold", "lld",
+    "mold", "clang", "clang++", "clang-cpp", "tcc", "llc", "lli", "cicc",
+    "nvcc", "ptxas", "nvlink", "fatbinary", "cudafe++", "bin2c", "zig", "rustc",
+    "go", "ccache", "sccache", "distcc",
+)
+_TOOL_GLOBS = tuple(
+    g
+    for n in _TOOL_NAMES
+    for g in (n, f"{n}-[0-9]*", f"*-linux-gnu*-{n}", f"*-linux-gnu*-{n}-[0-9]*")
+) + ("clang-*", "clang++-*", "lld-*", "cc1*", "collect2", "lto1", "lto-wrapper")
+_TOOL_RE = re.compile("|".join(fnmatch.translate(g) for g in _TOOL_GLOBS))
+
+# Whole directories that only hold toolchain internals (cc1, collect2, crt*.o,
+# cross binutils, LLVM/CUDA drivers): covered by an empty tmpfs.
+_TOOL_DIR_GLOBS = (
+    "/usr/lib/gcc", "/usr/libexec/gcc", "/usr/lib/gcc-cross", "/usr/lib/llvm-*/bin",
+    "/usr/*-linux-gnu*/bin", "/usr/local/cuda*/bin", "/usr/local/cuda*/nvvm/bin",
+    "/usr/lib/nvidia-cuda-toolkit/bin",
+)
+# Same, relative to each bound site-packages (pip-shipped toolchains).
+_SITE_TOOL_DIR_GLOBS = (
+    "triton/backends/*/bin", "nvidia/cuda_nvcc/bin", "nvidia/cuda_nvcc/nvvm/bin",
+    "ziglang",
+)
+
+
+def bwrap_path() -> str:
+    path = shutil.which("bwrap")
+    if path is None:
+        raise FileNotFoundError("bubblewrap (bwrap) not found; apt-get install bubblewrap")
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def _bwrap_help() -> str:
+    res = subprocess.run([bwrap_path(), "--help"], capture_output=True, text=True, timeout=10)
+    return res.stdout + res.stderr
+
+
+def bwrap_supports(option: str) -> bool:
+    """True if the installed bwrap knows `option` (e.g. --disable-userns, 0.8+)."""
+    return re.search(rf"(^|\s){re.escape(option)}\b", _bwrap_help()) is not None
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _visible(path: str, roots: Sequence[str]) -> bool:
+    return any(_under(path, r) for r in roots)
+
+
+@functools.lru_cache(maxsize=16)
+def compiler_masks(ro_binds: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(files, dirs) inside the bound tree to hide from a strict domain.
+
+    Files are real paths (symlinks resolved: masking the target hides every
+    alias such as gcc -> gcc-12 -> x86_64-linux-gnu-gcc-12). Shared libraries
+    and the dynamic loader are never touched.
+    """
+    real_roots = [os.path.realpath(r) for r in ro_binds if os.path.isdir(r)]
+
+    dirs: set[str] = set()
+    for g in _TOOL_DIR_GLOBS:
+        for d in glob.glob(g):
+            dirs.add(os.path.realpath(d))
+    for r in real_roots:
+        if os.path.basename(r) in ("site-packages", "dist-packages"):
+            sites = [r]
+        else:
+            sites = glob.glob(os.path.join(r, "lib", "python3*", "site-packages"))
+        for sp in sites:
+            for g in _SITE_TOOL_DIR_GLOBS:
+                dirs.update(os.path.realpath(d) for d in glob.glob(os.path.join(sp, g)))
+    dirs = {d for d in dirs if os.path.isdir(d) and _visible(d, real_roots)}
+
+    bin_dirs: set[str] = set()
+    for r in real_roots:
+        for sub in ("bin", "sbin", "local/bin", "local/sbin"):
+            b = os.path.join(r, sub)
+            if os.path.isdir(b):
+                bin_dirs.add(b)
+    files: set[str] = set()
+    for b in sorted(bin_dirs):
+        try:
+            names = os.listdir(b)
+        except OSError:
+            continue
+        for n in names:
+            if not _TOOL_RE.match(n):
+                continue
+            real = os.path.realpath(os.path.join(b, n))
+            base = os.path.basename(real)
+            if (
+                ".so" in base  # ld.so and friends: never mask a library
+                or not os.path.isfile(real)
+                or not _visible(real, real_roots)
+                or any(_under(real, d) for d in dirs)
+            ):
+                continue
+            files.add(real)
+    return tuple(sorted(files)), tuple(sorted(dirs))
+
+
+def check_env(env: Mapping[str, str]) -> None:
+    for k, v in env.items():
+        if not k or "=" in k or "\0" in k or "\0" in v:
+            raise ValueError(f"invalid environment entry {k!r}")
+        if _FORBIDDEN_ENV.match(k):
+            raise ValueError(f"environment variable {k} may not be passed into a sandbox")
+
+
+def _fs_args(policy: SandboxPolicy) -> list[str]:
+    roots = [p for p in policy.ro_binds if not os.path.islink(p)]
+    real_roots = [os.path.realpath(p) for p in roots]
+    args: list[str] = []
+    links: list[str] = []
+    for p in policy.ro_binds:
+        if os.path.islink(p) and _visible(os.path.realpath(p), real_roots):
+            # Merged-/usr (/bin -> usr/bin) and /etc/localtime: keep the
+            # symlink so paths inside match the host's.
+            links += ["--symlink", os.readlink(p), p]
+        else:
+            args += ["--ro-bind", p, p]
+    for p in policy.rw_binds:
+        args += ["--bind", p, p]
+    return args + links
+
+
+def build_bwrap_argv(
+    policy: SandboxPolicy,
+    argv: list[str],
+    pass_fds: Iterable[int] = (),
+    cwd: str | None = None,
+    *,
+    env_extra: Mapping[str, str] | None = None,
+    seccomp_fd: int | None = None,
+    json_status_fd: int | None = None,
+) -> list[str]:
+    """Full command line: bwrap options, then `--`, then the worker argv.
+
+    `pass_fds` are the fds the caller will pass to Popen; they are only
+    validated here (bwrap keeps inherited fds at the same numbers).
+    `seccomp_fd`/`json_status_fd` must be in the caller's pass_fds too.
+    """
+    if not argv:
+        raise ValueError("empty argv")
+    fds = set(pass_fds)
+    if any((not isinstance(fd, int)) or fd < 3 for fd in fds):
+        raise ValueError(f"pass_fds must be ints >= 3, got {sorted(fds)!r}")
+    for name, fd in (("seccomp_fd", seccomp_fd), ("json_status_fd", json_status_fd)):
+        if fd is not None and fd not in fds:
+            raise ValueError(f"{name}={fd} must also be listed in pass_fds")
+    if not _HOSTNAME_RE.match(policy.hostname or policy.domain):
+        raise ValueError(f"domain/hostname {policy.hostname or policy.domain!r} is not a valid hostname")
+
+    env = dict(policy.env)
+    if env_extra:
+        check_env(env_extra)
+        env.update(env_extra)
+
+    a: list[str] = [bwrap_path()]
+    a += ["--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    if not policy.network:
+        a.append("--unshare-net")
+    if bwrap_supports("--disable-userns"):
+        a.append("--disable-userns")  # no nested user namespaces (bwrap >= 0.8)
+    a += ["--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    a += ["--uid", str(policy.uid), "--gid", str(policy.gid)]
+    a += ["--hostname", policy.hostname or policy.domain]
+    a.append("--clearenv")
+    for k, v in env.items():
+        a += ["--setenv", k, v]
+
+    # Fresh /proc, /dev, /tmp first, so binds that live below them (a venv in
+    # /tmp, a device node) are mounted on top instead of being shadowed.
+    a += ["--proc", "/proc", "--dev", "/dev"]
+    if policy.tmp_size_bytes and bwrap_supports("--size"):
+        a += ["--size", str(policy.tmp_size_bytes)]
+    a += ["--tmpfs", "/tmp"]
+    a += _fs_args(policy)
+    for d in policy.dev_binds:
+        a += ["--dev-bind", d, d]
+
+    if policy.hide_compilers:
+        files, dirs = compiler_masks(tuple(policy.ro_binds))
+        for d in dirs:
+            a += ["--tmpfs", d]
+        for f in files:
+            # A char device cannot be executed: execve -> EACCES, also via sh.
+            a += ["--ro-bind", "/dev/null", f]
+
+    # The root is bwrap's scratch tmpfs (mount points for the binds): make it
+    # read-only too, leaving /tmp (+ rw_binds, /dev) the only writable places.
+    a += ["--remount-ro", "/"]
+
+    if seccomp_fd is not None:
+        a += ["--seccomp", str(seccomp_fd)]
+    if json_status_fd is not None:
+        a += ["--json-status-fd", str(json_status_fd)]
+    a += ["--chdir", cwd or "/tmp", "--", *argv]
+    return a

@@ -1,0 +1,175 @@
+"""What a worker's sandbox may see and do, derived from its domain.
+
+The policy is plain data so the supervisor can log/audit it; `bwrap.py`
+turns it into a command line and `seccomp.py` into syscall filters.
+"""
+
+from __future__ import annotations
+
+import os
+import site
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+CONTROL = "control"
+RESEARCH = "research"
+
+# Project root = the directory holding the `supervisor` package.
+PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
+
+# Host directories that make up the base OS view. On merged-/usr systems the
+# top-level ones are symlinks; bwrap.py recreates those as symlinks.
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
+
+# Only the /etc files a Python worker actually touches: the loader cache,
+# name-service files (getpwuid, 'localhost') and the time zone.
+_ETC_BASE = (
+    "/etc/ld.so.cache",
+    "/etc/passwd",
+    "/etc/group",
+    "/etc/nsswitch.conf",
+    "/etc/hosts",
+    "/etc/localtime",
+)
+# Name resolution / TLS, only for a domain that actually has a network.
+_ETC_NETWORK = (
+    "/etc/resolv.conf",
+    "/etc/host.conf",
+    "/etc/gai.conf",
+    "/etc/ssl",
+    "/etc/ca-certificates",
+)
+# Debian routes cc/c++ etc. through /etc/alternatives: research may compile
+# (e.g. torch.compile); control never gets it, so those links dangle there.
+_ETC_RESEARCH = ("/etc/alternatives",)
+
+
+@dataclass
+class SandboxPolicy:
+    domain: str
+    network: bool = False
+    hide_compilers: bool = True
+    # Worker calls seccomp.lock_down() once its imports are done (adds the
+    # execve ban on top of the launch filter).
+    seccomp_after_start: bool = True
+    # Filter installed by bwrap before the worker's first instruction
+    # (everything except the execve ban, which start-up still needs).
+    seccomp_at_launch: bool = True
+    ro_binds: list[str] = field(default_factory=list)
+    rw_binds: list[str] = field(default_factory=list)
+    # Device nodes (e.g. /dev/nvidia0) bound with device access; opt-in only.
+    dev_binds: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    python_path: list[str] = field(default_factory=list)
+    hostname: str = ""
+    # Fixed non-root id inside the user namespace, same for root and users.
+    uid: int = 1000
+    gid: int = 1000
+    # Private /tmp is RAM; cap it so a worker cannot eat the host's memory.
+    tmp_size_bytes: int | None = 64 * 1024 * 1024
+
+    @property
+    def strict(self) -> bool:
+        """Control-grade rules: anything that is not explicitly research."""
+        return self.domain != RESEARCH
+
+
+def python_dirs() -> list[str]:
+    """Interpreter prefix + site-packages, as the parent sees them."""
+    cands: list[str] = [
+        sys.prefix,
+        sys.base_prefix,
+        sys.exec_prefix,
+        sys.base_exec_prefix,
+        os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))),
+    ]
+    try:
+        cands += site.getsitepackages()
+    except AttributeError:  # some embedded/virtualenv site modules lack it
+        pass
+    out: list[str] = []
+    for p in cands:
+        # Bind both spellings if the prefix itself is reached via a symlink.
+        for q in (os.path.abspath(p), os.path.realpath(p)):
+            if os.path.isdir(q):
+                out.append(q)
+    return out
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def minimize(paths: Iterable[str]) -> list[str]:
+    """Drop duplicates and paths already covered by another entry."""
+    uniq = sorted(set(paths), key=lambda p: (p.count("/"), p))
+    kept: list[str] = []
+    for p in uniq:
+        if not any(_under(p, k) for k in kept):
+            kept.append(p)
+    return kept
+
+
+def policy_for_domain(
+    domain: str,
+    network: bool = False,
+    extra_ro_binds: Iterable[str] = (),
+    *,
+    extra_rw_binds: Iterable[str] = (),
+    extra_dev_binds: Iterable[str] = (),
+) -> SandboxPolicy:
+    """Build the policy for `domain`.
+
+    Anything other than "research" gets the control rules (fail closed).
+    Asking for a network in a strict domain is a configuration error.
+    """
+    strict = domain != RESEARCH
+    if strict and network:
+        raise ValueError(f"domain {domain!r} may never have network access")
+
+    etc = list(_ETC_BASE)
+    if network:
+        etc += _ETC_NETWORK
+    if not strict:
+        etc += _ETC_RESEARCH
+
+    py = python_dirs()
+    # Importable project code: bound read-only, put on PYTHONPATH, unless it
+    # is installed inside site-packages already.
+    python_path = [] if any(_under(PROJECT_ROOT, p) for p in py) else [PROJECT_ROOT]
+
+    ro = [p for p in (*_SYSTEM_DIRS, *etc) if os.path.lexists(p)]
+    ro += minimize([*py, *python_path, *(os.path.abspath(p) for p in extra_ro_binds)])
+    # Python dirs living under /usr are covered by the /usr bind already.
+    ro = [p for p in ro if p in _SYSTEM_DIRS or not _under(p, "/usr")]
+
+    pp = ":".join(python_path)
+    env = {
+        "PATH": ":".join(
+            dict.fromkeys([os.path.dirname(sys.executable), "/usr/local/bin", "/usr/bin", "/bin"])
+        ),
+        "HOME": "/tmp",
+        "TMPDIR": "/tmp",
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",  # tree is read-only anyway; avoid EROFS noise
+        "PYTHONNOUSERSITE": "1",
+        "PYTHONSAFEPATH": "1",  # don't put cwd/script dir first on sys.path
+    }
+    if pp:
+        env["PYTHONPATH"] = pp
+
+    return SandboxPolicy(
+        domain=domain,
+        network=bool(network),
+        hide_compilers=strict,
+        seccomp_after_start=strict,
+        seccomp_at_launch=True,
+        ro_binds=ro,
+        rw_binds=[os.path.abspath(p) for p in extra_rw_binds],
+        dev_binds=[os.path.abspath(p) for p in extra_dev_binds],
+        env=env,
+        python_path=python_path,
+        hostname=domain,
+    )

@@ -1,0 +1,335 @@
+"""Attack probe, run INSIDE a sandbox: python -m supervisor.sandbox.probe ATTACK [ARGS]
+
+Prints one JSON line {"attack", "denied", "detail"} and exits 0, so tests
+judge the sandbox from what a worker could actually do. `denied` is True
+when every attempt failed. "info" reports the environment instead.
+
+Network safety: a non-loopback target is only tried when this network
+namespace has no interface but `lo` (then nothing can leave the box).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import glob
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable
+
+from .policy import PROJECT_ROOT
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_PTRACE_ATTACH, _PTRACE_DETACH = 16, 17
+_CLONE_NEWUSER = 0x10000000
+
+
+def _err(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return f"{type(exc).__name__}:{errno.errorcode.get(exc.errno, exc.errno)}"
+    return f"{type(exc).__name__}:{exc}"
+
+
+def _interfaces() -> list[str]:
+    # /proc/self/net is this process's netns; no netlink socket needed.
+    with open("/proc/self/net/dev") as f:
+        return [ln.split(":")[0].strip() for ln in f.readlines()[2:]]
+
+
+def _netns() -> str:
+    return os.readlink("/proc/self/ns/net")  # e.g. "net:[4026531840]"
+
+
+def _lock(args: list[str]) -> str:
+    from .seccomp import lock_down
+
+    domain = args[0] if args else "control"
+    lock_down(domain)
+    return domain
+
+
+def tcp_connect(args: list[str]) -> tuple[bool, dict]:
+    """ARGS: [port]. Connect to the host's 127.0.0.1:port (and 10.0.0.1:80)."""
+    port = int(args[0]) if args else 9
+    targets = [("127.0.0.1", port)]
+    ifaces = _interfaces()
+    if ifaces == ["lo"]:
+        targets.append(("10.0.0.1", 80))  # unroutable here: fails at once
+    d: dict = {"interfaces": ifaces, "netns": _netns()}
+    ok = []
+    for host, p in targets:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.settimeout(1.0)
+                s.connect((host, p))
+            d[f"{host}:{p}"] = "connected"
+            ok.append(host)
+        except OSError as e:
+            d[f"{host}:{p}"] = _err(e)
+    return not ok, d
+
+
+def udp_send(args: list[str]) -> tuple[bool, dict]:
+    """ARGS: port [host_netns]. UDP has no handshake: sendto may 'succeed'
+    into a dead private namespace, so it also counts as denied when our netns
+    differs from the host's (the test checks nothing arrived as well)."""
+    port = int(args[0]) if args else 9
+    host_ns = args[1] if len(args) > 1 else None
+    d: dict = {"netns": _netns(), "host_netns": host_ns, "interfaces": _interfaces()}
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(b"probe", ("127.0.0.1", port))
+        d["sendto"] = "sent"
+        return host_ns is not None and d["netns"] != host_ns, d
+    except OSError as e:
+        d["sendto"] = _err(e)
+        return True, d
+
+
+def abstract_unix_connect(args: list[str]) -> tuple[bool, dict]:
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect("\0" + args[0])
+        return False, {"connect": "connected"}
+    except OSError as e:
+        return True, {"connect": _err(e)}
+
+
+def exec_compiler(args: list[str]) -> tuple[bool, dict]:
+    cands = ["gcc", "cc", "c++", "g++", "clang", "tcc", "as", "ld", "cpp", "nvcc", "ptxas"]
+    cands += glob.glob("/usr/bin/*-linux-gnu*-gcc*") + glob.glob("/usr/lib/gcc/*/*/cc1")
+    cands += glob.glob("/usr/lib/llvm-*/bin/clang*")
+    d: dict = {}
+    started = []
+    for c in cands:
+        try:
+            subprocess.run([c, "--version"], capture_output=True, timeout=10)
+            d[c] = "executed"  # any return code: exec itself succeeded
+            started.append(c)
+        except (OSError, subprocess.SubprocessError) as e:
+            d[c] = _err(e)
+    # Through a shell too: 126/127 = not executable / not found.
+    try:
+        rc = subprocess.run(["/bin/sh", "-c", "gcc --version"], capture_output=True, timeout=10).returncode
+        d["sh -c gcc"] = rc
+        if rc not in (126, 127):
+            started.append("sh -c gcc")
+    except (OSError, subprocess.SubprocessError) as e:
+        d["sh -c gcc"] = _err(e)
+    return not started, d
+
+
+def exec_after_lockdown(args: list[str]) -> tuple[bool, dict]:
+    d: dict = {"baseline_exec": subprocess.run(["/bin/true"]).returncode}
+    # A thread that exists BEFORE lock_down must be filtered too (TSYNC).
+    go, res = threading.Event(), {}
+
+    def old_thread() -> None:
+        go.wait()
+        try:
+            subprocess.run(["/bin/true"])
+            res["r"] = "executed"
+        except OSError as e:
+            res["r"] = _err(e)
+
+    t = threading.Thread(target=old_thread)
+    t.start()
+    d["domain"] = _lock(args)
+    go.set()
+    t.join()
+    d["pre_existing_thread"] = res["r"]
+    try:
+        subprocess.run(["/bin/true"])
+        d["subprocess"] = "executed"
+        return False, d
+    except OSError as e:
+        d["subprocess"] = _err(e)
+    if res["r"] == "executed":
+        return False, d
+    try:
+        os.execv("/bin/true", ["/bin/true"])  # on success no JSON is printed: test fails
+    except OSError as e:
+        d["execv"] = _err(e)
+    return True, d
+
+
+def inet_socket_after_lockdown(args: list[str]) -> tuple[bool, dict]:
+    d: dict = {"domain": _lock(args)}
+    opened = []
+    fams = {"AF_INET": socket.AF_INET, "AF_INET6": socket.AF_INET6,
+            "AF_NETLINK": socket.AF_NETLINK, "AF_PACKET": getattr(socket, "AF_PACKET", 17)}
+    for name, fam in fams.items():
+        try:
+            socket.socket(fam, socket.SOCK_DGRAM).close()
+            d[name] = "opened"
+            opened.append(name)
+        except OSError as e:
+            d[name] = _err(e)
+    return not opened, d
+
+
+def unix_socket_after_lockdown(args: list[str]) -> tuple[bool, dict]:
+    d: dict = {"domain": _lock(args)}
+    try:
+        a, b = socket.socketpair()
+        a.sendall(b"ping")
+        d["socketpair"] = b.recv(4).decode()
+        a.close(), b.close()
+        socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).close()
+        d["af_unix"] = "opened"
+        return False, d
+    except OSError as e:
+        d["error"] = _err(e)
+        return True, d
+
+
+def threads_after_lockdown(args: list[str]) -> tuple[bool, dict]:
+    """Sanity, not an attack: threads (clone3 -> ENOSYS -> clone) and fork work."""
+    d: dict = {"domain": _lock(args)}
+    try:
+        box: list[int] = []
+        t = threading.Thread(target=lambda: box.append(threading.get_native_id()))
+        t.start(), t.join()
+        d["thread"] = bool(box)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(7)
+        d["fork_status"] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        return not (d["thread"] and d["fork_status"] == 7), d
+    except OSError as e:
+        d["error"] = _err(e)
+        return True, d
+
+
+def ptrace_after_lockdown(args: list[str]) -> tuple[bool, dict]:
+    pid = os.fork()
+    if pid == 0:  # tracee: our own child, the easiest possible target
+        time.sleep(10)
+        os._exit(0)
+    d: dict = {}
+    try:
+        d["domain"] = _lock(args)
+        r = _libc.ptrace(_PTRACE_ATTACH, pid, None, None)
+        d["attach"] = "ok" if r == 0 else errno.errorcode.get(ctypes.get_errno(), "?")
+        if r == 0:
+            os.waitpid(pid, 0)
+            _libc.ptrace(_PTRACE_DETACH, pid, None, None)
+        return r != 0, d
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+
+
+def read_unbound_path(args: list[str]) -> tuple[bool, dict]:
+    d: dict = {}
+    readable = []
+    for p in args or ["/etc/shadow", "/root/.bash_history"]:
+        try:
+            with open(p, "rb") as f:
+                f.read(1)
+            d[p] = "read"
+            readable.append(p)
+        except OSError as e:
+            d[p] = _err(e)
+    return not readable, d
+
+
+def write_ro_path(args: list[str]) -> tuple[bool, dict]:
+    d: dict = {}
+    written = []
+    for base in args or [PROJECT_ROOT, "/usr", sys.prefix, "/etc", "/"]:
+        p = os.path.join(base, f".probe-write-{os.getpid()}")
+        try:
+            with open(p, "w") as f:
+                f.write("x")
+            d[base] = "written"
+            written.append(base)
+            os.unlink(p)
+        except OSError as e:
+            d[base] = _err(e)
+    return not written, d
+
+
+def kill_pid(args: list[str]) -> tuple[bool, dict]:
+    d: dict = {}
+    reached = []
+    for a in args:
+        try:
+            os.kill(int(a), 0)
+            d[a] = "signalled"
+            reached.append(a)
+        except OSError as e:  # ProcessLookupError: not in our pid namespace
+            d[a] = _err(e)
+    return not reached, d
+
+
+def see_pid(args: list[str]) -> tuple[bool, dict]:
+    d = {a: os.path.exists(f"/proc/{int(a)}") for a in args}
+    return not any(d.values()), d
+
+
+def no_new_privs(args: list[str]) -> tuple[bool, dict]:
+    with open("/proc/self/status") as f:
+        st = dict(ln.split(":", 1) for ln in f if ":" in ln)
+    d = {k: st[k].strip() for k in ("NoNewPrivs", "Seccomp", "CapEff", "CapBnd", "Uid") if k in st}
+    return d.get("NoNewPrivs") == "1", d
+
+
+def mknod_dev(args: list[str]) -> tuple[bool, dict]:
+    try:
+        os.mknod("/tmp/probe-null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        return False, {"mknod": "created"}
+    except OSError as e:
+        return True, {"mknod": _err(e)}
+
+
+def unshare_userns(args: list[str]) -> tuple[bool, dict]:
+    r = _libc.unshare(_CLONE_NEWUSER)
+    if r == 0:
+        return False, {"unshare": "ok"}
+    return True, {"unshare": errno.errorcode.get(ctypes.get_errno(), "?")}
+
+
+def info(args: list[str]) -> tuple[bool, dict]:
+    fds = sorted(int(x) for x in os.listdir("/proc/self/fd"))
+    return False, {
+        "hostname": socket.gethostname(), "uid": os.getuid(), "gid": os.getgid(),
+        "pid": os.getpid(), "ppid": os.getppid(), "cwd": os.getcwd(),
+        "env": dict(os.environ), "fds": fds, "root": sorted(os.listdir("/")),
+        "interfaces": _interfaces(), "sys_path": sys.path,
+    }
+
+
+ATTACKS: dict[str, Callable[[list[str]], tuple[bool, dict]]] = {
+    f.__name__: f
+    for f in (
+        tcp_connect, udp_send, abstract_unix_connect, exec_compiler, exec_after_lockdown,
+        inet_socket_after_lockdown, unix_socket_after_lockdown, threads_after_lockdown,
+        ptrace_after_lockdown, read_unbound_path, write_ro_path, kill_pid, see_pid,
+        no_new_privs, mknod_dev, unshare_userns, info,
+    )
+}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in ATTACKS:
+        print(f"usage: probe {{{','.join(ATTACKS)}}} [args]", file=sys.stderr)
+        return 2
+    name, args = argv[0], argv[1:]
+    try:
+        denied, detail = ATTACKS[name](args)
+        out = {"attack": name, "denied": bool(denied), "detail": detail}
+    except Exception as e:  # report, never crash without a verdict
+        out = {"attack": name, "denied": None, "detail": {"probe_error": _err(e)}}
+    print(json.dumps(out, default=str), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

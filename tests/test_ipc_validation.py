@@ -1,0 +1,202 @@
+"""Every kind of bad message is a typed, counted rejection; the reader keeps going."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from supervisor.ipc import (BoundsError, CrcMismatch, DTypeMismatch, FormatError,
+                            MalformedHeader, Reader, SequenceError, StaleMessage, Writer,
+                            codec)
+from supervisor.ipc.codec import FrameFormat, PlaneInfo
+
+from .forge import forge
+
+
+def _header(w, seq, gen, **kw):
+    kw.setdefault("crc32", None)
+    return codec.encode_header(w.spec, sequence=seq, generation=gen, writer_pid=1,
+                               domain="control", publish_ts_ns=kw.pop("ts", time.monotonic_ns()),
+                               **kw)
+
+
+def _next(w):
+    """(seq, gen) the next forged message will carry: forge loans the oldest slot."""
+    return w._last_seq + 1, w._gen[_oldest(w)] + 2
+
+
+def _forge_tensor(w, shape, strides, offset=0, dtype=None, **hkw):
+    dtype = np.dtype(dtype or w.spec.dtype)
+    seq, slot_gen = _next(w)
+    lay = _layout_bytes(dtype, shape, strides, offset)
+    return forge(w, _header(w, seq, slot_gen, **hkw), lay)
+
+
+def _oldest(w):
+    return min(range(w.spec.slot_count), key=lambda i: w._seq[i])
+
+
+def _layout_bytes(dtype, shape, strides, offset, frame=None, nbytes=None):
+    msg = codec.SlotLayout.new_message(schemaVersion=1)
+    t = msg.init("tensor")
+    code, bits = codec._DLPACK.get(np.dtype(dtype).name, (4, 16))
+    t.dtype.code, t.dtype.bits, t.dtype.lanes = code, bits, 1
+    t.shape, t.strides, t.byteOffset = list(shape), list(strides), offset
+    lo, hi = codec.tensor_span(tuple(shape), tuple(strides), offset, np.dtype(dtype).itemsize)
+    t.nbytes = hi - lo if nbytes is None else nbytes
+    if frame is not None:
+        return codec.encode_layout(np.dtype(dtype), tuple(shape), tuple(strides), offset, frame)
+    return msg.to_bytes()
+
+
+@pytest.fixture
+def pair(make_channel):
+    def make(**kw):
+        kw.setdefault("max_readers", 1)
+        kw.setdefault("slot_count", 4)
+        ch = make_channel(**kw)
+        w = Writer(ch.writer_handle(), domain="control")
+        return w, Reader(ch.reader_handle(0))
+    return make
+
+
+def _expect_then_recover(w, r, exc, match):
+    with pytest.raises(exc, match=match) as info:
+        r.receive(timeout=1)
+    assert info.value.reason in r.stats.rejected
+    # ... and a good message right after is delivered normally.
+    good = w.publish_array(np.ones(4, w.spec.np_dtype))
+    with r.receive(timeout=1) as msg:
+        assert msg.sequence == good
+        assert msg.array.tolist() == [1, 1, 1, 1]
+    return info.value
+
+
+def test_strides_out_of_bounds(pair):
+    w, r = pair(slot_size=4096)
+    _forge_tensor(w, (64, 64), (4096, 1))
+    err = _expect_then_recover(w, r, BoundsError, r"outside the slot payload")
+    assert "strides=[4096, 1]" in str(err) and "'test'" in str(err)
+
+
+def test_negative_stride_trick_below_the_slot(pair):
+    w, r = pair(slot_size=4096)
+    _forge_tensor(w, (16,), (-1,), offset=4)      # would read bytes -11..4
+    _expect_then_recover(w, r, BoundsError, r"touches bytes \[-11, 5\)")
+
+
+def test_huge_shape_overflow(pair):
+    w, r = pair(slot_size=4096)
+    _forge_tensor(w, (2**62, 2**62), (0, 0))
+    _expect_then_recover(w, r, BoundsError, "exceed the slot capacity")
+
+
+def test_wrong_dtype(pair):
+    w, r = pair(dtype="float32")
+    _forge_tensor(w, (4,), (8,), dtype="float64")
+    _expect_then_recover(w, r, DTypeMismatch, "tensor is float64, channel contract is float32")
+
+
+def test_unsupported_dlpack_dtype(pair):
+    w, r = pair(dtype="float32")
+    seq, _ = _next(w)
+    msg = codec.SlotLayout.new_message(schemaVersion=1)
+    t = msg.init("tensor")
+    t.dtype.code, t.dtype.bits, t.dtype.lanes = "bfloat", 16, 1
+    t.shape, t.strides, t.nbytes = [2], [2], 4
+    forge(w, _header(w, seq, w._gen[_oldest(w)] + 2), msg.to_bytes())
+    _expect_then_recover(w, r, DTypeMismatch, "bfloat16 is not supported")
+
+
+def test_misaligned_strides_refused_for_dlpack(pair):
+    w, r = pair(dtype="float32")
+    _forge_tensor(w, (4,), (6,))
+    _expect_then_recover(w, r, BoundsError, "multiples of the item size 4")
+
+
+def test_malformed_capnp_header(pair):
+    w, r = pair()
+    seq, _ = _next(w)
+    forge(w, b"\x00\x00\x00\x00\xff\xff\x00\x00" + b"\x01" * 40,
+          _layout_bytes(np.uint8, (4,), (1,), 0))
+    _expect_then_recover(w, r, MalformedHeader, "SlotHeader does not decode")
+
+
+def test_header_disagreeing_with_control_block(pair):
+    w, r = pair()
+    seq, _ = _next(w)
+    forge(w, _header(w, seq + 5, 0), _layout_bytes(np.uint8, (4,), (1,), 0))
+    _expect_then_recover(w, r, MalformedHeader, "control block says")
+
+
+def test_stale_message(pair):
+    w, r = pair(max_age_ms=5)
+    w.publish_array(np.zeros(4, np.uint8), publish_ts_ns=time.monotonic_ns() - 50_000_000)
+    err = _expect_then_recover(w, r, StaleMessage, r"ms old, channel max_age is 5 ms")
+    assert err.sequence == 1
+
+
+def test_crc_mismatch(pair):
+    w, r = pair(crc=True)
+    with w.loan() as loan:
+        a = loan.array((64,), "uint8")
+        a[...] = 7
+        loan.publish()
+        a[3] = 8          # a buggy writer scribbles after publishing
+    _expect_then_recover(w, r, CrcMismatch, "payload CRC")
+
+
+def test_reordered_frames_and_gaps(pair):
+    w, r = pair(kind="frame", pixel_formats=("gray8",), slot_size=64 * 64, slot_count=6)
+    now = time.monotonic_ns()
+
+    def frame(fid, capture):
+        with w.loan() as loan:
+            loan.frame("gray8", 64, 64)[0][...] = fid
+            return loan.publish(frame_id=fid, capture_ts_ns=capture)
+
+    frame(1, now - 3000)
+    with r.receive(timeout=1) as m:
+        assert m.frame.frame_id == 1
+    frame(2, now - 5000)      # captured before frame 1: reordered
+    with pytest.raises(SequenceError, match="reordered"):
+        r.receive(timeout=1)
+    frame(3, now - 2000)
+    frame(4, now - 1000)
+    frame(5, now)
+    # Overrun: 6 slots, publish 8 more; the reader then sees a gap counted as drops.
+    for i in range(8):
+        frame(6 + i, time.monotonic_ns())
+    with r.receive(timeout=1) as m:
+        assert m.frame.frame_id == 8
+    assert r.stats.dropped == 5
+    assert r.stats.rejected == {"sequence_not_increasing": 1}
+
+
+def test_bad_frame_format(pair):
+    w, r = pair(kind="frame", pixel_formats=("nv12",), slot_size=64 * 48 * 3 // 2)
+    seq, _ = _next(w)
+    fmt = FrameFormat("road", "nv12", "full", 64, 48,
+                      (PlaneInfo(0, 64, 64, 48, 1), PlaneInfo(64 * 48, 64, 64, 24, 2)))
+    lay = codec.encode_layout(np.dtype(np.uint8), (72, 64), (64, 1), 0, fmt)
+    forge(w, _header(w, seq, w._gen[_oldest(w)] + 2, frame_id=1,
+                     capture_ts_ns=time.monotonic_ns()), lay)
+    with pytest.raises(FormatError, match=r"nv12 plane 1 is 64x24, expected 32x24"):
+        r.receive(timeout=1)
+    with w.loan() as loan:
+        y, uv = loan.frame("nv12", 64, 48)
+        y[...] = 1
+        loan.publish(frame_id=2, capture_ts_ns=time.monotonic_ns())
+    with r.receive(timeout=1) as m:
+        assert m.planes()[0][0, 0] == 1
+    assert r.stats.rejected == {"bad_frame_format": 1}
+
+
+def test_pixel_format_outside_contract(pair):
+    w, r = pair(kind="frame", pixel_formats=("nv12",), slot_size=64 * 64 * 3)
+    with w.loan() as loan:
+        loan.frame("rgb888", 64, 64)
+        loan.publish(frame_id=1, capture_ts_ns=time.monotonic_ns())
+    with pytest.raises(FormatError, match=r"rgb888 not in the channel contract \['nv12'\]"):
+        r.receive(timeout=1)
