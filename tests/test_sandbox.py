@@ -34,6 +34,7 @@ from supervisor.sandbox import (
     run,
     spawn,
 )
+from supervisor.sandbox.policy import PROJECT_ROOT
 
 
 def _bwrap_usable() -> str | None:
@@ -152,14 +153,19 @@ def test_exec_compiler_denied():
 def test_read_unbound_paths_denied(tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("host secret")
+    root = PROJECT_ROOT
     paths = [str(secret), "/etc/shadow", os.path.expanduser("~/.bash_history"),
-             os.path.expanduser("~/.bashrc"), "/var/log/syslog"]
+             os.path.expanduser("~/.bashrc"), "/var/log/syslog",
+             # only the project's packages are bound, not the checkout
+             f"{root}/.git/config", f"{root}/pyproject.toml", f"{root}/tests/test_sandbox.py"]
     out = probe(control(), "read_unbound_path", *paths)
     assert out["denied"], out
 
 
 def test_write_ro_paths_denied():
-    out = probe(control(), "write_ro_path")
+    targets = [PROJECT_ROOT, f"{PROJECT_ROOT}/supervisor", "/usr", sys.prefix, "/etc", "/"]
+    targets += [d for d in ("/usr/lib/gcc",) if os.path.isdir(d)]  # masked by an (ro) tmpfs
+    out = probe(control(), "write_ro_path", *targets)
     assert out["denied"], out
     assert all("EROFS" in v for v in out["detail"].values()), out
 
@@ -348,6 +354,17 @@ def test_passed_fds_keep_their_numbers():
         p.wait(10)
         os.close(r2)
     assert p.returncode == 0
+
+
+def test_json_status_fd_reports_child_and_exit():
+    r, w = os.pipe()
+    p = spawn(control(), ["/bin/sh", "-c", "exit 3"], json_status_fd=w)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read().decode()
+    assert p.wait(10) == 3
+    docs = [json.loads(x) for x in data.replace("}{", "}\n{").splitlines() if x.strip()]
+    assert any("child-pid" in d for d in docs) and {"exit-code": 3} in docs, data
 
 
 def test_spawn_from_short_lived_thread_survives():

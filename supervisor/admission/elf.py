@@ -57,6 +57,8 @@ class ElfHit:
     chain: list[str]  # root, each needed name (with its path), ..., the forbidden one
 
     def describe(self) -> str:
+        if len(self.chain) == 1:
+            return f"file {self.chain[0]} is itself a forbidden library ({self.library})"
         text = f"file {self.chain[0]}"
         for link in self.chain[1:]:
             text += f" needs {link}"

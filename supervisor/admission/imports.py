@@ -376,6 +376,33 @@ class _Scanner:
                 self.sites.append(ImportSite(f"{base}.{sub}", node.lineno, "from-name", scope, lazy))
 
 
+def _parse_import_region(data: bytes, filename: str) -> ast.Module:
+    """Parse only as much of a file as can hold its imports.
+
+    Every way to import (``import``, ``from .. import``, ``__import__``,
+    ``import_module``) contains the bytes "import", so nothing after their
+    last occurrence can import. Big generated files (tinygrad's autogen
+    bindings: 1 MB each) import at the top, and ``ast.parse`` dominates the
+    walk. A prefix cut at a line end that parses cleanly has the same
+    statements as the full file up to the cut (an unfinished string, bracket,
+    or block is a SyntaxError); otherwise the whole file is parsed.
+    """
+    last = data.rfind(b"import")
+    if last < 0:
+        return ast.Module(body=[], type_ignores=[])
+    if last < len(data) // 4:
+        end = last
+        for _ in range(6):  # a multi-line ``from x import (...)`` needs a few more lines
+            end = data.find(b"\n", end + 1)
+            if end < 0:
+                break
+            try:
+                return ast.parse(data[: end + 1], filename=filename)
+            except SyntaxError:
+                continue
+    return ast.parse(data, filename=filename)
+
+
 def scan_source(
     source: str | bytes, filename: str, module: str, is_package: bool
 ) -> tuple[tuple[ImportSite, ...], tuple[str, ...]]:
@@ -384,7 +411,7 @@ def scan_source(
     if module == "__main__":
         package = None
     raw = source.encode("utf-8", "surrogateescape") if isinstance(source, str) else source
-    tree = ast.parse(source, filename=filename)
+    tree = _parse_import_region(raw, filename)
     scanner = _Scanner(module, package, filename, b"import_module" in raw or b"__import__" in raw)
     if scanner.scan_calls:
         scanner.collect_aliases(tree)

@@ -27,11 +27,14 @@ from typing import Iterable, Mapping, Sequence
 
 from .policy import SandboxPolicy
 
-# Environment keys a caller may never inject: loader hooks and interpreter
-# knobs that would let the environment run code or pick other modules.
+# Never in a sandbox's environment: dynamic-loader hooks (load code into
+# every process, bwrap included).
+_LOADER_ENV = re.compile(r"^(LD_.*|GCONV_PATH)$")
+# Not overridable by env_extra either: interpreter knobs that would make the
+# environment run code or pick other modules (the policy sets its own).
 _FORBIDDEN_ENV = re.compile(
-    r"^(LD_.*|GCONV_PATH|GLIBC_TUNABLES|MALLOC_.*|PYTHONHOME|PYTHONPATH|PYTHONSTARTUP|"
-    r"PYTHONUSERBASE|PYTHONNOUSERSITE|PYTHONSAFEPATH|PYTHONINSPECT|PYTHONBREAKPOINT|"
+    r"^(LD_.*|GCONV_PATH|PYTHONHOME|PYTHONPATH|PYTHONSTARTUP|PYTHONUSERBASE|"
+    r"PYTHONNOUSERSITE|PYTHONSAFEPATH|PYTHONINSPECT|PYTHONBREAKPOINT|"
     r"PYTHONEXECUTABLE|PYTHONPLATLIBDIR)$"
 )
 _HOSTNAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
@@ -146,11 +149,11 @@ def compiler_masks(ro_binds: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[st
     return tuple(sorted(files)), tuple(sorted(dirs))
 
 
-def check_env(env: Mapping[str, str]) -> None:
+def check_env(env: Mapping[str, str], forbidden: re.Pattern[str] = _FORBIDDEN_ENV) -> None:
     for k, v in env.items():
         if not k or "=" in k or "\0" in k or "\0" in v:
             raise ValueError(f"invalid environment entry {k!r}")
-        if _FORBIDDEN_ENV.match(k):
+        if forbidden.match(k):
             raise ValueError(f"environment variable {k} may not be passed into a sandbox")
 
 
@@ -202,6 +205,7 @@ def build_bwrap_argv(
     if env_extra:
         check_env(env_extra)
         env.update(env_extra)
+    check_env(env, _LOADER_ENV)  # also catches a hand-edited policy.env
 
     a: list[str] = [bwrap_path()]
     a += ["--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
@@ -229,7 +233,7 @@ def build_bwrap_argv(
     if policy.hide_compilers:
         files, dirs = compiler_masks(tuple(policy.ro_binds))
         for d in dirs:
-            a += ["--tmpfs", d]
+            a += ["--tmpfs", d, "--remount-ro", d]  # empty and unwritable
         for f in files:
             # A char device cannot be executed: execve -> EACCES, also via sh.
             a += ["--ro-bind", "/dev/null", f]

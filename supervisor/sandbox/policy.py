@@ -98,6 +98,25 @@ def python_dirs() -> list[str]:
     return out
 
 
+# Packages that exist in the checkout but are not worker code.
+_NOT_SHIPPED = frozenset({"tests", "test", "bench", "benchmarks", "docs", "build", "dist"})
+
+
+def project_packages(root: str = PROJECT_ROOT) -> list[str]:
+    """Top-level packages of the project (supervisor, workers, schemas...).
+
+    Only these are bound, not the whole checkout: .git, tests, benches and
+    local config stay invisible to workers.
+    """
+    return [
+        os.path.join(root, n)
+        for n in sorted(os.listdir(root))
+        if not n.startswith(".")
+        and n not in _NOT_SHIPPED
+        and os.path.isfile(os.path.join(root, n, "__init__.py"))
+    ]
+
+
 def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
@@ -136,12 +155,13 @@ def policy_for_domain(
         etc += _ETC_RESEARCH
 
     py = python_dirs()
-    # Importable project code: bound read-only, put on PYTHONPATH, unless it
-    # is installed inside site-packages already.
+    # Importable project code: its packages bound read-only and the root put
+    # on PYTHONPATH, unless it is installed inside site-packages already.
     python_path = [] if any(_under(PROJECT_ROOT, p) for p in py) else [PROJECT_ROOT]
+    project = project_packages() if python_path else []
 
     ro = [p for p in (*_SYSTEM_DIRS, *etc) if os.path.lexists(p)]
-    ro += minimize([*py, *python_path, *(os.path.abspath(p) for p in extra_ro_binds)])
+    ro += minimize([*py, *project, *(os.path.abspath(p) for p in extra_ro_binds)])
     # Python dirs living under /usr are covered by the /usr bind already.
     ro = [p for p in ro if p in _SYSTEM_DIRS or not _under(p, "/usr")]
 

@@ -1,0 +1,204 @@
+"""check_worker: the admission decision for one worker, before it is started."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+
+from .elf import ElfHit, LibraryResolver, check_elf_files, native_files_in
+from .imports import ImportHit, WalkResult, walk_code, walk_module, walk_script
+from .maps import scan_pid
+from .report import AdmissionReport, Finding
+
+DOMAINS = ("control", "research")
+
+_PYTHON_NAME = re.compile(r"python(\d+(\.\d+)?)?([a-z]|-dbg)?$")
+# interpreter options that consume the next argument
+_PY_OPTS_WITH_ARG = {"-W", "-X", "--check-hash-based-pycs"}
+
+
+def _is_python(path: str) -> bool:
+    if _PYTHON_NAME.match(os.path.basename(path)):
+        return True
+    try:
+        return os.path.realpath(path) == os.path.realpath(sys.executable)
+    except OSError:
+        return False
+
+
+def _shebang_python(path: str) -> bool:
+    """A script whose ``#!`` line runs Python (console_scripts wrappers, etc.)."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(256)
+    except OSError:
+        return False
+    if not first.startswith(b"#!"):
+        return False
+    words = first[2:].decode(errors="replace").split()
+    if not words:
+        return False
+    interp = words[0]
+    if os.path.basename(interp) == "env" and len(words) > 1:
+        interp = next((w for w in words[1:] if not w.startswith("-")), "")
+    return bool(_PYTHON_NAME.match(os.path.basename(interp)))
+
+
+def _python_target(args: list[str]) -> tuple[str, str] | None:
+    """What ``python ARGS`` runs: ("module", m) / ("code", c) / ("script", path) / None."""
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "-m" or a == "-c":
+            if i + 1 < len(args):
+                return ("module" if a == "-m" else "code", args[i + 1])
+            return None
+        if a.startswith("-m") and len(a) > 2:
+            return ("module", a[2:])
+        if a.startswith("-c") and len(a) > 2:
+            return ("code", a[2:])
+        if a in _PY_OPTS_WITH_ARG:
+            i += 2
+            continue
+        if a == "-" or a == "--":
+            return None
+        if a.startswith("-"):
+            i += 1
+            continue
+        return ("script", a)
+    return None
+
+
+def _package_of(path: str, roots: dict[str, list[str]]) -> str | None:
+    for top, locations in roots.items():
+        for loc in locations:
+            if path == loc or path.startswith(loc.rstrip(os.sep) + os.sep):
+                return top
+    return None
+
+
+def check_worker(
+    name: str,
+    domain: str,
+    module: str | None,
+    argv: list[str] | None,
+    sys_path: list[str],
+    *,
+    ld_library_path: list[str] | None = None,
+) -> AdmissionReport:
+    """Admit or refuse a worker before it starts.
+
+    Control-domain workers are refused if torch (or another forbidden module
+    or library) is statically reachable from their entry module, script or
+    executable. Research-domain workers are always admitted.
+
+    module: entry module run as ``python -m module`` with ``sys_path``.
+    argv: for command workers; the executable's ELF dependencies are checked,
+    and ``python -m mod`` / ``python script.py`` / ``python -c code`` /
+    Python shebang scripts are walked as well.
+    ld_library_path: the worker's LD_LIBRARY_PATH entries, if it sets any.
+    """
+    if domain not in DOMAINS:
+        raise ValueError(f"unknown domain {domain!r} for worker {name!r} (expected one of {DOMAINS})")
+    if module is None and not argv:
+        raise ValueError(f"worker {name!r} has neither a module nor an argv")
+    report = AdmissionReport(worker=name, domain=domain, ok=True)
+    if domain == "research":
+        return report
+
+    walks: list[WalkResult] = []
+    executables: list[str] = []
+    if module is not None:
+        walks.append(walk_module(module, sys_path))
+    if argv:
+        exe = shutil.which(argv[0])
+        if exe is None:
+            # fail closed: what cannot be found cannot be shown torch-free
+            report.findings.append(
+                Finding("elf", name, domain, [argv[0]],
+                        f"control-domain worker {name}: executable {argv[0]!r} not found, cannot verify it")
+            )
+        else:
+            exe = os.path.abspath(exe)
+            executables.append(exe)
+            if _is_python(exe):
+                target = _python_target(argv[1:])
+                if target is None:
+                    report.notes.append(f"{argv!r}: no module/script/code to walk (interactive or stdin)")
+                elif target[0] == "module":
+                    walks.append(walk_module(target[1], sys_path))
+                elif target[0] == "code":
+                    walks.append(walk_code(target[1], sys_path))
+                else:
+                    walks.append(walk_script(target[1], sys_path))
+            elif _shebang_python(exe):
+                walks.append(walk_script(exe, sys_path))
+
+    package_roots: dict[str, list[str]] = {}
+    for walk in walks:
+        display = walk.display
+        for hit in walk.hits:
+            _add_import_hit(report, hit, walk, display)
+        report.notes.extend(walk.notes)
+        for top, locs in walk.reached_package_roots().items():
+            package_roots.setdefault(top, locs)
+
+    roots = native_files_in([loc for locs in package_roots.values() for loc in locs]) + executables
+    elf = check_elf_files(roots, resolver=LibraryResolver(ld_library_path))
+    for hit in elf.hits:
+        _add_elf_hit(report, hit, package_roots)
+    report.notes.extend(elf.notes)
+
+    report.notes = list(dict.fromkeys(report.notes))
+    report.ok = not report.findings
+    return report
+
+
+def _add_import_hit(report: AdmissionReport, hit: ImportHit, walk: WalkResult, display) -> None:
+    chain = hit.chain(display)
+    text = hit.describe(display)
+    if hit.waiver is not None:
+        report.notes.append(
+            f"waived lazy import (guard.install() must run in the worker): {text} -- {hit.waiver.reason}"
+        )
+        return
+    report.findings.append(
+        Finding(
+            "import", report.worker, report.domain, chain,
+            f"control-domain worker {report.worker} imports {hit.forbidden} "
+            f"(forbidden: {hit.rule.name}): {text}",
+        )
+    )
+
+
+def _add_elf_hit(report: AdmissionReport, hit: ElfHit, package_roots: dict[str, list[str]]) -> None:
+    pkg = _package_of(hit.root, package_roots)
+    where = f" (in package {pkg}, reached by the import walk)" if pkg else ""
+    report.findings.append(
+        Finding(
+            "elf", report.worker, report.domain, list(hit.chain),
+            f"control-domain worker {report.worker} loads native code needing {hit.library}: "
+            f"{hit.describe()}{where}",
+        )
+    )
+
+
+def check_running(name: str, domain: str, pid: int) -> AdmissionReport:
+    """Post-start check: forbidden libraries mapped into the worker's process.
+
+    Raises maps.ProcessGone if the process has exited.
+    """
+    if domain not in DOMAINS:
+        raise ValueError(f"unknown domain {domain!r} for worker {name!r}")
+    report = AdmissionReport(worker=name, domain=domain, ok=True)
+    if domain == "research":
+        return report
+    for hit in scan_pid(pid):
+        report.findings.append(
+            Finding("maps", name, domain, [f"pid {pid}", hit.path],
+                    f"control-domain worker {name} has forbidden library mapped: {hit.describe()}")
+        )
+    report.ok = not report.findings
+    return report

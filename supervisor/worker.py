@@ -1,0 +1,89 @@
+"""The worker's side of the supervisor contract.
+
+A worker is started as ``python -m supervisor.runner <module>``; the runner installs
+the import guard (control domain) before anything else is imported, then calls
+``<module>.main(ctx)`` with a `WorkerContext`. The context gives the worker its
+channels (from fds the supervisor passed, never names), and reports readiness and
+watchdog pings on the status pipe, like sd_notify.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from supervisor.ipc import Reader, ReaderHandle, Writer, WriterHandle, env_name
+
+ENV_NAME = "TRIO_WORKER"
+ENV_DOMAIN = "TRIO_DOMAIN"
+ENV_STATUS_FD = "TRIO_STATUS_FD"
+ENV_CHANNELS = "TRIO_CHANNELS"
+ENV_NETWORK = "TRIO_NETWORK"
+
+
+@dataclass
+class WorkerContext:
+    name: str
+    domain: str
+    channels: tuple[str, ...]
+    status_fd: int | None
+    network: bool = False
+    _writers: dict[str, Writer] = field(default_factory=dict)
+    _readers: dict[str, Reader] = field(default_factory=dict)
+    _locked: bool = False
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> WorkerContext:
+        env = os.environ if environ is None else environ
+        fd = env.get(ENV_STATUS_FD)
+        return cls(name=env.get(ENV_NAME, "worker"), domain=env.get(ENV_DOMAIN, "control"),
+                   channels=tuple(c for c in env.get(ENV_CHANNELS, "").split(",") if c),
+                   status_fd=int(fd) if fd else None, network=env.get(ENV_NETWORK) == "1")
+
+    def _handle_json(self, channel: str) -> str:
+        text = os.environ.get(env_name(channel))
+        if text is None:
+            raise KeyError(f"worker {self.name!r} was given no channel {channel!r} "
+                           f"(has: {', '.join(self.channels) or 'none'})")
+        return text
+
+    def writer(self, channel: str) -> Writer:
+        if channel not in self._writers:
+            # Not sealed: a restarted writer must map the same segment again. Readers
+            # still cannot write it: O_RDONLY fds, mode 0400 and no capabilities.
+            self._writers[channel] = Writer(WriterHandle.from_json(self._handle_json(channel)),
+                                            domain=self.domain, seal=False)
+        return self._writers[channel]
+
+    def reader(self, channel: str) -> Reader:
+        if channel not in self._readers:
+            self._readers[channel] = Reader(ReaderHandle.from_json(self._handle_json(channel)))
+        return self._readers[channel]
+
+    def _send(self, line: str) -> None:
+        if self.status_fd is None:
+            return
+        try:
+            os.write(self.status_fd, (line + "\n").encode())
+        except BrokenPipeError:
+            pass  # supervisor gone: --die-with-parent ends us shortly
+
+    def lock_down(self) -> None:
+        """Seccomp for the rest of the process's life (no exec, no ptrace, no inet)."""
+        if self._locked:
+            return
+        from supervisor.sandbox.seccomp import lock_down
+
+        lock_down(self.domain, network=self.network, required=self.domain != "research")
+        self._locked = True
+
+    def ready(self, status: str = "") -> None:
+        """Start-up is over: lock down (control) and tell the supervisor."""
+        if self.domain != "research":
+            self.lock_down()
+        self._send("READY=1" + (f" STATUS={status}" if status else ""))
+
+    def watchdog(self) -> None:
+        self._send("WATCHDOG=1")
+
+    def status(self, text: str) -> None:
+        self._send(f"STATUS={text}")

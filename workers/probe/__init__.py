@@ -1,0 +1,74 @@
+"""A configurable worker for exercising the supervisor: readiness, crashes, watchdog
+misses, channel traffic, forbidden imports. Used by tests/ and bench/, never shipped in
+a vehicle config.
+
+    args: --ready-delay-ms N   --exit-after-ms N --exit-code C   --ping-ms N
+          --stop-pinging-after-ms N   --publish CH --period-ms N   --read CH
+          --import MODULE (after ready)   --map-file PATH (after ready)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import mmap
+import os
+import sys
+import time
+
+import numpy as np
+
+from supervisor.worker import WorkerContext
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="workers.probe")
+    p.add_argument("--ready-delay-ms", type=int, default=0)
+    p.add_argument("--exit-after-ms", type=int, default=-1)
+    p.add_argument("--exit-code", type=int, default=1)
+    p.add_argument("--ping-ms", type=int, default=50)
+    p.add_argument("--stop-pinging-after-ms", type=int, default=-1)
+    p.add_argument("--publish", action="append", default=[])
+    p.add_argument("--read", action="append", default=[])
+    p.add_argument("--period-ms", type=int, default=20)
+    p.add_argument("--import", dest="import_", default=None)
+    p.add_argument("--map-file", default=None)
+    return p.parse_args(argv)
+
+
+def main(ctx: WorkerContext) -> int:
+    a = _args(sys.argv[1:])
+    writers = {ch: ctx.writer(ch) for ch in a.publish}
+    readers = {ch: ctx.reader(ch) for ch in a.read}
+    if a.ready_delay_ms:
+        time.sleep(a.ready_delay_ms / 1000)
+    ctx.ready(status=f"probe pid {os.getpid()}")
+    print(f"probe {ctx.name}: ready", flush=True)
+    if a.import_:
+        try:
+            importlib.import_module(a.import_)
+            print(f"probe {ctx.name}: imported {a.import_}", flush=True)
+        except ImportError as e:
+            print(f"probe {ctx.name}: ImportError: {e}", flush=True)
+            return 7
+    kept = None
+    if a.map_file:
+        with open(a.map_file, "rb") as f:
+            kept = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        print(f"probe {ctx.name}: mapped {a.map_file}", flush=True)
+    t0 = time.monotonic()
+    n = 0
+    while True:
+        ms = (time.monotonic() - t0) * 1000
+        if 0 <= a.exit_after_ms <= ms:
+            print(f"probe {ctx.name}: exiting with {a.exit_code}", flush=True)
+            return a.exit_code
+        if a.stop_pinging_after_ms < 0 or ms < a.stop_pinging_after_ms:
+            ctx.watchdog()
+        for w in writers.values():
+            n += 1
+            w.publish_array(np.full(4, n, w.spec.np_dtype))
+        for r in readers.values():
+            while (m := r.try_receive()) is not None:
+                m.release()
+        time.sleep(min(a.ping_ms, a.period_ms) / 1000)
+    del kept
