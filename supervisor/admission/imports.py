@@ -202,7 +202,9 @@ def _name_pattern(node: ast.expr | None) -> tuple[str, str] | None:
         return None
     flatten(node)
     literal = "".join(p for p in parts if p)
-    if not literal.replace(".", "").strip() or None not in parts:
+    if None not in parts:  # "tor" + "ch": a literal in disguise
+        return re.escape(literal), literal
+    if not literal.replace(".", "").strip():
         return None
     regex = "".join(_PATTERN_HOLE if p is None else re.escape(p) for p in parts)
     head = parts[0] if parts and parts[0] is not None else ""
@@ -343,7 +345,9 @@ class _Scanner:
         name = _str_const(first)
         if name is None:
             pattern = _name_pattern(first)
-            if pattern is not None:
+            if pattern is not None and pattern[0] == re.escape(pattern[1]):
+                name = pattern[1]
+            elif pattern is not None:
                 # resolved later against the modules that actually exist
                 regex, head = pattern
                 self.sites.append(ImportSite(regex, node.lineno, "pattern", scope, lazy, head))
@@ -351,7 +355,8 @@ class _Scanner:
                 self.notes.append(
                     f"{self.filename}:{node.lineno}: {kind}() with a computed name is not statically resolvable"
                 )
-            return
+            if name is None:
+                return
         if kind == "import_module":
             target: str | None = name
             if name.startswith("."):

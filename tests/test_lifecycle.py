@@ -1,0 +1,238 @@
+"""The supervisor end to end: real bubblewrap sandboxes, real processes, the real CLI."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.sandbox
+if shutil.which("bwrap") is None:
+    pytest.skip("bubblewrap is not installed", allow_module_level=True)
+
+CONTROL = """
+[domains.control]
+failure_policy = "{policy}"
+actuates = true
+"""
+PIPELINE = """
+[channels.a_out]
+slot_size = "4KiB"
+dtype = "float32"
+[channels.b_out]
+slot_size = "4KiB"
+dtype = "float32"
+[workers.a]
+domain = "control"
+module = "workers.probe"
+publishes = ["a_out"]
+args = ["--publish", "a_out"{a_args}]
+watchdog_ms = 400
+{a_extra}
+[workers.b]
+domain = "control"
+module = "workers.probe"
+subscribes = ["a_out"]
+publishes = ["b_out"]
+args = ["--read", "a_out", "--publish", "b_out"]
+[workers.c]
+domain = "control"
+module = "workers.probe"
+subscribes = ["b_out"]
+args = ["--read", "b_out"]
+"""
+
+
+class Run:
+    """`supervisor run` as a child process, its JSON event lines parsed as they come."""
+
+    def __init__(self, tmp_path: Path, toml: str, env: dict | None = None,
+                 cmd: str = "run") -> None:
+        self.path = tmp_path / "sup.toml"
+        self.path.write_text(textwrap.dedent(toml))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.cli", cmd, "--config", str(self.path)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=dict(os.environ, **(env or {})))
+        self.events: list[dict] = []
+
+    def wait_for(self, event: str, count: int = 1, timeout: float = 30, **match) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            hits = [e for e in self.events if e["event"] == event
+                    and all(e.get(k) == v for k, v in match.items())]
+            if len(hits) >= count:
+                return hits
+            line = self.proc.stderr.readline()
+            if not line:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            if line.startswith("{"):
+                self.events.append(json.loads(line))
+        raise AssertionError(f"no {count}x {event} {match}; got "
+                             f"{[e['event'] for e in self.events]}")
+
+    def finish(self, timeout: float = 20) -> int:
+        code = self.proc.wait(timeout)
+        for line in self.proc.stderr:
+            if line.startswith("{"):
+                self.events.append(json.loads(line))
+        return code
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def sup(tmp_path):
+    runs = []
+
+    def start(toml: str, **kw) -> Run:
+        r = Run(tmp_path, toml, **kw)
+        runs.append(r)
+        return r
+
+    yield start
+    for r in runs:
+        r.stop()
+
+
+def _names(events, event):
+    return [e["worker"] for e in events if e["event"] == event]
+
+
+def test_start_order_readiness_and_orderly_sigterm(sup):
+    r = sup(CONTROL.format(policy="fail_safe") + PIPELINE.format(a_args="", a_extra=""))
+    r.wait_for("all_ready")
+    assert _names(r.events, "ready") == ["a", "b", "c"]
+    # each worker starts only after the one it depends on is ready
+    by = {(e["event"], e.get("worker")): e["mono_ns"] for e in r.events}
+    assert by[("ready", "a")] < by[("start", "b")] and by[("ready", "b")] < by[("start", "c")]
+    pids = [e["pid"] for e in r.events if e["event"] == "start"]
+    r.proc.send_signal(signal.SIGTERM)
+    assert r.finish() == 0                       # exit code: orderly shutdown
+    assert _names(r.events, "stopped") == ["c", "b", "a"]   # reverse start order
+    assert r.events[-1]["event"] == "supervisor_exit" and r.events[-1]["reason"] == "shutdown"
+    for pid in pids:                              # every sandbox is gone
+        assert not os.path.exists(f"/proc/{pid}")
+
+
+def test_crash_is_restarted_with_backoff(sup):
+    r = sup(CONTROL.format(policy="fail_safe") + PIPELINE.format(
+        a_args=', "--exit-after-ms", "300", "--exit-code", "3"',
+        a_extra='backoff_initial_ms = 50\nmax_restarts = 10'))
+    restarts = r.wait_for("restart", count=3, worker="a")
+    assert [e["delay_ms"] for e in restarts[:3]] == [50.0, 100.0, 200.0]
+    exits = [e for e in r.events if e["event"] == "exit" and e["worker"] == "a"]
+    assert exits[0]["code"] == 3 and exits[0]["reason"] == "exited"
+    assert len(r.wait_for("ready", count=3, worker="a")) >= 3   # it came back each time
+
+
+def test_watchdog_miss_kills_and_restarts(sup):
+    r = sup(CONTROL.format(policy="fail_safe") + PIPELINE.format(
+        a_args=', "--stop-pinging-after-ms", "200"', a_extra=""))
+    missed = r.wait_for("watchdog_missed", worker="a")[0]
+    assert missed["silent_ms"] >= 400
+    ex = r.wait_for("exit", worker="a")[0]
+    assert ex["signal"] == "SIGKILL" and ex["reason"].startswith("watchdog")
+    r.wait_for("ready", count=2, worker="a")
+
+
+def test_control_failure_policy_fail_safe(sup):
+    r = sup(CONTROL.format(policy="fail_safe") + PIPELINE.format(
+        a_args=', "--exit-after-ms", "100"',
+        a_extra='backoff_initial_ms = 10\nmax_restarts = 1\nrestart_window_s = 60'))
+    assert r.finish(timeout=30) == 4
+    fs = [e for e in r.events if e["event"] == "fail_safe"]
+    assert fs and "control worker a failed" in fs[0]["reason"]
+    assert r.events[-1]["reason"] == "fail_safe"
+    for e in r.events:
+        if e["event"] == "start":
+            assert not os.path.exists(f"/proc/{e['pid']}")
+
+
+def test_torch_import_refused_statically(sup, tmp_path):
+    pkg = tmp_path / "badpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from . import model\n")
+    (pkg / "model.py").write_text("import numpy\nimport torch.nn as nn\n")
+    cfg = CONTROL.format(policy="fail_safe") + """
+        [channels.x]
+        slot_size = "4KiB"
+        [workers.bad]
+        domain = "control"
+        module = "badpkg"
+        publishes = ["x"]
+        """
+    env = {"PYTHONPATH": str(tmp_path)}
+    chk = sup(cfg, env=env, cmd="check")
+    assert chk.proc.wait(60) == 3
+    report = chk.proc.stderr.read()
+    assert "bad" in report and "control" in report
+    assert "badpkg.model" in report and "torch" in report
+    run = sup(cfg, env=env)
+    assert run.finish(timeout=60) == 3
+    refused = [e for e in run.events if e["event"] == "refused"]
+    assert refused and refused[0]["worker"] == "bad"
+    assert not [e for e in run.events if e["event"] == "start"]
+
+
+def test_runtime_guard_and_maps_scan(sup, tmp_path):
+    lib = tmp_path / "libs"
+    lib.mkdir()
+    (lib / "libtorch_cpu.so").write_bytes(b"\x7fELF" + bytes(4096))
+    cfg = f"""
+        [domains.control]
+        failure_policy = "restart"
+        actuates = true
+        extra_ro_binds = ["{lib}"]
+        [channels.x]
+        slot_size = "4KiB"
+        [workers.importer]
+        domain = "control"
+        module = "workers.probe"
+        publishes = ["x"]
+        args = ["--import", "torch"]
+        restart = "never"
+        [workers.mapper]
+        domain = "control"
+        module = "workers.probe"
+        args = ["--map-file", "{lib}/libtorch_cpu.so"]
+        restart = "never"
+        """
+    r = sup(cfg)
+    ex = r.wait_for("exit", worker="importer")[0]
+    assert ex["code"] == 7        # the probe's "ImportError raised" exit code
+    hit = r.wait_for("refused", worker="mapper", timeout=15)[0]
+    assert hit["kind"] == "maps" and "libtorch_cpu.so" in hit["reason"]
+    assert r.wait_for("exit", worker="mapper")[0]["signal"] == "SIGKILL"
+
+
+def test_sd_notify_protocol(sup, tmp_path):
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(30)
+    r = sup(CONTROL.format(policy="fail_safe") + PIPELINE.format(a_args="", a_extra=""),
+            env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "400000"})
+    got = []
+    while not any("READY=1" in m for m in got):
+        got.append(sock.recv(4096).decode())
+    while not any("WATCHDOG=1" in m for m in got):
+        got.append(sock.recv(4096).decode())
+    r.proc.send_signal(signal.SIGINT)
+    while not any("STOPPING=1" in m for m in got):
+        got.append(sock.recv(4096).decode())
+    assert r.finish() == 0
+    assert any(m.startswith("STATUS=") or "\nSTATUS=" in m for m in got)
