@@ -238,7 +238,8 @@ def test_argv_python_module_script_and_code(tmp_path: Path) -> None:
     assert only_import_chains(by_module) == ["argvw.model (argvw/model.py:1) -> torch"]
     by_script = check_worker("s", "control", None, ["python3", str(tmp_path / "scripts/run.py")], sp)
     assert only_import_chains(by_script) == [
-        "__main__ (scripts/run.py:1) -> helper (scripts/helper.py:1) -> torch"
+        # the script's directory is sys.path[0], so paths display relative to it
+        "__main__ (run.py:1) -> helper (helper.py:1) -> torch"
     ]
     by_code = check_worker("c", "control", None, [sys.executable, "-c", "import os; import torch"], sp)
     assert not by_code.ok

@@ -164,6 +164,7 @@ def _expand_origin(entry: str, obj_path: str) -> list[str]:
         for lib in ("lib64", "lib/x86_64-linux-gnu", "lib"):
             for plat in ("x86_64",):
                 v = e.replace("${LIB}", lib).replace("$LIB", lib).replace("${PLATFORM}", plat).replace("$PLATFORM", plat)
+                v = os.path.normpath(v)
                 if v not in out:
                     out.append(v)
     return out
