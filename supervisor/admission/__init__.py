@@ -57,7 +57,47 @@ _EXPORTS: dict[str, str] = {
     "is_forbidden_module": "rules",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "DOMAINS",
+    "LAZY_IMPORT_WAIVERS",
+    "MODULE_RULES",
+    "SONAME_PATTERNS",
+    "AdmissionReport",
+    "ControlImportGuard",
+    "ElfHit",
+    "ElfInfo",
+    "ElfResult",
+    "ElfUnreadable",
+    "Finding",
+    "ForbiddenImportError",
+    "ForbiddenLibraryError",
+    "ForbiddenModuleLoaded",
+    "Hop",
+    "ImportHit",
+    "ImportSite",
+    "ImportWalker",
+    "LazyImportWaiver",
+    "LibraryResolver",
+    "MapsHit",
+    "ModuleRule",
+    "ProcessGone",
+    "WalkResult",
+    "check_elf_files",
+    "check_running",
+    "check_worker",
+    "forbidden_module_rule",
+    "forbidden_soname",
+    "install",
+    "is_forbidden_module",
+    "native_files_in",
+    "read_elf",
+    "scan_maps_text",
+    "scan_pid",
+    "scan_source",
+    "walk_code",
+    "walk_module",
+    "walk_script",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -75,9 +115,28 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from .check import DOMAINS, check_running, check_worker
-    from .elf import ElfHit, ElfInfo, ElfResult, ElfUnreadable, LibraryResolver, check_elf_files, native_files_in, read_elf
+    from .elf import (
+        ElfHit,
+        ElfInfo,
+        ElfResult,
+        ElfUnreadable,
+        LibraryResolver,
+        check_elf_files,
+        native_files_in,
+        read_elf,
+    )
     from .guard import ControlImportGuard, ForbiddenImportError, ForbiddenLibraryError, ForbiddenModuleLoaded, install
-    from .imports import Hop, ImportHit, ImportSite, ImportWalker, WalkResult, scan_source, walk_code, walk_module, walk_script
+    from .imports import (
+        Hop,
+        ImportHit,
+        ImportSite,
+        ImportWalker,
+        WalkResult,
+        scan_source,
+        walk_code,
+        walk_module,
+        walk_script,
+    )
     from .maps import MapsHit, ProcessGone, scan_maps_text, scan_pid
     from .report import AdmissionReport, Finding
     from .rules import (

@@ -8,7 +8,7 @@ import shutil
 import sys
 
 from .elf import ElfHit, LibraryResolver, check_elf_files, native_files_in
-from .imports import ImportHit, WalkResult, walk_code, walk_module, walk_script
+from .imports import ImportHit, PathDisplay, WalkResult, walk_code, walk_module, walk_script
 from .maps import scan_pid
 from .report import AdmissionReport, Finding
 
@@ -139,16 +139,16 @@ def check_worker(
     package_roots: dict[str, list[str]] = {}
     for walk in walks:
         display = walk.display
-        for hit in walk.hits:
-            _add_import_hit(report, hit, walk, display)
+        for import_hit in walk.hits:
+            _add_import_hit(report, import_hit, display)
         report.notes.extend(walk.notes)
         for top, locs in walk.reached_package_roots().items():
             package_roots.setdefault(top, locs)
 
     roots = native_files_in([loc for locs in package_roots.values() for loc in locs]) + executables
     elf = check_elf_files(roots, resolver=LibraryResolver(ld_library_path))
-    for hit in elf.hits:
-        _add_elf_hit(report, hit, package_roots)
+    for elf_hit in elf.hits:
+        _add_elf_hit(report, elf_hit, package_roots)
     report.notes.extend(elf.notes)
 
     report.notes = list(dict.fromkeys(report.notes))
@@ -156,7 +156,7 @@ def check_worker(
     return report
 
 
-def _add_import_hit(report: AdmissionReport, hit: ImportHit, walk: WalkResult, display) -> None:
+def _add_import_hit(report: AdmissionReport, hit: ImportHit, display: PathDisplay) -> None:
     chain = hit.chain(display)
     text = hit.describe(display)
     if hit.waiver is not None:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 from collections import deque
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib.machinery import EXTENSION_SUFFIXES
+from typing import Any
 
 from elftools.elf.dynamic import DynamicSegment
 from elftools.elf.elffile import ELFFile
@@ -92,7 +94,7 @@ def _read_elf_cached(path: str, mtime_ns: int, size: int) -> ElfInfo:
             rpath: tuple[str, ...] = ()
             runpath: tuple[str, ...] = ()
             soname = None
-            dyn = None
+            dyn: Any = None  # DynamicSegment or the .dynamic section: same iter_tags()
             for seg in elf.iter_segments():
                 if isinstance(seg, DynamicSegment):
                     dyn = seg
@@ -123,6 +125,8 @@ def read_elf(path: str) -> ElfInfo:
         st = os.stat(path)
     except OSError as exc:
         raise ElfUnreadable(f"cannot stat: {exc}") from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise ElfUnreadable("not a regular file")  # a FIFO named x.so would block open()
     try:
         return _read_elf_cached(path, st.st_mtime_ns, st.st_size)
     except OSError as exc:

@@ -17,10 +17,11 @@ Install it as early as possible in the worker (before tinygrad/numpy):
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from importlib.abc import MetaPathFinder
 from importlib.machinery import ModuleSpec
 from types import FrameType
-from typing import Any, Sequence
+from typing import Any
 
 from .maps import ProcessGone, scan_self
 from .rules import MODULE_RULES, ModuleRule, forbidden_module_rule, forbidden_soname, is_torch_c_extension
@@ -161,11 +162,11 @@ def installed() -> ControlImportGuard | None:
 
 
 __all__ = [
+    "MODULE_RULES",
     "ControlImportGuard",
     "ForbiddenImportError",
     "ForbiddenLibraryError",
     "ForbiddenModuleLoaded",
-    "MODULE_RULES",
     "already_loaded",
     "install",
     "installed",

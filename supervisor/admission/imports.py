@@ -6,6 +6,12 @@ import itself could map libtorch), so modules are located with
 with ``ast``. Every import statement counts, including ones in function bodies
 and try/except blocks: a conditional import is still a path into the address
 space. Only ``if TYPE_CHECKING:`` bodies are skipped, because they never run.
+
+Also followed: ``importlib.import_module("x")`` / ``__import__("x")`` with
+literal names, and computed names with a literal part
+(``f"{base}.runtime.ops_{x}"``), matched against the modules that exist.
+Hits inside audited third-party functions (rules.LAZY_IMPORT_WAIVERS) are
+returned marked as waived; the caller reports them as notes.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ class ImportSite:
     target: str
     line: int
     # "import" (statement), "from-name" (``from a import b``: b may be a plain
-    # attribute rather than a submodule), "dynamic" (import_module/__import__)
+    # attribute rather than a submodule), "dynamic" (import_module/__import__),
+    # "pattern" (computed name; target is a regex)
     how: str
     scope: str = ""  # enclosing def/class qualname; "" = module level
     lazy: bool = False  # inside a function body: runs only when called
@@ -70,7 +77,7 @@ class ImportHit:
     lazy: bool = False  # inside a function body
     waiver: LazyImportWaiver | None = None  # audited lazy import: a note, not a refusal
 
-    def chain(self, display: "PathDisplay") -> list[str]:
+    def chain(self, display: PathDisplay) -> list[str]:
         out = []
         for i, hop in enumerate(self.hops):
             where = display(hop.file) if hop.file else "?"
@@ -82,7 +89,7 @@ class ImportHit:
         out.append(self.forbidden)
         return out
 
-    def describe(self, display: "PathDisplay") -> str:
+    def describe(self, display: PathDisplay) -> str:
         parts = self.chain(display)
         text = parts[0]
         for hop, nxt in zip(self.hops, parts[1:]):
@@ -257,13 +264,12 @@ class _Scanner:
                         self.importlib_names.add(a.asname or "importlib")
                     elif a.name == "builtins":
                         self.builtins_names.add(a.asname or "builtins")
-            elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                if node.module in ("importlib", "builtins"):
-                    for a in node.names:
-                        if a.name == "import_module" and node.module == "importlib":
-                            self.import_module_names.add(a.asname or a.name)
-                        elif a.name == "__import__":
-                            self.dunder_import_names.add(a.asname or a.name)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in ("importlib", "builtins"):
+                for a in node.names:
+                    if a.name == "import_module" and node.module == "importlib":
+                        self.import_module_names.add(a.asname or a.name)
+                    elif a.name == "__import__":
+                        self.dunder_import_names.add(a.asname or a.name)
 
     # --- statements ------------------------------------------------------------
     def walk(self, stmts: list[ast.stmt], scope: str, lazy: bool) -> None:
@@ -493,7 +499,7 @@ class ImportWalker:
             locations = self.sys_path
         try:
             spec = PathFinder.find_spec(name, locations)
-        except Exception as exc:  # odd path entries, unreadable dirs: note, keep walking
+        except Exception as exc:  # noqa: BLE001 - odd path entries, unreadable dirs: note, keep walking
             self.notes.append(f"could not locate {name}: {exc!r}")
             return ModuleNode(name, "missing")
         if spec is None:

@@ -35,10 +35,8 @@ class AdmissionReport:
             lines = [head]
         else:
             n = len(self.findings)
-            lines = [
-                f"refused: {self.domain}-domain worker {self.worker} reaches torch "
-                f"({n} finding{'s' if n != 1 else ''})"
-            ]
+            plural = "s" if n != 1 else ""
+            lines = [f"refused: {self.domain}-domain worker {self.worker} reaches torch ({n} finding{plural})"]
             lines += [f"  [{f.kind}] {f.message}" for f in self.findings]
         if with_notes and self.notes:
             lines.append("  notes:")
