@@ -393,8 +393,12 @@ class Iox2Transport(Transport):
                         return got
 
             def close(self):
+                # Release the Rust-side ports explicitly: the closures above keep the
+                # Python objects alive in a reference cycle, and a node that is never
+                # dropped leaves stale files in /dev/shm and /tmp/iceoryx2.
                 nonlocal guard
                 guard = None
+                _iox2_delete(waitset, listener, sub)
                 keep.clear()
         return R()
 
@@ -428,8 +432,18 @@ class Iox2Transport(Transport):
                     notifier.notify()
 
             def close(self):
+                _iox2_delete(notifier, pub)
                 keep.clear()
         return S()
+
+
+def _iox2_delete(*ports) -> None:
+    for port in ports:
+        if port is not None:
+            try:
+                port.delete()
+            except Exception:  # noqa: BLE001 - best-effort cleanup
+                pass
 
 
 class Iox2PollTransport(Iox2Transport):
@@ -846,6 +860,7 @@ def _child(target, *args) -> None:
     try:
         target(*args)
     finally:
+        gc.collect()   # drop what the transports left in cycles (iceoryx2 nodes) first
         os._exit(0)
 
 
@@ -1369,7 +1384,7 @@ def main(argv: list[str] | None = None) -> int:
                     if args.verbose and row.get("tracebacks"):
                         for tb in row["tracebacks"]:
                             print(tb)
-    if iox2_killed:
+    if iox2_killed or any(k.startswith("iox2") and k not in skipped for k in keys):
         _iox2_cleanup()
     rows = aggregate(runs, args.raw)
     elapsed = time.monotonic() - t_start
