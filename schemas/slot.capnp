@@ -4,6 +4,7 @@
 
 using T = import "tensor.capnp";
 using F = import "frame.capnp";
+using R = import "receipt.capnp";
 
 const schemaVersion :UInt16 = 1;
 
@@ -31,6 +32,8 @@ struct SlotHeader {
     none @9 :Void;
     meta @10 :F.FrameMeta;
   }
+  # Model outputs carry the receipt of the inference that produced them (null otherwise).
+  receipt @11 :R.Receipt;
 }
 
 # What is in the slot and how to view it. A stream reuses the same layout bytes, so a

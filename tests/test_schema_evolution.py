@@ -13,7 +13,7 @@ from supervisor.ipc import ChannelSpec, codec
 
 
 # The v2 copies need their own file ids: one process cannot load two files with one id.
-_NEW_IDS = {"0xd4956f279458c639": "0xe4956f279458c639", "0xd10a9b86cc7d9501": "0xe10a9b86cc7d9501",
+_NEW_IDS = {"0xc312f74fa2c797a4": "0xd312f74fa2c797a4", "0xd4956f279458c639": "0xe4956f279458c639", "0xd10a9b86cc7d9501": "0xe10a9b86cc7d9501",
             "0xb35799bdb137f8a1": "0xc35799bdb137f8a1"}
 
 
@@ -30,14 +30,15 @@ def _v2_cached(folder: str):
 
 
 def _v2(tmp_path: Path):
-    for f in ("tensor.capnp", "frame.capnp"):
+    for f in ("tensor.capnp", "frame.capnp", "receipt.capnp"):
         (tmp_path / f).write_text(_copy(f, tmp_path))
     text = _copy("slot.capnp", tmp_path)
     text = text.replace("const schemaVersion :UInt16 = 1;", "const schemaVersion :UInt16 = 2;")
     text = text.replace(
-        "    meta @10 :F.FrameMeta;\n  }\n}",
-        "    meta @10 :F.FrameMeta;\n  }\n  routeName @11 :Text;\n  tempC @12 :Float32;\n"
-        "  extra @13 :List(UInt64);\n}")
+        "  receipt @11 :R.Receipt;\n}",
+        "  receipt @11 :R.Receipt;\n  routeName @12 :Text;\n  tempC @13 :Float32;\n"
+        "  extra @14 :List(UInt64);\n}")
+    assert "routeName" in text
     text = text.replace(
         "    format @3 :F.FrameFormat;\n  }\n}",
         "    format @3 :F.FrameFormat;\n  }\n  colorMatrix @4 :List(Float32);\n}")
