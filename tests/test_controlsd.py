@@ -1,0 +1,239 @@
+"""controlsd: the control law on its own (pure, clock injected), then the worker as a
+real process between two real channels, going safe when the model goes away."""
+from __future__ import annotations
+
+import math
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from supervisor.ipc import Channel, ChannelSpec, Reader, Writer
+from workers.controlsd import model_output_of
+from workers.controlsd.law import (Command, ControlLaw, LawConfig, ModelOutput,
+                                   SafeReason)
+
+from .test_camerad import workers  # noqa: F401  (fixture: a worker process)
+
+MS = 1_000_000
+CFG = LawConfig(k_p=0.1, k_h=1.0, max_steer=0.2, max_rate=0.5, timeout_ms=100,
+                max_age_ms=120, min_confidence=0.5, engage_count=3)
+
+
+def out(offset=0.0, heading=0.0, conf=0.9, ts=0, **kw) -> ModelOutput:
+    return ModelOutput(offset, heading, conf, ts, **kw)
+
+
+def run(law: ControlLaw, t0: int, n: int, dt_ms: int = 20, make=None) -> list[Command]:
+    """n steps every dt_ms from t0; make(t) -> ModelOutput | None each step."""
+    cmds = []
+    for i in range(n):
+        t = t0 + i * dt_ms * MS
+        cmds.append(law.step(make(t) if make else None, t))
+    return cmds
+
+
+# ---------------------------------------------------------------- the law
+
+
+def test_starts_safe_and_engages_after_engage_count_outputs():
+    law = ControlLaw(CFG)
+    c = law.step(None, 0)
+    assert (c.engaged, c.reason, c.steer_rad, c.model_age_ms) == (False, SafeReason.NO_INPUT,
+                                                                  0.0, -1.0)
+    cmds = run(law, 20 * MS, 4, make=lambda t: out(0.5, ts=t - 10 * MS))
+    assert [c.reason for c in cmds] == [SafeReason.RECOVERING, SafeReason.RECOVERING,
+                                        SafeReason.OK, SafeReason.OK]
+    assert [c.engaged for c in cmds] == [False, False, True, True]
+    assert cmds[0].steer_rad == 0.0 and cmds[3].model_age_ms == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize("offset,heading,sign", [(0.5, 0.0, -1), (-0.5, 0.0, 1),
+                                                 (0.0, 0.03, -1), (0.0, -0.03, 1)])
+def test_steers_against_offset_and_heading(offset, heading, sign):
+    law = ControlLaw(CFG)
+    cmds = run(law, 0, 60, make=lambda t: out(offset, heading, ts=t))
+    want = -(CFG.k_p * offset + CFG.k_h * heading)
+    assert np.sign(cmds[-1].steer_rad) == sign
+    assert cmds[-1].steer_rad == pytest.approx(want)        # settled on the target
+    assert cmds[-1].engaged and cmds[-1].reason == SafeReason.OK
+
+
+def test_clamps_and_rate_limits():
+    law = ControlLaw(CFG)
+    cmds = run(law, 0, 80, make=lambda t: out(-10.0, ts=t))   # wants +1.0 rad
+    steer = [c.steer_rad for c in cmds]
+    assert max(steer) == pytest.approx(CFG.max_steer) and max(steer) <= CFG.max_steer
+    assert all(c.target_rad <= CFG.max_steer for c in cmds)
+    steps = np.diff(steer)
+    assert steps.max() <= CFG.max_rate * 0.020 + 1e-12       # 0.5 rad/s at 20 ms steps
+    assert steps.max() == pytest.approx(CFG.max_rate * 0.020)
+    # a stalled caller cannot make it jump: dt is capped at max_dt_s
+    law2 = ControlLaw(CFG)
+    before = run(law2, 0, 3, make=lambda t: out(-10.0, ts=t))[-1].steer_rad
+    c = law2.step(out(-10.0, ts=5000 * MS), 5000 * MS)
+    assert c.steer_rad - before == pytest.approx(CFG.max_rate * CFG.max_dt_s)
+
+
+def test_timeout_goes_safe_ramps_to_zero_and_recovers():
+    law = ControlLaw(CFG)
+    cmds = run(law, 0, 40, make=lambda t: out(-1.0, ts=t))   # engaged, steer 0.1
+    assert cmds[-1].engaged and cmds[-1].steer_rad == pytest.approx(0.1)
+    t = 40 * 20 * MS
+    silent = run(law, t, 30)                                 # no new output
+    # still OK within timeout_ms of the last output, then TIMEOUT
+    reasons = [c.reason for c in silent]
+    first_safe = reasons.index(SafeReason.TIMEOUT)
+    assert all(r == SafeReason.OK for r in reasons[:first_safe])
+    assert (first_safe + 1) * 20 > CFG.timeout_ms >= first_safe * 20 - 20
+    safe = silent[first_safe:]
+    assert all(not c.engaged and c.reason == SafeReason.TIMEOUT for c in safe)
+    steer = [c.steer_rad for c in safe]
+    assert steer[-1] == 0.0 and all(np.diff(steer) <= 0)     # ramps down to 0, no jump
+    assert min(np.diff(steer)) >= -CFG.max_rate * 0.020 - 1e-12
+    # recovery: engage_count fresh outputs
+    t2 = t + 30 * 20 * MS
+    back = run(law, t2, 4, make=lambda t: out(-1.0, ts=t))
+    assert [c.engaged for c in back] == [False, False, True, True]
+    assert back[0].reason == SafeReason.RECOVERING
+
+
+def test_stale_low_confidence_invalid_and_unverified_outputs_go_safe():
+    for bad, reason in [(lambda t: out(0.3, ts=t - 200 * MS), SafeReason.STALE),
+                        (lambda t: out(0.3, conf=0.2, ts=t), SafeReason.LOW_CONFIDENCE),
+                        (lambda t: out(math.nan, ts=t), SafeReason.INVALID),
+                        (lambda t: ModelOutput.from_array(np.zeros(2, np.float32), t),
+                         SafeReason.INVALID),
+                        (lambda t: out(0.3, ts=t, host_visible=False),
+                         SafeReason.NOT_HOST_VISIBLE)]:
+        law = ControlLaw(CFG)
+        good = run(law, 0, 30, make=lambda t: out(0.3, ts=t))
+        assert good[-1].engaged
+        cmds = run(law, 30 * 20 * MS, 20, make=bad)
+        assert all(not c.engaged and c.reason == reason for c in cmds), reason
+        assert cmds[-1].steer_rad == 0.0 and cmds[0].steer_rad < 0   # ramped, no jump
+        # one good output among bad ones is not enough; engage_count in a row is
+        law.step(out(0.3, ts=50 * 20 * MS), 50 * 20 * MS)
+        c = law.step(bad(51 * 20 * MS), 51 * 20 * MS)
+        assert not c.engaged
+        back = run(law, 52 * 20 * MS, 3, make=lambda t: out(0.3, ts=t))
+        assert back[-1].engaged and back[-1].reason == SafeReason.OK
+
+
+def test_low_pass_slows_the_target_and_hold_forces_safe():
+    fast = run(ControlLaw(CFG), 0, 10, make=lambda t: out(-1.0, ts=t))
+    slow_law = ControlLaw(LawConfig(**{**CFG.__dict__, "tau_s": 0.2}))
+    slow = run(slow_law, 0, 10, make=lambda t: out(-1.0, ts=t))
+    assert 0 < slow[-1].steer_rad < fast[-1].steer_rad
+    c = slow_law.step(out(-1.0, ts=200 * MS), 200 * MS, hold=SafeReason.SHUTDOWN)
+    assert (c.engaged, c.reason) == (False, SafeReason.SHUTDOWN)
+
+
+def test_command_array_round_trip():
+    c = Command(-0.125, True, SafeReason.OK, 12.5)
+    a = c.to_array()
+    assert a.dtype == np.float32 and a.shape == (4,)
+    assert a.tolist() == [-0.125, 1.0, 0.0, 12.5]
+    back = Command.from_array(a)
+    assert (back.steer_rad, back.engaged, back.reason, back.model_age_ms) == \
+        (-0.125, True, SafeReason.OK, 12.5)
+    assert Command.from_array(Command(0.0, False, SafeReason.TIMEOUT, 300.0).to_array()
+                              ).reason == SafeReason.TIMEOUT
+
+
+def test_model_output_of_a_real_message(make_channel):
+    ch = make_channel(name="model_out", dtype="float32", slot_size=4096, crc=True)
+    with Writer(ch.writer_handle()) as w, Reader(ch.reader_handle(0)) as r:
+        w.publish_array(np.array([0.25, -0.01, 0.8, 0.0], np.float32))
+        with r.receive(timeout=2) as msg:
+            mo = model_output_of(msg)
+            receipt = getattr(msg, "receipt", None)
+        assert (mo.offset_m, mo.heading_rad, mo.confidence) == pytest.approx((0.25, -0.01, 0.8))
+        assert mo.host_visible
+        if receipt is None:                       # no receipt: age from the publish time
+            assert mo.ts_ns == msg.stamp.publish_ts_ns
+
+
+# ---------------------------------------------------------------- the worker
+
+
+def _tensor_channel(name: str) -> Channel:
+    return Channel.create(ChannelSpec(name=name, dtype="float32", slot_size=4096,
+                                      slot_count=8, max_readers=2, crc=True))
+
+
+def test_controlsd_process_follows_model_and_fails_safe(workers):  # noqa: F811
+    model = _tensor_channel("model_out")
+    cmd = _tensor_channel("control_cmd")
+    Writer(cmd.writer_handle(), seal=False).close()   # so our reader starts at seq 0
+    with model, cmd, Writer(model.writer_handle()) as mw, Reader(cmd.reader_handle(1)) as cr:
+        proc = workers("workers.controlsd",
+                       ["--timeout-ms", "120", "--max-age-ms", "150", "--hz", "50",
+                        "--k-p", "0.1", "--max-rate", "1.0", "--status-s", "0.2"],
+                       reads={"model_out": model}, writes={"control_cmd": cmd})
+        seen: list[Command] = []
+
+        def phase(seconds: float, values=None, ts_back_ms: float = 0.0) -> list[Command]:
+            start = len(seen)
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                if values is not None:
+                    now = time.monotonic_ns()
+                    mw.publish_array(np.array(values, np.float32),
+                                     publish_ts_ns=now - int(ts_back_ms * MS))
+                time.sleep(0.02)
+                while (m := cr.try_receive()) is not None:
+                    with m:
+                        seen.append(Command.from_array(m.array))
+            return seen[start:]
+
+        t0 = time.monotonic()
+        while not any(ln.startswith("READY=1") for ln in proc.lines):
+            assert time.monotonic() - t0 < 15 and proc.proc.poll() is None
+            time.sleep(0.01)
+        idle = phase(0.2)
+        assert idle and all(not c.engaged and c.reason == SafeReason.NO_INPUT for c in idle)
+
+        right = phase(0.6, [0.5, 0.0, 0.9, 0.0])           # car right of centre
+        assert right[-1].engaged and right[-1].reason == SafeReason.OK
+        assert right[-1].steer_rad == pytest.approx(-0.05, abs=1e-6)
+        assert 0 <= right[-1].model_age_ms < 100
+
+        gone = phase(0.5)                                   # the model stops
+        assert gone[-1].reason == SafeReason.TIMEOUT and not gone[-1].engaged
+        assert gone[-1].steer_rad == 0.0 and gone[-1].model_age_ms > 120
+
+        left = phase(0.5, [-0.5, 0.0, 0.9, 0.0])           # back, car left of centre
+        assert left[-1].engaged and left[-1].steer_rad == pytest.approx(0.05, abs=1e-6)
+
+        unsure = phase(0.3, [-0.5, 0.0, 0.1, 0.0])
+        assert unsure[-1].reason == SafeReason.LOW_CONFIDENCE and not unsure[-1].engaged
+
+        old = phase(0.3, [-0.5, 0.0, 0.9, 0.0], ts_back_ms=300)
+        assert old[-1].reason == SafeReason.STALE and not old[-1].engaged
+        assert old[-1].model_age_ms >= 300
+
+        # whatever happened, the steer stayed within the clamp
+        assert all(abs(c.steer_rad) <= 0.3 + 1e-6 for c in seen)
+
+        proc.proc.send_signal(signal.SIGTERM)
+        rc, out, err = proc.wait()
+        assert rc == 0, err
+        while (m := cr.try_receive()) is not None:
+            with m:
+                seen.append(Command.from_array(m.array))
+        assert seen[-1].reason == SafeReason.SHUTDOWN and not seen[-1].engaged
+        statuses = proc.statuses()
+        assert any("reason=OK" in s and "engaged=1" in s for s in statuses)
+        assert any("reason=TIMEOUT" in s for s in statuses)
+        assert "SHUTDOWN" in statuses[-1]
+
+
+def test_receipt_completion_point_is_recognised():
+    from workers.controlsd import _completion_queued
+
+    assert not _completion_queued(None)
+    assert not _completion_queued("hostVisible") and not _completion_queued(1)
+    assert _completion_queued("deviceQueued") and _completion_queued(2)
+    assert _completion_queued("CompletionPoint.DEVICE_QUEUED")

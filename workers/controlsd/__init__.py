@@ -1,0 +1,157 @@
+"""controlsd: turns model outputs into lateral control commands, failing safe.
+
+    python -m supervisor.runner workers.controlsd [--in model_out] [--out control_cmd]
+        [--hz 50] [--timeout-ms 150] [--max-age-ms 150] [--min-confidence 0.5]
+        [--k-p 0.05] [--k-h 0.5] [--max-steer 0.3] [--max-rate 0.4] [--tau-ms 0]
+        [--engage-count 3] [--status-s 1.0]
+
+Input: ``--in`` (float32[4] = offset_m, heading_rad, confidence, reserved), the only
+channel read; research/shadow channels are never read. The age of an output is taken
+from the capture time of the frame it came from: ``msg.receipt.capture_ts_ns`` when the
+bridge carries an execution receipt, else the message's own capture timestamp, else its
+publish time. A receipt whose completion point is ``deviceQueued`` is refused
+(NOT_HOST_VISIBLE).
+
+Output: ``--out`` float32[4] = (steer_rad, engaged 0/1, safe_state reason code,
+model_age_ms) — see `law.SafeReason` for the codes and `law` for the law itself. A
+command is published on every new model output and at least every ``1/--hz`` s without
+one, so the safe state (TIMEOUT after ``--timeout-ms`` of silence) shows up on the
+output even when the model is gone. On SIGTERM one last command with engaged=0 and
+reason SHUTDOWN is published, then it exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+from supervisor.ipc import BridgeError, ChannelTimeout, LeaseLost, Message, Rejected
+from supervisor.worker import WorkerContext
+
+from .law import Command, ControlLaw, LawConfig, ModelOutput, SafeReason
+
+__all__ = ["Command", "ControlLaw", "LawConfig", "ModelOutput", "SafeReason", "main",
+           "model_output_of"]
+
+MAX_WAIT_S = 0.05          # longest single wait: the watchdog needs regular pings
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="workers.controlsd")
+    p.add_argument("--in", dest="in_", default="model_out")
+    p.add_argument("--out", default="control_cmd")
+    p.add_argument("--hz", type=float, default=50.0, help="minimum command rate")
+    p.add_argument("--timeout-ms", type=float, default=150.0)
+    p.add_argument("--max-age-ms", type=float, default=150.0)
+    p.add_argument("--min-confidence", type=float, default=0.5)
+    p.add_argument("--k-p", type=float, default=0.05)
+    p.add_argument("--k-h", type=float, default=0.5)
+    p.add_argument("--max-steer", type=float, default=0.3)
+    p.add_argument("--max-rate", type=float, default=0.4)
+    p.add_argument("--tau-ms", type=float, default=0.0)
+    p.add_argument("--engage-count", type=int, default=3)
+    p.add_argument("--status-s", type=float, default=1.0)
+    a = p.parse_args(argv)
+    if a.hz <= 0:
+        p.error("--hz must be > 0")
+    return a
+
+
+def _completion_queued(completion) -> bool:
+    if completion is None:
+        return False
+    if isinstance(completion, int) and not isinstance(completion, bool):
+        return completion == 2          # CompletionPoint.deviceQueued
+    return "devicequeued" in str(completion).lower().replace("_", "")
+
+
+def model_output_of(msg: Message) -> ModelOutput:
+    """Copy what the law needs out of a received message (before releasing it)."""
+    stamp = msg.stamp
+    receipt = getattr(msg, "receipt", None)
+    capture = getattr(receipt, "capture_ts_ns", None) or stamp.capture_ts_ns
+    frame_id = getattr(receipt, "frame_id", None)
+    if frame_id is None:
+        frame_id = stamp.frame_id
+    return ModelOutput.from_array(
+        msg.array, int(capture) if capture else stamp.publish_ts_ns,
+        frame_id=frame_id, latency_ns=getattr(receipt, "latency_ns", None),
+        host_visible=not _completion_queued(getattr(receipt, "completion", None)))
+
+
+def main(ctx: WorkerContext) -> int:
+    a = parse_args(sys.argv[1:])
+    cfg = LawConfig(k_p=a.k_p, k_h=a.k_h, max_steer=a.max_steer, max_rate=a.max_rate,
+                    tau_s=a.tau_ms / 1000, timeout_ms=a.timeout_ms, max_age_ms=a.max_age_ms,
+                    min_confidence=a.min_confidence, engage_count=a.engage_count)
+    stop = False
+
+    def on_term(signum, frame) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    reader = ctx.reader(a.in_)
+    writer = ctx.writer(a.out)
+    law = ControlLaw(cfg)
+    ctx.ready(status=f"{a.in_} -> {a.out} @ >= {a.hz:g} Hz, timeout {a.timeout_ms:g} ms")
+
+    tick = int(1e9 / a.hz)
+    status_ns = int(a.status_s * 1e9)
+    now = time.monotonic_ns()
+    next_tick = now
+    next_status = now + status_ns
+    outputs = lost = receipts = published = 0
+    last: Command | None = None
+    last_latency_ns = None
+    while not stop:
+        ctx.watchdog()
+        now = time.monotonic_ns()
+        new: ModelOutput | None = None
+        wait = min(max(next_tick - now, 0) / 1e9, MAX_WAIT_S)
+        try:
+            msg = reader.receive(timeout=wait) if wait > 0 else reader.try_receive()
+            # Several queued (we were slow): act on the newest, count the rest.
+            while msg is not None:
+                try:
+                    with msg:
+                        got = model_output_of(msg)
+                        has_receipt = getattr(msg, "receipt", None) is not None
+                    # Only once the release proved the slot was not reused meanwhile.
+                    new = got
+                    outputs += 1
+                    receipts += has_receipt
+                except LeaseLost:
+                    lost += 1
+                msg = reader.try_receive()
+        except ChannelTimeout:
+            pass
+        except Rejected:
+            pass            # counted in reader.stats.rejected; the law sees nothing new
+        except BridgeError as e:
+            print(f"controlsd: {e}", file=sys.stderr, flush=True)
+        now = time.monotonic_ns()
+        if new is None and now < next_tick:
+            continue
+        if new is not None and new.latency_ns is not None:
+            last_latency_ns = new.latency_ns
+        last = law.step(new, now)
+        writer.publish_array(last.to_array())
+        published += 1
+        next_tick = now + tick
+        if now >= next_status:
+            next_status = now + status_ns
+            rej = reader.stats.rejected
+            ctx.status(
+                f"engaged={int(last.engaged)} reason={last.reason.name} "
+                f"steer={last.steer_rad:+.4f} model_age_ms={last.model_age_ms:.1f} "
+                f"frame={last.frame_id} outputs={outputs} receipts={receipts} "
+                f"latency_ms={'-' if last_latency_ns is None else f'{last_latency_ns / 1e6:.2f}'} "
+                f"commands={published} rejected={sum(rej.values())}"
+                f"{'' if not rej else ' ' + ','.join(f'{k}:{v}' for k, v in sorted(rej.items()))} "
+                f"leases_lost={lost}")
+    final = law.step(None, time.monotonic_ns(), hold=SafeReason.SHUTDOWN)
+    writer.publish_array(final.to_array())
+    ctx.status(f"stopped: engaged=0 reason=SHUTDOWN commands={published + 1}")
+    return 0

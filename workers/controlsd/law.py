@@ -1,0 +1,191 @@
+"""The lateral control law of controlsd: pure, clock injected, no I/O.
+
+    law = ControlLaw(LawConfig())
+    cmd = law.step(ModelOutput(offset_m, heading_rad, confidence, ts_ns), now_ns)
+    cmd = law.step(None, now_ns)          # no new model output since the last step
+
+Sign conventions follow `workers.camerad.synthetic.LaneTruth`: + = to the right.
+``offset_m`` > 0 means the car is right of the lane centre, ``heading_rad`` > 0 that it
+points right of the lane; ``steer_rad`` > 0 steers right. So
+
+    target = clamp(-(k_p * offset_m + k_h * heading_rad), -max_steer, +max_steer)
+
+optionally low-passed (first order, ``tau_s``), then rate-limited: the output moves
+towards the target by at most ``max_rate * dt`` per step, with ``dt`` capped at
+``max_dt_s`` so a stalled caller can never make it jump.
+
+Safe state. Each step judges the newest model output; the first failing check is the
+reason (`SafeReason`), in this order:
+
+  NO_INPUT        no model output received yet
+  TIMEOUT         no new output for more than ``timeout_ms``
+  INVALID         non-finite values, or too few of them
+  NOT_HOST_VISIBLE the receipt says the output was only queued on the device
+  STALE           the output is older than ``max_age_ms`` (age from the frame's capture
+                  time when known, else from the output's publish time)
+  LOW_CONFIDENCE  confidence < ``min_confidence``
+
+Any failing check disengages at once (``engaged = False``) and the target becomes 0: the
+steer ramps to 0 at the rate limit. Re-engaging (also the first engagement) needs
+``engage_count`` consecutive new outputs that pass every check; until then the reason is
+RECOVERING. ``SHUTDOWN`` is the reason of a step called with ``hold=SafeReason.SHUTDOWN``
+(the worker is stopping).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+
+class SafeReason(IntEnum):
+    OK = 0
+    NO_INPUT = 1
+    TIMEOUT = 2
+    STALE = 3
+    LOW_CONFIDENCE = 4
+    INVALID = 5
+    NOT_HOST_VISIBLE = 6
+    RECOVERING = 7
+    SHUTDOWN = 8
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    """One model output, as the law needs it."""
+
+    offset_m: float
+    heading_rad: float
+    confidence: float
+    ts_ns: int                       # age reference: frame capture time, else publish time
+    frame_id: int | None = None
+    latency_ns: int | None = None    # inference latency from the receipt, if any
+    host_visible: bool = True        # False: receipt says only queued on the device
+
+    @classmethod
+    def from_array(cls, values: np.ndarray, ts_ns: int, **kw) -> ModelOutput:
+        """float32[4] = (offset_m, heading_rad, confidence, reserved); fewer than 3
+        values give an output that the law judges INVALID."""
+        flat = np.asarray(values).reshape(-1)
+        if flat.size < 3:
+            return cls(math.nan, math.nan, math.nan, ts_ns, **kw)
+        return cls(float(flat[0]), float(flat[1]), float(flat[2]), ts_ns, **kw)
+
+
+@dataclass(frozen=True)
+class LawConfig:
+    k_p: float = 0.05                # rad of steer per metre of offset
+    k_h: float = 0.5                 # rad of steer per rad of heading
+    max_steer: float = 0.3           # |steer| limit, rad
+    max_rate: float = 0.4            # rad/s
+    tau_s: float = 0.0               # low-pass time constant (0 = off)
+    timeout_ms: float = 150.0
+    max_age_ms: float = 150.0
+    min_confidence: float = 0.5
+    engage_count: int = 3
+    max_dt_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.max_steer <= 0 or self.max_rate <= 0 or self.max_dt_s <= 0:
+            raise ValueError("max_steer, max_rate and max_dt_s must be > 0")
+        if self.tau_s < 0 or self.timeout_ms <= 0 or self.max_age_ms <= 0:
+            raise ValueError("tau_s must be >= 0, timeout_ms and max_age_ms > 0")
+        if self.engage_count < 1:
+            raise ValueError("engage_count must be >= 1")
+
+
+@dataclass(frozen=True)
+class Command:
+    steer_rad: float
+    engaged: bool
+    reason: SafeReason
+    model_age_ms: float              # age of the newest model output; -1 if none yet
+    target_rad: float = 0.0          # before the rate limit
+    frame_id: int | None = None      # frame the newest model output came from
+
+    def to_array(self) -> np.ndarray:
+        """The control_cmd tensor: float32[4] = (steer_rad, engaged 0/1, reason code,
+        model_age_ms)."""
+        return np.array([self.steer_rad, 1.0 if self.engaged else 0.0, float(self.reason),
+                         self.model_age_ms], np.float32)
+
+    @classmethod
+    def from_array(cls, a: np.ndarray) -> Command:
+        a = np.asarray(a, np.float32).reshape(-1)
+        return cls(float(a[0]), bool(a[1] >= 0.5), SafeReason(int(round(float(a[2])))),
+                   float(a[3]))
+
+
+class ControlLaw:
+    def __init__(self, config: LawConfig | None = None) -> None:
+        self.cfg = config or LawConfig()
+        self.steer = 0.0
+        self.engaged = False
+        self._filtered = 0.0
+        self._last_ns: int | None = None
+        self._latest: ModelOutput | None = None
+        self._latest_rx_ns: int | None = None
+        self._streak = 0
+
+    def judge(self, out: ModelOutput | None, rx_ns: int | None, now_ns: int) -> SafeReason:
+        """Why ``out`` (received at ``rx_ns``) may not drive the car now, or OK."""
+        c = self.cfg
+        if out is None or rx_ns is None:
+            return SafeReason.NO_INPUT
+        if now_ns - rx_ns > c.timeout_ms * 1e6:
+            return SafeReason.TIMEOUT
+        if not all(math.isfinite(v) for v in (out.offset_m, out.heading_rad, out.confidence)):
+            return SafeReason.INVALID
+        if not out.host_visible:
+            return SafeReason.NOT_HOST_VISIBLE
+        if now_ns - out.ts_ns > c.max_age_ms * 1e6:
+            return SafeReason.STALE
+        if out.confidence < c.min_confidence:
+            return SafeReason.LOW_CONFIDENCE
+        return SafeReason.OK
+
+    def step(self, model_out: ModelOutput | None, now_ns: int, *,
+             hold: SafeReason | None = None) -> Command:
+        """Advance to ``now_ns`` with ``model_out`` (None: nothing new) and return the
+        command. ``hold`` forces the safe state with that reason."""
+        c = self.cfg
+        dt = 0.0 if self._last_ns is None else min(max((now_ns - self._last_ns) / 1e9, 0.0),
+                                                   c.max_dt_s)
+        self._last_ns = now_ns
+        if model_out is not None:
+            self._latest, self._latest_rx_ns = model_out, now_ns
+        reason = self.judge(self._latest, self._latest_rx_ns, now_ns)
+        if hold is not None and hold != SafeReason.OK:
+            reason = hold
+        if reason != SafeReason.OK:
+            self.engaged = False
+            self._streak = 0
+        elif not self.engaged:
+            if model_out is not None:
+                self._streak += 1
+            if self._streak >= c.engage_count:
+                self.engaged = True
+            else:
+                reason = SafeReason.RECOVERING
+
+        if self.engaged:
+            out = self._latest
+            target = -(c.k_p * out.offset_m + c.k_h * out.heading_rad)
+            target = min(max(target, -c.max_steer), c.max_steer)
+            if c.tau_s > 0:
+                alpha = 1.0 - math.exp(-dt / c.tau_s) if dt > 0 else 0.0
+                self._filtered += alpha * (target - self._filtered)
+                target = self._filtered
+        else:
+            target = 0.0
+            self._filtered = self.steer      # the filter restarts from where we are
+        step = c.max_rate * dt
+        self.steer += min(max(target - self.steer, -step), step)
+        self.steer = min(max(self.steer, -c.max_steer), c.max_steer)
+        if not self.engaged:
+            self._filtered = self.steer
+        age = -1.0 if self._latest is None else (now_ns - self._latest.ts_ns) / 1e6
+        return Command(self.steer, self.engaged, reason, age, target,
+                       None if self._latest is None else self._latest.frame_id)
