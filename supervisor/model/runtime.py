@@ -1,0 +1,408 @@
+"""Run a verified artifact with tinygrad, with no compiler and no compile.
+
+Only call this with a `VerifiedArtifact` (every byte checked). What it guarantees:
+
+* The process's tinygrad is configured for the artifact before it is imported (in a
+  dedicated worker, ``exclusive=True``): ``CACHEDB`` is the verified private copy of
+  kernels.db, opened read-only and immutable (tinygrad never writes it; a write would
+  fail loudly), ``DEV`` is the artifact's target, ``PARALLEL=0`` (no compile worker
+  processes), no BEAM, no HCQ2.
+* Compilation is replaced, not just cached: ``Compiler.compile_cached`` serves objects
+  only from the verified kernels (source text must match byte for byte, for the same
+  compiler and target); a miss raises `KernelNotInArtifact` naming the kernel. Every
+  loaded ``Compiler.compile`` and ``Renderer.asm`` raises too, so no path reaches clang,
+  an assembler or an exec. In a dedicated worker the guard is armed for the life of the
+  process; in-process library use (``exclusive=False``, e.g. a test) arms it only while
+  the model loads and runs, leaving other tinygrad users in the process alone.
+* jit.pkl is unpickled (after verification) with an allow-list of tinygrad classes, and
+  must carry no machine code: all code comes from kernels.db.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import io
+import os
+import pickle
+import re
+import sqlite3
+import sys
+import threading
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+
+from .artifact import VerifiedArtifact
+from .errors import (AbiMismatch, ArtifactError, GoldenMismatch, KernelNotInArtifact,
+                     RuntimeMismatch, UnsafePickle)
+
+# tinygrad knobs pinned for an artifact run (env before import; ContextVars after).
+PINNED_ENV = {
+    "PARALLEL": "0", "CCACHE": "1", "CACHELEVEL": "2", "BEAM": "0", "JITBEAM": "0",
+    "JIT": "1", "DEBUG": "0", "VIZ": "0", "PROFILE": "0", "HCQ2": "0",
+    "VALIDATE_WITH_CPU": "0", "CAPTURE_PROCESS_REPLAY": "0", "TRACK_MATCH_STATS": "0",
+}
+_CONTEXT = {"PARALLEL": 0, "BEAM": 0, "DEBUG": 0, "JIT": 1}
+
+_FN_RE = re.compile(r"\b(?:void|int|float|double|unsigned|long|char)\b[\s*]+([A-Za-z_]\w*)\s*\(")
+
+
+def kernel_name(src: str) -> str:
+    """Function name of a C kernel source (the last top-level function defined)."""
+    names = _FN_RE.findall(src)
+    return names[-1] if names else f"<unnamed source sha256 {hashlib.sha256(src.encode()).hexdigest()[:16]}>"
+
+
+def tinygrad_imported() -> bool:
+    return "tinygrad" in sys.modules
+
+
+# ------------------------------------------------------------------ compile guard
+
+class _Guard:
+    """Process-wide replacement of tinygrad's compile path (installed once)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.installed = False
+        self.permanent = False
+        self.depth = 0
+        self.kernels: dict[str, bytes] = {}
+        self.names: dict[str, str] = {}
+        self.compiler_id: tuple | None = None
+        self.hits: Counter[str] = Counter()
+        self.refused: list[str] = []
+        self._orig_cc: Any = None
+        self._patched: set[tuple[type, str]] = set()
+
+    @property
+    def active(self) -> bool:
+        return self.permanent or self.depth > 0
+
+    def _refuse_compile(self, what: str, src: str | None = None) -> None:
+        name = kernel_name(src) if isinstance(src, str) else "<unknown>"
+        self.refused.append(name)
+        raise KernelNotInArtifact(name, f"{what} is disabled while a signed model runs")
+
+    def _patch_subclasses(self) -> None:
+        from tinygrad.device import Compiler
+        from tinygrad.renderer import Renderer
+
+        guard = self
+
+        def walk(c: type) -> Iterator[type]:
+            yield c
+            for s in c.__subclasses__():
+                yield from walk(s)
+
+        for base, meth in ((Compiler, "compile"), (Renderer, "asm")):
+            for cls in walk(base):
+                if meth not in cls.__dict__ or (cls, meth) in self._patched:
+                    continue
+                orig = cls.__dict__[meth]
+
+                def refuse(self_: Any, *a: Any, __orig=orig, __meth=meth, __cls=cls, **kw: Any) -> Any:
+                    if guard.active:
+                        src = a[0] if a and isinstance(a[0], str) else None
+                        guard._refuse_compile(f"{__cls.__name__}.{__meth}", src)
+                    return __orig(self_, *a, **kw)
+
+                refuse.__name__ = meth
+                setattr(cls, meth, refuse)
+                self._patched.add((cls, meth))
+
+    def install(self) -> None:
+        with self.lock:
+            from tinygrad.device import Compiler
+
+            if not self.installed:
+                self._orig_cc = Compiler.__dict__["compile_cached"]
+                guard = self
+
+                def compile_cached(self_: Any, src: str) -> bytes:
+                    if guard.active:
+                        return guard.serve(self_, src)
+                    return guard._orig_cc(self_, src)
+
+                Compiler.compile_cached = compile_cached  # type: ignore[method-assign]
+                self.installed = True
+            self._patch_subclasses()
+
+    def serve(self, compiler: Any, src: str) -> bytes:
+        cid = (type(compiler).__module__, type(compiler).__qualname__,
+               getattr(compiler, "arch", None), tuple(getattr(compiler, "args", ()) or ()))
+        if cid != self.compiler_id:
+            name = kernel_name(src)
+            self.refused.append(name)
+            raise KernelNotInArtifact(name, f"asked of compiler {cid}, the artifact's objects "
+                                            f"are for {self.compiler_id}")
+        obj = self.kernels.get(src)
+        if obj is None:
+            name = kernel_name(src)
+            self.refused.append(name)
+            raise KernelNotInArtifact(name)
+        self.hits[self.names.get(src, kernel_name(src))] += 1
+        return obj
+
+    @contextmanager
+    def armed(self) -> Iterator[None]:
+        with self.lock:
+            self._patch_subclasses()  # classes imported since the last arming
+            self.depth += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.depth -= 1
+
+
+_GUARD = _Guard()
+
+
+def compile_stats() -> dict:
+    """Objects served from the artifact and compiles refused, for this process."""
+    return {"served": dict(_GUARD.hits), "served_total": sum(_GUARD.hits.values()),
+            "refused": list(_GUARD.refused), "guard_permanent": _GUARD.permanent}
+
+
+# ------------------------------------------------------------------ tinygrad set-up
+
+def _import_tinygrad(verified: VerifiedArtifact, exclusive: bool) -> None:
+    env = dict(PINNED_ENV, DEV=verified.target, CACHEDB=str(verified.kernels_db))
+    if exclusive:
+        if tinygrad_imported():
+            raise RuntimeMismatch("tinygrad was imported before the artifact was verified; a "
+                                  "dedicated model process must configure it first "
+                                  "(CACHEDB, DEV, no compile workers)")
+        os.environ.update(env)  # for the life of this process: tinygrad reads env at import
+        importlib.import_module("tinygrad")
+        import tinygrad.helpers as H
+
+        # Read-only, immutable connection to the verified copy: tinygrad's own cache
+        # reads go there, and any write fails instead of touching a file.
+        H._db_connection = sqlite3.connect(f"file:{verified.kernels_db}?mode=ro&immutable=1",
+                                           uri=True, isolation_level=None,
+                                           check_same_thread=False)
+        return
+    if not tinygrad_imported():
+        # Import with the artifact's knobs, then restore the environment so that child
+        # processes of this one do not inherit them. CACHEDB is left alone here: other
+        # tinygrad users of this process keep their own cache.
+        saved = {k: os.environ.get(k) for k in env if k != "CACHEDB"}
+        try:
+            os.environ.update({k: v for k, v in env.items() if k != "CACHEDB"})
+            importlib.import_module("tinygrad")
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+# ------------------------------------------------------------------ jit.pkl
+
+_ALLOWED_BUILTINS = frozenset({"bytearray", "bytes", "tuple", "list", "dict", "set",
+                               "frozenset", "slice", "complex", "range"})
+
+
+class _JitUnpickler(pickle.Unpickler):
+    """Allow-list: classes (not functions) from tinygrad, a few builtins."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "builtins":
+            if name in _ALLOWED_BUILTINS:
+                return super().find_class(module, name)
+            raise UnsafePickle(f"jit.pkl: builtins.{name} is not allowed")
+        if module == "tinygrad" or module.startswith("tinygrad."):
+            obj = super().find_class(module, name)
+            if isinstance(obj, type):
+                return obj
+            raise UnsafePickle(f"jit.pkl: {module}.{name} is a {type(obj).__name__}, only "
+                               f"tinygrad classes may be referenced")
+        raise UnsafePickle(f"jit.pkl: {module}.{name} is outside the allow-list")
+
+
+def _np_dtype(dt: Any) -> str:
+    return {"float": "float32", "float32": "float32", "half": "float16", "float16": "float16",
+            "uchar": "uint8", "uint8": "uint8", "int": "int32", "int32": "int32"}.get(dt.name, dt.name)
+
+
+# ------------------------------------------------------------------ the loaded model
+
+@dataclass(frozen=True)
+class RunStats:
+    bytes_in: int
+    bytes_out: int
+    kernels_run: int
+    device: str
+
+
+class LoadedModel:
+    """The artifact's captured JIT, ready to run. Not thread-safe (one caller)."""
+
+    def __init__(self, verified: VerifiedArtifact, *, exclusive: bool = False) -> None:
+        self.verified = verified
+        self.exclusive = exclusive
+        _import_tinygrad(verified, exclusive)
+        _GUARD.install()
+        with _GUARD.lock:
+            if _GUARD.compiler_id is not None and _GUARD.kernels is not verified.kernels:
+                # a second artifact in one process: objects of both are servable
+                _GUARD.kernels = {**_GUARD.kernels, **verified.kernels}
+                _GUARD.names = {**_GUARD.names, **verified.kernel_names}
+            else:
+                _GUARD.kernels, _GUARD.names = verified.kernels, verified.kernel_names
+            from tinygrad.runtime.support.compiler_cpu import ClangCompiler
+
+            ref = ClangCompiler(verified.target.split(":", 2)[2].split(","))
+            _GUARD.compiler_id = (type(ref).__module__, type(ref).__qualname__, ref.arch,
+                                  tuple(ref.args))
+            if exclusive:
+                _GUARD.permanent = True
+        with self.session():
+            self._load()
+
+    @contextmanager
+    def session(self) -> Iterator[None]:
+        """Guard armed and the artifact's tinygrad context, for loading and each run."""
+        from tinygrad.helpers import Context
+
+        with _GUARD.armed(), Context(DEV=self.verified.target, **_CONTEXT):
+            yield
+
+    def _load(self) -> None:
+        from tinygrad import Device, Tensor, dtypes
+        from tinygrad.engine.jit import CapturedJit, _TinyJit
+        from tinygrad.engine.realize import lower_and_compile
+        from tinygrad.uop.ops import Ops
+
+        v = self.verified
+        try:
+            cap = _JitUnpickler(io.BytesIO(v.jit_bytes)).load()
+        except ArtifactError:
+            raise
+        except Exception as exc:
+            raise AbiMismatch(f"jit.pkl does not load with tinygrad "
+                              f"{v.runtime['tinygrad_version']}: {type(exc).__name__}: {exc}") from None
+        if not isinstance(cap, CapturedJit):
+            raise AbiMismatch(f"jit.pkl holds a {type(cap).__name__}, not a CapturedJit")
+        progs = [u for u in cap._linear.toposort() if u.op is Ops.PROGRAM]
+        if any(len(p.src) != 3 or p.src[-1].op is not Ops.SOURCE for p in progs):
+            raise AbiMismatch("jit.pkl carries compiled code or unrendered kernels; every "
+                              "object must come from kernels.db")
+
+        # ABI of the captured program itself must be the manifest's.
+        ia, oa = v.input_abi["tensor"], v.output_abi
+        if len(cap.expected_input_info) != 1:
+            raise AbiMismatch(f"jit.pkl: captured JIT takes {len(cap.expected_input_info)} "
+                              f"inputs, the ABI describes 1")
+        view, _vars, dt, _dev = cap.expected_input_info[0]
+        if list(view.shape) != ia["shape"] or _np_dtype(dt) != ia["dtype"]:
+            raise AbiMismatch(f"jit.pkl: captured input is {_np_dtype(dt)}{list(view.shape)}, "
+                              f"abi.input.tensor says {ia['dtype']}{ia['shape']}")
+        ret = cap.ret
+        if not isinstance(ret, Tensor):
+            raise AbiMismatch("jit.pkl: captured JIT does not return one tensor")
+        if list(ret.shape) != oa["shape"] or _np_dtype(ret.dtype) != oa["dtype"]:
+            raise AbiMismatch(f"jit.pkl: captured output is {_np_dtype(ret.dtype)}"
+                              f"{list(ret.shape)}, abi.output says {oa['dtype']}{oa['shape']}")
+
+        # Objects for every kernel, from kernels.db only (a miss raises, naming it).
+        linear = lower_and_compile(cap._linear)
+        names = sorted({p.arg.function_name for p in linear.toposort() if p.op is Ops.PROGRAM})
+        listed = sorted(k["name"] for k in v.manifest["kernels"] if k.get("role") == "model")
+        if names != listed:
+            raise AbiMismatch(f"jit.pkl runs kernels {names}, the manifest lists {listed}")
+        self.kernels_in_program = sum(1 for c in linear.src if c.op is Ops.CALL)
+        self._jit = _TinyJit(None, CapturedJit(cap.ret, linear, cap.expected_names,
+                                                cap.expected_input_info))
+        dev = v.runtime["device"]
+        self._x = Tensor.empty(*ia["shape"], dtype=dtypes.float32 if ia["dtype"] == "float32"
+                               else getattr(dtypes, ia["dtype"]), device=dev).realize()
+        self._xbuf = self._x.uop.buffer.ensure_allocated()
+        self._device = Device[self._xbuf.device]
+        self._alloc = self._device.allocator
+        self._in_bytes = int(np.prod(ia["shape"])) * {"float32": 4, "float16": 2, "uint8": 1,
+                                                      "int32": 4}[ia["dtype"]]
+        self._out = np.empty(oa["shape"], dtype=oa["dtype"])
+        self._stage = np.empty(ia["shape"], dtype=ia["dtype"])
+        self._count_copies()
+        self.runtime_info = {
+            "device": self._xbuf.device,
+            "device_class": type(self._device).__name__,
+            "program_class": getattr(self._device.runtime_t, "__name__", "?"),
+            "renderer": type(self._device.renderer).__name__,
+            "compiler": type(self._device.compiler).__name__,
+            "target": v.target,
+        }
+        self.golden_ok: bool | None = None
+        if v.golden is not None:
+            gin, gout = v.golden
+            out, _ = self.run(np.frombuffer(gin, dtype=ia["dtype"]).reshape(ia["shape"]),
+                              _session=False)
+            if out.tobytes() != gout:
+                raise GoldenMismatch(f"golden.bin: output {out.tolist()} differs from the "
+                                     f"signed golden output "
+                                     f"{np.frombuffer(gout, oa['dtype']).tolist()} on this host")
+            self.golden_ok = True
+
+    def _count_copies(self) -> None:
+        """Count bytes through the allocator's host<->device copies (every copy path)."""
+        alloc = self._alloc
+        if getattr(alloc, "_model_counted", False):
+            return
+        counts = {"in": 0, "out": 0}
+        cin, cout = alloc._copyin, alloc._copyout
+
+        def _copyin(dest: Any, src: memoryview) -> Any:
+            counts["in"] += src.nbytes
+            return cin(dest, src)
+
+        def _copyout(dest: memoryview, src: Any) -> Any:
+            counts["out"] += dest.nbytes
+            return cout(dest, src)
+
+        alloc._copyin, alloc._copyout = _copyin, _copyout
+        alloc._model_counted = True
+        alloc._model_counts = counts
+
+    def run(self, x: np.ndarray, *, _session: bool = True) -> tuple[np.ndarray, RunStats]:
+        """Copy ``x`` in, run the captured program, copy the output back to host memory.
+
+        Returns a fresh output array (host memory, device synchronised) and what crossed.
+        """
+        ia = self.verified.input_abi["tensor"]
+        if x.dtype != np.dtype(ia["dtype"]) or list(x.shape) != ia["shape"]:
+            raise AbiMismatch(f"input is {x.dtype}{list(x.shape)}, the model takes "
+                              f"{ia['dtype']}{ia['shape']}")
+        if not (x.flags.c_contiguous and x.flags.writeable):
+            # from_mv wants a writable buffer; stage read-only/strided inputs
+            np.copyto(self._stage, x)
+            x = self._stage
+        if _session:
+            with self.session():
+                return self._run(x)
+        return self._run(x)
+
+    def _run(self, x: np.ndarray) -> tuple[np.ndarray, RunStats]:
+        from tinygrad.helpers import GlobalCounters
+
+        counts = self._alloc._model_counts
+        b_in, b_out, k0 = counts["in"], counts["out"], GlobalCounters.kernel_count
+        self._alloc._copyin(self._xbuf._buf, memoryview(x).cast("B"))
+        ret = self._jit(self._x)
+        obuf = ret.uop.buffer
+        out = np.empty_like(self._out)
+        # _copyout synchronises the device first: the bytes are final when it returns.
+        self._alloc._copyout(memoryview(out).cast("B"), obuf._buf)
+        return out, RunStats(counts["in"] - b_in, counts["out"] - b_out,
+                             GlobalCounters.kernel_count - k0, obuf.device)
+
+
+def load_model(verified: VerifiedArtifact, *, exclusive: bool = False) -> LoadedModel:
+    return LoadedModel(verified, exclusive=exclusive)
+

@@ -1,0 +1,239 @@
+"""modeld: the signed artifact runs in the control sandbox with no compiler, no exec and
+an empty tinygrad cache, bit-identical to an in-process run; a missing kernel fails
+naming it; the worker serves real bridge channels. Real tinygrad, real bubblewrap."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from supervisor.ipc import Channel, ChannelSpec, Reader, Writer, env_name
+from supervisor.model import load_verified
+from supervisor.model import artifact as A
+from tests.test_model_artifact import DEMO, DEMO_PUB, copy_bundle, drop_kernel, test_key  # noqa: F401
+from workers.camerad.synthetic import SyntheticRoad
+from workers.modeld.engine import ENGINE_ABI, Engine, FrameRejected
+
+W, H, SEED = 1928, 1208, 7
+FRAMES = range(0, 6)
+MANIFEST = A.read_manifest_unverified(DEMO)
+MODEL_KERNELS = [k["name"] for k in MANIFEST["kernels"] if k["role"] == "model"]
+HAVE_BWRAP = shutil.which("bwrap") is not None
+sandbox = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap is not installed")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    v = load_verified(DEMO, DEMO_PUB, expect_abi=ENGINE_ABI)
+    e = Engine(v, deadline_ms=50)
+    yield e
+    v.close()
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    """In-process outputs (this process may well have clang; it is never used)."""
+    road = SyntheticRoad(W, H, seed=SEED)
+    outs, truths, receipts = [], [], []
+    for i in FRAMES:
+        y, _uv, truth = road.render(i)
+        out, r = engine.infer(y, frame_id=i, capture_ts_ns=123)
+        outs.append(out.tobytes().hex())
+        truths.append(truth)
+        receipts.append(r)
+    return {"outputs": outs, "truth": truths, "receipts": receipts}
+
+
+def sandbox_selftest(artifact: Path, pubkey: Path, *extra: str):
+    from supervisor.sandbox import policy_for_domain, run
+
+    pol = policy_for_domain("control", extra_ro_binds=[str(artifact), str(pubkey)])
+    argv = [sys.executable, "-m", "supervisor.runner", "workers.modeld.selftest",
+            "--artifact", str(artifact), "--pubkey", str(pubkey), "--frames", str(len(FRAMES)),
+            "--seed", str(SEED), "--width", str(W), "--height", str(H), *extra]
+    res = run(pol, argv, timeout=180, env_extra={"TRIO_WORKER": "modeld-selftest",
+                                                 "TRIO_DOMAIN": "control"})
+    lines = res.stdout.strip().splitlines()
+    assert lines, f"no output (rc {res.returncode}): {res.stderr[-3000:]}"
+    return res, json.loads(lines[-1])
+
+
+# ------------------------------------------------------------------ in-process engine
+
+def test_outputs_follow_the_lane_and_receipts_say_what_ran(engine, reference):
+    for hexout, truth, r in zip(reference["outputs"], reference["truth"], reference["receipts"]):
+        off, head, conf, reserved = np.frombuffer(bytes.fromhex(hexout), np.float32)
+        assert abs(off - truth.offset_m) < 0.15 and abs(head - truth.heading_rad) < 0.02
+        assert conf > 0.9 and reserved == 0.0
+        assert r.device == "CPU" and r.completion == "hostVisible"
+        assert r.bytes_in == 1 * 1 * 64 * 128 * 4 and r.bytes_out == 4 * 4
+        assert r.kernels_run == len(MODEL_KERNELS)
+        assert r.artifact_sha256 == hashlib.sha256((DEMO / "manifest.json").read_bytes()).digest()
+        assert r.latency_ns == r.infer_end_ns - r.infer_start_ns > 0
+        assert r.deadline_ns == 50_000_000 and r.worst_case_ns >= r.latency_ns
+        assert r.capture_ts_ns == 123
+    blank, _ = engine.infer(np.full((H, W), 90, np.uint8))
+    assert blank[2] < 0.2                       # no lane edges: low confidence
+    assert engine.info["golden_ok"] and engine.info["runtime"]["device_class"] == "CPUDevice"
+
+
+def test_frames_outside_the_input_abi_are_rejected_and_counted(engine):
+    y = np.zeros((H, W), np.uint8)
+    cases = [({"pixel_format": "rgb888"}, y, "pixel_format"),
+             ({"pixel_range": "limited"}, y, "pixel_range"),
+             ({}, y.astype(np.float32), "dtype"),
+             ({}, np.zeros((H, W, 3), np.uint8), "dtype"),
+             ({}, np.zeros((60, 100), np.uint8), "too_small")]
+    before = dict(engine.rejected)
+    for kw, plane, reason in cases:
+        with pytest.raises(FrameRejected) as ei:
+            engine.infer(plane, **kw)
+        assert ei.value.reason == reason
+    with pytest.raises(FrameRejected, match="frame says"):
+        engine.check_frame(y, width=W + 2, height=H)
+    got = {k: engine.rejected[k] - before.get(k, 0) for k in engine.rejected}
+    assert got == {"pixel_format": 1, "pixel_range": 1, "dtype": 2, "too_small": 1, "shape": 1}
+    out, _ = engine.infer(SyntheticRoad(W, H, seed=SEED).render(0)[0])   # still runs
+    assert out.shape == (4,)
+
+
+# ------------------------------------------------------------------ control sandbox
+
+@sandbox
+def test_control_sandbox_runs_the_artifact_bit_identically_without_a_compiler(reference):
+    res, rep = sandbox_selftest(DEMO, DEMO_PUB, "--probe-compilers", "--lock-down")
+    assert res.returncode == 0 and rep["ok"], res.stderr[-3000:]
+    # bit-identical to the in-process run
+    assert rep["outputs"] == reference["outputs"]
+    # no compiler was needed: every object came from the signed kernels.db
+    assert rep["compile"]["refused"] == []
+    assert rep["compile"]["served_total"] == len(MANIFEST["kernels"])
+    assert set(rep["compile"]["served"]) == {k["name"] for k in MANIFEST["kernels"]}
+    assert rep["tinygrad_imported_before_load"] is False
+    assert rep["cachedb_is_verified_copy"] is True
+    assert rep["home_cache_before"] is None and rep["home_cache_after"] is None   # empty cache
+    assert rep["kernels_db_unchanged"] is True                # read, never written
+    assert rep["workdir_files"] == ["golden.bin", "jit.pkl", "kernels.db"]
+    # and none was there to use: compilers cannot be executed in the control sandbox,
+    # and after lock-down (what ctx.ready() installs) nothing can be executed at all
+    for cc in ("clang", "gcc"):
+        assert not rep["compilers"][cc].startswith("ran"), rep["compilers"]
+    assert rep["exec_after_lock_down"].startswith("PermissionError")
+    assert rep["worker"]["domain"] == "control"
+    assert rep["info"]["golden_ok"] is True
+    sha = hashlib.sha256((DEMO / "manifest.json").read_bytes()).hexdigest()
+    for r in rep["receipts"]:
+        assert r["device"] == "CPU" and r["completion"] == "hostVisible"
+        assert (r["bytes_in"], r["bytes_out"]) == (32768, 16)
+        assert r["artifact_sha256"] == sha and r["kernels_run"] == len(MODEL_KERNELS)
+        assert r["deadline_misses"] == 0
+
+
+@sandbox
+@pytest.mark.parametrize("victim", [MODEL_KERNELS[0], "worker_prog"])
+def test_a_kernel_missing_from_the_artifact_fails_naming_it(tmp_path, test_key, victim):  # noqa: F811
+    key, pub = test_key
+    b = copy_bundle(tmp_path / "b")
+    drop_kernel(b, victim, key)
+    load_verified(b, pub).close()                    # a well-signed, consistent bundle
+    res, rep = sandbox_selftest(b, pub)
+    assert res.returncode == 3 and rep["ok"] is False
+    assert rep["error"] == "KernelNotInArtifact"
+    assert f"kernel {victim!r} is not in the signed artifact" in rep["message"]
+    assert rep["compile"]["refused"] == [victim]
+    text = res.stdout + res.stderr
+    assert "PermissionError" not in text and "'clang'" not in text
+
+
+# ------------------------------------------------------------------ the worker itself
+
+def _read_status(fd: int, want: str, timeout: float, seen: list[str]) -> bool:
+    end = time.monotonic() + timeout
+    buf = b""
+    while time.monotonic() < end:
+        r, _, _ = select.select([fd], [], [], 0.2)
+        if not r:
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return False
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        seen += [ln.decode() for ln in lines]
+        if any(want in ln for ln in seen):
+            return True
+    return False
+
+
+@sandbox
+def test_modeld_worker_in_the_control_sandbox_over_the_bridge(reference):
+    from supervisor.sandbox import policy_for_domain, spawn
+
+    road_ch = Channel.create(ChannelSpec(name="road_frames", kind="frame", slot_size=W * H * 3,
+                                         slot_count=6, pixel_formats=("nv12", "rgb888")))
+    out_ch = Channel.create(ChannelSpec(name="model_out", dtype="float32", slot_size=4096,
+                                        slot_count=8))
+    camera = Writer(road_ch.writer_handle(), domain="control")
+    rh, ow = road_ch.reader_handle(0), out_ch.writer_handle()
+    r, wfd = os.pipe2(os.O_CLOEXEC)
+    env = {env_name("road_frames"): rh.to_json(), env_name("model_out"): ow.to_json(),
+           "TRIO_CHANNELS": "model_out,road_frames", "TRIO_WORKER": "modeld",
+           "TRIO_DOMAIN": "control", "TRIO_STATUS_FD": str(wfd), "TRIO_NETWORK": "0"}
+    pol = policy_for_domain("control", extra_ro_binds=[str(DEMO), str(DEMO_PUB)])
+    proc = spawn(pol, [sys.executable, "-m", "supervisor.runner", "workers.modeld",
+                       "--artifact", str(DEMO), "--pubkey", str(DEMO_PUB), "--status-ms", "200"],
+                 [*rh.fds(), *ow.fds(), wfd], env_extra=env, stdin=subprocess.DEVNULL,
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    os.close(wfd)
+    seen: list[str] = []
+    try:
+        assert _read_status(r, "READY=1", 90, seen), (seen, proc.poll())
+        results = Reader(out_ch.reader_handle(0))
+        road = SyntheticRoad(W, H, seed=SEED)
+        got = []
+        for fid in FRAMES:
+            if fid == 2:     # a frame in a format the model does not take: skipped, counted
+                with camera.loan() as loan:
+                    loan.frame("rgb888", W, H)[0][...] = 0
+                    loan.publish(frame_id=1000, capture_ts_ns=time.monotonic_ns())
+            with camera.loan() as loan:
+                y, uv = loan.frame("nv12", W, H)
+                road.render_into(fid, y, uv)
+                loan.publish(frame_id=fid, capture_ts_ns=time.monotonic_ns())
+            with results.receive(timeout=20) as msg:
+                got.append((msg.stamp.frame_id, msg.array.tobytes().hex()))
+        assert got == list(zip(FRAMES, reference["outputs"]))     # bit-identical, in order
+        assert _read_status(r, "frame:pixel_format=1", 10, seen), seen
+        assert proc.poll() is None                                 # still serving
+        assert any(ln.startswith("READY=1") and "golden ok" in ln for ln in seen)
+        assert any(ln.startswith("WATCHDOG=1") for ln in seen)
+    finally:
+        proc.kill()
+        out, err = proc.communicate(timeout=30)
+        os.close(r)
+        camera.close()
+        road_ch.close()
+        out_ch.close()
+    assert b"modeld: ready" in err
+
+
+@sandbox
+def test_modeld_refuses_an_artifact_it_cannot_verify(test_key):  # noqa: F811
+    from supervisor.sandbox import policy_for_domain, run
+
+    _key, pub = test_key
+    pol = policy_for_domain("control", extra_ro_binds=[str(DEMO), str(pub)])
+    res = run(pol, [sys.executable, "-m", "supervisor.runner", "workers.modeld",
+                    "--artifact", str(DEMO), "--pubkey", str(pub)], timeout=60,
+              env_extra={"TRIO_WORKER": "modeld", "TRIO_DOMAIN": "control"})
+    assert res.returncode == 2
+    assert "modeld: artifact refused: BadSignature" in res.stderr

@@ -1,0 +1,454 @@
+"""Build and sign a model artifact (build/R&D side: needs clang, never runs in a vehicle).
+
+    python -m workers.modelbuild --out DIR [--key KEYFILE] [--seed N] [--pubkey-out FILE]
+
+Steps, in one fresh process (tinygrad is configured before it is imported):
+
+1. tinygrad for the target ``CPU:CLANG:<arch>,<x86-64 level>`` (a named ISA level, not
+   ``native``, so the objects run on any CPU with that level; the manifest lists the CPU
+   flags it needs), ``PARALLEL=0`` so every compile happens here and is recorded,
+   ``CACHEDB`` in a fresh temp dir.
+2. Open the CPU device: its four worker programs are compiled now (recorded as role
+   "device-init").
+3. Render synthetic frames, preprocess them with modeld's own `preprocess_y`, run the
+   fixed conv trunk (batched), fit the linear head by ridge least squares against the
+   frames' truth, calibrate the confidence.
+4. Capture the deployed function with TinyJit on sample inputs; strip the compiled
+   objects out of the captured graph (jit.pkl keeps graph, C sources and weights) and put
+   every object the runtime needs into kernels.db (tinygrad's cache table format).
+5. golden.bin (a sample input and this build's output for it), manifest.json (canonical
+   JSON, sha256 of every file, ABI, target, CPU flags, training record), manifest.sig.
+6. Rehearsal: ``python -m workers.modeld.selftest`` in a fresh process loads the signed
+   bundle exactly as modeld will (verify, no compile) and must reproduce golden.bin.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import pickle
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from supervisor.model import artifact as A
+from supervisor.model import host as H
+from supervisor.model import keys as K
+from supervisor.model.runtime import PINNED_ENV, kernel_name, tinygrad_imported
+from workers.modeld.engine import ENGINE_ABI, min_frame, preprocess_spec, preprocess_y
+
+from .model import LaneNet, conv_weights, fit_head
+from .synthetic import road_class
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_NAME = "lane-offset-demo"
+DEFAULT_VERSION = "1.0.0"
+DEVICE_INIT = ("signal_prog", "wait_prog", "timestamp_prog", "worker_prog")
+
+
+def default_key_path() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "trio-modelbuild" / "signing_ed25519.key"
+
+
+def _inside(p: Path, root: Path) -> bool:
+    try:
+        p.resolve().relative_to(root.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def signing_key(path: Path) -> tuple[object, bool]:
+    """Load the private key at ``path`` or create it there; never inside the repository."""
+    if _inside(path, PROJECT_ROOT):
+        raise SystemExit(f"modelbuild: refusing a private key inside the repository ({path}); "
+                         f"keep it outside, e.g. {default_key_path()}")
+    if path.exists():
+        return K.load_private_key(path), False
+    return K.generate_private_key(path), True
+
+
+def _prepare_out(out: Path, force: bool) -> None:
+    if out.exists():
+        entries = list(out.iterdir())
+        if entries and not force:
+            raise SystemExit(f"modelbuild: {out} is not empty (use --force to replace the bundle)")
+        for e in entries:
+            if e.is_dir() and not e.is_symlink():
+                raise SystemExit(f"modelbuild: {out} holds a directory {e.name}; not a bundle")
+            e.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _frames(road_cls, width, height, seeds, n_per_seed, spec, rng_seed):
+    X, T = [], []
+    for s in seeds:
+        road = road_cls(width, height, seed=s)
+        ids = np.random.default_rng([rng_seed, s]).integers(0, 200_000, n_per_seed)
+        for fid in ids:
+            y, _uv, truth = road.render(int(fid))
+            X.append(preprocess_y(y, spec)[0].copy())
+            T.append((truth.offset_m, truth.heading_rad))
+    return np.stack(X).astype(np.float32), np.asarray(T, np.float64)
+
+
+def build(out: Path, key_path: Path, *, seed: int = 0, frames: int = 1600,
+          val_frames: int = 300, width: int = 1928, height: int = 1208,
+          cpu: str | None = None, name: str = DEFAULT_NAME, version: str = DEFAULT_VERSION,
+          pubkey_out: Path | None = None, force: bool = False, rehearse: bool = True,
+          lams: tuple[float, ...] = (0.1, 1.0, 10.0, 100.0, 1000.0), log=print) -> dict:
+    t_start = time.monotonic()
+    if _inside(key_path, PROJECT_ROOT):
+        raise SystemExit(f"modelbuild: refusing a private key inside the repository "
+                         f"({key_path}); keep it outside, e.g. {default_key_path()}")
+    if tinygrad_imported():
+        raise SystemExit("modelbuild: tinygrad is already imported in this process; run the "
+                         "build in a fresh process (python -m workers.modelbuild)")
+    machine = H.machine()
+    if machine != "x86_64":
+        raise SystemExit(f"modelbuild: only x86_64 targets are supported so far ({machine})")
+    level = cpu or H.best_level()
+    need_flags = list(H.level_flags(level))
+    missing = sorted(set(need_flags) - H.cpu_flags())
+    if missing:
+        raise SystemExit(f"modelbuild: this host cannot run {level} objects (lacks "
+                         f"{', '.join(missing)}), so it cannot rehearse them")
+    arch_string = f"{machine},{level}"
+    target = f"CPU:CLANG:{arch_string}"
+    if shutil.which(os.environ.get("CC", "clang")) is None:
+        raise SystemExit("modelbuild: clang is needed to build (apt-get install -y clang)")
+
+    key, created = signing_key(key_path)
+    pub = key.public_key()
+    if created:
+        log(f"modelbuild: new signing key {key_path} (key id {K.key_id(pub)[:16]}...)")
+    _prepare_out(out, force)
+    tmp = Path(tempfile.mkdtemp(prefix="modelbuild-"))
+    os.environ.update(PINNED_ENV, DEV=target, CACHEDB=str(tmp / "build-cache.db"))
+    try:
+        return _build(out, key, pub, tmp, target=target, arch_string=arch_string, level=level,
+                      need_flags=need_flags, seed=seed, frames=frames, val_frames=val_frames,
+                      width=width, height=height, name=name, version=version,
+                      pubkey_out=pubkey_out or key_path.with_suffix(".pub"),
+                      rehearse=rehearse, lams=lams, log=log, t_start=t_start)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _build(out, key, pub, tmp, *, target, arch_string, level, need_flags, seed, frames,
+           val_frames, width, height, name, version, pubkey_out, rehearse, lams, log, t_start):
+    import tinygrad.helpers as TH
+    from tinygrad import Device, Tensor, TinyJit
+    from tinygrad.device import Compiler
+    from tinygrad.uop.ops import Ops
+
+    # Every compile of this process, in order, with what it was for.
+    compiled: dict[str, dict] = {}
+    phase = ["device-init"]
+    orig_cc = Compiler.compile_cached
+
+    def recording(self, src: str) -> bytes:
+        lib = orig_cc(self, src)
+        compiled.setdefault(src, {"cachekey": self.cachekey, "lib": lib, "phase": phase[0],
+                                  "name": kernel_name(src)})
+        return lib
+
+    Compiler.compile_cached = recording
+    dev = Device["CPU"]
+    if type(dev.renderer).__name__ != "ClangRenderer":
+        raise SystemExit(f"modelbuild: tinygrad picked {type(dev.renderer).__name__} for {target}")
+    cachekey = dev.compiler.cachekey
+    init_srcs = [s for s, c in compiled.items() if c["phase"] == "device-init"]
+    if sorted(compiled[s]["name"] for s in init_srcs) != sorted(DEVICE_INIT):
+        raise SystemExit(f"modelbuild: device init compiled {[compiled[s]['name'] for s in init_srcs]}"
+                         f", expected {list(DEVICE_INIT)} (tinygrad changed?)")
+    phase[0] = "build"
+
+    spec = preprocess_spec()
+    road_cls, road_name = road_class()
+    weights = conv_weights(seed)
+    net = LaneNet(weights)
+    train_seeds = [seed * 1000 + i for i in range(4)]
+    val_seed = seed * 1000 + 999
+    per_seed = max(1, frames // len(train_seeds))
+    t0 = time.monotonic()
+    Xtr, Ttr = _frames(road_cls, width, height, train_seeds, per_seed, spec, seed)
+    Xva, Tva = _frames(road_cls, width, height, [val_seed], val_frames, spec, seed)
+    log(f"modelbuild: {len(Xtr)}+{len(Xva)} frames from {road_name} {width}x{height} "
+        f"in {time.monotonic() - t0:.1f}s")
+
+    # Features of the training frames (batched; these kernels are not shipped).
+    B = 32
+    feat_jit = TinyJit(lambda x: [t.realize() for t in net.features(x)])
+
+    def features(X):
+        fs, es = [], []
+        for i in range(0, len(X), B):
+            xb = X[i:i + B]
+            pad = B - len(xb)
+            if pad:
+                xb = np.concatenate([xb, np.zeros((pad, *xb.shape[1:]), np.float32)])
+            f, e = feat_jit(Tensor(np.ascontiguousarray(xb), device="CPU").realize())
+            fs.append(f.numpy()[:B - pad].copy())
+            es.append(e.numpy()[:B - pad].copy())
+        return np.concatenate(fs), np.concatenate(es)
+
+    Ftr, Etr = features(Xtr)
+    # Ridge strength: chosen on the last training seed held out, then refit on all.
+    n_fit = per_seed * (len(train_seeds) - 1)
+    scale = Ttr.std(0) + 1e-9
+    lam_scores = {}
+    for cand in lams:
+        W_, b_ = fit_head(Ftr[:n_fit], Ttr[:n_fit], cand)
+        err = ((Ftr[n_fit:] @ W_ + b_ - Ttr[n_fit:]) / scale) ** 2
+        lam_scores[cand] = float(err.mean())
+    lam = min(lam_scores, key=lam_scores.get)
+    Wh, bh = fit_head(Ftr, Ttr, lam)
+    log(f"modelbuild: ridge lambda {lam} (held-out normalised mse "
+        f"{', '.join(f'{k:g}: {v:.4f}' for k, v in lam_scores.items())})")
+    e_typ = float(np.median(Etr))
+    conf_e0, conf_k = np.float32(0.5 * e_typ), np.float32(8.0 / max(e_typ, 1e-6))
+
+    # The deployed function, captured on sample inputs.
+    net.t["head_w"] = Tensor(np.ascontiguousarray(Wh), device="CPU").realize()
+    net.t["head_b"] = Tensor(bh, device="CPU").realize()
+    net.t["conf_e0"] = Tensor(np.array([conf_e0], np.float32), device="CPU").realize()
+    net.t["conf_k"] = Tensor(np.array([conf_k], np.float32), device="CPU").realize()
+    phase[0] = "model"
+    jit = TinyJit(lambda x: net.forward(x).realize())
+    for i in range(3):
+        jit(Tensor(np.ascontiguousarray(Xtr[i:i + 1]), device="CPU").realize())
+    cap = jit.captured
+    if cap is None:
+        raise SystemExit("modelbuild: TinyJit captured nothing")
+
+    def run_deployed(x):
+        return jit(Tensor(np.ascontiguousarray(x), device="CPU").realize()).numpy().copy()
+
+    P = np.stack([run_deployed(Xva[i:i + 1]) for i in range(len(Xva))])
+    rmse = np.sqrt(((P[:, :2] - Tva) ** 2).mean(0))
+    blank = preprocess_y(np.full((height, width), 100, np.uint8), spec)
+    conf_blank = float(run_deployed(blank)[2])
+    log(f"modelbuild: validation rmse offset {rmse[0]:.4f} m (std {Tva[:, 0].std():.3f}), "
+        f"heading {rmse[1]:.5f} rad (std {Tva[:, 1].std():.4f}); confidence median "
+        f"{float(np.median(P[:, 2])):.3f}, on a blank frame {conf_blank:.3f}")
+
+    # Strip the objects out of the captured graph; collect them for kernels.db.
+    progs = [u for u in cap._linear.toposort() if u.op is Ops.PROGRAM]
+    model_kernels: dict[str, bytes] = {}
+    model_names: dict[str, str] = {}
+    for p in progs:
+        if len(p.src) != 4 or p.src[2].op is not Ops.SOURCE or p.src[3].op is not Ops.BINARY:
+            raise SystemExit(f"modelbuild: unexpected PROGRAM layout {[s.op for s in p.src]}")
+        src, lib = p.src[2].arg, p.src[3].arg
+        if compiled.get(src, {}).get("lib") not in (None, lib):
+            raise SystemExit(f"modelbuild: object of {p.arg.function_name} differs from the compile log")
+        model_kernels[src] = lib
+        model_names[src] = p.arg.function_name
+    stripped = cap._linear.substitute({p: p.replace(src=p.src[:3]) for p in progs}, walk=True,
+                                      enter_calls=True)
+    left = [u for u in stripped.toposort() if u.op is Ops.PROGRAM and len(u.src) != 3]
+    if left:
+        raise SystemExit(f"modelbuild: {len(left)} programs kept their objects after stripping")
+    from tinygrad.engine.jit import CapturedJit
+
+    # golden output first, then drop the intermediate buffers' contents (only the weights
+    # need to travel in jit.pkl; intermediates are reallocated at load)
+    gin = np.ascontiguousarray(Xva[:1])
+    gout = run_deployed(gin)
+    (out / A.GOLDEN_FILE).write_bytes(gin.tobytes() + gout.tobytes())
+    cap.free_intermediates()
+    jit_bytes = pickle.dumps(CapturedJit(cap.ret, stripped, cap.expected_names,
+                                         cap.expected_input_info), protocol=5)
+    if b"\x7fELF" in jit_bytes:
+        raise SystemExit("modelbuild: jit.pkl still contains an ELF object")
+
+    # kernels.db: tinygrad's cache table, exactly the objects the runtime needs.
+    table = f"{cachekey}_{TH.VERSION}"
+    rows: list[tuple[str, bytes, str, str]] = []
+    for s in init_srcs:
+        rows.append((s, compiled[s]["lib"], compiled[s]["name"], "device-init"))
+    for s, lib in model_kernels.items():
+        rows.append((s, lib, model_names[s], "model"))
+    rows.sort(key=lambda r: (r[3], r[2]))
+    kdb = out / A.KERNELS_FILE
+    con = sqlite3.connect(kdb)
+    con.execute(f"CREATE TABLE '{table}' (key text, val blob, PRIMARY KEY (key))")
+    con.executemany(f"INSERT INTO '{table}' (key, val) VALUES (?, ?)",
+                    [(s, pickle.dumps(lib)) for s, lib, _, _ in rows])
+    con.commit()
+    con.execute("VACUUM")
+    con.close()
+    for suffix in ("-journal", "-wal", "-shm"):
+        if (out / (A.KERNELS_FILE + suffix)).exists():
+            raise SystemExit(f"modelbuild: sqlite left {A.KERNELS_FILE}{suffix} behind")
+    (out / A.JIT_FILE).write_bytes(jit_bytes)
+
+
+    import hashlib
+
+    in_shape = [1, 1, spec["out_height"], spec["out_width"]]
+    mh, mw = min_frame(spec)
+    manifest = {
+        "format": A.FORMAT,
+        "model": {
+            "name": name, "version": version,
+            "created_utc": _created_utc(),
+            "description": "lane offset/heading regressor on the NV12 Y plane: fixed seeded "
+                           "conv trunk, ridge-fitted linear head (demo)",
+        },
+        "runtime": {
+            "framework": "tinygrad", "tinygrad_version": _tg_version(),
+            "device": "CPU", "renderer": "CLANG", "target": target,
+            "compiler": "clang", "compiler_version": _clang_version(),
+            "cache_table": table, "cache_version": TH.VERSION,
+            "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        },
+        "host": {
+            "arch": H.machine(), "byteorder": sys.byteorder, "cpu": level,
+            "required_cpu_flags": need_flags, "os": "linux",
+        },
+        "files": {
+            A.JIT_FILE: A.file_entry(out / A.JIT_FILE, role="captured TinyJit: graph, C "
+                                     "sources and weights; no machine code"),
+            A.KERNELS_FILE: A.file_entry(kdb, role="tinygrad compile cache: every object "
+                                         "the runtime loads"),
+            A.GOLDEN_FILE: A.file_entry(out / A.GOLDEN_FILE, role="power-on self-test "
+                                        "input and expected output"),
+        },
+        "kernels": [
+            {"name": n, "role": role, "source_sha256": hashlib.sha256(s.encode()).hexdigest(),
+             "object_sha256": hashlib.sha256(lib).hexdigest(), "object_size": len(lib)}
+            for s, lib, n, role in rows
+        ],
+        "abi": {
+            "input": {
+                "name": "road_y",
+                "frame": {"pixel_format": "nv12", "plane": "y", "dtype": "uint8",
+                          "pixel_range": "full", "min_width": mw, "min_height": mh,
+                          "channel_kind": "frame"},
+                "preprocess": spec,
+                "tensor": {"dtype": "float32", "shape": in_shape,
+                           "strides": [4 * in_shape[2] * in_shape[3]] * 2 + [4 * in_shape[3], 4],
+                           "byte_offset": 0, "layout": "NCHW",
+                           "normalisation": "(y - 128) / 64 after area mean"},
+            },
+            "output": {"dtype": "float32", "shape": [4], "strides": [4], "byte_offset": 0,
+                       "layout": "vector",
+                       "fields": ["offset_m", "heading_rad", "confidence", "reserved"],
+                       "units": ["m", "rad", "1", ""],
+                       "conventions": "offset_m + = car right of lane centre; heading_rad + = "
+                                      "car pointing right of the lane; confidence in [0, 1]; "
+                                      "reserved = 0"},
+        },
+        "golden": {"file": A.GOLDEN_FILE, "input_bytes": int(gin.nbytes),
+                   "output_bytes": int(gout.nbytes)},
+        "training": {
+            "generator": road_name, "render_size": [width, height], "seed": seed,
+            "train_seeds": train_seeds, "val_seed": val_seed,
+            "train_frames": int(len(Xtr)), "val_frames": int(len(Xva)),
+            "head": "ridge least squares on standardised features, folded", "ridge_lambda": lam,
+            "ridge_lambda_scores": {f"{k:g}": round(v, 6) for k, v in lam_scores.items()},
+            "val_rmse_offset_m": round(float(rmse[0]), 6),
+            "val_rmse_heading_rad": round(float(rmse[1]), 7),
+            "val_std_offset_m": round(float(Tva[:, 0].std()), 6),
+            "val_std_heading_rad": round(float(Tva[:, 1].std()), 7),
+            "confidence": {"edge_energy_median": round(e_typ, 6), "e0": float(conf_e0),
+                           "k": float(conf_k), "median_val": round(float(np.median(P[:, 2])), 6),
+                           "blank_frame": round(conf_blank, 6)},
+        },
+    }
+    A._match_subset(ENGINE_ABI, manifest["abi"], "abi")  # the engine can run it
+    mbytes = A.write_signed(out, manifest, key)
+    pubkey_out.parent.mkdir(parents=True, exist_ok=True)
+    pubkey_out.write_text(K.public_key_text(pub))
+
+    summary = {
+        "out": str(out), "pubkey": str(pubkey_out), "key_id": K.key_id(pub),
+        "manifest_sha256": hashlib.sha256(mbytes).hexdigest(), "target": target,
+        "kernels": [r[2] for r in rows], "bytes": sum(f.stat().st_size for f in out.iterdir()),
+        "val_rmse_offset_m": float(rmse[0]), "val_rmse_heading_rad": float(rmse[1]),
+        "generator": road_name,
+    }
+    if rehearse:
+        summary["rehearsal"] = rehearse_bundle(out, pubkey_out, width=width, height=height)
+    summary["seconds"] = round(time.monotonic() - t_start, 2)
+    return summary
+
+
+def rehearse_bundle(out: Path, pubkey: Path, *, width: int, height: int) -> dict:
+    """Load the signed bundle in a fresh process the way modeld does; golden must match."""
+    env = {k: v for k, v in os.environ.items() if k not in PINNED_ENV and k not in ("DEV", "CACHEDB")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
+    res = subprocess.run([sys.executable, "-m", "workers.modeld.selftest", "--artifact", str(out),
+                          "--pubkey", str(pubkey), "--frames", "2", "--width", str(width),
+                          "--height", str(height)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    try:
+        rep = json.loads(res.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        rep = {"ok": False}
+    if res.returncode != 0 or not rep.get("ok") or rep.get("compile", {}).get("refused"):
+        raise SystemExit(f"modelbuild: rehearsal failed (rc {res.returncode}):\n{res.stdout}\n{res.stderr}")
+    return {"ok": True, "golden_ok": rep["info"]["golden_ok"],
+            "served": rep["compile"]["served_total"]}
+
+
+def _created_utc() -> str:
+    sde = os.environ.get("SOURCE_DATE_EPOCH")
+    t = _dt.datetime.fromtimestamp(int(sde), _dt.timezone.utc) if sde else _dt.datetime.now(_dt.timezone.utc)
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _tg_version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("tinygrad")
+
+
+def _clang_version() -> str:
+    try:
+        r = subprocess.run([os.environ.get("CC", "clang"), "--version"], capture_output=True,
+                           text=True, timeout=30)
+        return r.stdout.splitlines()[0].strip() if r.stdout else "unknown"
+    except OSError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m workers.modelbuild",
+                                description="build and sign a tinygrad model artifact")
+    p.add_argument("--out", required=True, type=Path, help="bundle directory to write")
+    p.add_argument("--key", type=Path, default=None,
+                   help=f"ed25519 private key (PEM); created if absent (default {default_key_path()})")
+    p.add_argument("--pubkey-out", type=Path, default=None,
+                   help="where to write the public key (hex); default KEY.pub")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--frames", type=int, default=1600, help="training frames")
+    p.add_argument("--val-frames", type=int, default=300)
+    p.add_argument("--width", type=int, default=1928)
+    p.add_argument("--height", type=int, default=1208)
+    p.add_argument("--cpu", default=None, help="x86-64 level to compile for (default: best <= v3)")
+    p.add_argument("--name", default=DEFAULT_NAME)
+    p.add_argument("--version", default=DEFAULT_VERSION)
+    p.add_argument("--ridge", type=float, action="append", default=None,
+                   help="ridge strength candidates (repeatable; default 0.1 1 10 100 1000)")
+    p.add_argument("--force", action="store_true", help="replace an existing bundle")
+    p.add_argument("--no-rehearsal", action="store_true")
+    a = p.parse_args(argv)
+    summary = build(a.out, a.key or default_key_path(), seed=a.seed, frames=a.frames,
+                    val_frames=a.val_frames, width=a.width, height=a.height, cpu=a.cpu,
+                    name=a.name, version=a.version, pubkey_out=a.pubkey_out, force=a.force,
+                    rehearse=not a.no_rehearsal,
+                    lams=tuple(a.ridge) if a.ridge else (0.1, 1.0, 10.0, 100.0, 1000.0),
+                    log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(json.dumps(summary, sort_keys=True))
+    return 0

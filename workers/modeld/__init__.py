@@ -1,0 +1,159 @@
+"""modeld: the control-domain model worker (no compiler visible, exec denied).
+
+    args: --artifact DIR --pubkey FILE [--in road_frames] [--out model_out]
+          [--deadline-ms 50] [--expect-name NAME] [--expect-version V] [--status-ms 5000]
+
+Start-up, all before ``ctx.ready()`` (which installs the seccomp filter that denies
+exec): verify the signed artifact (`supervisor.model.load_verified`), configure tinygrad
+for it and load it with compilation disabled (`supervisor.model.runtime`), and run the
+signed golden input as a power-on self-test. A refused artifact ends the worker with exit
+code 2 and one line on stderr naming the file/field.
+
+Per frame on ``--in``: check it against the artifact's input ABI (NV12, Y plane, uint8,
+full range, minimum size; a mismatch is counted by reason and skipped), preprocess the Y
+plane into the model input, release the frame, run, copy the output to host memory and
+publish float32[4] = (offset_m, heading_rad, confidence, reserved) on ``--out`` with the
+frame's id and capture time and an execution receipt (`supervisor.ipc.receipt.Receipt`).
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import signal
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from supervisor.ipc import BridgeError, ChannelTimeout, LeaseLost, Rejected
+from supervisor.model import ArtifactError, load_verified
+
+from .engine import ENGINE_ABI, Engine, FrameRejected
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_ARTIFACT = ROOT / "models" / "demo" / "lane-offset"
+DEFAULT_PUBKEY = ROOT / "models" / "demo" / "demo_ed25519.pub"
+PING_S = 0.1
+STATUS_S = 5.0
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="workers.modeld")
+    p.add_argument("--artifact", default=str(DEFAULT_ARTIFACT))
+    p.add_argument("--pubkey", default=str(DEFAULT_PUBKEY))
+    p.add_argument("--in", dest="in_", default="road_frames")
+    p.add_argument("--out", default="model_out")
+    p.add_argument("--deadline-ms", type=float, default=50.0)
+    p.add_argument("--expect-name", default=None)
+    p.add_argument("--expect-version", default=None)
+    p.add_argument("--status-ms", type=float, default=STATUS_S * 1000,
+                   help="how often to send a STATUS line with the counters")
+    return p.parse_args(argv)
+
+
+def _publish_takes_receipt(writer: Any) -> bool:
+    try:
+        from supervisor.ipc import Loan
+
+        return "receipt" in inspect.signature(Loan.publish).parameters
+    except (ImportError, TypeError, ValueError):
+        return False
+
+
+class Modeld:
+    def __init__(self, ctx: Any, a: argparse.Namespace, engine: Engine) -> None:
+        self.ctx, self.a, self.engine = ctx, a, engine
+        self.reader = ctx.reader(a.in_)
+        self.writer = ctx.writer(a.out)
+        self.with_receipt = _publish_takes_receipt(self.writer)
+        self.errors: Counter[str] = Counter()
+        self.published = 0
+        self.last_receipt: Any = None
+
+    def step(self, timeout: float) -> bool:
+        """Handle at most one frame; False if none arrived within ``timeout``."""
+        eng = self.engine
+        try:
+            msg = self.reader.receive(timeout=timeout)
+        except ChannelTimeout:
+            return False
+        except Rejected as exc:            # counted by the reader too
+            self.errors[f"bridge:{exc.reason}"] += 1
+            return True
+        with msg:
+            info = msg.frame
+            if info is None:
+                self.errors["not_a_frame"] += 1
+                return True
+            try:
+                y = msg.planes()[0]
+                eng.check_frame(y, pixel_format=info.pixel_format, pixel_range=info.pixel_range,
+                                width=info.width, height=info.height)
+                t0 = time.monotonic_ns()
+                x = eng.preprocess(y)
+                msg.release()              # input copied: give the camera its slot back
+            except FrameRejected as exc:
+                self.errors[f"frame:{exc.reason}"] += 1
+                return True
+            except LeaseLost:
+                self.errors["lease_lost"] += 1
+                return True
+        out, receipt = eng.infer_tensor(x, frame_id=info.frame_id,
+                                        capture_ts_ns=info.capture_ts_ns, start_ns=t0)
+        with self.writer.loan() as loan:
+            loan.array((4,), np.float32)[:] = out
+            kw: dict[str, Any] = {"frame_id": info.frame_id, "capture_ts_ns": info.capture_ts_ns}
+            if self.with_receipt:
+                kw["receipt"] = receipt
+            loan.publish(**kw)
+        self.published += 1
+        self.last_receipt = receipt
+        return True
+
+    def status_text(self) -> str:
+        e = self.engine
+        rej = ",".join(f"{k}={v}" for k, v in sorted(self.errors.items())) or "none"
+        return (f"frames={self.published} worst_ms={e.worst_case_ns / 1e6:.2f} "
+                f"deadline_misses={e.deadline_misses} rejected={rej}")
+
+    def run(self) -> int:
+        stop = []
+        signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+        last_ping = last_status = time.monotonic()
+        while not stop:
+            self.step(PING_S)
+            now = time.monotonic()
+            if now - last_ping >= PING_S:
+                self.ctx.watchdog()
+                last_ping = now
+            if now - last_status >= self.a.status_ms / 1000:
+                self.ctx.status(self.status_text())
+                last_status = now
+        print(f"modeld: stopping: {self.status_text()}", file=sys.stderr, flush=True)
+        return 0
+
+
+def main(ctx: Any) -> int:
+    a = _args(sys.argv[1:])
+    try:
+        verified = load_verified(a.artifact, a.pubkey, expect_name=a.expect_name,
+                                 expect_version=a.expect_version, expect_abi=ENGINE_ABI)
+        engine = Engine(verified, deadline_ms=a.deadline_ms, exclusive=True)
+    except ArtifactError as exc:
+        print(f"modeld: artifact refused: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        worker = Modeld(ctx, a, engine)
+    except (KeyError, BridgeError) as exc:
+        print(f"modeld: channels: {exc}", file=sys.stderr, flush=True)
+        return 2
+    i = engine.info
+    ctx.ready(status=f"{i['model']} {i['version']} sha256:{i['artifact_sha256'][:16]} "
+                     f"on {i['runtime']['device']} ({i['runtime']['target']}), golden ok, "
+                     f"load {i['load_ms']:.0f} ms")
+    print(f"modeld: ready: {i['model']} {i['version']} manifest sha256 {i['artifact_sha256']}",
+          file=sys.stderr, flush=True)
+    return worker.run()

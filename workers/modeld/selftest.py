@@ -1,0 +1,142 @@
+"""Load a signed artifact exactly as modeld does and run it on synthetic frames; one JSON
+line on stdout (outputs as hex bytes, for bit-exact comparison).
+
+    python -m workers.modeld.selftest --artifact DIR --pubkey FILE [--frames N]
+        [--width W --height H --seed S] [--lock-down] [--probe-compilers]
+
+Exit 0 with ``"ok": true``; exit 3 with ``"ok": false, "error": <ArtifactError type>`` when
+the artifact is refused (e.g. ``KernelNotInArtifact`` naming the kernel). Also runs as a
+worker module (``python -m supervisor.runner workers.modeld.selftest ...``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="workers.modeld.selftest")
+    p.add_argument("--artifact", required=True)
+    p.add_argument("--pubkey", required=True)
+    p.add_argument("--frames", type=int, default=5)
+    p.add_argument("--width", type=int, default=1928)
+    p.add_argument("--height", type=int, default=1208)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--first-frame", type=int, default=0)
+    p.add_argument("--deadline-ms", type=float, default=50.0)
+    p.add_argument("--lock-down", action="store_true",
+                   help="install the control seccomp filter (no exec) before inference")
+    p.add_argument("--probe-compilers", action="store_true",
+                   help="try to exec clang/gcc/cc and report what happened")
+    return p.parse_args(argv)
+
+
+def probe_compilers() -> dict[str, str]:
+    out = {}
+    for name in ("clang", "gcc", "cc"):
+        try:
+            r = subprocess.run([name, "--version"], capture_output=True, timeout=20)
+            out[name] = f"ran (rc {r.returncode})"
+        except OSError as exc:
+            out[name] = f"{type(exc).__name__}: errno {exc.errno}"
+    return out
+
+
+def frames(n: int, width: int, height: int, seed: int, first: int):
+    from workers.modelbuild.synthetic import road_class
+
+    cls, _name = road_class()
+    road = cls(width, height, seed=seed)
+    for i in range(first, first + n):
+        y, _uv, truth = road.render(i)
+        yield i, y, truth
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    from supervisor.model import ArtifactError, load_verified
+    from supervisor.model import runtime as R
+    from workers.modeld.engine import ENGINE_ABI, Engine
+
+    rep: dict[str, Any] = {"ok": False, "pid": os.getpid(),
+                           "tinygrad_imported_before_load": R.tinygrad_imported()}
+    if a.probe_compilers:
+        rep["compilers"] = probe_compilers()
+    home_cache = os.path.join(os.path.expanduser("~"), ".cache", "tinygrad")
+    rep["home_cache_before"] = sorted(os.listdir(home_cache)) if os.path.isdir(home_cache) else None
+    try:
+        t0 = time.monotonic()
+        verified = load_verified(a.artifact, a.pubkey, expect_abi=ENGINE_ABI)
+        rep["verify_ms"] = round((time.monotonic() - t0) * 1e3, 2)
+        engine = Engine(verified, deadline_ms=a.deadline_ms, exclusive=True)
+    except ArtifactError as exc:
+        rep.update(error=type(exc).__name__, message=str(exc), compile=R.compile_stats())
+        return rep
+    import tinygrad.helpers as TH
+
+    rep["info"] = engine.info
+    rep["cachedb"] = TH.CACHEDB
+    rep["cachedb_is_verified_copy"] = TH.CACHEDB == str(verified.kernels_db)
+    if a.lock_down:
+        from supervisor.sandbox.seccomp import lock_down
+
+        lock_down("control")
+        try:
+            subprocess.run(["/bin/true"], timeout=5)
+            rep["exec_after_lock_down"] = "ran"
+        except OSError as exc:
+            rep["exec_after_lock_down"] = f"{type(exc).__name__}: errno {exc.errno}"
+    outs, vals, truths, receipts, lat = [], [], [], [], []
+    for fid, y, truth in frames(a.frames, a.width, a.height, a.seed, a.first_frame):
+        out, r = engine.infer(y, frame_id=fid, capture_ts_ns=time.monotonic_ns())
+        outs.append(out.tobytes().hex())
+        vals.append([float(v) for v in out])
+        truths.append([truth.offset_m, truth.heading_rad])
+        receipts.append(r.as_dict() if hasattr(r, "as_dict") else dict(vars(r)))
+        lat.append(r.latency_ns)
+    # model-only timing on the golden input (no preprocessing), for the record
+    model_ns = []
+    if verified.golden is not None:
+        x = np.frombuffer(verified.golden[0], np.float32).reshape(verified.input_abi["tensor"]["shape"])
+        for _ in range(20):
+            t = time.monotonic_ns()
+            engine.model.run(x)
+            model_ns.append(time.monotonic_ns() - t)
+    # tinygrad only read the verified cache copy: unchanged, no journal/WAL beside it
+    import hashlib
+
+    kdb = verified.kernels_db
+    rep["kernels_db_unchanged"] = (hashlib.sha256(kdb.read_bytes()).hexdigest()
+                                   == verified.manifest["files"]["kernels.db"]["sha256"])
+    rep["workdir_files"] = sorted(os.listdir(verified.workdir))
+    lat_ms = sorted(v / 1e6 for v in lat)
+    rep.update(
+        ok=True, outputs=outs, values=vals, truth=truths, receipts=receipts,
+        latency_ms={"min": lat_ms[0], "median": lat_ms[len(lat_ms) // 2], "max": lat_ms[-1]}
+        if lat_ms else {},
+        model_only_ms={"min": min(model_ns) / 1e6, "median": sorted(model_ns)[10] / 1e6}
+        if model_ns else {},
+        compile=R.compile_stats(),
+        home_cache_after=sorted(os.listdir(home_cache)) if os.path.isdir(home_cache) else None,
+    )
+    verified.close()
+    return rep
+
+
+def main(ctx: Any = None) -> int:
+    a = _args(sys.argv[1:])
+    rep = run(a)
+    if ctx is not None:
+        rep["worker"] = {"name": ctx.name, "domain": ctx.domain}
+    print(json.dumps(rep, sort_keys=True), flush=True)
+    return 0 if rep.get("ok") else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
