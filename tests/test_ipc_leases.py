@@ -116,7 +116,8 @@ def test_seqlock_never_lets_a_torn_copy_pass(make_channel, peers):
                 continue
             try:
                 copy = np.array(msg.array)
-                time.sleep(0.002)   # overstay the 1 ms lease so the writer may take the slot
+                if (passed + lost) % 2:
+                    time.sleep(0.002)   # overstay the 1 ms lease: the writer may take the slot
                 msg.release()
             except LeaseLost:
                 lost += 1
@@ -126,8 +127,7 @@ def test_seqlock_never_lets_a_torn_copy_pass(make_channel, peers):
     finally:
         stop.set()
         t.join()
-    assert passed > 0
-    assert lost + passed > 20
+    assert passed > 0 and lost + passed > 20
 
 
 def test_blocking_receive_times_out_and_trio_receive_wakes(make_channel):

@@ -6,11 +6,16 @@ step; pycapnp's dynamic API spends ~1 us per field getting there, which is most 
 bridge uses at the offsets the schema gives (nothing is hard-coded), and only for the
 plain case: one segment, in-bounds struct pointers. Anything else (far pointers, several
 segments) goes back to pycapnp through ``Unusual``. Tests check both paths agree.
+
+``gather`` and ``Patcher`` go one step further: once the words that place every struct
+are known (segment table, root pointer, child pointers), every field is at a fixed
+absolute position, so one ``struct.Struct`` call reads (or writes) all of them.
 """
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple
+from operator import itemgetter
+from typing import Callable, NamedTuple
 
 _FMT = {"int8": "b", "int16": "h", "int32": "i", "int64": "q", "uint8": "B",
         "uint16": "H", "uint32": "I", "uint64": "Q", "float32": "f", "float64": "d",
@@ -72,8 +77,17 @@ class StructRef(NamedTuple):
             raise Broken("field outside the template's data section")
         s.fmt.pack_into(buf, self.data + s.offset, value)
 
+    def holds(self, s: Scalar) -> bool:
+        """True if the field lies inside this struct's data section."""
+        return s.offset + s.fmt.size <= self.dwords * 8
+
+    def at(self, s: Scalar) -> int:
+        """Absolute byte position of a field this struct ``holds``."""
+        return self.data + s.offset
+
 
 NULL = StructRef(0, 0, 0, 0)
+WORD = Scalar(0, _U64)    # a whole 64-bit word (a pointer), for gather()
 
 
 class Message:
@@ -115,3 +129,80 @@ class Message:
         if index >= parent.pcount:
             return NULL
         return self.struct_at(parent.ptrs + index * 8)
+
+
+# ------------------------------------------------ many fields in one struct call
+
+def _char(s: Scalar) -> str:
+    return s.fmt.format.lstrip("<")
+
+
+def gather(fields: list[tuple[int, Scalar]]
+           ) -> tuple[int, Callable, Callable] | None:
+    """``(start, unpack_from, order)`` reading every ``(absolute position, scalar)`` at
+    once: ``order(unpack_from(buf, start))`` is their values in the order given (order is
+    None when that is already the order in which they lie). None if two fields overlap
+    (a hostile message can make structs overlap): the caller then reads field by field."""
+    if len(fields) < 2:
+        return None
+    placed = sorted(range(len(fields)), key=lambda i: fields[i][0])
+    fmt, pos = ["<"], fields[placed[0]][0]
+    start = pos
+    for i in placed:
+        at, s = fields[i]
+        if at < pos:
+            return None
+        if at > pos:
+            fmt.append(f"{at - pos}x")
+        fmt.append(_char(s))
+        pos = at + s.fmt.size
+    rank = {i: r for r, i in enumerate(placed)}
+    perm = [rank[i] for i in range(len(fields))]
+    # Fields given in the order they lie (the usual case) need no reordering.
+    order = None if perm == sorted(perm) else itemgetter(*perm)
+    return start, struct.Struct("".join(fmt)).unpack_from, order
+
+
+class Patcher:
+    """Writes a whole message in one ``struct`` call: ``template``'s bytes, with the
+    fields at the given absolute positions replaced by new values.
+
+    ``pack_into(buf, pos, values)`` / ``pack(values)`` take one value per field, in the
+    order the fields were given. The template's other bytes (segment table, pointers,
+    constant fields) travel as constant byte strings of the same struct."""
+
+    __slots__ = ("size", "_struct", "_order", "_consts")
+
+    def __init__(self, template: bytes, fields: list[tuple[int, Scalar]]) -> None:
+        placed = sorted(range(len(fields)), key=lambda i: fields[i][0])
+        fmt, consts, order, pos = ["<"], [], [], 0
+        for i in placed:
+            at, s = fields[i]
+            if at < pos or at + s.fmt.size > len(template):
+                raise Broken("template fields overlap or lie outside the template")
+            if at > pos:
+                fmt.append(f"{at - pos}s")
+                order.append(len(consts))
+                consts.append(template[pos:at])
+            fmt.append(_char(s))
+            order.append(-1 - i)            # a value, resolved below
+            pos = at + s.fmt.size
+        if pos < len(template):
+            fmt.append(f"{len(template) - pos}s")
+            order.append(len(consts))
+            consts.append(template[pos:])
+        n = len(consts)
+        if len(order) < 2:
+            raise Broken("a template plan needs at least two parts")
+        self.size = len(template)
+        self._struct = struct.Struct("".join(fmt))
+        self._order = itemgetter(*[o if o >= 0 else n + (-1 - o) for o in order])
+        self._consts = tuple(consts)
+        if self._struct.size != self.size:
+            raise Broken("template plan does not cover the template")
+
+    def pack(self, values: tuple) -> bytes:
+        return self._struct.pack(*self._order(self._consts + values))
+
+    def pack_into(self, buf, pos: int, values: tuple) -> None:
+        self._struct.pack_into(buf, pos, *self._order(self._consts + values))

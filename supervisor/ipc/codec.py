@@ -276,6 +276,90 @@ def _short(e: Exception) -> str:
 
 # ------------------------------------------------- fixed-offset SlotHeader fast path
 
+_new_stamp = tuple.__new__
+# Compiled decoders kept per distinct message structure (bounded: the bytes come from a
+# possibly hostile writer, so they must not grow the cache without limit).
+_MAX_COMPILED = 32
+
+
+class _Structure(NamedTuple):
+    """Where every SlotHeader field sits in messages whose first 16 bytes (segment
+    table and root pointer) equal the ones compiled and, for FrameMeta's fields, whose
+    FrameMeta pointer word equals ``meta_word``.
+
+    Those words alone decide every struct position and bounds check of the per-field
+    path, so for such a message one ``unpack_from`` reads exactly what it would read
+    (the tests compare both, and both to pycapnp)."""
+
+    end: int            # the segment's end: the message must be at least this long
+    start: int
+    unpack_from: object
+    order: object       # None, or puts the values in _HeaderAccess's field order
+    has_meta: bool      # FrameMeta resolved plainly: its pointer word and fields are read
+    meta_word: int      # the FrameMeta pointer word these positions hold for
+
+
+class HeaderPlan:
+    """A compiled SlotHeader writer for one (channel, pid, domain, crc?, frame?) shape:
+    ``pack_into`` writes the whole message in one struct call. ``ts_pos`` is where
+    publishTsNs sits, so a writer can stamp the time last."""
+
+    __slots__ = ("size", "ts_pos", "has_crc", "has_frame", "_patcher", "_exp",
+                 "_gain")
+
+    def __init__(self, access: _HeaderAccess, template: bytes, has_crc: bool,
+                 has_frame: bool) -> None:
+        from . import capnp_fast as cf
+
+        a = access
+        m = cf.Message(template)
+        r = m.root
+        meta = m.child(r, a.meta_ptr) if has_frame else cf.NULL
+        # One value per field, in the order ``values`` gives them; a shape without a CRC
+        # or a FrameMeta leaves those bytes as the template has them.
+        fields = [(r, a.sequence), (r, a.generation), (r, a.ts)]
+        if has_crc:
+            fields.append((r, a.crc))
+        if has_frame:
+            fields += [(meta, s) for s in (a.frame_id, a.capture, a.exp_which, a.exp,
+                                           a.gain_which, a.gain)]
+        placed = []
+        for ref, sc in fields:
+            if not ref.holds(sc):
+                raise cf.Broken("field outside the template's data section")
+            placed.append((ref.at(sc), sc))
+        self._patcher = cf.Patcher(template, placed)
+        self.size = len(template)
+        self.ts_pos = r.at(a.ts)
+        self.has_crc, self.has_frame = has_crc, has_frame
+        self._exp = (a.exp_unknown, a.exp_is)
+        self._gain = (a.gain_unknown, a.gain_is)
+        # The template's own values (what _HeaderAccess.plan built it from) must give
+        # back its exact bytes, or this plan would not be pycapnp's encoding.
+        if self.pack(0, 0, 0, 0, 0, 0, 0, 0.0) != template:
+            raise cf.Broken("compiled SlotHeader writer does not reproduce its template")
+
+    def values(self, sequence, generation, ts, crc, frame_id, capture, exposure, gain
+               ) -> tuple:
+        out = (sequence, generation, ts)
+        if self.has_crc:
+            out += (crc,)
+        if self.has_frame:
+            out += (frame_id, capture or 0,
+                    self._exp[0] if exposure is None else self._exp[1],
+                    0 if exposure is None else exposure,
+                    self._gain[0] if gain is None else self._gain[1],
+                    0.0 if gain is None else gain)
+        return out
+
+    def pack_into(self, buf, pos: int, *args) -> None:
+        """``args``: sequence, generation, ts, crc, frame_id, capture, exposure, gain."""
+        self._patcher.pack_into(buf, pos, self.values(*args))
+
+    def pack(self, *args) -> bytes:
+        return self._patcher.pack(self.values(*args))
+
+
 class _HeaderAccess:
     """SlotHeader fields at the offsets the loaded schema gives (see capnp_fast)."""
 
@@ -304,9 +388,56 @@ class _HeaderAccess:
         g, self.gain_which, members = cf.union(ms, "gain")
         self.gain_is, self.gain_unknown = members["value"], members["unknown"]
         self.gain = cf.scalar(g, "value")
-        self._templates: dict[tuple, bytes] = {}
+        # The order decode() names them in: the order they lie in a SlotHeader of this
+        # schema, so the compiled read needs no reordering (any other order works too).
+        self._root_fields = (self.version, self.channel, self.sequence, self.generation,
+                             self.pid, self.crc_which, self.frame_which, self.ts, self.crc)
+        self._meta_fields = (self.frame_id, self.capture, self.exp_which, self.gain_which,
+                             self.exp, self.gain)
+        self._plans: dict[tuple, HeaderPlan] = {}
+        self._compiled: dict[bytes, _Structure] = {}
+
+    # ------------------------------------------------------------------ reading
 
     def decode(self, raw: bytes, spec: ChannelSpec) -> Stamp:
+        c = self._compiled.get(raw[:16])
+        if c is None:
+            return self._decode_fields(raw, spec)
+        end, start, unpack_from, order, has_meta, meta_word = c
+        if len(raw) < end:
+            return self._decode_fields(raw, spec)          # rejects it
+        v = unpack_from(raw, start)
+        if order is not None:
+            v = order(v)
+        if has_meta:
+            (version, channel, seq, gen, pid, crc_which, frame_which, ts, crc, word,
+             frame_id, capture, exp_which, gain_which, exposure, gain) = v
+            if frame_which != self.frame_is:
+                frame_id = capture = exposure = gain = None
+            elif word != meta_word:
+                return self._decode_fields(raw, spec)      # FrameMeta is elsewhere
+            else:
+                if exp_which != self.exp_is:
+                    exposure = None
+                if gain_which != self.gain_is:
+                    gain = None
+        else:
+            version, channel, seq, gen, pid, crc_which, frame_which, ts, crc = v
+            if frame_which == self.frame_is:
+                return self._decode_fields(raw, spec)      # FrameMeta is not plain here
+            frame_id = capture = exposure = gain = None
+        if crc_which != self.crc_is:
+            crc = None
+        if (version >= 1 and channel == spec.channel_id
+                and (crc is not None or not spec.crc)
+                and (frame_id is not None or spec.kind != "frame")):
+            return _new_stamp(Stamp, (seq, gen, pid, ts, crc, frame_id, capture, exposure,
+                                      gain))
+        return _check_stamp(spec, version, channel, seq, gen, pid, ts, crc, frame_id,
+                            capture, exposure, gain)       # raises the typed rejection
+
+    def _decode_fields(self, raw: bytes, spec: ChannelSpec) -> Stamp:
+        """Field by field; compiles the message's structure for the next time."""
         from . import capnp_fast as cf
 
         try:
@@ -330,48 +461,63 @@ class _HeaderAccess:
             values = _decode_header_dynamic(raw, spec)
         except cf.Broken as e:
             raise MalformedHeader(spec.name, f"SlotHeader does not decode: {e}") from None
+        else:
+            self._compile(m)
         return _check_stamp(spec, *values)
+
+    def _compile(self, m) -> None:
+        """Remember where this message's structure puts every field (see _Structure)."""
+        from . import capnp_fast as cf
+
+        raw, r = m.buf, m.root
+        if not all(r.holds(s) for s in self._root_fields):
+            return          # a shorter (older) struct: fields read as defaults; no plan
+        fields = [(r.at(s), s) for s in self._root_fields]
+        plan, meta_word = None, 0
+        if self.meta_ptr < r.pcount:
+            pos = r.ptrs + self.meta_ptr * 8
+            try:
+                meta = m.struct_at(pos)
+            except (cf.Broken, cf.Unusual):
+                meta = cf.NULL
+            if all(meta.holds(s) for s in self._meta_fields):
+                meta_word = cf.WORD.fmt.unpack_from(raw, pos)[0]
+                plan = cf.gather(fields + [(pos, cf.WORD)] +
+                                 [(meta.at(s), s) for s in self._meta_fields])
+        has_meta = plan is not None
+        if plan is None:
+            plan = cf.gather(fields)
+            if plan is None:
+                return
+        if len(self._compiled) >= _MAX_COMPILED:
+            self._compiled.clear()
+        self._compiled[bytes(raw[:16])] = _Structure(m.end, *plan, has_meta, meta_word)
+
+    # ------------------------------------------------------------------ writing
+
+    def plan(self, spec: ChannelSpec, writer_pid: int, domain: str, has_crc: bool,
+             has_frame: bool) -> HeaderPlan:
+        key = (spec.channel_id, writer_pid, domain, has_crc, has_frame)
+        plan = self._plans.get(key)
+        if plan is None:
+            template = encode_header(spec, sequence=0, generation=0, writer_pid=writer_pid,
+                                     domain=domain, publish_ts_ns=0,
+                                     crc32=0 if has_crc else None,
+                                     frame_id=0 if has_frame else None, capture_ts_ns=0,
+                                     exposure_us=0, gain=0.0)
+            plan = HeaderPlan(self, template, has_crc, has_frame)
+            if len(self._plans) >= 64:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
 
     def encode(self, spec: ChannelSpec, sequence: int, generation: int, writer_pid: int,
                domain: str, publish_ts_ns: int, crc32: int | None, frame_id: int | None,
                capture_ts_ns: int | None, exposure_us: int | None,
                gain: float | None) -> bytes:
-        from . import capnp_fast as cf
-
-        key = (spec.channel_id, writer_pid, domain, crc32 is not None, frame_id is not None)
-        template = self._templates.get(key)
-        if template is None:
-            template = encode_header(spec, sequence=0, generation=0, writer_pid=writer_pid,
-                                     domain=domain, publish_ts_ns=0,
-                                     crc32=0 if key[3] else None,
-                                     frame_id=0 if key[4] else None, capture_ts_ns=0,
-                                     exposure_us=0, gain=0.0)
-            self._templates[key] = template
-        buf = bytearray(template)
-        m = cf.Message(buf)
-        r = m.root
-        r.put(buf, self.sequence, sequence)
-        r.put(buf, self.generation, generation)
-        r.put(buf, self.ts, publish_ts_ns)
-        if crc32 is not None:
-            r.put(buf, self.crc, crc32)
-        if frame_id is not None:
-            meta = m.child(r, self.meta_ptr)
-            meta.put(buf, self.frame_id, frame_id)
-            meta.put(buf, self.capture, capture_ts_ns or 0)
-            if exposure_us is None:
-                meta.put(buf, self.exp_which, self.exp_unknown)
-                meta.put(buf, self.exp, 0)
-            else:
-                meta.put(buf, self.exp_which, self.exp_is)
-                meta.put(buf, self.exp, exposure_us)
-            if gain is None:
-                meta.put(buf, self.gain_which, self.gain_unknown)
-                meta.put(buf, self.gain, 0.0)
-            else:
-                meta.put(buf, self.gain_which, self.gain_is)
-                meta.put(buf, self.gain, gain)
-        return bytes(buf)
+        plan = self.plan(spec, writer_pid, domain, crc32 is not None, frame_id is not None)
+        return plan.pack(sequence, generation, publish_ts_ns, crc32, frame_id,
+                         capture_ts_ns, exposure_us, gain)
 
 
 def _decode_header_dynamic(raw: bytes, spec: ChannelSpec) -> tuple:

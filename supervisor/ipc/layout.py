@@ -34,12 +34,17 @@ LAYOUT_MAX = HEADER_AREA - LAYOUT_OFFSET
 CHANNEL_HDR = struct.Struct("<QIIQQQIIQIxxxxQ")
 OFF_LAST_SEQ = 48  # offset of last_seq inside the channel header
 OFF_LAST_SLOT = 56
+# last_seq and last_slot read together. The writer stores last_slot before last_seq, so
+# a reader that sees a new last_seq sees its slot too; last_slot is only ever a hint: a
+# reader checks the control block it names before trusting it.
+LAST = struct.Struct("<QI")
 
 # Control block: gen, seq, publish_ts_ns, header_len, layout_len.
 CONTROL = struct.Struct("<QQQII")
 CONTROL_SIZE = 64
 OFF_GEN = 0
 OFF_SEQ = 8
+OFF_TS = 16
 
 # Lease header: magic, pid, max_leases. Lease entry: slot, gen, deadline_ns.
 LEASE_HDR = struct.Struct("<QII")
@@ -48,6 +53,7 @@ LEASE_BASE = 64
 LEASE_STRIDE = 32
 
 U64 = struct.Struct("<Q")
+U32 = struct.Struct("<I")
 GEN_SEQ = struct.Struct("<QQ")
 
 

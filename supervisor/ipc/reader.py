@@ -18,6 +18,18 @@ from .errors import (BridgeError, ChannelTimeout, CrcMismatch, LeaseLost, Malfor
 from .spec import HEADER_AREA
 from .writer import plane_view
 
+# Hot-path names, bound once.
+_gen_of = L.U64.unpack_from
+_gen_seq_of = L.GEN_SEQ.unpack_from
+_last_of = L.LAST.unpack_from
+_control_of = L.CONTROL.unpack_from
+_lease_pack = L.LEASE_ENTRY.pack_into
+_decode_header = codec.HEADER.decode
+_now = time.monotonic_ns
+_new_message = object.__new__
+_OFF_LAST_SEQ, _HEADER_MAX = L.OFF_LAST_SEQ, L.HEADER_MAX
+_LAYOUT_OFFSET, _LAYOUT_MAX = L.LAYOUT_OFFSET, L.LAYOUT_MAX
+
 # How long a reader waits for the writer to map and seal the segment on attach.
 ATTACH_TIMEOUT_S = 5.0
 _RETRIES = 8
@@ -58,8 +70,12 @@ class Message:
 
     def __init__(self, reader: Reader, slot: int, gen: int, lease: int, layout: Layout,
                  stamp: Stamp) -> None:
-        self._reader, self._slot, self._gen, self._lease = reader, slot, gen, lease
-        self._layout, self.stamp = layout, stamp
+        self._reader = reader
+        self._slot = slot
+        self._gen = gen
+        self._lease = lease
+        self._layout = layout
+        self.stamp = stamp
         self._array: np.ndarray | None = None
         self._released = False
         self._lost = False
@@ -94,13 +110,23 @@ class Message:
     @property
     def array(self) -> np.ndarray:
         """Read-only zero-copy view with the published shape, dtype and strides."""
-        self.check()
-        if self._array is None:
+        r, slot = self._reader, self._slot
+        if (self._released or self._lost
+                or _gen_of(r._buf, r._ctl[slot])[0] != self._gen):
+            self.check()
+        a = self._array
+        if a is None:
             lay = self._layout
-            a = np.ndarray(lay.shape, lay.dtype, buffer=self._reader._payload(self._slot),
-                           offset=lay.offset, strides=lay.strides)
-            self._array = a
-        return self._array
+            # A fresh view of an array kept per slot and layout: same memory, shape,
+            # strides and read-only flags, without numpy re-parsing the buffer. The
+            # cache holds the Layout itself, so an identity match is exact.
+            kept = r._views[slot]
+            if kept is None or kept[0] is not lay:
+                kept = r._views[slot] = (lay, np.ndarray(
+                    lay.shape, lay.dtype, buffer=r._payloads[slot], offset=lay.offset,
+                    strides=lay.strides))
+            a = self._array = kept[1].view()
+        return a
 
     def planes(self) -> tuple[np.ndarray, ...]:
         """Read-only per-plane views of a frame (NV12: Y (h,w), UV (h/2,w/2,2))."""
@@ -171,6 +197,8 @@ class Reader:
         L.LEASE_HDR.pack_into(self._lease_mm, 0, L.LEASE_MAGIC, os.getpid(), spec.max_leases)
         self._free_leases = list(range(spec.max_leases))
         self._layouts: dict[bytes, Layout] = {}
+        self._last_layout_raw: bytes | None = None
+        self._last_layout: Layout | None = None
         # Start at the newest message already published (if any): fresh, not history.
         self._last_seq = max(self._latest_seq() - 1, 0)
         self._last_capture = 0
@@ -178,8 +206,19 @@ class Reader:
         self._rejected: Counter[str] = Counter()
         self._base = [spec.control_size + i * spec.slot_stride
                       for i in range(spec.slot_count)]
+        self._count = spec.slot_count
+        self._ctl = [L.control_offset(i) for i in range(spec.slot_count)]
+        self._payloads = [self._buf[b + HEADER_AREA:b + HEADER_AREA + spec.slot_size]
+                          for b in self._base]
+        self._views: list[tuple | None] = [None] * spec.slot_count
+        self._lease_offsets = [L.lease_offset(k) for k in range(spec.max_leases)]
         self._max_age_ns = spec.max_age_ms * 1_000_000
         self._lease_ns = spec.lease_ms * 1_000_000
+        # One poll object for every receive(); not for concurrent use from two threads
+        # (nor is the rest of a Reader).
+        self._poller = select.poll()
+        self._poller.register(self._efd, select.POLLIN)
+        self._undrained = False   # the eventfd woke us and has not been read yet
 
     def _wait_for_writer(self, fd: int, timeout: float) -> None:
         # The supervisor starts writers first; the magic is the writer's "ready".
@@ -205,14 +244,13 @@ class Reader:
         return L.U64.unpack_from(self._buf, L.OFF_LAST_SEQ)[0]
 
     def _slot_gen(self, slot: int) -> int:
-        return L.U64.unpack_from(self._buf, L.control_offset(slot))[0]
+        return _gen_of(self._buf, self._ctl[slot])[0]
 
     def _payload(self, slot: int) -> memoryview:
-        base = self._base[slot] + HEADER_AREA
-        return self._buf[base:base + self.spec.slot_size]
+        return self._payloads[slot]
 
     def _drop_lease(self, k: int) -> None:
-        L.LEASE_ENTRY.pack_into(self._lease_mm, L.lease_offset(k), 0, 0, 0)
+        L.LEASE_ENTRY.pack_into(self._lease_mm, self._lease_offsets[k], 0, 0, 0)
         self._free_leases.append(k)
 
     # ------------------------------------------------------------ receiving
@@ -220,42 +258,61 @@ class Reader:
     def try_receive(self) -> Message | None:
         """The next message, or None if there is none yet. Raises a Rejected subclass
         (already counted, the message skipped) for a message that fails validation."""
-        for _ in range(_RETRIES):
-            if self._latest_seq() <= self._last_seq:
+        latest, hint = _last_of(self._buf, _OFF_LAST_SEQ)
+        if latest <= self._last_seq:
+            return None
+        msg = self._take_next(hint)
+        if msg is not None:
+            return msg
+        for _ in range(_RETRIES - 1):   # the writer took the slot meanwhile: look again
+            latest, hint = _last_of(self._buf, _OFF_LAST_SEQ)
+            if latest <= self._last_seq:
                 return None
-            msg = self._take_next()
+            msg = self._take_next(hint)
             if msg is not None:
                 return msg
         return None
 
-    def _take_next(self) -> Message | None:
-        buf, spec = self._buf, self.spec
-        best = None
-        for i in range(spec.slot_count):
-            gen, seq = L.GEN_SEQ.unpack_from(buf, L.control_offset(i))
-            if not gen & 1 and seq > self._last_seq and (best is None or seq < best[2]):
-                best = (i, gen, seq)
-        if best is None:
-            return None
-        slot, gen, seq = best
-        if not self._free_leases:
-            raise BridgeError(f"channel {spec.name!r}: all {spec.max_leases} leases are "
-                              f"held; release a message before receiving another")
-        k = self._free_leases.pop()
-        L.LEASE_ENTRY.pack_into(self._lease_mm, L.lease_offset(k), slot, gen,
-                                time.monotonic_ns() + self._lease_ns)
+    def _take_next(self, hint: int = -1) -> Message | None:
+        buf, ctl = self._buf, self._ctl
+        want = self._last_seq + 1
+        slot = -1
+        if 0 <= hint < self._count:
+            # The writer's last_slot: the message after ours is usually there. Only a
+            # hint; the control block itself must say so.
+            gen, seq, _, hlen, llen = _control_of(buf, ctl[hint])
+            if seq == want and not gen & 1:
+                slot = hint
+        if slot < 0:
+            best = None
+            for i in range(self._count):
+                gen, seq = _gen_seq_of(buf, ctl[i])
+                if not gen & 1 and seq >= want and (best is None or seq < best[2]):
+                    best = (i, gen, seq)
+            if best is None:
+                return None
+            slot, gen, seq = best
+            hlen, llen = _control_of(buf, ctl[slot])[3:]
+        # hlen/llen, like the bytes they bound, count only if gen is unchanged below.
+        free = self._free_leases
+        if not free:
+            raise BridgeError(f"channel {self.spec.name!r}: all {self.spec.max_leases} "
+                              f"leases are held; release a message before receiving another")
+        k = free.pop()
+        _lease_pack(self._lease_mm, self._lease_offsets[k], slot, gen,
+                    _now() + self._lease_ns)
         try:
-            _, _, ts, hlen, llen = L.CONTROL.unpack_from(buf, L.control_offset(slot))
             base = self._base[slot]
-            raw_h = bytes(buf[base:base + min(hlen, L.HEADER_MAX)])
-            raw_l = bytes(buf[base + L.LAYOUT_OFFSET:base + L.LAYOUT_OFFSET +
-                              min(llen, L.LAYOUT_MAX)])
-            if self._slot_gen(slot) != gen:
+            mm = self._mm
+            raw_h = mm[base:base + (hlen if hlen < _HEADER_MAX else _HEADER_MAX)]
+            base += _LAYOUT_OFFSET
+            raw_l = mm[base:base + (llen if llen < _LAYOUT_MAX else _LAYOUT_MAX)]
+            if _gen_of(buf, ctl[slot])[0] != gen:
                 self._drop_lease(k)
                 return None  # the writer took the slot while we leased it: look again
             return self._accept(slot, gen, seq, k, raw_h, raw_l)
         except BaseException:
-            if k not in self._free_leases:
+            if k not in free:
                 self._drop_lease(k)
             raise
 
@@ -266,35 +323,43 @@ class Reader:
             self._dropped += seq - self._last_seq - 1
         self._last_seq = seq   # accepted or rejected, this sequence is consumed
         try:
-            layout = self._layouts.get(raw_l)
-            if layout is None:
-                layout = codec.decode_layout(raw_l, spec, spec.slot_size)
-                if len(self._layouts) >= 16:
-                    self._layouts.clear()
-                self._layouts[raw_l] = layout
-            stamp = codec.decode_header(raw_h, spec)
-            if stamp.sequence != seq or stamp.generation != gen:
+            # A stream repeats one layout: compare with the last bytes first (a memcmp),
+            # then the cache of validated layouts keyed by their exact bytes.
+            if raw_l == self._last_layout_raw:
+                layout = self._last_layout
+            else:
+                layout = self._layouts.get(raw_l)
+                if layout is None:
+                    layout = codec.decode_layout(raw_l, spec, spec.slot_size)
+                    if len(self._layouts) >= 16:
+                        self._layouts.clear()
+                    self._layouts[raw_l] = layout
+                self._last_layout_raw, self._last_layout = raw_l, layout
+            stamp = _decode_header(raw_h, spec)
+            if stamp[0] != seq or stamp[1] != gen:        # sequence, generation
                 raise MalformedHeader(spec.name, f"header says seq {stamp.sequence} gen "
                                       f"{stamp.generation}, control block says seq {seq} "
                                       f"gen {gen}", seq)
-            now = time.monotonic_ns()
-            if stamp.publish_ts_ns > now:
+            now = _now()
+            publish_ts, capture_ts = stamp[3], stamp[6]   # publish_ts_ns, capture_ts_ns
+            if publish_ts > now:
                 raise MalformedHeader(spec.name, "publish timestamp is in the future", seq)
-            ts = stamp.capture_ts_ns if stamp.capture_ts_ns is not None else stamp.publish_ts_ns
-            if stamp.capture_ts_ns is not None:
-                if stamp.capture_ts_ns > stamp.publish_ts_ns:
+            ts = publish_ts
+            if capture_ts is not None:
+                ts = capture_ts
+                if capture_ts > publish_ts:
                     raise MalformedHeader(spec.name, "frame captured after it was published",
                                           seq)
-                if stamp.capture_ts_ns < self._last_capture:
+                if capture_ts < self._last_capture:
                     raise SequenceError(spec.name, f"frame {stamp.frame_id} captured at "
-                                        f"{stamp.capture_ts_ns} ns, before the previous "
+                                        f"{capture_ts} ns, before the previous "
                                         f"frame ({self._last_capture} ns): reordered", seq)
             if self._max_age_ns and now - ts > self._max_age_ns:
                 raise StaleMessage(spec.name, f"{(now - ts) / 1e6:.1f} ms old, channel "
                                    f"max_age is {spec.max_age_ms} ms", seq)
-            if stamp.crc32 is not None and spec.crc:
+            if stamp[4] is not None and spec.crc:          # crc32
                 lo, hi = layout.span
-                got = zlib.crc32(self._payload(slot)[lo:hi])
+                got = zlib.crc32(self._payloads[slot][lo:hi])
                 if self._slot_gen(slot) != gen:
                     raise TornRead(spec.name, "slot reused during the CRC check", seq)
                 if got != stamp.crc32:
@@ -304,17 +369,30 @@ class Reader:
             self._rejected[e.reason] += 1
             self._drop_lease(k)
             raise
-        if stamp.capture_ts_ns is not None:
-            self._last_capture = stamp.capture_ts_ns
+        if capture_ts is not None:
+            self._last_capture = capture_ts
         self._received += 1
-        return Message(self, slot, gen, k, layout, stamp)
+        # Message(self, slot, gen, k, layout, stamp), without the __init__ frame.
+        msg = _new_message(Message)
+        msg._reader = self
+        msg._slot = slot
+        msg._gen = gen
+        msg._lease = k
+        msg._layout = layout
+        msg.stamp = stamp
+        msg._array = None
+        msg._released = msg._lost = False
+        return msg
 
     def receive(self, timeout: float | None = None) -> Message:
         """Block (on the eventfd, no polling) until a message arrives."""
         end = None if timeout is None else time.monotonic() + timeout
-        poller = select.poll()
-        poller.register(self._efd, select.POLLIN)
+        poll = self._poller.poll
         while True:
+            if self._undrained:
+                self._drain()
+            # Always a look at shared memory after the last eventfd read and before
+            # sleeping again: no wake-up is lost.
             msg = self.try_receive()
             if msg is not None:
                 return msg
@@ -325,14 +403,21 @@ class Reader:
                     raise ChannelTimeout(f"channel {self.spec.name!r}: nothing within "
                                          f"{timeout:.3f}s")
                 wait_ms = max(1, int(left * 1000 + 0.999))
-            if poller.poll(wait_ms):
-                self._drain()
+            if poll(wait_ms):
+                # Woken: take the message first and read the eventfd on the next call
+                # (a system call fewer between the wake-up and the message).
+                self._undrained = True
+                msg = self.try_receive()
+                if msg is not None:
+                    return msg
 
     async def receive_async(self) -> Message:
         """trio: wait for the eventfd to become readable without blocking the loop."""
         import trio
 
         while True:
+            if self._undrained:
+                self._drain()
             msg = self.try_receive()
             if msg is not None:
                 return msg
@@ -340,6 +425,7 @@ class Reader:
             self._drain()
 
     def _drain(self) -> None:
+        self._undrained = False
         try:
             os.eventfd_read(self._efd)
         except BlockingIOError:
@@ -353,6 +439,12 @@ class Reader:
         for k in range(self.spec.max_leases):
             L.LEASE_ENTRY.pack_into(self._lease_mm, L.lease_offset(k), 0, 0, 0)
         self._lease_mm.close()
+        self._views = [None] * self.spec.slot_count
+        for view in self._payloads:
+            try:
+                view.release()
+            except BufferError:
+                pass  # a message's array still uses it
         try:
             self._buf.release()
             self._mm.close()

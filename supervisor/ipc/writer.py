@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import struct
 import time
 import zlib
 from dataclasses import dataclass
@@ -28,12 +29,15 @@ class Loan:
     """A slot the writer owns until ``publish`` or ``discard``. Fill it through the
     writable arrays it hands out; they must not be used after publish."""
 
+    __slots__ = ("_w", "slot", "_payload", "_desc", "_frame", "_lkey", "_done")
+
     def __init__(self, writer: Writer, slot: int) -> None:
         self._w = writer
         self.slot = slot
-        self._payload = writer._payload_view(slot)
+        self._payload = writer._payloads[slot]
         self._desc: tuple | None = None
         self._frame: FrameFormat | None = None
+        self._lkey: tuple | None = None      # what the slot's SlotLayout is encoded from
         self._done = False
 
     @property
@@ -53,7 +57,9 @@ class Loan:
         lo, hi = codec.tensor_span(shape, tuple(strides), offset, dt.itemsize)
         if lo < 0 or hi > self.capacity:
             raise BridgeError(f"tensor spans [{lo}, {hi}), slot holds {self.capacity} bytes")
-        self._desc = (dt, shape, tuple(strides), offset)
+        self._desc = desc = (dt, shape, tuple(strides), offset)
+        # A frame() before this array() still describes the slot (as it always has).
+        self._lkey = (dt.str, *desc[1:], self._frame)
         return np.ndarray(shape, dt, buffer=self._payload, offset=offset,
                           strides=strides)
 
@@ -62,13 +68,27 @@ class Loan:
               pixel_range: str = "full") -> tuple[np.ndarray, ...]:
         """Writable plane views for a frame; the tensor published is the whole frame."""
         key = (pixel_format, width, height, row_stride, sensor, pixel_range)
-        made = self._w._frame_cache.get(key)
+        w = self._w
+        made = w._frame_cache.get(key)
         if made is None:
-            made = self._w._frame_cache[key] = _frame_layout(*key)
-        fmt, tensor = made
-        self.array(*tensor)
+            fmt, tensor = _frame_layout(*key)
+            self.array(*tensor)              # checks the frame fits the slot
+            if len(w._frame_cache) >= 64:
+                w._frame_cache.clear()
+            # The layout cache key of a frame is its frame() arguments: hashing those
+            # is cheap, hashing the FrameFormat dataclass per message is not.
+            made = w._frame_cache[key] = (fmt, self._desc, ("frame", *key))
+        fmt, self._desc, self._lkey = made
         self._frame = fmt
-        return tuple(plane_view(self._payload, p) for p in fmt.planes)
+        # Fresh views of plane arrays kept per slot and format: numpy builds an array
+        # from a buffer slowly, a view of one quickly (same memory, shape and strides).
+        kept = w._plane_cache[self.slot]
+        planes = kept.get(key)
+        if planes is None:
+            if len(kept) >= 8:
+                kept.clear()
+            planes = kept[key] = tuple(plane_view(self._payload, p) for p in fmt.planes)
+        return tuple([p.view() for p in planes])
 
     def publish(self, *, frame_id: int | None = None, capture_ts_ns: int | None = None,
                 exposure_us: int | None = None, gain: float | None = None,
@@ -159,13 +179,25 @@ class Writer:
         self._buf = memoryview(self._mm)
         self._leases = [shm.map_segment(fd, spec.lease_size, writable=False)
                         for fd in handle.lease_fds]
-        self._events = list(handle.event_fds)
+        # One lease entry with its padding to the next: iter_unpack walks a table.
+        self._lease_entry = struct.Struct(
+            L.LEASE_ENTRY.format + f"{L.LEASE_STRIDE - L.LEASE_ENTRY.size}x")
+        self._lease_span = slice(L.LEASE_BASE, L.lease_offset(spec.max_leases))
+        self._events = tuple(handle.event_fds)
         self._gen = [0] * spec.slot_count
         self._seq = [0] * spec.slot_count
         self._last_seq = 0
         self._loaned: set[int] = set()
         self._layout_cache: dict[tuple, bytes] = {}
         self._frame_cache: dict[tuple, tuple] = {}
+        # Compiled SlotHeader writers, by (has_crc, has_frame).
+        self._header_plans: dict[tuple, codec.HeaderPlan] = {}
+        self._base = [spec.control_size + i * spec.slot_stride
+                      for i in range(spec.slot_count)]
+        self._ctl = [L.control_offset(i) for i in range(spec.slot_count)]
+        self._payloads = [self._buf[b + HEADER_AREA:b + HEADER_AREA + spec.slot_size]
+                          for b in self._base]
+        self._plane_cache: list[dict[tuple, tuple]] = [{} for _ in self._base]
         self._published = self._honoured = self._discarded = 0
         self._attach()
 
@@ -190,38 +222,39 @@ class Writer:
                                 spec.channel_id, self._pid, self._last_seq, 0, 0)
 
     def _payload_view(self, slot: int) -> memoryview:
-        base = self.spec.control_size + slot * self.spec.slot_stride + HEADER_AREA
-        return self._buf[base:base + self.spec.slot_size]
+        return self._payloads[slot]
 
     def _protected(self, now: int) -> set[int]:
         """Slots a live lease protects; a lease counts only for the slot's current
         generation and within the channel's lease bound, whatever the reader wrote."""
-        bound = self.spec.lease_ms * 1_000_000
+        limit = now + self.spec.lease_ms * 1_000_000
+        count, gens, entries, span = (self.spec.slot_count, self._gen,
+                                      self._lease_entry.iter_unpack, self._lease_span)
         out = set()
         for mm in self._leases:
-            for k in range(self.spec.max_leases):
-                slot, gen, deadline = L.LEASE_ENTRY.unpack_from(mm, L.lease_offset(k))
-                if (gen and slot < self.spec.slot_count and gen == self._gen[slot]
-                        and now < deadline <= now + bound):
+            for slot, gen, deadline in entries(mm[span]):
+                if gen and slot < count and gen == gens[slot] and now < deadline <= limit:
                     out.add(slot)
         return out
 
     def loan(self) -> Loan:
         """Claim the oldest slot no live lease protects. Never blocks."""
         protected = self._protected(time.monotonic_ns())
-        free = [i for i in range(self.spec.slot_count)
-                if i not in protected and i not in self._loaned]
-        if not free:
-            if len(self._loaned) >= self.spec.slot_count - self.spec.max_readers * self.spec.max_leases:
+        loaned, seqs = self._loaned, self._seq
+        slot = -1
+        for i in range(self.spec.slot_count):
+            if i not in protected and i not in loaned and (slot < 0 or seqs[i] < seqs[slot]):
+                slot = i
+        if slot < 0:
+            if len(loaned) >= self.spec.slot_count - self.spec.max_readers * self.spec.max_leases:
                 raise BridgeError(f"channel {self.spec.name!r}: too many open loans")
             raise BridgeError(f"channel {self.spec.name!r}: no free slot (leases exceed bound)")
-        skipped = sum(1 for i in protected if i not in self._loaned)
-        self._honoured += skipped
-        slot = min(free, key=lambda i: self._seq[i])
+        if protected:
+            self._honoured += len(protected - loaned)
         # Odd generation: readers that look now see "being written" and keep off.
         self._gen[slot] += 1
-        L.U64.pack_into(self._buf, L.control_offset(slot), self._gen[slot])
-        self._loaned.add(slot)
+        L.U64.pack_into(self._buf, self._ctl[slot], self._gen[slot])
+        loaned.add(slot)
         return Loan(self, slot)
 
     def _discard(self, loan: Loan) -> None:
@@ -233,45 +266,66 @@ class Writer:
         self._loaned.discard(slot)
         self._discarded += 1
 
+    def _header_plan(self, has_crc: bool, has_frame: bool) -> codec.HeaderPlan:
+        plan = codec.HEADER.plan(self.spec, self._pid, self._domain, has_crc, has_frame)
+        if plan.size > L.HEADER_MAX:
+            raise BridgeError(f"header needs {plan.size} bytes > {L.HEADER_MAX}")
+        self._header_plans[has_crc, has_frame] = plan
+        return plan
+
     def _publish(self, loan: Loan, frame_id, capture_ts_ns, exposure_us, gain,
                  publish_ts_ns) -> int:
         spec, buf, slot = self.spec, self._buf, loan.slot
-        dt, shape, strides, offset = loan._desc
-        key = (dt.str, shape, strides, offset, loan._frame)
-        raw_layout = self._layout_cache.get(key)
-        if raw_layout is None:
-            raw_layout = codec.encode_layout(dt, shape, strides, offset, loan._frame)
-            if len(raw_layout) > L.LAYOUT_MAX:
-                raise BridgeError(f"layout needs {len(raw_layout)} bytes > {L.LAYOUT_MAX}")
-            if len(self._layout_cache) > 64:
-                self._layout_cache.clear()
-            self._layout_cache[key] = raw_layout
-        crc = None
-        if spec.crc:
-            lo, hi = codec.tensor_span(shape, strides, offset, dt.itemsize)
-            crc = zlib.crc32(loan._payload[lo:hi])
-        seq = self._last_seq + 1
-        gen = self._gen[slot] + 1
-        ts = time.monotonic_ns() if publish_ts_ns is None else publish_ts_ns
-        raw_header = codec.HEADER.encode(spec, seq, gen, self._pid, self._domain, ts, crc,
-                                         frame_id, capture_ts_ns, exposure_us, gain)
-        if len(raw_header) > L.HEADER_MAX:
-            raise BridgeError(f"header needs {len(raw_header)} bytes > {L.HEADER_MAX}")
-        base = spec.control_size + slot * spec.slot_stride
-        buf[base:base + len(raw_header)] = raw_header
-        buf[base + L.LAYOUT_OFFSET:base + L.LAYOUT_OFFSET + len(raw_layout)] = raw_layout
-        cb = L.control_offset(slot)
-        # Fields first, generation last (even = stable), then the channel's latest.
-        L.CONTROL.pack_into(buf, cb, self._gen[slot], seq, ts, len(raw_header),
-                            len(raw_layout))
-        L.U64.pack_into(buf, cb, gen)
-        L.U64.pack_into(buf, L.OFF_LAST_SEQ, seq)
+        try:
+            # Everything that can fail, and everything that does not need the time,
+            # comes first: the slot is still odd (being written), readers keep off.
+            raw_layout = self._layout_cache.get(loan._lkey)
+            if raw_layout is None:
+                dt, shape, strides, offset = loan._desc
+                raw_layout = codec.encode_layout(dt, shape, strides, offset, loan._frame)
+                if len(raw_layout) > L.LAYOUT_MAX:
+                    raise BridgeError(f"layout needs {len(raw_layout)} bytes > {L.LAYOUT_MAX}")
+                if len(self._layout_cache) > 64:
+                    self._layout_cache.clear()
+                self._layout_cache[loan._lkey] = raw_layout
+            crc = None
+            if spec.crc:
+                dt, shape, strides, offset = loan._desc
+                lo, hi = codec.tensor_span(shape, strides, offset, dt.itemsize)
+                crc = zlib.crc32(loan._payload[lo:hi])
+            seq = self._last_seq + 1
+            gen = self._gen[slot] + 1
+            plan = (self._header_plans.get((crc is not None, frame_id is not None))
+                    or self._header_plan(crc is not None, frame_id is not None))
+            base = self._base[slot]
+            # The whole header, with publishTsNs as given or 0 until stamped below.
+            plan.pack_into(buf, base, seq, gen, publish_ts_ns or 0, crc, frame_id,
+                           capture_ts_ns, exposure_us, gain)
+            nl = len(raw_layout)
+            buf[base + L.LAYOUT_OFFSET:base + L.LAYOUT_OFFSET + nl] = raw_layout
+        except BaseException:
+            self._discard(loan)   # nothing was published: the slot goes back, invalid
+            raise
+        cb, ts_pos = self._ctl[slot], base + plan.ts_pos
+        # Still before the clock reading: the control block (generation still odd) and
+        # the last_slot hint, so their cache lines are this core's when the stamp and
+        # the stores that publish follow.
+        L.CONTROL.pack_into(buf, cb, self._gen[slot], seq, publish_ts_ns or 0, plan.size, nl)
+        L.U32.pack_into(buf, L.OFF_LAST_SLOT, slot)
         self._gen[slot], self._seq[slot], self._last_seq = gen, seq, seq
         self._loaned.discard(slot)
         self._published += 1
-        for fd in self._events:
+        pack_u64, events, eventfd_write = L.U64.pack_into, self._events, os.eventfd_write
+        # From the clock reading to the wake-up: four stores and the eventfd writes.
+        ts = time.monotonic_ns() if publish_ts_ns is None else publish_ts_ns
+        pack_u64(buf, ts_pos, ts)             # SlotHeader.publishTsNs
+        pack_u64(buf, cb + L.OFF_TS, ts)
+        # Fields first, generation last (even = stable), then the channel's latest.
+        pack_u64(buf, cb, gen)
+        pack_u64(buf, L.OFF_LAST_SEQ, seq)
+        for fd in events:
             try:
-                os.eventfd_write(fd, 1)
+                eventfd_write(fd, 1)
             except BlockingIOError:
                 pass  # counter saturated: that reader is long gone or asleep; it will see it
         return seq
@@ -293,6 +347,12 @@ class Writer:
     def close(self) -> None:
         for mm in self._leases:
             mm.close()
+        self._plane_cache = [{} for _ in self._base]
+        for view in self._payloads:
+            try:
+                view.release()
+            except BufferError:
+                pass  # a loaned array still uses it
         try:
             self._buf.release()
             self._mm.close()
