@@ -200,3 +200,40 @@ def test_pixel_format_outside_contract(pair):
         loan.publish(frame_id=1, capture_ts_ns=time.monotonic_ns())
     with pytest.raises(FormatError, match=r"rgb888 not in the channel contract \['nv12'\]"):
         r.receive(timeout=1)
+
+
+def test_receipt_round_trip_and_absent(pair):
+    from supervisor.ipc import Receipt
+
+    w, r = pair(dtype="float32", crc=True)
+    rc = Receipt(frame_id=42, capture_ts_ns=10, infer_start_ns=20, infer_end_ns=30,
+                 device="CPU", bytes_in=32768, bytes_out=16, completion="hostVisible",
+                 latency_ns=10, worst_case_ns=12, deadline_ns=50_000_000, deadline_misses=1,
+                 artifact_sha256=bytes(range(32)), kernels_run=5)
+    with w.loan() as loan:
+        loan.array((4,))[...] = [0.5, 0.1, 0.9, 0.0]
+        seq = loan.publish(receipt=rc)
+    w.publish_array(np.ones(4, np.float32))
+    with r.receive(timeout=1) as m:
+        assert m.sequence == seq and m.receipt == rc
+        assert m.array.tolist() == [0.5, 0.10000000149011612, 0.8999999761581421, 0.0]
+    with r.receive(timeout=1) as m:
+        assert m.receipt is None
+
+
+def test_malformed_receipt_is_a_counted_typed_error(pair):
+    w, r = pair(dtype="float32")
+    seq, gen = _next(w)
+    h = codec.SlotHeader.new_message(schemaVersion=1, channelId=0, sequence=seq,
+                                     generation=gen, writerPid=1, writerDomain="control",
+                                     publishTsNs=time.monotonic_ns())
+    h.init("receipt").device = "CPU"
+    raw = bytearray(h.to_bytes())
+    raw[-20:] = b"\xff" * 20          # corrupt the receipt's text/data pointers
+    forge(w, bytes(raw), _layout_bytes(np.float32, (4,), (4,), 0))
+    with r.receive(timeout=1) as m:
+        with pytest.raises(MalformedHeader, match="receipt does not decode") as info:
+            m.receipt
+        assert "stack:" not in str(info.value)
+        assert m.array.shape == (4,)       # the rest of the message is still usable
+    assert r.stats.rejected == {"malformed_header": 1}

@@ -15,6 +15,7 @@ from .errors import (BoundsError, BridgeError, ChannelTimeout, ConfigError, CrcM
                      DTypeMismatch, FormatError, LeaseLost, MalformedHeader, Rejected,
                      SequenceError, StaleMessage, TornRead)
 from .reader import FrameInfo, Message, Reader, ReaderStats
+from .receipt import Receipt
 from .spec import ChannelSpec
 from .writer import Loan, Writer, WriterStats
 
@@ -22,6 +23,6 @@ __all__ = [
     "BoundsError", "BridgeError", "Channel", "ChannelSpec", "ChannelTimeout", "ConfigError",
     "CrcMismatch", "DTypeMismatch", "FormatError", "FrameFormat", "FrameInfo", "Layout",
     "LeaseLost", "Loan", "MalformedHeader", "Message", "PlaneInfo", "Reader", "ReaderHandle",
-    "ReaderStats", "Rejected", "SequenceError", "Stamp", "StaleMessage", "TornRead", "Writer",
+    "ReaderStats", "Receipt", "Rejected", "SequenceError", "Stamp", "StaleMessage", "TornRead", "Writer",
     "WriterHandle", "WriterStats", "env_name", "handle_from_env",
 ]

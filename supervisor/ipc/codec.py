@@ -15,6 +15,8 @@ import numpy as np
 import schemas
 
 from .errors import BoundsError, DTypeMismatch, FormatError, MalformedHeader
+from . import receipt as receipts
+from .receipt import Receipt
 from .spec import MAX_NDIM, ChannelSpec
 
 _slot = schemas.load("slot")
@@ -149,7 +151,8 @@ def encode_layout(dtype: np.dtype, shape: tuple[int, ...], strides: tuple[int, .
 def encode_header(spec: ChannelSpec, *, sequence: int, generation: int, writer_pid: int,
                   domain: str, publish_ts_ns: int, crc32: int | None,
                   frame_id: int | None = None, capture_ts_ns: int | None = None,
-                  exposure_us: int | None = None, gain: float | None = None) -> bytes:
+                  exposure_us: int | None = None, gain: float | None = None,
+                  receipt: Receipt | None = None) -> bytes:
     msg = SlotHeader.new_message(
         schemaVersion=SCHEMA_VERSION, channelId=spec.channel_id, sequence=sequence,
         generation=generation, writerPid=writer_pid, writerDomain=domain,
@@ -164,7 +167,30 @@ def encode_header(spec: ChannelSpec, *, sequence: int, generation: int, writer_p
             m.exposure.microseconds = exposure_us
         if gain is not None:
             m.gain.value = gain
+    if receipt is not None:
+        receipts.fill(msg.init("receipt"), receipt)
     return msg.to_bytes()
+
+
+def publish_ts_offset(raw: bytes) -> int:
+    """Byte position of SlotHeader.publishTsNs in an encoded header (for late stamping)."""
+    from . import capnp_fast as cf
+
+    m = cf.Message(raw)
+    return m.root.data + cf.scalar(SlotHeader.schema, "publishTsNs").offset
+
+
+def decode_receipt(raw: bytes, spec: ChannelSpec, sequence: int) -> Receipt | None:
+    """The execution receipt in a SlotHeader, if it carries one (read on demand)."""
+    try:
+        with SlotHeader.from_bytes(raw, traversal_limit_in_words=TRAVERSAL_LIMIT_WORDS,
+                                   nesting_limit=NESTING_LIMIT) as h:
+            if not h._has("receipt"):
+                return None
+            return receipts.read(h.receipt)
+    except Exception as e:  # pycapnp raises several types: all mean "bad bytes"
+        raise MalformedHeader(spec.name, f"receipt does not decode: {_short(e)}",
+                              sequence) from None
 
 
 # ---------------------------------------------------------------- reader side
@@ -270,8 +296,10 @@ def decode_header(raw: bytes, spec: ChannelSpec, *, fast: bool = True) -> Stamp:
 
 
 def _short(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return (text[-1] if text else type(e).__name__)[:200]
+    # KjException's str() ends with a native stack trace; its description is the reason.
+    text = getattr(e, "description", None) or str(e)
+    lines = [ln for ln in str(text).strip().splitlines() if not ln.startswith("stack:")]
+    return (lines[0] if lines else type(e).__name__)[:200]
 
 
 # ------------------------------------------------- fixed-offset SlotHeader fast path

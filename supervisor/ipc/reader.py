@@ -13,6 +13,7 @@ import numpy as np
 from . import codec, layout as L, shm
 from .channel import ReaderHandle
 from .codec import FrameFormat, Layout, Stamp
+from .receipt import Receipt
 from .errors import (BridgeError, ChannelTimeout, CrcMismatch, LeaseLost, MalformedHeader,
                      Rejected, SequenceError, StaleMessage, TornRead)
 from .spec import HEADER_AREA
@@ -66,7 +67,7 @@ class Message:
     while ``check()`` passes (the writer may reuse the slot once the lease expires)."""
 
     __slots__ = ("_reader", "_slot", "_gen", "_lease", "_layout", "stamp", "_array",
-                 "_released", "_lost")
+                 "_released", "_lost", "_raw_header")
 
     def __init__(self, reader: Reader, slot: int, gen: int, lease: int, layout: Layout,
                  stamp: Stamp) -> None:
@@ -79,10 +80,21 @@ class Message:
         self._array: np.ndarray | None = None
         self._released = False
         self._lost = False
+        self._raw_header = b""
 
     @property
     def sequence(self) -> int:
         return self.stamp.sequence
+
+    @property
+    def receipt(self) -> Receipt | None:
+        """The execution receipt in the header (model outputs), decoded on demand from
+        the private copy taken at receive time; a bad one raises MalformedHeader."""
+        try:
+            return codec.decode_receipt(self._raw_header, self._reader.spec, self.sequence)
+        except Rejected as e:
+            self._reader._rejected[e.reason] += 1
+            raise
 
     @property
     def publish_ts_ns(self) -> int:
@@ -380,6 +392,7 @@ class Reader:
         msg._lease = k
         msg._layout = layout
         msg.stamp = stamp
+        msg._raw_header = raw_h
         msg._array = None
         msg._released = msg._lost = False
         return msg

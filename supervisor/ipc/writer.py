@@ -14,6 +14,7 @@ from . import codec, layout as L, shm
 from .channel import WriterHandle
 from .codec import FrameFormat, PlaneInfo
 from .errors import BridgeError
+from .receipt import Receipt
 from .spec import HEADER_AREA
 
 
@@ -92,8 +93,9 @@ class Loan:
 
     def publish(self, *, frame_id: int | None = None, capture_ts_ns: int | None = None,
                 exposure_us: int | None = None, gain: float | None = None,
-                publish_ts_ns: int | None = None) -> int:
-        """Make the slot visible to readers and wake them. Returns the sequence number."""
+                publish_ts_ns: int | None = None, receipt: Receipt | None = None) -> int:
+        """Make the slot visible to readers and wake them. Returns the sequence number.
+        ``receipt``: the execution receipt of the inference that produced this output."""
         if self._done:
             raise BridgeError("loan already published or discarded")
         if self._desc is None:
@@ -102,7 +104,7 @@ class Loan:
             raise BridgeError("a frame needs frame_id and capture_ts_ns")
         self._done = True
         return self._w._publish(self, frame_id, capture_ts_ns, exposure_us, gain,
-                                publish_ts_ns)
+                                publish_ts_ns, receipt)
 
     def discard(self) -> None:
         if not self._done:
@@ -274,7 +276,7 @@ class Writer:
         return plan
 
     def _publish(self, loan: Loan, frame_id, capture_ts_ns, exposure_us, gain,
-                 publish_ts_ns) -> int:
+                 publish_ts_ns, receipt: Receipt | None = None) -> int:
         spec, buf, slot = self.spec, self._buf, loan.slot
         try:
             # Everything that can fail, and everything that does not need the time,
@@ -295,22 +297,36 @@ class Writer:
                 crc = zlib.crc32(loan._payload[lo:hi])
             seq = self._last_seq + 1
             gen = self._gen[slot] + 1
-            plan = (self._header_plans.get((crc is not None, frame_id is not None))
-                    or self._header_plan(crc is not None, frame_id is not None))
             base = self._base[slot]
-            # The whole header, with publishTsNs as given or 0 until stamped below.
-            plan.pack_into(buf, base, seq, gen, publish_ts_ns or 0, crc, frame_id,
-                           capture_ts_ns, exposure_us, gain)
+            if receipt is None:
+                plan = (self._header_plans.get((crc is not None, frame_id is not None))
+                        or self._header_plan(crc is not None, frame_id is not None))
+                # The whole header, with publishTsNs as given or 0 until stamped below.
+                plan.pack_into(buf, base, seq, gen, publish_ts_ns or 0, crc, frame_id,
+                               capture_ts_ns, exposure_us, gain)
+                size, ts_off = plan.size, plan.ts_pos
+            else:
+                # Receipts carry text and bytes: pycapnp builds these (model outputs are
+                # tens per second, not the frame path).
+                raw = codec.encode_header(
+                    spec, sequence=seq, generation=gen, writer_pid=self._pid,
+                    domain=self._domain, publish_ts_ns=publish_ts_ns or 0, crc32=crc,
+                    frame_id=frame_id, capture_ts_ns=capture_ts_ns,
+                    exposure_us=exposure_us, gain=gain, receipt=receipt)
+                if len(raw) > L.HEADER_MAX:
+                    raise BridgeError(f"header needs {len(raw)} bytes > {L.HEADER_MAX}")
+                buf[base:base + len(raw)] = raw
+                size, ts_off = len(raw), codec.publish_ts_offset(raw)
             nl = len(raw_layout)
             buf[base + L.LAYOUT_OFFSET:base + L.LAYOUT_OFFSET + nl] = raw_layout
         except BaseException:
             self._discard(loan)   # nothing was published: the slot goes back, invalid
             raise
-        cb, ts_pos = self._ctl[slot], base + plan.ts_pos
+        cb, ts_pos = self._ctl[slot], base + ts_off
         # Still before the clock reading: the control block (generation still odd) and
         # the last_slot hint, so their cache lines are this core's when the stamp and
         # the stores that publish follow.
-        L.CONTROL.pack_into(buf, cb, self._gen[slot], seq, publish_ts_ns or 0, plan.size, nl)
+        L.CONTROL.pack_into(buf, cb, self._gen[slot], seq, publish_ts_ns or 0, size, nl)
         L.U32.pack_into(buf, L.OFF_LAST_SLOT, slot)
         self._gen[slot], self._seq[slot], self._last_seq = gen, seq, seq
         self._loaned.discard(slot)
