@@ -42,7 +42,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     cfg = _config(args.config)
     log = EventLog(fmt=args.log_format or cfg.supervisor.log_format, keep=False)
-    sup = Supervisor(cfg, log=log, sandboxed=not args.no_sandbox, grace_s=args.grace)
+    sup = Supervisor(cfg, log=log, sandboxed=not args.no_sandbox, grace_s=args.grace,
+                     status_out=None if args.quiet else sys.stdout,
+                     # stdout is the status line; workers talk on stderr with the events
+                     worker_output=sys.stderr.fileno())
     return int(trio.run(sup.run))
 
 
@@ -68,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--log-format", choices=("json", "text"), default=None)
             s.add_argument("--grace", type=float, default=3.0,
                            help="seconds between SIGTERM and SIGKILL on shutdown")
+            s.add_argument("--quiet", action="store_true",
+                           help="no live status line on stdout (events still go to stderr)")
         if name == "units":
             s.add_argument("--out", default="systemd")
     args = p.parse_args(argv)

@@ -65,7 +65,8 @@ class Supervisor:
     def __init__(self, config: Config, *, log: EventLog | None = None,
                  notifier: Notifier | None = None, sandboxed: bool = True,
                  grace_s: float = 3.0, python: str = sys.executable,
-                 worker_output: int | None = None) -> None:
+                 worker_output: int | None = None, status_out=None,
+                 status_interval_s: float | None = None) -> None:
         self.config = config
         self.log = log or EventLog(fmt=config.supervisor.log_format)
         self.notify = notifier or Notifier()
@@ -78,6 +79,9 @@ class Supervisor:
         self._reader_index: dict[tuple[str, str], int] = {}
         self.exit_code: Exit = Exit.SHUTDOWN
         self._stopping = False
+        self.status_out = status_out       # a stream for the live status line, or None
+        self.status_interval_s = status_interval_s
+        self.monitor = None
 
     # ---------------------------------------------------------------- admission
 
@@ -416,6 +420,8 @@ class Supervisor:
                         return self.exit_code
                     self.notify.ready(f"{len(self.runs)} workers ready")
                     self.log.emit("all_ready", workers=list(self.runs))
+                    if self.status_out is not None:
+                        nursery.start_soon(self._run_monitor)
                     task_status.started(self)
         except* FailSafe as eg:
             await self._fail_safe(str(eg.exceptions[0]))
@@ -437,6 +443,15 @@ class Supervisor:
                 continue
             run = self.runs[name] = WorkerRun(self.config.workers[name])
             await nursery.start(self._supervise, run)
+
+    async def _run_monitor(self) -> None:
+        from supervisor.monitor import Monitor
+
+        # The spare reader index of each channel (readers_of() fills 0..n-1).
+        spare = {name: len(self.config.readers_of(name)) for name in self.channels}
+        self.monitor = Monitor(self.channels, spare, out=self.status_out,
+                               interval_s=self.status_interval_s or 1.0)
+        await self.monitor.run()
 
     async def _fail_safe(self, why: str) -> None:
         if self.exit_code == Exit.FAIL_SAFE:
