@@ -451,7 +451,10 @@ class Supervisor:
         spare = {name: len(self.config.readers_of(name)) for name in self.channels}
         self.monitor = Monitor(self.channels, spare, out=self.status_out,
                                interval_s=self.status_interval_s or 1.0)
-        await self.monitor.run()
+        try:
+            await self.monitor.run()
+        except Exception as e:  # the status line is a convenience: never fatal
+            self.log.emit("monitor_error", error=f"{type(e).__name__}: {e}")
 
     async def _fail_safe(self, why: str) -> None:
         if self.exit_code == Exit.FAIL_SAFE:

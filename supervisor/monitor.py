@@ -20,7 +20,7 @@ from supervisor.ipc import BridgeError, Channel, LeaseLost, Reader, Rejected
 @dataclass
 class ChannelView:
     name: str
-    reader: Reader
+    reader: Reader | None
     times: deque = field(default_factory=lambda: deque(maxlen=200))
     latencies_ms: deque = field(default_factory=lambda: deque(maxlen=500))
     receipts: int = 0
@@ -42,16 +42,23 @@ class Monitor:
     def __init__(self, channels: dict[str, Channel], reader_index: dict[str, int],
                  out=None, interval_s: float = 1.0) -> None:
         self.views: dict[str, ChannelView] = {}
+        self._handles = {}
         for name, ch in channels.items():
             idx = reader_index.get(name)
             if idx is not None and idx < ch.spec.max_readers:
-                self.views[name] = ChannelView(name, Reader(ch.reader_handle(idx),
-                                                            attach_timeout_s=0.0))
+                self._handles[name] = ch.reader_handle(idx)
+                self.views[name] = ChannelView(name, None)
         self.out = out or sys.stdout
         self.interval_s = interval_s
         self.lines = 0
 
     async def _follow(self, v: ChannelView) -> None:
+        # A channel whose writer has not started (or was skipped) is attached later.
+        while v.reader is None:
+            try:
+                v.reader = Reader(self._handles[v.name], attach_timeout_s=0.0)
+            except BridgeError:
+                await trio.sleep(0.5)
         while True:
             try:
                 msg = await v.reader.receive_async()
@@ -76,6 +83,9 @@ class Monitor:
     def line(self) -> str:
         parts = []
         for v in self.views.values():
+            if v.reader is None:
+                parts.append(f"{v.name} (no writer)")
+                continue
             s = v.reader.stats
             text = f"{v.name} {v.rate():5.1f}/s drop {s.dropped}"
             if v.latencies_ms:

@@ -236,3 +236,54 @@ def test_sd_notify_protocol(sup, tmp_path):
         got.append(sock.recv(4096).decode())
     assert r.finish() == 0
     assert any(m.startswith("STATUS=") or "\nSTATUS=" in m for m in got)
+
+
+def test_optional_refused_worker_is_skipped_and_the_rest_runs(sup, tmp_path):
+    pkg = tmp_path / "shadowpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import torch\n")
+    cfg = CONTROL.format(policy="fail_safe") + PIPELINE.format(a_args="", a_extra="") + """
+        [channels.s_out]
+        slot_size = "4KiB"
+        [workers.extra]
+        domain = "control"
+        module = "shadowpkg"
+        publishes = ["s_out"]
+        optional = true
+        """
+    r = sup(cfg, env={"PYTHONPATH": str(tmp_path)})
+    r.wait_for("all_ready")
+    refused = [e for e in r.events if e["event"] == "refused"]
+    assert refused[0]["worker"] == "extra" and refused[0]["optional"] is True
+    assert "shadowpkg" in refused[0]["reason"] and "torch" in refused[0]["reason"]
+    assert [e["worker"] for e in r.events if e["event"] == "skipped"] == ["extra"]
+    assert _names(r.events, "ready") == ["a", "b", "c"]
+    r.proc.send_signal(signal.SIGTERM)
+    assert r.finish() == 0
+
+
+def test_default_config_runs_every_worker_sandboxed_with_live_status():
+    """`supervisor run` on the embedded default: camera, model, control and the torch
+    research shadow, all sandboxed; a live status line; Ctrl-C (SIGINT) stops it clean."""
+    p = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        line = ""
+        while time.monotonic() < deadline:
+            line = p.stdout.readline()
+            if ("receipts" in line and "engaged" in line and "shadow_out" in line
+                    and " 0.0/s" not in line):
+                break
+        assert "model CPU p50" in line and "road_frames" in line, line
+        p.send_signal(signal.SIGINT)
+        assert p.wait(30) == 0
+        events = [json.loads(x) for x in p.stderr.read().splitlines() if x.startswith("{")]
+        ready = {e["worker"] for e in events if e["event"] == "ready"}
+        assert ready == {"camerad", "modeld", "controlsd", "research"}
+        assert all(e["sandboxed"] for e in events if e["event"] == "start")
+        assert events[-1]["event"] == "supervisor_exit" and events[-1]["code"] == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

@@ -1,0 +1,147 @@
+"""End-to-end camera-to-control latency under the real supervisor, and the share of it
+spent outside the model (target: supervisor + bridge overhead <= 5 % of model time).
+
+    python bench/e2e_latency.py [--seconds 10] [--fps 20]
+
+Runs camerad -> modeld -> controlsd, sandboxed, from the embedded default's channel
+contracts, and attaches this process as one more reader of each channel. Per frame:
+  e2e        capture -> first control command published after the model output
+  model      the receipt's inference latency (copy-in, kernels, copy-out: hostVisible)
+  preprocess modeld's numpy Y-plane downsampling (receipt.infer_start - frame receive)
+  bridge hop publish -> a reader in another process holding the view, measured here
+             for road_frames and model_out (the supervisor is not on the data path)
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+from pathlib import Path
+
+import numpy as np
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from supervisor.config import loads  # noqa: E402
+from supervisor.events import EventLog  # noqa: E402
+from supervisor.ipc import Reader  # noqa: E402
+from supervisor.lifecycle import Supervisor  # noqa: E402
+
+CONFIG = """
+[domains.control]
+failure_policy = "fail_safe"
+actuates = true
+[channels.road_frames]
+kind = "frame"
+pixel_formats = ["nv12"]
+slot_size = "3.5MiB"
+slot_count = 6
+max_age_ms = 100
+max_readers = 2
+[channels.model_out]
+dtype = "float32"
+slot_size = "4KiB"
+slot_count = 8
+max_age_ms = 200
+crc = true
+max_readers = 2
+[channels.control_cmd]
+dtype = "float32"
+slot_size = "4KiB"
+slot_count = 16
+crc = true
+max_readers = 1
+[workers.camerad]
+domain = "control"
+module = "workers.camerad"
+publishes = ["road_frames"]
+args = ["--fps", "{fps}"]
+[workers.modeld]
+domain = "control"
+module = "workers.modeld"
+subscribes = ["road_frames"]
+publishes = ["model_out"]
+ready_timeout_ms = 30000
+[workers.controlsd]
+domain = "control"
+module = "workers.controlsd"
+subscribes = ["model_out"]
+publishes = ["control_cmd"]
+"""
+
+
+def pct(a, qs=(50, 99)):
+    return [float(np.percentile(np.asarray(a, float), q)) for q in qs]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--fps", type=float, default=20.0)
+    a = ap.parse_args()
+    cfg = loads(CONFIG.format(fps=a.fps), "bench/e2e_latency.py")
+    frames: dict[int, tuple[int, int, int]] = {}     # frame id -> (capture, publish, recv)
+    outs: list[tuple[int, int, object]] = []           # (publish, recv, receipt)
+    cmds: list[int] = []                               # publish ts
+
+    async def run():
+        sup = Supervisor(cfg, log=EventLog(stream=io.StringIO()), status_out=None)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sup.run)
+            rf = Reader(sup.channels["road_frames"].reader_handle(1))
+            ro = Reader(sup.channels["model_out"].reader_handle(1))
+            rc = Reader(sup.channels["control_cmd"].reader_handle(0))
+
+            async def follow(r, sink):
+                while True:
+                    with await r.receive_async() as m:
+                        m.array
+                        sink(m, trio.current_time())
+
+            import time
+            nursery.start_soon(follow, rf, lambda m, _: frames.__setitem__(
+                m.frame.frame_id, (m.frame.capture_ts_ns, m.publish_ts_ns, time.monotonic_ns())))
+            nursery.start_soon(follow, ro, lambda m, _: outs.append(
+                (m.publish_ts_ns, time.monotonic_ns(), m.receipt)))
+            nursery.start_soon(follow, rc, lambda m, _: cmds.append(m.publish_ts_ns))
+            await trio.sleep(a.seconds)
+            nursery.cancel_scope.cancel()
+
+    trio.run(run)
+    cmds_a = np.array(sorted(cmds))
+    e2e, model, prep, hop_f, hop_o, ctl, post = [], [], [], [], [], [], []
+    for pub, recv, r in outs[5:]:                     # skip warm-up
+        f = frames.get(r.frame_id)
+        if f is None:
+            continue
+        i = int(np.searchsorted(cmds_a, pub, side="right"))
+        if i >= len(cmds_a):
+            continue
+        e2e.append((cmds_a[i] - r.capture_ts_ns) / 1e6)
+        model.append(r.latency_ns / 1e6)
+        prep.append((r.infer_start_ns - f[1]) / 1e6)   # frame publish -> inference start
+        hop_f.append((f[2] - f[1]) / 1e3)
+        hop_o.append((recv - pub) / 1e3)
+        ctl.append((cmds_a[i] - pub) / 1e6)
+        post.append((pub - r.infer_end_ns) / 1e6)
+    n = len(e2e)
+    print(f"frames {n} at {a.fps:g} fps (1928x1208 NV12), 2 cores shared by all workers")
+    print(f"camera->control e2e      p50 {pct(e2e)[0]:7.2f} ms  p99 {pct(e2e)[1]:7.2f} ms")
+    print(f"  model (receipt)        p50 {pct(model)[0]:7.2f} ms  p99 {pct(model)[1]:7.2f} ms")
+    print(f"  frame pub->infer start p50 {pct(prep)[0]:7.2f} ms  (bridge hop + frame checks)")
+    print(f"  model_out pub->command p50 {pct(ctl)[0]:7.2f} ms  (bridge hop + control law)")
+    print(f"  infer end->model_out   p50 {pct(post)[0]:7.2f} ms  (receipt + publish)")
+    print(f"  capture->frame publish p50 {pct(e2e)[0] - pct(model)[0] - pct(prep)[0] - pct(post)[0] - pct(ctl)[0]:7.2f} ms  (synthetic render, the camera's own work)")
+    outside = np.median(prep) + np.median(post) + np.median(ctl)
+    m50 = np.median(model)
+    print(f"outside the model, on the data path (hops, checks, publish, control law): "
+          f"{outside:.2f} ms = {outside / m50 * 100:.1f} % of model time ({m50:.2f} ms, "
+          f"receipt: preprocessing + kernels + copies); supervisor: none (fds only)")
+    print(f"(this process as one more reader: road_frames hop p50 {pct(hop_f)[0]:.0f} us, "
+          f"model_out hop p50 {pct(hop_o)[0]:.0f} us, on cores the workers keep busy)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
