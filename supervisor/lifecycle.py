@@ -133,6 +133,19 @@ class Supervisor:
             return [self.python, "-m", "supervisor.runner", w.module, *w.args]
         return [*w.command, *w.args]
 
+    @staticmethod
+    def _rlimits(w: WorkerConfig) -> dict[str, int]:
+        """Per-worker limits enforced with rlimits: memory_max caps the data segment
+        (heap and private anonymous mappings; shared channels are not counted), nofile
+        the open fds. cpu_quota needs a cgroup: the generated systemd unit applies the
+        total; per worker it is not enforced yet."""
+        limits = {}
+        if w.memory_max:
+            limits["data"] = w.memory_max
+        if w.nofile:
+            limits["nofile"] = w.nofile
+        return limits
+
     def _spawn(self, run: WorkerRun) -> None:
         w = run.cfg
         domain = self.config.domains[w.domain]
@@ -152,7 +165,7 @@ class Supervisor:
                 # then stops the workers in order.
                 run.proc = launch.spawn(pol, self._argv(w), [*fds, wfd], env_extra=env,
                                         stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                        start_new_session=True)
+                                        start_new_session=True, rlimits=self._rlimits(w))
             else:
                 full = dict(os.environ, **env)
                 run.proc = subprocess.Popen(self._argv(w), pass_fds=[*fds, wfd], env=full,

@@ -287,3 +287,36 @@ def test_default_config_runs_every_worker_sandboxed_with_live_status():
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_resource_limits_are_enforced_in_the_sandbox(sup):
+    cfg = CONTROL.format(policy="restart") + """
+        [channels.x]
+        slot_size = "4KiB"
+        [workers.hog]
+        domain = "control"
+        module = "workers.probe"
+        publishes = ["x"]
+        args = ["--alloc-mb", "1024"]
+        memory_max = "512MiB"
+        restart = "never"
+        [workers.fdhog]
+        domain = "control"
+        module = "workers.probe"
+        args = ["--open-files", "500"]
+        nofile = 128
+        restart = "never"
+        [workers.fine]
+        domain = "control"
+        module = "workers.probe"
+        args = ["--alloc-mb", "64", "--open-files", "50"]
+        memory_max = "512MiB"
+        nofile = 128
+        restart = "never"
+        """
+    r = sup(cfg)
+    assert r.wait_for("exit", worker="hog")[0]["code"] == 8        # MemoryError
+    assert r.wait_for("exit", worker="fdhog")[0]["code"] == 9      # EMFILE
+    r.wait_for("ready", worker="fine")
+    time.sleep(0.5)
+    assert not [e for e in r.events if e["event"] == "exit" and e["worker"] == "fine"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import queue
+import shutil
 import subprocess
 import threading
 from dataclasses import dataclass, field
@@ -131,9 +132,14 @@ def spawn(
     env_extra: Mapping[str, str] | None = None,
     *,
     json_status_fd: int | None = None,
+    rlimits: Mapping[str, int] | None = None,
     **popen_kwargs: Any,
 ) -> subprocess.Popen[Any]:
     """Start `argv` in a sandbox for `policy`; returns the outer bwrap's Popen.
+
+    `rlimits`: prlimit(1) resource names -> limit (e.g. {"nofile": 256, "data": 1<<30}),
+    set on bwrap before it starts (prlimit execs it, same pid) and so inherited by
+    everything in the sandbox.
 
     Popen.pid is bwrap outside the sandbox; kill it to kill the sandbox.
     `json_status_fd`: bwrap writes {"child-pid": ...} / {"exit-code": ...} there.
@@ -143,9 +149,13 @@ def spawn(
     if bad:
         raise TypeError(f"spawn() manages {sorted(bad)} itself")
     spec = prepare(policy, argv, pass_fds, cwd, env_extra, json_status_fd=json_status_fd)
+    full = spec.argv
+    if rlimits:
+        prlimit = shutil.which("prlimit", path=spec.env.get("PATH")) or "/usr/bin/prlimit"
+        full = [prlimit, *(f"--{k}={v}:{v}" for k, v in sorted(rlimits.items())), "--", *full]
     try:
         return on_stable_thread(
-            lambda: subprocess.Popen(spec.argv, pass_fds=spec.pass_fds, env=spec.env, close_fds=True, **popen_kwargs)
+            lambda: subprocess.Popen(full, pass_fds=spec.pass_fds, env=spec.env, close_fds=True, **popen_kwargs)
         )
     finally:
         spec.close()  # the child holds its own copy of the seccomp memfd

@@ -32,6 +32,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--period-ms", type=int, default=20)
     p.add_argument("--import", dest="import_", default=None)
     p.add_argument("--map-file", default=None)
+    p.add_argument("--alloc-mb", type=int, default=0, help="after ready: allocate this much")
+    p.add_argument("--open-files", type=int, default=0, help="after ready: open this many fds")
     return p.parse_args(argv)
 
 
@@ -50,6 +52,21 @@ def main(ctx: WorkerContext) -> int:
         except ImportError as e:
             print(f"probe {ctx.name}: ImportError: {e}", flush=True)
             return 7
+    if a.alloc_mb:
+        try:
+            blob = np.ones(a.alloc_mb << 20, np.uint8)
+            print(f"probe {ctx.name}: allocated {blob.nbytes >> 20} MiB", flush=True)
+        except MemoryError:
+            print(f"probe {ctx.name}: MemoryError at {a.alloc_mb} MiB", flush=True)
+            return 8
+    if a.open_files:
+        fds = []
+        try:
+            for _ in range(a.open_files):
+                fds.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError as e:
+            print(f"probe {ctx.name}: {e.strerror} after {len(fds)} fds", flush=True)
+            return 9
     kept = None
     if a.map_file:
         with open(a.map_file, "rb") as f:
