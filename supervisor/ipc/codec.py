@@ -7,6 +7,7 @@ Everything a reader takes from shared memory passes through ``decode_layout`` an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import NamedTuple
 
 import capnp
@@ -23,6 +24,16 @@ _slot = schemas.load("slot")
 SlotHeader = _slot.SlotHeader
 SlotLayout = _slot.SlotLayout
 SCHEMA_VERSION: int = _slot.schemaVersion
+_receipt_schema = schemas.load("receipt")
+
+# Receipt scalars as (python name, capnp name), in the order HeaderPlan patches them and
+# _HeaderAccess.receipt reads them; completion (an enum) last.
+_R_SCALARS = (("frame_id", "frameId"), ("capture_ts_ns", "captureTsNs"),
+              ("infer_start_ns", "inferStartNs"), ("infer_end_ns", "inferEndNs"),
+              ("bytes_in", "bytesIn"), ("bytes_out", "bytesOut"),
+              ("latency_ns", "latencyNs"), ("worst_case_ns", "worstCaseNs"),
+              ("deadline_ns", "deadlineNs"), ("deadline_misses", "deadlineMisses"),
+              ("kernels_run", "kernelsRun"), ("completion", "completion"))
 
 # Small messages: a generous but firm bound on what a hostile header may make us walk.
 TRAVERSAL_LIMIT_WORDS = 4096
@@ -180,8 +191,15 @@ def publish_ts_offset(raw: bytes) -> int:
     return m.root.data + cf.scalar(SlotHeader.schema, "publishTsNs").offset
 
 
-def decode_receipt(raw: bytes, spec: ChannelSpec, sequence: int) -> Receipt | None:
-    """The execution receipt in a SlotHeader, if it carries one (read on demand)."""
+def decode_receipt(raw: bytes, spec: ChannelSpec, sequence: int, *, fast: bool = True
+                   ) -> Receipt | None:
+    """The execution receipt in a SlotHeader, if it carries one (read on demand).
+    ``fast=False`` forces pycapnp's dynamic reader (the reference the tests compare to);
+    the compiled path hands anything it does not handle plainly to it."""
+    if fast:
+        r = HEADER.receipt(raw)
+        if r is not SLOW:
+            return r
     try:
         with SlotHeader.from_bytes(raw, traversal_limit_in_words=TRAVERSAL_LIMIT_WORDS,
                                    nesting_limit=NESTING_LIMIT) as h:
@@ -332,11 +350,11 @@ class HeaderPlan:
     ``pack_into`` writes the whole message in one struct call. ``ts_pos`` is where
     publishTsNs sits, so a writer can stamp the time last."""
 
-    __slots__ = ("size", "ts_pos", "has_crc", "has_frame", "_patcher", "_exp",
-                 "_gain")
+    __slots__ = ("size", "ts_pos", "has_crc", "has_frame", "has_receipt", "_patcher",
+                 "_exp", "_gain", "_rvals")
 
     def __init__(self, access: _HeaderAccess, template: bytes, has_crc: bool,
-                 has_frame: bool) -> None:
+                 has_frame: bool, has_receipt: bool = False) -> None:
         from . import capnp_fast as cf
 
         a = access
@@ -351,6 +369,13 @@ class HeaderPlan:
         if has_frame:
             fields += [(meta, s) for s in (a.frame_id, a.capture, a.exp_which, a.exp,
                                            a.gain_which, a.gain)]
+        if has_receipt:
+            # A receipt's Text and Data (device, artifactSha256) are in the template:
+            # a plan is made per (device, sha256), so only its scalars vary.
+            rc = m.child(r, a.receipt_ptr)
+            if rc is cf.NULL or rc.dwords == 0:
+                raise cf.Broken("template has no receipt struct")
+            fields += [(rc, s) for s in a.r_scalars]
         placed = []
         for ref, sc in fields:
             if not ref.holds(sc):
@@ -359,16 +384,18 @@ class HeaderPlan:
         self._patcher = cf.Patcher(template, placed)
         self.size = len(template)
         self.ts_pos = r.at(a.ts)
-        self.has_crc, self.has_frame = has_crc, has_frame
+        self.has_crc, self.has_frame, self.has_receipt = has_crc, has_frame, has_receipt
         self._exp = (a.exp_unknown, a.exp_is)
         self._gain = (a.gain_unknown, a.gain_is)
+        self._rvals = a.receipt_values
         # The template's own values (what _HeaderAccess.plan built it from) must give
         # back its exact bytes, or this plan would not be pycapnp's encoding.
-        if self.pack(0, 0, 0, 0, 0, 0, 0, 0.0) != template:
+        zero = a.zero_receipt if has_receipt else None
+        if self.pack(0, 0, 0, 0, 0, 0, 0, 0.0, zero) != template:
             raise cf.Broken("compiled SlotHeader writer does not reproduce its template")
 
-    def values(self, sequence, generation, ts, crc, frame_id, capture, exposure, gain
-               ) -> tuple:
+    def values(self, sequence, generation, ts, crc, frame_id, capture, exposure, gain,
+               receipt=None) -> tuple:
         out = (sequence, generation, ts)
         if self.has_crc:
             out += (crc,)
@@ -378,10 +405,13 @@ class HeaderPlan:
                     0 if exposure is None else exposure,
                     self._gain[0] if gain is None else self._gain[1],
                     0.0 if gain is None else gain)
+        if self.has_receipt:
+            out += self._rvals(receipt)
         return out
 
     def pack_into(self, buf, pos: int, *args) -> None:
-        """``args``: sequence, generation, ts, crc, frame_id, capture, exposure, gain."""
+        """``args``: sequence, generation, ts, crc, frame_id, capture, exposure, gain
+        (and the Receipt, for a plan made with ``plan_receipt``)."""
         self._patcher.pack_into(buf, pos, self.values(*args))
 
     def pack(self, *args) -> bytes:
@@ -422,8 +452,27 @@ class _HeaderAccess:
                              self.pid, self.crc_which, self.frame_which, self.ts, self.crc)
         self._meta_fields = (self.frame_id, self.capture, self.exp_which, self.gain_which,
                              self.exp, self.gain)
+        # Receipt (schemas/receipt.capnp): its scalars, in the order receipt_values
+        # gives them, and its two pointers (Text device, Data artifactSha256).
+        self.receipt_ptr = cf.pointer_index(hs, "receipt")
+        rs = hs.fields["receipt"].schema
+        self.r_scalars = tuple(cf.scalar(rs, cp) for _, cp in _R_SCALARS)
+        self.r_device_ptr = cf.pointer_index(rs, "device")
+        self.r_sha_ptr = cf.pointer_index(rs, "artifactSha256")
+        comp = _receipt_schema.CompletionPoint.schema.enumerants
+        self.r_completion = {n: comp[n] for n in receipts.COMPLETION_POINTS}
+        self.r_completion_name = {v: n for n, v in self.r_completion.items()}
+        get = attrgetter(*(py for py, _ in _R_SCALARS[:-1]))
+        completion = self.r_completion
+
+        def receipt_values(r: Receipt) -> tuple:
+            return (*get(r), completion[r.completion])
+
+        self.receipt_values = receipt_values
+        self.zero_receipt = Receipt(0, 0, 0, 0, "", 0, 0, "unknown")
         self._plans: dict[tuple, HeaderPlan] = {}
         self._compiled: dict[bytes, _Structure] = {}
+        self._rcompiled: dict[bytes, list] = {}
 
     # ------------------------------------------------------------------ reading
 
@@ -539,6 +588,143 @@ class _HeaderAccess:
             self._plans[key] = plan
         return plan
 
+    def plan_receipt(self, spec: ChannelSpec, writer_pid: int, domain: str, has_crc: bool,
+                     has_frame: bool, device: str, sha256: bytes) -> HeaderPlan:
+        """A compiled SlotHeader writer for headers that carry a Receipt with this
+        ``device`` and ``artifactSha256`` (constant per stream): the template is pycapnp's
+        encoding, and the plan is checked byte for byte against pycapnp twice, on the
+        template's zeros and on a probe whose every patched field is non-zero."""
+        key = (spec.channel_id, writer_pid, domain, has_crc, has_frame, device, sha256)
+        plan = self._plans.get(key)
+        if plan is None:
+            zero = Receipt(0, 0, 0, 0, device, 0, 0, "unknown", artifact_sha256=sha256)
+            template = encode_header(spec, sequence=0, generation=0, writer_pid=writer_pid,
+                                     domain=domain, publish_ts_ns=0,
+                                     crc32=0 if has_crc else None,
+                                     frame_id=0 if has_frame else None, capture_ts_ns=0,
+                                     exposure_us=0, gain=0.0, receipt=zero)
+            plan = HeaderPlan(self, template, has_crc, has_frame, has_receipt=True)
+            probe = Receipt(0x0101010101010101, 0x0202020202020202, 0x0303030303030303,
+                            0x0404040404040404, device, 0x0505050505050505,
+                            0x0606060606060606, "deviceQueued", 0x0707070707070707,
+                            0x0808080808080808, 0x0909090909090909, 0x0A0A0A0A0A0A0A0A,
+                            sha256, 0x0B0B0B0B)
+            args = dict(sequence=0x1111111111111111, generation=0x2222222222222222,
+                        publish_ts_ns=0x3333333333333333,
+                        crc32=0x44444444 if has_crc else None,
+                        frame_id=0x5555555555555555 if has_frame else None,
+                        capture_ts_ns=0x6666666666666666 if has_frame else None,
+                        exposure_us=0x77777777 if has_frame else None,
+                        gain=1.5 if has_frame else None)
+            want = encode_header(spec, writer_pid=writer_pid, domain=domain,
+                                 receipt=probe, **args)
+            got = plan.pack(args["sequence"], args["generation"], args["publish_ts_ns"],
+                            args["crc32"], args["frame_id"], args["capture_ts_ns"],
+                            args["exposure_us"], args["gain"], probe)
+            if got != want:
+                from . import capnp_fast as cf
+
+                raise cf.Broken("compiled receipt header differs from pycapnp's")
+            if len(self._plans) >= 64:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
+
+    # ------------------------------------------------------------ receipt reading
+
+    def receipt(self, raw: bytes):
+        """The Receipt in an encoded SlotHeader, None if it has none, or ``SLOW`` when
+        only pycapnp may answer (unusual layout, bad bytes, anything not plain).
+
+        Compiled per structure: the first 16 bytes (segment table, root pointer) place
+        the receipt pointer; that word places the receipt's scalars and its two list
+        pointers; those two words place device and artifactSha256. Equal words, equal
+        positions and bounds checks, so the answer is pycapnp's (the tests compare)."""
+        c = self._rcompiled.get(raw[:16])
+        if c is None:
+            c = self._rcompile_root(raw)
+            if c is None:
+                return SLOW
+        end, rpos, subs = c
+        if len(raw) < end:
+            return SLOW
+        if rpos < 0:
+            return None
+        rw = raw[rpos:rpos + 8]
+        if rw == _ZERO_WORD:
+            return None
+        e = subs.get(rw)
+        if e is None:
+            e = self._rcompile_receipt(raw, rpos, end, subs)
+            if e is None:
+                return SLOW
+        start, unpack_from, order, lists, dpos, spos = e
+        v = unpack_from(raw, start)
+        if order is not None:
+            v = order(v)
+        spans = lists.get(v[-2:])
+        if spans is None:
+            spans = _list_spans(lists, v[-2:], dpos, spos, end)
+            if spans is None:
+                return SLOW
+        ds, de, ss, se = spans
+        if de >= 0:
+            if raw[de] != 0:                  # Text must end in NUL
+                return SLOW
+            dev = raw[ds:de]
+            if b"\0" in dev:
+                return SLOW
+            try:
+                device = dev.decode()
+            except UnicodeDecodeError:
+                return SLOW
+        else:
+            device = ""
+        completion = self.r_completion_name.get(v[11])
+        if completion is None:
+            return SLOW
+        return Receipt(v[0], v[1], v[2], v[3], device[:64], v[4], v[5], completion, v[6],
+                       v[7], v[8], v[9], raw[ss:se][:64], v[10])
+
+    def _rcompile_root(self, raw: bytes):
+        from . import capnp_fast as cf
+
+        try:
+            m = cf.Message(raw)
+        except (cf.Broken, cf.Unusual):
+            return None
+        r = m.root
+        rpos = r.ptrs + self.receipt_ptr * 8 if self.receipt_ptr < r.pcount else -1
+        c = (m.end, rpos, {})
+        if len(self._rcompiled) >= _MAX_COMPILED:
+            self._rcompiled.clear()
+        self._rcompiled[bytes(raw[:16])] = c
+        return c
+
+    def _rcompile_receipt(self, raw: bytes, rpos: int, end: int, subs: dict):
+        from . import capnp_fast as cf
+
+        m = _Bounds(raw, end)
+        try:
+            rc = cf.Message.struct_at(m, rpos)
+        except (cf.Broken, cf.Unusual):
+            return None
+        if not all(rc.holds(s) for s in self.r_scalars):
+            return None             # an older, shorter Receipt: pycapnp gives defaults
+        if max(self.r_device_ptr, self.r_sha_ptr) >= rc.pcount:
+            return None
+        dpos = rc.ptrs + self.r_device_ptr * 8
+        spos = rc.ptrs + self.r_sha_ptr * 8
+        plan = cf.gather([(rc.at(s), s) for s in self.r_scalars]
+                         + [(dpos, cf.WORD), (spos, cf.WORD)])
+        if plan is None:
+            return None
+        e = (*plan, {}, dpos, spos)
+        if len(subs) >= _MAX_COMPILED:
+            subs.clear()
+        subs[bytes(raw[rpos:rpos + 8])] = e
+        return e
+
     def encode(self, spec: ChannelSpec, sequence: int, generation: int, writer_pid: int,
                domain: str, publish_ts_ns: int, crc32: int | None, frame_id: int | None,
                capture_ts_ns: int | None, exposure_us: int | None,
@@ -546,6 +732,57 @@ class _HeaderAccess:
         plan = self.plan(spec, writer_pid, domain, crc32 is not None, frame_id is not None)
         return plan.pack(sequence, generation, publish_ts_ns, crc32, frame_id,
                          capture_ts_ns, exposure_us, gain)
+
+
+SLOW = object()
+"""_HeaderAccess.receipt's answer when only pycapnp may decide."""
+_ZERO_WORD = bytes(8)
+
+
+class _Bounds:
+    """Just enough of capnp_fast.Message for struct_at: a buffer and its segment end."""
+
+    __slots__ = ("buf", "end")
+
+    def __init__(self, buf, end: int) -> None:
+        self.buf, self.end = buf, end
+
+
+def _list_spans(lists: dict, words: tuple, dpos: int, spos: int, end: int):
+    """(device start, device NUL position or -1 if null, sha start, sha end) for the
+    receipt's two list pointer words (at dpos, spos); None: pycapnp decides."""
+    d = _byte_list(words[0], dpos, end)
+    s = _byte_list(words[1], spos, end)
+    if d is None or s is None:
+        return None
+    ds, dn = d
+    if words[0] == 0:
+        spans = (0, -1, s[0], s[0] + s[1])
+    elif dn < 1:
+        return None                 # Text without its NUL: pycapnp's error
+    else:
+        spans = (ds, ds + dn - 1, s[0], s[0] + s[1])
+    if len(lists) >= _MAX_COMPILED:
+        lists.clear()
+    lists[words] = spans
+    return spans
+
+
+def _byte_list(word: int, pos: int, end: int) -> tuple[int, int] | None:
+    """(start, count) of the byte list whose pointer ``word`` sits at byte ``pos``;
+    (0, 0) for a null pointer; None for anything else (pycapnp decides)."""
+    if word == 0:
+        return 0, 0
+    if word & 3 != 1 or (word >> 32) & 7 != 2:
+        return None                 # not a list pointer, or not a list of bytes
+    off = (word & 0xFFFFFFFF) >> 2
+    if off >= 1 << 29:
+        off -= 1 << 30
+    count = word >> 35
+    start = pos + 8 + off * 8
+    if start < 8 or start + (count + 7) // 8 * 8 > end:
+        return None
+    return start, count
 
 
 def _decode_header_dynamic(raw: bytes, spec: ChannelSpec) -> tuple:

@@ -28,6 +28,7 @@ _lease_pack = L.LEASE_ENTRY.pack_into
 _decode_header = codec.HEADER.decode
 _now = time.monotonic_ns
 _new_message = object.__new__
+_UNREAD = object()          # Message._receipt before the first decode
 _OFF_LAST_SEQ, _HEADER_MAX = L.OFF_LAST_SEQ, L.HEADER_MAX
 _LAYOUT_OFFSET, _LAYOUT_MAX = L.LAYOUT_OFFSET, L.LAYOUT_MAX
 
@@ -67,7 +68,7 @@ class Message:
     while ``check()`` passes (the writer may reuse the slot once the lease expires)."""
 
     __slots__ = ("_reader", "_slot", "_gen", "_lease", "_layout", "stamp", "_array",
-                 "_released", "_lost", "_raw_header")
+                 "_released", "_lost", "_raw_header", "_receipt")
 
     def __init__(self, reader: Reader, slot: int, gen: int, lease: int, layout: Layout,
                  stamp: Stamp) -> None:
@@ -81,6 +82,7 @@ class Message:
         self._released = False
         self._lost = False
         self._raw_header = b""
+        self._receipt = _UNREAD
 
     @property
     def sequence(self) -> int:
@@ -90,11 +92,16 @@ class Message:
     def receipt(self) -> Receipt | None:
         """The execution receipt in the header (model outputs), decoded on demand from
         the private copy taken at receive time; a bad one raises MalformedHeader."""
+        r = self._receipt
+        if r is not _UNREAD:
+            return r           # decoded before from the same private bytes
         try:
-            return codec.decode_receipt(self._raw_header, self._reader.spec, self.sequence)
+            r = self._receipt = codec.decode_receipt(self._raw_header, self._reader.spec,
+                                                     self.sequence)
         except Rejected as e:
             self._reader._rejected[e.reason] += 1
             raise
+        return r
 
     @property
     def publish_ts_ns(self) -> int:
@@ -146,8 +153,16 @@ class Message:
         fmt = self._layout.frame
         if fmt is None:
             raise BridgeError("not a frame message")
-        buf = self._reader._payload(self._slot)
-        return tuple(plane_view(buf, p, readonly=True) for p in fmt.planes)
+        # Fresh views of plane arrays kept per slot and layout (as ``array`` does):
+        # same memory, shapes, strides and read-only flag, without numpy re-parsing
+        # the buffer per frame. The cache holds the Layout itself: identity is exact.
+        r, slot, lay = self._reader, self._slot, self._layout
+        kept = r._plane_views[slot]
+        if kept is None or kept[0] is not lay:
+            buf = r._payload(slot)
+            kept = r._plane_views[slot] = (lay, tuple(plane_view(buf, p, readonly=True)
+                                                      for p in fmt.planes))
+        return tuple([p.view() for p in kept[1]])
 
     @property
     def frame(self) -> FrameInfo | None:
@@ -223,6 +238,7 @@ class Reader:
         self._payloads = [self._buf[b + HEADER_AREA:b + HEADER_AREA + spec.slot_size]
                           for b in self._base]
         self._views: list[tuple | None] = [None] * spec.slot_count
+        self._plane_views: list[tuple | None] = [None] * spec.slot_count
         self._lease_offsets = [L.lease_offset(k) for k in range(spec.max_leases)]
         self._max_age_ns = spec.max_age_ms * 1_000_000
         self._lease_ns = spec.lease_ms * 1_000_000
@@ -393,6 +409,7 @@ class Reader:
         msg._layout = layout
         msg.stamp = stamp
         msg._raw_header = raw_h
+        msg._receipt = _UNREAD
         msg._array = None
         msg._released = msg._lost = False
         return msg
@@ -453,6 +470,7 @@ class Reader:
             L.LEASE_ENTRY.pack_into(self._lease_mm, L.lease_offset(k), 0, 0, 0)
         self._lease_mm.close()
         self._views = [None] * self.spec.slot_count
+        self._plane_views = [None] * self.spec.slot_count
         for view in self._payloads:
             try:
                 view.release()

@@ -194,6 +194,8 @@ class Writer:
         self._frame_cache: dict[tuple, tuple] = {}
         # Compiled SlotHeader writers, by (has_crc, has_frame).
         self._header_plans: dict[tuple, codec.HeaderPlan] = {}
+        # ... and for receipts, by (has_crc, has_frame, device, artifact_sha256).
+        self._receipt_plans: dict[tuple, codec.HeaderPlan] = {}
         self._base = [spec.control_size + i * spec.slot_stride
                       for i in range(spec.slot_count)]
         self._ctl = [L.control_offset(i) for i in range(spec.slot_count)]
@@ -275,6 +277,28 @@ class Writer:
         self._header_plans[has_crc, has_frame] = plan
         return plan
 
+    def _receipt_plan(self, has_crc: bool, has_frame: bool, receipt: Receipt
+                      ) -> codec.HeaderPlan | None:
+        """The compiled header writer for this receipt's (device, sha256), or None when
+        there is none (pycapnp then encodes: its errors are the ones a caller sees)."""
+        try:
+            key = (has_crc, has_frame, receipt.device, receipt.artifact_sha256)
+            plan = self._receipt_plans.get(key)
+        except (AttributeError, TypeError):
+            return None
+        if plan is None:
+            try:
+                plan = codec.HEADER.plan_receipt(self.spec, self._pid, self._domain, has_crc,
+                                                 has_frame, *key[2:])
+            except Exception:
+                return None
+            if plan.size > L.HEADER_MAX:
+                return None           # the pycapnp path raises the BridgeError
+            if len(self._receipt_plans) >= 16:
+                self._receipt_plans.clear()
+            self._receipt_plans[key] = plan
+        return plan
+
     def _publish(self, loan: Loan, frame_id, capture_ts_ns, exposure_us, gain,
                  publish_ts_ns, receipt: Receipt | None = None) -> int:
         spec, buf, slot = self.spec, self._buf, loan.slot
@@ -306,8 +330,17 @@ class Writer:
                                capture_ts_ns, exposure_us, gain)
                 size, ts_off = plan.size, plan.ts_pos
             else:
-                # Receipts carry text and bytes: pycapnp builds these (model outputs are
-                # tens per second, not the frame path).
+                plan = self._receipt_plan(crc is not None, frame_id is not None, receipt)
+                if plan is not None:
+                    try:
+                        plan.pack_into(buf, base, seq, gen, publish_ts_ns or 0, crc,
+                                       frame_id, capture_ts_ns, exposure_us, gain, receipt)
+                        size, ts_off = plan.size, plan.ts_pos
+                    except Exception:
+                        plan = None   # values pycapnp must judge (it raises or encodes)
+            if receipt is not None and plan is None:
+                # pycapnp builds what no compiled plan covers (it is also the reference
+                # every plan is checked against when it is made).
                 raw = codec.encode_header(
                     spec, sequence=seq, generation=gen, writer_pid=self._pid,
                     domain=self._domain, publish_ts_ns=publish_ts_ns or 0, crc32=crc,

@@ -71,7 +71,9 @@ class ModelOutput:
         flat = np.asarray(values).reshape(-1)
         if flat.size < 3:
             return cls(math.nan, math.nan, math.nan, ts_ns, **kw)
-        return cls(float(flat[0]), float(flat[1]), float(flat[2]), ts_ns, **kw)
+        # tolist(): Python floats in one call (NaN and inf kept), not three numpy scalars.
+        v = flat[:3].astype(np.float64, copy=False).tolist()
+        return cls(v[0], v[1], v[2], ts_ns, **kw)
 
 
 @dataclass(frozen=True)
