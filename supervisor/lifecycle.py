@@ -57,8 +57,19 @@ class WorkerRun:
     exit_reason: str = ""
 
 
+def _signame(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"SIG{sig}"   # real-time signals have no name
+
+
 class FailSafe(Exception):
     """The control domain must stop now."""
+
+
+class StartFailed(Exception):
+    """A required worker gave up before its first READY."""
 
 
 class Supervisor:
@@ -155,6 +166,7 @@ class Supervisor:
         env.update({ENV_NAME: w.name, ENV_DOMAIN: w.domain, ENV_STATUS_FD: str(wfd),
                     ENV_NETWORK: "1" if domain.network else "0"})
         out = self.worker_output
+        ok = False
         try:
             if self.sandboxed:
                 from supervisor.sandbox import launch, policy_for_domain
@@ -171,11 +183,15 @@ class Supervisor:
                 run.proc = subprocess.Popen(self._argv(w), pass_fds=[*fds, wfd], env=full,
                                             stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                             start_new_session=True)
+            ok = True
         finally:
             os.close(wfd)
+            if not ok:
+                os.close(r)
         run.status_r = r
         run.pid = run.proc.pid
         run.started_ns = run.last_ping_ns = time.monotonic_ns()
+        run.ready_ns = 0            # per run: backoff resets only after a run that was ready
         run.ready = trio.Event()
         self.log.emit("start", worker=w.name, domain=w.domain, pid=run.pid,
                       sandboxed=self.sandboxed)
@@ -193,10 +209,12 @@ class Supervisor:
     def _kill(self, run: WorkerRun, sig: int = signal.SIGKILL) -> None:
         """SIGKILL goes to the outer bwrap (the whole sandbox dies with it); other
         signals to the worker itself, since bwrap does not forward them."""
-        targets = [run.pid]
-        if sig != signal.SIGKILL and self.sandboxed:
-            pids = self.worker_pids(run)        # [bwrap's init, the worker, ...]
-            targets = pids[1:2] or targets
+        if run.proc is None or run.proc.poll() is not None:
+            return                  # already reaped: its pid may belong to someone else now
+        if sig == signal.SIGKILL or not self.sandboxed:
+            run.proc.send_signal(sig)
+            return
+        targets = self.worker_pids(run)[1:2] or [run.pid]   # [bwrap's init, the worker]
         for pid in targets:
             try:
                 os.kill(pid, sig)
@@ -225,6 +243,10 @@ class Supervisor:
                 return
             buf += chunk
             *lines, buf = buf.split(b"\n")
+            if len(buf) > 4096:   # a worker may not grow our memory with an endless line
+                self.log.emit("protocol_error", worker=run.cfg.name,
+                              reason="status line over 4096 bytes; dropped")
+                buf = b""
             for line in lines:
                 self._on_status(run, line.decode(errors="replace"))
 
@@ -268,13 +290,21 @@ class Supervisor:
                 task_status.started()
 
         while not self._stopping:
-            self._spawn(run)
-            code, why = await self._run_once(run, on_ready)
+            try:
+                self._spawn(run)
+            except (OSError, RuntimeError, ValueError) as e:
+                # bwrap/prlimit missing, seccomp unavailable, fork failing: a failed start,
+                # handled by the restart policy like a crash, never a supervisor crash.
+                self.log.emit("start_failed", worker=w.name, error=f"{type(e).__name__}: {e}")
+                code, why = -1, f"start failed: {e}"
+                run.started_ns = time.monotonic_ns()
+            else:
+                code, why = await self._run_once(run, on_ready)
             if self._stopping:
                 return
             sig = -code if code < 0 else None
             self.log.emit("exit", worker=w.name, pid=run.pid, code=code,
-                          signal=signal.Signals(sig).name if sig else None, reason=why,
+                          signal=_signame(sig) if sig else None, reason=why,
                           uptime_ms=round((time.monotonic_ns() - run.started_ns) / 1e6, 3))
             if run.refused:
                 return await self._give_up(run, task_status, started, "refused at runtime")
@@ -304,10 +334,23 @@ class Supervisor:
             if policy == "fail_safe":
                 raise FailSafe(f"control worker {w.name} failed: {why}")
         if not started:
+            if required:
+                # Its dependents would start without their input: stop here, say why.
+                raise StartFailed(f"required worker {w.name} never became ready: {why}")
             task_status.started()
 
     async def _run_once(self, run: WorkerRun, on_ready) -> tuple[int, str]:
         """Run until the process exits; returns (returncode, why it ended)."""
+        w = run.cfg
+        why = "exited"
+        try:
+            return await self._run_once_inner(run, on_ready)
+        finally:
+            if run.status_r is not None:
+                os.close(run.status_r)
+                run.status_r = None
+
+    async def _run_once_inner(self, run: WorkerRun, on_ready) -> tuple[int, str]:
         w = run.cfg
         why = "exited"
         async with trio.open_nursery() as nursery:
@@ -348,8 +391,6 @@ class Supervisor:
             nursery.start_soon(watchdog)
             code = await self._wait_exit(run)
             nursery.cancel_scope.cancel()
-        os.close(run.status_r)
-        run.status_r = None
         return code, why
 
     # ---------------------------------------------------------------- domain-wide
@@ -431,6 +472,11 @@ class Supervisor:
                         await self._fail_safe(str(e))
                         nursery.cancel_scope.cancel()
                         return self.exit_code
+                    except StartFailed as e:
+                        self.exit_code = Exit.START_FAILED
+                        self.log.emit("start_failed_required", reason=str(e))
+                        nursery.cancel_scope.cancel()
+                        return self.exit_code
                     self.notify.ready(f"{len(self.runs)} workers ready")
                     self.log.emit("all_ready", workers=list(self.runs))
                     if self.status_out is not None:
@@ -439,6 +485,9 @@ class Supervisor:
         except* FailSafe as eg:
             await self._fail_safe(str(eg.exceptions[0]))
         finally:
+            # A second SIGTERM/SIGINT must not cut the ordered stop short.
+            for s in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(s, signal.SIG_IGN)
             with trio.CancelScope(shield=True):
                 await self._shutdown_workers()
             self._close_channels()
@@ -482,7 +531,7 @@ class Supervisor:
 
     async def _watch_signals(self, signals, scope: trio.CancelScope) -> None:
         async for sig in signals:
-            self.log.emit("signal", signal=signal.Signals(sig).name)
+            self.log.emit("signal", signal=_signame(sig))
             self.notify.stopping()
             scope.cancel()
             return

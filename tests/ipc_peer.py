@@ -151,6 +151,17 @@ def run_hostile() -> None:
         finally:
             os.close(fd)
 
+    def fchmod_then_reopen():
+        # Inside its user namespace a reader owns the memfd's inode: chmod it writable,
+        # then re-open read-write and write.
+        os.fchmod(h.data_fd, 0o600)
+        fd = os.open(f"/proc/self/fd/{h.data_fd}", os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, h.spec.segment_size, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mm[h.spec.control_size:h.spec.control_size + 8] = b"HACKHACK"
+        finally:
+            os.close(fd)
+
     def open_by_name():
         import posix_ipc
 
@@ -169,7 +180,8 @@ def run_hostile() -> None:
                      ("memoryview_write", memoryview_write), ("mmap_writable", mmap_writable),
                      ("mprotect", mprotect), ("proc_self_mem", proc_self_mem),
                      ("fd_write", fd_write), ("fd_truncate", fd_truncate),
-                     ("reopen_rw_and_map", reopen_rw_and_map), ("open_by_name", open_by_name)]:
+                     ("reopen_rw_and_map", reopen_rw_and_map),
+                     ("fchmod_then_reopen", fchmod_then_reopen), ("open_by_name", open_by_name)]:
         results[name] = _attempt(fn)
     results["still_valid"] = _attempt(msg.check)["denied"] is False
     print(json.dumps(results), flush=True)

@@ -18,7 +18,8 @@ def test_hostile_reader_cannot_write_or_open_by_name(make_channel, peers):
     attacks = {k: v for k, v in result.items() if isinstance(v, dict)}
     assert set(attacks) == {"numpy_write", "numpy_setflags", "memoryview_write",
                             "mmap_writable", "mprotect", "proc_self_mem", "fd_write",
-                            "fd_truncate", "reopen_rw_and_map", "open_by_name"}
+                            "fd_truncate", "reopen_rw_and_map", "fchmod_then_reopen",
+                            "open_by_name"}
     for name, outcome in attacks.items():
         assert outcome["denied"], f"attack {name} was not denied"
     assert result["still_valid"]

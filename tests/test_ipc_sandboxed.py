@@ -41,10 +41,11 @@ def test_sandboxed_hostile_reader_against_unsealed_writer(make_channel):
     assert lines and "ready" in lines[0], err
     result = lines[-1]
     attacks = {k: v for k, v in result.items() if isinstance(v, dict)}
-    assert len(attacks) == 10
+    assert len(attacks) == 11
     for name, outcome in attacks.items():
         assert outcome["denied"], f"attack {name} was not denied inside the sandbox"
     assert "Permission denied" in attacks["reopen_rw_and_map"]["error"]
+    assert "Operation not permitted" in attacks["fchmod_then_reopen"]["error"]   # seccomp
     assert result["still_valid"]
     assert os.pread(ch.writer_handle().data_fd, ch.spec.segment_size, 0) == before
     with Reader(ch.reader_handle(1)).receive(timeout=1) as msg:

@@ -237,3 +237,11 @@ def test_malformed_receipt_is_a_counted_typed_error(pair):
         assert "stack:" not in str(info.value)
         assert m.array.shape == (4,)       # the rest of the message is still usable
     assert r.stats.rejected == {"malformed_header": 1}
+
+
+def test_zero_stride_and_overlapping_giant_views_refused(pair):
+    w, r = pair(slot_size=4096)
+    _forge_tensor(w, (4096, 4096, 4096), (0, 0, 0))
+    _expect_then_recover(w, r, BoundsError, "zero stride")
+    _forge_tensor(w, (1000, 1000), (1, 1))          # 2 KB span, 1 M elements
+    _expect_then_recover(w, r, BoundsError, "more than the slot capacity")

@@ -320,3 +320,22 @@ def test_resource_limits_are_enforced_in_the_sandbox(sup):
     r.wait_for("ready", worker="fine")
     time.sleep(0.5)
     assert not [e for e in r.events if e["event"] == "exit" and e["worker"] == "fine"]
+
+
+def test_required_worker_never_ready_exits_5(sup):
+    cfg = """
+        [domains.research]
+        [channels.x]
+        slot_size = "4KiB"
+        [workers.slow]
+        domain = "research"
+        module = "workers.probe"
+        publishes = ["x"]
+        args = ["--ready-delay-ms", "5000"]
+        ready_timeout_ms = 300
+        restart = "never"
+        """
+    r = sup(cfg)
+    assert r.finish(timeout=30) == 5
+    assert r.events[-1]["reason"] == "start_failed"
+    assert [e for e in r.events if e["event"] == "ready_timeout"]

@@ -258,6 +258,15 @@ def decode_layout(raw: bytes, spec: ChannelSpec, capacity: int) -> Layout:
     if any(n > capacity for n in shape) or offset > capacity:
         raise BoundsError(name, f"shape {list(shape)} / offset {offset} exceed the slot "
                                 f"capacity {capacity}")
+    if any(s == 0 and n > 1 for n, s in zip(shape, strides)):
+        raise BoundsError(name, f"zero stride in strides {list(strides)}: broadcast views "
+                                f"are not accepted on the bridge")
+    count = 1
+    for n in shape:
+        count *= n
+    if count * item > capacity:
+        raise BoundsError(name, f"shape {list(shape)} holds {count * item} bytes, more than "
+                                f"the slot capacity {capacity}")
     lo, hi = tensor_span(shape, strides, offset, item)
     if lo < 0 or hi > capacity:
         raise BoundsError(name, f"view shape={list(shape)} strides={list(strides)} "

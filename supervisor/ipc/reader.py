@@ -450,6 +450,9 @@ class Reader:
                 self._drain()
             msg = self.try_receive()
             if msg is not None:
+                # Yield (uncancellably: the message holds a lease) so that a writer
+                # faster than this reader cannot starve the rest of the trio loop.
+                await trio.lowlevel.cancel_shielded_checkpoint()
                 return msg
             await trio.lowlevel.wait_readable(self._efd)
             self._drain()

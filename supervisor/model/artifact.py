@@ -216,10 +216,10 @@ def _read_regular(path: Path, limit: int, *, what: str, missing: type[ArtifactEr
 
 def _write_private(workdir: Path, name: str, data: bytes) -> Path:
     p = workdir / name
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    # Created 0400 (the fd is still writable): no chmod, which sandboxes deny.
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o400)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
-    os.chmod(p, 0o400)
     return p
 
 
@@ -457,8 +457,7 @@ def load_verified(path: str | os.PathLike, public_key: Any, *, expect_name: str 
     if extra:
         raise UnlistedFile(f"artifact {src}: {', '.join(extra)} not listed in {MANIFEST} "
                            f"(unverified files are refused)")
-    workdir = Path(tempfile.mkdtemp(prefix="model-artifact-", dir=tmp_root))
-    os.chmod(workdir, 0o700)
+    workdir = Path(tempfile.mkdtemp(prefix="model-artifact-", dir=tmp_root))  # 0700
     try:
         copies: dict[str, Path] = {}
         blobs: dict[str, bytes] = {}

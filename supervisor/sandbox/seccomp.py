@@ -39,6 +39,9 @@ BASE_DENY = (
     "io_uring_setup", "io_uring_enter", "io_uring_register",
     "open_by_handle_at", "acct", "swapon", "swapoff", "reboot", "syslog",
     "quotactl", "lookup_dcookie", "vhangup", "iopl", "ioperm", "uselib",
+    # Inside its user namespace a worker owns the inodes of the channel memfds it was
+    # handed: chmod would let a reader re-open a read-only channel for writing.
+    "chmod", "fchmod", "fchmodat", "fchmodat2",
 )
 EXEC_DENY = ("execve", "execveat")
 
