@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -454,6 +455,14 @@ class Supervisor:
         cfg = self.config
         self.log.emit("supervisor_start", config=cfg.source, pid=os.getpid(),
                       sandboxed=self.sandboxed)
+        if self.sandboxed:
+            missing = [t for t in ("bwrap", "prlimit") if shutil.which(t) is None]
+            if missing:
+                self.log.emit("supervisor_exit", code=int(Exit.ERROR),
+                              reason=f"{' and '.join(missing)} not installed: run "
+                                     f"scripts/install.sh (or --no-sandbox for development)")
+                task_status.started(self)
+                return Exit.ERROR
         refused = set(self.admit())
         hard = [n for n in refused if not cfg.workers[n].optional]
         if hard:

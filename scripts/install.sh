@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Install what the supervisor needs on a fresh Debian 12 + Python 3.11 machine.
+#   bash scripts/install.sh          # runtime: bubblewrap, libseccomp, the package with
+#                                    # its research extra (the default config's torch
+#                                    # shadow worker; torch==2.13.0 CPU wheel on disk)
+#   bash scripts/install.sh --dev    # + clang (model builds) and the test extra
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
+dev=0
+[ "${1:-}" = "--dev" ] && dev=1
+
+sudo=""
+[ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null && sudo="sudo"
+
+need=()
+command -v bwrap >/dev/null || need+=(bubblewrap)
+command -v prlimit >/dev/null || need+=(util-linux)
+ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2' || need+=(libseccomp2)
+if [ $dev -eq 1 ]; then
+    command -v systemd-analyze >/dev/null || need+=(systemd)
+    # tinygrad's CPU backend compiles with clang when a model artifact is built (build
+    # side and tests only: the control sandbox never sees a compiler).
+    command -v clang >/dev/null || need+=(clang)
+fi
+if [ ${#need[@]} -gt 0 ]; then
+    $sudo apt-get update -qq
+    $sudo apt-get install -y -qq --no-install-recommends "${need[@]}"
+fi
+
+if [ $dev -eq 1 ]; then
+    python -m pip install -q -e '.[dev,research]'
+else
+    python -m pip install -q -e '.[research]'
+fi
