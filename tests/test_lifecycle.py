@@ -339,3 +339,11 @@ def test_required_worker_never_ready_exits_5(sup):
     assert r.finish(timeout=30) == 5
     assert r.events[-1]["reason"] == "start_failed"
     assert [e for e in r.events if e["event"] == "ready_timeout"]
+
+
+def test_refuses_to_run_unsandboxed_when_bwrap_is_missing(sup):
+    r = sup(CONTROL.format(policy="fail_safe") + PIPELINE.format(a_args="", a_extra=""),
+            env={"PATH": "/nonexistent"})
+    assert r.finish(timeout=30) == 1
+    assert "bwrap and prlimit not installed" in r.events[-1]["reason"]
+    assert not [e for e in r.events if e["event"] == "start"]
