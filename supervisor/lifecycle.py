@@ -10,7 +10,6 @@ control domain). Every decision is one structured log line.
 from __future__ import annotations
 
 import enum
-import math
 import os
 import shutil
 import signal
@@ -342,8 +341,6 @@ class Supervisor:
 
     async def _run_once(self, run: WorkerRun, on_ready) -> tuple[int, str]:
         """Run until the process exits; returns (returncode, why it ended)."""
-        w = run.cfg
-        why = "exited"
         try:
             return await self._run_once_inner(run, on_ready)
         finally:

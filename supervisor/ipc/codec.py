@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import NamedTuple
 
-import capnp
 import numpy as np
 
 import schemas

@@ -1,7 +1,6 @@
 """The single writer of a channel: loans a free slot, fills it in place, publishes."""
 from __future__ import annotations
 
-import mmap
 import os
 import struct
 import time
