@@ -18,7 +18,6 @@ frame's id and capture time and an execution receipt (`supervisor.ipc.receipt.Re
 from __future__ import annotations
 
 import argparse
-import inspect
 import signal
 import sys
 import time
@@ -54,21 +53,11 @@ def _args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _publish_takes_receipt(writer: Any) -> bool:
-    try:
-        from supervisor.ipc import Loan
-
-        return "receipt" in inspect.signature(Loan.publish).parameters
-    except (ImportError, TypeError, ValueError):
-        return False
-
-
 class Modeld:
     def __init__(self, ctx: Any, a: argparse.Namespace, engine: Engine) -> None:
         self.ctx, self.a, self.engine = ctx, a, engine
         self.reader = ctx.reader(a.in_)
         self.writer = ctx.writer(a.out)
-        self.with_receipt = _publish_takes_receipt(self.writer)
         self.errors: Counter[str] = Counter()
         self.published = 0
         self.last_receipt: Any = None
@@ -105,10 +94,8 @@ class Modeld:
                                         capture_ts_ns=info.capture_ts_ns, start_ns=t0)
         with self.writer.loan() as loan:
             loan.array((4,), np.float32)[:] = out
-            kw: dict[str, Any] = {"frame_id": info.frame_id, "capture_ts_ns": info.capture_ts_ns}
-            if self.with_receipt:
-                kw["receipt"] = receipt
-            loan.publish(**kw)
+            loan.publish(frame_id=info.frame_id, capture_ts_ns=info.capture_ts_ns,
+                         receipt=receipt)
         self.published += 1
         self.last_receipt = receipt
         return True

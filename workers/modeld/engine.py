@@ -26,27 +26,7 @@ import numpy as np
 
 from supervisor.model.artifact import VerifiedArtifact
 
-try:  # the bridge's receipt (schemas/receipt.capnp)
-    from supervisor.ipc.receipt import Receipt
-except ImportError:  # pragma: no cover - only while the bridge lacks it
-    from dataclasses import dataclass
-
-    @dataclass(frozen=True)
-    class Receipt:  # type: ignore[no-redef]
-        frame_id: int
-        capture_ts_ns: int
-        infer_start_ns: int
-        infer_end_ns: int
-        device: str
-        bytes_in: int
-        bytes_out: int
-        completion: str = "hostVisible"
-        latency_ns: int = 0
-        worst_case_ns: int = 0
-        deadline_ns: int = 0
-        deadline_misses: int = 0
-        artifact_sha256: bytes = b""
-        kernels_run: int = 0
+from supervisor.ipc.receipt import Receipt
 
 PREPROCESS_OP = "crop_area_mean"
 PREPROCESS_VERSION = 1
