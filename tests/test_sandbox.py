@@ -405,3 +405,16 @@ def test_startup_time(capsys):
               f"(min {min(boxed)*1e3:.0f}, max {max(boxed)*1e3:.0f}); bare python median "
               f"{statistics.median(bare)*1e3:.0f} ms")
     assert statistics.median(boxed) < 2.0
+
+
+def test_ro_binds_under_tmp_leave_no_writable_parent():
+    """A checkout (or venv) under /tmp: its packages are bound read-only into the private
+    /tmp, and the directory holding them must not be a writable stand-in either."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as root:
+        os.mkdir(os.path.join(root, "pkg"))
+        pol = policy_for_domain("control", extra_ro_binds=[os.path.join(root, "pkg")])
+        out = probe(pol, "write_ro_path", root, os.path.join(root, "pkg"))
+        assert out["denied"], out
+        assert all("EROFS" in v for v in out["detail"].values()), out

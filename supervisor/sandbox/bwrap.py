@@ -226,7 +226,17 @@ def build_bwrap_argv(
     if policy.tmp_size_bytes and bwrap_supports("--size"):
         a += ["--size", str(policy.tmp_size_bytes)]
     a += ["--tmpfs", "/tmp"]
+    # Read-only binds that live under /tmp (a checkout or venv there) get their parent
+    # directory as a tmpfs made read-only after the binds: otherwise the parent is a
+    # writable directory of the private /tmp standing where the project root should be.
+    parents = sorted({os.path.dirname(p) for p in policy.ro_binds
+                      if _under(p, "/tmp") and os.path.dirname(p) != "/tmp"},
+                     key=lambda d: d.count("/"))
+    for d in parents:
+        a += ["--tmpfs", d]
     a += _fs_args(policy)
+    for d in reversed(parents):
+        a += ["--remount-ro", d]
     for d in policy.dev_binds:
         a += ["--dev-bind", d, d]
 
