@@ -153,7 +153,7 @@ class WorkerConfig:
     watchdog_ms: int = 0                    # 0: no watchdog
     ready_timeout_ms: int = 5000
     optional: bool = False                  # if admission refuses it, the rest still starts
-    memory_max: int | None = None           # bytes
+    memory_max: int | None = None           # bytes; enforced as RLIMIT_DATA (heap, private maps)
     cpu_quota: float | None = None          # percent of one CPU (200 = two CPUs)
     nofile: int | None = None
 
