@@ -24,7 +24,7 @@ import trio
 from supervisor.admission import check_worker
 from supervisor.config import CONTROL, Config, WorkerConfig
 from supervisor.events import EventLog
-from supervisor.ipc import Channel
+from supervisor.ipc import Channel, env_name
 from supervisor.notify import Notifier
 from supervisor.worker import (ENV_CHANNELS, ENV_DOMAIN, ENV_NAME, ENV_NETWORK,
                                ENV_STATUS_FD)
@@ -128,11 +128,11 @@ class Supervisor:
         env, fds = {}, []
         for ch in w.publishes:
             h = self.channels[ch].writer_handle()
-            env[f"TRIO_BRIDGE_{ch.upper()}"] = h.to_json()
+            env[env_name(ch)] = h.to_json()
             fds += h.fds()
         for ch in w.reads:
             h = self.channels[ch].reader_handle(self._reader_index[(ch, w.name)])
-            env[f"TRIO_BRIDGE_{ch.upper()}"] = h.to_json()
+            env[env_name(ch)] = h.to_json()
             fds += h.fds()
         env[ENV_CHANNELS] = ",".join((*w.publishes, *w.reads))
         return env, fds

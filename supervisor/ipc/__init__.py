@@ -9,7 +9,7 @@
     with r.receive(timeout=1.0) as msg:
         use(msg.array)                                                    # read-only view
 """
-from .channel import Channel, ReaderHandle, WriterHandle, env_name, handle_from_env
+from .channel import Channel, ReaderHandle, WriterHandle, env_name
 from .codec import FrameFormat, Layout, PlaneInfo, Stamp
 from .errors import (BoundsError, BridgeError, ChannelTimeout, ConfigError, CrcMismatch,
                      DTypeMismatch, FormatError, LeaseLost, MalformedHeader, Rejected,
@@ -24,5 +24,5 @@ __all__ = [
     "CrcMismatch", "DTypeMismatch", "FormatError", "FrameFormat", "FrameInfo", "Layout",
     "LeaseLost", "Loan", "MalformedHeader", "Message", "PlaneInfo", "Reader", "ReaderHandle",
     "ReaderStats", "Receipt", "Rejected", "SequenceError", "Stamp", "StaleMessage", "TornRead", "Writer",
-    "WriterHandle", "WriterStats", "env_name", "handle_from_env",
+    "WriterHandle", "WriterStats", "env_name",
 ]

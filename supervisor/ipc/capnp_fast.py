@@ -72,11 +72,6 @@ class StructRef(NamedTuple):
             return 0
         return fmt.unpack_from(buf, self[0] + off)[0]
 
-    def put(self, buf, s: Scalar, value) -> None:
-        if s.offset + s.fmt.size > self.dwords * 8:
-            raise Broken("field outside the template's data section")
-        s.fmt.pack_into(buf, self.data + s.offset, value)
-
     def holds(self, s: Scalar) -> bool:
         """True if the field lies inside this struct's data section."""
         return s.offset + s.fmt.size <= self.dwords * 8

@@ -95,17 +95,6 @@ def env_name(channel: str) -> str:
     return ENV_PREFIX + channel.upper()
 
 
-def handle_from_env(channel: str, environ: dict[str, str] | None = None
-                    ) -> WriterHandle | ReaderHandle:
-    """The handle the supervisor passed for ``channel`` in the environment."""
-    environ = os.environ if environ is None else environ
-    text = environ.get(env_name(channel))
-    if text is None:
-        raise ConfigError(f"no handle for channel {channel!r} ({env_name(channel)} unset)")
-    role = json.loads(text).get("role")
-    return WriterHandle.from_json(text) if role == "writer" else ReaderHandle.from_json(text)
-
-
 class Channel:
     """Owns the fds of one channel (in the supervisor or a test)."""
 

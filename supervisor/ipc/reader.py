@@ -12,7 +12,7 @@ import numpy as np
 
 from . import codec, layout as L, shm
 from .channel import ReaderHandle
-from .codec import FrameFormat, Layout, Stamp
+from .codec import FrameFormat, Layout
 from .receipt import Receipt
 from .errors import (BridgeError, ChannelTimeout, CrcMismatch, LeaseLost, MalformedHeader,
                      Rejected, SequenceError, StaleMessage, TornRead)
@@ -64,25 +64,12 @@ class ReaderStats:
 
 
 class Message:
-    """One received message. Holds a lease until released; the views are valid only
-    while ``check()`` passes (the writer may reuse the slot once the lease expires)."""
+    """One received message, built only by `Reader` (see ``Reader._accept``). Holds a
+    lease until released; the views are valid only while ``check()`` passes (the writer
+    may reuse the slot once the lease expires)."""
 
     __slots__ = ("_reader", "_slot", "_gen", "_lease", "_layout", "stamp", "_array",
                  "_released", "_lost", "_raw_header", "_receipt")
-
-    def __init__(self, reader: Reader, slot: int, gen: int, lease: int, layout: Layout,
-                 stamp: Stamp) -> None:
-        self._reader = reader
-        self._slot = slot
-        self._gen = gen
-        self._lease = lease
-        self._layout = layout
-        self.stamp = stamp
-        self._array: np.ndarray | None = None
-        self._released = False
-        self._lost = False
-        self._raw_header = b""
-        self._receipt = _UNREAD
 
     @property
     def sequence(self) -> int:
@@ -400,7 +387,7 @@ class Reader:
         if capture_ts is not None:
             self._last_capture = capture_ts
         self._received += 1
-        # Message(self, slot, gen, k, layout, stamp), without the __init__ frame.
+        # The one place a Message is built (no __init__: a call frame less per message).
         msg = _new_message(Message)
         msg._reader = self
         msg._slot = slot
