@@ -15,7 +15,7 @@ sudo=""
 
 need=()
 command -v bwrap >/dev/null || need+=(bubblewrap)
-command -v prlimit >/dev/null || need+=(util-linux)
+command -v unshare >/dev/null || need+=(util-linux)   # staging mount namespace
 ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2' || need+=(libseccomp2)
 if [ $dev -eq 1 ]; then
     command -v systemd-analyze >/dev/null || need+=(systemd)
@@ -27,6 +27,15 @@ if [ ${#need[@]} -gt 0 ]; then
     $sudo apt-get update -qq
     $sudo apt-get install -y -qq --no-install-recommends "${need[@]}"
 fi
+
+# One unprivileged host user per domain profile: every sandbox runs as one of them,
+# never as root (kernel permission checks then treat it as a stranger).
+for u in trio-control trio-research; do
+    if ! getent passwd "$u" >/dev/null; then
+        $sudo useradd --system --no-create-home --home-dir /nonexistent \
+            --shell /usr/sbin/nologin --user-group "$u"
+    fi
+done
 
 if [ $dev -eq 1 ]; then
     python -m pip install -q -e '.[dev,research]'

@@ -133,6 +133,11 @@ class DomainConfig:
     failure_policy: str = "restart"
     actuates: bool = False
     extra_ro_binds: tuple[str, ...] = ()
+    # Host user the domain's sandboxes run as (never root); default trio-research for
+    # research, trio-control for every other domain (scripts/install.sh creates both).
+    # Distinct domains must use distinct users: the kernel then treats one domain's
+    # processes and files as a stranger's to the other.
+    user: str | None = None
 
 
 @dataclass(frozen=True)
@@ -153,8 +158,13 @@ class WorkerConfig:
     watchdog_ms: int = 0                    # 0: no watchdog
     ready_timeout_ms: int = 5000
     optional: bool = False                  # if admission refuses it, the rest still starts
-    memory_max: int | None = None           # bytes; enforced as RLIMIT_DATA (heap, private maps)
+    # cgroup limits of the worker's sandbox (v2, or v1 memory/pids/cpu controllers):
+    memory_max: int | None = None           # bytes: heap, page cache, shared memory and tmpfs
     cpu_quota: float | None = None          # percent of one CPU (200 = two CPUs)
+    pids_max: int | None = 64               # processes + threads (a fork storm stops here)
+    # Control-grade domains: may the worker create anonymous executable memory before
+    # READY (modeld: tinygrad maps the signed artifact's kernels)? Never after READY.
+    jit_kernels: bool = False
     nofile: int | None = None
 
     @property
@@ -365,6 +375,7 @@ _DOMAIN_KEYS: dict[str, Callable[[Any], Any]] = {
     "failure_policy": _choice("restart", "fail_safe"),
     "actuates": _bool,
     "extra_ro_binds": _str_list(_abs_path),
+    "user": _string,
 }
 _WORKER_KEYS: dict[str, Callable[[Any], Any]] = {
     "domain": _string,   # checked against the domains table later
@@ -384,6 +395,8 @@ _WORKER_KEYS: dict[str, Callable[[Any], Any]] = {
     "optional": _bool,
     "memory_max": _size(1 << 20, 1 << 50),
     "cpu_quota": _percent,
+    "pids_max": _int(8, 1 << 22),
+    "jit_kernels": _bool,
     "nofile": _int(16, 1 << 20),
 }
 
@@ -503,6 +516,7 @@ class _Loader:
         channel_tables = self.section(doc, "channels")
         worker_tables = self.section(doc, "workers")
         domains = {n: self.domain(n, t) for n, t in domain_tables.items()}
+        self.check_users(domains)
         channel_values = {}
         bad_channels = set()
         for n, t in channel_tables.items():
@@ -536,6 +550,22 @@ class _Loader:
         if values["network"] and name == CONTROL:
             self.add(f"{path}.network", f"the {CONTROL!r} domain must not have network access")
         return DomainConfig(name, **values)
+
+    def check_users(self, domains: dict[str, DomainConfig]) -> None:
+        from supervisor.sandbox.policy import default_user
+
+        seen: dict[str, str] = {}
+        for name, d in domains.items():
+            user = d.user or default_user(name)
+            if user == "root":
+                self.add(f"{_key('domains', name)}.user", "sandboxes never run as root")
+            rules = "research" if name == "research" else "strict"
+            other = seen.setdefault(user, f"{name}:{rules}")
+            # Strict domains may share the control user; research never shares with them.
+            if other.split(":")[1] != rules:
+                self.add(f"{_key('domains', name)}.user",
+                         f"user {user!r} is also used by domain {other.split(':')[0]!r}; "
+                         f"research and control-grade domains need distinct host users")
 
     # -- workers
 

@@ -1,24 +1,27 @@
 """Entry point inside every sandbox: ``python -m supervisor.runner <module> [args...]``.
 
-For control-domain workers the import guard goes in first, before the worker's own
-imports, so a torch import anywhere in the worker raises a clear ImportError.
+Trusted start-up, before any of the worker's own code is imported:
+* control-grade domains: the import guard, the exec ban (seccomp), and the exec watch:
+  a seccomp filter that asks the supervisor about every executable mapping, whose
+  listener goes to the supervisor before the worker can touch it;
+* every sandbox: Landlock, so nothing but the private /tmp (and /dev/null) can be
+  opened for writing, and no signal or abstract socket reaches outside the sandbox.
+The worker's exit status is kept within 0..127: bwrap reports a death by signal N as
+128+N, and the supervisor must be able to tell the two apart.
 """
 from __future__ import annotations
 
 import importlib
 import os
+import socket
 import sys
 
 
-def main(argv: list[str]) -> int:
-    if not argv:
-        print("usage: python -m supervisor.runner <module> [args...]", file=sys.stderr)
-        return 2
-    from supervisor.worker import ENV_DOMAIN, ENV_NAME, ENV_NETWORK
+def _secure_start(name: str, domain: str) -> None:
+    from supervisor.worker import ENV_EXECWATCH_FD, ENV_NETWORK, ENV_SANDBOXED
 
-    name = os.environ.get(ENV_NAME, argv[0])
-    domain = os.environ.get(ENV_DOMAIN, "control")
-    if domain != "research":
+    strict = domain != "research"
+    if strict:
         from supervisor.admission import guard
         from supervisor.sandbox.seccomp import lock_down
 
@@ -26,12 +29,47 @@ def main(argv: list[str]) -> int:
         # No exec from here on, not even during the worker's own start-up: nothing it
         # imports can start a process that escapes the guard or the seccomp filter.
         lock_down(domain, network=os.environ.get(ENV_NETWORK) == "1")
+    if os.environ.get(ENV_SANDBOXED) == "1":
+        from supervisor.sandbox import landlock
+
+        landlock.restrict(("/tmp", "/dev"))
+    sock_fd = os.environ.pop(ENV_EXECWATCH_FD, None)
+    if strict and sock_fd is not None:
+        from supervisor.sandbox.seccomp import install_exec_watch
+
+        sock = socket.socket(fileno=int(sock_fd))
+        listener = install_exec_watch()
+        try:
+            socket.send_fds(sock, [b"L"], [listener])
+        finally:
+            os.close(listener)   # only the supervisor may answer for this process
+            sock.close()
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print("usage: python -m supervisor.runner <module> [args...]", file=sys.stderr)
+        return 2
+    from supervisor.worker import ENV_DOMAIN, ENV_NAME
+
+    name = os.environ.get(ENV_NAME, argv[0])
+    domain = os.environ.get(ENV_DOMAIN, "control")
+    _secure_start(name, domain)
     module = importlib.import_module(argv[0])
     from supervisor.worker import WorkerContext
 
     sys.argv = [argv[0], *argv[1:]]
     ctx = WorkerContext.from_env()
-    return int(module.main(ctx) or 0)
+    try:
+        rc = module.main(ctx)
+    except SystemExit as e:
+        rc = e.code
+    if rc is None:
+        return 0
+    if not isinstance(rc, int):
+        print(rc, file=sys.stderr)
+        return 1
+    return rc if 0 <= rc <= 127 else 1
 
 
 if __name__ == "__main__":

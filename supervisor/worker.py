@@ -18,6 +18,9 @@ ENV_DOMAIN = "TRIO_DOMAIN"
 ENV_STATUS_FD = "TRIO_STATUS_FD"
 ENV_CHANNELS = "TRIO_CHANNELS"
 ENV_NETWORK = "TRIO_NETWORK"
+# A unix socket (control-grade sandboxes): the runner sends its exec-watch listener fd.
+ENV_EXECWATCH_FD = "TRIO_EXECWATCH_FD"
+ENV_SANDBOXED = "TRIO_SANDBOXED"
 
 
 @dataclass

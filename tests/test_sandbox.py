@@ -316,7 +316,8 @@ def test_env_is_minimal_and_hostname_is_domain():
     spec = prepare(pol, [PY, "-m", "supervisor.sandbox.probe", "info"], env_extra={"WORKER_NAME": "cam0"})
     dirty = {**os.environ, "FOO_SECRET": "s3cret", "LD_PRELOAD": "libm.so.6", "LD_LIBRARY_PATH": "/nonexistent"}
     try:
-        r = subprocess.run(spec.argv, pass_fds=spec.pass_fds, env=dirty, capture_output=True, text=True, timeout=30)
+        r = subprocess.run(spec.argv, pass_fds=spec.pass_fds, env=dirty, capture_output=True, text=True,
+                           timeout=30, preexec_fn=spec.child_setup())
     finally:
         spec.close()
     info = json.loads(r.stdout.splitlines()[-1])["detail"]

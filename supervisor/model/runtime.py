@@ -19,9 +19,11 @@ Only call this with a `VerifiedArtifact` (every byte checked). What it guarantee
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib
 import io
+import mmap
 import os
 import pickle
 import re
@@ -168,6 +170,44 @@ def compile_stats() -> dict:
             "refused": list(_GUARD.refused), "guard_permanent": _GUARD.permanent}
 
 
+# ------------------------------------------------------------------ W^X for kernels
+
+_PROT_READ, _PROT_EXEC = 0x1, 0x4
+
+
+def _seal_cpu_programs() -> None:
+    """Make each loaded CPU kernel read+execute, never writable again.
+
+    tinygrad maps kernel code read-write-execute and keeps it so. A control worker
+    may not hold writable code: the supervisor refuses writable executable memory at
+    READY, and refuses any new executable mapping after it, so code written later
+    could never run. Sealing right after the kernel is copied in keeps W^X.
+    """
+    try:
+        from tinygrad.runtime import ops_cpu
+    except ImportError:
+        return
+    cls = ops_cpu.CPUProgram
+    if getattr(cls, "_trio_sealed", False):
+        return
+    orig = cls.__init__
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    page = mmap.PAGESIZE
+
+    def __init__(self: Any, *a: Any, **kw: Any) -> None:
+        orig(self, *a, **kw)
+        mem = getattr(self, "mem", None)
+        if mem is not None:
+            size = (len(mem) + page - 1) // page * page
+            if libc.mprotect(self.addr, size, _PROT_READ | _PROT_EXEC) != 0:
+                e = ctypes.get_errno()
+                raise OSError(e, f"sealing kernel {self.name} read+execute: {os.strerror(e)}")
+
+    cls.__init__ = __init__
+    cls._trio_sealed = True
+
+
 # ------------------------------------------------------------------ tinygrad set-up
 
 def _import_tinygrad(verified: VerifiedArtifact, exclusive: bool) -> None:
@@ -186,6 +226,7 @@ def _import_tinygrad(verified: VerifiedArtifact, exclusive: bool) -> None:
         H._db_connection = sqlite3.connect(f"file:{verified.kernels_db}?mode=ro&immutable=1",
                                            uri=True, isolation_level=None,
                                            check_same_thread=False)
+        _seal_cpu_programs()
         return
     if not tinygrad_imported():
         # Import with the artifact's knobs, then restore the environment so that child
@@ -201,6 +242,7 @@ def _import_tinygrad(verified: VerifiedArtifact, exclusive: bool) -> None:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+    _seal_cpu_programs()
 
 
 # ------------------------------------------------------------------ jit.pkl

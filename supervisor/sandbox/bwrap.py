@@ -23,7 +23,7 @@ import os
 import re
 import shutil
 import subprocess
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from .policy import SandboxPolicy
 
@@ -157,7 +157,11 @@ def check_env(env: Mapping[str, str], forbidden: re.Pattern[str] = _FORBIDDEN_EN
             raise ValueError(f"environment variable {k} may not be passed into a sandbox")
 
 
-def _fs_args(policy: SandboxPolicy) -> list[str]:
+def _same(p: str) -> str:
+    return p
+
+
+def _fs_args(policy: SandboxPolicy, source: Callable[[str], str] = _same) -> list[str]:
     roots = [p for p in policy.ro_binds if not os.path.islink(p)]
     real_roots = [os.path.realpath(p) for p in roots]
     args: list[str] = []
@@ -168,10 +172,37 @@ def _fs_args(policy: SandboxPolicy) -> list[str]:
             # symlink so paths inside match the host's.
             links += ["--symlink", os.readlink(p), p]
         else:
-            args += ["--ro-bind", p, p]
+            args += ["--ro-bind", source(p), p]
     for p in policy.rw_binds:
-        args += ["--bind", p, p]
+        args += ["--bind", source(p), p]
     return args + links
+
+
+def _hide_args(hidden: Sequence[str], source: Callable[[str], str] = _same) -> list[str]:
+    """Rebuild each directory holding hidden entries from its other entries.
+
+    A masked directory would still import as an empty namespace package; an absent
+    one gives "No module named 'torch'" and ENOENT for every file below it.
+    """
+    by_dir: dict[str, set[str]] = {}
+    for h in hidden:
+        by_dir.setdefault(os.path.dirname(h), set()).add(os.path.basename(h))
+    a: list[str] = []
+    for d, names in sorted(by_dir.items()):
+        try:
+            entries = sorted(os.scandir(d), key=lambda e: e.name)
+        except OSError:
+            continue
+        a += ["--tmpfs", d]
+        for e in entries:
+            if e.name in names:
+                continue
+            if e.is_symlink():
+                a += ["--symlink", os.readlink(e.path), e.path]
+            else:
+                a += ["--ro-bind", source(e.path), e.path]
+        a += ["--remount-ro", d]
+    return a
 
 
 def build_bwrap_argv(
@@ -183,12 +214,14 @@ def build_bwrap_argv(
     env_extra: Mapping[str, str] | None = None,
     seccomp_fd: int | None = None,
     json_status_fd: int | None = None,
+    source: Callable[[str], str] = _same,
 ) -> list[str]:
     """Full command line: bwrap options, then `--`, then the worker argv.
 
     `pass_fds` are the fds the caller will pass to Popen; they are only
     validated here (bwrap keeps inherited fds at the same numbers).
     `seccomp_fd`/`json_status_fd` must be in the caller's pass_fds too.
+    `source` maps a host path to where bwrap finds it (staging.Staging.source_for).
     """
     if not argv:
         raise ValueError("empty argv")
@@ -222,7 +255,10 @@ def build_bwrap_argv(
 
     # Fresh /proc, /dev, /tmp first, so binds that live below them (a venv in
     # /tmp, a device node) are mounted on top instead of being shadowed.
-    a += ["--proc", "/proc", "--dev", "/dev"]
+    # /proc read-only as a whole: no sysctl, sysrq-trigger, /proc/self/mem (writes to
+    # it patch executable pages without mprotect) or oom_score_adj writes, whatever
+    # the uid. /dev is made read-only below, after device binds: no /dev/shm to fill.
+    a += ["--proc", "/proc", "--remount-ro", "/proc", "--dev", "/dev"]
     if policy.tmp_size_bytes and bwrap_supports("--size"):
         a += ["--size", str(policy.tmp_size_bytes)]
     a += ["--tmpfs", "/tmp"]
@@ -234,11 +270,13 @@ def build_bwrap_argv(
                      key=lambda d: d.count("/"))
     for d in parents:
         a += ["--tmpfs", d]
-    a += _fs_args(policy)
+    a += _fs_args(policy, source)
     for d in reversed(parents):
         a += ["--remount-ro", d]
+    a += _hide_args(policy.hidden, source)
     for d in policy.dev_binds:
-        a += ["--dev-bind", d, d]
+        a += ["--dev-bind", source(d), d]
+    a += ["--remount-ro", "/dev"]
 
     if policy.hide_compilers:
         files, dirs = compiler_masks(tuple(policy.ro_binds))

@@ -15,15 +15,16 @@ trio.lowlevel.wait_readable. If you use open_process yourself with
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import os
 import queue
-import shutil
+import resource
 import subprocess
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
-from . import seccomp
+from . import seccomp, staging
 from .bwrap import build_bwrap_argv
 from .policy import SandboxPolicy
 
@@ -45,10 +46,19 @@ class LaunchSpec:
     env: dict[str, str] = field(default_factory=lambda: dict(_BWRAP_ENV))
     # fds created for this launch (seccomp memfd): close once spawned.
     owned_fds: list[int] = field(default_factory=list)
+    # Run bwrap as this host uid/gid, inside this mount namespace (staging); None: as is.
+    host_uid: int | None = None
+    host_gid: int | None = None
+    mntns_fd: int = -1
 
     def close(self) -> None:
         while self.owned_fds:
             os.close(self.owned_fds.pop())
+
+    def child_setup(self, rlimits: Mapping[str, int] | None = None,
+                    cgroup_fds: Sequence[int] = ()) -> Callable[[], None]:
+        """The preexec_fn any Popen of `argv` needs (cgroup, limits, staging, host uid)."""
+        return _child_setup(self, rlimits or {}, tuple(cgroup_fds))
 
 
 def prepare(
@@ -70,19 +80,58 @@ def prepare(
         fds.append(json_status_fd)
     owned: list[int] = []
     sfd = None
+    source = None
+    mntns = -1
+    if policy.host_uid is not None and os.geteuid() == 0:
+        # bwrap resolves bind sources as the unprivileged uid: stage what it cannot reach.
+        st = staging.staging_for([*policy.ro_binds, *policy.rw_binds, *policy.dev_binds])
+        source, mntns = st.source_for, st.mntns_fd
     if policy.seccomp_at_launch:
         sfd = seccomp.launch_filter_fd(policy.domain, network=policy.network)
         owned.append(sfd)
         fds.append(sfd)
     try:
         full = build_bwrap_argv(
-            policy, argv, fds, cwd, env_extra=env_extra, seccomp_fd=sfd, json_status_fd=json_status_fd
+            policy, argv, fds, cwd, env_extra=env_extra, seccomp_fd=sfd,
+            json_status_fd=json_status_fd, **({"source": source} if source else {}),
         )
     except BaseException:
         for fd in owned:
             os.close(fd)
         raise
-    return LaunchSpec(argv=full, pass_fds=tuple(fds), owned_fds=owned)
+    return LaunchSpec(argv=full, pass_fds=tuple(fds), owned_fds=owned,
+                      host_uid=policy.host_uid if os.geteuid() == 0 else None,
+                      host_gid=policy.host_gid if os.geteuid() == 0 else None, mntns_fd=mntns)
+
+
+_RLIMITS = {"data": resource.RLIMIT_DATA, "nofile": resource.RLIMIT_NOFILE,
+            "as": resource.RLIMIT_AS, "nproc": resource.RLIMIT_NPROC,
+            "core": resource.RLIMIT_CORE, "stack": resource.RLIMIT_STACK}
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _child_setup(spec: LaunchSpec, rlimits: Mapping[str, int], cgroup_fds: Sequence[int]) -> Callable[[], None]:
+    """What runs between fork and exec of bwrap, still as the supervisor's uid.
+
+    Order matters: join the cgroup and set limits while still privileged, enter the
+    staging mount namespace, then drop to the domain's host uid for good (setgroups
+    first: supplementary groups of root must not survive).
+    """
+    limits = [(_RLIMITS[k], v) for k, v in sorted(rlimits.items())]
+
+    def setup() -> None:
+        for fd in cgroup_fds:
+            os.write(fd, b"0")            # "0" = the writing process
+        for res, v in limits:
+            resource.setrlimit(res, (v, v))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))   # no core files from sandboxes
+        if spec.mntns_fd >= 0 and _libc.setns(spec.mntns_fd, staging.CLONE_NEWNS) != 0:
+            raise OSError(ctypes.get_errno(), "setns(staging mount namespace)")
+        if spec.host_uid is not None:
+            os.setgroups([])
+            os.setresgid(spec.host_gid, spec.host_gid, spec.host_gid)
+            os.setresuid(spec.host_uid, spec.host_uid, spec.host_uid)
+    return setup
 
 
 class _SpawnerThread:
@@ -133,13 +182,15 @@ def spawn(
     *,
     json_status_fd: int | None = None,
     rlimits: Mapping[str, int] | None = None,
+    cgroup_fds: Sequence[int] = (),
     **popen_kwargs: Any,
 ) -> subprocess.Popen[Any]:
     """Start `argv` in a sandbox for `policy`; returns the outer bwrap's Popen.
 
-    `rlimits`: prlimit(1) resource names -> limit (e.g. {"nofile": 256, "data": 1<<30}),
-    set on bwrap before it starts (prlimit execs it, same pid) and so inherited by
-    everything in the sandbox.
+    `rlimits`: resource names ("data", "nofile", ...) -> limit, set on bwrap before it
+    starts and so inherited by everything in the sandbox. `cgroup_fds`: open
+    cgroup.procs files (cgroups.WorkerCgroup.open_join_fds) that bwrap joins before
+    exec, so no process of the sandbox ever runs outside its cgroup.
 
     Popen.pid is bwrap outside the sandbox; kill it to kill the sandbox.
     `json_status_fd`: bwrap writes {"child-pid": ...} / {"exit-code": ...} there.
@@ -148,14 +199,15 @@ def spawn(
     bad = _RESERVED_POPEN_KW & popen_kwargs.keys()
     if bad:
         raise TypeError(f"spawn() manages {sorted(bad)} itself")
+    unknown = set(rlimits or {}) - _RLIMITS.keys()
+    if unknown:
+        raise ValueError(f"unknown rlimit(s) {sorted(unknown)}; known: {sorted(_RLIMITS)}")
     spec = prepare(policy, argv, pass_fds, cwd, env_extra, json_status_fd=json_status_fd)
-    full = spec.argv
-    if rlimits:
-        prlimit = shutil.which("prlimit", path=spec.env.get("PATH")) or "/usr/bin/prlimit"
-        full = [prlimit, *(f"--{k}={v}:{v}" for k, v in sorted(rlimits.items())), "--", *full]
+    setup = spec.child_setup(rlimits, cgroup_fds)
     try:
         return on_stable_thread(
-            lambda: subprocess.Popen(full, pass_fds=spec.pass_fds, env=spec.env, close_fds=True, **popen_kwargs)
+            lambda: subprocess.Popen(spec.argv, pass_fds=spec.pass_fds, env=spec.env, close_fds=True,
+                                     cwd="/", preexec_fn=setup, **popen_kwargs)
         )
     finally:
         spec.close()  # the child holds its own copy of the seccomp memfd

@@ -6,7 +6,9 @@ turns it into a command line and `seccomp.py` into syscall filters.
 
 from __future__ import annotations
 
+import glob
 import os
+import pwd
 import site
 import sys
 from dataclasses import dataclass, field
@@ -67,6 +69,14 @@ class SandboxPolicy:
     # Fixed non-root id inside the user namespace, same for root and users.
     uid: int = 1000
     gid: int = 1000
+    # The host uid/gid the sandbox runs as (bwrap is started with them): a stranger to
+    # every file and process of the host. None: the caller's own (only when it is not
+    # root; a root caller always switches, see host_ids()).
+    host_uid: int | None = None
+    host_gid: int | None = None
+    # Paths below ro_binds that must not exist inside (refused distributions in a
+    # strict domain): their directory is rebuilt from every other entry.
+    hidden: list[str] = field(default_factory=list)
     # Private /tmp is RAM; cap it so a worker cannot eat the host's memory.
     tmp_size_bytes: int | None = 64 * 1024 * 1024
 
@@ -131,6 +141,47 @@ def minimize(paths: Iterable[str]) -> list[str]:
     return kept
 
 
+def default_user(domain: str) -> str:
+    """The system user `scripts/install.sh` creates for a domain's rules: research, or
+    control for every strict domain (fail closed)."""
+    return "trio-research" if domain == RESEARCH else "trio-control"
+
+
+def host_ids(domain: str, user: str | None = None) -> tuple[int | None, int | None]:
+    """(uid, gid) on the host for a sandbox of `domain`.
+
+    As root: the named user (default trio-<domain>), never uid 0; a missing user is an
+    error, not a silent fallback to root. Not root: None (bwrap runs as the caller,
+    which cannot switch).
+    """
+    if os.geteuid() != 0:
+        return None, None
+    name = user or default_user(domain)
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:
+        raise LookupError(f"no system user {name!r} for domain {domain!r}: "
+                          f"run scripts/install.sh (it creates trio-control and trio-research)")
+    if pw.pw_uid == 0 or pw.pw_gid == 0:
+        raise LookupError(f"user {name!r} for domain {domain!r} is root; sandboxes never run as root")
+    return pw.pw_uid, pw.pw_gid
+
+
+def refused_paths(ro_binds: Iterable[str]) -> list[str]:
+    """Files of refused distributions (torch & co) in every site-packages bound."""
+    from supervisor.admission.distributions import refused_entries
+
+    out: list[str] = []
+    for r in ro_binds:
+        if os.path.basename(r) in ("site-packages", "dist-packages"):
+            sites = [r]
+        else:
+            sites = glob.glob(os.path.join(r, "lib", "python3*", "*-packages"))
+        for sp in sites:
+            out += [os.path.join(sp, name) for name, _ in refused_entries(sp)]
+    return sorted(set(out))
+
+
 def policy_for_domain(
     domain: str,
     network: bool = False,
@@ -138,6 +189,7 @@ def policy_for_domain(
     *,
     extra_rw_binds: Iterable[str] = (),
     extra_dev_binds: Iterable[str] = (),
+    user: str | None = None,
 ) -> SandboxPolicy:
     """Build the policy for `domain`.
 
@@ -180,8 +232,12 @@ def policy_for_domain(
     if pp:
         env["PYTHONPATH"] = pp
 
+    host_uid, host_gid = host_ids(domain, user)
     return SandboxPolicy(
         domain=domain,
+        host_uid=host_uid,
+        host_gid=host_gid,
+        hidden=refused_paths(ro) if strict else [],
         network=bool(network),
         hide_compilers=strict,
         seccomp_after_start=strict,

@@ -5,6 +5,7 @@ a vehicle config.
     args: --ready-delay-ms N   --exit-after-ms N --exit-code C   --ping-ms N
           --stop-pinging-after-ms N   --publish CH --period-ms N   --read CH
           --import MODULE (after ready)   --map-file PATH (after ready)
+          --attack NAME [--attack-before-ready]   (workers/probe/attacks.py)
 """
 from __future__ import annotations
 
@@ -34,7 +35,23 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--map-file", default=None)
     p.add_argument("--alloc-mb", type=int, default=0, help="after ready: allocate this much")
     p.add_argument("--open-files", type=int, default=0, help="after ready: open this many fds")
+    p.add_argument("--attack", action="append", default=[], help="see workers/probe/attacks.py")
+    p.add_argument("--attack-before-ready", action="store_true")
+    p.add_argument("--attack-arg", default="")
     return p.parse_args(argv)
+
+
+def _attack(ctx: WorkerContext, names: list[str]) -> None:
+    import json
+
+    from . import attacks
+
+    for name in names:
+        try:
+            res = attacks.ATTACKS[name](ctx)
+        except Exception as e:     # an attack that crashed is reported, not hidden
+            res = {"denied": None, "crashed": f"{type(e).__name__}: {e}"}
+        print("ATTACK " + json.dumps({"attack": name, **res}), flush=True)
 
 
 def main(ctx: WorkerContext) -> int:
@@ -43,8 +60,16 @@ def main(ctx: WorkerContext) -> int:
     readers = {ch: ctx.reader(ch) for ch in a.read}
     if a.ready_delay_ms:
         time.sleep(a.ready_delay_ms / 1000)
+    if a.attack:
+        from . import attacks
+
+        attacks.ARG = a.attack_arg
+    if a.attack_before_ready:
+        _attack(ctx, a.attack)
     ctx.ready(status=f"probe pid {os.getpid()}")
     print(f"probe {ctx.name}: ready", flush=True)
+    if a.attack and not a.attack_before_ready:
+        _attack(ctx, a.attack)
     if a.import_:
         try:
             importlib.import_module(a.import_)

@@ -1,0 +1,74 @@
+"""Worker stdout/stderr: read from a pipe, re-emitted as that worker's events.
+
+A worker never holds the supervisor's own stderr (or a terminal): it could truncate
+the log (`ftruncate(2, 0)`), print lines that look like supervisor events, or change
+the operator's terminal settings. Its output arrives on a pipe; every line becomes
+an `output` event that names the worker, cut to `max_line` bytes and rate limited
+with a token bucket so a chatty or hostile worker cannot flood the log.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LineLimiter:
+    """Splits a byte stream into lines and decides which of them are emitted."""
+
+    max_line: int = 2048         # bytes kept of one line (the rest is counted, not kept)
+    rate: float = 50.0           # lines per second, sustained
+    burst: int = 200             # lines at once
+    _buf: bytearray = field(default_factory=bytearray)
+    _overlong: int = 0           # bytes dropped from the current line
+    _tokens: float = -1.0
+    _last: float = 0.0
+    dropped: int = 0             # whole lines not emitted (rate limit)
+    truncated: int = 0           # lines cut to max_line
+
+    def feed(self, chunk: bytes, now: float | None = None) -> list[str]:
+        """Complete lines of `chunk` that may be emitted now (decoded, cut)."""
+        out: list[str] = []
+        now = time.monotonic() if now is None else now
+        start = 0
+        while True:
+            nl = chunk.find(b"\n", start)
+            piece = chunk[start:] if nl < 0 else chunk[start:nl]
+            room = self.max_line - len(self._buf)
+            if len(piece) > room:
+                self._overlong += len(piece) - room
+                piece = piece[:max(room, 0)]
+            self._buf += piece
+            if nl < 0:
+                return out
+            line = self._take()
+            if self._admit(now):
+                out.append(line)
+            start = nl + 1
+
+    def flush(self, now: float | None = None) -> list[str]:
+        """The last line of a stream that ended without a newline."""
+        if not self._buf and not self._overlong:
+            return []
+        line = self._take()
+        return [line] if self._admit(time.monotonic() if now is None else now) else []
+
+    def _take(self) -> str:
+        line = self._buf.decode("utf-8", errors="replace")
+        if self._overlong:
+            self.truncated += 1
+            line += f" [... {self._overlong} bytes cut]"
+        self._buf.clear()
+        self._overlong = 0
+        return line
+
+    def _admit(self, now: float) -> bool:
+        if self._tokens < 0:
+            self._tokens, self._last = float(self.burst), now
+        self._tokens = min(float(self.burst), self._tokens + (now - self._last) * self.rate)
+        self._last = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        self.dropped += 1
+        return False

@@ -1,0 +1,342 @@
+"""Hostile workers under a real `supervisor run`: every attack runs from inside a real
+sandbox started the way the supervisor starts it; each test asserts that the attack
+failed AND that the supervisor's own log names the worker (an `output`, `exit` or
+`refused` event). One supervisor runs the whole hostile fleet at once (each attacker
+is optional and never restarted), so the suite pays for one start-up.
+
+Kernel knobs are opened for writing and never written (workers/probe/attacks.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.sandbox
+if shutil.which("bwrap") is None:
+    pytest.skip("bubblewrap is not installed", allow_module_level=True)
+if os.geteuid() != 0:
+    pytest.skip("the supervisor's isolation (host uids, cgroups) needs root", allow_module_level=True)
+
+# name -> (domain, attack, before READY?)
+ATTACKERS = {
+    "c-core": ("control", "core_pattern", False),
+    "r-core": ("research", "core_pattern", False),
+    "c-sysrq": ("control", "sysrq", False),
+    "c-procmem": ("control", "proc_self_mem", False),
+    "r-reopen": ("research", "reopen_rw", False),
+    "r-acl": ("research", "acl_then_reopen", False),
+    "c-acl": ("control", "acl_then_reopen", False),
+    "r-chmod": ("research", "fchmod_channel", False),
+    "c-forge": ("control", "forge_log", False),
+    "c-tty": ("control", "tty", False),
+    "c-ptrace": ("control", "ptrace", False),
+    "c-persona": ("control", "personality", False),
+    "c-unix": ("control", "unix_connect", False),
+    "c-devshm": ("control", "dev_shm", False),
+    "c-mprotect": ("control", "mprotect_exec", False),
+    "c-mprotect0": ("control", "mprotect_exec", True),
+    "c-memfd": ("control", "memfd_exec", False),
+    "c-dlopen": ("control", "dlopen_tmp", True),
+    "c-torch": ("control", "torch_files", False),
+    "c-guard": ("control", "swallow_guard", False),
+    "c-fakeready": ("control", "fake_ready", True),
+    "c-hog": ("control", "memory_hog", False),
+    "r-storm": ("research", "fork_storm", False),
+    "r-hog": ("research", "memory_hog", False),
+}
+
+
+def _toml(sock_dir: Path) -> str:
+    parts = [f"""
+    [supervisor]
+    maps_scan_interval_s = 0.5
+    [domains.control]
+    failure_policy = "restart"
+    actuates = true
+    extra_ro_binds = ["{sock_dir}"]
+    [domains.research]
+    [channels.frames]
+    slot_size = "4KiB"
+    dtype = "uint8"
+    max_readers = {len(ATTACKERS) + 3}
+    slot_count = {2 * (len(ATTACKERS) + 3) + 1}
+    [workers.src]
+    domain = "control"
+    module = "workers.probe"
+    publishes = ["frames"]
+    args = ["--publish", "frames", "--period-ms", "20", "--ping-ms", "20"]
+    watchdog_ms = 200
+    restart = "always"
+    [workers.sink]
+    domain = "control"
+    module = "workers.probe"
+    subscribes = ["frames"]
+    args = ["--read", "frames", "--period-ms", "20", "--ping-ms", "20"]
+    watchdog_ms = 200
+    restart = "always"
+    """]
+    for name, (domain, attack, before) in ATTACKERS.items():
+        args = ["--read", "frames", "--attack", attack,
+                "--attack-arg", str(sock_dir / "host.sock")] + (["--attack-before-ready"] if before else [])
+        parts.append(f"""
+    [workers.{name}]
+    domain = "{domain}"
+    module = "workers.probe"
+    subscribes = ["frames"]
+    args = {json.dumps(args)}
+    restart = "never"
+    optional = true
+    memory_max = "256MiB"
+    pids_max = 32
+    """)
+    return textwrap.dedent("".join(parts))
+
+
+class Fleet:
+    def __init__(self, tmp: Path) -> None:
+        self.sock_dir = tmp / "socks"
+        self.sock_dir.mkdir()
+        os.chmod(tmp, 0o755)
+        os.chmod(self.sock_dir, 0o755)
+        # A host service socket that happens to lie in a directory bound into control.
+        self.host_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.host_sock.bind(str(self.sock_dir / "host.sock"))
+        os.chmod(self.sock_dir / "host.sock", 0o777)
+        self.host_sock.listen(8)
+        self.host_sock.setblocking(False)
+        cfg = tmp / "hostile.toml"
+        cfg.write_text(_toml(self.sock_dir))
+        self.log_path = tmp / "supervisor.log"
+        self.log = open(self.log_path, "w+")
+        self.log.write('{"event":"earlier","note":"must survive"}\n')
+        self.log.flush()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.cli", "run", "--config", str(cfg), "--quiet"],
+            stdout=subprocess.DEVNULL, stderr=self.log)
+        self.t0 = time.monotonic()
+
+    def events(self) -> list[dict]:
+        with open(self.log_path) as f:
+            return [json.loads(x) for x in f if x.startswith("{")]
+
+    def settle(self, timeout: float = 150) -> list[dict]:
+        """Until every attacker has started and ended its attack (or been killed)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ev = self.events()
+            done = {e.get("worker") for e in ev
+                    if e["event"] in ("exit", "refused", "gave_up")
+                    or (e["event"] == "output" and e["line"].startswith("ATTACK "))}
+            if set(ATTACKERS) <= done and any(e["event"] == "all_ready" for e in ev):
+                time.sleep(1.5)   # late kills (maps scan, OOM) and the storm's aftermath
+                return self.events()
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        return self.events()
+
+    def stop(self) -> list[dict]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.host_sock.close()
+        self.log.close()
+        return self.events()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    f = Fleet(tmp_path_factory.mktemp("hostile"))
+    try:
+        ev = f.settle()
+        before_stop = list(ev)
+        after = f.stop()
+        yield {"events": after, "running": before_stop, "fleet": f}
+    finally:
+        if f.proc.poll() is None:
+            f.proc.kill()
+
+
+def _of(ev: list[dict], worker: str, event: str | None = None) -> list[dict]:
+    return [e for e in ev if e.get("worker") == worker and (event is None or e["event"] == event)]
+
+
+def attack_result(ev: list[dict], worker: str) -> dict | None:
+    for e in _of(ev, worker, "output"):
+        if e["line"].startswith("ATTACK "):
+            return json.loads(e["line"][7:])
+    return None
+
+
+def killed_by(ev: list[dict], worker: str) -> dict:
+    ex = _of(ev, worker, "exit")
+    assert ex, f"no exit event for {worker}: {_of(ev, worker)}"
+    return ex[0]
+
+
+def assert_denied(ev: list[dict], worker: str) -> dict:
+    res = attack_result(ev, worker)
+    assert res is not None, f"{worker} printed no result: {_of(ev, worker)}"
+    assert res["denied"] is True, f"{worker}: attack succeeded: {res}"
+    return res
+
+
+# ---------------------------------------------------------------- host root
+
+
+@pytest.mark.parametrize("worker", ["c-core", "r-core", "c-sysrq"])
+def test_kernel_knobs_read_only(fleet, worker):
+    res = assert_denied(fleet["events"], worker)
+    assert res["error"] in ("EROFS", "EACCES"), res
+
+
+def test_each_domain_runs_as_its_own_unprivileged_host_user(fleet):
+    users = {e["domain"]: e for e in fleet["events"] if e["event"] == "domain_user"}
+    control, research = pwd.getpwnam("trio-control"), pwd.getpwnam("trio-research")
+    assert users["control"]["host_uid"] == control.pw_uid != 0
+    assert users["research"]["host_uid"] == research.pw_uid != 0
+    assert control.pw_uid != research.pw_uid
+
+
+def test_proc_self_mem_not_writable(fleet):
+    assert_denied(fleet["events"], "c-procmem")
+
+
+# ---------------------------------------------------------------- reader -> writer
+
+
+def test_reader_cannot_reopen_its_channel_writable(fleet):
+    res = assert_denied(fleet["events"], "r-reopen")
+    assert res["error"] == "EACCES"
+
+
+@pytest.mark.parametrize("worker", ["r-acl", "c-acl", "r-chmod"])
+def test_acl_or_chmod_on_a_channel_kills_the_reader(fleet, worker):
+    ev = fleet["events"]
+    assert attack_result(ev, worker) is None, "the attack returned instead of being killed"
+    ex = killed_by(ev, worker)
+    assert ex["signal"] == "SIGSYS" and "seccomp" in ex["cause"], ex
+
+
+def test_frames_untouched_by_the_reader_attacks(fleet):
+    ev = fleet["events"]
+    # src and sink kept running through every attack: no restarts, no watchdog misses.
+    for w in ("src", "sink"):
+        assert not _of(ev, w, "watchdog_missed"), _of(ev, w, "watchdog_missed")
+        assert len(_of(fleet["running"], w, "start")) == 1, f"{w} was restarted"
+
+
+# ---------------------------------------------------------------- the supervisor's log
+
+
+def test_worker_output_cannot_forge_or_erase_the_log(fleet):
+    ev = fleet["events"]
+    res = assert_denied(ev, "c-forge")
+    assert res["ftruncate1"] == "EINVAL" and res["ftruncate2"] == "EINVAL", res
+    with open(fleet["fleet"].log_path) as f:
+        assert "must survive" in f.readline()
+    # The forged lines are there only as the worker's output, quoted.
+    forged = [e for e in _of(ev, "c-forge", "output") if '"event":"ready"' in e["line"]]
+    assert forged and all(e["event"] == "output" for e in forged)
+    assert not [e for e in ev if e["event"] == "fail_safe"]
+    assert not [e for e in ev if e["event"] == "ready" and e.get("pid") == 1]
+
+
+def test_no_terminal_for_workers(fleet):
+    res = assert_denied(fleet["events"], "c-tty")
+    assert res["dev_tty"] in ("ENXIO", "ENOENT", "EACCES"), res
+
+
+# ---------------------------------------------------------------- denials are visible
+
+
+@pytest.mark.parametrize("worker", ["c-ptrace", "c-persona", "c-unix"])
+def test_dangerous_syscalls_kill_and_are_logged(fleet, worker):
+    ev = fleet["events"]
+    assert attack_result(ev, worker) is None
+    ex = killed_by(ev, worker)
+    assert ex["signal"] == "SIGSYS" and ex["code"] == 128 + signal.SIGSYS, ex
+    assert "seccomp" in ex["cause"]
+
+
+def test_host_socket_in_bound_dir_never_connected(fleet):
+    f = fleet["fleet"]
+    with pytest.raises(BlockingIOError):
+        f.host_sock.accept()
+
+
+def test_dev_shm_read_only(fleet):
+    assert_denied(fleet["events"], "c-devshm")
+
+
+# ---------------------------------------------------------------- resources
+
+
+def test_fork_storm_capped_and_control_unaffected(fleet):
+    ev = fleet["events"]
+    res = assert_denied(ev, "r-storm")
+    assert res["forks"] < 32, res
+    for w in ("src", "sink"):
+        assert not _of(ev, w, "watchdog_missed")
+
+
+@pytest.mark.parametrize("worker", ["c-hog", "r-hog"])
+def test_memory_hog_in_shared_memory_is_killed_alone(fleet, worker):
+    ev = fleet["events"]
+    ex = killed_by(ev, worker)
+    assert ex["signal"] == "SIGKILL" and "out of memory" in ex["cause"], ex
+    for w in ("src", "sink"):
+        assert len(_of(fleet["running"], w, "start")) == 1
+
+
+# ---------------------------------------------------------------- no new code after READY
+
+
+@pytest.mark.parametrize("worker,syscall", [
+    ("c-mprotect", "mprotect"), ("c-memfd", "memfd_create"), ("c-fakeready", "mprotect")])
+def test_new_executable_memory_after_ready_kills(fleet, worker, syscall):
+    ev = fleet["events"]
+    ref = _of(ev, worker, "refused")
+    assert ref and ref[0]["kind"] == "exec_memory" and ref[0]["syscall"] == syscall, _of(ev, worker)
+    assert worker in ref[0]["reason"]
+    assert _of(ev, worker, "exit"), "refused but not stopped"
+
+
+def test_anonymous_exec_before_ready_refused_without_jit_kernels(fleet):
+    ev = fleet["events"]
+    ref = _of(ev, "c-mprotect0", "refused")
+    assert ref and ref[0]["kind"] == "exec_memory", _of(ev, "c-mprotect0")
+
+
+def test_library_dropped_in_tmp_cannot_be_mapped(fleet):
+    ev = fleet["events"]
+    ref = _of(ev, "c-dlopen", "refused")
+    assert ref and ref[0]["syscall"] == "mmap" and "/tmp/libharmless.so" in str(ref[0]["target"]), \
+        _of(ev, "c-dlopen")
+
+
+def test_torch_is_not_on_the_control_filesystem(fleet):
+    res = assert_denied(fleet["events"], "c-torch")
+    assert res["found"] == [] and "No module named 'torch'" in res["import"], res
+
+
+def test_swallowed_guard_refusal_is_reported(fleet):
+    ev = fleet["events"]
+    ref = _of(ev, "c-guard", "refused")
+    assert ref and ref[0]["kind"].startswith("guard"), _of(ev, "c-guard")
+    assert "torch" in ref[0]["reason"]

@@ -1,0 +1,294 @@
+"""What a hostile worker tries from inside its sandbox (``workers.probe --attack NAME``).
+
+Each attack returns ``{"denied": bool, ...detail}``; the probe prints it as one line
+``ATTACK {json}``. Attacks the kernel answers by killing the process print nothing:
+the supervisor's exit/refused event is the evidence. Attacks on kernel knobs open the
+file for writing and never write, so a regression cannot change the machine.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import socket
+import sys
+import time
+from typing import Callable
+
+from supervisor.worker import ENV_STATUS_FD, WorkerContext
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.fsetxattr.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t,
+                            ctypes.c_int)
+ARG = ""                              # --attack-arg (the probe sets it)
+PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
+PROT_RX = mmap.PROT_READ | mmap.PROT_EXEC
+
+
+def _err(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.errno:
+        return errno.errorcode.get(e.errno, str(e.errno))
+    return f"{type(e).__name__}: {e}"
+
+
+def _open_for_write(path: str) -> dict:
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except OSError as e:
+        return {"denied": True, "error": _err(e)}
+    os.close(fd)                      # opened but never written
+    return {"denied": False}
+
+
+def core_pattern(ctx: WorkerContext) -> dict:
+    """The host-root escape: a pipe in kernel.core_pattern runs as host root."""
+    return _open_for_write("/proc/sys/kernel/core_pattern")
+
+
+def sysrq(ctx: WorkerContext) -> dict:
+    return _open_for_write("/proc/sysrq-trigger")
+
+
+def proc_self_mem(ctx: WorkerContext) -> dict:
+    """Writes through /proc/self/mem patch executable pages without mprotect."""
+    return _open_for_write("/proc/self/mem")
+
+
+def _channel_fd(ctx: WorkerContext) -> int:
+    """The read-only data fd of the first channel this worker reads."""
+    import json
+
+    from supervisor.ipc import ReaderHandle, env_name
+
+    for ch in ctx.channels:
+        h = json.loads(os.environ[env_name(ch)])
+        if h.get("role", "reader") != "writer":
+            return ReaderHandle.from_json(os.environ[env_name(ch)]).data_fd
+    raise LookupError("no channel to read")
+
+
+def reopen_rw(ctx: WorkerContext) -> dict:
+    """A reader re-opening its read-only channel fd for writing."""
+    fd = _channel_fd(ctx)
+    try:
+        os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+    except OSError as e:
+        return {"denied": True, "error": _err(e)}
+    return {"denied": False}
+
+
+def acl_then_reopen(ctx: WorkerContext) -> dict:
+    """POSIX ACL granting us write on the channel memfd, then a read-write re-open.
+    The acl xattr value: version 2, user_obj rw, user(uid 1000) rw, mask rw, other r."""
+    fd = _channel_fd(ctx)
+    import struct
+
+    ent = [(0x01, 6, 0xFFFFFFFF), (0x02, 6, 1000), (0x10, 6, 0xFFFFFFFF), (0x20, 4, 0xFFFFFFFF)]
+    val = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", t, p, i) for t, p, i in ent)
+    rc = _libc.fsetxattr(fd, b"system.posix_acl_access", val, len(val), 0)
+    res: dict = {"fsetxattr": rc if rc == 0 else errno.errorcode.get(ctypes.get_errno())}
+    try:
+        os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+        res["denied"] = False
+    except OSError as e:
+        res.update(denied=True, error=_err(e))
+    return res
+
+
+def fchmod_channel(ctx: WorkerContext) -> dict:
+    fd = _channel_fd(ctx)
+    try:
+        os.fchmod(fd, 0o666)
+    except OSError as e:
+        return {"denied": True, "error": _err(e)}
+    return {"denied": False}
+
+
+def forge_log(ctx: WorkerContext) -> dict:
+    """Look like the supervisor, then try to erase its log."""
+    print('{"ts":0,"event":"ready","worker":"controlsd","pid":1}', flush=True)
+    print('{"ts":0,"event":"fail_safe","domain":"control","reason":"forged"}', file=sys.stderr,
+          flush=True)
+    res: dict = {}
+    for fd in (1, 2):
+        try:
+            os.ftruncate(fd, 0)
+            res[f"ftruncate{fd}"] = "ok"
+        except OSError as e:
+            res[f"ftruncate{fd}"] = _err(e)
+    res["denied"] = all(v != "ok" for v in res.values())
+    return res
+
+
+def tty(ctx: WorkerContext) -> dict:
+    """Change the operator's terminal settings / grab a controlling terminal."""
+    import termios
+
+    res: dict = {}
+    for fd in (0, 1, 2):
+        try:
+            attrs = termios.tcgetattr(fd)
+            termios.tcsetattr(fd, termios.TCSANOW, attrs)
+            res[f"fd{fd}"] = "tcsetattr ok"
+        except (termios.error, OSError) as e:
+            res[f"fd{fd}"] = str(e.args[-1] if e.args else e)
+    try:
+        os.close(os.open("/dev/tty", os.O_RDWR))
+        res["dev_tty"] = "opened"
+    except OSError as e:
+        res["dev_tty"] = _err(e)
+    res["denied"] = not any("ok" in v or v == "opened" for v in res.values())
+    return res
+
+
+def fork_storm(ctx: WorkerContext) -> dict:
+    """Fork until the kernel says no; children sleep (they hold their pid)."""
+    n, err = 0, ""
+    t_end = time.monotonic() + 2.0
+    while n < 5000 and time.monotonic() < t_end:
+        try:
+            pid = os.fork()
+        except OSError as e:
+            err = _err(e)
+            break
+        if pid == 0:
+            time.sleep(30)
+            os._exit(0)
+        n += 1
+    return {"denied": bool(err), "forks": n, "error": err}
+
+
+def memory_hog(ctx: WorkerContext) -> dict:
+    """Fill memory that RLIMIT_DATA never counted: a shared anonymous mapping (shmem,
+    like a memfd), touched page by page up to 4 GiB."""
+    size = 4 << 30
+    m = mmap.mmap(-1, size)                        # MAP_SHARED: shmem-backed
+    step = 1 << 20
+    for off in range(0, size, step):
+        m[off:off + step] = b"\xa5" * step
+    return {"denied": False, "mib": size >> 20}
+
+
+def dev_shm(ctx: WorkerContext) -> dict:
+    try:
+        with open("/dev/shm/hog", "wb") as f:
+            f.write(b"x")
+    except OSError as e:
+        return {"denied": True, "error": _err(e)}
+    return {"denied": False}
+
+
+def ptrace(ctx: WorkerContext) -> dict:
+    """Killed by seccomp (SIGSYS) in control: nothing printed."""
+    rc = _libc.ptrace(16, os.getppid(), None, None)   # PTRACE_ATTACH
+    return {"denied": rc != 0, "errno": errno.errorcode.get(ctypes.get_errno())}
+
+
+def personality(ctx: WorkerContext) -> dict:
+    """READ_IMPLIES_EXEC would make every later PROT_READ mapping executable."""
+    rc = _libc.personality(0x0400000)
+    return {"denied": rc == -1, "errno": errno.errorcode.get(ctypes.get_errno())}
+
+
+def unix_connect(ctx: WorkerContext) -> dict:
+    """ARG: a host unix socket path that lies inside an extra_ro_binds directory."""
+    path = ARG
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+    except OSError as e:
+        return {"denied": True, "error": _err(e)}
+    finally:
+        s.close()
+    return {"denied": False}
+
+
+def _anon_rx() -> dict:
+    m = mmap.mmap(-1, mmap.PAGESIZE, prot=PROT_RW)
+    m.write(b"\xc3")                                   # ret
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    rc = _libc.mprotect(addr, mmap.PAGESIZE, PROT_RX)
+    return {"denied": rc != 0, "errno": errno.errorcode.get(ctypes.get_errno()) if rc else None}
+
+
+def mprotect_exec(ctx: WorkerContext) -> dict:
+    """Machine code written into anonymous memory, then made executable."""
+    return _anon_rx()
+
+
+def memfd_exec(ctx: WorkerContext) -> dict:
+    try:
+        fd = os.memfd_create("harmless")
+    except OSError as e:
+        return {"denied": True, "error": _err(e)}
+    os.write(fd, b"\0" * mmap.PAGESIZE)
+    try:
+        mmap.mmap(fd, mmap.PAGESIZE, prot=PROT_RX)
+    except OSError as e:
+        return {"denied": True, "error": _err(e)}
+    return {"denied": False}
+
+
+def dlopen_tmp(ctx: WorkerContext) -> dict:
+    """A shared library dropped in the writable /tmp (a copy of a system one)."""
+    import glob
+    import shutil
+
+    src = (glob.glob("/usr/lib/x86_64-linux-gnu/libz.so.1*") + glob.glob("/usr/lib/*/libz.so.1*")
+           + glob.glob("/lib/*/libz.so.1*"))[0]
+    shutil.copy(src, "/tmp/libharmless.so")
+    try:
+        ctypes.CDLL("/tmp/libharmless.so")
+    except OSError as e:
+        return {"denied": True, "error": str(e)[:200]}
+    return {"denied": False}
+
+
+def torch_files(ctx: WorkerContext) -> dict:
+    """Torch on the control domain's filesystem at all (with the guard removed)."""
+    import importlib.util
+    import site
+
+    sys.meta_path[:] = [f for f in sys.meta_path if "guard" not in type(f).__module__]
+    res: dict = {"spec": importlib.util.find_spec("torch") is not None}
+    found = []
+    for sp in site.getsitepackages():
+        for name in ("torch", "torch/lib/libtorch_cpu.so", "torch/lib/libc10.so", "functorch"):
+            if os.path.exists(os.path.join(sp, name)):
+                found.append(name)
+    res["found"] = found
+    try:
+        import torch  # noqa: F401
+        res["import"] = "imported"
+    except ImportError as e:
+        res["import"] = str(e)
+    res["denied"] = not res["spec"] and not found and res["import"] != "imported"
+    return res
+
+
+def swallow_guard(ctx: WorkerContext) -> dict:
+    """Import torch through the guard and swallow the refusal."""
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:
+        return {"denied": True, "error": str(e)[:200]}
+    return {"denied": False}
+
+
+def fake_ready(ctx: WorkerContext) -> dict:
+    """Announce READY by hand (no ctx.ready), then make memory executable."""
+    os.write(int(os.environ[ENV_STATUS_FD]), b"READY=1\n")
+    time.sleep(0.3)
+    return _anon_rx()
+
+
+ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
+    f.__name__: f for f in (
+        core_pattern, sysrq, proc_self_mem, reopen_rw, acl_then_reopen, fchmod_channel,
+        forge_log, tty, fork_storm, memory_hog, dev_shm, ptrace, personality, unix_connect,
+        mprotect_exec, memfd_exec, dlopen_tmp, torch_files, swallow_guard, fake_ready,
+    )
+}
