@@ -13,6 +13,7 @@ import enum
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,8 +27,9 @@ from supervisor.config import CONTROL, Config, WorkerConfig
 from supervisor.events import EventLog
 from supervisor.ipc import Channel, env_name
 from supervisor.notify import Notifier
-from supervisor.worker import (ENV_CHANNELS, ENV_DOMAIN, ENV_NAME, ENV_NETWORK,
-                               ENV_STATUS_FD)
+from supervisor.output import LineLimiter
+from supervisor.worker import (ENV_CHANNELS, ENV_DOMAIN, ENV_EXECWATCH_FD, ENV_NAME,
+                               ENV_NETWORK, ENV_SANDBOXED, ENV_STATUS_FD)
 
 
 class Exit(enum.IntEnum):
@@ -55,6 +57,15 @@ class WorkerRun:
     refused: str | None = None
     status: str = ""
     exit_reason: str = ""
+    out_r: int | None = None                 # the worker's stdout+stderr (a pipe)
+    output: LineLimiter = field(default_factory=LineLimiter)
+    cgroup: object | None = None             # sandbox.cgroups.WorkerCgroup of this run
+    oom_before: int = 0
+    watch_sock: socket.socket | None = None  # receives the exec-watch listener (control)
+    watch: object | None = None              # sandbox.execwatch.ExecWatch of this run
+    exec_allowed: int = 0                    # executable mappings admitted before READY
+    exec_snapshot: object | None = None      # maps.ExecSnapshot taken at READY
+    kill_reason: str = ""                    # why the supervisor killed it, if it did
 
 
 def _signame(sig: int) -> str:
@@ -76,7 +87,7 @@ class Supervisor:
     def __init__(self, config: Config, *, log: EventLog | None = None,
                  notifier: Notifier | None = None, sandboxed: bool = True,
                  grace_s: float = 3.0, python: str = sys.executable,
-                 worker_output: int | None = None, status_out=None,
+                 status_out=None,
                  status_interval_s: float | None = None) -> None:
         self.config = config
         self.log = log or EventLog(fmt=config.supervisor.log_format)
@@ -84,7 +95,7 @@ class Supervisor:
         self.sandboxed = sandboxed
         self.grace_s = grace_s
         self.python = python
-        self.worker_output = worker_output
+        self.cgroups = None              # sandbox.cgroups.CgroupTree while running
         self.runs: dict[str, WorkerRun] = {}
         self.channels: dict[str, Channel] = {}
         self._reader_index: dict[tuple[str, str], int] = {}
@@ -144,18 +155,34 @@ class Supervisor:
             return [self.python, "-m", "supervisor.runner", w.module, *w.args]
         return [*w.command, *w.args]
 
-    @staticmethod
-    def _rlimits(w: WorkerConfig) -> dict[str, int]:
-        """Per-worker limits enforced with rlimits: memory_max caps the data segment
-        (heap and private anonymous mappings; shared channels are not counted), nofile
-        the open fds. cpu_quota needs a cgroup: the generated systemd unit applies the
-        total; per worker it is not enforced yet."""
+    def _rlimits(self, w: WorkerConfig) -> dict[str, int]:
+        """rlimits of the sandbox: open fds; the data segment only as a fallback for
+        memory_max when there is no cgroup (RLIMIT_DATA misses shared memory and tmpfs)."""
         limits = {}
-        if w.memory_max:
+        if w.memory_max and self.cgroups is None:
             limits["data"] = w.memory_max
         if w.nofile:
             limits["nofile"] = w.nofile
         return limits
+
+    def _cgroup_for(self, run: WorkerRun) -> list[int]:
+        """A fresh cgroup for this run of the worker; returns the fds bwrap joins with."""
+        if self.cgroups is None:
+            return []
+        from supervisor.sandbox.cgroups import Limits
+
+        w = run.cfg
+        run.cgroup = cg = self.cgroups.leaf(w.name, Limits(
+            memory_max=w.memory_max, pids_max=w.pids_max, cpu_quota_pct=w.cpu_quota))
+        run.oom_before = cg.oom_kills()
+        return cg.open_join_fds()
+
+    def _policy(self, w: WorkerConfig):
+        from supervisor.sandbox import policy_for_domain
+
+        domain = self.config.domains[w.domain]
+        return policy_for_domain(w.domain, network=domain.network,
+                                 extra_ro_binds=domain.extra_ro_binds, user=domain.user)
 
     def _spawn(self, run: WorkerRun) -> None:
         w = run.cfg
@@ -163,32 +190,55 @@ class Supervisor:
         env, fds = self._endpoint_env(w)
         r, wfd = os.pipe2(os.O_CLOEXEC)
         os.set_blocking(r, False)
+        # stdout+stderr: a pipe we read, never the supervisor's own streams or a tty.
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(out_r, False)
         env.update({ENV_NAME: w.name, ENV_DOMAIN: w.domain, ENV_STATUS_FD: str(wfd),
-                    ENV_NETWORK: "1" if domain.network else "0"})
-        out = self.worker_output
+                    ENV_NETWORK: "1" if domain.network else "0",
+                    ENV_SANDBOXED: "1" if self.sandboxed else "0"})
+        child_fds = [*fds, wfd]
+        ours, theirs = None, None
+        join_fds: list[int] = []
         ok = False
         try:
             if self.sandboxed:
-                from supervisor.sandbox import launch, policy_for_domain
+                from supervisor.sandbox import launch
 
-                pol = policy_for_domain(w.domain, network=domain.network,
-                                        extra_ro_binds=domain.extra_ro_binds)
+                pol = self._policy(w)
+                if pol.strict:
+                    # The runner hands us its exec-watch listener through this socket
+                    # before the worker's own code runs.
+                    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                    env[ENV_EXECWATCH_FD] = str(theirs.fileno())
+                    child_fds.append(theirs.fileno())
+                join_fds = self._cgroup_for(run)
                 # Own session: a terminal's Ctrl-C reaches the supervisor only, which
                 # then stops the workers in order.
-                run.proc = launch.spawn(pol, self._argv(w), [*fds, wfd], env_extra=env,
-                                        stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                        start_new_session=True, rlimits=self._rlimits(w))
+                run.proc = launch.spawn(pol, self._argv(w), child_fds, env_extra=env,
+                                        stdin=subprocess.DEVNULL, stdout=out_w, stderr=out_w,
+                                        start_new_session=True, rlimits=self._rlimits(w),
+                                        cgroup_fds=join_fds)
             else:
                 full = dict(os.environ, **env)
-                run.proc = subprocess.Popen(self._argv(w), pass_fds=[*fds, wfd], env=full,
-                                            stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                            start_new_session=True)
+                run.proc = subprocess.Popen(self._argv(w), pass_fds=child_fds, env=full,
+                                            stdin=subprocess.DEVNULL, stdout=out_w,
+                                            stderr=out_w, start_new_session=True)
             ok = True
         finally:
-            os.close(wfd)
+            for fd in (wfd, out_w, *join_fds):
+                os.close(fd)
+            if theirs is not None:
+                theirs.close()
             if not ok:
                 os.close(r)
+                os.close(out_r)
+                if ours is not None:
+                    ours.close()
         run.status_r = r
+        run.out_r = out_r
+        run.output = LineLimiter()
+        run.watch_sock, run.watch, run.exec_allowed, run.exec_snapshot = ours, None, 0, None
+        run.kill_reason = ""
         run.pid = run.proc.pid
         run.started_ns = run.last_ping_ns = time.monotonic_ns()
         run.ready_ns = 0            # per run: backoff resets only after a run that was ready
@@ -254,15 +304,138 @@ class Supervisor:
         now = time.monotonic_ns()
         if line.startswith("READY=1"):
             run.last_ping_ns = now
-            if not run.ready.is_set():
+            if not run.ready.is_set() and not run.refused and self._accept_ready(run):
                 run.ready_ns = now
                 run.ready.set()
                 self.log.emit("ready", worker=run.cfg.name, pid=run.pid,
-                              start_to_ready_ms=round((now - run.started_ns) / 1e6, 3))
+                              start_to_ready_ms=round((now - run.started_ns) / 1e6, 3),
+                              exec_mappings_admitted=run.exec_allowed)
         elif line.startswith("WATCHDOG=1"):
             run.last_ping_ns = now
         elif line.startswith("STATUS="):
             run.status = line[7:]
+        elif line.startswith("REFUSED="):
+            # The import guard reports before it raises: a worker that swallows the
+            # exception is named all the same.
+            kind, _, detail = line[8:].partition(" ")
+            self._refuse(run, f"guard:{kind[:32]}", detail[:512] or kind)
+
+    def _refuse(self, run: WorkerRun, kind: str, reason: str, **fields) -> None:
+        """A runtime refusal: log it naming the worker, kill the sandbox. The exit that
+        follows is handled as refused (no restart; fail-safe for required control)."""
+        if run.refused:
+            return
+        run.refused = f"{kind}: {reason}"
+        run.kill_reason = f"refused ({kind})"
+        self.log.emit("refused", worker=run.cfg.name, domain=run.cfg.domain, kind=kind,
+                      pid=run.pid, reason=f"{run.cfg.name}: {reason}", **fields)
+        self._kill(run)
+
+    def _strict(self, run: WorkerRun) -> bool:
+        return self.sandboxed and run.watch_sock is not None
+
+    def _accept_ready(self, run: WorkerRun) -> bool:
+        """READY ends start-up. For a control-grade worker the supervisor, not the
+        worker, makes it true: from here on every new executable mapping is refused,
+        and what is executable now is recorded and must not be writable."""
+        if not self._strict(run):
+            return True
+        if run.watch is None:
+            self._take_listener(run)
+        if run.watch is None:
+            self._refuse(run, "exec_watch", "READY before the exec watch was installed")
+            return False
+        run.watch.ready = True
+        from supervisor.admission import maps
+
+        pid = self._worker_pid(run)
+        try:
+            snap = maps.exec_snapshot(pid)
+        except Exception as e:   # gone between READY and now: its exit is reported
+            self.log.emit("protocol_error", worker=run.cfg.name, reason=f"maps at READY: {e}")
+            return False
+        bad = [h for h in getattr(snap, "hits", ()) if getattr(h, "kind", "") == "writable-exec"]
+        if bad:
+            self._refuse(run, "writable_exec", f"writable and executable memory at READY: "
+                         f"{bad[0].describe()}", mappings=[h.describe() for h in bad])
+            return False
+        run.exec_snapshot = snap
+        return True
+
+    def _take_listener(self, run: WorkerRun) -> None:
+        """Non-blocking: the exec-watch listener fd, if the runner has sent it."""
+        from supervisor.sandbox.execwatch import ExecWatch
+
+        sock = run.watch_sock
+        if sock is None or run.watch is not None:
+            return
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 16, 1, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            return
+        if not fds:
+            return
+        run.watch = ExecWatch(fds[0], allow_anonymous_exec=run.cfg.jit_kernels)
+
+    async def _watch_exec(self, run: WorkerRun) -> None:
+        """Judge every executable mapping the control worker asks for (seccomp user
+        notification): allowed before READY only from read-only files (and, for a worker
+        declared jit_kernels, anonymous memory); refused always after READY."""
+        sock = run.watch_sock
+        if sock is None:
+            return
+        while run.watch is None:
+            await trio.lowlevel.wait_readable(sock.fileno())
+            self._take_listener(run)
+            if run.watch is None:
+                await trio.sleep(0.005)   # hang-up without a listener: the exit follows
+        watch = run.watch
+        while True:
+            await trio.lowlevel.wait_readable(watch.fileno())
+            verdicts = watch.handle_pending()
+            if not verdicts:
+                await trio.sleep(0.005)   # POLLHUP after the last task exited
+                continue
+            for v in verdicts:
+                if v.allowed:
+                    run.exec_allowed += 1
+                    continue
+                rq = v.request
+                self._refuse(run, "exec_memory", f"{rq.syscall}: {v.reason}",
+                             syscall=rq.syscall, pid_in_host=rq.pid,
+                             prot=rq.prot, target=rq.target)
+
+    async def _read_output(self, run: WorkerRun) -> None:
+        """The worker's stdout/stderr as `output` events naming it (bounded, rate limited)."""
+        fd = run.out_r
+        reported = 0
+        while True:
+            await trio.lowlevel.wait_readable(fd)
+            if not self._drain_output(run):
+                return
+            lim = run.output
+            if lim.dropped > reported and time.monotonic() - getattr(run, "_drop_ts", 0) > 1:
+                run._drop_ts = time.monotonic()
+                self.log.emit("output_dropped", worker=run.cfg.name, lines=lim.dropped - reported,
+                              reason=f"over {lim.rate:g} lines/s")
+                reported = lim.dropped
+
+    def _drain_output(self, run: WorkerRun) -> bool:
+        """Read what is there; False at end of stream."""
+        while True:
+            try:
+                chunk = os.read(run.out_r, 65536)
+            except BlockingIOError:
+                return True
+            except OSError:
+                return False
+            lines = run.output.feed(chunk) if chunk else run.output.flush()
+            for line in lines:
+                self.log.emit("output", worker=run.cfg.name, domain=run.cfg.domain, line=line)
+            if not chunk:
+                return False
 
     # ---------------------------------------------------------------- one worker
 
@@ -300,11 +473,12 @@ class Supervisor:
                 run.started_ns = time.monotonic_ns()
             else:
                 code, why = await self._run_once(run, on_ready)
+            sig, cause = self._exit_cause(run, code)
+            self._release_cgroup(run)
             if self._stopping:
                 return
-            sig = -code if code < 0 else None
-            self.log.emit("exit", worker=w.name, pid=run.pid, code=code,
-                          signal=_signame(sig) if sig else None, reason=why,
+            self.log.emit("exit", worker=w.name, pid=run.pid, code=code, signal=sig,
+                          cause=cause or None, reason=why,
                           uptime_ms=round((time.monotonic_ns() - run.started_ns) / 1e6, 3))
             if run.refused:
                 return await self._give_up(run, task_status, started, "refused at runtime")
@@ -324,6 +498,16 @@ class Supervisor:
             self.log.emit("restart", worker=w.name, attempt=attempt, delay_ms=delay * 1000,
                           after=why)
             await trio.sleep(delay)
+
+    def _release_cgroup(self, run: WorkerRun) -> None:
+        """Nothing of a finished run survives it: leftovers are killed, the cgroup removed."""
+        cg, run.cgroup = run.cgroup, None
+        if cg is not None:
+            try:
+                cg.kill_all()
+                cg.remove()
+            except OSError as e:
+                self.log.emit("cgroup_error", worker=run.cfg.name, error=str(e))
 
     async def _give_up(self, run: WorkerRun, task_status, started: bool, why: str) -> None:
         w = run.cfg
@@ -347,12 +531,49 @@ class Supervisor:
             if run.status_r is not None:
                 os.close(run.status_r)
                 run.status_r = None
+            if run.out_r is not None:
+                self._drain_output(run)
+                os.close(run.out_r)
+                run.out_r = None
+            if run.watch is not None:
+                run.watch.close()
+                run.watch = None
+            if run.watch_sock is not None:
+                run.watch_sock.close()
+                run.watch_sock = None
+
+    def _worker_pid(self, run: WorkerRun) -> int:
+        """Host pid of the worker itself (in a sandbox: after bwrap's init)."""
+        pids = self.worker_pids(run)
+        return pids[1] if self.sandboxed and len(pids) > 1 else (pids[0] if pids else run.pid)
+
+    def _exit_cause(self, run: WorkerRun, code: int) -> tuple[str | None, str]:
+        """(signal name, cause) of an exit. bwrap reports a child killed by signal N
+        as exit code 128+N (the runner never exits above 127 itself)."""
+        sig = -code if code < 0 else (code - 128 if self.sandboxed and 128 < code <= 192 else 0)
+        cause = run.kill_reason
+        oom = 0
+        if run.cgroup is not None:
+            try:
+                oom = run.cgroup.oom_kills() - run.oom_before
+            except OSError:
+                pass
+        if oom > 0:
+            cause = f"out of memory: killed by the kernel at the cgroup limit " \
+                    f"memory_max={run.cfg.memory_max}"
+        elif sig == signal.SIGSYS:
+            cause = "killed by seccomp: a forbidden system call"
+        elif not cause and sig:
+            cause = f"killed by {_signame(sig)}"
+        return (_signame(sig) if sig else None), cause
 
     async def _run_once_inner(self, run: WorkerRun, on_ready) -> tuple[int, str]:
         w = run.cfg
         why = "exited"
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._read_status, run)
+            nursery.start_soon(self._read_output, run)
+            nursery.start_soon(self._watch_exec, run)
 
             async def announce() -> None:
                 await run.ready.wait()
@@ -366,6 +587,7 @@ class Supervisor:
                     await run.ready.wait()
                     return
                 why = f"not ready within {w.ready_timeout_ms} ms"
+                run.kill_reason = "ready timeout"
                 self.log.emit("ready_timeout", worker=w.name, pid=run.pid)
                 self._kill(run)
 
@@ -379,6 +601,7 @@ class Supervisor:
                     late = time.monotonic_ns() - run.last_ping_ns
                     if late > limit:
                         why = f"watchdog: no ping for {late / 1e6:.0f} ms"
+                        run.kill_reason = "watchdog"
                         self.log.emit("watchdog_missed", worker=w.name, pid=run.pid,
                                       silent_ms=round(late / 1e6, 1))
                         self._kill(run)
@@ -453,13 +676,12 @@ class Supervisor:
         self.log.emit("supervisor_start", config=cfg.source, pid=os.getpid(),
                       sandboxed=self.sandboxed)
         if self.sandboxed:
-            missing = [t for t in ("bwrap", "prlimit") if shutil.which(t) is None]
-            if missing:
-                self.log.emit("supervisor_exit", code=int(Exit.ERROR),
-                              reason=f"{' and '.join(missing)} not installed: run "
-                                     f"scripts/install.sh (or --no-sandbox for development)")
+            problem = self._sandbox_preflight()
+            if problem:
+                code, reason = problem
+                self.log.emit("supervisor_exit", code=int(code), reason=reason)
                 task_status.started(self)
-                return Exit.ERROR
+                return code
         refused = set(self.admit())
         hard = [n for n in refused if not cfg.workers[n].optional]
         if hard:
@@ -497,10 +719,39 @@ class Supervisor:
             with trio.CancelScope(shield=True):
                 await self._shutdown_workers()
             self._close_channels()
+            if self.cgroups is not None:
+                self.cgroups.close()
+                self.cgroups = None
             self.notify.stopping()
             self.log.emit("supervisor_exit", code=int(self.exit_code),
                           reason=self.exit_code.name.lower())
         return self.exit_code
+
+    def _sandbox_preflight(self) -> tuple[Exit, str] | None:
+        """What must hold before any sandbox starts: the tools, the domain users, and
+        the cgroups that enforce memory/pids/CPU limits (logged when unavailable)."""
+        if shutil.which("bwrap") is None:
+            return Exit.ERROR, ("bwrap not installed: run scripts/install.sh "
+                                "(or --no-sandbox for development)")
+        from supervisor.sandbox.policy import host_ids
+
+        for name, d in self.config.domains.items():
+            try:
+                uid, gid = host_ids(name, d.user)
+            except LookupError as e:
+                return Exit.CONFIG, str(e)
+            self.log.emit("domain_user", domain=name, host_uid=uid, host_gid=gid,
+                          user=d.user or None)
+        if os.geteuid() == 0:
+            from supervisor.sandbox.cgroups import CgroupTree, CgroupUnavailable
+
+            try:
+                self.cgroups = CgroupTree.create()
+            except (CgroupUnavailable, OSError) as e:
+                self.log.emit("limits_not_enforced", reason=f"cgroups unavailable: {e}")
+            else:
+                self.log.emit("cgroups", version=self.cgroups.version)
+        return None
 
     async def _start_all(self, nursery: trio.Nursery, refused: set[str]) -> None:
         nursery.start_soon(self._scan_maps)
