@@ -43,9 +43,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = _config(args.config)
     log = EventLog(fmt=args.log_format or cfg.supervisor.log_format, keep=False)
     sup = Supervisor(cfg, log=log, sandboxed=not args.no_sandbox, grace_s=args.grace,
-                     status_out=None if args.quiet else sys.stdout,
-                     # stdout is the status line; workers talk on stderr with the events
-                     worker_output=sys.stderr.fileno())
+                     # stdout is the status line; workers' output arrives as events
+                     status_out=None if args.quiet else sys.stdout)
     return int(trio.run(sup.run))
 
 

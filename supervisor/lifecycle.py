@@ -10,6 +10,7 @@ control domain). Every decision is one structured log line.
 from __future__ import annotations
 
 import enum
+import functools
 import os
 import shutil
 import signal
@@ -24,6 +25,7 @@ import trio
 
 from supervisor.admission import check_worker
 from supervisor.config import CONTROL, Config, WorkerConfig
+from supervisor.sandbox.policy import RESEARCH
 from supervisor.events import EventLog
 from supervisor.ipc import Channel, env_name
 from supervisor.notify import Notifier
@@ -57,6 +59,7 @@ class WorkerRun:
     refused: str | None = None
     status: str = ""
     exit_reason: str = ""
+    status_buf: bytes = b""                  # an incomplete status line
     out_r: int | None = None                 # the worker's stdout+stderr (a pipe)
     output: LineLimiter = field(default_factory=LineLimiter)
     cgroup: object | None = None             # sandbox.cgroups.WorkerCgroup of this run
@@ -235,6 +238,7 @@ class Supervisor:
                 if ours is not None:
                     ours.close()
         run.status_r = r
+        run.status_buf = b""
         run.out_r = out_r
         run.output = LineLimiter()
         run.watch_sock, run.watch, run.exec_allowed, run.exec_snapshot = ours, None, 0, None
@@ -281,24 +285,32 @@ class Supervisor:
 
     async def _read_status(self, run: WorkerRun) -> None:
         """READY=1 / WATCHDOG=1 / STATUS=... lines from the worker's status pipe."""
-        buf = b""
-        fd = run.status_r
-        while True:
-            await trio.lowlevel.wait_readable(fd)
-            try:
-                chunk = os.read(fd, 4096)
-            except BlockingIOError:
-                continue
-            if not chunk:
+        while run.status_r is not None:
+            await trio.lowlevel.wait_readable(run.status_r)
+            if not self._poll_status(run):
                 return
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            if len(buf) > 4096:   # a worker may not grow our memory with an endless line
+
+    def _poll_status(self, run: WorkerRun) -> bool:
+        """Handle every complete status line available now; False at end of stream.
+
+        Also called before judging an exec-watch request: a READY written before the
+        syscall must be seen first, so that READY means the same for both."""
+        while run.status_r is not None:
+            try:
+                chunk = os.read(run.status_r, 4096)
+            except BlockingIOError:
+                return True
+            if not chunk:
+                return False
+            run.status_buf += chunk
+            *lines, run.status_buf = run.status_buf.split(b"\n")
+            if len(run.status_buf) > 4096:   # a worker may not grow our memory endlessly
                 self.log.emit("protocol_error", worker=run.cfg.name,
                               reason="status line over 4096 bytes; dropped")
-                buf = b""
+                run.status_buf = b""
             for line in lines:
                 self._on_status(run, line.decode(errors="replace"))
+        return False
 
     def _on_status(self, run: WorkerRun, line: str) -> None:
         now = time.monotonic_ns()
@@ -351,13 +363,11 @@ class Supervisor:
         pid = self._worker_pid(run)
         try:
             snap = maps.exec_snapshot(pid)
-        except Exception as e:   # gone between READY and now: its exit is reported
-            self.log.emit("protocol_error", worker=run.cfg.name, reason=f"maps at READY: {e}")
+        except (maps.ProcessGone, OSError):   # gone between READY and now: its exit is reported
             return False
-        bad = [h for h in getattr(snap, "hits", ()) if getattr(h, "kind", "") == "writable-exec"]
-        if bad:
-            self._refuse(run, "writable_exec", f"writable and executable memory at READY: "
-                         f"{bad[0].describe()}", mappings=[h.describe() for h in bad])
+        if snap.hits:
+            self._refuse(run, snap.hits[0].kind, f"at READY: {snap.hits[0].describe()}",
+                         mappings=[h.describe() for h in snap.hits])
             return False
         run.exec_snapshot = snap
         return True
@@ -394,6 +404,9 @@ class Supervisor:
         watch = run.watch
         while True:
             await trio.lowlevel.wait_readable(watch.fileno())
+            self._poll_status(run)
+            if run.refused:
+                return
             verdicts = watch.handle_pending()
             if not verdicts:
                 await trio.sleep(0.005)   # POLLHUP after the last task exited
@@ -617,28 +630,31 @@ class Supervisor:
     # ---------------------------------------------------------------- domain-wide
 
     async def _scan_maps(self) -> None:
-        """Kill and report any control process that maps a torch library."""
+        """Every interval, each control process's executable mappings: a library that
+        is torch by name, SONAME or build-id, writable code, or (for the worker itself,
+        against its READY snapshot) any executable mapping that appeared after READY."""
         from supervisor.admission import maps
 
         period = self.config.supervisor.maps_scan_interval_s
         while True:
             await trio.sleep(period)
-            for run in self.runs.values():
-                if run.cfg.domain != CONTROL or run.refused:
+            for run in list(self.runs.values()):
+                if run.cfg.domain == RESEARCH or run.refused:
                     continue
+                snap = run.exec_snapshot
                 for pid in self.worker_pids(run):
                     try:
-                        hits = maps.scan_pid(pid)
+                        # Off the event loop: reading ELF identities must never delay a
+                        # watchdog ping or an exec-watch answer.
+                        hits = await trio.to_thread.run_sync(functools.partial(
+                            maps.scan_pid, pid, snapshot=snap if snap and snap.pid == pid else None))
                     except Exception:  # the process went away between listing and reading
                         continue
+                    if run.refused or run.proc is None or run.proc.poll() is not None:
+                        break
                     if hits:
-                        run.refused = f"maps {hits[0]}"
-                        self.log.emit("refused", worker=run.cfg.name, domain=CONTROL,
-                                      kind="maps", pid=pid, reason=(
-                                          f"control-domain worker {run.cfg.name} maps "
-                                          f"{hits[0].path}"),
-                                      chains=[str(h) for h in hits])
-                        self._kill(run)
+                        self._refuse(run, hits[0].kind, hits[0].describe(), scan_pid=pid,
+                                     chains=[h.describe() for h in hits])
                         break
 
     async def _heartbeat(self) -> None:

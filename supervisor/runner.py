@@ -18,8 +18,14 @@ import sys
 
 
 def _secure_start(name: str, domain: str) -> None:
-    from supervisor.worker import ENV_EXECWATCH_FD, ENV_NETWORK, ENV_SANDBOXED
+    from supervisor.protocol import ENV_EXECWATCH_FD, ENV_NETWORK, ENV_SANDBOXED
 
+    if os.environ.get(ENV_SANDBOXED) == "1":
+        # First, while this is the only thread: Landlock binds the calling thread and
+        # the threads it creates later (numpy's BLAS pool starts at import).
+        from supervisor.sandbox import landlock
+
+        landlock.restrict(("/tmp", "/dev"))
     strict = domain != "research"
     if strict:
         from supervisor.admission import guard
@@ -29,10 +35,6 @@ def _secure_start(name: str, domain: str) -> None:
         # No exec from here on, not even during the worker's own start-up: nothing it
         # imports can start a process that escapes the guard or the seccomp filter.
         lock_down(domain, network=os.environ.get(ENV_NETWORK) == "1")
-    if os.environ.get(ENV_SANDBOXED) == "1":
-        from supervisor.sandbox import landlock
-
-        landlock.restrict(("/tmp", "/dev"))
     sock_fd = os.environ.pop(ENV_EXECWATCH_FD, None)
     if strict and sock_fd is not None:
         from supervisor.sandbox.seccomp import install_exec_watch
@@ -50,7 +52,7 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m supervisor.runner <module> [args...]", file=sys.stderr)
         return 2
-    from supervisor.worker import ENV_DOMAIN, ENV_NAME
+    from supervisor.protocol import ENV_DOMAIN, ENV_NAME
 
     name = os.environ.get(ENV_NAME, argv[0])
     domain = os.environ.get(ENV_DOMAIN, "control")

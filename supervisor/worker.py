@@ -13,14 +13,8 @@ from dataclasses import dataclass, field
 
 from supervisor.ipc import Reader, ReaderHandle, Writer, WriterHandle, env_name
 
-ENV_NAME = "TRIO_WORKER"
-ENV_DOMAIN = "TRIO_DOMAIN"
-ENV_STATUS_FD = "TRIO_STATUS_FD"
-ENV_CHANNELS = "TRIO_CHANNELS"
-ENV_NETWORK = "TRIO_NETWORK"
-# A unix socket (control-grade sandboxes): the runner sends its exec-watch listener fd.
-ENV_EXECWATCH_FD = "TRIO_EXECWATCH_FD"
-ENV_SANDBOXED = "TRIO_SANDBOXED"
+from supervisor.protocol import (ENV_CHANNELS, ENV_DOMAIN, ENV_EXECWATCH_FD,  # noqa: F401
+                                 ENV_NAME, ENV_NETWORK, ENV_SANDBOXED, ENV_STATUS_FD)
 
 
 @dataclass

@@ -76,14 +76,14 @@ def _toml(sock_dir: Path) -> str:
     module = "workers.probe"
     publishes = ["frames"]
     args = ["--publish", "frames", "--period-ms", "20", "--ping-ms", "20"]
-    watchdog_ms = 200
+    watchdog_ms = 300
     restart = "always"
     [workers.sink]
     domain = "control"
     module = "workers.probe"
     subscribes = ["frames"]
     args = ["--read", "frames", "--period-ms", "20", "--ping-ms", "20"]
-    watchdog_ms = 200
+    watchdog_ms = 300
     restart = "always"
     """]
     for name, (domain, attack, before) in ATTACKERS.items():
@@ -99,6 +99,7 @@ def _toml(sock_dir: Path) -> str:
     optional = true
     memory_max = "256MiB"
     pids_max = 32
+    cpu_quota = 50
     """)
     return textwrap.dedent("".join(parts))
 
@@ -165,8 +166,14 @@ def fleet(tmp_path_factory):
     try:
         ev = f.settle()
         before_stop = list(ev)
+        try:
+            f.host_sock.accept()[0].close()
+            host_connected = True
+        except BlockingIOError:
+            host_connected = False
         after = f.stop()
-        yield {"events": after, "running": before_stop, "fleet": f}
+        yield {"events": after, "running": before_stop, "fleet": f,
+               "host_connected": host_connected}
     finally:
         if f.proc.poll() is None:
             f.proc.kill()
@@ -202,7 +209,7 @@ def assert_denied(ev: list[dict], worker: str) -> dict:
 @pytest.mark.parametrize("worker", ["c-core", "r-core", "c-sysrq"])
 def test_kernel_knobs_read_only(fleet, worker):
     res = assert_denied(fleet["events"], worker)
-    assert res["error"] in ("EROFS", "EACCES"), res
+    assert res["error"] in ("EROFS", "EACCES", "ENOENT"), res
 
 
 def test_each_domain_runs_as_its_own_unprivileged_host_user(fleet):
@@ -275,9 +282,7 @@ def test_dangerous_syscalls_kill_and_are_logged(fleet, worker):
 
 
 def test_host_socket_in_bound_dir_never_connected(fleet):
-    f = fleet["fleet"]
-    with pytest.raises(BlockingIOError):
-        f.host_sock.accept()
+    assert fleet["host_connected"] is False
 
 
 def test_dev_shm_read_only(fleet):

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from supervisor.ipc import Channel, ChannelSpec, Reader, Writer
+from supervisor.ipc import Channel, ChannelSpec, Reader, Receipt, Writer
 from workers.controlsd import model_output_of
 from workers.controlsd.law import (Command, ControlLaw, LawConfig, ModelOutput,
                                    SafeReason)
@@ -121,6 +121,40 @@ def test_stale_low_confidence_invalid_and_unverified_outputs_go_safe():
         assert back[-1].engaged and back[-1].reason == SafeReason.OK
 
 
+def test_future_stamped_output_goes_safe_with_reason_future_and_recovers():
+    hour = 3600 * 1000 * MS
+    law = ControlLaw(CFG)
+    good = run(law, 0, 30, make=lambda t: out(0.3, ts=t))
+    assert good[-1].engaged and good[-1].steer_rad < 0
+    t = 30 * 20 * MS
+    # A negative age is not freshness: safe at once, ramping, with its own reason.
+    cmds = run(law, t, 10, make=lambda t: out(0.3, ts=t + hour))
+    assert all(not c.engaged and c.reason == SafeReason.FUTURE for c in cmds)
+    assert cmds[0].steer_rad > good[-1].steer_rad and cmds[-1].steer_rad == 0.0
+    assert cmds[-1].model_age_ms == pytest.approx(-hour / MS)
+    # One output the bridge refused as a future timestamp does the same.
+    law2 = ControlLaw(CFG)
+    run(law2, 0, 30, make=lambda t: out(0.3, ts=t))
+    c = law2.step(ModelOutput.refused_by(SafeReason.FUTURE, t + hour), t)
+    assert (c.engaged, c.reason, c.model_age_ms) == (False, SafeReason.FUTURE, -hour / MS)
+    assert law2.step(None, t + 20 * MS).reason == SafeReason.FUTURE   # until a new output
+    assert law2.step(None, t + 200 * MS).reason == SafeReason.TIMEOUT
+    for lw in (law, law2):
+        # Back only through the re-engage hysteresis: engage_count good ones in a row.
+        t2 = t + 1000 * MS
+        back = run(lw, t2, 4, make=lambda t: out(0.3, ts=t))
+        assert [c.reason for c in back] == [SafeReason.RECOVERING, SafeReason.RECOVERING,
+                                            SafeReason.OK, SafeReason.OK]
+        assert [c.engaged for c in back] == [False, False, True, True]
+    # Within the tolerance (same clock, a few ms): not a lie, engaged.
+    assert CFG.future_tolerance_ms == 5.0
+    law3 = ControlLaw(CFG)
+    near = run(law3, 0, 4, make=lambda t: out(0.3, ts=t + 4 * MS))
+    assert near[-1].engaged and near[-1].reason == SafeReason.OK
+    with pytest.raises(ValueError):
+        ModelOutput.refused_by(SafeReason.OK, 0)
+
+
 def test_low_pass_slows_the_target_and_hold_forces_safe():
     fast = run(ControlLaw(CFG), 0, 10, make=lambda t: out(-1.0, ts=t))
     slow_law = ControlLaw(LawConfig(**{**CFG.__dict__, "tau_s": 0.2}))
@@ -228,6 +262,83 @@ def test_controlsd_process_follows_model_and_fails_safe(workers):  # noqa: F811
         assert any("reason=OK" in s and "engaged=1" in s for s in statuses)
         assert any("reason=TIMEOUT" in s for s in statuses)
         assert "SHUTDOWN" in statuses[-1]
+
+
+def test_controlsd_process_refuses_future_stamped_outputs(workers):  # noqa: F811
+    """A modeld that lies about time (receipt capture, then publish time an hour ahead):
+    the bridge rejects and counts each such output, controlsd goes safe with reason
+    FUTURE at once and re-engages only after --engage-count good outputs."""
+    hour = 3600 * 1000 * MS
+    model = _tensor_channel("model_out")
+    cmd = _tensor_channel("control_cmd")
+    Writer(cmd.writer_handle(), seal=False).close()   # so our reader starts at seq 0
+    with model, cmd, Writer(model.writer_handle()) as mw, Reader(cmd.reader_handle(1)) as cr:
+        proc = workers("workers.controlsd",
+                       ["--timeout-ms", "120", "--max-age-ms", "150", "--hz", "50",
+                        "--k-p", "0.1", "--max-rate", "1.0", "--status-s", "0.2",
+                        "--engage-count", "3"],
+                       reads={"model_out": model}, writes={"control_cmd": cmd})
+        seen: list[Command] = []
+        fid = 0
+
+        def phase(seconds: float, lie: str | None = None) -> list[Command]:
+            nonlocal fid
+            start = len(seen)
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                now = time.monotonic_ns()
+                fid += 1
+                capture = now - 5 * MS + (hour if lie == "receipt" else 0)
+                receipt = Receipt(frame_id=fid, capture_ts_ns=capture,
+                                  infer_start_ns=now - 4 * MS, infer_end_ns=now - MS,
+                                  device="CPU", bytes_in=64, bytes_out=16)
+                with mw.loan() as loan:
+                    loan.array((4,), np.float32)[:] = [0.5, 0.0, 0.9, 0.0]
+                    loan.publish(receipt=receipt,
+                                 publish_ts_ns=now + hour if lie == "publish" else None)
+                time.sleep(0.02)
+                while (m := cr.try_receive()) is not None:
+                    with m:
+                        seen.append(Command.from_array(m.array))
+            return seen[start:]
+
+        t0 = time.monotonic()
+        while not any(ln.startswith("READY=1") for ln in proc.lines):
+            assert time.monotonic() - t0 < 15 and proc.proc.poll() is None
+            time.sleep(0.01)
+        good = phase(0.5)
+        assert good[-1].engaged and good[-1].reason == SafeReason.OK
+        assert good[-1].steer_rad == pytest.approx(-0.05, abs=1e-6)
+
+        for lie in ("receipt", "publish"):
+            bad = phase(0.3, lie)
+            # Safe from the first command after the first lie, and never engaged again.
+            first = next(i for i, c in enumerate(bad) if c.reason == SafeReason.FUTURE)
+            assert first <= 2, (lie, bad[:4])
+            assert all(not c.engaged and c.reason == SafeReason.FUTURE
+                       for c in bad[first:]), lie
+            assert bad[-1].model_age_ms < -3_000_000          # the claimed time, shown
+            back = phase(0.4)
+            while back and back[0].reason == SafeReason.FUTURE:
+                back.pop(0)         # commands for lies still in flight when we switched
+            reasons = [c.reason for c in back]
+            # Re-engaged only through the hysteresis: RECOVERING first, then OK.
+            assert reasons[0] == SafeReason.RECOVERING, (lie, reasons[:4])
+            first_ok = reasons.index(SafeReason.OK)
+            assert all(r == SafeReason.RECOVERING for r in reasons[:first_ok])
+            assert all(not c.engaged for c in back[:first_ok])
+            assert back[-1].engaged and back[-1].reason == SafeReason.OK
+
+        time.sleep(0.3)                                       # one more status line
+        proc.proc.send_signal(signal.SIGTERM)
+        rc, _, err = proc.wait()
+        assert rc == 0, err
+        statuses = proc.statuses()
+        assert any("reason=FUTURE" in s for s in statuses), statuses
+        last = [s for s in statuses if " future=" in s][-1]
+        counted = int(last.split(" future=")[1].split()[0])
+        rejected = int(last.split(" future:")[1].split()[0].rstrip(","))
+        assert counted >= 20 and rejected == counted, last
 
 
 def test_receipt_completion_point_is_recognised():

@@ -6,9 +6,9 @@ import time
 import numpy as np
 import pytest
 
-from supervisor.ipc import (BoundsError, CrcMismatch, DTypeMismatch, FormatError,
-                            MalformedHeader, Reader, SequenceError, StaleMessage, Writer,
-                            codec)
+from supervisor.ipc import (FUTURE_TOLERANCE_NS, BoundsError, ChannelSpec, CrcMismatch,
+                            DTypeMismatch, FormatError, FutureTimestamp, MalformedHeader,
+                            Reader, Receipt, SequenceError, StaleMessage, Writer, codec)
 from supervisor.ipc.codec import FrameFormat, PlaneInfo
 
 from .forge import forge
@@ -245,3 +245,130 @@ def test_zero_stride_and_overlapping_giant_views_refused(pair):
     _expect_then_recover(w, r, BoundsError, "zero stride")
     _forge_tensor(w, (1000, 1000), (1, 1))          # 2 KB span, 1 M elements
     _expect_then_recover(w, r, BoundsError, "more than the slot capacity")
+
+
+# ------------------------------------------------- timestamps from the future
+
+HOUR_NS = 3600 * 1_000_000_000
+
+
+def _receipt(capture_ts_ns, frame_id=7):
+    return Receipt(frame_id=frame_id, capture_ts_ns=capture_ts_ns,
+                   infer_start_ns=capture_ts_ns + 1, infer_end_ns=capture_ts_ns + 2,
+                   device="CPU", bytes_in=64, bytes_out=16)
+
+
+def test_frame_captured_an_hour_in_the_future_is_rejected(pair):
+    w, r = pair(kind="frame", pixel_formats=("gray8",), slot_size=64 * 64, max_age_ms=100)
+
+    def frame(fid, capture):
+        with w.loan() as loan:
+            loan.frame("gray8", 64, 64)[0][...] = fid
+            return loan.publish(frame_id=fid, capture_ts_ns=capture)
+
+    frame(1, time.monotonic_ns())
+    with r.receive(timeout=1) as m:
+        assert m.frame.frame_id == 1
+    bad = frame(2, time.monotonic_ns() + HOUR_NS)
+    with pytest.raises(FutureTimestamp, match=r"^channel 'test' seq \d+: future: frame "
+                       r"capture timestamp is 3599\d{3}\.\d ms in the future "
+                       r"\(tolerance 5 ms\)$") as info:
+        r.receive(timeout=1)
+    err = info.value
+    assert (err.sequence, err.which, err.reason) == (bad, "frame capture", "future")
+    assert HOUR_NS - 1_000_000_000 < err.ahead_ns <= HOUR_NS
+    assert r.stats.rejected == {"future": 1}
+    # The lie did not move the reader's reordering watermark: an honest frame follows.
+    good = frame(3, time.monotonic_ns())
+    with r.receive(timeout=1) as m:
+        assert (m.sequence, m.frame.frame_id) == (good, 3)
+        assert m.planes()[0][0, 0] == 3
+    assert r.stats.rejected == {"future": 1} and r.stats.received == 2
+
+
+def test_publish_timestamp_in_the_future_is_rejected_beyond_the_tolerance(pair):
+    w, r = pair()
+    w.publish_array(np.zeros(4, np.uint8), publish_ts_ns=time.monotonic_ns() + HOUR_NS)
+    err = _expect_then_recover(w, r, FutureTimestamp, r"publish timestamp is 3599\d{3}\.\d "
+                               r"ms in the future \(tolerance 5 ms\)")
+    assert err.which == "publish" and r.stats.rejected == {"future": 1}
+    # Within the tolerance (same machine, same clock): accepted.
+    assert FUTURE_TOLERANCE_NS == 5_000_000
+    seq = w.publish_array(np.zeros(4, np.uint8), publish_ts_ns=time.monotonic_ns() + 1_000_000)
+    with r.receive(timeout=1) as msg:
+        assert msg.sequence == seq
+    assert r.stats.rejected == {"future": 1}
+
+
+def test_receipt_captured_an_hour_in_the_future_is_rejected(pair):
+    w, r = pair(dtype="float32", crc=True, max_age_ms=100)
+    with w.loan() as loan:
+        loan.array((4,))[...] = [0.5, 0.1, 0.9, 0.0]
+        bad = loan.publish(receipt=_receipt(time.monotonic_ns() + HOUR_NS))
+    with pytest.raises(FutureTimestamp, match=r"^channel 'test' seq \d+: future: receipt "
+                       r"capture timestamp is 3599\d{3}\.\d ms in the future") as info:
+        r.receive(timeout=1)
+    assert (info.value.sequence, info.value.which) == (bad, "receipt capture")
+    assert r.stats.rejected == {"future": 1}
+    # The next, honest model output is delivered with its receipt.
+    rc = _receipt(time.monotonic_ns() - 2_000_000, frame_id=8)
+    with w.loan() as loan:
+        loan.array((4,))[...] = [0.25, 0.0, 0.9, 0.0]
+        good = loan.publish(receipt=rc)
+    with r.receive(timeout=1) as m:
+        assert m.sequence == good and m.receipt == rc
+        assert m.array.tolist() == [0.25, 0.0, 0.8999999761581421, 0.0]
+    assert r.stats.rejected == {"future": 1} and r.stats.received == 1
+
+
+def test_receipt_through_the_pycapnp_fallback_is_checked_too(pair):
+    """A receipt the compiled reader hands to pycapnp (here: a valid header split over
+    several segments) is checked all the same."""
+    import struct
+
+    import capnp
+
+    w, r = pair(dtype="float32")
+    seq, gen = _next(w)
+    b = capnp._MallocMessageBuilder(2)           # tiny first segment: 4 segments
+    h = b.init_root(codec.SlotHeader)
+    h.schemaVersion, h.channelId, h.sequence, h.generation = 1, 0, seq, gen
+    h.writerPid, h.writerDomain, h.publishTsNs = 1, "control", time.monotonic_ns()
+    rb = h.init("receipt")
+    rb.captureTsNs, rb.frameId, rb.device = time.monotonic_ns() + HOUR_NS, 3, "CPU"
+    segs = [bytes(x) for x in b.get_segments_for_output()]
+    table = struct.pack(f"<{len(segs) + 1}I", len(segs) - 1, *(len(x) // 8 for x in segs))
+    raw = table + bytes(-len(table) % 8) + b"".join(segs)
+    assert len(segs) > 1 and codec.HEADER.receipt(raw) is codec.SLOW
+    forge(w, raw, _layout_bytes(np.float32, (4,), (4,), 0))
+    err = _expect_then_recover(w, r, FutureTimestamp, "receipt capture timestamp")
+    assert r.stats.rejected == {"future": 1} and err.sequence == seq
+
+
+def test_receipt_capture_read_agrees_with_the_full_decode():
+    """The reader's capture-only read of a receipt gives the captureTsNs that the whole
+    decode (and so pycapnp) gives, for the plain encoding and every single-byte change
+    of it; where it cannot tell it says SLOW (pycapnp decides then)."""
+    spec = ChannelSpec(name="m", dtype="float32", slot_size=64, crc=True)
+    raw = codec.encode_header(spec, sequence=1, generation=2, writer_pid=3, domain="control",
+                              publish_ts_ns=4, crc32=5, receipt=_receipt(123_456_789))
+    none = codec.encode_header(spec, sequence=1, generation=2, writer_pid=3,
+                               domain="control", publish_ts_ns=4, crc32=5)
+    assert codec.HEADER.receipt_capture(raw) == 123_456_789
+    assert codec.HEADER.receipt_capture(none) is None
+    checked = 0
+    for i in range(len(raw)):
+        for flip in (0x01, 0x80, 0xff):
+            bad = bytearray(raw)
+            bad[i] ^= flip
+            bad = bytes(bad)
+            got = codec.HEADER.receipt_capture(bad)
+            if got is codec.SLOW:
+                continue
+            try:
+                full = codec.decode_receipt(bad, spec, 1, fast=False)
+            except MalformedHeader:
+                continue        # the whole decode refuses it: msg.receipt raises
+            assert got == (None if full is None else full.capture_ts_ns), (i, flip)
+            checked += 1
+    assert checked > len(raw)

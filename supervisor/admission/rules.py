@@ -101,6 +101,34 @@ def find_waiver(importer: str, scope: str, target: str) -> LazyImportWaiver | No
 SONAME_PATTERNS: tuple[str, ...] = ("libtorch*", "libc10*", "libtorch_python*")
 
 
+@dataclass(frozen=True)
+class RefusedDistribution:
+    """An installed distribution whose shared objects are refused by identity.
+
+    The /proc maps scan reads the build-id (NT_GNU_BUILD_ID) of every shared
+    object matching ``globs`` (relative to each directory the distribution's
+    top-level ``packages`` are installed in, and to that directory's parent,
+    i.e. site-packages) and refuses any executable mapping with one of those
+    build-ids, whatever the mapped file is called (a renamed copy, a memfd).
+    The distribution is located without importing it.
+    """
+
+    name: str
+    packages: tuple[str, ...]
+    globs: tuple[str, ...]
+
+
+REFUSED_DISTRIBUTIONS: tuple[RefusedDistribution, ...] = (
+    RefusedDistribution(
+        "torch",
+        ("torch",),
+        # relative to site-packages: the package's libraries, its extension
+        # module, and what auditwheel vendors next to it in manylinux wheels
+        ("torch/lib/*.so*", "torch/_C*.so", "torch.libs/*.so*"),
+    ),
+)
+
+
 def forbidden_module_rule(module: str, importer: str | None = None) -> ModuleRule | None:
     """The rule that forbids importing ``module`` from ``importer``, if any.
 

@@ -12,17 +12,18 @@
 from .channel import Channel, ReaderHandle, WriterHandle, env_name
 from .codec import FrameFormat, Layout, PlaneInfo, Stamp
 from .errors import (BoundsError, BridgeError, ChannelTimeout, ConfigError, CrcMismatch,
-                     DTypeMismatch, FormatError, LeaseLost, MalformedHeader, Rejected,
-                     SequenceError, StaleMessage, TornRead)
-from .reader import FrameInfo, Message, Reader, ReaderStats
+                     DTypeMismatch, FormatError, FutureTimestamp, LeaseLost, MalformedHeader,
+                     Rejected, SequenceError, StaleMessage, TornRead)
+from .reader import FUTURE_TOLERANCE_NS, FrameInfo, Message, Reader, ReaderStats
 from .receipt import Receipt
 from .spec import ChannelSpec
 from .writer import Loan, Writer, WriterStats
 
 __all__ = [
-    "BoundsError", "BridgeError", "Channel", "ChannelSpec", "ChannelTimeout", "ConfigError",
-    "CrcMismatch", "DTypeMismatch", "FormatError", "FrameFormat", "FrameInfo", "Layout",
-    "LeaseLost", "Loan", "MalformedHeader", "Message", "PlaneInfo", "Reader", "ReaderHandle",
-    "ReaderStats", "Receipt", "Rejected", "SequenceError", "Stamp", "StaleMessage", "TornRead", "Writer",
+    "FUTURE_TOLERANCE_NS", "BoundsError", "BridgeError", "Channel", "ChannelSpec",
+    "ChannelTimeout", "ConfigError", "CrcMismatch", "DTypeMismatch", "FormatError",
+    "FrameFormat", "FrameInfo", "FutureTimestamp", "Layout", "LeaseLost", "Loan",
+    "MalformedHeader", "Message", "PlaneInfo", "Reader", "ReaderHandle", "ReaderStats",
+    "Receipt", "Rejected", "SequenceError", "Stamp", "StaleMessage", "TornRead", "Writer",
     "WriterHandle", "WriterStats", "env_name",
 ]

@@ -694,6 +694,37 @@ class _HeaderAccess:
         return Receipt(v[0], v[1], v[2], v[3], device[:64], v[4], v[5], completion, v[6],
                        v[7], v[8], v[9], raw[ss:se][:64], v[10])
 
+    def receipt_capture(self, raw: bytes):
+        """Only the receipt's captureTsNs (an int), None if the header has no receipt,
+        or ``SLOW`` when only pycapnp may answer: the first steps of ``receipt``, on the
+        same compiled structures, without building the Receipt. The reader checks it on
+        every message; the whole Receipt is still decoded on demand. Where both answer,
+        it is the captureTsNs ``receipt`` (and so pycapnp) gives, since the receipt
+        pointer word alone places the scalars; a receipt whose Text or Data is bad still
+        raises MalformedHeader when decoded."""
+        c = self._rcompiled.get(raw[:16])
+        if c is None:
+            c = self._rcompile_root(raw)
+            if c is None:
+                return SLOW
+        end, rpos, subs = c
+        if len(raw) < end:
+            return SLOW
+        if rpos < 0:
+            return None
+        rw = raw[rpos:rpos + 8]
+        if rw == _ZERO_WORD:
+            return None
+        e = subs.get(rw)
+        if e is None:
+            e = self._rcompile_receipt(raw, rpos, end, subs)
+            if e is None:
+                return SLOW
+        v = e[1](raw, e[0])                    # unpack_from(raw, start)
+        if e[2] is not None:
+            v = e[2](v)                        # order
+        return v[1]                            # _R_SCALARS[1]: capture_ts_ns
+
     def _rcompile_root(self, raw: bytes):
         from . import capnp_fast as cf
 

@@ -52,6 +52,22 @@ class StaleMessage(Rejected):
     reason = "stale"
 
 
+class FutureTimestamp(Rejected):
+    """A publish, frame capture or receipt capture timestamp later than the reader's
+    clock (beyond the bridge's tolerance): the writer lies about time, and a message
+    with a negative age would otherwise pass every freshness check downstream."""
+
+    reason = "future"
+
+    def __init__(self, channel: str, which: str, ts_ns: int, now_ns: int,
+                 tolerance_ns: int, sequence: int | None = None) -> None:
+        self.which = which              # "publish", "frame capture" or "receipt capture"
+        self.ts_ns = ts_ns
+        self.ahead_ns = ts_ns - now_ns
+        super().__init__(channel, f"{which} timestamp is {self.ahead_ns / 1e6:.1f} ms in "
+                         f"the future (tolerance {tolerance_ns / 1e6:g} ms)", sequence)
+
+
 class CrcMismatch(Rejected):
     reason = "crc_mismatch"
 

@@ -14,8 +14,8 @@ from . import codec, layout as L, shm
 from .channel import ReaderHandle
 from .codec import FrameFormat, Layout
 from .receipt import Receipt
-from .errors import (BridgeError, ChannelTimeout, CrcMismatch, LeaseLost, MalformedHeader,
-                     Rejected, SequenceError, StaleMessage, TornRead)
+from .errors import (BridgeError, ChannelTimeout, CrcMismatch, FutureTimestamp, LeaseLost,
+                     MalformedHeader, Rejected, SequenceError, StaleMessage, TornRead)
 from .spec import HEADER_AREA
 from .writer import plane_view
 
@@ -26,11 +26,24 @@ _last_of = L.LAST.unpack_from
 _control_of = L.CONTROL.unpack_from
 _lease_pack = L.LEASE_ENTRY.pack_into
 _decode_header = codec.HEADER.decode
+_receipt_capture = codec.HEADER.receipt_capture
+_SLOW = codec.SLOW
 _now = time.monotonic_ns
 _new_message = object.__new__
 _UNREAD = object()          # Message._receipt before the first decode
 _OFF_LAST_SEQ, _HEADER_MAX = L.OFF_LAST_SEQ, L.HEADER_MAX
 _LAYOUT_OFFSET, _LAYOUT_MAX = L.LAYOUT_OFFSET, L.LAYOUT_MAX
+
+# How far a publish, frame capture or receipt capture timestamp may lie ahead of the
+# reader's clock before the message is rejected as FutureTimestamp. Every timestamp on
+# the bridge is CLOCK_MONOTONIC of this one machine, and an honest writer reads it
+# before the store that publishes, which the reader sees before it reads its own clock:
+# an honest stamp is never ahead, so only a lying (or broken) writer produces one. The
+# tolerance is a margin, not a correction: 5 ms is a tenth of a 20 Hz frame period and
+# a few % of any channel's or controlsd's age limit (100-200 ms), so the most a liar
+# within it can gain is 5 ms of apparent freshness. No ChannelSpec field fits a
+# per-channel override, so this is the one value for every channel.
+FUTURE_TOLERANCE_NS = 5_000_000
 
 # How long a reader waits for the writer to map and seal the segment on attach.
 ATTACH_TIMEOUT_S = 5.0
@@ -78,7 +91,8 @@ class Message:
     @property
     def receipt(self) -> Receipt | None:
         """The execution receipt in the header (model outputs), decoded on demand from
-        the private copy taken at receive time; a bad one raises MalformedHeader."""
+        the private copy taken at receive time (where its capture time was checked); a
+        bad one raises MalformedHeader."""
         r = self._receipt
         if r is not _UNREAD:
             return r           # decoded before from the same private bytes
@@ -356,12 +370,17 @@ class Reader:
                                       f"{stamp.generation}, control block says seq {seq} "
                                       f"gen {gen}", seq)
             now = _now()
+            latest = now + FUTURE_TOLERANCE_NS
             publish_ts, capture_ts = stamp[3], stamp[6]   # publish_ts_ns, capture_ts_ns
-            if publish_ts > now:
-                raise MalformedHeader(spec.name, "publish timestamp is in the future", seq)
+            if publish_ts > latest:
+                raise FutureTimestamp(spec.name, "publish", publish_ts, now,
+                                      FUTURE_TOLERANCE_NS, seq)
             ts = publish_ts
             if capture_ts is not None:
                 ts = capture_ts
+                if capture_ts > latest:
+                    raise FutureTimestamp(spec.name, "frame capture", capture_ts, now,
+                                          FUTURE_TOLERANCE_NS, seq)
                 if capture_ts > publish_ts:
                     raise MalformedHeader(spec.name, "frame captured after it was published",
                                           seq)
@@ -369,6 +388,21 @@ class Reader:
                     raise SequenceError(spec.name, f"frame {stamp.frame_id} captured at "
                                         f"{capture_ts} ns, before the previous "
                                         f"frame ({self._last_capture} ns): reordered", seq)
+            # A receipt's capture time (model outputs) is checked here too, so that no
+            # message whose receipt claims a future capture is ever delivered. Only that
+            # field is read; the Receipt itself is decoded on demand (msg.receipt).
+            receipt = _UNREAD
+            r_capture = _receipt_capture(raw_h)
+            if r_capture is _SLOW:      # an unusual encoding: pycapnp reads it now
+                try:
+                    receipt = codec.decode_receipt(raw_h, spec, seq, fast=False)
+                except Rejected:
+                    r_capture = None    # msg.receipt raises (and counts) it on access
+                else:
+                    r_capture = None if receipt is None else receipt.capture_ts_ns
+            if r_capture is not None and r_capture > latest:
+                raise FutureTimestamp(spec.name, "receipt capture", r_capture, now,
+                                      FUTURE_TOLERANCE_NS, seq)
             if self._max_age_ns and now - ts > self._max_age_ns:
                 raise StaleMessage(spec.name, f"{(now - ts) / 1e6:.1f} ms old, channel "
                                    f"max_age is {spec.max_age_ms} ms", seq)
@@ -396,7 +430,7 @@ class Reader:
         msg._layout = layout
         msg.stamp = stamp
         msg._raw_header = raw_h
-        msg._receipt = _UNREAD
+        msg._receipt = receipt
         msg._array = None
         msg._released = msg._lost = False
         return msg

@@ -181,7 +181,7 @@ def unix_socket_after_lockdown(args: list[str]) -> tuple[bool, dict]:
         a.sendall(b"ping")
         d["socketpair"] = b.recv(4).decode()
         a.close(), b.close()
-        socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).close()
+        socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).close()
         d["af_unix"] = "opened"
         return False, d
     except OSError as e:

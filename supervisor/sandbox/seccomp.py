@@ -1,13 +1,29 @@
 """Seccomp filters for sandboxed workers (libseccomp via pyseccomp).
 
-Two stages, both default-ALLOW deny-lists (no allow-list yet):
+Three filters, all default-ALLOW deny-lists (no allow-list yet):
 
-* launch  - compiled here in the supervisor, handed to bwrap (--seccomp FD)
-            and active from the worker's first instruction. Everything
-            except the execve ban: the interpreter still has to start.
-* runtime - `lock_down(domain)`, called by the worker itself once its
-            imports are done; for strict (control) domains it adds the
-            execve/execveat ban. Filters stack, so the launch rules stay.
+* launch     - compiled here in the supervisor, handed to bwrap (--seccomp FD)
+               and active from the worker's first instruction. Everything
+               except the execve ban: the interpreter still has to start.
+* runtime    - `lock_down(domain)`, called by the trusted runner before the
+               worker module is imported; for strict domains it adds the
+               execve/execveat ban. Filters stack, so the launch rules stay.
+* exec watch - `install_exec_watch()`, strict domains, right after lock_down:
+               every request for new executable memory (mmap/mprotect/
+               pkey_mprotect with PROT_EXEC) and every memfd_create goes to the
+               supervisor as a user notification (see execwatch.py), which
+               allows file-backed code from read-only mounts during start-up
+               and nothing once the worker is READY.
+
+Denials kill. In a strict domain a forbidden call is an attack or a bug, and an
+EPERM that a library swallows would hide it, so they end the whole process
+(SECCOMP_RET_KILL_PROCESS, seen by the supervisor as SIGSYS). The research
+domain keeps EPERM for the generic list, but the calls that would let a channel
+reader make itself a writer (chmod/chown/xattr writes) kill there too.
+
+Precedence across stacked filters is KILL > TRAP > ERRNO > USER_NOTIF > ALLOW:
+neither the launch nor the runtime filter may touch mmap, mprotect,
+pkey_mprotect or memfd_create, or the exec watch would never see them.
 
 pyseccomp is imported lazily: the supervisor and the probe must be importable
 without it, but a strict domain must never run unfiltered -> we raise.
@@ -18,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import platform
 import socket
 import threading
 import warnings
@@ -34,16 +51,37 @@ BASE_DENY = (
     "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
     "bpf", "userfaultfd", "perf_event_open",
     "mount", "umount2", "pivot_root", "chroot", "unshare", "setns",
-    "open_tree", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
+    "open_tree", "open_tree_attr", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick",
+    "mount_setattr",
     "keyctl", "add_key", "request_key",
     "io_uring_setup", "io_uring_enter", "io_uring_register",
     "open_by_handle_at", "acct", "swapon", "swapoff", "reboot", "syslog",
     "quotactl", "lookup_dcookie", "vhangup", "iopl", "ioperm", "uselib",
-    # Inside its user namespace a worker owns the inodes of the channel memfds it was
-    # handed: chmod would let a reader re-open a read-only channel for writing.
+)
+# Inside its user namespace a worker owns the inodes of the channel memfds it was
+# handed: a mode change, an owner change or a POSIX ACL (system.posix_acl_access is
+# an xattr) would let a reader re-open a read-only channel for writing. These kill
+# in every domain: that attack must never fail silently.
+FILE_META_DENY = (
     "chmod", "fchmod", "fchmodat", "fchmodat2",
+    "chown", "fchown", "lchown", "fchownat",
+    "setxattr", "lsetxattr", "fsetxattr", "removexattr", "lremovexattr", "fremovexattr",
+    "setxattrat", "removexattrat",
 )
 EXEC_DENY = ("execve", "execveat")
+# Strict domains only: remap_file_pages is deprecated and only reshuffles pages
+# inside an existing mapping; nothing we run needs it.
+STRICT_DENY = ("remap_file_pages",)
+
+# Watched by install_exec_watch (PROT_EXEC in arg 2 for the first three).
+EXEC_WATCH_PROT = ("mmap", "mprotect", "pkey_mprotect")
+EXEC_WATCH_ANY = ("memfd_create",)
+
+# Syscalls newer than the installed libseccomp (2.5.4 knows neither). From 424
+# on, x86-64 and the generic table (aarch64) share numbers.
+_FALLBACK_NR = {"open_tree_attr": 467, "setxattrat": 463, "removexattrat": 466,
+                "fchmodat2": 452}
+_SHARED_TABLE_ARCHES = ("x86_64", "aarch64")
 
 # clone() flags that create namespaces (CLONE_NEWTIME overlaps CSIGNAL for
 # clone(), so it is only reachable via clone3/unshare, which we block).
@@ -56,9 +94,22 @@ _CLONE_NS_FLAGS = (
     0x20000000,  # CLONE_NEWPID
     0x40000000,  # CLONE_NEWNET
 )
+_PERSONALITY_QUERY = 0xFFFFFFFF  # personality(0xffffffff) only reads the persona
+_SHM_EXEC = 0o100000
+_SOCK_TYPE_MASK = 0xF
+_PROT_EXEC = 0x4
 
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_GET_NO_NEW_PRIVS = 39
+
+# seccomp(2) for the exec watch (libseccomp keeps one process-global listener fd
+# and would not let us pick the flags, so we load the exported BPF ourselves).
+_NR_SECCOMP = {"x86_64": 317, "aarch64": 277}
+_SECCOMP_SET_MODE_FILTER = 1
+_FLAG_TSYNC = 1 << 0
+_FLAG_NEW_LISTENER = 1 << 3
+_FLAG_TSYNC_ESRCH = 1 << 4
+_FLAG_WAIT_KILLABLE_RECV = 1 << 5
 
 _lock = threading.Lock()
 _installed: set[str] = set()  # domains whose runtime filter this process holds
@@ -79,9 +130,16 @@ def _pyseccomp() -> Any:
     return pyseccomp
 
 
-def _add(sc: Any, flt: Any, action: int, name: str, *args: Any) -> None:
+def _nr(sc: Any, name: str) -> int:
     nr = sc.resolve_syscall(sc.Arch.NATIVE, name)
-    if nr == -1:  # __NR_SCMP_ERROR: libseccomp too old to know this name
+    if nr < 0 and platform.machine() in _SHARED_TABLE_ARCHES:
+        nr = _FALLBACK_NR.get(name, -1)
+    return nr
+
+
+def _add(sc: Any, flt: Any, action: int, name: str, *args: Any) -> None:
+    nr = _nr(sc, name)
+    if nr < 0:  # __NR_SCMP_ERROR: this arch has no such syscall (iopl on aarch64...)
         return
     flt.add_rule(action, nr, *args)
 
@@ -90,32 +148,57 @@ def build_filter(domain: str, *, stage: str, network: bool = False) -> Any:
     """Return a pyseccomp.SyscallFilter for `domain` at `stage`.
 
     stage: "launch" (bwrap installs it before exec) or "runtime" (lock_down).
+    The runtime filter repeats the launch rules, so a worker launched without
+    a launch filter still ends up with the full set.
     """
     if stage not in ("launch", "runtime"):
         raise ValueError(f"unknown seccomp stage {stage!r}")
     sc = _pyseccomp()
     strict = domain != RESEARCH
     flt = sc.SyscallFilter(sc.ALLOW)
-    # Required for unprivileged seccomp; also what bwrap sets. Foreign-arch
-    # syscalls (int 0x80 / x32) hit the default bad-arch action: KILL.
+    # Required for unprivileged seccomp; also what bwrap sets.
     flt.set_attr(sc.Attr.CTL_NNP, 1)
+    # Foreign-arch syscalls (int 0x80, x32) skip every rule below: kill the
+    # process, not just the thread (a killed thread leaves a zombie behind and
+    # the rest of the worker running).
+    flt.set_attr(sc.Attr.ACT_BADARCH, sc.KILL_PROCESS)
 
-    eperm = sc.ERRNO(errno.EPERM)
+    kill = sc.KILL_PROCESS
+    deny = kill if strict else sc.ERRNO(errno.EPERM)
     for name in BASE_DENY:
-        _add(sc, flt, eperm, name)
+        _add(sc, flt, deny, name)
     for bit in _CLONE_NS_FLAGS:
-        _add(sc, flt, eperm, "clone", sc.Arg(0, sc.MASKED_EQ, bit, bit))
+        _add(sc, flt, deny, "clone", sc.Arg(0, sc.MASKED_EQ, bit, bit))
     # clone3 takes a struct pointer seccomp cannot inspect; ENOSYS makes
     # glibc fall back to clone(), whose flags we can check (as Docker does).
     _add(sc, flt, sc.ERRNO(errno.ENOSYS), "clone3")
+    for name in FILE_META_DENY:
+        _add(sc, flt, kill, name)
 
-    if strict and not network:
-        # Only AF_UNIX; EAFNOSUPPORT reads as "family not built in" to libraries.
-        _add(sc, flt, sc.ERRNO(errno.EAFNOSUPPORT), "socket",
-             sc.Arg(0, sc.NE, socket.AF_UNIX))
-    if strict and stage == "runtime":
-        for name in EXEC_DENY:
-            _add(sc, flt, eperm, name)
+    if strict:
+        for name in STRICT_DENY:
+            _add(sc, flt, kill, name)
+        # READ_IMPLIES_EXEC (or any persona change) would turn later PROT_READ
+        # mappings executable behind the exec watch. Compared on all 64 bits:
+        # glibc passes the query as 0xffffffff.
+        _add(sc, flt, kill, "personality", sc.Arg(0, sc.NE, _PERSONALITY_QUERY))
+        # SysV shm attached executable = new executable memory without PROT_EXEC.
+        _add(sc, flt, kill, "shmat", sc.Arg(2, sc.MASKED_EQ, _SHM_EXEC, _SHM_EXEC))
+        # An unconnected AF_UNIX datagram socket can sendto any socket path it
+        # can see (journald, a host daemon bound into the sandbox): none at all.
+        _add(sc, flt, kill, "socket", sc.Arg(0, sc.EQ, socket.AF_UNIX),
+             sc.Arg(1, sc.MASKED_EQ, _SOCK_TYPE_MASK, socket.SOCK_DGRAM))
+        _add(sc, flt, kill, "socketpair",
+             sc.Arg(1, sc.MASKED_EQ, _SOCK_TYPE_MASK, socket.SOCK_DGRAM))
+        if not network:
+            # Channels arrive as inherited fds and socketpairs; nothing legitimate
+            # opens another family, connects anywhere or sends to an address.
+            _add(sc, flt, kill, "socket", sc.Arg(0, sc.NE, socket.AF_UNIX))
+            _add(sc, flt, kill, "connect")
+            _add(sc, flt, kill, "sendto", sc.Arg(4, sc.NE, 0))
+        if stage == "runtime":
+            for name in EXEC_DENY:
+                _add(sc, flt, kill, name)
     return flt
 
 
@@ -187,3 +270,65 @@ def lock_down(domain: str, *, network: bool = False, required: bool = True) -> b
 
 def installed_domains() -> frozenset[str]:
     return frozenset(_installed)
+
+
+def build_exec_watch_filter() -> Any:
+    """The exec-watch filter: USER_NOTIF for new executable memory and memfds."""
+    sc = _pyseccomp()
+    flt = sc.SyscallFilter(sc.ALLOW)
+    flt.set_attr(sc.Attr.ACT_BADARCH, sc.KILL_PROCESS)
+    for name in EXEC_WATCH_PROT:
+        _add(sc, flt, sc.NOTIFY, name, sc.Arg(2, sc.MASKED_EQ, _PROT_EXEC, _PROT_EXEC))
+    for name in EXEC_WATCH_ANY:
+        _add(sc, flt, sc.NOTIFY, name)
+    return flt
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def install_exec_watch() -> int:
+    """Load the exec-watch filter on every thread; return its listener fd (CLOEXEC).
+
+    Send the fd to the supervisor (socket.send_fds) and close this copy at once:
+    whoever holds the listener answers the notifications, and a worker that kept
+    it could approve its own requests. Until the supervisor answers, a watched
+    call blocks; if every copy of the listener is closed, watched calls fail with
+    ENOSYS. Raises OSError if the kernel lacks user notification / TSYNC_ESRCH
+    (Linux < 5.7) rather than running unwatched.
+    """
+    flt = build_exec_watch_filter()
+    fd = os.memfd_create("seccomp-exec-watch", os.MFD_CLOEXEC)
+    try:
+        flt.export_bpf(_Fileno(fd))
+        size = os.lseek(fd, 0, os.SEEK_CUR)
+        os.lseek(fd, 0, os.SEEK_SET)
+        prog = os.read(fd, size)
+    finally:
+        os.close(fd)
+    if not prog or len(prog) % 8:
+        raise OSError(errno.EINVAL, f"exported BPF has odd size {len(prog)}")
+    nr = _NR_SECCOMP.get(platform.machine())
+    if nr is None:
+        raise OSError(errno.ENOSYS, f"no seccomp syscall number for {platform.machine()}")
+    set_no_new_privs()
+    buf = ctypes.create_string_buffer(prog, len(prog))
+    fprog = _SockFprog(len(prog) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    # TSYNC with NEW_LISTENER needs TSYNC_ESRCH (otherwise the return value
+    # would be ambiguous: a listener fd or a thread id that failed to sync).
+    # WAIT_KILLABLE_RECV (5.19+): once the supervisor has read a request, only
+    # a fatal signal interrupts the waiting thread, so a signal cannot make it
+    # re-issue (and the supervisor re-judge) the same call.
+    base = _FLAG_TSYNC | _FLAG_TSYNC_ESRCH | _FLAG_NEW_LISTENER
+    for flags in (base | _FLAG_WAIT_KILLABLE_RECV, base):
+        ret = libc.syscall(ctypes.c_long(nr), ctypes.c_long(_SECCOMP_SET_MODE_FILTER),
+                           ctypes.c_long(flags), ctypes.byref(fprog))
+        if ret >= 0:
+            return int(ret)
+        err = ctypes.get_errno()
+        if err != errno.EINVAL:
+            break
+    raise OSError(err, f"seccomp(SET_MODE_FILTER, NEW_LISTENER|TSYNC): {os.strerror(err)}")

@@ -10,7 +10,11 @@ channel read; research/shadow channels are never read. The age of an output is t
 from the capture time of the frame it came from: ``msg.receipt.capture_ts_ns`` when the
 bridge carries an execution receipt, else the message's own capture timestamp, else its
 publish time. A receipt whose completion point is ``deviceQueued`` is refused
-(NOT_HOST_VISIBLE).
+(NOT_HOST_VISIBLE). An output whose publish, frame capture or receipt capture time lies
+in the future (the bridge reader rejects it as ``FutureTimestamp``; the law checks the
+age reference again) is a lie about time, never freshness: it counts as a new output
+that puts the command in the safe state with reason FUTURE at once, and engagement
+comes back only through the usual ``--engage-count`` good outputs in a row.
 
 Output: ``--out`` float32[4] = (steer_rad, engaged 0/1, safe_state reason code,
 model_age_ms) — see `law.SafeReason` for the codes and `law` for the law itself. A
@@ -28,7 +32,8 @@ import time
 
 import numpy as np
 
-from supervisor.ipc import BridgeError, ChannelTimeout, LeaseLost, Message, Rejected
+from supervisor.ipc import (BridgeError, ChannelTimeout, FutureTimestamp, LeaseLost, Message,
+                            Rejected)
 from supervisor.worker import WorkerContext
 
 from .law import Command, ControlLaw, LawConfig, ModelOutput, SafeReason
@@ -120,7 +125,7 @@ def main(ctx: WorkerContext) -> int:
     now = time.monotonic_ns()
     next_tick = now
     next_status = now + status_ns
-    outputs = lost = receipts = published = 0
+    outputs = lost = receipts = published = future = 0
     last: Command | None = None
     last_latency_ns = None
     next_ping = now
@@ -149,6 +154,10 @@ def main(ctx: WorkerContext) -> int:
                 msg = reader.try_receive()
         except ChannelTimeout:
             pass
+        except FutureTimestamp as e:
+            # Newer than anything taken before it in this batch: the law goes safe now
+            # (the reader counted it too, under reason "future").
+            new = ModelOutput.refused_by(SafeReason.FUTURE, e.ts_ns)
         except Rejected:
             pass            # counted in reader.stats.rejected; the law sees nothing new
         except BridgeError as e:
@@ -159,6 +168,8 @@ def main(ctx: WorkerContext) -> int:
         if new is not None and new.latency_ns is not None:
             last_latency_ns = new.latency_ns
         last = law.step(new, now)
+        if new is not None and last.reason == SafeReason.FUTURE:
+            future += 1         # refused by the bridge, or caught by the law itself
         _publish(writer, last)
         published += 1
         next_tick = now + tick
@@ -172,7 +183,7 @@ def main(ctx: WorkerContext) -> int:
                 f"latency_ms={'-' if last_latency_ns is None else f'{last_latency_ns / 1e6:.2f}'} "
                 f"commands={published} rejected={sum(rej.values())}"
                 f"{'' if not rej else ' ' + ','.join(f'{k}:{v}' for k, v in sorted(rej.items()))} "
-                f"leases_lost={lost}")
+                f"future={future} leases_lost={lost}")
     final = law.step(None, time.monotonic_ns(), hold=SafeReason.SHUTDOWN)
     _publish(writer, final)
     ctx.status(f"stopped: engaged=0 reason=SHUTDOWN commands={published + 1}")

@@ -19,8 +19,13 @@ reason (`SafeReason`), in this order:
 
   NO_INPUT        no model output received yet
   TIMEOUT         no new output for more than ``timeout_ms``
+  (refused)       the bridge refused the newest output: its reason (FUTURE for a
+                  `supervisor.ipc.FutureTimestamp`), see `ModelOutput.refused_by`
   INVALID         non-finite values, or too few of them
   NOT_HOST_VISIBLE the receipt says the output was only queued on the device
+  FUTURE          the output's age reference (capture, else publish time) is more than
+                  ``future_tolerance_ms`` ahead of now: a negative age is a lie, never
+                  freshness
   STALE           the output is older than ``max_age_ms`` (age from the frame's capture
                   time when known, else from the output's publish time)
   LOW_CONFIDENCE  confidence < ``min_confidence``
@@ -39,6 +44,8 @@ from enum import IntEnum
 
 import numpy as np
 
+from supervisor.ipc import FUTURE_TOLERANCE_NS
+
 
 class SafeReason(IntEnum):
     OK = 0
@@ -50,6 +57,7 @@ class SafeReason(IntEnum):
     NOT_HOST_VISIBLE = 6
     RECOVERING = 7
     SHUTDOWN = 8
+    FUTURE = 9
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,17 @@ class ModelOutput:
     frame_id: int | None = None
     latency_ns: int | None = None    # inference latency from the receipt, if any
     host_visible: bool = True        # False: receipt says only queued on the device
+    refused: SafeReason | None = None  # the bridge refused the message, for this reason
+
+    @classmethod
+    def refused_by(cls, reason: SafeReason, ts_ns: int, **kw) -> ModelOutput:
+        """A model output the bridge refused (e.g. FUTURE for a future timestamp): it
+        counts as a new output, so the law goes safe with ``reason`` at once, and stays
+        there until a good output follows; its values are not known (NaN). ``ts_ns`` is
+        the timestamp the message claimed, so the command's model_age_ms shows it."""
+        if reason == SafeReason.OK:
+            raise ValueError("a refused output needs a reason other than OK")
+        return cls(math.nan, math.nan, math.nan, ts_ns, refused=reason, **kw)
 
     @classmethod
     def from_array(cls, values: np.ndarray, ts_ns: int, **kw) -> ModelOutput:
@@ -88,12 +107,17 @@ class LawConfig:
     min_confidence: float = 0.5
     engage_count: int = 3
     max_dt_s: float = 0.1
+    # How far ahead of now an output's timestamp may be (same clock, same margin as the
+    # bridge reader's FutureTimestamp check).
+    future_tolerance_ms: float = FUTURE_TOLERANCE_NS / 1e6
 
     def __post_init__(self) -> None:
         if self.max_steer <= 0 or self.max_rate <= 0 or self.max_dt_s <= 0:
             raise ValueError("max_steer, max_rate and max_dt_s must be > 0")
         if self.tau_s < 0 or self.timeout_ms <= 0 or self.max_age_ms <= 0:
             raise ValueError("tau_s must be >= 0, timeout_ms and max_age_ms > 0")
+        if self.future_tolerance_ms < 0:
+            raise ValueError("future_tolerance_ms must be >= 0")
         if self.engage_count < 1:
             raise ValueError("engage_count must be >= 1")
 
@@ -138,10 +162,14 @@ class ControlLaw:
             return SafeReason.NO_INPUT
         if now_ns - rx_ns > c.timeout_ms * 1e6:
             return SafeReason.TIMEOUT
+        if out.refused is not None:
+            return out.refused
         if not all(math.isfinite(v) for v in (out.offset_m, out.heading_rad, out.confidence)):
             return SafeReason.INVALID
         if not out.host_visible:
             return SafeReason.NOT_HOST_VISIBLE
+        if out.ts_ns - now_ns > c.future_tolerance_ms * 1e6:
+            return SafeReason.FUTURE
         if now_ns - out.ts_ns > c.max_age_ms * 1e6:
             return SafeReason.STALE
         if out.confidence < c.min_confidence:

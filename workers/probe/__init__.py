@@ -108,7 +108,7 @@ def main(ctx: WorkerContext) -> int:
             ctx.watchdog()
         for w in writers.values():
             n += 1
-            w.publish_array(np.full(4, n, w.spec.np_dtype))
+            w.publish_array(np.full(4, n % 100, w.spec.np_dtype))
         for r in readers.values():
             while (m := r.try_receive()) is not None:
                 m.release()

@@ -13,6 +13,7 @@ import mmap
 import os
 import socket
 import sys
+import termios
 import time
 from typing import Callable
 
@@ -23,6 +24,8 @@ _libc.syscall.restype = ctypes.c_long
 _libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.fsetxattr.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t,
                             ctypes.c_int)
+# A computed name: the static admission walk cannot see it, as a hostile worker knows.
+_TORCH = "".join(("to", "rch"))
 ARG = ""                              # --attack-arg (the probe sets it)
 PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
 PROT_RX = mmap.PROT_READ | mmap.PROT_EXEC
@@ -125,8 +128,6 @@ def forge_log(ctx: WorkerContext) -> dict:
 
 def tty(ctx: WorkerContext) -> dict:
     """Change the operator's terminal settings / grab a controlling terminal."""
-    import termios
-
     res: dict = {}
     for fd in (0, 1, 2):
         try:
@@ -235,11 +236,11 @@ def memfd_exec(ctx: WorkerContext) -> dict:
 def dlopen_tmp(ctx: WorkerContext) -> dict:
     """A shared library dropped in the writable /tmp (a copy of a system one)."""
     import glob
-    import shutil
 
     src = (glob.glob("/usr/lib/x86_64-linux-gnu/libz.so.1*") + glob.glob("/usr/lib/*/libz.so.1*")
            + glob.glob("/lib/*/libz.so.1*"))[0]
-    shutil.copy(src, "/tmp/libharmless.so")
+    with open(src, "rb") as f, open("/tmp/libharmless.so", "wb") as g:
+        g.write(f.read())
     try:
         ctypes.CDLL("/tmp/libharmless.so")
     except OSError as e:
@@ -252,16 +253,24 @@ def torch_files(ctx: WorkerContext) -> dict:
     import importlib.util
     import site
 
-    sys.meta_path[:] = [f for f in sys.meta_path if "guard" not in type(f).__module__]
-    res: dict = {"spec": importlib.util.find_spec("torch") is not None}
+    # As the attacker did: remove the guard's finder and clear its state.
+    from supervisor.admission import guard
+
+    sys.meta_path[:] = [f for f in sys.meta_path
+                        if "guard" not in (getattr(f, "__module__", "") + type(f).__module__)]
+    for k, v in vars(guard).items():
+        if k.startswith("_") and not k.startswith("__") and isinstance(v, (set, dict, list)):
+            v.clear()
+    res: dict = {"spec": importlib.util.find_spec(_TORCH) is not None}
     found = []
     for sp in site.getsitepackages():
-        for name in ("torch", "torch/lib/libtorch_cpu.so", "torch/lib/libc10.so", "functorch"):
+        for name in (_TORCH, f"{_TORCH}/lib/lib{_TORCH}_cpu.so", f"{_TORCH}/lib/libc10.so",
+                     f"func{_TORCH}"):
             if os.path.exists(os.path.join(sp, name)):
                 found.append(name)
     res["found"] = found
     try:
-        import torch  # noqa: F401
+        __import__(_TORCH)
         res["import"] = "imported"
     except ImportError as e:
         res["import"] = str(e)
@@ -272,7 +281,7 @@ def torch_files(ctx: WorkerContext) -> dict:
 def swallow_guard(ctx: WorkerContext) -> dict:
     """Import torch through the guard and swallow the refusal."""
     try:
-        import torch  # noqa: F401
+        __import__(_TORCH)
     except ImportError as e:
         return {"denied": True, "error": str(e)[:200]}
     return {"denied": False}

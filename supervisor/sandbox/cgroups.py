@@ -1,0 +1,511 @@
+"""Per-worker cgroups: a memory limit that counts shared memory, a pids limit, a CPU quota.
+
+Why cgroups and not rlimits: RLIMIT_DATA/RLIMIT_AS see only the address space of one
+process. Pages of a memfd or a tmpfs file are charged to the memory cgroup of whoever
+faults them in, whichever process maps them and however the fd travels, so only a memory
+cgroup can bound a worker that fills shared memory. Likewise pids.max bounds a fork storm
+across the whole sandbox (RLIMIT_NPROC counts per uid, and every sandbox of a domain may
+share a uid), and a CFS quota bounds CPU time rather than just priority.
+
+Layout (one tree per supervisor run, one leaf per worker run):
+
+  v2: <mount>/<own>/supervisor         this process, moved here if <own> held processes
+      <mount>/<own>/<name>/<leaf>      +memory +pids +cpu enabled in <own> and <name>
+  v1: <mount>/{memory,pids,cpu}/<own in that hierarchy>/<name>/<leaf>
+
+The child joins its leaf between fork and exec by writing "0" to cgroup.procs fds that the
+parent opened (`WorkerCgroup.open_join_fds` / `join`), so no process of a sandbox ever runs
+outside its cgroup, and the child needs no path lookups or allocations to do it.
+
+Stdlib only. Linux >= 5.3 (pidfd); v2 `cgroup.kill` is used when present (>= 5.14).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass
+
+__all__ = ["CGROUP_ROOT", "CgroupTree", "CgroupUnavailable", "Limits", "WorkerCgroup"]
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+CONTROLLERS = ("memory", "pids", "cpu")
+CPU_PERIOD_US = 100_000
+# v1 prints "no limit" as PAGE_COUNTER_MAX * PAGE_SIZE (9223372036854771712 with 4 KiB
+# pages); anything this large is no limit in practice.
+_V1_UNLIMITED = 1 << 62
+# No dots: a directory named like an interface file ("memory.max") cannot be created,
+# and "." / ".." would escape. "supervisor" is where v2 parks this process.
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,63}$")
+_RESERVED = {"supervisor"}
+_KILL_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    # bytes; counts anon, page cache, shmem/tmpfs/memfd; swap disabled where the kernel lets us
+    memory_max: int | None = None
+    pids_max: int | None = None        # tasks (threads count)
+    cpu_quota_pct: float | None = None  # percent of one CPU (200 = two CPUs)
+
+    def __post_init__(self) -> None:
+        # Reject here, not as an EINVAL from a kernel file halfway through a leaf set-up.
+        if self.memory_max is not None and (type(self.memory_max) is not int or self.memory_max < 4096):
+            raise ValueError(f"memory_max must be >= 4096 bytes, got {self.memory_max!r}")
+        if self.pids_max is not None and (type(self.pids_max) is not int or self.pids_max < 1):
+            raise ValueError(f"pids_max must be >= 1, got {self.pids_max!r}")
+        if self.cpu_quota_pct is not None and not self.cpu_quota_pct >= 1:
+            # CFS refuses quotas under 1 ms; at a 100 ms period that is 1 %.
+            raise ValueError(f"cpu_quota_pct must be >= 1, got {self.cpu_quota_pct!r}")
+
+    @property
+    def cpu_quota_us(self) -> int | None:
+        return None if self.cpu_quota_pct is None else round(self.cpu_quota_pct * CPU_PERIOD_US / 100)
+
+
+class CgroupUnavailable(RuntimeError):
+    """cgroups cannot be used here; str() is a one-line reason for a log or config error."""
+
+
+# --- small file helpers ---------------------------------------------------------------
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
+def _write(path: str, text: str) -> None:
+    # One write() per value: cgroup files parse each write as a whole.
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, text.encode())
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror}: writing {text!r} to {path}") from None
+    finally:
+        os.close(fd)
+
+
+def _procs(directory: str) -> list[int]:
+    try:
+        return [int(x) for x in _read(os.path.join(directory, "cgroup.procs")).split()]
+    except FileNotFoundError:
+        return []
+
+
+def _subtree(top: str) -> list[str]:
+    """top and every cgroup below it, deepest first (the order rmdir needs)."""
+    if not os.path.isdir(top):
+        return []
+    return [cur for cur, _dirs, _files in os.walk(top, topdown=False)]
+
+
+def _members(tops: list[str]) -> set[int]:
+    return {pid for top in tops for d in _subtree(top) for pid in _procs(d)}
+
+
+def _kill_members(tops: list[str]) -> None:
+    """SIGKILL every process listed under tops, without hitting a recycled pid.
+
+    A pidfd opened while its pid is still listed in the cgroup refers to that very
+    process, so: open pidfds, re-read membership, signal only those still listed.
+    """
+    fds: dict[int, int] = {}
+    try:
+        for pid in _members(tops):
+            try:
+                fds[pid] = os.pidfd_open(pid)
+            except ProcessLookupError:
+                pass
+        still = _members(tops)
+        for pid, fd in fds.items():
+            if pid in still:
+                try:
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _kill_tree(tops: list[str], version: int, timeout: float = _KILL_TIMEOUT) -> None:
+    """Kill everything under tops and wait until no process is listed (zombies are not)."""
+    deadline = time.monotonic() + timeout
+    delay = 0.002
+    while True:
+        left = _members(tops)
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"processes {sorted(left)} survived SIGKILL in {tops}")
+        for top in tops:
+            kill = os.path.join(top, "cgroup.kill")
+            if version == 2 and os.path.exists(kill):
+                # Kernel-side kill of the whole subtree: no fork race, no pid reuse race.
+                _write(kill, "1")
+            else:
+                # v1 (or old v2): repeat every round, a task may fork while we signal.
+                _kill_members([top])
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def _destroy(tops: list[str], version: int, timeout: float = _KILL_TIMEOUT) -> None:
+    """Kill, then rmdir bottom-up (a worker may have made sub-cgroups if it could)."""
+    _kill_tree(tops, version, timeout)
+    deadline = time.monotonic() + timeout
+    for top in tops:
+        for d in _subtree(top):
+            while True:
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as e:
+                    # EBUSY: a dying task not yet off the css_set; it goes within ms.
+                    if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.01)
+
+
+def _check_name(name: str) -> None:
+    if not _NAME.match(name) or name in _RESERVED:
+        raise ValueError(f"bad cgroup name {name!r}: want {_NAME.pattern}, not {sorted(_RESERVED)}")
+
+
+def _why(e: OSError) -> str:
+    return f"{e.strerror or e}: {e.filename}" if e.filename else str(e.strerror or e)
+
+
+def _unescape(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+# --- per-worker leaf ------------------------------------------------------------------
+
+class WorkerCgroup:
+    """One worker run's cgroup (one directory per v1 hierarchy, one directory in v2)."""
+
+    def __init__(self, name: str, limits: Limits, version: int, dirs: dict[str, str],
+                 controllers: tuple[str, ...]) -> None:
+        self.name = name
+        self.limits = limits
+        self.version = version
+        self._dirs = dirs                                   # controller -> directory
+        self._controllers = controllers
+        self.paths: tuple[str, ...] = tuple(dict.fromkeys(dirs.values()))
+        self._inos: tuple[int, ...] = ()
+
+    def _create(self) -> None:
+        for p in self.paths:
+            os.mkdir(p)
+        # kernfs inode numbers are never reused, so they tell this leaf from a later one
+        # of the same name: a stale handle must not kill or remove its successor.
+        self._inos = tuple(os.stat(p).st_ino for p in self.paths)
+        self._apply()
+
+    def _apply(self) -> None:
+        lim = self.limits
+        # Only controllers in use get written (tests run the v2 code with none enabled).
+        mem, pids, cpu = (self._dirs.get(c) if c in self._controllers else None for c in CONTROLLERS)
+        for c, wanted in (("memory", lim.memory_max), ("pids", lim.pids_max), ("cpu", lim.cpu_quota_pct)):
+            if wanted is not None and c not in self._controllers:
+                raise CgroupUnavailable(f"{c} limit requested but the {c} controller is not in use")
+        if self.version == 1:
+            if lim.memory_max is not None and mem:
+                _write(f"{mem}/memory.limit_in_bytes", str(lim.memory_max))
+                # memsw = memory + swap. Equal to the memory limit: no page may escape to
+                # swap. Set after memory.limit_in_bytes (memsw must never be below it).
+                if os.path.exists(f"{mem}/memory.memsw.limit_in_bytes"):
+                    _write(f"{mem}/memory.memsw.limit_in_bytes", str(lim.memory_max))
+            if lim.pids_max is not None and pids:
+                _write(f"{pids}/pids.max", str(lim.pids_max))
+            if cpu:
+                _write(f"{cpu}/cpu.cfs_period_us", str(CPU_PERIOD_US))
+                q = lim.cpu_quota_us
+                _write(f"{cpu}/cpu.cfs_quota_us", "-1" if q is None else str(q))
+            return
+        if mem:
+            _write(f"{mem}/memory.max", "max" if lim.memory_max is None else str(lim.memory_max))
+            if os.path.exists(f"{mem}/memory.swap.max"):         # absent without swap accounting
+                _write(f"{mem}/memory.swap.max", "0")
+            if os.path.exists(f"{mem}/memory.oom.group"):
+                # On OOM kill the whole sandbox (bwrap + worker + helpers), not one
+                # process of it: a half-dead worker is worse than a restarted one.
+                _write(f"{mem}/memory.oom.group", "1")
+        if pids:
+            _write(f"{pids}/pids.max", "max" if lim.pids_max is None else str(lim.pids_max))
+        if cpu:
+            q = lim.cpu_quota_us
+            _write(f"{cpu}/cpu.max", f"{'max' if q is None else q} {CPU_PERIOD_US}")
+
+    def _is_current(self) -> bool:
+        try:
+            return bool(self._inos) and tuple(os.stat(p).st_ino for p in self.paths) == self._inos
+        except FileNotFoundError:
+            return False
+
+    def _require_current(self) -> None:
+        if not self._is_current():
+            raise FileNotFoundError(errno.ENOENT, f"cgroup {self.name!r} was removed or replaced", self.paths[0])
+
+    def open_join_fds(self) -> list[int]:
+        """O_WRONLY|O_CLOEXEC fds of each hierarchy's cgroup.procs; the caller closes them
+        after the spawn. Opened in the parent so the child needs no path lookup."""
+        self._require_current()
+        fds: list[int] = []
+        try:
+            for p in self.paths:
+                fds.append(os.open(os.path.join(p, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds
+
+    @staticmethod
+    def join(fds: list[int]) -> None:
+        """Between fork and exec (preexec_fn, still privileged): move the calling process.
+
+        "0" means the writer itself. Nothing else here: the forked child of a threaded
+        parent must not allocate or take locks. An error propagates, so Popen fails
+        rather than running the worker outside its cgroup.
+        """
+        for fd in fds:
+            os.write(fd, b"0")
+
+    def pids(self) -> list[int]:
+        """Processes in this leaf (and any sub-cgroup of it), across all hierarchies."""
+        return sorted(_members(list(self.paths))) if self._is_current() else []
+
+    def kill_all(self) -> None:
+        """SIGKILL every task and wait until none is listed (TimeoutError if one resists)."""
+        if self._is_current():
+            _kill_tree(list(self.paths), self.version)
+
+    def oom_kills(self) -> int:
+        self._require_current()
+        mem = self._dirs.get("memory")
+        name = "memory.oom_control" if self.version == 1 else "memory.events"
+        if mem is None or not os.path.exists(f"{mem}/{name}"):
+            return 0
+        for line in _read(f"{mem}/{name}").splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
+
+    def in_force(self) -> dict[str, object]:
+        """Limits as the kernel reports them (not as requested), plus the raw files."""
+        self._require_current()
+        files: dict[str, str] = {}
+
+        def get(ctrl: str, fname: str) -> str | None:
+            d = self._dirs.get(ctrl)
+            if d is None or not os.path.exists(f"{d}/{fname}"):
+                return None
+            files[fname] = v = _read(f"{d}/{fname}")
+            return v
+
+        def num(v: str | None, unlimited: tuple[str, ...] = ("max",)) -> int | None:
+            if v is None or v in unlimited:
+                return None
+            n = int(v)
+            return None if n >= _V1_UNLIMITED or n < 0 else n
+
+        out: dict[str, object] = {"version": self.version, "paths": list(self.paths)}
+        if self.version == 1:
+            mem = num(get("memory", "memory.limit_in_bytes"))
+            memsw = num(get("memory", "memory.memsw.limit_in_bytes"))
+            quota = num(get("cpu", "cpu.cfs_quota_us"))
+            period = num(get("cpu", "cpu.cfs_period_us"))
+            out["memory_max"] = mem
+            out["swap_max"] = memsw - mem if memsw is not None and mem is not None else None
+        else:
+            out["memory_max"] = num(get("memory", "memory.max"))
+            out["swap_max"] = num(get("memory", "memory.swap.max"))
+            get("memory", "memory.oom.group")
+            cpu_max = get("cpu", "cpu.max")
+            quota, period = (num(x) for x in cpu_max.split()) if cpu_max else (None, None)
+        out["pids_max"] = num(get("pids", "pids.max"))
+        out["cpu_quota_us"] = quota
+        out["cpu_period_us"] = period
+        out["files"] = files
+        return out
+
+    def remove(self) -> None:
+        """Kill what is left and remove the directories; no-op once removed or replaced."""
+        if self._is_current():
+            _destroy(list(self.paths), self.version)
+        self._inos = ()
+
+    def __repr__(self) -> str:
+        return f"WorkerCgroup({self.name!r}, v{self.version}, {self.paths})"
+
+
+# --- the per-run tree -----------------------------------------------------------------
+
+class CgroupTree:
+    """Base cgroup of one supervisor run; leaves are created under it per worker run."""
+
+    def __init__(self, name: str, version: int, bases: dict[str, str], controllers: tuple[str, ...]) -> None:
+        self.name = name
+        self.version = version
+        self._bases = bases                                 # controller -> base directory
+        self._controllers = controllers
+        self.paths: tuple[str, ...] = tuple(dict.fromkeys(bases.values()))
+        self._leaves: dict[str, WorkerCgroup] = {}
+        self._closed = False
+
+    @classmethod
+    def create(cls, name: str | None = None) -> CgroupTree:
+        """v2 when /sys/fs/cgroup is a cgroup2 mount, else v1 memory+pids+cpu; else raise."""
+        return cls._create(name)
+
+    @classmethod
+    def _create(cls, name: str | None = None, *, root: str = CGROUP_ROOT,
+                controllers: tuple[str, ...] = CONTROLLERS) -> CgroupTree:
+        # root/controllers are for tests only: the v2 code can then run against a
+        # hybrid system's /sys/fs/cgroup/unified, where no controller is available.
+        name = name or f"trio-supervisor-{os.getpid()}"
+        _check_name(name)
+        try:
+            with open("/proc/self/cgroup") as f:
+                proc_cgroup = f.read()
+        except OSError as e:
+            raise CgroupUnavailable(f"cannot read /proc/self/cgroup: {e.strerror}") from None
+        if os.path.exists(os.path.join(root, "cgroup.controllers")):
+            return cls._create_v2(name, root, controllers, proc_cgroup)
+        with open("/proc/self/mountinfo") as f:
+            mountinfo = f.read()
+        return cls._create_v1(name, controllers, proc_cgroup, mountinfo)
+
+    @classmethod
+    def _create_v2(cls, name: str, mount: str, controllers: tuple[str, ...], proc_cgroup: str) -> CgroupTree:
+        own = next((ln[3:] for ln in proc_cgroup.splitlines() if ln.startswith("0::")), None)
+        if own is None:
+            raise CgroupUnavailable("cgroup v2: no '0::' line in /proc/self/cgroup")
+        own_dir = mount + own.rstrip("/") if own != "/" else mount
+        try:
+            available = _read(f"{own_dir}/cgroup.controllers").split()
+            missing = [c for c in controllers if c not in available]
+            if missing:
+                raise CgroupUnavailable(
+                    f"cgroup v2: controller(s) {' '.join(missing)} not delegated to {own_dir} "
+                    f"(available: {' '.join(available) or 'none'}; run under systemd with Delegate=yes)")
+            # No-internal-process rule: a non-root cgroup holding processes cannot enable
+            # controllers for its children. The real root is exempt and is the only
+            # cgroup without cgroup.type (a cgroup-namespace root is not exempt).
+            if os.path.exists(f"{own_dir}/cgroup.type") and _procs(own_dir):
+                sup = f"{own_dir}/supervisor"
+                os.makedirs(sup, exist_ok=True)
+                _write(f"{sup}/cgroup.procs", str(os.getpid()))    # moves all our threads
+                others = _procs(own_dir)
+                if others:
+                    raise CgroupUnavailable(
+                        f"cgroup v2: {own_dir} still holds processes {others} besides the supervisor "
+                        f"(moved to {sup}); controllers cannot be enabled below it")
+            enable = " ".join(f"+{c}" for c in controllers)
+            if enable:
+                _write(f"{own_dir}/cgroup.subtree_control", enable)
+            base = f"{own_dir}/{name}"
+            _destroy([base], 2)            # a fixed name reused after a crash: drop leftovers
+            os.mkdir(base)
+            if enable:
+                _write(f"{base}/cgroup.subtree_control", enable)
+        except OSError as e:
+            raise CgroupUnavailable(f"cgroup v2 at {own_dir}: {_why(e)}") from None
+        return cls(name, 2, {c: base for c in CONTROLLERS}, controllers)
+
+    @classmethod
+    def _create_v1(cls, name: str, controllers: tuple[str, ...], proc_cgroup: str, mountinfo: str) -> CgroupTree:
+        own: dict[str, str] = {}
+        for ln in proc_cgroup.splitlines():
+            _id, ctrls, path = ln.split(":", 2)
+            for c in ctrls.split(","):
+                own[c] = path
+        mounts: dict[str, tuple[str, str, bool]] = {}      # controller -> (mountpoint, root, ro)
+        for ln in mountinfo.splitlines():
+            pre, _, post = ln.partition(" - ")
+            f, p = pre.split(), post.split()
+            if len(p) < 3 or p[0] != "cgroup":
+                continue
+            for c in p[2].split(","):
+                mounts.setdefault(c, (_unescape(f[4]), _unescape(f[3]), "ro" in f[5].split(",")))
+        missing = [c for c in controllers if c not in mounts or c not in own]
+        if missing:
+            raise CgroupUnavailable(
+                f"no cgroup2 at {CGROUP_ROOT} and cgroup v1 controller(s) {' '.join(missing)} not mounted")
+        bases: dict[str, str] = {}
+        for c in controllers:
+            mountpoint, mroot, ro = mounts[c]
+            if ro:
+                raise CgroupUnavailable(f"cgroup v1 {c} hierarchy at {mountpoint} is mounted read-only")
+            path = own[c]
+            if mroot != "/":
+                # The mount shows only a sub-tree (a container's bind mount of its cgroup).
+                if path != mroot and not path.startswith(mroot + "/"):
+                    raise CgroupUnavailable(f"cgroup v1 {c}: own cgroup {path} is outside the mounted {mroot}")
+                path = path[len(mroot):]
+            bases[c] = os.path.normpath(f"{mountpoint}/{path}/{name}")
+        made: list[str] = []
+        try:
+            for b in dict.fromkeys(bases.values()):
+                _destroy([b], 1)           # a fixed name reused after a crash: drop leftovers
+                os.mkdir(b)
+                made.append(b)
+        except OSError as e:
+            for b in reversed(made):
+                os.rmdir(b)
+            raise CgroupUnavailable(f"cgroup v1: {_why(e)}") from None
+        return cls(name, 1, bases, controllers)
+
+    def leaf(self, name: str, limits: Limits) -> WorkerCgroup:
+        """A fresh leaf for one worker run; whatever a previous leaf of this name left is killed."""
+        _check_name(name)
+        if self._closed:
+            raise RuntimeError("CgroupTree is closed")
+        w = WorkerCgroup(name, limits, self.version,
+                         {c: os.path.join(b, name) for c, b in self._bases.items()}, self._controllers)
+        # By path, not via the old handle: also catches a leaf we lost track of.
+        _destroy(list(w.paths), self.version)
+        self._leaves.pop(name, None)
+        try:
+            w._create()
+        except BaseException:
+            _destroy(list(w.paths), self.version)
+            raise
+        self._leaves[name] = w
+        return w
+
+    def close(self) -> None:
+        """Kill every process left in the leaves, remove leaves and base. Idempotent.
+
+        Tries everything and raises the first error at the end, so one stuck leaf does
+        not keep the others alive.
+        """
+        if self._closed:
+            return
+        first: BaseException | None = None
+        for b in self.paths:
+            try:
+                _destroy([b], self.version)
+            except OSError as e:
+                first = first or e
+        self._leaves.clear()
+        if first is not None:
+            raise first
+        self._closed = True
+
+    def __enter__(self) -> CgroupTree:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CgroupTree({self.name!r}, v{self.version}, {self.paths})"

@@ -1,0 +1,500 @@
+"""/proc/PID/maps judged by identity (ELF SONAME / build-id through map_files),
+executable-mapping accounting after READY, and the guard's REFUSED report.
+
+Real processes throughout: a child maps things, the test scans it from outside.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from importlib.machinery import PathFinder
+from pathlib import Path
+
+import pytest
+
+from supervisor.admission import guard, maps
+from supervisor.admission.rules import forbidden_soname
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _torch_lib(name: str) -> Path | None:
+    spec = PathFinder.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "lib" / name
+    return path if path.is_file() else None
+
+
+LIBC10 = _torch_lib("libc10.so")
+needs_torch_libs = pytest.mark.skipif(LIBC10 is None, reason="torch not installed (research extra)")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="/proc/PID/map_files needs root")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(extra)
+    return env
+
+
+# A child that maps what it is told to, one command per stdin line, and
+# answers one line (an address, or "ok") on stdout.
+AGENT = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+R, W, X = 1, 2, 4
+PRIVATE, ANON = 0x02, 0x20
+keep = []
+
+def mmap(size, prot, flags, fd):
+    addr = libc.mmap(None, size, prot, flags, fd, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap")
+    return addr
+
+for mod in sys.argv[1:]:
+    __import__(mod)
+print("ready", flush=True)
+for line in sys.stdin:
+    cmd, _, arg = line.rstrip("\n").partition(" ")
+    if cmd == "memfd-dlopen":   # copy a library into a memfd with a harmless name, dlopen it
+        fd = os.memfd_create("harmless")
+        with open(arg, "rb") as f:
+            os.write(fd, f.read())
+        keep.append(ctypes.CDLL(f"/proc/self/fd/{fd}"))
+        out = str(fd)
+    elif cmd == "dlopen":
+        keep.append(ctypes.CDLL(arg))
+        out = "ok"
+    elif cmd == "anon":         # arg: "rx" or "rwx"
+        out = hex(mmap(4096, R | X | (W if "w" in arg else 0), PRIVATE | ANON, -1))
+    elif cmd == "memfd-x":      # a memfd holding the bytes of a file, mapped executable
+        fd = os.memfd_create("harmless")
+        with open(arg, "rb") as f:
+            os.write(fd, f.read())
+        keep.append(fd)
+        out = hex(mmap(os.fstat(fd).st_size, R | X, PRIVATE, fd))
+    elif cmd == "rewrite-x":    # arg: "FD PATH": same memfd (same inode), new bytes, mapped again
+        fd, path = arg.split(" ", 1)
+        fd = int(fd)
+        os.ftruncate(fd, 0)
+        with open(path, "rb") as f:
+            os.pwrite(fd, f.read(), 0)
+        out = hex(mmap(os.fstat(fd).st_size, R | X, PRIVATE, fd))
+    elif cmd in ("file-x", "deleted-x"):
+        fd = os.open(arg, os.O_RDONLY)
+        out = hex(mmap(4096, R | X, PRIVATE, fd))
+        os.close(fd)
+        if cmd == "deleted-x":
+            os.unlink(arg)
+    else:
+        out = "?"
+    print(out, flush=True)
+"""
+
+
+class Agent:
+    def __init__(self, *modules: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", AGENT, *modules], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, env=_env(),
+        )
+        assert self.read() == "ready"
+        self.pid = self.proc.pid
+
+    def read(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"agent exited with {self.proc.wait()}")
+        return line.strip()
+
+    def do(self, cmd: str, arg: str = "") -> str:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{cmd} {arg}\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def agent():
+    agents: list[Agent] = []
+
+    def start(*modules: str) -> Agent:
+        agents.append(Agent(*modules))
+        return agents[-1]
+
+    yield start
+    for a in agents:
+        a.close()
+
+
+def disk_identity(path: Path) -> maps.ElfIdentity:
+    got = maps.identity_of(str(path))
+    assert got is not None and got[1] is not None
+    return got[1]
+
+
+def at(hit: maps.MapsHit, addr: str) -> bool:
+    return int(hit.address.split("-")[0], 16) == int(addr, 16)
+
+
+# ---------------------------------------------------------------------------
+# identity, not name
+
+
+@needs_root
+@needs_torch_libs
+@pytest.mark.torch
+def test_memfd_copy_of_libc10_is_found_by_soname_and_build_id(agent) -> None:
+    a = agent()
+    a.do("memfd-dlopen", str(LIBC10))
+    assert maps.scan_pid(a.pid, identify=False) == []  # by name it is invisible
+    hits = maps.scan_pid(a.pid)
+    [hit] = hits
+    assert hit.kind == "forbidden-library" and hit.backing == "memfd"
+    assert hit.path == "/memfd:harmless" and forbidden_soname(hit.path) is None
+    assert hit.soname == "libc10.so"
+    assert hit.build_id == disk_identity(LIBC10).build_id
+    assert hit.distribution == "torch"
+    text = hit.describe()
+    assert text.startswith(f"pid {a.pid} maps memfd:harmless (deleted) executable at ")
+    assert "ELF SONAME libc10.so" in text and "refused distribution torch" in text
+    assert str(hit) == text  # lifecycle logs str(h)
+
+
+@needs_root
+@needs_torch_libs
+@pytest.mark.torch
+def test_renamed_copy_is_found(agent, tmp_path: Path) -> None:
+    copy = tmp_path / "libfoo.so"
+    shutil.copy(LIBC10, copy)
+    a = agent()
+    a.do("dlopen", str(copy))
+    assert maps.scan_pid(a.pid, identify=False) == []
+    [hit] = maps.scan_pid(a.pid)
+    assert (hit.path, hit.backing, hit.soname, hit.distribution) == (str(copy), "file", "libc10.so", "torch")
+    assert hit.pattern == "libc10*"
+
+
+@needs_root
+@needs_torch_libs
+@pytest.mark.torch
+def test_build_id_alone_is_enough(agent, tmp_path: Path) -> None:
+    # the SONAME rewritten in .dynstr (same length): only the build-id is left to tell
+    data = LIBC10.read_bytes()
+    assert b"libc10.so\0" in data
+    copy = tmp_path / "libxyz.so"
+    copy.write_bytes(data.replace(b"libc10.so\0", b"libxyz.so\0"))
+    ident = disk_identity(copy)
+    assert ident.soname == "libxyz.so" and ident.build_id == disk_identity(LIBC10).build_id
+    a = agent()
+    a.do("dlopen", str(copy))
+    [hit] = maps.scan_pid(a.pid)
+    assert hit.pattern == "build-id" and hit.soname == "libxyz.so" and hit.distribution == "torch"
+    assert "ELF SONAME" not in hit.describe()
+    assert f"as {LIBC10}" in hit.describe()
+
+
+@needs_root
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+def test_soname_alone_is_enough(agent, tmp_path: Path) -> None:
+    # not torch's bytes at all: a library that calls itself libtorch_cpu.so
+    src = tmp_path / "bar.c"
+    src.write_text("int bar(void){return 1;}\n")
+    lib = tmp_path / "libbar.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libtorch_cpu.so", "-o", str(lib), str(src)], check=True)
+    a = agent()
+    a.do("dlopen", str(lib))
+    [hit] = maps.scan_pid(a.pid)
+    assert (hit.soname, hit.pattern, hit.distribution) == ("libtorch_cpu.so", "libtorch*", None)
+
+
+@needs_root
+@needs_torch_libs
+@pytest.mark.torch
+def test_rewritten_memfd_is_read_again(agent, tmp_path: Path) -> None:
+    # the identity cache is per (device, inode): same memfd, new content must not hide behind it
+    a = agent()
+    harmless = Path(sys.executable).resolve()
+    a.do("memfd-x", str(harmless))
+    assert maps.scan_pid(a.pid) == []
+    fd = next(n for n in os.listdir(f"/proc/{a.pid}/fd") if os.readlink(f"/proc/{a.pid}/fd/{n}").startswith("/memfd:"))
+    a.do("rewrite-x", f"{fd} {LIBC10}")
+    hits = maps.scan_pid(a.pid)
+    assert [(h.backing, h.soname) for h in hits] == [("memfd", "libc10.so")]
+
+
+@needs_root
+@needs_torch_libs
+@pytest.mark.torch
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_without_map_files_capability_falls_back_to_fd_and_root(agent, tmp_path: Path) -> None:
+    # the generated systemd unit gives the supervisor no capabilities, and map_files
+    # needs CAP_SYS_ADMIN/CAP_CHECKPOINT_RESTORE: the scan must still see the memfd
+    copy = tmp_path / "libfoo.so"
+    shutil.copy(LIBC10, copy)
+    a = agent()
+    a.do("memfd-dlopen", str(LIBC10))
+    a.do("dlopen", str(copy))
+    code = textwrap.dedent(
+        """
+        import json, os, sys
+        from supervisor.admission import maps
+        pid = int(sys.argv[1])
+        first = open(f"/proc/{pid}/maps").readline().split()[0]
+        lo, hi = (int(x, 16) for x in first.split("-"))
+        try:
+            os.stat(f"/proc/{pid}/map_files/{lo:x}-{hi:x}")
+            denied = False
+        except PermissionError:
+            denied = True
+        hits = maps.scan_pid(pid)
+        print(json.dumps({"denied": denied, "hits": [[h.backing, h.path, h.soname] for h in hits]}))
+        """
+    )
+    out = subprocess.run(
+        ["setpriv", "--bounding-set", "-sys_admin,-checkpoint_restore", sys.executable, "-c", code, str(a.pid)],
+        capture_output=True, text=True, env=_env(), timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["denied"] is True
+    assert sorted(map(tuple, got["hits"])) == [
+        ("file", str(copy), "libc10.so"),
+        ("memfd", "/memfd:harmless", "libc10.so"),
+    ]
+
+
+# ---------------------------------------------------------------------------
+# after READY
+
+
+@needs_root
+def test_new_exec_after_ready_and_writable_exec(agent, tmp_path: Path) -> None:
+    a = agent()
+    snap = maps.exec_snapshot(a.pid)
+    assert snap.hits == () and len(snap) > 5
+    assert maps.scan_pid(a.pid, snapshot=snap) == []
+
+    rx = a.do("anon", "rx")
+    [hit] = maps.scan_pid(a.pid, snapshot=snap)
+    assert (hit.kind, hit.backing, hit.perms) == ("new-exec-after-ready", "anonymous", "r-xp") and at(hit, rx)
+    assert hit.describe().startswith(f"pid {a.pid} maps anonymous memory executable (r-xp) at ")
+    assert "after READY" in hit.describe()
+    assert maps.scan_pid(a.pid) == []  # without a snapshot it is no library, so no refusal
+
+    rwx = a.do("anon", "rwx")
+    hits = maps.scan_pid(a.pid, snapshot=snap)
+    assert {h.kind for h in hits if at(h, rwx)} == {"writable-exec", "new-exec-after-ready"}
+    assert hits[0].kind == "writable-exec"  # W^X first, then the new mappings
+    # the snapshot itself reports W^X, so READY can be refused
+    again = maps.exec_snapshot(a.pid)
+    assert [(h.kind, h.perms) for h in again.hits] == [("writable-exec", "rwxp")] and at(again.hits[0], rwx)
+    assert maps.scan_pid(a.pid, snapshot=again) == list(again.hits)  # still W^X, nothing new
+
+    # every kind of backing is told apart
+    data = tmp_path / "blob.bin"
+    data.write_bytes(b"\xc3" * 4096)
+    gone = tmp_path / "gone.bin"
+    gone.write_bytes(b"\xc3" * 4096)
+    addrs = {
+        "memfd": a.do("memfd-x", str(data)),
+        "file": a.do("file-x", str(data)),
+        "deleted": a.do("deleted-x", str(gone)),
+    }
+    new = [h for h in maps.scan_pid(a.pid, snapshot=again) if h.kind == "new-exec-after-ready"]
+    assert {h.backing: h.address.split("-")[0] for h in new} == {k: v[2:] for k, v in addrs.items()}
+    by = {h.backing: h for h in new}
+    assert by["file"].path == str(data) and by["deleted"].path == str(gone) and by["deleted"].deleted
+    assert "memfd:harmless (deleted)" in by["memfd"].describe()
+
+
+@needs_root
+def test_snapshot_belongs_to_one_process(agent) -> None:
+    a, b = agent(), agent()
+    snap = maps.exec_snapshot(a.pid)
+    with pytest.raises(ValueError):
+        maps.scan_pid(b.pid, snapshot=snap)
+    a.close()
+    with pytest.raises(maps.ProcessGone):
+        maps.scan_pid(a.pid, snapshot=snap)
+
+
+def test_snapshot_covers_split_mappings_only_of_the_same_object() -> None:
+    lib = maps.ExecMapping(0x1000, 0x5000, "r-xp", 0x2000, "08:01", 42, "/lib/x.so", "file")
+    snap = maps.ExecSnapshot(1, 0, frozenset({lib}))
+    part = maps.ExecMapping(0x2000, 0x3000, "r-xp", 0x3000, "08:01", 42, "/lib/x.so", "file")
+    assert snap.covers(part)  # mprotect split a piece off: no new code
+    assert not snap.covers(maps.ExecMapping(0x2000, 0x3000, "r-xp", 0x0, "08:01", 42, "/lib/x.so", "file"))
+    assert not snap.covers(maps.ExecMapping(0x2000, 0x3000, "r-xp", 0x3000, "08:01", 43, "/lib/x.so", "file"))
+    assert not snap.covers(maps.ExecMapping(0x4000, 0x6000, "r-xp", 0x5000, "08:01", 42, "/lib/x.so", "file"))
+    assert not snap.covers(maps.ExecMapping(0x2000, 0x3000, "r-xp", 0, "00:00", 0, "", "anonymous"))
+
+
+# ---------------------------------------------------------------------------
+# clean processes, and the ELF reader against pyelftools
+
+
+@needs_root
+def test_clean_numpy_process_has_no_hits_and_reader_agrees_with_pyelftools(agent) -> None:
+    from elftools.elf.dynamic import DynamicSection
+    from elftools.elf.elffile import ELFFile
+
+    a = agent("numpy")
+    assert maps.scan_pid(a.pid) == []
+    snap = maps.exec_snapshot(a.pid)
+    assert snap.hits == ()
+    assert maps.scan_pid(a.pid, snapshot=snap) == []
+    files = {m.path for m in snap.mappings if m.backing == "file"}
+    assert any("numpy" in p for p in files) and any("libc.so" in p for p in files)
+    for path in sorted(files):
+        mine = disk_identity(Path(path))
+        with open(path, "rb") as f:
+            elf = ELFFile(f)
+            soname, needed, build_id = None, [], None
+            for sec in elf.iter_sections():
+                if isinstance(sec, DynamicSection):
+                    for tag in sec.iter_tags():
+                        if tag.entry.d_tag == "DT_SONAME":
+                            soname = tag.soname
+                        elif tag.entry.d_tag == "DT_NEEDED":
+                            needed.append(tag.needed)
+                elif sec["sh_type"] == "SHT_NOTE":
+                    for note in sec.iter_notes():
+                        # by name too: SystemTap's stapsdt notes also have type 3
+                        if note["n_type"] == "NT_GNU_BUILD_ID" and note["n_name"] == "GNU":
+                            build_id = note["n_desc"]
+        assert (mine.soname, list(mine.needed), mine.build_id) == (soname, needed, build_id), path
+
+
+def test_not_elf_and_truncated_files(tmp_path: Path) -> None:
+    text = tmp_path / "x.so"
+    text.write_text("INPUT(-lc)\n")
+    junk = tmp_path / "junk.so"
+    junk.write_bytes(b"\x7fELF\x02\x01\x01" + b"\xff" * 120)
+    assert maps.identity_of(str(text)) == ((text.stat().st_dev, text.stat().st_ino), None)
+    got = maps.identity_of(str(junk))
+    assert got is not None and got[1] in (None, maps.ElfIdentity(None, None))
+    assert maps.identity_of("/dev/null") is None  # never opens a device
+    assert maps.identity_of(str(tmp_path / "missing")) is None
+
+
+# ---------------------------------------------------------------------------
+# guard: a caught refusal is still reported
+
+
+def test_guard_reports_caught_refusals_on_the_status_pipe(tmp_path: Path) -> None:
+    pkg = tmp_path / "evilpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "evil.py").write_text(textwrap.dedent(
+        """
+        import ctypes
+        for _ in range(3):
+            try:
+                import torch
+            except ImportError:
+                pass
+        try:
+            ctypes.CDLL("libtorch_cpu.so")
+        except OSError:
+            pass
+        print("survived", flush=True)
+        """
+    ))
+    r, w = os.pipe()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", "from supervisor.admission import guard\nguard.install('evil')\nimport evilpkg.evil"],
+            capture_output=True, text=True, timeout=60, pass_fds=(w,),
+            env=_env(TRIO_STATUS_FD=str(w), PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path}"),
+        )
+        os.close(w)
+        w = -1
+        with os.fdopen(r, "rb") as f:
+            r = -1
+            lines = f.read().decode().splitlines()
+    finally:
+        for fd in (r, w):
+            if fd >= 0:
+                os.close(fd)
+    assert proc.returncode == 0 and proc.stdout == "survived\n", proc.stderr
+    assert lines == [
+        "REFUSED=import torch (importer: evilpkg.evil)",  # once, though tried three times
+        "REFUSED=library libtorch_cpu.so",
+    ]
+
+
+@needs_torch_libs
+@pytest.mark.torch
+def test_guard_refuses_a_memfd_copy_by_identity_and_reports_it() -> None:
+    code = textwrap.dedent(
+        f"""
+        import ctypes, os
+        from supervisor.admission import guard
+        guard.install("evil")
+        fd = os.memfd_create("harmless")
+        with open({str(LIBC10)!r}, "rb") as f:
+            os.write(fd, f.read())
+        try:
+            ctypes.CDLL(f"/proc/self/fd/{{fd}}")
+            print("loaded")
+        except guard.ForbiddenLibraryError as e:
+            print("refused", fd, e)
+        """
+    )
+    r, w = os.pipe()
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                              pass_fds=(w,), env=_env(TRIO_STATUS_FD=str(w)))
+        os.close(w)
+        w = -1
+        line = os.read(r, 4096).decode()
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+    assert proc.returncode == 0, proc.stderr
+    word, fd, _ = proc.stdout.split(" ", 2)
+    assert word == "refused", proc.stdout
+    assert line.startswith(f"REFUSED=library /proc/self/fd/{fd} (ELF SONAME libc10.so, refused distribution torch")
+    assert line.endswith("\n") and line.count("\n") == 1
+
+
+def test_guard_report_line_is_one_short_line_and_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    from supervisor.worker import ENV_STATUS_FD
+
+    assert guard.ENV_STATUS_FD == ENV_STATUS_FD
+    r, w = os.pipe()
+    try:
+        monkeypatch.setattr(guard, "_status_fd", [])
+        monkeypatch.setenv(ENV_STATUS_FD, str(w))
+        guard.report("import", "mod\nwith newline " + "é" * 2000)
+        data = os.read(r, 65536)
+        assert data.startswith(b"REFUSED=import mod with newline \xc3\xa9")
+        assert data.endswith(b"\n") and data.count(b"\n") == 1 and len(data) < 1024
+        data.decode()  # not cut inside a character
+        os.close(w)
+        guard.report("library", "x")  # closed fd: swallowed
+        monkeypatch.setenv(ENV_STATUS_FD, "not-a-number")
+        guard.report("library", "y")
+    finally:
+        os.close(r)
+        try:
+            os.close(w)
+        except OSError:
+            pass
