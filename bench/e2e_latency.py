@@ -60,6 +60,7 @@ args = ["--fps", "{fps}"]
 [workers.modeld]
 domain = "control"
 module = "workers.modeld"
+jit_kernels = true
 subscribes = ["road_frames"]
 publishes = ["model_out"]
 ready_timeout_ms = 30000

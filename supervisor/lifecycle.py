@@ -409,7 +409,9 @@ class Supervisor:
                 return
             verdicts = watch.handle_pending()
             if not verdicts:
-                await trio.sleep(0.005)   # POLLHUP after the last task exited
+                if watch.hung_up:         # every watched task is gone: the exit follows
+                    return
+                await trio.sleep(0.005)
                 continue
             for v in verdicts:
                 if v.allowed:

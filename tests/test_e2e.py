@@ -61,6 +61,7 @@ module = "workers.modeld"
 subscribes = ["road_frames"]
 publishes = ["model_out"]
 ready_timeout_ms = 30000
+jit_kernels = true
 
 [workers.controlsd]
 domain = "control"

@@ -276,7 +276,11 @@ def build_bwrap_argv(
     a += _hide_args(policy.hidden, source)
     for d in policy.dev_binds:
         a += ["--dev-bind", source(d), d]
-    a += ["--remount-ro", "/dev"]
+    # POSIX semaphores (multiprocessing.SemLock, used by tinygrad's CPU runtime) need
+    # /dev/shm: a small private tmpfs; everything else of /dev is read-only.
+    if bwrap_supports("--size"):
+        a += ["--size", str(16 << 20)]
+    a += ["--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
 
     if policy.hide_compilers:
         files, dirs = compiler_masks(tuple(policy.ro_binds))

@@ -223,6 +223,10 @@ def policy_for_domain(
             dict.fromkeys([os.path.dirname(sys.executable), "/usr/local/bin", "/usr/bin", "/bin"])
         ),
         "HOME": "/tmp",
+        # getpass.getuser() reads these first; without them glibc's getpwuid tries
+        # nscd's socket, and connect() kills a control worker.
+        "USER": "worker",
+        "LOGNAME": "worker",
         "TMPDIR": "/tmp",
         "LANG": "C.UTF-8",
         "PYTHONDONTWRITEBYTECODE": "1",  # tree is read-only anyway; avoid EROFS noise

@@ -133,8 +133,8 @@ def exec_after_lockdown(args: list[str]) -> tuple[bool, dict]:
     def old_thread() -> None:
         go.wait()
         try:
-            subprocess.run(["/bin/true"])
-            res["r"] = "executed"
+            rc = subprocess.run(["/bin/true"]).returncode
+            res["r"] = "killed: SIGSYS" if rc == -31 else "executed"   # the child's execve
         except OSError as e:
             res["r"] = _err(e)
 
@@ -145,9 +145,10 @@ def exec_after_lockdown(args: list[str]) -> tuple[bool, dict]:
     t.join()
     d["pre_existing_thread"] = res["r"]
     try:
-        subprocess.run(["/bin/true"])
-        d["subprocess"] = "executed"
-        return False, d
+        rc = subprocess.run(["/bin/true"]).returncode
+        d["subprocess"] = "killed: SIGSYS" if rc == -31 else "executed"
+        if rc != -31:
+            return False, d
     except OSError as e:
         d["subprocess"] = _err(e)
     if res["r"] == "executed":

@@ -67,7 +67,8 @@ class Staging:
         for i, s in enumerate(srcs):
             d = f"{BASE}/{i}"
             st._index[s] = d
-            script += [f"mkdir {d}", f"mount --rbind {shlex.quote(s)} {d}",
+            point = f"mkdir {d}" if os.path.isdir(s) else f": > {d}"   # a file binds onto a file
+            script += [point, f"mount --rbind {shlex.quote(s)} {d}",
                        f"mount -o remount,bind,ro,nosuid,nodev {d}"]
         script += ["echo ready", "exec cat >/dev/null"]
         # util-linux unshare: --propagation slave so our mounts never reach the host.
@@ -77,8 +78,8 @@ class Staging:
         try:
             line = p.stdout.readline()
             if line != b"ready\n":
-                err = p.stderr.read().decode(errors="replace").strip().splitlines()
-                raise OSError(f"staging mount namespace failed: {err[-1] if err else 'no output'}")
+                err = " ".join(p.stderr.read().decode(errors="replace").split())
+                raise OSError(f"staging mount namespace failed: {err or 'no output'}")
             st.mntns_fd = os.open(f"/proc/{p.pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
         finally:
             p.stdin.close()   # the helper exits; the namespace lives on through our fd

@@ -43,7 +43,8 @@ def probe_compilers() -> dict[str, str]:
     for name in ("clang", "gcc", "cc"):
         try:
             r = subprocess.run([name, "--version"], capture_output=True, timeout=20)
-            out[name] = f"ran (rc {r.returncode})"
+            # The child's execve is killed by seccomp before anything runs.
+            out[name] = "killed: SIGSYS" if r.returncode == -31 else f"ran (rc {r.returncode})"
         except OSError as exc:
             out[name] = f"{type(exc).__name__}: errno {exc.errno}"
     return out
@@ -88,8 +89,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
         lock_down("control")
         try:
-            subprocess.run(["/bin/true"], timeout=5)
-            rep["exec_after_lock_down"] = "ran"
+            r = subprocess.run(["/bin/true"], timeout=5)
+            rep["exec_after_lock_down"] = "killed: SIGSYS" if r.returncode == -31 else "ran"
         except OSError as exc:
             rep["exec_after_lock_down"] = f"{type(exc).__name__}: errno {exc.errno}"
     outs, vals, truths, receipts, lat = [], [], [], [], []

@@ -174,12 +174,20 @@ def memory_hog(ctx: WorkerContext) -> dict:
 
 
 def dev_shm(ctx: WorkerContext) -> dict:
+    """Fill /dev/shm: a private, size-capped tmpfs (the old /dev was 12 GiB of host RAM)."""
+    import glob
+
+    res: dict = {"host_names": glob.glob("/dev/shm/*")}
+    n = 0
     try:
         with open("/dev/shm/hog", "wb") as f:
-            f.write(b"x")
+            for n in range(1, 257):
+                f.write(b"\xa5" * (1 << 20))
+                f.flush()
     except OSError as e:
-        return {"denied": True, "error": _err(e)}
-    return {"denied": False}
+        res.update(error=_err(e), mib=n)
+    res["denied"] = "error" in res and not res["host_names"]
+    return res
 
 
 def ptrace(ctx: WorkerContext) -> dict:
