@@ -46,6 +46,7 @@ ATTACKERS = {
     "c-devshm": ("control", "dev_shm", False),
     "c-mprotect": ("control", "mprotect_exec", False),
     "c-mprotect0": ("control", "mprotect_exec", True),
+    "c-jit": ("control", "mprotect_exec", True),       # declared jit_kernels: allowed
     "c-memfd": ("control", "memfd_exec", False),
     "c-dlopen": ("control", "dlopen_tmp", True),
     "c-torch": ("control", "torch_files", False),
@@ -89,8 +90,10 @@ def _toml(sock_dir: Path) -> str:
     for name, (domain, attack, before) in ATTACKERS.items():
         args = ["--read", "frames", "--attack", attack,
                 "--attack-arg", str(sock_dir / "host.sock")] + (["--attack-before-ready"] if before else [])
+        jit = "jit_kernels = true" if name == "c-jit" else ""
         parts.append(f"""
     [workers.{name}]
+    {jit}
     domain = "{domain}"
     module = "workers.probe"
     subscribes = ["frames"]
@@ -327,6 +330,15 @@ def test_anonymous_exec_before_ready_refused_without_jit_kernels(fleet):
     ev = fleet["events"]
     ref = _of(ev, "c-mprotect0", "refused")
     assert ref and ref[0]["kind"] == "exec_memory", _of(ev, "c-mprotect0")
+
+
+def test_the_same_mapping_before_ready_is_allowed_for_a_jit_worker(fleet):
+    """What modeld does with its verified kernels: made executable before READY."""
+    ev = fleet["events"]
+    res = attack_result(ev, "c-jit")
+    assert res is not None and res["denied"] is False, _of(ev, "c-jit")
+    assert not _of(ev, "c-jit", "refused") and not _of(fleet["running"], "c-jit", "exit")
+    assert _of(ev, "c-jit", "ready")
 
 
 def test_library_dropped_in_tmp_cannot_be_mapped(fleet):

@@ -178,8 +178,10 @@ def _fs_args(policy: SandboxPolicy, source: Callable[[str], str] = _same) -> lis
     return args + links
 
 
-def _hide_args(hidden: Sequence[str], source: Callable[[str], str] = _same) -> list[str]:
-    """Rebuild each directory holding hidden entries from its other entries.
+def _hide_args(hidden: Sequence[str], source: Callable[[str], str] = _same,
+               views: Mapping[str, str] | None = None) -> list[str]:
+    """Make hidden entries absent: bind the directory's filtered view (staging's
+    overlay) over it, or else rebuild the directory from its other entries.
 
     A masked directory would still import as an empty namespace package; an absent
     one gives "No module named 'torch'" and ENOENT for every file below it.
@@ -189,6 +191,9 @@ def _hide_args(hidden: Sequence[str], source: Callable[[str], str] = _same) -> l
         by_dir.setdefault(os.path.dirname(h), set()).add(os.path.basename(h))
     a: list[str] = []
     for d, names in sorted(by_dir.items()):
+        if views and d in views:
+            a += ["--ro-bind", views[d], d]
+            continue
         try:
             entries = sorted(os.scandir(d), key=lambda e: e.name)
         except OSError:
@@ -215,13 +220,15 @@ def build_bwrap_argv(
     seccomp_fd: int | None = None,
     json_status_fd: int | None = None,
     source: Callable[[str], str] = _same,
+    views: Mapping[str, str] | None = None,
 ) -> list[str]:
     """Full command line: bwrap options, then `--`, then the worker argv.
 
     `pass_fds` are the fds the caller will pass to Popen; they are only
     validated here (bwrap keeps inherited fds at the same numbers).
     `seccomp_fd`/`json_status_fd` must be in the caller's pass_fds too.
-    `source` maps a host path to where bwrap finds it (staging.Staging.source_for).
+    `source` maps a host path to where bwrap finds it (staging.Staging.source_for);
+    `views` maps a directory with hidden entries to its filtered view (Staging.views).
     """
     if not argv:
         raise ValueError("empty argv")
@@ -273,7 +280,7 @@ def build_bwrap_argv(
     a += _fs_args(policy, source)
     for d in reversed(parents):
         a += ["--remount-ro", d]
-    a += _hide_args(policy.hidden, source)
+    a += _hide_args(policy.hidden, source, views)
     for d in policy.dev_binds:
         a += ["--dev-bind", source(d), d]
     # POSIX semaphores (multiprocessing.SemLock, used by tinygrad's CPU runtime) need

@@ -81,11 +81,13 @@ def prepare(
     owned: list[int] = []
     sfd = None
     source = None
+    views: dict[str, str] = {}
     mntns = -1
     if policy.host_uid is not None and os.geteuid() == 0:
         # bwrap resolves bind sources as the unprivileged uid: stage what it cannot reach.
-        st = staging.staging_for([*policy.ro_binds, *policy.rw_binds, *policy.dev_binds])
-        source, mntns = st.source_for, st.mntns_fd
+        st = staging.staging_for([*policy.ro_binds, *policy.rw_binds, *policy.dev_binds],
+                                 policy.hidden)
+        source, mntns, views = st.source_for, st.mntns_fd, st.views
     if policy.seccomp_at_launch:
         sfd = seccomp.launch_filter_fd(policy.domain, network=policy.network)
         owned.append(sfd)
@@ -93,7 +95,7 @@ def prepare(
     try:
         full = build_bwrap_argv(
             policy, argv, fds, cwd, env_extra=env_extra, seccomp_fd=sfd,
-            json_status_fd=json_status_fd, **({"source": source} if source else {}),
+            json_status_fd=json_status_fd, views=views, **({"source": source} if source else {}),
         )
     except BaseException:
         for fd in owned:
