@@ -121,6 +121,9 @@ class SupervisorConfig:
     status_interval_s: float = 5.0
     maps_scan_interval_s: float = 1.0   # admission re-scan of /proc/PID/maps
     log_format: str = "json"            # "json" | "text"
+    # Where the fail-safe latch lives (it must survive a restart of the supervisor);
+    # the environment variable TRIO_STATE_DIR overrides it (tests, development).
+    state_dir: str = "/var/lib/trio-supervisor"
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,9 @@ class WorkerConfig:
     backoff_max_ms: int = 5000
     max_restarts: int = 5                   # at most this many restarts ...
     restart_window_s: float = 60.0          # ... within this window, else the budget is spent
+    # A worker that gave up (out of restarts) outside a failed-safe domain is tried
+    # again after this cool-down, under its restart policy; 0 = never again.
+    cooldown_s: float = 30.0
     watchdog_ms: int = 0                    # 0: no watchdog
     ready_timeout_ms: int = 5000
     optional: bool = False                  # if admission refuses it, the rest still starts
@@ -182,6 +188,16 @@ class ChannelConfig:
     name: str
     spec: ChannelSpec
     shadow: bool = False   # research/shadow output: must never drive actuation
+    # A declared payload (schemas/payloads.py) for float32 tensor channels; an
+    # actuation payload (control_cmd) makes this an actuation channel: on fail-safe its
+    # last message is the payload's safe value.
+    payload: str | None = None
+
+    @property
+    def actuation(self) -> bool:
+        from schemas.payloads import PAYLOADS
+
+        return self.payload is not None and PAYLOADS[self.payload].safe is not None
 
 
 @dataclass(frozen=True)
@@ -369,6 +385,7 @@ _SUPERVISOR_KEYS: dict[str, Callable[[Any], Any]] = {
     "status_interval_s": _number(),
     "maps_scan_interval_s": _number(),
     "log_format": _choice("json", "text"),
+    "state_dir": _string,
 }
 _DOMAIN_KEYS: dict[str, Callable[[Any], Any]] = {
     "network": _bool,
@@ -390,6 +407,7 @@ _WORKER_KEYS: dict[str, Callable[[Any], Any]] = {
     "backoff_max_ms": _int(1, 3_600_000),
     "max_restarts": _int(0, 1_000_000),
     "restart_window_s": _number(),
+    "cooldown_s": _number(),
     "watchdog_ms": _int(0, 3_600_000),
     "ready_timeout_ms": _int(1, 3_600_000),
     "optional": _bool,
@@ -414,6 +432,7 @@ _CHANNEL_KEYS: dict[str, tuple[Callable[[Any], Any], Any]] = {
     "crc": (_bool, None),
     "integrity": (_bool, None),                  # same switch as crc
     "shadow": (_bool, False),
+    "payload": (_string, None),
 }
 _SECTIONS = ("supervisor", "domains", "workers", "channels")
 
@@ -746,7 +765,19 @@ class _Loader:
             except ConfigError as e:
                 self.add(path, str(e))
                 continue
-            out[name] = ChannelConfig(name, spec, shadow=v["shadow"])
+            payload = v["payload"]
+            if payload is not None:
+                from schemas.payloads import PAYLOADS
+
+                if payload not in PAYLOADS:
+                    self.add(f"{path}.payload", f"unknown payload {payload!r} (declared: "
+                             f"{', '.join(sorted(PAYLOADS))})" + _suggest(payload, PAYLOADS))
+                    continue
+                if v["dtype"] != PAYLOADS[payload].dtype or v["kind"] != "tensor":
+                    self.add(f"{path}.payload", f"payload {payload!r} needs a "
+                             f"{PAYLOADS[payload].dtype} tensor channel")
+                    continue
+            out[name] = ChannelConfig(name, spec, shadow=v["shadow"], payload=payload)
         return out
 
 

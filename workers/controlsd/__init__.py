@@ -32,6 +32,7 @@ import time
 
 import numpy as np
 
+from schemas.payloads import CONTROL_CMD
 from supervisor.ipc import (BridgeError, ChannelTimeout, FutureTimestamp, LeaseLost, Message,
                             Rejected)
 from supervisor.worker import WorkerContext
@@ -96,10 +97,11 @@ def model_output_of(msg: Message) -> ModelOutput:
 
 
 def _publish(writer, cmd: Command) -> None:
-    """``writer.publish_array(cmd.to_array())`` without the intermediate array."""
+    """One CONTROL_CMD payload (schemas/payloads.py), written straight into the slot."""
     with writer.loan() as loan:
-        loan.array((4,), np.float32)[:] = (cmd.steer_rad, 1.0 if cmd.engaged else 0.0,
-                                           float(cmd.reason), cmd.model_age_ms)
+        CONTROL_CMD.encode(loan.array(CONTROL_CMD.shape, np.float32),
+                           steer_rad=cmd.steer_rad, engaged=1.0 if cmd.engaged else 0.0,
+                           reason=float(cmd.reason), model_age_ms=cmd.model_age_ms)
         loan.publish()
 
 

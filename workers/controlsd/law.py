@@ -58,6 +58,7 @@ class SafeReason(IntEnum):
     RECOVERING = 7
     SHUTDOWN = 8
     FUTURE = 9
+    FAIL_SAFE = 10   # published by the supervisor when the control domain failed safe
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,61 @@
+"""Named-field tensor payloads: what the float32 arrays on the small channels mean.
+
+A channel's `payload` key in the config names one of these; producers, consumers,
+the monitor and the supervisor's fail-safe encode and decode through it, so field
+positions live in exactly one place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Payload:
+    name: str
+    fields: tuple[str, ...]
+    dtype: str = "float32"
+    doc: str = ""
+    # An actuation payload: what it says when nothing may act on it (the fail-safe's
+    # last word). None for payloads that never reach actuators.
+    safe: Mapping[str, float] | None = None
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (len(self.fields),)
+
+    def index(self, field: str) -> int:
+        return self.fields.index(field)
+
+    def encode(self, out: np.ndarray | None = None, **values: float) -> np.ndarray:
+        """Fields by name into `out` (a loaned slot view) or a new array; unnamed = 0."""
+        unknown = set(values) - set(self.fields)
+        if unknown:
+            raise KeyError(f"payload {self.name} has no field(s) {sorted(unknown)}")
+        arr = np.zeros(self.shape, self.dtype) if out is None else out
+        arr[:] = [values.get(f, 0.0) for f in self.fields]
+        return arr
+
+    def decode(self, arr: np.ndarray) -> dict[str, float]:
+        if arr.shape[-1:] != self.shape:
+            raise ValueError(f"payload {self.name}: expected {self.shape[0]} values, "
+                             f"got shape {arr.shape}")
+        return {f: float(v) for f, v in zip(self.fields, arr)}
+
+
+MODEL_OUT = Payload(
+    "model_out", ("offset_m", "heading_rad", "confidence", "reserved"),
+    doc="lane offset (m, left +), heading error (rad), confidence 0..1")
+CONTROL_CMD = Payload(
+    "control_cmd", ("steer_rad", "engaged", "reason", "model_age_ms"),
+    doc="steering angle command, engaged 0/1, safe-state reason code "
+        "(workers.controlsd.law.SafeReason), age of the model output it came from",
+    safe={"steer_rad": 0.0, "engaged": 0.0, "reason": 10.0})   # 10 = FAIL_SAFE
+SHADOW_OUT = Payload(
+    "shadow_out", ("offset_m", "heading_rad", "confidence", "frame_id", "latency_ms",
+                   "age_ms", "pipeline_ms", "reserved"),
+    doc="research's shadow estimate: logged, never actuated")
+
+PAYLOADS: dict[str, Payload] = {p.name: p for p in (MODEL_OUT, CONTROL_CMD, SHADOW_OUT)}
