@@ -54,8 +54,8 @@ CONTROL_CMD = Payload(
         "(workers.controlsd.law.SafeReason), age of the model output it came from",
     safe={"steer_rad": 0.0, "engaged": 0.0, "reason": 10.0})   # 10 = FAIL_SAFE
 SHADOW_OUT = Payload(
-    "shadow_out", ("offset_m", "heading_rad", "confidence", "frame_id", "latency_ms",
-                   "age_ms", "pipeline_ms", "reserved"),
+    "shadow_out", ("lane_offset_m", "heading_rad", "left_line_prob", "right_line_prob",
+                   "frame_id_mod_2_24", "latency_ms", "age_ms", "pipeline_ms"),
     doc="research's shadow estimate: logged, never actuated")
 
 PAYLOADS: dict[str, Payload] = {p.name: p for p in (MODEL_OUT, CONTROL_CMD, SHADOW_OUT)}

@@ -48,10 +48,10 @@ from collections import Counter
 import numpy as np
 
 from supervisor.ipc import ChannelTimeout, LeaseLost, Rejected
+from schemas.payloads import SHADOW_OUT
 from supervisor.worker import WorkerContext
 
-SHADOW_LAYOUT = ("lane_offset_m", "heading_rad", "left_line_prob", "right_line_prob",
-                 "frame_id_mod_2_24", "latency_ms", "age_ms", "pipeline_ms")
+SHADOW_LAYOUT = SHADOW_OUT.fields   # declared once, in schemas/payloads.py
 SHADOW_LEN = len(SHADOW_LAYOUT)
 FRAME_ID_MOD = 1 << 24
 WATCHDOG_S = 0.05
