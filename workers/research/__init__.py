@@ -47,8 +47,8 @@ from collections import Counter
 
 import numpy as np
 
-from supervisor.ipc import ChannelTimeout, LeaseLost, Rejected
 from schemas.payloads import SHADOW_OUT
+from supervisor.ipc import ChannelTimeout, LeaseLost, Rejected
 from supervisor.worker import WorkerContext
 
 SHADOW_LAYOUT = SHADOW_OUT.fields   # declared once, in schemas/payloads.py
