@@ -18,9 +18,12 @@ is doing. Per scenario, one after the other in the same run:
   control   memory_hog in the control domain (optional, memory_max 256MiB)
 
 Abusers: workers.probe --attack NAME, restart = "never", optional = true, cpu_quota 50.
-The first abuser waits --abuse-after-ms (READY delay) so the pipeline runs steadily
-first. The "abuse window" runs from the first abuser's start to 1 s after the last
-one finished (its `exit` event, or its `ATTACK` output line while it lives on).
+A harmless research `gate` probe (in every scenario) becomes READY after
+--abuse-after-ms and the abusers start after it, so the pipeline runs steadily first;
+each abuser attacks right after its READY. `--repeat`: restart = "on-failure" with a
+200 ms backoff, so the hog is OOM-killed and restarted until the end of the run. The "abuse window" runs from the
+first abuser's READY to 1 s after the last one finished (its `exit` event, or its
+`ATTACK` output line while it lives on).
 
 Reported: delivered messages/s, publish-to-publish gap p50/p99/max (whole run and
 inside the abuse window), drops seen by this reader, watchdog misses / exits /
@@ -93,12 +96,28 @@ args = ["--read", "cmd", "--ping-ms", "20"]
 watchdog_ms = {watchdog}
 """
 
+# Every scenario (baseline too): a harmless research probe that becomes READY after
+# --abuse-after-ms. Workers start in declaration order, each after the previous READY, so
+# the abusers start only then and the pipeline runs steadily first.
+GATE = """
+[workers.gate]
+domain = "research"
+module = "workers.probe"
+args = ["--ready-delay-ms", "{delay}"]
+restart = "never"
+optional = true
+ready_timeout_ms = {timeout}
+"""
+
 ABUSER = """
 [workers.{name}]
 domain = "{domain}"
 module = "workers.probe"
 args = [{args}]
-restart = "never"
+restart = "{restart}"
+backoff_initial_ms = 200
+backoff_max_ms = 200
+max_restarts = 1000
 optional = true
 memory_max = "{memory_max}"
 pids_max = {pids_max}
@@ -121,11 +140,11 @@ TITLES = {
 
 def config_text(scenario: str, a: argparse.Namespace) -> str:
     text = PIPELINE.format(period=a.period_ms, watchdog=a.watchdog_ms)
-    for i, (name, domain, attack) in enumerate(SCENARIOS[scenario]):
+    text += GATE.format(delay=a.abuse_after_ms, timeout=a.abuse_after_ms + 10000)
+    for name, domain, attack in SCENARIOS[scenario]:
         args = ["--attack", attack]
-        if i == 0:
-            args += ["--ready-delay-ms", str(a.abuse_after_ms)]
         text += ABUSER.format(name=name, domain=domain, args=", ".join(json.dumps(x) for x in args),
+                              restart="on-failure" if a.repeat else "never",
                               memory_max=a.memory_max, pids_max=a.pids_max, cpu_quota=a.cpu_quota)
     return text
 
@@ -156,6 +175,7 @@ def stream_stats(samples: list[tuple[int, int, int]], t0: int, t1: int,
     out = {
         "messages": len(samples),
         "rate_hz": len(samples) / ((t1 - t0) / 1e9),
+        "rate_span_hz": (len(pub) - 1) / ((pub[-1] - pub[0]) / 1e9) if len(pub) > 1 else 0.0,
         "gap_p50_ms": pct(gaps, 50), "gap_p99_ms": pct(gaps, 99),
         "gap_max_ms": float(gaps.max()) if len(gaps) else float("nan"),
         "seq_missing": int((np.diff(seq) - 1).clip(0).sum()) if len(seq) > 1 else 0,
@@ -225,6 +245,7 @@ def run_scenario(scenario: str, a: argparse.Namespace) -> dict:
     abusers = {}
     for name, domain, attack in SCENARIOS[scenario]:
         st = [e for e in ev if e.get("worker") == name and e["event"] == "start"]
+        rd = [e for e in ev if e.get("worker") == name and e["event"] == "ready"]
         ex = [e for e in ev if e.get("worker") == name and e["event"] == "exit"]
         att = []
         for e in ev:
@@ -235,12 +256,16 @@ def run_scenario(scenario: str, a: argparse.Namespace) -> dict:
                 except ValueError:
                     att.append((e["mono_ns"], {"raw": e["line"]}))
         refused = [e for e in ev if e.get("worker") == name and e["event"] == "refused"]
-        end = ex[0]["mono_ns"] if ex else (att[0][0] if att else None)
+        end = ex[-1]["mono_ns"] if ex else (att[0][0] if att else None)
         if ex:
             x = ex[0]
             ended = (f"exit code {x['code']}" + (f", {x['signal']}" if x.get("signal") else "")
                      + (f": {x['cause']}" if x.get("cause") else "")
-                     + f" after {x['uptime_ms'] / 1000:.2f} s")
+                     + (f", {(x['mono_ns'] - rd[0]['mono_ns']) / 1e9:.2f} s after READY"
+                        if rd else f", {x['uptime_ms'] / 1000:.2f} s after start"))
+            if len(ex) > 1:
+                oom = sum(1 for e in ex if str(e.get("cause") or "").startswith("out of memory"))
+                ended = f"{len(ex)} runs ended, {oom} of them out of memory; first: " + ended
         else:
             ended = "still running at the end (stopped at shutdown)"
         if att:
@@ -250,18 +275,21 @@ def run_scenario(scenario: str, a: argparse.Namespace) -> dict:
         abusers[name] = {
             "domain": domain, "attack": attack,
             "start_s": (st[0]["mono_ns"] - t0) / 1e9 if st else None,
+            "ready_s": (rd[0]["mono_ns"] - t0) / 1e9 if rd else None,
             "end_s": (end - t0) / 1e9 if end else None,
-            "exit": ({k: ex[0].get(k) for k in ("code", "signal", "cause", "reason", "uptime_ms")}
-                     if ex else None),
+            "exits": [{k: e.get(k) for k in ("code", "signal", "cause", "reason", "uptime_ms")}
+                      for e in ex],
+            "runs": len(st),
             "attack_result": att[0][1] if att else None,
             "ended": ended,
         }
     window = None
     if abusers:
-        starts = [t0 + v["start_s"] * 1e9 for v in abusers.values() if v["start_s"] is not None]
+        # The attack starts right after READY (the sandbox start before it is not abuse).
+        starts = [t0 + v["ready_s"] * 1e9 for v in abusers.values() if v["ready_s"] is not None]
         ends = [t0 + v["end_s"] * 1e9 for v in abusers.values() if v["end_s"] is not None]
         if starts:
-            window = (int(min(starts)), int(max(ends or [t1])) + 1_000_000_000)
+            window = (int(min(starts)), min(int(max(ends or [t1])) + 1_000_000_000, t1))
 
     ctl = {}
     for w in CONTROL_WORKERS:
@@ -303,17 +331,22 @@ def markdown(results: list[dict], a: argparse.Namespace) -> str:
     L = []
     L.append(f"Control pipeline cam -> relay -> sink at {1000 / a.period_ms:g} Hz, watchdog "
              f"{a.watchdog_ms} ms; {a.seconds:g} s per scenario; abusers: memory_max "
-             f"{a.memory_max}, pids_max {a.pids_max}, cpu_quota {a.cpu_quota} %.")
-    L.append("Gaps are publish-to-publish of consecutive messages this process received; "
-             "`window` = from the first abuser's start to 1 s after the last one finished.")
+             f"{a.memory_max}, pids_max {a.pids_max}, cpu_quota {a.cpu_quota:g} %, restart "
+             f"{'on-failure (--repeat)' if a.repeat else 'never'}.")
+    L.append("msgs/s = (msgs - 1) / (last publish - first publish). "
+             "Gaps are publish-to-publish of consecutive messages this process received; "
+             "`window` = from the first abuser's READY (its attack starts then) to 1 s after the last one "
+             "finished; `bench lag` = publish -> this process holding the message (this process "
+             "also runs the supervisor).")
     L.append("")
-    L.append("| scenario | stream | msgs/s | gap p50 ms | gap p99 ms | gap max ms "
+    L.append("| scenario | stream | msgs | msgs/s | gap p50 ms | gap p99 ms | gap max ms "
              "| window max gap ms | missing seq | bench lag p99 ms |")
-    L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         for s in STREAMS:
             x = r["streams"][s]
-            L.append(f"| {r['title']} | {s} | {f(x['rate_hz'], 2)} | {f(x['gap_p50_ms'])} | "
+            L.append(f"| {r['title']} | {s} | {x['messages']} | {f(x['rate_span_hz'], 2)} | "
+                     f"{f(x['gap_p50_ms'])} | "
                      f"{f(x['gap_p99_ms'])} | {f(x['gap_max_ms'])} | "
                      f"{f(x.get('window_gap_max_ms'))} | {x['seq_missing']} | "
                      f"{f(x['publish_to_bench_p99_ms'], 2)} |")
@@ -328,7 +361,7 @@ def markdown(results: list[dict], a: argparse.Namespace) -> str:
             if r is base:
                 continue
             cells = []
-            for key, bkey in (("rate_hz", "rate_hz"), ("gap_p50_ms", "gap_p50_ms"),
+            for key, bkey in (("rate_span_hz", "rate_span_hz"), ("gap_p50_ms", "gap_p50_ms"),
                               ("gap_p99_ms", "gap_p99_ms"), ("gap_max_ms", "gap_max_ms"),
                               ("window_gap_max_ms", "gap_max_ms")):
                 v = [ratio(r["streams"][s].get(key, float("nan")), base["streams"][s][bkey])
@@ -336,6 +369,10 @@ def markdown(results: list[dict], a: argparse.Namespace) -> str:
                 cells.append(f"{v[0]} ({v[1]})")
             L.append(f"| {r['title']} | " + " | ".join(cells) + " |")
         L.append("")
+    L.append("`other CPU %`: machine-wide busy CPU minus this process and its reaped children, "
+             "as a share of all CPUs over the scenario (an upper bound: CPU of sandbox processes "
+             "killed before their parent reaped them is counted as other).")
+    L.append("")
     L.append("| scenario | control watchdog misses | control exits / restarts | fail-safe "
              "| abuse window s | other CPU % | supervisor exit |")
     L.append("|---|---:|---:|---|---|---:|---:|")
@@ -347,12 +384,12 @@ def markdown(results: list[dict], a: argparse.Namespace) -> str:
                  f"{f'{w[0]:.1f}-{w[1]:.1f}' if w else '-'} | {f(r['other_cpu_pct'])} | "
                  f"{r['supervisor_exit_code']} |")
     L.append("")
-    L.append("| scenario | abuser | domain | attack | started at s | how it ended |")
+    L.append("| scenario | abuser | domain | attack | start / READY at s | how it ended |")
     L.append("|---|---|---|---|---:|---|")
     for r in results:
         for name, x in r["abusers"].items():
             L.append(f"| {r['title']} | {name} | {x['domain']} | {x['attack']} | "
-                     f"{f(x['start_s'], 2)} | {x['ended']} |")
+                     f"{f(x['start_s'], 2)} / {f(x['ready_s'], 2)} | {x['ended']} |")
     nl = [r["limits_not_enforced"] for r in results if r["limits_not_enforced"]]
     if nl:
         L.append("")
@@ -368,7 +405,10 @@ def main() -> int:
     ap.add_argument("--period-ms", type=int, default=50, help="cam and relay loop (50 = 20 Hz)")
     ap.add_argument("--watchdog-ms", type=int, default=200)
     ap.add_argument("--abuse-after-ms", type=int, default=2000,
-                    help="READY delay of the first abuser (it attacks right after READY)")
+                    help="READY delay of the gate worker; the abusers start after it")
+    ap.add_argument("--repeat", action="store_true",
+                    help='abusers restart = "on-failure" (200 ms backoff): the memory hog is '
+                         'OOM-killed and restarted for the rest of the run')
     ap.add_argument("--memory-max", default="256MiB")
     ap.add_argument("--pids-max", type=int, default=32)
     ap.add_argument("--cpu-quota", type=float, default=50)

@@ -1,13 +1,18 @@
-"""``supervisor`` command line: run, check, units."""
+"""``supervisor`` command line: run, check, units, clear-fail-safe."""
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
+# First of all: a Ctrl-C or SIGTERM from now on is recorded, never a traceback.
+from supervisor import signals as _signals
 
-from supervisor.config import ConfigError, load
-from supervisor.events import EventLog
-from supervisor.lifecycle import Exit
+_signals.install()
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from supervisor.config import ConfigError, load  # noqa: E402
+from supervisor.events import EventLog  # noqa: E402
+from supervisor.lifecycle import Exit  # noqa: E402
 
 
 def _config(path: str | None):
@@ -48,6 +53,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     return int(trio.run(sup.run))
 
 
+def cmd_clear_fail_safe(args: argparse.Namespace) -> int:
+    """The operator's acknowledgement: the control domain may start again."""
+    from supervisor.lifecycle import FailSafeLatch
+
+    latch = FailSafeLatch.for_config(_config(args.config))
+    info = latch.read()
+    if info is None:
+        print(f"supervisor: no fail-safe latched ({latch.path})")
+        return 0
+    latch.clear()
+    print(f"supervisor: cleared the fail-safe latched at {info.get('time', '?')}: "
+          f"{info.get('reason', '?')}")
+    return 0
+
+
 def cmd_units(args: argparse.Namespace) -> int:
     from supervisor.units import write_units
 
@@ -60,7 +80,7 @@ def cmd_units(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="supervisor", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("run", "check", "units"):
+    for name in ("run", "check", "units", "clear-fail-safe"):
         s = sub.add_parser(name)
         s.add_argument("--config", "-c", default=None,
                        help="TOML config (default: the embedded one)")
@@ -75,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         if name == "units":
             s.add_argument("--out", default="systemd")
     args = p.parse_args(argv)
-    return {"run": cmd_run, "check": cmd_check, "units": cmd_units}[args.cmd](args)
+    return {"run": cmd_run, "check": cmd_check, "units": cmd_units,
+            "clear-fail-safe": cmd_clear_fail_safe}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ import trio
 from supervisor.admission import check_worker
 from supervisor.config import CONTROL, Config, WorkerConfig
 from supervisor.sandbox.policy import RESEARCH
+from supervisor import signals
 from supervisor.events import EventLog
+from supervisor.failsafe import FailSafeLatch
 from supervisor.ipc import Channel, env_name
 from supervisor.notify import Notifier
 from supervisor.output import LineLimiter
@@ -99,6 +101,7 @@ class Supervisor:
         self.grace_s = grace_s
         self.python = python
         self.cgroups = None              # sandbox.cgroups.CgroupTree while running
+        self.latch = FailSafeLatch.for_config(config)
         self.runs: dict[str, WorkerRun] = {}
         self.channels: dict[str, Channel] = {}
         self._reader_index: dict[tuple[str, str], int] = {}
@@ -691,8 +694,20 @@ class Supervisor:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> Exit:
         cfg = self.config
+        # Stop signals are bytes on a pipe from here to the process's end (cli installs
+        # the same handlers before anything else): a second signal, or one during
+        # start-up, can never cut the ordered stop short or raise.
+        sigpipe = signals.install()
         self.log.emit("supervisor_start", config=cfg.source, pid=os.getpid(),
                       sandboxed=self.sandboxed)
+        latched = self.latch.read()
+        if latched is not None:
+            self.exit_code = Exit.FAIL_SAFE
+            self.log.emit("supervisor_exit", code=int(Exit.FAIL_SAFE), reason=(
+                f"fail-safe latched at {latched.get('time', '?')} ({latched.get('reason', '?')}); "
+                f"an operator clears it with `supervisor clear-fail-safe` ({self.latch.path})"))
+            task_status.started(self)
+            return Exit.FAIL_SAFE
         if self.sandboxed:
             problem = self._sandbox_preflight()
             if problem:
@@ -709,31 +724,29 @@ class Supervisor:
             return Exit.REFUSED
         self._make_channels()
         try:
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._watch_signals, signals, nursery.cancel_scope)
-                    try:
-                        await self._start_all(nursery, refused)
-                    except FailSafe as e:
-                        await self._fail_safe(str(e))
-                        nursery.cancel_scope.cancel()
-                        return self.exit_code
-                    except StartFailed as e:
-                        self.exit_code = Exit.START_FAILED
-                        self.log.emit("start_failed_required", reason=str(e))
-                        nursery.cancel_scope.cancel()
-                        return self.exit_code
-                    self.notify.ready(f"{len(self.runs)} workers ready")
-                    self.log.emit("all_ready", workers=list(self.runs))
-                    if self.status_out is not None:
-                        nursery.start_soon(self._run_monitor)
-                    task_status.started(self)
+            async with trio.open_nursery() as nursery:
+                if sigpipe is not None:
+                    nursery.start_soon(self._watch_signals, sigpipe, nursery.cancel_scope)
+                try:
+                    await self._start_all(nursery, refused)
+                except FailSafe as e:
+                    await self._fail_safe(str(e))
+                    nursery.cancel_scope.cancel()
+                    return self.exit_code
+                except StartFailed as e:
+                    self.exit_code = Exit.START_FAILED
+                    self.log.emit("start_failed_required", reason=str(e))
+                    nursery.cancel_scope.cancel()
+                    return self.exit_code
+                self.notify.ready(f"{len(self.runs)} workers ready")
+                self.log.emit("all_ready", workers=list(self.runs))
+                if self.status_out is not None:
+                    nursery.start_soon(self._run_monitor)
+                task_status.started(self)
         except* FailSafe as eg:
-            await self._fail_safe(str(eg.exceptions[0]))
+            with trio.CancelScope(shield=True):
+                await self._fail_safe(str(eg.exceptions[0]))
         finally:
-            # A second SIGTERM/SIGINT must not cut the ordered stop short.
-            for s in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(s, signal.SIG_IGN)
             with trio.CancelScope(shield=True):
                 await self._shutdown_workers()
             self._close_channels()
@@ -787,29 +800,66 @@ class Supervisor:
         # The spare reader index of each channel (readers_of() fills 0..n-1).
         spare = {name: len(self.config.readers_of(name)) for name in self.channels}
         self.monitor = Monitor(self.channels, spare, out=self.status_out,
-                               interval_s=self.status_interval_s or 1.0)
+                               interval_s=(self.status_interval_s
+                                           or self.config.supervisor.status_interval_s),
+                               max_age_ms={n: c.spec.max_age_ms
+                                           for n, c in self.config.channels.items()},
+                               payloads={n: c.payload for n, c in self.config.channels.items()
+                                         if c.payload})
         try:
             await self.monitor.run()
         except Exception as e:  # the status line is a convenience: never fatal
             self.log.emit("monitor_error", error=f"{type(e).__name__}: {e}")
 
     async def _fail_safe(self, why: str) -> None:
+        """Control is lost: latch, show SAFE, kill every control process, then give each
+        actuation channel its safe last word (see supervisor/failsafe.py)."""
         if self.exit_code == Exit.FAIL_SAFE:
             return
         self.exit_code = Exit.FAIL_SAFE
-        self.log.emit("fail_safe", domain=CONTROL, reason=why)
         self._stopping = True
-        for name in self.config.workers_in(CONTROL):
-            run = self.runs.get(name)
-            if run and run.proc and run.proc.poll() is None:
-                self._kill(run)
+        self.log.emit("fail_safe", domain=CONTROL, reason=why)
+        if self.monitor is not None:       # SAFE on the live line from this moment
+            self.monitor.fail_safe = why
+            self.monitor.print_line()
+        try:
+            self.latch.set(why)
+        except OSError as e:
+            self.log.emit("fail_safe_latch_error", path=str(self.latch.path), error=str(e))
+        doomed = [r for r in self.runs.values() if r.cfg.domain != RESEARCH]
+        for run in doomed:
+            self._kill(run)
+        with trio.move_on_after(self.grace_s):
+            for run in doomed:
+                while run.proc is not None and run.proc.poll() is None:
+                    await trio.sleep(0.002)
+        from supervisor.failsafe import publish_safe
 
-    async def _watch_signals(self, signals, scope: trio.CancelScope) -> None:
-        async for sig in signals:
-            self.log.emit("signal", signal=_signame(sig))
-            self.notify.stopping()
-            scope.cancel()
-            return
+        for name, ch in self.config.channels.items():
+            if not ch.actuation or name not in self.channels:
+                continue
+            writer = self.runs.get(self.config.writer_of(name))
+            if writer is not None and writer.proc is not None and writer.proc.poll() is None:
+                self.log.emit("fail_safe_error", channel=name,
+                              reason=f"writer {writer.cfg.name} still alive; not writing")
+                continue
+            try:
+                values = publish_safe(self.channels[name], ch.payload)
+            except Exception as e:   # logged: the reader-side max age still guards it
+                self.log.emit("fail_safe_error", channel=name, reason=f"{type(e).__name__}: {e}")
+            else:
+                self.log.emit("fail_safe_command", channel=name, payload=ch.payload, **values)
+
+    async def _watch_signals(self, pipe: signals.SignalPipe, scope: trio.CancelScope) -> None:
+        while True:
+            await trio.lowlevel.wait_readable(pipe.r)
+            got = pipe.drain()
+            if got:
+                self.log.emit("signal", signal=_signame(got[0]),
+                              **({"also": [_signame(x) for x in got[1:]]} if got[1:] else {}))
+                self.notify.stopping()
+                scope.cancel()
+                return
 
 
 def run_config(config: Config, **kw) -> int:

@@ -28,6 +28,7 @@ class ChannelView:
     deadline_misses: int = 0
     device: str = ""
     last: np.ndarray | None = None
+    last_ns: int = 0
     errors: int = 0
 
     def rate(self) -> float:
@@ -40,8 +41,12 @@ class ChannelView:
 
 class Monitor:
     def __init__(self, channels: dict[str, Channel], reader_index: dict[str, int],
-                 out=None, interval_s: float = 1.0) -> None:
+                 out=None, interval_s: float = 1.0, max_age_ms: dict[str, int] | None = None,
+                 payloads: dict[str, str] | None = None) -> None:
         self.views: dict[str, ChannelView] = {}
+        self.max_age_ms = max_age_ms or {}
+        self.payloads = payloads or {}
+        self.fail_safe: str | None = None     # set by the supervisor: SAFE from that moment
         self._handles = {}
         for name, ch in channels.items():
             idx = reader_index.get(name)
@@ -68,6 +73,7 @@ class Monitor:
             try:
                 with msg:
                     v.times.append(time.monotonic())
+                    v.last_ns = time.monotonic_ns()
                     if msg.layout.frame is None and msg.array.size <= 64:
                         v.last = np.array(msg.array)
                     r = msg.receipt
@@ -93,10 +99,30 @@ class Monitor:
                 text += (f" | model {v.device} p50 {lat[0]:.1f} ms p99 {lat[1]:.1f} ms "
                          f"worst {v.worst_ms:.1f} ms miss {v.deadline_misses} "
                          f"receipts {v.receipts}")
-            if v.name == "control_cmd" and v.last is not None and v.last.size >= 2:
-                text += f" | steer {v.last[0]:+.3f} rad {'engaged' if v.last[1] else 'SAFE'}"
+            text += self._actuation(v)
             parts.append(text)
-        return " || ".join(parts)
+        line = " || ".join(parts)
+        return f"FAIL-SAFE ({self.fail_safe}) || {line}" if self.fail_safe else line
+
+    def _actuation(self, v: ChannelView) -> str:
+        """An actuation channel's state: engaged only while its last command is fresh."""
+        from schemas.payloads import PAYLOADS
+
+        payload = PAYLOADS.get(self.payloads.get(v.name, ""))
+        if payload is None or payload.safe is None or v.last is None:
+            return ""
+        try:
+            cmd = payload.decode(v.last)
+        except ValueError:
+            return ""
+        age_ms = (time.monotonic_ns() - v.last_ns) / 1e6
+        limit = self.max_age_ms.get(v.name) or 0
+        if self.fail_safe:
+            return " | SAFE (failed safe)"
+        if limit and age_ms > limit:
+            return f" | SAFE (no command for {age_ms:.0f} ms)"
+        state = "engaged" if cmd.get("engaged") else "SAFE"
+        return f" | steer {cmd.get('steer_rad', 0.0):+.3f} rad {state}"
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -104,12 +130,14 @@ class Monitor:
                 nursery.start_soon(self._follow, v)
             while True:
                 await trio.sleep(self.interval_s)
-                try:
-                    # On a terminal the status is one line rewritten in place.
-                    live = getattr(self.out, "isatty", lambda: False)()
-                    self.out.write(("\r\x1b[2K" if live else "") + self.line()
-                                   + ("" if live else "\n"))
-                    self.out.flush()
-                except (OSError, ValueError):
-                    pass
-                self.lines += 1
+                self.print_line()
+
+    def print_line(self) -> None:
+        try:
+            # On a terminal the status is one line rewritten in place.
+            live = getattr(self.out, "isatty", lambda: False)()
+            self.out.write(("\r\x1b[2K" if live else "") + self.line() + ("" if live else "\n"))
+            self.out.flush()
+        except (OSError, ValueError):
+            pass
+        self.lines += 1

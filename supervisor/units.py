@@ -32,7 +32,8 @@ def render(cfg: Config, *, config_path: str | None, python: str = sys.executable
         "Restart=on-failure",
         "RestartSec=1s",
         # A bad config or a refused worker will not get better by restarting.
-        f"RestartPreventExitStatus={int(Exit.CONFIG)} {int(Exit.REFUSED)}",
+        # A failed-safe control domain stays down until an operator clears the latch.
+        f"RestartPreventExitStatus={int(Exit.CONFIG)} {int(Exit.REFUSED)} {int(Exit.FAIL_SAFE)}",
         "KillMode=mixed",
         "TimeoutStopSec=15s",
         *( [f"MemoryMax={memory}"] if memory else []),

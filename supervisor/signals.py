@@ -1,0 +1,54 @@
+"""SIGINT/SIGTERM as bytes on a pipe, from the first instruction to the last.
+
+trio's signal receiver restores the default handlers when it closes and re-delivers
+what was pending, so a second signal during the ordered stop (or a Ctrl-C before trio
+started) used to kill the supervisor mid-stop or end in a KeyboardInterrupt traceback.
+These handlers never raise and are never removed: a signal is a byte on a pipe, the
+supervisor reads the first one as "stop in order" and every later one changes nothing.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class SignalPipe:
+    def __init__(self) -> None:
+        self.r, self.w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def _handler(self, signum: int, frame: object) -> None:
+        try:
+            os.write(self.w, bytes([signum]))
+        except OSError:      # pipe full: enough signals are already recorded
+            pass
+
+    def drain(self) -> list[int]:
+        """Signals received since the last drain (in order)."""
+        out = b""
+        while True:
+            try:
+                chunk = os.read(self.r, 256)
+            except BlockingIOError:
+                return list(out)
+            if not chunk:
+                return list(out)
+            out += chunk
+
+
+_pipe: SignalPipe | None = None
+
+
+def install() -> SignalPipe | None:
+    """Install the handlers (main thread only; idempotent). None elsewhere: a supervisor
+    embedded in another program's thread leaves signals to that program."""
+    global _pipe
+    if threading.current_thread() is not threading.main_thread():
+        return _pipe
+    if _pipe is None:
+        _pipe = SignalPipe()
+        for s in STOP_SIGNALS:
+            signal.signal(s, _pipe._handler)
+    return _pipe

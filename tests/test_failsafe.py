@@ -1,0 +1,193 @@
+"""Fail safe for real: the actuation channel's last word is SAFE, the fail-safe latches
+until an operator clears it, and stop signals can never cut the ordered stop short."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import trio
+
+from schemas.payloads import CONTROL_CMD
+from supervisor.config import loads
+from supervisor.events import EventLog
+from supervisor.ipc import Reader
+from supervisor.lifecycle import Exit, Supervisor
+from workers.controlsd.law import SafeReason
+
+pytestmark = pytest.mark.sandbox
+if shutil.which("bwrap") is None:
+    pytest.skip("bubblewrap is not installed", allow_module_level=True)
+
+PIPELINE = """
+[domains.control]
+failure_policy = "fail_safe"
+actuates = true
+
+[channels.road_frames]
+kind = "frame"
+pixel_formats = ["nv12"]
+slot_size = "3.5MiB"
+slot_count = 6
+max_age_ms = 100
+
+[channels.model_out]
+dtype = "float32"
+slot_size = "4KiB"
+slot_count = 8
+max_age_ms = 200
+payload = "model_out"
+
+[channels.control_cmd]
+dtype = "float32"
+slot_size = "4KiB"
+slot_count = 64
+max_age_ms = 100
+max_readers = 2
+payload = "control_cmd"
+
+[workers.camerad]
+domain = "control"
+module = "workers.camerad"
+publishes = ["road_frames"]
+args = ["--fps", "20"]
+max_restarts = 0
+
+[workers.modeld]
+domain = "control"
+module = "workers.modeld"
+subscribes = ["road_frames"]
+publishes = ["model_out"]
+ready_timeout_ms = 30000
+jit_kernels = true
+max_restarts = 0
+
+[workers.controlsd]
+domain = "control"
+module = "workers.controlsd"
+subscribes = ["model_out"]
+publishes = ["control_cmd"]
+max_restarts = 0
+"""
+
+
+@pytest.mark.parametrize("victim", ["camerad", "modeld", "controlsd"])
+def test_budget_exhaustion_ends_on_a_safe_command_and_latches(victim, _state_dir):
+    """Each control worker in turn runs out of restarts (kill -9 with a budget of 0):
+    the last control_cmd is engaged=0 reason FAIL_SAFE, published after every control
+    process is gone, and the latch keeps the next `run` from starting anything."""
+    cfg = loads(PIPELINE, "failsafe.toml")
+    log = EventLog(stream=io.StringIO())
+    status = io.StringIO()
+    commands: list[dict] = []
+
+    async def main() -> Supervisor:
+        sup = Supervisor(cfg, log=log, status_out=status, status_interval_s=0.2)
+        async with trio.open_nursery() as nursery:
+            code_box: list[int] = []
+
+            async def run_it() -> None:
+                code_box.append(await sup.run())
+
+            nursery.start_soon(run_it)
+            while "control_cmd" not in sup.channels or not log.of("all_ready"):
+                if code_box:
+                    raise AssertionError(f"supervisor ended early: {log.events[-3:]}")
+                await trio.sleep(0.05)
+            reader = Reader(sup.channels["control_cmd"].reader_handle(1))
+            with trio.fail_after(30):        # engaged before the fault
+                while not (commands and commands[-1]["engaged"]):
+                    with await reader.receive_async() as m:
+                        commands.append(CONTROL_CMD.decode(np.array(m.array)))
+            os.kill(sup.runs[victim].pid, signal.SIGKILL)
+            with trio.fail_after(30):
+                while not code_box:
+                    await trio.sleep(0.02)
+            while (m := reader.try_receive()) is not None:
+                with m:
+                    commands.append(CONTROL_CMD.decode(np.array(m.array)))
+                    commands[-1]["writer_domain"] = m.stamp.writer_domain if hasattr(
+                        m.stamp, "writer_domain") else None
+        return sup
+
+    sup = trio.run(main)
+    assert sup.exit_code == Exit.FAIL_SAFE
+    last = commands[-1]
+    assert last["engaged"] == 0.0 and last["reason"] == float(SafeReason.FAIL_SAFE), commands[-5:]
+    fs = log.of("fail_safe")[0]
+    cmd = log.of("fail_safe_command")[0]
+    assert cmd["channel"] == "control_cmd" and cmd["engaged"] == 0.0
+    # the safe word comes after every control process is gone
+    assert all(not os.path.exists(f"/proc/{e['pid']}") for e in log.of("start"))
+    assert fs["mono_ns"] < cmd["mono_ns"]
+    assert "FAIL-SAFE" in status.getvalue().splitlines()[-1]
+    assert (_state_dir / "failsafe.latch").exists()
+
+    # Latched: the next run starts nothing and says how to clear it.
+    log2 = EventLog(stream=io.StringIO())
+    assert trio.run(Supervisor(loads(PIPELINE, "failsafe.toml"), log=log2).run) == Exit.FAIL_SAFE
+    assert not log2.of("start") and "clear-fail-safe" in log2.events[-1]["reason"]
+
+
+def test_operator_clears_the_latch(tmp_path, _state_dir):
+    (_state_dir / "failsafe.latch").write_text(json.dumps({"time": "t", "reason": "r"}))
+    cfg = tmp_path / "x.toml"
+    cfg.write_text(PIPELINE)
+    run = [sys.executable, "-m", "supervisor.cli"]
+    r = subprocess.run([*run, "run", "--config", str(cfg), "--quiet"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 4 and "clear-fail-safe" in r.stderr
+    r = subprocess.run([*run, "clear-fail-safe", "--config", str(cfg)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "cleared" in r.stdout
+    assert not (_state_dir / "failsafe.latch").exists()
+
+
+SMALL = """
+[domains.control]
+actuates = true
+[channels.x]
+slot_size = "4KiB"
+[workers.a]
+domain = "control"
+module = "workers.probe"
+publishes = ["x"]
+args = ["--publish", "x"]
+[workers.b]
+domain = "control"
+module = "workers.probe"
+subscribes = ["x"]
+args = ["--read", "x"]
+"""
+
+
+@pytest.mark.parametrize("trial", range(8))
+def test_two_signals_at_any_moment_still_stop_in_order(tmp_path, trial):
+    """SIGINT then SIGTERM ~1 ms apart, at a random moment from start-up on: exit 0, the
+    ordered stop logged to its end, never a traceback."""
+    cfg = tmp_path / "small.toml"
+    cfg.write_text(textwrap.dedent(SMALL))
+    p = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config", str(cfg),
+                          "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(random.Random(trial).uniform(0.0, 2.5))
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.001)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    events = [json.loads(x) for x in err.splitlines() if x.startswith("{")]
+    assert p.returncode == 0, err[-2000:]
+    assert events[-1]["event"] == "supervisor_exit" and events[-1]["reason"] == "shutdown"
+    started = {e["worker"] for e in events if e["event"] == "start"}
+    stopped = {e["worker"] for e in events if e["event"] == "stopped"}
+    assert started == stopped or started - stopped <= {
+        e["worker"] for e in events if e["event"] == "exit"}
