@@ -503,9 +503,20 @@ class Supervisor:
             if not self._restart_allowed(run, code):
                 return await self._give_up(run, task_status, started, f"restart={w.restart}")
             if not self._budget_left(run):
-                return await self._give_up(run, task_status, started,
-                                           f"more than {w.max_restarts} restarts in "
-                                           f"{w.restart_window_s:g}s")
+                await self._give_up(run, task_status, started,
+                                    f"more than {w.max_restarts} restarts in "
+                                    f"{w.restart_window_s:g}s")
+                if not w.cooldown_s:
+                    return
+                # Not a failed-safe domain (that raised above): try again after the
+                # cool-down, with a fresh budget, and say so each time.
+                started = True
+                self.log.emit("cooldown", worker=w.name, seconds=w.cooldown_s)
+                await trio.sleep(w.cooldown_s)
+                run.restarts.clear()
+                attempt = 0
+                self.log.emit("retry", worker=w.name, after="cooldown")
+                continue
             # Backoff restarts from the first retry; a worker that ran well for a
             # while starts over at the initial delay.
             if run.ready_ns and time.monotonic_ns() - run.ready_ns > w.backoff_max_ms * 4e6:

@@ -350,3 +350,28 @@ def test_refuses_to_run_unsandboxed_when_bwrap_is_missing(sup):
     assert r.finish(timeout=30) == 1
     assert "bwrap not installed" in r.events[-1]["reason"]
     assert not [e for e in r.events if e["event"] == "start"]
+
+
+def test_gave_up_worker_is_retried_after_cooldown(sup):
+    """Outside a failed-safe domain giving up is not forever: after cooldown_s the
+    worker starts again with a fresh budget, and each step is an event."""
+    cfg = """
+        [domains.research]
+        [channels.x]
+        slot_size = "4KiB"
+        [workers.flaky]
+        domain = "research"
+        module = "workers.probe"
+        publishes = ["x"]
+        args = ["--exit-after-ms", "50", "--exit-code", "3"]
+        restart = "on-failure"
+        backoff_initial_ms = 10
+        max_restarts = 1
+        cooldown_s = 1.0
+        """
+    r = sup(cfg)
+    r.wait_for("gave_up", worker="flaky")
+    cool = r.wait_for("cooldown", worker="flaky")[0]
+    retry = r.wait_for("retry", worker="flaky")[0]
+    assert (retry["mono_ns"] - cool["mono_ns"]) / 1e9 >= 0.95
+    assert len(r.wait_for("start", count=3, worker="flaky")) >= 3   # 1 + 1 restart + retry
