@@ -17,6 +17,7 @@ visible / host, and lists the site-packages entries the sandbox does not show.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import platform
@@ -127,8 +128,10 @@ def host_walk(roots: list[str], sites: list[str]) -> dict:
                 t["symlinks"] = 1
             continue
         others = [r for r in roots if r != root and r.startswith(root.rstrip("/") + "/")]
-        for dirpath, dirnames, filenames in os.walk(root, followlinks=False,
-                                                    onerror=lambda e: t.__setitem__("errors", t["errors"] + 1)):
+        def onerror(e: OSError, t: dict = t) -> None:
+            t["errors"] += 1
+
+        for dirpath, dirnames, filenames in os.walk(root, followlinks=False, onerror=onerror):
             # a nested bound tree is counted on its own row
             dirnames[:] = [d for d in dirnames if os.path.join(dirpath, d) not in others]
             for name in dirnames + filenames:
@@ -199,8 +202,8 @@ def main() -> int:
     project = [p for p in pol.ro_binds if p in project_packages()]
     # Bound trees that are real directories or files (not the merged-/usr symlinks).
     roots = [p for p in pol.ro_binds if not os.path.islink(p)] + ["/tmp"]
-    sites = sorted({os.path.realpath(s) for s in pol.ro_binds for s in
-                    __import__("glob").glob(os.path.join(s, "lib", "python3*", "*-packages"))})
+    sites = sorted({os.path.realpath(s) for r in pol.ro_binds
+                    for s in glob.glob(os.path.join(r, "lib", "python3*", "*-packages"))})
     sites += [p for p in pol.ro_binds if os.path.basename(p) in ("site-packages", "dist-packages")]
     sites = sorted(set(sites))
     # Site-packages inside the prefix get their own row (sub-tree of the prefix row).
@@ -247,13 +250,14 @@ def main() -> int:
                                      "other": 0, "errors": 0})
             for k in acc:
                 acc[k] += src.get(k, 0)
-    # The inside walk assigns site-packages paths to the site row (longest root first); the
-    # host walk prunes nested roots, so both prefix rows exclude site-packages. Add them back
-    # in a total line for the prefix.
+    # The inside walk assigns site-packages paths to the site row (longest root first) and
+    # the host walk prunes nested roots, so on both sides the prefix row excludes them and
+    # every file is counted once in the total.
     tot_in = {"files": 0, "bytes": 0}
     tot_host = {"files": 0, "bytes": 0}
     for g in order:
-        i = groups.get(g, {"files": 0, "bytes": 0, "dirs": 0, "symlinks": 0, "other": 0, "errors": 0})
+        i = groups.get(g) or dict.fromkeys(("files", "bytes", "dirs", "symlinks", "other",
+                                            "errors"), 0)
         h = hgroups.get(g)
         for k in tot_in:
             tot_in[k] += i[k]

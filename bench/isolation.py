@@ -21,12 +21,12 @@ Abusers: workers.probe --attack NAME, restart = "never", optional = true, cpu_qu
 A harmless research `gate` probe (in every scenario) becomes READY after
 --abuse-after-ms and the abusers start after it, so the pipeline runs steadily first;
 each abuser attacks right after its READY. `--repeat`: restart = "on-failure" with a
-200 ms backoff, so the hog is OOM-killed and restarted until the end of the run. The "abuse window" runs from the
-first abuser's READY to 1 s after the last one finished (its `exit` event, or its
-`ATTACK` output line while it lives on).
+200 ms backoff, so the hog is OOM-killed and restarted until the end of the run.
+The "abuse window" runs from the first abuser's READY to 1 s after the last one
+finished (its last `exit` event, or its `ATTACK` output line while it lives on).
 
 Reported: delivered messages/s, publish-to-publish gap p50/p99/max (whole run and
-inside the abuse window), drops seen by this reader, watchdog misses / exits /
+inside the abuse window), sequence numbers this reader missed, watchdog misses / exits /
 restarts of control workers, how each abuser ended (the `exit` event's signal and
 cause, the fork storm's ATTACK line), the CPU other processes used meanwhile, and
 ratios against the baseline of the same run.
@@ -153,7 +153,8 @@ def _cpu_busy_s() -> float:
     """Machine-wide non-idle CPU seconds (user nice system irq softirq steal)."""
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
-    return (v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)) / os.sysconf("SC_CLK_TCK")
+    busy = v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)
+    return busy / os.sysconf("SC_CLK_TCK")
 
 
 def _own_cpu_s() -> float:
@@ -335,9 +336,9 @@ def markdown(results: list[dict], a: argparse.Namespace) -> str:
              f"{'on-failure (--repeat)' if a.repeat else 'never'}.")
     L.append("msgs/s = (msgs - 1) / (last publish - first publish). "
              "Gaps are publish-to-publish of consecutive messages this process received; "
-             "`window` = from the first abuser's READY (its attack starts then) to 1 s after the last one "
-             "finished; `bench lag` = publish -> this process holding the message (this process "
-             "also runs the supervisor).")
+             "`window` = from the first abuser's READY (its attack starts then) to 1 s after the "
+             "last one finished; `bench lag` = publish -> this process holding the message "
+             "(this process also runs the supervisor).")
     L.append("")
     L.append("| scenario | stream | msgs | msgs/s | gap p50 ms | gap p99 ms | gap max ms "
              "| window max gap ms | missing seq | bench lag p99 ms |")
@@ -355,7 +356,8 @@ def markdown(results: list[dict], a: argparse.Namespace) -> str:
     if base and len(results) > 1:
         L.append("Ratios against the baseline of this run (`frames`; `cmd` in brackets):")
         L.append("")
-        L.append("| scenario | msgs/s | gap p50 | gap p99 | gap max | window max gap / baseline max |")
+        L.append("| scenario | msgs/s | gap p50 | gap p99 | gap max "
+                 "| window max gap / baseline max |")
         L.append("|---|---:|---:|---:|---:|---:|")
         for r in results:
             if r is base:

@@ -30,6 +30,23 @@ class ChannelView:
     last: np.ndarray | None = None
     last_ns: int = 0
     errors: int = 0
+    # Messages never published (a writer restarting, a camera stall): gaps in the
+    # stream's capture times beyond 1.5 median intervals, counted in intervals.
+    lost: int = 0
+    _last_capture: int = 0
+    _intervals: deque = field(default_factory=lambda: deque(maxlen=50))
+
+    def note_capture(self, ts_ns: int) -> None:
+        if self._last_capture and ts_ns > self._last_capture:
+            gap = ts_ns - self._last_capture
+            if len(self._intervals) >= 10:
+                med = float(np.median(self._intervals))
+                if gap > 1.5 * med:
+                    self.lost += int(round(gap / med)) - 1
+                    gap = None
+            if gap is not None:
+                self._intervals.append(gap)
+        self._last_capture = ts_ns
 
     def rate(self) -> float:
         now = time.monotonic()
@@ -74,6 +91,8 @@ class Monitor:
                 with msg:
                     v.times.append(time.monotonic())
                     v.last_ns = time.monotonic_ns()
+                    v.note_capture(msg.frame.capture_ts_ns if msg.frame is not None
+                                   else msg.publish_ts_ns)
                     if msg.layout.frame is None and msg.array.size <= 64:
                         v.last = np.array(msg.array)
                     r = msg.receipt
@@ -93,7 +112,7 @@ class Monitor:
                 parts.append(f"{v.name} (no writer)")
                 continue
             s = v.reader.stats
-            text = f"{v.name} {v.rate():5.1f}/s drop {s.dropped}"
+            text = f"{v.name} {v.rate():5.1f}/s drop {s.dropped} lost {v.lost}"
             if v.latencies_ms:
                 lat = np.percentile(np.array(v.latencies_ms), [50, 99])
                 text += (f" | model {v.device} p50 {lat[0]:.1f} ms p99 {lat[1]:.1f} ms "
