@@ -24,17 +24,51 @@ def _config(path: str | None):
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    """Everything that can be known before start: the file (`load`), this machine
+    (`check_runtime`), then static admission. One line per problem (``FILE: KEY:
+    REASON``) on stderr, never a traceback. Exit 2 for config problems, 3 when
+    admission refuses a worker (as ``run`` would stop there first), else 0."""
+    import traceback
+
+    from supervisor.config import ConfigFileError, check_runtime
     from supervisor.lifecycle import Supervisor
 
-    cfg = _config(args.config)
-    log = EventLog(stream=open("/dev/null", "w"), keep=True)
-    refused = Supervisor(cfg, log=log).admit()
+    try:
+        try:
+            cfg = load(args.config)
+        except ConfigFileError as e:
+            for p in e.problems:
+                print(p, file=sys.stderr)
+            n = len(e.problems)
+            print(f"supervisor check: {n} config problem{'' if n == 1 else 's'}",
+                  file=sys.stderr)
+            return int(Exit.CONFIG)
+        except ConfigError as e:
+            print(f"supervisor check: config error: {e}", file=sys.stderr)
+            return int(Exit.CONFIG)
+
+        problems = check_runtime(cfg)
+        for p in problems:
+            print(p, file=sys.stderr)
+        # Admission still runs: a refusal is reported (and wins, exit 3) alongside.
+        with open("/dev/null", "w") as devnull:
+            log = EventLog(stream=devnull, keep=True)
+            refused = Supervisor(cfg, log=log).admit()
+    except Exception as e:   # a bug in a check: one line that says where, exit 1
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        print(f"supervisor check: internal error: {type(e).__name__}: {e} "
+              f"({where.filename}:{where.lineno})", file=sys.stderr)
+        return int(Exit.ERROR)
     for e in log.of("refused"):
         print(e["reason"], file=sys.stderr)
     if refused:
         print(f"supervisor check: refused {len(refused)} worker(s): {', '.join(refused)}",
               file=sys.stderr)
         return int(Exit.REFUSED)
+    if problems:
+        n = len(problems)
+        print(f"supervisor check: {n} config problem{'' if n == 1 else 's'}", file=sys.stderr)
+        return int(Exit.CONFIG)
     print(f"supervisor check: {cfg.source}: {len(cfg.workers)} workers, "
           f"{len(cfg.channels)} channels: all admitted")
     return 0

@@ -14,15 +14,28 @@ Safety rules checked here, besides types and references:
   derived from either through workers of other domains;
 * only the control domain may actuate, and it never gets the network;
 * publisher -> subscriber dependencies form no cycle, so ``Config.start_order()`` exists;
-* a required worker does not depend on an optional one (admission may refuse that one).
+* a required worker does not depend on an optional one (admission may refuse that one);
+* a module worker's ``memory_max`` can host the interpreter (`MIN_WORKER_MEMORY`);
+* all channels' shared memory fits ``[supervisor] shm_budget``.
+
+What depends on the machine rather than the file is checked by `check_runtime(cfg)`
+(``supervisor check`` runs it): worker modules exist and define ``main(ctx)``, command
+executables and ``extra_ro_binds`` exist, domain users exist, channels fit MemAvailable.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import heapq
+import importlib.machinery
+import importlib.util
+import os
+import pkgutil
 import re
+import shutil
 import sys
+import tokenize
 import tomllib
 from dataclasses import dataclass
 from fractions import Fraction
@@ -36,6 +49,20 @@ from supervisor.ipc.spec import DTYPES, KINDS, PIXEL_FORMATS, ChannelSpec
 CONTROL = "control"
 RESEARCH = "research"
 DEFAULT_SOURCE = "<embedded supervisor/default.toml>"
+# The checkout holding supervisor/ and workers/: on the workers' PYTHONPATH (see
+# supervisor.sandbox.policy.PROJECT_ROOT), so module names are looked up here too.
+PROJECT_ROOT = str(Path(__file__).resolve().parents[1])
+
+# The smallest memory_max a module worker (python -m supervisor.runner MODULE) may have.
+# Its cgroup is charged for the interpreter, the libraries it maps, its heap and the
+# shared memory it writes, from the first instruction. Measured (VmRSS in
+# /proc/self/status, CPython 3.11, x86-64): bare interpreter 13 MiB; + numpy 27 MiB;
+# + capnp 37 MiB; + supervisor.runner/worker with the import guard, seccomp and
+# Landlock modules 42 MiB, before the worker's own imports, heap, thread stacks (numpy's
+# BLAS pool) and channel slots. Below 64 MiB such a worker is OOM-killed while starting,
+# before it can become READY; 64 MiB leaves ~20 MiB for the worker itself.
+MIN_WORKER_MEMORY = 64 * 2**20
+DEFAULT_SHM_BUDGET = 2 * 2**30
 
 # --------------------------------------------------------------------------- errors
 
@@ -124,6 +151,9 @@ class SupervisorConfig:
     # Where the fail-safe latch lives (it must survive a restart of the supervisor);
     # the environment variable TRIO_STATE_DIR overrides it (tests, development).
     state_dir: str = "/var/lib/trio-supervisor"
+    # Upper bound on the shared memory of all channels together (segments + lease
+    # tables); check_runtime() also compares the total with the machine's MemAvailable.
+    shm_budget: int = DEFAULT_SHM_BUDGET
 
 
 @dataclass(frozen=True)
@@ -386,6 +416,7 @@ _SUPERVISOR_KEYS: dict[str, Callable[[Any], Any]] = {
     "maps_scan_interval_s": _number(),
     "log_format": _choice("json", "text"),
     "state_dir": _string,
+    "shm_budget": _size(1 << 20, 1 << 50),
 }
 _DOMAIN_KEYS: dict[str, Callable[[Any], Any]] = {
     "network": _bool,
@@ -552,6 +583,7 @@ class _Loader:
         self.check_optional(workers, writers)
         self.check_cycles(workers)
         channels = self.channels(channel_values, bad_channels, workers)
+        self.check_shm_budget(supervisor.shm_budget, channels)
 
         if self.problems:
             raise ConfigFileError(self.problems)
@@ -604,6 +636,9 @@ class _Loader:
             self.add(f"{path}.command", "set only one of module (run as python -m) or command")
         elif "module" not in table and "command" not in table:
             self.add(path, "set exactly one of module (run as python -m) or command (an argv array)")
+        if w.module and w.memory_max is not None and w.memory_max < MIN_WORKER_MEMORY:
+            self.add(f"{path}.memory_max", f"{format_size(w.memory_max)} cannot host the "
+                     f"interpreter (minimum {format_size(MIN_WORKER_MEMORY)})")
         if w.backoff_max_ms < w.backoff_initial_ms:
             self.add(f"{path}.backoff_max_ms", f"{w.backoff_max_ms} is below "
                      f"backoff_initial_ms ({w.backoff_initial_ms})")
@@ -716,6 +751,13 @@ class _Loader:
                      "subscribers; break the cycle (a log-only read can use shadow_subscribes)")
 
     # -- channels
+
+    def check_shm_budget(self, budget: int, channels: dict[str, ChannelConfig]) -> None:
+        total = sum(channel_shm_bytes(c.spec) for c in channels.values())
+        if total > budget:
+            self.add("channels", f"{_shm_overview(channels)} exceeds shm_budget "
+                     f"{format_size(budget)}; shrink slot_size or slot_count, or raise "
+                     "[supervisor] shm_budget")
 
     def channel_fields(self, name: str, table: dict) -> tuple[dict, bool]:
         path = _key("channels", name)
@@ -843,3 +885,253 @@ def _cycle_through(start: str, workers: dict[str, WorkerConfig],
                     following.append(s)
         frontier = following
     return None
+
+
+# --------------------------------------------------------------------------- shared memory
+
+
+def channel_shm_bytes(spec: ChannelSpec) -> int:
+    """Shared memory one channel holds, as `supervisor.ipc.Channel.create` makes it: the
+    data segment plus one lease table per possible reader."""
+    return spec.segment_size + spec.max_readers * spec.lease_size
+
+
+def _approx_size(n: int) -> str:
+    """``n`` bytes to one decimal in the largest binary unit (for totals, not input)."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n}B"
+
+
+def _shm_overview(channels: dict[str, ChannelConfig], biggest: int = 3) -> str:
+    """``total 1.0TiB of shared memory for 2 channels (biggest: ...)``."""
+    sizes = sorted(((channel_shm_bytes(c.spec), name) for name, c in channels.items()),
+                   key=lambda t: (-t[0], t[1]))
+    total = sum(n for n, _ in sizes)
+    top = ", ".join(f"{name} {channels[name].spec.slot_count} slots of "
+                    f"{format_size(channels[name].spec.slot_size)} = {_approx_size(n)}"
+                    for n, name in sizes[:biggest])
+    n = len(sizes)
+    return (f"total {_approx_size(total)} of shared memory for {n} channel"
+            f"{'' if n == 1 else 's'} (biggest: {top})")
+
+
+# --------------------------------------------------------------------------- the machine
+
+
+def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
+    """What `load()` cannot know from the file alone, checked against this machine
+    before anything starts; every problem found, as `Problem` lines (``FILE: KEY:
+    REASON``). Never imports a worker module (nor its parent packages).
+
+    * each worker ``module`` exists on the workers' path (the project root plus
+      ``sys.path``) and is a worker: its source defines a top-level ``main(ctx)``;
+    * each ``command`` executable exists;
+    * sandboxed: each ``extra_ro_binds`` path exists and each domain's host user exists
+      (`supervisor.sandbox.policy.host_ids`, which only checks when running as root);
+    * the channels' shared memory fits the machine's MemAvailable.
+    """
+    problems: list[Problem] = []
+
+    def add(key: str, reason: str) -> None:
+        problems.append(Problem(cfg.source, key, reason))
+
+    search = _module_search_path()
+    verdicts: dict[str, str | None] = {}
+    for w in cfg.workers.values():
+        path = _key("workers", w.name)
+        if w.module:
+            if w.module not in verdicts:
+                verdicts[w.module] = _module_problem(w.module, search)
+            if verdicts[w.module]:
+                add(f"{path}.module", verdicts[w.module])
+        elif w.command:
+            reason = _executable_problem(w.command[0])
+            if reason:
+                add(f"{path}.command[0]", reason)
+
+    if sandboxed:
+        from supervisor.sandbox.policy import host_ids
+
+        for name, d in cfg.domains.items():
+            path = _key("domains", name)
+            for i, bind in enumerate(d.extra_ro_binds):
+                try:
+                    os.stat(bind)
+                except OSError as e:
+                    add(f"{path}.extra_ro_binds[{i}]", f"{bind}: {_strerror(e)}")
+            try:
+                host_ids(name, d.user)
+            except LookupError as e:
+                add(f"{path}.user", str(e.args[0] if e.args else e))
+
+    available = _mem_available()
+    total = sum(channel_shm_bytes(c.spec) for c in cfg.channels.values())
+    if available is not None and total > available:
+        add("channels", f"{_shm_overview(cfg.channels)} exceeds this machine's available "
+            f"memory ({_approx_size(available)} MemAvailable in /proc/meminfo)")
+    return problems
+
+
+def _strerror(e: OSError) -> str:
+    return (e.strerror or str(e)).lower()
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    value, unit = line.split()[1:3]
+                    return int(value) * (1024 if unit.lower() == "kb" else 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _executable_problem(prog: str) -> str | None:
+    if "/" not in prog:
+        return None if shutil.which(prog) else f"{prog!r}: not found on PATH"
+    try:
+        st = os.stat(prog)
+    except OSError as e:
+        return f"{prog}: {_strerror(e)}"
+    if not os.path.isfile(prog) or not st.st_mode & 0o111:
+        return f"{prog}: not an executable file"
+    return None
+
+
+# -- worker modules, located without importing anything
+
+
+def _module_search_path() -> list[str]:
+    out = [PROJECT_ROOT]
+    for p in sys.path:
+        if p not in out:
+            out.append(p)
+    return out
+
+
+def _locate(name: str, search: list[str]) -> tuple[Any, str]:
+    """(spec, "") for a dotted module name, or (None, why not). Each package along the
+    way is looked up by path, never imported (find_spec of a submodule would import
+    its parents, and a worker package may import anything)."""
+    parts = name.split(".")
+    locations: Any = search
+    spec = None
+    for i in range(len(parts)):
+        full = ".".join(parts[:i + 1])
+        if locations is None:
+            return None, f"no module named {full!r}; {spec.name!r} is not a package"
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(full, list(locations))
+            if spec is None and i == 0:
+                # builtin, frozen, or an import hook (editable installs); for a
+                # top-level name this imports nothing
+                spec = importlib.util.find_spec(full)
+        except (ImportError, ValueError, OSError):
+            spec = None
+        if spec is None:
+            return None, f"no module named {full!r}"
+        locations = spec.submodule_search_locations
+    return spec, ""
+
+
+def _worker_modules(search: list[str]) -> list[str]:
+    """Every module under the ``workers`` package (the suggestions for a typo)."""
+    spec, _ = _locate("workers", search)
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    out: list[str] = []
+    todo = [("workers", list(spec.submodule_search_locations))]
+    while todo and len(out) < 1000:
+        prefix, paths = todo.pop()
+        for info in pkgutil.iter_modules(paths):
+            if info.name.startswith("_"):
+                continue
+            name = f"{prefix}.{info.name}"
+            out.append(name)
+            if info.ispkg:
+                todo.append((name, [os.path.join(p, info.name) for p in paths]))
+    return sorted(out)
+
+
+def _entry_problem(name: str, spec: Any) -> str | None:
+    """Why the module is not a worker (the runner calls ``module.main(ctx)``), or None.
+    Checked on the source, statically; modules without Python source are not judged."""
+    origin = spec.origin
+    if spec.submodule_search_locations is not None and origin in (None, "namespace"):
+        return f"{name} is not a worker (a namespace package, no __init__.py with main(ctx))"
+    if not isinstance(origin, str) or not origin.endswith(".py"):
+        return None
+    try:
+        with tokenize.open(origin) as f:
+            tree = ast.parse(f.read(), origin)
+    except SyntaxError as e:
+        return f"cannot parse {origin}: {e.msg} (line {e.lineno})"
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"cannot read {origin}: {_strerror(e) if isinstance(e, OSError) else e}"
+    main = _top_level_main(tree.body)
+    if main is None:
+        return f"{name} is not a worker (no top-level main(ctx))"
+    if isinstance(main, ast.AsyncFunctionDef):
+        return (f"{name} is not a worker (main is 'async def'; the runner calls main(ctx) "
+                "and uses its return value as the exit status)")
+    if isinstance(main, ast.FunctionDef):
+        a = main.args
+        positional = len(a.posonlyargs) + len(a.args)
+        required = positional - len(a.defaults)
+        if positional == 0 and a.vararg is None:
+            return f"{name} is not a worker (main() takes no argument; the runner calls main(ctx))"
+        if required > 1:
+            return (f"{name} is not a worker (main() requires {required} arguments; the "
+                    "runner calls main(ctx))")
+        missing = [k.arg for k, d in zip(a.kwonlyargs, a.kw_defaults) if d is None]
+        if missing:
+            return (f"{name} is not a worker (main() requires keyword argument "
+                    f"{missing[0]!r}; the runner calls main(ctx))")
+    return None
+
+
+def _top_level_main(body: list[ast.stmt]) -> ast.AST | None:
+    """The last module-level binding of ``main`` (a def, an import or an assignment,
+    also under a module-level if/try/with), or None."""
+    found: ast.AST | None = None
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name == "main":
+                found = node
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if (alias.asname or alias.name.split(".")[0]) == "main":
+                    found = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == "main" for t in targets):
+                found = node
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            blocks = [node.body, getattr(node, "orelse", []), getattr(node, "finalbody", [])]
+            blocks += [h.body for h in getattr(node, "handlers", [])]
+            for block in blocks:
+                inner = _top_level_main(block)
+                if inner is not None:
+                    found = inner
+    return found
+
+
+def _module_problem(name: str, search: list[str]) -> str | None:
+    spec, missing = _locate(name, search)
+    if spec is None:
+        return missing + _suggest(name, _worker_modules(search))
+    reason = _entry_problem(name, spec)
+    if reason is None or not reason.startswith(f"{name} is not a worker"):
+        return reason
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):      # an enclosing package that is a worker?
+        parent = ".".join(parts[:i])
+        pspec, _ = _locate(parent, search)
+        if pspec is not None and _entry_problem(parent, pspec) is None and \
+                isinstance(pspec.origin, str) and pspec.origin.endswith(".py"):
+            return f"{reason}; did you mean {parent!r}?"
+    return reason

@@ -62,6 +62,8 @@ class WorkerRun:
     status: str = ""
     exit_reason: str = ""
     status_buf: bytes = b""                  # an incomplete status line
+    status_tokens: float = 1000.0            # status-line rate limit (token bucket)
+    status_ts: float = 0.0
     out_r: int | None = None                 # the worker's stdout+stderr (a pipe)
     output: LineLimiter = field(default_factory=LineLimiter)
     cgroup: object | None = None             # sandbox.cgroups.WorkerCgroup of this run
@@ -71,6 +73,8 @@ class WorkerRun:
     exec_allowed: int = 0                    # executable mappings admitted before READY
     exec_snapshot: object | None = None      # maps.ExecSnapshot taken at READY
     kill_reason: str = ""                    # why the supervisor killed it, if it did
+    ready_claimed: bool = False              # the worker said READY=1 (this run)
+    nursery: trio.Nursery | None = None      # the run's own tasks (status, exec watch...)
 
 
 def _signame(sig: int) -> str:
@@ -242,10 +246,12 @@ class Supervisor:
                     ours.close()
         run.status_r = r
         run.status_buf = b""
+        run.status_tokens, run.status_ts = self.STATUS_LINES_PER_S, time.monotonic()
         run.out_r = out_r
         run.output = LineLimiter()
         run.watch_sock, run.watch, run.exec_allowed, run.exec_snapshot = ours, None, 0, None
         run.kill_reason = ""
+        run.ready_claimed = False
         run.pid = run.proc.pid
         run.started_ns = run.last_ping_ns = time.monotonic_ns()
         run.ready_ns = 0            # per run: backoff resets only after a run that was ready
@@ -292,43 +298,71 @@ class Supervisor:
             await trio.lowlevel.wait_readable(run.status_r)
             if not self._poll_status(run):
                 return
+            await trio.sleep(0)       # a checkpoint between reads: others get their turn
+
+    # A status line costs the supervisor some work; a worker sending more than this
+    # (sustained, beyond a burst) is attacking the event loop, not reporting.
+    STATUS_LINES_PER_S = 1000.0
 
     def _poll_status(self, run: WorkerRun) -> bool:
-        """Handle every complete status line available now; False at end of stream.
+        """Handle the complete status lines of ONE read (at most 4 KiB); False at end of
+        stream. One read per wakeup keeps a flooding worker from holding the event loop.
 
         Also called before judging an exec-watch request: a READY written before the
         syscall must be seen first, so that READY means the same for both."""
-        while run.status_r is not None:
-            try:
-                chunk = os.read(run.status_r, 4096)
-            except BlockingIOError:
-                return True
-            if not chunk:
-                return False
-            run.status_buf += chunk
-            *lines, run.status_buf = run.status_buf.split(b"\n")
-            if len(run.status_buf) > 4096:   # a worker may not grow our memory endlessly
-                self.log.emit("protocol_error", worker=run.cfg.name,
-                              reason="status line over 4096 bytes; dropped")
-                run.status_buf = b""
-            for line in lines:
-                self._on_status(run, line.decode(errors="replace"))
-        return False
+        if run.status_r is None:
+            return False
+        try:
+            chunk = os.read(run.status_r, 4096)
+        except BlockingIOError:
+            return True
+        if not chunk:
+            return False
+        run.status_buf += chunk
+        *lines, run.status_buf = run.status_buf.split(b"\n")
+        if len(run.status_buf) > 4096:   # a worker may not grow our memory endlessly
+            self.log.emit("protocol_error", worker=run.cfg.name,
+                          reason="status line over 4096 bytes; dropped")
+            run.status_buf = b""
+        now = time.monotonic()
+        run.status_tokens = min(self.STATUS_LINES_PER_S,
+                                run.status_tokens + (now - run.status_ts) * self.STATUS_LINES_PER_S)
+        run.status_ts = now
+        run.status_tokens -= len(lines)
+        if run.status_tokens < -self.STATUS_LINES_PER_S:
+            self._refuse(run, "protocol_flood", f"more than {self.STATUS_LINES_PER_S:g} "
+                         f"status lines per second")
+            return False
+        for line in lines:
+            self._on_status(run, line.decode(errors="replace"))
+        return True
 
     def _on_status(self, run: WorkerRun, line: str) -> None:
         now = time.monotonic_ns()
+        # sd_notify style: several assignments may share a line ("READY=1 STATUS=...").
+        if " STATUS=" in line and not line.startswith("STATUS="):
+            head, _, text = line.partition(" STATUS=")
+            self._on_status(run, head)
+            self._on_status(run, "STATUS=" + text)
+            return
         if line.startswith("READY=1"):
             run.last_ping_ns = now
-            if not run.ready.is_set() and not run.refused and self._accept_ready(run):
-                run.ready_ns = now
-                run.ready.set()
-                self.log.emit("ready", worker=run.cfg.name, pid=run.pid,
-                              start_to_ready_ms=round((now - run.started_ns) / 1e6, 3),
-                              exec_mappings_admitted=run.exec_allowed)
+            if not run.ready_claimed and not run.refused:
+                run.ready_claimed = True
+                if not self._strict(run):
+                    self._set_ready(run, now)
+                elif self._close_exec_window(run):
+                    # The snapshot reads the worker's maps off the event loop.
+                    run.nursery.start_soon(self._verify_ready, run, now)
         elif line.startswith("WATCHDOG=1"):
             run.last_ping_ns = now
         elif line.startswith("STATUS="):
-            run.status = line[7:]
+            text = line[7:][:512]
+            if text != run.status:
+                run.status = text
+                self.log.emit("status", worker=run.cfg.name, domain=run.cfg.domain, status=text)
+            if self.monitor is not None:
+                self.monitor.statuses[run.cfg.name] = text
         elif line.startswith("REFUSED="):
             # The import guard reports before it raises: a worker that swallows the
             # exception is named all the same.
@@ -349,31 +383,41 @@ class Supervisor:
     def _strict(self, run: WorkerRun) -> bool:
         return self.sandboxed and run.watch_sock is not None
 
-    def _accept_ready(self, run: WorkerRun) -> bool:
+    def _set_ready(self, run: WorkerRun, now: int) -> None:
+        run.ready_ns = now
+        run.ready.set()
+        self.log.emit("ready", worker=run.cfg.name, pid=run.pid,
+                      start_to_ready_ms=round((now - run.started_ns) / 1e6, 3),
+                      exec_mappings_admitted=run.exec_allowed)
+
+    def _close_exec_window(self, run: WorkerRun) -> bool:
         """READY ends start-up. For a control-grade worker the supervisor, not the
-        worker, makes it true: from here on every new executable mapping is refused,
-        and what is executable now is recorded and must not be writable."""
-        if not self._strict(run):
-            return True
+        worker, makes it true: from this moment every new executable mapping is refused."""
         if run.watch is None:
             self._take_listener(run)
         if run.watch is None:
             self._refuse(run, "exec_watch", "READY before the exec watch was installed")
             return False
         run.watch.ready = True
+        return True
+
+    async def _verify_ready(self, run: WorkerRun, now: int) -> None:
+        """What is executable at READY is recorded, and none of it may still be able to
+        change (writable, shared, memfd, deleted, on a writable mount) or be torch."""
         from supervisor.admission import maps
 
         pid = self._worker_pid(run)
         try:
-            snap = maps.exec_snapshot(pid)
+            snap = await trio.to_thread.run_sync(maps.exec_snapshot, pid)
         except (maps.ProcessGone, OSError):   # gone between READY and now: its exit is reported
-            return False
+            return
         if snap.hits:
             self._refuse(run, snap.hits[0].kind, f"at READY: {snap.hits[0].describe()}",
                          mappings=[h.describe() for h in snap.hits])
-            return False
+            return
         run.exec_snapshot = snap
-        return True
+        if not run.refused:
+            self._set_ready(run, now)
 
     def _take_listener(self, run: WorkerRun) -> None:
         """Non-blocking: the exec-watch listener fd, if the runner has sent it."""
@@ -410,7 +454,10 @@ class Supervisor:
             self._poll_status(run)
             if run.refused:
                 return
-            verdicts = watch.handle_pending()
+            # A bounded batch per wakeup, then a checkpoint: a worker flooding requests
+            # must not hold the event loop (other workers' watchdogs run on it).
+            verdicts = watch.handle_pending(max_requests=16)
+            await trio.sleep(0)
             if not verdicts:
                 if watch.hung_up:         # every watched task is gone: the exit follows
                     return
@@ -431,8 +478,9 @@ class Supervisor:
         reported = 0
         while True:
             await trio.lowlevel.wait_readable(fd)
-            if not self._drain_output(run):
+            if not self._drain_output(run, max_reads=1):
                 return
+            await trio.sleep(0)
             lim = run.output
             if lim.dropped > reported and time.monotonic() - getattr(run, "_drop_ts", 0) > 1:
                 run._drop_ts = time.monotonic()
@@ -440,9 +488,9 @@ class Supervisor:
                               reason=f"over {lim.rate:g} lines/s")
                 reported = lim.dropped
 
-    def _drain_output(self, run: WorkerRun) -> bool:
-        """Read what is there; False at end of stream."""
-        while True:
+    def _drain_output(self, run: WorkerRun, max_reads: int = 64) -> bool:
+        """Read what is there (at most `max_reads` chunks); False at end of stream."""
+        for _ in range(max_reads):
             try:
                 chunk = os.read(run.out_r, 65536)
             except BlockingIOError:
@@ -454,6 +502,7 @@ class Supervisor:
                 self.log.emit("output", worker=run.cfg.name, domain=run.cfg.domain, line=line)
             if not chunk:
                 return False
+        return True
 
     # ---------------------------------------------------------------- one worker
 
@@ -600,6 +649,7 @@ class Supervisor:
         w = run.cfg
         why = "exited"
         async with trio.open_nursery() as nursery:
+            run.nursery = nursery
             nursery.start_soon(self._read_status, run)
             nursery.start_soon(self._read_output, run)
             nursery.start_soon(self._watch_exec, run)
@@ -628,6 +678,14 @@ class Supervisor:
                 limit = w.watchdog_ms * 1_000_000
                 while True:
                     late = time.monotonic_ns() - run.last_ping_ns
+                    if late > limit:
+                        # Our own lag must never be blamed on the worker: read what it
+                        # sent before judging.
+                        for _ in range(64):
+                            if (not self._poll_status(run)
+                                    or time.monotonic_ns() - run.last_ping_ns <= limit):
+                                break
+                        late = time.monotonic_ns() - run.last_ping_ns
                     if late > limit:
                         why = f"watchdog: no ping for {late / 1e6:.0f} ms"
                         run.kill_reason = "watchdog"
@@ -733,6 +791,18 @@ class Supervisor:
                           reason=f"admission refused required worker(s): {', '.join(hard)}")
             task_status.started(self)
             return Exit.REFUSED
+        # What `supervisor check` knows before start (modules, paths, users, memory):
+        # one event per problem and exit 2, never six tracebacks and a fail-safe.
+        from supervisor.config import check_runtime
+
+        problems = check_runtime(cfg, sandboxed=self.sandboxed)
+        if problems:
+            for p in problems:
+                self.log.emit("config_problem", problem=str(p))
+            self.log.emit("supervisor_exit", code=int(Exit.CONFIG),
+                          reason=f"{len(problems)} config problem(s): {problems[0]}")
+            task_status.started(self)
+            return Exit.CONFIG
         self._make_channels()
         try:
             async with trio.open_nursery() as nursery:
@@ -817,6 +887,7 @@ class Supervisor:
                                            for n, c in self.config.channels.items()},
                                payloads={n: c.payload for n, c in self.config.channels.items()
                                          if c.payload})
+        self.monitor.statuses.update({n: r.status for n, r in self.runs.items() if r.status})
         try:
             await self.monitor.run()
         except Exception as e:  # the status line is a convenience: never fatal

@@ -64,6 +64,7 @@ class Monitor:
         self.max_age_ms = max_age_ms or {}
         self.payloads = payloads or {}
         self.fail_safe: str | None = None     # set by the supervisor: SAFE from that moment
+        self.statuses: dict[str, str] = {}    # worker -> its latest STATUS= text
         self._handles = {}
         for name, ch in channels.items():
             idx = reader_index.get(name)
@@ -120,6 +121,7 @@ class Monitor:
                          f"receipts {v.receipts}")
             text += self._actuation(v)
             parts.append(text)
+        parts += [f"{w}: {text[:100]}" for w, text in self.statuses.items()]
         line = " || ".join(parts)
         return f"FAIL-SAFE ({self.fail_safe}) || {line}" if self.fail_safe else line
 

@@ -318,6 +318,49 @@ def test_invalid_sizes():
     assert "got float 4.5" in found["channels.shadow.slot_size"]
 
 
+def test_memory_max_floor_for_module_workers():
+    doc = base()
+    doc["workers"]["cam"]["memory_max"] = "16MiB"
+    assert one_problem(doc, "workers.cam.memory_max") == \
+        "16MiB cannot host the interpreter (minimum 64MiB)"
+    doc["workers"]["cam"]["memory_max"] = "64MiB"                # the floor itself is fine
+    doc["workers"]["ctl"]["memory_max"] = "16MiB"                # a command: not Python
+    cfg = load_doc(doc)
+    assert cfg.workers["cam"].memory_max == config.MIN_WORKER_MEMORY == 64 * 2**20
+    assert cfg.workers["ctl"].memory_max == 16 * 2**20
+
+
+def test_shm_budget_key():
+    assert load().supervisor.shm_budget == 2 * 2**30
+    doc = base()
+    doc["supervisor"] = {"shm_budget": "1GiB"}
+    assert load_doc(doc).supervisor.shm_budget == 2**30
+    doc["supervisor"] = {"shm_budget": "lots"}
+    assert "not a size" in one_problem(doc, "supervisor.shm_budget")
+    doc["supervisor"] = {"shm_budget": 4096}
+    assert "out of range" in one_problem(doc, "supervisor.shm_budget")
+
+
+def test_default_channels_fit_the_budget_with_room():
+    cfg = load()
+    total = sum(config.channel_shm_bytes(c.spec) for c in cfg.channels.values())
+    assert 20 * 2**20 < total < 64 * 2**20 < cfg.supervisor.shm_budget
+
+
+def test_channels_over_shm_budget_name_the_biggest():
+    doc = base()
+    doc["supervisor"] = {"shm_budget": "4MiB"}
+    reason = one_problem(doc, "channels")
+    assert reason.startswith("total ") and "of shared memory for 4 channels" in reason
+    assert "(biggest: frames 4 slots of 1MiB = " in reason       # the largest first
+    assert "exceeds shm_budget 4MiB" in reason
+    doc["channels"]["frames"].update(slot_size="1GiB", slot_count=1024)
+    doc["supervisor"] = {}
+    reason = one_problem(doc, "channels")
+    assert "total 1.0TiB" in reason and "frames 1024 slots of 1GiB = 1.0TiB" in reason
+    assert "exceeds shm_budget 2GiB" in reason
+
+
 def test_no_workers():
     assert "no workers defined" in one_problem("[domains.control]\n", "workers")
 

@@ -98,6 +98,13 @@ def test_camera_model_control_end_to_end():
                         outputs.append((np.array(m.array), m.receipt))
                         out_ts.append(m.publish_ts_ns)
             assert sup.monitor is not None and "model_out" in sup.monitor.line()
+            # the workers' own status reaches the event log and the live line
+            with trio.fail_after(10):
+                while not (log.of("status", "camerad") and log.of("status", "controlsd")
+                           and "engaged=" in sup.monitor.statuses.get("controlsd", "")):
+                    await trio.sleep(0.1)
+            line = sup.monitor.line()
+            assert "camerad: " in line and "controlsd: engaged=" in line, line
             nursery.cancel_scope.cancel()
         return sup
 
