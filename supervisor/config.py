@@ -156,9 +156,19 @@ class SupervisorConfig:
     shm_budget: int = DEFAULT_SHM_BUDGET
 
 
+# Built-in domain profiles: supervisor/sandbox/policy.py derives every isolation knob of
+# a domain's sandboxes from its profile (and the domain's own network/user/binds).
+PROFILES = (CONTROL, RESEARCH)
+
+
 @dataclass(frozen=True)
 class DomainConfig:
     name: str
+    # "control": no network ever, compilers hidden, no exec after start, no new
+    # executable memory after READY, torch refused, actuation allowed; "research":
+    # torch allowed, exec and compilers allowed, never actuates, its outputs are shadow.
+    # A domain named control or research has that profile; any other name must say.
+    profile: str = ""
     network: bool = False
     # What to do when a worker exhausts its restart budget: "restart" keeps the domain
     # going without it, "fail_safe" stops the whole domain safe. Defaults to
@@ -251,6 +261,10 @@ class Config:
         if channel not in self.channels:
             raise KeyError(channel)
         return [w.name for w in self.workers.values() if channel in w.reads]
+
+    def profile_of(self, worker: str) -> str:
+        """The profile (control or research) of a worker's domain: what its sandbox is."""
+        return self.domains[self.workers[worker].domain].profile
 
     def workers_in(self, domain: str) -> list[str]:
         return [w.name for w in self.workers.values() if w.domain == domain]
@@ -419,6 +433,7 @@ _SUPERVISOR_KEYS: dict[str, Callable[[Any], Any]] = {
     "shm_budget": _size(1 << 20, 1 << 50),
 }
 _DOMAIN_KEYS: dict[str, Callable[[Any], Any]] = {
+    "profile": _choice(CONTROL, RESEARCH),
     "network": _bool,
     "failure_policy": _choice("restart", "fail_safe"),
     "actuates": _bool,
@@ -594,12 +609,22 @@ class _Loader:
     def domain(self, name: str, table: dict) -> DomainConfig:
         path = _key("domains", name)
         values, _ = self.fields(path, table, _schema_of(DomainConfig, _DOMAIN_KEYS))
-        if name == CONTROL and "failure_policy" not in table:
+        if not values["profile"]:
+            if name in PROFILES:
+                values["profile"] = name
+            elif "profile" not in table:
+                self.add(f"{path}.profile", f"domain {name!r} needs a profile: "
+                         f"profile = {CONTROL!r} or {RESEARCH!r}")
+                values["profile"] = CONTROL          # fail closed while reporting
+        elif name in PROFILES and values["profile"] != name:
+            self.add(f"{path}.profile", f"the {name!r} domain has the {name!r} profile")
+        profile = values["profile"]
+        if profile == CONTROL and "failure_policy" not in table:
             values["failure_policy"] = "fail_safe"
-        if values["actuates"] and name != CONTROL:
-            self.add(f"{path}.actuates", f"only the {CONTROL!r} domain may actuate")
-        if values["network"] and name == CONTROL:
-            self.add(f"{path}.network", f"the {CONTROL!r} domain must not have network access")
+        if values["actuates"] and profile != CONTROL:
+            self.add(f"{path}.actuates", f"only a {CONTROL!r}-profile domain may actuate")
+        if values["network"] and profile == CONTROL:
+            self.add(f"{path}.network", f"a {CONTROL!r}-profile domain must not have network access")
         return DomainConfig(name, **values)
 
     def check_users(self, domains: dict[str, DomainConfig]) -> None:
@@ -607,10 +632,10 @@ class _Loader:
 
         seen: dict[str, str] = {}
         for name, d in domains.items():
-            user = d.user or default_user(name)
+            user = d.user or default_user(d.profile)
             if user == "root":
                 self.add(f"{_key('domains', name)}.user", "sandboxes never run as root")
-            rules = "research" if name == "research" else "strict"
+            rules = "research" if d.profile == RESEARCH else "strict"
             other = seen.setdefault(user, f"{name}:{rules}")
             # Strict domains may share the control user; research never shares with them.
             if other.split(":")[1] != rules:
@@ -677,14 +702,18 @@ class _Loader:
                     writers: dict[str, str], channels: dict[str, dict]) -> None:
         """No research or shadow data reaches a control/actuating worker except through
         shadow_subscribes, not even laundered through workers of a third domain."""
+        def profile(w: WorkerConfig) -> str:
+            d = domains.get(w.domain)
+            return d.profile if d else CONTROL
+
         def protected(w: WorkerConfig) -> bool:
             d = domains.get(w.domain)
-            return w.domain == CONTROL or bool(d and d.actuates)
+            return profile(w) == CONTROL or bool(d and d.actuates)
 
         # channel -> (root channel, chain of workers it passed through) for tainted data
         taint: dict[str, tuple[str, list[str]]] = {}
         for ch, writer in writers.items():
-            if workers[writer].domain == RESEARCH or channels.get(ch, {}).get("shadow"):
+            if profile(workers[writer]) == RESEARCH or channels.get(ch, {}).get("shadow"):
                 taint[ch] = (ch, [])
         changed = True
         while changed:
@@ -702,7 +731,7 @@ class _Loader:
         for w in workers.values():
             if not protected(w):
                 continue
-            who = (f"control worker {w.name!r}" if w.domain == CONTROL
+            who = (f"control worker {w.name!r}" if profile(w) == CONTROL
                    else f"worker {w.name!r} of actuating domain {w.domain!r}")
             fix = "mark it shadow_subscribes (log-only) or move it"
             for i, ch in enumerate(w.subscribes):
@@ -710,7 +739,7 @@ class _Loader:
                     continue
                 root, via = taint[ch]
                 at = f"{_key('workers', w.name)}.subscribes[{i}]"
-                root_is_research = workers[writers[root]].domain == RESEARCH
+                root_is_research = profile(workers[writers[root]]) == RESEARCH
                 if via:
                     kind = "research" if root_is_research else "shadow"
                     self.add(at, f"{who} subscribes to channel {ch!r}, which is derived from "
@@ -962,7 +991,7 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
                 except OSError as e:
                     add(f"{path}.extra_ro_binds[{i}]", f"{bind}: {_strerror(e)}")
             try:
-                host_ids(name, d.user)
+                host_ids(d.profile, d.user)
             except LookupError as e:
                 add(f"{path}.user", str(e.args[0] if e.args else e))
 

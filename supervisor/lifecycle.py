@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import trio
 
 from supervisor.admission import check_worker
-from supervisor.config import CONTROL, Config, WorkerConfig
+from supervisor.config import Config, WorkerConfig
 from supervisor.sandbox.policy import RESEARCH
 from supervisor import signals
 from supervisor.events import EventLog
@@ -33,7 +33,7 @@ from supervisor.ipc import Channel, env_name
 from supervisor.notify import Notifier
 from supervisor.output import LineLimiter
 from supervisor.worker import (ENV_CHANNELS, ENV_DOMAIN, ENV_EXECWATCH_FD, ENV_NAME,
-                               ENV_NETWORK, ENV_SANDBOXED, ENV_STATUS_FD)
+                               ENV_NETWORK, ENV_PROFILE, ENV_SANDBOXED, ENV_STATUS_FD)
 
 
 class Exit(enum.IntEnum):
@@ -122,7 +122,8 @@ class Supervisor:
         refused = []
         for name, w in self.config.workers.items():
             argv = None if w.module else list(w.command or ())
-            report = check_worker(name, w.domain, w.module, argv, sys.path)
+            # Admission judges by the domain's profile: what rules it runs under.
+            report = check_worker(name, self.config.profile_of(name), w.module, argv, sys.path)
             if not report.ok:
                 refused.append(name)
                 self.log.emit("refused", worker=name, domain=w.domain, optional=w.optional,
@@ -192,7 +193,8 @@ class Supervisor:
 
         domain = self.config.domains[w.domain]
         return policy_for_domain(w.domain, network=domain.network,
-                                 extra_ro_binds=domain.extra_ro_binds, user=domain.user)
+                                 extra_ro_binds=domain.extra_ro_binds, user=domain.user,
+                                 profile=domain.profile)
 
     def _spawn(self, run: WorkerRun) -> None:
         w = run.cfg
@@ -205,7 +207,8 @@ class Supervisor:
         os.set_blocking(out_r, False)
         env.update({ENV_NAME: w.name, ENV_DOMAIN: w.domain, ENV_STATUS_FD: str(wfd),
                     ENV_NETWORK: "1" if domain.network else "0",
-                    ENV_SANDBOXED: "1" if self.sandboxed else "0"})
+                    ENV_SANDBOXED: "1" if self.sandboxed else "0",
+                    ENV_PROFILE: domain.profile})
         child_fds = [*fds, wfd]
         ours, theirs = None, None
         join_fds: list[int] = []
@@ -591,10 +594,8 @@ class Supervisor:
         w = run.cfg
         self.log.emit("gave_up", worker=w.name, domain=w.domain, reason=why)
         required = not w.optional
-        if w.domain == CONTROL and required:
-            policy = self.config.domains[CONTROL].failure_policy
-            if policy == "fail_safe":
-                raise FailSafe(f"control worker {w.name} failed: {why}")
+        if required and self.config.domains[w.domain].failure_policy == "fail_safe":
+            raise FailSafe(f"{w.domain} worker {w.name} failed: {why}")
         if not started:
             if required:
                 # Its dependents would start without their input: stop here, say why.
@@ -713,7 +714,7 @@ class Supervisor:
         while True:
             await trio.sleep(period)
             for run in list(self.runs.values()):
-                if run.cfg.domain == RESEARCH or run.refused:
+                if self.config.profile_of(run.cfg.name) == RESEARCH or run.refused:
                     continue
                 snap = run.exec_snapshot
                 for pid in self.worker_pids(run):
@@ -849,7 +850,7 @@ class Supervisor:
 
         for name, d in self.config.domains.items():
             try:
-                uid, gid = host_ids(name, d.user)
+                uid, gid = host_ids(d.profile, d.user)
             except LookupError as e:
                 return Exit.CONFIG, str(e)
             self.log.emit("domain_user", domain=name, host_uid=uid, host_gid=gid,
@@ -900,7 +901,7 @@ class Supervisor:
             return
         self.exit_code = Exit.FAIL_SAFE
         self._stopping = True
-        self.log.emit("fail_safe", domain=CONTROL, reason=why)
+        self.log.emit("fail_safe", reason=why)
         if self.monitor is not None:       # SAFE on the live line from this moment
             self.monitor.fail_safe = why
             self.monitor.print_line()
@@ -908,7 +909,8 @@ class Supervisor:
             self.latch.set(why)
         except OSError as e:
             self.log.emit("fail_safe_latch_error", path=str(self.latch.path), error=str(e))
-        doomed = [r for r in self.runs.values() if r.cfg.domain != RESEARCH]
+        doomed = [r for r in self.runs.values()
+                  if self.config.profile_of(r.cfg.name) != RESEARCH]
         for run in doomed:
             self._kill(run)
         with trio.move_on_after(self.grace_s):

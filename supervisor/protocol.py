@@ -14,6 +14,7 @@ from __future__ import annotations
 
 ENV_NAME = "TRIO_WORKER"
 ENV_DOMAIN = "TRIO_DOMAIN"
+ENV_PROFILE = "TRIO_PROFILE"      # the domain's profile: which rules the runner applies
 ENV_STATUS_FD = "TRIO_STATUS_FD"
 ENV_CHANNELS = "TRIO_CHANNELS"
 ENV_NETWORK = "TRIO_NETWORK"

@@ -26,7 +26,7 @@ def _secure_start(name: str, domain: str) -> None:
         from supervisor.sandbox import landlock
 
         landlock.restrict(("/tmp", "/dev"))
-    strict = domain != "research"
+    strict = domain != "research"       # `domain` is the profile here (fail closed)
     if strict:
         from supervisor.admission import guard
         from supervisor.sandbox.seccomp import lock_down
@@ -52,10 +52,10 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m supervisor.runner <module> [args...]", file=sys.stderr)
         return 2
-    from supervisor.protocol import ENV_DOMAIN, ENV_NAME
+    from supervisor.protocol import ENV_DOMAIN, ENV_NAME, ENV_PROFILE
 
     name = os.environ.get(ENV_NAME, argv[0])
-    domain = os.environ.get(ENV_DOMAIN, "control")
+    domain = os.environ.get(ENV_PROFILE) or os.environ.get(ENV_DOMAIN, "control")
     _secure_start(name, domain)
     module = importlib.import_module(argv[0])
     from supervisor.worker import WorkerContext

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from supervisor.ipc import Reader, ReaderHandle, Writer, WriterHandle, env_name
 
 from supervisor.protocol import (ENV_CHANNELS, ENV_DOMAIN, ENV_EXECWATCH_FD,  # noqa: F401
-                                 ENV_NAME, ENV_NETWORK, ENV_SANDBOXED, ENV_STATUS_FD)
+                                 ENV_NAME, ENV_NETWORK, ENV_PROFILE, ENV_SANDBOXED,
+                                 ENV_STATUS_FD)
 
 
 @dataclass
@@ -24,6 +25,7 @@ class WorkerContext:
     channels: tuple[str, ...]
     status_fd: int | None
     network: bool = False
+    profile: str = ""          # the domain's profile; empty: the domain's name
     _writers: dict[str, Writer] = field(default_factory=dict)
     _readers: dict[str, Reader] = field(default_factory=dict)
     _locked: bool = False
@@ -34,7 +36,13 @@ class WorkerContext:
         fd = env.get(ENV_STATUS_FD)
         return cls(name=env.get(ENV_NAME, "worker"), domain=env.get(ENV_DOMAIN, "control"),
                    channels=tuple(c for c in env.get(ENV_CHANNELS, "").split(",") if c),
-                   status_fd=int(fd) if fd else None, network=env.get(ENV_NETWORK) == "1")
+                   status_fd=int(fd) if fd else None, network=env.get(ENV_NETWORK) == "1",
+                   profile=env.get(ENV_PROFILE, ""))
+
+    @property
+    def strict(self) -> bool:
+        """Control-grade rules (anything not research: fail closed)."""
+        return (self.profile or self.domain) != "research"
 
     def _handle_json(self, channel: str) -> str:
         text = os.environ.get(env_name(channel))
@@ -70,12 +78,12 @@ class WorkerContext:
             return
         from supervisor.sandbox.seccomp import lock_down
 
-        lock_down(self.domain, network=self.network, required=self.domain != "research")
+        lock_down(self.profile or self.domain, network=self.network, required=self.strict)
         self._locked = True
 
     def ready(self, status: str = "") -> None:
         """Start-up is over: lock down (control) and tell the supervisor."""
-        if self.domain != "research":
+        if self.strict:
             self.lock_down()
         self._send("READY=1" + (f" STATUS={status}" if status else ""))
 

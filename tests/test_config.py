@@ -403,7 +403,7 @@ def test_control_network_forbidden_and_only_control_actuates():
     doc["domains"]["control"]["network"] = True
     doc["domains"]["research"]["actuates"] = True
     assert "must not have network access" in one_problem(doc, "domains.control.network")
-    assert "only the 'control' domain may actuate" in one_problem(doc, "domains.research.actuates")
+    assert "only a 'control'-profile domain may actuate" in one_problem(doc, "domains.research.actuates")
 
 
 def test_control_failure_policy_defaults_to_fail_safe():
@@ -416,7 +416,7 @@ def test_control_failure_policy_defaults_to_fail_safe():
 
 def test_other_domains_allowed():
     doc = base()
-    doc["domains"]["ui"] = {"network": True}
+    doc["domains"]["ui"] = {"profile": "research", "network": True}
     doc["workers"]["hud"] = {"domain": "ui", "module": "workers.hud", "subscribes": ["plan"]}
     cfg = load_doc(doc)
     assert cfg.workers_in("ui") == ["hud"] and cfg.domains["ui"].network
@@ -488,21 +488,26 @@ def test_shadow_channel_subscribed_by_actuating_domain():
 
 
 def test_research_data_laundered_through_other_domain():
+    """A third domain has a profile: research-profile relays publish research data, and
+    a control-profile relay may not read research data at all."""
     doc = base()
-    doc["domains"]["tools"] = {}
+    doc["domains"]["tools"] = {"profile": "research"}
     doc["channels"]["relay"] = {"slot_size": 4096}
     doc["workers"]["relayd"] = {"domain": "tools", "module": "relayd",
                                 "subscribes": ["shadow"], "publishes": ["relay"]}
     doc["workers"]["lab"]["optional"] = False
     doc["workers"]["ctl"]["subscribes"] = ["plan", "relay"]
     reason = one_problem(doc, "workers.ctl.subscribes[1]")
-    assert "derived from research channel 'shadow' via relayd" in reason
+    assert "subscribes to research channel 'relay'" in reason
     assert "shadow_subscribes" in reason
+    doc["domains"]["tools"] = {"profile": "control"}
+    reason = one_problem(doc, "workers.relayd.subscribes[0]")
+    assert "subscribes to research channel 'shadow'" in reason
 
 
 def test_required_worker_depending_on_optional():
     doc = base()
-    doc["domains"]["ui"] = {}
+    doc["domains"]["ui"] = {"profile": "research"}
     doc["workers"]["hud"] = {"domain": "ui", "module": "hud", "subscribes": ["shadow"]}
     reason = one_problem(doc, "workers.hud.subscribes[0]")
     assert "published by optional worker 'lab'" in reason
@@ -633,3 +638,33 @@ def test_start_order_respects_every_edge(pipeline):
     assert [specs[n].channel_id for n in sorted(specs)] == list(range(1, len(specs) + 1))
     for name, spec in specs.items():
         assert spec.max_readers == len(cfg.readers_of(name)) + 1
+
+
+def test_domains_are_declared_with_a_profile(tmp_path):
+    """Any domain name, but its rules come from a built-in profile: an undeclared one is
+    one config error naming file and key, and the CLI exits 2 without a traceback."""
+    import subprocess
+    import sys
+
+    body = """
+[domains.{name}]
+{profile}
+[channels.x]
+slot_size = "4KiB"
+[workers.a]
+domain = "{name}"
+module = "workers.probe"
+publishes = ["x"]
+"""
+    f = tmp_path / "perception.toml"
+    f.write_text(body.format(name="perception", profile=""))
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "check", "--config", str(f)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "domains.perception.profile: domain 'perception' needs a profile" in r.stderr
+    f.write_text(body.format(name="perception", profile='profile = "sensing"'))
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "check", "--config", str(f)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "domains.perception.profile" in r.stderr and "Traceback" not in r.stderr
+    cfg = loads(body.format(name="perception", profile='profile = "control"'), "p.toml")
+    assert cfg.profile_of("a") == "control" and cfg.domains["perception"].failure_policy == "fail_safe"

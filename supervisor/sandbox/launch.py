@@ -89,7 +89,7 @@ def prepare(
                                  policy.hidden)
         source, mntns, views = st.source_for, st.mntns_fd, st.views
     if policy.seccomp_at_launch:
-        sfd = seccomp.launch_filter_fd(policy.domain, network=policy.network)
+        sfd = seccomp.launch_filter_fd(policy.rules, network=policy.network)
         owned.append(sfd)
         fds.append(sfd)
     try:

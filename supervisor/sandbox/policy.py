@@ -51,6 +51,9 @@ _ETC_RESEARCH = ("/etc/alternatives",)
 @dataclass
 class SandboxPolicy:
     domain: str
+    # The domain's profile ("control" or "research"): what rules apply. Anything but
+    # research is control-grade (fail closed). Empty: the domain's name is its profile.
+    profile: str = ""
     network: bool = False
     hide_compilers: bool = True
     # Worker calls seccomp.lock_down() once its imports are done (adds the
@@ -81,9 +84,13 @@ class SandboxPolicy:
     tmp_size_bytes: int | None = 64 * 1024 * 1024
 
     @property
+    def rules(self) -> str:
+        return self.profile or self.domain
+
+    @property
     def strict(self) -> bool:
         """Control-grade rules: anything that is not explicitly research."""
-        return self.domain != RESEARCH
+        return self.rules != RESEARCH
 
 
 def python_dirs() -> list[str]:
@@ -190,13 +197,15 @@ def policy_for_domain(
     extra_rw_binds: Iterable[str] = (),
     extra_dev_binds: Iterable[str] = (),
     user: str | None = None,
+    profile: str | None = None,
 ) -> SandboxPolicy:
     """Build the policy for `domain`.
 
     Anything other than "research" gets the control rules (fail closed).
     Asking for a network in a strict domain is a configuration error.
     """
-    strict = domain != RESEARCH
+    rules = profile or domain
+    strict = rules != RESEARCH
     if strict and network:
         raise ValueError(f"domain {domain!r} may never have network access")
 
@@ -236,9 +245,10 @@ def policy_for_domain(
     if pp:
         env["PYTHONPATH"] = pp
 
-    host_uid, host_gid = host_ids(domain, user)
+    host_uid, host_gid = host_ids(rules, user)
     return SandboxPolicy(
         domain=domain,
+        profile=rules,
         host_uid=host_uid,
         host_gid=host_gid,
         hidden=refused_paths(ro) if strict else [],
