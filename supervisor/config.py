@@ -201,6 +201,10 @@ class WorkerConfig:
     # A worker that gave up (out of restarts) outside a failed-safe domain is tried
     # again after this cool-down, under its restart policy; 0 = never again.
     cooldown_s: float = 30.0
+    # Keep a second instance started, imports done, model loaded, waiting in its own
+    # sandbox (pre-READY, under every rule a fresh worker has) to be handed the
+    # channels when this one dies: recovery without the cold start.
+    warm_standby: bool = False
     watchdog_ms: int = 0                    # 0: no watchdog
     ready_timeout_ms: int = 5000
     optional: bool = False                  # if admission refuses it, the rest still starts
@@ -454,6 +458,7 @@ _WORKER_KEYS: dict[str, Callable[[Any], Any]] = {
     "max_restarts": _int(0, 1_000_000),
     "restart_window_s": _number(),
     "cooldown_s": _number(),
+    "warm_standby": _bool,
     "watchdog_ms": _int(0, 3_600_000),
     "ready_timeout_ms": _int(1, 3_600_000),
     "optional": _bool,
