@@ -41,11 +41,14 @@ Counted throughout (see `analyse`):
 * restarts against kills: every kill is exactly one ``exit`` event of that worker and
   pid with ``signal: SIGKILL``, followed by a ``restart``; no other exit happens.
 * engaged while the model was down: control_cmd with engaged=1 published more than
-  ``--timeout-ms`` (controlsd's, 150) + ``--grace-ms`` after a kill of modeld (or
-  camerad: no frames, no outputs) and before it is back (its next ``ready`` event or
-  the first model output published after the kill, whichever is first).
+  ``--timeout-ms`` (controlsd's, 150) + ``--grace-ms`` after modeld died (or camerad:
+  no frames, no outputs) and before it is back (its next ``ready`` event or the first
+  model output published after it died, whichever is first). "Died": every process of
+  its sandbox gone (pidfds of bwrap, bwrap's init and the worker, opened before the
+  kill); the sandbox outlives the SIGKILL of its bwrap by a moment, reported too.
 * kill -> first output per worker: camerad: first road_frames frame published after
-  the kill; modeld: first model_out; controlsd: first control_cmd. Also kill -> ready.
+  the old sandbox is gone; modeld: first model_out; controlsd: first control_cmd.
+  Also kill -> ``ready`` event, and kill -> sandbox gone.
 """
 from __future__ import annotations
 
@@ -159,6 +162,8 @@ class Options:
     fps: float = 20.0
     seed: int = 0
     kill_every: tuple[float, float] = (1.0, 4.0)   # s, after the pipeline is engaged again
+    victims: tuple[str, ...] = ()  # the first kills, in this order; then random ones
+    max_kills: int = 0            # end the kill phase after this many kills (0: frames only)
     stall_s: float = 24.0
     stall_phase_s: float = 3.0
     soak_s: float = 0.0
@@ -182,7 +187,8 @@ class Record:
     torn_examples: list = field(default_factory=list)
     lease_lost: Counter = field(default_factory=Counter)     # detected, by channel
     rejected: Counter = field(default_factory=Counter)       # "channel:reason"
-    kills: list = field(default_factory=list)      # (worker, pid, kill_ns)
+    # (worker, bwrap pid, kill_ns, dead_ns: every process of the sandbox gone, or None)
+    kills: list = field(default_factory=list)
     recover_failures: list = field(default_factory=list)
     phases: list = field(default_factory=list)     # (kind, start_ns, end_ns)
     stall_held: list = field(default_factory=list)  # (channel, outcome at release)
@@ -486,16 +492,35 @@ async def _run(opts: Options, rec: Record, log: EventLog) -> Supervisor:
         start = time.monotonic_ns()
         n0 = len(rec.frames)
         last_say = time.monotonic()
-        while opts.frames and len(rec.frames) - n0 < opts.frames:
+        while (opts.frames and len(rec.frames) - n0 < opts.frames
+               and not (opts.max_kills and len(rec.kills) >= opts.max_kills)):
             await trio.sleep(rng.uniform(*opts.kill_every))
-            victim = rng.choice(WORKERS)
+            k = len(rec.kills)
+            victim = opts.victims[k] if k < len(opts.victims) else rng.choice(WORKERS)
             run = sup.runs[victim]
             if not _alive_ready(sup, victim):
                 continue
             pid = run.pid
+            # The sandbox outlives its bwrap by a moment (its init gets SIGKILL as a
+            # parent-death signal): watch every process of it, to know when it is gone.
+            pidfds = []
+            for p in (pid, *sup.worker_pids(run)):
+                try:
+                    pidfds.append(os.pidfd_open(p))
+                except ProcessLookupError:
+                    pass
             t = time.monotonic_ns()
             os.kill(pid, signal.SIGKILL)
-            rec.kills.append((victim, pid, t))
+            dead = None
+            try:
+                with trio.move_on_after(10):
+                    for fd in pidfds:
+                        await trio.lowlevel.wait_readable(fd)
+                    dead = time.monotonic_ns()
+            finally:
+                for fd in pidfds:
+                    os.close(fd)
+            rec.kills.append((victim, pid, t, dead))
             if not await _wait_engaged(sup, rec, t, opts.recover_timeout_s):
                 rec.recover_failures.append((victim, pid, t))
                 _say(opts, f"stress: no recovery within {opts.recover_timeout_s:g} s "
@@ -577,7 +602,7 @@ def analyse(rec: Record, events: list[dict], opts: Options) -> dict:
 
     # -- restarts against kills
     killed_pids = defaultdict(list)
-    for w, pid, t in rec.kills:
+    for w, pid, t, dead in rec.kills:
         killed_pids[w].append(pid)
     accounting = {}
     problems = []
@@ -610,8 +635,14 @@ def analyse(rec: Record, events: list[dict], opts: Options) -> dict:
     first_out = {"camerad": frames_pub, "modeld": outs_pub, "controlsd": cmds_pub}
     k2o = defaultdict(list)
     k2r = defaultdict(list)
-    for w, pid, t in rec.kills:
-        f = _first_after(first_out[w], t)
+    k2d = defaultdict(list)
+    for w, pid, t, dead in rec.kills:
+        if dead is None:
+            problems.append(f"{w} pid {pid}: its sandbox still ran 10 s after the kill")
+            continue
+        k2d[w].append(dead - t)
+        # Output after every process of the old sandbox is gone: the new instance's.
+        f = _first_after(first_out[w], dead)
         if f is not None:
             k2o[w].append(f - t)
         rd = [e["mono_ns"] for e in ev[("ready", w)] if e["mono_ns"] > t]
@@ -619,20 +650,23 @@ def analyse(rec: Record, events: list[dict], opts: Options) -> dict:
             k2r[w].append(min(rd) - t)
     kill_to_output = {w: {"n": len(k2o[w]), "p50_ms": _ms(_pct(k2o[w], 50)),
                           "max_ms": _ms(max(k2o[w]) if k2o[w] else None),
+                          "kill_to_dead_p50_ms": _ms(_pct(k2d[w], 50)),
+                          "kill_to_dead_max_ms": _ms(max(k2d[w]) if k2d[w] else None),
                           "kill_to_ready_p50_ms": _ms(_pct(k2r[w], 50)),
                           "kill_to_ready_max_ms": _ms(max(k2r[w]) if k2r[w] else None)}
                       for w in WORKERS}
 
     # -- engaged while the model was down
     down = []
-    for w, pid, t in rec.kills:
+    for w, pid, t, dead in rec.kills:
         if w not in ("modeld", "camerad"):
             continue
+        died = dead if dead is not None else t
         rd = [e["mono_ns"] for e in ev[("ready", w)] if e["mono_ns"] > t]
-        back = [x for x in (min(rd) if rd else None, _first_after(outs_pub, t))
+        back = [x for x in (min(rd) if rd else None, _first_after(outs_pub, died))
                 if x is not None]
         end = min(back) if back else rec.t_end
-        down.append((w, t + int((opts.timeout_ms + opts.grace_ms) * 1e6), end))
+        down.append((w, died + int((opts.timeout_ms + opts.grace_ms) * 1e6), end))
     engaged_down = []
     checked_down = 0
     for w, a, b in down:
@@ -658,9 +692,9 @@ def analyse(rec: Record, events: list[dict], opts: Options) -> dict:
     # -- writer blocks (camerad) outside its restarts
     period = 1e9 / opts.fps
     outages = []
-    for w, pid, t in rec.kills:
+    for w, pid, t, dead in rec.kills:
         if w == "camerad":
-            f = _first_after(frames_pub, t)
+            f = _first_after(frames_pub, dead if dead is not None else t)
             outages.append((t - int(period), (f if f is not None else rec.t_end) + int(1e9)))
 
     def outside(a, b):
@@ -795,8 +829,8 @@ def verify_outputs(rec: Record, opts: Options, limit: int) -> dict:
         np.linspace(0, len(outs) - 1, limit).astype(int).tolist())
     # ... and always the first outputs after each kill (the interesting ones).
     pubs = np.array([o[0] for o in outs], np.int64)
-    for _, _, t in rec.kills:
-        i = int(np.searchsorted(pubs, t))
+    for _, _, t, dead in rec.kills:
+        i = int(np.searchsorted(pubs, dead if dead is not None else t))
         pick.update(range(i, min(i + 3, len(outs))))
     eng = Engine(load_verified(models.DEMO_ARTIFACT, models.DEMO_PUBKEY))
     road = SyntheticRoad(1928, 1208, seed=opts.seed, fps=opts.fps)
@@ -881,7 +915,9 @@ def summary(res: dict) -> str:
         "kill -> first output p50/max ms: " + "; ".join(
             f"{n} {_f(v['p50_ms'], '{:.0f}')}/{_f(v['max_ms'], '{:.0f}')} "
             f"(ready {_f(v['kill_to_ready_p50_ms'], '{:.0f}')}/"
-            f"{_f(v['kill_to_ready_max_ms'], '{:.0f}')})" for n, v in k2o.items()),
+            f"{_f(v['kill_to_ready_max_ms'], '{:.0f}')}, sandbox gone "
+            f"{_f(v['kill_to_dead_p50_ms'], '{:.1f}')}/{_f(v['kill_to_dead_max_ms'], '{:.1f}')})"
+            for n, v in k2o.items()),
     ]
     if st["unstalled"]["n"] or st["stalled"]["n"]:
         u, s = st["unstalled"], st["stalled"]
@@ -910,6 +946,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kill-every", default="1.0,4.0",
                     help="min,max seconds between recovery and the next kill")
+    ap.add_argument("--victims", default="",
+                    help="comma-separated workers for the first kills (then random)")
+    ap.add_argument("--max-kills", type=int, default=0, help="0: until --frames")
     ap.add_argument("--stall-s", type=float, default=24.0)
     ap.add_argument("--stall-phase-s", type=float, default=3.0)
     ap.add_argument("--soak-s", type=float, default=0.0)
@@ -923,7 +962,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
     lo, hi = (float(x) for x in a.kill_every.split(","))
+    victims = tuple(v for v in a.victims.split(",") if v)
+    if set(victims) - set(WORKERS):
+        ap.error(f"--victims: workers are {', '.join(WORKERS)}")
     opts = Options(frames=a.frames, fps=a.fps, seed=a.seed, kill_every=(lo, hi),
+                   victims=victims, max_kills=a.max_kills,
                    stall_s=a.stall_s, stall_phase_s=a.stall_phase_s, soak_s=a.soak_s,
                    rss_every_s=a.rss_every_s, timeout_ms=a.timeout_ms, grace_ms=a.grace_ms,
                    verify=a.verify, events=a.events, progress=not a.quiet)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import json
 import os
 import shutil
 import signal
@@ -33,7 +34,8 @@ from supervisor.ipc import Channel, env_name
 from supervisor.notify import Notifier
 from supervisor.output import LineLimiter
 from supervisor.worker import (ENV_CHANNELS, ENV_DOMAIN, ENV_EXECWATCH_FD, ENV_NAME,
-                               ENV_NETWORK, ENV_PROFILE, ENV_SANDBOXED, ENV_STATUS_FD)
+                               ENV_NETWORK, ENV_PROFILE, ENV_SANDBOXED, ENV_STANDBY_FD,
+                               ENV_STATUS_FD)
 
 
 class Exit(enum.IntEnum):
@@ -74,6 +76,15 @@ class WorkerRun:
     exec_snapshot: object | None = None      # maps.ExecSnapshot taken at READY
     kill_reason: str = ""                    # why the supervisor killed it, if it did
     ready_claimed: bool = False              # the worker said READY=1 (this run)
+    spawns: int = 0                          # spawns so far: names each run's cgroup leaf
+    # Warm standby: a second instance, waiting in its sandbox for the channels.
+    is_standby: bool = False
+    standby: "WorkerRun | None" = None
+    ctl_sock: socket.socket | None = None    # (standby) the supervisor's end of hand-over
+    adopted: bool = False
+    warm: bool = False                       # (standby) said STANDBY=1: start-up done
+    scope: trio.CancelScope | None = None
+    handed_over: trio.Event = field(default_factory=trio.Event)
     nursery: trio.Nursery | None = None      # the run's own tasks (status, exec watch...)
 
 
@@ -106,6 +117,8 @@ class Supervisor:
         self.python = python
         self.cgroups = None              # sandbox.cgroups.CgroupTree while running
         self.latch = FailSafeLatch.for_config(config)
+        self._nursery: trio.Nursery | None = None
+        self._leaf_seq = 0
         self.runs: dict[str, WorkerRun] = {}
         self.channels: dict[str, Channel] = {}
         self._reader_index: dict[tuple[str, str], int] = {}
@@ -183,7 +196,11 @@ class Supervisor:
         from supervisor.sandbox.cgroups import Limits
 
         w = run.cfg
-        run.cgroup = cg = self.cgroups.leaf(w.name, Limits(
+        # Never reuse a leaf name: leaf() kills whatever a same-named leaf still holds,
+        # and an adopted standby lives on in the leaf it was started in.
+        self._leaf_seq += 1
+        leaf = f"{w.name}-{'s' if run.is_standby else 'r'}{self._leaf_seq}"
+        run.cgroup = cg = self.cgroups.leaf(leaf, Limits(
             memory_max=w.memory_max, pids_max=w.pids_max, cpu_quota_pct=w.cpu_quota))
         run.oom_before = cg.oom_kills()
         return cg.open_join_fds()
@@ -199,7 +216,8 @@ class Supervisor:
     def _spawn(self, run: WorkerRun) -> None:
         w = run.cfg
         domain = self.config.domains[w.domain]
-        env, fds = self._endpoint_env(w)
+        # A standby gets no channel at all until it is activated (one writer per channel).
+        env, fds = ({ENV_CHANNELS: ""}, []) if run.is_standby else self._endpoint_env(w)
         r, wfd = os.pipe2(os.O_CLOEXEC)
         os.set_blocking(r, False)
         # stdout+stderr: a pipe we read, never the supervisor's own streams or a tty.
@@ -211,6 +229,11 @@ class Supervisor:
                     ENV_PROFILE: domain.profile})
         child_fds = [*fds, wfd]
         ours, theirs = None, None
+        ctl_ours = ctl_theirs = None
+        if run.is_standby:
+            ctl_ours, ctl_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            env[ENV_STANDBY_FD] = str(ctl_theirs.fileno())
+            child_fds.append(ctl_theirs.fileno())
         join_fds: list[int] = []
         ok = False
         try:
@@ -240,13 +263,16 @@ class Supervisor:
         finally:
             for fd in (wfd, out_w, *join_fds):
                 os.close(fd)
-            if theirs is not None:
-                theirs.close()
+            for sock in (theirs, ctl_theirs):
+                if sock is not None:
+                    sock.close()
             if not ok:
                 os.close(r)
                 os.close(out_r)
-                if ours is not None:
-                    ours.close()
+                for sock in (ours, ctl_ours):
+                    if sock is not None:
+                        sock.close()
+        run.ctl_sock = ctl_ours
         run.status_r = r
         run.status_buf = b""
         run.status_tokens, run.status_ts = self.STATUS_LINES_PER_S, time.monotonic()
@@ -259,8 +285,8 @@ class Supervisor:
         run.started_ns = run.last_ping_ns = time.monotonic_ns()
         run.ready_ns = 0            # per run: backoff resets only after a run that was ready
         run.ready = trio.Event()
-        self.log.emit("start", worker=w.name, domain=w.domain, pid=run.pid,
-                      sandboxed=self.sandboxed)
+        self.log.emit("standby_start" if run.is_standby else "start", worker=w.name,
+                      domain=w.domain, pid=run.pid, sandboxed=self.sandboxed)
 
     def worker_pids(self, run: WorkerRun) -> list[int]:
         """Host pids of the worker's processes (inside its sandbox)."""
@@ -347,6 +373,14 @@ class Supervisor:
             head, _, text = line.partition(" STATUS=")
             self._on_status(run, head)
             self._on_status(run, "STATUS=" + text)
+            return
+        if run.is_standby and line.startswith(("READY=1", "WATCHDOG=1", "STANDBY=1")):
+            if line.startswith("READY=1"):   # it has no channels: it cannot be ready
+                self._refuse(run, "protocol", "standby claimed READY before activation")
+            elif line.startswith("STANDBY=1") and not run.warm:
+                run.warm = True
+                self.log.emit("standby_warm", worker=run.cfg.name, pid=run.pid,
+                              start_ms=round((now - run.started_ns) / 1e6, 1))
             return
         if line.startswith("READY=1"):
             run.last_ping_ns = now
@@ -534,7 +568,8 @@ class Supervisor:
 
         while not self._stopping:
             try:
-                self._spawn(run)
+                if not await self._adopt_standby(run):
+                    self._spawn(run)
             except (OSError, RuntimeError, ValueError) as e:
                 # bwrap/prlimit missing, seccomp unavailable, fork failing: a failed start,
                 # handled by the restart policy like a crash, never a supervisor crash.
@@ -574,11 +609,107 @@ class Supervisor:
             if run.ready_ns and time.monotonic_ns() - run.ready_ns > w.backoff_max_ms * 4e6:
                 attempt = 0
             delay = min(w.backoff_initial_ms * 2 ** attempt, w.backoff_max_ms) / 1000
+            sb = run.standby
+            if sb is not None and sb.proc is not None and sb.proc.poll() is None:
+                # A ready-made instance is waiting: the backoff (which protects the
+                # machine from cold-start storms) has nothing to protect here.
+                delay = 0.0
             attempt += 1
             run.restarts.append(time.monotonic())
             self.log.emit("restart", worker=w.name, attempt=attempt, delay_ms=delay * 1000,
                           after=why)
             await trio.sleep(delay)
+
+    # ---------------------------------------------------------------- warm standby
+
+    async def _keep_standby(self, run: WorkerRun) -> None:
+        """Start a standby instance of `run`'s worker and serve it (status, output, exec
+        watch) while it waits; if it dies waiting, that is logged and the next READY of
+        the active instance starts another."""
+        sb = WorkerRun(run.cfg, is_standby=True)
+        try:
+            self._spawn(sb)
+        except (OSError, RuntimeError, ValueError) as e:
+            self.log.emit("standby_failed", worker=run.cfg.name, error=f"{type(e).__name__}: {e}")
+            return
+        run.standby = sb
+        code = None
+        try:
+            with trio.CancelScope() as sb.scope:
+                async with trio.open_nursery() as n:
+                    sb.nursery = n
+                    n.start_soon(self._read_status, sb)
+                    n.start_soon(self._read_output, sb)
+                    n.start_soon(self._watch_exec, sb)
+                    code = await self._wait_exit(sb)
+                    n.cancel_scope.cancel()
+        finally:
+            sb.handed_over.set()
+        if sb.adopted or code is None:
+            return
+        if run.standby is sb:
+            run.standby = None
+        sig, cause = self._exit_cause(sb, code)
+        self._release_cgroup(sb)
+        self._close_run_fds(sb)
+        if not self._stopping:
+            self.log.emit("standby_exit", worker=run.cfg.name, pid=sb.pid, code=code,
+                          signal=sig, cause=cause or sb.refused or None)
+
+    async def _adopt_standby(self, run: WorkerRun) -> bool:
+        """Hand the channels to the waiting standby and make it the run: no cold start.
+        False when there is none fit to take over (then the caller spawns as usual)."""
+        sb, run.standby = run.standby, None
+        if sb is None:
+            return False
+        usable = (sb.proc is not None and sb.proc.poll() is None and not sb.refused
+                  and sb.ctl_sock is not None and (sb.watch is not None or not self._strict(sb)))
+        if not usable:
+            if sb.proc is not None and sb.proc.poll() is None:
+                self._kill(sb)
+            return False
+        env, fds = self._endpoint_env(run.cfg)
+        chans = {ch: env[env_name(ch)] for ch in (*run.cfg.publishes, *run.cfg.reads)}
+        try:
+            socket.send_fds(sb.ctl_sock, [json.dumps({"channels": chans, "fds": fds}).encode()], fds)
+        except OSError as e:
+            self.log.emit("standby_failed", worker=run.cfg.name, error=f"hand-over: {e}")
+            self._kill(sb)
+            return False
+        sb.adopted = True
+        sb.scope.cancel()               # its tasks stop; ours take over its pipes
+        await sb.handed_over.wait()
+        for f in ("proc", "pid", "status_r", "status_buf", "status_tokens", "status_ts",
+                  "out_r", "output", "cgroup", "oom_before", "watch_sock", "watch",
+                  "exec_allowed", "ctl_sock"):
+            setattr(run, f, getattr(sb, f))
+        run.started_ns = run.last_ping_ns = time.monotonic_ns()
+        run.ready_ns, run.ready, run.ready_claimed = 0, trio.Event(), False
+        run.exec_snapshot, run.kill_reason = None, ""
+        self.log.emit("standby_adopted", worker=run.cfg.name, pid=run.pid,
+                      waited_ms=round((run.started_ns - sb.started_ns) / 1e6, 1))
+        return True
+
+    def _close_run_fds(self, run: WorkerRun) -> None:
+        for name in ("status_r", "out_r"):
+            fd = getattr(run, name)
+            if fd is not None:
+                os.close(fd)
+                setattr(run, name, None)
+        for name in ("watch", "watch_sock", "ctl_sock"):
+            obj = getattr(run, name)
+            if obj is not None:
+                obj.close()
+                setattr(run, name, None)
+
+    def _all_runs(self) -> list[WorkerRun]:
+        """Active runs and their standbys: every sandbox the supervisor has."""
+        out = []
+        for r in list(self.runs.values()):
+            out.append(r)
+            if r.standby is not None:
+                out.append(r.standby)
+        return out
 
     def _release_cgroup(self, run: WorkerRun) -> None:
         """Nothing of a finished run survives it: leftovers are killed, the cgroup removed."""
@@ -620,6 +751,9 @@ class Supervisor:
             if run.watch_sock is not None:
                 run.watch_sock.close()
                 run.watch_sock = None
+            if run.ctl_sock is not None:
+                run.ctl_sock.close()
+                run.ctl_sock = None
 
     def _worker_pid(self, run: WorkerRun) -> int:
         """Host pid of the worker itself (in a sandbox: after bwrap's init)."""
@@ -658,6 +792,8 @@ class Supervisor:
             async def announce() -> None:
                 await run.ready.wait()
                 on_ready()
+                if w.warm_standby and self.sandboxed and run.standby is None and self._nursery:
+                    self._nursery.start_soon(self._keep_standby, run)
 
             nursery.start_soon(announce)
 
@@ -713,7 +849,7 @@ class Supervisor:
         period = self.config.supervisor.maps_scan_interval_s
         while True:
             await trio.sleep(period)
-            for run in list(self.runs.values()):
+            for run in self._all_runs():
                 if self.config.profile_of(run.cfg.name) == RESEARCH or run.refused:
                     continue
                 snap = run.exec_snapshot
@@ -746,6 +882,14 @@ class Supervisor:
     async def _shutdown_workers(self) -> None:
         """SIGTERM in reverse start order, SIGKILL after the grace period."""
         self._stopping = True
+        for run in list(self.runs.values()):          # standbys hold no channel: just go
+            sb, run.standby = run.standby, None
+            if sb is not None and sb.proc is not None and sb.proc.poll() is None:
+                self._kill(sb)
+                sb.proc.wait()
+                self.log.emit("stopped", worker=run.cfg.name, standby=True, code=sb.proc.returncode)
+            if sb is not None:
+                self._release_cgroup(sb)
         order = [n for n in reversed(self.config.start_order()) if n in self.runs]
         for name in order:
             run = self.runs[name]
@@ -807,6 +951,7 @@ class Supervisor:
         self._make_channels()
         try:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 if sigpipe is not None:
                     nursery.start_soon(self._watch_signals, sigpipe, nursery.cancel_scope)
                 try:
@@ -909,7 +1054,7 @@ class Supervisor:
             self.latch.set(why)
         except OSError as e:
             self.log.emit("fail_safe_latch_error", path=str(self.latch.path), error=str(e))
-        doomed = [r for r in self.runs.values()
+        doomed = [r for r in self._all_runs()
                   if self.config.profile_of(r.cfg.name) != RESEARCH]
         for run in doomed:
             self._kill(run)

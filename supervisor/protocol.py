@@ -9,6 +9,7 @@ Status lines (worker -> supervisor, one per line on the status fd, like sd_notif
     STATUS=text             free-form status for the event log and the live line
     REFUSED=<kind> <detail> the import guard refused something (reported even when the
                             worker swallows the exception)
+    STANDBY=1               a warm standby finished its start-up and waits for channels
 """
 from __future__ import annotations
 
@@ -20,5 +21,8 @@ ENV_CHANNELS = "TRIO_CHANNELS"
 ENV_NETWORK = "TRIO_NETWORK"
 # A unix socket (control-grade sandboxes): the runner sends its exec-watch listener fd.
 ENV_EXECWATCH_FD = "TRIO_EXECWATCH_FD"
+# A warm standby: a unix socket on which the supervisor hands over the channels when it
+# activates this instance (JSON {"channels": {name: handle}, "fds": [numbers]} + fds).
+ENV_STANDBY_FD = "TRIO_STANDBY_FD"
 # "1" when the supervisor started the worker in a sandbox (Landlock applies then).
 ENV_SANDBOXED = "TRIO_SANDBOXED"

@@ -8,14 +8,16 @@ watchdog pings on the status pipe, like sd_notify.
 """
 from __future__ import annotations
 
+import json
 import os
+import socket
 from dataclasses import dataclass, field
 
 from supervisor.ipc import Reader, ReaderHandle, Writer, WriterHandle, env_name
 
 from supervisor.protocol import (ENV_CHANNELS, ENV_DOMAIN, ENV_EXECWATCH_FD,  # noqa: F401
                                  ENV_NAME, ENV_NETWORK, ENV_PROFILE, ENV_SANDBOXED,
-                                 ENV_STATUS_FD)
+                                 ENV_STANDBY_FD, ENV_STATUS_FD)
 
 
 @dataclass
@@ -44,7 +46,34 @@ class WorkerContext:
         """Control-grade rules (anything not research: fail closed)."""
         return (self.profile or self.domain) != "research"
 
+    def _activate(self) -> None:
+        """A warm standby blocks here (its first channel or its READY) until the
+        supervisor hands it the channels: everything before is already done."""
+        fd = os.environ.pop(ENV_STANDBY_FD, None)
+        if fd is None:
+            return
+        sock = socket.socket(fileno=int(fd))
+        self._send("STANDBY=1")      # warm: everything before the channels is done
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 253)
+        finally:
+            sock.close()
+        data = json.loads(msg)
+        fdmap = dict(zip(data["fds"], fds))
+
+        def remap(v):
+            return [fdmap[x] for x in v] if isinstance(v, list) else fdmap[v]
+
+        for name, text in data["channels"].items():
+            h = json.loads(text)
+            for k in ("data_fd", "lease_fd", "event_fd", "lease_fds", "event_fds"):
+                if k in h:
+                    h[k] = remap(h[k])
+            os.environ[env_name(name)] = json.dumps(h)
+        self.channels = tuple(data["channels"])
+
     def _handle_json(self, channel: str) -> str:
+        self._activate()
         text = os.environ.get(env_name(channel))
         if text is None:
             raise KeyError(f"worker {self.name!r} was given no channel {channel!r} "
@@ -83,6 +112,7 @@ class WorkerContext:
 
     def ready(self, status: str = "") -> None:
         """Start-up is over: lock down (control) and tell the supervisor."""
+        self._activate()
         if self.strict:
             self.lock_down()
         self._send("READY=1" + (f" STATUS={status}" if status else ""))

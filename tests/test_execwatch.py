@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -97,16 +98,17 @@ r["pristine_rx"] = mprotect(pristine, R | X)
 os.close(fd)
 say(step="pre", **r)
 
-r = {"anon_rx": attempt(lambda: mmap.mmap(-1, PAGE, prot=R | X))}
+r = {"anon_rx": attempt(lambda: mmap.mmap(-1, PAGE, flags=mmap.MAP_PRIVATE, prot=R | X)),
+     "shared_anon_rx": attempt(lambda: mmap.mmap(-1, PAGE, flags=mmap.MAP_SHARED, prot=R | X))}
 jit_rwx = libc.mmap(None, PAGE, R | W | X, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)  # kept
 r["rwx"] = "%x" % jit_rwx
 n = 300
 t0 = time.perf_counter()
 for _ in range(n):
-    mmap.mmap(-1, PAGE, prot=R | X).close()
+    mmap.mmap(-1, PAGE, flags=mmap.MAP_PRIVATE, prot=R | X).close()
 t1 = time.perf_counter()
 for _ in range(n):
-    mmap.mmap(-1, PAGE, prot=R).close()
+    mmap.mmap(-1, PAGE, flags=mmap.MAP_PRIVATE, prot=R).close()
 t2 = time.perf_counter()
 r["watched_us"], r["plain_us"] = (t1 - t0) / n * 1e6, (t2 - t1) / n * 1e6
 say(step="anon", **r)
@@ -130,9 +132,12 @@ mmap.mmap(-1, PAGE, prot=R | X)  # blocks: nobody answers any more; we get kille
 class Served:
     """Runs an ExecWatch in a thread until stopped; verdicts under a lock."""
 
-    def __init__(self, watch: ExecWatch) -> None:
+    def __init__(self, watch: ExecWatch, **kw) -> None:
         self.watch, self.verdicts, self.lock = watch, [], threading.Lock()
+        self.kw = kw  # handle_pending arguments
+        self.calls: list[tuple[float, list]] = []  # (seconds, verdicts) of each call
         self._stop = threading.Event()
+        self.paused = threading.Event()
         self._t = threading.Thread(target=self._loop, daemon=True)
         self._t.start()
 
@@ -140,7 +145,13 @@ class Served:
         while not self._stop.is_set() and not self.watch.hung_up:
             select.select([self.watch], [], [], 0.05)
             with self.lock:
-                self.verdicts.extend(self.watch.handle_pending())
+                if self.paused.is_set():
+                    continue
+                t0 = time.perf_counter()
+                got = self.watch.handle_pending(**self.kw)
+                if got:
+                    self.calls.append((time.perf_counter() - t0, got))
+                self.verdicts.extend(got)
 
     def snapshot(self) -> list:
         with self.lock:  # a request the worker saw answered is in here by now
@@ -192,6 +203,8 @@ def test_exec_watch_end_to_end():
         a.sendall(b"go\n")
         anon = step()
         assert anon["anon_rx"] == "ok", anon
+        # MAP_SHARED anonymous memory is never code, not even for a JIT (B2)
+        assert anon["shared_anon_rx"] == "PermissionError:1", anon
         rwx = writable_executable_mappings(dl[0].request.pid)
         assert [ln for ln in rwx if ln.startswith(anon["rwx"] + "-")], rwx  # W+X left behind: visible
         print(f"\nnotify round trip: {anon['watched_us']:.1f} us per watched mmap+munmap "
@@ -236,3 +249,217 @@ def test_exec_watch_end_to_end():
             p.kill()
         p.communicate(timeout=10)
         a.close()
+
+
+# Red-team findings B1-B3: one control worker, driven command by command.
+WORKER2 = r"""
+import ctypes, glob, json, mmap, os, socket, sys, threading, time
+sock = socket.socket(fileno=int(sys.argv[1]))
+rfile = sock.makefile("r")
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+libc.mremap.restype = ctypes.c_void_p
+libc.mremap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int)
+libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+R, W, X = mmap.PROT_READ, mmap.PROT_WRITE, mmap.PROT_EXEC
+SHARED, PRIVATE, ANON, NORESERVE = 0x01, 0x02, 0x20, 0x4000
+PAGE = mmap.PAGESIZE
+FAILED = ctypes.c_void_p(-1).value
+
+def mm(size, prot, flags, fd=-1):
+    a = libc.mmap(None, size, prot, flags, fd, 0)
+    return None if a in (None, FAILED) else a
+
+def mmap_rc(size, prot, flags, fd=-1):
+    a = mm(size, prot, flags, fd)
+    return "ok" if a is not None else f"errno:{ctypes.get_errno()}"
+
+def mprotect(addr, size, prot):
+    return "ok" if libc.mprotect(addr, size, prot) == 0 else f"errno:{ctypes.get_errno()}"
+
+from supervisor.sandbox import seccomp
+seccomp.lock_down("control")
+lfd = seccomp.install_exec_watch()
+socket.send_fds(sock, [b"L"], [lfd])
+os.close(lfd)
+lib = os.path.realpath(glob.glob("/usr/lib/*-linux-gnu/libexpat.so.1")[0])
+lib_fd = os.open(lib, os.O_RDONLY)
+pad = None
+
+for line in rfile:
+    cmd, _, arg = line.strip().partition(" ")
+    r = {"cmd": cmd}
+    if cmd == "hole_anon":      # B1: only the first of two pages is mapped
+        p = mm(2 * PAGE, R | W, PRIVATE | ANON)
+        libc.munmap(p + PAGE, PAGE)
+        r["addr"], r["rc"] = "%x" % p, mprotect(p, 2 * PAGE, R | X)
+    elif cmd == "hole_file":
+        p = mm(2 * PAGE, R, PRIVATE, lib_fd)
+        libc.munmap(p + PAGE, PAGE)
+        r["addr"], r["rc"] = "%x" % p, mprotect(p, 2 * PAGE, R | X)
+    elif cmd == "lib_rx":       # one pristine page of a read-only library: fine
+        p = mm(PAGE, R, PRIVATE, lib_fd)
+        r["addr"], r["rc"] = "%x" % p, mprotect(p, PAGE, R | X)
+    elif cmd == "two_libs_rx":  # two adjacent mappings of it, both covered: fine
+        p = mm(2 * PAGE, R, PRIVATE, lib_fd)
+        q = libc.mmap(p + PAGE, PAGE, R, PRIVATE | 0x10, lib_fd, 0)  # MAP_FIXED, other offset
+        r["addr"], r["rc"] = "%x" % p, mprotect(p, 2 * PAGE, R | X)
+    elif cmd == "private_anon":
+        r["rc"] = mmap_rc(PAGE, R | X, PRIVATE | ANON)
+    elif cmd == "shared_anon":  # B2: MAP_SHARED anonymous code, never
+        r["rx"] = mmap_rc(PAGE, R | X, SHARED | ANON)
+        r["rwx"] = mmap_rc(PAGE, R | W | X, SHARED | ANON)
+    elif cmd == "alias":        # B2: a second view of shared anonymous memory, made R+X
+        rw = mm(PAGE, R | W, SHARED | ANON)
+        rx = libc.mremap(rw, 0, PAGE, 1)  # MREMAP_MAYMOVE, old_size 0: same pages
+        r["mremap"] = "ok" if rx not in (None, FAILED) else f"errno:{ctypes.get_errno()}"
+        r["addr"], r["rc"] = "%x" % rx, mprotect(rx, PAGE, R | X)
+    elif cmd == "pad":          # B3: N*2 mappings, alternating PROT_NONE / PROT_READ
+        n = int(arg)
+        pad = mm(2 * n * PAGE, 0, PRIVATE | ANON | NORESERVE)
+        for i in range(n):
+            libc.mprotect(pad + (2 * i + 1) * PAGE, PAGE, R)
+        r["mappings"] = sum(1 for _ in open("/proc/self/maps"))
+        r["addr"] = "%x" % pad
+    elif cmd == "across_pad":   # one mprotect over all of them
+        r["rc"] = mprotect(pad, 2 * PAGE * int(arg), R | X)
+    elif cmd == "burst":        # N threads asking at once
+        out = [None] * int(arg)
+        def one(i):
+            out[i] = mmap_rc(PAGE, R | X, PRIVATE | ANON)
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(int(arg))]
+        for t in ts: t.start()
+        for t in ts: t.join()
+        r["rc"] = out
+    sock.sendall((json.dumps(r) + "\n").encode())
+"""
+
+
+@pytest.fixture
+def worker2():
+    a, b = socket.socketpair()
+    a.settimeout(60)
+    p = spawn(policy_for_domain("control"), [sys.executable, "-c", WORKER2, str(b.fileno())],
+              pass_fds=[b.fileno()], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    b.close()
+    served = None
+    try:
+        _, fds, _, _ = socket.recv_fds(a, 1, 1)
+        assert len(fds) == 1, f"no listener fd received: {p.stderr.read()[-3000:] if p.poll() else ''}"
+        watch = ExecWatch(fds[0], allow_anonymous_exec=True)  # a jit_kernels worker
+        served = Served(watch, max_requests=4)
+        lines = a.makefile("r")
+
+        def do(cmd: str) -> dict:
+            a.sendall(cmd.encode() + b"\n")
+            line = lines.readline()
+            assert line, f"worker died: rc={p.wait(10)} stderr={p.stderr.read()[-3000:]}"
+            return json.loads(line)
+
+        yield watch, served, do
+    finally:
+        if served is not None:
+            served.stop()
+        if p.poll() is None:
+            p.kill()
+        p.communicate(timeout=10)
+        a.close()
+        if served is not None:
+            served.watch.close()
+
+
+def _last(served: Served, syscall: str):
+    return [v for v in served.snapshot() if v.request.syscall == syscall][-1]
+
+
+def test_mprotect_over_a_hole_is_refused(worker2):
+    """B1a: the whole page-rounded range must be mapped, or nothing is allowed."""
+    watch, served, do = worker2
+    assert do("lib_rx")["rc"] == "ok"
+    assert do("two_libs_rx")["rc"] == "ok"
+    for cmd in ("hole_anon", "hole_file"):
+        r = do(cmd)
+        assert r["rc"] == "errno:1", r   # EPERM from us, not the kernel's ENOMEM
+        v = _last(served, "mprotect")
+        assert not v.allowed and "not entirely mapped" in v.reason, v
+        assert f"{int(r['addr'], 16) + 4096:#x}" in v.reason and v.request.target == "[unmapped]"
+
+
+def test_shared_anonymous_memory_is_never_code(worker2):
+    """B2: a JIT worker may map private anonymous code, never shared (an RW alias)."""
+    watch, served, do = worker2
+    assert do("private_anon")["rc"] == "ok"
+    r = do("shared_anon")
+    assert r["rx"] == r["rwx"] == "errno:1", r
+    v = [v for v in served.snapshot() if v.request.syscall == "mmap"][-2:]
+    assert not any(x.allowed for x in v) and all("shared anonymous" in x.reason for x in v), v
+    r = do("alias")
+    assert r["mremap"] == "ok" and r["rc"] == "errno:1", r
+    v = _last(served, "mprotect")
+    assert not v.allowed and "shared anonymous" in v.reason and v.request.target == "/dev/zero (deleted)", v
+
+
+def test_judgement_is_bounded_with_many_mappings(worker2):
+    """B3: 60,000 mappings must not make a judgement (or the supervisor) slow."""
+    watch, served, do = worker2
+    r = do("pad 30000")
+    assert r["mappings"] > 60_000, r
+    for _ in range(5):
+        assert do("lib_rx")["rc"] == "ok"
+    calls = [(dt, v) for dt, v in served.calls if any(x.request.syscall == "mprotect" for x in v)][-5:]
+    assert len(calls) == 5
+    worst = max(dt for dt, _ in calls)
+    assert worst < 0.05, f"a judgement took {worst * 1e3:.0f} ms with 60,000 mappings"
+    # one mprotect across all of them: refused as too slow to judge, and quickly
+    t0 = time.perf_counter()
+    r = do("across_pad 30000")
+    took = time.perf_counter() - t0
+    assert r["rc"] == "errno:1", r
+    v = _last(served, "mprotect")
+    assert not v.allowed and "too slow to judge" in v.reason, v
+    assert took < 1.0, took
+
+
+def test_over_budget_is_refused(worker2):
+    """B1b: a judgement that takes longer than its budget is a refusal."""
+    watch, served, do = worker2
+    assert do("lib_rx")["rc"] == "ok"
+    watch.judge_budget_s = 0.0
+    try:
+        assert do("lib_rx")["rc"] == "errno:1"
+    finally:
+        watch.judge_budget_s = 0.05
+    v = _last(served, "mprotect")
+    assert not v.allowed and v.reason.startswith("too slow to judge"), v
+    assert do("lib_rx")["rc"] == "ok"
+
+
+def test_handle_pending_answers_at_most_max_requests(worker2):
+    """B3: a burst of requests is answered a few at a time, never all in one call."""
+    watch, served, do = worker2
+    with served.lock:
+        served.paused.set()
+    a_do = threading.Thread(target=lambda: results.append(do("burst 10")))
+    results: list[dict] = []
+    a_do.start()
+    poller = select.poll()
+    poller.register(watch.fileno(), select.POLLIN)
+    got: list = []
+    deadline = time.monotonic() + 20
+    sizes = []
+    try:
+        while len(got) < 10 and time.monotonic() < deadline:
+            if not poller.poll(100):
+                continue
+            time.sleep(0.2)  # let the other threads queue up behind the first
+            with served.lock:
+                batch = watch.handle_pending(max_requests=3)
+            sizes.append(len(batch))
+            got += batch
+    finally:
+        served.paused.clear()
+    a_do.join(30)
+    assert results and results[0]["rc"] == ["ok"] * 10, results
+    assert len(got) == 10 and max(sizes) == 3, sizes

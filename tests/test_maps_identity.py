@@ -51,7 +51,8 @@ libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
 libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 R, W, X = 1, 2, 4
-PRIVATE, ANON = 0x02, 0x20
+SHARED, PRIVATE, ANON, MAYMOVE = 0x01, 0x02, 0x20, 1
+libc.mremap.restype = ctypes.c_void_p
 keep = []
 
 def mmap(size, prot, flags, fd):
@@ -95,17 +96,38 @@ for line in sys.stdin:
         os.close(fd)
         if cmd == "deleted-x":
             os.unlink(arg)
+    elif cmd == "memfd-shared-x":  # pwrite() into the memfd changes the code
+        fd = os.memfd_create("harmless")
+        os.write(fd, b"\xc3" * 4096)
+        keep.append(fd)
+        out = hex(mmap(4096, R | X, SHARED, fd))
+    elif cmd == "alias-x":   # B2: a second view of shared anonymous memory, made R+X
+        rw = mmap(4096, R | W, SHARED | ANON, -1)
+        rx = libc.mremap(ctypes.c_void_p(rw), ctypes.c_size_t(0), ctypes.c_size_t(4096), MAYMOVE)
+        if rx in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mremap")
+        if libc.mprotect(ctypes.c_void_p(rx), ctypes.c_size_t(4096), R | X) != 0:
+            raise OSError(ctypes.get_errno(), "mprotect")
+        ctypes.memset(rw, 0xC3, 16)
+        out = hex(rx) + " " + hex(rw) + " " + str(ctypes.c_ubyte.from_address(rx).value)
     else:
         out = "?"
     print(out, flush=True)
 """
 
 
+# Like a sandbox: the agent's own mount namespace with "/" read-only (so its code is
+# on no writable mount of its own; /dev, /dev/shm, /proc stay writable). Same pid:
+# unshare and sh exec the interpreter.
+RO_ROOT = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+           'mount -o remount,bind,ro / && exec "$0" "$@"']
+
+
 class Agent:
-    def __init__(self, *modules: str) -> None:
+    def __init__(self, *modules: str, ro_root: bool = False) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", AGENT, *modules], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, env=_env(),
+            [*(RO_ROOT if ro_root else []), sys.executable, "-c", AGENT, *modules],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(),
         )
         assert self.read() == "ready"
         self.pid = self.proc.pid
@@ -133,8 +155,8 @@ class Agent:
 def agent():
     agents: list[Agent] = []
 
-    def start(*modules: str) -> Agent:
-        agents.append(Agent(*modules))
+    def start(*modules: str, ro_root: bool = False) -> Agent:
+        agents.append(Agent(*modules, ro_root=ro_root))
         return agents[-1]
 
     yield start
@@ -283,9 +305,16 @@ def test_without_map_files_capability_falls_back_to_fd_and_root(agent, tmp_path:
 # after READY
 
 
+needs_ro_root = pytest.mark.skipif(
+    shutil.which("unshare") is None or subprocess.run(
+        [*RO_ROOT, "true"], capture_output=True).returncode != 0,
+    reason="needs unshare and mount (a read-only root in a private mount namespace)")
+
+
 @needs_root
+@needs_ro_root
 def test_new_exec_after_ready_and_writable_exec(agent, tmp_path: Path) -> None:
-    a = agent()
+    a = agent(ro_root=True)
     snap = maps.exec_snapshot(a.pid)
     assert snap.hits == () and len(snap) > 5
     assert maps.scan_pid(a.pid, snapshot=snap) == []
@@ -314,13 +343,124 @@ def test_new_exec_after_ready_and_writable_exec(agent, tmp_path: Path) -> None:
     addrs = {
         "memfd": a.do("memfd-x", str(data)),
         "file": a.do("file-x", str(data)),
-        "deleted": a.do("deleted-x", str(gone)),
+        "deleted": a.do("file-x", str(gone)),
     }
+    gone.unlink()  # from here: the agent's root is read-only
     new = [h for h in maps.scan_pid(a.pid, snapshot=again) if h.kind == "new-exec-after-ready"]
     assert {h.backing: h.address.split("-")[0] for h in new} == {k: v[2:] for k, v in addrs.items()}
     by = {h.backing: h for h in new}
     assert by["file"].path == str(data) and by["deleted"].path == str(gone) and by["deleted"].deleted
     assert "memfd:harmless (deleted)" in by["memfd"].describe()
+
+
+# ---------------------------------------------------------------------------
+# unsafe-exec: code that can still change after READY (red-team B1/B2)
+
+
+def _unsafe_at(hits: list[maps.MapsHit] | tuple[maps.MapsHit, ...], addr: str) -> list[maps.MapsHit]:
+    return [h for h in hits if h.kind == maps.KIND_UNSAFE_EXEC and at(h, addr)]
+
+
+@needs_root
+@needs_ro_root
+def test_code_that_can_still_change_is_refused_at_ready_and_on_scan(agent, tmp_path: Path) -> None:
+    a = agent(ro_root=True)
+    before = maps.exec_snapshot(a.pid)
+    assert before.hits == ()  # interpreter and libraries: all on the read-only root
+    ro_file = tmp_path / "ro.bin"   # on "/" too: read-only for the agent
+    ro_file.write_bytes(b"\xc3" * 4096)
+    shm = Path("/dev/shm") / f"trio-test-{os.getpid()}.bin"  # a tmpfs the agent can write
+    shm.write_bytes(b"\xc3" * 4096)
+    gone = tmp_path / "gone.bin"
+    gone.write_bytes(b"\xc3" * 4096)
+    try:
+        alias_rx, alias_rw, first = a.do("alias-x").split()
+        assert int(first) == 0xC3  # written through the RW view, visible through the R+X one
+        addrs = {
+            "memfd": a.do("memfd-x", str(ro_file)),
+            "memfd-shared": a.do("memfd-shared-x"),
+            "alias": alias_rx,
+            "tmpfs": a.do("file-x", str(shm)),
+            "deleted": a.do("file-x", str(gone)),
+        }
+        gone.unlink()
+        fine = a.do("file-x", str(ro_file))
+        snap = maps.exec_snapshot(a.pid)
+        for what, addr in addrs.items():
+            [hit] = _unsafe_at(snap.hits, addr)
+            assert "can still change after READY" in hit.describe(), (what, hit.describe())
+        assert not _unsafe_at(snap.hits, alias_rw)  # not executable: only data
+        assert not [h for h in snap.hits if at(h, fine)]
+        assert {h.kind for h in snap.hits} == {maps.KIND_UNSAFE_EXEC}
+        by = {what: _unsafe_at(snap.hits, addr)[0] for what, addr in addrs.items()}
+        assert "memfd" in by["memfd"].describe() and "memfd" in by["memfd-shared"].describe()
+        assert "shared memory" in by["alias"].describe() and by["alias"].perms == "r-xs"
+        assert "writable mount" in by["tmpfs"].describe() and "/dev/shm" in by["tmpfs"].describe()
+        assert "deleted file" in by["deleted"].describe()
+        # the scans after READY (snapshot taken before all this) say the same, besides "new"
+        scan = maps.scan_pid(a.pid, snapshot=before)
+        for what, addr in addrs.items():
+            assert _unsafe_at(scan, addr), what
+        # and so does a scan without a snapshot that asks for it (a worker's child)
+        assert {h.address for h in maps.scan_pid(a.pid, immutable_code=True)} == {h.address for h in snap.hits}
+        assert maps.scan_pid(a.pid) == []  # by default, without a snapshot: libraries only
+    finally:
+        shm.unlink(missing_ok=True)
+
+
+@needs_root
+def test_code_on_a_writable_root_is_unsafe(agent) -> None:
+    # The same interpreter, without a read-only root: its own mounts let it be rewritten.
+    a = agent()
+    if not maps.read_mounts(a.pid).writable:
+        pytest.skip("no writable mount here")
+    snap = maps.exec_snapshot(a.pid)
+    paths = {h.path for h in snap.hits if h.kind == maps.KIND_UNSAFE_EXEC}
+    assert os.path.realpath(sys.executable) in paths or any("libpython" in p or "libc.so" in p for p in paths)
+    assert all("writable mount" in h.describe() for h in snap.hits)
+
+
+def test_unsafe_exec_from_maps_text() -> None:
+    mountinfo = "\n".join([
+        "20 1 254:0 / / ro,relatime - ext4 /dev/vda rw",
+        "21 20 0:40 / /tmp rw,nosuid - tmpfs tmpfs rw,size=1024k",
+        "22 20 254:0 /srv /srv rw,relatime - ext4 /dev/vda rw",  # same device, writable bind
+        "23 20 7:1 / /opt ro - squashfs /dev/loop1 ro",
+        "24 20 0:41 / /sq rw - squashfs /dev/loop2 ro",  # read-only superblock
+    ])
+    mounts = maps.MountTable.parse(mountinfo)
+    assert mounts.known == {(254, 0), (0, 40), (7, 1), (0, 41)}
+    assert mounts.writable == {(254, 0): "/srv", (0, 40): "/tmp"}
+    text = "\n".join([
+        "7f0000000000-7f0000001000 r-xp 00000000 fe:00 11 /usr/lib/libx.so",
+        "7f0000001000-7f0000002000 r-xp 00000000 00:28 12 /tmp/liby.so",
+        "7f0000002000-7f0000003000 r-xp 00000000 07:01 13 /opt/libz.so",
+        "7f0000003000-7f0000004000 r-xs 00000000 00:01 14 /dev/zero (deleted)",
+        "7f0000004000-7f0000005000 r-xs 00000000 00:01 15 /SYSV00000000 (deleted)",
+        "7f0000005000-7f0000006000 r-xs 00000000 00:01 16 [anon_shmem:jit]",
+        "7f0000006000-7f0000007000 r-xp 00000000 00:01 17 /memfd:x (deleted)",
+        "7f0000007000-7f0000008000 r-xp 00000000 07:01 18 /opt/libw.so (deleted)",
+        "7f0000008000-7f0000009000 r-xp 00000000 00:00 0 ",
+        "7f0000009000-7f000000a000 r-xp 00000000 00:00 0 [anon:tinygrad]",
+        "7f000000a000-7f000000b000 r-xp 00000000 00:63 19 /elsewhere/liba.so",
+        "7f000000b000-7f000000c000 r-xp 00000000 00:29 20 /sq/libb.so",
+        "7f000000c000-7f000000d000 rw-s 00000000 00:01 21 /dev/zero (deleted)",
+        "ffffffffff600000-ffffffffff601000 --xp 00000000 00:00 0 [vsyscall]",
+    ])
+    hits = maps.scan_maps_text(1, text, immutable_code=True, mounts=mounts)
+    assert {h.kind for h in hits} == {maps.KIND_UNSAFE_EXEC}
+    got = {h.address.split("-")[0][-4:]: h.reasons[0] for h in hits}
+    assert sorted(got) == ["0000", "1000", "3000", "4000", "5000", "6000", "7000", "a000"], got
+    # /usr is read-only here, but /srv is a writable bind of the same device
+    assert got["0000"] == "a file on a writable mount (device fe:00 is writable at /srv)"
+    assert got["1000"] == "a file on a writable mount (device 00:28 is writable at /tmp)"  # 0x28 = 40
+    assert all(got[k].startswith("shared memory") for k in ("3000", "4000", "5000"))
+    assert got["6000"].startswith("a memfd") and got["7000"].startswith("a deleted file")
+    assert got["a000"] == "a file on device 00:63, which no mount of the process shows"
+    # without the mount table: the rules that need none
+    assert {h.address[-4:] for h in maps.scan_maps_text(1, text, immutable_code=True)} == {
+        "4000", "5000", "6000", "7000", "8000"}
+    assert maps.scan_maps_text(1, text) == []  # no snapshot, not asked: libraries only
 
 
 @needs_root
@@ -350,11 +490,12 @@ def test_snapshot_covers_split_mappings_only_of_the_same_object() -> None:
 
 
 @needs_root
+@needs_ro_root
 def test_clean_numpy_process_has_no_hits_and_reader_agrees_with_pyelftools(agent) -> None:
     from elftools.elf.dynamic import DynamicSection
     from elftools.elf.elffile import ELFFile
 
-    a = agent("numpy")
+    a = agent("numpy", ro_root=True)
     assert maps.scan_pid(a.pid) == []
     snap = maps.exec_snapshot(a.pid)
     assert snap.hits == ()

@@ -22,6 +22,15 @@ mapping that was not there ("new-exec-after-ready": anonymous, memfd, deleted
 file or file) and any writable+executable mapping ("writable-exec", also listed
 by the snapshot itself so READY can be refused).
 
+Both the snapshot and such a scan also refuse executable mappings whose content
+can still change after READY without any watched syscall ("unsafe-exec"): a memfd
+(pwrite into it), a deleted file (an open fd to it), shared memory (MAP_SHARED
+anonymous memory or SysV shm: another view of it, e.g. made by mremap with
+old_size 0, can be writable), and a file whose device is mounted writable
+anywhere in the process's own mount table (/proc/PID/mountinfo; the sandbox's
+/tmp and /dev/shm are tmpfs with their own devices). Only read-only files and
+private anonymous memory are code that stays what it was at READY.
+
 Limits: identity is ELF metadata. A copy whose SONAME and build-id note were
 both rewritten, and that needs no torch library by name, is only caught by the
 post-READY accounting (if mapped after READY) -- not before READY.
@@ -44,6 +53,7 @@ from .rules import REFUSED_DISTRIBUTIONS, forbidden_soname, is_torch_c_extension
 KIND_FORBIDDEN = "forbidden-library"
 KIND_NEW_EXEC = "new-exec-after-ready"
 KIND_WRITABLE_EXEC = "writable-exec"
+KIND_UNSAFE_EXEC = "unsafe-exec"
 
 # backing of a mapping
 FILE, DELETED, MEMFD, ANONYMOUS, SPECIAL = "file", "deleted", "memfd", "anonymous", "special"
@@ -429,7 +439,7 @@ class MapsHit:
     pattern: str  # soname pattern matched, "torch/_C", "build-id", or the kind for non-library hits
     address: str  # the mapping's range, e.g. "7f12a0000000-7f12a1000000"
     deleted: bool  # mapped from a file that has since been removed/replaced (memfds always are)
-    kind: str = KIND_FORBIDDEN  # forbidden-library | new-exec-after-ready | writable-exec
+    kind: str = KIND_FORBIDDEN  # forbidden-library | new-exec-after-ready | writable-exec | unsafe-exec
     backing: str = FILE  # file | deleted | memfd | anonymous | special
     perms: str = ""
     soname: str | None = None  # ELF DT_SONAME of the mapped object, when read
@@ -443,6 +453,10 @@ class MapsHit:
         if self.kind == KIND_WRITABLE_EXEC:
             return (f"pid {self.pid} maps {what} writable and executable ({self.perms}) at {self.address}: "
                     "W^X violated")
+        if self.kind == KIND_UNSAFE_EXEC:
+            why = "; ".join(self.reasons) or self.backing
+            return (f"pid {self.pid} maps {what} executable ({self.perms}) at {self.address}: "
+                    f"code that can still change after READY ({why})")
         if self.kind == KIND_NEW_EXEC:
             return (f"pid {self.pid} maps {what} executable ({self.perms}) at {self.address}: "
                     f"new {self.backing} executable mapping after READY (not in the READY snapshot)")
@@ -585,8 +599,80 @@ def _scan(pid: int, lines: list[_Line], *, identify: bool,
     return list(hits.values())
 
 
-def _exec_hits(pid: int, lines: Iterable[_Line], snapshot: ExecSnapshot | None) -> list[MapsHit]:
+@dataclass(frozen=True)
+class MountTable:
+    """What a process's own /proc/PID/mountinfo says about devices, for unsafe-exec."""
+
+    known: frozenset[tuple[int, int]]  # (major, minor) of every mount
+    writable: dict[tuple[int, int], str]  # device -> a mount point it is writable at
+
+    @classmethod
+    def parse(cls, text: str) -> MountTable:
+        known: set[tuple[int, int]] = set()
+        writable: dict[tuple[int, int], str] = {}
+        for ln in text.splitlines():
+            fields = ln.split()
+            try:
+                sep = fields.index("-", 6)
+                major, _, minor = fields[2].partition(":")
+                dev = (int(major), int(minor))
+            except (ValueError, IndexError):
+                continue
+            known.add(dev)
+            per_sb = fields[sep + 3].split(",") if len(fields) > sep + 3 else []
+            if "ro" not in fields[5].split(",") and "ro" not in per_sb:
+                writable.setdefault(dev, fields[4])
+        return cls(frozenset(known), writable)
+
+
+def read_mounts(pid: int) -> MountTable:
+    try:
+        with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            return MountTable.parse(f.read())
+    except (FileNotFoundError, ProcessLookupError) as exc:
+        raise ProcessGone(pid) from exc
+    except OSError as exc:
+        if exc.errno == 3:
+            raise ProcessGone(pid) from exc
+        raise
+
+
+def _maps_dev(dev: str) -> tuple[int, int] | None:
+    major, _, minor = dev.partition(":")  # hex in maps, decimal in mountinfo
+    try:
+        return int(major, 16), int(minor, 16)
+    except ValueError:
+        return None
+
+
+def unsafe_exec_reason(m: ExecMapping, mounts: MountTable | None) -> str | None:
+    """Why the content of executable mapping ``m`` can still change, or None.
+
+    Without ``mounts`` the file-on-a-writable-device rule is not applied.
+    """
+    if m.backing == MEMFD:
+        return "a memfd: it can be written through its fd"
+    if m.backing == DELETED:
+        return "a deleted file: it can be written through an open fd"
+    if m.backing == ANONYMOUS and (m.path in ("/dev/zero", "[anon_shmem]") or m.path.startswith(
+            ("/SYSV", "[anon_shmem:")) or m.perms[3:4] == "s"):
+        return "shared memory: another view of it can be writable"
+    if m.backing == SPECIAL:
+        return None  # [vdso], [vsyscall]: the kernel's
+    if m.backing == FILE and mounts is not None:
+        dev = _maps_dev(m.dev)
+        if dev is None or dev not in mounts.known:
+            return f"a file on device {m.dev}, which no mount of the process shows"
+        if dev in mounts.writable:
+            return f"a file on a writable mount (device {m.dev} is writable at {mounts.writable[dev]})"
+    return None
+
+
+def _exec_hits(pid: int, lines: Iterable[_Line], snapshot: ExecSnapshot | None, *,
+               unsafe: bool = False, mounts: MountTable | None = None) -> list[MapsHit]:
+    """Writable+executable, then (``unsafe``) unsafe-exec, then (``snapshot``) new mappings."""
     wx: list[MapsHit] = []
+    bad: list[MapsHit] = []
     new: list[MapsHit] = []
     for ln in lines:
         m = ln.mapping
@@ -595,10 +681,15 @@ def _exec_hits(pid: int, lines: Iterable[_Line], snapshot: ExecSnapshot | None) 
         if m.writable:
             wx.append(MapsHit(pid, m.path, KIND_WRITABLE_EXEC, ln.address, ln.deleted,
                               kind=KIND_WRITABLE_EXEC, backing=m.backing, perms=m.perms))
+        why = unsafe_exec_reason(m, mounts) if unsafe else None
+        if why is not None:
+            bad.append(MapsHit(pid, m.path, KIND_UNSAFE_EXEC, ln.address, ln.deleted,
+                               kind=KIND_UNSAFE_EXEC, backing=m.backing, perms=m.perms,
+                               reasons=(why,)))
         if snapshot is not None and not snapshot.covers(m):
             new.append(MapsHit(pid, m.path, KIND_NEW_EXEC, ln.address, ln.deleted,
                                kind=KIND_NEW_EXEC, backing=m.backing, perms=m.perms))
-    return wx + new
+    return wx + bad + new
 
 
 @dataclass(frozen=True)
@@ -630,20 +721,25 @@ class ExecSnapshot:
 
 
 def scan_maps_text(pid: int, text: str, *, snapshot: ExecSnapshot | None = None,
-                   identify: bool = False) -> list[MapsHit]:
+                   identify: bool = False, immutable_code: bool | None = None,
+                   mounts: MountTable | None = None) -> list[MapsHit]:
     """Refusals in the text of ``pid``'s maps file.
 
     Forbidden libraries first (one hit per mapped object), then, given a
-    snapshot, writable+executable mappings and executable mappings the
-    snapshot does not cover. By default only the text is judged (file names);
-    ``identify=True`` also reads each executable mapping through
+    snapshot (or ``immutable_code=True``), writable+executable mappings and
+    executable mappings whose content can still change (unsafe-exec; the
+    writable-device rule only with ``mounts``), then, given a snapshot,
+    executable mappings it does not cover. By default only the text is judged
+    (file names); ``identify=True`` also reads each executable mapping through
     /proc/PID/map_files (root; a mapping gone since is skipped), which is what
     `scan_pid` does: the text must then be ``pid``'s own, just read.
     """
     lines = _parse(text)
     hits = _scan(pid, lines, identify=identify)
-    if snapshot is not None:
-        hits += _exec_hits(pid, lines, snapshot)
+    if immutable_code is None:
+        immutable_code = snapshot is not None
+    if snapshot is not None or immutable_code:
+        hits += _exec_hits(pid, lines, snapshot, unsafe=immutable_code, mounts=mounts)
     return hits
 
 
@@ -676,35 +772,46 @@ def start_time(pid: int) -> int:
     return int(rest[19])  # field 22 overall; rest[0] is field 3
 
 
-def scan_pid(pid: int, *, snapshot: ExecSnapshot | None = None, identify: bool = True) -> list[MapsHit]:
+def scan_pid(pid: int, *, snapshot: ExecSnapshot | None = None, identify: bool = True,
+             immutable_code: bool | None = None) -> list[MapsHit]:
     """Refusals for a live process. Raises ProcessGone if it has exited.
 
     A zombie has an empty maps file, so it yields no hits (nothing is mapped).
     PermissionError propagates: not being allowed to look is not "clean".
     With a snapshot (taken at READY) it must be of this same process
-    (ProcessGone if the pid now names another one).
+    (ProcessGone if the pid now names another one). With a snapshot, or with
+    ``immutable_code=True`` (e.g. a control worker's child, which has no
+    snapshot of its own), writable+executable and unsafe-exec mappings are
+    refusals too.
     """
     if snapshot is not None and snapshot.pid != pid:
         raise ValueError(f"snapshot of pid {snapshot.pid} used to scan pid {pid}")
+    if immutable_code is None:
+        immutable_code = snapshot is not None
     text = _read_maps(pid)
+    mounts = read_mounts(pid) if immutable_code else None
     if snapshot is not None and start_time(pid) != snapshot.start_time:
         raise ProcessGone(pid)  # the pid was reused: the worker we snapshot is gone
-    return scan_maps_text(pid, text, snapshot=snapshot, identify=identify)
+    return scan_maps_text(pid, text, snapshot=snapshot, identify=identify,
+                          immutable_code=immutable_code, mounts=mounts)
 
 
 def exec_snapshot(pid: int, *, identify: bool = True) -> ExecSnapshot:
     """Executable mappings of ``pid`` now, with the refusals already visible.
 
-    ``hits`` lists forbidden libraries and writable+executable mappings: the
+    ``hits`` lists forbidden libraries, writable+executable mappings and
+    executable mappings whose content can still change (unsafe-exec: memfd,
+    deleted file, shared memory, file on a device the process can write): the
     supervisor refuses READY if it is not empty.
     """
     begun = start_time(pid)
     text = _read_maps(pid)
+    mounts = read_mounts(pid)
     if start_time(pid) != begun:
         raise ProcessGone(pid)
     lines = _parse(text)
     mappings = frozenset(ln.mapping for ln in lines if ln.mapping is not None)
-    hits = _scan(pid, lines, identify=identify) + _exec_hits(pid, lines, None)
+    hits = _scan(pid, lines, identify=identify) + _exec_hits(pid, lines, None, unsafe=True, mounts=mounts)
     return ExecSnapshot(pid, begun, mappings, tuple(hits))
 
 
@@ -715,20 +822,24 @@ def scan_self(*, identify: bool = True) -> list[MapsHit]:
 __all__ = [
     "KIND_FORBIDDEN",
     "KIND_NEW_EXEC",
+    "KIND_UNSAFE_EXEC",
     "KIND_WRITABLE_EXEC",
     "ElfIdentity",
     "ExecMapping",
     "ExecSnapshot",
     "MapsHit",
+    "MountTable",
     "ProcessGone",
     "RefusedObject",
     "exec_snapshot",
     "identity_of",
     "read_elf_identity",
+    "read_mounts",
     "refused_build_ids",
     "refused_package_dirs",
     "scan_maps_text",
     "scan_pid",
     "scan_self",
     "start_time",
+    "unsafe_exec_reason",
 ]

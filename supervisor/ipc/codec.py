@@ -440,19 +440,21 @@ class _HeaderAccess:
         self.pid = cf.scalar(hs, "writerPid")
         self.ts = cf.scalar(hs, "publishTsNs")
         g, self.crc_which, members = cf.union(hs, "payloadCrc")
-        self.crc_is = members["crc32"]
+        self.crc_is, self.crc_n = members["crc32"], len(members)
         self.crc = cf.scalar(g, "crc32")
         g, self.frame_which, members = cf.union(hs, "frame")
-        self.frame_is = members["meta"]
+        self.frame_is, self.frame_n = members["meta"], len(members)
         self.meta_ptr = cf.pointer_index(g, "meta")
         ms = g.fields["meta"].schema
         self.frame_id = cf.scalar(ms, "frameId")
         self.capture = cf.scalar(ms, "captureTsNs")
         g, self.exp_which, members = cf.union(ms, "exposure")
         self.exp_is, self.exp_unknown = members["microseconds"], members["unknown"]
+        self.exp_n = len(members)
         self.exp = cf.scalar(g, "microseconds")
         g, self.gain_which, members = cf.union(ms, "gain")
         self.gain_is, self.gain_unknown = members["value"], members["unknown"]
+        self.gain_n = len(members)
         self.gain = cf.scalar(g, "value")
         # The order decode() names them in: the order they lie in a SlotHeader of this
         # schema, so the compiled read needs no reordering (any other order works too).
@@ -497,10 +499,14 @@ class _HeaderAccess:
         if has_meta:
             (version, channel, seq, gen, pid, crc_which, frame_which, ts, crc, word,
              frame_id, capture, exp_which, gain_which, exposure, gain) = v
+            if crc_which >= self.crc_n or frame_which >= self.frame_n:
+                return self._decode_fields(raw, spec)      # unknown union member
             if frame_which != self.frame_is:
                 frame_id = capture = exposure = gain = None
             elif word != meta_word:
                 return self._decode_fields(raw, spec)      # FrameMeta is elsewhere
+            elif exp_which >= self.exp_n or gain_which >= self.gain_n:
+                return self._decode_fields(raw, spec)      # unknown union member
             else:
                 if exp_which != self.exp_is:
                     exposure = None
@@ -508,7 +514,8 @@ class _HeaderAccess:
                     gain = None
         else:
             version, channel, seq, gen, pid, crc_which, frame_which, ts, crc = v
-            if frame_which == self.frame_is:
+            if frame_which == self.frame_is or crc_which >= self.crc_n or (
+                    frame_which >= self.frame_n):
                 return self._decode_fields(raw, spec)      # FrameMeta is not plain here
             frame_id = capture = exposure = gain = None
         if crc_which != self.crc_is:
@@ -529,14 +536,20 @@ class _HeaderAccess:
             m = cf.Message(raw)
             r = m.root
             get = r.get
-            crc = get(raw, self.crc) if get(raw, self.crc_which) == self.crc_is else None
+            crc_which, frame_which = get(raw, self.crc_which), get(raw, self.frame_which)
+            if crc_which >= self.crc_n or frame_which >= self.frame_n:
+                raise cf.Unusual("unknown union member: pycapnp decides")
+            crc = get(raw, self.crc) if crc_which == self.crc_is else None
             frame_id = capture = exposure = gain = None
-            if get(raw, self.frame_which) == self.frame_is:
+            if frame_which == self.frame_is:
                 meta = m.child(r, self.meta_ptr)
                 frame_id, capture = meta.get(raw, self.frame_id), meta.get(raw, self.capture)
-                if meta.get(raw, self.exp_which) == self.exp_is:
+                exp_which, gain_which = meta.get(raw, self.exp_which), meta.get(raw, self.gain_which)
+                if exp_which >= self.exp_n or gain_which >= self.gain_n:
+                    raise cf.Unusual("unknown union member: pycapnp decides")
+                if exp_which == self.exp_is:
                     exposure = meta.get(raw, self.exp)
-                if meta.get(raw, self.gain_which) == self.gain_is:
+                if gain_which == self.gain_is:
                     gain = meta.get(raw, self.gain)
             values = (get(raw, self.version), get(raw, self.channel),
                       get(raw, self.sequence), get(raw, self.generation),

@@ -7,18 +7,33 @@ as host root outside the sandbox and read the worker's /proc; nothing here needs
 pyseccomp (plain ioctls on the listener).
 
 Policy: before READY, code may come only from regular files on read-only mounts (the
-interpreter, extension modules, shared libraries) plus, if allowed, anonymous memory
-(a JIT); memfd_create is allowed. After READY, nothing: no new executable memory, no
-memfd. A denied call fails with EPERM in the worker and is returned as a Verdict so
-the supervisor can log it (and fail the worker if it wants to).
+interpreter, extension modules, shared libraries) whose device no mount of the worker
+can write, plus, if allowed, *private* anonymous memory (a JIT); memfd_create is
+allowed. Shared anonymous memory is never code: another view of it (mremap with
+old_size 0, a second mmap of the same shmem) can stay writable. An mprotect must
+cover mapped memory only, every page of it judged. After READY, nothing: no new
+executable memory, no memfd. A denied call fails with EPERM in the worker and is
+returned as a Verdict so the supervisor can log it (and fail the worker if it wants
+to).
+
+Cost: a judgement reads only the range it is about (the PROCMAP_QUERY ioctl on
+/proc/PID/maps, Linux >= 6.11; else /proc/PID/maps, stopped at the end of the range;
+/proc/PID/pagemap for that range only) and is refused when it takes longer than
+`judge_budget_s` of CPU or `judge_wall_s` of wall time ("too slow to judge"): a worker
+with 60,000 mappings costs what one with 60 does. `handle_pending` answers at most
+`max_requests` per call, so the caller can yield between calls.
 
 Known limits (why READY matters): CONTINUE lets the kernel redo the call after we
 looked, so before READY another thread of the worker could swap the fd number
-(dup2) or the mapping under an mprotect between our check and the call. After READY
-everything is refused, so no race helps there. Memory that is already writable and
-executable at READY (allowed anonymous JIT memory) needs no syscall to be rewritten:
-see writable_executable_mappings(). If the supervisor closes the listener, watched
-calls fail with ENOSYS in the worker; if it stops reading, they block.
+(dup2) or the mapping under an mprotect between our check and the call -- and a
+call we allowed just before READY may still be running when the supervisor takes
+its READY snapshot. After READY everything is refused, so no race helps there, and
+the READY snapshot and every maps scan refuse any executable mapping whose content
+can still change (maps.KIND_UNSAFE_EXEC: memfd, deleted file, shared memory, a file
+on a writable mount). Memory that is already writable and executable at READY
+needs no syscall to be rewritten: see writable_executable_mappings(). If the
+supervisor closes the listener, watched calls fail with ENOSYS in the worker; if it
+stops reading, they block.
 """
 
 from __future__ import annotations
@@ -32,8 +47,9 @@ import platform
 import select
 import stat
 import struct
+import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import NamedTuple
 
 # <linux/seccomp.h>. The ioctl numbers encode the struct sizes, so a kernel whose
 # structs differ would reject them; we check the sizes once instead of guessing.
@@ -47,10 +63,33 @@ _GET_NOTIF_SIZES = 3
 _NR_SECCOMP = {"x86_64": 317, "aarch64": 277}
 
 _PROT_WRITE, _PROT_EXEC = 0x2, 0x4
+_MAP_TYPE, _MAP_PRIVATE = 0x03, 0x02  # MAP_SHARED 1, MAP_PRIVATE 2, MAP_SHARED_VALIDATE 3
 _MAP_ANONYMOUS = 0x20  # same on x86-64 and aarch64
-# What the kernel calls MAP_SHARED|MAP_ANONYMOUS memory in /proc/PID/maps (a shmem
-# inode): anonymous for our rules, as it was when mmap created it.
-_SHARED_ANON = "/dev/zero (deleted)"
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_ADDR_LIMIT = 1 << 64
+
+# <linux/fs.h> (6.11): struct procmap_query, PROCMAP_QUERY = _IOWR('f', 17, ...).
+_PMQ = struct.Struct("=9Q4I2Q")  # size, flags, addr, start, end, vma_flags, page_size,
+#                                  offset, inode, dev_major, dev_minor, name_size,
+#                                  build_id_size, name_addr, build_id_addr  (104 bytes)
+_PROCMAP_QUERY = (3 << 30) | (_PMQ.size << 16) | (ord("f") << 8) | 17
+_PMQ_COVERING_OR_NEXT = 0x10
+_PMQ_R, _PMQ_W, _PMQ_X, _PMQ_SHARED = 0x1, 0x2, 0x4, 0x8
+_NAME_MAX = 4096 + 16  # PATH_MAX + " (deleted)"
+_procmap_query_works: bool | None = None  # None: not tried yet
+
+# /proc/PID/pagemap: bit 63 present, 62 swapped, 61 file page or shared anonymous.
+# Indexed by the top byte of each (little-endian) entry: 1 = a private page that is
+# not the file's own (copied on write, or swapped out, which only anonymous pages are).
+_COW_TABLE = bytes(1 if (b & 0x40) or (b & 0xA0) == 0x80 else 0 for b in range(256))
+_PAGEMAP_CHUNK = 1 << 16  # entries per read
+
+# How long one judgement may take before it is refused instead ("too slow to judge"),
+# and how many mappings one mprotect may span.
+JUDGE_BUDGET_S = 0.05  # CPU time of this thread (system time: reading /proc)
+JUDGE_WALL_S = 0.5  # wall time (a lock held by the worker; a descheduled supervisor)
+MAX_RANGE_MAPPINGS = 1024
+_TARGET_NAMES = 6  # names listed in ExecRequest.target
 
 # (AUDIT_ARCH, nr) -> name. Only what the filter watches; anything else is refused.
 _SYSCALLS = {
@@ -83,8 +122,8 @@ class ExecRequest:
     prot: int
     flags: int  # mmap flags, else 0
     fd: int  # mmap fd, else -1
-    # readlink(/proc/pid/fd/N) for a file mmap; the backing of the mapping(s) at addr
-    # for mprotect ("[anon]" for anonymous memory); None when not applicable.
+    # readlink(/proc/pid/fd/N) for a file mmap; the backing of the mapping(s) in the
+    # range for mprotect ("[anon]" for anonymous memory); None when not applicable.
     target: str | None
 
 
@@ -95,30 +134,94 @@ class Verdict:
     reason: str
 
 
+class TooSlow(Exception):
+    """A judgement ran over its budget: the request is refused, not waved through."""
+
+
+class _Budget:
+    def __init__(self, cpu_s: float, wall_s: float) -> None:
+        self.cpu_s, self.wall_s = cpu_s, wall_s
+        self.cpu0, self.wall0 = time.thread_time(), time.monotonic()
+
+    def check(self) -> None:
+        cpu, wall = time.thread_time() - self.cpu0, time.monotonic() - self.wall0
+        if cpu > self.cpu_s or wall > self.wall_s:
+            raise TooSlow(f"too slow to judge ({cpu * 1e3:.1f} ms CPU, {wall * 1e3:.1f} ms; "
+                          f"budget {self.cpu_s * 1e3:g} ms CPU, {self.wall_s * 1e3:g} ms)")
+
+
+class Vma(NamedTuple):
+    """One mapping as the kernel reports it (/proc/PID/maps or PROCMAP_QUERY)."""
+
+    start: int
+    end: int
+    perms: str  # "r-xp", "rw-s", ...
+    offset: int
+    dev: tuple[int, int]  # (major, minor)
+    inode: int
+    name: str  # path (with " (deleted)"), "[heap]", "[anon:x]", "" for anonymous
+
+    @property
+    def shared(self) -> bool:
+        return self.perms[3:4] == "s"
+
+    @property
+    def kind(self) -> str:
+        """anon (private anonymous) | shared-anon | special | file."""
+        n = self.name
+        if not n or n in ("[heap]", "[stack]") or n.startswith("[anon:"):
+            return "shared-anon" if self.shared else "anon"
+        if n.startswith("[anon_shmem:") or n.startswith("/SYSV") or n == "/dev/zero (deleted)":
+            return "shared-anon"  # MAP_SHARED|MAP_ANONYMOUS, SysV shm: shmem
+        if n.startswith("/") and self.inode:
+            return "file"
+        return "special"  # [vdso], [vvar], [vsyscall], [uprobes], anything unknown
+
+    @property
+    def label(self) -> str:
+        return "[anon]" if self.kind == "anon" and not self.name else self.name
+
+
+class Hole(Exception):
+    """Part of the range is not mapped (the kernel's mprotect would fail with ENOMEM)."""
+
+    def __init__(self, addr: int) -> None:
+        super().__init__(f"nothing is mapped at {addr:#x}")
+        self.addr = addr
+
+
 class ExecWatch:
     def __init__(self, listener_fd: int, *, allow_anonymous_exec: bool = False) -> None:
         _check_sizes()
         self._fd = listener_fd  # ours now: close() closes it
-        # Anonymous PROT_EXEC (a JIT) before READY; may be changed at any time.
+        # Private anonymous PROT_EXEC (a JIT) before READY; may be changed at any time.
         self.allow_anonymous_exec = allow_anonymous_exec
         self.ready = False  # set by the supervisor when it accepts the worker's READY
         self.hung_up = False  # every filtered task is gone: stop polling this fd
+        self.judge_budget_s = JUDGE_BUDGET_S
+        self.judge_wall_s = JUDGE_WALL_S
 
     def fileno(self) -> int:
         return self._fd
 
-    def handle_pending(self) -> list[Verdict]:
-        """Answer every request queued now; never blocks (RECV alone would)."""
+    def handle_pending(self, max_requests: int = 16) -> list[Verdict]:
+        """Answer at most `max_requests` of the requests queued now; never blocks.
+
+        More may be left queued: the listener stays readable, so call again (after
+        letting others run). A request refused as too slow to judge ends the call.
+        """
         out: list[Verdict] = []
         poller = select.poll()
         poller.register(self._fd, select.POLLIN)
-        while True:
+        received = 0
+        while received < max_requests:
             ev = poller.poll(0)
             if not ev or not ev[0][1] & select.POLLIN:
                 if ev and ev[0][1] & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
                     self.hung_up = True
                 return out
             buf = bytearray(_NOTIF.size)  # RECV insists on a zeroed buffer
+            received += 1
             try:
                 fcntl.ioctl(self._fd, _IOCTL_RECV, buf, True)
             except OSError as e:
@@ -126,7 +229,7 @@ class ExecWatch:
                     continue
                 raise
             req = self._parse(buf)
-            allowed, reason, target = self._judge(req)
+            allowed, reason, target, slow = self._judge(req)
             req = dataclasses.replace(req, target=target)
             # The tid may have died and been reused while we read /proc: if the
             # request is no longer pending, what we read may describe a stranger.
@@ -134,6 +237,9 @@ class ExecWatch:
                 continue
             self._respond(req.id, allowed)
             out.append(Verdict(req, allowed, reason))
+            if slow:
+                break
+        return out
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -178,57 +284,248 @@ class ExecWatch:
 
     # -- judgement ----------------------------------------------------------------
 
-    def _judge(self, req: ExecRequest) -> tuple[bool, str, str | None]:
-        """(allowed, reason, target)."""
+    def _judge(self, req: ExecRequest) -> tuple[bool, str, str | None, bool]:
+        """(allowed, reason, target, too slow)."""
         target: list[str | None] = [None]
+        budget = _Budget(self.judge_budget_s, self.judge_wall_s)
+        slow = False
         try:
-            allowed, reason = self._judge_inner(req, target)
+            allowed, reason = self._judge_inner(req, target, budget)
+            budget.check()  # an answer that came too late is no answer
+        except TooSlow as e:
+            allowed, reason, slow = False, str(e), True
         except OSError as e:  # the worker vanished under us, or /proc refused: deny
             allowed, reason = False, f"cannot inspect pid {req.pid}: {os.strerror(e.errno or 0)}"
-        return allowed, reason, target[0]
+        except (ValueError, struct.error) as e:  # something we cannot parse: deny
+            allowed, reason = False, f"cannot judge: {e}"
+        return allowed, reason, target[0], slow
 
-    def _judge_inner(self, req: ExecRequest, target: list[str | None]) -> tuple[bool, str]:
+    def _judge_inner(self, req: ExecRequest, target: list[str | None],
+                     budget: _Budget) -> tuple[bool, str]:
         if req.syscall == "memfd_create":
             if self.ready:
                 return False, "memfd_create after READY"
             return True, "memfd_create before READY"
-        if req.syscall not in ("mmap", "mprotect", "pkey_mprotect"):
-            return False, f"unexpected syscall {req.syscall}"
         if req.syscall == "mmap":
-            anonymous = bool(req.flags & _MAP_ANONYMOUS) or req.fd < 0
-            if not anonymous:
-                target[0] = os.readlink(f"/proc/{req.pid}/fd/{req.fd}")
-        else:
-            maps = list(_mappings(req.pid, req.args[0], req.args[1]))
-            target[0] = ", ".join(m[2] or "[anon]" for m in maps) or "[unmapped]"
-            if not maps:
-                return False, "no mapping at address"
-            anonymous = all(not m[2] for m in maps)
-            if not anonymous and any(not m[2] for m in maps):
-                return False, "range mixes anonymous and file-backed memory"
+            return self._judge_mmap(req, target)
+        if req.syscall in ("mprotect", "pkey_mprotect"):
+            return self._judge_protect(req, target, budget)
+        return False, f"unexpected syscall {req.syscall}"
+
+    def _judge_mmap(self, req: ExecRequest, target: list[str | None]) -> tuple[bool, str]:
+        anonymous = bool(req.flags & _MAP_ANONYMOUS) or req.fd < 0
+        if not anonymous:
+            target[0] = os.readlink(f"/proc/{req.pid}/fd/{req.fd}")
         if self.ready:
             return False, "new executable memory after READY"
         if anonymous:
+            if req.flags & _MAP_TYPE != _MAP_PRIVATE:
+                return False, "shared anonymous executable memory (another view of it can be writable)"
             if self.allow_anonymous_exec:
-                return True, "anonymous executable memory (allowed for this worker)"
+                return True, "private anonymous executable memory (allowed for this worker)"
             return False, "anonymous executable memory"
         if req.prot & _PROT_WRITE:
             return False, "writable and executable file mapping"
-        if req.syscall == "mmap":
-            return _code_file(req.pid, f"/proc/{req.pid}/fd/{req.fd}")
-        for start, end, path, perms, anon_kb in maps:
-            # A private file mapping that was ever writable may hold copied-on-write
+        return _code_file(req.pid, f"/proc/{req.pid}/fd/{req.fd}")
+
+    def _judge_protect(self, req: ExecRequest, target: list[str | None],
+                       budget: _Budget) -> tuple[bool, str]:
+        addr, length = req.args[0], req.args[1]
+        if addr % _PAGE:
+            return False, f"unaligned address {addr:#x}"
+        if length == 0:  # the kernel returns 0 and changes nothing
+            target[0] = "[empty]"
+            if self.ready:
+                return False, "new executable memory after READY"
+            return True, "empty range: nothing changes"
+        end = addr + -(-length // _PAGE) * _PAGE
+        if end >= _ADDR_LIMIT:
+            return False, "range beyond the address space"
+        try:
+            vmas = mappings_in_range(req.pid, addr, end, budget)
+        except Hole as e:
+            target[0] = "[unmapped]"
+            return False, f"range {addr:#x}-{end:#x} is not entirely mapped ({e})"
+        names = list(dict.fromkeys(v.label for v in vmas))
+        target[0] = ", ".join(names[:_TARGET_NAMES]) + (
+            f", ... ({len(names) - _TARGET_NAMES} more)" if len(names) > _TARGET_NAMES else "")
+        if self.ready:
+            return False, "new executable memory after READY"
+        kinds = {v.kind for v in vmas}
+        if "shared-anon" in kinds:
+            return False, "shared anonymous memory (another view of it can be writable)"
+        if "special" in kinds:
+            return False, "special mapping " + ", ".join(v.name for v in vmas if v.kind == "special")
+        if kinds == {"anon"}:
+            if self.allow_anonymous_exec:
+                return True, "private anonymous executable memory (allowed for this worker)"
+            return False, "anonymous executable memory"
+        if "anon" in kinds:
+            return False, "range mixes anonymous and file-backed memory"
+        if req.prot & _PROT_WRITE:
+            return False, "writable and executable file mapping"
+        mounts = _Mounts(req.pid)
+        checked: dict[tuple[tuple[int, int], int], tuple[bool, str]] = {}
+        for v in vmas:
+            # A private file mapping that was ever written may hold copied-on-write
             # pages we never checked: only pristine read-only file pages may turn X.
-            if "w" in perms or anon_kb:
-                return False, f"file mapping {path} was modified or is writable"
-            ok, why = _code_file(req.pid, f"/proc/{req.pid}/map_files/{start:x}-{end:x}")
+            if "w" in v.perms:
+                return False, f"file mapping {v.name} was modified or is writable"
+            if not v.shared:
+                cow = _modified_page(req.pid, max(v.start, addr), min(v.end, end), budget)
+                if cow is not None:
+                    return False, f"file mapping {v.name} was modified or is writable (page {cow:#x})"
+            key = (v.dev, v.inode)
+            if key not in checked:
+                checked[key] = _code_file(req.pid, f"/proc/{req.pid}/map_files/{v.start:x}-{v.end:x}",
+                                          mounts)
+            ok, why = checked[key]
             if not ok:
                 return False, why
+            budget.check()
         return True, "file mapping from a read-only mount"
 
 
-def _code_file(pid: int, link: str) -> tuple[bool, str]:
-    """May the file behind `link` (a /proc magic link) be mapped executable?"""
+# -- /proc readers -------------------------------------------------------------------
+
+
+def mappings_in_range(pid: int, start: int, end: int, budget: _Budget | None = None) -> list[Vma]:
+    """The mappings of `pid` that cover [start, end), in order; Hole if any page is not mapped.
+
+    Reads only that range (PROCMAP_QUERY) when the kernel can, else /proc/PID/maps up
+    to the end of the range. Raises TooSlow past the budget, and for a range spanning
+    more than MAX_RANGE_MAPPINGS mappings.
+    """
+    global _procmap_query_works
+    if _procmap_query_works is not False:
+        try:
+            got = _query_range(pid, start, end, budget)
+            _procmap_query_works = True
+            return got
+        except OSError as e:
+            if e.errno not in (errno.ENOTTY, errno.EINVAL, errno.EOPNOTSUPP) or _procmap_query_works:
+                raise
+            _procmap_query_works = False  # an older kernel: read the text instead
+    return _maps_range(pid, start, end, budget)
+
+
+def _too_many(n: int) -> None:
+    if n > MAX_RANGE_MAPPINGS:
+        raise TooSlow(f"too slow to judge: the range spans more than {MAX_RANGE_MAPPINGS} mappings")
+
+
+def _query_range(pid: int, start: int, end: int, budget: _Budget | None) -> list[Vma]:
+    name = ctypes.create_string_buffer(_NAME_MAX)
+    name_addr = ctypes.addressof(name)
+    out: list[Vma] = []
+    fd = os.open(f"/proc/{pid}/maps", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        cur = start
+        while cur < end:
+            buf = bytearray(_PMQ.pack(_PMQ.size, _PMQ_COVERING_OR_NEXT, cur, 0, 0, 0, 0, 0, 0,
+                                      0, 0, _NAME_MAX, 0, name_addr, 0))
+            try:
+                fcntl.ioctl(fd, _PROCMAP_QUERY, buf, True)
+            except OSError as e:
+                if e.errno == errno.ENOENT:  # nothing at or after cur
+                    raise Hole(cur) from None
+                raise
+            (_sz, _fl, _a, lo, hi, vflags, _psz, offset, inode, major, minor, name_size,
+             _bsz, _na, _ba) = _PMQ.unpack(buf)
+            if lo > cur:
+                raise Hole(cur)
+            perms = ("r" if vflags & _PMQ_R else "-") + ("w" if vflags & _PMQ_W else "-") + \
+                    ("x" if vflags & _PMQ_X else "-") + ("s" if vflags & _PMQ_SHARED else "p")
+            text = name.raw[: max(name_size - 1, 0)].decode("utf-8", "surrogateescape")
+            out.append(Vma(lo, hi, perms, offset, (major, minor), inode, text))
+            _too_many(len(out))
+            if budget is not None:
+                budget.check()
+            cur = hi
+    finally:
+        os.close(fd)
+    return out
+
+
+def _maps_range(pid: int, start: int, end: int, budget: _Budget | None) -> list[Vma]:
+    out: list[Vma] = []
+    cur = start
+    with open(f"/proc/{pid}/maps", encoding="utf-8", errors="surrogateescape") as f:
+        for n, line in enumerate(f):
+            if budget is not None and n % 256 == 0:
+                budget.check()
+            fields = line.rstrip("\n").split(None, 5)
+            lo_s, _, hi_s = fields[0].partition("-")
+            lo, hi = int(lo_s, 16), int(hi_s, 16)
+            if hi <= cur:
+                continue
+            if lo > cur:
+                raise Hole(cur)
+            major, _, minor = fields[3].partition(":")
+            out.append(Vma(lo, hi, fields[1], int(fields[2], 16), (int(major, 16), int(minor, 16)),
+                           int(fields[4]), fields[5] if len(fields) > 5 else ""))
+            _too_many(len(out))
+            cur = hi
+            if cur >= end:
+                return out
+    raise Hole(cur)
+
+
+def _modified_page(pid: int, start: int, end: int, budget: _Budget | None = None) -> int | None:
+    """First page in [start, end) of a private file mapping that is not the file's own."""
+    fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        page = start // _PAGE
+        last = end // _PAGE
+        while page < last:
+            n = min(last - page, _PAGEMAP_CHUNK)
+            data = os.pread(fd, n * 8, page * 8)
+            if len(data) != n * 8:
+                raise OSError(errno.EIO, "short read of pagemap")
+            flags = data[7::8].translate(_COW_TABLE)  # top byte of each little-endian entry
+            at = flags.find(1)
+            if at >= 0:
+                return (page + at) * _PAGE
+            page += n
+            if budget is not None:
+                budget.check()
+    finally:
+        os.close(fd)
+    return None
+
+
+class _Mounts:
+    """The worker's mount table (its own /proc/PID/mountinfo), read once per judgement."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._rows: list[tuple[int, tuple[int, int], str, bool]] | None = None
+
+    @property
+    def rows(self) -> list[tuple[int, tuple[int, int], str, bool]]:
+        """(mount id, (major, minor), mount point, writable)."""
+        if self._rows is None:
+            rows = []
+            with open(f"/proc/{self.pid}/mountinfo") as f:
+                for ln in f:
+                    fields = ln.split()
+                    sep = fields.index("-", 6)
+                    major, _, minor = fields[2].partition(":")
+                    per_mount = fields[5].split(",")
+                    per_sb = fields[sep + 3].split(",") if len(fields) > sep + 3 else []
+                    rows.append((int(fields[0]), (int(major), int(minor)), fields[4],
+                                 "ro" not in per_mount and "ro" not in per_sb))
+            self._rows = rows
+        return self._rows
+
+
+def _code_file(pid: int, link: str, mounts: _Mounts | None = None) -> tuple[bool, str]:
+    """May the file behind `link` (a /proc magic link) be mapped executable?
+
+    Only a regular file with a name, reached through a read-only mount of the worker,
+    on a device that no mount of the worker can write (a writable bind of the same
+    filesystem elsewhere would reach the same file).
+    """
     fd = os.open(link, os.O_PATH | os.O_CLOEXEC)  # follows the magic link to the file
     try:
         st = os.fstat(fd)
@@ -244,48 +541,16 @@ def _code_file(pid: int, link: str) -> tuple[bool, str]:
             mnt_id = next(int(ln.split()[1]) for ln in f if ln.startswith("mnt_id:"))
     finally:
         os.close(fd)
-    opts = _mount_options(pid, mnt_id)
-    if opts is None:
+    rows = (mounts or _Mounts(pid)).rows
+    mine = next((r for r in rows if r[0] == mnt_id), None)
+    if mine is None:
         return False, f"{name} is on a mount the worker cannot see"
-    if "ro" not in opts:
+    if mine[3]:
         return False, f"{name} is on a writable mount"
+    also = [r[2] for r in rows if r[1] == mine[1] and r[3]]
+    if also:
+        return False, f"{name} is on a device the worker can write through {also[0]}"
     return True, f"{name} on a read-only mount"
-
-
-def _mount_options(pid: int, mnt_id: int) -> list[str] | None:
-    with open(f"/proc/{pid}/mountinfo") as f:
-        for ln in f:
-            fields = ln.split()
-            if int(fields[0]) == mnt_id:
-                return fields[5].split(",")  # per-mount options: a ro bind shows "ro"
-    return None
-
-
-def _mappings(pid: int, addr: int, length: int) -> Iterator[tuple[int, int, str, str, int]]:
-    """(start, end, path, perms, Anonymous kB) of every mapping overlapping the range.
-
-    All of them: an mprotect spanning a library and an anonymous page must not be
-    judged by its first page alone. path is "" for anonymous memory ([heap], [stack]...).
-    """
-    end = addr + max(length, 1)
-    cur: list | None = None
-    with open(f"/proc/{pid}/smaps") as f:
-        for ln in f:
-            head = ln.split(None, 5)
-            if "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping header
-                if cur is not None:
-                    yield tuple(cur)  # type: ignore[misc]
-                    cur = None
-                lo, hi = (int(x, 16) for x in head[0].split("-"))
-                if lo < end and addr < hi:
-                    path = head[5].rstrip("\n") if len(head) > 5 and int(head[4]) else ""
-                    if path == _SHARED_ANON:
-                        path = ""
-                    cur = [lo, hi, path, head[1], 0]
-            elif cur is not None and head[0] == "Anonymous:":
-                cur[4] = int(head[1])
-    if cur is not None:
-        yield tuple(cur)  # type: ignore[misc]
 
 
 def writable_executable_mappings(pid: int) -> list[str]:

@@ -1,0 +1,159 @@
+"""Kill -9 to first output again, per worker: cold restart against a warm standby,
+side by side in one run.
+
+    python bench/recovery.py [--kills 5] [--workers camerad,modeld,controlsd] [--json]
+
+The real pipeline (camerad -> modeld -> controlsd, sandboxed) runs in this process's
+supervisor; each kill is SIGKILL of the worker's sandbox; the clock stops at the first
+message its output channel carries afterwards (road_frames / model_out / control_cmd).
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from supervisor.config import loads  # noqa: E402
+from supervisor.events import EventLog  # noqa: E402
+from supervisor.ipc import Reader, Rejected  # noqa: E402
+from supervisor.lifecycle import Supervisor  # noqa: E402
+
+CONFIG = """
+[domains.control]
+failure_policy = "restart"
+actuates = true
+[channels.road_frames]
+kind = "frame"
+pixel_formats = ["nv12"]
+slot_size = "3.5MiB"
+slot_count = 6
+max_age_ms = 100
+max_readers = 2
+[channels.model_out]
+dtype = "float32"
+slot_size = "4KiB"
+slot_count = 8
+max_age_ms = 200
+max_readers = 2
+payload = "model_out"
+[channels.control_cmd]
+dtype = "float32"
+slot_size = "4KiB"
+slot_count = 16
+max_age_ms = 100
+max_readers = 1
+payload = "control_cmd"
+[workers.camerad]
+domain = "control"
+module = "workers.camerad"
+publishes = ["road_frames"]
+args = ["--fps", "20"]
+restart = "always"
+max_restarts = 100
+backoff_initial_ms = 100
+warm_standby = {warm}
+[workers.modeld]
+domain = "control"
+module = "workers.modeld"
+subscribes = ["road_frames"]
+publishes = ["model_out"]
+ready_timeout_ms = 30000
+jit_kernels = true
+restart = "always"
+max_restarts = 100
+backoff_initial_ms = 100
+warm_standby = {warm}
+[workers.controlsd]
+domain = "control"
+module = "workers.controlsd"
+subscribes = ["model_out"]
+publishes = ["control_cmd"]
+restart = "always"
+max_restarts = 100
+backoff_initial_ms = 100
+warm_standby = {warm}
+"""
+OUT = {"camerad": "road_frames", "modeld": "model_out", "controlsd": "control_cmd"}
+
+
+async def _measure(warm: bool, workers: list[str], kills: int) -> dict[str, list[float]]:
+    cfg = loads(CONFIG.format(warm="true" if warm else "false"), "recovery.toml")
+    log = EventLog(stream=io.StringIO())
+    sup = Supervisor(cfg, log=log)
+    res: dict[str, list[float]] = {w: [] for w in workers}
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        readers = {ch: Reader(sup.channels[ch].reader_handle(len(cfg.readers_of(ch))))
+                   for ch in OUT.values()}
+        for w in workers:
+            for _ in range(kills):
+                if warm:   # the standby of the last restart must be up again
+                    with trio.fail_after(60):
+                        while sup.runs[w].standby is None or not sup.runs[w].standby.warm:
+                            await trio.sleep(0.05)
+                    await trio.sleep(0.5)
+                else:
+                    await trio.sleep(1.0)
+                r = readers[OUT[w]]
+                while True:
+                    try:
+                        m = r.try_receive()
+                    except Rejected:
+                        continue
+                    if m is None:
+                        break
+                    m.release()
+                pid = sup.runs[w].pid
+                t0 = time.monotonic()
+                os.kill(pid, signal.SIGKILL)
+                with trio.fail_after(60):
+                    while True:
+                        try:
+                            m = await r.receive_async()
+                        except Rejected:     # stale leftovers of the dead instance
+                            continue
+                        with m:
+                            if sup.runs[w].pid != pid:
+                                break
+                res[w].append((time.monotonic() - t0) * 1000)
+        nursery.cancel_scope.cancel()
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kills", type=int, default=5)
+    ap.add_argument("--workers", default="camerad,modeld,controlsd")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    os.environ.setdefault("TRIO_STATE_DIR", tempfile.mkdtemp(prefix="trio-state-"))
+    workers = a.workers.split(",")
+    out = {}
+    for mode in ("cold", "warm"):
+        out[mode] = trio.run(_measure, mode == "warm", workers, a.kills)
+    if a.json:
+        print(json.dumps(out))
+        return 0
+    print("| worker | cold p50 / max (ms) | warm standby p50 / max (ms) | p50 ratio |")
+    print("|---|---:|---:|---:|")
+    for w in workers:
+        c, h = out["cold"][w], out["warm"][w]
+        print(f"| {w} | {statistics.median(c):.0f} / {max(c):.0f} | "
+              f"{statistics.median(h):.0f} / {max(h):.0f} | "
+              f"{statistics.median(c) / statistics.median(h):.1f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
