@@ -1,4 +1,4 @@
-"""``supervisor`` command line: run, check, units, clear-fail-safe."""
+"""``supervisor`` command line: run, check, units, clear-fail-safe, audit."""
 from __future__ import annotations
 
 # First of all: a Ctrl-C or SIGTERM from now on is recorded, never a traceback.
@@ -106,15 +106,37 @@ def cmd_units(args: argparse.Namespace) -> int:
     from supervisor.units import write_units
 
     cfg = _config(args.config)
-    for path in write_units(cfg, Path(args.out), config_path=args.config):
+    for path in write_units(cfg, Path(args.out), config_path=args.config,
+                            python=args.python, prefix=args.prefix):
         print(path)
     return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    """What each worker can and cannot do: from the config, or (--live) from the running
+    system's evidence. Exit codes: see supervisor/audit/__init__.py (0 matches or config
+    report, 6 differences found, else the supervisor's own codes)."""
+    import traceback
+
+    from supervisor.audit import audit, render
+
+    cfg = _config(args.config)
+    try:
+        report = audit(cfg, live=args.live, settle_s=args.settle, timeout_s=args.timeout)
+        out = render(report, args.format)
+    except Exception as e:   # one line that says where, exit 1 (as `check` does)
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        print(f"supervisor audit: internal error: {type(e).__name__}: {e} "
+              f"({where.filename}:{where.lineno})", file=sys.stderr)
+        return int(Exit.ERROR)
+    sys.stdout.write(out)
+    return int(report["exit_code"])
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="supervisor", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("run", "check", "units", "clear-fail-safe"):
+    for name in ("run", "check", "units", "clear-fail-safe", "audit"):
         s = sub.add_parser(name)
         s.add_argument("--config", "-c", default=None,
                        help="TOML config (default: the embedded one)")
@@ -128,9 +150,21 @@ def main(argv: list[str] | None = None) -> int:
                            help="no live status line on stdout (events still go to stderr)")
         if name == "units":
             s.add_argument("--out", default="systemd")
+            s.add_argument("--python", default=None,
+                           help="the install target's interpreter (default: PREFIX/bin/python3)")
+            s.add_argument("--prefix", default=None,
+                           help="the install target's venv (default: /opt/trio-supervisor)")
+        if name == "audit":
+            s.add_argument("--format", choices=("text", "markdown", "json"), default="text")
+            s.add_argument("--live", action="store_true",
+                           help="start the configured system and audit its evidence")
+            s.add_argument("--settle", type=float, default=1.0,
+                           help="--live: seconds to wait after all workers are READY")
+            s.add_argument("--timeout", type=float, default=180.0,
+                           help="--live: seconds to wait for all workers to be READY")
     args = p.parse_args(argv)
     return {"run": cmd_run, "check": cmd_check, "units": cmd_units,
-            "clear-fail-safe": cmd_clear_fail_safe}[args.cmd](args)
+            "clear-fail-safe": cmd_clear_fail_safe, "audit": cmd_audit}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -455,6 +455,16 @@ class Supervisor:
         run.exec_snapshot = snap
         if not run.refused:
             self._set_ready(run, now)
+        # A request answered just before READY may complete after the snapshot: one more
+        # look shortly after, not only at the next periodic scan.
+        await trio.sleep(0.1)
+        try:
+            late = await trio.to_thread.run_sync(functools.partial(maps.scan_pid, pid, snapshot=snap))
+        except (maps.ProcessGone, OSError, ValueError):
+            return
+        if late:
+            self._refuse(run, late[0].kind, f"just after READY: {late[0].describe()}",
+                         mappings=[h.describe() for h in late])
 
     def _take_listener(self, run: WorkerRun) -> None:
         """Non-blocking: the exec-watch listener fd, if the runner has sent it."""
@@ -493,7 +503,8 @@ class Supervisor:
                 return
             # A bounded batch per wakeup, then a checkpoint: a worker flooding requests
             # must not hold the event loop (other workers' watchdogs run on it).
-            verdicts = watch.handle_pending(max_requests=16)
+            verdicts = watch.handle_pending(max_requests=16,
+                                            before_judging=lambda: self._poll_status(run))
             await trio.sleep(0)
             if not verdicts:
                 if watch.hung_up:         # every watched task is gone: the exit follows
@@ -854,11 +865,15 @@ class Supervisor:
                     continue
                 snap = run.exec_snapshot
                 for pid in self.worker_pids(run):
+                    own = snap is not None and snap.pid == pid
                     try:
                         # Off the event loop: reading ELF identities must never delay a
-                        # watchdog ping or an exec-watch answer.
+                        # watchdog ping or an exec-watch answer. After READY every other
+                        # process of the sandbox (bwrap's init, children) must hold only
+                        # code that cannot change either.
                         hits = await trio.to_thread.run_sync(functools.partial(
-                            maps.scan_pid, pid, snapshot=snap if snap and snap.pid == pid else None))
+                            maps.scan_pid, pid, snapshot=snap if own else None,
+                            immutable_code=snap is not None and not own))
                     except Exception:  # the process went away between listing and reading
                         continue
                     if run.refused or run.proc is None or run.proc.poll() is not None:

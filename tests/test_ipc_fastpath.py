@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import schemas
 from supervisor.ipc import (BridgeError, ChannelSpec, ChannelTimeout, Reader, Rejected,
                             Writer, codec, layout as L)
+from supervisor.ipc._fast_fields import _MAX_COMPILED
 
 from .forge import forge
 
@@ -305,7 +306,7 @@ def test_compiled_cache_is_bounded():
         longer = bytearray(raw) + bytes(8 * extra)
         longer[4:8] = (int.from_bytes(raw[4:8], "little") + extra).to_bytes(4, "little")
         codec.decode_header(bytes(longer), spec)
-        assert len(H._compiled) <= codec._MAX_COMPILED
+        assert len(H._compiled) <= _MAX_COMPILED
 
 
 # ------------------------------------------------------- writer and reader
@@ -333,7 +334,7 @@ def test_writer_stores_last_slot_and_header_matches_pycapnp(pair):
         assert (last_seq, last_slot) == (seq, slot)
         gen, cseq, ts, hlen, llen = L.CONTROL.unpack_from(w._buf, L.control_offset(slot))
         assert cseq == seq and not gen & 1
-        base = w._base[slot]
+        base = w._geo.header[slot]
         assert bytes(w._buf[base:base + hlen]) == codec.encode_header(
             w.spec, sequence=seq, generation=gen, writer_pid=w._pid, domain="control",
             publish_ts_ns=ts, crc32=None, **stamp)

@@ -6,8 +6,8 @@ import time
 import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from supervisor.ipc import ChannelSpec, Rejected, Writer, Reader, codec
-from supervisor.ipc.codec import FrameFormat, PlaneInfo
+from supervisor.ipc import (ChannelSpec, FrameFormat, PlaneInfo, Reader, Rejected, Writer,
+                            codec)
 
 from .forge import forge
 

@@ -10,13 +10,16 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import struct
 
+import capnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from supervisor.ipc import ChannelSpec, Reader, Rejected, Writer, codec, layout as L
+from supervisor.ipc import _capnp_fast as cf, receipt as receipt_codec
 from supervisor.ipc.receipt import COMPLETION_POINTS, Receipt
 
 H = codec.HEADER
@@ -60,21 +63,24 @@ def _encode(v: dict, r: Receipt) -> bytes:
     return codec.encode_header(SPEC, receipt=r, **v)
 
 
+def _plan(v: dict, r: Receipt):
+    return H.plan_receipt(SPEC, v["writer_pid"], v["domain"], v["crc32"] is not None,
+                          v["frame_id"] is not None, r.device, r.artifact_sha256)
+
+
+def _pack(plan, v: dict, r: Receipt) -> bytes:
+    return plan.pack(v["sequence"], v["generation"], v["publish_ts_ns"], v["crc32"],
+                     v["frame_id"], v["capture_ts_ns"], v["exposure_us"], v["gain"], r)
+
+
 @FAST
 @given(v=header_values, r=receipts)
 def test_compiled_receipt_encode_equals_pycapnp(v, r):
-    try:
-        ref = _encode(v, r)
-    except Exception:
-        # pycapnp refuses it (e.g. a NUL in the device text): no plan may exist either.
-        with pytest.raises(Exception):
-            H.plan_receipt(SPEC, v["writer_pid"], v["domain"], v["crc32"] is not None,
-                           v["frame_id"] is not None, r.device, r.artifact_sha256)
-        return
-    plan = H.plan_receipt(SPEC, v["writer_pid"], v["domain"], v["crc32"] is not None,
-                          v["frame_id"] is not None, r.device, r.artifact_sha256)
-    got = plan.pack(v["sequence"], v["generation"], v["publish_ts_ns"], v["crc32"],
-                    v["frame_id"], v["capture_ts_ns"], v["exposure_us"], v["gain"], r)
+    # Every value drawn lies in its field's range (a NUL inside the device text
+    # included): pycapnp encodes it, and the compiled plan must exist and agree.
+    ref = _encode(v, r)
+    plan = _plan(v, r)
+    got = _pack(plan, v, r)
     assert got == ref                                   # byte for byte
     assert struct.unpack_from("<Q", got, plan.ts_pos)[0] == v["publish_ts_ns"]
     buf = bytearray(len(ref) + 16)
@@ -83,13 +89,32 @@ def test_compiled_receipt_encode_equals_pycapnp(v, r):
     assert bytes(buf[8:8 + len(ref)]) == ref
 
 
+# Receipt scalars and their capnp widths: a value outside them is refused.
+_R_WIDTH = {"frame_id": 64, "capture_ts_ns": 64, "infer_start_ns": 64, "infer_end_ns": 64,
+            "bytes_in": 64, "bytes_out": 64, "latency_ns": 64, "worst_case_ns": 64,
+            "deadline_ns": 64, "deadline_misses": 64, "kernels_run": 32}
+
+
+@FAST
+@given(v=header_values, r=receipts, field=st.sampled_from(sorted(_R_WIDTH)), data=st.data())
+def test_out_of_range_receipt_values_are_refused_by_both(v, r, field, data):
+    """pycapnp refuses a receipt value outside its field's width; the compiled plan
+    (made per device and sha256, so it exists) refuses it too, never writing bytes
+    that wrapped around: the Writer then lets pycapnp raise (next test)."""
+    top = 2 ** _R_WIDTH[field]
+    bad = data.draw(st.integers(max_value=-1) | st.integers(min_value=top, max_value=top * 4))
+    r = dataclasses.replace(r, **{field: bad})
+    with pytest.raises((capnp.KjException, OverflowError)):
+        _encode(v, r)
+    plan = _plan(v, r)
+    with pytest.raises((struct.error, OverflowError)):
+        _pack(plan, v, r)
+
+
 @FAST
 @given(v=header_values, r=receipts)
 def test_compiled_receipt_decode_equals_pycapnp(v, r):
-    try:
-        raw = _encode(v, r)
-    except Exception:
-        return
+    raw = _encode(v, r)                                 # in range: pycapnp encodes it
     kind, got = _agree(raw)
     assert kind == "ok"
     assert H.receipt(raw) is not codec.SLOW or "\0" in r.device   # the compiled path ran
@@ -100,11 +125,8 @@ def test_compiled_receipt_decode_equals_pycapnp(v, r):
 @FAST
 @given(v=header_values, r=receipts, data=st.data())
 def test_mutated_headers_decode_as_pycapnp(v, r, data):
-    try:
-        raw = bytearray(_encode(v, r))
-    except Exception:
-        return
-    _agree(bytes(raw))                                  # compile the plain structure
+    raw = bytearray(_encode(v, r))
+    assert _agree(bytes(raw))[0] == "ok"                # compile the plain structure
     for _ in range(data.draw(st.integers(1, 4))):
         i = data.draw(st.integers(0, len(raw) - 1))
         raw[i] = data.draw(st.integers(0, 255))
@@ -118,11 +140,8 @@ def test_other_receipt_struct_sizes_go_to_pycapnp(r, shrink, grow):
     """A receipt pointer announcing a shorter (older) or a different data section."""
     v = dict(sequence=1, generation=2, writer_pid=3, domain="control", publish_ts_ns=4,
              crc32=5, frame_id=None, capture_ts_ns=None)
-    try:
-        raw = bytearray(_encode(v, r))
-    except Exception:
-        return
-    m = __import__("supervisor.ipc.capnp_fast", fromlist=["Message"]).Message(bytes(raw))
+    raw = bytearray(_encode(v, r))
+    m = cf.Message(bytes(raw))
     pos = m.root.ptrs + H.receipt_ptr * 8
     word = struct.unpack_from("<Q", raw, pos)[0]
     dwords = (word >> 32) & 0xFFFF
@@ -136,7 +155,7 @@ def test_receipt_built_in_another_order_decodes_the_same():
     r = Receipt(1, 2, 3, 4, "GPU:0", 5, 6, "deviceQueued", 7, 8, 9, 10, b"\x01" * 32, 11)
     msg = codec.SlotHeader.new_message(schemaVersion=1, channelId=3, sequence=1,
                                        generation=2, writerPid=3, publishTsNs=4)
-    codec.receipts.fill(msg.init("receipt"), r)
+    receipt_codec.fill(msg.init("receipt"), r)
     msg.payloadCrc.crc32 = 5
     meta = msg.frame.init("meta")
     meta.frameId = 9
@@ -169,7 +188,7 @@ def test_unusual_messages_fall_back_to_pycapnp():
     assert H.receipt(two) is codec.SLOW
     _agree(two)
     # An unknown completion value: pycapnp decides.
-    m = __import__("supervisor.ipc.capnp_fast", fromlist=["Message"]).Message(raw)
+    m = cf.Message(raw)
     rc = m.struct_at(m.root.ptrs + H.receipt_ptr * 8)
     odd = bytearray(raw)
     struct.pack_into("<H", odd, rc.at(H.r_scalars[-1]), 7)

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from supervisor.ipc import (FUTURE_TOLERANCE_NS, BoundsError, ChannelSpec, CrcMismatch,
-                            DTypeMismatch, FormatError, FutureTimestamp, MalformedHeader,
-                            Reader, Receipt, SequenceError, StaleMessage, Writer, codec)
-from supervisor.ipc.codec import FrameFormat, PlaneInfo
+                            DTypeMismatch, FormatError, FrameFormat, FutureTimestamp,
+                            MalformedHeader, PlaneInfo, Reader, Receipt, SequenceError,
+                            StaleMessage, Writer, codec)
+from supervisor.ipc._types import _DLPACK
 
 from .forge import forge
 
@@ -40,7 +41,7 @@ def _oldest(w):
 def _layout_bytes(dtype, shape, strides, offset, frame=None, nbytes=None):
     msg = codec.SlotLayout.new_message(schemaVersion=1)
     t = msg.init("tensor")
-    code, bits = codec._DLPACK.get(np.dtype(dtype).name, (4, 16))
+    code, bits = _DLPACK.get(np.dtype(dtype).name, (4, 16))
     t.dtype.code, t.dtype.bits, t.dtype.lanes = code, bits, 1
     t.shape, t.strides, t.byteOffset = list(shape), list(strides), offset
     lo, hi = codec.tensor_span(tuple(shape), tuple(strides), offset, np.dtype(dtype).itemsize)

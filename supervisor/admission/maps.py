@@ -652,14 +652,16 @@ def unsafe_exec_reason(m: ExecMapping, mounts: MountTable | None) -> str | None:
     """
     if m.backing == MEMFD:
         return "a memfd: it can be written through its fd"
-    if m.backing == DELETED:
+    if m.backing == DELETED and mounts is None:
         return "a deleted file: it can be written through an open fd"
     if m.backing == ANONYMOUS and (m.path in ("/dev/zero", "[anon_shmem]") or m.path.startswith(
             ("/SYSV", "[anon_shmem:")) or m.perms[3:4] == "s"):
         return "shared memory: another view of it can be writable"
     if m.backing == SPECIAL:
         return None  # [vdso], [vsyscall]: the kernel's
-    if m.backing == FILE and mounts is not None:
+    # A deleted file counts by its device like any file: a library replaced by a host
+    # package upgrade (read-only in the sandbox) is no risk; one deleted from /tmp is.
+    if m.backing in (FILE, DELETED) and mounts is not None:
         dev = _maps_dev(m.dev)
         if dev is None or dev not in mounts.known:
             return f"a file on device {m.dev}, which no mount of the process shows"

@@ -9,12 +9,13 @@
     with r.receive(timeout=1.0) as msg:
         use(msg.array)                                                    # read-only view
 """
+from ._message import FrameInfo, Message
+from ._types import FrameFormat, Layout, PlaneInfo, Stamp
 from .channel import Channel, ReaderHandle, WriterHandle, env_name
-from .codec import FrameFormat, Layout, PlaneInfo, Stamp
 from .errors import (BoundsError, BridgeError, ChannelTimeout, ConfigError, CrcMismatch,
                      DTypeMismatch, FormatError, FutureTimestamp, LeaseLost, MalformedHeader,
                      Rejected, SequenceError, StaleMessage, TornRead)
-from .reader import FUTURE_TOLERANCE_NS, FrameInfo, Message, Reader, ReaderStats
+from .reader import FUTURE_TOLERANCE_NS, Reader, ReaderStats
 from .receipt import Receipt
 from .spec import ChannelSpec
 from .writer import Loan, Writer, WriterStats

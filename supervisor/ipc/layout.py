@@ -1,12 +1,6 @@
-"""Binary layout of a channel segment and of a reader's lease table.
-
-Channel segment (written only by the channel's writer):
-    [0, PAGE)                   channel header
-    [PAGE, control_size)        one 64-byte control block per slot
-    slot i at control_size + i * slot_stride:
-        [0, 2048)               capnp SlotHeader   (per message)
-        [2048, HEADER_AREA)     capnp SlotLayout   (per stream)
-        [HEADER_AREA, ...)      payload, page aligned, spec.slot_size usable bytes
+"""Binary formats of a channel segment's header and control blocks, and of a reader's
+lease table. Where a slot's parts lie (control block, SlotHeader, SlotLayout, payload)
+is `_geometry`'s; its offsets are re-exported here for the tools that forge slots.
 
 Lease table (one per reader, written only by that reader, mapped read-only by the writer):
     [0, 64)                     lease header
@@ -20,14 +14,12 @@ from __future__ import annotations
 
 import struct
 
-from .spec import HEADER_AREA, PAGE
+from ._geometry import (CONTROL_SIZE, HEADER_MAX, LAYOUT_MAX, LAYOUT_OFFSET,  # noqa: F401
+                        control_offset)
 
 MAGIC = 0x31475242_4F495254  # b"TRIOBRG1" little-endian
 LEASE_MAGIC = 0x31455341_454C4254  # b"TBLEASE1"
 LAYOUT_VERSION = 1
-HEADER_MAX = 2048
-LAYOUT_OFFSET = 2048
-LAYOUT_MAX = HEADER_AREA - LAYOUT_OFFSET
 
 # Channel header: magic, version, slot_count, slot_size, slot_stride, control_size,
 # channel_id, writer_pid, last_seq, last_slot, writer_epoch.
@@ -41,7 +33,6 @@ LAST = struct.Struct("<QI")
 
 # Control block: gen, seq, publish_ts_ns, header_len, layout_len.
 CONTROL = struct.Struct("<QQQII")
-CONTROL_SIZE = 64
 OFF_GEN = 0
 OFF_SEQ = 8
 OFF_TS = 16
@@ -55,10 +46,6 @@ LEASE_STRIDE = 32
 U64 = struct.Struct("<Q")
 U32 = struct.Struct("<I")
 GEN_SEQ = struct.Struct("<QQ")
-
-
-def control_offset(slot: int) -> int:
-    return PAGE + CONTROL_SIZE * slot
 
 
 def lease_offset(k: int) -> int:

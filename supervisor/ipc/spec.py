@@ -6,11 +6,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import _geometry
+from ._geometry import PAGE
 from .errors import ConfigError
 
-PAGE = 4096
-# Room for the capnp SlotHeader and SlotLayout in front of every payload.
-HEADER_AREA = 4096
 MAX_NDIM = 8
 
 KINDS = ("tensor", "frame")
@@ -20,10 +19,6 @@ DTYPES = (
     "float16", "float32", "float64",
 )
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
-
-
-def _round_up(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
 
 
 @dataclass(frozen=True)
@@ -88,12 +83,12 @@ class ChannelSpec:
     @property
     def slot_stride(self) -> int:
         """Bytes from one slot to the next: header area plus page-aligned payload."""
-        return HEADER_AREA + _round_up(self.slot_size, PAGE)
+        return _geometry.slot_stride(self.slot_size)
 
     @property
     def control_size(self) -> int:
         """Channel header page plus one 64-byte control block per slot, page-aligned."""
-        return _round_up(PAGE + 64 * self.slot_count, PAGE)
+        return _geometry.control_size(self.slot_count)
 
     @property
     def segment_size(self) -> int:

@@ -10,12 +10,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import codec, layout as L, shm
+from ._geometry import HEADER_MAX, LAYOUT_MAX, SlotGeometry
+from ._loan import Loan
 from .channel import WriterHandle
-from .codec import FrameFormat, PlaneInfo
 from .errors import BridgeError
 from .receipt import Receipt
-from .spec import HEADER_AREA
-
 
 
 @dataclass(frozen=True)
@@ -23,141 +22,6 @@ class WriterStats:
     published: int
     leases_honoured: int    # times a slot was skipped because a live lease protected it
     loans_discarded: int
-
-
-class Loan:
-    """A slot the writer owns until ``publish`` or ``discard``. Fill it through the
-    writable arrays it hands out; they must not be used after publish."""
-
-    __slots__ = ("_w", "slot", "_payload", "_desc", "_frame", "_lkey", "_done")
-
-    def __init__(self, writer: Writer, slot: int) -> None:
-        self._w = writer
-        self.slot = slot
-        self._payload = writer._payloads[slot]
-        self._desc: tuple | None = None
-        self._frame: FrameFormat | None = None
-        self._lkey: tuple | None = None      # what the slot's SlotLayout is encoded from
-        self._done = False
-
-    @property
-    def capacity(self) -> int:
-        return len(self._payload)
-
-    def array(self, shape: tuple[int, ...] | int, dtype: str | np.dtype | None = None,
-              strides: tuple[int, ...] | None = None, offset: int = 0) -> np.ndarray:
-        """A writable view that becomes the published tensor (C-contiguous by default)."""
-        shape = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
-        dt = np.dtype(dtype) if dtype is not None else self._w.spec.np_dtype
-        if dt != self._w.spec.np_dtype:
-            raise BridgeError(f"channel {self._w.spec.name!r} carries {self._w.spec.dtype}, "
-                              f"not {dt}")
-        if strides is None:
-            strides = _c_strides(shape, dt.itemsize)
-        lo, hi = codec.tensor_span(shape, tuple(strides), offset, dt.itemsize)
-        if lo < 0 or hi > self.capacity:
-            raise BridgeError(f"tensor spans [{lo}, {hi}), slot holds {self.capacity} bytes")
-        self._desc = desc = (dt, shape, tuple(strides), offset)
-        # A frame() before this array() still describes the slot (as it always has).
-        self._lkey = (dt.str, *desc[1:], self._frame)
-        return np.ndarray(shape, dt, buffer=self._payload, offset=offset,
-                          strides=strides)
-
-    def frame(self, pixel_format: str, width: int, height: int, *,
-              row_stride: int | None = None, sensor: str = "road",
-              pixel_range: str = "full") -> tuple[np.ndarray, ...]:
-        """Writable plane views for a frame; the tensor published is the whole frame."""
-        key = (pixel_format, width, height, row_stride, sensor, pixel_range)
-        w = self._w
-        made = w._frame_cache.get(key)
-        if made is None:
-            fmt, tensor = _frame_layout(*key)
-            self.array(*tensor)              # checks the frame fits the slot
-            if len(w._frame_cache) >= 64:
-                w._frame_cache.clear()
-            # The layout cache key of a frame is its frame() arguments: hashing those
-            # is cheap, hashing the FrameFormat dataclass per message is not.
-            made = w._frame_cache[key] = (fmt, self._desc, ("frame", *key))
-        fmt, self._desc, self._lkey = made
-        self._frame = fmt
-        # Fresh views of plane arrays kept per slot and format: numpy builds an array
-        # from a buffer slowly, a view of one quickly (same memory, shape and strides).
-        kept = w._plane_cache[self.slot]
-        planes = kept.get(key)
-        if planes is None:
-            if len(kept) >= 8:
-                kept.clear()
-            planes = kept[key] = tuple(plane_view(self._payload, p) for p in fmt.planes)
-        return tuple([p.view() for p in planes])
-
-    def publish(self, *, frame_id: int | None = None, capture_ts_ns: int | None = None,
-                exposure_us: int | None = None, gain: float | None = None,
-                publish_ts_ns: int | None = None, receipt: Receipt | None = None) -> int:
-        """Make the slot visible to readers and wake them. Returns the sequence number.
-        ``receipt``: the execution receipt of the inference that produced this output."""
-        if self._done:
-            raise BridgeError("loan already published or discarded")
-        if self._desc is None:
-            raise BridgeError("nothing to publish: call array() or frame() first")
-        if self._frame is not None and frame_id is None:
-            raise BridgeError("a frame needs frame_id and capture_ts_ns")
-        self._done = True
-        return self._w._publish(self, frame_id, capture_ts_ns, exposure_us, gain,
-                                publish_ts_ns, receipt)
-
-    def discard(self) -> None:
-        if not self._done:
-            self._done = True
-            self._w._discard(self)
-
-    def __enter__(self) -> Loan:
-        return self
-
-    def __exit__(self, exc_type, *rest: object) -> None:
-        if not self._done:
-            self.discard()   # an unpublished loan (or an exception) returns the slot
-
-
-def _frame_layout(pixel_format: str, width: int, height: int, row_stride: int | None,
-                  sensor: str, pixel_range: str) -> tuple[FrameFormat, tuple]:
-    """Plane layout and whole-frame tensor of a tightly packed (or row-padded) frame."""
-    bpp = {"nv12": 1, "rgb888": 3, "bgr888": 3, "gray8": 1}.get(pixel_format)
-    if bpp is None:
-        raise BridgeError(f"unsupported pixel format {pixel_format!r}")
-    rs = row_stride or width * bpp
-    if pixel_format == "nv12":
-        if width % 2 or height % 2:
-            raise BridgeError(f"nv12 needs even width and height, got {width}x{height}")
-        planes = (PlaneInfo(0, rs, width, height, 1),
-                  PlaneInfo(rs * height, rs, width // 2, height // 2, 2))
-        tensor = ((height * 3 // 2, width), "uint8", (rs, 1))
-    elif bpp == 3:
-        planes = (PlaneInfo(0, rs, width, height, 3),)
-        tensor = ((height, width, 3), "uint8", (rs, 3, 1))
-    else:
-        planes = (PlaneInfo(0, rs, width, height, 1),)
-        tensor = ((height, width), "uint8", (rs, 1))
-    return FrameFormat(sensor, pixel_format, pixel_range, width, height, planes), tensor
-
-
-def _c_strides(shape: tuple[int, ...], item: int) -> tuple[int, ...]:
-    strides, acc = [], item
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))
-
-
-def plane_view(buf, p: PlaneInfo, *, readonly: bool = False) -> np.ndarray:
-    if p.bytes_per_sample == 1:
-        shape, strides = (p.height, p.width), (p.row_stride, 1)
-    else:
-        shape, strides = (p.height, p.width, p.bytes_per_sample), (p.row_stride,
-                                                                   p.bytes_per_sample, 1)
-    a = np.ndarray(shape, np.uint8, buffer=buf, offset=p.offset, strides=strides)
-    if readonly:
-        a.flags.writeable = False
-    return a
 
 
 class Writer:
@@ -195,12 +59,10 @@ class Writer:
         self._header_plans: dict[tuple, codec.HeaderPlan] = {}
         # ... and for receipts, by (has_crc, has_frame, device, artifact_sha256).
         self._receipt_plans: dict[tuple, codec.HeaderPlan] = {}
-        self._base = [spec.control_size + i * spec.slot_stride
-                      for i in range(spec.slot_count)]
-        self._ctl = [L.control_offset(i) for i in range(spec.slot_count)]
-        self._payloads = [self._buf[b + HEADER_AREA:b + HEADER_AREA + spec.slot_size]
-                          for b in self._base]
-        self._plane_cache: list[dict[tuple, tuple]] = [{} for _ in self._base]
+        self._geo = geo = SlotGeometry(spec)
+        self._ctl = geo.control
+        self._payloads = geo.payload_views(self._buf)
+        self._plane_cache: list[dict[tuple, tuple]] = [{} for _ in self._payloads]
         self._published = self._honoured = self._discarded = 0
         self._attach()
 
@@ -215,17 +77,14 @@ class Writer:
                                                        spec.control_size):
                 raise BridgeError(f"channel {spec.name!r}: segment layout does not match spec")
             self._last_seq = L.U64.unpack_from(buf, L.OFF_LAST_SEQ)[0]
-            for i in range(spec.slot_count):
-                gen, seq = L.GEN_SEQ.unpack_from(buf, L.control_offset(i))
+            for i, cb in enumerate(self._ctl):
+                gen, seq = L.GEN_SEQ.unpack_from(buf, cb)
                 self._gen[i] = gen + (gen & 1)    # an interrupted write is abandoned
                 self._seq[i] = seq if not gen & 1 else 0
-                L.U64.pack_into(buf, L.control_offset(i), self._gen[i])
+                L.U64.pack_into(buf, cb, self._gen[i])
         L.CHANNEL_HDR.pack_into(buf, 0, L.MAGIC, L.LAYOUT_VERSION, spec.slot_count,
                                 spec.slot_size, spec.slot_stride, spec.control_size,
                                 spec.channel_id, self._pid, self._last_seq, 0, 0)
-
-    def _payload_view(self, slot: int) -> memoryview:
-        return self._payloads[slot]
 
     def _protected(self, now: int) -> set[int]:
         """Slots a live lease protects; a lease counts only for the slot's current
@@ -265,14 +124,14 @@ class Writer:
         slot = loan.slot
         self._gen[slot] += 1
         self._seq[slot] = 0
-        L.GEN_SEQ.pack_into(self._buf, L.control_offset(slot), self._gen[slot], 0)
+        L.GEN_SEQ.pack_into(self._buf, self._ctl[slot], self._gen[slot], 0)
         self._loaned.discard(slot)
         self._discarded += 1
 
     def _header_plan(self, has_crc: bool, has_frame: bool) -> codec.HeaderPlan:
         plan = codec.HEADER.plan(self.spec, self._pid, self._domain, has_crc, has_frame)
-        if plan.size > L.HEADER_MAX:
-            raise BridgeError(f"header needs {plan.size} bytes > {L.HEADER_MAX}")
+        if plan.size > HEADER_MAX:
+            raise BridgeError(f"header needs {plan.size} bytes > {HEADER_MAX}")
         self._header_plans[has_crc, has_frame] = plan
         return plan
 
@@ -291,7 +150,7 @@ class Writer:
                                                  has_frame, *key[2:])
             except Exception:
                 return None
-            if plan.size > L.HEADER_MAX:
+            if plan.size > HEADER_MAX:
                 return None           # the pycapnp path raises the BridgeError
             if len(self._receipt_plans) >= 16:
                 self._receipt_plans.clear()
@@ -308,8 +167,8 @@ class Writer:
             if raw_layout is None:
                 dt, shape, strides, offset = loan._desc
                 raw_layout = codec.encode_layout(dt, shape, strides, offset, loan._frame)
-                if len(raw_layout) > L.LAYOUT_MAX:
-                    raise BridgeError(f"layout needs {len(raw_layout)} bytes > {L.LAYOUT_MAX}")
+                if len(raw_layout) > LAYOUT_MAX:
+                    raise BridgeError(f"layout needs {len(raw_layout)} bytes > {LAYOUT_MAX}")
                 if len(self._layout_cache) > 64:
                     self._layout_cache.clear()
                 self._layout_cache[loan._lkey] = raw_layout
@@ -320,7 +179,7 @@ class Writer:
                 crc = zlib.crc32(loan._payload[lo:hi])
             seq = self._last_seq + 1
             gen = self._gen[slot] + 1
-            base = self._base[slot]
+            base = self._geo.header[slot]
             if receipt is None:
                 plan = (self._header_plans.get((crc is not None, frame_id is not None))
                         or self._header_plan(crc is not None, frame_id is not None))
@@ -345,12 +204,13 @@ class Writer:
                     domain=self._domain, publish_ts_ns=publish_ts_ns or 0, crc32=crc,
                     frame_id=frame_id, capture_ts_ns=capture_ts_ns,
                     exposure_us=exposure_us, gain=gain, receipt=receipt)
-                if len(raw) > L.HEADER_MAX:
-                    raise BridgeError(f"header needs {len(raw)} bytes > {L.HEADER_MAX}")
+                if len(raw) > HEADER_MAX:
+                    raise BridgeError(f"header needs {len(raw)} bytes > {HEADER_MAX}")
                 buf[base:base + len(raw)] = raw
                 size, ts_off = len(raw), codec.publish_ts_offset(raw)
             nl = len(raw_layout)
-            buf[base + L.LAYOUT_OFFSET:base + L.LAYOUT_OFFSET + nl] = raw_layout
+            lpos = self._geo.layout[slot]
+            buf[lpos:lpos + nl] = raw_layout
         except BaseException:
             self._discard(loan)   # nothing was published: the slot goes back, invalid
             raise
@@ -395,7 +255,7 @@ class Writer:
     def close(self) -> None:
         for mm in self._leases:
             mm.close()
-        self._plane_cache = [{} for _ in self._base]
+        self._plane_cache = [{} for _ in self._payloads]
         for view in self._payloads:
             try:
                 view.release()

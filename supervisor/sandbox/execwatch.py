@@ -49,7 +49,7 @@ import stat
 import struct
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 # <linux/seccomp.h>. The ioctl numbers encode the struct sizes, so a kernel whose
 # structs differ would reject them; we check the sizes once instead of guessing.
@@ -204,11 +204,15 @@ class ExecWatch:
     def fileno(self) -> int:
         return self._fd
 
-    def handle_pending(self, max_requests: int = 16) -> list[Verdict]:
+    def handle_pending(self, max_requests: int = 16, *,
+                       before_judging: Callable[[], object] | None = None) -> list[Verdict]:
         """Answer at most `max_requests` of the requests queued now; never blocks.
 
         More may be left queued: the listener stays readable, so call again (after
         letting others run). A request refused as too slow to judge ends the call.
+        `before_judging` runs after each request is received and before it is judged:
+        the place to read the worker's status pipe, since a READY it wrote before the
+        syscall is in the pipe by then (and may set `ready`).
         """
         out: list[Verdict] = []
         poller = select.poll()
@@ -229,6 +233,12 @@ class ExecWatch:
                     continue
                 raise
             req = self._parse(buf)
+            if before_judging is not None:
+                try:
+                    before_judging()
+                except BaseException:
+                    self._respond(req.id, False)  # never leave a received request unanswered
+                    raise
             allowed, reason, target, slow = self._judge(req)
             req = dataclasses.replace(req, target=target)
             # The tid may have died and been reused while we read /proc: if the
@@ -291,7 +301,8 @@ class ExecWatch:
         slow = False
         try:
             allowed, reason = self._judge_inner(req, target, budget)
-            budget.check()  # an answer that came too late is no answer
+            if allowed:
+                budget.check()  # an answer that came too late is no answer
         except TooSlow as e:
             allowed, reason, slow = False, str(e), True
         except OSError as e:  # the worker vanished under us, or /proc refused: deny
@@ -345,7 +356,13 @@ class ExecWatch:
             vmas = mappings_in_range(req.pid, addr, end, budget)
         except Hole as e:
             target[0] = "[unmapped]"
+            if self.ready:
+                return False, "new executable memory after READY"
             return False, f"range {addr:#x}-{end:#x} is not entirely mapped ({e})"
+        except TooSlow:
+            if self.ready:  # the target is only for the log: refused either way
+                return False, "new executable memory after READY"
+            raise
         names = list(dict.fromkeys(v.label for v in vmas))
         target[0] = ", ".join(names[:_TARGET_NAMES]) + (
             f", ... ({len(names) - _TARGET_NAMES} more)" if len(names) > _TARGET_NAMES else "")

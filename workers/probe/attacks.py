@@ -216,7 +216,9 @@ def unix_connect(ctx: WorkerContext) -> dict:
 
 
 def _anon_rx() -> dict:
-    m = mmap.mmap(-1, mmap.PAGESIZE, prot=PROT_RW)
+    # Private anonymous memory, as tinygrad maps its kernels (shared memory could be
+    # aliased writable and is refused outright).
+    m = mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=PROT_RW)
     m.write(b"\xc3")                                   # ret
     addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
     rc = _libc.mprotect(addr, mmap.PAGESIZE, PROT_RX)

@@ -1,0 +1,173 @@
+"""``supervisor audit``: what each worker can and cannot do, for a safety reviewer.
+
+    supervisor audit [--config F] [--format text|markdown|json]
+    supervisor audit --live [--config F] [--format ...] [--settle S] [--timeout S]
+
+Without ``--live`` the report says what the config *promises*, derived from the code
+that enforces it: the sandbox policy (`Supervisor._policy` ->
+`supervisor.sandbox.policy`), the seccomp constants (`supervisor.sandbox.seccomp`), the
+cgroup limits, the channels, the signed model artifacts a worker loads (their manifests
+read and signatures checked with the key the worker trusts) and the static torch
+admission (`supervisor.admission.check_worker`, as ``Supervisor.admit`` runs it).
+
+With ``--live`` it STARTS the configured system itself, in this process, exactly as
+``supervisor run`` would (every worker of the config, including any that talks to the
+vehicle: run it on a bench or with the vehicle's supervisor stopped), waits until every
+worker is READY, reads each worker's sandbox from the outside (/proc of its host pid,
+its cgroup, the supervisor's exec-watch state), stops the system in order and flags
+every difference from the promise. A fail-safe during the audit is latched in a private
+temporary state directory, never in the real one. Root is needed, as for ``run``.
+
+Exit codes of ``supervisor audit``:
+
+    0  config mode: the report was produced; --live: the running system matches the config
+    6  --live: differences were found (listed in the report)
+    1  internal error, or --live could not start the system for another reason
+    2  config error (as ``supervisor run``)
+    3, 4, 5  --live: the supervisor stopped before all workers were READY with that exit
+       status (3 admission refused a required worker, 4 fail-safe, 5 a required worker
+       never became ready)
+
+JSON (``--format json``), schema_version 1. Keys are only ever added within a
+schema_version; a renamed or removed key or a changed meaning bumps it.
+
+    schema_version   1
+    mode             "config" | "live"
+    config           the config's source (path or "<embedded ...>")
+    result           "promise" (config mode) | "matches" | "differences" | "not-started"
+    exit_code        the exit status the command returns (above)
+    workers          one row per worker, declaration order (keys below); in live mode the
+                     row holds what was observed, with the raw readings under "evidence"
+    promised         (live only) the config-mode rows, for comparison
+    differences      list of {worker, key, expected, observed, detail}; key names the row
+                     field ("namespaces.net", "host.uid", "channels.frames", "limits.pids_max",
+                     "seccomp", "capabilities.effective", "torch", "running", ...);
+                     always [] in config mode
+    channels         the channel matrix: {channel, writer, writer_domain, readers: [{worker,
+                     log_only}], shadow, research_data (why it counts as research data, or
+                     null), payload, actuation, feeds_actuation: [actuation channels it is
+                     upstream of], kind, dtype, slot_size, slot_count, crc, max_age_ms,
+                     lease_ms, max_readers}
+    trust            {rules: [the safety rules as supervisor/config.py documents them],
+                     check_trust: its summary, actuation_paths: [{actuation, channels,
+                     workers, domains, research_data_upstream}], research_data: {channel:
+                     why}, log_only_reads: [{worker, channel, research_data}],
+                     actuating_domains, holds}
+    supervisor       (live only) {outcome, exit_code, events: the supervisor's refused/
+                     exit/gave_up/skipped/... events, cgroups: cgroup version or null}
+    host_namespaces  (live only) {"supervisor": {ns: inode}, "init": {ns: inode}}
+
+Worker row (config mode = promise; live mode = observation, same keys):
+
+    worker, domain, profile, optional
+    running, pid                 live only: the worker's host pid (inside its sandbox)
+    policy_error                 config only: why no sandbox policy could be built, or null
+    host                         {user, uid, gid}: the unprivileged host user it runs as
+    namespaces                   {user, pid, ipc, uts, cgroup, mnt, net: "private" | "host"}
+    network                      bool: reaches a network (net namespace is the host's, or
+                                 an interface other than lo exists)
+    compilers_visible            bool: a compiler/assembler/linker resolves to an
+                                 executable file inside the sandbox (masked = char device)
+    exec_after_start             bool: execve possible once the runner locked down (strict
+                                 profiles: no, seccomp kills it). Live: inferred from the
+                                 number of stacked seccomp filters
+    new_exec_memory_after_ready  bool: new executable memory after READY (strict: no, the
+                                 exec watch refuses it). Live: the supervisor holds the
+                                 watch listener and closed it at READY, and nothing
+                                 executable appeared since the READY snapshot
+    jit_kernels                  config: anonymous code allowed before READY; live: anonymous
+                                 executable memory present
+    seccomp                      config: {mode, filters, launch: {kill, eperm, enosys},
+                                 after_start_kill, exec_watch}; live: {mode, filters}
+                                 (/proc/PID/status Seccomp, Seccomp_filters)
+    no_new_privs                 bool
+    capabilities                 {effective, permitted, inheritable, ambient, bounding}:
+                                 lists of capability names (all empty: bwrap --cap-drop ALL)
+    limits                       {memory_max (bytes), pids_max, cpu_quota_pct, nofile}; null
+                                 = unlimited / inherited; live adds enforced_by
+    channels                     {writes: [{channel, access}], reads: [{channel, shadow,
+                                 log_only, access}]}; access "read-write" | "read-only";
+                                 live items add mapped (perms of the segment's mappings),
+                                 fds (access modes of its fds) and leases
+    models                       config: [{artifact, pubkey, name, version, key_id,
+                                 signature, manifest_sha256, expect_name, expect_version}];
+                                 live: [{artifact, manifest_sha256 as seen inside,
+                                 same_as_audited}]
+    torch                        config: "refused" | "allowed"; live: "mapped" | "absent"
+    admission                    {checked, admitted, chains: [refusal chains]}
+    evidence                     live only: the raw readings (status lines, uid/gid maps,
+                                 namespace inodes, interfaces, cgroup limits in force,
+                                 executable mappings and their backing, channel mappings
+                                 and fds, compiler probes, exec-watch state, maps scan)
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from supervisor.config import Config
+
+from .render import render
+
+__all__ = ["EXIT_DIFFERENCES", "EXIT_MATCH", "SCHEMA_VERSION", "audit", "render"]
+
+SCHEMA_VERSION = 1
+EXIT_MATCH = 0
+EXIT_DIFFERENCES = 6
+
+
+def audit(cfg: Config, *, live: bool = False, factory: Callable[[Config, Any], Any] | None = None,
+          settle_s: float = 1.0, timeout_s: float = 180.0) -> dict[str, Any]:
+    """The audit report (a JSON-ready dict, schema above). ``factory(cfg, log)`` makes
+    the Supervisor for --live (tests pass a subclass that breaks isolation on purpose)."""
+    from . import promise as pr
+
+    sup = pr.quiet_supervisor(cfg)
+    report: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "mode": "live" if live else "config",
+                              "config": cfg.source}
+    if live:
+        promised = [pr.worker_row(cfg, w, sup=sup) for w in cfg.workers.values()]
+        from . import live as lv
+
+        got = lv.run_live(cfg, {r["worker"]: r for r in promised}, factory=factory,
+                          settle_s=settle_s, timeout_s=timeout_s)
+        events = got["events"]
+        static = {e["worker"]: e for e in events
+                  if e["event"] == "refused" and "kind" not in e and e.get("worker")}
+        for r in promised:   # admission as the supervisor ran it at start
+            e = static.get(r["worker"])
+            r["admission"] = {"checked": got["outcome"] == "started" or bool(static),
+                              "admitted": e is None,
+                              "chains": list(e.get("chains") or [e.get("reason", "")]) if e else []}
+        evidence = got.get("workers", {})
+        rows, diffs = [], []
+        for p in promised:
+            e = evidence.get(p["worker"])
+            seen = lv.observed_row(p, e, got.get("host", {}), events)
+            seen["evidence"] = e
+            rows.append(seen)
+            if got["outcome"] == "started":
+                diffs += lv.differences(p, seen, e)
+        if got["outcome"] == "started":
+            host_ns = {p["worker"] for p in promised}
+            diffs += [d for d in lv.shared_namespaces(evidence)
+                      if d["worker"] in host_ns and
+                      next(p for p in promised if p["worker"] == d["worker"])
+                      ["namespaces"][d["key"].split(".")[1]] != pr.HOST]
+        if got["outcome"] != "started":
+            result, code = "not-started", got["exit_code"] or 1
+        elif diffs:
+            result, code = "differences", EXIT_DIFFERENCES
+        else:
+            result, code = "matches", EXIT_MATCH
+        report.update(result=result, exit_code=code, workers=rows, promised=promised,
+                      differences=diffs,
+                      supervisor={k: got[k] for k in ("outcome", "exit_code", "events", "cgroups")},
+                      host_namespaces=got.get("host"))
+    else:
+        admitted = pr.admission(cfg)
+        rows = [pr.worker_row(cfg, w, sup=sup, admitted=admitted[w.name])
+                for w in cfg.workers.values()]
+        report.update(result="promise", exit_code=EXIT_MATCH, workers=rows, differences=[])
+    report["channels"] = pr.channel_rows(cfg)
+    report["trust"] = pr.trust_rules(cfg)
+    return report

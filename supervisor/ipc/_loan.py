@@ -1,0 +1,136 @@
+"""A slot on loan from the channel's single writer: filled in place, then published."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ._types import FrameFormat, PlaneInfo, plane_view, tensor_span
+from .errors import BridgeError
+from .receipt import Receipt
+
+if TYPE_CHECKING:
+    from .writer import Writer
+
+
+class Loan:
+    """A slot the writer owns until ``publish`` or ``discard``. Fill it through the
+    writable arrays it hands out; they must not be used after publish."""
+
+    __slots__ = ("_w", "slot", "_payload", "_desc", "_frame", "_lkey", "_done")
+
+    def __init__(self, writer: Writer, slot: int) -> None:
+        self._w = writer
+        self.slot = slot
+        self._payload = writer._payloads[slot]
+        self._desc: tuple | None = None
+        self._frame: FrameFormat | None = None
+        self._lkey: tuple | None = None      # what the slot's SlotLayout is encoded from
+        self._done = False
+
+    @property
+    def capacity(self) -> int:
+        return len(self._payload)
+
+    def array(self, shape: tuple[int, ...] | int, dtype: str | np.dtype | None = None,
+              strides: tuple[int, ...] | None = None, offset: int = 0) -> np.ndarray:
+        """A writable view that becomes the published tensor (C-contiguous by default)."""
+        shape = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
+        dt = np.dtype(dtype) if dtype is not None else self._w.spec.np_dtype
+        if dt != self._w.spec.np_dtype:
+            raise BridgeError(f"channel {self._w.spec.name!r} carries {self._w.spec.dtype}, "
+                              f"not {dt}")
+        if strides is None:
+            strides = _c_strides(shape, dt.itemsize)
+        lo, hi = tensor_span(shape, tuple(strides), offset, dt.itemsize)
+        if lo < 0 or hi > self.capacity:
+            raise BridgeError(f"tensor spans [{lo}, {hi}), slot holds {self.capacity} bytes")
+        self._desc = desc = (dt, shape, tuple(strides), offset)
+        # A frame() before this array() still describes the slot (as it always has).
+        self._lkey = (dt.str, *desc[1:], self._frame)
+        return np.ndarray(shape, dt, buffer=self._payload, offset=offset,
+                          strides=strides)
+
+    def frame(self, pixel_format: str, width: int, height: int, *,
+              row_stride: int | None = None, sensor: str = "road",
+              pixel_range: str = "full") -> tuple[np.ndarray, ...]:
+        """Writable plane views for a frame; the tensor published is the whole frame."""
+        key = (pixel_format, width, height, row_stride, sensor, pixel_range)
+        w = self._w
+        made = w._frame_cache.get(key)
+        if made is None:
+            fmt, tensor = _frame_layout(*key)
+            self.array(*tensor)              # checks the frame fits the slot
+            if len(w._frame_cache) >= 64:
+                w._frame_cache.clear()
+            # The layout cache key of a frame is its frame() arguments: hashing those
+            # is cheap, hashing the FrameFormat dataclass per message is not.
+            made = w._frame_cache[key] = (fmt, self._desc, ("frame", *key))
+        fmt, self._desc, self._lkey = made
+        self._frame = fmt
+        # Fresh views of plane arrays kept per slot and format: numpy builds an array
+        # from a buffer slowly, a view of one quickly (same memory, shape and strides).
+        kept = w._plane_cache[self.slot]
+        planes = kept.get(key)
+        if planes is None:
+            if len(kept) >= 8:
+                kept.clear()
+            planes = kept[key] = tuple(plane_view(self._payload, p) for p in fmt.planes)
+        return tuple([p.view() for p in planes])
+
+    def publish(self, *, frame_id: int | None = None, capture_ts_ns: int | None = None,
+                exposure_us: int | None = None, gain: float | None = None,
+                publish_ts_ns: int | None = None, receipt: Receipt | None = None) -> int:
+        """Make the slot visible to readers and wake them. Returns the sequence number.
+        ``receipt``: the execution receipt of the inference that produced this output."""
+        if self._done:
+            raise BridgeError("loan already published or discarded")
+        if self._desc is None:
+            raise BridgeError("nothing to publish: call array() or frame() first")
+        if self._frame is not None and frame_id is None:
+            raise BridgeError("a frame needs frame_id and capture_ts_ns")
+        self._done = True
+        return self._w._publish(self, frame_id, capture_ts_ns, exposure_us, gain,
+                                publish_ts_ns, receipt)
+
+    def discard(self) -> None:
+        if not self._done:
+            self._done = True
+            self._w._discard(self)
+
+    def __enter__(self) -> Loan:
+        return self
+
+    def __exit__(self, exc_type, *rest: object) -> None:
+        if not self._done:
+            self.discard()   # an unpublished loan (or an exception) returns the slot
+
+
+def _frame_layout(pixel_format: str, width: int, height: int, row_stride: int | None,
+                  sensor: str, pixel_range: str) -> tuple[FrameFormat, tuple]:
+    """Plane layout and whole-frame tensor of a tightly packed (or row-padded) frame."""
+    bpp = {"nv12": 1, "rgb888": 3, "bgr888": 3, "gray8": 1}.get(pixel_format)
+    if bpp is None:
+        raise BridgeError(f"unsupported pixel format {pixel_format!r}")
+    rs = row_stride or width * bpp
+    if pixel_format == "nv12":
+        if width % 2 or height % 2:
+            raise BridgeError(f"nv12 needs even width and height, got {width}x{height}")
+        planes = (PlaneInfo(0, rs, width, height, 1),
+                  PlaneInfo(rs * height, rs, width // 2, height // 2, 2))
+        tensor = ((height * 3 // 2, width), "uint8", (rs, 1))
+    elif bpp == 3:
+        planes = (PlaneInfo(0, rs, width, height, 3),)
+        tensor = ((height, width, 3), "uint8", (rs, 3, 1))
+    else:
+        planes = (PlaneInfo(0, rs, width, height, 1),)
+        tensor = ((height, width), "uint8", (rs, 1))
+    return FrameFormat(sensor, pixel_format, pixel_range, width, height, planes), tensor
+
+
+def _c_strides(shape: tuple[int, ...], item: int) -> tuple[int, ...]:
+    strides, acc = [], item
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))

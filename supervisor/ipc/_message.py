@@ -1,0 +1,161 @@
+"""One received message: a lease on a slot, its checked stamp and layout, and
+read-only zero-copy views of the payload (built only by `reader.Reader`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import codec, layout as L
+from ._types import FrameFormat, Layout, plane_view
+from .errors import BridgeError, LeaseLost, Rejected
+from .receipt import Receipt
+
+_gen_of = L.U64.unpack_from
+UNREAD = object()           # Message._receipt before the first decode
+
+
+@dataclass(frozen=True)
+class FrameInfo:
+    """Everything FrameMeta and FrameFormat say about one frame."""
+
+    frame_id: int
+    sensor: str
+    pixel_format: str
+    pixel_range: str
+    width: int
+    height: int
+    row_strides: tuple[int, ...]
+    plane_offsets: tuple[int, ...]
+    capture_ts_ns: int
+    publish_ts_ns: int
+    exposure_us: int | None
+    gain: float | None
+
+
+class Message:
+    """One received message, built only by `Reader` (see ``Reader._accept``). Holds a
+    lease until released; the views are valid only while ``check()`` passes (the writer
+    may reuse the slot once the lease expires)."""
+
+    __slots__ = ("_reader", "_slot", "_gen", "_lease", "_layout", "stamp", "_array",
+                 "_released", "_lost", "_raw_header", "_receipt")
+
+    @property
+    def sequence(self) -> int:
+        return self.stamp.sequence
+
+    @property
+    def receipt(self) -> Receipt | None:
+        """The execution receipt in the header (model outputs), decoded on demand from
+        the private copy taken at receive time (where its capture time was checked); a
+        bad one raises MalformedHeader."""
+        r = self._receipt
+        if r is not UNREAD:
+            return r           # decoded before from the same private bytes
+        try:
+            r = self._receipt = codec.decode_receipt(self._raw_header, self._reader.spec,
+                                                     self.sequence)
+        except Rejected as e:
+            self._reader._rejected[e.reason] += 1
+            raise
+        return r
+
+    @property
+    def publish_ts_ns(self) -> int:
+        return self.stamp.publish_ts_ns
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    def check(self) -> None:
+        """Raise LeaseLost if the writer has reused the slot since we received it
+        (the lease is then given back: the message is dead)."""
+        if self._released and not self._lost:
+            raise BridgeError("message already released")
+        if self._lost or self._reader._slot_gen(self._slot) != self._gen:
+            if not self._lost:
+                self._lost = self._released = True
+                self._array = None
+                self._reader._lost += 1
+                self._reader._drop_lease(self._lease)
+            raise LeaseLost(f"channel {self._reader.spec.name!r} seq {self.sequence}: slot "
+                            f"{self._slot} was reused by the writer (lease expired or "
+                            f"reader too slow); discard anything computed from it")
+
+    @property
+    def array(self) -> np.ndarray:
+        """Read-only zero-copy view with the published shape, dtype and strides."""
+        r, slot = self._reader, self._slot
+        if (self._released or self._lost
+                or _gen_of(r._buf, r._ctl[slot])[0] != self._gen):
+            self.check()
+        a = self._array
+        if a is None:
+            lay = self._layout
+            # A fresh view of an array kept per slot and layout: same memory, shape,
+            # strides and read-only flags, without numpy re-parsing the buffer. The
+            # cache holds the Layout itself, so an identity match is exact.
+            kept = r._views[slot]
+            if kept is None or kept[0] is not lay:
+                kept = r._views[slot] = (lay, np.ndarray(
+                    lay.shape, lay.dtype, buffer=r._payloads[slot], offset=lay.offset,
+                    strides=lay.strides))
+            a = self._array = kept[1].view()
+        return a
+
+    def planes(self) -> tuple[np.ndarray, ...]:
+        """Read-only per-plane views of a frame (NV12: Y (h,w), UV (h/2,w/2,2))."""
+        self.check()
+        fmt = self._layout.frame
+        if fmt is None:
+            raise BridgeError("not a frame message")
+        # Fresh views of plane arrays kept per slot and layout (as ``array`` does):
+        # same memory, shapes, strides and read-only flag, without numpy re-parsing
+        # the buffer per frame. The cache holds the Layout itself: identity is exact.
+        r, slot, lay = self._reader, self._slot, self._layout
+        kept = r._plane_views[slot]
+        if kept is None or kept[0] is not lay:
+            buf = r._payloads[slot]
+            kept = r._plane_views[slot] = (lay, tuple(plane_view(buf, p, readonly=True)
+                                                      for p in fmt.planes))
+        return tuple([p.view() for p in kept[1]])
+
+    @property
+    def frame(self) -> FrameInfo | None:
+        fmt: FrameFormat | None = self._layout.frame
+        s = self.stamp
+        if fmt is None:
+            return None
+        return FrameInfo(s.frame_id, fmt.sensor, fmt.pixel_format, fmt.pixel_range,
+                         fmt.width, fmt.height, tuple(p.row_stride for p in fmt.planes),
+                         tuple(p.offset for p in fmt.planes), s.capture_ts_ns,
+                         s.publish_ts_ns, s.exposure_us, s.gain)
+
+    def __dlpack__(self, **kw):
+        return self.array.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+    def release(self) -> None:
+        """Give the lease back; raises LeaseLost if the data changed while held."""
+        if self._released and not self._lost:
+            return
+        self.check()
+        self._released = True
+        self._array = None
+        self._reader._drop_lease(self._lease)
+
+    def __enter__(self) -> Message:
+        return self
+
+    def __exit__(self, exc_type, *rest: object) -> None:
+        if exc_type is None:
+            self.release()
+        else:
+            try:
+                self.release()
+            except LeaseLost:
+                pass  # the body's own exception is the one to report

@@ -1,0 +1,309 @@
+"""`supervisor audit`: the config's promises, and (--live) the evidence of real sandboxes
+started by the real supervisor, including sandboxes broken on purpose."""
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from supervisor.audit import EXIT_DIFFERENCES, SCHEMA_VERSION, audit, render
+from supervisor.audit.evidence import resolve_in_root
+from supervisor.config import load, loads
+
+NEEDS_ROOT_SANDBOX = pytest.mark.skipif(
+    shutil.which("bwrap") is None or os.geteuid() != 0,
+    reason="live audits start real sandboxes: bubblewrap and root (host uids, cgroups)")
+
+TORCH_LIB = None
+try:   # a torch shared object to map (read-only) from a control worker on purpose
+    import importlib.util
+
+    _spec = importlib.util.find_spec("torch")
+    if _spec and _spec.submodule_search_locations:
+        _lib = Path(list(_spec.submodule_search_locations)[0]) / "lib"
+        TORCH_LIB = next((str(p) for p in sorted(_lib.glob("libtorch*.so*"))), None)
+except (ImportError, ValueError):
+    pass
+
+
+def _probe(name: str, domain: str, *, args: list[str], publishes=(), subscribes=(),
+           extra: str = "") -> str:
+    return f"""
+    [workers.{name}]
+    domain = "{domain}"
+    module = "workers.probe"
+    publishes = {json.dumps(list(publishes))}
+    subscribes = {json.dumps(list(subscribes))}
+    args = {json.dumps(args)}
+    {extra}
+    """
+
+
+CLEAN = textwrap.dedent("""
+    [domains.control]
+    failure_policy = "restart"
+    actuates = true
+    [domains.research]
+    [channels.frames]
+    slot_size = "4KiB"
+    dtype = "uint8"
+    """) + textwrap.dedent(
+    _probe("src", "control", publishes=["frames"],
+           args=["--publish", "frames", "--period-ms", "20", "--ping-ms", "20"],
+           extra='memory_max = "256MiB"\n    pids_max = 32\n    cpu_quota = 50')
+    + _probe("sink", "control", subscribes=["frames"], args=["--read", "frames"],
+             extra="nofile = 256")
+    + _probe("lab", "research", subscribes=["frames"], args=["--read", "frames"]))
+
+
+# --------------------------------------------------------------------------- config mode
+
+
+@pytest.fixture(scope="module")
+def default_report():
+    return audit(load())
+
+
+def test_default_config_promises(default_report):
+    r = default_report
+    assert r["schema_version"] == SCHEMA_VERSION == 1
+    assert r["mode"] == "config" and r["result"] == "promise" and r["exit_code"] == 0
+    assert r["differences"] == []
+    rows = {w["worker"]: w for w in r["workers"]}
+    assert list(rows) == ["camerad", "modeld", "controlsd", "research"]
+    for name in ("camerad", "modeld", "controlsd"):
+        w = rows[name]
+        assert w["profile"] == "control" and w["host"]["user"] == "trio-control"
+        assert w["namespaces"] == {ns: "private" for ns in
+                                   ("user", "pid", "ipc", "uts", "cgroup", "mnt", "net")}
+        assert not w["network"] and not w["compilers_visible"]
+        assert not w["exec_after_start"] and not w["new_exec_memory_after_ready"]
+        assert w["seccomp"]["filters"] == 3
+        assert {"ptrace", "execve"} <= set(w["seccomp"]["launch"]["kill"]
+                                           + w["seccomp"]["after_start_kill"])
+        assert w["torch"] == "refused" and w["admission"] == {
+            "checked": True, "admitted": True, "chains": []}
+        assert all(v == [] for v in w["capabilities"].values())
+    assert rows["modeld"]["jit_kernels"] and not rows["camerad"]["jit_kernels"]
+    (model,) = rows["modeld"]["models"]
+    assert model["name"] == "lane-offset-demo" and model["version"] == "1.0.0"
+    assert model["signature"] == "verified"
+    assert model["key_id"].startswith("83749b6d")
+    assert model["artifact"].endswith("models/demo/lane-offset")
+    assert rows["controlsd"]["channels"] == {
+        "writes": [{"channel": "control_cmd", "access": "read-write"}],
+        "reads": [{"channel": "model_out", "shadow": False, "log_only": False,
+                   "access": "read-only"}]}
+    res = rows["research"]
+    assert res["host"]["user"] == "trio-research" and res["torch"] == "allowed"
+    assert res["compilers_visible"] and res["exec_after_start"]
+    assert res["seccomp"]["filters"] == 1 and res["seccomp"]["launch"]["eperm"]
+    assert res["limits"] == {"memory_max": 8 * 2**30, "pids_max": 256, "cpu_quota_pct": 200.0,
+                             "nofile": None}
+
+    chans = {c["channel"]: c for c in r["channels"]}
+    assert chans["control_cmd"]["actuation"] and chans["control_cmd"]["crc"]
+    assert chans["control_cmd"]["max_age_ms"] == 50
+    assert chans["shadow_out"]["shadow"] and chans["shadow_out"]["research_data"]
+    assert chans["road_frames"]["feeds_actuation"] == ["control_cmd"]
+    assert [x["worker"] for x in chans["road_frames"]["readers"]] == ["modeld", "research"]
+    t = r["trust"]
+    assert t["holds"] and t["actuating_domains"] == ["control"]
+    (path,) = t["actuation_paths"]
+    assert path["workers"] == ["controlsd", "modeld", "camerad"]
+    assert path["research_data_upstream"] == [] and "shadow_out" in t["research_data"]
+    assert any("shadow_subscribes" in rule for rule in t["rules"])
+
+
+def test_formats(default_report):
+    as_json = json.loads(render(default_report, "json"))
+    assert as_json["workers"][0]["worker"] == "camerad"
+    md = render(default_report, "markdown")
+    assert md.startswith("# Isolation audit (config promises)")
+    assert "| camerad | control |" in md and "## Channels" in md and "## Trust rules" in md
+    assert "lane-offset-demo 1.0.0 key 83749b6d" in md
+    txt = render(default_report, "text")
+    assert "research  [research]" in txt and "exec after start" in txt
+    with pytest.raises(ValueError):
+        render(default_report, "yaml")
+
+
+def test_refused_worker_shows_its_chain(tmp_path):
+    """A control worker that imports torch: admission's chain is in its row."""
+    pkg = tmp_path / "torchy_worker"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import torch\n\ndef main(ctx):\n    return 0\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        cfg = loads(textwrap.dedent("""
+            [domains.control]
+            [workers.bad]
+            domain = "control"
+            module = "torchy_worker"
+            optional = true
+            """), "refused.toml")
+        (row,) = audit(cfg)["workers"]
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert row["admission"]["admitted"] is False
+    assert any("torch" in c for c in row["admission"]["chains"])
+
+
+def test_resolve_in_root_never_leaves_the_root(tmp_path):
+    root = tmp_path / "root"
+    (root / "usr/bin").mkdir(parents=True)
+    (root / "etc/alternatives").mkdir(parents=True)
+    (root / "usr/bin/gcc-12").write_text("")
+    (root / "usr/bin/gcc").symlink_to("gcc-12")
+    (root / "usr/bin/cc").symlink_to("/etc/alternatives/cc")   # absolute: stays inside
+    (root / "usr/bin/up").symlink_to("../../../../../../etc/passwd")
+    assert resolve_in_root(str(root), "/usr/bin/gcc")[0] == "/usr/bin/gcc-12"
+    final, st = resolve_in_root(str(root), "/usr/bin/cc")
+    assert final == "/etc/alternatives/cc" and st is None       # host's /etc not consulted
+    final, st = resolve_in_root(str(root), "/usr/bin/up")
+    assert final == "/etc/passwd" and st is None
+
+
+# --------------------------------------------------------------------------- live
+
+
+@NEEDS_ROOT_SANDBOX
+def test_live_audit_of_a_clean_system(tmp_path):
+    cfg = tmp_path / "clean.toml"
+    cfg.write_text(CLEAN)
+    p = subprocess.run([sys.executable, "-m", "supervisor.cli", "audit", "--live", "--config",
+                        str(cfg), "--format", "json", "--settle", "0.5"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(p.stdout)
+    assert r["mode"] == "live" and r["result"] == "matches" and r["differences"] == []
+    rows = {w["worker"]: w for w in r["workers"]}
+    control = pwd.getpwnam("trio-control")
+    mine = {ns: os.stat(f"/proc/self/ns/{ns}").st_ino for ns in ("user", "pid", "net", "mnt")}
+    seen: dict[str, set[int]] = {}
+    for name, w in rows.items():
+        e = w["evidence"]
+        assert w["running"] and e["status"]["Seccomp"] == "2"
+        assert e["status"]["CapEff"] == e["status"]["CapBnd"] == "0000000000000000"
+        assert e["status"]["NoNewPrivs"] == "1"
+        assert e["interfaces"] == ["lo"]
+        for ns, ino in e["namespaces"].items():
+            assert ino != mine.get(ns)
+            assert ino not in seen.setdefault(ns, set()), f"{name} shares its {ns} namespace"
+            seen[ns].add(ino)
+        assert e["cgroup"]["member"]
+    for name in ("src", "sink"):
+        e = rows[name]["evidence"]
+        assert rows[name]["host"]["uid"] == control.pw_uid
+        assert e["uid_map"] == [[1000, control.pw_uid, 1]]
+        assert e["status"]["Seccomp_filters"] == "3"
+        assert e["exec_watch"] == {"listener_held": True, "closed_at_ready": True,
+                                   "ready_snapshot": e["exec_watch"]["ready_snapshot"]}
+        assert "executable" not in e["compilers"].values()
+    assert rows["lab"]["host"]["user"] == "trio-research"
+    if shutil.which("gcc"):
+        assert rows["lab"]["evidence"]["compilers"]["/usr/bin/gcc"] == "executable"
+        assert rows["src"]["evidence"]["compilers"]["/usr/bin/gcc"] in ("char-device", "missing")
+    # the writer maps its segment rw-s, every reader r--s (and only its own lease rw)
+    assert rows["src"]["evidence"]["channel_mappings"]["frames"]["data"] == ["rw-s"]
+    assert rows["src"]["evidence"]["channel_fds"]["frames"]["data"] == ["O_RDWR"]
+    for reader in ("sink", "lab"):
+        m = rows[reader]["evidence"]["channel_mappings"]["frames"]
+        assert m["data"] == ["r--s"] and list(m["leases"].values()) == [["rw-s"]]
+        assert rows[reader]["evidence"]["channel_fds"]["frames"]["data"] == ["O_RDONLY"]
+    lim = rows["src"]["limits"]
+    assert (lim["memory_max"], lim["pids_max"], lim["cpu_quota_pct"]) == (256 * 2**20, 32, 50.0)
+    assert rows["sink"]["limits"]["nofile"] == 256 and rows["sink"]["limits"]["pids_max"] == 64
+
+
+BROKEN = CLEAN + textwrap.dedent(
+    """
+    [supervisor]
+    maps_scan_interval_s = 3600      # let the audit, not the supervisor, find c-torch
+    [channels.spare]
+    slot_size = "4KiB"
+    dtype = "uint8"
+    """
+    + _probe("spare-w", "control", publishes=["spare"], args=[])
+    + _probe("c-rw", "control", subscribes=["spare"], args=["--publish", "spare"])
+    + _probe("c-net", "control", args=[])
+    + _probe("c-cc", "control", args=[])
+    + _probe("c-root", "control", args=[])
+    + _probe("r-bare", "research", args=[])
+    + (_probe("c-torch", "control", args=["--map-file", TORCH_LIB]) if TORCH_LIB else ""))
+
+
+def _breaker(cfg, log):
+    """The real Supervisor, with one isolation property broken per worker."""
+    from supervisor.ipc import env_name
+    from supervisor.lifecycle import Supervisor
+    from supervisor.notify import Notifier
+
+    class Breaker(Supervisor):
+        def _policy(self, w):
+            pol = super()._policy(w)
+            if w.name == "c-net":
+                pol.network = True                  # no --unshare-net
+            elif w.name == "c-cc":
+                pol.hide_compilers = False          # compilers bound in
+            elif w.name == "c-root":
+                pol.host_uid = pol.host_gid = None  # bwrap stays host root
+            elif w.name == "r-bare":
+                pol.seccomp_at_launch = False       # research: then no filter at all
+            elif w.name == "c-torch":
+                pol.hidden = []                     # torch's files visible
+            return pol
+
+        async def _verify_ready(self, run, now):
+            if run.cfg.name == "c-torch":         # READY without the maps snapshot
+                self._set_ready(run, now)
+                return
+            await super()._verify_ready(run, now)
+
+        def _endpoint_env(self, w):
+            env, fds = super()._endpoint_env(w)
+            if w.name == "c-rw":                    # a reader handed the writer's fd
+                h = self.channels["spare"].writer_handle()
+                env[env_name("spare")] = h.to_json()
+                fds = h.fds()
+            return env, fds
+
+    return Breaker(cfg, log=log, notifier=Notifier({}))
+
+
+@NEEDS_ROOT_SANDBOX
+def test_live_audit_flags_every_broken_property():
+    cfg = loads(BROKEN, "broken.toml")
+    r = audit(cfg, live=True, factory=_breaker, settle_s=0.7, timeout_s=120)
+    assert r["result"] == "differences" and r["exit_code"] == EXIT_DIFFERENCES == 6, \
+        json.dumps(r["supervisor"], indent=1)[-3000:]
+    keys: dict[str, set[str]] = {}
+    for d in r["differences"]:
+        keys.setdefault(d["worker"], set()).add(d["key"])
+    for clean in ("src", "sink", "lab", "spare-w"):
+        assert clean not in keys, [d for d in r["differences"] if d["worker"] == clean]
+    assert {"namespaces.net", "network"} <= keys["c-net"]
+    assert keys["c-cc"] == {"compilers_visible"}
+    assert "host.uid" in keys["c-root"]
+    assert keys["c-rw"] == {"channels.spare"}
+    assert keys["r-bare"] == {"seccomp"}
+    if TORCH_LIB:
+        assert keys["c-torch"] == {"torch"}
+    rows = {w["worker"]: w for w in r["workers"]}
+    assert rows["c-root"]["host"]["uid"] == 0
+    assert rows["c-root"]["evidence"]["uid_map"] == [[1000, 0, 1]]
+    assert rows["r-bare"]["evidence"]["status"]["Seccomp"] == "0"
+    assert rows["c-rw"]["evidence"]["channel_mappings"]["spare"]["data"] == ["rw-s"]
+    assert len(rows["c-net"]["evidence"]["interfaces"]) > 1 or \
+        rows["c-net"]["namespaces"]["net"] == "host"
+    txt = render(r, "text")
+    assert "!! yes" in txt and "runs as host root" in txt
+    md = render(r, "markdown")
+    assert "## Differences" in md and "`channels.spare`" in md
