@@ -56,10 +56,10 @@ import argparse
 import dataclasses
 import io
 import json
-import math
 import mmap
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -76,7 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from supervisor.config import loads  # noqa: E402
 from supervisor.events import EventLog  # noqa: E402
-from supervisor.ipc import BridgeError, LeaseLost, Reader, Rejected  # noqa: E402
+from supervisor.ipc import LeaseLost, Reader, Rejected  # noqa: E402
 from supervisor.ipc import layout as L  # noqa: E402
 from supervisor.lifecycle import Supervisor  # noqa: E402
 
@@ -866,6 +866,7 @@ def run(opts: Options) -> dict:
             os.environ["TRIO_STATE_DIR"] = old
         if opts.events:
             stream.close()
+        shutil.rmtree(state, ignore_errors=True)
     res = analyse(rec, log.events, opts)
     res["exit_code"] = int(sup.exit_code)
     t = time.monotonic()
@@ -892,8 +893,9 @@ def summary(res: dict) -> str:
         f"frames {res['frames_seen']} at {o['fps']:g} fps (1928x1208 NV12), "
         f"model outputs {res['model_outputs_seen']}, commands {res['commands_seen']}, "
         f"{res['duration_s']} s (kill phase {res['kill_phase_s']} s), seed {o['seed']}",
-        f"kills {res['kills_total']} ({', '.join(f'{k} {v}' for k, v in sorted(res['kills'].items()))}),"
-        f" recovery failures {res['recover_failures']}",
+        f"kills {res['kills_total']} ("
+        + ", ".join(f"{k} {v}" for k, v in sorted(res["kills"].items()))
+        + f"), recovery failures {res['recover_failures']}",
         f"torn reads accepted {res['torn_reads_accepted']} (CRC + payload checks on every "
         f"model_out/control_cmd; {res['reference']['verified']} outputs re-computed, "
         f"{res['reference']['mismatches']} mismatches); detected (LeaseLost) "

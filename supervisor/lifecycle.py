@@ -955,7 +955,9 @@ class Supervisor:
         # one event per problem and exit 2, never six tracebacks and a fail-safe.
         from supervisor.config import check_runtime
 
-        problems = check_runtime(cfg, sandboxed=self.sandboxed)
+        # (an optional worker admission refused is skipped: nothing about it can fail)
+        problems = [p for p in check_runtime(cfg, sandboxed=self.sandboxed)
+                    if not any(p.key.startswith(f"workers.{n}.") for n in refused)]
         if problems:
             for p in problems:
                 self.log.emit("config_problem", problem=str(p))

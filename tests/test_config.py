@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from supervisor import config
 from supervisor.config import ConfigFileError, Problem, format_size, load, loads, parse_size
+from supervisor.config._values import _SIZE_UNITS
 from supervisor.ipc.errors import ConfigError
 from supervisor.ipc.spec import ChannelSpec
 
@@ -586,7 +587,7 @@ def test_format_size_round_trips(n):
 
 
 @given(st.integers(min_value=0, max_value=10**6),
-       st.sampled_from(sorted(config._SIZE_UNITS.items())),
+       st.sampled_from(sorted(_SIZE_UNITS.items())),
        st.booleans())
 def test_parse_size_units(k, unit_scale, spaced):
     unit, scale = unit_scale

@@ -205,6 +205,7 @@ def test_runtime_guard_and_maps_scan(sup, tmp_path):
         publishes = ["x"]
         args = ["--import", "torch"]
         restart = "never"
+        optional = true      # refused right after it says READY: before it is accepted
         [workers.mapper]
         domain = "control"
         module = "workers.probe"

@@ -1,29 +1,190 @@
-"""The generated systemd unit passes systemd's own offline checks."""
+"""The generated systemd unit: systemd's own offline checks, the committed copy, and the
+supervisor actually working under the unit's restrictions (simulated without systemd:
+the capability bounding set, no_new_privs, the system-call and address-family filters,
+the umask, ProtectProc=invisible, ProtectSystem=strict's read-only root and PrivateTmp)."""
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
 from supervisor.config import load
-from supervisor.units import write_units
+from supervisor.units import DEFAULT_PREFIX, UNIT_NAME, render, write_units
 
-pytestmark = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                                reason="systemd-analyze not installed")
+ROOT = Path(__file__).resolve().parents[1]
+ANALYZE = shutil.which("systemd-analyze")
+needs_analyze = pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze not installed")
+# Measured for the default config; see the supervisor/units.py docstring for what each
+# remaining exposure item pays for. Raise it only with a reason.
+MAX_EXPOSURE = 3.4
 
 
+def _directives(text: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if "=" in line and not line.startswith(("#", "[")):
+            k, _, v = line.partition("=")
+            out.setdefault(k, []).append(v)
+    return out
+
+
+def _fake_prefix(tmp_path: Path) -> Path:
+    """An install prefix whose bin/python3 exists (verify checks ExecStart)."""
+    prefix = tmp_path / "opt" / "trio-supervisor"
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / "bin" / "python3").symlink_to(sys.executable)
+    return prefix
+
+
+def test_renders_for_the_install_target():
+    d = _directives(render(load(), config_path=None))
+    assert d["ExecStart"] == [f"{DEFAULT_PREFIX}/bin/python3 -m supervisor.cli run"]
+    assert "/root" not in render(load(), config_path=None)
+    assert d["RestartPreventExitStatus"] == ["2 3 4"]      # config, refusal, fail-safe latch
+    assert d["Delegate"] == ["yes"] and d["Type"] == ["notify"] and d["WatchdogSec"]
+    assert d["PrivateNetwork"] == ["yes"]                   # no domain has a network
+    assert d["ProtectHome"] == ["yes"] and d["ProtectControlGroups"] == ["no"]
+    assert d["StateDirectory"] == ["trio-supervisor"]       # the fail-safe latch
+    assert d["RuntimeDirectory"] == ["trio-staging"]
+    d2 = _directives(render(load(), config_path=None, python="/usr/bin/python3"))
+    assert d2["ExecStart"] == ["/usr/bin/python3 -m supervisor.cli run"]
+    d3 = _directives(render(load(), config_path=None, prefix="/opt/venv"))
+    assert d3["ExecStart"] == ["/opt/venv/bin/python3 -m supervisor.cli run"]
+    # an interpreter under /root (development) keeps home directories readable
+    d4 = _directives(render(load(), config_path=None, python="/root/.pyenv/bin/python"))
+    assert d4["ProtectHome"] == ["read-only"]
+
+
+def test_committed_unit_is_what_units_renders(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "supervisor.cli", "units", "--out", str(tmp_path)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / UNIT_NAME).read_text() == (ROOT / "systemd" / UNIT_NAME).read_text(), \
+        "systemd/ is stale: run `supervisor units` (default config) and commit the result"
+
+
+@needs_analyze
 def test_unit_verifies_and_is_hardened(tmp_path):
-    (unit,) = write_units(load(), tmp_path, config_path=None)
-    text = unit.read_text()
-    assert "Type=notify" in text and "WatchdogSec=" in text
-    assert "RestartPreventExitStatus=2 3" in text          # config error, refusal
-    assert "PrivateNetwork=yes" in text                     # no domain has a network
-    v = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
-                       text=True)
-    assert v.returncode == 0, v.stderr
-    s = subprocess.run(["systemd-analyze", "security", "--offline=true", str(unit)],
+    (unit,) = write_units(load(), tmp_path, config_path=None, prefix=str(_fake_prefix(tmp_path)))
+    v = subprocess.run([ANALYZE, "verify", str(unit)], capture_output=True, text=True)
+    assert v.returncode == 0 and not v.stderr.strip() and not v.stdout.strip(), \
+        v.stdout + v.stderr
+    s = subprocess.run([ANALYZE, "security", "--offline=true", str(unit)],
                        capture_output=True, text=True)
     score = float(re.search(r"Overall exposure level for \S+: ([0-9.]+)", s.stdout).group(1))
-    assert score <= 4.0, s.stdout[-2000:]
+    assert score <= MAX_EXPOSURE, s.stdout[-4000:]
+    # the committed unit: clean but for the interpreter this machine lacks
+    v = subprocess.run([ANALYZE, "verify", str(ROOT / "systemd" / UNIT_NAME)],
+                       capture_output=True, text=True)
+    lines = [x for x in (v.stdout + v.stderr).splitlines() if x.strip()]
+    if os.path.exists(f"{DEFAULT_PREFIX}/bin/python3"):
+        assert not lines, lines
+    else:
+        assert all(f"{DEFAULT_PREFIX}/bin/python3 is not executable" in x for x in lines), lines
+
+
+# --------------------------------------------------------------------------- simulation
+
+_SECCOMP = textwrap.dedent(r"""
+    import errno, os, sys
+    import pyseccomp as sc
+    deny, families, umask, *argv = sys.argv[1:]
+    flt = sc.SyscallFilter(sc.ALLOW)
+    flt.set_attr(sc.Attr.ACT_BADARCH, sc.KILL_PROCESS)        # SystemCallArchitectures=native
+    for name in deny.split(","):                              # SystemCallFilter=~... + EPERM
+        nr = sc.resolve_syscall(sc.Arch.NATIVE, name)
+        if nr >= 0:
+            flt.add_rule(sc.ERRNO(errno.EPERM), nr)
+    allowed = {int(f) for f in families.split(",")}           # RestrictAddressFamilies=
+    nr = sc.resolve_syscall(sc.Arch.NATIVE, "socket")
+    for fam in range(64):
+        if fam not in allowed:
+            flt.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), nr, sc.Arg(0, sc.EQ, fam))
+    flt.load()
+    os.umask(int(umask, 8))                                   # UMask=
+    os.execv(sys.executable, [sys.executable, *argv])
+    """)
+
+_MOUNTS = textwrap.dedent("""
+    set -e
+    cfg=$(cat "$CFG")
+    mount -t proc -o hidepid=invisible proc /proc    # ProtectProc=invisible
+    mkdir -p /run/trio-staging                       # RuntimeDirectory=
+    mount -t tmpfs -o mode=1777 tmpfs /tmp           # PrivateTmp=yes
+    printf '%s\\n' "$cfg" > /tmp/unit-sim.toml
+    mount -o remount,bind,ro /                       # ProtectSystem=strict (the root fs)
+    exec setpriv --bounding-set "$CAPS" --inh-caps -all --no-new-privs "$@"
+    """)
+
+
+def _expand(group: str, seen: set[str] | None = None) -> set[str]:
+    seen = set() if seen is None else seen
+    if not group.startswith("@"):
+        return {group}
+    if group in seen:
+        return set()
+    seen.add(group)
+    out = subprocess.run([ANALYZE, "syscall-filter", group], capture_output=True,
+                         text=True, check=True).stdout
+    names: set[str] = set()
+    for line in out.splitlines()[1:]:
+        tok = line.strip()
+        if tok and not tok.startswith("#"):
+            names |= _expand(tok, seen)
+    return names
+
+
+@needs_analyze
+@pytest.mark.sandbox
+@pytest.mark.skipif(shutil.which("bwrap") is None or shutil.which("setpriv") is None
+                    or shutil.which("unshare") is None or os.geteuid() != 0,
+                    reason="needs root, bubblewrap, setpriv and unshare")
+def test_supervisor_works_under_the_units_restrictions(tmp_path):
+    """`supervisor audit --live` of a small system, run under the unit's restrictions:
+    the workers start, and the audit (which reads every sandbox's /proc) matches."""
+    import socket
+
+    d = _directives(render(load(), config_path=None))
+    caps = [c.lower().removeprefix("cap_") for c in d["CapabilityBoundingSet"][0].split()]
+    if not os.path.exists("/sys/fs/cgroup/cgroup.controllers") and \
+            not os.stat("/sys/fs/cgroup/pids").st_mode & 0o200:
+        # This host: cgroup v1 directories mode 0555. Under systemd (v2, Delegate=yes)
+        # the delegated subtree is root's and writable without it.
+        caps.append("dac_override")
+    (deny_spec,) = d["SystemCallFilter"]
+    assert deny_spec.startswith("~")
+    deny: set[str] = set()
+    for item in deny_spec[1:].split():
+        deny |= _expand(item)
+    for needed in ("mount", "setresuid", "unshare", "setns", "seccomp", "prlimit64",
+                   "pivot_root", "sethostname", "capset", "clone"):
+        assert needed not in deny, needed
+    families = [getattr(socket, f) for f in d["RestrictAddressFamilies"][0].split()]
+    from supervisor.audit.promise import NAMESPACES
+
+    assert set(d["RestrictNamespaces"][0].split()) >= set(NAMESPACES)
+    cfg = tmp_path / "sim.toml"
+    from tests.test_audit import CLEAN
+
+    cfg.write_text(CLEAN)
+    env = dict(os.environ, CFG=str(cfg), CAPS="-all," + ",".join(f"+{c}" for c in caps),
+               PYTHONPATH=str(ROOT))
+    p = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", _MOUNTS, "sh",
+         sys.executable, "-c", _SECCOMP, ",".join(sorted(deny)),
+         ",".join(str(int(f)) for f in families), d["UMask"][0],
+         "-m", "supervisor.cli", "audit", "--live", "--config", "/tmp/unit-sim.toml",
+         "--format", "json", "--settle", "0.5"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=150)
+    assert p.stdout, p.stderr[-3000:]
+    r = json.loads(p.stdout)
+    assert p.returncode == 0 and r["result"] == "matches", \
+        json.dumps({"supervisor": r.get("supervisor"), "differences": r.get("differences")},
+                   indent=1)[-4000:] + p.stderr[-2000:]

@@ -54,7 +54,9 @@ schema_version; a renamed or removed key or a changed meaning bumps it.
                      why}, log_only_reads: [{worker, channel, research_data}],
                      actuating_domains, holds}
     supervisor       (live only) {outcome, exit_code, events: the supervisor's refused/
-                     exit/gave_up/skipped/... events, cgroups: cgroup version or null}
+                     exit/gave_up/skipped/... events (and, when it did not start, each
+                     worker's last output lines), cgroups: cgroup version or null,
+                     survivors: {worker: [host pids]} still alive after the stop}
     host_namespaces  (live only) {"supervisor": {ns: inode}, "init": {ns: inode}}
 
 Worker row (config mode = promise; live mode = observation, same keys):
@@ -78,8 +80,11 @@ Worker row (config mode = promise; live mode = observation, same keys):
     jit_kernels                  config: anonymous code allowed before READY; live: anonymous
                                  executable memory present
     seccomp                      config: {mode, filters, launch: {kill, eperm, enosys},
-                                 after_start_kill, exec_watch}; live: {mode, filters}
-                                 (/proc/PID/status Seccomp, Seccomp_filters)
+                                 after_start_kill, exec_watch}; live: {mode, filters,
+                                 inherited} from /proc/PID/status Seccomp and
+                                 Seccomp_filters: filters counts the sandbox's own, above
+                                 the `inherited` ones the supervisor itself runs under
+                                 (systemd's, under the unit)
     no_new_privs                 bool
     capabilities                 {effective, permitted, inheritable, ambient, bounding}:
                                  lists of capability names (all empty: bwrap --cap-drop ALL)
@@ -142,7 +147,8 @@ def audit(cfg: Config, *, live: bool = False, factory: Callable[[Config, Any], A
         rows, diffs = [], []
         for p in promised:
             e = evidence.get(p["worker"])
-            seen = lv.observed_row(p, e, got.get("host", {}), events)
+            seen = lv.observed_row(p, e, got.get("host", {}), events,
+                                   got.get("inherited_seccomp_filters", 0))
             seen["evidence"] = e
             rows.append(seen)
             if got["outcome"] == "started":
@@ -153,6 +159,10 @@ def audit(cfg: Config, *, live: bool = False, factory: Callable[[Config, Any], A
                       if d["worker"] in host_ns and
                       next(p for p in promised if p["worker"] == d["worker"])
                       ["namespaces"][d["key"].split(".")[1]] != pr.HOST]
+        for name, pids in got.get("survivors", {}).items():
+            diffs.append({"worker": name, "key": "stop", "expected": "stopped",
+                          "observed": pids, "detail": f"{name}: sandbox process(es) "
+                          f"{', '.join(map(str, pids))} still running after the orderly stop"})
         if got["outcome"] != "started":
             result, code = "not-started", got["exit_code"] or 1
         elif diffs:
@@ -161,7 +171,8 @@ def audit(cfg: Config, *, live: bool = False, factory: Callable[[Config, Any], A
             result, code = "matches", EXIT_MATCH
         report.update(result=result, exit_code=code, workers=rows, promised=promised,
                       differences=diffs,
-                      supervisor={k: got[k] for k in ("outcome", "exit_code", "events", "cgroups")},
+                      supervisor={k: got.get(k) for k in ("outcome", "exit_code", "events",
+                                                          "cgroups", "survivors")},
                       host_namespaces=got.get("host"))
     else:
         admitted = pr.admission(cfg)

@@ -104,9 +104,40 @@ def run_live(cfg: Config, promises: dict[str, dict[str, Any]], *,
             "start_failed", "fail_safe", "config_problem")
     events = [{k: v for k, v in e.items() if k not in ("ts", "mono_ns")}
               for e in log.events if e["event"] in keep]
+    if outcome != "started":   # what the workers said last: why they did not start
+        last: dict[str, list[str]] = {}
+        for e in log.of("output"):
+            last.setdefault(e.get("worker", "?"), []).append(e.get("line", ""))
+        events += [{"event": "output", "worker": w, "lines": lines[-5:]}
+                   for w, lines in last.items()]
     cgroups = next((e.get("version") for e in log.of("cgroups")), None)
     return {"outcome": outcome, "exit_code": int(sup.exit_code), "events": events,
-            "cgroups": cgroups, **collected}
+            "cgroups": cgroups, "survivors": survivors(collected.get("workers", {})),
+            **collected}
+
+
+def survivors(evidence: dict[str, Any], grace_s: float = 2.0) -> dict[str, list[int]]:
+    """Processes of a sandbox still alive after the orderly stop (they must all be
+    gone: a supervisor that cannot signal its sandboxes leaves them running)."""
+    import time
+
+    from supervisor.admission import maps
+
+    deadline = time.monotonic() + grace_s
+    left: dict[str, list[int]] = {}
+    while True:
+        left = {}
+        for name, e in evidence.items():
+            for pid, begun in (e.get("start_times") or {}).items():
+                try:
+                    alive = maps.start_time(int(pid)) == begun
+                except (maps.ProcessGone, OSError, ValueError):
+                    alive = False
+                if alive:
+                    left.setdefault(name, []).append(int(pid))
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
 
 
 # --------------------------------------------------------------------------- collection
@@ -137,8 +168,11 @@ def collect(sup, promises: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 break
             except ev.Gone:
                 workers[name] = {"running": False, "why": "exited while being read"}
+    own = ev.status("self")
     return {"host": host_namespaces(), "workers": workers,
-            "compiler_candidates": candidates}
+            "compiler_candidates": candidates,
+            # filters every sandbox inherits from the supervisor (systemd's, under the unit)
+            "inherited_seccomp_filters": int(own.get("Seccomp_filters") or 0)}
 
 
 def _worker_evidence(sup, run, promise: dict[str, Any], candidates: list[str]) -> dict[str, Any]:
@@ -202,6 +236,13 @@ def _worker_evidence(sup, run, promise: dict[str, Any], candidates: list[str]) -
                      for m in promise.get("models", [])]
     if maps.start_time(pid) != begun:
         raise ev.Gone(pid)         # restarted meanwhile: read the new one
+    starts = {}
+    for p in out["sandbox_pids"]:
+        try:
+            starts[str(p)] = maps.start_time(p)
+        except (maps.ProcessGone, OSError):
+            pass
+    out["start_times"] = starts
     return out
 
 
@@ -221,7 +262,8 @@ def _host_sha(path: str | None) -> str | None:
 
 
 def observed_row(promise: dict[str, Any], e: dict[str, Any] | None,
-                 host: dict[str, dict[str, int | None]], events: list[dict]) -> dict[str, Any]:
+                 host: dict[str, dict[str, int | None]], events: list[dict],
+                 inherited_filters: int = 0) -> dict[str, Any]:
     """The same keys as the promise, filled from evidence (None where nothing was seen)."""
     name = promise["worker"]
     refusals = [x for x in events if x["event"] == "refused" and x.get("worker") == name]
@@ -250,7 +292,8 @@ def observed_row(promise: dict[str, Any], e: dict[str, Any] | None,
         i != "lo" for i in e["interfaces"])
     row["compilers_visible"] = any(v == "executable" for v in e["compilers"].values())
     mode = {"0": "disabled", "1": "strict", "2": "filter"}.get(st.get("Seccomp") or "", "?")
-    filters = int(st.get("Seccomp_filters") or 0)
+    # the sandbox's own filters: those above what it inherited from the supervisor
+    filters = max(0, int(st.get("Seccomp_filters") or 0) - inherited_filters)
     promised_launch = 1 if (promise["seccomp"].get("launch") is not None) else 0
     exec_ban = mode == "filter" and filters >= promised_launch + 2
     row["exec_after_start"] = not exec_ban
@@ -258,7 +301,9 @@ def observed_row(promise: dict[str, Any], e: dict[str, Any] | None,
     row["new_exec_memory_after_ready"] = not (watch["listener_held"] and watch["closed_at_ready"]) \
         or bool(e["after_ready_hits"])
     row["jit_kernels"] = any(m["backing"] == "anonymous" for m in e["exec_mappings"])
-    row["seccomp"] = {"mode": mode, "filters": filters}
+    if filters == 0 and mode == "filter":
+        mode = "inherited only"
+    row["seccomp"] = {"mode": mode, "filters": filters, "inherited": inherited_filters}
     row["no_new_privs"] = st.get("NoNewPrivs") == "1"
     row["capabilities"] = {label: ev.capability_names(st[field] or "0")
                            for field, label in ev._CAP_FIELDS.items()}
@@ -360,7 +405,8 @@ def differences(promise: dict[str, Any], seen: dict[str, Any],
              "declared jit_kernels")
     ps, ss = promise["seccomp"], seen["seccomp"]
     if ps["mode"] != ss["mode"] or ps["filters"] != ss["filters"]:
-        diff("seccomp", {"mode": ps["mode"], "filters": ps["filters"]}, ss,
+        diff("seccomp", {"mode": ps["mode"], "filters": ps["filters"]},
+             {"mode": ss["mode"], "filters": ss["filters"]},
              f"{name}: seccomp {ss['mode']} with {ss['filters']} filter(s); the config "
              f"promises {ps['mode']} with {ps['filters']}")
     if promise["no_new_privs"] != seen["no_new_privs"]:

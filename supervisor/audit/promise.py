@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import importlib
 import inspect
 import io
 import json
@@ -390,7 +391,8 @@ def channel_rows(cfg: Config) -> list[dict[str, Any]]:
             "research_data": tainted.get(name),
             "payload": ch.payload,
             "actuation": ch.actuation,
-            "feeds_actuation": sorted(a for a, ups in upstream.items() if name in ups),
+            "feeds_actuation": sorted(a for a, ups in upstream.items()
+                                      if name in ups and a != name),
             "kind": s.kind,
             "dtype": s.dtype,
             "slot_size": s.slot_size,
@@ -428,8 +430,17 @@ def _documented_rules() -> tuple[list[str], str]:
             # the trust rules among them: writers, research/shadow data, actuation
             if text and any(k in text for k in ("writer", "shadow", "research", "actuat")):
                 rules.append(text)
-    loader = getattr(config_module, "_Loader", None)
-    summary = inspect.getdoc(getattr(loader, "check_trust", None)) if loader else None
+    summary = None
+    for where in ("supervisor.config._rules", "supervisor.config._loader", "supervisor.config"):
+        try:
+            mod = importlib.import_module(where)
+        except ImportError:
+            continue
+        fn = getattr(mod, "check_trust", None) or getattr(
+            getattr(mod, "_Loader", None), "check_trust", None)
+        if fn is not None:
+            summary = inspect.getdoc(fn)
+            break
     return rules or list(_FALLBACK_RULES), " ".join((summary or "").split())
 
 

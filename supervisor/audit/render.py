@@ -38,17 +38,27 @@ def _seccomp(r: dict, mode: str) -> str:
         return "-"
     head = f"{s.get('mode')} x{s.get('filters')}"
     if mode != "config":
-        return head
+        return head + (f" (+{s['inherited']} inherited)" if s.get("inherited") else "")
     parts = [head]
     launch = s.get("launch")
     if launch:
-        parts.append(f"launch kills {len(launch['kill'])}" +
-                     (f", EPERM {len(launch['eperm'])}" if launch["eperm"] else ""))
+        def some(names: list[str]) -> str:
+            shown = [n for n in _NOTABLE if n in names][:4]
+            return f" ({', '.join(shown)}, ...)" if shown else ""
+
+        parts.append(f"launch kills {len(launch['kill'])}{some(launch['kill'])}" +
+                     (f", EPERM {len(launch['eperm'])}{some(launch['eperm'])}"
+                      if launch["eperm"] else ""))
     if s.get("after_start_kill"):
         parts.append("kills " + "/".join(s["after_start_kill"]) + " after start")
     if s.get("exec_watch"):
         parts.append("exec watch")
     return ", ".join(parts)
+
+
+# Named in the seccomp cell when the list holds them (the JSON has every name).
+_NOTABLE = ("ptrace", "mount", "unshare", "bpf", "io_uring_setup", "keyctl", "connect",
+            "fchmod", "fsetxattr", "process_vm_writev")
 
 
 def _caps(r: dict, mode: str) -> str:

@@ -8,10 +8,11 @@ The codec in parts:
 
 * `_types`          the checked values handed out (Layout, FrameFormat, Stamp, ...);
 * `_reference`      pycapnp's encode and decode with every check: the judge;
-* `_fast_header`,   the compiled fast path (fixed offsets from the loaded schema, see
-  `_fast_plan`,     `_capnp_fast`), which answers exactly what the reference answers
-  `_fast_receipt`   and hands it anything it does not handle plainly;
-* `_geometry`       where the header, layout and payload of a slot lie.
+* the compiled fast path, which answers exactly what the reference answers and hands
+  it anything it does not handle plainly: `_fast_fields` (where each SlotHeader field
+  lies, from the loaded schema), `_fast_header` (decode), `_fast_plan` (encode),
+  `_fast_receipt` (the Receipt), over `_capnp_fast` (wire-format reading);
+* `_geometry`       where the control block, header, layout and payload of a slot lie.
 
 This module picks the path; ``fast=False`` forces the reference (what the tests compare
 the fast path to).

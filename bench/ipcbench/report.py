@@ -1,0 +1,200 @@
+"""Merging the repeats of each case, and the tables printed at the end."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .children import stats_us
+
+
+def aggregate(runs: list[dict], raw_dir: str | None) -> list[dict]:
+    """Merge the repeats of each (transport, size, mode) into one row.
+
+    Latency percentiles come from all repeats' samples pooled; throughput is the
+    median over repeats (each already a median over short windows).
+    """
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["transport"], r["size"], r["mode"]), []).append(r)
+    out = []
+    for (key, size, mode), rs in groups.items():
+        first = rs[0]
+        row = {k: first[k] for k in ("transport", "label", "size", "nbytes", "mode")}
+        if "skipped" in first:
+            row["skipped"] = first["skipped"]
+            out.append(row)
+            continue
+        good = [r for r in rs if "error" not in r]
+        bad = [r for r in rs if "error" in r]
+        row["repeats"] = len(rs)
+        if bad:
+            msg = bad[0]["error"]
+            row["error" if not good else "warning"] = (
+                msg if len(rs) == 1 else f"{len(bad)}/{len(rs)} repeats failed: {msg}")
+            tbs = [tb for r in bad for tb in r.get("tracebacks", [])]
+            if tbs:
+                row["tracebacks"] = tbs
+        for k in ("received", "drops", "reorder", "bad_len", "rejected", "sent", "stalls"):
+            vals = [r[k] for r in good if k in r]
+            if vals:
+                row[k] = int(sum(vals))
+        row["killed"] = any(r.get("killed") for r in rs)
+        if any(r.get("truncated") for r in rs):
+            row["truncated"] = True
+        fc = [r["foreign_cpu_pct"] for r in rs if "foreign_cpu_pct" in r]
+        if fc:
+            row["foreign_cpu_pct_max"] = max(fc)
+        row["wall_s"] = round(sum(r.get("wall_s", 0) for r in rs), 3)
+        row["params"] = first.get("params")
+        if mode == "latency":
+            raws = [r["_raw_ns"] for r in good if r.get("_raw_ns") is not None]
+            if raws:
+                pooled = np.concatenate(raws)
+                row["latency"] = stats_us(pooled)
+                row["latency_per_repeat"] = [r.get("latency") for r in good]
+                if raw_dir:
+                    os.makedirs(raw_dir, exist_ok=True)
+                    fn = f"{key}_{row['nbytes']}_latency.npy"
+                    np.save(os.path.join(raw_dir, fn), pooled)
+                    row["raw_file"] = os.path.join(raw_dir, fn)
+        else:
+            rates = [r["msgs_per_s"] for r in good if r.get("msgs_per_s") == r.get("msgs_per_s")
+                     and r.get("msgs_per_s")]
+            if rates:
+                rate = float(np.median(rates))
+                row["msgs_per_s"] = rate
+                row["gb_per_s"] = rate * row["nbytes"] / 1e9
+                row["msgs_per_s_per_repeat"] = rates
+                row["msgs_per_s_overall_per_repeat"] = [r.get("msgs_per_s_overall")
+                                                        for r in good]
+                row["loaded_latency_per_repeat"] = [r.get("latency") for r in good]
+        if not good and "error" not in row:
+            row["error"] = "no successful repeat"
+        out.append(row)
+    return out
+
+
+def fmt(v: float | None, digits: int = 1) -> str:
+    if v is None or v != v:  # None or NaN
+        return "-"
+    if v >= 10000:
+        return f"{v:,.0f}"
+    if v >= 100:
+        return f"{v:.0f}"
+    return f"{v:.{digits}f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    if not a or not b or a != a or b != b:
+        return "n/a"
+    return f"{a / b:.2f}x"
+
+
+def build_summary(rows: list[dict], keys: list[str]) -> dict:
+    """{size: {transport: {"lat": stats, "tput": row, "error": str}}}"""
+    out: dict = {}
+    for r in rows:
+        cell = out.setdefault(r["size"], {}).setdefault(r["transport"], {})
+        if r.get("skipped"):
+            cell["skipped"] = r["skipped"]
+            continue
+        if r.get("error"):
+            cell.setdefault("error", []).append(f"{r['mode']}: {r['error']}")
+        if r.get("warning"):
+            cell.setdefault("warning", []).append(f"{r['mode']}: {r['warning']}")
+        if r["mode"] == "latency" and r.get("latency", {}).get("n"):
+            cell["lat"] = r["latency"]
+        cell["foreign"] = max(cell.get("foreign", 0.0), r.get("foreign_cpu_pct_max", 0.0))
+        if r["mode"] == "throughput" and r.get("msgs_per_s"):
+            cell["tput"] = r
+    return out
+
+
+def print_tables(rows: list[dict], keys: list[str], labels: dict[str, str],
+                 sizes: list[tuple[str, int]], max_foreign: float) -> dict:
+    """Print the per-case table, the compact matrix and the ratios against the bridge
+    for ``sizes`` (in their order); ``max_foreign`` marks disturbed cases. Returns the
+    ratios (for the JSON)."""
+    summ = build_summary(rows, keys)
+    w = 78
+    print()
+    print("=" * w)
+    print("Per-case results  (latency: paced, one-way, us;  throughput: unpaced stream)")
+    print("other% = CPU share other processes used during the case (max over runs); "
+          "* = above --max-foreign, treat with care")
+    print("=" * w)
+    hdr = (f"{'size':<15} {'transport':<23} {'p50':>8} {'p99':>8} {'p99.9':>8} "
+           f"{'max':>8} {'n':>6} {'msgs/s':>10} {'GB/s':>6} {'other%':>6}")
+    print(hdr)
+    print("-" * len(hdr))
+    for size, _ in sizes:
+        for k in keys:
+            cell = summ.get(size, {}).get(k, {})
+            name = labels[k]
+            if "skipped" in cell:
+                print(f"{size:<15} {name:<23} SKIPPED: {cell['skipped']}")
+                continue
+            lat = cell.get("lat", {})
+            tp = cell.get("tput", {})
+            line = (f"{size:<15} {name:<23} {fmt(lat.get('p50')):>8} "
+                    f"{fmt(lat.get('p99')):>8} {fmt(lat.get('p99.9')):>8} "
+                    f"{fmt(lat.get('max')):>8} {lat.get('n', 0):>6} "
+                    f"{fmt(tp.get('msgs_per_s'), 0):>10} "
+                    f"{fmt(tp.get('gb_per_s'), 2) if tp else '-':>6} "
+                    f"{cell.get('foreign', 0):>5.0f}{'*' if cell.get('foreign', 0) > max_foreign else ' '}")
+            print(line)
+            for e in cell.get("error", []):
+                print(f"{'':<15} {'':<23} ERROR {e[:200]}")
+            for e in cell.get("warning", []):
+                print(f"{'':<15} {'':<23} WARNING {e[:200]}")
+        print()
+
+    # Compact matrix: rows = size, columns = transport.
+    print("Latency p50 / p99 / p99.9 [us]  and  throughput [msgs/s]")
+    colw = 24
+    head = f"{'size':<15}" + "".join(f"{labels[k][:colw - 1]:>{colw}}" for k in keys)
+    print(head)
+    print("-" * len(head))
+    for size, _ in sizes:
+        l1 = f"{size:<15}"
+        l2 = f"{'':<15}"
+        for k in keys:
+            cell = summ.get(size, {}).get(k, {})
+            lat = cell.get("lat")
+            if "skipped" in cell:
+                a, b = "skipped", ""
+            elif lat:
+                a = f"{fmt(lat['p50'])}/{fmt(lat['p99'])}/{fmt(lat['p99.9'])}"
+                tp = cell.get("tput")
+                b = f"{fmt(tp['msgs_per_s'], 0)}/s" if tp else "ERR"
+            else:
+                a, b = "ERR", ""
+            l1 += f"{a:>{colw}}"
+            l2 += f"{b:>{colw}}"
+        print(l1)
+        print(l2)
+    print()
+
+    # Ratios against the bridge at p50 and p99 (>1x: the first one is slower).
+    ratio_cols = [("Pipe/bridge", "pipe", "bridge"), ("zmq/bridge", "zmq", "bridge"),
+                  ("bridge/iceoryx2", "bridge", "iox2")]
+    ratios: dict = {}
+    head = f"{'size':<15}" + "".join(f"{n + ' p50':>20}{n + ' p99':>20}" for n, _, _ in ratio_cols)
+    print("Latency ratios (>1x: numerator slower; iceoryx2 = blocking/event variant)")
+    print(head)
+    print("-" * len(head))
+    for size, _ in sizes:
+        line = f"{size:<15}"
+        cells = summ.get(size, {})
+        for name, a, b in ratio_cols:
+            la = cells.get(a, {}).get("lat") or {}
+            lb = cells.get(b, {}).get("lat") or {}
+            for q in ("p50", "p99"):
+                r = _ratio(la.get(q), lb.get(q))
+                ratios.setdefault(size, {})[f"{name} {q}"] = (
+                    la[q] / lb[q] if la.get(q) and lb.get(q) else None)
+                line += f"{r:>20}"
+        print(line)
+    print()
+    return ratios

@@ -1,0 +1,47 @@
+"""The supervisor's one declarative config: domains, workers and the channels between them.
+
+``load()`` reads a TOML file (or the embedded ``supervisor/default.toml``) and checks all
+of it before anything is launched. It returns a `Config`, or raises one `ConfigFileError`
+that lists every problem found as ``FILE: KEY: REASON``, e.g.::
+
+    cars.toml: workers.modeld.subscribes[0]: unknown channel 'road_frame'; did you mean 'road_frames'?
+
+Safety rules checked here, besides types and references:
+
+* a channel has exactly one writer, and a worker never reads what it writes itself;
+* a control (or actuating) worker never reads, other than through ``shadow_subscribes``
+  (log-only), a channel written in the research domain, marked ``shadow = true``, or
+  derived from either through workers of other domains;
+* only the control domain may actuate, and it never gets the network;
+* publisher -> subscriber dependencies form no cycle, so ``Config.start_order()`` exists;
+* a required worker does not depend on an optional one (admission may refuse that one);
+* a module worker's ``memory_max`` can host the interpreter (`MIN_WORKER_MEMORY`);
+* all channels' shared memory fits ``[supervisor] shm_budget``.
+
+What depends on the machine rather than the file is checked by `check_runtime(cfg)`
+(``supervisor check`` runs it): worker modules exist and define ``main(ctx)``, command
+executables and ``extra_ro_binds`` exist, domain users exist, channels fit MemAvailable.
+
+The package in parts: `_model` (the dataclasses and errors), `_loader` (TOML to checked
+dataclasses), `_values` (value checks, sizes), `_rules` (the whole-file rules: writers,
+trust, optional workers, cycles, users, shared memory), `_graph` (start order, cycles)
+and `_runtime` (`check_runtime`).
+"""
+from supervisor.ipc.errors import ConfigError
+from supervisor.ipc.spec import DTYPES, KINDS, PIXEL_FORMATS, ChannelSpec
+
+from ._loader import load, loads
+from ._model import (CONTROL, DEFAULT_SHM_BUDGET, DEFAULT_SOURCE, MIN_WORKER_MEMORY,
+                     PROFILES, PROJECT_ROOT, RESEARCH, ChannelConfig, Config, ConfigFileError,
+                     DomainConfig, Problem, SupervisorConfig, WorkerConfig)
+from ._rules import channel_shm_bytes
+from ._runtime import check_runtime
+from ._values import format_size, parse_size
+
+__all__ = [
+    "CONTROL", "DEFAULT_SHM_BUDGET", "DEFAULT_SOURCE", "DTYPES", "KINDS", "MIN_WORKER_MEMORY",
+    "PIXEL_FORMATS", "PROFILES", "PROJECT_ROOT", "RESEARCH", "ChannelConfig", "ChannelSpec",
+    "Config", "ConfigError", "ConfigFileError", "DomainConfig", "Problem", "SupervisorConfig",
+    "WorkerConfig", "channel_shm_bytes", "check_runtime", "format_size", "load", "loads",
+    "parse_size",
+]

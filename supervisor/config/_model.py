@@ -1,0 +1,198 @@
+"""The config's data model: what `load()` returns, and the errors it raises.
+
+Plain frozen dataclasses, checked by `_loader` and `_rules` before anyone gets one.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from supervisor.ipc.errors import ConfigError
+from supervisor.ipc.spec import ChannelSpec
+
+from ._graph import topo_sort
+
+CONTROL = "control"
+RESEARCH = "research"
+DEFAULT_SOURCE = "<embedded supervisor/default.toml>"
+# The checkout holding supervisor/ and workers/: on the workers' PYTHONPATH (see
+# supervisor.sandbox.policy.PROJECT_ROOT), so module names are looked up here too.
+PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
+
+# The smallest memory_max a module worker (python -m supervisor.runner MODULE) may have.
+# Its cgroup is charged for the interpreter, the libraries it maps, its heap and the
+# shared memory it writes, from the first instruction. Measured (VmRSS in
+# /proc/self/status, CPython 3.11, x86-64): bare interpreter 13 MiB; + numpy 27 MiB;
+# + capnp 37 MiB; + supervisor.runner/worker with the import guard, seccomp and
+# Landlock modules 42 MiB, before the worker's own imports, heap, thread stacks (numpy's
+# BLAS pool) and channel slots. Below 64 MiB such a worker is OOM-killed while starting,
+# before it can become READY; 64 MiB leaves ~20 MiB for the worker itself.
+MIN_WORKER_MEMORY = 64 * 2**20
+DEFAULT_SHM_BUDGET = 2 * 2**30
+
+# --------------------------------------------------------------------------- errors
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a config file."""
+
+    file: str
+    key: str      # key path such as "workers.modeld.subscribes[1]"; "" for the whole file
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.key}: {self.reason}" if self.key else f"{self.file}: {self.reason}"
+
+
+class ConfigFileError(ConfigError):
+    """A config file is unusable; ``problems`` lists everything found, not just the first."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = list(problems)
+        n = len(self.problems)
+        where = self.problems[0].file if self.problems else "<config>"
+        head = f"{where}: {n} config problem{'' if n == 1 else 's'}"
+        super().__init__(head + "".join(f"\n  {p}" for p in self.problems))
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    status_interval_s: float = 5.0
+    maps_scan_interval_s: float = 1.0   # admission re-scan of /proc/PID/maps
+    log_format: str = "json"            # "json" | "text"
+    # Where the fail-safe latch lives (it must survive a restart of the supervisor);
+    # the environment variable TRIO_STATE_DIR overrides it (tests, development).
+    state_dir: str = "/var/lib/trio-supervisor"
+    # Upper bound on the shared memory of all channels together (segments + lease
+    # tables); check_runtime() also compares the total with the machine's MemAvailable.
+    shm_budget: int = DEFAULT_SHM_BUDGET
+
+
+# Built-in domain profiles: supervisor/sandbox/policy.py derives every isolation knob of
+# a domain's sandboxes from its profile (and the domain's own network/user/binds).
+PROFILES = (CONTROL, RESEARCH)
+
+
+@dataclass(frozen=True)
+class DomainConfig:
+    name: str
+    # "control": no network ever, compilers hidden, no exec after start, no new
+    # executable memory after READY, torch refused, actuation allowed; "research":
+    # torch allowed, exec and compilers allowed, never actuates, its outputs are shadow.
+    # A domain named control or research has that profile; any other name must say.
+    profile: str = ""
+    network: bool = False
+    # What to do when a worker exhausts its restart budget: "restart" keeps the domain
+    # going without it, "fail_safe" stops the whole domain safe. Defaults to
+    # "fail_safe" for the control domain when the key is absent.
+    failure_policy: str = "restart"
+    actuates: bool = False
+    extra_ro_binds: tuple[str, ...] = ()
+    # Host user the domain's sandboxes run as (never root); default trio-research for
+    # research, trio-control for every other domain (scripts/install.sh creates both).
+    # Distinct domains must use distinct users: the kernel then treats one domain's
+    # processes and files as a stranger's to the other.
+    user: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    name: str
+    domain: str
+    module: str | None = None               # run as ``python -m module``
+    command: tuple[str, ...] | None = None  # or this argv
+    args: tuple[str, ...] = ()
+    publishes: tuple[str, ...] = ()
+    subscribes: tuple[str, ...] = ()
+    shadow_subscribes: tuple[str, ...] = ()  # read for logging only, never for actuation
+    restart: str = "on-failure"             # "always" | "on-failure" | "never"
+    backoff_initial_ms: int = 100
+    backoff_max_ms: int = 5000
+    max_restarts: int = 5                   # at most this many restarts ...
+    restart_window_s: float = 60.0          # ... within this window, else the budget is spent
+    # A worker that gave up (out of restarts) outside a failed-safe domain is tried
+    # again after this cool-down, under its restart policy; 0 = never again.
+    cooldown_s: float = 30.0
+    # Keep a second instance started, imports done, model loaded, waiting in its own
+    # sandbox (pre-READY, under every rule a fresh worker has) to be handed the
+    # channels when this one dies: recovery without the cold start.
+    warm_standby: bool = False
+    watchdog_ms: int = 0                    # 0: no watchdog
+    ready_timeout_ms: int = 5000
+    optional: bool = False                  # if admission refuses it, the rest still starts
+    # cgroup limits of the worker's sandbox (v2, or v1 memory/pids/cpu controllers):
+    memory_max: int | None = None           # bytes: heap, page cache, shared memory and tmpfs
+    cpu_quota: float | None = None          # percent of one CPU (200 = two CPUs)
+    pids_max: int | None = 64               # processes + threads (a fork storm stops here)
+    # Control-grade domains: may the worker create anonymous executable memory before
+    # READY (modeld: tinygrad maps the signed artifact's kernels)? Never after READY.
+    jit_kernels: bool = False
+    nofile: int | None = None
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """Every channel the worker attaches to as a reader, shadow or not."""
+        return self.subscribes + self.shadow_subscribes
+
+    def argv(self, python: str = sys.executable) -> list[str]:
+        base = [python, "-m", self.module] if self.module else list(self.command or ())
+        return base + list(self.args)
+
+
+@dataclass(frozen=True)
+class ChannelConfig:
+    name: str
+    spec: ChannelSpec
+    shadow: bool = False   # research/shadow output: must never drive actuation
+    # A declared payload (schemas/payloads.py) for float32 tensor channels; an
+    # actuation payload (control_cmd) makes this an actuation channel: on fail-safe its
+    # last message is the payload's safe value.
+    payload: str | None = None
+
+    @property
+    def actuation(self) -> bool:
+        from schemas.payloads import PAYLOADS
+
+        return self.payload is not None and PAYLOADS[self.payload].safe is not None
+
+
+@dataclass(frozen=True)
+class Config:
+    source: str
+    supervisor: SupervisorConfig
+    domains: dict[str, DomainConfig]
+    workers: dict[str, WorkerConfig]      # in declaration order
+    channels: dict[str, ChannelConfig]    # sorted by name; channel_id is 1-based in that order
+
+    def channel_specs(self) -> dict[str, ChannelSpec]:
+        return {name: ch.spec for name, ch in self.channels.items()}
+
+    def writer_of(self, channel: str) -> str:
+        if channel not in self.channels:
+            raise KeyError(channel)
+        return next(w.name for w in self.workers.values() if channel in w.publishes)
+
+    def readers_of(self, channel: str) -> list[str]:
+        """Workers that read ``channel`` (``subscribes`` or ``shadow_subscribes``)."""
+        if channel not in self.channels:
+            raise KeyError(channel)
+        return [w.name for w in self.workers.values() if channel in w.reads]
+
+    def profile_of(self, worker: str) -> str:
+        """The profile (control or research) of a worker's domain: what its sandbox is."""
+        return self.domains[self.workers[worker].domain].profile
+
+    def workers_in(self, domain: str) -> list[str]:
+        return [w.name for w in self.workers.values() if w.domain == domain]
+
+    def start_order(self) -> list[str]:
+        """Publishers before their subscribers; ties keep declaration order. Shadow
+        subscriptions impose no order (a log-only reader attaches when it can)."""
+        order, _ = topo_sort(self.workers)
+        return order
+

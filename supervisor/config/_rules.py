@@ -1,0 +1,180 @@
+"""Whole-config rules: what no single table can show, checked once all are read.
+
+Each rule reports through ``add(key, reason)`` (the loader's problem list) and never
+stops at the first problem: who writes each channel (exactly one writer), the trust
+rule (no research or shadow data reaches a control or actuating worker except through
+``shadow_subscribes``), required workers on optional ones, dependency cycles, host
+users per domain, and the shared-memory budget. Machine-dependent checks are in
+`_runtime`.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from supervisor.ipc.spec import ChannelSpec
+
+from ._graph import cycle_through, topo_sort
+from ._model import CONTROL, RESEARCH, ChannelConfig, DomainConfig, WorkerConfig
+from ._values import _key, format_size
+
+Add = Callable[[str, str], None]
+"""Reports one problem: ``add(key path, reason)``."""
+
+
+def check_users(add: Add, domains: dict[str, DomainConfig]) -> None:
+    from supervisor.sandbox.policy import default_user
+
+    seen: dict[str, str] = {}
+    for name, d in domains.items():
+        user = d.user or default_user(d.profile)
+        if user == "root":
+            add(f"{_key('domains', name)}.user", "sandboxes never run as root")
+        rules = "research" if d.profile == RESEARCH else "strict"
+        other = seen.setdefault(user, f"{name}:{rules}")
+        # Strict domains may share the control user; research never shares with them.
+        if other.split(":")[1] != rules:
+            add(f"{_key('domains', name)}.user",
+                f"user {user!r} is also used by domain {other.split(':')[0]!r}; "
+                f"research and control-grade domains need distinct host users")
+
+
+def check_writers(add: Add, workers: dict[str, WorkerConfig], channels: dict) -> dict[str, str]:
+    writers: dict[str, str] = {}
+    for w in workers.values():
+        for i, ch in enumerate(w.publishes):
+            if ch not in channels:
+                continue
+            if ch in writers:
+                add(f"{_key('workers', w.name)}.publishes[{i}]",
+                    f"channel {ch!r} is already published by worker {writers[ch]!r}; "
+                    "a channel has exactly one writer")
+            else:
+                writers[ch] = w.name
+    for ch in channels:
+        if ch not in writers:
+            add(_key("channels", ch), f"no worker publishes channel {ch!r}; "
+                "every channel needs exactly one writer")
+    return writers
+
+
+def check_trust(add: Add, workers: dict[str, WorkerConfig], domains: dict[str, DomainConfig],
+                writers: dict[str, str], channels: dict[str, dict]) -> None:
+    """No research or shadow data reaches a control/actuating worker except through
+    shadow_subscribes, not even laundered through workers of a third domain."""
+    def profile(w: WorkerConfig) -> str:
+        d = domains.get(w.domain)
+        return d.profile if d else CONTROL
+
+    def protected(w: WorkerConfig) -> bool:
+        d = domains.get(w.domain)
+        return profile(w) == CONTROL or bool(d and d.actuates)
+
+    # channel -> (root channel, chain of workers it passed through) for tainted data
+    taint: dict[str, tuple[str, list[str]]] = {}
+    for ch, writer in writers.items():
+        if profile(workers[writer]) == RESEARCH or channels.get(ch, {}).get("shadow"):
+            taint[ch] = (ch, [])
+    changed = True
+    while changed:
+        changed = False
+        for w in workers.values():
+            if protected(w):
+                continue
+            src = next((c for c in w.subscribes if c in taint), None)
+            for out in w.publishes:
+                if src is not None and out not in taint and out in writers:
+                    root, via = taint[src]
+                    taint[out] = (root, via + [w.name])
+                    changed = True
+
+    for w in workers.values():
+        if not protected(w):
+            continue
+        who = (f"control worker {w.name!r}" if profile(w) == CONTROL
+               else f"worker {w.name!r} of actuating domain {w.domain!r}")
+        fix = "mark it shadow_subscribes (log-only) or move it"
+        for i, ch in enumerate(w.subscribes):
+            if ch not in taint:
+                continue
+            root, via = taint[ch]
+            at = f"{_key('workers', w.name)}.subscribes[{i}]"
+            root_is_research = profile(workers[writers[root]]) == RESEARCH
+            if via:
+                kind = "research" if root_is_research else "shadow"
+                add(at, f"{who} subscribes to channel {ch!r}, which is derived from "
+                    f"{kind} channel {root!r} via {' -> '.join(via)}; {fix}")
+            elif root_is_research:
+                add(at, f"{who} subscribes to research channel {ch!r}; {fix}")
+            else:
+                add(at, f"{who} subscribes to shadow channel {ch!r}, which must never "
+                    f"drive actuation; {fix}")
+
+
+def check_optional(add: Add, workers: dict[str, WorkerConfig], writers: dict[str, str]) -> None:
+    for w in workers.values():
+        if w.optional:
+            continue
+        for i, ch in enumerate(w.subscribes):
+            pub = writers.get(ch)
+            if pub is not None and pub != w.name and workers[pub].optional:
+                add(f"{_key('workers', w.name)}.subscribes[{i}]",
+                    f"channel {ch!r} is published by optional worker {pub!r}; if "
+                    f"admission refuses {pub!r}, {w.name!r} cannot run: make "
+                    f"{w.name!r} optional too or {pub!r} required")
+
+
+def check_cycles(add: Add, workers: dict[str, WorkerConfig]) -> None:
+    _, stuck = topo_sort(workers)
+    reported: set[str] = set()
+    for start in stuck:
+        if start in reported:
+            continue
+        cycle = cycle_through(start, workers, stuck)
+        if cycle is None:       # downstream of a cycle, not on one
+            continue
+        reported.update(name for name, _ in cycle)
+        hops = "".join(f" -[{ch}]-> {name}" for name, ch in cycle[1:])
+        closing = cycle[-1][1]
+        index = workers[start].subscribes.index(closing)
+        add(f"{_key('workers', start)}.subscribes[{index}]",
+            f"dependency cycle {start}{hops}: publishers must start before their "
+            "subscribers; break the cycle (a log-only read can use shadow_subscribes)")
+
+
+def check_shm_budget(add: Add, budget: int, channels: dict[str, ChannelConfig]) -> None:
+    total = sum(channel_shm_bytes(c.spec) for c in channels.values())
+    if total > budget:
+        add("channels", f"{_shm_overview(channels)} exceeds shm_budget "
+            f"{format_size(budget)}; shrink slot_size or slot_count, or raise "
+            "[supervisor] shm_budget")
+
+
+# --------------------------------------------------------------------------- shared memory
+
+
+def channel_shm_bytes(spec: ChannelSpec) -> int:
+    """Shared memory one channel holds, as `supervisor.ipc.Channel.create` makes it: the
+    data segment plus one lease table per possible reader."""
+    return spec.segment_size + spec.max_readers * spec.lease_size
+
+
+def _approx_size(n: int) -> str:
+    """``n`` bytes to one decimal in the largest binary unit (for totals, not input)."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n}B"
+
+
+def _shm_overview(channels: dict[str, ChannelConfig], biggest: int = 3) -> str:
+    """``total 1.0TiB of shared memory for 2 channels (biggest: ...)``."""
+    sizes = sorted(((channel_shm_bytes(c.spec), name) for name, c in channels.items()),
+                   key=lambda t: (-t[0], t[1]))
+    total = sum(n for n, _ in sizes)
+    top = ", ".join(f"{name} {channels[name].spec.slot_count} slots of "
+                    f"{format_size(channels[name].spec.slot_size)} = {_approx_size(n)}"
+                    for n, name in sizes[:biggest])
+    n = len(sizes)
+    return (f"total {_approx_size(total)} of shared memory for {n} channel"
+            f"{'' if n == 1 else 's'} (biggest: {top})")
+

@@ -1,0 +1,233 @@
+"""The machine-dependent rules `supervisor check` runs before anything starts."""
+from __future__ import annotations
+
+import ast
+import importlib.machinery
+import importlib.util
+import os
+import pkgutil
+import shutil
+import sys
+import tokenize
+from typing import Any
+
+from ._model import PROJECT_ROOT, Config, Problem
+from ._rules import _approx_size, _shm_overview, channel_shm_bytes
+from ._values import _key, _suggest
+
+
+def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
+    """What `load()` cannot know from the file alone, checked against this machine
+    before anything starts; every problem found, as `Problem` lines (``FILE: KEY:
+    REASON``). Never imports a worker module (nor its parent packages).
+
+    * each worker ``module`` exists on the workers' path (the project root plus
+      ``sys.path``) and is a worker: its source defines a top-level ``main(ctx)``;
+    * each ``command`` executable exists;
+    * sandboxed: each ``extra_ro_binds`` path exists and each domain's host user exists
+      (`supervisor.sandbox.policy.host_ids`, which only checks when running as root);
+    * the channels' shared memory fits the machine's MemAvailable.
+    """
+    problems: list[Problem] = []
+
+    def add(key: str, reason: str) -> None:
+        problems.append(Problem(cfg.source, key, reason))
+
+    search = _module_search_path()
+    verdicts: dict[str, str | None] = {}
+    for w in cfg.workers.values():
+        path = _key("workers", w.name)
+        if w.module:
+            if w.module not in verdicts:
+                verdicts[w.module] = _module_problem(w.module, search)
+            if verdicts[w.module]:
+                add(f"{path}.module", verdicts[w.module])
+        elif w.command:
+            reason = _executable_problem(w.command[0])
+            if reason:
+                add(f"{path}.command[0]", reason)
+
+    if sandboxed:
+        from supervisor.sandbox.policy import host_ids
+
+        for name, d in cfg.domains.items():
+            path = _key("domains", name)
+            for i, bind in enumerate(d.extra_ro_binds):
+                try:
+                    os.stat(bind)
+                except OSError as e:
+                    add(f"{path}.extra_ro_binds[{i}]", f"{bind}: {_strerror(e)}")
+            try:
+                host_ids(d.profile, d.user)
+            except LookupError as e:
+                add(f"{path}.user", str(e.args[0] if e.args else e))
+
+    available = _mem_available()
+    total = sum(channel_shm_bytes(c.spec) for c in cfg.channels.values())
+    if available is not None and total > available:
+        add("channels", f"{_shm_overview(cfg.channels)} exceeds this machine's available "
+            f"memory ({_approx_size(available)} MemAvailable in /proc/meminfo)")
+    return problems
+
+
+def _strerror(e: OSError) -> str:
+    return (e.strerror or str(e)).lower()
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    value, unit = line.split()[1:3]
+                    return int(value) * (1024 if unit.lower() == "kb" else 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _executable_problem(prog: str) -> str | None:
+    if "/" not in prog:
+        return None if shutil.which(prog) else f"{prog!r}: not found on PATH"
+    try:
+        st = os.stat(prog)
+    except OSError as e:
+        return f"{prog}: {_strerror(e)}"
+    if not os.path.isfile(prog) or not st.st_mode & 0o111:
+        return f"{prog}: not an executable file"
+    return None
+
+
+# -- worker modules, located without importing anything
+
+
+def _module_search_path() -> list[str]:
+    out = [PROJECT_ROOT]
+    for p in sys.path:
+        if p not in out:
+            out.append(p)
+    return out
+
+
+def _locate(name: str, search: list[str]) -> tuple[Any, str]:
+    """(spec, "") for a dotted module name, or (None, why not). Each package along the
+    way is looked up by path, never imported (find_spec of a submodule would import
+    its parents, and a worker package may import anything)."""
+    parts = name.split(".")
+    locations: Any = search
+    spec = None
+    for i in range(len(parts)):
+        full = ".".join(parts[:i + 1])
+        if locations is None:
+            return None, f"no module named {full!r}; {spec.name!r} is not a package"
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(full, list(locations))
+            if spec is None and i == 0:
+                # builtin, frozen, or an import hook (editable installs); for a
+                # top-level name this imports nothing
+                spec = importlib.util.find_spec(full)
+        except (ImportError, ValueError, OSError):
+            spec = None
+        if spec is None:
+            return None, f"no module named {full!r}"
+        locations = spec.submodule_search_locations
+    return spec, ""
+
+
+def _worker_modules(search: list[str]) -> list[str]:
+    """Every module under the ``workers`` package (the suggestions for a typo)."""
+    spec, _ = _locate("workers", search)
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    out: list[str] = []
+    todo = [("workers", list(spec.submodule_search_locations))]
+    while todo and len(out) < 1000:
+        prefix, paths = todo.pop()
+        for info in pkgutil.iter_modules(paths):
+            if info.name.startswith("_"):
+                continue
+            name = f"{prefix}.{info.name}"
+            out.append(name)
+            if info.ispkg:
+                todo.append((name, [os.path.join(p, info.name) for p in paths]))
+    return sorted(out)
+
+
+def _entry_problem(name: str, spec: Any) -> str | None:
+    """Why the module is not a worker (the runner calls ``module.main(ctx)``), or None.
+    Checked on the source, statically; modules without Python source are not judged."""
+    origin = spec.origin
+    if spec.submodule_search_locations is not None and origin in (None, "namespace"):
+        return f"{name} is not a worker (a namespace package, no __init__.py with main(ctx))"
+    if not isinstance(origin, str) or not origin.endswith(".py"):
+        return None
+    try:
+        with tokenize.open(origin) as f:
+            tree = ast.parse(f.read(), origin)
+    except SyntaxError as e:
+        return f"cannot parse {origin}: {e.msg} (line {e.lineno})"
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"cannot read {origin}: {_strerror(e) if isinstance(e, OSError) else e}"
+    main = _top_level_main(tree.body)
+    if main is None:
+        return f"{name} is not a worker (no top-level main(ctx))"
+    if isinstance(main, ast.AsyncFunctionDef):
+        return (f"{name} is not a worker (main is 'async def'; the runner calls main(ctx) "
+                "and uses its return value as the exit status)")
+    if isinstance(main, ast.FunctionDef):
+        a = main.args
+        positional = len(a.posonlyargs) + len(a.args)
+        required = positional - len(a.defaults)
+        if positional == 0 and a.vararg is None:
+            return f"{name} is not a worker (main() takes no argument; the runner calls main(ctx))"
+        if required > 1:
+            return (f"{name} is not a worker (main() requires {required} arguments; the "
+                    "runner calls main(ctx))")
+        missing = [k.arg for k, d in zip(a.kwonlyargs, a.kw_defaults) if d is None]
+        if missing:
+            return (f"{name} is not a worker (main() requires keyword argument "
+                    f"{missing[0]!r}; the runner calls main(ctx))")
+    return None
+
+
+def _top_level_main(body: list[ast.stmt]) -> ast.AST | None:
+    """The last module-level binding of ``main`` (a def, an import or an assignment,
+    also under a module-level if/try/with), or None."""
+    found: ast.AST | None = None
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name == "main":
+                found = node
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if (alias.asname or alias.name.split(".")[0]) == "main":
+                    found = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == "main" for t in targets):
+                found = node
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            blocks = [node.body, getattr(node, "orelse", []), getattr(node, "finalbody", [])]
+            blocks += [h.body for h in getattr(node, "handlers", [])]
+            for block in blocks:
+                inner = _top_level_main(block)
+                if inner is not None:
+                    found = inner
+    return found
+
+
+def _module_problem(name: str, search: list[str]) -> str | None:
+    spec, missing = _locate(name, search)
+    if spec is None:
+        return missing + _suggest(name, _worker_modules(search))
+    reason = _entry_problem(name, spec)
+    if reason is None or not reason.startswith(f"{name} is not a worker"):
+        return reason
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):      # an enclosing package that is a worker?
+        parent = ".".join(parts[:i])
+        pspec, _ = _locate(parent, search)
+        if pspec is not None and _entry_problem(parent, pspec) is None and \
+                isinstance(pspec.origin, str) and pspec.origin.endswith(".py"):
+            return f"{reason}; did you mean {parent!r}?"
+    return reason

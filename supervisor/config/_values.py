@@ -1,0 +1,204 @@
+"""Value checks of the config loader, and the size syntax (``"64KiB"``, ``"3.5MB"``).
+
+Each check returns the converted value or raises ValueError(reason); _ItemError
+points the reason at one element of an array.
+"""
+from __future__ import annotations
+
+import difflib
+import re
+from fractions import Fraction
+from typing import Any, Callable
+
+# --------------------------------------------------------------------------- sizes
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an integer or a human size such as ``"4096"``, ``"64KiB"``, ``"3.5MiB"``
+    or ``"3.5MB"``. KiB/MiB/GiB/TiB are powers of 1024, kB/MB/GB/TB powers of 1000 (any
+    case); a bare K/M/G is refused as ambiguous. Raises ``ValueError`` with the reason."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"expected a byte count or a size like '4MiB', got {_describe(value)}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size {value} is negative")
+        return value
+    m = _SIZE.match(value)
+    if not m:
+        raise ValueError(f"{value!r} is not a size; write e.g. 4096, '64KiB', '3.5MiB' or '3.5MB'")
+    number, unit = m.groups()
+    scale = _SIZE_UNITS.get(unit.lower())
+    if scale is None:
+        u = unit.upper()
+        if u in ("K", "M", "G", "T"):
+            raise ValueError(f"{value!r}: unit {unit!r} is ambiguous; write '{u}iB' "
+                             f"(powers of 1024) or '{u}B' (powers of 1000)")
+        raise ValueError(f"{value!r}: unknown unit {unit!r}; use B, kB, MB, GB, TB, "
+                         "KiB, MiB, GiB or TiB")
+    exact = Fraction(number) * scale
+    if exact.denominator != 1:
+        raise ValueError(f"{value!r} is {float(exact)} bytes, not a whole number")
+    return int(exact)
+
+
+def format_size(n: int) -> str:
+    """The shortest binary-unit spelling of ``n`` bytes that `parse_size` reads back
+    exactly, with at most three decimals (``3670016`` -> ``"3.5MiB"``)."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            thousandths = Fraction(n * 1000, scale)
+            if thousandths.denominator == 1:
+                whole, frac = divmod(int(thousandths), 1000)
+                return f"{whole}.{frac:03d}".rstrip("0").rstrip(".") + unit
+    return str(n)
+
+
+# --------------------------------------------------------------------------- value checks
+
+
+class _ItemError(ValueError):
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(reason)
+        self.index = index
+
+
+def _describe(v: Any) -> str:
+    kind = {bool: "boolean", int: "integer", float: "float", str: "string",
+            list: "array", dict: "table"}.get(type(v), type(v).__name__)
+    return f"{kind} {v!r}" if kind != "table" else "a table"
+
+
+def _suggest(word: str, options: Any) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _string(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"expected a string, got {_describe(v)}")
+    return v
+
+
+def _bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"expected true or false, got {_describe(v)}")
+    return v
+
+
+def _int(lo: int | None = None, hi: int | None = None) -> Callable[[Any], int]:
+    def check(v: Any) -> int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"expected an integer, got {_describe(v)}")
+        return _in_range(v, lo, hi)
+    return check
+
+
+def _number(lo: float = 0.0) -> Callable[[Any], float]:
+    """A number strictly above ``lo``."""
+    def check(v: Any) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"expected a number, got {_describe(v)}")
+        if not lo < v < float("inf"):
+            raise ValueError(f"{v} must be greater than {lo:g} and finite")
+        return float(v)
+    return check
+
+
+def _in_range(v: Any, lo: Any, hi: Any, show: Callable[[Any], str] = str) -> Any:
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        bounds = (f"in {show(lo)}..{show(hi)}" if lo is not None and hi is not None
+                  else f">= {show(lo)}" if lo is not None else f"<= {show(hi)}")
+        raise ValueError(f"{show(v)} is out of range; must be {bounds}")
+    return v
+
+
+def _size(lo: int = 1, hi: int | None = None) -> Callable[[Any], int]:
+    def check(v: Any) -> int:
+        return _in_range(parse_size(v), lo, hi, show=format_size)
+    return check
+
+
+def _choice(*options: str) -> Callable[[Any], str]:
+    def check(v: Any) -> str:
+        if not isinstance(v, str):
+            raise ValueError(f"expected a string, got {_describe(v)}")
+        if v not in options:
+            listed = ", ".join(repr(o) for o in options)
+            raise ValueError(f"{v!r} is not one of {listed}" + _suggest(v, options))
+        return v
+    return check
+
+
+def _str_list(item: Callable[[str], None] | None = None,
+              unique: bool = True) -> Callable[[Any], tuple[str, ...]]:
+    def check(v: Any) -> tuple[str, ...]:
+        if not isinstance(v, list):
+            raise ValueError(f"expected an array of strings, got {_describe(v)}")
+        for i, s in enumerate(v):
+            if not isinstance(s, str):
+                raise _ItemError(i, f"expected a string, got {_describe(s)}")
+            if unique and s in v[:i]:
+                raise _ItemError(i, f"{s!r} is listed twice")
+            if item is not None:
+                try:
+                    item(s)
+                except ValueError as e:
+                    raise _ItemError(i, str(e)) from None
+        return tuple(v)
+    return check
+
+
+def _in(options: Any) -> Callable[[str], None]:
+    def check(s: str) -> None:
+        if s not in options:
+            raise ValueError(f"{s!r} is not one of {', '.join(options)}" + _suggest(s, options))
+    return check
+
+
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def _module(v: Any) -> str:
+    if not isinstance(v, str) or not _MODULE.match(v):
+        raise ValueError(f"expected a dotted python module name, got {_describe(v)}")
+    return v
+
+
+def _argv(v: Any) -> tuple[str, ...]:
+    argv = _str_list(unique=False)(v)
+    if not argv or not argv[0]:
+        raise ValueError("expected a non-empty argv array such as ['/usr/bin/prog', '--flag']")
+    return argv
+
+
+def _abs_path(s: str) -> None:
+    if not s.startswith("/") or ".." in s.split("/"):
+        raise ValueError(f"{s!r} must be an absolute path without '..'")
+    if s.rstrip("/") == "":
+        raise ValueError("binding '/' would expose the whole host file system")
+
+
+def _percent(v: Any) -> float:
+    if isinstance(v, str):
+        try:
+            v = float(v.strip().removesuffix("%"))
+        except ValueError:
+            raise ValueError(f"{v!r} is not a percentage such as 200 or '200%'") from None
+    return _number(0.0)(v)
+
+
+# Worker, domain and channel names end up in unit names, paths and segment names.
+_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,47}$")
+_CHANNEL_NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")   # as supervisor.ipc.spec requires
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _key(*parts: str) -> str:
+    return ".".join(p if _BARE_KEY.match(p) else f'"{p}"' for p in parts)
