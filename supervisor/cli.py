@@ -116,11 +116,16 @@ def cmd_audit(args: argparse.Namespace) -> int:
     """What each worker can and cannot do: from the config, or (--live) from the running
     system's evidence. Exit codes: see supervisor/audit/__init__.py (0 matches or config
     report, 6 differences found, else the supervisor's own codes)."""
+    import os
     import traceback
 
     from supervisor.audit import audit, render
 
     cfg = _config(args.config)
+    if args.live and os.geteuid() != 0:
+        print("supervisor audit --live: needs root, as `supervisor run` does (host users, "
+              "cgroups, the workers' /proc)", file=sys.stderr)
+        return int(Exit.ERROR)
     try:
         report = audit(cfg, live=args.live, settle_s=args.settle, timeout_s=args.timeout)
         out = render(report, args.format)

@@ -581,7 +581,7 @@ class Supervisor:
             try:
                 if not await self._adopt_standby(run):
                     self._spawn(run)
-            except (OSError, RuntimeError, ValueError) as e:
+            except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
                 # bwrap/prlimit missing, seccomp unavailable, fork failing: a failed start,
                 # handled by the restart policy like a crash, never a supervisor crash.
                 self.log.emit("start_failed", worker=w.name, error=f"{type(e).__name__}: {e}")
@@ -640,7 +640,7 @@ class Supervisor:
         sb = WorkerRun(run.cfg, is_standby=True)
         try:
             self._spawn(sb)
-        except (OSError, RuntimeError, ValueError) as e:
+        except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
             self.log.emit("standby_failed", worker=run.cfg.name, error=f"{type(e).__name__}: {e}")
             return
         run.standby = sb

@@ -307,3 +307,16 @@ def test_live_audit_flags_every_broken_property():
     assert "!! yes" in txt and "runs as host root" in txt
     md = render(r, "markdown")
     assert "## Differences" in md and "`channels.spare`" in md
+
+
+def test_survivors_are_named():
+    """What outlives the orderly stop is reported (a supervisor that cannot signal its
+    sandboxes, e.g. without CAP_KILL, leaves them running: `audit --live` says so)."""
+    from supervisor.admission import maps
+    from supervisor.audit.live import survivors
+
+    me = os.getpid()
+    evidence = {"alive": {"start_times": {str(me): maps.start_time(me)}},
+                "reused": {"start_times": {str(me): maps.start_time(me) - 1}},
+                "gone": {"start_times": {"999999999": 1}}}
+    assert survivors(evidence, grace_s=0) == {"alive": [me]}

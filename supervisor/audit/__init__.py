@@ -56,7 +56,8 @@ schema_version; a renamed or removed key or a changed meaning bumps it.
     supervisor       (live only) {outcome, exit_code, events: the supervisor's refused/
                      exit/gave_up/skipped/... events (and, when it did not start, each
                      worker's last output lines), cgroups: cgroup version or null,
-                     survivors: {worker: [host pids]} still alive after the stop}
+                     survivors: {worker: [host pids]} still alive after the stop,
+                     stop_error: why the orderly stop failed, or null}
     host_namespaces  (live only) {"supervisor": {ns: inode}, "init": {ns: inode}}
 
 Worker row (config mode = promise; live mode = observation, same keys):
@@ -100,6 +101,9 @@ Worker row (config mode = promise; live mode = observation, same keys):
                                  same_as_audited}]
     torch                        config: "refused" | "allowed"; live: "mapped" | "absent"
     admission                    {checked, admitted, chains: [refusal chains]}
+    standby                      live only, for a worker with a warm standby: the
+                                 standby sandbox's observed row (same keys, no channels
+                                 expected); its differences have keys "standby.<key>"
     evidence                     live only: the raw readings (status lines, uid/gid maps,
                                  namespace inodes, interfaces, cgroup limits in force,
                                  executable mappings and their backing, channel mappings
@@ -153,12 +157,33 @@ def audit(cfg: Config, *, live: bool = False, factory: Callable[[Config, Any], A
             rows.append(seen)
             if got["outcome"] == "started":
                 diffs += lv.differences(p, seen, e)
-        if got["outcome"] == "started":
-            host_ns = {p["worker"] for p in promised}
+            if got["outcome"] == "started" and e and e.get("standby"):
+                # its warm standby: the same sandbox, but no channel until it takes over
+                p_sb = dict(p, channels={"writes": [], "reads": []})
+                e_sb = e["standby"]
+                seen_sb = lv.observed_row(p_sb, e_sb, got.get("host", {}), [],
+                                          got.get("inherited_seccomp_filters", 0))
+                seen["standby"] = {k: seen_sb[k] for k in seen_sb if k not in
+                                   ("worker", "domain", "profile", "optional")}
+                # A standby is still in start-up (READY comes at take-over): its exec
+                # window is open by design; the exec watch must be installed all the same.
+                sb_diffs = [d for d in lv.differences(p_sb, seen_sb, e_sb)
+                            if d["key"] != "new_exec_memory_after_ready"]
+                if pr.strict(p["profile"]) and not e_sb["exec_watch"]["listener_held"]:
+                    sb_diffs.append({"worker": p["worker"], "key": "new_exec_memory_after_ready",
+                                     "expected": False, "observed": True,
+                                     "detail": f"{p['worker']}: no exec watch installed"})
+                diffs += [dict(d, key=f"standby.{d['key']}", detail=f"(standby) {d['detail']}")
+                          for d in sb_diffs]
+        if got["outcome"] == "started":   # each sandbox its own (unless promised the host's)
+            by_name = {p["worker"]: p for p in promised}
             diffs += [d for d in lv.shared_namespaces(evidence)
-                      if d["worker"] in host_ns and
-                      next(p for p in promised if p["worker"] == d["worker"])
-                      ["namespaces"][d["key"].split(".")[1]] != pr.HOST]
+                      if d["worker"] in by_name and by_name[d["worker"]]["namespaces"]
+                      [d["key"].split(".", 1)[1]] != pr.HOST]
+        if got.get("stop_error"):
+            diffs.append({"worker": None, "key": "stop", "expected": "orderly stop",
+                          "observed": got["stop_error"],
+                          "detail": f"the supervisor's orderly stop failed: {got['stop_error']}"})
         for name, pids in got.get("survivors", {}).items():
             diffs.append({"worker": name, "key": "stop", "expected": "stopped",
                           "observed": pids, "detail": f"{name}: sandbox process(es) "
@@ -172,7 +197,7 @@ def audit(cfg: Config, *, live: bool = False, factory: Callable[[Config, Any], A
         report.update(result=result, exit_code=code, workers=rows, promised=promised,
                       differences=diffs,
                       supervisor={k: got.get(k) for k in ("outcome", "exit_code", "events",
-                                                          "cgroups", "survivors")},
+                                                          "cgroups", "survivors", "stop_error")},
                       host_namespaces=got.get("host"))
     else:
         admitted = pr.admission(cfg)

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from supervisor.config import Config
 
 from . import evidence as ev
-from .promise import HOST, NAMESPACES, PRIVATE, profile_of, strict
+from .promise import HOST, NAMESPACES, PRIVATE, strict
 
 # Namespaces each sandbox must have for itself: never the host's, never another's.
 _PER_SANDBOX = ("user", "pid", "ipc", "uts", "cgroup", "mnt", "net")
@@ -60,12 +60,7 @@ async def _start_and_collect(cfg: Config, factory, settle_s: float, timeout_s: f
             while not ended.is_set() and not log.of("all_ready"):
                 await trio.sleep(0.05)
         if failure:
-            e = failure[0]
-            while isinstance(e, BaseExceptionGroup) and e.exceptions:
-                e = e.exceptions[0]
-            where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
-            outcome = (f"supervisor failed: {type(e).__name__}: {e}"
-                       + (f" ({where.filename}:{where.lineno})" if where else ""))
+            outcome = f"supervisor failed: {_describe(failure[0])}"
         elif log.of("all_ready") and not ended.is_set():
             outcome = "started"
             await trio.sleep(settle_s)
@@ -78,7 +73,16 @@ async def _start_and_collect(cfg: Config, factory, settle_s: float, timeout_s: f
         else:
             outcome = f"not all workers READY within {timeout_s:g} s"
         nursery.cancel_scope.cancel()
+    if failure and outcome == "started":     # the orderly stop itself failed
+        collected["stop_error"] = _describe(failure[0])
     return sup, log, outcome, collected
+
+
+def _describe(e: BaseException) -> str:
+    while isinstance(e, BaseExceptionGroup) and e.exceptions:
+        e = e.exceptions[0]
+    where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+    return f"{type(e).__name__}: {e}" + (f" ({where.filename}:{where.lineno})" if where else "")
 
 
 def run_live(cfg: Config, promises: dict[str, dict[str, Any]], *,
@@ -168,6 +172,14 @@ def collect(sup, promises: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 break
             except ev.Gone:
                 workers[name] = {"running": False, "why": "exited while being read"}
+        standby = getattr(run, "standby", None)    # warm standby: a second sandbox
+        if standby is not None and workers[name].get("running"):
+            try:
+                sb = _worker_evidence(sup, standby, promises.get(name, {}), candidates)
+            except ev.Gone:
+                sb = {"running": False, "why": "exited while being read"}
+            if sb.get("running"):
+                workers[name]["standby"] = sb
     own = ev.status("self")
     return {"host": host_namespaces(), "workers": workers,
             "compiler_candidates": candidates,

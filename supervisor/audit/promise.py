@@ -14,7 +14,6 @@ import importlib
 import inspect
 import io
 import json
-import os
 import pwd
 import re
 import sys

@@ -302,6 +302,13 @@ def text(report: dict) -> str:
         lines.append(head)
         for label, prefix, cell in ISOLATION + RESOURCES:
             lines.append(f"  {label:<{width}}{_cell(report, r, prefix, cell)}")
+        if live and r.get("standby"):
+            sb = r["standby"]
+            bad = [d for d in report["differences"] if d["worker"] == r["worker"]
+                   and d["key"].startswith("standby.")]
+            lines.append(f"  {'warm standby':<{width}}pid {sb.get('pid')}: "
+                         + (f"!! {len(bad)} difference(s)" if bad else
+                            "checked like the worker, holds no channel"))
         lines.append("")
     if live:
         lines.append("Differences:" if report["differences"] else "Differences: none")
