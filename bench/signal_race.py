@@ -44,6 +44,10 @@ def trial(cfg: str, delay: float) -> tuple[bool, str]:
     events = [json.loads(x) for x in err.splitlines() if x.startswith("{")]
     ok = (p.returncode == 0 and "Traceback" not in err and bool(events)
           and events[-1]["event"] == "supervisor_exit" and events[-1]["reason"] == "shutdown")
+    if not ok and not events and not err.strip() and p.returncode in (-2, -15):
+        # The signal came while the interpreter itself was starting (before any line of
+        # ours ran): the default action ended it; nothing had started, nothing printed.
+        return ok, f"during interpreter start-up ({delay * 1000:.0f} ms): killed, nothing started"
     return ok, "" if ok else f"rc={p.returncode} last={events[-1] if events else None}"
 
 
