@@ -2,6 +2,7 @@
 stale reader gets an error, never torn data."""
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -9,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from supervisor.ipc import BridgeError, ChannelTimeout, LeaseLost, Reader, Writer
+from supervisor.ipc import BridgeError, ChannelTimeout, LeaseLost, Reader, Writer, layout as L
 
 
 def test_kill_9_reader_holding_leases(make_channel, peers):
@@ -128,6 +129,47 @@ def test_seqlock_never_lets_a_torn_copy_pass(make_channel, peers):
         stop.set()
         t.join()
     assert passed > 0 and lost + passed > 20
+
+
+def test_seqlock_words_never_pass_through_zero(make_channel):
+    """The writer stores a generation and last_seq with one 8-byte store each. A
+    struct.pack_into there zeroes its target before writing it, so a reader polling at
+    that moment sees generation 0 (even: "stable", taken mid-write) or last_seq going
+    back; this flaked test_seqlock_never_lets_a_torn_copy_pass as MalformedHeader."""
+    ch = make_channel(slot_size=64, slot_count=3, max_readers=1)
+    wh = ch.writer_handle()
+    pid = os.fork()
+    if pid == 0:                                    # the writer, publishing flat out
+        try:
+            w = Writer(wh)
+            end = time.monotonic() + 2.0
+            while time.monotonic() < end:
+                w.publish_array(np.zeros(8, np.uint8))
+        finally:
+            os._exit(0)
+    try:
+        r = Reader(ch.reader_handle(0))
+        ctl = [L.control_offset(i) for i in range(3)]
+        gen_of = L.U64.unpack_from
+        t_end = time.monotonic() + 5
+        while min(gen_of(r._buf, c)[0] for c in ctl) < 2:   # every slot published once
+            assert time.monotonic() < t_end, "the writer never published"
+        zeros = back = reads = 0
+        last = first = gen_of(r._buf, L.OFF_LAST_SEQ)[0]
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            for c in ctl:
+                zeros += gen_of(r._buf, c)[0] == 0
+            seq = gen_of(r._buf, L.OFF_LAST_SEQ)[0]
+            back += seq < last
+            last = max(last, seq)
+            reads += 1
+        assert (zeros, back) == (0, 0)
+        assert last - first > 100 and reads > 1000      # the two really raced
+        r.close()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
 
 def test_blocking_receive_times_out_and_trio_receive_wakes(make_channel):

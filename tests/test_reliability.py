@@ -7,6 +7,7 @@ The long run (10,000+ frames, soak) is `python bench/stress.py`; its docstring s
 what each figure means."""
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import sys
 from pathlib import Path
@@ -17,8 +18,11 @@ pytestmark = pytest.mark.sandbox
 if shutil.which("bwrap") is None:
     pytest.skip("bubblewrap is not installed", allow_module_level=True)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import stress  # noqa: E402
+_spec = importlib.util.spec_from_file_location(
+    "bench_stress", Path(__file__).resolve().parents[1] / "bench" / "stress.py")
+stress = importlib.util.module_from_spec(_spec)
+sys.modules["bench_stress"] = stress          # dataclasses look their module up
+_spec.loader.exec_module(stress)
 
 WORKERS = stress.WORKERS
 

@@ -9,6 +9,12 @@ Lease table (one per reader, written only by that reader, mapped read-only by th
 Each control block's ``gen`` is a seqlock: odd while the writer fills the slot, even
 when stable. Every 8-byte field is 8-byte aligned, so x86-64 loads and stores of it are
 single instructions and TSO keeps their order; see README for other architectures.
+
+The writer stores a word readers race on (``gen``, ``last_seq``) with one 8-byte store,
+through a memoryview cast to "Q" (``words[offset // 8] = value``), never with
+``struct.pack_into``: that zeroes its whole target before writing it, so a reader could
+see generation 0, an even ("stable") value, in the middle of a write. What it stores
+while the generation is odd (CONTROL_TAIL) may go through ``struct``.
 """
 from __future__ import annotations
 
@@ -33,6 +39,8 @@ LAST = struct.Struct("<QI")
 
 # Control block: gen, seq, publish_ts_ns, header_len, layout_len.
 CONTROL = struct.Struct("<QQQII")
+# The same without gen, at OFF_SEQ: what the writer stores while gen is odd.
+CONTROL_TAIL = struct.Struct("<QQII")
 OFF_GEN = 0
 OFF_SEQ = 8
 OFF_TS = 16

@@ -16,6 +16,8 @@ from .channel import WriterHandle
 from .errors import BridgeError
 from .receipt import Receipt
 
+_LAST_SEQ_WORD = L.OFF_LAST_SEQ // 8
+
 
 @dataclass(frozen=True)
 class WriterStats:
@@ -42,6 +44,9 @@ class Writer:
         if seal:
             shm.seal_writes(handle.data_fd)
         self._buf = memoryview(self._mm)
+        # The seqlock words (generations, last_seq) as 8-byte words: one store each
+        # (see layout: struct.pack_into would pass through 0).
+        self._words = self._buf.cast("Q")
         self._leases = [shm.map_segment(fd, spec.lease_size, writable=False)
                         for fd in handle.lease_fds]
         # One lease entry with its padding to the next: iter_unpack walks a table.
@@ -61,6 +66,7 @@ class Writer:
         self._receipt_plans: dict[tuple, codec.HeaderPlan] = {}
         self._geo = geo = SlotGeometry(spec)
         self._ctl = geo.control
+        self._ctl_word = tuple(cb // 8 for cb in geo.control)
         self._payloads = geo.payload_views(self._buf)
         self._plane_cache: list[dict[tuple, tuple]] = [{} for _ in self._payloads]
         self._published = self._honoured = self._discarded = 0
@@ -81,7 +87,7 @@ class Writer:
                 gen, seq = L.GEN_SEQ.unpack_from(buf, cb)
                 self._gen[i] = gen + (gen & 1)    # an interrupted write is abandoned
                 self._seq[i] = seq if not gen & 1 else 0
-                L.U64.pack_into(buf, cb, self._gen[i])
+                self._words[cb // 8] = self._gen[i]
         L.CHANNEL_HDR.pack_into(buf, 0, L.MAGIC, L.LAYOUT_VERSION, spec.slot_count,
                                 spec.slot_size, spec.slot_stride, spec.control_size,
                                 spec.channel_id, self._pid, self._last_seq, 0, 0)
@@ -115,7 +121,7 @@ class Writer:
             self._honoured += len(protected - loaned)
         # Odd generation: readers that look now see "being written" and keep off.
         self._gen[slot] += 1
-        L.U64.pack_into(self._buf, self._ctl[slot], self._gen[slot])
+        self._words[self._ctl_word[slot]] = self._gen[slot]
         loaned.add(slot)
         return Loan(self, slot)
 
@@ -124,7 +130,9 @@ class Writer:
         slot = loan.slot
         self._gen[slot] += 1
         self._seq[slot] = 0
-        L.GEN_SEQ.pack_into(self._buf, self._ctl[slot], self._gen[slot], 0)
+        at = self._ctl_word[slot]
+        self._words[at + 1] = 0               # seq, while the generation is still odd
+        self._words[at] = self._gen[slot]
         self._loaned.discard(slot)
         self._discarded += 1
 
@@ -218,19 +226,21 @@ class Writer:
         # Still before the clock reading: the control block (generation still odd) and
         # the last_slot hint, so their cache lines are this core's when the stamp and
         # the stores that publish follow.
-        L.CONTROL.pack_into(buf, cb, self._gen[slot], seq, publish_ts_ns or 0, size, nl)
+        L.CONTROL_TAIL.pack_into(buf, cb + L.OFF_SEQ, seq, publish_ts_ns or 0, size, nl)
         L.U32.pack_into(buf, L.OFF_LAST_SLOT, slot)
         self._gen[slot], self._seq[slot], self._last_seq = gen, seq, seq
         self._loaned.discard(slot)
         self._published += 1
-        pack_u64, events, eventfd_write = L.U64.pack_into, self._events, os.eventfd_write
+        pack_u64, words = L.U64.pack_into, self._words
+        events, eventfd_write = self._events, os.eventfd_write
         # From the clock reading to the wake-up: four stores and the eventfd writes.
         ts = time.monotonic_ns() if publish_ts_ns is None else publish_ts_ns
         pack_u64(buf, ts_pos, ts)             # SlotHeader.publishTsNs
         pack_u64(buf, cb + L.OFF_TS, ts)
-        # Fields first, generation last (even = stable), then the channel's latest.
-        pack_u64(buf, cb, gen)
-        pack_u64(buf, L.OFF_LAST_SEQ, seq)
+        # Fields first, generation last (even = stable), then the channel's latest:
+        # single 8-byte stores (readers race on these two).
+        words[self._ctl_word[slot]] = gen
+        words[_LAST_SEQ_WORD] = seq
         for fd in events:
             try:
                 eventfd_write(fd, 1)
@@ -262,6 +272,7 @@ class Writer:
             except BufferError:
                 pass  # a loaned array still uses it
         try:
+            self._words.release()
             self._buf.release()
             self._mm.close()
         except BufferError:
