@@ -923,10 +923,6 @@ class Supervisor:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> Exit:
         cfg = self.config
-        # Stop signals are bytes on a pipe from here to the process's end (cli installs
-        # the same handlers before anything else): a second signal, or one during
-        # start-up, can never cut the ordered stop short or raise.
-        sigpipe = signals.install()
         self.log.emit("supervisor_start", config=cfg.source, pid=os.getpid(),
                       sandboxed=self.sandboxed)
         latched = self.latch.read()
@@ -965,6 +961,11 @@ class Supervisor:
                           reason=f"{len(problems)} config problem(s): {problems[0]}")
             task_status.started(self)
             return Exit.CONFIG
+        # Stop signals are bytes on a pipe (the CLI installs the handlers before anything
+        # else, for the process's whole life): a second signal, or one during start-up,
+        # can never cut the ordered stop short or raise. Embedded, we give them back.
+        embedded = signals._pipe is None
+        sigpipe = signals.install()
         self._make_channels()
         try:
             async with trio.open_nursery() as nursery:
@@ -1000,6 +1001,8 @@ class Supervisor:
             self.notify.stopping()
             self.log.emit("supervisor_exit", code=int(self.exit_code),
                           reason=self.exit_code.name.lower())
+            if embedded:
+                signals.uninstall()
         return self.exit_code
 
     def _sandbox_preflight(self) -> tuple[Exit, str] | None:

@@ -39,6 +39,7 @@ class SignalPipe:
 
 
 _pipe: SignalPipe | None = None
+_previous: dict[int, object] = {}
 
 
 def install() -> SignalPipe | None:
@@ -50,5 +51,17 @@ def install() -> SignalPipe | None:
     if _pipe is None:
         _pipe = SignalPipe()
         for s in STOP_SIGNALS:
-            signal.signal(s, _pipe._handler)
+            _previous[s] = signal.signal(s, _pipe._handler)
     return _pipe
+
+
+def uninstall() -> None:
+    """Give the signals back (a supervisor embedded in a program that has its own
+    handling, e.g. a test runner). The CLI never calls this: its process ends."""
+    global _pipe
+    if _pipe is None or threading.current_thread() is not threading.main_thread():
+        return
+    for s, h in _previous.items():
+        signal.signal(s, h)
+    _previous.clear()
+    _pipe = None
