@@ -1,6 +1,8 @@
 """Fuzzing the reader's decoders: every input is a valid message or a typed rejection."""
 from __future__ import annotations
 
+import os
+
 import time
 
 import numpy as np
@@ -13,7 +15,8 @@ from .forge import forge
 
 TENSOR = ChannelSpec(name="fuzz", slot_size=4096, dtype="float32", max_readers=1)
 FRAME = ChannelSpec(name="fuzzf", slot_size=64 * 64 * 3, kind="frame", max_readers=1)
-FUZZ = settings(max_examples=1500, deadline=None,
+# FUZZ_EXAMPLES raises the count for the long run (bench/fuzz.sh: 100,000 each).
+FUZZ = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "1500")), deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
