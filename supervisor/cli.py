@@ -12,7 +12,7 @@ from pathlib import Path  # noqa: E402
 
 from supervisor.config import ConfigError, load  # noqa: E402
 from supervisor.events import EventLog  # noqa: E402
-from supervisor.lifecycle import Exit  # noqa: E402
+from supervisor.exits import Exit  # noqa: E402
 
 
 def _config(path: str | None):

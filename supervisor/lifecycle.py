@@ -9,7 +9,6 @@ control domain). Every decision is one structured log line.
 """
 from __future__ import annotations
 
-import enum
 import functools
 import json
 import os
@@ -29,6 +28,7 @@ from supervisor.config import Config, WorkerConfig
 from supervisor.sandbox.policy import RESEARCH
 from supervisor import signals
 from supervisor.events import EventLog
+from supervisor.exits import Exit  # noqa: F401  (re-exported: the CLI and tests use it here)
 from supervisor.failsafe import FailSafeLatch
 from supervisor.ipc import Channel, env_name
 from supervisor.notify import Notifier
@@ -36,17 +36,6 @@ from supervisor.output import LineLimiter
 from supervisor.worker import (ENV_CHANNELS, ENV_DOMAIN, ENV_EXECWATCH_FD, ENV_NAME,
                                ENV_NETWORK, ENV_PROFILE, ENV_SANDBOXED, ENV_STANDBY_FD,
                                ENV_STATUS_FD)
-
-
-class Exit(enum.IntEnum):
-    """Process exit status of ``supervisor run``: it says why the supervisor stopped."""
-
-    SHUTDOWN = 0          # SIGTERM/SIGINT: orderly shutdown
-    ERROR = 1             # unexpected internal error
-    CONFIG = 2            # the config did not load
-    REFUSED = 3           # admission refused a required worker
-    FAIL_SAFE = 4         # the control domain failed safe
-    START_FAILED = 5      # a required worker never became ready
 
 
 @dataclass
@@ -76,7 +65,6 @@ class WorkerRun:
     exec_snapshot: object | None = None      # maps.ExecSnapshot taken at READY
     kill_reason: str = ""                    # why the supervisor killed it, if it did
     ready_claimed: bool = False              # the worker said READY=1 (this run)
-    spawns: int = 0                          # spawns so far: names each run's cgroup leaf
     # Warm standby: a second instance, waiting in its sandbox for the channels.
     is_standby: bool = False
     standby: "WorkerRun | None" = None

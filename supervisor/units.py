@@ -38,7 +38,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from supervisor.config import Config
-from supervisor.lifecycle import Exit
+from supervisor.exits import Exit
 
 DEFAULT_PREFIX = "/opt/trio-supervisor"   # python3 -m venv; pip install '<pkg>[research]'
 UNIT_NAME = "trio-supervisor.service"

@@ -1,0 +1,18 @@
+"""Exit codes of `supervisor run`: what the process status tells systemd and operators.
+
+Its own module, with no trio, so the unit generator and the CLI can name them cheaply.
+"""
+from __future__ import annotations
+
+import enum
+
+
+class Exit(enum.IntEnum):
+    """Process exit status of ``supervisor run``: it says why the supervisor stopped."""
+
+    SHUTDOWN = 0          # SIGTERM/SIGINT: orderly shutdown
+    ERROR = 1             # unexpected internal error
+    CONFIG = 2            # the config did not load
+    REFUSED = 3           # admission refused a required worker
+    FAIL_SAFE = 4         # the control domain failed safe, or the fail-safe is latched
+    START_FAILED = 5      # a required worker never became ready
