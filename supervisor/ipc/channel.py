@@ -1,6 +1,6 @@
 """Creating a channel and handing it out as file descriptors.
 
-The creator (the supervisor) allocates every segment and eventfd, but writes none of
+The creator (the supervisor) allocates every segment and wake-up socket, but writes none of
 them: the channel segment is written only by the writer, each lease table only by its
 reader. Endpoints get fds, never names: nothing here has a name to open.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from dataclasses import asdict, dataclass
 
 from . import shm
@@ -27,7 +28,7 @@ def _spec_from(d: dict) -> ChannelSpec:
 @dataclass(frozen=True)
 class WriterHandle:
     """What the single writer of a channel needs: the segment read-write, every
-    reader's lease table read-only, and every reader's wake-up eventfd."""
+    reader's lease table read-only, and every reader's wake-up socket (its own end)."""
 
     spec: ChannelSpec
     data_fd: int
@@ -52,7 +53,7 @@ class WriterHandle:
 @dataclass(frozen=True)
 class ReaderHandle:
     """What reader ``index`` needs: the segment read-only, its own lease table
-    read-write, and its own eventfd."""
+    read-write, and its own end of its wake-up socket."""
 
     spec: ChannelSpec
     index: int
@@ -99,13 +100,17 @@ class Channel:
     """Owns the fds of one channel (in the supervisor or a test)."""
 
     def __init__(self, spec: ChannelSpec, data_fd: int, lease_fds: list[int],
-                 event_fds: list[int]) -> None:
+                 event_fds: list[int], reader_event_fds: list[int] | None = None) -> None:
         self.spec = spec
         self._data_fd = data_fd
         self._data_ro = shm.reopen_read_only(data_fd)
         self._lease_fds = lease_fds
         self._lease_ro = [shm.reopen_read_only(fd) for fd in lease_fds]
         self._event_fds = event_fds
+        # The reader's end of each wake-up socket (the writer holds the other end): no
+        # open file description is shared, so nothing a reader does to its fd (flags,
+        # filling it) can make the writer block.
+        self._reader_event_fds = reader_event_fds if reader_event_fds is not None else event_fds
         self._closed = False
 
     @classmethod
@@ -113,9 +118,16 @@ class Channel:
         data = shm.create_segment(f"trio-bridge:{spec.name}", spec.segment_size)
         leases = [shm.create_segment(f"trio-bridge:{spec.name}:lease{i}", spec.lease_size)
                   for i in range(spec.max_readers)]
-        events = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-                  for _ in range(spec.max_readers)]
-        return cls(spec, data, leases, events)
+        # Wake-ups: one stream socketpair per reader. The writer writes a byte to its
+        # end (non-blocking, its own description); the reader drains its end.
+        writer_ends, reader_ends = [], []
+        for _ in range(spec.max_readers):
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            for s in (a, b):
+                s.setblocking(False)
+            writer_ends.append(a.detach())
+            reader_ends.append(b.detach())
+        return cls(spec, data, leases, writer_ends, reader_ends)
 
     def writer_handle(self) -> WriterHandle:
         return WriterHandle(self.spec, self._data_fd, tuple(self._lease_ro),
@@ -126,7 +138,7 @@ class Channel:
             raise ConfigError(f"channel {self.spec.name!r} has reader slots "
                               f"0..{self.spec.max_readers - 1}, not {index}")
         return ReaderHandle(self.spec, index, self._data_ro, self._lease_fds[index],
-                            self._event_fds[index])
+                            self._reader_event_fds[index])
 
     def writer_sealed(self) -> bool:
         """True once the writer has mapped the segment and sealed out other writers."""
@@ -136,8 +148,9 @@ class Channel:
         if self._closed:
             return
         self._closed = True
-        for fd in [self._data_fd, self._data_ro, *self._lease_fds, *self._lease_ro,
-                   *self._event_fds]:
+        ends = [*self._event_fds, *(fd for fd in self._reader_event_fds
+                                    if fd not in self._event_fds)]
+        for fd in [self._data_fd, self._data_ro, *self._lease_fds, *self._lease_ro, *ends]:
             try:
                 os.close(fd)
             except OSError:

@@ -94,7 +94,7 @@ class Reader:
         # (nor is the rest of a Reader).
         self._poller = select.poll()
         self._poller.register(self._efd, select.POLLIN)
-        self._undrained = False   # the eventfd woke us and has not been read yet
+        self._undrained = False   # the wake-up socket woke us and was not drained yet
 
     def _wait_for_writer(self, fd: int, timeout: float) -> None:
         # The supervisor starts writers first; the magic is the writer's "ready".
@@ -280,13 +280,13 @@ class Reader:
         return msg
 
     def receive(self, timeout: float | None = None) -> Message:
-        """Block (on the eventfd, no polling) until a message arrives."""
+        """Block (on the wake-up socket, no polling) until a message arrives."""
         end = None if timeout is None else time.monotonic() + timeout
         poll = self._poller.poll
         while True:
             if self._undrained:
                 self._drain()
-            # Always a look at shared memory after the last eventfd read and before
+            # Always a look at shared memory after the last wake-up drain and before
             # sleeping again: no wake-up is lost.
             msg = self.try_receive()
             if msg is not None:
@@ -299,7 +299,7 @@ class Reader:
                                          f"{timeout:.3f}s")
                 wait_ms = max(1, int(left * 1000 + 0.999))
             if poll(wait_ms):
-                # Woken: take the message first and read the eventfd on the next call
+                # Woken: take the message first and drain the socket on the next call
                 # (a system call fewer between the wake-up and the message).
                 self._undrained = True
                 msg = self.try_receive()
@@ -307,7 +307,7 @@ class Reader:
                     return msg
 
     async def receive_async(self) -> Message:
-        """trio: wait for the eventfd to become readable without blocking the loop."""
+        """trio: wait for the wake-up socket to become readable without blocking the loop."""
         import trio
 
         while True:
@@ -325,8 +325,8 @@ class Reader:
     def _drain(self) -> None:
         self._undrained = False
         try:
-            os.eventfd_read(self._efd)
-        except BlockingIOError:
+            os.read(self._efd, 65536)     # every wake-up byte so far (a stream socket)
+        except OSError:
             pass
 
     @property

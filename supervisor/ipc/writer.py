@@ -232,8 +232,8 @@ class Writer:
         self._loaned.discard(slot)
         self._published += 1
         pack_u64, words = L.U64.pack_into, self._words
-        events, eventfd_write = self._events, os.eventfd_write
-        # From the clock reading to the wake-up: four stores and the eventfd writes.
+        events, write = self._events, os.write
+        # From the clock reading to the wake-up: four stores and the wake-up writes.
         ts = time.monotonic_ns() if publish_ts_ns is None else publish_ts_ns
         pack_u64(buf, ts_pos, ts)             # SlotHeader.publishTsNs
         pack_u64(buf, cb + L.OFF_TS, ts)
@@ -243,9 +243,9 @@ class Writer:
         words[_LAST_SEQ_WORD] = seq
         for fd in events:
             try:
-                eventfd_write(fd, 1)
-            except BlockingIOError:
-                pass  # counter saturated: that reader is long gone or asleep; it will see it
+                write(fd, b"\x01")
+            except OSError:
+                pass  # full (that reader is asleep or gone: it will see it) or closed
         return seq
 
     # Conveniences that copy (the camera path fills a loan directly instead).
