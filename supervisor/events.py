@@ -8,6 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 
+def _text(v: Any) -> str:
+    s = v if isinstance(v, str) else json.dumps(v, default=str, separators=(",", ":"))
+    if s and s.isprintable() and " " not in s and "=" not in s and '"' not in s:
+        return s
+    return json.dumps(s)
+
+
 @dataclass
 class EventLog:
     """Writes events as JSON lines (or ``key=value`` text) and keeps them for callers."""
@@ -25,7 +32,9 @@ class EventLog:
         if self.fmt == "json":
             line = json.dumps(rec, default=str, separators=(",", ":"))
         else:
-            line = " ".join(f"{k}={v}" for k, v in rec.items() if k != "mono_ns")
+            # Values are quoted when they could pass for more keys or a new line (a
+            # worker's output or status is text it chose).
+            line = " ".join(f"{k}={_text(v)}" for k, v in rec.items() if k != "mono_ns")
         try:
             self.stream.write(line + "\n")
             self.stream.flush()

@@ -14,6 +14,7 @@ unit does not restart on exit 4 (RestartPreventExitStatus=4).
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import time
 from dataclasses import dataclass
@@ -54,14 +55,54 @@ class FailSafeLatch:
         self.path.unlink(missing_ok=True)
 
 
+# Sequence and generation words above this are a dead writer's sabotage, not history.
+_PLAUSIBLE = 1 << 62
+
+
+def _repair(channel: Channel) -> None:
+    """Make the segment's header and seqlock words the supervisor's again: the dead
+    writer may have left a header that does not match the spec, or sequence and
+    generation words near 2**64. Readers keep their order: last_seq continues from the
+    highest plausible slot sequence."""
+    from supervisor.ipc import _geometry as G
+    from supervisor.ipc import layout as L
+
+    spec = channel.spec
+    with mmap.mmap(channel.writer_handle().data_fd, spec.segment_size) as buf:
+        last = 0
+        for i in range(spec.slot_count):
+            off = G.control_offset(i)
+            gen, seq = L.GEN_SEQ.unpack_from(buf, off)
+            if gen >= _PLAUSIBLE or seq >= _PLAUSIBLE:
+                L.GEN_SEQ.pack_into(buf, off, 0, 0)      # an empty slot
+            else:
+                last = max(last, seq)
+        L.CHANNEL_HDR.pack_into(buf, 0, L.MAGIC, L.LAYOUT_VERSION, spec.slot_count,
+                                spec.slot_size, spec.slot_stride, spec.control_size,
+                                spec.channel_id, os.getpid(), last, 0, 0)
+
+
+def _writer(channel: Channel) -> Writer:
+    try:
+        w = Writer(channel.writer_handle(), domain="supervisor", seal=False)
+        if w.last_sequence() < _PLAUSIBLE:
+            return w
+        w.close()
+    except Exception:    # a header the dead writer poisoned: take the segment back
+        pass
+    _repair(channel)
+    return Writer(channel.writer_handle(), domain="supervisor", seal=False)
+
+
 def publish_safe(channel: Channel, payload_name: str) -> dict[str, float]:
-    """Publish the payload's safe value on `channel` (its worker must be dead)."""
+    """Publish the payload's safe value on `channel` (its worker must be dead), whatever
+    state the dead writer left the segment in."""
     from schemas.payloads import PAYLOADS
 
     payload = PAYLOADS[payload_name]
     if payload.safe is None:
         raise ValueError(f"payload {payload_name} has no safe value")
-    w = Writer(channel.writer_handle(), domain="supervisor", seal=False)
+    w = _writer(channel)
     try:
         with w.loan() as loan:
             payload.encode(loan.array(payload.shape, np.dtype(payload.dtype)), **payload.safe)

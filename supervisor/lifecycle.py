@@ -401,6 +401,8 @@ class Supervisor:
             return
         run.refused = f"{kind}: {reason}"
         run.kill_reason = f"refused ({kind})"
+        if run.is_standby:
+            fields["standby"] = True
         self.log.emit("refused", worker=run.cfg.name, domain=run.cfg.domain, kind=kind,
                       pid=run.pid, reason=f"{run.cfg.name}: {reason}", **fields)
         self._kill(run)
@@ -1070,6 +1072,16 @@ class Supervisor:
             for run in doomed:
                 while run.proc is not None and run.proc.poll() is None:
                     await trio.sleep(0.002)
+        # bwrap gone is not everything gone: processes of the sandbox outlive it for
+        # ~10-50 ms. The safe word is written only once every cgroup is empty.
+        for run in doomed:
+            if run.cgroup is not None:
+                try:
+                    await trio.to_thread.run_sync(run.cgroup.kill_all)
+                except (OSError, TimeoutError) as e:
+                    self.log.emit("fail_safe_error", worker=run.cfg.name,
+                                  reason=f"cgroup not empty: {e}; not writing")
+                    return
         from supervisor.failsafe import publish_safe
 
         for name, ch in self.config.channels.items():

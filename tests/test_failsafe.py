@@ -191,3 +191,41 @@ def test_two_signals_at_any_moment_still_stop_in_order(tmp_path, trial):
     stopped = {e["worker"] for e in events if e["event"] == "stopped"}
     assert started == stopped or started - stopped <= {
         e["worker"] for e in events if e["event"] == "exit"}
+
+
+@pytest.mark.parametrize("poison", ["layout", "last_seq", "generation"])
+def test_safe_word_lands_whatever_the_dead_writer_left(make_channel, poison):
+    """A hostile control writer may poison the segment before it dies (red team): a
+    header that does not match the spec, sequence or generation words near 2**64. The
+    supervisor takes the segment back and its safe value is still the last word."""
+    import mmap as _mmap
+    import struct
+
+    from supervisor.failsafe import publish_safe
+    from supervisor.ipc import Writer
+    from supervisor.ipc import _geometry as G
+    from supervisor.ipc import layout as L
+
+    ch = make_channel(name="control_cmd", slot_size=4096, dtype="float32", max_readers=2,
+                      slot_count=8)
+    w = Writer(ch.writer_handle(), domain="control", seal=False)
+    reader = Reader(ch.reader_handle(0))
+    for _ in range(3):
+        w.publish_array(CONTROL_CMD.encode(steer_rad=0.1, engaged=1.0))
+    w.close()
+    seen = []
+    while (m := reader.try_receive()) is not None:
+        with m:
+            seen.append(CONTROL_CMD.decode(np.array(m.array)))
+    with _mmap.mmap(ch.writer_handle().data_fd, ch.spec.segment_size) as buf:
+        if poison == "layout":
+            struct.pack_into("<I", buf, 12, 999)                 # slot count
+        elif poison == "last_seq":
+            L.U64.pack_into(buf, L.OFF_LAST_SEQ, 2**64 - 1)
+        else:
+            L.GEN_SEQ.pack_into(buf, G.control_offset(3), 2**64 - 2, 2**64 - 1)
+    publish_safe(ch, "control_cmd")
+    while (m := reader.try_receive()) is not None:
+        with m:
+            seen.append(CONTROL_CMD.decode(np.array(m.array)))
+    assert seen[-1]["engaged"] == 0.0 and seen[-1]["reason"] == float(SafeReason.FAIL_SAFE), seen
