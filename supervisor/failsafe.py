@@ -85,7 +85,7 @@ def _repair(channel: Channel) -> None:
 def _writer(channel: Channel) -> Writer:
     try:
         w = Writer(channel.writer_handle(), domain="supervisor", seal=False)
-        if w.last_sequence() < _PLAUSIBLE:
+        if w.last_sequence < _PLAUSIBLE:
             return w
         w.close()
     except Exception:    # a header the dead writer poisoned: take the segment back

@@ -55,6 +55,7 @@ ATTACKERS = {
     "c-hog": ("control", "memory_hog", False),
     "r-storm": ("research", "fork_storm", False),
     "r-hog": ("research", "memory_hog", False),
+    "r-flood": ("research", "status_flood", False),
 }
 
 
@@ -358,3 +359,11 @@ def test_swallowed_guard_refusal_is_reported(fleet):
     ref = _of(ev, "c-guard", "refused")
     assert ref and ref[0]["kind"].startswith("guard"), _of(ev, "c-guard")
     assert "torch" in ref[0]["reason"]
+
+
+def test_status_flood_is_refused_and_starves_nobody(fleet):
+    ev = fleet["events"]
+    ref = _of(ev, "r-flood", "refused")
+    assert ref and ref[0]["kind"] == "protocol_flood", _of(ev, "r-flood")[-3:]
+    for w in ("src", "sink"):
+        assert not _of(ev, w, "watchdog_missed")

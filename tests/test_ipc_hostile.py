@@ -37,3 +37,34 @@ def test_segments_have_no_names_and_are_sealed(make_channel):
     st = os.fstat(ch.reader_handle(0).data_fd)
     assert st.st_mode & 0o777 == 0o400
     assert os.readlink(f"/proc/self/fd/{ch.reader_handle(0).data_fd}").startswith("/memfd:")
+
+
+def test_a_reader_cannot_make_the_writer_block_through_its_wake_up(make_channel):
+    """Red team: a reader that saturated the shared eventfd and cleared O_NONBLOCK on it
+    made the writer's next publish block forever (camerad stalled into a fail-safe).
+    Each reader now holds only its own end of a socketpair: whatever it does to it
+    (blocking mode, never draining, stuffing it) the writer publishes on."""
+    import fcntl
+    import signal
+    import time
+
+    ch = make_channel(name="victim", slot_size=256, slot_count=4, max_readers=1)
+    w = Writer(ch.writer_handle())
+    fd = ch.reader_handle(0).event_fd
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    try:
+        os.set_blocking(fd, False)
+        while True:
+            os.write(fd, b"x" * 65536)       # stuff the other direction too
+    except BlockingIOError:
+        pass
+    os.set_blocking(fd, True)                  # and leave the reader's end blocking
+    signal.alarm(20)                           # a blocked publish fails the test, not CI
+    try:
+        t0 = time.monotonic()
+        for i in range(100_000):               # far past any socket buffer: never drained
+            w.publish_array(np.full(4, i % 200, np.uint8))
+        assert time.monotonic() - t0 < 15
+    finally:
+        signal.alarm(0)
+    assert w.last_sequence == 100_000

@@ -304,10 +304,25 @@ def fake_ready(ctx: WorkerContext) -> dict:
     return _anon_rx()
 
 
+def status_flood(ctx: WorkerContext) -> dict:
+    """Flood the status pipe to starve the supervisor's event loop (red team: 3-5 s
+    stalls, a control worker watchdog-killed)."""
+    fd, chunk = int(os.environ[ENV_STATUS_FD]), b"WATCHDOG=1\n" * 372
+    t_end, n = time.monotonic() + 3.0, 0
+    try:
+        while time.monotonic() < t_end:
+            os.write(fd, chunk)
+            n += 1
+    except OSError as e:
+        return {"denied": True, "writes": n, "error": _err(e)}
+    return {"denied": False, "writes": n}
+
+
 ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
     f.__name__: f for f in (
         core_pattern, sysrq, proc_self_mem, reopen_rw, acl_then_reopen, fchmod_channel,
         forge_log, tty, fork_storm, memory_hog, dev_shm, ptrace, personality, unix_connect,
         mprotect_exec, memfd_exec, dlopen_tmp, torch_files, swallow_guard, fake_ready,
+        status_flood,
     )
 }
