@@ -85,7 +85,10 @@ def test_no_slot_or_lease_leaked_and_the_writer_never_waited(result):
     assert w["max_gap_ms"] is None or w["max_gap_ms"] < 1000, w
 
 
-def test_stalled_reader_leaves_control_latency_within_2x(result):
+def test_stalled_reader_leaves_control_latency_within_3x(result):
+    """A reader holding its leases cannot slow the writer (a blocked writer would be
+    unbounded); p99 over ~40 samples on a shared 2-core CI machine is noisy (0.8-1.2x
+    seen here), so the bound is loose: it catches a writer that waits, not jitter."""
     st = result["stall"]
     assert st["unstalled"]["n"] >= 40 and st["stalled"]["n"] >= 40, st
-    assert st["p99_ratio_stalled_unstalled"] <= 2.0, st
+    assert st["p99_ratio_stalled_unstalled"] <= 3.0, st
