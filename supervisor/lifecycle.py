@@ -739,22 +739,9 @@ class Supervisor:
         try:
             return await self._run_once_inner(run, on_ready)
         finally:
-            if run.status_r is not None:
-                os.close(run.status_r)
-                run.status_r = None
             if run.out_r is not None:
-                self._drain_output(run)
-                os.close(run.out_r)
-                run.out_r = None
-            if run.watch is not None:
-                run.watch.close()
-                run.watch = None
-            if run.watch_sock is not None:
-                run.watch_sock.close()
-                run.watch_sock = None
-            if run.ctl_sock is not None:
-                run.ctl_sock.close()
-                run.ctl_sock = None
+                self._drain_output(run)     # its last words, then the pipe goes
+            self._close_run_fds(run)
 
     def _worker_pid(self, run: WorkerRun) -> int:
         """Host pid of the worker itself (in a sandbox: after bwrap's init)."""

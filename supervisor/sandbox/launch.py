@@ -80,14 +80,10 @@ def prepare(
         fds.append(json_status_fd)
     owned: list[int] = []
     sfd = None
-    source = None
-    views: dict[str, str] = {}
-    mntns = -1
-    if policy.host_uid is not None and os.geteuid() == 0:
-        # bwrap resolves bind sources as the unprivileged uid: stage what it cannot reach.
-        st = staging.staging_for([*policy.ro_binds, *policy.rw_binds, *policy.dev_binds],
-                                 policy.hidden)
-        source, mntns, views = st.source_for, st.mntns_fd, st.views
+    # Only root can switch to the domain's host uid (and must stage what it cannot reach).
+    switch = policy.host_uid is not None and os.geteuid() == 0
+    st = (staging.staging_for([*policy.ro_binds, *policy.rw_binds, *policy.dev_binds],
+                              policy.hidden) if switch else None)
     if policy.seccomp_at_launch:
         sfd = seccomp.launch_filter_fd(policy.rules, network=policy.network)
         owned.append(sfd)
@@ -95,15 +91,17 @@ def prepare(
     try:
         full = build_bwrap_argv(
             policy, argv, fds, cwd, env_extra=env_extra, seccomp_fd=sfd,
-            json_status_fd=json_status_fd, views=views, **({"source": source} if source else {}),
+            json_status_fd=json_status_fd,
+            **({"source": st.source_for, "views": st.views} if st else {}),
         )
     except BaseException:
         for fd in owned:
             os.close(fd)
         raise
     return LaunchSpec(argv=full, pass_fds=tuple(fds), owned_fds=owned,
-                      host_uid=policy.host_uid if os.geteuid() == 0 else None,
-                      host_gid=policy.host_gid if os.geteuid() == 0 else None, mntns_fd=mntns)
+                      host_uid=policy.host_uid if switch else None,
+                      host_gid=policy.host_gid if switch else None,
+                      mntns_fd=st.mntns_fd if st else -1)
 
 
 _RLIMITS = {"data": resource.RLIMIT_DATA, "nofile": resource.RLIMIT_NOFILE,
