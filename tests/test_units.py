@@ -117,7 +117,11 @@ _MOUNTS = textwrap.dedent("""
     cfg=$(cat "$CFG")
     mount -t proc -o hidepid=invisible proc /proc    # ProtectProc=invisible
     mkdir -p /run/trio-staging                       # RuntimeDirectory=
+    # A checkout under /tmp (a CI clone) stands in for the install under /opt that a
+    # vehicle has: keep it visible through the private /tmp.
+    if [ -n "$KEEP" ]; then mkdir -p /run/unit-sim-keep; mount --bind "$KEEP" /run/unit-sim-keep; fi
     mount -t tmpfs -o mode=1777 tmpfs /tmp           # PrivateTmp=yes
+    if [ -n "$KEEP" ]; then mkdir -p "$KEEP"; mount --bind /run/unit-sim-keep "$KEEP"; fi
     printf '%s\\n' "$cfg" > /tmp/unit-sim.toml
     mount -o remount,bind,ro /                       # ProtectSystem=strict (the root fs)
     exec setpriv --bounding-set "$CAPS" --inh-caps -all --no-new-privs "$@"
@@ -175,7 +179,8 @@ def test_supervisor_works_under_the_units_restrictions(tmp_path):
 
     cfg.write_text(CLEAN)
     env = dict(os.environ, CFG=str(cfg), CAPS="-all," + ",".join(f"+{c}" for c in caps),
-               PYTHONPATH=str(ROOT))
+               PYTHONPATH=str(ROOT),
+               KEEP=str(ROOT) if str(ROOT).startswith("/tmp/") else "")
     p = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c", _MOUNTS, "sh",
          sys.executable, "-c", _SECCOMP, ",".join(sorted(deny)),
