@@ -56,6 +56,7 @@ ATTACKERS = {
     "r-storm": ("research", "fork_storm", False),
     "r-hog": ("research", "memory_hog", False),
     "r-flood": ("research", "status_flood", False),
+    "c-longline": ("control", "long_line", False),
 }
 
 
@@ -367,3 +368,15 @@ def test_status_flood_is_refused_and_starves_nobody(fleet):
     assert ref and ref[0]["kind"] == "protocol_flood", _of(ev, "r-flood")[-3:]
     for w in ("src", "sink"):
         assert not _of(ev, w, "watchdog_missed")
+
+
+def test_an_endless_output_line_is_cut_not_kept(fleet):
+    """8 MiB without a newline: the supervisor re-emits the first 2 KiB as the worker's
+    output, says how much it cut, and keeps running everyone else."""
+    ev = fleet["events"]
+    long = [e for e in _of(ev, "c-longline", "output") if e["line"].startswith("AAAA")]
+    assert len(long) == 1, [e["line"][:80] for e in _of(ev, "c-longline", "output")]
+    assert len(long[0]["line"]) < 2100 and "bytes cut]" in long[0]["line"]
+    assert str(8 * (1 << 20) - 2048) in long[0]["line"]
+    assert_denied(ev, "c-longline")
+    assert not _of(fleet["running"], "c-longline", "exit")     # nothing killed it either

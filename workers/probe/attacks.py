@@ -318,11 +318,21 @@ def status_flood(ctx: WorkerContext) -> dict:
     return {"denied": False, "writes": n}
 
 
+def long_line(ctx: WorkerContext) -> dict:
+    """One 8 MiB line on stdout: the supervisor must neither hold it nor pass it on."""
+    chunk = "A" * (1 << 20)
+    for _ in range(8):
+        sys.stdout.write(chunk)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return {"denied": True}     # the evidence is the supervisor's output event
+
+
 ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
     f.__name__: f for f in (
         core_pattern, sysrq, proc_self_mem, reopen_rw, acl_then_reopen, fchmod_channel,
         forge_log, tty, fork_storm, memory_hog, dev_shm, ptrace, personality, unix_connect,
         mprotect_exec, memfd_exec, dlopen_tmp, torch_files, swallow_guard, fake_ready,
-        status_flood,
+        status_flood, long_line,
     )
 }
