@@ -22,6 +22,10 @@ if [ $dev -eq 1 ]; then
     # tinygrad's CPU backend compiles with clang when a model artifact is built (build
     # side and tests only: the control sandbox never sees a compiler).
     command -v clang >/dev/null || need+=(clang)
+    # The C++ reader of the bridge (tests build it): capnp compiler, headers and libs.
+    command -v capnp >/dev/null || need+=(capnproto)
+    [ -e /usr/include/capnp/message.h ] || need+=(libcapnp-dev)
+    command -v g++ >/dev/null || need+=(g++)
 fi
 if [ ${#need[@]} -gt 0 ]; then
     $sudo apt-get update -qq
@@ -38,7 +42,7 @@ for u in trio-control trio-research; do
 done
 
 if [ $dev -eq 1 ]; then
-    python -m pip install -q -e '.[dev,research]'
+    python -m pip install -q -e '.[dev,research,replay,fleet]'
 else
-    python -m pip install -q -e '.[research]'
+    python -m pip install -q -e '.[research,replay]'
 fi
