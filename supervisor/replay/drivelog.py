@@ -1,0 +1,248 @@
+"""Writing and reading whole drive logs (the format is in `logfmt`).
+
+    w = LogWriter(dir, channels=["road_frames", "model_out"], info={...})
+    w.message(channel, seq, publish_ts, pid, frame_id, capture_ts, array, receipt)
+    w.frame(channel, seq, ..., y, uv)          # pixels go to the channel's video
+    w.close(summary)
+
+    log = DriveLog.open(dir)                   # everything decoded, loss counted
+    log.messages["model_out"]                  # [Msg, ...] in recorded order
+    log.frames["road_frames"]                  # [FrameMsg, ...]
+    log.loss.text()
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from supervisor.ipc.receipt import Receipt, fill as fill_receipt, read as read_receipt
+
+from .logfmt import (LIFECYCLE, MESSAGES, VERSION, Entry, LogError, Loss, StreamWriter,
+                     VideoInfo, VideoReader, VideoWriter, read_entries)
+
+
+@dataclass(frozen=True)
+class Msg:
+    """One recorded tensor message."""
+
+    channel: str
+    sequence: int
+    publish_ts_ns: int
+    writer_pid: int
+    frame_id: int | None
+    capture_ts_ns: int
+    array: np.ndarray
+    receipt: Receipt | None
+    mono_ns: int
+
+
+@dataclass(frozen=True)
+class FrameMsg:
+    channel: str
+    sequence: int
+    publish_ts_ns: int
+    frame_id: int
+    capture_ts_ns: int
+    exposure_us: int | None
+    width: int
+    height: int
+    pixel_format: str
+    video_index: int            # -1: its pixels were not stored
+    mono_ns: int
+
+
+@dataclass
+class DropCount:
+    dropped: int = 0
+    rejected: int = 0
+    leases_lost: int = 0
+    skipped: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.dropped + self.rejected + self.leases_lost + self.skipped
+
+
+class LogWriter:
+    """The recorder's side: one messages stream plus a video per frame channel."""
+
+    def __init__(self, directory: str | os.PathLike, channels: list[str], *,
+                 info: dict[str, Any] | None = None, writer: str = "recorder",
+                 video_codec: str = "h264", fps: float = 20.0) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.stream = StreamWriter(self.dir / (MESSAGES if writer == "recorder" else LIFECYCLE))
+        self.video_codec = video_codec
+        self.fps = fps
+        self.videos: dict[str, VideoWriter] = {}
+        e = Entry.new_message(monoNs=time.monotonic_ns())
+        s = e.init("start")
+        s.version = VERSION
+        s.writer = writer
+        s.channels = list(channels)
+        s.info = json.dumps(info or {})
+        self.stream.write_entry(e)
+
+    def message(self, channel: str, sequence: int, publish_ts_ns: int, writer_pid: int,
+                frame_id: int | None, capture_ts_ns: int | None, array: np.ndarray,
+                receipt: Receipt | None = None) -> None:
+        e = Entry.new_message(monoNs=time.monotonic_ns())
+        m = e.init("message")
+        m.channel = channel
+        m.sequence = sequence
+        m.publishTsNs = publish_ts_ns
+        m.writerPid = writer_pid
+        m.hasFrameId = frame_id is not None
+        m.frameId = frame_id or 0
+        m.captureTsNs = capture_ts_ns or 0
+        m.dtype = array.dtype.str
+        m.shape = list(array.shape)
+        m.data = np.ascontiguousarray(array).tobytes()
+        if receipt is not None:
+            fill_receipt(m.init("receipt"), receipt)
+        self.stream.write_entry(e)
+
+    def frame(self, channel: str, sequence: int, publish_ts_ns: int, writer_pid: int,
+              frame_id: int, capture_ts_ns: int, exposure_us: int | None, width: int,
+              height: int, pixel_format: str, sensor: str, planes) -> None:
+        """Record one frame; ``planes`` None stores the metadata only (counted skipped)."""
+        n = -1
+        if planes is not None and pixel_format == "nv12":
+            v = self.videos.get(channel)
+            if v is None:
+                v = self.videos[channel] = VideoWriter(
+                    self.dir, channel, VideoInfo(self.video_codec, width, height, "nv12",
+                                                 self.fps))
+            n = v.count
+            v.write(frame_id, capture_ts_ns, planes[0], planes[1])
+        e = Entry.new_message(monoNs=time.monotonic_ns())
+        f = e.init("frame")
+        f.channel = channel
+        f.sequence = sequence
+        f.publishTsNs = publish_ts_ns
+        f.writerPid = writer_pid
+        f.frameId = frame_id
+        f.captureTsNs = capture_ts_ns
+        f.exposureUs = -1 if exposure_us is None else exposure_us
+        f.width, f.height = width, height
+        f.pixelFormat = pixel_format
+        f.sensor = sensor
+        f.videoIndex = n
+        self.stream.write_entry(e)
+
+    def drops(self, channel: str, dropped: int, rejected: int, leases_lost: int,
+              skipped: int) -> None:
+        e = Entry.new_message(monoNs=time.monotonic_ns())
+        d = e.init("drops")
+        d.channel = channel
+        d.dropped, d.rejected, d.leasesLost, d.skipped = dropped, rejected, leases_lost, skipped
+        self.stream.write_entry(e)
+
+    def event(self, record: dict[str, Any]) -> None:
+        self.stream.write_entry(Entry.new_message(monoNs=time.monotonic_ns(),
+                                                  event=json.dumps(record, default=str)))
+
+    def close(self, summary: dict[str, Any] | None = None) -> None:
+        self.stream.write_entry(Entry.new_message(monoNs=time.monotonic_ns(),
+                                                  stop=json.dumps(summary or {})))
+        self.stream.close()
+        for v in self.videos.values():
+            v.close()
+
+
+@dataclass
+class DriveLog:
+    """A whole log, decoded (metadata and small tensors; video read on demand)."""
+
+    path: Path
+    info: dict[str, Any] = field(default_factory=dict)
+    channels: list[str] = field(default_factory=list)
+    messages: dict[str, list[Msg]] = field(default_factory=dict)
+    frames: dict[str, list[FrameMsg]] = field(default_factory=dict)
+    drops: dict[str, DropCount] = field(default_factory=dict)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] | None = None   # the recorder's closing summary (None: no stop)
+    loss: Loss = field(default_factory=Loss)
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike, *, final: bool = True) -> DriveLog:
+        d = Path(directory)
+        if not d.is_dir():
+            raise LogError(f"{d}: not a drive log directory")
+        if not (d / MESSAGES).is_file():
+            raise LogError(f"{d}: no {MESSAGES} (not a drive log)")
+        log = cls(d)
+        log._read(d / MESSAGES, final)
+        if (d / LIFECYCLE).is_file():
+            log._read(d / LIFECYCLE, final)
+        return log
+
+    def _read(self, path: Path, final: bool) -> None:
+        seen_start = False
+        for e in read_entries(path, self.loss, final=final):
+            which = e.which()
+            if which == "start":
+                seen_start = True
+                if e.start.writer == "recorder":
+                    self.info = json.loads(e.start.info or "{}")
+                    self.channels = list(e.start.channels)
+            elif which == "message":
+                m = e.message
+                arr = np.frombuffer(bytes(m.data), np.dtype(m.dtype)).reshape(tuple(m.shape))
+                rec = read_receipt(m.receipt) if m._has("receipt") else None
+                self.messages.setdefault(m.channel, []).append(Msg(
+                    m.channel, m.sequence, m.publishTsNs, m.writerPid,
+                    m.frameId if m.hasFrameId else None, m.captureTsNs, arr, rec, e.monoNs))
+            elif which == "frame":
+                f = e.frame
+                self.frames.setdefault(f.channel, []).append(FrameMsg(
+                    f.channel, f.sequence, f.publishTsNs, f.frameId, f.captureTsNs,
+                    None if f.exposureUs < 0 else f.exposureUs, f.width, f.height,
+                    str(f.pixelFormat), f.videoIndex, e.monoNs))
+            elif which == "drops":
+                d = e.drops
+                c = self.drops.setdefault(d.channel, DropCount())
+                c.dropped += d.dropped
+                c.rejected += d.rejected
+                c.leases_lost += d.leasesLost
+                c.skipped += d.skipped
+            elif which == "event":
+                try:
+                    self.events.append(json.loads(e.event))
+                except ValueError:
+                    self.loss.corrupt_records += 1
+            elif which == "stop" and path.name == MESSAGES:
+                self.summary = json.loads(e.stop or "{}")
+        if not seen_start and path.name == MESSAGES:
+            raise LogError(f"{path}: no start entry (not a drive log, or its first record "
+                           f"is lost)")
+
+    def video(self, channel: str) -> VideoReader:
+        r = VideoReader(self.path, channel)
+        return r
+
+    def video_channels(self) -> list[str]:
+        return sorted(p.stem for p in self.path.glob("*.video"))
+
+    def full_loss(self) -> Loss:
+        """Stream loss plus every video's."""
+        total = Loss()
+        total.add(self.loss)
+        for ch in self.video_channels():
+            try:
+                total.add(self.video(ch).loss)
+            except LogError as e:
+                total.corrupt_records += 1
+                total.problems.append(str(e))
+        return total
+
+    @property
+    def closed(self) -> bool:
+        """The recorder closed the log in order (no crash)."""
+        return self.summary is not None

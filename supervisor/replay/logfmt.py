@@ -1,0 +1,407 @@
+"""The drive log: a directory a recorder appends to and anyone may read while it grows.
+
+Layout of a log directory::
+
+    messages.tlog        the recorder's stream of `Entry` messages (drivelog.capnp)
+    lifecycle.tlog       the supervisor's lifecycle events, same framing (optional)
+    <channel>.video      JSON: codec ("h264" or "raw"), width, height, pixel format, fps
+    <channel>.h264       the frames of a frame channel as a raw Annex-B H.264 stream ...
+    <channel>.nv12       ... or, lossless, tightly packed NV12 frames back to back
+    <channel>.vidx       the per-frame index of that video (fixed 40-byte records)
+
+Framing of a ``.tlog`` stream: records back to back, each ``magic "TRL1" | u32 length |
+u32 CRC-32 of the body | body`` where the body is one flat (unpacked) Cap'n Proto
+message. Every record is written with one ``write(2)`` on an ``O_APPEND`` descriptor, so
+a crash (or a reader racing the writer) sees whole records followed by at most one
+partial one: the reader stops there and says how many bytes it dropped. A record whose
+CRC fails is skipped and counted, and the reader resynchronises on the next magic.
+
+Video index record (little-endian): ``magic "VIX1" | u64 frame_id | u64 capture_ts_ns |
+u64 byte offset | u32 size | u32 flags (1 = keyframe) | u32 CRC-32 of bytes 0..36``.
+Timestamps come from the index (a raw H.264 stream has none). The data of a frame is
+written before its index record: after a crash, frames are either indexed and whole or
+not indexed at all (the unindexed tail is reported as dropped bytes).
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import capnp
+
+from schemas import SCHEMA_DIR
+
+MAGIC = b"TRL1"
+REC = struct.Struct("<4sII")
+VIX = struct.Struct("<4sQQQII")
+VIX_MAGIC = b"VIX1"
+VIX_SIZE = VIX.size + 4                     # 40
+VERSION = 1
+MAX_RECORD = 64 << 20                       # bigger is corruption, not a message
+MESSAGES = "messages.tlog"
+LIFECYCLE = "lifecycle.tlog"
+KEYFRAME = 1
+CODECS = ("h264", "raw")
+
+_schema = capnp.load(str(Path(__file__).with_name("drivelog.capnp")), imports=[str(SCHEMA_DIR)])
+Entry = _schema.Entry
+
+
+class LogError(Exception):
+    """A log (or one of its files) cannot be used at all."""
+
+
+# ---------------------------------------------------------------- framing
+
+
+def frame_record(body: bytes) -> bytes:
+    return REC.pack(MAGIC, len(body), zlib.crc32(body)) + body
+
+
+class StreamWriter:
+    """Appends framed records to a ``.tlog`` file, one write(2) each."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self.records = 0
+        self.bytes = 0
+
+    def write_entry(self, entry) -> None:
+        self.write_raw(entry.to_bytes())
+
+    def write_raw(self, body: bytes) -> None:
+        rec = frame_record(body)
+        n = os.write(self._fd, rec)
+        if n != len(rec):            # a full disk: the partial record is what a crash leaves
+            raise OSError(f"{self.path}: short write ({n} of {len(rec)} bytes)")
+        self.records += 1
+        self.bytes += n
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+@dataclass
+class Loss:
+    """What a reader could not use, per file."""
+
+    truncated_bytes: int = 0       # a partial record at the end (crash or still being written)
+    truncated_records: int = 0     # records (messages, frames) those bytes belonged to
+    corrupt_records: int = 0       # CRC or decode failures (skipped)
+    corrupt_bytes: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    def add(self, other: Loss) -> None:
+        self.truncated_bytes += other.truncated_bytes
+        self.truncated_records += other.truncated_records
+        self.corrupt_records += other.corrupt_records
+        self.corrupt_bytes += other.corrupt_bytes
+        self.problems.extend(other.problems)
+
+    @property
+    def any(self) -> bool:
+        return bool(self.truncated_bytes or self.corrupt_records)
+
+    def text(self) -> str:
+        if not self.any:
+            return "nothing lost"
+        return (f"dropped {self.truncated_records} partial record(s) at the end "
+                f"({self.truncated_bytes} bytes), {self.corrupt_records} corrupt record(s) "
+                f"({self.corrupt_bytes} bytes)")
+
+
+def read_stream(path: str | os.PathLike, *, start: int = 0, loss: Loss | None = None,
+                final: bool = True) -> Iterator[tuple[int, bytes]]:
+    """(offset, body) of each good record from ``start``. A partial last record is
+    counted in ``loss.truncated_bytes`` when ``final`` (the writer is done), else left
+    for the next call (the writer may still be appending it)."""
+    loss = loss if loss is not None else Loss()
+    with open(path, "rb") as f:
+        data = f.read() if start == 0 else (f.seek(start), f.read())[1]
+    pos, end = 0, len(data)
+    while pos < end:
+        if end - pos < REC.size:
+            if final:
+                loss.truncated_bytes += end - pos
+                loss.truncated_records += 1
+                loss.problems.append(f"{path}@{start + pos}: {end - pos} trailing bytes, "
+                                     f"shorter than a record header")
+            return
+        magic, length, crc = REC.unpack_from(data, pos)
+        if magic != MAGIC or length > MAX_RECORD:
+            nxt = data.find(MAGIC, pos + 1)
+            nxt = end if nxt < 0 else nxt
+            loss.corrupt_records += 1
+            loss.corrupt_bytes += nxt - pos
+            loss.problems.append(f"{path}@{start + pos}: bad record header; skipped "
+                                 f"{nxt - pos} bytes")
+            pos = nxt
+            continue
+        body_at = pos + REC.size
+        if body_at + length > end:
+            if final:
+                loss.truncated_bytes += end - pos
+                loss.truncated_records += 1
+                loss.problems.append(f"{path}@{start + pos}: last record cut short "
+                                     f"({end - body_at} of {length} bytes)")
+            return
+        body = data[body_at:body_at + length]
+        if zlib.crc32(body) != crc:
+            loss.corrupt_records += 1
+            loss.corrupt_bytes += REC.size + length
+            loss.problems.append(f"{path}@{start + pos}: record CRC mismatch, skipped")
+            pos = body_at + length
+            continue
+        yield start + pos, body
+        pos = body_at + length
+
+
+def read_entries(path: str | os.PathLike, loss: Loss | None = None, *,
+                 final: bool = True) -> Iterator[Any]:
+    """Decoded `Entry` readers of a ``.tlog`` file (bad records skipped, counted)."""
+    loss = loss if loss is not None else Loss()
+    for off, body in read_stream(path, loss=loss, final=final):
+        try:
+            with Entry.from_bytes(body) as e:
+                yield e
+        except capnp.KjException as exc:
+            loss.corrupt_records += 1
+            loss.corrupt_bytes += len(body)
+            loss.problems.append(f"{path}@{off}: not a log entry ({str(exc)[:80]})")
+
+
+# ---------------------------------------------------------------- video
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    codec: str                # "h264" | "raw"
+    width: int
+    height: int
+    pixel_format: str = "nv12"
+    fps: float = 20.0
+
+    @property
+    def frame_size(self) -> int:
+        return self.width * self.height * 3 // 2
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    n: int                    # position in the video
+    frame_id: int
+    capture_ts_ns: int
+    offset: int
+    size: int
+    keyframe: bool
+
+
+def _vix(frame_id: int, ts: int, off: int, size: int, flags: int) -> bytes:
+    head = VIX.pack(VIX_MAGIC, frame_id, ts, off, size, flags)
+    return head + struct.pack("<I", zlib.crc32(head))
+
+
+class VideoWriter:
+    """Encodes NV12 frames of one channel into ``<channel>.h264`` (or stores them raw
+    in ``<channel>.nv12``) and appends one index record per frame."""
+
+    def __init__(self, directory: str | os.PathLike, channel: str, info: VideoInfo, *,
+                 gop: int = 20, crf: int = 23) -> None:
+        if info.codec not in CODECS:
+            raise LogError(f"video codec {info.codec!r}: one of {', '.join(CODECS)}")
+        if info.pixel_format != "nv12":
+            raise LogError(f"video of {info.pixel_format} frames: only nv12 is recorded")
+        if info.width % 2 or info.height % 2:
+            raise LogError(f"video {info.width}x{info.height}: nv12 needs even sizes")
+        d = Path(directory)
+        self.info = info
+        tmp = d / f".{channel}.video.tmp"
+        tmp.write_text(json.dumps(info.__dict__))
+        os.replace(tmp, d / f"{channel}.video")
+        ext = "h264" if info.codec == "h264" else "nv12"
+        self._data = os.open(d / f"{channel}.{ext}", os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                             | os.O_CLOEXEC, 0o644)
+        self._index = os.open(d / f"{channel}.vidx", os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                              | os.O_CLOEXEC, 0o644)
+        self._offset = os.fstat(self._data).st_size
+        self.count = os.fstat(self._index).st_size // VIX_SIZE
+        self._cc = None
+        if info.codec == "h264":
+            import av  # the recorder's domain has it; readers of raw logs never need it
+            from fractions import Fraction
+
+            cc = av.CodecContext.create("libx264", "w")
+            cc.width, cc.height, cc.pix_fmt = info.width, info.height, "nv12"
+            cc.time_base = Fraction(1, 1000)
+            cc.gop_size = gop
+            cc.max_b_frames = 0
+            # zerolatency: one packet out per frame in (no lookahead, no B-frames), so
+            # each index record points at exactly its frame's bytes.
+            cc.options = {"preset": "ultrafast", "tune": "zerolatency", "crf": str(crf)}
+            self._cc = cc
+            self._av = av
+
+    def write(self, frame_id: int, capture_ts_ns: int, y, uv) -> None:
+        """One frame from its planes (numpy views, rows may be padded)."""
+        import numpy as np
+
+        w, h = self.info.width, self.info.height
+        if self._cc is None:
+            buf = np.empty(self.info.frame_size, np.uint8)
+            buf[:w * h].reshape(h, w)[...] = y[:h, :w]
+            buf[w * h:].reshape(h // 2, w)[...] = np.asarray(uv).reshape(h // 2, -1)[:, :w]
+            self._append([(buf.tobytes(), True)], frame_id, capture_ts_ns)
+            return
+        arr = np.empty((h * 3 // 2, w), np.uint8)
+        arr[:h] = y[:h, :w]
+        arr[h:] = np.asarray(uv).reshape(h // 2, -1)[:, :w]
+        frame = self._av.VideoFrame.from_ndarray(arr, format="nv12")
+        frame.pts = self.count
+        packets = [(bytes(p), bool(p.is_keyframe)) for p in self._cc.encode(frame)]
+        self._append(packets, frame_id, capture_ts_ns)
+
+    def _append(self, packets: list[tuple[bytes, bool]], frame_id: int, ts: int) -> None:
+        if not packets:
+            return              # (never with zerolatency) nothing to index yet
+        data = b"".join(p for p, _ in packets)
+        key = any(k for _, k in packets)
+        n = os.write(self._data, data)
+        if n != len(data):
+            raise OSError(f"video: short write ({n} of {len(data)} bytes)")
+        os.write(self._index, _vix(frame_id, ts, self._offset, n, KEYFRAME if key else 0))
+        self._offset += n
+        self.count += 1
+
+    def close(self) -> None:
+        # Flushing the encoder would give packets for no new frame: with zerolatency
+        # there are none, so nothing is lost by not draining it.
+        for fd in (self._data, self._index):
+            if fd >= 0:
+                os.close(fd)
+        self._data = self._index = -1
+
+
+class VideoReader:
+    """A channel's video, read through its index (timestamps from the index)."""
+
+    def __init__(self, directory: str | os.PathLike, channel: str) -> None:
+        d = Path(directory)
+        meta = d / f"{channel}.video"
+        try:
+            self.info = VideoInfo(**json.loads(meta.read_text()))
+        except (OSError, ValueError, TypeError) as e:
+            raise LogError(f"{meta}: no usable video description ({e})") from None
+        self.path = d / f"{channel}.{'h264' if self.info.codec == 'h264' else 'nv12'}"
+        self.loss = Loss()
+        self.index = self._read_index(d / f"{channel}.vidx")
+        self._dec = None
+
+    def _read_index(self, path: Path) -> list[IndexEntry]:
+        try:
+            raw = path.read_bytes()
+            size = os.path.getsize(self.path)
+        except OSError as e:
+            raise LogError(f"{path}: {e.strerror}") from None
+        out: list[IndexEntry] = []
+        whole = len(raw) // VIX_SIZE
+        if len(raw) % VIX_SIZE:
+            self.loss.truncated_bytes += len(raw) % VIX_SIZE
+            self.loss.truncated_records += 1
+            self.loss.problems.append(f"{path}: {len(raw) % VIX_SIZE} trailing bytes of a "
+                                      f"partial index record")
+        end_used = 0
+        for k in range(whole):
+            rec = raw[k * VIX_SIZE:(k + 1) * VIX_SIZE]
+            magic, fid, ts, off, n, flags = VIX.unpack_from(rec)
+            (crc,) = struct.unpack_from("<I", rec, VIX.size)
+            if magic != VIX_MAGIC or crc != zlib.crc32(rec[:VIX.size]):
+                self.loss.corrupt_records += 1
+                self.loss.corrupt_bytes += VIX_SIZE
+                self.loss.problems.append(f"{path}: index record {k} corrupt, skipped")
+                continue
+            if off + n > size:      # its bytes are counted below, with the unindexed tail
+                self.loss.truncated_records += 1
+                self.loss.problems.append(f"{path}: frame {fid} runs past the end of "
+                                          f"{self.path.name}, dropped")
+                continue
+            out.append(IndexEntry(len(out), fid, ts, off, n, bool(flags & KEYFRAME)))
+            end_used = max(end_used, off + n)
+        if size > end_used:      # data written, index record never: a crash in between
+            self.loss.truncated_bytes += size - end_used
+            self.loss.problems.append(f"{self.path}: {size - end_used} bytes after the last "
+                                      f"indexed frame (never indexed), dropped")
+        return out
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def frames(self, start: int = 0) -> Iterator[tuple[IndexEntry, bytes]]:
+        """(index entry, tightly packed NV12 bytes) from position ``start`` on; decoding
+        begins at the keyframe at or before ``start``."""
+        if not self.index:
+            return
+        with open(self.path, "rb") as f:
+            if self.info.codec == "raw":
+                for e in self.index[start:]:
+                    f.seek(e.offset)
+                    yield e, f.read(e.size)
+                return
+            import av
+
+            k = start
+            while k > 0 and not self.index[k].keyframe:
+                k -= 1
+            dec = av.CodecContext.create("h264", "r")
+            w, h = self.info.width, self.info.height
+            for e in self.index[k:]:
+                f.seek(e.offset)
+                try:
+                    got = dec.decode(av.Packet(f.read(e.size)))
+                except av.error.FFmpegError as exc:
+                    self.loss.corrupt_records += 1
+                    self.loss.problems.append(f"{self.path}: frame {e.frame_id}: {exc}")
+                    continue
+                if e.n < start:
+                    continue
+                for fr in got:
+                    yield e, nv12_bytes(fr, w, h)
+
+
+def nv12_bytes(frame, width: int, height: int) -> bytes:
+    """Tightly packed NV12 of a decoded PyAV frame (its rows may be padded)."""
+    import numpy as np
+
+    f = frame if frame.format.name == "nv12" else frame.reformat(format="nv12")
+    out = np.empty(width * height * 3 // 2, np.uint8)
+    for i, (rows, dst) in enumerate(((height, out[:width * height]),
+                                     (height // 2, out[width * height:]))):
+        p = f.planes[i]
+        src = np.frombuffer(p, np.uint8).reshape(-1, p.line_size)[:rows, :width]
+        dst.reshape(rows, width)[...] = src
+    return out.tobytes()
+
+
+def frame_times(directory: str | os.PathLike, channel: str) -> dict[int, int]:
+    """frame id -> recorded capture time (ns) of a channel, from its video index alone
+    (no decoder, no capnp): what a replaying worker needs for log time."""
+    path = Path(directory) / f"{channel}.vidx"
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise LogError(f"{path}: {e.strerror}") from None
+    out: dict[int, int] = {}
+    for k in range(len(raw) // VIX_SIZE):
+        rec = raw[k * VIX_SIZE:(k + 1) * VIX_SIZE]
+        magic, fid, ts, _, _, _ = VIX.unpack_from(rec)
+        if magic == VIX_MAGIC and struct.unpack_from("<I", rec, VIX.size)[0] == zlib.crc32(rec[:VIX.size]):
+            out[fid] = ts
+    return out

@@ -1,0 +1,163 @@
+"""recorder: writes every channel it reads into a drive log (supervisor/replay/logfmt.py).
+
+    python -m supervisor.runner workers.recorder --out DIR [--channels a,b,...]
+        [--video h264|raw] [--fps 20] [--status-s 1.0]
+
+It runs in a domain of its own (research profile: never control, no torch needed) and
+attaches to each channel as one more read-only reader (``shadow_subscribes`` in the
+derived config, so it imposes no start order and never feeds actuation). Frames go to
+the channel's video (H.264 by default; ``--video raw`` keeps the NV12 bytes for
+bit-exact replays) with their metadata in the message stream; tensor messages are
+stored whole with their receipts.
+
+A recorder that cannot keep up (slow disk, slow encoder) is only a slow reader: the
+writers never wait for it (leases are bounded by the channel's lease_ms), and what it
+missed is counted per channel (sequence gaps, rejections, lost leases) and written to
+the log as ``drops`` entries and in its status line. On SIGTERM it drains what is still
+in the rings, writes a closing summary and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from supervisor.ipc import BridgeError, LeaseLost, Reader, Rejected
+from supervisor.worker import WorkerContext
+
+IDLE_S = 0.002          # nothing new on any channel: sleep this long
+PING_S = 0.1
+DROPS_EVERY_S = 1.0
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="workers.recorder")
+    p.add_argument("--out", required=True, help="the log directory (writable here)")
+    p.add_argument("--channels", default="", help="comma-separated; default: every channel given")
+    p.add_argument("--video", choices=("h264", "raw", "none"), default="h264",
+                   help="none: frame metadata only (a replay's own output log)")
+    p.add_argument("--fps", type=float, default=20.0, help="nominal rate (video metadata)")
+    p.add_argument("--status-s", type=float, default=1.0)
+    return p.parse_args(argv)
+
+
+@dataclass
+class Tap:
+    """One channel being recorded, and what was reported of its losses so far."""
+
+    name: str
+    reader: Reader
+    video: bool = True               # store frame pixels (else metadata only)
+    recorded: int = 0
+    skipped: int = 0                 # our own failures (lost lease while copying)
+    reported: tuple[int, int, int, int] = (0, 0, 0, 0)
+    last: dict[str, int] = field(default_factory=dict)
+
+    def counts(self) -> tuple[int, int, int, int]:
+        s = self.reader.stats
+        return s.dropped, sum(s.rejected.values()), s.leases_lost, self.skipped
+
+
+def record_one(tap: Tap, log, msg) -> None:
+    """Copy one message out under its lease, release it, then write it (the lease is
+    never held across the encoder or the disk)."""
+    info = msg.frame
+    stamp = msg.stamp
+    if info is not None:
+        keep = tap.video and info.pixel_format == "nv12"
+        planes = tuple(np.array(p) for p in msg.planes()) if keep else None
+        msg.release()                # raises LeaseLost if the camera overwrote it meanwhile
+        log.frame(tap.name, stamp.sequence, stamp.publish_ts_ns, stamp.writer_pid,
+                  info.frame_id, info.capture_ts_ns, info.exposure_us, info.width,
+                  info.height, info.pixel_format, info.sensor, planes)
+    else:
+        arr = np.array(msg.array)
+        receipt = msg.receipt
+        msg.release()
+        log.message(tap.name, stamp.sequence, stamp.publish_ts_ns, stamp.writer_pid,
+                    stamp.frame_id, stamp.capture_ts_ns, arr, receipt)
+    tap.recorded += 1
+
+
+def drain(taps: list[Tap], log, limit: int = 64) -> int:
+    """Up to ``limit`` messages per channel; returns how many were taken."""
+    got = 0
+    for tap in taps:
+        for _ in range(limit):
+            try:
+                msg = tap.reader.try_receive()
+            except Rejected:
+                continue             # counted by the reader (reported as drops)
+            if msg is None:
+                break
+            try:
+                record_one(tap, log, msg)
+            except LeaseLost:
+                tap.skipped += 1
+            got += 1
+    return got
+
+
+def report_drops(taps: list[Tap], log) -> None:
+    for tap in taps:
+        now = tap.counts()
+        if now != tap.reported:
+            d = [a - b for a, b in zip(now, tap.reported)]
+            log.drops(tap.name, *d)
+            tap.reported = now
+
+
+def main(ctx: WorkerContext) -> int:
+    from supervisor.replay.drivelog import LogWriter   # (PyAV loads here, before READY)
+
+    a = parse_args(sys.argv[1:])
+    stop: list[int] = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    names = [c for c in a.channels.split(",") if c] or list(ctx.channels)
+    try:
+        taps = [Tap(n, ctx.reader(n), video=a.video != "none") for n in names]
+        log = LogWriter(a.out, names, info={"worker": ctx.name, "video": a.video,
+                                            "fps": a.fps, "channels": names},
+                        video_codec="h264" if a.video == "none" else a.video, fps=a.fps)
+    except (KeyError, BridgeError, OSError) as e:
+        print(f"recorder: {e}", file=sys.stderr, flush=True)
+        return 2
+    ctx.ready(status=f"recording {', '.join(names)} -> {a.out} ({a.video})")
+    last_ping = last_drops = last_status = time.monotonic()
+    while not stop:
+        if drain(taps, log) == 0:
+            time.sleep(IDLE_S)
+        now = time.monotonic()
+        if now - last_ping >= PING_S:
+            ctx.watchdog()
+            last_ping = now
+        if now - last_drops >= DROPS_EVERY_S:
+            report_drops(taps, log)
+            last_drops = now
+        if now - last_status >= a.status_s:
+            ctx.status(status_text(taps))
+            last_status = now
+    # Stopping: what is still in the rings was published before the stop; keep it.
+    while drain(taps, log):
+        pass
+    report_drops(taps, log)
+    summary = {t.name: {"recorded": t.recorded, "dropped": t.counts()[0],
+                        "rejected": t.counts()[1], "leases_lost": t.counts()[2],
+                        "skipped": t.skipped} for t in taps}
+    log.close(summary)
+    ctx.status("stopped: " + status_text(taps))
+    return 0
+
+
+def status_text(taps: list[Tap]) -> str:
+    parts = []
+    for t in taps:
+        dropped, rejected, lost, skipped = t.counts()
+        parts.append(f"{t.name}={t.recorded}" + (f"(dropped={dropped},rejected={rejected},"
+                                                 f"lost={lost + skipped})"
+                                                 if dropped or rejected or lost or skipped else ""))
+    return "recorded " + " ".join(parts)
