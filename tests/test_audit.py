@@ -237,6 +237,7 @@ BROKEN = CLEAN + textwrap.dedent(
     + _probe("c-cc", "control", args=[])
     + _probe("c-root", "control", args=[])
     + _probe("r-bare", "research", args=[])
+    + _probe("c-bare", "control", args=[])
     + (_probe("c-torch", "control", args=["--map-file", TORCH_LIB]) if TORCH_LIB else ""))
 
 
@@ -257,6 +258,8 @@ def _breaker(cfg, log):
                 pol.host_uid = pol.host_gid = None  # bwrap stays host root
             elif w.name == "r-bare":
                 pol.seccomp_at_launch = False       # research: then no filter at all
+            elif w.name == "c-bare":
+                pol.seccomp_at_launch = False       # control: exec ban + watch only
             elif w.name == "c-torch":
                 pol.hidden = []                     # torch's files visible
             return pol
@@ -266,6 +269,14 @@ def _breaker(cfg, log):
                 self._set_ready(run, now)
                 return
             await super()._verify_ready(run, now)
+
+        # A reader handed the writer's fd. Two spellings of the same hook: the channel
+        # handles by name (`_handles`), or the older env + fds (`_endpoint_env`).
+        def _handles(self, w):
+            out = super()._handles(w)
+            if w.name == "c-rw":
+                out["spare"] = self.channels["spare"].writer_handle()
+            return out
 
         def _endpoint_env(self, w):
             env, fds = super()._endpoint_env(w)
@@ -294,12 +305,16 @@ def test_live_audit_flags_every_broken_property():
     assert "host.uid" in keys["c-root"]
     assert keys["c-rw"] == {"channels.spare"}
     assert keys["r-bare"] == {"seccomp"}
+    # two filters where three are promised: which one is missing cannot be read from
+    # /proc, so the audit also stops vouching for the exec ban
+    assert "seccomp" in keys["c-bare"] <= {"seccomp", "exec_after_start"}
     if TORCH_LIB:
         assert keys["c-torch"] == {"torch"}
     rows = {w["worker"]: w for w in r["workers"]}
     assert rows["c-root"]["host"]["uid"] == 0
     assert rows["c-root"]["evidence"]["uid_map"] == [[1000, 0, 1]]
     assert rows["r-bare"]["evidence"]["status"]["Seccomp"] == "0"
+    assert rows["c-bare"]["seccomp"]["filters"] == 2        # the launch filter is missing
     assert rows["c-rw"]["evidence"]["channel_mappings"]["spare"]["data"] == ["rw-s"]
     assert len(rows["c-net"]["evidence"]["interfaces"]) > 1 or \
         rows["c-net"]["namespaces"]["net"] == "host"
