@@ -1,4 +1,4 @@
-"""``supervisor`` command line: run, check, units, clear-fail-safe, audit."""
+"""``supervisor`` command line: run, check, units, clear-fail-safe, audit, record, replay."""
 from __future__ import annotations
 
 # First of all: a Ctrl-C or SIGTERM from now on is recorded, never a traceback.
@@ -141,7 +141,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="supervisor", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("run", "check", "units", "clear-fail-safe", "audit"):
+    for name in ("run", "check", "units", "clear-fail-safe", "audit", "record", "replay"):
         s = sub.add_parser(name)
         s.add_argument("--config", "-c", default=None,
                        help="TOML config (default: the embedded one)")
@@ -167,7 +167,15 @@ def main(argv: list[str] | None = None) -> int:
                            help="--live: seconds to wait after all workers are READY")
             s.add_argument("--timeout", type=float, default=180.0,
                            help="--live: seconds to wait for all workers to be READY")
+        if name in ("record", "replay"):   # developer replay: supervisor/replay/
+            from supervisor.replay.commands import add_record_args, add_replay_args
+
+            (add_record_args if name == "record" else add_replay_args)(s)
     args = p.parse_args(argv)
+    if args.cmd in ("record", "replay"):
+        from supervisor.replay import commands
+
+        return (commands.cmd_record if args.cmd == "record" else commands.cmd_replay)(args)
     return {"run": cmd_run, "check": cmd_check, "units": cmd_units,
             "clear-fail-safe": cmd_clear_fail_safe, "audit": cmd_audit}[args.cmd](args)
 

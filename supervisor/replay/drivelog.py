@@ -21,10 +21,23 @@ from typing import Any
 
 import numpy as np
 
-from supervisor.ipc.receipt import Receipt, fill as fill_receipt, read as read_receipt
+from supervisor.ipc.receipt import Receipt
+from supervisor.ipc.receipt import fill as fill_receipt
+from supervisor.ipc.receipt import read as read_receipt
 
-from .logfmt import (LIFECYCLE, MESSAGES, VERSION, Entry, LogError, Loss, StreamWriter,
-                     VideoInfo, VideoReader, VideoWriter, read_entries)
+from .logfmt import (
+    LIFECYCLE,
+    MESSAGES,
+    VERSION,
+    Entry,
+    LogError,
+    Loss,
+    StreamWriter,
+    VideoInfo,
+    VideoReader,
+    VideoWriter,
+    read_entries,
+)
 
 
 @dataclass(frozen=True)

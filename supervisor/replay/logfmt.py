@@ -236,8 +236,9 @@ class VideoWriter:
         self.count = os.fstat(self._index).st_size // VIX_SIZE
         self._cc = None
         if info.codec == "h264":
-            import av  # the recorder's domain has it; readers of raw logs never need it
             from fractions import Fraction
+
+            import av  # the recorder's domain has it; readers of raw logs never need it
 
             cc = av.CodecContext.create("libx264", "w")
             cc.width, cc.height, cc.pix_fmt = info.width, info.height, "nv12"

@@ -112,7 +112,7 @@ def report_drops(taps: list[Tap], log) -> None:
 
 
 def main(ctx: WorkerContext) -> int:
-    from supervisor.replay.drivelog import LogWriter   # (PyAV loads here, before READY)
+    from supervisor.replay.drivelog import LogWriter  # (PyAV loads here, before READY)
 
     a = parse_args(sys.argv[1:])
     stop: list[int] = []

@@ -1,0 +1,208 @@
+"""The ``record`` and ``replay`` subcommands (supervisor/cli.py parses, this runs).
+
+Bad input (a missing log, an unusable config, a bad --tol) is one line on stderr and
+exit 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from supervisor.exits import Exit
+
+# (the parser is built on every `supervisor` start: nothing heavy is imported up here)
+MESSAGES = "messages.tlog"      # = logfmt.MESSAGES
+
+
+def add_record_args(s: argparse.ArgumentParser) -> None:
+    s.add_argument("out", metavar="OUT", help="new log directory")
+    s.add_argument("--seconds", type=float, default=None,
+                   help="stop after N seconds (default: until Ctrl-C)")
+    s.add_argument("--video", choices=("h264", "raw"), default="h264",
+                   help="road video: H.264 (default) or lossless raw NV12 (bit-exact replays)")
+    s.add_argument("--quiet", action="store_true", help="no lifecycle events on stderr")
+
+
+def add_replay_args(s: argparse.ArgumentParser) -> None:
+    s.add_argument("logs", metavar="LOG", nargs="+",
+                   help="a drive log; several (or directories of logs) replay as a fleet")
+    s.add_argument("--out", default=None, help="RUN directory (fleet: the directory of runs)")
+    s.add_argument("--realtime", action="store_true",
+                   help="pace frames at the recorded rate instead of lockstep")
+    s.add_argument("--ref", default=None,
+                   help="compare with REF: an earlier RUN, a LOG, or 'self' (the log replayed)")
+    s.add_argument("--tol", action="append", default=[], metavar="CHANNEL[.FIELD]=X",
+                   help="absolute tolerance (repeatable; default 0: bit-identical)")
+    s.add_argument("--time-p99", type=float, default=1.5,
+                   help="model time gate: p99 may be at most this x REF's (default 1.5)")
+    s.add_argument("--time-max", type=float, default=2.0,
+                   help="model time gate: max may be at most this x REF's (default 2.0)")
+    s.add_argument("--time-floor-ms", type=float, default=2.0,
+                   help="model time gate: never fail for less than this many ms over REF")
+    s.add_argument("--format", choices=("text", "markdown", "json"), default="text")
+    s.add_argument("--step-timeout", type=float, default=5.0,
+                   help="lockstep: seconds to wait for a frame's command before going on")
+    s.add_argument("--jobs", type=int, default=1, help="fleet: replays at once on this machine")
+    s.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="fleet: run the replays on a Ray cluster ('local' starts one)")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.add_argument("--events", action="store_true", help="lifecycle events on stderr")
+
+
+def _fail(prog: str, msg: str, code: int = int(Exit.CONFIG)) -> int:
+    print(f"supervisor {prog}: {msg}", file=sys.stderr)
+    return code
+
+
+def _internal(prog: str, e: BaseException) -> int:
+    where = traceback.extract_tb(e.__traceback__)[-1]
+    print(f"supervisor {prog}: internal error: {type(e).__name__}: {e} "
+          f"({where.filename}:{where.lineno})", file=sys.stderr)
+    return int(Exit.ERROR)
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    from .record import RecordError, record
+
+    try:
+        rec = record(args.out, config=args.config, seconds=args.seconds, video=args.video,
+                     echo=None if args.quiet else sys.stderr)
+    except RecordError as e:
+        return _fail("record", str(e))
+    except Exception as e:
+        return _internal("record", e)
+    print(rec.text())
+    return rec.exit_code
+
+
+def _ref_log(ref: str, log: str):
+    """REF as a log: 'self', a RUN (its log/), or a LOG."""
+    from .drivelog import DriveLog
+
+    path = Path(log if ref == "self" else ref)
+    if (path / "log" / MESSAGES).is_file():
+        path = path / "log"
+    return DriveLog.open(path)
+
+
+def _payloads(run_dir: str) -> dict[str, str]:
+    from .derive import read_doc
+
+    doc, _ = read_doc(os.path.join(run_dir, "replay.toml"))
+    return {n: c["payload"] for n, c in (doc.get("channels") or {}).items()
+            if isinstance(c, dict) and c.get("payload")}
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from .diff import ToleranceError, parse_tolerances
+
+    try:
+        tols = parse_tolerances(args.tol)
+    except ToleranceError as e:
+        return _fail("replay", str(e))
+    if args.jobs < 1:
+        return _fail("replay", f"--jobs {args.jobs}: must be >= 1")
+    if len(args.logs) > 1 or args.ray or args.jobs > 1 or not (
+            Path(args.logs[0]) / MESSAGES).is_file() and Path(args.logs[0]).is_dir():
+        return _fleet(args)
+    try:
+        return _replay_one(args, tols)
+    except Exception as e:
+        return _internal("replay", e)
+
+
+def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
+    from .derive import plan_of, read_doc
+    from .diff import compare, render_json, render_markdown, render_text
+    from .drivelog import DriveLog
+    from .logfmt import LogError
+    from .run import DIFFERS, ReplayError, replay
+
+    ref = None
+    if args.ref is not None:
+        try:
+            ref = _ref_log(args.ref, args.logs[0])
+        except LogError as e:
+            return _fail("replay", f"--ref: {e}")
+    try:
+        res = replay(args.logs[0], out=args.out, config=args.config, realtime=args.realtime,
+                     step_timeout_s=args.step_timeout, echo=sys.stderr if args.events else None,
+                     progress_out=None if args.no_progress else sys.stderr)
+    except ReplayError as e:
+        return _fail("replay", str(e))
+    s = res.summary
+    code = res.exit_code
+    if ref is not None and s.get("frames"):
+        run = DriveLog.open(Path(res.run_dir) / "log")
+        payloads = _payloads(res.run_dir)
+        plan = plan_of(read_doc(os.path.join(res.run_dir, "replay.toml"))[0])
+        chans = [c for c in payloads if c in run.messages or c in ref.messages]
+        report = compare(run, ref, channels=chans, payloads=payloads,
+                         model_channel=plan.model_out, tolerances=tols,
+                         p99_ratio=args.time_p99, max_ratio=args.time_max,
+                         floor_ms=args.time_floor_ms)
+        Path(res.run_dir, "diff.md").write_text(render_markdown(report))
+        Path(res.run_dir, "diff.json").write_text(render_json(report))
+        s["diff"] = {"ref": str(ref.path), "ok": report.ok,
+                     "first_divergent_frame": report.first_divergent_frame}
+        Path(res.run_dir, "summary.json").write_text(json.dumps(s, indent=2))
+        out = {"text": render_text, "markdown": render_markdown, "json": render_json}[args.format]
+        print_summary(s)
+        sys.stdout.write(out(report))
+        if code == 0 and not report.ok:
+            code = DIFFERS
+        return code
+    print_summary(s)
+    return code
+
+
+def print_summary(s: dict) -> None:
+    f = s.get("frames", {})
+    lat = s.get("model_latency_ms", {})
+    fmt = (lambda v: "-" if v is None else f"{v:.2f}")
+    drops = sum(sum(v.values()) for v in s.get("drops", {}).values())
+    print(f"replay ({s.get('mode')}): {f.get('replayed', 0)}/{f.get('in_log', 0)} frames, "
+          f"{f.get('model_outputs', 0)} model outputs, {f.get('commands', 0)} commands, "
+          f"{f.get('step_timeouts', 0)} step timeouts, {drops} drops; model latency p50 "
+          f"{fmt(lat.get('p50'))} p99 {fmt(lat.get('p99'))} max {fmt(lat.get('max'))} ms, "
+          f"{s.get('deadline_misses', 0)} deadline misses; {s.get('frames_per_s')} frames/s "
+          f"({s.get('speed_vs_realtime')}x real time)")
+    loss = (s.get("input_log_loss") or {}).get("text")
+    if loss and loss != "nothing lost":
+        print(f"input log: {loss}")
+    print(f"run: {s.get('run')} (summary.json, plot.png)")
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    from .fleet import FleetError, replay_fleet
+
+    extra: list[str] = []
+    if args.config:
+        extra += ["--config", os.path.abspath(args.config)]
+    if args.realtime:
+        extra.append("--realtime")
+    if args.ref is not None:
+        if args.ref != "self":
+            return _fail("replay", "a fleet compares each log with itself only: --ref self")
+        extra += ["--ref", "self"]
+    for t in args.tol:
+        extra += ["--tol", t]
+    extra += ["--time-p99", str(args.time_p99), "--time-max", str(args.time_max),
+              "--time-floor-ms", str(args.time_floor_ms), "--step-timeout",
+              str(args.step_timeout)]
+    out = args.out or os.path.abspath("fleet-replay")
+    try:
+        rep = replay_fleet(args.logs, out, jobs=args.jobs, ray=args.ray, extra=extra)
+    except FleetError as e:
+        return _fail("replay", str(e))
+    except Exception as e:
+        return _internal("replay", e)
+    if args.format == "json":
+        print(json.dumps(rep.as_dict(), indent=2))
+    else:
+        sys.stdout.write(rep.markdown())
+    return rep.exit_code

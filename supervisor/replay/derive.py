@@ -1,0 +1,277 @@
+"""Derived configs for `supervisor record` and `supervisor replay`.
+
+The user's config (a TOML file, or the embedded default) is read as a plain dict, the
+recorder (and for a replay the camera's log source) is added to it, and the result is
+written as TOML into a directory of the run and loaded by the normal loader: every rule
+of a normal config holds for the derived one, and a problem is reported as usual.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from supervisor.config import ConfigError, load
+
+RECORDER_DOMAIN = "recorder"
+RECORDER = "recorder"
+CAMERA = "workers.camerad"
+CONTROLS = "workers.controlsd"
+MODEL = "workers.modeld"
+
+
+class DeriveError(ConfigError):
+    """The user's config does not have what record/replay needs (one line)."""
+
+
+def read_doc(path: str | os.PathLike | None) -> tuple[dict[str, Any], str]:
+    """The user's config as a dict, and its name."""
+    if path is None:
+        text = resources.files("supervisor").joinpath("default.toml").read_text("utf-8")
+        return tomllib.loads(text), "<embedded supervisor/default.toml>"
+    try:
+        return tomllib.loads(Path(path).read_text("utf-8")), str(path)
+    except OSError as e:
+        raise DeriveError(f"{path}: cannot read the config: {e.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise DeriveError(f"{path}: not valid TOML: {e}") from None
+
+
+# ---------------------------------------------------------------- TOML out
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)          # a TOML basic string is a JSON string
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_key(k)} = {_value(x)}" for k, x in v.items()) + "}"
+    raise DeriveError(f"cannot write {type(v).__name__} {v!r} as TOML")
+
+
+def _key(k: str) -> str:
+    return k if k.replace("_", "").replace("-", "").isalnum() else json.dumps(k)
+
+
+def dumps(doc: dict[str, Any]) -> str:
+    """Top-level tables of tables (``[workers.x]``) and plain values; enough for a
+    supervisor config."""
+    lines: list[str] = []
+    plain = {k: v for k, v in doc.items() if not isinstance(v, dict)}
+    for k, v in plain.items():
+        lines.append(f"{_key(k)} = {_value(v)}")
+    for section, body in doc.items():
+        if not isinstance(body, dict):
+            continue
+        leaf = {k: v for k, v in body.items() if not isinstance(v, dict)}
+        nested = {k: v for k, v in body.items() if isinstance(v, dict)}
+        if leaf or not nested:
+            lines.append(f"\n[{_key(section)}]")
+            lines += [f"{_key(k)} = {_value(v)}" for k, v in leaf.items()]
+        for name, table in nested.items():
+            lines.append(f"\n[{_key(section)}.{_key(name)}]")
+            lines += [f"{_key(k)} = {_value(v)}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def channel_names(value: Any) -> list[str]:
+    """Channels of a ``publishes``/``subscribes`` value: a list of names, or a table
+    of role = name."""
+    if isinstance(value, dict):
+        return [str(v) for v in value.values()]
+    return [str(v) for v in (value or [])]
+
+
+def uses_roles(doc: dict[str, Any]) -> bool:
+    """Does the config bind channels to roles (``subscribes = {frames = "..."}``)?"""
+    return any(isinstance(w.get(k), dict) for w in (doc.get("workers") or {}).values()
+               if isinstance(w, dict) for k in ("publishes", "subscribes", "shadow_subscribes"))
+
+
+def _add_channel(doc: dict[str, Any], w: dict[str, Any], key: str, channel: str,
+                 role: str) -> str:
+    """Add a read of ``channel`` to worker ``w``; returns the name the worker asks for
+    (the role where the config binds roles, else the channel)."""
+    cur = w.get(key)
+    if isinstance(cur, dict) or (cur is None and uses_roles(doc)):
+        w[key] = {**(cur or {}), role: channel}
+        return role
+    w[key] = [*(cur or []), channel]
+    return channel
+
+
+def worker_by_module(doc: dict[str, Any], module: str) -> tuple[str, dict[str, Any]] | None:
+    for name, w in (doc.get("workers") or {}).items():
+        if isinstance(w, dict) and w.get("module") == module:
+            return name, w
+    return None
+
+
+def _need(doc: dict[str, Any], module: str, what: str) -> tuple[str, dict[str, Any]]:
+    found = worker_by_module(doc, module)
+    if found is None:
+        raise DeriveError(f"the config has no {what} worker (module = {module!r})")
+    return found
+
+
+def _bump_readers(doc: dict[str, Any], channels: list[str], by: int = 1) -> None:
+    # A channel whose max_readers is explicit needs room for the new readers; a default
+    # one is sized from its subscribers (the new ones included) by the loader.
+    for ch in channels:
+        spec = doc.get("channels", {}).get(ch)
+        if isinstance(spec, dict) and "max_readers" in spec:
+            spec["max_readers"] = int(spec["max_readers"]) + by
+
+
+def add_recorder(doc: dict[str, Any], out_dir: str, *, video: str, fps: float,
+                 channels: list[str] | None = None) -> dict[str, Any]:
+    """A recorder domain (research profile, the output directory bound writable) and
+    the recorder worker reading ``channels`` (default: all) as log-only reads."""
+    chans = list(channels if channels is not None else (doc.get("channels") or {}))
+    if not chans:
+        raise DeriveError("the config declares no channels: nothing to record")
+    domains = doc.setdefault("domains", {})
+    workers = doc.setdefault("workers", {})
+    if RECORDER_DOMAIN in domains or RECORDER in workers:
+        raise DeriveError(f"the config already has a {RECORDER!r} domain or worker")
+    domains[RECORDER_DOMAIN] = {"profile": "research", "network": False, "actuates": False,
+                                "failure_policy": "restart",
+                                "extra_rw_binds": [os.path.abspath(out_dir)]}
+    workers[RECORDER] = {
+        "domain": RECORDER_DOMAIN, "module": "workers.recorder",
+        # role = channel where roles are bound: the recorder asks for channel names
+        "shadow_subscribes": {c: c for c in chans} if uses_roles(doc) else chans,
+        "args": ["--out", os.path.abspath(out_dir), "--video", video, "--fps", str(fps),
+                 "--channels", ",".join(chans)],
+        "restart": "on-failure", "ready_timeout_ms": 30000, "watchdog_ms": 5000,
+        "memory_max": "1GiB", "pids_max": 64,
+    }
+    _bump_readers(doc, chans)
+    return doc
+
+
+# ---------------------------------------------------------------- record
+
+
+def camera_fps(doc: dict[str, Any]) -> float:
+    cam = worker_by_module(doc, CAMERA)
+    args = list(cam[1].get("args") or []) if cam else []
+    for i, a in enumerate(args[:-1]):
+        if a == "--fps":
+            try:
+                return float(args[i + 1])
+            except ValueError:
+                break
+    return 20.0
+
+
+def record_doc(doc: dict[str, Any], out_dir: str, *, video: str = "h264") -> dict[str, Any]:
+    doc = copy.deepcopy(doc)
+    return add_recorder(doc, out_dir, video=video, fps=camera_fps(doc))
+
+
+# ---------------------------------------------------------------- replay
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    """Who does what in a replay (names from the user's config)."""
+
+    camera: str
+    frames: str              # the camera's frame channel (the log's video)
+    controls: str | None
+    command: str | None      # controlsd's output channel
+    model: str | None
+    model_out: str | None
+
+
+def plan_of(doc: dict[str, Any]) -> ReplayPlan:
+    cam, cw = _need(doc, CAMERA, "camera")
+    pubs = channel_names(cw.get("publishes"))
+    if len(pubs) != 1:
+        raise DeriveError(f"camera worker {cam!r} must publish exactly one frame channel")
+    ctl = worker_by_module(doc, CONTROLS)
+    mod = worker_by_module(doc, MODEL)
+    cmd = channel_names(ctl[1].get("publishes"))[:1] if ctl else []
+    mout = channel_names(mod[1].get("publishes"))[:1] if mod else []
+    return ReplayPlan(cam, pubs[0], ctl[0] if ctl else None, cmd[0] if cmd else None,
+                      mod[0] if mod else None, mout[0] if mout else None)
+
+
+def _strip(args: list[str], flags: dict[str, int]) -> list[str]:
+    """``args`` without the given flags (flag -> how many values follow it)."""
+    out, i = [], 0
+    while i < len(args):
+        a = args[i]
+        name = a.split("=", 1)[0]
+        if name in flags:
+            i += 1 + (0 if "=" in a else flags[name])
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
+def replay_doc(doc: dict[str, Any], log_dir: str, run_log: str, state_dir: str, *,
+               realtime: bool = False, step_timeout_s: float = 5.0,
+               record_channels: list[str] | None = None) -> tuple[dict[str, Any], ReplayPlan]:
+    """The user's pipeline with the camera playing ``log_dir`` and a recorder writing
+    ``run_log``. Deterministic (lockstep) unless ``realtime``: the camera publishes a
+    frame only once controlsd's command for the previous one exists, and controlsd runs
+    on log time (`workers.controlsd` ``--log-clock``)."""
+    doc = copy.deepcopy(doc)
+    plan = plan_of(doc)
+    log_dir = os.path.abspath(log_dir)
+    workers = doc["workers"]
+    sup = doc.setdefault("supervisor", {})
+    sup["state_dir"] = os.path.abspath(state_dir)    # a replay never latches the car's
+    for w in workers.values():
+        w["warm_standby"] = False                    # nothing to take over in a replay
+    cam = workers[plan.camera]
+    args = _strip(list(cam.get("args") or []), {
+        "--source": 1, "--log": 1, "--loop": 0, "--width": 1, "--height": 1, "--format": 1,
+        "--frames": 1, "--seed": 1, "--video": 1, "--log-channel": 1, "--lockstep": 1,
+        "--realtime": 0, "--step-timeout-s": 1})
+    args += ["--source", "log", "--log", log_dir, "--log-channel", plan.frames]
+    if realtime:
+        args += ["--realtime"]
+    elif plan.command is not None:
+        name = _add_channel(doc, cam, "shadow_subscribes", plan.command, "lockstep")
+        args += ["--lockstep", name, "--step-timeout-s", str(step_timeout_s)]
+        _bump_readers(doc, [plan.command])
+    cam["args"] = args
+    cam["restart"] = "on-failure"
+    ro = [log_dir]
+    if plan.controls is not None and not realtime:
+        ctl = workers[plan.controls]
+        ctl["args"] = _strip(list(ctl.get("args") or []), {"--log-clock": 1}) + [
+            "--log-clock", log_dir, "--log-channel", plan.frames]
+    dom = doc.setdefault("domains", {}).setdefault(cam["domain"], {})
+    dom["extra_ro_binds"] = [*dom.get("extra_ro_binds", []), *ro]
+    if plan.controls is not None:
+        cdom = doc["domains"].setdefault(workers[plan.controls]["domain"], {})
+        if log_dir not in cdom.get("extra_ro_binds", []):
+            cdom["extra_ro_binds"] = [*cdom.get("extra_ro_binds", []), log_dir]
+    chans = record_channels or [c for c in (doc.get("channels") or {})]
+    add_recorder(doc, run_log, video="none", fps=camera_fps(doc), channels=chans)
+    return doc, plan
+
+
+def write_config(doc: dict[str, Any], directory: str | os.PathLike, name: str):
+    """Write the derived config and load it with the normal loader."""
+    path = Path(directory) / name
+    path.write_text(dumps(doc))
+    return load(path), path

@@ -1,0 +1,261 @@
+"""``--ref REF``: what a replay changed, per channel and per field, with tolerances.
+
+Messages are matched by frame id (the frame a model output or command came from; a
+live log's controlsd also publishes between frames, and only the first message per
+frame is compared). Per channel: messages added (in the run, not in REF), removed (in
+REF, not in the run) and changed (some field beyond its tolerance); per field: how many
+changed and the largest absolute difference. The first divergent frame is the lowest
+frame id added, removed or changed on any channel. The model execution time gate
+compares the receipts' p99 and max latency with REF's (limits are ratios, with an
+absolute floor so a sub-millisecond model is not failed by scheduler noise).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from schemas.payloads import PAYLOADS
+
+from .drivelog import DriveLog, Msg
+from .run import commands_by_frame, receipt_latencies
+
+DEFAULT_TOL = 0.0              # bit-identical unless told otherwise
+
+
+class ToleranceError(ValueError):
+    """A --tol that does not parse (one line)."""
+
+
+def parse_tolerances(specs: list[str]) -> dict[str, float]:
+    """``CHANNEL=X`` or ``CHANNEL.FIELD=X`` (absolute) -> {key: X}."""
+    out: dict[str, float] = {}
+    for s in specs:
+        key, sep, val = s.partition("=")
+        try:
+            tol = float(val)
+        except ValueError:
+            tol = -1.0
+        if not sep or not key or tol < 0 or tol != tol:
+            raise ToleranceError(f"--tol {s!r}: expected CHANNEL[.FIELD]=NUMBER >= 0")
+        out[key] = tol
+    return out
+
+
+@dataclass
+class FieldDiff:
+    name: str
+    tolerance: float
+    changed: int = 0
+    max_abs: float = 0.0
+    at_frame: int | None = None      # where the largest difference is
+
+
+@dataclass
+class ChannelDiff:
+    channel: str
+    compared: int = 0
+    added: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    changed: list[int] = field(default_factory=list)
+    fields: list[FieldDiff] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.added or self.removed or self.changed)
+
+    @property
+    def first(self) -> int | None:
+        ids = self.added[:1] + self.removed[:1] + self.changed[:1]
+        return min(ids) if ids else None
+
+
+@dataclass
+class TimeGate:
+    p99_ms: float | None
+    ref_p99_ms: float | None
+    max_ms: float | None
+    ref_max_ms: float | None
+    p99_ratio: float
+    max_ratio: float
+    floor_ms: float
+    ok: bool
+    why: str = ""
+
+
+@dataclass
+class Report:
+    run: str
+    ref: str
+    channels: list[ChannelDiff]
+    gate: TimeGate
+    first_divergent_frame: int | None
+    ok: bool
+    loss: dict[str, str] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for c, cd in zip(d["channels"], self.channels):
+            for k in ("added", "removed", "changed"):
+                c[f"{k}_count"] = len(c[k])
+                c[k] = c[k][:50]
+            c["ok"] = cd.ok
+        return d
+
+
+def _fields(channel: str, payloads: dict[str, str], width: int) -> list[str]:
+    p = PAYLOADS.get(payloads.get(channel, ""))
+    if p is not None and len(p.fields) == width:
+        return list(p.fields)
+    return [f"[{i}]" for i in range(width)]
+
+
+def _keyed(msgs: list[Msg]) -> dict[int, Msg]:
+    return commands_by_frame(msgs)
+
+
+def compare_channel(channel: str, run: list[Msg], ref: list[Msg], tols: dict[str, float],
+                    payloads: dict[str, str], default_tol: float) -> ChannelDiff:
+    a, b = _keyed(run), _keyed(ref)
+    cd = ChannelDiff(channel)
+    cd.added = sorted(set(a) - set(b))
+    cd.removed = sorted(set(b) - set(a))
+    common = sorted(set(a) & set(b))
+    cd.compared = len(common)
+    width = next((m.array.size for m in (*a.values(), *b.values())), 0)
+    names = _fields(channel, payloads, width)
+    fds = [FieldDiff(n, tols.get(f"{channel}.{n}", tols.get(channel, default_tol)))
+           for n in names]
+    changed: set[int] = set()
+    for fid in common:
+        x = a[fid].array.ravel().astype(np.float64)
+        y = b[fid].array.ravel().astype(np.float64)
+        if x.shape != y.shape:
+            changed.add(fid)
+            continue
+        diff = np.abs(x - y)
+        # NaN == NaN counts as equal; a NaN against a number is a change.
+        both_nan = np.isnan(x) & np.isnan(y)
+        diff = np.where(both_nan, 0.0, np.where(np.isnan(diff), np.inf, diff))
+        for i, fd in enumerate(fds[:len(diff)]):
+            if diff[i] > fd.tolerance:
+                fd.changed += 1
+                changed.add(fid)
+            if diff[i] > fd.max_abs:
+                fd.max_abs, fd.at_frame = float(diff[i]), fid
+    cd.changed = sorted(changed)
+    cd.fields = fds
+    return cd
+
+
+def time_gate(run: DriveLog, ref: DriveLog, channel: str | None, *, p99_ratio: float,
+              max_ratio: float, floor_ms: float) -> TimeGate:
+    lat, _ = receipt_latencies(run.messages.get(channel or "", []))
+    rlat, _ = receipt_latencies(ref.messages.get(channel or "", []))
+    if not lat or not rlat:
+        return TimeGate(None, None, None, None, p99_ratio, max_ratio, floor_ms, True,
+                        "no receipts on one side: not gated")
+    p99, rp99 = float(np.percentile(lat, 99)), float(np.percentile(rlat, 99))
+    mx, rmx = max(lat), max(rlat)
+    why = []
+    if p99 > max(rp99 * p99_ratio, rp99 + floor_ms):
+        why.append(f"p99 {p99:.2f} ms > {p99_ratio:g} x REF {rp99:.2f} ms")
+    if mx > max(rmx * max_ratio, rmx + floor_ms):
+        why.append(f"max {mx:.2f} ms > {max_ratio:g} x REF {rmx:.2f} ms")
+    return TimeGate(p99, rp99, mx, rmx, p99_ratio, max_ratio, floor_ms, not why, "; ".join(why))
+
+
+def compare(run: DriveLog, ref: DriveLog, *, channels: list[str], payloads: dict[str, str],
+            model_channel: str | None, tolerances: dict[str, float] | None = None,
+            default_tol: float = DEFAULT_TOL, p99_ratio: float = 1.5, max_ratio: float = 2.0,
+            floor_ms: float = 2.0) -> Report:
+    tols = tolerances or {}
+    diffs = [compare_channel(ch, run.messages.get(ch, []), ref.messages.get(ch, []), tols,
+                             payloads, default_tol)
+             for ch in channels if run.messages.get(ch) or ref.messages.get(ch)]
+    gate = time_gate(run, ref, model_channel, p99_ratio=p99_ratio, max_ratio=max_ratio,
+                     floor_ms=floor_ms)
+    firsts = [d.first for d in diffs if d.first is not None]
+    return Report(str(run.path), str(ref.path), diffs, gate, min(firsts) if firsts else None,
+                  all(d.ok for d in diffs) and gate.ok,
+                  {"run": run.full_loss().text(), "ref": ref.full_loss().text()})
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _ids(ids: list[int], n: int = 8) -> str:
+    s = ", ".join(str(i) for i in ids[:n])
+    return s + (f", ... ({len(ids)} in all)" if len(ids) > n else "")
+
+
+def render_text(r: Report) -> str:
+    lines = [f"replay {r.run}", f"   vs {r.ref}",
+             f"result: {'within tolerance' if r.ok else 'DIFFERS'}"
+             + ("" if r.first_divergent_frame is None
+                else f" (first divergent frame {r.first_divergent_frame})")]
+    for c in r.channels:
+        lines.append(f"{c.channel}: {c.compared} compared, {len(c.added)} added, "
+                     f"{len(c.removed)} removed, {len(c.changed)} changed")
+        if c.added:
+            lines.append(f"  added frames: {_ids(c.added)}")
+        if c.removed:
+            lines.append(f"  removed frames: {_ids(c.removed)}")
+        for f in c.fields:
+            if f.changed or f.max_abs:
+                lines.append(f"  {f.name}: {f.changed} over tolerance {f.tolerance:g}, "
+                             f"max |diff| {f.max_abs:.6g}"
+                             + (f" at frame {f.at_frame}" if f.at_frame is not None else ""))
+    g = r.gate
+    if g.p99_ms is None:
+        lines.append(f"model time: {g.why}")
+    else:
+        lines.append(f"model time: p99 {g.p99_ms:.2f} ms (REF {g.ref_p99_ms:.2f}), max "
+                     f"{g.max_ms:.2f} ms (REF {g.ref_max_ms:.2f}): "
+                     f"{'ok' if g.ok else 'FAILED: ' + g.why}")
+    for side, text in r.loss.items():
+        if text != "nothing lost":
+            lines.append(f"{side} log: {text}")
+    return "\n".join(lines) + "\n"
+
+
+def render_markdown(r: Report) -> str:
+    head = "✅ within tolerance" if r.ok else "❌ **differs**"
+    out = [f"### Replay comparison: {head}", "",
+           f"- run: `{r.run}`", f"- reference: `{r.ref}`"]
+    if r.first_divergent_frame is not None:
+        out.append(f"- first divergent frame: **{r.first_divergent_frame}**")
+    out += ["", "| channel | compared | added | removed | changed |",
+            "|---|---:|---:|---:|---:|"]
+    for c in r.channels:
+        out.append(f"| `{c.channel}` | {c.compared} | {len(c.added)} | {len(c.removed)} | "
+                   f"{len(c.changed)} |")
+    rows = [(c.channel, f) for c in r.channels for f in c.fields if f.changed or f.max_abs]
+    if rows:
+        out += ["", "| field | over tolerance | max abs diff | at frame | tolerance |",
+                "|---|---:|---:|---:|---:|"]
+        for ch, f in rows:
+            out.append(f"| `{ch}.{f.name}` | {f.changed} | {f.max_abs:.6g} | "
+                       f"{'' if f.at_frame is None else f.at_frame} | {f.tolerance:g} |")
+    g = r.gate
+    out.append("")
+    if g.p99_ms is None:
+        out.append(f"Model execution time: {g.why}.")
+    else:
+        out += ["| model time | run | reference | limit |", "|---|---:|---:|---:|",
+                f"| p99 | {g.p99_ms:.2f} ms | {g.ref_p99_ms:.2f} ms | "
+                f"{max(g.ref_p99_ms * g.p99_ratio, g.ref_p99_ms + g.floor_ms):.2f} ms |",
+                f"| max | {g.max_ms:.2f} ms | {g.ref_max_ms:.2f} ms | "
+                f"{max(g.ref_max_ms * g.max_ratio, g.ref_max_ms + g.floor_ms):.2f} ms |"]
+        if not g.ok:
+            out.append(f"\n**Execution time gate failed:** {g.why}")
+    for side, text in r.loss.items():
+        if text != "nothing lost":
+            out.append(f"\n_{side} log: {text}_")
+    return "\n".join(out) + "\n"
+
+
+def render_json(r: Report) -> str:
+    return json.dumps(r.as_dict(), indent=2) + "\n"

@@ -1,0 +1,107 @@
+"""Running a derived config under the normal Supervisor, from record and replay.
+
+Lifecycle events go to stderr (or nowhere) as usual and, one entry each, into the
+log's ``lifecycle.tlog``; a ``until`` callback decides when the run has what it came
+for, after which the supervisor stops in order (SIGTERM in reverse start order: the
+recorder first, which drains the rings before it closes the log).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from supervisor.events import EventLog
+
+from .drivelog import LogWriter
+
+
+class _Tee(io.TextIOBase):
+    """The EventLog's stream: each JSON line to ``echo`` and into the lifecycle log."""
+
+    def __init__(self, echo, lifecycle: LogWriter | None) -> None:
+        self.echo = echo
+        self.lifecycle = lifecycle
+
+    def write(self, s: str) -> int:
+        if self.echo is not None:
+            self.echo.write(s)
+        if self.lifecycle is not None:
+            for line in s.splitlines():
+                try:
+                    self.lifecycle.event(json.loads(line))
+                except (ValueError, OSError):
+                    pass     # the run goes on without a lifecycle entry it cannot write
+        return len(s)
+
+    def flush(self) -> None:
+        if self.echo is not None:
+            self.echo.flush()
+
+
+@dataclass
+class RunOutcome:
+    exit_code: int
+    reason: str               # "until" (got what it came for), "timeout", "supervisor"
+    wall_s: float
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+def host_user_of_research() -> tuple[int, int] | None:
+    from supervisor.sandbox.policy import host_ids
+
+    uid, gid = host_ids("research", None)
+    return None if uid is None else (uid, gid)
+
+
+def give_to_recorder(path: str) -> None:
+    """The recorder runs as the research host user: its output directory is its own."""
+    ids = host_user_of_research()
+    if ids is not None:
+        os.chown(path, *ids)
+
+
+def run_supervised(cfg, lifecycle_dir: str | None, *, until: Callable[[EventLog], bool] | None,
+                   timeout_s: float | None, echo=sys.stderr,
+                   tick: Callable[[EventLog], None] | None = None) -> RunOutcome:
+    from supervisor.lifecycle import Supervisor
+
+    lifecycle = (LogWriter(lifecycle_dir, [], writer="supervisor")
+                 if lifecycle_dir is not None else None)
+    log = EventLog(stream=_Tee(echo, lifecycle), keep=True)
+    sup = Supervisor(cfg, log=log, status_out=None)
+    reason = "timeout"
+
+    async def main() -> float:
+        nonlocal reason
+        start = trio.current_time()
+        async with trio.open_nursery() as n:
+            async def run_it() -> None:
+                nonlocal reason
+                await sup.run()
+                if reason == "timeout":
+                    reason = "supervisor"    # it ended by itself (failure or a signal)
+                n.cancel_scope.cancel()
+
+            n.start_soon(run_it)
+            with trio.move_on_after(timeout_s if timeout_s is not None else float("inf")):
+                while True:
+                    await trio.sleep(0.05)
+                    if tick is not None:
+                        tick(log)
+                    if until is not None and until(log):
+                        reason = "until"
+                        break
+            n.cancel_scope.cancel()
+        return trio.current_time() - start
+
+    wall = trio.run(main)
+    if lifecycle is not None:
+        lifecycle.close({"exit_code": int(sup.exit_code)})
+    return RunOutcome(int(sup.exit_code), reason, wall, log.events)

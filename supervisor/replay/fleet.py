@@ -1,0 +1,247 @@
+"""Many logs at once: ``supervisor replay DIR... --jobs N`` or ``--ray ADDRESS``.
+
+Each job is one whole ``supervisor replay LOG --out OUT/<name>`` in a process of its own
+(its own supervisor, sandboxes and channels), here in a pool of N, or as Ray tasks on
+an existing cluster (``--ray local`` starts a local one). A job that fails (the replay
+exits with anything but 0 or 6 = differs, or the process dies) is retried once into a
+fresh directory; both attempts are in the report. No log is ever missing from it: a
+job that failed twice is listed as failed with its last error.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .logfmt import MESSAGES
+from .run import DIFFERS
+
+RETRIES = 1
+
+
+class FleetError(Exception):
+    """One line: why the fleet cannot start."""
+
+
+def expand(paths: list[str]) -> list[str]:
+    """Log directories: each path is a log, or a directory whose children are logs."""
+    out: list[str] = []
+    for p in paths:
+        d = Path(p)
+        if (d / MESSAGES).is_file():
+            out.append(str(d.resolve()))
+        elif d.is_dir():
+            kids = sorted(str(c.resolve()) for c in d.iterdir() if (c / MESSAGES).is_file())
+            if not kids:
+                raise FleetError(f"{p}: neither a drive log nor a directory of drive logs")
+            out += kids
+        else:
+            raise FleetError(f"{p}: no such directory")
+    names = [Path(x).name for x in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise FleetError(f"two logs named {dup[0]!r}: runs are named after their logs")
+    return out
+
+
+@dataclass
+class Attempt:
+    run_dir: str
+    exit_code: int
+    wall_s: float
+    error: str = ""
+
+
+@dataclass
+class JobResult:
+    log: str
+    name: str
+    attempts: list[Attempt] = field(default_factory=list)
+    summary: dict[str, Any] | None = None
+
+    @property
+    def final(self) -> Attempt:
+        return self.attempts[-1]
+
+    @property
+    def status(self) -> str:
+        code = self.final.exit_code
+        return "ok" if code == 0 else "differs" if code == DIFFERS else "failed"
+
+
+def job_argv(log: str, run_dir: str, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "supervisor.cli", "replay", log, "--out", run_dir,
+            "--no-progress", *extra]
+
+
+def run_job(log: str, run_dir: str, extra: list[str], timeout_s: float) -> dict[str, Any]:
+    """One replay in its own process; what it left behind. Runs here or on a Ray node."""
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(job_argv(log, run_dir, extra), capture_output=True, text=True,
+                           timeout=timeout_s, stdin=subprocess.DEVNULL)
+        code, err = p.returncode, p.stderr.strip().splitlines()[-1:] 
+        err_text = err[0] if err and code not in (0, DIFFERS) else ""
+    except subprocess.TimeoutExpired:
+        code, err_text = 124, f"no result within {timeout_s:.0f} s"
+    summary = None
+    try:
+        summary = json.loads(Path(run_dir, "summary.json").read_text())
+    except (OSError, ValueError):
+        pass
+    if code < 0:
+        err_text = f"killed by signal {-code}"
+    return {"exit_code": code, "wall_s": time.monotonic() - t0, "error": err_text,
+            "summary": summary}
+
+
+def _attempt_dir(out: str, name: str, k: int) -> str:
+    return os.path.join(out, name if k == 0 else f"{name}.retry{k}")
+
+
+def _execute(logs: list[str], out: str, extra: list[str], submit, timeout_s: float
+             ) -> list[JobResult]:
+    results = {log: JobResult(log, Path(log).name) for log in logs}
+    pending = {log: submit(log, _attempt_dir(out, Path(log).name, 0)) for log in logs}
+    tries = {log: 0 for log in logs}
+    while pending:
+        for log, fut in list(pending.items()):
+            got = fut()
+            if got is None:
+                continue
+            del pending[log]
+            r = results[log]
+            r.attempts.append(Attempt(got["run_dir"], got["exit_code"], round(got["wall_s"], 2),
+                                      got["error"]))
+            r.summary = got["summary"]
+            if got["exit_code"] not in (0, DIFFERS) and tries[log] < RETRIES:
+                tries[log] += 1
+                pending[log] = submit(log, _attempt_dir(out, r.name, tries[log]))
+        time.sleep(0.05)
+    return [results[log] for log in logs]
+
+
+def run_local(logs: list[str], out: str, jobs: int, extra: list[str],
+              timeout_s: float) -> list[JobResult]:
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs))
+
+    def submit(log: str, run_dir: str):
+        f = pool.submit(run_job, log, run_dir, extra, timeout_s)
+        return lambda: ({**f.result(), "run_dir": run_dir} if f.done() else None)
+
+    try:
+        return _execute(logs, out, extra, submit, timeout_s)
+    finally:
+        pool.shutdown(wait=True)
+
+
+def run_ray(logs: list[str], out: str, address: str, extra: list[str], timeout_s: float,
+            cpus_per_job: float = 1.0) -> list[JobResult]:
+    try:
+        import ray
+    except ImportError:
+        raise FleetError("--ray needs the 'fleet' extra (pip install "
+                         "'trio-supervisor[fleet]')") from None
+    started = not ray.is_initialized()
+    if started:
+        kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+        if address == "local":
+            kw["num_cpus"] = os.cpu_count()
+        else:
+            kw["address"] = address
+        try:
+            ray.init(**kw)
+        except Exception as e:   # ConnectionError and Ray's own: one line
+            raise FleetError(f"--ray {address}: cannot join the cluster: {e}") from None
+    # Ray does no retry of its own: the retry (and its report) is ours.
+    remote = ray.remote(num_cpus=cpus_per_job, max_retries=0)(run_job)
+
+    def submit(log: str, run_dir: str):
+        ref = remote.remote(log, run_dir, extra, timeout_s)
+
+        def poll():
+            ready, _ = ray.wait([ref], timeout=0)
+            if not ready:
+                return None
+            try:
+                return {**ray.get(ref), "run_dir": run_dir}
+            except Exception as e:   # the task (or its node) died
+                return {"exit_code": 125, "wall_s": 0.0, "summary": None,
+                        "error": f"ray task failed: {type(e).__name__}: {str(e)[:200]}",
+                        "run_dir": run_dir}
+        return poll
+
+    try:
+        return _execute(logs, out, extra, submit, timeout_s)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+@dataclass
+class FleetReport:
+    out: str
+    mode: str
+    wall_s: float
+    jobs: list[JobResult]
+
+    @property
+    def exit_code(self) -> int:
+        st = [j.status for j in self.jobs]
+        return 7 if "failed" in st else DIFFERS if "differs" in st else 0
+
+    def as_dict(self) -> dict[str, Any]:
+        frames = sum(((j.summary or {}).get("frames") or {}).get("replayed", 0) for j in self.jobs)
+        return {"out": self.out, "mode": self.mode, "wall_s": round(self.wall_s, 2),
+                "logs": len(self.jobs), "frames": frames,
+                "ok": sum(j.status == "ok" for j in self.jobs),
+                "differs": sum(j.status == "differs" for j in self.jobs),
+                "failed": sum(j.status == "failed" for j in self.jobs),
+                "retried": sum(len(j.attempts) > 1 for j in self.jobs),
+                "exit_code": self.exit_code,
+                "jobs": [{"log": j.log, "status": j.status,
+                          "attempts": [asdict(a) for a in j.attempts],
+                          "frames": ((j.summary or {}).get("frames") or {}).get("replayed"),
+                          "model_p99_ms": ((j.summary or {}).get("model_latency_ms") or {}
+                                           ).get("p99"),
+                          "diff_ok": ((j.summary or {}).get("diff") or {}).get("ok")}
+                         for j in self.jobs]}
+
+    def markdown(self) -> str:
+        d = self.as_dict()
+        lines = [f"### Fleet replay ({d['mode']}): {d['logs']} logs, {d['ok']} ok, "
+                 f"{d['differs']} differ, {d['failed']} failed, {d['retried']} retried, "
+                 f"{d['wall_s']:.1f} s", "",
+                 "| log | status | attempts | frames | model p99 ms |", "|---|---|---:|---:|---:|"]
+        for j in d["jobs"]:
+            p99 = "" if j["model_p99_ms"] is None else f"{j['model_p99_ms']:.2f}"
+            err = next((a["error"] for a in reversed(j["attempts"]) if a["error"]), "")
+            lines.append(f"| `{Path(j['log']).name}` | {j['status']}"
+                         f"{' (' + err + ')' if err and j['status'] == 'failed' else ''} | "
+                         f"{len(j['attempts'])} | {j['frames'] or ''} | {p99} |")
+        return "\n".join(lines) + "\n"
+
+
+def replay_fleet(paths: list[str], out: str, *, jobs: int = 1, ray: str | None = None,
+                 extra: list[str] | None = None, timeout_s: float = 1800.0) -> FleetReport:
+    logs = expand(paths)
+    out = os.path.abspath(out)
+    if os.path.exists(out) and os.listdir(out):
+        raise FleetError(f"{out}: exists and is not empty")
+    os.makedirs(out, exist_ok=True)
+    os.chmod(out, 0o755)
+    t0 = time.monotonic()
+    if ray is not None:
+        res = run_ray(logs, out, ray, extra or [], timeout_s)
+    else:
+        res = run_local(logs, out, jobs, extra or [], timeout_s)
+    rep = FleetReport(out, f"ray {ray}" if ray else f"jobs {jobs}", time.monotonic() - t0, res)
+    Path(out, "fleet.json").write_text(json.dumps(rep.as_dict(), indent=2))
+    Path(out, "fleet.md").write_text(rep.markdown())
+    return rep

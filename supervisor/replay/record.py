@@ -1,0 +1,87 @@
+"""``supervisor record OUT [--config F] [--seconds N] [--video h264|raw]``.
+
+Runs the configured system, sandboxed as always, plus the recorder (its own research-
+profile domain, a read-only reader of every channel) writing the drive log into OUT.
+OUT is created here and given to the recorder domain's host user; the supervisor adds
+``lifecycle.tlog`` (its events) and ``source.toml`` (the config that was recorded, which
+`supervisor replay` uses unless told otherwise).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .derive import DeriveError, dumps, read_doc, record_doc, write_config
+from .drivelog import DriveLog
+from .embed import give_to_recorder, run_supervised
+from .logfmt import LogError
+
+SOURCE = "source.toml"
+
+
+class RecordError(Exception):
+    """One line: why nothing was recorded."""
+
+
+@dataclass(frozen=True)
+class Recorded:
+    path: str
+    exit_code: int
+    frames: int
+    messages: dict[str, int]
+    drops: dict[str, int]
+    wall_s: float
+
+    def text(self) -> str:
+        msgs = ", ".join(f"{k} {v}" for k, v in sorted(self.messages.items())) or "none"
+        drops = ", ".join(f"{k} {v}" for k, v in sorted(self.drops.items()) if v) or "none"
+        return (f"recorded {self.frames} frames and messages ({msgs}) in {self.wall_s:.1f} s "
+                f"to {self.path}; recorder drops: {drops}")
+
+
+def prepare_out(out: str) -> str:
+    path = os.path.abspath(out)
+    if os.path.exists(path):
+        if not os.path.isdir(path) or os.listdir(path):
+            raise RecordError(f"{out}: exists and is not an empty directory")
+    else:
+        parent = os.path.dirname(path)
+        if not os.path.isdir(parent):
+            raise RecordError(f"{out}: its parent directory {parent} does not exist")
+        os.mkdir(path)
+    os.chmod(path, 0o755)           # readable by a replay's control sandbox
+    give_to_recorder(path)
+    return path
+
+
+def record(out: str, *, config: str | None = None, seconds: float | None = None,
+           video: str = "h264", echo=sys.stderr) -> Recorded:
+    if seconds is not None and seconds <= 0:
+        raise RecordError(f"--seconds {seconds:g}: must be > 0")
+    try:
+        doc, _source = read_doc(config)
+        derived = record_doc(doc, os.path.abspath(out), video=video)
+    except DeriveError as e:
+        raise RecordError(str(e)) from None
+    path = prepare_out(out)
+    Path(path, SOURCE).write_text(dumps(doc))
+    with tempfile.TemporaryDirectory(prefix="trio-record-") as tmp:
+        try:
+            cfg, _ = write_config(derived, tmp, "record.toml")
+        except Exception as e:           # the loader's ConfigError: one line per problem
+            shutil.rmtree(path, ignore_errors=True)
+            raise RecordError(f"derived record config: {e}") from None
+        outcome = run_supervised(cfg, path, until=None, timeout_s=seconds, echo=echo)
+    try:
+        log = DriveLog.open(path)
+    except LogError as e:
+        raise RecordError(f"{path}: no usable log was written ({e}); supervisor exit "
+                          f"{outcome.exit_code}") from None
+    frames = sum(len(v) for v in log.frames.values())
+    return Recorded(path, outcome.exit_code,
+                    frames, {k: len(v) for k, v in log.messages.items()},
+                    {k: d.total for k, d in log.drops.items()}, outcome.wall_s)

@@ -1,0 +1,282 @@
+"""``supervisor replay LOG [--out RUN] [--config F] [--realtime] [--ref REF]``: one log.
+
+The user's pipeline runs sandboxed as always, with camerad playing LOG's road video
+and a recorder writing RUN/log (metadata and every small channel; no video). By
+default the replay is lockstep: camerad publishes a frame only once controlsd's command
+for the previous frame exists (or a step timeout, counted and reported, passes), and
+controlsd runs on the log's clock, so two replays of one log give bit-identical model
+outputs and commands. ``--realtime`` paces frames at the recorded rate instead, to see
+deadline misses as the car would.
+
+RUN gets ``replay.toml`` (the derived config), ``log/`` (the run as a drive log),
+``summary.json`` and ``plot.png``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .derive import DeriveError, read_doc, replay_doc, write_config
+from .drivelog import DriveLog, Msg
+from .embed import RunOutcome, give_to_recorder, run_supervised
+from .logfmt import MESSAGES, LogError, Loss, read_stream
+from .record import SOURCE
+
+# Exit codes of `supervisor replay` beyond the supervisor's own (supervisor/exits.py):
+DIFFERS = 6        # compared with --ref: outside tolerance (as `audit` uses 6)
+INCOMPLETE = 7     # the replay did not get through the log (timeouts, a worker died)
+
+
+class ReplayError(Exception):
+    """One line: why this log cannot be replayed."""
+
+
+@dataclass
+class ReplayResult:
+    run_dir: str
+    exit_code: int
+    summary: dict[str, Any]
+    outcome: RunOutcome | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _kv(text: str) -> dict[str, str]:
+    return dict(t.split("=", 1) for t in text.split() if "=" in t)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(values, float), q)) if values else None
+
+
+class _Progress:
+    """A one-line bar on a terminal, counting the run's commands as the recorder
+    writes them (the log is read while it is written)."""
+
+    def __init__(self, path: Path, total: int, channel: str | None, out=sys.stderr) -> None:
+        self.path, self.total, self.channel, self.out = path, total, channel, out
+        self.offset = 0
+        self.done = 0
+        self.t0 = time.monotonic()
+        self.enabled = channel is not None and hasattr(out, "isatty") and out.isatty()
+
+    def tick(self, _log=None) -> None:
+        if not self.enabled or not self.path.is_file():
+            return
+        from .logfmt import Entry
+
+        last = self.offset
+        for off, body in read_stream(self.path, start=self.offset, final=False):
+            with Entry.from_bytes(body) as e:
+                if e.which() == "message" and e.message.channel == self.channel:
+                    self.done += 1
+            last = off + 12 + len(body)
+        self.offset = last
+        n = min(self.done, self.total) if self.total else self.done
+        frac = n / self.total if self.total else 0.0
+        rate = n / max(time.monotonic() - self.t0, 1e-9)
+        bar = "#" * int(frac * 30)
+        self.out.write(f"\rreplay [{bar:<30}] {n}/{self.total} frames {rate:5.1f} fps")
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.tick()
+            self.out.write("\n")
+            self.out.flush()
+
+
+def _default_out(log: str) -> str:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return os.path.abspath(f"{Path(log).name}.replay-{stamp}")
+
+
+def replay(log: str, *, out: str | None = None, config: str | None = None,
+           realtime: bool = False, step_timeout_s: float = 5.0, echo=None,
+           progress_out=sys.stderr) -> ReplayResult:
+    """Replay ``log`` into ``out`` and summarise it (no comparison: see `diff`)."""
+    log = os.path.abspath(log)
+    try:
+        src = DriveLog.open(log)
+    except LogError as e:
+        raise ReplayError(str(e)) from None
+    cfg_path = config or (os.path.join(log, SOURCE) if os.path.isfile(os.path.join(log, SOURCE))
+                          else None)
+    try:
+        doc, _ = read_doc(cfg_path)
+    except DeriveError as e:
+        raise ReplayError(str(e)) from None
+    run_dir = os.path.abspath(out or _default_out(log))
+    if os.path.exists(run_dir) and (not os.path.isdir(run_dir) or os.listdir(run_dir)):
+        raise ReplayError(f"{out or run_dir}: exists and is not an empty directory")
+    run_log = os.path.join(run_dir, "log")
+    try:
+        derived, plan = replay_doc(doc, log, run_log, os.path.join(run_dir, "state"),
+                                   realtime=realtime, step_timeout_s=step_timeout_s)
+    except DeriveError as e:
+        raise ReplayError(str(e)) from None
+    if plan.frames not in src.video_channels():
+        raise ReplayError(f"{log}: has no video of {plan.frames!r} (was it recorded with "
+                          f"--video none?)")
+    video = src.video(plan.frames)
+    total = len(video)
+    if total == 0:
+        raise ReplayError(f"{log}: the video of {plan.frames!r} has no whole frame")
+    os.makedirs(run_log, exist_ok=True)
+    os.makedirs(os.path.join(run_dir, "state"), exist_ok=True)
+    os.chmod(run_dir, 0o755)
+    os.chmod(run_log, 0o755)
+    give_to_recorder(run_log)
+    try:
+        cfg, _ = write_config(derived, run_dir, "replay.toml")
+    except Exception as e:                  # the loader's ConfigError, one line per problem
+        raise ReplayError(f"derived replay config: {e}") from None
+
+    def camera_status(events) -> str:
+        st = [e for e in events if e.get("event") == "status" and e.get("worker") == plan.camera]
+        return st[-1]["status"] if st else ""
+
+    def finished(evlog) -> bool:
+        if "replay=done" in camera_status(evlog.events):
+            return True
+        # The camera died (it is never restarted in a replay): nothing more will come.
+        return any(e["event"] in ("exit", "gave_up") and e.get("worker") == plan.camera
+                   for e in evlog.events[-50:])
+
+    bar = _Progress(Path(run_log) / MESSAGES, total, plan.model_out, out=progress_out)
+    durations = [e.capture_ts_ns for e in video.index]
+    log_s = (durations[-1] - durations[0]) / 1e9 if len(durations) > 1 else 0.0
+    timeout = 120.0 + (log_s * 2 if realtime else total * (step_timeout_s + 0.5))
+    outcome = run_supervised(cfg, run_log, until=finished, timeout_s=timeout,
+                             echo=echo, tick=bar.tick)
+    bar.close()
+    cam = _kv(camera_status(outcome.events))
+    try:
+        run = DriveLog.open(run_log)
+    except LogError as e:
+        summary = {"log": log, "run": run_dir, "error": f"no run log: {e}",
+                   "exit_code": INCOMPLETE}
+        Path(run_dir, "summary.json").write_text(json.dumps(summary, indent=2))
+        return ReplayResult(run_dir, INCOMPLETE, summary, outcome)
+    summary = summarize(src, run, plan, cam, outcome, realtime=realtime, log_s=log_s,
+                        total=total, input_loss=src.full_loss())
+    summary.update(log=log, run=run_dir)
+    code = 0
+    if outcome.reason != "until" or cam.get("stopped") == "error":
+        code = outcome.exit_code or INCOMPLETE
+    elif summary["frames"]["replayed"] < total or summary["frames"]["step_timeouts"]:
+        code = INCOMPLETE
+    summary["exit_code"] = code
+    Path(run_dir, "summary.json").write_text(json.dumps(summary, indent=2))
+    try:
+        plot(src, run, plan, Path(run_dir, "plot.png"))
+    except Exception as e:                  # a missing picture never fails a replay
+        summary.setdefault("notes", []).append(f"plot.png not drawn: {type(e).__name__}: {e}")
+        Path(run_dir, "summary.json").write_text(json.dumps(summary, indent=2))
+    return ReplayResult(run_dir, code, summary, outcome)
+
+
+def receipt_latencies(msgs: list[Msg]) -> tuple[list[float], int]:
+    """(latency ms per model output, outputs over their deadline) from the receipts."""
+    lat, misses = [], 0
+    for m in msgs:
+        r = m.receipt
+        if r is None:
+            continue
+        lat.append(r.latency_ns / 1e6)
+        misses += bool(r.deadline_ns and r.latency_ns > r.deadline_ns)
+    return lat, misses
+
+
+def summarize(src: DriveLog, run: DriveLog, plan, cam: dict[str, str], outcome: RunOutcome,
+              *, realtime: bool, log_s: float, total: int, input_loss: Loss) -> dict[str, Any]:
+    frames_run = run.frames.get(plan.frames, [])
+    model = run.messages.get(plan.model_out or "", [])
+    cmds = run.messages.get(plan.command or "", [])
+    lat, misses = receipt_latencies(model)
+    wall = outcome.wall_s
+    replayed = int(cam.get("frames", len(frames_run)) or 0)
+    refused = [e for e in outcome.events if e["event"] == "refused"]
+    exits = [e for e in outcome.events if e["event"] == "exit"]
+    statuses: dict[str, str] = {}
+    for e in outcome.events:
+        if e["event"] == "status":
+            statuses[e["worker"]] = e["status"]
+    return {
+        "mode": "realtime" if realtime else "lockstep",
+        "frames": {"in_log": total, "replayed": replayed,
+                   "step_timeouts": int(cam.get("timeouts", 0) or 0),
+                   "model_outputs": len(model), "commands": len(cmds)},
+        "input_log_loss": {"text": input_loss.text(),
+                           "partial_records": input_loss.truncated_records,
+                           "bytes": input_loss.truncated_bytes,
+                           "corrupt_records": input_loss.corrupt_records,
+                           "problems": input_loss.problems[:20]},
+        "drops": {ch: {"dropped": d.dropped, "rejected": d.rejected,
+                       "leases_lost": d.leases_lost, "recorder_skipped": d.skipped}
+                  for ch, d in run.drops.items()},
+        "rejections": {"admission_or_runtime": [e.get("reason", "") for e in refused][:20]},
+        "model_latency_ms": {"p50": _pct(lat, 50), "p99": _pct(lat, 99),
+                             "max": max(lat) if lat else None, "n": len(lat)},
+        "deadline_misses": misses,
+        "wall_s": round(wall, 3),
+        "frames_per_s": round(replayed / wall, 2) if wall > 0 else None,
+        "log_duration_s": round(log_s, 3),
+        "speed_vs_realtime": round(log_s / wall, 3) if wall > 0 and log_s else None,
+        "end": outcome.reason,
+        "supervisor_exit": outcome.exit_code,
+        "worker_exits": [{k: e.get(k) for k in ("worker", "code", "signal", "cause")}
+                         for e in exits][:20],
+        "worker_status": statuses,
+    }
+
+
+def commands_by_frame(msgs: list[Msg]) -> dict[int, Msg]:
+    """The first message per frame id (live controlsd also publishes between frames)."""
+    out: dict[int, Msg] = {}
+    for m in msgs:
+        if m.frame_id is not None and m.frame_id not in out:
+            out[m.frame_id] = m
+    return out
+
+
+def plot(src: DriveLog, run: DriveLog, plan, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    model = run.messages.get(plan.model_out or "", [])
+    pts = [(m.frame_id, m.receipt.latency_ns / 1e6) for m in model
+           if m.receipt is not None and m.frame_id is not None]
+    if pts:
+        ax1.plot(*zip(*pts), ".-", ms=3, lw=0.8, label="model latency (receipt)")
+        dl = [m.receipt.deadline_ns / 1e6 for m in model if m.receipt and m.receipt.deadline_ns]
+        if dl:
+            ax1.axhline(dl[0], color="r", ls="--", lw=0.8, label=f"deadline {dl[0]:g} ms")
+    ax1.set_ylabel("ms")
+    ax1.legend(loc="upper right", fontsize=8)
+    ax1.set_title(f"replay of {src.path.name}")
+    for log, label, style in ((src, "recorded", "-"), (run, "replay", "--")):
+        cmds = commands_by_frame(log.messages.get(plan.command or "", []))
+        if cmds:
+            ids = sorted(cmds)
+            ax2.plot(ids, [float(cmds[i].array[0]) for i in ids], style, lw=1, label=label)
+    ax2.set_xlabel("frame id")
+    ax2.set_ylabel("steer command (rad)")
+    ax2.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def remove_run(run_dir: str) -> None:
+    shutil.rmtree(run_dir, ignore_errors=True)
