@@ -186,6 +186,8 @@ class DriveLog:
     @classmethod
     def open(cls, directory: str | os.PathLike, *, final: bool = True) -> DriveLog:
         d = Path(directory)
+        if not d.exists():
+            raise LogError(f"{d}: no such directory")
         if not d.is_dir():
             raise LogError(f"{d}: not a drive log directory")
         if not (d / MESSAGES).is_file():

@@ -302,9 +302,21 @@ class VideoReader:
         except (OSError, ValueError, TypeError) as e:
             raise LogError(f"{meta}: no usable video description ({e})") from None
         self.path = d / f"{channel}.{'h264' if self.info.codec == 'h264' else 'nv12'}"
+        self._fd = -1
         self.loss = Loss()
         self.index = self._read_index(d / f"{channel}.vidx")
-        self._dec = None
+        # Opened now: a sandboxed player opens its files before it is READY.
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        if self.info.codec == "h264":
+            import av  # noqa: F401  (its libraries are mapped now, not after READY)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        self.close()
 
     def _read_index(self, path: Path) -> list[IndexEntry]:
         try:
@@ -350,31 +362,29 @@ class VideoReader:
         begins at the keyframe at or before ``start``."""
         if not self.index:
             return
-        with open(self.path, "rb") as f:
-            if self.info.codec == "raw":
-                for e in self.index[start:]:
-                    f.seek(e.offset)
-                    yield e, f.read(e.size)
-                return
-            import av
+        fd = self._fd
+        if self.info.codec == "raw":
+            for e in self.index[start:]:
+                yield e, os.pread(fd, e.size, e.offset)
+            return
+        import av
 
-            k = start
-            while k > 0 and not self.index[k].keyframe:
-                k -= 1
-            dec = av.CodecContext.create("h264", "r")
-            w, h = self.info.width, self.info.height
-            for e in self.index[k:]:
-                f.seek(e.offset)
-                try:
-                    got = dec.decode(av.Packet(f.read(e.size)))
-                except av.error.FFmpegError as exc:
-                    self.loss.corrupt_records += 1
-                    self.loss.problems.append(f"{self.path}: frame {e.frame_id}: {exc}")
-                    continue
-                if e.n < start:
-                    continue
-                for fr in got:
-                    yield e, nv12_bytes(fr, w, h)
+        k = start
+        while k > 0 and not self.index[k].keyframe:
+            k -= 1
+        dec = av.CodecContext.create("h264", "r")
+        w, h = self.info.width, self.info.height
+        for e in self.index[k:]:
+            try:
+                got = dec.decode(av.Packet(os.pread(fd, e.size, e.offset)))
+            except av.error.FFmpegError as exc:
+                self.loss.corrupt_records += 1
+                self.loss.problems.append(f"{self.path}: frame {e.frame_id}: {exc}")
+                continue
+            if e.n < start:
+                continue
+            for fr in got:
+                yield e, nv12_bytes(fr, w, h)
 
 
 def nv12_bytes(frame, width: int, height: int) -> bytes:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .derive import DeriveError, dumps, read_doc, record_doc, write_config
+from .derive import RECORDER, DeriveError, dumps, read_doc, record_doc, write_config
 from .drivelog import DriveLog
 from .embed import give_to_recorder, run_supervised
 from .logfmt import LogError
@@ -39,7 +40,7 @@ class Recorded:
     def text(self) -> str:
         msgs = ", ".join(f"{k} {v}" for k, v in sorted(self.messages.items())) or "none"
         drops = ", ".join(f"{k} {v}" for k, v in sorted(self.drops.items()) if v) or "none"
-        return (f"recorded {self.frames} frames and messages ({msgs}) in {self.wall_s:.1f} s "
+        return (f"recorded {self.frames} frames, messages: {msgs}; {self.wall_s:.1f} s in all, "
                 f"to {self.path}; recorder drops: {drops}")
 
 
@@ -56,6 +57,18 @@ def prepare_out(out: str) -> str:
     os.chmod(path, 0o755)           # readable by a replay's control sandbox
     give_to_recorder(path)
     return path
+
+
+def _after_ready(seconds: float | None):
+    """--seconds count from the recorder's READY (the pipeline's start-up is not part
+    of the drive): a predicate for the embedded run."""
+    if seconds is None:
+        return None
+
+    def done(log) -> bool:
+        ready = [e for e in log.events if e["event"] == "ready" and e.get("worker") == RECORDER]
+        return bool(ready) and time.monotonic_ns() - ready[0]["mono_ns"] >= seconds * 1e9
+    return done
 
 
 def record(out: str, *, config: str | None = None, seconds: float | None = None,
@@ -75,7 +88,9 @@ def record(out: str, *, config: str | None = None, seconds: float | None = None,
         except Exception as e:           # the loader's ConfigError: one line per problem
             shutil.rmtree(path, ignore_errors=True)
             raise RecordError(f"derived record config: {e}") from None
-        outcome = run_supervised(cfg, path, until=None, timeout_s=seconds, echo=echo)
+        outcome = run_supervised(cfg, path, until=_after_ready(seconds),
+                                 timeout_s=None if seconds is None else seconds + 300,
+                                 echo=echo)
     try:
         log = DriveLog.open(path)
     except LogError as e:

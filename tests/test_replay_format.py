@@ -1,0 +1,221 @@
+"""The drive log format, the diff and the derived configs, without a pipeline: round
+trips, reading while written, crash and corruption losses (reported, never fatal),
+per-field comparison with tolerances, and the CLI's one-line refusals."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from schemas.payloads import CONTROL_CMD, MODEL_OUT
+from supervisor.ipc.receipt import Receipt
+from supervisor.replay import derive
+from supervisor.replay.diff import compare, parse_tolerances, render_markdown, render_text
+from supervisor.replay.drivelog import DriveLog, LogWriter
+from supervisor.replay.logfmt import MESSAGES, LogError, frame_times
+from workers.camerad.synthetic import SyntheticRoad
+
+W, H = 160, 120
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _receipt(fid: int, latency_ms: float) -> Receipt:
+    return Receipt(frame_id=fid, capture_ts_ns=fid * 50_000_000, infer_start_ns=1,
+                   infer_end_ns=1 + int(latency_ms * 1e6), device="CPU", bytes_in=10,
+                   bytes_out=16, latency_ns=int(latency_ms * 1e6), deadline_ns=50_000_000,
+                   artifact_sha256=b"\x01" * 32, kernels_run=3)
+
+
+def write_log(path: Path, n: int = 12, *, video: str = "raw", offset=lambda k: 0.01 * k,
+              latency_ms: float = 5.0, skip: tuple[int, ...] = (), close: bool = True):
+    road = SyntheticRoad(W, H, seed=1)
+    w = LogWriter(path, ["road_frames", "model_out", "control_cmd"], video_codec=video)
+    for k in range(n):
+        y, uv, _ = road.render(k)
+        w.frame("road_frames", k + 1, k * 50_000_000 + 1, 11, k, k * 50_000_000, 9000, W, H,
+                "nv12", "road", (y, uv))
+        if k in skip:
+            continue
+        w.message("model_out", k + 1, k * 50_000_000 + 2, 12, k, k * 50_000_000,
+                  MODEL_OUT.encode(offset_m=offset(k), heading_rad=0.001 * k, confidence=0.9),
+                  _receipt(k, latency_ms))
+        w.message("control_cmd", k + 1, k * 50_000_000 + 3, 13, k, k * 50_000_000,
+                  CONTROL_CMD.encode(steer_rad=-offset(k), engaged=1.0))
+    if close:
+        w.close({"frames": n})
+    return w
+
+
+def test_round_trip_raw_video_is_bit_exact_and_metadata_survives(tmp_path):
+    write_log(tmp_path / "log", video="raw")
+    log = DriveLog.open(tmp_path / "log")
+    assert log.closed and not log.full_loss().any
+    assert [m.frame_id for m in log.messages["model_out"]] == list(range(12))
+    r = log.messages["model_out"][3].receipt
+    assert r.frame_id == 3 and r.latency_ns == 5_000_000 and r.device == "CPU"
+    assert log.frames["road_frames"][5].exposure_us == 9000
+    road = SyntheticRoad(W, H, seed=1)
+    frames = list(log.video("road_frames").frames())
+    assert len(frames) == 12
+    for e, data in frames:
+        y, uv, _ = road.render(e.frame_id)
+        assert data == y.tobytes() + uv.tobytes()
+        assert e.capture_ts_ns == e.frame_id * 50_000_000          # from the index
+    assert frame_times(tmp_path / "log", "road_frames")[7] == 7 * 50_000_000
+
+
+def test_h264_video_decodes_close_to_the_source_and_seeks_from_a_keyframe(tmp_path):
+    write_log(tmp_path / "log", n=30, video="h264")
+    v = DriveLog.open(tmp_path / "log").video("road_frames")
+    assert v.info.codec == "h264" and v.index[0].keyframe and v.index[20].keyframe
+    allf = list(v.frames())
+    road = SyntheticRoad(W, H, seed=1)
+    y, uv, _ = road.render(10)
+    ref = np.frombuffer(y.tobytes() + uv.tobytes(), np.uint8).astype(int)
+    got = np.frombuffer(allf[10][1], np.uint8).astype(int)
+    assert np.abs(ref - got).mean() < 6                         # lossy, but the same scene
+    tail = list(v.frames(25))                                    # starts decoding at 20
+    assert [e.frame_id for e, _ in tail] == list(range(25, 30))
+    assert tail[0][1] == allf[25][1]                             # same decoder, same bytes
+
+
+def test_log_is_readable_while_written_and_appendable(tmp_path):
+    w = write_log(tmp_path / "log", n=5, close=False)
+    live = DriveLog.open(tmp_path / "log", final=False)
+    assert len(live.messages["model_out"]) == 5 and not live.closed
+    road = SyntheticRoad(W, H, seed=1)
+    y, uv, _ = road.render(5)
+    w.message("model_out", 6, 1, 12, 5, 1, MODEL_OUT.encode(offset_m=1.0))
+    w.close()
+    again = DriveLog.open(tmp_path / "log")
+    assert len(again.messages["model_out"]) == 6 and again.closed
+
+
+def test_a_crash_mid_write_loses_only_the_last_message_and_says_so(tmp_path):
+    write_log(tmp_path / "log", n=10, close=False)
+    msgs = tmp_path / "log" / MESSAGES
+    # What a crash in the middle of one write(2) leaves: the start of a record.
+    whole = msgs.read_bytes()
+    w = LogWriter.__new__(LogWriter)            # (only to build one more record's bytes)
+    from supervisor.replay.logfmt import Entry, frame_record
+    rec = frame_record(Entry.new_message(monoNs=1, event='{"x": 1}').to_bytes())
+    msgs.write_bytes(whole + rec[: len(rec) // 2])
+    vid = tmp_path / "log" / "road_frames.nv12"
+    os.truncate(vid, vid.stat().st_size - 100)   # and the last frame's pixels cut short
+    log = DriveLog.open(tmp_path / "log")
+    assert len(log.messages["model_out"]) == 10  # everything before the cut
+    loss = log.full_loss()
+    assert loss.truncated_records == 2           # the partial entry and the cut frame
+    assert loss.truncated_bytes == len(rec) // 2 + W * H * 3 // 2 - 100
+    assert "partial record" in loss.text()
+    assert len(log.video("road_frames")) == 9
+    del w
+
+
+def test_a_corrupt_record_is_skipped_and_counted_and_reading_goes_on(tmp_path):
+    write_log(tmp_path / "log", n=10)
+    msgs = tmp_path / "log" / MESSAGES
+    data = bytearray(msgs.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    msgs.write_bytes(bytes(data))
+    log = DriveLog.open(tmp_path / "log")
+    loss = log.full_loss()
+    assert loss.corrupt_records == 1 and log.closed
+    total = sum(len(v) for v in log.messages.values()) + len(log.frames["road_frames"])
+    assert total == 10 + 10 + 10 - 1
+
+
+def test_not_a_log_is_one_error(tmp_path):
+    with pytest.raises(LogError, match="no messages.tlog"):
+        DriveLog.open(tmp_path)
+    (tmp_path / MESSAGES).write_bytes(b"garbage")
+    with pytest.raises(LogError, match="no start entry"):
+        DriveLog.open(tmp_path)
+
+
+def test_diff_names_added_removed_changed_fields_and_the_first_divergent_frame(tmp_path):
+    write_log(tmp_path / "ref", n=12)
+    write_log(tmp_path / "same", n=12)
+    write_log(tmp_path / "new", n=12, offset=lambda k: 0.01 * k + (0.5 if k >= 7 else 0.0),
+              skip=(3,))
+    ref, same, new = (DriveLog.open(tmp_path / n) for n in ("ref", "same", "new"))
+    payloads = {"model_out": "model_out", "control_cmd": "control_cmd"}
+    kw = dict(channels=["model_out", "control_cmd"], payloads=payloads,
+              model_channel="model_out")
+    assert compare(same, ref, **kw).ok
+    r = compare(new, ref, **kw)
+    assert not r.ok and r.first_divergent_frame == 3
+    mo = next(c for c in r.channels if c.channel == "model_out")
+    assert mo.removed == [3] and mo.added == [] and mo.changed == list(range(7, 12))
+    off = next(f for f in mo.fields if f.name == "offset_m")
+    assert off.changed == 5 and off.max_abs == pytest.approx(0.5, abs=1e-6)
+    assert next(f for f in mo.fields if f.name == "heading_rad").changed == 0
+    text, md = render_text(r), render_markdown(r)
+    assert "first divergent frame 3" in text and "offset_m: 5 over tolerance" in text
+    assert "| `model_out.offset_m` | 5 |" in md and "| `model_out` | 11 | 0 | 1 | 5 |" in md
+    # A tolerance per field: the offset change passes, the missing frame still does not.
+    r2 = compare(new, ref, **kw, tolerances=parse_tolerances(["model_out.offset_m=0.6",
+                                                              "control_cmd=1"]))
+    assert [c.changed for c in r2.channels] == [[], []] and not r2.ok
+
+
+def test_model_time_gate_compares_p99_and_max_with_the_reference(tmp_path):
+    write_log(tmp_path / "ref", latency_ms=5.0)
+    write_log(tmp_path / "slow", latency_ms=12.0)
+    ref, slow = DriveLog.open(tmp_path / "ref"), DriveLog.open(tmp_path / "slow")
+    kw = dict(channels=["model_out"], payloads={"model_out": "model_out"},
+              model_channel="model_out")
+    r = compare(slow, ref, **kw)
+    assert not r.gate.ok and "p99 12.00 ms > 1.5 x REF 5.00 ms" in r.gate.why
+    assert r.channels[0].ok and not r.ok
+    assert compare(slow, ref, **kw, p99_ratio=3, max_ratio=3).ok
+
+
+@pytest.mark.parametrize("spec", ["model_out", "x=-1", "=3", "a=b"])
+def test_bad_tolerance_is_refused(spec):
+    with pytest.raises(ValueError, match="CHANNEL"):
+        parse_tolerances([spec])
+
+
+def test_derived_configs_load_with_the_normal_loader(tmp_path):
+    doc, _ = derive.read_doc(None)
+    cfg, _ = derive.write_config(derive.record_doc(doc, str(tmp_path / "out")), tmp_path, "r.toml")
+    rec = cfg.workers["recorder"]
+    assert cfg.profile_of("recorder") == "research"
+    assert cfg.domains["recorder"].extra_rw_binds == (str(tmp_path / "out"),)
+    assert set(rec.reads) == set(cfg.channels)
+    rdoc, plan = derive.replay_doc(doc, str(tmp_path / "log"), str(tmp_path / "run"),
+                                   str(tmp_path / "state"))
+    cfg2, _ = derive.write_config(rdoc, tmp_path, "p.toml")
+    cam = cfg2.workers[plan.camera]
+    assert "--lockstep" in cam.args and str(tmp_path / "log") in cam.args
+    assert not any(w.warm_standby for w in cfg2.workers.values())
+    assert "--log-clock" in cfg2.workers[plan.controls].args
+    assert str(tmp_path / "log") in cfg2.domains["control"].extra_ro_binds
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "supervisor.cli", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["replay", "nolog"], "no such directory"),
+    (["replay", "{tmp}"], "neither a drive log"),
+    (["replay", "{log}", "--tol", "model_out"], "--tol 'model_out'"),
+    (["replay", "{log}", "--config", "{tmp}/missing.toml"], "cannot read the config"),
+    (["record", "{log}", "--seconds", "1"], "exists and is not an empty directory"),
+    (["record", "{tmp}/new", "--seconds", "0"], "--seconds 0: must be > 0"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
+    write_log(tmp_path / "log", n=2)
+    (tmp_path / "empty").mkdir()
+    fill = {"tmp": str(tmp_path / "empty"), "log": str(tmp_path / "log")}
+    r = _cli(*[a.format(**fill) for a in args], cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
