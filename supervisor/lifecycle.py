@@ -30,12 +30,11 @@ from supervisor import signals
 from supervisor.events import EventLog
 from supervisor.exits import Exit  # noqa: F401  (re-exported: the CLI and tests use it here)
 from supervisor.failsafe import FailSafeLatch
-from supervisor.ipc import Channel, env_name
+from supervisor.ipc import Channel
 from supervisor.notify import Notifier
-from supervisor.output import LineLimiter
-from supervisor.worker import (ENV_CHANNELS, ENV_DOMAIN, ENV_EXECWATCH_FD, ENV_NAME,
-                               ENV_NETWORK, ENV_PROFILE, ENV_SANDBOXED, ENV_STANDBY_FD,
-                               ENV_STATUS_FD)
+from supervisor.output import LineLimiter, parse_log_record
+from supervisor.protocol import (ENV_EXECWATCH_FD, ENV_STANDBY_FD, Endpoint, StatusLine,
+                                 parse_line, worker_env)
 
 
 @dataclass
@@ -147,18 +146,18 @@ class Supervisor:
         self.log.emit("channels_closed", channels=sorted(self.channels))
         self.channels.clear()
 
-    def _endpoint_env(self, w: WorkerConfig) -> tuple[dict[str, str], list[int]]:
-        env, fds = {}, []
-        for ch in w.publishes:
-            h = self.channels[ch].writer_handle()
-            env[env_name(ch)] = h.to_json()
-            fds += h.fds()
+    def _handles(self, w: WorkerConfig) -> dict[str, object]:
+        """The worker's channel handles by channel name (its fds inside)."""
+        out: dict[str, object] = {ch: self.channels[ch].writer_handle() for ch in w.publishes}
         for ch in w.reads:
-            h = self.channels[ch].reader_handle(self._reader_index[(ch, w.name)])
-            env[env_name(ch)] = h.to_json()
-            fds += h.fds()
-        env[ENV_CHANNELS] = ",".join((*w.publishes, *w.reads))
-        return env, fds
+            out[ch] = self.channels[ch].reader_handle(self._reader_index[(ch, w.name)])
+        return out
+
+    def _endpoint(self, w: WorkerConfig) -> Endpoint:
+        d = self.config.domains[w.domain]
+        return Endpoint(name=w.name, domain=w.domain, profile=d.profile,
+                        isolation=d.isolation(), network=d.network, sandboxed=self.sandboxed,
+                        roles=w.roles, writable=d.extra_rw_binds)
 
     # ---------------------------------------------------------------- processes
 
@@ -196,25 +195,23 @@ class Supervisor:
     def _policy(self, w: WorkerConfig):
         from supervisor.sandbox import policy_for_domain
 
-        domain = self.config.domains[w.domain]
-        return policy_for_domain(w.domain, network=domain.network,
-                                 extra_ro_binds=domain.extra_ro_binds, user=domain.user,
-                                 profile=domain.profile)
+        d = self.config.domains[w.domain]
+        return policy_for_domain(w.domain, network=d.network, extra_ro_binds=d.extra_ro_binds,
+                                 extra_rw_binds=d.extra_rw_binds, user=d.user,
+                                 profile=d.profile, hide_compilers=d.hide_compilers,
+                                 refuse_torch=d.refuse_torch,
+                                 exec_after_start=d.exec_after_start)
 
     def _spawn(self, run: WorkerRun) -> None:
         w = run.cfg
         domain = self.config.domains[w.domain]
         # A standby gets no channel at all until it is activated (one writer per channel).
-        env, fds = ({ENV_CHANNELS: ""}, []) if run.is_standby else self._endpoint_env(w)
         r, wfd = os.pipe2(os.O_CLOEXEC)
         os.set_blocking(r, False)
         # stdout+stderr: a pipe we read, never the supervisor's own streams or a tty.
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         os.set_blocking(out_r, False)
-        env.update({ENV_NAME: w.name, ENV_DOMAIN: w.domain, ENV_STATUS_FD: str(wfd),
-                    ENV_NETWORK: "1" if domain.network else "0",
-                    ENV_SANDBOXED: "1" if self.sandboxed else "0",
-                    ENV_PROFILE: domain.profile})
+        env, fds = worker_env(self._endpoint(w), wfd, {} if run.is_standby else self._handles(w))
         child_fds = [*fds, wfd]
         ours, theirs = None, None
         ctl_ours = ctl_theirs = None
@@ -229,7 +226,7 @@ class Supervisor:
                 from supervisor.sandbox import launch
 
                 pol = self._policy(w)
-                if pol.strict:
+                if not domain.exec_memory_after_ready:
                     # The runner hands us its exec-watch listener through this socket
                     # before the worker's own code runs.
                     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -355,22 +352,20 @@ class Supervisor:
         return True
 
     def _on_status(self, run: WorkerRun, line: str) -> None:
+        for msg in parse_line(line):
+            self._on_message(run, msg)
+
+    def _on_message(self, run: WorkerRun, msg: StatusLine) -> None:
         now = time.monotonic_ns()
-        # sd_notify style: several assignments may share a line ("READY=1 STATUS=...").
-        if " STATUS=" in line and not line.startswith("STATUS="):
-            head, _, text = line.partition(" STATUS=")
-            self._on_status(run, head)
-            self._on_status(run, "STATUS=" + text)
-            return
-        if run.is_standby and line.startswith(("READY=1", "WATCHDOG=1", "STANDBY=1")):
-            if line.startswith("READY=1"):   # it has no channels: it cannot be ready
+        if run.is_standby and msg.kind in ("READY", "WATCHDOG", "STANDBY"):
+            if msg.kind == "READY":   # it has no channels: it cannot be ready
                 self._refuse(run, "protocol", "standby claimed READY before activation")
-            elif line.startswith("STANDBY=1") and not run.warm:
+            elif msg.kind == "STANDBY" and not run.warm:
                 run.warm = True
                 self.log.emit("standby_warm", worker=run.cfg.name, pid=run.pid,
                               start_ms=round((now - run.started_ns) / 1e6, 1))
             return
-        if line.startswith("READY=1"):
+        if msg.kind == "READY":
             run.last_ping_ns = now
             if not run.ready_claimed and not run.refused:
                 run.ready_claimed = True
@@ -379,19 +374,19 @@ class Supervisor:
                 elif self._close_exec_window(run):
                     # The snapshot reads the worker's maps off the event loop.
                     run.nursery.start_soon(self._verify_ready, run, now)
-        elif line.startswith("WATCHDOG=1"):
+        elif msg.kind == "WATCHDOG":
             run.last_ping_ns = now
-        elif line.startswith("STATUS="):
-            text = line[7:][:512]
-            if text != run.status:
-                run.status = text
-                self.log.emit("status", worker=run.cfg.name, domain=run.cfg.domain, status=text)
+        elif msg.kind == "STATUS":
+            if msg.text != run.status:
+                run.status = msg.text
+                self.log.emit("status", worker=run.cfg.name, domain=run.cfg.domain,
+                              status=msg.text)
             if self.monitor is not None:
-                self.monitor.statuses[run.cfg.name] = text
-        elif line.startswith("REFUSED="):
+                self.monitor.statuses[run.cfg.name] = msg.text
+        elif msg.kind == "REFUSED":
             # The import guard reports before it raises: a worker that swallows the
             # exception is named all the same.
-            kind, _, detail = line[8:].partition(" ")
+            kind, _, detail = msg.text.partition(" ")
             self._refuse(run, f"guard:{kind[:32]}", detail[:512] or kind)
 
     def _refuse(self, run: WorkerRun, kind: str, reason: str, **fields) -> None:
@@ -537,10 +532,20 @@ class Supervisor:
                 return False
             lines = run.output.feed(chunk) if chunk else run.output.flush()
             for line in lines:
-                self.log.emit("output", worker=run.cfg.name, domain=run.cfg.domain, line=line)
+                self._emit_output(run, line)
             if not chunk:
                 return False
         return True
+
+    def _emit_output(self, run: WorkerRun, line: str) -> None:
+        """A worker's output line as an event whose source is that worker: a record of
+        `WorkerContext.log` becomes a `log` event, anything else an `output` event."""
+        name, domain = run.cfg.name, run.cfg.domain
+        rec = parse_log_record(line)
+        if rec is None:
+            self.log.emit("output", source=name, worker=name, domain=domain, line=line)
+        else:
+            self.log.emit("log", source=name, worker=name, domain=domain, **rec)
 
     # ---------------------------------------------------------------- one worker
 
@@ -669,8 +674,9 @@ class Supervisor:
             if sb.proc is not None and sb.proc.poll() is None:
                 self._kill(sb)
             return False
-        env, fds = self._endpoint_env(run.cfg)
-        chans = {ch: env[env_name(ch)] for ch in (*run.cfg.publishes, *run.cfg.reads)}
+        handles = self._handles(run.cfg)
+        chans = {ch: h.to_json() for ch, h in handles.items()}
+        fds = [fd for h in handles.values() for fd in h.fds()]
         try:
             socket.send_fds(sb.ctl_sock, [json.dumps({"channels": chans, "fds": fds}).encode()], fds)
         except OSError as e:

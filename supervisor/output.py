@@ -3,11 +3,13 @@
 A worker never holds the supervisor's own stderr (or a terminal): it could truncate
 the log (`ftruncate(2, 0)`), print lines that look like supervisor events, or change
 the operator's terminal settings. Its output arrives on a pipe; every line becomes
-an `output` event that names the worker, cut to `max_line` bytes and rate limited
-with a token bucket so a chatty or hostile worker cannot flood the log.
+an event whose source is the worker (a `log` event for a `WorkerContext.log` record,
+else `output`), cut to `max_line` bytes and rate limited with a token bucket so a
+chatty or hostile worker cannot flood the log.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -72,3 +74,21 @@ class LineLimiter:
             return True
         self.dropped += 1
         return False
+
+
+def parse_log_record(line: str) -> dict | None:
+    """A `WorkerContext.log` record ({"log": msg, "data": {...}}) as event fields
+    (``msg``, ``data``), or None for any other line. Only those two keys are taken:
+    the worker cannot set the event's source, name, time or worker."""
+    if not line.startswith('{"log":'):
+        return None
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("log"), str):
+        return None
+    out: dict = {"msg": obj["log"]}
+    if isinstance(obj.get("data"), dict):
+        out["data"] = obj["data"]
+    return out

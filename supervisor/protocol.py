@@ -13,6 +13,10 @@ Status lines (worker -> supervisor, one per line on the status fd, like sd_notif
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+from dataclasses import dataclass
+
 ENV_NAME = "TRIO_WORKER"
 ENV_DOMAIN = "TRIO_DOMAIN"
 ENV_PROFILE = "TRIO_PROFILE"      # the domain's profile: which rules the runner applies
@@ -26,3 +30,159 @@ ENV_EXECWATCH_FD = "TRIO_EXECWATCH_FD"
 ENV_STANDBY_FD = "TRIO_STANDBY_FD"
 # "1" when the supervisor started the worker in a sandbox (Landlock applies then).
 ENV_SANDBOXED = "TRIO_SANDBOXED"
+# The worker's roles bound to channels by the config: "frames=road_frames,model=model_out".
+# A worker asks for a role (ctx.reader("frames")), never for a channel's name.
+ENV_ROLES = "TRIO_ROLES"
+
+
+def encode_roles(roles: tuple[tuple[str, str], ...] | list[tuple[str, str]]) -> str:
+    return ",".join(f"{r}={c}" for r, c in roles)
+
+
+def decode_roles(text: str | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in (text or "").split(","):
+        role, eq, ch = item.partition("=")
+        if eq and role and ch:
+            out[role] = ch
+    return out
+
+
+# The domain's isolation knobs the runner applies before the worker's code runs
+# (see supervisor.config.DomainConfig): "refuse_torch=1,exec_after_start=0,...".
+ENV_ISOLATION = "TRIO_ISOLATION"
+# Directories the worker may write besides /tmp and /dev (Landlock), ":"-separated.
+ENV_WRITABLE = "TRIO_WRITABLE"
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """What the runner and the worker context enforce inside the sandbox. The
+    defaults are control's: a missing or garbled variable fails closed."""
+
+    refuse_torch: bool = True
+    exec_after_start: bool = False
+    exec_memory_after_ready: bool = False
+    seccomp: str = "control"
+
+    def encode(self) -> str:
+        return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}"
+                        for k, v in dataclasses.asdict(self).items())
+
+    @classmethod
+    def for_profile(cls, profile: str) -> Isolation:
+        """A profile's defaults (supervisor.config.PROFILE_DEFAULTS): anything but
+        research is control."""
+        if profile == "research":
+            return cls(refuse_torch=False, exec_after_start=True, exec_memory_after_ready=True,
+                       seccomp="research")
+        return cls()
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | os._Environ) -> Isolation:
+        text = env.get(ENV_ISOLATION)
+        if text is None:   # started by hand (a test, a developer): the profile decides
+            return cls.for_profile(env.get(ENV_PROFILE) or env.get(ENV_DOMAIN, "control"))
+        return cls.decode(text)
+
+    @classmethod
+    def decode(cls, text: str | None) -> Isolation:
+        out = cls()
+        if not text:
+            return out
+        vals: dict[str, object] = {}
+        for item in text.split(","):
+            k, _, v = item.partition("=")
+            if k in ("refuse_torch", "exec_after_start", "exec_memory_after_ready"):
+                vals[k] = v == "1"
+            elif k == "seccomp" and v in ("control", "research"):
+                vals[k] = v
+        return dataclasses.replace(out, **vals)
+
+
+# ---------------------------------------------------------------- status lines
+
+
+@dataclass(frozen=True)
+class StatusLine:
+    """One assignment of a status line: kind READY | WATCHDOG | STATUS | REFUSED |
+    STANDBY | UNKNOWN, with its text (STATUS: free text; REFUSED: "kind detail")."""
+
+    kind: str
+    text: str = ""
+
+
+_KINDS = ("READY", "WATCHDOG", "STATUS", "REFUSED", "STANDBY")
+STATUS_MAX = 512
+
+
+def format_line(kind: str, text: str = "") -> str:
+    """Worker side: one line for the status fd (no newline inside, ever)."""
+    if kind not in _KINDS:
+        raise ValueError(f"unknown status kind {kind!r}")
+    text = text.replace("\n", " ")
+    if kind == "STATUS":
+        return f"STATUS={text}"
+    if kind == "REFUSED":
+        return f"REFUSED={text}"
+    return f"{kind}=1" + (f" STATUS={text}" if text else "")
+
+
+def parse_line(line: str) -> list[StatusLine]:
+    """Supervisor side. sd_notify style: several assignments may share a line
+    ("READY=1 STATUS=fps=20"); STATUS and REFUSED take the rest of the line."""
+    out: list[StatusLine] = []
+    rest = line
+    while rest:
+        key, eq, value = rest.partition("=")
+        if not eq or key not in _KINDS:
+            out.append(StatusLine("UNKNOWN", rest[:STATUS_MAX]))
+            break
+        if key in ("STATUS", "REFUSED"):
+            out.append(StatusLine(key, value[:STATUS_MAX]))
+            break
+        flag, _, rest = value.partition(" ")
+        if flag != "1":
+            out.append(StatusLine("UNKNOWN", f"{key}={flag}"[:STATUS_MAX]))
+        else:
+            out.append(StatusLine(key))
+    return out
+
+
+# ---------------------------------------------------------------- the endpoint
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Everything a worker is told at start, besides its fds: who it is, its domain's
+    rules, and which channel each of its roles is bound to. The supervisor and the
+    tests start workers through `worker_env`, so both speak the same contract."""
+
+    name: str
+    domain: str
+    profile: str = ""
+    isolation: Isolation | None = None     # None: the profile's defaults
+    network: bool = False
+    sandboxed: bool = False
+    roles: tuple[tuple[str, str], ...] = ()
+    writable: tuple[str, ...] = ()
+
+
+def worker_env(ep: Endpoint, status_fd: int | None,
+               handles: dict[str, object]) -> tuple[dict[str, str], list[int]]:
+    """The environment and the fds to pass for `ep`; `handles` maps each channel name
+    to its WriterHandle or ReaderHandle (empty for a standby, which gets them later)."""
+    from supervisor.ipc import env_name   # not at import: the runner needs stdlib only
+
+    iso = ep.isolation or Isolation.for_profile(ep.profile or ep.domain)
+    env = {ENV_NAME: ep.name, ENV_DOMAIN: ep.domain, ENV_PROFILE: ep.profile or ep.domain,
+           ENV_NETWORK: "1" if ep.network else "0", ENV_SANDBOXED: "1" if ep.sandboxed else "0",
+           ENV_ISOLATION: iso.encode(), ENV_WRITABLE: ":".join(ep.writable),
+           ENV_ROLES: encode_roles(ep.roles), ENV_CHANNELS: ",".join(handles)}
+    if status_fd is not None:
+        env[ENV_STATUS_FD] = str(status_fd)
+    fds: list[int] = []
+    for ch, h in handles.items():
+        env[env_name(ch)] = h.to_json()   # type: ignore[attr-defined]
+        fds += h.fds()                    # type: ignore[attr-defined]
+    return env, fds

@@ -17,26 +17,30 @@ import socket
 import sys
 
 
-def _secure_start(name: str, domain: str) -> None:
-    from supervisor.protocol import ENV_EXECWATCH_FD, ENV_NETWORK, ENV_SANDBOXED
+def _secure_start(name: str) -> None:
+    from supervisor.protocol import (ENV_EXECWATCH_FD, ENV_NETWORK, ENV_SANDBOXED,
+                                     ENV_WRITABLE, Isolation)
 
+    iso = Isolation.from_env(os.environ)   # the domain's knobs (fail closed: control's)
     if os.environ.get(ENV_SANDBOXED) == "1":
         # First, while this is the only thread: Landlock binds the calling thread and
         # the threads it creates later (numpy's BLAS pool starts at import).
         from supervisor.sandbox import landlock
 
-        landlock.restrict(("/tmp", "/dev"))
-    strict = domain != "research"       # `domain` is the profile here (fail closed)
-    if strict:
+        extra = [p for p in os.environ.get(ENV_WRITABLE, "").split(":") if p]
+        landlock.restrict(("/tmp", "/dev", *extra))
+    if iso.refuse_torch:
         from supervisor.admission import guard
-        from supervisor.sandbox.seccomp import lock_down
 
         guard.install(name)
+    if not iso.exec_after_start:
+        from supervisor.sandbox.seccomp import lock_down
+
         # No exec from here on, not even during the worker's own start-up: nothing it
         # imports can start a process that escapes the guard or the seccomp filter.
-        lock_down(domain, network=os.environ.get(ENV_NETWORK) == "1")
+        lock_down(iso.seccomp, network=os.environ.get(ENV_NETWORK) == "1")
     sock_fd = os.environ.pop(ENV_EXECWATCH_FD, None)
-    if strict and sock_fd is not None:
+    if not iso.exec_memory_after_ready and sock_fd is not None:
         from supervisor.sandbox.seccomp import install_exec_watch
 
         sock = socket.socket(fileno=int(sock_fd))
@@ -52,11 +56,9 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m supervisor.runner <module> [args...]", file=sys.stderr)
         return 2
-    from supervisor.protocol import ENV_DOMAIN, ENV_NAME, ENV_PROFILE
+    from supervisor.protocol import ENV_NAME
 
-    name = os.environ.get(ENV_NAME, argv[0])
-    domain = os.environ.get(ENV_PROFILE) or os.environ.get(ENV_DOMAIN, "control")
-    _secure_start(name, domain)
+    _secure_start(os.environ.get(ENV_NAME, argv[0]))
     module = importlib.import_module(argv[0])
     from supervisor.worker import WorkerContext
 

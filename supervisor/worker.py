@@ -11,13 +11,18 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
 
 from supervisor.ipc import Reader, ReaderHandle, Writer, WriterHandle, env_name
 
-from supervisor.protocol import (ENV_CHANNELS, ENV_DOMAIN, ENV_EXECWATCH_FD,  # noqa: F401
-                                 ENV_NAME, ENV_NETWORK, ENV_PROFILE, ENV_SANDBOXED,
-                                 ENV_STANDBY_FD, ENV_STATUS_FD)
+from supervisor.protocol import (ENV_CHANNELS, ENV_DOMAIN, ENV_NAME, ENV_NETWORK, ENV_PROFILE,
+                                 ENV_ROLES, ENV_STANDBY_FD, ENV_STATUS_FD, Isolation,
+                                 decode_roles, format_line)
+
+# A log record a worker writes on its stdout (`WorkerContext.log`); the supervisor
+# re-emits it as a `log` event whose source is the worker (it cannot claim another).
+LOG_KEY = "log"
 
 
 @dataclass
@@ -28,6 +33,8 @@ class WorkerContext:
     status_fd: int | None
     network: bool = False
     profile: str = ""          # the domain's profile; empty: the domain's name
+    roles: dict[str, str] = field(default_factory=dict)    # role -> channel (the config's)
+    isolation: Isolation = field(default_factory=Isolation)
     _writers: dict[str, Writer] = field(default_factory=dict)
     _readers: dict[str, Reader] = field(default_factory=dict)
     _locked: bool = False
@@ -39,12 +46,20 @@ class WorkerContext:
         return cls(name=env.get(ENV_NAME, "worker"), domain=env.get(ENV_DOMAIN, "control"),
                    channels=tuple(c for c in env.get(ENV_CHANNELS, "").split(",") if c),
                    status_fd=int(fd) if fd else None, network=env.get(ENV_NETWORK) == "1",
-                   profile=env.get(ENV_PROFILE, ""))
+                   profile=env.get(ENV_PROFILE, ""), roles=decode_roles(env.get(ENV_ROLES)),
+                   isolation=Isolation.from_env(env))
 
     @property
     def strict(self) -> bool:
-        """Control-grade rules (anything not research: fail closed)."""
-        return (self.profile or self.domain) != "research"
+        """No exec once started: the seccomp lock-down applies from READY at the latest."""
+        return not self.isolation.exec_after_start
+
+    def channel_of(self, role: str) -> str:
+        """The channel the config bound to `role` (a channel's own name works too)."""
+        return self.roles.get(role, role)
+
+    def has(self, role: str) -> bool:
+        return self.channel_of(role) in self.channels or role in self.roles
 
     def _activate(self) -> None:
         """A warm standby blocks here (its first channel or its READY) until the
@@ -53,7 +68,7 @@ class WorkerContext:
         if fd is None:
             return
         sock = socket.socket(fileno=int(fd))
-        self._send("STANDBY=1")      # warm: everything before the channels is done
+        self._send(format_line("STANDBY"))      # warm: everything before the channels is done
         try:
             msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 253)
         finally:
@@ -72,25 +87,32 @@ class WorkerContext:
             os.environ[env_name(name)] = json.dumps(h)
         self.channels = tuple(data["channels"])
 
-    def _handle_json(self, channel: str) -> str:
+    def _handle_json(self, role: str) -> str:
         self._activate()
+        channel = self.channel_of(role)
         text = os.environ.get(env_name(channel))
         if text is None:
-            raise KeyError(f"worker {self.name!r} was given no channel {channel!r} "
-                           f"(has: {', '.join(self.channels) or 'none'})")
+            bound = ", ".join(f"{r}={c}" for r, c in self.roles.items()) or "none"
+            raise KeyError(f"worker {self.name!r} has no channel for role {role!r} "
+                           f"(bound: {bound}; bind it in the config's "
+                           f"[workers.{self.name}] subscribes/publishes)")
         return text
 
-    def writer(self, channel: str) -> Writer:
+    def writer(self, role: str) -> Writer:
+        """The writer of the channel bound to `role` in the config."""
+        channel = self.channel_of(role)
         if channel not in self._writers:
             # Not sealed: a restarted writer must map the same segment again. Readers
             # still cannot write it: O_RDONLY fds, mode 0400 and no capabilities.
-            self._writers[channel] = Writer(WriterHandle.from_json(self._handle_json(channel)),
+            self._writers[channel] = Writer(WriterHandle.from_json(self._handle_json(role)),
                                             domain=self.domain, seal=False)
         return self._writers[channel]
 
-    def reader(self, channel: str) -> Reader:
+    def reader(self, role: str) -> Reader:
+        """A read-only reader of the channel bound to `role` in the config."""
+        channel = self.channel_of(role)
         if channel not in self._readers:
-            self._readers[channel] = Reader(ReaderHandle.from_json(self._handle_json(channel)))
+            self._readers[channel] = Reader(ReaderHandle.from_json(self._handle_json(role)))
         return self._readers[channel]
 
     def _send(self, line: str) -> None:
@@ -107,7 +129,7 @@ class WorkerContext:
             return
         from supervisor.sandbox.seccomp import lock_down
 
-        lock_down(self.profile or self.domain, network=self.network, required=self.strict)
+        lock_down(self.isolation.seccomp, network=self.network, required=self.strict)
         self._locked = True
 
     def ready(self, status: str = "") -> None:
@@ -115,10 +137,22 @@ class WorkerContext:
         self._activate()
         if self.strict:
             self.lock_down()
-        self._send("READY=1" + (f" STATUS={status}" if status else ""))
+        self._send(format_line("READY", status))
 
     def watchdog(self) -> None:
-        self._send("WATCHDOG=1")
+        self._send(format_line("WATCHDOG"))
 
     def status(self, text: str) -> None:
-        self._send(f"STATUS={text}")
+        """Free-form status: a `status` event and the live status line."""
+        self._send(format_line("STATUS", text))
+
+    def log(self, msg: str, **fields: object) -> None:
+        """One log record: the supervisor emits it as a `log` event from this worker
+        (JSON like every other event; `--log-format text` renders it)."""
+        line = json.dumps({LOG_KEY: msg, **({"data": fields} if fields else {})},
+                          default=str, separators=(",", ":"))
+        try:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass

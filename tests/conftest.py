@@ -3,14 +3,19 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import textwrap
+import time
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from supervisor.ipc import Channel, ChannelSpec
+from supervisor.protocol import Endpoint, worker_env
 
 PEER = Path(__file__).with_name("ipc_peer.py")
+REPO = Path(__file__).resolve().parents[1]
 
 
 class Peer:
@@ -80,3 +85,128 @@ def _state_dir(tmp_path_factory, monkeypatch):
     d = tmp_path_factory.mktemp("state")
     monkeypatch.setenv("TRIO_STATE_DIR", str(d))
     return d
+
+
+# ---------------------------------------------------------------- a worker process
+
+
+class Worker:
+    """``python -m supervisor.runner MODULE ARGS`` with the env and fds the supervisor
+    gives a worker (the supervisor's own `protocol.worker_env`), its status pipe drained."""
+
+    def __init__(self, module: str, args: list[str], *, writes: dict[str, Channel] = {},
+                 reads: dict[str, Channel] = {}, domain: str = "control") -> None:
+        """`writes` / `reads` map the worker's roles to channels, as the config binds them."""
+        handles = {ch.spec.name: ch.writer_handle() for ch in writes.values()}
+        handles.update({ch.spec.name: ch.reader_handle(0) for ch in reads.values()})
+        roles = tuple((role, ch.spec.name) for role, ch in (*writes.items(), *reads.items()))
+        r, w = os.pipe2(os.O_CLOEXEC)
+        ep = Endpoint(name=module.rsplit(".", 1)[-1], domain=domain, roles=roles)
+        env_extra, fds = worker_env(ep, w, handles)
+        env = dict(os.environ, **env_extra)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO),
+                                                          env.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.runner", module, *args],
+                                     pass_fds=[*fds, w], env=env, cwd=REPO,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        os.close(w)
+        self.lines: list[str] = []
+        self._r = r
+        self._t = threading.Thread(target=self._drain, daemon=True)
+        self._t.start()
+
+    def _drain(self) -> None:
+        buf = b""
+        while chunk := os.read(self._r, 65536):
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            self.lines += [ln.decode() for ln in lines if ln != b"WATCHDOG=1"]
+        os.close(self._r)
+
+    def statuses(self) -> list[str]:
+        return [ln for ln in self.lines if ln.startswith("STATUS=")]
+
+    def wait(self, timeout: float = 20) -> tuple[int, str, str]:
+        out, err = self.proc.communicate(timeout=timeout)
+        self._t.join(5)
+        return self.proc.returncode, out, err
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+@pytest.fixture
+def workers():
+    started: list[Worker] = []
+
+    def start(*a, **kw) -> Worker:
+        w = Worker(*a, **kw)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.kill()
+
+
+# ---------------------------------------------------------------- a supervisor run
+
+
+class Run:
+    """`supervisor run` as a child process, its JSON event lines parsed as they come."""
+
+    def __init__(self, tmp_path: Path, toml: str, env: dict | None = None,
+                 cmd: str = "run") -> None:
+        self.path = tmp_path / "sup.toml"
+        self.path.write_text(textwrap.dedent(toml))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.cli", cmd, "--config", str(self.path)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=dict(os.environ, **(env or {})))
+        self.events: list[dict] = []
+
+    def wait_for(self, event: str, count: int = 1, timeout: float = 30, **match) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            hits = [e for e in self.events if e["event"] == event
+                    and all(e.get(k) == v for k, v in match.items())]
+            if len(hits) >= count:
+                return hits
+            line = self.proc.stderr.readline()
+            if not line:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            if line.startswith("{"):
+                self.events.append(json.loads(line))
+        raise AssertionError(f"no {count}x {event} {match}; got "
+                             f"{[e['event'] for e in self.events]}")
+
+    def finish(self, timeout: float = 20) -> int:
+        code = self.proc.wait(timeout)
+        for line in self.proc.stderr:
+            if line.startswith("{"):
+                self.events.append(json.loads(line))
+        return code
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def sup(tmp_path):
+    runs = []
+
+    def start(toml: str, **kw) -> Run:
+        r = Run(tmp_path, toml, **kw)
+        runs.append(r)
+        return r
+
+    yield start
+    for r in runs:
+        r.stop()

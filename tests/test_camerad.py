@@ -4,18 +4,14 @@ starts it, minus the sandbox)."""
 from __future__ import annotations
 
 import math
-import os
 import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from supervisor.ipc import Channel, ChannelSpec, Reader, Writer, env_name
+from supervisor.ipc import Channel, ChannelSpec, Reader, Writer
 from workers.camerad import replay, synthetic
 from workers.camerad.replay import (FILE_HDR_SIZE, REC_HDR_SIZE, ReplayError, ReplayLog,
                                     read_all, record)
@@ -25,73 +21,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------- a worker process
-
-
-class Worker:
-    """``python -m supervisor.runner MODULE ARGS`` with the env and fds the supervisor
-    gives a worker (lifecycle._endpoint_env / _spawn), its status pipe drained."""
-
-    def __init__(self, module: str, args: list[str], *, writes: dict[str, Channel] = {},
-                 reads: dict[str, Channel] = {}, domain: str = "control") -> None:
-        env, fds = dict(os.environ), []
-        for name, ch in writes.items():
-            h = ch.writer_handle()
-            env[env_name(name)] = h.to_json()
-            fds += h.fds()
-        for name, ch in reads.items():
-            h = ch.reader_handle(0)
-            env[env_name(name)] = h.to_json()
-            fds += h.fds()
-        r, w = os.pipe2(os.O_CLOEXEC)
-        env.update(TRIO_WORKER=module.rsplit(".", 1)[-1], TRIO_DOMAIN=domain,
-                   TRIO_STATUS_FD=str(w), TRIO_NETWORK="0",
-                   TRIO_CHANNELS=",".join((*writes, *reads)))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO),
-                                                          env.get("PYTHONPATH")]))
-        self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.runner", module, *args],
-                                     pass_fds=[*fds, w], env=env, cwd=REPO,
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
-        os.close(w)
-        self.lines: list[str] = []
-        self._r = r
-        self._t = threading.Thread(target=self._drain, daemon=True)
-        self._t.start()
-
-    def _drain(self) -> None:
-        buf = b""
-        while chunk := os.read(self._r, 65536):
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            self.lines += [ln.decode() for ln in lines if ln != b"WATCHDOG=1"]
-        os.close(self._r)
-
-    def statuses(self) -> list[str]:
-        return [ln for ln in self.lines if ln.startswith("STATUS=")]
-
-    def wait(self, timeout: float = 20) -> tuple[int, str, str]:
-        out, err = self.proc.communicate(timeout=timeout)
-        self._t.join(5)
-        return self.proc.returncode, out, err
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.communicate()
-
-
-@pytest.fixture
-def workers():
-    started: list[Worker] = []
-
-    def start(*a, **kw) -> Worker:
-        w = Worker(*a, **kw)
-        started.append(w)
-        return w
-
-    yield start
-    for w in started:
-        w.kill()
 
 
 def frame_channel(name: str, fmt: str, width: int, height: int, slot_count: int = 6
@@ -363,7 +292,7 @@ def test_camerad_publishes_synthetic_frames_zero_copy(workers):
     with ch, reader:
         proc = workers("workers.camerad", ["--frames", "5", "--seed", "7", "--fps", str(fps),
                                            "--exposure-us", "8000"],
-                       writes={"road_frames": ch})
+                       writes={"frames": ch})
         road = SyntheticRoad(w, h, seed=7, fps=fps)
         got = []
         for _ in range(5):
@@ -400,9 +329,9 @@ def test_camerad_converts_formats(workers, fmt):
     ch, reader = frame_channel("cam", fmt, w, h)
     with ch, reader:
         proc = workers("workers.camerad", ["--frames", "3", "--format", fmt, "--width", str(w),
-                                           "--height", str(h), "--fps", "40", "--out", "cam",
+                                           "--height", str(h), "--fps", "40",
                                            "--sensor", "wide"],
-                       writes={"cam": ch})
+                       writes={"frames": ch})
         road = SyntheticRoad(w, h, seed=0, fps=40)
         for _ in range(3):
             with reader.receive(timeout=15) as msg:
@@ -424,7 +353,7 @@ def test_camerad_replays_a_log_with_loop_and_bad_records(workers, tmp_path):
     with ch, reader:
         proc = workers("workers.camerad", ["--source", "replay", "--log", str(path), "--loop",
                                            "--frames", "6", "--fps", "50"],
-                       writes={"road_frames": ch})
+                       writes={"frames": ch})
         data = {fid: d.tobytes() for fid, _, _, d in frames}
         exp = {fid: e for fid, _, e, _ in frames}
         got = []
@@ -441,7 +370,7 @@ def test_camerad_replays_a_log_with_loop_and_bad_records(workers, tmp_path):
         assert got == [10, 12, 13, 14, 16, 17]
         last = proc.statuses()[-1]
         assert "loops=1" in last and "log_errors=2" in last
-        assert "bad_crc" in err and "CRC mismatch" in err
+        assert "bad_crc" in out and "CRC mismatch" in out   # its log record
 
 
 def test_camerad_refuses_a_bad_log_before_ready(workers, tmp_path):
@@ -450,9 +379,9 @@ def test_camerad_refuses_a_bad_log_before_ready(workers, tmp_path):
     ch, reader = frame_channel("road_frames", "nv12", 64, 48)
     with ch, reader:
         proc = workers("workers.camerad", ["--source", "replay", "--log", str(path)],
-                       writes={"road_frames": ch})
+                       writes={"frames": ch})
         rc, out, err = proc.wait()
-        assert rc == 2 and "not a camera log" in err
+        assert rc == 2 and "not a camera log" in out   # its log record
         assert not any(ln.startswith("READY") for ln in proc.lines)
 
 
@@ -461,7 +390,7 @@ def test_camerad_stops_cleanly_on_sigterm(workers):
     with ch, reader:
         proc = workers("workers.camerad", ["--width", "320", "--height", "240",
                                            "--fps", "30", "--status-s", "0.1"],
-                       writes={"road_frames": ch})
+                       writes={"frames": ch})
         with reader.receive(timeout=15):
             pass
         time.sleep(0.3)

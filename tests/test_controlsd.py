@@ -14,7 +14,7 @@ from workers.controlsd import model_output_of
 from workers.controlsd.law import (Command, ControlLaw, LawConfig, ModelOutput,
                                    SafeReason)
 
-from .test_camerad import workers  # noqa: F401  (fixture: a worker process)
+
 
 MS = 1_000_000
 CFG = LawConfig(k_p=0.1, k_h=1.0, max_steer=0.2, max_rate=0.5, timeout_ms=100,
@@ -205,7 +205,7 @@ def test_controlsd_process_follows_model_and_fails_safe(workers):  # noqa: F811
         proc = workers("workers.controlsd",
                        ["--timeout-ms", "120", "--max-age-ms", "150", "--hz", "50",
                         "--k-p", "0.1", "--max-rate", "1.0", "--status-s", "0.2"],
-                       reads={"model_out": model}, writes={"control_cmd": cmd})
+                       reads={"model": model}, writes={"command": cmd})
         seen: list[Command] = []
 
         def phase(seconds: float, values=None, ts_back_ms: float = 0.0) -> list[Command]:
@@ -277,7 +277,7 @@ def test_controlsd_process_refuses_future_stamped_outputs(workers):  # noqa: F81
                        ["--timeout-ms", "120", "--max-age-ms", "150", "--hz", "50",
                         "--k-p", "0.1", "--max-rate", "1.0", "--status-s", "0.2",
                         "--engage-count", "3"],
-                       reads={"model_out": model}, writes={"control_cmd": cmd})
+                       reads={"model": model}, writes={"command": cmd})
         seen: list[Command] = []
         fid = 0
 

@@ -21,19 +21,21 @@ if shutil.which("bwrap") is None:
 
 N = 40
 
+# Channel names of its own (none of the default config's): workers ask for roles, the
+# config binds them, so nothing in a worker names a channel.
 CONFIG = """
 [domains.control]
 failure_policy = "fail_safe"
 actuates = true
 
-[channels.road_frames]
+[channels.cam_road]
 kind = "frame"
 pixel_formats = ["nv12"]
 slot_size = "3.5MiB"
 slot_count = 6
 max_age_ms = 100
 
-[channels.model_out]
+[channels.lanes]
 dtype = "float32"
 slot_size = "4KiB"
 slot_count = 8
@@ -41,7 +43,7 @@ max_age_ms = 200
 crc = true
 max_readers = 3
 
-[channels.control_cmd]
+[channels.steer]
 dtype = "float32"
 slot_size = "4KiB"
 slot_count = 16
@@ -52,22 +54,22 @@ max_readers = 2
 [workers.camerad]
 domain = "control"
 module = "workers.camerad"
-publishes = ["road_frames"]
+publishes = { frames = "cam_road" }
 args = ["--fps", "15"]
 
 [workers.modeld]
 domain = "control"
 module = "workers.modeld"
-subscribes = ["road_frames"]
-publishes = ["model_out"]
+subscribes = { frames = "cam_road" }
+publishes = { model = "lanes" }
 ready_timeout_ms = 30000
 jit_kernels = true
 
 [workers.controlsd]
 domain = "control"
 module = "workers.controlsd"
-subscribes = ["model_out"]
-publishes = ["control_cmd"]
+subscribes = { model = "lanes" }
+publishes = { command = "steer" }
 """
 
 
@@ -83,8 +85,8 @@ def test_camera_model_control_end_to_end():
         async with trio.open_nursery() as nursery:
             await nursery.start(sup.run)
             # Test readers on the indices after the workers' and the monitor's.
-            r_out = Reader(sup.channels["model_out"].reader_handle(2))
-            r_cmd = Reader(sup.channels["control_cmd"].reader_handle(1))
+            r_out = Reader(sup.channels["lanes"].reader_handle(2))
+            r_cmd = Reader(sup.channels["steer"].reader_handle(1))
 
             async def commands_task():
                 while True:
@@ -97,7 +99,7 @@ def test_camera_model_control_end_to_end():
                     with await r_out.receive_async() as m:
                         outputs.append((np.array(m.array), m.receipt))
                         out_ts.append(m.publish_ts_ns)
-            assert sup.monitor is not None and "model_out" in sup.monitor.line()
+            assert sup.monitor is not None and "lanes" in sup.monitor.line()
             # the workers' own status reaches the event log and the live line
             with trio.fail_after(10):
                 while not (log.of("status", "camerad") and log.of("status", "controlsd")

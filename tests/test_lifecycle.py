@@ -8,9 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
@@ -49,63 +47,6 @@ module = "workers.probe"
 subscribes = ["b_out"]
 args = ["--read", "b_out"]
 """
-
-
-class Run:
-    """`supervisor run` as a child process, its JSON event lines parsed as they come."""
-
-    def __init__(self, tmp_path: Path, toml: str, env: dict | None = None,
-                 cmd: str = "run") -> None:
-        self.path = tmp_path / "sup.toml"
-        self.path.write_text(textwrap.dedent(toml))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor.cli", cmd, "--config", str(self.path)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=dict(os.environ, **(env or {})))
-        self.events: list[dict] = []
-
-    def wait_for(self, event: str, count: int = 1, timeout: float = 30, **match) -> list[dict]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            hits = [e for e in self.events if e["event"] == event
-                    and all(e.get(k) == v for k, v in match.items())]
-            if len(hits) >= count:
-                return hits
-            line = self.proc.stderr.readline()
-            if not line:
-                if self.proc.poll() is not None:
-                    break
-                continue
-            if line.startswith("{"):
-                self.events.append(json.loads(line))
-        raise AssertionError(f"no {count}x {event} {match}; got "
-                             f"{[e['event'] for e in self.events]}")
-
-    def finish(self, timeout: float = 20) -> int:
-        code = self.proc.wait(timeout)
-        for line in self.proc.stderr:
-            if line.startswith("{"):
-                self.events.append(json.loads(line))
-        return code
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-
-@pytest.fixture
-def sup(tmp_path):
-    runs = []
-
-    def start(toml: str, **kw) -> Run:
-        r = Run(tmp_path, toml, **kw)
-        runs.append(r)
-        return r
-
-    yield start
-    for r in runs:
-        r.stop()
 
 
 def _names(events, event):

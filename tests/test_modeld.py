@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from supervisor.ipc import Channel, ChannelSpec, Reader, Writer, env_name
+from supervisor.ipc import Channel, ChannelSpec, Reader, Writer
+from supervisor.protocol import Endpoint, worker_env
 from supervisor.model import load_verified
 from supervisor.model import artifact as A
 from tests.test_model_artifact import DEMO, DEMO_PUB, copy_bundle, drop_kernel, test_key  # noqa: F401
@@ -185,13 +186,13 @@ def test_modeld_worker_in_the_control_sandbox_over_the_bridge(reference):
     camera = Writer(road_ch.writer_handle(), domain="control")
     rh, ow = road_ch.reader_handle(0), out_ch.writer_handle()
     r, wfd = os.pipe2(os.O_CLOEXEC)
-    env = {env_name("road_frames"): rh.to_json(), env_name("model_out"): ow.to_json(),
-           "TRIO_CHANNELS": "model_out,road_frames", "TRIO_WORKER": "modeld",
-           "TRIO_DOMAIN": "control", "TRIO_STATUS_FD": str(wfd), "TRIO_NETWORK": "0"}
+    ep = Endpoint(name="modeld", domain="control", sandboxed=True,
+                  roles=(("model", "model_out"), ("frames", "road_frames")))
+    env, fds = worker_env(ep, wfd, {"model_out": ow, "road_frames": rh})
     pol = policy_for_domain("control", extra_ro_binds=[str(DEMO), str(DEMO_PUB)])
     proc = spawn(pol, [sys.executable, "-m", "supervisor.runner", "workers.modeld",
                        "--artifact", str(DEMO), "--pubkey", str(DEMO_PUB), "--status-ms", "200"],
-                 [*rh.fds(), *ow.fds(), wfd], env_extra=env, stdin=subprocess.DEVNULL,
+                 [*fds, wfd], env_extra=env, stdin=subprocess.DEVNULL,
                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     os.close(wfd)
     seen: list[str] = []
@@ -223,7 +224,7 @@ def test_modeld_worker_in_the_control_sandbox_over_the_bridge(reference):
         camera.close()
         road_ch.close()
         out_ch.close()
-    assert b"modeld: ready" in err
+    assert b'{"log":"ready: lane-offset-demo' in out
 
 
 @sandbox
@@ -236,4 +237,4 @@ def test_modeld_refuses_an_artifact_it_cannot_verify(test_key):  # noqa: F811
                     "--artifact", str(DEMO), "--pubkey", str(pub)], timeout=60,
               env_extra={"TRIO_WORKER": "modeld", "TRIO_DOMAIN": "control"})
     assert res.returncode == 2
-    assert "modeld: artifact refused: BadSignature" in res.stderr
+    assert '{"log":"artifact refused: BadSignature' in res.stdout

@@ -21,6 +21,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch not installed (research extra)")
 
 from supervisor.ipc import Channel, ChannelSpec, Reader, Writer  # noqa: E402
+from supervisor.protocol import Endpoint, worker_env  # noqa: E402
 from workers.research import FRAME_ID_MOD, SHADOW_LAYOUT, SHADOW_LEN  # noqa: E402
 from workers.research import model as lane  # noqa: E402
 
@@ -49,22 +50,21 @@ def nv12_frame(i: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class ResearchProc:
-    """workers.research started the way lifecycle._spawn starts a worker (no sandbox)."""
+    """workers.research started with the supervisor's own `protocol.worker_env` (no sandbox)."""
 
     def __init__(self, frames: Channel, shadow: Channel, *args: str) -> None:
         rh, wh = frames.reader_handle(0), shadow.writer_handle()
         r, wfd = os.pipe2(os.O_CLOEXEC)
-        env = dict(os.environ, TRIO_WORKER="research", TRIO_DOMAIN="research",
-                   TRIO_STATUS_FD=str(wfd), TRIO_NETWORK="0",
-                   TRIO_CHANNELS=f"{shadow.spec.name},{frames.spec.name}",
-                   TRIO_BRIDGE_ROAD_FRAMES=rh.to_json(), TRIO_BRIDGE_SHADOW_OUT=wh.to_json())
+        ep = Endpoint(name="research", domain="research",
+                      roles=(("shadow", shadow.spec.name), ("frames", frames.spec.name)))
+        extra, fds = worker_env(ep, wfd, {shadow.spec.name: wh, frames.spec.name: rh})
+        env = dict(os.environ, **extra)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT),
                                                           env.get("PYTHONPATH")]))
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "supervisor.runner", "workers.research",
-                 "--in", frames.spec.name, "--out", shadow.spec.name, *args],
-                cwd=ROOT, env=env, pass_fds=[*rh.fds(), *wh.fds(), wfd],
+                [sys.executable, "-m", "supervisor.runner", "workers.research", *args],
+                cwd=ROOT, env=env, pass_fds=[*fds, wfd],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 text=True, start_new_session=True)
         finally:
@@ -104,7 +104,9 @@ class ResearchProc:
             self._buf += chunk
         os.close(self.status_r)
         self.status += [x.decode() for x in self._buf.split(b"\n") if x]
-        return self.proc.returncode, [json.loads(x) for x in out.splitlines() if x], err
+        # Its log records (`ctx.log`): {"log": msg, "data": {...}} per line.
+        recs = [json.loads(x) for x in out.splitlines() if x]
+        return self.proc.returncode, [{"event": r["log"], **r.get("data", {})} for r in recs], err
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -216,12 +218,12 @@ def test_research_worker_refuses_non_float_output(channels) -> None:
     proc = ResearchProc(frames, bad)
     try:
         proc.proc.wait(timeout=30)
-        rc, _, err = proc.stop()
+        rc, logs, _ = proc.stop()
     finally:
         proc.kill()
         bad.close()
         cam.close()
-    assert rc == 2 and "needs float32" in err
+    assert rc == 2 and any("needs float32" in r["event"] for r in logs), logs
 
 
 def test_model_is_deterministic_and_torch_free_modules_stay_so() -> None:

@@ -15,12 +15,28 @@ from supervisor.ipc.errors import ConfigError
 from supervisor.ipc.spec import DTYPES, KINDS, PIXEL_FORMATS, ChannelSpec
 
 from . import _rules
-from ._model import (CONTROL, DEFAULT_SOURCE, MIN_WORKER_MEMORY, PROFILES, RESEARCH,
+from ._model import (CONTROL, DEFAULT_SOURCE, MIN_WORKER_MEMORY, PROFILE_DEFAULTS, PROFILES,
+                     RESEARCH,
                      ChannelConfig, Config, ConfigFileError, DomainConfig, Problem,
                      SupervisorConfig, WorkerConfig)
-from ._values import (_CHANNEL_NAME, _NAME, _abs_path, _argv, _bool, _choice, _describe,
+from ._values import (_CHANNEL_NAME, _NAME, _abs_path, _argv, _bindings, _bool, _choice, _describe,
                       _int, _ItemError, _in, _key, _module, _number, _percent, _size,
                       _str_list, _string, _suggest, format_size)
+
+
+# Why each isolation field of a control-profile domain cannot be loosened.
+_CONTROL_MUST = {
+    "network": "must not have network access",
+    "hide_compilers": "must not see compilers",
+    "exec_after_start": "must not start processes after start-up",
+    "refuse_torch": "must refuse torch",
+    "exec_memory_after_ready": "must not map new executable memory after READY",
+    "seccomp": "must keep the control syscall filter",
+}
+
+
+def _toml(v: object) -> str:
+    return ("true" if v else "false") if isinstance(v, bool) else repr(v)
 
 
 # --------------------------------------------------------------------------- schemas
@@ -39,16 +55,22 @@ _DOMAIN_KEYS: dict[str, Callable[[Any], Any]] = {
     "failure_policy": _choice("restart", "fail_safe"),
     "actuates": _bool,
     "extra_ro_binds": _str_list(_abs_path),
+    "extra_rw_binds": _str_list(_abs_path),
     "user": _string,
+    "hide_compilers": _bool,
+    "exec_after_start": _bool,
+    "refuse_torch": _bool,
+    "exec_memory_after_ready": _bool,
+    "seccomp": _choice(CONTROL, RESEARCH),
 }
 _WORKER_KEYS: dict[str, Callable[[Any], Any]] = {
     "domain": _string,   # checked against the domains table later
     "module": _module,
     "command": _argv,
     "args": _str_list(unique=False),
-    "publishes": _str_list(),
-    "subscribes": _str_list(),
-    "shadow_subscribes": _str_list(),
+    "publishes": _bindings,
+    "subscribes": _bindings,
+    "shadow_subscribes": _bindings,
     "restart": _choice("always", "on-failure", "never"),
     "backoff_initial_ms": _int(1, 3_600_000),
     "backoff_max_ms": _int(1, 3_600_000),
@@ -220,13 +242,21 @@ class _Loader:
                 values["profile"] = CONTROL          # fail closed while reporting
         elif name in PROFILES and values["profile"] != name:
             self.add(f"{path}.profile", f"the {name!r} domain has the {name!r} profile")
-        profile = values["profile"]
+        profile = values["profile"] = values["profile"] or CONTROL   # bad value: fail closed
         if profile == CONTROL and "failure_policy" not in table:
             values["failure_policy"] = "fail_safe"
         if values["actuates"] and profile != CONTROL:
             self.add(f"{path}.actuates", f"only a {CONTROL!r}-profile domain may actuate")
-        if values["network"] and profile == CONTROL:
-            self.add(f"{path}.network", f"a {CONTROL!r}-profile domain must not have network access")
+        for key, default in PROFILE_DEFAULTS[profile].items():
+            if key not in table or values[key] in (None, ""):
+                values[key] = default
+            elif profile == CONTROL and values[key] != default:
+                # Control may only tighten, and its defaults are already the tightest.
+                self.add(f"{path}.{key}", f"a {CONTROL!r}-profile domain {_CONTROL_MUST[key]} "
+                         f"({key} = {_toml(default)})")
+        if values["extra_rw_binds"] and profile == CONTROL:
+            self.add(f"{path}.extra_rw_binds", f"a {CONTROL!r}-profile domain has no writable "
+                     "binds: it writes only its channels")
         return DomainConfig(name, **values)
 
     # -- workers
@@ -234,6 +264,16 @@ class _Loader:
     def worker(self, name: str, table: dict, domains: dict, channels: dict) -> WorkerConfig:
         path = _key("workers", name)
         values, _ = self.fields(path, table, _schema_of(WorkerConfig, _WORKER_KEYS))
+        roles: dict[str, str] = {}
+        for key in ("publishes", "subscribes", "shadow_subscribes"):
+            pairs = values[key] or ()
+            for role, ch in pairs:
+                if role in roles:
+                    self.add(f"{path}.{key}", f"role {role!r} is bound twice "
+                             f"(to {roles[role]!r} and {ch!r})")
+                roles.setdefault(role, ch)
+            values[key] = tuple(ch for _, ch in pairs)
+        values["roles"] = tuple(roles.items())
         w = WorkerConfig(name, **{k: v for k, v in values.items() if k != "domain"},
                          domain=values["domain"] or "")
 

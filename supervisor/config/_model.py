@@ -10,6 +10,7 @@ from pathlib import Path
 
 from supervisor.ipc.errors import ConfigError
 from supervisor.ipc.spec import ChannelSpec
+from supervisor.protocol import Isolation
 
 from ._graph import topo_sort
 
@@ -80,24 +81,66 @@ PROFILES = (CONTROL, RESEARCH)
 
 @dataclass(frozen=True)
 class DomainConfig:
+    """A domain: a set of workers that share one isolation, every knob a typed field.
+
+    The profile sets each isolation field's default (`PROFILE_DEFAULTS`); a domain may
+    override any of them, but a control-profile domain may only tighten (the loader
+    refuses a loosened one, naming the key). Every consumer (sandbox policy, runner,
+    admission, audit) reads these fields, never the profile's name.
+    """
+
     name: str
-    # "control": no network ever, compilers hidden, no exec after start, no new
-    # executable memory after READY, torch refused, actuation allowed; "research":
-    # torch allowed, exec and compilers allowed, never actuates, its outputs are shadow.
-    # A domain named control or research has that profile; any other name must say.
+    # "control" or "research". A domain named control or research has that profile;
+    # any other name must say.
     profile: str = ""
+    # Network namespace with interfaces (name resolution and TLS files bound). Never
+    # for control.
     network: bool = False
     # What to do when a worker exhausts its restart budget: "restart" keeps the domain
     # going without it, "fail_safe" stops the whole domain safe. Defaults to
-    # "fail_safe" for the control domain when the key is absent.
+    # "fail_safe" for the control profile when the key is absent.
     failure_policy: str = "restart"
+    # Its outputs may reach actuators (control profile only).
     actuates: bool = False
     extra_ro_binds: tuple[str, ...] = ()
+    # Directories bound read-write (e.g. a recorder's output); Landlock allows writes
+    # below them. Never for the control profile: control writes only shared memory.
+    extra_rw_binds: tuple[str, ...] = ()
     # Host user the domain's sandboxes run as (never root); default trio-research for
     # research, trio-control for every other domain (scripts/install.sh creates both).
     # Distinct domains must use distinct users: the kernel then treats one domain's
     # processes and files as a stranger's to the other.
     user: str | None = None
+    # -- isolation knobs; None = the profile's default (resolved by the loader)
+    # cc, gcc, clang, ld, ... masked inside the sandbox (and Debian's alternatives).
+    hide_compilers: bool | None = None
+    # May start processes after its start-up (control: execve is killed from the
+    # runner on; the worker's own code never runs with exec allowed).
+    exec_after_start: bool | None = None
+    # Torch (and the rest of the refusal list) refused at admission, by the import
+    # guard and the maps scan, and absent from the sandbox's filesystem.
+    refuse_torch: bool | None = None
+    # May map new executable memory after READY. False: every executable mapping is
+    # judged by the exec watch while starting and refused (the worker killed) after.
+    exec_memory_after_ready: bool | None = None
+    # Syscall filter class: "control" (denials kill) or "research" (EPERM for most).
+    seccomp: str = ""
+
+    def isolation(self) -> Isolation:
+        """The knobs the runner enforces inside each sandbox of this domain."""
+        return Isolation(refuse_torch=bool(self.refuse_torch),
+                         exec_after_start=bool(self.exec_after_start),
+                         exec_memory_after_ready=bool(self.exec_memory_after_ready),
+                         seccomp=self.seccomp or CONTROL)
+
+
+# Each profile's isolation; for control these are also the loosest values allowed.
+PROFILE_DEFAULTS: dict[str, dict[str, object]] = {
+    CONTROL: {"network": False, "hide_compilers": True, "exec_after_start": False,
+              "refuse_torch": True, "exec_memory_after_ready": False, "seccomp": CONTROL},
+    RESEARCH: {"hide_compilers": False, "exec_after_start": True, "refuse_torch": False,
+               "exec_memory_after_ready": True, "seccomp": RESEARCH},
+}
 
 
 @dataclass(frozen=True)
@@ -107,9 +150,12 @@ class WorkerConfig:
     module: str | None = None               # run as ``python -m module``
     command: tuple[str, ...] | None = None  # or this argv
     args: tuple[str, ...] = ()
+    # Channel names; in the TOML each is bound to a role the worker's code asks for
+    # (``subscribes = {frames = "road_frames"}``; an array means role = channel name).
     publishes: tuple[str, ...] = ()
     subscribes: tuple[str, ...] = ()
     shadow_subscribes: tuple[str, ...] = ()  # read for logging only, never for actuation
+    roles: tuple[tuple[str, str], ...] = ()  # (role, channel) of all three, filled by the loader
     restart: str = "on-failure"             # "always" | "on-failure" | "never"
     backoff_initial_ms: int = 100
     backoff_max_ms: int = 5000
@@ -186,6 +232,9 @@ class Config:
     def profile_of(self, worker: str) -> str:
         """The profile (control or research) of a worker's domain: what its sandbox is."""
         return self.domains[self.workers[worker].domain].profile
+
+    def domain_of(self, worker: str) -> DomainConfig:
+        return self.domains[self.workers[worker].domain]
 
     def workers_in(self, domain: str) -> list[str]:
         return [w.name for w in self.workers.values() if w.domain == domain]

@@ -11,7 +11,7 @@ import sys
 import tokenize
 from typing import Any
 
-from ._model import PROJECT_ROOT, Config, Problem
+from ._model import PROJECT_ROOT, Config, Problem, WorkerConfig
 from ._rules import _approx_size, _shm_overview, channel_shm_bytes
 from ._values import _key, _suggest
 
@@ -42,6 +42,9 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
                 verdicts[w.module] = _module_problem(w.module, search)
             if verdicts[w.module]:
                 add(f"{path}.module", verdicts[w.module])
+            else:
+                for key, reason in _role_problems(w, search):
+                    add(f"{path}.{key}", reason)
         elif w.command:
             reason = _executable_problem(w.command[0])
             if reason:
@@ -188,6 +191,49 @@ def _entry_problem(name: str, spec: Any) -> str | None:
             return (f"{name} is not a worker (main() requires keyword argument "
                     f"{missing[0]!r}; the runner calls main(ctx))")
     return None
+
+
+def _declared_roles(name: str, search: list[str]) -> dict[str, tuple[str, ...]] | None:
+    """A worker module's ``ROLES = {"in": (...), "out": (...)}`` (read from its source,
+    never imported), or None when it declares none."""
+    spec, _ = _locate(name, search)
+    origin = getattr(spec, "origin", None)
+    if not isinstance(origin, str) or not origin.endswith(".py"):
+        return None
+    try:
+        with tokenize.open(origin) as f:
+            tree = ast.parse(f.read(), origin)
+    except (SyntaxError, OSError, UnicodeDecodeError, ValueError):
+        return None
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name) and node.targets[0].id == "ROLES"):
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                return None
+            if isinstance(value, dict):
+                return {k: tuple(v) for k, v in value.items() if k in ("in", "out")}
+    return None
+
+
+def _role_problems(w: WorkerConfig, search: list[str]) -> list[tuple[str, str]]:
+    """Roles the worker's code asks for that the config does not bind (on the right
+    side: an input role among subscribes, an output role among publishes)."""
+    declared = _declared_roles(w.module or "", search)
+    if not declared:
+        return []
+    roles = dict(w.roles)
+    out = []
+    for kind, key in (("in", "subscribes"), ("out", "publishes")):
+        for role in declared.get(kind, ()):
+            ch = roles.get(role)
+            side = w.publishes if kind == "out" else (*w.subscribes, *w.shadow_subscribes)
+            if ch is None or ch not in side:
+                what = "input" if kind == "in" else "output"
+                out.append((key, f"{w.module} needs {what} role {role!r}: bind it to a "
+                            f"channel, e.g. {key} = {{ {role} = \"CHANNEL\" }}"))
+    return out
 
 
 def _top_level_main(body: list[ast.stmt]) -> ast.AST | None:

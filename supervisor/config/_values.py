@@ -155,6 +155,28 @@ def _str_list(item: Callable[[str], None] | None = None,
     return check
 
 
+def _bindings(v: Any) -> tuple[tuple[str, str], ...]:
+    """Channels a worker uses, bound to the roles its code asks for: a table
+    ``{frames = "road_frames"}`` (role -> channel), or an array of channel names (each
+    channel's name is then its role). Returns (role, channel) pairs."""
+    if isinstance(v, list):
+        channels = _str_list()(v)
+        return tuple((c, c) for c in channels)
+    if not isinstance(v, dict):
+        raise ValueError(f"expected a table of role = \"channel\" (or an array of channel "
+                         f"names), got {_describe(v)}")
+    out = []
+    for role, ch in v.items():
+        if not _NAME.match(role):
+            raise ValueError(f"role {role!r} is not a valid name (letters, digits, _ and -)")
+        if not isinstance(ch, str):
+            raise ValueError(f"role {role!r}: expected a channel name, got {_describe(ch)}")
+        if any(c == ch for _, c in out):
+            raise ValueError(f"channel {ch!r} is bound to two roles")
+        out.append((role, ch))
+    return tuple(out)
+
+
 def _in(options: Any) -> Callable[[str], None]:
     def check(s: str) -> None:
         if s not in options:

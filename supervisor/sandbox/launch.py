@@ -83,7 +83,7 @@ def prepare(
     # Only root can switch to the domain's host uid (and must stage what it cannot reach).
     switch = policy.host_uid is not None and os.geteuid() == 0
     st = (staging.staging_for([*policy.ro_binds, *policy.rw_binds, *policy.dev_binds],
-                              policy.hidden) if switch else None)
+                              policy.hidden, writable=policy.rw_binds) if switch else None)
     if policy.seccomp_at_launch:
         sfd = seccomp.launch_filter_fd(policy.rules, network=policy.network)
         owned.append(sfd)

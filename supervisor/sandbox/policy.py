@@ -198,8 +198,12 @@ def policy_for_domain(
     extra_dev_binds: Iterable[str] = (),
     user: str | None = None,
     profile: str | None = None,
+    hide_compilers: bool | None = None,
+    refuse_torch: bool | None = None,
+    exec_after_start: bool | None = None,
 ) -> SandboxPolicy:
-    """Build the policy for `domain`.
+    """Build the policy for `domain` from its isolation fields (see
+    `supervisor.config.DomainConfig`); a field left None takes the profile's value.
 
     Anything other than "research" gets the control rules (fail closed).
     Asking for a network in a strict domain is a configuration error.
@@ -208,11 +212,14 @@ def policy_for_domain(
     strict = rules != RESEARCH
     if strict and network:
         raise ValueError(f"domain {domain!r} may never have network access")
+    hide_compilers = strict if hide_compilers is None else hide_compilers or strict
+    refuse_torch = strict if refuse_torch is None else refuse_torch or strict
+    exec_after_start = (not strict) if exec_after_start is None else exec_after_start and not strict
 
     etc = list(_ETC_BASE)
     if network:
         etc += _ETC_NETWORK
-    if not strict:
+    if not hide_compilers:
         etc += _ETC_RESEARCH
 
     py = python_dirs()
@@ -251,10 +258,10 @@ def policy_for_domain(
         profile=rules,
         host_uid=host_uid,
         host_gid=host_gid,
-        hidden=refused_paths(ro) if strict else [],
+        hidden=refused_paths(ro) if refuse_torch else [],
         network=bool(network),
-        hide_compilers=strict,
-        seccomp_after_start=strict,
+        hide_compilers=hide_compilers,
+        seccomp_after_start=not exec_after_start,
         seccomp_at_launch=True,
         ro_binds=ro,
         rw_binds=[os.path.abspath(p) for p in extra_rw_binds],

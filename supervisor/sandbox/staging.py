@@ -4,7 +4,8 @@ bubblewrap runs as the domain's host uid (never root), so it resolves every bind
 source with that uid's permissions. An interpreter under a 0700 directory
 (/root/.pyenv here) is then unreachable. Loosening /root is not an option, so a
 root helper makes a *private* mount namespace in which each unreachable source is
-bind-mounted read-only under a world-traversable tmpfs, and bwrap is started inside
+bind-mounted read-only (a domain's ``extra_rw_binds``: read-write) under a
+world-traversable tmpfs, and bwrap is started inside
 that namespace (``setns`` between fork and exec). The host never sees these mounts,
 and they vanish with the last reference to the namespace: nothing to clean up after
 a crash.
@@ -61,8 +62,10 @@ class Staging:
 
     @classmethod
     def create(cls, sources: Iterable[str],
-               hide: Iterable[tuple[str, tuple[str, ...]]] = ()) -> "Staging":
+               hide: Iterable[tuple[str, tuple[str, ...]]] = (),
+               writable: Iterable[str] = ()) -> "Staging":
         srcs = tuple(sorted(set(os.path.abspath(s) for s in sources)))
+        rw = {os.path.abspath(s) for s in writable}
         st = cls(srcs, tuple(sorted(hide)))
         if not srcs and not st.hide:
             return st
@@ -72,8 +75,9 @@ class Staging:
             d = f"{BASE}/{i}"
             st._index[s] = d
             point = f"mkdir {d}" if os.path.isdir(s) else f": > {d}"   # a file binds onto a file
+            # Read-only unless it is a domain's writable bind (extra_rw_binds).
             script += [point, f"mount --rbind {shlex.quote(s)} {d}",
-                       f"mount -o remount,bind,ro,nosuid,nodev {d}"]
+                       f"mount -o remount,bind,{'' if s in rw else 'ro,'}nosuid,nodev {d}"]
         # Hidden entries: a read-only overlay whose top layer holds a whiteout (char
         # device 0:0) per name. One mount, built once; each sandbox binds the view over
         # the directory at the cost of one bind (rebuilding it from its other entries
@@ -123,7 +127,8 @@ _lock = threading.Lock()
 _cache: dict[tuple, Staging] = {}
 
 
-def staging_for(paths: Iterable[str], hidden: Iterable[str] = ()) -> Staging:
+def staging_for(paths: Iterable[str], hidden: Iterable[str] = (),
+                writable: Iterable[str] = ()) -> Staging:
     """The shared staging namespace for the unreachable ones among `paths`, with
     filtered views of the directories holding `hidden` entries.
 
@@ -135,10 +140,11 @@ def staging_for(paths: Iterable[str], hidden: Iterable[str] = ()) -> Staging:
         by_dir.setdefault(os.path.dirname(h), set()).add(os.path.basename(h))
     hide = tuple(sorted((d, tuple(sorted(n))) for d, n in by_dir.items()
                         if ":" not in d and "," not in d))   # overlay option syntax
+    rw = tuple(sorted(os.path.abspath(p) for p in writable if os.path.abspath(p) in need))
     with _lock:
-        st = _cache.get((need, hide))
+        st = _cache.get((need, hide, rw))
         if st is None:
-            st = _cache[(need, hide)] = Staging.create(need, hide)
+            st = _cache[(need, hide, rw)] = Staging.create(need, hide, rw)
         return st
 
 

@@ -2,7 +2,7 @@
 
     python -m supervisor.runner workers.camerad [--source synthetic|replay] [--log FILE]
         [--loop] [--width 1928] [--height 1208] [--fps 20] [--format nv12|rgb888|gray8]
-        [--seed 0] [--frames N] [--out road_frames] [--sensor road] [--exposure-us 10000]
+        [--seed 0] [--frames N] [--sensor road] [--exposure-us 10000]
         [--status-s 1.0]
 
 Sources:
@@ -26,6 +26,8 @@ slots already missed (counted as ``dropped``, the frame ids skip too) rather tha
 bursting to catch up. Status line (every ``--status-s``): fps over the window, frames,
 overruns, dropped, mean/max publish time.
 
+Channels (bound by the config, never named here): output role ``frames``.
+
 Stops after ``--frames N`` (0 = forever) or on SIGTERM, exiting 0.
 """
 from __future__ import annotations
@@ -41,6 +43,9 @@ from supervisor.worker import WorkerContext
 
 from .replay import ReplayError, ReplayLog
 from .synthetic import SyntheticRoad, nv12_to_gray, nv12_to_rgb
+
+# The roles this worker's code asks for; `supervisor check` verifies the config binds them.
+ROLES = {"out": ("frames",)}
 
 FORMATS = ("nv12", "rgb888", "gray8")
 SENSORS = ("road", "wide", "driver", "unknown")
@@ -60,7 +65,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="default nv12 (replay: the log's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--frames", type=int, default=0, help="stop after N frames (0 = forever)")
-    p.add_argument("--out", default="road_frames")
     p.add_argument("--sensor", choices=SENSORS, default="road")
     p.add_argument("--exposure-us", type=int, default=10_000,
                    help="synthetic exposure time reported in FrameMeta")
@@ -172,11 +176,11 @@ def main(ctx: WorkerContext) -> int:
     try:
         src = _Synthetic(a) if a.source == "synthetic" else _Replay(a)
     except (ReplayError, OSError, ValueError) as e:
-        print(f"camerad: {e}", file=sys.stderr, flush=True)
+        ctx.log(f"source refused: {e}")
         return 2
-    writer = ctx.writer(a.out)
+    writer = ctx.writer("frames")
     w, h, fmt = src.width, src.height, src.format
-    ctx.ready(status=f"{src.status()} {w}x{h} {fmt} @ {a.fps:g} Hz -> {a.out}")
+    ctx.ready(status=f"{src.status()} {w}x{h} {fmt} @ {a.fps:g} Hz -> {ctx.channel_of('frames')}")
 
     period = int(round(1e9 / a.fps))
     status_ns = int(a.status_s * 1e9)
@@ -228,8 +232,6 @@ def main(ctx: WorkerContext) -> int:
             f"stopped={'sigterm' if stop else 'done'}")
     ctx.status(line)
     if isinstance(src, _Replay) and src.log.error_count:
-        print(f"camerad: {a.log}: {src.log.summary()}", file=sys.stderr, flush=True)
-        for p in src.log.problems[:10]:
-            print(f"camerad:   {p}", file=sys.stderr, flush=True)
-    print(f"camerad: {line}", flush=True)
+        ctx.log(f"{a.log}: {src.log.summary()}", problems=src.log.problems[:10])
+    ctx.log(line)
     return 0

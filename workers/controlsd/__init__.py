@@ -1,11 +1,12 @@
 """controlsd: turns model outputs into lateral control commands, failing safe.
 
-    python -m supervisor.runner workers.controlsd [--in model_out] [--out control_cmd]
-        [--hz 50] [--timeout-ms 150] [--max-age-ms 150] [--min-confidence 0.5]
+    python -m supervisor.runner workers.controlsd [--hz 50] [--timeout-ms 150] [--max-age-ms 150] [--min-confidence 0.5]
         [--k-p 0.05] [--k-h 0.5] [--max-steer 0.3] [--max-rate 0.4] [--tau-ms 0]
         [--engage-count 3] [--status-s 1.0]
 
-Input: ``--in`` (float32[4] = offset_m, heading_rad, confidence, reserved), the only
+Channels (bound by the config): input role ``model``, output role ``command``.
+
+Input: ``model`` (float32[4] = offset_m, heading_rad, confidence, reserved), the only
 channel read; research/shadow channels are never read. The age of an output is taken
 from the capture time of the frame it came from: ``msg.receipt.capture_ts_ns`` when the
 bridge carries an execution receipt, else the message's own capture timestamp, else its
@@ -16,7 +17,7 @@ age reference again) is a lie about time, never freshness: it counts as a new ou
 that puts the command in the safe state with reason FUTURE at once, and engagement
 comes back only through the usual ``--engage-count`` good outputs in a row.
 
-Output: ``--out`` float32[4] = (steer_rad, engaged 0/1, safe_state reason code,
+Output: ``command`` float32[4] = (steer_rad, engaged 0/1, safe_state reason code,
 model_age_ms) — see `law.SafeReason` for the codes and `law` for the law itself. A
 command is published on every new model output and at least every ``1/--hz`` s without
 one, so the safe state (TIMEOUT after ``--timeout-ms`` of silence) shows up on the
@@ -50,8 +51,6 @@ PING_NS = 20_000_000
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="workers.controlsd")
-    p.add_argument("--in", dest="in_", default="model_out")
-    p.add_argument("--out", default="control_cmd")
     p.add_argument("--hz", type=float, default=50.0, help="minimum command rate")
     p.add_argument("--timeout-ms", type=float, default=150.0)
     p.add_argument("--max-age-ms", type=float, default=150.0)
@@ -105,6 +104,10 @@ def _publish(writer, cmd: Command) -> None:
         loan.publish()
 
 
+# The roles this worker's code asks for; `supervisor check` verifies the config binds them.
+ROLES = {"in": ("model",), "out": ("command",)}
+
+
 def main(ctx: WorkerContext) -> int:
     a = parse_args(sys.argv[1:])
     cfg = LawConfig(k_p=a.k_p, k_h=a.k_h, max_steer=a.max_steer, max_rate=a.max_rate,
@@ -117,10 +120,10 @@ def main(ctx: WorkerContext) -> int:
         stop = True
 
     signal.signal(signal.SIGTERM, on_term)
-    reader = ctx.reader(a.in_)
-    writer = ctx.writer(a.out)
+    reader = ctx.reader("model")
+    writer = ctx.writer("command")
     law = ControlLaw(cfg)
-    ctx.ready(status=f"{a.in_} -> {a.out} @ >= {a.hz:g} Hz, timeout {a.timeout_ms:g} ms")
+    ctx.ready(status=f"{ctx.channel_of('model')} -> {ctx.channel_of('command')} @ >= {a.hz:g} Hz, timeout {a.timeout_ms:g} ms")
 
     tick = int(1e9 / a.hz)
     status_ns = int(a.status_s * 1e9)
@@ -163,7 +166,7 @@ def main(ctx: WorkerContext) -> int:
         except Rejected:
             pass            # counted in reader.stats.rejected; the law sees nothing new
         except BridgeError as e:
-            print(f"controlsd: {e}", file=sys.stderr, flush=True)
+            ctx.log(f"bridge error: {e}")
         now = time.monotonic_ns()
         if new is None and now < next_tick:
             continue

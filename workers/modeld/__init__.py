@@ -1,6 +1,6 @@
 """modeld: the control-domain model worker (no compiler visible, exec denied).
 
-    args: --artifact DIR --pubkey FILE [--in road_frames] [--out model_out]
+    args: --artifact DIR --pubkey FILE
           [--deadline-ms 50] [--expect-name NAME] [--expect-version V] [--status-ms 5000]
 
 Start-up, all before ``ctx.ready()`` (which installs the seccomp filter that denies
@@ -9,10 +9,12 @@ for it and load it with compilation disabled (`supervisor.model.runtime`), and r
 signed golden input as a power-on self-test. A refused artifact ends the worker with exit
 code 2 and one line on stderr naming the file/field.
 
-Per frame on ``--in``: check it against the artifact's input ABI (NV12, Y plane, uint8,
+Channels (bound by the config): input role ``frames``, output role ``model``.
+
+Per frame on ``frames``: check it against the artifact's input ABI (NV12, Y plane, uint8,
 full range, minimum size; a mismatch is counted by reason and skipped), preprocess the Y
 plane into the model input, release the frame, run, copy the output to host memory and
-publish float32[4] = (offset_m, heading_rad, confidence, reserved) on ``--out`` with the
+publish float32[4] = (offset_m, heading_rad, confidence, reserved) on ``model`` with the
 frame's id and capture time and an execution receipt (`supervisor.ipc.receipt.Receipt`).
 """
 from __future__ import annotations
@@ -32,6 +34,9 @@ from supervisor.model import ArtifactError, load_verified
 
 from .engine import ENGINE_ABI, Engine, FrameRejected
 
+# The roles this worker's code asks for; `supervisor check` verifies the config binds them.
+ROLES = {"in": ("frames",), "out": ("model",)}
+
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_ARTIFACT = ROOT / "models" / "demo" / "lane-offset"
 DEFAULT_PUBKEY = ROOT / "models" / "demo" / "demo_ed25519.pub"
@@ -43,8 +48,6 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="workers.modeld")
     p.add_argument("--artifact", default=str(DEFAULT_ARTIFACT))
     p.add_argument("--pubkey", default=str(DEFAULT_PUBKEY))
-    p.add_argument("--in", dest="in_", default="road_frames")
-    p.add_argument("--out", default="model_out")
     p.add_argument("--deadline-ms", type=float, default=50.0)
     p.add_argument("--expect-name", default=None)
     p.add_argument("--expect-version", default=None)
@@ -56,8 +59,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
 class Modeld:
     def __init__(self, ctx: Any, a: argparse.Namespace, engine: Engine) -> None:
         self.ctx, self.a, self.engine = ctx, a, engine
-        self.reader = ctx.reader(a.in_)
-        self.writer = ctx.writer(a.out)
+        self.reader = ctx.reader("frames")
+        self.writer = ctx.writer("model")
         self.errors: Counter[str] = Counter()
         self.published = 0
         self.last_receipt: Any = None
@@ -119,7 +122,7 @@ class Modeld:
             if now - last_status >= self.a.status_ms / 1000:
                 self.ctx.status(self.status_text())
                 last_status = now
-        print(f"modeld: stopping: {self.status_text()}", file=sys.stderr, flush=True)
+        self.ctx.log(f"stopping: {self.status_text()}")
         return 0
 
 
@@ -130,17 +133,17 @@ def main(ctx: Any) -> int:
                                  expect_version=a.expect_version, expect_abi=ENGINE_ABI)
         engine = Engine(verified, deadline_ms=a.deadline_ms, exclusive=True)
     except ArtifactError as exc:
-        print(f"modeld: artifact refused: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        ctx.log(f"artifact refused: {type(exc).__name__}: {exc}")
         return 2
     try:
         worker = Modeld(ctx, a, engine)
     except (KeyError, BridgeError) as exc:
-        print(f"modeld: channels: {exc}", file=sys.stderr, flush=True)
+        ctx.log(f"channels: {exc}")
         return 2
     i = engine.info
     ctx.ready(status=f"{i['model']} {i['version']} sha256:{i['artifact_sha256'][:16]} "
                      f"on {i['runtime']['device']} ({i['runtime']['target']}), golden ok, "
                      f"load {i['load_ms']:.0f} ms")
-    print(f"modeld: ready: {i['model']} {i['version']} manifest sha256 {i['artifact_sha256']}",
-          file=sys.stderr, flush=True)
+    ctx.log(f"ready: {i['model']} {i['version']} manifest sha256 {i['artifact_sha256']}",
+            model=i['model'], version=i['version'], artifact_sha256=i['artifact_sha256'])
     return worker.run()

@@ -6,6 +6,7 @@ a vehicle config.
           --stop-pinging-after-ms N   --publish CH --period-ms N   --read CH
           --import MODULE (after ready)   --map-file PATH (after ready)
           --attack NAME [--attack-before-ready]   (workers/probe/attacks.py)
+          --write-file PATH (after ready; the result is logged)
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--attack", action="append", default=[], help="see workers/probe/attacks.py")
     p.add_argument("--attack-before-ready", action="store_true")
     p.add_argument("--attack-arg", default="")
+    p.add_argument("--write-file", default=None, help="after ready: create PATH and write it")
     return p.parse_args(argv)
 
 
@@ -77,6 +79,13 @@ def main(ctx: WorkerContext) -> int:
         except ImportError as e:
             print(f"probe {ctx.name}: ImportError: {e}", flush=True)
             return 7
+    if a.write_file:
+        try:
+            with open(a.write_file, "w") as f:
+                f.write(ctx.name)
+            ctx.log("write", path=a.write_file, result="ok")
+        except OSError as e:
+            ctx.log("write", path=a.write_file, result=f"errno:{e.errno}")
     if a.alloc_mb:
         try:
             blob = np.ones(a.alloc_mb << 20, np.uint8)

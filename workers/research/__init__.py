@@ -1,13 +1,11 @@
 """Research-domain shadow worker: runs a small real torch model on road frames and
 publishes shadow outputs that are logged, never actuated.
 
-    python -m supervisor.runner workers.research [--in road_frames] [--out shadow_out]
-                                                 [--every N] [--seed S] [--threads T]
+    python -m supervisor.runner workers.research [--every N] [--seed S] [--threads T]
 
-(the defaults are the channel names of the embedded default config, whose
-``[workers.research]`` passes no ``args``).
+Channels (bound by the config): input role ``frames``, output role ``shadow``.
 
-Reading. Frames come read-only from ``--in`` (an NV12 frame channel). Under the lease
+Reading. Frames come read-only from ``frames`` (an NV12 frame channel). Under the lease
 the worker copies the Y and UV planes into buffers it owns (``np.copyto`` into
 preallocated arrays that torch tensors alias via ``torch.from_numpy``), then releases the
 message: the release re-checks the slot generation (the seqlock), so a copy the writer
@@ -20,7 +18,7 @@ Every ``--every`` N-th received frame is processed (the 1st, N+1-th, ...); the o
 are released at once. Rejected messages (typed `Rejected` errors: bad format, reordered,
 stale, CRC...) and lost leases are counted and skipped.
 
-Output. ``--out`` (a float32 tensor channel, ``shadow = true`` in the config: no control
+Output. ``shadow`` (a float32 tensor channel, ``shadow = true`` in the config: no control
 or actuating worker may consume it except log-only ``shadow_subscribes``) gets one
 float32[8] per processed frame, laid out as `SHADOW_LAYOUT`:
 
@@ -38,7 +36,6 @@ Torch is imported inside `main`, so ``workers.research.datasets`` stays torch-fr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -51,6 +48,9 @@ from schemas.payloads import SHADOW_OUT
 from supervisor.ipc import ChannelTimeout, LeaseLost, Rejected
 from supervisor.worker import WorkerContext
 
+# The roles this worker's code asks for; `supervisor check` verifies the config binds them.
+ROLES = {"in": ("frames",), "out": ("shadow",)}
+
 SHADOW_LAYOUT = SHADOW_OUT.fields   # declared once, in schemas/payloads.py
 SHADOW_LEN = len(SHADOW_LAYOUT)
 FRAME_ID_MOD = 1 << 24
@@ -60,10 +60,6 @@ STATUS_S = 2.0
 
 def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="workers.research")
-    p.add_argument("--in", dest="in_", default="road_frames",
-                   help="NV12 frame channel to read (default road_frames)")
-    p.add_argument("--out", default="shadow_out",
-                   help="float32 shadow channel to publish (default shadow_out)")
     p.add_argument("--every", type=int, default=1, help="process every N-th frame")
     p.add_argument("--seed", type=int, default=0, help="weight seed of the shadow model")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -107,11 +103,11 @@ def main(ctx: WorkerContext) -> int:
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
 
-    reader = ctx.reader(a.in_)
-    writer = ctx.writer(a.out)
+    reader = ctx.reader("frames")
+    writer = ctx.writer("shadow")
     if writer.spec.dtype != "float32":
-        print(f"research: --out {a.out!r} carries {writer.spec.dtype}, needs float32",
-              file=sys.stderr, flush=True)
+        ctx.log(f"role shadow (channel {ctx.channel_of('shadow')!r}) carries "
+                f"{writer.spec.dtype}, needs float32")
         return 2
 
     t0 = time.monotonic()
@@ -131,8 +127,8 @@ def main(ctx: WorkerContext) -> int:
     load_ms = (time.monotonic() - t0) * 1000
     ctx.ready(status=f"research pid {os.getpid()} torch {torch.__version__} "
                      f"seed {a.seed} load {load_ms:.0f} ms")
-    print(json.dumps({"event": "research_ready", "pid": os.getpid(),
-                      "torch": torch.__version__, "load_ms": round(load_ms, 1)}), flush=True)
+    ctx.log("research_ready", pid=os.getpid(), torch=torch.__version__,
+            load_ms=round(load_ms, 1))
 
     planes = _PlaneCopy(torch)
     counts: Counter[str] = Counter()
@@ -187,13 +183,12 @@ def main(ctx: WorkerContext) -> int:
         counts["processed"] += 1
 
     st = reader.stats
-    print(json.dumps({"event": "research_exit", "received": received,
-                      "processed": counts["processed"], "skipped": counts["skipped"],
-                      "unsupported_format": counts["unsupported_format"],
-                      "rejected": {k.split(":", 1)[1]: v for k, v in counts.items()
-                                   if k.startswith("rejected:")},
-                      "leases_lost": counts["lease_lost"], "dropped": st.dropped,
-                      "published": writer.stats.published}), flush=True)
+    ctx.log("research_exit", received=received, processed=counts["processed"],
+            skipped=counts["skipped"], unsupported_format=counts["unsupported_format"],
+            rejected={k.split(":", 1)[1]: v for k, v in counts.items()
+                      if k.startswith("rejected:")},
+            leases_lost=counts["lease_lost"], dropped=st.dropped,
+            published=writer.stats.published)
     reader.close()
     writer.close()
     return 0
