@@ -161,6 +161,8 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
 
 
 def print_summary(s: dict) -> None:
+    if "error" in s:
+        print(f"replay failed: {s['error']}")
     f = s.get("frames", {})
     lat = s.get("model_latency_ms", {})
     fmt = (lambda v: "-" if v is None else f"{v:.2f}")
@@ -170,7 +172,8 @@ def print_summary(s: dict) -> None:
           f"{f.get('step_timeouts', 0)} step timeouts, {drops} drops; model latency p50 "
           f"{fmt(lat.get('p50'))} p99 {fmt(lat.get('p99'))} max {fmt(lat.get('max'))} ms, "
           f"{s.get('deadline_misses', 0)} deadline misses; {s.get('frames_per_s')} frames/s "
-          f"({s.get('speed_vs_realtime')}x real time)")
+          f"= {s.get('speed_vs_realtime')}x real time (after {s.get('pipeline_start_s')} s "
+          f"of pipeline start-up)")
     loss = (s.get("input_log_loss") or {}).get("text")
     if loss and loss != "nothing lost":
         print(f"input log: {loss}")

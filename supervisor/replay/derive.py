@@ -20,6 +20,7 @@ from supervisor.config import ConfigError, load
 
 RECORDER_DOMAIN = "recorder"
 RECORDER = "recorder"
+ACK = "replay_ack"       # the recorder's "recorded the command of frame N" (lockstep)
 CAMERA = "workers.camerad"
 CONTROLS = "workers.controlsd"
 MODEL = "workers.modeld"
@@ -246,14 +247,22 @@ def replay_doc(doc: dict[str, Any], log_dir: str, run_log: str, state_dir: str, 
         "--frames": 1, "--seed": 1, "--video": 1, "--log-channel": 1, "--lockstep": 1,
         "--realtime": 0, "--step-timeout-s": 1})
     args += ["--source", "log", "--log", log_dir, "--log-channel", plan.frames]
+    chans = record_channels or [c for c in (doc.get("channels") or {})]
+    lock = not realtime and plan.command is not None
     if realtime:
         args += ["--realtime"]
-    elif plan.command is not None:
-        name = _add_channel(doc, cam, "shadow_subscribes", plan.command, "lockstep")
+    elif lock:
+        # Lockstep closes the loop through the recorder: camerad publishes frame n+1
+        # once the recorder has written controlsd's command for frame n, so nothing is
+        # dropped anywhere, the recorder included, and the run is a function of the log.
+        if ACK in (doc.get("channels") or {}):
+            raise DeriveError(f"the config already has a channel named {ACK!r}")
+        doc["channels"][ACK] = {"dtype": "float32", "slot_size": "4KiB",
+                                "slot_count": 16, "max_age_ms": 60000, "shadow": True}
+        name = _add_channel(doc, cam, "shadow_subscribes", ACK, "lockstep")
         args += ["--lockstep", name, "--step-timeout-s", str(step_timeout_s)]
-        _bump_readers(doc, [plan.command])
     cam["args"] = args
-    cam["restart"] = "on-failure"
+    cam["restart"] = "never"           # a camera started over would replay twice
     ro = [log_dir]
     if plan.controls is not None and not realtime:
         ctl = workers[plan.controls]
@@ -265,8 +274,11 @@ def replay_doc(doc: dict[str, Any], log_dir: str, run_log: str, state_dir: str, 
         cdom = doc["domains"].setdefault(workers[plan.controls]["domain"], {})
         if log_dir not in cdom.get("extra_ro_binds", []):
             cdom["extra_ro_binds"] = [*cdom.get("extra_ro_binds", []), log_dir]
-    chans = record_channels or [c for c in (doc.get("channels") or {})]
     add_recorder(doc, run_log, video="none", fps=camera_fps(doc), channels=chans)
+    if lock:
+        rec = doc["workers"][RECORDER]
+        ack = _add_channel(doc, rec, "publishes", ACK, "ack")
+        rec["args"] += ["--ack", ack, "--ack-on", plan.command]
     return doc, plan
 
 

@@ -61,6 +61,7 @@ class ChannelDiff:
     removed: list[int] = field(default_factory=list)
     changed: list[int] = field(default_factory=list)
     fields: list[FieldDiff] = field(default_factory=list)
+    note: str = ""                   # why it was not compared (then it does not fail)
 
     @property
     def ok(self) -> bool:
@@ -118,8 +119,15 @@ def _keyed(msgs: list[Msg]) -> dict[int, Msg]:
 
 def compare_channel(channel: str, run: list[Msg], ref: list[Msg], tols: dict[str, float],
                     payloads: dict[str, str], default_tol: float) -> ChannelDiff:
-    a, b = _keyed(run), _keyed(ref)
     cd = ChannelDiff(channel)
+    for side, msgs in (("the run", run), ("REF", ref)):
+        if msgs and all(m.frame_id is None for m in msgs):
+            # A live controlsd's commands: published between frames too, without the
+            # frame id in their header, so there is nothing to match them by.
+            cd.note = (f"not compared: {side}'s {len(msgs)} messages carry no frame id "
+                       f"(recorded live, not on log time)")
+            return cd
+    a, b = _keyed(run), _keyed(ref)
     cd.added = sorted(set(a) - set(b))
     cd.removed = sorted(set(b) - set(a))
     common = sorted(set(a) & set(b))
@@ -197,6 +205,9 @@ def render_text(r: Report) -> str:
              + ("" if r.first_divergent_frame is None
                 else f" (first divergent frame {r.first_divergent_frame})")]
     for c in r.channels:
+        if c.note:
+            lines.append(f"{c.channel}: {c.note}")
+            continue
         lines.append(f"{c.channel}: {c.compared} compared, {len(c.added)} added, "
                      f"{len(c.removed)} removed, {len(c.changed)} changed")
         if c.added:
@@ -230,6 +241,9 @@ def render_markdown(r: Report) -> str:
     out += ["", "| channel | compared | added | removed | changed |",
             "|---|---:|---:|---:|---:|"]
     for c in r.channels:
+        if c.note:
+            out.append(f"| `{c.channel}` | _{c.note}_ | | | |")
+            continue
         out.append(f"| `{c.channel}` | {c.compared} | {len(c.added)} | {len(c.removed)} | "
                    f"{len(c.changed)} |")
     rows = [(c.channel, f) for c in r.channels for f in c.fields if f.changed or f.max_abs]

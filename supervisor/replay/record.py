@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +59,12 @@ def prepare_out(out: str) -> str:
     return path
 
 
+def _one_line(e: Exception) -> str:
+    """A loader error (one line per problem) as one line."""
+    problems = getattr(e, "problems", None)
+    return "; ".join(str(p) for p in problems) if problems else " ".join(str(e).split())
+
+
 def _after_ready(seconds: float | None):
     """--seconds count from the recorder's READY (the pipeline's start-up is not part
     of the drive): a predicate for the embedded run."""
@@ -87,15 +93,17 @@ def record(out: str, *, config: str | None = None, seconds: float | None = None,
             cfg, _ = write_config(derived, tmp, "record.toml")
         except Exception as e:           # the loader's ConfigError: one line per problem
             shutil.rmtree(path, ignore_errors=True)
-            raise RecordError(f"derived record config: {e}") from None
+            raise RecordError(f"derived record config: {_one_line(e)}") from None
         outcome = run_supervised(cfg, path, until=_after_ready(seconds),
                                  timeout_s=None if seconds is None else seconds + 300,
                                  echo=echo)
     try:
         log = DriveLog.open(path)
     except LogError as e:
-        raise RecordError(f"{path}: no usable log was written ({e}); supervisor exit "
-                          f"{outcome.exit_code}") from None
+        why = next((ev.get("reason") for ev in reversed(outcome.events)
+                    if ev["event"] == "supervisor_exit"), None)
+        raise RecordError(f"no usable log was written ({e}); the supervisor exited "
+                          f"{outcome.exit_code}" + (f": {why}" if why else "")) from None
     frames = sum(len(v) for v in log.frames.values())
     return Recorded(path, outcome.exit_code,
                     frames, {k: len(v) for k, v in log.messages.items()},

@@ -28,7 +28,7 @@ from .derive import DeriveError, read_doc, replay_doc, write_config
 from .drivelog import DriveLog, Msg
 from .embed import RunOutcome, give_to_recorder, run_supervised
 from .logfmt import MESSAGES, LogError, Loss, read_stream
-from .record import SOURCE
+from .record import SOURCE, _one_line
 
 # Exit codes of `supervisor replay` beyond the supervisor's own (supervisor/exits.py):
 DIFFERS = 6        # compared with --ref: outside tolerance (as `audit` uses 6)
@@ -137,7 +137,7 @@ def replay(log: str, *, out: str | None = None, config: str | None = None,
     try:
         cfg, _ = write_config(derived, run_dir, "replay.toml")
     except Exception as e:                  # the loader's ConfigError, one line per problem
-        raise ReplayError(f"derived replay config: {e}") from None
+        raise ReplayError(f"derived replay config: {_one_line(e)}") from None
 
     def camera_status(events) -> str:
         st = [e for e in events if e.get("event") == "status" and e.get("worker") == plan.camera]
@@ -203,6 +203,15 @@ def summarize(src: DriveLog, run: DriveLog, plan, cam: dict[str, str], outcome: 
     lat, misses = receipt_latencies(model)
     wall = outcome.wall_s
     replayed = int(cam.get("frames", len(frames_run)) or 0)
+    # The replay proper: from the moment every worker is READY to the camera's last
+    # frame done (the pipeline's start-up is the same for a log of any length).
+    ready = next((e["mono_ns"] for e in outcome.events if e["event"] == "all_ready"), None)
+    done = next((e["mono_ns"] for e in outcome.events if e["event"] == "status"
+                 and e.get("worker") == plan.camera and "replay=done" in e.get("status", "")),
+                None)
+    replay_s = (done - ready) / 1e9 if ready and done and done > ready else None
+    first = next((e["mono_ns"] for e in outcome.events if e["event"] == "supervisor_start"), None)
+    start_s = (ready - first) / 1e9 if ready and first else None
     refused = [e for e in outcome.events if e["event"] == "refused"]
     exits = [e for e in outcome.events if e["event"] == "exit"]
     statuses: dict[str, str] = {}
@@ -227,9 +236,11 @@ def summarize(src: DriveLog, run: DriveLog, plan, cam: dict[str, str], outcome: 
                              "max": max(lat) if lat else None, "n": len(lat)},
         "deadline_misses": misses,
         "wall_s": round(wall, 3),
-        "frames_per_s": round(replayed / wall, 2) if wall > 0 else None,
+        "pipeline_start_s": None if start_s is None else round(start_s, 3),
+        "replay_s": None if replay_s is None else round(replay_s, 3),
+        "frames_per_s": round(replayed / replay_s, 2) if replay_s else None,
         "log_duration_s": round(log_s, 3),
-        "speed_vs_realtime": round(log_s / wall, 3) if wall > 0 and log_s else None,
+        "speed_vs_realtime": round(log_s / replay_s, 3) if replay_s and log_s else None,
         "end": outcome.reason,
         "supervisor_exit": outcome.exit_code,
         "worker_exits": [{k: e.get(k) for k in ("worker", "code", "signal", "cause")}

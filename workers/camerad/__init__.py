@@ -41,6 +41,7 @@ import numpy as np
 
 from supervisor.worker import WorkerContext
 
+from . import playback
 from .replay import ReplayError, ReplayLog
 from .synthetic import SyntheticRoad, nv12_to_gray, nv12_to_rgb
 
@@ -55,12 +56,13 @@ MAX_SLEEP_S = 0.05
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="workers.camerad")
-    p.add_argument("--source", choices=("synthetic", "replay"), default="synthetic")
+    p.add_argument("--source", choices=("synthetic", "replay", "log", "video"),
+                   default="synthetic")
     p.add_argument("--log", default=None, help="recorded log (--source replay)")
     p.add_argument("--loop", action="store_true", help="replay: start over at the end")
     p.add_argument("--width", type=int, default=None, help="default 1928 (replay: the log's)")
     p.add_argument("--height", type=int, default=None, help="default 1208 (replay: the log's)")
-    p.add_argument("--fps", type=float, default=20.0)
+    p.add_argument("--fps", type=float, default=None, help="default 20 (video: the file's)")
     p.add_argument("--format", choices=FORMATS, default=None,
                    help="default nv12 (replay: the log's)")
     p.add_argument("--seed", type=int, default=0)
@@ -69,7 +71,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--exposure-us", type=int, default=10_000,
                    help="synthetic exposure time reported in FrameMeta")
     p.add_argument("--status-s", type=float, default=1.0)
+    playback.add_args(p)      # --source log / video (workers/camerad/playback.py)
     a = p.parse_args(argv)
+    a.fps_given = a.fps is not None
+    a.fps = 20.0 if a.fps is None else a.fps
     if a.fps <= 0:
         p.error("--fps must be > 0")
     if a.frames < 0:
@@ -165,6 +170,8 @@ def _planes_fill(planes: tuple[np.ndarray, ...], data: memoryview, fmt: str,
 
 def main(ctx: WorkerContext) -> int:
     a = parse_args(sys.argv[1:])
+    if a.source in ("log", "video"):
+        return playback.run(ctx, a)
     stop = False
 
     def on_term(signum, frame) -> None:

@@ -28,7 +28,14 @@ import time
 
 import numpy as np
 
-from supervisor.ipc import BridgeError, ChannelTimeout, LeaseLost, Reader, ReaderHandle, Rejected
+from supervisor.ipc import (
+    BridgeError,
+    ChannelTimeout,
+    LeaseLost,
+    Reader,
+    ReaderHandle,
+    Rejected,
+)
 
 from .video import LogSource, Recorded, SourceError, VideoFileSource
 
@@ -125,12 +132,12 @@ def run(ctx, a: argparse.Namespace) -> int:
     except SourceError as e:
         print(f"camerad: {e}", file=sys.stderr, flush=True)
         return 2
-    writer = ctx.writer(a.out)
+    writer = ctx.writer("frames")
     w, h = src.width, src.height
     kind = "log" if isinstance(src, LogSource) else "video"
     fps = src.fps if (kind == "video" and not a.fps_given) else a.fps
     mode = ("lockstep" if a.lockstep else "realtime" if a.realtime else f"{fps:g} Hz")
-    ctx.ready(status=f"source={kind} {w}x{h} nv12 {mode} -> {a.out}")
+    ctx.ready(status=f"source={kind} {w}x{h} nv12 {mode} -> {ctx.channel_of('frames')}")
     last_ping = [0.0]
 
     def ping() -> None:

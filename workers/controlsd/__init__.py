@@ -62,6 +62,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tau-ms", type=float, default=0.0)
     p.add_argument("--engage-count", type=int, default=3)
     p.add_argument("--status-s", type=float, default=1.0)
+    p.add_argument("--log-clock", default=None, metavar="LOG",
+                   help="replay: run on the log's clock, one command per output "
+                        "(workers/controlsd/logclock.py)")
+    p.add_argument("--log-channel", default="road_frames",
+                   help="--log-clock: the frame channel whose index gives log time")
     a = p.parse_args(argv)
     if a.hz <= 0:
         p.error("--hz must be > 0")
@@ -123,6 +128,15 @@ def main(ctx: WorkerContext) -> int:
     reader = ctx.reader("model")
     writer = ctx.writer("command")
     law = ControlLaw(cfg)
+    if a.log_clock:           # a replay: log time, one command per output
+        from . import logclock
+
+        try:
+            times = logclock.load_clock(a.log_clock, a.log_channel)
+        except Exception as e:   # LogError: the log cannot place outputs in time
+            print(f"controlsd: --log-clock: {e}", file=sys.stderr, flush=True)
+            return 2
+        return logclock.run(ctx, a, reader, writer, law, times, model_output_of)
     ctx.ready(status=f"{ctx.channel_of('model')} -> {ctx.channel_of('command')} @ >= {a.hz:g} Hz, timeout {a.timeout_ms:g} ms")
 
     tick = int(1e9 / a.hz)

@@ -42,6 +42,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="none: frame metadata only (a replay's own output log)")
     p.add_argument("--fps", type=float, default=20.0, help="nominal rate (video metadata)")
     p.add_argument("--status-s", type=float, default=1.0)
+    p.add_argument("--ack", default=None, metavar="ROLE",
+                   help="replay lockstep: publish the frame id of each --ack-on message "
+                        "once it is written")
+    p.add_argument("--ack-on", default=None, metavar="CHANNEL")
     return p.parse_args(argv)
 
 
@@ -62,7 +66,19 @@ class Tap:
         return s.dropped, sum(s.rejected.values()), s.leases_lost, self.skipped
 
 
-def record_one(tap: Tap, log, msg) -> None:
+class Ack:
+    """Tells the replaying camera which frame's command is on disk (lockstep)."""
+
+    def __init__(self, writer, channel: str) -> None:
+        self.writer, self.channel = writer, channel
+
+    def send(self, frame_id: int) -> None:
+        with self.writer.loan() as loan:
+            loan.array((1,), np.float32)[0] = float(frame_id % (1 << 24))
+            loan.publish(frame_id=frame_id, capture_ts_ns=time.monotonic_ns())
+
+
+def record_one(tap: Tap, log, msg, ack: Ack | None = None) -> None:
     """Copy one message out under its lease, release it, then write it (the lease is
     never held across the encoder or the disk)."""
     info = msg.frame
@@ -80,10 +96,12 @@ def record_one(tap: Tap, log, msg) -> None:
         msg.release()
         log.message(tap.name, stamp.sequence, stamp.publish_ts_ns, stamp.writer_pid,
                     stamp.frame_id, stamp.capture_ts_ns, arr, receipt)
+        if ack is not None and tap.name == ack.channel and stamp.frame_id is not None:
+            ack.send(stamp.frame_id)       # written (one write(2)) before it is acknowledged
     tap.recorded += 1
 
 
-def drain(taps: list[Tap], log, limit: int = 64) -> int:
+def drain(taps: list[Tap], log, limit: int = 64, ack: Ack | None = None) -> int:
     """Up to ``limit`` messages per channel; returns how many were taken."""
     got = 0
     for tap in taps:
@@ -95,7 +113,7 @@ def drain(taps: list[Tap], log, limit: int = 64) -> int:
             if msg is None:
                 break
             try:
-                record_one(tap, log, msg)
+                record_one(tap, log, msg, ack)
             except LeaseLost:
                 tap.skipped += 1
             got += 1
@@ -120,6 +138,7 @@ def main(ctx: WorkerContext) -> int:
     names = [c for c in a.channels.split(",") if c] or list(ctx.channels)
     try:
         taps = [Tap(n, ctx.reader(n), video=a.video != "none") for n in names]
+        ack = Ack(ctx.writer(a.ack), a.ack_on) if a.ack else None
         log = LogWriter(a.out, names, info={"worker": ctx.name, "video": a.video,
                                             "fps": a.fps, "channels": names},
                         video_codec="h264" if a.video == "none" else a.video, fps=a.fps)
@@ -129,7 +148,7 @@ def main(ctx: WorkerContext) -> int:
     ctx.ready(status=f"recording {', '.join(names)} -> {a.out} ({a.video})")
     last_ping = last_drops = last_status = time.monotonic()
     while not stop:
-        if drain(taps, log) == 0:
+        if drain(taps, log, ack=ack) == 0:
             time.sleep(IDLE_S)
         now = time.monotonic()
         if now - last_ping >= PING_S:
@@ -142,7 +161,7 @@ def main(ctx: WorkerContext) -> int:
             ctx.status(status_text(taps))
             last_status = now
     # Stopping: what is still in the rings was published before the stop; keep it.
-    while drain(taps, log):
+    while drain(taps, log, ack=ack):
         pass
     report_drops(taps, log)
     summary = {t.name: {"recorded": t.recorded, "dropped": t.counts()[0],

@@ -1,0 +1,153 @@
+"""Replay speed and fleet scale, with ratios measured in the same run.
+
+    python bench/replay_fleet.py [--logs 20] [--seconds 3] [--width 320 --height 240]
+                                 [--skip-ray] [--out DIR]
+
+1. records one drive (``supervisor record``, the synthetic camera at WxH, 20 fps) and
+   copies it into ``--logs`` logs;
+2. replays one log deterministically (lockstep) and reports frames/s against the
+   recorded rate (real time = 1.0x), and checks a second replay is bit-identical;
+3. replays all logs one by one (``--jobs 1``), with ``--jobs 2``, and on a local Ray
+   cluster (``--ray local``), and reports each wall time against one-by-one.
+
+Every replay is a whole sandboxed pipeline (camerad, modeld, controlsd, recorder).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CONFIG = """
+[domains.control]
+failure_policy = "fail_safe"
+actuates = true
+
+[channels.road_frames]
+kind = "frame"
+pixel_formats = ["nv12"]
+slot_size = "{slot}"
+slot_count = 6
+max_age_ms = 100
+
+[channels.model_out]
+dtype = "float32"
+slot_size = "4KiB"
+slot_count = 8
+max_age_ms = 200
+crc = true
+payload = "model_out"
+
+[channels.control_cmd]
+dtype = "float32"
+slot_size = "4KiB"
+slot_count = 16
+max_age_ms = 50
+crc = true
+payload = "control_cmd"
+
+[workers.camerad]
+domain = "control"
+module = "workers.camerad"
+publishes = {{ frames = "road_frames" }}
+args = ["--width", "{w}", "--height", "{h}", "--fps", "20"]
+
+[workers.modeld]
+domain = "control"
+module = "workers.modeld"
+jit_kernels = true
+subscribes = {{ frames = "road_frames" }}
+publishes = {{ model = "model_out" }}
+ready_timeout_ms = 30000
+
+[workers.controlsd]
+domain = "control"
+module = "workers.controlsd"
+subscribes = {{ model = "model_out" }}
+publishes = {{ command = "control_cmd" }}
+"""
+
+
+def cli(*args: str, cwd: Path) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "supervisor.cli", *args], cwd=cwd,
+                       capture_output=True, text=True)
+    if p.returncode not in (0, 6):
+        print(p.stderr[-2000:], file=sys.stderr)
+    return p.returncode, p.stdout, time.monotonic() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--logs", type=int, default=20)
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--width", type=int, default=320)
+    ap.add_argument("--height", type=int, default=240)
+    ap.add_argument("--skip-ray", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    work = Path(a.out or tempfile.mkdtemp(prefix="replay-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    slot = max(256 << 10, a.width * a.height * 3 // 2 + 4096)
+    (work / "bench.toml").write_text(CONFIG.format(w=a.width, h=a.height, slot=slot))
+    rec = work / "rec"
+    code, out, wall = cli("record", str(rec), "--config", str(work / "bench.toml"),
+                          "--seconds", str(a.seconds), "--quiet", cwd=work)
+    if code != 0:
+        print(f"record failed ({code})")
+        return 1
+    print(out.strip())
+    from supervisor.replay.drivelog import DriveLog
+
+    log = DriveLog.open(rec)
+    nframes = len(log.video("road_frames"))
+    print(f"recorded log: {nframes} frames of {a.width}x{a.height}, "
+          f"{a.seconds:g} s at 20 fps")
+
+    # Replay speed, deterministic mode, and bit-identity of two replays.
+    runs = []
+    for k in range(2):
+        code, out, wall = cli("replay", str(rec), "--out", str(work / f"one{k}"),
+                              "--no-progress", cwd=work)
+        s = json.loads((work / f"one{k}" / "summary.json").read_text())
+        runs.append(s)
+        print(f"replay {k + 1}: exit {code}, {s['frames']['replayed']} frames in "
+              f"{s['wall_s']:.2f} s (pipeline start included) -> {s['frames_per_s']} "
+              f"frames/s = {s['speed_vs_realtime']}x real time")
+    code, out, _ = cli("replay", str(rec), "--out", str(work / "one2"), "--ref",
+                       str(work / "one0"), "--no-progress", cwd=work)
+    print(f"third replay vs first: exit {code} ({'bit-identical' if code == 0 else 'DIFFERS'})")
+
+    logs = work / "logs"
+    logs.mkdir()
+    for i in range(a.logs):
+        shutil.copytree(rec, logs / f"drive{i:03d}")
+    results = {}
+    modes = [("one by one", ["--jobs", "1"]), ("--jobs 2", ["--jobs", "2"])]
+    if not a.skip_ray:
+        modes.append(("ray local", ["--ray", "local"]))
+    for name, extra in modes:
+        out_dir = work / f"fleet-{name.replace(' ', '_').replace('-', '')}"
+        code, out, wall = cli("replay", str(logs), "--out", str(out_dir), *extra, cwd=work)
+        rep = json.loads((out_dir / "fleet.json").read_text())
+        results[name] = wall
+        print(f"fleet {name:10s}: {a.logs} logs, {rep['frames']} frames, exit {code}, "
+              f"ok {rep['ok']} failed {rep['failed']} retried {rep['retried']}, "
+              f"wall {wall:.1f} s")
+    base = results["one by one"]
+    for name, wall in results.items():
+        print(f"  {name:10s} {wall:7.1f} s  = {base / wall:.2f}x the one-by-one speed")
+    print(f"(work dir: {work})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
