@@ -55,20 +55,27 @@ max_readers = 1
 [workers.camerad]
 domain = "control"
 module = "workers.camerad"
-publishes = ["road_frames"]
+publishes = {{ frames = "road_frames" }}
 args = ["--fps", "{fps}"]
+[models.lane-offset]
+artifact = "models/demo/lane-offset"          # relative to the project root
+public_key = "models/demo/demo_ed25519.pub"
+expect_name = "lane-offset-demo"
+min_version = "1.0.0"
+
 [workers.modeld]
 domain = "control"
 module = "workers.modeld"
+model = "lane-offset"
 jit_kernels = true
-subscribes = ["road_frames"]
-publishes = ["model_out"]
+subscribes = {{ frames = "road_frames" }}
+publishes = {{ model = "model_out" }}
 ready_timeout_ms = 30000
 [workers.controlsd]
 domain = "control"
 module = "workers.controlsd"
-subscribes = ["model_out"]
-publishes = ["control_cmd"]
+subscribes = {{ model = "model_out" }}
+publishes = {{ command = "control_cmd" }}
 """
 
 

@@ -57,17 +57,24 @@ payload = "control_cmd"
 [workers.camerad]
 domain = "control"
 module = "workers.camerad"
-publishes = ["road_frames"]
+publishes = {{ frames = "road_frames" }}
 args = ["--fps", "20"]
 restart = "always"
 max_restarts = 100
 backoff_initial_ms = 100
 warm_standby = {warm}
+[models.lane-offset]
+artifact = "models/demo/lane-offset"          # relative to the project root
+public_key = "models/demo/demo_ed25519.pub"
+expect_name = "lane-offset-demo"
+min_version = "1.0.0"
+
 [workers.modeld]
 domain = "control"
 module = "workers.modeld"
-subscribes = ["road_frames"]
-publishes = ["model_out"]
+model = "lane-offset"
+subscribes = {{ frames = "road_frames" }}
+publishes = {{ model = "model_out" }}
 ready_timeout_ms = 30000
 jit_kernels = true
 restart = "always"
@@ -77,8 +84,8 @@ warm_standby = {warm}
 [workers.controlsd]
 domain = "control"
 module = "workers.controlsd"
-subscribes = ["model_out"]
-publishes = ["control_cmd"]
+subscribes = {{ model = "model_out" }}
+publishes = {{ command = "control_cmd" }}
 restart = "always"
 max_restarts = 100
 backoff_initial_ms = 100

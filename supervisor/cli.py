@@ -69,6 +69,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         n = len(problems)
         print(f"supervisor check: {n} config problem{'' if n == 1 else 's'}", file=sys.stderr)
         return int(Exit.CONFIG)
+    from supervisor.model.trust import verify_models
+
+    for t in verify_models(cfg)[0]:
+        print(f"supervisor check: {t.line()}")
     print(f"supervisor check: {cfg.source}: {len(cfg.workers)} workers, "
           f"{len(cfg.channels)} channels: all admitted")
     return 0

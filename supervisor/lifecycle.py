@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+import dataclasses
 from dataclasses import dataclass, field
 
 import trio
@@ -155,9 +156,11 @@ class Supervisor:
 
     def _endpoint(self, w: WorkerConfig) -> Endpoint:
         d = self.config.domains[w.domain]
+        m = self.config.models.get(w.model or "")
         return Endpoint(name=w.name, domain=w.domain, profile=d.profile,
                         isolation=d.isolation(), network=d.network, sandboxed=self.sandboxed,
-                        roles=w.roles, writable=d.extra_rw_binds)
+                        roles=w.roles, writable=d.extra_rw_binds,
+                        model=dataclasses.asdict(m) if m else None)
 
     # ---------------------------------------------------------------- processes
 
@@ -196,7 +199,9 @@ class Supervisor:
         from supervisor.sandbox import policy_for_domain
 
         d = self.config.domains[w.domain]
-        return policy_for_domain(w.domain, network=d.network, extra_ro_binds=d.extra_ro_binds,
+        m = self.config.models.get(w.model or "")
+        ro = (*d.extra_ro_binds, *((m.artifact, m.public_key) if m else ()))
+        return policy_for_domain(w.domain, network=d.network, extra_ro_binds=ro,
                                  extra_rw_binds=d.extra_rw_binds, user=d.user,
                                  profile=d.profile, hide_compilers=d.hide_compilers,
                                  refuse_torch=d.refuse_torch,

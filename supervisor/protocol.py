@@ -48,6 +48,11 @@ def decode_roles(text: str | None) -> dict[str, str]:
     return out
 
 
+# The model a worker is trusted to load ([models.NAME]): JSON {"name", "artifact",
+# "public_key", "expect_name", "min_version"}; both paths are bound read-only.
+ENV_MODEL = "TRIO_MODEL"
+
+
 # The domain's isolation knobs the runner applies before the worker's code runs
 # (see supervisor.config.DomainConfig): "refuse_torch=1,exec_after_start=0,...".
 ENV_ISOLATION = "TRIO_ISOLATION"
@@ -166,6 +171,7 @@ class Endpoint:
     sandboxed: bool = False
     roles: tuple[tuple[str, str], ...] = ()
     writable: tuple[str, ...] = ()
+    model: dict[str, str | None] | None = None   # the trust record of [models.NAME]
 
 
 def worker_env(ep: Endpoint, status_fd: int | None,
@@ -181,6 +187,10 @@ def worker_env(ep: Endpoint, status_fd: int | None,
            ENV_ROLES: encode_roles(ep.roles), ENV_CHANNELS: ",".join(handles)}
     if status_fd is not None:
         env[ENV_STATUS_FD] = str(status_fd)
+    if ep.model is not None:
+        import json
+
+        env[ENV_MODEL] = json.dumps(ep.model, sort_keys=True)
     fds: list[int] = []
     for ch, h in handles.items():
         env[env_name(ch)] = h.to_json()   # type: ignore[attr-defined]

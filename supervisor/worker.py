@@ -17,12 +17,21 @@ from dataclasses import dataclass, field
 from supervisor.ipc import Reader, ReaderHandle, Writer, WriterHandle, env_name
 
 from supervisor.protocol import (ENV_CHANNELS, ENV_DOMAIN, ENV_NAME, ENV_NETWORK, ENV_PROFILE,
-                                 ENV_ROLES, ENV_STANDBY_FD, ENV_STATUS_FD, Isolation,
+                                 ENV_MODEL, ENV_ROLES, ENV_STANDBY_FD, ENV_STATUS_FD, Isolation,
                                  decode_roles, format_line)
 
 # A log record a worker writes on its stdout (`WorkerContext.log`); the supervisor
 # re-emits it as a `log` event whose source is the worker (it cannot claim another).
 LOG_KEY = "log"
+
+
+def _model_of(env) -> dict | None:
+    text = env.get(ENV_MODEL)
+    try:
+        m = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return m if isinstance(m, dict) else None
 
 
 @dataclass
@@ -35,6 +44,8 @@ class WorkerContext:
     profile: str = ""          # the domain's profile; empty: the domain's name
     roles: dict[str, str] = field(default_factory=dict)    # role -> channel (the config's)
     isolation: Isolation = field(default_factory=Isolation)
+    # The [models.NAME] trust record the config gives this worker (None: no model).
+    model: dict | None = None
     _writers: dict[str, Writer] = field(default_factory=dict)
     _readers: dict[str, Reader] = field(default_factory=dict)
     _locked: bool = False
@@ -47,7 +58,7 @@ class WorkerContext:
                    channels=tuple(c for c in env.get(ENV_CHANNELS, "").split(",") if c),
                    status_fd=int(fd) if fd else None, network=env.get(ENV_NETWORK) == "1",
                    profile=env.get(ENV_PROFILE, ""), roles=decode_roles(env.get(ENV_ROLES)),
-                   isolation=Isolation.from_env(env))
+                   isolation=Isolation.from_env(env), model=_model_of(env))
 
     @property
     def strict(self) -> bool:

@@ -57,9 +57,16 @@ module = "workers.camerad"
 publishes = { frames = "cam_road" }
 args = ["--fps", "15"]
 
+[models.lane-offset]
+artifact = "models/demo/lane-offset"          # relative to the project root
+public_key = "models/demo/demo_ed25519.pub"
+expect_name = "lane-offset-demo"
+min_version = "1.0.0"
+
 [workers.modeld]
 domain = "control"
 module = "workers.modeld"
+model = "lane-offset"
 subscribes = { frames = "cam_road" }
 publishes = { model = "lanes" }
 ready_timeout_ms = 30000

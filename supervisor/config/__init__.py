@@ -33,7 +33,7 @@ from supervisor.ipc.spec import DTYPES, KINDS, PIXEL_FORMATS, ChannelSpec
 from ._loader import load, loads
 from ._model import (CONTROL, DEFAULT_SHM_BUDGET, DEFAULT_SOURCE, MIN_WORKER_MEMORY,
                      PROFILES, PROJECT_ROOT, RESEARCH, ChannelConfig, Config, ConfigFileError,
-                     DomainConfig, Problem, SupervisorConfig, WorkerConfig)
+                     DomainConfig, ModelConfig, Problem, SupervisorConfig, WorkerConfig)
 from ._rules import channel_shm_bytes
 from ._runtime import check_runtime
 from ._values import format_size, parse_size
@@ -41,7 +41,7 @@ from ._values import format_size, parse_size
 __all__ = [
     "CONTROL", "DEFAULT_SHM_BUDGET", "DEFAULT_SOURCE", "DTYPES", "KINDS", "MIN_WORKER_MEMORY",
     "PIXEL_FORMATS", "PROFILES", "PROJECT_ROOT", "RESEARCH", "ChannelConfig", "ChannelSpec",
-    "Config", "ConfigError", "ConfigFileError", "DomainConfig", "Problem", "SupervisorConfig",
+    "Config", "ConfigError", "ConfigFileError", "DomainConfig", "ModelConfig", "Problem", "SupervisorConfig",
     "WorkerConfig", "channel_shm_bytes", "check_runtime", "format_size", "load", "loads",
     "parse_size",
 ]

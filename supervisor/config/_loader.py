@@ -17,11 +17,11 @@ from supervisor.ipc.spec import DTYPES, KINDS, PIXEL_FORMATS, ChannelSpec
 from . import _rules
 from ._model import (CONTROL, DEFAULT_SOURCE, MIN_WORKER_MEMORY, PROFILE_DEFAULTS, PROFILES,
                      RESEARCH,
-                     ChannelConfig, Config, ConfigFileError, DomainConfig, Problem,
+                     ChannelConfig, Config, ConfigFileError, DomainConfig, ModelConfig, Problem,
                      SupervisorConfig, WorkerConfig)
-from ._values import (_CHANNEL_NAME, _NAME, _abs_path, _argv, _bindings, _bool, _choice, _describe,
-                      _int, _ItemError, _in, _key, _module, _number, _percent, _size,
-                      _str_list, _string, _suggest, format_size)
+from ._values import (_CHANNEL_NAME, _NAME, _abs_path, _argv, _bindings, _bool, _choice,
+                      _describe, _int, _ItemError, _in, _key, _module, _number, _percent,
+                      _rel_path, _size, _str_list, _string, _suggest, format_size)
 
 
 # Why each isolation field of a control-profile domain cannot be loosened.
@@ -63,6 +63,12 @@ _DOMAIN_KEYS: dict[str, Callable[[Any], Any]] = {
     "exec_memory_after_ready": _bool,
     "seccomp": _choice(CONTROL, RESEARCH),
 }
+_MODEL_KEYS: dict[str, Callable[[Any], Any]] = {
+    "artifact": _rel_path,
+    "public_key": _rel_path,
+    "expect_name": _string,
+    "min_version": _string,
+}
 _WORKER_KEYS: dict[str, Callable[[Any], Any]] = {
     "domain": _string,   # checked against the domains table later
     "module": _module,
@@ -86,6 +92,7 @@ _WORKER_KEYS: dict[str, Callable[[Any], Any]] = {
     "pids_max": _int(8, 1 << 22),
     "jit_kernels": _bool,
     "nofile": _int(16, 1 << 20),
+    "model": _string,     # checked against the models table later
 }
 
 _SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ChannelSpec)}
@@ -104,7 +111,7 @@ _CHANNEL_KEYS: dict[str, tuple[Callable[[Any], Any], Any]] = {
     "shadow": (_bool, False),
     "payload": (_string, None),
 }
-_SECTIONS = ("supervisor", "domains", "workers", "channels")
+_SECTIONS = ("supervisor", "domains", "workers", "channels", "models")
 
 
 def _schema_of(cls: type, checks: dict[str, Callable[[Any], Any]]) -> dict[str, tuple]:
@@ -212,8 +219,13 @@ class _Loader:
             channel_values[n], ok = self.channel_fields(n, t)
             if not ok:
                 bad_channels.add(n)
+        models = {n: self.model(n, t) for n, t in self.section(doc, "models").items()}
         workers = {n: self.worker(n, t, domain_tables, channel_tables)
                    for n, t in worker_tables.items()}
+        for w in workers.values():
+            if w.model is not None and w.model not in models:
+                self.add(f"{_key('workers', w.name)}.model",
+                         f"unknown model {w.model!r}" + _suggest(w.model, models))
         if not doc.get("workers"):
             self.add("workers", "no workers defined; add at least one [workers.<name>] table")
 
@@ -226,7 +238,23 @@ class _Loader:
 
         if self.problems:
             raise ConfigFileError(self.problems)
-        return Config(self.source, supervisor, domains, workers, channels)
+        return Config(self.source, supervisor, domains, workers, channels,
+                      {n: m.resolved() for n, m in models.items()})
+
+    # -- models
+
+    def model(self, name: str, table: dict) -> ModelConfig:
+        path = _key("models", name)
+        values, _ = self.fields(path, table, _schema_of(ModelConfig, _MODEL_KEYS))
+        if values["min_version"] is not None:
+            from supervisor.model.artifact import parse_version
+
+            try:
+                parse_version(values["min_version"])
+            except ValueError as e:
+                self.add(f"{path}.min_version", str(e))
+        return ModelConfig(name, **{k: v or "" if k != "min_version" else v
+                                    for k, v in values.items()})
 
     # -- domains
 

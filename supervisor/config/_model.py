@@ -4,6 +4,7 @@ Plain frozen dataclasses, checked by `_loader` and `_rules` before anyone gets o
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,6 +180,9 @@ class WorkerConfig:
     # READY (modeld: tinygrad maps the signed artifact's kernels)? Never after READY.
     jit_kernels: bool = False
     nofile: int | None = None
+    # A [models.NAME] the worker loads: its artifact and public key are bound read-only
+    # into the sandbox and the trust record is passed to it (protocol.ENV_MODEL).
+    model: str | None = None
 
     @property
     def reads(self) -> tuple[str, ...]:
@@ -208,12 +212,31 @@ class ChannelConfig:
 
 
 @dataclass(frozen=True)
+class ModelConfig:
+    """What a vehicle trusts to run: a signed artifact, the key it must verify with,
+    the model it must be, and the oldest version it may be (no rollback). Relative
+    paths are relative to the project root (the checkout or install)."""
+
+    name: str
+    artifact: str                     # bundle directory (manifest.json + manifest.sig + files)
+    public_key: str                   # ed25519 public key file
+    expect_name: str                  # the manifest's model.name must be this
+    min_version: str | None = None    # the manifest's model.version must be >= this
+
+    def resolved(self, root: str = PROJECT_ROOT) -> ModelConfig:
+        from os.path import join
+        return ModelConfig(self.name, join(root, self.artifact), join(root, self.public_key),
+                           self.expect_name, self.min_version)
+
+
+@dataclass(frozen=True)
 class Config:
     source: str
     supervisor: SupervisorConfig
     domains: dict[str, DomainConfig]
     workers: dict[str, WorkerConfig]      # in declaration order
     channels: dict[str, ChannelConfig]    # sorted by name; channel_id is 1-based in that order
+    models: dict[str, ModelConfig] = dataclasses.field(default_factory=dict)  # paths resolved
 
     def channel_specs(self) -> dict[str, ChannelSpec]:
         return {name: ch.spec for name, ch in self.channels.items()}

@@ -65,6 +65,11 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
             except LookupError as e:
                 add(f"{path}.user", str(e.args[0] if e.args else e))
 
+    from supervisor.model.trust import verify_models
+
+    for key, reason in verify_models(cfg)[1]:
+        add(key, reason)
+
     available = _mem_available()
     total = sum(channel_shm_bytes(c.spec) for c in cfg.channels.values())
     if available is not None and total > available:

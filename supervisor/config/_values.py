@@ -207,6 +207,15 @@ def _abs_path(s: str) -> None:
         raise ValueError("binding '/' would expose the whole host file system")
 
 
+def _rel_path(v: Any) -> str:
+    """A file or directory: absolute, or relative to the project root; no '..'."""
+    if not isinstance(v, str) or not v:
+        raise ValueError(f"expected a path, got {_describe(v)}")
+    if ".." in v.split("/"):
+        raise ValueError(f"{v!r} must not contain '..'")
+    return v
+
+
 def _percent(v: Any) -> float:
     if isinstance(v, str):
         try:

@@ -241,7 +241,16 @@ def _check_files_section(m: dict) -> dict[str, dict]:
     return files
 
 
-def _check_model(m: dict, expect_name: str | None, expect_version: str | None) -> None:
+def parse_version(v: str) -> tuple[int, ...]:
+    """"1.2.10" -> (1, 2, 10); anything else is not a version we can order."""
+    parts = v.split(".")
+    if not 1 <= len(parts) <= 4 or not all(p.isdigit() and len(p) <= 6 for p in parts):
+        raise ValueError(f"{v!r} is not a version such as 1.2.0")
+    return tuple(int(p) for p in parts)
+
+
+def _check_model(m: dict, expect_name: str | None, expect_version: str | None,
+                 min_version: str | None = None) -> None:
     fmt = _get(m, "format", str)
     if fmt != FORMAT:
         raise WrongVersion(f"{MANIFEST}: format {fmt!r}, this loader reads {FORMAT!r}")
@@ -253,6 +262,16 @@ def _check_model(m: dict, expect_name: str | None, expect_version: str | None) -
     if expect_version is not None and version != expect_version:
         raise WrongVersion(f"{MANIFEST}: model.version of {name!r} is {version!r}, "
                            f"expected {expect_version!r}")
+    if min_version is not None:
+        # A signature proves who built it, not that it is current: an older signed
+        # artifact must not be rolled back in.
+        try:
+            older = parse_version(version) < parse_version(min_version)
+        except ValueError as e:
+            raise WrongVersion(f"{MANIFEST}: model.version: {e}") from None
+        if older:
+            raise WrongVersion(f"{MANIFEST}: model.version of {name!r} is {version!r}, older "
+                               f"than the minimum {min_version!r} (rollback refused)")
 
 
 def _check_runtime(m: dict) -> None:
@@ -425,6 +444,7 @@ def _read_kernels(db: Path, m: dict) -> tuple[dict[str, bytes], dict[str, str]]:
 
 def load_verified(path: str | os.PathLike, public_key: Any, *, expect_name: str | None = None,
                   expect_version: str | None = None, expect_abi: dict | None = None,
+                  min_version: str | None = None,
                   tmp_root: str | os.PathLike | None = None) -> VerifiedArtifact:
     """Verify the bundle at ``path`` against ``public_key`` (object, bytes or key file).
 
@@ -475,7 +495,7 @@ def load_verified(path: str | os.PathLike, public_key: Any, *, expect_name: str 
             blobs[name] = data
 
         # 3. what, for which runtime and host, with which ABI
-        _check_model(m, expect_name, expect_version)
+        _check_model(m, expect_name, expect_version, min_version)
         _check_runtime(m)
         _check_host(m)
         _check_abi_consistency(m)

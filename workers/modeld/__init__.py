@@ -1,7 +1,12 @@
 """modeld: the control-domain model worker (no compiler visible, exec denied).
 
-    args: --artifact DIR --pubkey FILE
-          [--deadline-ms 50] [--expect-name NAME] [--expect-version V] [--status-ms 5000]
+    args: [--deadline-ms 50] [--status-ms 5000]
+          (development: --artifact DIR --pubkey FILE [--expect-name NAME] [--expect-version V])
+
+What it loads is config, not code: the supervisor passes the worker's ``[models.NAME]``
+trust record (artifact, public key, expected name, minimum version: an older signed
+artifact is refused, no rollback) and binds both files read-only. ``--artifact`` etc.
+are for running it by hand; with neither, it refuses to start.
 
 Start-up, all before ``ctx.ready()`` (which installs the seccomp filter that denies
 exec): verify the signed artifact (`supervisor.model.load_verified`), configure tinygrad
@@ -38,16 +43,14 @@ from .engine import ENGINE_ABI, Engine, FrameRejected
 ROLES = {"in": ("frames",), "out": ("model",)}
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_ARTIFACT = ROOT / "models" / "demo" / "lane-offset"
-DEFAULT_PUBKEY = ROOT / "models" / "demo" / "demo_ed25519.pub"
 PING_S = 0.1
 STATUS_S = 5.0
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="workers.modeld")
-    p.add_argument("--artifact", default=str(DEFAULT_ARTIFACT))
-    p.add_argument("--pubkey", default=str(DEFAULT_PUBKEY))
+    p.add_argument("--artifact", default=None, help="development: instead of the config's model")
+    p.add_argument("--pubkey", default=None)
     p.add_argument("--deadline-ms", type=float, default=50.0)
     p.add_argument("--expect-name", default=None)
     p.add_argument("--expect-version", default=None)
@@ -128,9 +131,18 @@ class Modeld:
 
 def main(ctx: Any) -> int:
     a = _args(sys.argv[1:])
+    m = getattr(ctx, "model", None) or {}
+    if a.artifact:     # by hand: the command line names what to trust
+        m = {"artifact": a.artifact, "public_key": a.pubkey, "expect_name": a.expect_name,
+             "min_version": None}
+    if not m.get("artifact") or not m.get("public_key"):
+        ctx.log("no model: give the worker `model = NAME` and a [models.NAME] table")
+        return 2
     try:
-        verified = load_verified(a.artifact, a.pubkey, expect_name=a.expect_name,
-                                 expect_version=a.expect_version, expect_abi=ENGINE_ABI)
+        verified = load_verified(m["artifact"], m["public_key"],
+                                 expect_name=m.get("expect_name") or None,
+                                 expect_version=a.expect_version,
+                                 min_version=m.get("min_version"), expect_abi=ENGINE_ABI)
         engine = Engine(verified, deadline_ms=a.deadline_ms, exclusive=True)
     except ArtifactError as exc:
         ctx.log(f"artifact refused: {type(exc).__name__}: {exc}")
