@@ -97,6 +97,11 @@ def test_default_config_promises(default_report):
     assert model["signature"] == "verified"
     assert model["key_id"].startswith("83749b6d")
     assert model["artifact"].endswith("models/demo/lane-offset")
+    named = getattr(load().workers["modeld"], "model", None)
+    if named:   # the trust record comes from the config's [models.NAME]
+        trusted = load().models[named]
+        assert model["model"] == named and model["min_version"] == trusted.min_version
+        assert model["expect_name"] == trusted.expect_name == model["name"]
     assert rows["controlsd"]["channels"] == {
         "writes": [{"channel": "control_cmd", "access": "read-write"}],
         "reads": [{"channel": "model_out", "shadow": False, "log_only": False,

@@ -242,3 +242,105 @@ def test_supervisor_works_under_the_units_restrictions(tmp_path):
     assert p.returncode == 0 and r["result"] == "matches", \
         json.dumps({"supervisor": r.get("supervisor"), "differences": r.get("differences")},
                    indent=1)[-4000:] + p.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------- fewer caps
+
+_AS_USER = textwrap.dedent(r"""
+    import json, os, signal, sys
+    from supervisor.audit import asuser, evidence as ev
+
+    pid = int(sys.argv[1])
+    uid, gid = asuser.host_ids(pid)
+
+    def read():
+        mf = sorted(os.listdir(f"/proc/{pid}/map_files"))
+        fds = sorted(os.listdir(f"/proc/{pid}/fd"))
+        os.close(os.open(f"/proc/{pid}/map_files/{mf[0]}", os.O_RDONLY))
+        return {"maps": len(ev.maps(pid)), "fds": fds,
+                "fd0": os.readlink(f"/proc/{pid}/fd/{fds[0]}"),
+                "net": ev.namespaces(pid)["net"], "interfaces": ev.interfaces(pid),
+                "map_file": os.readlink(f"/proc/{pid}/map_files/{mf[0]}"),
+                "probe": ev.compiler_probe(pid, ["/usr/bin/env"])}
+
+    def refused(fn, *args):
+        try:
+            fn(*args)
+        except PermissionError as e:
+            return e.errno
+        return None
+
+    out = {"ptrace": asuser.can_read_any_proc(), "direct": refused(read),
+           "kill_direct": refused(os.kill, pid, 0),
+           "as_user": asuser.as_host_user(uid, gid, read)}
+    asuser.as_host_user(uid, gid, os.kill, pid, signal.SIGTERM)
+    out["after"] = open("/proc/thread-self/status").read().split("Uid:")[1].split()[:2]
+    print(json.dumps(out))
+    """)
+
+
+@pytest.mark.sandbox
+@pytest.mark.skipif(shutil.which("bwrap") is None or shutil.which("setpriv") is None
+                    or os.geteuid() != 0, reason="needs root, bubblewrap and setpriv")
+def test_sandbox_readable_and_stoppable_with_setuid_setgid_only():
+    """The measured basis for a smaller bounding set (supervisor/audit/asuser.py): with
+    only CAP_SETUID, CAP_SETGID and CAP_CHECKPOINT_RESTORE (no CAP_SYS_PTRACE,
+    CAP_DAC_READ_SEARCH, CAP_SYS_ADMIN, CAP_KILL), a thread that takes a sandbox's host
+    uid as its effective uid reads everything the audit and the exec watch read from
+    /proc, and stops it; the same reads without the switch are refused."""
+    import pwd
+    import signal
+    import time
+
+    user = pwd.getpwnam("trio-control")
+    sandbox = subprocess.Popen(
+        ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups",
+         "bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--ro-bind", "/", "/",
+         "--proc", "/proc", "--dev", "/dev", "--uid", "1000", "--gid", "1000",
+         "sleep", "60"], cwd="/", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        pid = None
+        for _ in range(200):      # bwrap -> its pid 1 -> sleep
+            kids = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit()
+                    and _is_sleep_below(int(d.name), sandbox.pid)]
+            if kids:
+                pid = kids[0]
+                break
+            time.sleep(0.02)
+        assert pid, sandbox.stderr.read1().decode() if sandbox.poll() is not None else "no sleep"
+        its_net = os.stat(f"/proc/{pid}/ns/net").st_ino
+        p = subprocess.run(
+            ["setpriv", "--bounding-set", "-all,+setuid,+setgid,+checkpoint_restore",
+             "--inh-caps", "-all", "--no-new-privs", sys.executable, "-c", _AS_USER, str(pid)],
+            capture_output=True, text=True, cwd=ROOT, timeout=60,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert p.returncode == 0, p.stderr[-3000:]
+        r = json.loads(p.stdout)
+        assert r["ptrace"] is False and r["direct"] is not None and r["kill_direct"] is not None
+        got = r["as_user"]
+        assert got["maps"] > 5 and got["fds"] and got["fd0"]
+        assert got["net"] == its_net
+        assert got["net"] != os.stat("/proc/self/ns/net").st_ino and got["interfaces"] == ["lo"]
+        assert got["map_file"].endswith("sleep")               # the ELF behind a mapping
+        assert got["probe"] == {"/usr/bin/env": "executable"}   # resolved inside its root
+        assert r["after"] == ["0", "0"]                         # only that thread switched
+        code = sandbox.wait(timeout=10)
+        assert code in (128 + signal.SIGTERM, -signal.SIGTERM), code   # bwrap reports 128+N
+    finally:
+        if sandbox.poll() is None:
+            sandbox.kill()
+            sandbox.wait()
+
+
+def _is_sleep_below(pid: int, ancestor: int) -> bool:
+    try:
+        if Path(f"/proc/{pid}/comm").read_text().strip() != "sleep":
+            return False
+        while pid > 1:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            pid = int(stat.rsplit(")", 1)[1].split()[1])
+            if pid == ancestor:
+                return True
+    except (OSError, ValueError, IndexError):
+        pass
+    return False

@@ -95,8 +95,10 @@ Worker row (config mode = promise; live mode = observation, same keys):
                                  log_only, access}]}; access "read-write" | "read-only";
                                  live items add mapped (perms of the segment's mappings),
                                  fds (access modes of its fds) and leases
-    models                       config: [{artifact, pubkey, name, version, key_id,
-                                 signature, manifest_sha256, expect_name, expect_version}];
+    models                       config: [{model (its [models.NAME], when it names one),
+                                 artifact, pubkey, name, version, key_id, signature,
+                                 manifest_sha256, expect_name, expect_version,
+                                 min_version (the no-rollback floor; null if none)}];
                                  live: [{artifact, manifest_sha256 as seen inside,
                                  same_as_audited}]
     torch                        config: "refused" | "allowed"; live: "mapped" | "absent"

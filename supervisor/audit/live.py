@@ -161,6 +161,23 @@ def host_namespaces() -> dict[str, dict[str, int | None]]:
     return out
 
 
+def _evidence_of(sup, run, promise: dict[str, Any], candidates: list[str]) -> dict[str, Any]:
+    """`_worker_evidence`, read as the sandbox's host user when this process cannot
+    read other users' /proc itself (no CAP_SYS_PTRACE: a unit with a smaller bounding
+    set, see supervisor/audit/asuser.py)."""
+    from . import asuser
+
+    if run.proc is None or run.pid is None or asuser.can_read_any_proc():
+        return _worker_evidence(sup, run, promise, candidates)
+    try:
+        uid, gid = asuser.host_ids(run.pid)
+    except OSError:
+        uid = 0
+    if uid == 0:
+        return _worker_evidence(sup, run, promise, candidates)
+    return asuser.as_host_user(uid, gid, _worker_evidence, sup, run, promise, candidates)
+
+
 def collect(sup, promises: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Evidence for every worker of a running supervisor (call off the event loop)."""
     candidates = ev.compiler_candidates()
@@ -168,14 +185,14 @@ def collect(sup, promises: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for name, run in list(sup.runs.items()):
         for _attempt in range(3):
             try:
-                workers[name] = _worker_evidence(sup, run, promises.get(name, {}), candidates)
+                workers[name] = _evidence_of(sup, run, promises.get(name, {}), candidates)
                 break
             except ev.Gone:
                 workers[name] = {"running": False, "why": "exited while being read"}
         standby = getattr(run, "standby", None)    # warm standby: a second sandbox
         if standby is not None and workers[name].get("running"):
             try:
-                sb = _worker_evidence(sup, standby, promises.get(name, {}), candidates)
+                sb = _evidence_of(sup, standby, promises.get(name, {}), candidates)
             except ev.Gone:
                 sb = {"running": False, "why": "exited while being read"}
             if sb.get("running"):

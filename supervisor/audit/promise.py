@@ -209,11 +209,24 @@ def _option_values(args: tuple[str, ...], options: dict[str, str]) -> dict[str, 
     return out
 
 
-def trusted_models(w: WorkerConfig) -> list[dict[str, Any]]:
-    """The signed model artifacts a worker loads and the key it trusts for them: the
-    ``--artifact``/``--pubkey`` options of its module (workers.modeld: models/demo and
-    its public key by default), overridden by the worker's ``args``. Each artifact's
-    manifest is read and its signature checked here with that key."""
+def trusted_models(w: WorkerConfig, cfg: Config | None = None) -> list[dict[str, Any]]:
+    """The signed model artifacts a worker loads and the key it trusts for them: its
+    ``model = NAME`` (the config's ``[models.NAME]``: artifact, public key, expected
+    name, minimum version), else the ``--artifact``/``--pubkey`` options of its module
+    and the worker's ``args``. Each artifact's manifest is read and its signature
+    checked here with that key."""
+    name = getattr(w, "model", None)
+    table = getattr(cfg, "models", None) or {}
+    if name and name in table:
+        m = table[name]
+        entry: dict[str, Any] = {"model": name, "artifact": m.artifact, "pubkey": m.public_key,
+                                 "name": None, "version": None, "key_id": None,
+                                 "signature": None, "manifest_sha256": None,
+                                 "expect_name": m.expect_name,
+                                 "expect_version": None,
+                                 "min_version": getattr(m, "min_version", None)}
+        entry.update(_inspect_artifact(Path(m.artifact), Path(m.public_key)))
+        return [entry]
     if not w.module:
         return []
     src = _module_file(w.module)
@@ -321,7 +334,7 @@ def worker_row(cfg: Config, w: WorkerConfig, *, sup=None,
                    "cpu_quota_pct": w.cpu_quota, "nofile": w.nofile},
         "channels": {"writes": [{"channel": c, "access": "read-write"} for c in w.publishes],
                      "reads": reads},
-        "models": trusted_models(w),
+        "models": trusted_models(w, cfg),
         "torch": "refused" if is_strict else "allowed",
         "admission": admitted or {"checked": False, "admitted": None, "chains": []},
     }

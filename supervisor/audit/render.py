@@ -115,8 +115,9 @@ def _models(r: dict, mode: str) -> str:
     for m in ms:
         if mode == "config":
             key = (m.get("key_id") or "?")[:16]
+            floor = f" (min {m['min_version']})" if m.get("min_version") else ""
             out.append(f"{m.get('name') or m.get('artifact')} {m.get('version') or ''} "
-                       f"key {key}: {m.get('signature')}".replace("  ", " "))
+                       f"key {key}: {m.get('signature')}{floor}".replace("  ", " "))
         else:
             out.append(f"{m.get('artifact')}: "
                        + ("same as audited" if m.get("same_as_audited") else "DIFFERENT"))
