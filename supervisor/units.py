@@ -53,6 +53,17 @@ capabilities, ProtectKernel*=yes) is a score for a unit whose bwrap could not mo
 1500, SYS_PTRACE 1500, DAC_READ_SEARCH 1000, KILL 500, SYS_CHROOT 50, PrivateUsers= off
 1000 (the host users must exist in its user namespace), DeviceAllow=char-rtc 500 (added by
 ProtectClock=yes, which is worth 1000), RootDirectory= 200, Delegate= 100, UMask= 50.
+
+What would lower it (measured with variants of this unit): a thread that takes a
+sandbox's host uid as its effective uid reads its /proc and signals it with only
+CAP_SETUID/CAP_SETGID (+ CAP_CHECKPOINT_RESTORE for map_files, which systemd does not
+score; supervisor/audit/asuser.py, tests/test_units.py). With the exec watch, maps scan
+and stop doing that, and the staging namespace replaced by bwrap-level hiding (a vehicle
+install is world-readable under /opt), the bounding set is CAP_SETUID CAP_SETGID
+CAP_CHECKPOINT_RESTORE: 2.5; as a non-root User= with those as ambient capabilities: 2.2.
+Below 1.5 only by moving the sandboxes out of this unit: a supervisor unit that hosts
+none (no capabilities, PrivateUsers=yes, no namespaces, @mount/@privileged denied,
+ProtectKernel*=yes) scores 0.2.
 """
 from __future__ import annotations
 
