@@ -245,22 +245,25 @@ def replay_doc(doc: dict[str, Any], log_dir: str, run_log: str, state_dir: str, 
     args = _strip(list(cam.get("args") or []), {
         "--source": 1, "--log": 1, "--loop": 0, "--width": 1, "--height": 1, "--format": 1,
         "--frames": 1, "--seed": 1, "--video": 1, "--log-channel": 1, "--lockstep": 1,
-        "--realtime": 0, "--step-timeout-s": 1})
+        "--realtime": 0, "--step-timeout-s": 1, "--wait-for": 1})
     args += ["--source", "log", "--log", log_dir, "--log-channel", plan.frames]
     chans = record_channels or [c for c in (doc.get("channels") or {})]
     lock = not realtime and plan.command is not None
-    if realtime:
-        args += ["--realtime"]
-    elif lock:
+    # The recorder tells the camera what it has written (a channel it publishes and the
+    # camera reads, log-only): lockstep waits on it per frame; --realtime only waits for
+    # the recorder to be attached before the first frame, so the run's log is whole.
+    if ACK in (doc.get("channels") or {}):
+        raise DeriveError(f"the config already has a channel named {ACK!r}")
+    doc["channels"][ACK] = {"dtype": "float32", "slot_size": "4KiB",
+                            "slot_count": 16, "max_age_ms": 60000, "shadow": True}
+    name = _add_channel(doc, cam, "shadow_subscribes", ACK, "lockstep")
+    if lock:
         # Lockstep closes the loop through the recorder: camerad publishes frame n+1
         # once the recorder has written controlsd's command for frame n, so nothing is
         # dropped anywhere, the recorder included, and the run is a function of the log.
-        if ACK in (doc.get("channels") or {}):
-            raise DeriveError(f"the config already has a channel named {ACK!r}")
-        doc["channels"][ACK] = {"dtype": "float32", "slot_size": "4KiB",
-                                "slot_count": 16, "max_age_ms": 60000, "shadow": True}
-        name = _add_channel(doc, cam, "shadow_subscribes", ACK, "lockstep")
         args += ["--lockstep", name, "--step-timeout-s", str(step_timeout_s)]
+    else:
+        args += ["--realtime", "--wait-for", name]
     cam["args"] = args
     cam["restart"] = "never"           # a camera started over would replay twice
     ro = [log_dir]
@@ -275,10 +278,9 @@ def replay_doc(doc: dict[str, Any], log_dir: str, run_log: str, state_dir: str, 
         if log_dir not in cdom.get("extra_ro_binds", []):
             cdom["extra_ro_binds"] = [*cdom.get("extra_ro_binds", []), log_dir]
     add_recorder(doc, run_log, video="none", fps=camera_fps(doc), channels=chans)
-    if lock:
-        rec = doc["workers"][RECORDER]
-        ack = _add_channel(doc, rec, "publishes", ACK, "ack")
-        rec["args"] += ["--ack", ack, "--ack-on", plan.command]
+    rec = doc["workers"][RECORDER]
+    ack = _add_channel(doc, rec, "publishes", ACK, "ack")
+    rec["args"] += ["--ack", ack, "--ack-on", plan.command or ""]
     return doc, plan
 
 

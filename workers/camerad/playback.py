@@ -51,6 +51,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-timeout-s", type=float, default=5.0)
     p.add_argument("--realtime", action="store_true",
                    help="--source log: publish at the recorded capture times")
+    p.add_argument("--wait-for", default=None, metavar="ROLE",
+                   help="--source log: start once ROLE's writer (the recorder) is attached")
 
 
 def open_source(a: argparse.Namespace):
@@ -149,6 +151,8 @@ def run(ctx, a: argparse.Namespace) -> int:
     step = Lockstep(ctx, a.lockstep, a.step_timeout_s) if a.lockstep else None
     if step is not None:
         step.attach(ping)
+    elif a.wait_for:
+        Lockstep(ctx, a.wait_for, 0).attach(ping)   # (its writer is up: the log is whole)
     published = 0
     period = 1.0 / fps
     t0 = time.monotonic()

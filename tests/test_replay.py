@@ -1,0 +1,307 @@
+"""supervisor record / replay end to end, every worker in its real sandbox: a recorded
+drive replays bit-identically twice, a different model version gives a readable diff
+and exit 6, a truncated log replays with its loss reported, --realtime keeps the
+recorded pace, camerad plays a plain video file, and a fleet replays in parallel with a
+failed job retried once and reported (and on a local Ray cluster)."""
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from supervisor.replay.drivelog import DriveLog
+from supervisor.replay.logfmt import MESSAGES
+
+pytestmark = pytest.mark.sandbox
+if shutil.which("bwrap") is None:
+    pytest.skip("bubblewrap is not installed", allow_module_level=True)
+if os.geteuid() != 0:
+    pytest.skip("record/replay run the sandboxed pipeline as root does", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[1]
+W, H = 320, 240
+
+CONFIG = """
+[domains.control]
+failure_policy = "fail_safe"
+actuates = true
+{control_binds}
+
+[channels.road_frames]
+kind = "frame"
+pixel_formats = ["nv12"]
+slot_size = "256KiB"
+slot_count = 6
+max_age_ms = 100
+
+[channels.model_out]
+dtype = "float32"
+slot_size = "4KiB"
+slot_count = 8
+max_age_ms = 200
+crc = true
+payload = "model_out"
+
+[channels.control_cmd]
+dtype = "float32"
+slot_size = "4KiB"
+slot_count = 16
+max_age_ms = 50
+crc = true
+payload = "control_cmd"
+
+[models.lane-offset]
+artifact = "{artifact}"
+public_key = "{pubkey}"
+expect_name = "{name}"
+min_version = "1.0.0"
+
+[workers.camerad]
+domain = "control"
+module = "workers.camerad"
+publishes = {{ frames = "road_frames" }}
+args = [{camera_args}]
+
+[workers.modeld]
+domain = "control"
+module = "workers.modeld"
+model = "lane-offset"
+jit_kernels = true
+subscribes = {{ frames = "road_frames" }}
+publishes = {{ model = "model_out" }}
+ready_timeout_ms = 30000
+
+[workers.controlsd]
+domain = "control"
+module = "workers.controlsd"
+subscribes = {{ model = "model_out" }}
+publishes = {{ command = "control_cmd" }}
+"""
+DEMO = dict(artifact="models/demo/lane-offset", pubkey="models/demo/demo_ed25519.pub",
+            name="lane-offset-demo")
+
+
+def config(path: Path, *, camera_args=("--width", str(W), "--height", str(H), "--fps", "20"),
+           control_binds: str = "", **model) -> Path:
+    path.write_text(CONFIG.format(camera_args=", ".join(json.dumps(a) for a in camera_args),
+                                  control_binds=control_binds, **{**DEMO, **model}))
+    return path
+
+
+def cli(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRIO_STATE_DIR": str(cwd / "state")}  # never the machine's latch
+    return subprocess.run([sys.executable, "-m", "supervisor.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("replay")
+
+
+@pytest.fixture(scope="module")
+def recorded(work) -> Path:
+    """Two seconds of the synthetic camera, lossless (raw NV12)."""
+    cfg = config(work / "drive.toml")
+    r = cli("record", str(work / "drive"), "--config", str(cfg), "--seconds", "2",
+            "--video", "raw", "--quiet", cwd=work)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return work / "drive"
+
+
+@pytest.fixture(scope="module")
+def first_run(work, recorded) -> Path:
+    r = cli("replay", str(recorded), "--out", str(work / "run1"), "--no-progress", cwd=work)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    return work / "run1"
+
+
+def test_record_writes_every_channel_with_receipts_and_lifecycle(recorded):
+    log = DriveLog.open(recorded)
+    assert log.closed and not log.full_loss().any
+    assert set(log.channels) == {"road_frames", "model_out", "control_cmd"}
+    frames = log.frames["road_frames"]
+    assert len(frames) >= 30                       # ~40 at 20 fps; the recorder may start late
+    assert len(log.video("road_frames")) == len(frames)
+    outs = log.messages["model_out"]
+    assert len(outs) >= len(frames) - 2 and all(m.receipt is not None for m in outs)
+    assert {m.receipt.frame_id for m in outs} <= {f.frame_id for f in frames} | {
+        frames[0].frame_id - 1, frames[0].frame_id - 2}
+    assert len(log.messages["control_cmd"]) > len(outs)   # live: also between frames
+    events = {e["event"] for e in log.events}
+    assert {"supervisor_start", "ready", "all_ready", "supervisor_exit"} <= events
+    assert (recorded / "source.toml").is_file()
+    # The recorder wrote as its own domain's host user, not as root.
+    assert pwd.getpwuid((recorded / MESSAGES).stat().st_uid).pw_name == "trio-research"
+    # Its pixels are the camera's own (raw): frame k of the synthetic scene.
+    from workers.camerad.synthetic import SyntheticRoad
+
+    road = SyntheticRoad(W, H, 0, fps=20.0)
+    e, data = next(iter(log.video("road_frames").frames()))
+    y, uv, _ = road.render(e.frame_id)
+    assert data == y.tobytes() + uv.tobytes()
+
+
+def test_two_replays_are_bit_identical_and_match_the_recorded_model_outputs(work, recorded,
+                                                                            first_run):
+    r = cli("replay", str(recorded), "--out", str(work / "run2"), "--ref", str(first_run),
+            "--no-progress", cwd=work)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "result: within tolerance" in r.stdout
+    a, b = DriveLog.open(first_run / "log"), DriveLog.open(work / "run2" / "log")
+    src = DriveLog.open(recorded)
+    n = len(src.video("road_frames"))
+    for ch in ("model_out", "control_cmd"):
+        x = {m.frame_id: m.array.tobytes() for m in a.messages[ch]}
+        y = {m.frame_id: m.array.tobytes() for m in b.messages[ch]}
+        assert len(x) == n and x == y                     # every frame, byte for byte
+    # Lossless video: the replayed model saw the recorded pixels, so its outputs are
+    # the ones the car computed live, bit for bit.
+    live = {m.frame_id: m.array.tobytes() for m in src.messages["model_out"]}
+    replayed = {m.frame_id: m.array.tobytes() for m in a.messages["model_out"]}
+    common = set(live) & set(replayed)
+    assert len(common) >= n - 2
+    assert all(live[f] == replayed[f] for f in common)
+    s = json.loads((first_run / "summary.json").read_text())
+    assert s["mode"] == "lockstep" and s["frames"]["replayed"] == n
+    assert s["frames"]["step_timeouts"] == 0 and s["exit_code"] == 0
+    assert s["model_latency_ms"]["n"] == n and s["model_latency_ms"]["p99"] > 0
+    assert s["frames_per_s"] > 0 and s["speed_vs_realtime"] > 0
+    assert (first_run / "plot.png").stat().st_size > 10_000
+
+
+def test_a_different_model_version_gives_a_readable_diff_and_exit_6(work, recorded, first_run):
+    if shutil.which("clang") is None:
+        pytest.skip("building a second model needs clang (scripts/install.sh --dev)")
+    env = {k: v for k, v in os.environ.items() if k not in ("CACHEDB", "DEV", "PARALLEL")}
+    b = subprocess.run([sys.executable, "-m", "workers.modelbuild", "--out",
+                        str(work / "model2"), "--key", str(work / "keys" / "m2.key"),
+                        "--seed", "3", "--frames", "60", "--val-frames", "12", "--width",
+                        str(W), "--height", str(H), "--version", "2.0.0"],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert b.returncode == 0, b.stderr[-3000:]
+    name = json.loads((work / "model2" / "manifest.json").read_text())["model"]["name"]
+    cfg = config(work / "model2.toml", artifact=str(work / "model2"),
+                 pubkey=str(work / "keys" / "m2.pub"), name=name)
+    r = cli("replay", str(recorded), "--out", str(work / "run-m2"), "--config", str(cfg),
+            "--ref", str(first_run), "--format", "markdown", "--no-progress", cwd=work)
+    assert r.returncode == 6, r.stdout + r.stderr[-3000:]
+    md = r.stdout
+    first = DriveLog.open(recorded).video("road_frames").index[0].frame_id
+    assert "### Replay comparison: ❌ **differs**" in md
+    assert f"first divergent frame: **{first}**" in md
+    assert "| `model_out.offset_m` |" in md and "| `control_cmd` |" in md
+    assert (work / "run-m2" / "diff.md").read_text() in md
+    s = json.loads((work / "run-m2" / "summary.json").read_text())
+    assert s["diff"]["ok"] is False and s["diff"]["first_divergent_frame"] == first
+
+
+def test_a_truncated_log_replays_with_the_loss_reported(work, recorded):
+    cut = work / "cut"
+    shutil.copytree(recorded, cut)
+    vid, idx = cut / "road_frames.nv12", cut / "road_frames.vidx"
+    whole = len(DriveLog.open(recorded).video("road_frames"))
+    # What a crash while writing leaves: the last index record half written, the video
+    # cut inside the frame before it, the message stream cut inside its last record.
+    os.truncate(idx, idx.stat().st_size - 15)
+    os.truncate(vid, vid.stat().st_size - W * H * 3 // 2 - 1000)
+    os.truncate(cut / MESSAGES, (cut / MESSAGES).stat().st_size - 7)
+    r = cli("replay", str(cut), "--out", str(work / "run-cut"), "--no-progress", cwd=work)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "input log: dropped 3 partial record(s) at the end" in r.stdout
+    s = json.loads((work / "run-cut" / "summary.json").read_text())
+    assert s["frames"]["in_log"] == whole - 2 == s["frames"]["replayed"]
+    assert s["input_log_loss"]["partial_records"] == 3
+    assert any("never indexed" in p for p in s["input_log_loss"]["problems"])
+
+
+def test_realtime_replay_keeps_the_recorded_pace(work, recorded):
+    r = cli("replay", str(recorded), "--out", str(work / "run-rt"), "--realtime",
+            "--no-progress", cwd=work)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    s = json.loads((work / "run-rt" / "summary.json").read_text())
+    assert s["mode"] == "realtime"
+    assert 0.8 < s["speed_vs_realtime"] < 1.1, s      # paced at the recorded capture times
+    assert s["model_latency_ms"]["n"] >= s["frames"]["in_log"] - 2
+
+
+def test_camerad_plays_a_plain_video_file(work):
+    import av
+
+    from workers.camerad.synthetic import SyntheticRoad
+
+    clips = work / "clips"
+    clips.mkdir()
+    clip = clips / "dashcam.mp4"
+    road = SyntheticRoad(W, H, 5, fps=10.0)
+    with av.open(str(clip), "w") as c:
+        st = c.add_stream("libx264", rate=10)
+        st.width, st.height, st.pix_fmt = W, H, "yuv420p"
+        for k in range(30):
+            y, uv, _ = road.render(k)
+            fr = av.VideoFrame.from_ndarray(np.concatenate([y, uv.reshape(H // 2, W)]),
+                                            format="nv12")
+            for p in st.encode(fr):
+                c.mux(p)
+        for p in st.encode(None):
+            c.mux(p)
+    os.chmod(clips, 0o755)
+    cfg = config(work / "clip.toml", camera_args=("--source", "video", "--video", str(clip),
+                                                   "--loop"),
+                 control_binds=f'extra_ro_binds = ["{clips}"]')
+    r = cli("record", str(work / "from-clip"), "--config", str(cfg), "--seconds", "1.5",
+            "--video", "raw", "--quiet", cwd=work)
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = DriveLog.open(work / "from-clip")
+    frames = log.frames["road_frames"]
+    assert 8 <= len(frames) <= 25                         # the clip's 10 fps, not 20
+    assert len(log.messages["model_out"]) >= len(frames) - 2
+    e, data = next(iter(log.video("road_frames").frames()))
+    y, uv, _ = road.render(e.frame_id % 30)
+    got = np.frombuffer(data, np.uint8)[:W * H].astype(int)
+    assert np.abs(got - y.ravel().astype(int)).mean() < 6  # the clip's pictures
+
+
+def test_fleet_replays_in_parallel_and_retries_a_failed_job_once(work, recorded):
+    logs = work / "fleet-logs"
+    logs.mkdir()
+    for i in range(2):
+        shutil.copytree(recorded, logs / f"drive{i}")
+    broken = logs / "drive9"
+    shutil.copytree(recorded, broken)
+    os.truncate(broken / "road_frames.vidx", 10)          # no whole frame left: fails
+    r = cli("replay", str(logs), "--jobs", "2", "--out", str(work / "fleet"), cwd=work)
+    assert r.returncode == 7, r.stdout + r.stderr[-3000:]
+    rep = json.loads((work / "fleet" / "fleet.json").read_text())
+    by = {Path(j["log"]).name: j for j in rep["jobs"]}
+    assert set(by) == {"drive0", "drive1", "drive9"}       # none missing
+    assert by["drive0"]["status"] == by["drive1"]["status"] == "ok"
+    assert by["drive0"]["frames"] == len(DriveLog.open(recorded).video("road_frames"))
+    assert by["drive9"]["status"] == "failed" and len(by["drive9"]["attempts"]) == 2
+    assert "no whole frame" in by["drive9"]["attempts"][-1]["error"]
+    assert rep["failed"] == 1 and rep["retried"] == 1
+    assert "| `drive9` | failed (" in r.stdout
+
+
+def test_fleet_on_a_local_ray_cluster(work, recorded):
+    pytest.importorskip("ray", reason="the 'fleet' extra (ray) is not installed")
+    logs = work / "ray-logs"
+    logs.mkdir()
+    for i in range(2):
+        shutil.copytree(recorded, logs / f"drive{i}")
+    r = cli("replay", str(logs), "--ray", "local", "--out", str(work / "ray-fleet"),
+            "--format", "json", cwd=work, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    rep = json.loads(r.stdout)
+    assert rep["mode"] == "ray local" and rep["ok"] == 2 and rep["failed"] == 0
+    # Each Ray task ran a whole replay: its summary is there, with every frame.
+    n = len(DriveLog.open(recorded).video("road_frames"))
+    assert [j["frames"] for j in rep["jobs"]] == [n, n]
