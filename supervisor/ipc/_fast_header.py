@@ -34,6 +34,10 @@ class _Structure(NamedTuple):
     order: object       # None, or puts the values in _HeaderFields' field order
     has_meta: bool      # FrameMeta resolved plainly: its pointer word and fields are read
     meta_word: int      # the FrameMeta pointer word these positions hold for
+    # The same positions for the native reader (`_native.accept`): (end, receipt pointer
+    # position or -1, has_meta, meta_word, then (position, struct code) per field in
+    # decode()'s order); it accepts only what this path accepts, and defers the rest.
+    native: tuple = ()
 
 
 class _HeaderReading:
@@ -45,7 +49,7 @@ class _HeaderReading:
         c = self._compiled.get(raw[:16])
         if c is None:
             return self._decode_fields(raw, spec)
-        end, start, unpack_from, order, has_meta, meta_word = c
+        end, start, unpack_from, order, has_meta, meta_word, _ = c
         if len(raw) < end:
             return self._decode_fields(raw, spec)          # rejects it
         v = unpack_from(raw, start)
@@ -139,6 +143,12 @@ class _HeaderReading:
             plan = cf.gather(fields)
             if plan is None:
                 return
+        else:
+            fields = fields + [(pos, cf.WORD)] + [(meta.at(s), s) for s in self._meta_fields]
+        rpos = r.ptrs + self.receipt_ptr * 8 if self.receipt_ptr < r.pcount else -1
+        native = (m.end, rpos, int(has_meta), meta_word,
+                  *(x for at, s in fields for x in (at, ord(cf._char(s)))))
         if len(self._compiled) >= _MAX_COMPILED:
             self._compiled.clear()
-        self._compiled[bytes(raw[:16])] = _Structure(m.end, *plan, has_meta, meta_word)
+        self._compiled[bytes(raw[:16])] = _Structure(m.end, *plan, has_meta, meta_word,
+                                                     native)

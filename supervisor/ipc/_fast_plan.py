@@ -6,7 +6,9 @@ patches only the fields that vary per message.
 """
 from __future__ import annotations
 
-from . import _capnp_fast as cf
+import mmap
+
+from . import _atomics, _capnp_fast as cf
 from ._reference import SlotHeader, encode_header
 from .receipt import Receipt
 from .spec import ChannelSpec
@@ -20,7 +22,7 @@ class HeaderPlan:
     publishTsNs sits, so a writer can stamp the time last."""
 
     __slots__ = ("size", "ts_pos", "has_crc", "has_frame", "has_receipt", "_patcher",
-                 "_exp", "_gain", "_rvals")
+                 "_exp", "_gain", "_rvals", "template", "native")
 
     def __init__(self, access, template: bytes, has_crc: bool, has_frame: bool,
                  has_receipt: bool = False) -> None:
@@ -60,6 +62,36 @@ class HeaderPlan:
         zero = a.zero_receipt if has_receipt else None
         if self.pack(0, 0, 0, 0, 0, 0, 0, 0.0, zero) != template:
             raise cf.Broken("compiled SlotHeader writer does not reproduce its template")
+        # The same patch for the native writer (`_native.pack_header`): the template and
+        # (position, struct code) per patched field, in ``values`` order. Receipts stay
+        # with the Python patcher. Checked against it below, as the tests do at length.
+        self.template = template
+        self.native = None
+        if not has_receipt and _atomics.NATIVE is not None:
+            self.native = (int(has_crc), int(has_frame), a.exp_unknown, a.exp_is,
+                           a.gain_unknown, a.gain_is,
+                           *(x for at, sc in placed for x in (at, ord(cf._char(sc)))))
+            probe = (0x1111111111111111, 0x2222222222222222, 0x3333333333333333,
+                     0x44444444, 0x5555555555555555, 0x6666666666666666, 0x77777777, 1.5)
+            for args in (probe, probe[:6] + (None, None)):
+                if self.pack_native_bytes(*args) != self.pack(*args):
+                    raise cf.Broken("native SlotHeader writer differs from the compiled one")
+
+    def pack_native_bytes(self, sequence, generation, ts, crc, frame_id, capture,
+                          exposure, gain) -> bytes | None:
+        """What ``native`` writes for these values (None: a value that does not fit,
+        which the Python plan must judge). For checks, not for the hot path."""
+        mm = mmap.mmap(-1, max(8, -(-self.size // 8) * 8))
+        region = _atomics.NATIVE.Region(mm, True)
+        try:
+            if not _atomics.NATIVE.pack_header(region, 0, self.template, self.native,
+                                               sequence, generation, ts, crc, frame_id,
+                                               capture, exposure, gain):
+                return None
+            return bytes(mm[:self.size])
+        finally:
+            region.release()
+            mm.close()
 
     def values(self, sequence, generation, ts, crc, frame_id, capture, exposure, gain,
                receipt=None) -> tuple:

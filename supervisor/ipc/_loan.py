@@ -35,6 +35,35 @@ class Loan:
     def array(self, shape: tuple[int, ...] | int, dtype: str | np.dtype | None = None,
               strides: tuple[int, ...] | None = None, offset: int = 0) -> np.ndarray:
         """A writable view that becomes the published tensor (C-contiguous by default)."""
+        w = self._w
+        key = None
+        if w._native is not None and self._frame is None:
+            # The native path's cache: a stream repeats one description, so it is
+            # checked once per (shape, dtype, strides, offset) and its array kept per
+            # slot; a fresh view of that is what the caller gets.
+            key = (shape, dtype, strides, offset)
+            try:
+                made = w._array_cache.get(key)
+            except TypeError:
+                made = key = None       # unhashable (a list shape): the general path
+            if made is not None:
+                kept = w._array_views[self.slot].get(key)
+                if kept is not None:
+                    self._desc, self._lkey = made
+                    return kept.view()
+        a = self._array(shape, dtype, strides, offset)
+        if key is not None:
+            if len(w._array_cache) >= 64:
+                w._array_cache.clear()
+            w._array_cache[key] = (self._desc, self._lkey)
+            views = w._array_views[self.slot]
+            if len(views) >= 8:
+                views.clear()
+            views[key] = a
+            return a.view()
+        return a
+
+    def _array(self, shape, dtype, strides, offset) -> np.ndarray:
         shape = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
         dt = np.dtype(dtype) if dtype is not None else self._w.spec.np_dtype
         if dt != self._w.spec.np_dtype:
@@ -60,7 +89,7 @@ class Loan:
         made = w._frame_cache.get(key)
         if made is None:
             fmt, tensor = _frame_layout(*key)
-            self.array(*tensor)              # checks the frame fits the slot
+            self._array(*tensor, 0)          # checks the frame fits the slot
             if len(w._frame_cache) >= 64:
                 w._frame_cache.clear()
             # The layout cache key of a frame is its frame() arguments: hashing those

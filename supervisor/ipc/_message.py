@@ -74,7 +74,8 @@ class Message:
         (the lease is then given back: the message is dead)."""
         if self._released and not self._lost:
             raise BridgeError("message already released")
-        if self._lost or self._reader._slot_gen(self._slot) != self._gen:
+        r = self._reader
+        if self._lost or not r._stable(r._ctl[self._slot], self._gen):
             if not self._lost:
                 self._lost = self._released = True
                 self._array = None
@@ -88,8 +89,10 @@ class Message:
     def array(self) -> np.ndarray:
         """Read-only zero-copy view with the published shape, dtype and strides."""
         r, slot = self._reader, self._slot
+        seg = r._seg
         if (self._released or self._lost
-                or _gen_of(r._buf, r._ctl[slot])[0] != self._gen):
+                or (_gen_of(r._buf, r._ctl[slot])[0] if seg is None
+                    else seg.load(r._ctl[slot])) != self._gen):   # acquire (R2)
             self.check()
         a = self._array
         if a is None:

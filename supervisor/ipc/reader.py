@@ -8,10 +8,10 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass
 
-from . import codec, layout as L, shm
+from . import _atomics, codec, layout as L, shm
 from ._geometry import HEADER_MAX, LAYOUT_MAX, SlotGeometry
 from ._message import UNREAD as _UNREAD, Message
-from ._types import Layout
+from ._types import Layout, Stamp
 from .channel import ReaderHandle
 from .errors import (BridgeError, ChannelTimeout, CrcMismatch, FutureTimestamp,
                      MalformedHeader, Rejected, SequenceError, StaleMessage, TornRead)
@@ -28,6 +28,7 @@ _SLOW = codec.SLOW
 _now = time.monotonic_ns
 _new_message = object.__new__
 _OFF_LAST_SEQ = L.OFF_LAST_SEQ
+_OFF_LAST_SLOT = L.OFF_LAST_SLOT
 
 # How far a publish, frame capture or receipt capture timestamp may lie ahead of the
 # reader's clock before the message is rejected as FutureTimestamp. Every timestamp on
@@ -59,14 +60,23 @@ class Reader:
     reused before we got to it counts as dropped. A new reader starts at the newest
     message already published (subject to max_age), never at older history."""
 
-    def __init__(self, handle: ReaderHandle, *, attach_timeout_s: float = ATTACH_TIMEOUT_S
-                 ) -> None:
+    def __init__(self, handle: ReaderHandle, *, attach_timeout_s: float = ATTACH_TIMEOUT_S,
+                 native: bool | None = None) -> None:
         self.spec = spec = handle.spec
+        # The memory-ordering path (see _atomics): refuses to start where none is correct.
+        self._native = nat = _atomics.select(native)
         self._wait_for_writer(handle.data_fd, attach_timeout_s)
         self._mm = shm.map_segment(handle.data_fd, spec.segment_size, writable=False)
         self._buf = memoryview(self._mm)
         self._lease_mm = shm.map_segment(handle.lease_fd, spec.lease_size, writable=True)
         self._efd = handle.event_fd
+        self._seg = self._lease_r = None
+        if nat is not None:
+            # Loads from the read-only mapping, stores into our own lease table.
+            self._seg = nat.Region(self._mm)
+            self._lease_r = nat.Region(self._lease_mm, True)
+            self._ntake = nat.take
+            self._seg.load(0)     # acquire the magic: the header it guards is visible
         self._check_channel_header()
         # This reader is the only writer of its lease table: start it clean (a reader
         # that held this index before us may have died holding leases).
@@ -95,6 +105,26 @@ class Reader:
         self._poller = select.poll()
         self._poller.register(self._efd, select.POLLIN)
         self._undrained = False   # the wake-up socket woke us and was not drained yet
+        if nat is not None:
+            self.try_receive = self._try_receive_native   # the native hot path
+            self._stable = self._seg.check
+            H = codec.HEADER
+            self._naccept = nat.accept
+            self._compiled = H._compiled
+            self._actx = (H.crc_n, H.crc_is, H.frame_n, H.frame_is, H.exp_n, H.exp_is,
+                          H.gain_n, H.gain_is, spec.channel_id, int(spec.crc),
+                          int(spec.kind == "frame"), FUTURE_TOLERANCE_NS, self._max_age_ns,
+                          Stamp)
+
+    @property
+    def native(self) -> bool:
+        """True when this reader runs on the native atomics (supervisor.ipc._native)."""
+        return self._native is not None
+
+    def _stable(self, cb: int, gen: int) -> bool:
+        """Everything read from slot ``cb``'s data so far was stable iff its generation
+        is still ``gen`` (pure Python: x86-64 keeps loads in order by itself)."""
+        return _gen_of(self._buf, cb)[0] == gen
 
     def _wait_for_writer(self, fd: int, timeout: float) -> None:
         # The supervisor starts writers first; the magic is the writer's "ready".
@@ -123,8 +153,80 @@ class Reader:
         return _gen_of(self._buf, self._ctl[slot])[0]
 
     def _drop_lease(self, k: int) -> None:
-        L.LEASE_ENTRY.pack_into(self._lease_mm, self._lease_offsets[k], 0, 0, 0)
+        if self._lease_r is not None:
+            # Generation 0 (release store): the writer reads the entry as empty.
+            self._lease_r.store(self._lease_offsets[k] + 8, 0)
+        else:
+            L.LEASE_ENTRY.pack_into(self._lease_mm, self._lease_offsets[k], 0, 0, 0)
         self._free_leases.append(k)
+
+    def _try_receive_native(self) -> Message | None:
+        """``try_receive`` on the native atomics: the slot search, lease and seqlock
+        read (with its retries) in one call (see _native.c), then the same checks."""
+        free = self._free_leases
+        k = free[-1] if free else -1
+        got = self._ntake(self._seg, self._lease_r, self._ctl, self._hdr_at, self._lay_at,
+                          self._last_seq + 1, k, _now() + self._lease_ns, HEADER_MAX,
+                          LAYOUT_MAX, _OFF_LAST_SEQ, _OFF_LAST_SLOT, _RETRIES)
+        if got is None:
+            return None
+        if got is False:
+            raise BridgeError(f"channel {self.spec.name!r}: all {self.spec.max_leases} "
+                              f"leases are held; release a message before receiving another")
+        free.pop()
+        try:
+            return self._accept_native(*got[:3], k, *got[3:])
+        except BaseException:
+            if k not in free:
+                self._drop_lease(k)
+            raise
+
+    def _accept_native(self, slot: int, gen: int, seq: int, k: int, raw_h: bytes,
+                       raw_l: bytes) -> Message:
+        """``_accept`` for the common message: the layout bytes are the last ones
+        validated, and the native check (`_native.accept`) accepts the header after
+        every check ``_accept`` makes on it. Anything else goes to ``_accept``, which
+        decides on the same bytes; the CRC is checked here as there."""
+        stamp = None
+        if raw_l == self._last_layout_raw:
+            stamp = self._naccept(raw_h, self._compiled, self._actx, seq, gen, _now(),
+                                  self._last_capture)
+        if stamp is None:
+            return self._accept(slot, gen, seq, k, raw_h, raw_l)
+        if self._received or self._rejected:
+            self._dropped += seq - self._last_seq - 1
+        self._last_seq = seq
+        layout = self._last_layout
+        crc = stamp[4]
+        if crc is not None and self.spec.crc:
+            lo, hi = layout.span
+            got = zlib.crc32(self._payloads[slot][lo:hi])
+            e = None
+            if not self._stable(self._ctl[slot], gen):
+                e = TornRead(self.spec.name, "slot reused during the CRC check", seq)
+            elif got != crc:
+                e = CrcMismatch(self.spec.name, f"payload CRC {got:#010x} != header "
+                                f"{crc:#010x}", seq)
+            if e is not None:
+                self._rejected[e.reason] += 1
+                self._drop_lease(k)
+                raise e
+        capture_ts = stamp[6]
+        if capture_ts is not None:
+            self._last_capture = capture_ts
+        self._received += 1
+        msg = _new_message(Message)
+        msg._reader = self
+        msg._slot = slot
+        msg._gen = gen
+        msg._lease = k
+        msg._layout = layout
+        msg.stamp = stamp
+        msg._raw_header = raw_h
+        msg._receipt = _UNREAD
+        msg._array = None
+        msg._released = msg._lost = False
+        return msg
 
     # ------------------------------------------------------------ receiving
 
@@ -253,7 +355,7 @@ class Reader:
             if stamp[4] is not None and spec.crc:          # crc32
                 lo, hi = layout.span
                 got = zlib.crc32(self._payloads[slot][lo:hi])
-                if self._slot_gen(slot) != gen:
+                if not self._stable(self._ctl[slot], gen):
                     raise TornRead(spec.name, "slot reused during the CRC check", seq)
                 if got != stamp.crc32:
                     raise CrcMismatch(spec.name, f"payload CRC {got:#010x} != header "
@@ -334,6 +436,12 @@ class Reader:
         return ReaderStats(self._received, self._dropped, dict(self._rejected), self._lost)
 
     def close(self) -> None:
+        if self._lease_r is not None:
+            for off in self._lease_offsets:
+                self._lease_r.store(off + 8, 0)
+            # The regions hold buffer exports of the mappings: drop them first.
+            self._seg.release()
+            self._lease_r.release()
         for off in self._lease_offsets:
             L.LEASE_ENTRY.pack_into(self._lease_mm, off, 0, 0, 0)
         self._lease_mm.close()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import codec, layout as L, shm
+from . import _atomics, codec, layout as L, shm
 from ._geometry import HEADER_MAX, LAYOUT_MAX, SlotGeometry
 from ._loan import Loan
 from .channel import WriterHandle
@@ -30,8 +30,10 @@ class Writer:
     """The one process allowed to write a channel's segment."""
 
     def __init__(self, handle: WriterHandle, *, domain: str = "unknown",
-                 seal: bool = True) -> None:
+                 seal: bool = True, native: bool | None = None) -> None:
         self.spec = spec = handle.spec
+        # The memory-ordering path (see _atomics): refuses to start where none is correct.
+        self._native = nat = _atomics.select(native)
         self._handle = handle
         # The capnp Domain enum names the domains the schema knows.
         self._domain = domain if domain in ("control", "research", "supervisor") else "unknown"
@@ -70,7 +72,30 @@ class Writer:
         self._payloads = geo.payload_views(self._buf)
         self._plane_cache: list[dict[tuple, tuple]] = [{} for _ in self._payloads]
         self._published = self._honoured = self._discarded = 0
+        self._lease_ns = spec.lease_ms * 1_000_000
+        self._seg = None
+        # Native path: tensors described per (shape, dtype, strides, offset) once, and
+        # fresh views of arrays kept per slot (numpy builds a view of an array much
+        # faster than an array from a buffer).
+        self._array_cache: dict[tuple, tuple] = {}
+        self._array_views: list[dict[tuple, np.ndarray]] = [{} for _ in self._payloads]
+        if nat is not None:
+            self._seg = nat.Region(self._mm, True)
+            self._lease_regions = tuple(nat.Region(mm) for mm in self._leases)
+            self._nloan, self._npublish, self._npack = nat.loan, nat.publish, nat.pack_header
+            # The SlotLayout bytes object each slot holds (as this writer wrote it last).
+            self._slot_layout: list[bytes | None] = [None] * spec.slot_count
+            self._slot_layout_gen = [0] * spec.slot_count
+            # Instance attributes: the native hot path replaces the pure-Python one.
+            self.loan = self._loan_native
+            self._publish = self._publish_native
+            self._discard = self._discard_native
         self._attach()
+
+    @property
+    def native(self) -> bool:
+        """True when this writer runs on the native atomics (supervisor.ipc._native)."""
+        return self._native is not None
 
     # A restarted writer continues the sequence and generations it finds, so readers
     # never see a sequence go backwards.
@@ -87,10 +112,22 @@ class Writer:
                 gen, seq = L.GEN_SEQ.unpack_from(buf, cb)
                 self._gen[i] = gen + (gen & 1)    # an interrupted write is abandoned
                 self._seq[i] = seq if not gen & 1 else 0
-                self._words[cb // 8] = self._gen[i]
-        L.CHANNEL_HDR.pack_into(buf, 0, L.MAGIC, L.LAYOUT_VERSION, spec.slot_count,
+                if self._seg is not None:
+                    self._seg.store(cb, self._gen[i])
+                else:
+                    self._words[cb // 8] = self._gen[i]
+        if self._seg is None:
+            L.CHANNEL_HDR.pack_into(buf, 0, L.MAGIC, L.LAYOUT_VERSION, spec.slot_count,
+                                    spec.slot_size, spec.slot_stride, spec.control_size,
+                                    spec.channel_id, self._pid, self._last_seq, 0, 0)
+            return
+        # Every header field first, the magic last with a release store: a reader that
+        # sees the magic (acquire) sees the header it guards.
+        magic = L.U64.unpack_from(buf, 0)[0]
+        L.CHANNEL_HDR.pack_into(buf, 0, magic, L.LAYOUT_VERSION, spec.slot_count,
                                 spec.slot_size, spec.slot_stride, spec.control_size,
                                 spec.channel_id, self._pid, self._last_seq, 0, 0)
+        self._seg.store(0, L.MAGIC)
 
     def _protected(self, now: int) -> set[int]:
         """Slots a live lease protects; a lease counts only for the slot's current
@@ -136,6 +173,30 @@ class Writer:
         self._loaned.discard(slot)
         self._discarded += 1
 
+    def _loan_native(self) -> Loan:
+        """``loan`` on the native atomics: the same choice, one call (see _native.c)."""
+        now = time.monotonic_ns()
+        slot, honoured = self._nloan(self._seg, self._lease_regions, self._ctl, self._gen,
+                                     self._seq, self._loaned, now, now + self._lease_ns,
+                                     self.spec.max_leases)
+        if slot < 0:
+            if len(self._loaned) >= (self.spec.slot_count
+                                     - self.spec.max_readers * self.spec.max_leases):
+                raise BridgeError(f"channel {self.spec.name!r}: too many open loans")
+            raise BridgeError(f"channel {self.spec.name!r}: no free slot (leases exceed bound)")
+        self._honoured += honoured
+        return Loan(self, slot)
+
+    def _discard_native(self, loan: Loan) -> None:
+        slot = loan.slot
+        self._gen[slot] += 1
+        self._seq[slot] = 0
+        cb = self._ctl[slot]
+        self._seg.store(cb + L.OFF_SEQ, 0)          # seq 0 (invalid), then
+        self._seg.store(cb, self._gen[slot])        # the even generation (release)
+        self._loaned.discard(slot)
+        self._discarded += 1
+
     def _header_plan(self, has_crc: bool, has_frame: bool) -> codec.HeaderPlan:
         plan = codec.HEADER.plan(self.spec, self._pid, self._domain, has_crc, has_frame)
         if plan.size > HEADER_MAX:
@@ -165,8 +226,11 @@ class Writer:
             self._receipt_plans[key] = plan
         return plan
 
-    def _publish(self, loan: Loan, frame_id, capture_ts_ns, exposure_us, gain,
-                 publish_ts_ns, receipt: Receipt | None = None) -> int:
+    def _encode(self, loan: Loan, frame_id, capture_ts_ns, exposure_us, gain,
+                publish_ts_ns, receipt: Receipt | None) -> tuple:
+        """SlotHeader and SlotLayout into the loaned slot (generation still odd).
+        Returns (slot, seq, gen, header position, header size, publishTsNs offset in it,
+        layout size); on any failure the slot goes back, invalid, and the error rises."""
         spec, buf, slot = self.spec, self._buf, loan.slot
         try:
             # Everything that can fail, and everything that does not need the time,
@@ -222,6 +286,62 @@ class Writer:
         except BaseException:
             self._discard(loan)   # nothing was published: the slot goes back, invalid
             raise
+        return slot, seq, gen, base, size, ts_off, nl
+
+    def _publish_native(self, loan: Loan, frame_id, capture_ts_ns, exposure_us, gain,
+                        publish_ts_ns, receipt: Receipt | None = None) -> int:
+        """Publish on the native atomics: control block, time stamp, the release stores
+        of the generation and last_seq, and the wake-ups in one call (see _native.c).
+        A plain header (no receipt, no CRC) is written by the native plan, and a layout
+        the slot already holds (this writer wrote it there last) is not written again;
+        everything else goes through ``_encode``."""
+        slot = loan.slot
+        plan = raw_layout = None
+        if receipt is None and not self.spec.crc:
+            plan = self._header_plans.get((False, frame_id is not None))
+            raw_layout = self._layout_cache.get(loan._lkey)
+        if plan is not None and raw_layout is not None and plan.native is not None:
+            seq = self._last_seq + 1
+            gen = self._gen[slot] + 1
+            base = self._geo.header[slot]
+            try:
+                ok = self._npack(self._seg, base, plan.template, plan.native, seq, gen,
+                                 publish_ts_ns or 0, None, frame_id, capture_ts_ns,
+                                 exposure_us, gain)
+            except BaseException:
+                self._discard(loan)
+                raise
+            if ok:
+                size, ts_off, nl = plan.size, plan.ts_pos, len(raw_layout)
+                # Written unless this writer wrote these very bytes there at the slot's
+                # last publish and nothing has touched the slot since (the generation
+                # moved by exactly this loan).
+                if (self._slot_layout[slot] is not raw_layout
+                        or self._slot_layout_gen[slot] != gen - 2):
+                    lpos = self._geo.layout[slot]
+                    self._buf[lpos:lpos + nl] = raw_layout
+                    self._slot_layout[slot] = raw_layout
+                self._slot_layout_gen[slot] = gen
+            else:       # a value outside its field: the Python plan raises what it raises
+                slot, seq, gen, base, size, ts_off, nl = self._encode(
+                    loan, frame_id, capture_ts_ns, exposure_us, gain, publish_ts_ns, receipt)
+        else:
+            slot, seq, gen, base, size, ts_off, nl = self._encode(
+                loan, frame_id, capture_ts_ns, exposure_us, gain, publish_ts_ns, receipt)
+            self._slot_layout[slot] = None
+        self._gen[slot], self._seq[slot], self._last_seq = gen, seq, seq
+        self._loaned.discard(slot)
+        self._published += 1
+        self._npublish(self._seg, self._ctl[slot], seq, gen, publish_ts_ns, base + ts_off,
+                       size, nl, L.OFF_LAST_SLOT, L.OFF_LAST_SEQ, slot, self._events)
+        return seq
+
+    def _publish(self, loan: Loan, frame_id, capture_ts_ns, exposure_us, gain,
+                 publish_ts_ns, receipt: Receipt | None = None) -> int:
+        """The pure-Python publish (x86-64 only: its stores rely on TSO's order)."""
+        slot, seq, gen, base, size, ts_off, nl = self._encode(
+            loan, frame_id, capture_ts_ns, exposure_us, gain, publish_ts_ns, receipt)
+        buf = self._buf
         cb, ts_pos = self._ctl[slot], base + ts_off
         # Still before the clock reading: the control block (generation still odd) and
         # the last_slot hint, so their cache lines are this core's when the stamp and
@@ -263,9 +383,14 @@ class Writer:
         return self._last_seq
 
     def close(self) -> None:
+        if self._seg is not None:
+            # The regions hold buffer exports of the mappings: drop them first.
+            for r in (self._seg, *self._lease_regions):
+                r.release()
         for mm in self._leases:
             mm.close()
         self._plane_cache = [{} for _ in self._payloads]
+        self._array_views = [{} for _ in self._payloads]
         for view in self._payloads:
             try:
                 view.release()

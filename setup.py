@@ -1,0 +1,20 @@
+"""Builds the bridge's native module (supervisor/ipc/_native.c) at install time.
+
+Everything else about the package is in pyproject.toml; this file only adds the C
+extension, compiled with the machine's C compiler (gcc on Debian: `build-essential`
+or just `gcc` and `python3-dev`). Without it the bridge runs its pure-Python path on
+x86-64 only and refuses to start elsewhere (see supervisor/ipc/_atomics.py).
+"""
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "supervisor.ipc._native",
+            sources=["supervisor/ipc/_native.c"],
+            extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra",
+                                "-Wno-unused-parameter", "-Wno-missing-field-initializers",
+                                "-Wno-cast-function-type"],
+        ),
+    ],
+)

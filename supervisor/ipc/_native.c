@@ -1,0 +1,988 @@
+/* supervisor.ipc._native: acquire/release atomics on mmap'ed channel segments, and the
+ * bridge's per-message hot path (slot choice, publish, seqlock read with lease).
+ *
+ * Built at `pip install -e` by setup.py with the machine's C compiler (gcc/clang, C11
+ * <stdatomic.h>-equivalent __atomic builtins). Python has no fences: every access to
+ * a word another process races on goes through here, so the ordering is the one the
+ * C11 memory model and the hardware give, on x86-64 (TSO) and on aarch64 (weak) alike.
+ *
+ * ---------------------------------------------------------------------------------
+ * THE MEMORY-ORDERING ARGUMENT (which store publishes what, which load acquires it)
+ * ---------------------------------------------------------------------------------
+ * Every shared word has exactly one writing process (the channel segment: the writer;
+ * a lease table: its reader), so no read-modify-write (compare-exchange, fetch-add) is
+ * needed anywhere: ordered loads, ordered stores and fences suffice. Words are 8-byte
+ * aligned (layout.py), so a relaxed load or store of one is single-copy atomic.
+ *
+ * Slot seqlock (control block word `gen`, odd = being written, even = stable):
+ *
+ *   writer, loan():    W1  gen = odd            relaxed store
+ *                      W2  fence(release)        orders W1 before every later store
+ *   writer, fill:      W3  payload, SlotHeader, SlotLayout, control tail  (plain stores)
+ *   writer, publish(): W4  gen = even           RELEASE store: publishes W3
+ *                      W5  last_seq = seq       RELEASE store: publishes W4 (and W3)
+ *
+ *   reader, take():    R1  last_seq             ACQUIRE load (pairs with W5)
+ *                      R2  g1 = gen             ACQUIRE load (pairs with W4): if even,
+ *                                               everything W3 stored before it is visible
+ *                      R3  copy SlotHeader/SlotLayout, later the payload (plain loads)
+ *                      R4  fence(acquire)       orders R3 before R5
+ *                      R5  g2 = gen             relaxed load; g2 == g1 -> R3 was stable
+ *
+ *   If R3 saw any byte of a later fill (W3 of the next loan), then W2 (release fence,
+ *   sequenced before that store) synchronizes with R4 (acquire fence, sequenced after
+ *   that load), so R5 sees at least the odd W1: g2 != g1 and the read is rejected
+ *   (TornRead / LeaseLost / a silent retry). Without W2 a weak CPU may make the new
+ *   bytes visible before the odd generation; without R4 it may satisfy R5 before R3.
+ *   Message.check()/release(), the CRC check and Reader take() all end with R4+R5
+ *   (`check` below); Message.array starts with R2 (`load`).
+ *
+ * Lease table (written by its reader only, mapped read-only by the writer):
+ *
+ *   reader, take():    L1  entry.slot, entry.deadline   relaxed stores
+ *                      L2  entry.gen = g1               RELEASE store: publishes L1
+ *                      L3  fence(seq_cst)               L2 before R3/R5 (store->load)
+ *   reader, release:   L4  entry.gen = 0                RELEASE store (slot, deadline
+ *                                                       stay: gen 0 means "empty")
+ *   writer, loan():    L5  entry.gen                    ACQUIRE load (pairs with L2/L4),
+ *                                                       then slot and deadline relaxed
+ *
+ *   A lease is the writer's advice, never what a reader's correctness rests on: the
+ *   writer may have chosen the slot (W1) just before L2 became visible; then R5 (or a
+ *   later check) sees the odd generation and the reader drops the message. L3 makes
+ *   that window as small as the hardware allows; L2 after L1 keeps the writer from
+ *   pairing a new generation with a stale slot or deadline.
+ *
+ * Channel header: the writer stores every field, then the magic with a RELEASE store
+ * (`store`); a reader that sees the magic with an ACQUIRE load (`load`) sees the rest.
+ * last_slot is stored (relaxed) before W5 and read (relaxed) after R1; it is only a
+ * hint: the control block it names is checked (R2) before it is trusted.
+ *
+ * On x86-64 the acquire loads and release stores are plain MOVs and fence(acquire/
+ * release) emit no instruction (TSO already orders them; the compiler barrier is what
+ * they add); fence(seq_cst) is an MFENCE. On aarch64: LDAR, STLR, DMB ISHLD / DMB ISH.
+ * The pure-Python fallback (memoryview "Q" words, supervisor/ipc/_atomics.py) relies on
+ * TSO and is therefore only allowed on x86-64.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#define RELAXED __ATOMIC_RELAXED
+#define ACQUIRE __ATOMIC_ACQUIRE
+#define RELEASE __ATOMIC_RELEASE
+#define SEQ_CST __ATOMIC_SEQ_CST
+
+/* ------------------------------------------------------------------ Region */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    char *base;           /* NULL once released */
+    Py_ssize_t len;
+    int writable;
+} Region;
+
+static PyTypeObject RegionType;
+
+static int region_init(Region *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"buffer", "writable", NULL};
+    PyObject *obj;
+    int writable = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|p", kwlist, &obj, &writable))
+        return -1;
+    if (self->base != NULL) {
+        PyBuffer_Release(&self->view);
+        self->base = NULL;
+    }
+    if (PyObject_GetBuffer(obj, &self->view, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0)
+        return -1;
+    if (((uintptr_t)self->view.buf) % 8) {
+        PyBuffer_Release(&self->view);
+        PyErr_SetString(PyExc_ValueError, "region is not 8-byte aligned");
+        return -1;
+    }
+    self->base = self->view.buf;
+    self->len = self->view.len;
+    self->writable = writable;
+    return 0;
+}
+
+static void region_dealloc(Region *self) {
+    if (self->base != NULL)
+        PyBuffer_Release(&self->view);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The address of an aligned 8-byte word at `off`, or NULL with an exception set. */
+static inline uint64_t *word_at(Region *r, Py_ssize_t off, int store) {
+    if (r->base == NULL) {
+        PyErr_SetString(PyExc_ValueError, "region released");
+        return NULL;
+    }
+    if (off < 0 || off % 8 || off > r->len - 8) {
+        PyErr_Format(PyExc_ValueError, "word offset %zd outside the %zd-byte region or "
+                     "not 8-byte aligned", off, r->len);
+        return NULL;
+    }
+    if (store && !r->writable) {
+        PyErr_SetString(PyExc_ValueError, "store into a read-only region");
+        return NULL;
+    }
+    return (uint64_t *)(r->base + off);
+}
+
+static inline int in_bounds(Region *r, Py_ssize_t off, Py_ssize_t n) {
+    return r->base != NULL && off >= 0 && n >= 0 && n <= r->len && off <= r->len - n;
+}
+
+static int get_ssize(PyObject *o, Py_ssize_t *out) {
+    Py_ssize_t v = PyLong_AsSsize_t(o);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static int get_u64(PyObject *o, uint64_t *out) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static PyObject *region_load(Region *self, PyObject *const *args, Py_ssize_t n) {
+    Py_ssize_t off;
+    if (n != 1) {
+        PyErr_SetString(PyExc_TypeError, "load(offset)");
+        return NULL;
+    }
+    if (get_ssize(args[0], &off) < 0)
+        return NULL;
+    uint64_t *w = word_at(self, off, 0);
+    if (w == NULL)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(w, ACQUIRE));
+}
+
+static PyObject *region_load_relaxed(Region *self, PyObject *const *args, Py_ssize_t n) {
+    Py_ssize_t off;
+    if (n != 1) {
+        PyErr_SetString(PyExc_TypeError, "load_relaxed(offset)");
+        return NULL;
+    }
+    if (get_ssize(args[0], &off) < 0)
+        return NULL;
+    uint64_t *w = word_at(self, off, 0);
+    if (w == NULL)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(w, RELAXED));
+}
+
+static PyObject *store_impl(Region *self, PyObject *const *args, Py_ssize_t n, int order,
+                            const char *name) {
+    Py_ssize_t off;
+    uint64_t v;
+    if (n != 2) {
+        PyErr_Format(PyExc_TypeError, "%s(offset, value)", name);
+        return NULL;
+    }
+    if (get_ssize(args[0], &off) < 0 || get_u64(args[1], &v) < 0)
+        return NULL;
+    uint64_t *w = word_at(self, off, 1);
+    if (w == NULL)
+        return NULL;
+    __atomic_store_n(w, v, order);
+    Py_RETURN_NONE;
+}
+
+static PyObject *region_store(Region *self, PyObject *const *args, Py_ssize_t n) {
+    return store_impl(self, args, n, RELEASE, "store");
+}
+
+static PyObject *region_store_relaxed(Region *self, PyObject *const *args, Py_ssize_t n) {
+    return store_impl(self, args, n, RELAXED, "store_relaxed");
+}
+
+/* R4 + R5: everything read before this call was stable iff the word still holds `gen`. */
+static PyObject *region_check(Region *self, PyObject *const *args, Py_ssize_t n) {
+    Py_ssize_t off;
+    uint64_t want;
+    if (n != 2) {
+        PyErr_SetString(PyExc_TypeError, "check(offset, generation)");
+        return NULL;
+    }
+    if (get_ssize(args[0], &off) < 0 || get_u64(args[1], &want) < 0)
+        return NULL;
+    uint64_t *w = word_at(self, off, 0);
+    if (w == NULL)
+        return NULL;
+    __atomic_thread_fence(ACQUIRE);
+    if (__atomic_load_n(w, RELAXED) == want)
+        Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
+}
+
+static PyObject *region_release(Region *self, PyObject *unused) {
+    if (self->base != NULL) {
+        PyBuffer_Release(&self->view);
+        self->base = NULL;
+        self->len = 0;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *region_get_len(Region *self, void *unused) {
+    return PyLong_FromSsize_t(self->len);
+}
+
+static PyMethodDef region_methods[] = {
+    {"load", (PyCFunction)(void (*)(void))region_load, METH_FASTCALL,
+     "load(offset) -> int: 8-byte ACQUIRE load"},
+    {"load_relaxed", (PyCFunction)(void (*)(void))region_load_relaxed, METH_FASTCALL,
+     "load_relaxed(offset) -> int: 8-byte relaxed (single-copy atomic) load"},
+    {"store", (PyCFunction)(void (*)(void))region_store, METH_FASTCALL,
+     "store(offset, value): 8-byte RELEASE store"},
+    {"store_relaxed", (PyCFunction)(void (*)(void))region_store_relaxed, METH_FASTCALL,
+     "store_relaxed(offset, value): 8-byte relaxed store"},
+    {"check", (PyCFunction)(void (*)(void))region_check, METH_FASTCALL,
+     "check(offset, generation) -> bool: acquire fence, then the word == generation"},
+    {"release", (PyCFunction)region_release, METH_NOARGS,
+     "drop the buffer export (the mapping can then be closed)"},
+    {NULL}
+};
+
+static PyGetSetDef region_getset[] = {
+    {"nbytes", (getter)region_get_len, NULL, "length of the region", NULL},
+    {NULL}
+};
+
+static PyTypeObject RegionType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "supervisor.ipc._native.Region",
+    .tp_basicsize = sizeof(Region),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Region(buffer, writable=False): ordered 8-byte accesses into a mapping "
+              "(read-only mappings allow loads)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)region_init,
+    .tp_dealloc = (destructor)region_dealloc,
+    .tp_methods = region_methods,
+    .tp_getset = region_getset,
+};
+
+static Region *as_region(PyObject *o, const char *what) {
+    if (!PyObject_TypeCheck(o, &RegionType)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a Region", what);
+        return NULL;
+    }
+    Region *r = (Region *)o;
+    if (r->base == NULL) {
+        PyErr_Format(PyExc_ValueError, "%s is released", what);
+        return NULL;
+    }
+    return r;
+}
+
+/* ------------------------------------------------------------- module fences */
+
+static PyObject *fence_acquire(PyObject *m, PyObject *unused) {
+    __atomic_thread_fence(ACQUIRE);
+    Py_RETURN_NONE;
+}
+
+static PyObject *fence_release(PyObject *m, PyObject *unused) {
+    __atomic_thread_fence(RELEASE);
+    Py_RETURN_NONE;
+}
+
+static PyObject *fence_full(PyObject *m, PyObject *unused) {
+    __atomic_thread_fence(SEQ_CST);
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------- the writer */
+
+/* Lease entry layout (layout.py LEASE_ENTRY "<IxxxxQQ" at 64 + 32 k). */
+#define LEASE_BASE 64
+#define LEASE_STRIDE 32
+#define MAX_SLOTS 1024
+
+/* loan(seg, leases, ctl, gens, seqs, loaned, now, limit, max_entries) -> (slot, honoured)
+ *
+ * The oldest slot (smallest seq) that no live lease protects and that is not on loan;
+ * its generation becomes odd (W1, W2). slot -1: none free. A lease counts only for the
+ * slot's current generation and within the channel's lease bound (now < deadline <=
+ * limit), whatever its reader wrote. gens/seqs: the writer's lists (updated here). */
+static PyObject *w_loan(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    if (n != 9) {
+        PyErr_SetString(PyExc_TypeError, "loan() takes 9 arguments");
+        return NULL;
+    }
+    Region *seg = as_region(a[0], "segment");
+    if (seg == NULL)
+        return NULL;
+    PyObject *leases = a[1], *ctl = a[2], *gens = a[3], *seqs = a[4], *loaned = a[5];
+    uint64_t now, limit;
+    Py_ssize_t max_entries;
+    if (!PyTuple_Check(leases) || !PyTuple_Check(ctl) || !PyList_Check(gens)
+            || !PyList_Check(seqs) || !PySet_Check(loaned)) {
+        PyErr_SetString(PyExc_TypeError, "loan(): bad argument types");
+        return NULL;
+    }
+    if (get_u64(a[6], &now) < 0 || get_u64(a[7], &limit) < 0
+            || get_ssize(a[8], &max_entries) < 0)
+        return NULL;
+    Py_ssize_t count = PyTuple_GET_SIZE(ctl);
+    if (count > MAX_SLOTS || PyList_GET_SIZE(gens) != count || PyList_GET_SIZE(seqs) != count) {
+        PyErr_SetString(PyExc_ValueError, "loan(): slot tables disagree");
+        return NULL;
+    }
+    uint64_t gen[MAX_SLOTS];
+    unsigned char blocked[MAX_SLOTS];   /* 1: leased, 2: on loan */
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (get_u64(PyList_GET_ITEM(gens, i), &gen[i]) < 0)
+            return NULL;
+        blocked[i] = 0;
+    }
+    Py_ssize_t nleases = PyTuple_GET_SIZE(leases);
+    for (Py_ssize_t t = 0; t < nleases; t++) {
+        Region *lr = as_region(PyTuple_GET_ITEM(leases, t), "lease table");
+        if (lr == NULL)
+            return NULL;
+        for (Py_ssize_t k = 0; k < max_entries; k++) {
+            Py_ssize_t off = LEASE_BASE + LEASE_STRIDE * k;
+            if (!in_bounds(lr, off, LEASE_STRIDE))
+                break;
+            uint64_t g = __atomic_load_n((uint64_t *)(lr->base + off + 8), ACQUIRE);   /* L5 */
+            if (!g)
+                continue;
+            uint32_t slot = __atomic_load_n((uint32_t *)(lr->base + off), RELAXED);
+            uint64_t deadline = __atomic_load_n((uint64_t *)(lr->base + off + 16), RELAXED);
+            if (slot < count && g == gen[slot] && now < deadline && deadline <= limit)
+                blocked[slot] |= 1;
+        }
+    }
+    if (PySet_GET_SIZE(loaned)) {
+        PyObject *it = PyObject_GetIter(loaned), *item;
+        if (it == NULL)
+            return NULL;
+        while ((item = PyIter_Next(it)) != NULL) {
+            Py_ssize_t s = PyLong_AsSsize_t(item);
+            Py_DECREF(item);
+            if (s >= 0 && s < count)
+                blocked[s] |= 2;
+        }
+        Py_DECREF(it);
+        if (PyErr_Occurred())
+            return NULL;
+    }
+    Py_ssize_t best = -1, honoured = 0;
+    uint64_t best_seq = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (blocked[i] == 1)
+            honoured++;
+        if (blocked[i])
+            continue;
+        uint64_t s;
+        if (get_u64(PyList_GET_ITEM(seqs, i), &s) < 0)
+            return NULL;
+        if (best < 0 || s < best_seq) {
+            best = i;
+            best_seq = s;
+        }
+    }
+    if (best < 0)
+        return Py_BuildValue("(nn)", (Py_ssize_t)-1, (Py_ssize_t)0);
+    Py_ssize_t cb;
+    if (get_ssize(PyTuple_GET_ITEM(ctl, best), &cb) < 0)
+        return NULL;
+    uint64_t *g = word_at(seg, cb, 1);
+    if (g == NULL)
+        return NULL;
+    PyObject *ng = PyLong_FromUnsignedLongLong(gen[best] + 1);
+    PyObject *slot = PyLong_FromSsize_t(best);
+    if (ng == NULL || slot == NULL || PySet_Add(loaned, slot) < 0) {
+        Py_XDECREF(ng);
+        Py_XDECREF(slot);
+        return NULL;
+    }
+    PyList_SetItem(gens, best, ng);                 /* steals ng */
+    __atomic_store_n(g, gen[best] + 1, RELAXED);    /* W1: odd, "being written" */
+    __atomic_thread_fence(RELEASE);                 /* W2: before any fill store */
+    PyObject *out = Py_BuildValue("(Nn)", slot, honoured);
+    return out;
+}
+
+static inline uint64_t monotonic_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* publish(seg, cb, seq, gen, ts_or_None, ts_pos, hlen, llen, last_slot_off,
+ *         last_seq_off, slot, events) -> ts
+ * The header and layout are already in the slot (W3). Stores the control tail and the
+ * last_slot hint, stamps the time (CLOCK_MONOTONIC, = time.monotonic_ns) into the
+ * header and the control block, then W4 (gen even) and W5 (last_seq), then one wake-up
+ * byte per reader socket (never blocking; a full or closed socket is that reader's). */
+static PyObject *w_publish(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    if (n != 12) {
+        PyErr_SetString(PyExc_TypeError, "publish() takes 12 arguments");
+        return NULL;
+    }
+    Region *seg = as_region(a[0], "segment");
+    if (seg == NULL)
+        return NULL;
+    Py_ssize_t cb, ts_pos, last_slot_off, last_seq_off, slot;
+    uint64_t seq, gen, ts = 0, hlen, llen;
+    if (get_ssize(a[1], &cb) < 0 || get_u64(a[2], &seq) < 0 || get_u64(a[3], &gen) < 0
+            || (a[4] != Py_None && get_u64(a[4], &ts) < 0) || get_ssize(a[5], &ts_pos) < 0
+            || get_u64(a[6], &hlen) < 0 || get_u64(a[7], &llen) < 0
+            || get_ssize(a[8], &last_slot_off) < 0 || get_ssize(a[9], &last_seq_off) < 0
+            || get_ssize(a[10], &slot) < 0)
+        return NULL;
+    PyObject *events = a[11];
+    if (!PyTuple_Check(events)) {
+        PyErr_SetString(PyExc_TypeError, "publish(): events must be a tuple");
+        return NULL;
+    }
+    if (!seg->writable || !in_bounds(seg, cb, 32) || cb % 8 || !in_bounds(seg, ts_pos, 8)
+            || !in_bounds(seg, last_slot_off, 4) || last_slot_off % 4
+            || !in_bounds(seg, last_seq_off, 8) || last_seq_off % 8
+            || hlen > 0xFFFFFFFFu || llen > 0xFFFFFFFFu || slot < 0 || slot > 0xFFFFFFFF) {
+        PyErr_SetString(PyExc_ValueError, "publish(): offsets outside the segment");
+        return NULL;
+    }
+    char *b = seg->base;
+    /* Control tail while gen is still odd: seq, ts (below), header_len, layout_len. */
+    __atomic_store_n((uint64_t *)(b + cb + 8), seq, RELAXED);
+    __atomic_store_n((uint32_t *)(b + cb + 24), (uint32_t)hlen, RELAXED);
+    __atomic_store_n((uint32_t *)(b + cb + 28), (uint32_t)llen, RELAXED);
+    __atomic_store_n((uint32_t *)(b + last_slot_off), (uint32_t)slot, RELAXED);
+    if (a[4] == Py_None)
+        ts = monotonic_ns();
+    memcpy(b + ts_pos, &ts, 8);                          /* SlotHeader.publishTsNs */
+    __atomic_store_n((uint64_t *)(b + cb + 16), ts, RELAXED);
+    __atomic_store_n((uint64_t *)(b + cb), gen, RELEASE);          /* W4 */
+    __atomic_store_n((uint64_t *)(b + last_seq_off), seq, RELEASE); /* W5 */
+    static const char one = 1;
+    Py_ssize_t ne = PyTuple_GET_SIZE(events);
+    for (Py_ssize_t i = 0; i < ne; i++) {
+        long fd = PyLong_AsLong(PyTuple_GET_ITEM(events, i));
+        if (fd == -1 && PyErr_Occurred())
+            return NULL;
+        if (send((int)fd, &one, 1, MSG_DONTWAIT | MSG_NOSIGNAL) < 0 && errno == ENOTSOCK) {
+            ssize_t unused = write((int)fd, &one, 1);   /* an eventfd or pipe (tests) */
+            (void)unused;
+        }
+        /* EAGAIN: full (that reader is asleep or gone: it will see it); EPIPE: closed. */
+    }
+    return PyLong_FromUnsignedLongLong(ts);
+}
+
+/* ------------------------------------------------------------- the reader */
+
+/* take(seg, lease, ctl, hdr, lay, want, k, deadline, hdr_max, lay_max, last_seq_off,
+ *      last_slot_off, retries)
+ *   -> None (nothing newer than want - 1 is stable), False (a message is there but k < 0:
+ *      no lease free), or (slot, gen, seq, raw_header, raw_layout) with lease k held.
+ * R1, R2, L1-L3, R3 (copies), R4, R5 as in the argument at the top; a slot the writer
+ * took meanwhile is looked for again, at most `retries` times. */
+static PyObject *r_take(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    if (n != 13) {
+        PyErr_SetString(PyExc_TypeError, "take() takes 13 arguments");
+        return NULL;
+    }
+    Region *seg = as_region(a[0], "segment");
+    Region *lease = seg ? as_region(a[1], "lease table") : NULL;
+    if (lease == NULL)
+        return NULL;
+    PyObject *ctl = a[2], *hdr = a[3], *lay = a[4];
+    uint64_t want, deadline;
+    Py_ssize_t k, hdr_max, lay_max, last_seq_off, last_slot_off, retries;
+    if (!PyTuple_Check(ctl) || !PyTuple_Check(hdr) || !PyTuple_Check(lay)) {
+        PyErr_SetString(PyExc_TypeError, "take(): offsets must be tuples");
+        return NULL;
+    }
+    if (get_u64(a[5], &want) < 0 || get_ssize(a[6], &k) < 0 || get_u64(a[7], &deadline) < 0
+            || get_ssize(a[8], &hdr_max) < 0 || get_ssize(a[9], &lay_max) < 0
+            || get_ssize(a[10], &last_seq_off) < 0 || get_ssize(a[11], &last_slot_off) < 0
+            || get_ssize(a[12], &retries) < 0)
+        return NULL;
+    Py_ssize_t count = PyTuple_GET_SIZE(ctl);
+    if (PyTuple_GET_SIZE(hdr) != count || PyTuple_GET_SIZE(lay) != count) {
+        PyErr_SetString(PyExc_ValueError, "take(): slot tables disagree");
+        return NULL;
+    }
+    Py_ssize_t lease_off = LEASE_BASE + LEASE_STRIDE * k;
+    if (!in_bounds(seg, last_seq_off, 8) || last_seq_off % 8
+            || !in_bounds(seg, last_slot_off, 4) || last_slot_off % 4
+            || (k >= 0 && (!lease->writable || !in_bounds(lease, lease_off, LEASE_STRIDE)))) {
+        PyErr_SetString(PyExc_ValueError, "take(): offsets outside the mappings");
+        return NULL;
+    }
+    char *b = seg->base;
+    for (Py_ssize_t attempt = 0; attempt < retries; attempt++) {
+        uint64_t latest = __atomic_load_n((uint64_t *)(b + last_seq_off), ACQUIRE);  /* R1 */
+        if (latest < want)
+            return Py_NewRef(Py_None);
+        uint32_t hint = __atomic_load_n((uint32_t *)(b + last_slot_off), RELAXED);
+        Py_ssize_t slot = -1, cb = 0;
+        uint64_t g1 = 0, seq = 0;
+        if (hint < (uint64_t)count) {
+            if (get_ssize(PyTuple_GET_ITEM(ctl, hint), &cb) < 0)
+                return NULL;
+            if (!in_bounds(seg, cb, 32) || cb % 8)
+                goto bad_offsets;
+            g1 = __atomic_load_n((uint64_t *)(b + cb), ACQUIRE);            /* R2 */
+            seq = __atomic_load_n((uint64_t *)(b + cb + 8), RELAXED);
+            if (seq == want && !(g1 & 1))
+                slot = hint;
+        }
+        if (slot < 0) {
+            uint64_t best_seq = 0;
+            for (Py_ssize_t i = 0; i < count; i++) {
+                Py_ssize_t c;
+                if (get_ssize(PyTuple_GET_ITEM(ctl, i), &c) < 0)
+                    return NULL;
+                if (!in_bounds(seg, c, 32) || c % 8)
+                    goto bad_offsets;
+                uint64_t g = __atomic_load_n((uint64_t *)(b + c), ACQUIRE);  /* R2 */
+                uint64_t s = __atomic_load_n((uint64_t *)(b + c + 8), RELAXED);
+                if (!(g & 1) && s >= want && (slot < 0 || s < best_seq)) {
+                    slot = i;
+                    best_seq = s;
+                    g1 = g;
+                    cb = c;
+                }
+            }
+            if (slot < 0)
+                return Py_NewRef(Py_None);
+            seq = best_seq;
+        }
+        if (k < 0)
+            return Py_NewRef(Py_False);
+        uint32_t hlen = __atomic_load_n((uint32_t *)(b + cb + 24), RELAXED);
+        uint32_t llen = __atomic_load_n((uint32_t *)(b + cb + 28), RELAXED);
+        Py_ssize_t ho, lo;
+        if (get_ssize(PyTuple_GET_ITEM(hdr, slot), &ho) < 0
+                || get_ssize(PyTuple_GET_ITEM(lay, slot), &lo) < 0)
+            return NULL;
+        Py_ssize_t hn = hlen < (uint64_t)hdr_max ? (Py_ssize_t)hlen : hdr_max;
+        Py_ssize_t ln = llen < (uint64_t)lay_max ? (Py_ssize_t)llen : lay_max;
+        if (!in_bounds(seg, ho, hn) || !in_bounds(seg, lo, ln))
+            goto bad_offsets;
+        char *e = lease->base + lease_off;
+        __atomic_store_n((uint32_t *)e, (uint32_t)slot, RELAXED);            /* L1 */
+        __atomic_store_n((uint64_t *)(e + 16), deadline, RELAXED);
+        __atomic_store_n((uint64_t *)(e + 8), g1, RELEASE);                   /* L2 */
+        __atomic_thread_fence(SEQ_CST);                                       /* L3 */
+        PyObject *raw_h = PyBytes_FromStringAndSize(b + ho, hn);              /* R3 */
+        PyObject *raw_l = raw_h ? PyBytes_FromStringAndSize(b + lo, ln) : NULL;
+        __atomic_thread_fence(ACQUIRE);                                       /* R4 */
+        uint64_t g2 = __atomic_load_n((uint64_t *)(b + cb), RELAXED);         /* R5 */
+        if (raw_l == NULL || g2 != g1) {
+            __atomic_store_n((uint64_t *)(e + 8), 0, RELEASE);                /* L4 */
+            Py_XDECREF(raw_h);
+            Py_XDECREF(raw_l);
+            if (PyErr_Occurred())
+                return NULL;
+            continue;   /* the writer took the slot while we leased it: look again */
+        }
+        return Py_BuildValue("(nKKNN)", slot, (unsigned long long)g1,
+                             (unsigned long long)seq, raw_h, raw_l);
+    }
+    return Py_NewRef(Py_None);
+bad_offsets:
+    PyErr_SetString(PyExc_ValueError, "take(): slot offsets outside the segment");
+    return NULL;
+}
+
+/* ------------------------------------------------------------- header check */
+
+/* Read the scalar with struct code `c` at raw[pos] (little-endian, as capnp is). */
+static PyObject *read_scalar(const unsigned char *raw, Py_ssize_t pos, int c) {
+    union { uint8_t b[8]; uint64_t q; uint32_t i; uint16_t h; float f; double d; } u;
+    memset(&u, 0, sizeof u);
+    switch (c) {
+    case 'Q': memcpy(u.b, raw + pos, 8); return PyLong_FromUnsignedLongLong(u.q);
+    case 'q': memcpy(u.b, raw + pos, 8); return PyLong_FromLongLong((int64_t)u.q);
+    case 'I': memcpy(u.b, raw + pos, 4); return PyLong_FromUnsignedLong(u.i);
+    case 'i': memcpy(u.b, raw + pos, 4); return PyLong_FromLong((int32_t)u.i);
+    case 'H': memcpy(u.b, raw + pos, 2); return PyLong_FromUnsignedLong(u.h);
+    case 'h': memcpy(u.b, raw + pos, 2); return PyLong_FromLong((int16_t)u.h);
+    case 'B': return PyLong_FromUnsignedLong(raw[pos]);
+    case 'b': return PyLong_FromLong((int8_t)raw[pos]);
+    case 'f': memcpy(u.b, raw + pos, 4); return PyFloat_FromDouble((double)u.f);
+    case 'd': memcpy(u.b, raw + pos, 8); return PyFloat_FromDouble(u.d);
+    }
+    return NULL;
+}
+
+static int scalar_size(int c) {
+    switch (c) {
+    case 'Q': case 'q': case 'd': return 8;
+    case 'I': case 'i': case 'f': return 4;
+    case 'H': case 'h': return 2;
+    case 'B': case 'b': return 1;
+    }
+    return 0;
+}
+
+/* Unsigned value of an integer field (the discriminants and the u64 timestamps). */
+static uint64_t read_u(const unsigned char *raw, Py_ssize_t pos, int c) {
+    uint64_t v = 0;
+    int n = scalar_size(c);
+    memcpy(&v, raw + pos, n);   /* little-endian host: asserted at import */
+    return v;
+}
+
+enum { F_VERSION, F_CHANNEL, F_SEQ, F_GEN, F_PID, F_CRC_WHICH, F_FRAME_WHICH, F_TS, F_CRC,
+       F_WORD, F_FRAME_ID, F_CAPTURE, F_EXP_WHICH, F_GAIN_WHICH, F_EXP, F_GAIN, F_MAX };
+
+/* accept(raw, compiled, ctx, seq, gen, now, last_capture) -> Stamp | None
+ *
+ * The reader's every check on a SlotHeader, for headers whose structure the compiled
+ * Python path has already seen (`_fast_header._Structure.native`) and that pass all of
+ * them: the structural checks of `_HeaderReading.decode`, the control block's sequence
+ * and generation, future timestamps, capture order, no receipt, age. Anything else,
+ * accepted or not, is None: the reader then runs its Python checks on the same bytes,
+ * which decide (and raise the typed rejection). So this path only ever shortens an
+ * acceptance the Python path would make with the same Stamp (the tests compare).
+ *
+ * ctx: (crc_n, crc_is, frame_n, frame_is, exp_n, exp_is, gain_n, gain_is, channel_id,
+ *       need_crc, need_frame, tolerance_ns, max_age_ns, Stamp type) */
+static PyObject *h_accept(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    if (n != 7) {
+        PyErr_SetString(PyExc_TypeError, "accept() takes 7 arguments");
+        return NULL;
+    }
+    PyObject *rawo = a[0], *compiled = a[1], *ctx = a[2];
+    if (!PyBytes_Check(rawo) || !PyDict_Check(compiled) || !PyTuple_Check(ctx)
+            || PyTuple_GET_SIZE(ctx) != 14) {
+        PyErr_SetString(PyExc_TypeError, "accept(): bad argument types");
+        return NULL;
+    }
+    const unsigned char *raw = (const unsigned char *)PyBytes_AS_STRING(rawo);
+    Py_ssize_t len = PyBytes_GET_SIZE(rawo);
+    if (len < 16)
+        Py_RETURN_NONE;
+    uint64_t c[13];
+    for (int i = 0; i < 13; i++)
+        if (get_u64(PyTuple_GET_ITEM(ctx, i), &c[i]) < 0)
+            return NULL;
+    PyTypeObject *stamp_type = (PyTypeObject *)PyTuple_GET_ITEM(ctx, 13);
+    uint64_t want_seq, want_gen, now, last_capture;
+    if (get_u64(a[3], &want_seq) < 0 || get_u64(a[4], &want_gen) < 0
+            || get_u64(a[5], &now) < 0 || get_u64(a[6], &last_capture) < 0)
+        return NULL;
+    PyObject *key = PyBytes_FromStringAndSize((const char *)raw, 16);
+    if (key == NULL)
+        return NULL;
+    PyObject *st = PyDict_GetItemWithError(compiled, key);   /* borrowed */
+    Py_DECREF(key);
+    if (st == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    if (!PyTuple_Check(st) || PyTuple_GET_SIZE(st) < 1)
+        Py_RETURN_NONE;
+    PyObject *nt = PyTuple_GET_ITEM(st, PyTuple_GET_SIZE(st) - 1);
+    if (!PyTuple_Check(nt) || PyTuple_GET_SIZE(nt) < 4)
+        Py_RETURN_NONE;                       /* no native table for this structure */
+    Py_ssize_t nfields = (PyTuple_GET_SIZE(nt) - 4) / 2;
+    if (nfields != F_WORD && nfields != F_MAX)
+        Py_RETURN_NONE;
+    Py_ssize_t end, rpos;
+    uint64_t has_meta, meta_word;
+    if (get_ssize(PyTuple_GET_ITEM(nt, 0), &end) < 0 || get_ssize(PyTuple_GET_ITEM(nt, 1), &rpos) < 0
+            || get_u64(PyTuple_GET_ITEM(nt, 2), &has_meta) < 0
+            || get_u64(PyTuple_GET_ITEM(nt, 3), &meta_word) < 0)
+        return NULL;
+    if (len < end || (has_meta != 0) != (nfields == F_MAX))
+        Py_RETURN_NONE;
+    Py_ssize_t pos[F_MAX];
+    int code[F_MAX];
+    for (Py_ssize_t i = 0; i < nfields; i++) {
+        Py_ssize_t cc;
+        if (get_ssize(PyTuple_GET_ITEM(nt, 4 + 2 * i), &pos[i]) < 0
+                || get_ssize(PyTuple_GET_ITEM(nt, 5 + 2 * i), &cc) < 0)
+            return NULL;
+        code[i] = (int)cc;
+        int sz = scalar_size(code[i]);
+        if (sz == 0 || pos[i] < 0 || pos[i] + sz > end)
+            Py_RETURN_NONE;
+    }
+    /* Integer fields the checks need as integers (everything but gain). */
+    for (int i = 0; i < nfields; i++)
+        if (i != F_GAIN && (code[i] == 'f' || code[i] == 'd'))
+            Py_RETURN_NONE;
+    uint64_t v[F_MAX];
+    for (int i = 0; i < nfields; i++)
+        v[i] = i == F_GAIN ? 0 : read_u(raw, pos[i], code[i]);
+    uint64_t crc_n = c[0], crc_is = c[1], frame_n = c[2], frame_is = c[3], exp_n = c[4],
+             exp_is = c[5], gain_n = c[6], gain_is = c[7], channel_id = c[8],
+             need_crc = c[9], need_frame = c[10], tol = c[11], max_age = c[12];
+    int has_frame = 0, has_exp = 0, has_gain = 0;
+    if (v[F_CRC_WHICH] >= crc_n || v[F_FRAME_WHICH] >= frame_n)
+        Py_RETURN_NONE;                       /* unknown union member */
+    if (has_meta) {
+        if (v[F_FRAME_WHICH] == frame_is) {
+            if (v[F_WORD] != meta_word)
+                Py_RETURN_NONE;               /* FrameMeta is elsewhere */
+            if (v[F_EXP_WHICH] >= exp_n || v[F_GAIN_WHICH] >= gain_n)
+                Py_RETURN_NONE;
+            has_frame = 1;
+            has_exp = v[F_EXP_WHICH] == exp_is;
+            has_gain = v[F_GAIN_WHICH] == gain_is;
+        }
+    } else if (v[F_FRAME_WHICH] == frame_is) {
+        Py_RETURN_NONE;                       /* FrameMeta is not plain here */
+    }
+    int has_crc = v[F_CRC_WHICH] == crc_is;
+    if (!(v[F_VERSION] >= 1 && v[F_CHANNEL] == channel_id && (has_crc || !need_crc)
+            && (has_frame || !need_frame)))
+        Py_RETURN_NONE;                       /* the Python path raises the rejection */
+    /* The reader's checks (Reader._accept), in its order. */
+    if (v[F_SEQ] != want_seq || v[F_GEN] != want_gen)
+        Py_RETURN_NONE;
+    uint64_t latest = now + tol, publish_ts = v[F_TS], ts = publish_ts;
+    if (latest < now || publish_ts > latest)
+        Py_RETURN_NONE;
+    if (has_frame) {
+        uint64_t capture = v[F_CAPTURE];
+        ts = capture;
+        if (capture > latest || capture > publish_ts || capture < last_capture)
+            Py_RETURN_NONE;
+    }
+    if (rpos >= 0) {
+        uint64_t rw;
+        if (rpos + 8 > end)
+            Py_RETURN_NONE;
+        memcpy(&rw, raw + rpos, 8);
+        if (rw != 0)
+            Py_RETURN_NONE;                   /* a receipt: the Python path checks it */
+    }
+    if (max_age && now > ts && now - ts > max_age)
+        Py_RETURN_NONE;
+    /* Stamp(sequence, generation, writer_pid, publish_ts_ns, crc32, frame_id,
+     *       capture_ts_ns, exposure_us, gain) */
+    PyObject *items[9];
+    items[0] = read_scalar(raw, pos[F_SEQ], code[F_SEQ]);
+    items[1] = read_scalar(raw, pos[F_GEN], code[F_GEN]);
+    items[2] = read_scalar(raw, pos[F_PID], code[F_PID]);
+    items[3] = read_scalar(raw, pos[F_TS], code[F_TS]);
+    items[4] = has_crc ? read_scalar(raw, pos[F_CRC], code[F_CRC]) : Py_NewRef(Py_None);
+    items[5] = has_frame ? read_scalar(raw, pos[F_FRAME_ID], code[F_FRAME_ID]) : Py_NewRef(Py_None);
+    items[6] = has_frame ? read_scalar(raw, pos[F_CAPTURE], code[F_CAPTURE]) : Py_NewRef(Py_None);
+    items[7] = has_exp ? read_scalar(raw, pos[F_EXP], code[F_EXP]) : Py_NewRef(Py_None);
+    items[8] = has_gain ? read_scalar(raw, pos[F_GAIN], code[F_GAIN]) : Py_NewRef(Py_None);
+    PyObject *out = NULL;
+    int ok = 1;
+    for (int i = 0; i < 9; i++)
+        ok &= items[i] != NULL;
+    if (ok && PyType_Check(stamp_type) && PyType_IsSubtype(stamp_type, &PyTuple_Type))
+        out = stamp_type->tp_alloc(stamp_type, 9);
+    if (out == NULL) {
+        for (int i = 0; i < 9; i++)
+            Py_XDECREF(items[i]);
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "accept(): bad Stamp type");
+        return NULL;
+    }
+    for (int i = 0; i < 9; i++)
+        PyTuple_SET_ITEM(out, i, items[i]);
+    return out;
+}
+
+/* ------------------------------------------------------------- header write */
+
+static int put_scalar(unsigned char *dst, int c, PyObject *o) {
+    /* 0: written; 1: value outside the field (the caller lets Python raise); -1: error */
+    if (c == 'f' || c == 'd') {
+        double d = PyFloat_AsDouble(o);
+        if (d == -1.0 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 1;
+        }
+        if (c == 'd') {
+            memcpy(dst, &d, 8);
+            return 0;
+        }
+        float f = (float)d;
+        if (isinf(f) && !isinf(d))
+            return 1;                         /* struct raises OverflowError */
+        memcpy(dst, &f, 4);
+        return 0;
+    }
+    if (!PyLong_Check(o))
+        return 1;
+    int size = scalar_size(c);
+    if (c == 'Q' || c == 'I' || c == 'H' || c == 'B') {
+        unsigned long long v = PyLong_AsUnsignedLongLong(o);
+        if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 1;
+        }
+        if (size < 8 && v >> (8 * size))
+            return 1;
+        memcpy(dst, &v, size);
+        return 0;
+    }
+    long long v = PyLong_AsLongLong(o);
+    if (v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 1;
+    }
+    if (size < 8) {
+        long long lim = 1ll << (8 * size - 1);
+        if (v < -lim || v >= lim)
+            return 1;
+    }
+    memcpy(dst, &v, size);
+    return 0;
+}
+
+/* pack_header(seg, base, template, table, seq, gen, ts, crc, frame_id, capture,
+ *             exposure, gain) -> bool
+ * A compiled HeaderPlan's SlotHeader (pycapnp's template with the per-message fields
+ * patched) written at seg[base:]; table = (has_crc, has_frame, exp_unknown, exp_is,
+ * gain_unknown, gain_is, then (position, struct code) per patched field in the plan's
+ * order). False: a value does not fit its field, nothing is promised about the bytes
+ * written (the slot is still odd) and the caller lets the Python plan raise. */
+static PyObject *h_pack(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    if (n != 12) {
+        PyErr_SetString(PyExc_TypeError, "pack_header() takes 12 arguments");
+        return NULL;
+    }
+    Region *seg = as_region(a[0], "segment");
+    if (seg == NULL)
+        return NULL;
+    Py_ssize_t base;
+    if (get_ssize(a[1], &base) < 0)
+        return NULL;
+    PyObject *tmpl = a[2], *table = a[3];
+    if (!PyBytes_Check(tmpl) || !PyTuple_Check(table) || PyTuple_GET_SIZE(table) < 6) {
+        PyErr_SetString(PyExc_TypeError, "pack_header(): bad argument types");
+        return NULL;
+    }
+    Py_ssize_t tlen = PyBytes_GET_SIZE(tmpl);
+    if (!seg->writable || !in_bounds(seg, base, tlen)) {
+        PyErr_SetString(PyExc_ValueError, "pack_header(): header outside the segment");
+        return NULL;
+    }
+    uint64_t t[6];
+    for (int i = 0; i < 6; i++)
+        if (get_u64(PyTuple_GET_ITEM(table, i), &t[i]) < 0)
+            return NULL;
+    int has_crc = (int)t[0], has_frame = (int)t[1];
+    PyObject *vals[9];
+    int nv = 0;
+    vals[nv++] = a[4];                 /* sequence */
+    vals[nv++] = a[5];                 /* generation */
+    vals[nv++] = a[6];                 /* publishTsNs */
+    PyObject *exp_which = NULL, *gain_which = NULL, *zero = NULL, *zerof = NULL;
+    if (has_crc)
+        vals[nv++] = a[7];
+    if (has_frame) {
+        zero = PyLong_FromLong(0);
+        zerof = PyFloat_FromDouble(0.0);
+        exp_which = PyLong_FromUnsignedLongLong(a[10] == Py_None ? t[2] : t[3]);
+        gain_which = PyLong_FromUnsignedLongLong(a[11] == Py_None ? t[4] : t[5]);
+        if (!zero || !zerof || !exp_which || !gain_which)
+            goto fail;
+        vals[nv++] = a[8];                                   /* frameId */
+        vals[nv++] = a[9] == Py_None ? zero : a[9];          /* captureTsNs or 0 */
+        vals[nv++] = exp_which;
+        vals[nv++] = a[10] == Py_None ? zero : a[10];
+        vals[nv++] = gain_which;
+        vals[nv++] = a[11] == Py_None ? zerof : a[11];
+    }
+    if (PyTuple_GET_SIZE(table) != 6 + 2 * nv) {
+        PyErr_SetString(PyExc_ValueError, "pack_header(): table does not match the plan");
+        goto fail;
+    }
+    unsigned char *dst = (unsigned char *)seg->base + base;
+    memcpy(dst, PyBytes_AS_STRING(tmpl), tlen);
+    int res = 0;
+    for (int i = 0; i < nv && res == 0; i++) {
+        Py_ssize_t pos, code;
+        if (get_ssize(PyTuple_GET_ITEM(table, 6 + 2 * i), &pos) < 0
+                || get_ssize(PyTuple_GET_ITEM(table, 7 + 2 * i), &code) < 0)
+            goto fail;
+        int sz = scalar_size((int)code);
+        if (sz == 0 || pos < 0 || pos + sz > tlen) {
+            PyErr_SetString(PyExc_ValueError, "pack_header(): field outside the template");
+            goto fail;
+        }
+        res = put_scalar(dst + pos, (int)code, vals[i]);
+        if (res < 0)
+            goto fail;
+    }
+    Py_XDECREF(zero);
+    Py_XDECREF(zerof);
+    Py_XDECREF(exp_which);
+    Py_XDECREF(gain_which);
+    if (res)
+        Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
+fail:
+    Py_XDECREF(zero);
+    Py_XDECREF(zerof);
+    Py_XDECREF(exp_which);
+    Py_XDECREF(gain_which);
+    return NULL;
+}
+
+/* ------------------------------------------------------------- module */
+
+static PyMethodDef module_methods[] = {
+    {"fence_acquire", fence_acquire, METH_NOARGS, "atomic_thread_fence(acquire)"},
+    {"fence_release", fence_release, METH_NOARGS, "atomic_thread_fence(release)"},
+    {"fence_full", fence_full, METH_NOARGS, "atomic_thread_fence(seq_cst)"},
+    {"loan", (PyCFunction)(void (*)(void))w_loan, METH_FASTCALL,
+     "the writer's slot choice; makes the slot's generation odd"},
+    {"publish", (PyCFunction)(void (*)(void))w_publish, METH_FASTCALL,
+     "the writer's publish: control block, stamp, generation, last_seq, wake-ups"},
+    {"take", (PyCFunction)(void (*)(void))r_take, METH_FASTCALL,
+     "the reader's seqlock read of the next slot, with its lease"},
+    {"pack_header", (PyCFunction)(void (*)(void))h_pack, METH_FASTCALL,
+     "a compiled SlotHeader plan written into the segment (False: let Python raise)"},
+    {"accept", (PyCFunction)(void (*)(void))h_accept, METH_FASTCALL,
+     "the reader's checks of a plain SlotHeader: a Stamp, or None (Python decides)"},
+    {NULL}
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "supervisor.ipc._native",
+    "Acquire/release atomics and the bridge's per-message hot path (see _native.c).",
+    -1, module_methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+#if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the bridge's wire format (capnp, the control blocks) is little-endian"
+#endif
+    if (PyType_Ready(&RegionType) < 0)
+        return NULL;
+    PyObject *mod = PyModule_Create(&moduledef);
+    if (mod == NULL)
+        return NULL;
+    Py_INCREF(&RegionType);
+    if (PyModule_AddObject(mod, "Region", (PyObject *)&RegionType) < 0) {
+        Py_DECREF(&RegionType);
+        Py_DECREF(mod);
+        return NULL;
+    }
+    PyModule_AddIntConstant(mod, "MAX_SLOTS", MAX_SLOTS);
+    return mod;
+}
