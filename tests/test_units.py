@@ -123,13 +123,14 @@ _SECCOMP = textwrap.dedent(r"""
         if fam not in allowed:
             flt.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), nr, sc.Arg(0, sc.EQ, fam))
     flt.load()
+    st = dict(l.split(":\t", 1) for l in open("/proc/self/status").read().splitlines() if ":\t" in l)
+    print("unit-sim:", st["CapBnd"], st["NoNewPrivs"], st["Seccomp"], file=sys.stderr, flush=True)
     os.umask(int(umask, 8))                                   # UMask=
     os.execv(sys.executable, [sys.executable, *argv])
     """)
 
 _MOUNTS = textwrap.dedent("""
     set -e
-    cfg=$(cat "$CFG")
     mount -t proc -o hidepid=invisible proc /proc    # ProtectProc=invisible
     mkdir -p /run/trio-staging                       # RuntimeDirectory=
     # A checkout under /tmp (a CI clone) stands in for the install under /opt that a
@@ -137,7 +138,6 @@ _MOUNTS = textwrap.dedent("""
     if [ -n "$KEEP" ]; then mkdir -p /run/unit-sim-keep; mount --bind "$KEEP" /run/unit-sim-keep; fi
     mount -t tmpfs -o mode=1777 tmpfs /tmp           # PrivateTmp=yes
     if [ -n "$KEEP" ]; then mkdir -p "$KEEP"; mount --bind /run/unit-sim-keep "$KEEP"; fi
-    printf '%s\\n' "$cfg" > /tmp/unit-sim.toml
     mount -o remount,bind,ro /                       # ProtectSystem=strict (the root fs)
     # Delegate=yes, ProtectControlGroups=yes, ReadWritePaths=<the unit's cgroup>: the
     # supervisor's own cgroup stays writable (root-owned, 0755, as systemd makes it),
@@ -200,9 +200,11 @@ def _expand(group: str, seen: set[str] | None = None) -> set[str]:
 @pytest.mark.skipif(shutil.which("bwrap") is None or shutil.which("setpriv") is None
                     or shutil.which("unshare") is None or os.geteuid() != 0,
                     reason="needs root, bubblewrap, setpriv and unshare")
-def test_supervisor_works_under_the_units_restrictions(tmp_path):
-    """`supervisor audit --live` of a small system, run under the unit's restrictions:
-    the workers start, and the audit (which reads every sandbox's /proc) matches."""
+def test_supervisor_works_under_the_units_restrictions():
+    """`supervisor audit --live` of the default config (what the unit's ExecStart runs:
+    camerad, modeld with its verified kernels, controlsd, research with torch), under
+    the unit's restrictions: every worker becomes READY and the audit, which reads every
+    sandbox's /proc from outside, matches the config."""
     import socket
 
     d = _directives(render(load(), config_path=None))
@@ -219,12 +221,8 @@ def test_supervisor_works_under_the_units_restrictions(tmp_path):
     from supervisor.audit.promise import NAMESPACES
 
     assert set(d["RestrictNamespaces"][0].split()) >= set(NAMESPACES)
-    cfg = tmp_path / "sim.toml"
-    from tests.test_audit import CLEAN
-
-    cfg.write_text(CLEAN)
     simcg = f"trio-unit-sim-{os.getpid()}"
-    env = dict(os.environ, CFG=str(cfg), CAPS="-all," + ",".join(f"+{c}" for c in caps),
+    env = dict(os.environ, CAPS="-all," + ",".join(f"+{c}" for c in caps),
                PYTHONPATH=str(ROOT), SIMCG=simcg,
                KEEP=str(ROOT) if str(ROOT).startswith("/tmp/") else "")
     try:
@@ -232,8 +230,7 @@ def test_supervisor_works_under_the_units_restrictions(tmp_path):
             ["unshare", "--mount", "--propagation", "private", "sh", "-c", _MOUNTS, "sh",
              sys.executable, "-c", _SECCOMP, ",".join(sorted(deny)),
              ",".join(str(int(f)) for f in families), d["UMask"][0],
-             "-m", "supervisor.cli", "audit", "--live", "--config", "/tmp/unit-sim.toml",
-             "--format", "json", "--settle", "0.5"],
+             "-m", "supervisor.cli", "audit", "--live", "--format", "json", "--settle", "0.5"],
             capture_output=True, text=True, env=env, cwd=ROOT, timeout=150)
     finally:
         _remove_sim_cgroups(simcg)
@@ -242,6 +239,12 @@ def test_supervisor_works_under_the_units_restrictions(tmp_path):
     assert p.returncode == 0 and r["result"] == "matches", \
         json.dumps({"supervisor": r.get("supervisor"), "differences": r.get("differences")},
                    indent=1)[-4000:] + p.stderr[-2000:]
+    assert [w["worker"] for w in r["workers"] if w["running"]] == list(load().workers)
+    # and it really ran with the unit's bounding set, no_new_privs and a filter
+    from supervisor.audit.evidence import CAPABILITIES
+
+    mask = sum(1 << CAPABILITIES.index(c) for c in caps)
+    assert f"unit-sim: {mask:016x} 1 2" in p.stderr, p.stderr[-2000:]
 
 
 # --------------------------------------------------------------------------- fewer caps
