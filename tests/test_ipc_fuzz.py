@@ -72,6 +72,22 @@ def _check_header(raw: bytes, spec: ChannelSpec) -> None:
     for _ in range(2):
         fast = _header_outcome(raw, spec, fast=True)
         assert fast == slow, f"fast {fast} != reference {slow} for {raw.hex()}"
+    native = _native_verdict(raw, spec)
+    if native is not None:    # the native reader's check never accepts more, or otherwise
+        assert ("ok", native) == slow, f"native {native} != reference {slow} for {raw.hex()}"
+
+
+def _native_verdict(raw: bytes, spec: ChannelSpec):
+    """`_native.accept` asked with the sequence, generation and clock the header itself
+    holds (what makes every reader check pass if the bytes are right); None: defers."""
+    c = codec.HEADER._compiled.get(raw[:16])
+    if c is None or not c.native:
+        return None
+    pos = c.native[4::2]
+
+    def u64(i: int) -> int:
+        return int.from_bytes(raw[pos[i]:pos[i] + 8].ljust(8, b"\0"), "little")
+    return codec.native_accept(raw, spec, u64(2), u64(3), u64(7), 0, max_age_ns=0)
 
 
 @FUZZ

@@ -68,3 +68,24 @@ def decode_receipt(raw: bytes, spec: ChannelSpec, sequence: int, *, fast: bool =
         if r is not SLOW:
             return r
     return read_receipt(raw, spec, sequence)
+
+
+def native_accept(raw: bytes, spec: ChannelSpec, sequence: int, generation: int,
+                  now_ns: int, last_capture_ns: int = 0, max_age_ns: int | None = None,
+                  tolerance_ns: int = 5_000_000) -> Stamp | None:
+    """The native reader's verdict on a SlotHeader (`_native.accept`): the Stamp when
+    every check the reader makes passes for a structure the compiled path has seen,
+    else None (the Python path then decides). Raises BridgeError without the module.
+    The reader calls `_native.accept` directly; this is its one-call form for tests."""
+    from . import _atomics
+    from .errors import BridgeError
+
+    if _atomics.NATIVE is None:
+        raise BridgeError("supervisor.ipc._native is not built")
+    H = HEADER
+    age = spec.max_age_ms * 1_000_000 if max_age_ns is None else max_age_ns
+    ctx = (H.crc_n, H.crc_is, H.frame_n, H.frame_is, H.exp_n, H.exp_is, H.gain_n,
+           H.gain_is, spec.channel_id, int(spec.crc), int(spec.kind == "frame"),
+           tolerance_ns, age, Stamp)
+    return _atomics.NATIVE.accept(raw, H._compiled, ctx, sequence, generation, now_ns,
+                                  last_capture_ns)
