@@ -10,7 +10,10 @@ with three peers:
 * ``iox2``      iceoryx2 publish-subscribe, loaned ``Slice[c_uint8]`` samples
                 (zero-copy), receiver blocks on an iceoryx2 event Listener
 * ``iox2-poll`` the same, receiver busy-polls ``Subscriber.receive()`` (burns a core)
-* ``bridge``    supervisor.ipc Writer.loan()/publish + Reader.receive() (eventfd)
+* ``bridge-py`` the same on the bridge's pure-Python path (``native=False``): the hot
+                path before the native module (x86-64 only), so before/after is one run
+* ``bridge``    supervisor.ipc Writer.loan()/publish + Reader.receive() (wake-up socket),
+                on the native module (supervisor/ipc/_native.c)
 
 Opt-in extras: ``iox2-waitset`` (receiver blocks in an iceoryx2 WaitSet instead of
 on the Listener directly) and ``bridge-poll`` (``Reader.receive(timeout=0)`` spin).
@@ -32,6 +35,9 @@ only supervises (timeouts, kill, cleanup) so one broken transport yields an erro
 row, not an aborted table.
 
     python bench/ipc_latency.py [--quick] [--json out.json] [--transports pipe,zmq,...]
+
+Before the matrix, the bridge's per-message CPU cost on both paths, in-process
+(``--cost N`` messages per path and size, 0: skip; see ipcbench/cost.py).
 
 This file is the driver (options, the matrix of cases, re-runs, JSON); each transport
 is one module of bench/ipcbench/ (pipe, zmq_ipc, iox2, bridge), next to the children,
@@ -57,6 +63,7 @@ for _path in (REPO_ROOT, BENCH_DIR):
         sys.path.insert(0, _path)
 from ipcbench import (DEFAULT_TRANSPORTS, TRANSPORTS, BridgePollTransport,  # noqa: E402
                       BridgeTransport, Skip)
+from ipcbench.cost import per_message_cost, print_cost  # noqa: E402
 from ipcbench.harness import iox2_cleanup, run_case  # noqa: E402
 from ipcbench.report import aggregate, fmt, print_tables  # noqa: E402
 
@@ -145,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="module providing ChannelSpec/Channel/Writer/Reader")
     ap.add_argument("--raw", metavar="DIR",
                     help="save every case's raw latencies (ns, arrival order) as .npy")
+    ap.add_argument("--cost", type=int, metavar="N",
+                    help="per-message cost of the bridge's two paths, N messages each per "
+                         "size, in-process (default: 20000, --quick: 5000; 0: skip)")
     ap.add_argument("-v", "--verbose", action="store_true", help="print child tracebacks")
     args = ap.parse_args(argv)
 
@@ -180,6 +190,14 @@ def main(argv: list[str] | None = None) -> int:
         except Skip as e:
             skipped[k] = str(e)
             print(f"  note: skipping {labels[k]}: {e}")
+
+    cost: dict[str, dict] = {}
+    n_cost = args.cost if args.cost is not None else (5000 if args.quick else 20000)
+    if n_cost > 0 and any(k.startswith("bridge") for k in keys):
+        for size, nbytes in sizes:
+            cost[size] = per_message_cost(nbytes, n_cost, fill=args.fill == "copy",
+                                          module=args.bridge_module)
+        print_cost(cost, args.fill)
 
     repeats = args.repeat or (1 if args.quick else 2)
     runs: list[dict] = []
@@ -247,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = aggregate(runs, args.raw)
     elapsed = time.monotonic() - t_start
     ratios = print_tables(rows, keys, labels, sizes, args.max_foreign)
+    if cost:
+        print_cost(cost, args.fill)           # again, next to the tables
     load1 = os.getloadavg()
     print(f"total {elapsed:.1f} s   load average before {load0[0]:.2f}, after {load1[0]:.2f} "
           f"(the benchmark itself adds ~1-2)")
@@ -264,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "results": rows,
             "ratios": ratios,
+            "per_message_cost_us": cost,
             "runs": [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs],
         }
         with open(args.json, "w") as f:

@@ -1,5 +1,7 @@
 """``bridge``: supervisor.ipc ``Writer.loan()``/``publish`` and ``Reader.receive()``
-(eventfd); ``bridge-poll`` spins on ``Reader.try_receive()``."""
+(wake-up socket) on the native module when it is built; ``bridge-py``: the same on the
+pure-Python path (``native=False``, the hot path before the native module: x86-64 only),
+so one run compares before and after; ``bridge-poll`` spins on ``Reader.try_receive()``."""
 from __future__ import annotations
 
 import importlib
@@ -16,6 +18,7 @@ class BridgeTransport(Transport):
     open_first = "sender"   # a Reader waits for its Writer to have attached
     module = "supervisor.ipc"
     poll = False
+    native: bool | None = None     # None: the module's default (native when built)
     SLOTS = 8
     _count = 0
 
@@ -28,6 +31,14 @@ class BridgeTransport(Transport):
             self._api()
         except (ImportError, AttributeError) as e:
             raise Skip(f"{self.module} not importable yet ({type(e).__name__}: {e})")
+        if self.native is not None:
+            try:
+                importlib.import_module(self.module + "._atomics").select(self.native)
+            except Exception as e:  # noqa: BLE001 - no such path on this machine/module
+                raise Skip(f"{self.label}: {e}")
+
+    def _kw(self) -> dict:
+        return {} if self.native is None else {"native": self.native}
 
     def setup(self, nbytes, run_id):
         super().setup(nbytes, run_id)
@@ -53,7 +64,7 @@ class BridgeTransport(Transport):
 
     def open_sender(self):
         _, _, Writer, _ = self._api()
-        w = Writer(self.wh)                        # fds inherited through fork()
+        w = Writer(self.wh, **self._kw())          # fds inherited through fork()
         nbytes = self.nbytes
         shape = (nbytes,)
         explicit_ts = [True]
@@ -83,7 +94,7 @@ class BridgeTransport(Transport):
 
     def open_receiver(self):
         _, _, _, Reader = self._api()
-        r = Reader(self.rh)
+        r = Reader(self.rh, **self._kw())
         poll = self.poll
 
         try_receive = getattr(r, "try_receive", None)
@@ -142,3 +153,10 @@ class BridgePollTransport(BridgeTransport):
     poll = True
     blocking = False
     note = "receiver spins on Reader.try_receive()"
+
+
+class BridgePyTransport(BridgeTransport):
+    key = "bridge-py"
+    label = "trio-bridge (pure Py)"
+    native = False
+    note = "the pure-Python hot path (before the native module), same API"

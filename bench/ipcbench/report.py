@@ -178,9 +178,10 @@ def print_tables(rows: list[dict], keys: list[str], labels: dict[str, str],
 
     # Ratios against the bridge at p50 and p99 (>1x: the first one is slower).
     ratio_cols = [("Pipe/bridge", "pipe", "bridge"), ("zmq/bridge", "zmq", "bridge"),
-                  ("bridge/iceoryx2", "bridge", "iox2")]
+                  ("bridge/iceoryx2", "bridge", "iox2"),
+                  ("bridge/bridge-py", "bridge", "bridge-py")]   # after / before
     ratios: dict = {}
-    head = f"{'size':<15}" + "".join(f"{n + ' p50':>20}{n + ' p99':>20}" for n, _, _ in ratio_cols)
+    head = f"{'size':<15}" + "".join(f"{n + ' p50':>22}{n + ' p99':>22}" for n, _, _ in ratio_cols)
     print("Latency ratios (>1x: numerator slower; iceoryx2 = blocking/event variant)")
     print(head)
     print("-" * len(head))
@@ -194,7 +195,23 @@ def print_tables(rows: list[dict], keys: list[str], labels: dict[str, str],
                 r = _ratio(la.get(q), lb.get(q))
                 ratios.setdefault(size, {})[f"{name} {q}"] = (
                     la[q] / lb[q] if la.get(q) and lb.get(q) else None)
-                line += f"{r:>20}"
+                line += f"{r:>22}"
+        print(line)
+    print()
+
+    # Throughput ratios (>1x: the first one moves more messages per second).
+    tcols = [("bridge/iceoryx2", "bridge", "iox2"), ("bridge/iox2-poll", "bridge", "iox2-poll"),
+             ("bridge/bridge-py", "bridge", "bridge-py")]
+    print("Throughput ratios (msgs/s; >1x: numerator faster)")
+    print(f"{'size':<15}" + "".join(f"{n:>20}" for n, _, _ in tcols))
+    for size, _ in sizes:
+        line = f"{size:<15}"
+        cells = summ.get(size, {})
+        for name, a, b in tcols:
+            ta = (cells.get(a, {}).get("tput") or {}).get("msgs_per_s")
+            tb = (cells.get(b, {}).get("tput") or {}).get("msgs_per_s")
+            ratios.setdefault(size, {})[f"{name} msgs/s"] = ta / tb if ta and tb else None
+            line += f"{_ratio(ta, tb):>20}"
         print(line)
     print()
     return ratios
