@@ -9,8 +9,8 @@ control domain). Every decision is one structured log line.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-import json
 import os
 import shutil
 import signal
@@ -18,80 +18,28 @@ import socket
 import subprocess
 import sys
 import time
-from collections import deque
-import dataclasses
-from dataclasses import dataclass, field
 
 import trio
 
+from supervisor import signals
 from supervisor.admission import check_worker
 from supervisor.config import Config, WorkerConfig
-from supervisor.sandbox.policy import RESEARCH
-from supervisor import signals
 from supervisor.events import EventLog
-from supervisor.exits import Exit  # noqa: F401  (re-exported: the CLI and tests use it here)
+from supervisor.exits import Exit
 from supervisor.failsafe import FailSafeLatch
 from supervisor.ipc import Channel
 from supervisor.notify import Notifier
-from supervisor.output import LineLimiter, parse_log_record
-from supervisor.protocol import (ENV_EXECWATCH_FD, ENV_STANDBY_FD, Endpoint, StatusLine,
-                                 parse_line, worker_env)
+from supervisor.output import LineLimiter
+from supervisor.protocol import ENV_EXECWATCH_FD, ENV_STANDBY_FD, Endpoint, worker_env
+from supervisor.sandbox.policy import RESEARCH
+
+from ._exec import _ExecWindow
+from ._io import _WorkerIO
+from ._run import FailSafe, StartFailed, WorkerRun, _signame
+from ._standby import _WarmStandby
 
 
-@dataclass
-class WorkerRun:
-    cfg: WorkerConfig
-    proc: subprocess.Popen | None = None
-    status_r: int | None = None
-    pid: int = 0                  # bwrap (or the worker itself when unsandboxed)
-    started_ns: int = 0
-    ready_ns: int = 0
-    last_ping_ns: int = 0
-    ready: trio.Event = field(default_factory=trio.Event)
-    restarts: deque = field(default_factory=deque)
-    refused: str | None = None
-    status: str = ""
-    exit_reason: str = ""
-    status_buf: bytes = b""                  # an incomplete status line
-    status_tokens: float = 1000.0            # status-line rate limit (token bucket)
-    status_ts: float = 0.0
-    out_r: int | None = None                 # the worker's stdout+stderr (a pipe)
-    output: LineLimiter = field(default_factory=LineLimiter)
-    cgroup: object | None = None             # sandbox.cgroups.WorkerCgroup of this run
-    oom_before: int = 0
-    watch_sock: socket.socket | None = None  # receives the exec-watch listener (control)
-    watch: object | None = None              # sandbox.execwatch.ExecWatch of this run
-    exec_allowed: int = 0                    # executable mappings admitted before READY
-    exec_snapshot: object | None = None      # maps.ExecSnapshot taken at READY
-    kill_reason: str = ""                    # why the supervisor killed it, if it did
-    ready_claimed: bool = False              # the worker said READY=1 (this run)
-    # Warm standby: a second instance, waiting in its sandbox for the channels.
-    is_standby: bool = False
-    standby: "WorkerRun | None" = None
-    ctl_sock: socket.socket | None = None    # (standby) the supervisor's end of hand-over
-    adopted: bool = False
-    warm: bool = False                       # (standby) said STANDBY=1: start-up done
-    scope: trio.CancelScope | None = None
-    handed_over: trio.Event = field(default_factory=trio.Event)
-    nursery: trio.Nursery | None = None      # the run's own tasks (status, exec watch...)
-
-
-def _signame(sig: int) -> str:
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return f"SIG{sig}"   # real-time signals have no name
-
-
-class FailSafe(Exception):
-    """The control domain must stop now."""
-
-
-class StartFailed(Exception):
-    """A required worker gave up before its first READY."""
-
-
-class Supervisor:
+class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby):
     def __init__(self, config: Config, *, log: EventLog | None = None,
                  notifier: Notifier | None = None, sandboxed: bool = True,
                  grace_s: float = 3.0, python: str = sys.executable,
@@ -311,89 +259,6 @@ class Supervisor:
             os.close(pidfd)
         return run.proc.wait()
 
-    async def _read_status(self, run: WorkerRun) -> None:
-        """READY=1 / WATCHDOG=1 / STATUS=... lines from the worker's status pipe."""
-        while run.status_r is not None:
-            await trio.lowlevel.wait_readable(run.status_r)
-            if not self._poll_status(run):
-                return
-            await trio.sleep(0)       # a checkpoint between reads: others get their turn
-
-    # A status line costs the supervisor some work; a worker sending more than this
-    # (sustained, beyond a burst) is attacking the event loop, not reporting.
-    STATUS_LINES_PER_S = 1000.0
-
-    def _poll_status(self, run: WorkerRun) -> bool:
-        """Handle the complete status lines of ONE read (at most 4 KiB); False at end of
-        stream. One read per wakeup keeps a flooding worker from holding the event loop.
-
-        Also called before judging an exec-watch request: a READY written before the
-        syscall must be seen first, so that READY means the same for both."""
-        if run.status_r is None:
-            return False
-        try:
-            chunk = os.read(run.status_r, 4096)
-        except BlockingIOError:
-            return True
-        if not chunk:
-            return False
-        run.status_buf += chunk
-        *lines, run.status_buf = run.status_buf.split(b"\n")
-        if len(run.status_buf) > 4096:   # a worker may not grow our memory endlessly
-            self.log.emit("protocol_error", worker=run.cfg.name,
-                          reason="status line over 4096 bytes; dropped")
-            run.status_buf = b""
-        now = time.monotonic()
-        run.status_tokens = min(self.STATUS_LINES_PER_S,
-                                run.status_tokens + (now - run.status_ts) * self.STATUS_LINES_PER_S)
-        run.status_ts = now
-        run.status_tokens -= len(lines)
-        if run.status_tokens < -self.STATUS_LINES_PER_S:
-            self._refuse(run, "protocol_flood", f"more than {self.STATUS_LINES_PER_S:g} "
-                         f"status lines per second")
-            return False
-        for line in lines:
-            self._on_status(run, line.decode(errors="replace"))
-        return True
-
-    def _on_status(self, run: WorkerRun, line: str) -> None:
-        for msg in parse_line(line):
-            self._on_message(run, msg)
-
-    def _on_message(self, run: WorkerRun, msg: StatusLine) -> None:
-        now = time.monotonic_ns()
-        if run.is_standby and msg.kind in ("READY", "WATCHDOG", "STANDBY"):
-            if msg.kind == "READY":   # it has no channels: it cannot be ready
-                self._refuse(run, "protocol", "standby claimed READY before activation")
-            elif msg.kind == "STANDBY" and not run.warm:
-                run.warm = True
-                self.log.emit("standby_warm", worker=run.cfg.name, pid=run.pid,
-                              start_ms=round((now - run.started_ns) / 1e6, 1))
-            return
-        if msg.kind == "READY":
-            run.last_ping_ns = now
-            if not run.ready_claimed and not run.refused:
-                run.ready_claimed = True
-                if not self._strict(run):
-                    self._set_ready(run, now)
-                elif self._close_exec_window(run):
-                    # The snapshot reads the worker's maps off the event loop.
-                    run.nursery.start_soon(self._verify_ready, run, now)
-        elif msg.kind == "WATCHDOG":
-            run.last_ping_ns = now
-        elif msg.kind == "STATUS":
-            if msg.text != run.status:
-                run.status = msg.text
-                self.log.emit("status", worker=run.cfg.name, domain=run.cfg.domain,
-                              status=msg.text)
-            if self.monitor is not None:
-                self.monitor.statuses[run.cfg.name] = msg.text
-        elif msg.kind == "REFUSED":
-            # The import guard reports before it raises: a worker that swallows the
-            # exception is named all the same.
-            kind, _, detail = msg.text.partition(" ")
-            self._refuse(run, f"guard:{kind[:32]}", detail[:512] or kind)
-
     def _refuse(self, run: WorkerRun, kind: str, reason: str, **fields) -> None:
         """A runtime refusal: log it naming the worker, kill the sandbox. The exit that
         follows is handled as refused (no restart; fail-safe for required control)."""
@@ -407,153 +272,7 @@ class Supervisor:
                       pid=run.pid, reason=f"{run.cfg.name}: {reason}", **fields)
         self._kill(run)
 
-    def _strict(self, run: WorkerRun) -> bool:
-        return self.sandboxed and run.watch_sock is not None
-
-    def _set_ready(self, run: WorkerRun, now: int) -> None:
-        run.ready_ns = now
-        run.ready.set()
-        self.log.emit("ready", worker=run.cfg.name, pid=run.pid,
-                      start_to_ready_ms=round((now - run.started_ns) / 1e6, 3),
-                      exec_mappings_admitted=run.exec_allowed)
-
-    def _close_exec_window(self, run: WorkerRun) -> bool:
-        """READY ends start-up. For a control-grade worker the supervisor, not the
-        worker, makes it true: from this moment every new executable mapping is refused."""
-        if run.watch is None:
-            self._take_listener(run)
-        if run.watch is None:
-            self._refuse(run, "exec_watch", "READY before the exec watch was installed")
-            return False
-        run.watch.ready = True
-        return True
-
-    async def _verify_ready(self, run: WorkerRun, now: int) -> None:
-        """What is executable at READY is recorded, and none of it may still be able to
-        change (writable, shared, memfd, deleted, on a writable mount) or be torch."""
-        from supervisor.admission import maps
-
-        pid = self._worker_pid(run)
-        try:
-            snap = await trio.to_thread.run_sync(maps.exec_snapshot, pid)
-        except (maps.ProcessGone, OSError):   # gone between READY and now: its exit is reported
-            return
-        if snap.hits:
-            self._refuse(run, snap.hits[0].kind, f"at READY: {snap.hits[0].describe()}",
-                         mappings=[h.describe() for h in snap.hits])
-            return
-        run.exec_snapshot = snap
-        if not run.refused:
-            self._set_ready(run, now)
-        # A request answered just before READY may complete after the snapshot: one more
-        # look shortly after, not only at the next periodic scan.
-        await trio.sleep(0.1)
-        try:
-            late = await trio.to_thread.run_sync(functools.partial(maps.scan_pid, pid, snapshot=snap))
-        except (maps.ProcessGone, OSError, ValueError):
-            return
-        if late:
-            self._refuse(run, late[0].kind, f"just after READY: {late[0].describe()}",
-                         mappings=[h.describe() for h in late])
-
-    def _take_listener(self, run: WorkerRun) -> None:
-        """Non-blocking: the exec-watch listener fd, if the runner has sent it."""
-        from supervisor.sandbox.execwatch import ExecWatch
-
-        sock = run.watch_sock
-        if sock is None or run.watch is not None:
-            return
-        try:
-            msg, fds, _, _ = socket.recv_fds(sock, 16, 1, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            return
-        if not fds:
-            return
-        run.watch = ExecWatch(fds[0], allow_anonymous_exec=run.cfg.jit_kernels)
-
-    async def _watch_exec(self, run: WorkerRun) -> None:
-        """Judge every executable mapping the control worker asks for (seccomp user
-        notification): allowed before READY only from read-only files (and, for a worker
-        declared jit_kernels, anonymous memory); refused always after READY."""
-        sock = run.watch_sock
-        if sock is None:
-            return
-        while run.watch is None:
-            await trio.lowlevel.wait_readable(sock.fileno())
-            self._take_listener(run)
-            if run.watch is None:
-                await trio.sleep(0.005)   # hang-up without a listener: the exit follows
-        watch = run.watch
-        while True:
-            await trio.lowlevel.wait_readable(watch.fileno())
-            self._poll_status(run)
-            if run.refused:
-                return
-            # A bounded batch per wakeup, then a checkpoint: a worker flooding requests
-            # must not hold the event loop (other workers' watchdogs run on it).
-            verdicts = watch.handle_pending(max_requests=16,
-                                            before_judging=lambda: self._poll_status(run))
-            await trio.sleep(0)
-            if not verdicts:
-                if watch.hung_up:         # every watched task is gone: the exit follows
-                    return
-                await trio.sleep(0.005)
-                continue
-            for v in verdicts:
-                if v.allowed:
-                    run.exec_allowed += 1
-                    continue
-                rq = v.request
-                self._refuse(run, "exec_memory", f"{rq.syscall}: {v.reason}",
-                             syscall=rq.syscall, pid_in_host=rq.pid,
-                             prot=rq.prot, target=rq.target)
-
-    async def _read_output(self, run: WorkerRun) -> None:
-        """The worker's stdout/stderr as `output` events naming it (bounded, rate limited)."""
-        fd = run.out_r
-        reported = 0
-        while True:
-            await trio.lowlevel.wait_readable(fd)
-            if not self._drain_output(run, max_reads=1):
-                return
-            await trio.sleep(0)
-            lim = run.output
-            if lim.dropped > reported and time.monotonic() - getattr(run, "_drop_ts", 0) > 1:
-                run._drop_ts = time.monotonic()
-                self.log.emit("output_dropped", worker=run.cfg.name, lines=lim.dropped - reported,
-                              reason=f"over {lim.rate:g} lines/s")
-                reported = lim.dropped
-
-    def _drain_output(self, run: WorkerRun, max_reads: int = 64) -> bool:
-        """Read what is there (at most `max_reads` chunks); False at end of stream."""
-        for _ in range(max_reads):
-            try:
-                chunk = os.read(run.out_r, 65536)
-            except BlockingIOError:
-                return True
-            except OSError:
-                return False
-            lines = run.output.feed(chunk) if chunk else run.output.flush()
-            for line in lines:
-                self._emit_output(run, line)
-            if not chunk:
-                return False
-        return True
-
-    def _emit_output(self, run: WorkerRun, line: str) -> None:
-        """A worker's output line as an event whose source is that worker: a record of
-        `WorkerContext.log` becomes a `log` event, anything else an `output` event."""
-        name, domain = run.cfg.name, run.cfg.domain
-        rec = parse_log_record(line)
-        if rec is None:
-            self.log.emit("output", source=name, worker=name, domain=domain, line=line)
-        else:
-            self.log.emit("log", source=name, worker=name, domain=domain, **rec)
-
     # ---------------------------------------------------------------- one worker
-
     def _restart_allowed(self, run: WorkerRun, code: int) -> bool:
         policy = run.cfg.restart
         return policy == "always" or (policy == "on-failure" and code != 0)
@@ -632,75 +351,6 @@ class Supervisor:
             await trio.sleep(delay)
 
     # ---------------------------------------------------------------- warm standby
-
-    async def _keep_standby(self, run: WorkerRun) -> None:
-        """Start a standby instance of `run`'s worker and serve it (status, output, exec
-        watch) while it waits; if it dies waiting, that is logged and the next READY of
-        the active instance starts another."""
-        sb = WorkerRun(run.cfg, is_standby=True)
-        try:
-            self._spawn(sb)
-        except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
-            self.log.emit("standby_failed", worker=run.cfg.name, error=f"{type(e).__name__}: {e}")
-            return
-        run.standby = sb
-        code = None
-        try:
-            with trio.CancelScope() as sb.scope:
-                async with trio.open_nursery() as n:
-                    sb.nursery = n
-                    n.start_soon(self._read_status, sb)
-                    n.start_soon(self._read_output, sb)
-                    n.start_soon(self._watch_exec, sb)
-                    code = await self._wait_exit(sb)
-                    n.cancel_scope.cancel()
-        finally:
-            sb.handed_over.set()
-        if sb.adopted or code is None:
-            return
-        if run.standby is sb:
-            run.standby = None
-        sig, cause = self._exit_cause(sb, code)
-        self._release_cgroup(sb)
-        self._close_run_fds(sb)
-        if not self._stopping:
-            self.log.emit("standby_exit", worker=run.cfg.name, pid=sb.pid, code=code,
-                          signal=sig, cause=cause or sb.refused or None)
-
-    async def _adopt_standby(self, run: WorkerRun) -> bool:
-        """Hand the channels to the waiting standby and make it the run: no cold start.
-        False when there is none fit to take over (then the caller spawns as usual)."""
-        sb, run.standby = run.standby, None
-        if sb is None:
-            return False
-        usable = (sb.proc is not None and sb.proc.poll() is None and not sb.refused
-                  and sb.ctl_sock is not None and (sb.watch is not None or not self._strict(sb)))
-        if not usable:
-            if sb.proc is not None and sb.proc.poll() is None:
-                self._kill(sb)
-            return False
-        handles = self._handles(run.cfg)
-        chans = {ch: h.to_json() for ch, h in handles.items()}
-        fds = [fd for h in handles.values() for fd in h.fds()]
-        try:
-            socket.send_fds(sb.ctl_sock, [json.dumps({"channels": chans, "fds": fds}).encode()], fds)
-        except OSError as e:
-            self.log.emit("standby_failed", worker=run.cfg.name, error=f"hand-over: {e}")
-            self._kill(sb)
-            return False
-        sb.adopted = True
-        sb.scope.cancel()               # its tasks stop; ours take over its pipes
-        await sb.handed_over.wait()
-        for f in ("proc", "pid", "status_r", "status_buf", "status_tokens", "status_ts",
-                  "out_r", "output", "cgroup", "oom_before", "watch_sock", "watch",
-                  "exec_allowed", "ctl_sock"):
-            setattr(run, f, getattr(sb, f))
-        run.started_ns = run.last_ping_ns = time.monotonic_ns()
-        run.ready_ns, run.ready, run.ready_claimed = 0, trio.Event(), False
-        run.exec_snapshot, run.kill_reason = None, ""
-        self.log.emit("standby_adopted", worker=run.cfg.name, pid=run.pid,
-                      waited_ms=round((run.started_ns - sb.started_ns) / 1e6, 1))
-        return True
 
     def _close_run_fds(self, run: WorkerRun) -> None:
         for name in ("status_r", "out_r"):

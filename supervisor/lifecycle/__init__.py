@@ -1,0 +1,22 @@
+"""Turning a Config into supervised, sandboxed processes (trio).
+
+One task per worker in a nursery. Start order follows channel dependencies: a worker
+starts once every worker before it in ``Config.start_order()`` reported READY. Exits
+are restarted per the worker's policy with exponential backoff and a rate limit; a
+worker that stops pinging its watchdog is killed and restarted; a control worker that
+runs out of restarts triggers the domain's failure policy ("fail_safe" stops the whole
+control domain). Every decision is one structured log line.
+
+The package in parts: `_supervisor` (Supervisor: start order, one task per worker,
+restart policy, watchdog, fail-safe, shutdown, the main loop), `_io` (status and output
+pipes), `_exec` (READY verification and the exec watch), `_standby` (warm standby) and
+`_run` (WorkerRun, the exceptions).
+"""
+from supervisor.exits import Exit
+from supervisor.failsafe import FailSafeLatch
+
+from ._run import FailSafe, StartFailed, WorkerRun
+from ._supervisor import Supervisor, run_config
+
+__all__ = ["Exit", "FailSafe", "FailSafeLatch", "StartFailed", "Supervisor", "WorkerRun",
+           "run_config"]

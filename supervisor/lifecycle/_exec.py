@@ -1,0 +1,118 @@
+"""The exec window of a control-grade worker: every executable mapping it asks for is
+judged by the exec watch until READY; READY is accepted only after a snapshot of its
+executable mappings (admission.maps), and from then on nothing new may execute."""
+from __future__ import annotations
+
+import functools
+import socket
+
+import trio
+
+from ._run import WorkerRun
+
+
+class _ExecWindow:
+    """READY verification and the exec watch of each run (mixed into `Supervisor`)."""
+
+    def _strict(self, run: WorkerRun) -> bool:
+        return self.sandboxed and run.watch_sock is not None
+
+    def _set_ready(self, run: WorkerRun, now: int) -> None:
+        run.ready_ns = now
+        run.ready.set()
+        self.log.emit("ready", worker=run.cfg.name, pid=run.pid,
+                      start_to_ready_ms=round((now - run.started_ns) / 1e6, 3),
+                      exec_mappings_admitted=run.exec_allowed)
+
+    def _close_exec_window(self, run: WorkerRun) -> bool:
+        """READY ends start-up. For a control-grade worker the supervisor, not the
+        worker, makes it true: from this moment every new executable mapping is refused."""
+        if run.watch is None:
+            self._take_listener(run)
+        if run.watch is None:
+            self._refuse(run, "exec_watch", "READY before the exec watch was installed")
+            return False
+        run.watch.ready = True
+        return True
+
+    async def _verify_ready(self, run: WorkerRun, now: int) -> None:
+        """What is executable at READY is recorded, and none of it may still be able to
+        change (writable, shared, memfd, deleted, on a writable mount) or be torch."""
+        from supervisor.admission import maps
+
+        pid = self._worker_pid(run)
+        try:
+            snap = await trio.to_thread.run_sync(maps.exec_snapshot, pid)
+        except (maps.ProcessGone, OSError):   # gone between READY and now: its exit is reported
+            return
+        if snap.hits:
+            self._refuse(run, snap.hits[0].kind, f"at READY: {snap.hits[0].describe()}",
+                         mappings=[h.describe() for h in snap.hits])
+            return
+        run.exec_snapshot = snap
+        if not run.refused:
+            self._set_ready(run, now)
+        # A request answered just before READY may complete after the snapshot: one more
+        # look shortly after, not only at the next periodic scan.
+        await trio.sleep(0.1)
+        try:
+            late = await trio.to_thread.run_sync(functools.partial(maps.scan_pid, pid, snapshot=snap))
+        except (maps.ProcessGone, OSError, ValueError):
+            return
+        if late:
+            self._refuse(run, late[0].kind, f"just after READY: {late[0].describe()}",
+                         mappings=[h.describe() for h in late])
+
+    def _take_listener(self, run: WorkerRun) -> None:
+        """Non-blocking: the exec-watch listener fd, if the runner has sent it."""
+        from supervisor.sandbox.execwatch import ExecWatch
+
+        sock = run.watch_sock
+        if sock is None or run.watch is not None:
+            return
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 16, 1, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            return
+        if not fds:
+            return
+        run.watch = ExecWatch(fds[0], allow_anonymous_exec=run.cfg.jit_kernels)
+
+    async def _watch_exec(self, run: WorkerRun) -> None:
+        """Judge every executable mapping the control worker asks for (seccomp user
+        notification): allowed before READY only from read-only files (and, for a worker
+        declared jit_kernels, anonymous memory); refused always after READY."""
+        sock = run.watch_sock
+        if sock is None:
+            return
+        while run.watch is None:
+            await trio.lowlevel.wait_readable(sock.fileno())
+            self._take_listener(run)
+            if run.watch is None:
+                await trio.sleep(0.005)   # hang-up without a listener: the exit follows
+        watch = run.watch
+        while True:
+            await trio.lowlevel.wait_readable(watch.fileno())
+            self._poll_status(run)
+            if run.refused:
+                return
+            # A bounded batch per wakeup, then a checkpoint: a worker flooding requests
+            # must not hold the event loop (other workers' watchdogs run on it).
+            verdicts = watch.handle_pending(max_requests=16,
+                                            before_judging=lambda: self._poll_status(run))
+            await trio.sleep(0)
+            if not verdicts:
+                if watch.hung_up:         # every watched task is gone: the exit follows
+                    return
+                await trio.sleep(0.005)
+                continue
+            for v in verdicts:
+                if v.allowed:
+                    run.exec_allowed += 1
+                    continue
+                rq = v.request
+                self._refuse(run, "exec_memory", f"{rq.syscall}: {v.reason}",
+                             syscall=rq.syscall, pid_in_host=rq.pid,
+                             prot=rq.prot, target=rq.target)

@@ -1,0 +1,144 @@
+"""A worker's two pipes, read by the supervisor: the status fd (the protocol's lines:
+READY, WATCHDOG, STATUS, REFUSED, STANDBY; rate limited, a flood is a refusal) and
+stdout+stderr (re-emitted as events whose source is the worker)."""
+from __future__ import annotations
+
+import os
+import time
+
+import trio
+
+from supervisor.output import parse_log_record
+from supervisor.protocol import StatusLine, parse_line
+
+from ._run import WorkerRun
+
+
+class _WorkerIO:
+    """Status and output pipes of each run (mixed into `Supervisor`)."""
+
+    STATUS_LINES_PER_S = 1000.0
+
+    async def _read_status(self, run: WorkerRun) -> None:
+        """READY=1 / WATCHDOG=1 / STATUS=... lines from the worker's status pipe."""
+        while run.status_r is not None:
+            await trio.lowlevel.wait_readable(run.status_r)
+            if not self._poll_status(run):
+                return
+            await trio.sleep(0)       # a checkpoint between reads: others get their turn
+
+    # A status line costs the supervisor some work; a worker sending more than this
+    # (sustained, beyond a burst) is attacking the event loop, not reporting.
+
+    def _poll_status(self, run: WorkerRun) -> bool:
+        """Handle the complete status lines of ONE read (at most 4 KiB); False at end of
+        stream. One read per wakeup keeps a flooding worker from holding the event loop.
+
+        Also called before judging an exec-watch request: a READY written before the
+        syscall must be seen first, so that READY means the same for both."""
+        if run.status_r is None:
+            return False
+        try:
+            chunk = os.read(run.status_r, 4096)
+        except BlockingIOError:
+            return True
+        if not chunk:
+            return False
+        run.status_buf += chunk
+        *lines, run.status_buf = run.status_buf.split(b"\n")
+        if len(run.status_buf) > 4096:   # a worker may not grow our memory endlessly
+            self.log.emit("protocol_error", worker=run.cfg.name,
+                          reason="status line over 4096 bytes; dropped")
+            run.status_buf = b""
+        now = time.monotonic()
+        run.status_tokens = min(self.STATUS_LINES_PER_S,
+                                run.status_tokens + (now - run.status_ts) * self.STATUS_LINES_PER_S)
+        run.status_ts = now
+        run.status_tokens -= len(lines)
+        if run.status_tokens < -self.STATUS_LINES_PER_S:
+            self._refuse(run, "protocol_flood", f"more than {self.STATUS_LINES_PER_S:g} "
+                         f"status lines per second")
+            return False
+        for line in lines:
+            self._on_status(run, line.decode(errors="replace"))
+        return True
+
+    def _on_status(self, run: WorkerRun, line: str) -> None:
+        for msg in parse_line(line):
+            self._on_message(run, msg)
+
+    def _on_message(self, run: WorkerRun, msg: StatusLine) -> None:
+        now = time.monotonic_ns()
+        if run.is_standby and msg.kind in ("READY", "WATCHDOG", "STANDBY"):
+            if msg.kind == "READY":   # it has no channels: it cannot be ready
+                self._refuse(run, "protocol", "standby claimed READY before activation")
+            elif msg.kind == "STANDBY" and not run.warm:
+                run.warm = True
+                self.log.emit("standby_warm", worker=run.cfg.name, pid=run.pid,
+                              start_ms=round((now - run.started_ns) / 1e6, 1))
+            return
+        if msg.kind == "READY":
+            run.last_ping_ns = now
+            if not run.ready_claimed and not run.refused:
+                run.ready_claimed = True
+                if not self._strict(run):
+                    self._set_ready(run, now)
+                elif self._close_exec_window(run):
+                    # The snapshot reads the worker's maps off the event loop.
+                    run.nursery.start_soon(self._verify_ready, run, now)
+        elif msg.kind == "WATCHDOG":
+            run.last_ping_ns = now
+        elif msg.kind == "STATUS":
+            if msg.text != run.status:
+                run.status = msg.text
+                self.log.emit("status", worker=run.cfg.name, domain=run.cfg.domain,
+                              status=msg.text)
+            if self.monitor is not None:
+                self.monitor.statuses[run.cfg.name] = msg.text
+        elif msg.kind == "REFUSED":
+            # The import guard reports before it raises: a worker that swallows the
+            # exception is named all the same.
+            kind, _, detail = msg.text.partition(" ")
+            self._refuse(run, f"guard:{kind[:32]}", detail[:512] or kind)
+
+    async def _read_output(self, run: WorkerRun) -> None:
+        """The worker's stdout/stderr as `output` events naming it (bounded, rate limited)."""
+        fd = run.out_r
+        reported = 0
+        while True:
+            await trio.lowlevel.wait_readable(fd)
+            if not self._drain_output(run, max_reads=1):
+                return
+            await trio.sleep(0)
+            lim = run.output
+            if lim.dropped > reported and time.monotonic() - getattr(run, "_drop_ts", 0) > 1:
+                run._drop_ts = time.monotonic()
+                self.log.emit("output_dropped", worker=run.cfg.name, lines=lim.dropped - reported,
+                              reason=f"over {lim.rate:g} lines/s")
+                reported = lim.dropped
+
+    def _drain_output(self, run: WorkerRun, max_reads: int = 64) -> bool:
+        """Read what is there (at most `max_reads` chunks); False at end of stream."""
+        for _ in range(max_reads):
+            try:
+                chunk = os.read(run.out_r, 65536)
+            except BlockingIOError:
+                return True
+            except OSError:
+                return False
+            lines = run.output.feed(chunk) if chunk else run.output.flush()
+            for line in lines:
+                self._emit_output(run, line)
+            if not chunk:
+                return False
+        return True
+
+    def _emit_output(self, run: WorkerRun, line: str) -> None:
+        """A worker's output line as an event whose source is that worker: a record of
+        `WorkerContext.log` becomes a `log` event, anything else an `output` event."""
+        name, domain = run.cfg.name, run.cfg.domain
+        rec = parse_log_record(line)
+        if rec is None:
+            self.log.emit("output", source=name, worker=name, domain=domain, line=line)
+        else:
+            self.log.emit("log", source=name, worker=name, domain=domain, **rec)
