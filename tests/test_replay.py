@@ -152,8 +152,10 @@ def test_record_writes_every_channel_with_receipts_and_lifecycle(recorded):
 
 def test_two_replays_are_bit_identical_and_match_the_recorded_model_outputs(work, recorded,
                                                                             first_run):
+    # (bit-identity is the point here; the time gate is tested in test_replay_format:
+    # these tests share two cores with whatever else runs)
     r = cli("replay", str(recorded), "--out", str(work / "run2"), "--ref", str(first_run),
-            "--no-progress", cwd=work)
+            "--time-p99", "20", "--time-max", "20", "--no-progress", cwd=work)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "result: within tolerance" in r.stdout
     a, b = DriveLog.open(first_run / "log"), DriveLog.open(work / "run2" / "log")
@@ -184,7 +186,7 @@ def test_a_different_model_version_gives_a_readable_diff_and_exit_6(work, record
     env = {k: v for k, v in os.environ.items() if k not in ("CACHEDB", "DEV", "PARALLEL")}
     b = subprocess.run([sys.executable, "-m", "workers.modelbuild", "--out",
                         str(work / "model2"), "--key", str(work / "keys" / "m2.key"),
-                        "--seed", "3", "--frames", "60", "--val-frames", "12", "--width",
+                        "--seed", "3", "--frames", "40", "--val-frames", "8", "--width",
                         str(W), "--height", str(H), "--version", "2.0.0"],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert b.returncode == 0, b.stderr[-3000:]
@@ -192,7 +194,8 @@ def test_a_different_model_version_gives_a_readable_diff_and_exit_6(work, record
     cfg = config(work / "model2.toml", artifact=str(work / "model2"),
                  pubkey=str(work / "keys" / "m2.pub"), name=name)
     r = cli("replay", str(recorded), "--out", str(work / "run-m2"), "--config", str(cfg),
-            "--ref", str(first_run), "--format", "markdown", "--no-progress", cwd=work)
+            "--ref", str(first_run), "--format", "markdown", "--time-p99", "20",
+            "--time-max", "20", "--no-progress", cwd=work)
     assert r.returncode == 6, r.stdout + r.stderr[-3000:]
     md = r.stdout
     first = DriveLog.open(recorded).video("road_frames").index[0].frame_id
@@ -204,7 +207,7 @@ def test_a_different_model_version_gives_a_readable_diff_and_exit_6(work, record
     assert s["diff"]["ok"] is False and s["diff"]["first_divergent_frame"] == first
 
 
-def test_a_truncated_log_replays_with_the_loss_reported(work, recorded):
+def test_a_truncated_log_replays_in_real_time_with_the_loss_reported(work, recorded):
     cut = work / "cut"
     shutil.copytree(recorded, cut)
     vid, idx = cut / "road_frames.nv12", cut / "road_frames.vidx"
@@ -214,26 +217,25 @@ def test_a_truncated_log_replays_with_the_loss_reported(work, recorded):
     os.truncate(idx, idx.stat().st_size - 15)
     os.truncate(vid, vid.stat().st_size - W * H * 3 // 2 - 1000)
     os.truncate(cut / MESSAGES, (cut / MESSAGES).stat().st_size - 7)
-    r = cli("replay", str(cut), "--out", str(work / "run-cut"), "--no-progress", cwd=work)
+    r = cli("replay", str(cut), "--out", str(work / "run-cut"), "--realtime", "--no-progress",
+            cwd=work)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "input log: dropped 3 partial record(s) at the end" in r.stdout
     s = json.loads((work / "run-cut" / "summary.json").read_text())
     assert s["frames"]["in_log"] == whole - 2 == s["frames"]["replayed"]
     assert s["input_log_loss"]["partial_records"] == 3
     assert any("never indexed" in p for p in s["input_log_loss"]["problems"])
-
-
-def test_realtime_replay_keeps_the_recorded_pace(work, recorded):
-    r = cli("replay", str(recorded), "--out", str(work / "run-rt"), "--realtime",
-            "--no-progress", cwd=work)
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    s = json.loads((work / "run-rt" / "summary.json").read_text())
+    # --realtime: paced at the recorded capture times, not as fast as it can.
     assert s["mode"] == "realtime"
-    assert 0.8 < s["speed_vs_realtime"] < 1.1, s      # paced at the recorded capture times
-    assert s["model_latency_ms"]["n"] >= s["frames"]["in_log"] - 2
+    assert 0.8 < s["speed_vs_realtime"] < 1.1, s
+    assert s["model_latency_ms"]["n"] >= whole - 4
 
 
-def test_camerad_plays_a_plain_video_file(work):
+@pytest.fixture(scope="module")
+def clip_log(work) -> Path:
+    """A drive recorded (H.264, the default) from camerad playing a dashcam-style MP4, by
+    a recorder made slow (150 ms per frame written, as a slow disk would) so that it has
+    to drop."""
     import av
 
     from workers.camerad.synthetic import SyntheticRoad
@@ -257,24 +259,47 @@ def test_camerad_plays_a_plain_video_file(work):
     cfg = config(work / "clip.toml", camera_args=("--source", "video", "--video", str(clip),
                                                    "--loop"),
                  control_binds=f'extra_ro_binds = ["{clips}"]')
-    r = cli("record", str(work / "from-clip"), "--config", str(cfg), "--seconds", "1.5",
-            "--video", "raw", "--quiet", cwd=work)
+    r = cli("record", str(work / "from-clip"), "--config", str(cfg), "--seconds", "2",
+            "--quiet", "--recorder-arg=--io-delay-ms", "--recorder-arg=150", cwd=work)
     assert r.returncode == 0, r.stderr[-3000:]
-    log = DriveLog.open(work / "from-clip")
-    frames = log.frames["road_frames"]
-    assert 8 <= len(frames) <= 25                         # the clip's 10 fps, not 20
-    assert len(log.messages["model_out"]) >= len(frames) - 2
+    assert "recorder drops: " in r.stdout and "road_frames" in r.stdout.split("drops:")[1]
+    return work / "from-clip"
+
+
+def test_camerad_plays_a_plain_video_file(clip_log):
+    from workers.camerad.synthetic import SyntheticRoad
+
+    log = DriveLog.open(clip_log)
+    outs = log.messages["model_out"]
+    # The clip's 10 fps, not camerad's default 20 (frame ids continue across loops).
+    span_s = (outs[-1].capture_ts_ns - outs[0].capture_ts_ns) / 1e9
+    assert 8 < (outs[-1].frame_id - outs[0].frame_id) / span_s < 12
+    road = SyntheticRoad(W, H, 5, fps=10.0)
     e, data = next(iter(log.video("road_frames").frames()))
-    y, uv, _ = road.render(e.frame_id % 30)
+    y, _, _ = road.render(e.frame_id % 30)
     got = np.frombuffer(data, np.uint8)[:W * H].astype(int)
-    assert np.abs(got - y.ravel().astype(int)).mean() < 6  # the clip's pictures
+    assert np.abs(got - y.ravel().astype(int)).mean() < 8  # the clip's pictures (twice lossy)
 
 
-def test_fleet_replays_in_parallel_and_retries_a_failed_job_once(work, recorded):
+def test_a_slow_recorder_drops_and_counts_never_the_control_domain(clip_log):
+    log = DriveLog.open(clip_log)
+    drops = log.drops["road_frames"]
+    assert drops.dropped + drops.rejected >= 3             # it could not keep up: counted
+    outs = log.messages["model_out"]
+    published = outs[-1].frame_id - outs[0].frame_id + 1
+    assert log.summary["road_frames"]["recorded"] < 0.85 * published
+    # The pipeline did not wait for it: modeld took every frame (sequence and frame id
+    # advance together), and nothing in the control domain restarted or missed a ping.
+    outs = log.messages["model_out"]
+    assert outs[-1].sequence - outs[0].sequence == outs[-1].frame_id - outs[0].frame_id
+    bad = [e for e in log.events if e["event"] in ("restart", "watchdog_missed", "fail_safe")]
+    assert bad == []
+
+
+def test_fleet_replays_in_parallel_and_retries_a_failed_job_once(work, recorded, clip_log):
     logs = work / "fleet-logs"
     logs.mkdir()
-    for i in range(2):
-        shutil.copytree(recorded, logs / f"drive{i}")
+    shutil.copytree(clip_log, logs / "drive1")            # H.264, decoded by camerad
     broken = logs / "drive9"
     shutil.copytree(recorded, broken)
     os.truncate(broken / "road_frames.vidx", 10)          # no whole frame left: fails
@@ -282,9 +307,9 @@ def test_fleet_replays_in_parallel_and_retries_a_failed_job_once(work, recorded)
     assert r.returncode == 7, r.stdout + r.stderr[-3000:]
     rep = json.loads((work / "fleet" / "fleet.json").read_text())
     by = {Path(j["log"]).name: j for j in rep["jobs"]}
-    assert set(by) == {"drive0", "drive1", "drive9"}       # none missing
-    assert by["drive0"]["status"] == by["drive1"]["status"] == "ok"
-    assert by["drive0"]["frames"] == len(DriveLog.open(recorded).video("road_frames"))
+    assert set(by) == {"drive1", "drive9"}                 # none missing
+    assert by["drive1"]["status"] == "ok" and len(by["drive1"]["attempts"]) == 1
+    assert by["drive1"]["frames"] == len(DriveLog.open(clip_log).video("road_frames"))
     assert by["drive9"]["status"] == "failed" and len(by["drive9"]["attempts"]) == 2
     assert "no whole frame" in by["drive9"]["attempts"][-1]["error"]
     assert rep["failed"] == 1 and rep["retried"] == 1
@@ -295,13 +320,12 @@ def test_fleet_on_a_local_ray_cluster(work, recorded):
     pytest.importorskip("ray", reason="the 'fleet' extra (ray) is not installed")
     logs = work / "ray-logs"
     logs.mkdir()
-    for i in range(2):
-        shutil.copytree(recorded, logs / f"drive{i}")
+    shutil.copytree(recorded, logs / "drive0")
     r = cli("replay", str(logs), "--ray", "local", "--out", str(work / "ray-fleet"),
             "--format", "json", cwd=work, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     rep = json.loads(r.stdout)
-    assert rep["mode"] == "ray local" and rep["ok"] == 2 and rep["failed"] == 0
-    # Each Ray task ran a whole replay: its summary is there, with every frame.
+    assert rep["mode"] == "ray local" and rep["ok"] == 1 and rep["failed"] == 0
+    # The Ray task ran a whole replay: its summary is there, with every frame.
     n = len(DriveLog.open(recorded).video("road_frames"))
-    assert [j["frames"] for j in rep["jobs"]] == [n, n]
+    assert [j["frames"] for j in rep["jobs"]] == [n]

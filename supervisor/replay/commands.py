@@ -25,6 +25,9 @@ def add_record_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--video", choices=("h264", "raw"), default="h264",
                    help="road video: H.264 (default) or lossless raw NV12 (bit-exact replays)")
     s.add_argument("--quiet", action="store_true", help="no lifecycle events on stderr")
+    s.add_argument("--recorder-arg", action="append", default=[], metavar="ARG",
+                   help="passed on to the recorder worker (e.g. --recorder-arg=--io-delay-ms"
+                        " --recorder-arg=50 to see what a slow disk does)")
 
 
 def add_replay_args(s: argparse.ArgumentParser) -> None:
@@ -70,7 +73,7 @@ def cmd_record(args: argparse.Namespace) -> int:
 
     try:
         rec = record(args.out, config=args.config, seconds=args.seconds, video=args.video,
-                     echo=None if args.quiet else sys.stderr)
+                     echo=None if args.quiet else sys.stderr, recorder_args=args.recorder_arg)
     except RecordError as e:
         return _fail("record", str(e))
     except Exception as e:

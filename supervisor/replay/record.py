@@ -78,12 +78,14 @@ def _after_ready(seconds: float | None):
 
 
 def record(out: str, *, config: str | None = None, seconds: float | None = None,
-           video: str = "h264", echo=sys.stderr) -> Recorded:
+           video: str = "h264", echo=sys.stderr,
+           recorder_args: list[str] | None = None) -> Recorded:
     if seconds is not None and seconds <= 0:
         raise RecordError(f"--seconds {seconds:g}: must be > 0")
     try:
         doc, _source = read_doc(config)
         derived = record_doc(doc, os.path.abspath(out), video=video)
+        derived["workers"][RECORDER]["args"] += list(recorder_args or [])
     except DeriveError as e:
         raise RecordError(str(e)) from None
     path = prepare_out(out)

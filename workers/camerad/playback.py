@@ -158,6 +158,7 @@ def run(ctx, a: argparse.Namespace) -> int:
     t0 = time.monotonic()
     rec0: int | None = None
     status_at = t0
+    id_base = 0                          # a looping clip's ids continue where they were
     while not stop:
         for f in src:
             if stop:
@@ -171,7 +172,10 @@ def run(ctx, a: argparse.Namespace) -> int:
                 while not stop and time.monotonic() < due:
                     ping()
                     time.sleep(min(due - time.monotonic(), PING_S) if due > time.monotonic() else 0)
+            if id_base:
+                f = Recorded(f.frame_id + id_base, f.capture_ts_ns, f.exposure_us, f.data)
             _publish(writer, f, w, h, a.sensor)
+            last_id = f.frame_id
             published += 1
             if step is not None:
                 step.wait_for(f.frame_id, ping, lambda: bool(stop))
@@ -183,6 +187,7 @@ def run(ctx, a: argparse.Namespace) -> int:
         if kind != "video" or not a.loop or published == 0:
             break
         src.loops += 1
+        id_base = last_id + 1
     lost = src.lost_records if kind == "log" else 0
     timeouts = step.timeouts if step else 0
     done = (f"replay=done frames={published} timeouts={timeouts} log_lost={lost} "

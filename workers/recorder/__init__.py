@@ -32,6 +32,7 @@ from supervisor.worker import WorkerContext
 IDLE_S = 0.002          # nothing new on any channel: sleep this long
 PING_S = 0.1
 DROPS_EVERY_S = 1.0
+FINAL_DRAIN_S = 1.0
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -46,6 +47,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="replay lockstep: publish the frame id of each --ack-on message "
                         "once it is written")
     p.add_argument("--ack-on", default=None, metavar="CHANNEL")
+    p.add_argument("--io-delay-ms", type=float, default=0.0,
+                   help="testing: stall this long per frame written, as a slow disk would")
     return p.parse_args(argv)
 
 
@@ -78,6 +81,9 @@ class Ack:
             loan.publish(frame_id=frame_id, capture_ts_ns=time.monotonic_ns())
 
 
+IO_DELAY_S = 0.0      # --io-delay-ms: a slow disk, for tests of what a slow recorder does
+
+
 def record_one(tap: Tap, log, msg, ack: Ack | None = None) -> None:
     """Copy one message out under its lease, release it, then write it (the lease is
     never held across the encoder or the disk)."""
@@ -90,6 +96,8 @@ def record_one(tap: Tap, log, msg, ack: Ack | None = None) -> None:
         log.frame(tap.name, stamp.sequence, stamp.publish_ts_ns, stamp.writer_pid,
                   info.frame_id, info.capture_ts_ns, info.exposure_us, info.width,
                   info.height, info.pixel_format, info.sensor, planes)
+        if IO_DELAY_S:
+            time.sleep(IO_DELAY_S)
     else:
         arr = np.array(msg.array)
         receipt = msg.receipt
@@ -101,11 +109,17 @@ def record_one(tap: Tap, log, msg, ack: Ack | None = None) -> None:
     tap.recorded += 1
 
 
-def drain(taps: list[Tap], log, limit: int = 64, ack: Ack | None = None) -> int:
-    """Up to ``limit`` messages per channel; returns how many were taken."""
+def drain(taps: list[Tap], log, limit: int = 16, ack: Ack | None = None,
+          slice_s: float = 0.05) -> int:
+    """Up to ``limit`` messages per channel, each channel for at most about
+    ``slice_s`` (a slow write on one channel must not starve the others); returns how
+    many were taken."""
     got = 0
     for tap in taps:
+        until = time.monotonic() + slice_s
         for _ in range(limit):
+            if time.monotonic() > until:
+                break
             try:
                 msg = tap.reader.try_receive()
             except Rejected:
@@ -132,7 +146,9 @@ def report_drops(taps: list[Tap], log) -> None:
 def main(ctx: WorkerContext) -> int:
     from supervisor.replay.drivelog import LogWriter  # (PyAV loads here, before READY)
 
+    global IO_DELAY_S
     a = parse_args(sys.argv[1:])
+    IO_DELAY_S = a.io_delay_ms / 1000
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     names = [c for c in a.channels.split(",") if c] or list(ctx.channels)
@@ -148,6 +164,7 @@ def main(ctx: WorkerContext) -> int:
     ctx.ready(status=f"recording {', '.join(names)} -> {a.out} ({a.video})")
     last_ping = last_drops = last_status = time.monotonic()
     while not stop:
+        # Bounded batches: a SIGTERM is seen soon even when writing is slow.
         if drain(taps, log, ack=ack) == 0:
             time.sleep(IDLE_S)
         now = time.monotonic()
@@ -160,8 +177,11 @@ def main(ctx: WorkerContext) -> int:
         if now - last_status >= a.status_s:
             ctx.status(status_text(taps))
             last_status = now
-    # Stopping: what is still in the rings was published before the stop; keep it.
-    while drain(taps, log, ack=ack):
+    # Stopping: what is still in the rings was published before the stop; keep it (for
+    # at most a second: writers still publishing must not keep a slow recorder here
+    # until the supervisor's SIGKILL, which would cost the closing summary).
+    end = time.monotonic() + FINAL_DRAIN_S
+    while drain(taps, log, ack=ack) and time.monotonic() < end:
         pass
     report_drops(taps, log)
     summary = {t.name: {"recorded": t.recorded, "dropped": t.counts()[0],
