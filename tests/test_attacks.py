@@ -127,9 +127,12 @@ class Fleet:
         self.log = open(self.log_path, "w+")
         self.log.write('{"event":"earlier","note":"must survive"}\n')
         self.log.flush()
+        state = tmp / "state"     # its own fail-safe latch: never the machine's
+        state.mkdir()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "supervisor.cli", "run", "--config", str(cfg), "--quiet"],
-            stdout=subprocess.DEVNULL, stderr=self.log)
+            stdout=subprocess.DEVNULL, stderr=self.log,
+            env=dict(os.environ, TRIO_STATE_DIR=str(state)))
         self.t0 = time.monotonic()
 
     def events(self) -> list[dict]:
