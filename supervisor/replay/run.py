@@ -64,7 +64,7 @@ class _Progress:
         self.path, self.total, self.channel, self.out = path, total, channel, out
         self.offset = 0
         self.done = 0
-        self.t0 = time.monotonic()
+        self.t0: float | None = None        # the first frame through (not the start-up)
         self.enabled = channel is not None and hasattr(out, "isatty") and out.isatty()
 
     def tick(self, _log=None) -> None:
@@ -79,11 +79,17 @@ class _Progress:
                     self.done += 1
             last = off + 12 + len(body)
         self.offset = last
+        if self.done == 0:
+            self.out.write("\rreplay: starting the pipeline ...")
+            self.out.flush()
+            return
+        if self.t0 is None:
+            self.t0 = time.monotonic()
         n = min(self.done, self.total) if self.total else self.done
         frac = n / self.total if self.total else 0.0
-        rate = n / max(time.monotonic() - self.t0, 1e-9)
+        rate = (n - 1) / max(time.monotonic() - self.t0, 1e-3)
         bar = "#" * int(frac * 30)
-        self.out.write(f"\rreplay [{bar:<30}] {n}/{self.total} frames {rate:5.1f} fps")
+        self.out.write(f"\rreplay [{bar:<30}] {n}/{self.total} frames {rate:6.1f} fps   ")
         self.out.flush()
 
     def close(self) -> None:
@@ -259,15 +265,28 @@ def commands_by_frame(msgs: list[Msg]) -> dict[int, Msg]:
 
 
 def plot(src: DriveLog, run: DriveLog, plan, path: Path) -> None:
+    """Model latency over log time, and the replay's steering command against the
+    recorded one. Log time: the recorded capture time of each frame (the replay's
+    messages are placed by their frame id; a live recording's commands, which carry no
+    frame id, by their publish time on the recording's clock)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    times = {e.frame_id: e.capture_ts_ns for e in src.video(plan.frames).index}
+    t0 = min(times.values()) if times else 0
+
+    def at(m: Msg) -> float | None:
+        t = times.get(m.frame_id) if m.frame_id is not None else None
+        if t is None and m.frame_id is None:
+            t = m.publish_ts_ns          # live: same clock as the recorded captures
+        return None if t is None else (t - t0) / 1e9
+
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     model = run.messages.get(plan.model_out or "", [])
-    pts = [(m.frame_id, m.receipt.latency_ns / 1e6) for m in model
-           if m.receipt is not None and m.frame_id is not None]
+    pts = [(at(m), m.receipt.latency_ns / 1e6) for m in model if m.receipt is not None]
+    pts = [p for p in pts if p[0] is not None]
     if pts:
         ax1.plot(*zip(*pts), ".-", ms=3, lw=0.8, label="model latency (receipt)")
         dl = [m.receipt.deadline_ns / 1e6 for m in model if m.receipt and m.receipt.deadline_ns]
@@ -277,11 +296,11 @@ def plot(src: DriveLog, run: DriveLog, plan, path: Path) -> None:
     ax1.legend(loc="upper right", fontsize=8)
     ax1.set_title(f"replay of {src.path.name}")
     for log, label, style in ((src, "recorded", "-"), (run, "replay", "--")):
-        cmds = commands_by_frame(log.messages.get(plan.command or "", []))
-        if cmds:
-            ids = sorted(cmds)
-            ax2.plot(ids, [float(cmds[i].array[0]) for i in ids], style, lw=1, label=label)
-    ax2.set_xlabel("frame id")
+        pts = [(at(m), float(m.array.ravel()[0])) for m in log.messages.get(plan.command or "", [])]
+        pts = sorted(p for p in pts if p[0] is not None)
+        if pts:
+            ax2.plot(*zip(*pts), style, lw=1, label=label)
+    ax2.set_xlabel("log time (s)")
     ax2.set_ylabel("steer command (rad)")
     ax2.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
