@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -54,6 +55,12 @@ max_age_ms = 50
 crc = true
 payload = "control_cmd"
 
+[models.lane-offset]
+artifact = "models/demo/lane-offset"
+public_key = "models/demo/demo_ed25519.pub"
+expect_name = "lane-offset-demo"
+min_version = "1.0.0"
+
 [workers.camerad]
 domain = "control"
 module = "workers.camerad"
@@ -63,6 +70,7 @@ args = ["--width", "{w}", "--height", "{h}", "--fps", "20"]
 [workers.modeld]
 domain = "control"
 module = "workers.modeld"
+model = "lane-offset"
 jit_kernels = true
 subscribes = {{ frames = "road_frames" }}
 publishes = {{ model = "model_out" }}
@@ -78,7 +86,8 @@ publishes = {{ command = "control_cmd" }}
 
 def cli(*args: str, cwd: Path) -> tuple[int, str, float]:
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "supervisor.cli", *args], cwd=cwd,
+    env = {**os.environ, "TRIO_STATE_DIR": str(cwd / "state")}   # never the machine's latch
+    p = subprocess.run([sys.executable, "-m", "supervisor.cli", *args], cwd=cwd, env=env,
                        capture_output=True, text=True)
     if p.returncode not in (0, 6):
         print(p.stderr[-2000:], file=sys.stderr)
@@ -87,7 +96,7 @@ def cli(*args: str, cwd: Path) -> tuple[int, str, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--logs", type=int, default=20)
+    ap.add_argument("--logs", type=int, default=20, help="0: replay speed only, no fleet")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--width", type=int, default=320)
     ap.add_argument("--height", type=int, default=240)
@@ -100,9 +109,9 @@ def main() -> int:
     (work / "bench.toml").write_text(CONFIG.format(w=a.width, h=a.height, slot=slot))
     rec = work / "rec"
     code, out, wall = cli("record", str(rec), "--config", str(work / "bench.toml"),
-                          "--seconds", str(a.seconds), "--quiet", cwd=work)
+                          "--seconds", str(a.seconds), "--quiet", "--video", "raw", cwd=work)
     if code != 0:
-        print(f"record failed ({code})")
+        print(f"record failed ({code}): {out}")
         return 1
     print(out.strip())
     from supervisor.replay.drivelog import DriveLog
@@ -124,8 +133,17 @@ def main() -> int:
               f"frames/s = {s['speed_vs_realtime']}x real time")
     code, out, _ = cli("replay", str(rec), "--out", str(work / "one2"), "--ref",
                        str(work / "one0"), "--no-progress", cwd=work)
-    print(f"third replay vs first: exit {code} ({'bit-identical' if code == 0 else 'DIFFERS'})")
+    d = json.loads((work / "one2" / "diff.json").read_text())
+    same = all(c["ok"] for c in d["channels"])
+    g = d["gate"]
+    print(f"third replay vs first: model outputs and commands "
+          f"{'bit-identical' if same else 'DIFFER'} "
+          f"({', '.join(str(c['channel']) + ' ' + str(c['compared']) for c in d['channels'])}"
+          f" compared); "
+          f"time gate {'ok' if g['ok'] else 'failed: ' + g['why']} (exit {code})")
 
+    if a.logs == 0:
+        return 0
     logs = work / "logs"
     logs.mkdir()
     for i in range(a.logs):

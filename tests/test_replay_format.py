@@ -14,9 +14,20 @@ import pytest
 from schemas.payloads import CONTROL_CMD, MODEL_OUT
 from supervisor.ipc.receipt import Receipt
 from supervisor.replay import derive
-from supervisor.replay.diff import compare, parse_tolerances, render_markdown, render_text
+from supervisor.replay.diff import (
+    compare,
+    parse_tolerances,
+    render_markdown,
+    render_text,
+)
 from supervisor.replay.drivelog import DriveLog, LogWriter
-from supervisor.replay.logfmt import MESSAGES, LogError, frame_times
+from supervisor.replay.logfmt import (
+    MESSAGES,
+    Entry,
+    LogError,
+    frame_record,
+    frame_times,
+)
 from workers.camerad.synthetic import SyntheticRoad
 
 W, H = 160, 120
@@ -87,8 +98,6 @@ def test_log_is_readable_while_written_and_appendable(tmp_path):
     w = write_log(tmp_path / "log", n=5, close=False)
     live = DriveLog.open(tmp_path / "log", final=False)
     assert len(live.messages["model_out"]) == 5 and not live.closed
-    road = SyntheticRoad(W, H, seed=1)
-    y, uv, _ = road.render(5)
     w.message("model_out", 6, 1, 12, 5, 1, MODEL_OUT.encode(offset_m=1.0))
     w.close()
     again = DriveLog.open(tmp_path / "log")
@@ -100,8 +109,6 @@ def test_a_crash_mid_write_loses_only_the_last_message_and_says_so(tmp_path):
     msgs = tmp_path / "log" / MESSAGES
     # What a crash in the middle of one write(2) leaves: the start of a record.
     whole = msgs.read_bytes()
-    w = LogWriter.__new__(LogWriter)            # (only to build one more record's bytes)
-    from supervisor.replay.logfmt import Entry, frame_record
     rec = frame_record(Entry.new_message(monoNs=1, event='{"x": 1}').to_bytes())
     msgs.write_bytes(whole + rec[: len(rec) // 2])
     vid = tmp_path / "log" / "road_frames.nv12"
@@ -113,7 +120,6 @@ def test_a_crash_mid_write_loses_only_the_last_message_and_says_so(tmp_path):
     assert loss.truncated_bytes == len(rec) // 2 + W * H * 3 // 2 - 100
     assert "partial record" in loss.text()
     assert len(log.video("road_frames")) == 9
-    del w
 
 
 def test_a_corrupt_record_is_skipped_and_counted_and_reading_goes_on(tmp_path):

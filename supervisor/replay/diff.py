@@ -12,6 +12,7 @@ absolute floor so a sub-millisecond model is not failed by scheduler noise).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -38,7 +39,7 @@ def parse_tolerances(specs: list[str]) -> dict[str, float]:
             tol = float(val)
         except ValueError:
             tol = -1.0
-        if not sep or not key or tol < 0 or tol != tol:
+        if not sep or not key or tol < 0 or math.isnan(tol):
             raise ToleranceError(f"--tol {s!r}: expected CHANNEL[.FIELD]=NUMBER >= 0")
         out[key] = tol
     return out

@@ -1,6 +1,7 @@
 """camerad: the camera worker. Publishes road frames zero-copy into a frame channel.
 
-    python -m supervisor.runner workers.camerad [--source synthetic|replay] [--log FILE]
+    python -m supervisor.runner workers.camerad [--source synthetic|replay|log|video]
+        [--log FILE|DIR] [--video FILE] [--lockstep ROLE] [--realtime]
         [--loop] [--width 1928] [--height 1208] [--fps 20] [--format nv12|rgb888|gray8]
         [--seed 0] [--frames N] [--sensor road] [--exposure-us 10000]
         [--status-s 1.0]
@@ -10,6 +11,8 @@ Sources:
 * ``synthetic`` (default): `synthetic.SyntheticRoad` (seeded by ``--seed``, scene time =
   frame_id / fps) renders NV12 straight into the loaned slot; ``rgb888`` / ``gray8``
   render into a scratch NV12 frame and convert into the slot.
+* ``log`` / ``video``: a drive log (supervisor/replay) or a plain video file, played by
+  `playback` (lockstep for `supervisor replay`, recorded pace, or the file's rate).
 * ``replay``: frames of a recorded log (`replay.py` documents the format), published
   in the log's own format and size (``--width/--height/--format`` must agree if given;
   the log file must be visible inside the sandbox). Bad records are skipped and counted
