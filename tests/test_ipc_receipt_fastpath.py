@@ -244,3 +244,50 @@ def test_writer_falls_back_to_pycapnp_for_values_it_cannot_pack(channel):
     with pytest.raises(Exception, match="bytes >"):
         w.publish_array(np.zeros(4, np.float32), receipt=huge)
     assert L.HEADER_MAX < 3000
+
+
+def _reader_verdict(raw: bytes, spec: ChannelSpec, now: int):
+    """What Reader._accept decides for a header whose sequence and generation match
+    the control block, read at ``now`` (first capture, no age limit): the Stamp, or
+    the Rejected it raises; and whether the compiled receipt path answered."""
+    try:
+        stamp = codec.decode_header(raw, spec)
+        latest = now + 5_000_000
+        if stamp.publish_ts_ns > latest:
+            raise Rejected(spec.name, "future publish")
+        if stamp.capture_ts_ns is not None and (stamp.capture_ts_ns > latest
+                                                or stamp.capture_ts_ns > stamp.publish_ts_ns):
+            raise Rejected(spec.name, "capture")
+        rc = H.receipt_capture(raw)
+        compiled = rc is not codec.SLOW
+        if not compiled:
+            try:
+                r = codec.decode_receipt(raw, spec, stamp.sequence, fast=False)
+                rc = None if r is None else r.capture_ts_ns
+            except Rejected:
+                rc = None
+        if rc is not None and rc > latest:
+            raise Rejected(spec.name, "future receipt capture")
+        return stamp, compiled
+    except Rejected as e:
+        return e, True
+
+
+@FAST
+@given(v=header_values, r=receipts, early=st.booleans(), data=st.data())
+def test_native_check_of_receipt_headers_agrees_with_the_reader(v, r, early, data):
+    """The native reader's check (`_native.accept`) on headers with a Receipt: it never
+    accepts what the reader's Python checks reject (a receipt captured in the future
+    included), and it takes every plain one they accept."""
+    spec = ChannelSpec(name="m", slot_size=64, crc=v["crc32"] is not None, channel_id=3,
+                       kind="frame" if v["frame_id"] is not None else "tensor")
+    if early:     # a receipt captured before publishing, as an honest writer's is
+        r = dataclasses.replace(r, capture_ts_ns=data.draw(st.integers(0, v["publish_ts_ns"])))
+    raw = _encode(v, r)
+    want, compiled = _reader_verdict(raw, spec, v["publish_ts_ns"])     # compiles too
+    got = codec.native_accept(raw, spec, v["sequence"], v["generation"],
+                              v["publish_ts_ns"], 0, max_age_ns=0)
+    if got is not None:
+        assert got == want                      # accepted by both, the same Stamp
+    elif not isinstance(want, Rejected) and compiled and v["publish_ts_ns"] < 2**63:
+        raise AssertionError(f"native check deferred a header the reader accepts: {want}")

@@ -653,13 +653,14 @@ enum { F_VERSION, F_CHANNEL, F_SEQ, F_GEN, F_PID, F_CRC_WHICH, F_FRAME_WHICH, F_
  * The reader's every check on a SlotHeader, for headers whose structure the compiled
  * Python path has already seen (`_fast_header._Structure.native`) and that pass all of
  * them: the structural checks of `_HeaderReading.decode`, the control block's sequence
- * and generation, future timestamps, capture order, no receipt, age. Anything else,
+ * and generation, future timestamps (the receipt's too), capture order, age. Anything else,
  * accepted or not, is None: the reader then runs its Python checks on the same bytes,
  * which decide (and raise the typed rejection). So this path only ever shortens an
  * acceptance the Python path would make with the same Stamp (the tests compare).
  *
  * ctx: (crc_n, crc_is, frame_n, frame_is, exp_n, exp_is, gain_n, gain_is, channel_id,
- *       need_crc, need_frame, tolerance_ns, max_age_ns, Stamp type) */
+ *       need_crc, need_frame, tolerance_ns, max_age_ns, receipt captureTsNs offset in
+ *       the Receipt's data section, Stamp type) */
 static PyObject *h_accept(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     if (n != 7) {
         PyErr_SetString(PyExc_TypeError, "accept() takes 7 arguments");
@@ -667,7 +668,7 @@ static PyObject *h_accept(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     }
     PyObject *rawo = a[0], *compiled = a[1], *ctx = a[2];
     if (!PyBytes_Check(rawo) || !PyDict_Check(compiled) || !PyTuple_Check(ctx)
-            || PyTuple_GET_SIZE(ctx) != 14) {
+            || PyTuple_GET_SIZE(ctx) != 15) {
         PyErr_SetString(PyExc_TypeError, "accept(): bad argument types");
         return NULL;
     }
@@ -675,11 +676,11 @@ static PyObject *h_accept(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     Py_ssize_t len = PyBytes_GET_SIZE(rawo);
     if (len < 16)
         Py_RETURN_NONE;
-    uint64_t c[13];
-    for (int i = 0; i < 13; i++)
+    uint64_t c[14];
+    for (int i = 0; i < 14; i++)
         if (get_u64(PyTuple_GET_ITEM(ctx, i), &c[i]) < 0)
             return NULL;
-    PyTypeObject *stamp_type = (PyTypeObject *)PyTuple_GET_ITEM(ctx, 13);
+    PyTypeObject *stamp_type = (PyTypeObject *)PyTuple_GET_ITEM(ctx, 14);
     uint64_t want_seq, want_gen, now, last_capture;
     if (get_u64(a[3], &want_seq) < 0 || get_u64(a[4], &want_gen) < 0
             || get_u64(a[5], &now) < 0 || get_u64(a[6], &last_capture) < 0)
@@ -731,7 +732,8 @@ static PyObject *h_accept(PyObject *m, PyObject *const *a, Py_ssize_t n) {
         v[i] = i == F_GAIN ? 0 : read_u(raw, pos[i], code[i]);
     uint64_t crc_n = c[0], crc_is = c[1], frame_n = c[2], frame_is = c[3], exp_n = c[4],
              exp_is = c[5], gain_n = c[6], gain_is = c[7], channel_id = c[8],
-             need_crc = c[9], need_frame = c[10], tol = c[11], max_age = c[12];
+             need_crc = c[9], need_frame = c[10], tol = c[11], max_age = c[12],
+             r_capture_off = c[13];
     int has_frame = 0, has_exp = 0, has_gain = 0;
     if (v[F_CRC_WHICH] >= crc_n || v[F_FRAME_WHICH] >= frame_n)
         Py_RETURN_NONE;                       /* unknown union member */
@@ -765,12 +767,30 @@ static PyObject *h_accept(PyObject *m, PyObject *const *a, Py_ssize_t n) {
             Py_RETURN_NONE;
     }
     if (rpos >= 0) {
+        /* A receipt (model outputs): its captureTsNs must not lie in the future. Only a
+         * plain struct pointer whose data section holds the field is read here; the
+         * bytes are the ones pycapnp and the compiled reader read. Anything else: the
+         * Python path decides. The Receipt itself is decoded on demand, as there. */
         uint64_t rw;
         if (rpos + 8 > end)
             Py_RETURN_NONE;
         memcpy(&rw, raw + rpos, 8);
-        if (rw != 0)
-            Py_RETURN_NONE;                   /* a receipt: the Python path checks it */
+        if (rw != 0) {
+            if (rw & 3)
+                Py_RETURN_NONE;               /* not a struct pointer (far, list, ...) */
+            int64_t off = (int64_t)((rw & 0xFFFFFFFFu) >> 2);
+            if (off >= (1 << 29))
+                off -= (1 << 30);
+            uint64_t dwords = (rw >> 32) & 0xFFFF, pcount = rw >> 48;
+            int64_t start = (int64_t)rpos + 8 + off * 8;
+            if (start < 8 || start + (int64_t)((dwords + pcount) * 8) > (int64_t)end
+                    || r_capture_off + 8 > dwords * 8)
+                Py_RETURN_NONE;
+            uint64_t r_capture;
+            memcpy(&r_capture, raw + start + r_capture_off, 8);
+            if (r_capture > latest)
+                Py_RETURN_NONE;               /* FutureTimestamp: Python raises it */
+        }
     }
     if (max_age && now > ts && now - ts > max_age)
         Py_RETURN_NONE;

@@ -86,6 +86,6 @@ def native_accept(raw: bytes, spec: ChannelSpec, sequence: int, generation: int,
     age = spec.max_age_ms * 1_000_000 if max_age_ns is None else max_age_ns
     ctx = (H.crc_n, H.crc_is, H.frame_n, H.frame_is, H.exp_n, H.exp_is, H.gain_n,
            H.gain_is, spec.channel_id, int(spec.crc), int(spec.kind == "frame"),
-           tolerance_ns, age, Stamp)
+           tolerance_ns, age, H.r_scalars[1].offset, Stamp)
     return _atomics.NATIVE.accept(raw, H._compiled, ctx, sequence, generation, now_ns,
                                   last_capture_ns)

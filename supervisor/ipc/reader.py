@@ -114,7 +114,7 @@ class Reader:
             self._actx = (H.crc_n, H.crc_is, H.frame_n, H.frame_is, H.exp_n, H.exp_is,
                           H.gain_n, H.gain_is, spec.channel_id, int(spec.crc),
                           int(spec.kind == "frame"), FUTURE_TOLERANCE_NS, self._max_age_ns,
-                          Stamp)
+                          H.r_scalars[1].offset, Stamp)   # the receipt's captureTsNs
 
     @property
     def native(self) -> bool:

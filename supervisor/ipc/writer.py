@@ -292,21 +292,25 @@ class Writer:
                         publish_ts_ns, receipt: Receipt | None = None) -> int:
         """Publish on the native atomics: control block, time stamp, the release stores
         of the generation and last_seq, and the wake-ups in one call (see _native.c).
-        A plain header (no receipt, no CRC) is written by the native plan, and a layout
+        A header without a receipt is written by the native plan, and a layout
         the slot already holds (this writer wrote it there last) is not written again;
         everything else goes through ``_encode``."""
         slot = loan.slot
-        plan = raw_layout = None
-        if receipt is None and not self.spec.crc:
-            plan = self._header_plans.get((False, frame_id is not None))
+        plan = raw_layout = crc = None
+        if receipt is None:
             raw_layout = self._layout_cache.get(loan._lkey)
+            if raw_layout is not None and self.spec.crc:
+                dt, shape, strides, offset = loan._desc
+                lo, hi = codec.tensor_span(shape, strides, offset, dt.itemsize)
+                crc = zlib.crc32(loan._payload[lo:hi])
+            plan = self._header_plans.get((crc is not None, frame_id is not None))
         if plan is not None and raw_layout is not None and plan.native is not None:
             seq = self._last_seq + 1
             gen = self._gen[slot] + 1
             base = self._geo.header[slot]
             try:
                 ok = self._npack(self._seg, base, plan.template, plan.native, seq, gen,
-                                 publish_ts_ns or 0, None, frame_id, capture_ts_ns,
+                                 publish_ts_ns or 0, crc, frame_id, capture_ts_ns,
                                  exposure_us, gain)
             except BaseException:
                 self._discard(loan)
