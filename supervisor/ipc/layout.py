@@ -7,14 +7,17 @@ Lease table (one per reader, written only by that reader, mapped read-only by th
     64 + 32 * k                 lease entry k < max_leases
 
 Each control block's ``gen`` is a seqlock: odd while the writer fills the slot, even
-when stable. Every 8-byte field is 8-byte aligned, so x86-64 loads and stores of it are
-single instructions and TSO keeps their order; see README for other architectures.
+when stable. Every 8-byte field is 8-byte aligned, so a load or store of it is single-copy
+atomic. Their order between processes comes from the native module's acquire loads,
+release stores and fences (the argument, store by store, is at the top of `_native.c`;
+`_atomics` picks the path). The pure-Python path relies on x86-64's TSO instead and is
+allowed only there.
 
-The writer stores a word readers race on (``gen``, ``last_seq``) with one 8-byte store,
-through a memoryview cast to "Q" (``words[offset // 8] = value``), never with
-``struct.pack_into``: that zeroes its whole target before writing it, so a reader could
-see generation 0, an even ("stable") value, in the middle of a write. What it stores
-while the generation is odd (CONTROL_TAIL) may go through ``struct``.
+On that path the writer stores a word readers race on (``gen``, ``last_seq``) with one
+8-byte store, through a memoryview cast to "Q" (``words[offset // 8] = value``), never
+with ``struct.pack_into``: that zeroes its whole target before writing it, so a reader
+could see generation 0, an even ("stable") value, in the middle of a write. What it
+stores while the generation is odd (CONTROL_TAIL) may go through ``struct``.
 """
 from __future__ import annotations
 
