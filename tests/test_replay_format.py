@@ -202,6 +202,15 @@ def test_derived_configs_load_with_the_normal_loader(tmp_path):
     assert not any(w.warm_standby for w in cfg2.workers.values())
     assert "--log-clock" in cfg2.workers[plan.controls].args
     assert str(tmp_path / "log") in cfg2.domains["control"].extra_ro_binds
+    # Lockstep: nothing refused as stale (a loaded machine is only slower); realtime
+    # keeps the config's freshness limits, as the car would.
+    assert all(c.spec.max_age_ms == 0 for c in cfg2.channels.values())
+    rt, _ = derive.replay_doc(doc, str(tmp_path / "log"), str(tmp_path / "run"),
+                              str(tmp_path / "state"), realtime=True)
+    cfg3, _ = derive.write_config(rt, tmp_path, "rt.toml")
+    assert cfg3.channels["road_frames"].spec.max_age_ms == 100
+    assert "--realtime" in cfg3.workers[plan.camera].args
+    assert "--log-clock" not in cfg3.workers[plan.controls].args
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:

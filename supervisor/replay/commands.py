@@ -21,7 +21,7 @@ MESSAGES = "messages.tlog"      # = logfmt.MESSAGES
 def add_record_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("out", metavar="OUT", help="new log directory")
     s.add_argument("--seconds", type=float, default=None,
-                   help="stop after N seconds (default: until Ctrl-C)")
+                   help="stop N seconds after the recorder is READY (default: until Ctrl-C)")
     s.add_argument("--video", choices=("h264", "raw"), default="h264",
                    help="road video: H.264 (default) or lossless raw NV12 (bit-exact replays)")
     s.add_argument("--quiet", action="store_true", help="no lifecycle events on stderr")

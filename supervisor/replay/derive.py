@@ -258,6 +258,12 @@ def replay_doc(doc: dict[str, Any], log_dir: str, run_log: str, state_dir: str, 
                             "slot_count": 16, "max_age_ms": 60000, "shadow": True}
     name = _add_channel(doc, cam, "shadow_subscribes", ACK, "lockstep")
     if lock:
+        # Freshness is a wall-clock judgement: in lockstep a loaded machine only makes
+        # the replay slower, so no message may be refused as stale (a missed command
+        # would stall the step and break determinism). --realtime keeps the config's.
+        for spec in (doc.get("channels") or {}).values():
+            if isinstance(spec, dict):
+                spec["max_age_ms"] = 0
         # Lockstep closes the loop through the recorder: camerad publishes frame n+1
         # once the recorder has written controlsd's command for frame n, so nothing is
         # dropped anywhere, the recorder included, and the run is a function of the log.

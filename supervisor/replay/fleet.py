@@ -6,6 +6,10 @@ an existing cluster (``--ray local`` starts a local one). A job that fails (the 
 exits with anything but 0 or 6 = differs, or the process dies) is retried once into a
 fresh directory; both attempts are in the report. No log is ever missing from it: a
 job that failed twice is listed as failed with its last error.
+
+On a Ray cluster each task runs ``supervisor replay`` on whichever node Ray picks: the
+logs and OUT must be at the same paths on every node (a shared filesystem), and each
+node needs what a replay needs here (root for the sandboxes, bubblewrap, the package).
 """
 from __future__ import annotations
 
