@@ -210,3 +210,100 @@ def test_no_torn_payload_survives_the_seqlock_across_processes(make_channel):
     r.close()
     sent = int(p.communicate(timeout=10)[0])
     assert p.returncode == 0 and good > 50 and sent > good
+
+
+# ------------------------------------------------------------------ skipped wake-ups
+
+def _pending(fd: int) -> int:
+    import select as _select
+    n = 0
+    while _select.select([fd], [], [], 0)[0]:
+        n += len(os.read(fd, 4096))
+    return n
+
+
+def test_writer_skips_wake_ups_only_for_a_reader_that_will_look(make_channel):
+    ch = make_channel(slot_count=8, max_readers=2, max_leases=1)
+    w = Writer(ch.writer_handle())
+    awake = Reader(ch.reader_handle(0), native=True)
+    plain = Reader(ch.reader_handle(1), native=False)   # never says it is awake
+    for i in range(5):
+        w.publish_array(np.full(4, i, np.uint8))
+    assert _pending(ch.reader_handle(0).event_fd) == 0
+    assert _pending(ch.reader_handle(1).event_fd) == 5
+    for r in (awake, plain):
+        got = []
+        while (m := r.try_receive()) is not None:
+            with m:
+                got.append(int(m.array[0]))
+        assert got == [0, 1, 2, 3, 4]     # woken or not, every message is there
+    # A reader that timed out asleep is awake again afterwards, and one blocked in
+    # receive() is woken: its flag was down while it slept.
+    with pytest.raises(Exception, match="nothing within"):
+        awake.receive(timeout=0.01)
+    assert awake._lease_r.load(L.OFF_AWAKE) == L.READER_AWAKE
+    w.close()
+    awake.close()
+    plain.close()
+
+
+def test_the_race_a_skipped_wake_up_opens_is_closed(make_channel):
+    """The interleaving that would lose a wake-up, step by step: the reader looked
+    (nothing), the writer publishes while the reader still says it is awake (no byte),
+    then the reader gets ready to block: its last look must find the message. Once it
+    is down, the next publish sends the byte."""
+    ch = make_channel(slot_count=4, max_readers=1)
+    w, r = Writer(ch.writer_handle()), Reader(ch.reader_handle(0), native=True)
+    efd = ch.reader_handle(0).event_fd
+    assert r.try_receive() is None                       # the reader's look: nothing
+    seq = w.publish_array(np.full(4, 1, np.uint8))       # the writer: reader awake
+    assert _pending(efd) == 0                            # ... so no wake-up byte
+    msg = r._sleeping()                                  # flag down, fence, last look
+    assert msg is not None and msg.sequence == seq
+    msg.release()
+    assert r._lease_r.load(L.OFF_AWAKE) == L.READER_AWAKE
+    assert r._sleeping() is None                         # nothing more: it would block
+    w.publish_array(np.full(4, 2, np.uint8))
+    assert _pending(efd) == 1                            # and is woken
+    w.close()
+    r.close()
+
+
+_PACED_WRITER = textwrap.dedent("""
+    import os, random, sys, time
+    import numpy as np
+    sys.path.insert(0, sys.argv[1])
+    from supervisor.ipc import Writer, WriterHandle
+    w = Writer(WriterHandle.from_json(os.environ["H"]), native=True)
+    rnd = random.Random(1)
+    for i in range(1, int(sys.argv[2]) + 1):
+        d = rnd.choice((0, 0, 0, 20e-6, 100e-6, 1e-3))
+        end = time.perf_counter() + d
+        while time.perf_counter() < end:
+            pass                          # spin: hit the reader's sleep/wake edges
+        w.publish_array(np.full(4, i % 256, np.uint8))
+        if i % 150 == 0:
+            time.sleep(0.2)               # a message followed by silence
+    time.sleep(0.5)
+""")
+
+
+def test_no_wake_up_is_lost_when_they_are_skipped(make_channel):
+    """A native writer in another process publishes with random gaps (none, tens of
+    microseconds, a millisecond), so this reader keeps falling asleep and waking up:
+    every message arrives, none late: a lost wake-up for a message followed by 200 ms
+    of silence would deliver it only with the next one."""
+    n = 1500
+    ch = make_channel(slot_count=64, max_readers=1, max_leases=1)
+    h = ch.writer_handle()
+    p = subprocess.Popen([sys.executable, "-c", _PACED_WRITER, REPO, str(n)],
+                         pass_fds=h.fds(), env=dict(os.environ, H=h.to_json()))
+    r = Reader(ch.reader_handle(0), native=True)   # waits for the writer to attach
+    seen = 0
+    while seen < n:
+        with r.receive(timeout=2.0) as m:    # a lost wake-up would time out here
+            late_ms = (time.monotonic_ns() - m.publish_ts_ns) / 1e6
+            assert m.sequence > seen and late_ms < 150, (m.sequence, late_ms)
+            seen = m.sequence
+    assert p.wait(timeout=10) == 0 and r.stats.received > n // 2
+    r.close()

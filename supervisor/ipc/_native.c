@@ -53,6 +53,9 @@
  *   that window as small as the hardware allows; L2 after L1 keeps the writer from
  *   pairing a new generation with a stale slot or deadline.
  *
+ * Wake-ups (eventcount, see `publish`): reader K1 awake = 0, K2 fence(seq_cst), K3 one
+ * more look (R1...); writer after W5: K4 fence(seq_cst), K5 load awake, send unless set.
+ *
  * Channel header: the writer stores every field, then the magic with a RELEASE store
  * (`store`); a reader that sees the magic with an ACQUIRE load (`load`) sees the rest.
  * last_slot is stored (relaxed) before W5 and read (relaxed) after R1; it is only a
@@ -428,14 +431,25 @@ static inline uint64_t monotonic_ns(void) {
 }
 
 /* publish(seg, cb, seq, gen, ts_or_None, ts_pos, hlen, llen, last_slot_off,
- *         last_seq_off, slot, events) -> ts
+ *         last_seq_off, slot, events, leases) -> ts
  * The header and layout are already in the slot (W3). Stores the control tail and the
  * last_slot hint, stamps the time (CLOCK_MONOTONIC, = time.monotonic_ns) into the
  * header and the control block, then W4 (gen even) and W5 (last_seq), then one wake-up
- * byte per reader socket (never blocking; a full or closed socket is that reader's). */
+ * byte per reader socket (never blocking; a full or closed socket is that reader's).
+ *
+ * Wake-ups skipped (an eventcount): reader i's lease table (leases[i]) holds at
+ * AWAKE_OFF the word READER_AWAKE while that reader will look at shared memory before
+ * it next blocks. A reader about to block stores 0 there, then a full fence, then
+ * looks for a message once more (K1-K3); the writer, after W5, makes a full fence and
+ * loads the word (K4, K5): by the two fences, either the reader's last look sees this
+ * message or the writer sees 0 and sends the byte. A reader that never writes the
+ * word (the pure-Python path, the C++ client) reads as 0: always woken. A reader that
+ * lies only loses its own wake-ups. */
+#define AWAKE_OFF 16
+#define READER_AWAKE 1
 static PyObject *w_publish(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-    if (n != 12) {
-        PyErr_SetString(PyExc_TypeError, "publish() takes 12 arguments");
+    if (n != 13) {
+        PyErr_SetString(PyExc_TypeError, "publish() takes 13 arguments");
         return NULL;
     }
     Region *seg = as_region(a[0], "segment");
@@ -449,9 +463,9 @@ static PyObject *w_publish(PyObject *m, PyObject *const *a, Py_ssize_t n) {
             || get_ssize(a[8], &last_slot_off) < 0 || get_ssize(a[9], &last_seq_off) < 0
             || get_ssize(a[10], &slot) < 0)
         return NULL;
-    PyObject *events = a[11];
-    if (!PyTuple_Check(events)) {
-        PyErr_SetString(PyExc_TypeError, "publish(): events must be a tuple");
+    PyObject *events = a[11], *leases = a[12];
+    if (!PyTuple_Check(events) || !PyTuple_Check(leases)) {
+        PyErr_SetString(PyExc_TypeError, "publish(): events and leases must be tuples");
         return NULL;
     }
     if (!seg->writable || !in_bounds(seg, cb, 32) || cb % 8 || !in_bounds(seg, ts_pos, 8)
@@ -474,8 +488,19 @@ static PyObject *w_publish(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     __atomic_store_n((uint64_t *)(b + cb), gen, RELEASE);          /* W4 */
     __atomic_store_n((uint64_t *)(b + last_seq_off), seq, RELEASE); /* W5 */
     static const char one = 1;
-    Py_ssize_t ne = PyTuple_GET_SIZE(events);
+    Py_ssize_t ne = PyTuple_GET_SIZE(events), nl = PyTuple_GET_SIZE(leases);
+    if (nl)
+        __atomic_thread_fence(SEQ_CST);                                /* K4 */
     for (Py_ssize_t i = 0; i < ne; i++) {
+        if (i < nl) {
+            PyObject *lo = PyTuple_GET_ITEM(leases, i);
+            if (PyObject_TypeCheck(lo, &RegionType)) {
+                Region *lr = (Region *)lo;
+                if (in_bounds(lr, AWAKE_OFF, 8) && __atomic_load_n(
+                        (uint64_t *)(lr->base + AWAKE_OFF), RELAXED) == READER_AWAKE)
+                    continue;                                          /* K5: it will look */
+            }
+        }
         long fd = PyLong_AsLong(PyTuple_GET_ITEM(events, i));
         if (fd == -1 && PyErr_Occurred())
             return NULL;
@@ -1004,5 +1029,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         return NULL;
     }
     PyModule_AddIntConstant(mod, "MAX_SLOTS", MAX_SLOTS);
+    PyModule_AddIntConstant(mod, "AWAKE_OFF", AWAKE_OFF);
+    PyModule_AddIntConstant(mod, "READER_AWAKE", READER_AWAKE);
     return mod;
 }

@@ -52,6 +52,10 @@ OFF_TS = 16
 LEASE_HDR = struct.Struct("<QII")
 LEASE_ENTRY = struct.Struct("<IxxxxQQ")
 LEASE_BASE = 64
+# In the lease header: READER_AWAKE while a (native) reader will look at shared memory
+# before it next blocks, so the writer may skip its wake-up byte (see _native.c).
+OFF_AWAKE = 16
+READER_AWAKE = 1
 LEASE_STRIDE = 32
 
 U64 = struct.Struct("<Q")

@@ -76,12 +76,17 @@ class Reader:
             self._seg = nat.Region(self._mm)
             self._lease_r = nat.Region(self._lease_mm, True)
             self._ntake = nat.take
+            self._fence = nat.fence_full
             self._seg.load(0)     # acquire the magic: the header it guards is visible
         self._check_channel_header()
         # This reader is the only writer of its lease table: start it clean (a reader
         # that held this index before us may have died holding leases).
         self._lease_mm[:] = bytes(spec.lease_size)
         L.LEASE_HDR.pack_into(self._lease_mm, 0, L.LEASE_MAGIC, os.getpid(), spec.max_leases)
+        if self._lease_r is not None:
+            # Awake: this reader looks at shared memory before it blocks (receive), so
+            # the writer may skip wake-ups until it says otherwise (_sleeping).
+            self._lease_r.store(L.OFF_AWAKE, L.READER_AWAKE)
         self._free_leases = list(range(spec.max_leases))
         self._layouts: dict[bytes, Layout] = {}
         self._last_layout_raw: bytes | None = None
@@ -400,13 +405,34 @@ class Reader:
                     raise ChannelTimeout(f"channel {self.spec.name!r}: nothing within "
                                          f"{timeout:.3f}s")
                 wait_ms = max(1, int(left * 1000 + 0.999))
-            if poll(wait_ms):
+            if self._lease_r is not None:
+                msg = self._sleeping()
+                if msg is not None:
+                    return msg
+                try:
+                    woke = poll(wait_ms)
+                finally:
+                    self._lease_r.store(L.OFF_AWAKE, L.READER_AWAKE)
+            else:
+                woke = poll(wait_ms)
+            if woke:
                 # Woken: take the message first and drain the socket on the next call
                 # (a system call fewer between the wake-up and the message).
                 self._undrained = True
                 msg = self.try_receive()
                 if msg is not None:
                     return msg
+
+    def _sleeping(self) -> Message | None:
+        """Native path, before blocking on the wake-up socket: say so (the writer then
+        sends wake-ups), fence, look once more (K1-K3 in _native.c). A message found
+        means awake again; an exception leaves the flag down (only more wake-ups)."""
+        self._lease_r.store(L.OFF_AWAKE, 0)
+        self._fence()
+        msg = self.try_receive()
+        if msg is not None:
+            self._lease_r.store(L.OFF_AWAKE, L.READER_AWAKE)
+        return msg
 
     async def receive_async(self) -> Message:
         """trio: wait for the wake-up socket to become readable without blocking the loop."""
@@ -421,7 +447,17 @@ class Reader:
                 # faster than this reader cannot starve the rest of the trio loop.
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 return msg
-            await trio.lowlevel.wait_readable(self._efd)
+            if self._lease_r is not None:
+                msg = self._sleeping()
+                if msg is not None:
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                    return msg
+                try:
+                    await trio.lowlevel.wait_readable(self._efd)
+                finally:
+                    self._lease_r.store(L.OFF_AWAKE, L.READER_AWAKE)
+            else:
+                await trio.lowlevel.wait_readable(self._efd)
             self._drain()
 
     def _drain(self) -> None:

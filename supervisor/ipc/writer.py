@@ -337,7 +337,8 @@ class Writer:
         self._loaned.discard(slot)
         self._published += 1
         self._npublish(self._seg, self._ctl[slot], seq, gen, publish_ts_ns, base + ts_off,
-                       size, nl, L.OFF_LAST_SLOT, L.OFF_LAST_SEQ, slot, self._events)
+                       size, nl, L.OFF_LAST_SLOT, L.OFF_LAST_SEQ, slot, self._events,
+                       self._lease_regions)
         return seq
 
     def _publish(self, loan: Loan, frame_id, capture_ts_ns, exposure_us, gain,
