@@ -66,6 +66,26 @@ def test_profiles_set_every_isolation_field_and_control_only_tightens():
     assert len(got) == 1 and "domains.lab.seccomp" in got[0] and "'control'" in got[0], got
 
 
+def test_a_writable_bind_is_never_read_outside_the_bridge():
+    """Research writing where control (or the model trust) reads would be a channel
+    around the bridge: refused, like writable OS trees and the supervisor's state."""
+    text = BASE.format(extra="""
+[domains.lab]
+profile = "research"
+extra_rw_binds = ["/srv/shared/out", "/etc/x", "/var/lib/trio-supervisor", "/srv/lab"]
+[models.m]
+artifact = "/srv/lab/model"
+public_key = "/srv/key.pub"
+expect_name = "m"
+""").replace("actuates = true", 'actuates = true\nextra_ro_binds = ["/srv/shared"]')
+    got = problems(text)
+    assert len(got) == 4, got
+    assert "extra_rw_binds[0]: /srv/shared/out overlaps domains.control (/srv/shared)" in got[0]
+    assert "extra_rw_binds[1]: /etc/x overlaps /etc: never writable" in got[1]
+    assert "extra_rw_binds[2]: /var/lib/trio-supervisor overlaps" in got[2]
+    assert "extra_rw_binds[3]: /srv/lab overlaps models.m (/srv/lab/model)" in got[3]
+
+
 def test_roles_bind_channels_and_a_role_bound_twice_is_an_error():
     cfg = loads(BASE.format(extra=""), "d.toml")
     assert cfg.workers["cam"].roles == (("frames", "x"),)

@@ -16,6 +16,7 @@ from supervisor.ipc.spec import DTYPES, KINDS, PIXEL_FORMATS, ChannelSpec
 
 from . import _rules
 from ._model import (CONTROL, DEFAULT_SOURCE, MIN_WORKER_MEMORY, PROFILE_DEFAULTS, PROFILES,
+                     PROJECT_ROOT,
                      RESEARCH,
                      ChannelConfig, Config, ConfigFileError, DomainConfig, ModelConfig, Problem,
                      SupervisorConfig, WorkerConfig)
@@ -220,6 +221,8 @@ class _Loader:
             if not ok:
                 bad_channels.add(n)
         models = {n: self.model(n, t) for n, t in self.section(doc, "models").items()}
+        _rules.check_binds(self.add, domains, {n: m.resolved() for n, m in models.items()},
+                           supervisor.state_dir, PROJECT_ROOT)
         workers = {n: self.worker(n, t, domain_tables, channel_tables)
                    for n, t in worker_tables.items()}
         for w in workers.values():

@@ -38,6 +38,42 @@ def check_users(add: Add, domains: dict[str, DomainConfig]) -> None:
                 f"research and control-grade domains need distinct host users")
 
 
+# Host trees no domain may write into: the OS, the kernel's views, runtime state.
+_NEVER_WRITABLE = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib64", "/boot", "/proc", "/sys",
+                   "/dev", "/run", "/var/lib/trio-supervisor")
+
+
+def _overlap(a: str, b: str) -> bool:
+    a, b = a.rstrip("/") or "/", b.rstrip("/") or "/"
+    return a == b or a.startswith(b + "/") or b.startswith(a + "/")
+
+
+def check_binds(add: Add, domains: dict[str, DomainConfig], models: dict,
+                state_dir: str, project_root: str) -> None:
+    """A writable bind is a channel outside the bridge: what one domain writes there must
+    never be what another domain (or the model trust) reads. So it may not overlap any
+    other domain's binds, a model's files, the project, the state dir or the OS."""
+    ro = [(f"domains.{n}", p) for n, d in domains.items() for p in d.extra_ro_binds]
+    ro += [(f"models.{n}", p) for n, m in models.items()
+           for p in (getattr(m, "artifact", ""), getattr(m, "public_key", "")) if p.startswith("/")]
+    for name, d in domains.items():
+        for i, rw in enumerate(d.extra_rw_binds):
+            key = f"{_key('domains', name)}.extra_rw_binds[{i}]"
+            bad = [p for p in (*_NEVER_WRITABLE, state_dir, project_root) if _overlap(rw, p)]
+            if bad:
+                add(key, f"{rw} overlaps {bad[0]}: never writable from a sandbox")
+                continue
+            for other, d2 in domains.items():
+                for j, rw2 in enumerate(d2.extra_rw_binds):
+                    if (other, j) != (name, i) and _overlap(rw, rw2) and other != name:
+                        add(key, f"{rw} overlaps domains.{other}.extra_rw_binds ({rw2}): "
+                            "one writable place per domain")
+            for where, p in ro:
+                if where != f"domains.{name}" and _overlap(rw, p):
+                    add(key, f"{rw} overlaps {where} ({p}): what this domain writes there "
+                        "would be read outside the bridge")
+
+
 def check_writers(add: Add, workers: dict[str, WorkerConfig], channels: dict) -> dict[str, str]:
     writers: dict[str, str] = {}
     for w in workers.values():
