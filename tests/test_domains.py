@@ -174,3 +174,26 @@ def test_overridden_domain_fields_hold_inside_the_sandbox(sup, tmp_path):
     assert no["data"]["result"].startswith("errno:"), no        # not bound: not even visible
     assert not (out / "no.txt").exists()
     assert all(e["source"] == "supervisor" for e in r.events if e["event"] in ("start", "ready"))
+
+
+def test_renaming_every_channel_of_the_default_config_needs_nothing_else():
+    """Channel names live in the config only: rename them all (payload kinds are not
+    channel names) and the config loads, binds every role and passes the role check."""
+    from importlib import resources
+
+    from supervisor.config import check_runtime
+
+    text = resources.files("supervisor").joinpath("default.toml").read_text("utf-8")
+    new = {"road_frames": "cam0", "model_out": "lanes", "control_cmd": "steer",
+           "shadow_out": "lab"}
+    lines = []
+    for line in text.splitlines():
+        if not line.startswith("payload"):
+            for a, b in new.items():
+                line = line.replace(a, b)
+        lines.append(line)
+    cfg = loads("\n".join(lines), "renamed.toml")
+    assert sorted(cfg.channels) == sorted(new.values())
+    assert dict(cfg.workers["modeld"].roles) == {"frames": "cam0", "model": "lanes"}
+    assert dict(cfg.workers["controlsd"].roles) == {"model": "lanes", "command": "steer"}
+    assert not [p for p in check_runtime(cfg, sandboxed=False) if "role" in p.reason]
