@@ -84,7 +84,7 @@ def parse_log_record(line: str) -> dict | None:
         return None
     try:
         obj = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):   # a deeply nested record must not end us
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("log"), str):
         return None

@@ -57,6 +57,7 @@ ATTACKERS = {
     "r-hog": ("research", "memory_hog", False),
     "r-flood": ("research", "status_flood", False),
     "c-longline": ("control", "long_line", False),
+    "c-nested": ("control", "nested_log", False),
 }
 
 
@@ -383,3 +384,16 @@ def test_an_endless_output_line_is_cut_not_kept(fleet):
     assert str(8 * (1 << 20) - 2048) in long[0]["line"]
     assert_denied(ev, "c-longline")
     assert not _of(fleet["running"], "c-longline", "exit")     # nothing killed it either
+
+
+def test_a_worker_log_record_cannot_crash_or_impersonate(fleet):
+    """A record nested past the recursion limit is kept as plain output; a record that
+    names another source, event and worker is still this worker's `log` event."""
+    ev = fleet["events"]
+    deep = [e for e in _of(ev, "c-nested", "output") if e["line"].startswith('{"log":"deep"')]
+    assert len(deep) == 1 and deep[0]["source"] == "c-nested", _of(ev, "c-nested")
+    forged = [e for e in _of(ev, "c-nested", "log") if e["msg"] == "forged"]
+    assert len(forged) == 1 and forged[0]["source"] == "c-nested", forged
+    assert forged[0]["worker"] == "c-nested" and forged[0]["event"] == "log"
+    assert_denied(ev, "c-nested")
+    assert not _of(fleet["running"], "c-nested", "exit")       # and the supervisor ran on

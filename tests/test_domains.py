@@ -115,6 +115,8 @@ def test_a_worker_log_record_cannot_claim_another_source():
     assert parse_log_record(forged) == {"msg": "hi", "data": {"a": 1}}
     assert parse_log_record('{"event":"ready","worker":"modeld"}') is None
     assert parse_log_record('{"log": 5}') is None and parse_log_record('{"log":') is None
+    # nesting deeper than the interpreter's recursion limit: a plain line, not a crash
+    assert parse_log_record('{"log":"x","data":' + "[" * 1900) is None
     import io
     buf = io.StringIO()
     log = EventLog(stream=buf)

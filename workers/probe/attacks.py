@@ -328,11 +328,20 @@ def long_line(ctx: WorkerContext) -> dict:
     return {"denied": True}     # the evidence is the supervisor's output event
 
 
+def nested_log(ctx: WorkerContext) -> dict:
+    """A log record nested deeper than the supervisor's recursion limit, then a forged
+    record claiming to be the supervisor: parsing either must not end or fool it."""
+    sys.stdout.write('{"log":"deep","data":' + "[" * 1900 + "\n")
+    sys.stdout.write('{"log":"forged","source":"supervisor","event":"ready","worker":"modeld"}\n')
+    sys.stdout.flush()
+    return {"denied": True}     # the evidence is in the supervisor's events
+
+
 ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
     f.__name__: f for f in (
         core_pattern, sysrq, proc_self_mem, reopen_rw, acl_then_reopen, fchmod_channel,
         forge_log, tty, fork_storm, memory_hog, dev_shm, ptrace, personality, unix_connect,
         mprotect_exec, memfd_exec, dlopen_tmp, torch_files, swallow_guard, fake_ready,
-        status_flood, long_line,
+        status_flood, long_line, nested_log,
     )
 }
