@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,13 +84,50 @@ class DropCount:
         return self.dropped + self.rejected + self.leases_lost + self.skipped
 
 
+class _Encoder:
+    """Encodes video on a thread of its own, behind a short queue, so that a slow
+    encoder (or disk) never holds up the small channels: when the queue is full the
+    frame's pixels are skipped (counted) and its metadata is still written."""
+
+    def __init__(self, depth: int) -> None:
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.t = threading.Thread(target=self._run, name="video-encoder", daemon=True)
+        self.t.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self.q.get()
+            if job is None:
+                return
+            try:
+                job()
+            except BaseException as e:   # reported by the writer; the stream goes on
+                self.error = e
+
+    def submit(self, job) -> bool:
+        try:
+            self.q.put_nowait(job)
+            return True
+        except queue.Full:
+            return False
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.t.join()
+
+
 class LogWriter:
-    """The recorder's side: one messages stream plus a video per frame channel."""
+    """The recorder's side: one messages stream plus a video per frame channel.
+    ``encode_queue`` > 0 encodes on a thread behind a queue that deep (see `_Encoder`)."""
 
     def __init__(self, directory: str | os.PathLike, channels: list[str], *,
                  info: dict[str, Any] | None = None, writer: str = "recorder",
-                 video_codec: str = "h264", fps: float = 20.0) -> None:
+                 video_codec: str = "h264", fps: float = 20.0, encode_queue: int = 0) -> None:
         self.dir = Path(directory)
+        self._encoder = _Encoder(encode_queue) if encode_queue > 0 else None
+        self._next: dict[str, int] = {}          # the next video index per channel
+        self.video_skipped: dict[str, int] = {}
         self.dir.mkdir(parents=True, exist_ok=True)
         self.stream = StreamWriter(self.dir / (MESSAGES if writer == "recorder" else LIFECYCLE))
         self.video_codec = video_codec
@@ -123,8 +162,9 @@ class LogWriter:
 
     def frame(self, channel: str, sequence: int, publish_ts_ns: int, writer_pid: int,
               frame_id: int, capture_ts_ns: int, exposure_us: int | None, width: int,
-              height: int, pixel_format: str, sensor: str, planes) -> None:
-        """Record one frame; ``planes`` None stores the metadata only (counted skipped)."""
+              height: int, pixel_format: str, sensor: str, planes) -> int:
+        """Record one frame; ``planes`` None stores the metadata only. Returns its index
+        in the channel's video, -1 when its pixels were not stored."""
         n = -1
         if planes is not None and pixel_format == "nv12":
             v = self.videos.get(channel)
@@ -132,8 +172,20 @@ class LogWriter:
                 v = self.videos[channel] = VideoWriter(
                     self.dir, channel, VideoInfo(self.video_codec, width, height, "nv12",
                                                  self.fps))
-            n = v.count
-            v.write(frame_id, capture_ts_ns, planes[0], planes[1])
+                self._next[channel] = v.count
+            if self._encoder is None:
+                n = v.count
+                v.write(frame_id, capture_ts_ns, planes[0], planes[1])
+            else:
+                if self._encoder.error is not None:
+                    raise OSError(f"video encoder: {self._encoder.error}")
+                y, uv = planes
+                # One thread writes each video in submission order: indices are exact.
+                if self._encoder.submit(lambda: v.write(frame_id, capture_ts_ns, y, uv)):
+                    n = self._next[channel]
+                    self._next[channel] = n + 1
+                else:
+                    self.video_skipped[channel] = self.video_skipped.get(channel, 0) + 1
         e = Entry.new_message(monoNs=time.monotonic_ns())
         f = e.init("frame")
         f.channel = channel
@@ -148,6 +200,7 @@ class LogWriter:
         f.sensor = sensor
         f.videoIndex = n
         self.stream.write_entry(e)
+        return n
 
     def drops(self, channel: str, dropped: int, rejected: int, leases_lost: int,
               skipped: int) -> None:
@@ -162,6 +215,8 @@ class LogWriter:
                                                   event=json.dumps(record, default=str)))
 
     def close(self, summary: dict[str, Any] | None = None) -> None:
+        if self._encoder is not None:
+            self._encoder.close()            # what is queued is written first
         self.stream.write_entry(Entry.new_message(monoNs=time.monotonic_ns(),
                                                   stop=json.dumps(summary or {})))
         self.stream.close()

@@ -33,6 +33,9 @@ IDLE_S = 0.002          # nothing new on any channel: sleep this long
 PING_S = 0.1
 DROPS_EVERY_S = 1.0
 FINAL_DRAIN_S = 1.0
+# Frames waiting for the encoder thread (H.264 at 1928x1208 is ~17-40 fps on this kind of
+# machine: a short burst is absorbed, a sustained overload drops pixels, counted).
+ENCODE_QUEUE = 8
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -93,9 +96,11 @@ def record_one(tap: Tap, log, msg, ack: Ack | None = None) -> None:
         keep = tap.video and info.pixel_format == "nv12"
         planes = tuple(np.array(p) for p in msg.planes()) if keep else None
         msg.release()                # raises LeaseLost if the camera overwrote it meanwhile
-        log.frame(tap.name, stamp.sequence, stamp.publish_ts_ns, stamp.writer_pid,
-                  info.frame_id, info.capture_ts_ns, info.exposure_us, info.width,
-                  info.height, info.pixel_format, info.sensor, planes)
+        n = log.frame(tap.name, stamp.sequence, stamp.publish_ts_ns, stamp.writer_pid,
+                      info.frame_id, info.capture_ts_ns, info.exposure_us, info.width,
+                      info.height, info.pixel_format, info.sensor, planes)
+        if planes is not None and n < 0:
+            tap.skipped += 1               # the encoder's queue was full: pixels dropped
         if IO_DELAY_S:
             time.sleep(IO_DELAY_S)
     else:
@@ -157,7 +162,8 @@ def main(ctx: WorkerContext) -> int:
         ack = Ack(ctx.writer(a.ack), a.ack_on) if a.ack else None
         log = LogWriter(a.out, names, info={"worker": ctx.name, "video": a.video,
                                             "fps": a.fps, "channels": names},
-                        video_codec="h264" if a.video == "none" else a.video, fps=a.fps)
+                        video_codec="h264" if a.video == "none" else a.video, fps=a.fps,
+                        encode_queue=ENCODE_QUEUE)
     except (KeyError, BridgeError, OSError) as e:
         print(f"recorder: {e}", file=sys.stderr, flush=True)
         return 2
