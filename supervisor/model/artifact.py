@@ -82,7 +82,7 @@ def parse_manifest(data: bytes) -> dict:
         obj = json.loads(data.decode("ascii"), object_pairs_hook=_no_duplicates)
     except ManifestError:
         raise
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ManifestError(f"{MANIFEST}: not ASCII JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise ManifestError(f"{MANIFEST}: top level is {type(obj).__name__}, not an object")
