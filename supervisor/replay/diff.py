@@ -179,7 +179,7 @@ def time_gate(run: DriveLog, ref: DriveLog, channel: str | None, *, p99_ratio: f
 def compare(run: DriveLog, ref: DriveLog, *, channels: list[str], payloads: dict[str, str],
             model_channel: str | None, tolerances: dict[str, float] | None = None,
             default_tol: float = DEFAULT_TOL, p99_ratio: float = 1.5, max_ratio: float = 2.0,
-            floor_ms: float = 2.0) -> Report:
+            floor_ms: float = 5.0) -> Report:
     tols = tolerances or {}
     diffs = [compare_channel(ch, run.messages.get(ch, []), ref.messages.get(ch, []), tols,
                              payloads, default_tol)
