@@ -102,6 +102,16 @@ def test_log_is_readable_while_written_and_appendable(tmp_path):
     w.close()
     again = DriveLog.open(tmp_path / "log")
     assert len(again.messages["model_out"]) == 6 and again.closed
+    # A second session appends to the same log: its frames continue the video.
+    w2 = LogWriter(tmp_path / "log", ["road_frames"], video_codec="raw")
+    y, uv, _ = SyntheticRoad(W, H, seed=1).render(99)
+    w2.frame("road_frames", 1, 1, 11, 99, 99, None, W, H, "nv12", "road", (y, uv))
+    w2.close()
+    both = DriveLog.open(tmp_path / "log")
+    v = both.video("road_frames")
+    assert len(v) == 6 and v.index[-1].frame_id == 99 and both.frames["road_frames"][-1].video_index == 5
+    assert list(v.frames(5))[0][1] == y.tobytes() + uv.tobytes()
+    assert len(both.messages["model_out"]) == 6 and not both.full_loss().any
 
 
 def test_a_crash_mid_write_loses_only_the_last_message_and_says_so(tmp_path):
