@@ -244,3 +244,26 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_progress_bar_follows_the_run_log_while_it_is_written(tmp_path):
+    import io
+
+    from supervisor.replay.run import _Progress
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out = Tty()
+    w = write_log(tmp_path / "log", n=4, close=False)
+    bar = _Progress(tmp_path / "log" / MESSAGES, 10, "model_out", out=out)
+    bar.tick()
+    assert "4/10 frames" in out.getvalue()
+    w.message("model_out", 9, 1, 12, 8, 1, MODEL_OUT.encode(offset_m=1.0))
+    bar.tick()
+    assert out.getvalue().rstrip().endswith("fps") and "5/10 frames" in out.getvalue()
+    assert "#" * 15 in out.getvalue()                 # half way
+    quiet = io.StringIO()                             # not a terminal: no bar at all
+    _Progress(tmp_path / "log" / MESSAGES, 10, "model_out", out=quiet).tick()
+    assert quiet.getvalue() == ""
