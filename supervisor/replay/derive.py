@@ -231,8 +231,9 @@ def replay_doc(doc: dict[str, Any], log_dir: str, run_log: str, state_dir: str, 
                record_channels: list[str] | None = None) -> tuple[dict[str, Any], ReplayPlan]:
     """The user's pipeline with the camera playing ``log_dir`` and a recorder writing
     ``run_log``. Deterministic (lockstep) unless ``realtime``: the camera publishes a
-    frame only once controlsd's command for the previous one exists, and controlsd runs
-    on log time (`workers.controlsd` ``--log-clock``)."""
+    frame only once the recorder has written controlsd's command for the previous one
+    (the recorder acknowledges on `ACK`), and controlsd runs on log time
+    (`workers.controlsd` ``--log-clock``)."""
     doc = copy.deepcopy(doc)
     plan = plan_of(doc)
     log_dir = os.path.abspath(log_dir)

@@ -2,9 +2,9 @@
 
 The user's pipeline runs sandboxed as always, with camerad playing LOG's road video
 and a recorder writing RUN/log (metadata and every small channel; no video). By
-default the replay is lockstep: camerad publishes a frame only once controlsd's command
-for the previous frame exists (or a step timeout, counted and reported, passes), and
-controlsd runs on the log's clock, so two replays of one log give bit-identical model
+default the replay is lockstep: camerad publishes a frame only once the recorder has
+written controlsd's command for the previous frame (or a step timeout, counted and
+reported, passes), no message is refused as stale, and controlsd runs on the log's clock, so two replays of one log give bit-identical model
 outputs and commands. ``--realtime`` paces frames at the recorded rate instead, to see
 deadline misses as the car would.
 

@@ -2,13 +2,15 @@
 video``). `workers.camerad.main` hands over to `run` for these sources.
 
 Drive log, lockstep (``--lockstep ROLE``, what `supervisor replay` uses): frame n+1 is
-published only once the channel bound to ROLE (controlsd's commands) carries a message
-for frame n or later (its header's frame id), so every frame goes in only when the
-pipeline is done with the one before: nothing is dropped, nothing races, and the run is
+published only once the channel bound to ROLE (in `supervisor replay`: the recorder's
+acknowledgement that controlsd's command for the frame is written) carries a message for
+frame n or later (its header's frame id), so every frame goes in only when the pipeline,
+recorder included, is done with the one before: nothing is dropped, nothing races, and the run is
 a function of the log. A frame whose command does not come within ``--step-timeout-s``
 (the model refused the frame, a worker restarted) is counted as a step timeout and the
 replay goes on. Without ``--lockstep``: ``--realtime`` paces frames at the recorded
-capture times; otherwise at ``--fps``.
+capture times (``--wait-for ROLE``: not before ROLE's writer, the recorder, is attached);
+otherwise at ``--fps``.
 
 Every frame is stamped with this boot's clock when it is published (as a live camera
 would: the bridge refuses stale and future timestamps); the recorded frame id and
