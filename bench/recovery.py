@@ -24,78 +24,29 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from supervisor.config import loads  # noqa: E402
+from supervisor.config import default_doc, derive, dumps, loads  # noqa: E402
 from supervisor.events import EventLog  # noqa: E402
 from supervisor.ipc import Reader, Rejected  # noqa: E402
 from supervisor.lifecycle import Supervisor  # noqa: E402
 
-CONFIG = """
-[domains.control]
-failure_policy = "restart"
-actuates = true
-[channels.road_frames]
-kind = "frame"
-pixel_formats = ["nv12"]
-slot_size = "3.5MiB"
-slot_count = 6
-max_age_ms = 100
-max_readers = 2
-[channels.model_out]
-dtype = "float32"
-slot_size = "4KiB"
-slot_count = 8
-max_age_ms = 200
-max_readers = 2
-payload = "model_out"
-[channels.control_cmd]
-dtype = "float32"
-slot_size = "4KiB"
-slot_count = 16
-max_age_ms = 100
-max_readers = 1
-payload = "control_cmd"
-[workers.camerad]
-domain = "control"
-module = "workers.camerad"
-publishes = {{ frames = "road_frames" }}
-args = ["--fps", "20"]
-restart = "always"
-max_restarts = 100
-backoff_initial_ms = 100
-warm_standby = {warm}
-[models.lane-offset]
-artifact = "models/demo/lane-offset"          # relative to the project root
-public_key = "models/demo/demo_ed25519.pub"
-expect_name = "lane-offset-demo"
-min_version = "1.0.0"
+PIPE = ("camerad", "modeld", "controlsd")
 
-[workers.modeld]
-domain = "control"
-module = "workers.modeld"
-model = "lane-offset"
-subscribes = {{ frames = "road_frames" }}
-publishes = {{ model = "model_out" }}
-ready_timeout_ms = 30000
-jit_kernels = true
-restart = "always"
-max_restarts = 100
-backoff_initial_ms = 100
-warm_standby = {warm}
-[workers.controlsd]
-domain = "control"
-module = "workers.controlsd"
-subscribes = {{ model = "model_out" }}
-publishes = {{ command = "control_cmd" }}
-restart = "always"
-max_restarts = 100
-backoff_initial_ms = 100
-warm_standby = {warm}
-"""
+
+def _config(warm: bool):
+    """The vehicle's own control pipeline (the embedded default without research),
+    each worker restarting freely so repeated kills are measured, not capped; the
+    standby on (as on the vehicle) or off (the cold path)."""
+    return loads(dumps(derive(default_doc(), drop=("workers.research", "channels.shadow_out"),
+                              set={"domains.control.failure_policy": "restart",
+                                   **{f"workers.{w}.{k}": v for w in PIPE for k, v in (
+                                       ("restart", "always"), ("max_restarts", 100),
+                                       ("backoff_initial_ms", 100), ("warm_standby", warm))}})),
+                 f"recovery ({'warm' if warm else 'cold'}, default config)")
 OUT = {"camerad": "road_frames", "modeld": "model_out", "controlsd": "control_cmd"}
 
 
 async def _measure(warm: bool, workers: list[str], kills: int) -> dict[str, list[float]]:
-    cfg = loads(CONFIG.format(warm="true" if warm else "false"), "recovery.toml")
+    cfg = _config(warm)
     log = EventLog(stream=io.StringIO())
     sup = Supervisor(cfg, log=log)
     res: dict[str, list[float]] = {w: [] for w in workers}

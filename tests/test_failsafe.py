@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from schemas.payloads import CONTROL_CMD
-from supervisor.config import loads
+from supervisor.config import default_doc, derive, dumps, loads
 from supervisor.events import EventLog
 from supervisor.ipc import Reader
 from supervisor.lifecycle import Exit, Supervisor
@@ -28,63 +28,20 @@ pytestmark = pytest.mark.sandbox
 if shutil.which("bwrap") is None:
     pytest.skip("bubblewrap is not installed", allow_module_level=True)
 
-PIPELINE = """
-[domains.control]
-failure_policy = "fail_safe"
-actuates = true
+def _vehicle_pipeline() -> str:
+    """The vehicle's own control pipeline (the embedded default config without the
+    research worker), with no restart budget and no warm standby, so one kill -9
+    exhausts a worker; a deep command ring so the test reader misses nothing."""
+    pipe = ("camerad", "modeld", "controlsd")
+    return dumps(derive(default_doc(), drop=("workers.research", "channels.shadow_out"), set={
+        **{f"workers.{w}.max_restarts": 0 for w in pipe},
+        **{f"workers.{w}.warm_standby": False for w in pipe},
+        "channels.control_cmd.slot_count": 64,
+        "channels.control_cmd.max_readers": 2,
+    }))
 
-[channels.road_frames]
-kind = "frame"
-pixel_formats = ["nv12"]
-slot_size = "3.5MiB"
-slot_count = 6
-max_age_ms = 100
 
-[channels.model_out]
-dtype = "float32"
-slot_size = "4KiB"
-slot_count = 8
-max_age_ms = 200
-payload = "model_out"
-
-[channels.control_cmd]
-dtype = "float32"
-slot_size = "4KiB"
-slot_count = 64
-max_age_ms = 100
-max_readers = 2
-payload = "control_cmd"
-
-[workers.camerad]
-domain = "control"
-module = "workers.camerad"
-publishes = { frames = "road_frames" }
-args = ["--fps", "20"]
-max_restarts = 0
-
-[models.lane-offset]
-artifact = "models/demo/lane-offset"          # relative to the project root
-public_key = "models/demo/demo_ed25519.pub"
-expect_name = "lane-offset-demo"
-min_version = "1.0.0"
-
-[workers.modeld]
-domain = "control"
-module = "workers.modeld"
-model = "lane-offset"
-subscribes = { frames = "road_frames" }
-publishes = { model = "model_out" }
-ready_timeout_ms = 30000
-jit_kernels = true
-max_restarts = 0
-
-[workers.controlsd]
-domain = "control"
-module = "workers.controlsd"
-subscribes = { model = "model_out" }
-publishes = { command = "control_cmd" }
-max_restarts = 0
-"""
+PIPELINE = _vehicle_pipeline()
 
 
 @pytest.mark.parametrize("victim", ["camerad", "modeld", "controlsd"])

@@ -30,6 +30,7 @@ and `_runtime` (`check_runtime`).
 from supervisor.ipc.errors import ConfigError
 from supervisor.ipc.spec import DTYPES, KINDS, PIXEL_FORMATS, ChannelSpec
 
+from ._derive import default_doc, derive, dumps
 from ._loader import load, loads
 from ._model import (CONTROL, DEFAULT_SHM_BUDGET, DEFAULT_SOURCE, MIN_WORKER_MEMORY,
                      PROFILES, PROJECT_ROOT, RESEARCH, ChannelConfig, Config, ConfigFileError,
@@ -42,6 +43,6 @@ __all__ = [
     "CONTROL", "DEFAULT_SHM_BUDGET", "DEFAULT_SOURCE", "DTYPES", "KINDS", "MIN_WORKER_MEMORY",
     "PIXEL_FORMATS", "PROFILES", "PROJECT_ROOT", "RESEARCH", "ChannelConfig", "ChannelSpec",
     "Config", "ConfigError", "ConfigFileError", "DomainConfig", "ModelConfig", "Problem", "SupervisorConfig",
-    "WorkerConfig", "channel_shm_bytes", "check_runtime", "format_size", "load", "loads",
+    "WorkerConfig", "channel_shm_bytes", "check_runtime", "default_doc", "derive", "dumps", "format_size", "load", "loads",
     "parse_size",
 ]
