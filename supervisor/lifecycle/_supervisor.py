@@ -1,12 +1,5 @@
-"""Turning a Config into supervised, sandboxed processes (trio).
-
-One task per worker in a nursery. Start order follows channel dependencies: a worker
-starts once every worker before it in ``Config.start_order()`` reported READY. Exits
-are restarted per the worker's policy with exponential backoff and a rate limit; a
-worker that stops pinging its watchdog is killed and restarted; a control worker that
-runs out of restarts triggers the domain's failure policy ("fail_safe" stops the whole
-control domain). Every decision is one structured log line.
-"""
+"""The Supervisor: channels, one task per worker, restart policy and watchdog, the
+domain's failure policy, the monitor and the ordered shutdown (see the package doc)."""
 from __future__ import annotations
 
 import dataclasses
