@@ -270,10 +270,33 @@ def mutate(w, slot, how):
     raise AssertionError(how)
 
 
+def counted(r, fn):
+    """fn(r), counting the native header check's verdicts (accepted / deferred to
+    Python) on the way: through `_native.accept` where the reader calls it, or the
+    stamp `_native.take` returns where take runs the check itself."""
+    name = "_naccept" if hasattr(r, "_naccept") else "_ntake"
+    orig = getattr(r, name)
+
+    def counting(*args):
+        got = orig(*args)
+        if name == "_naccept":
+            verdicts[got is not None] += 1
+        elif isinstance(got, tuple) and len(got) >= 6:
+            verdicts[got[5] is not None] += 1
+        return got
+
+    setattr(r, name, counting)
+    try:
+        return fn(r)
+    finally:
+        setattr(r, name, orig)
+
+
 HOWS = ["ctl_word", "ctl_len", "ctl_bytes", "hdr_bytes", "lay_bytes", "hdr_word",
         "lay_word", "hdr_ptr", "hdr_ptr", "chan", "other_slot", "splice"]
 cases = bad = 0
 failures = []
+verdicts = [0, 0]      # the native header check on attacked slots: deferred, accepted
 while time.monotonic() < t_end:
     kind = kinds[cases % len(kinds)]
     cases += 1
@@ -293,7 +316,7 @@ while time.monotonic() < t_end:
             publish_good(w, kind, 3)
             slot = L.LAST.unpack_from(w._buf, L.OFF_LAST_SEQ)[1]
             descr = [mutate(w, slot, rng.choice(HOWS)) for _ in range(rng.choice([1, 1, 2, 3]))]
-            a, b = drain(rn), drain(rp)
+            a, b = counted(rn, drain), drain(rp)
             stats[a[0][0] + ("/" + a[0][1] if a[0][0] == "rej" else "")] = stats.get(
                 a[0][0] + ("/" + a[0][1] if a[0][0] == "rej" else ""), 0) + 1
             problem = None
@@ -313,11 +336,14 @@ while time.monotonic() < t_end:
                                      problem=problem, native=a, python=b))
         finally:
             rn.close(); rp.close(); w.close()
-print(json.dumps(dict(cases=cases, bad=bad, stats=stats)))
+print(json.dumps(dict(cases=cases, bad=bad, stats=stats, native_deferred=verdicts[0],
+                      native_accepted=verdicts[1])))
 for f in failures[:5]:
     print(json.dumps(f))
 assert not failures, f"{bad} of {cases} cases failed"
 assert cases >= 50, cases
+# The attacked bytes really went through the native check, both ways.
+assert verdicts[0] > 10 and verdicts[1] > 10, verdicts
 '''
 
 
@@ -439,6 +465,80 @@ assert a[1:] == b[1:], (a, b)
     "dies); the pure-Python reader returns None / ChannelTimeout."))
 def test_seq_all_ones_native_reader_raises_untyped_overflow():
     _run(_SEQ_ALL_ONES, timeout=30)
+
+
+_ATTACH_AND_TIMEOUT = r"""
+import threading
+spec = ChannelSpec(name="hostile", slot_size=4096, slot_count=4, max_readers=2)
+# 1. A channel header that lies about the geometry: both paths refuse to attach, typed.
+fields = {"magic": (0, "Q"), "version": (8, "I"), "slot_count": (12, "I"),
+          "slot_size": (16, "Q"), "stride": (24, "Q"), "ctl": (32, "Q"), "chan": (40, "I")}
+for name, (off, fmt) in fields.items():
+    for v in [0, 1, 2 ** 31, 2 ** (8 * struct.calcsize(fmt)) - 1]:
+        with Channel.create(spec) as ch:
+            w = Writer(ch.writer_handle(), seal=False)
+            w.publish_array(np.arange(8, dtype=np.uint8))
+            struct.pack_into("<" + fmt, w._buf, off, v)
+            got = []
+            for native in (True, False):
+                try:
+                    r = Reader(ch.reader_handle(int(not native)), native=native,
+                               attach_timeout_s=0.05)
+                except BridgeError as e:
+                    got.append(type(e).__name__)
+                except Exception as e:
+                    raise AssertionError(f"{name}={v:#x}: untyped {type(e).__name__}: {e}")
+                else:
+                    got.append(drain(r))
+                    r.close()
+            assert got[0] == got[1], (name, hex(v), got)
+            w.close()
+
+# 2. A writer that says "newer" forever (last_seq far ahead, every slot odd) and keeps
+#    ringing the wake-up socket: receive(timeout) still ends on time, typed.
+with Channel.create(spec) as ch:
+    w = Writer(ch.writer_handle(), seal=False)
+    w.publish_array(np.arange(8, dtype=np.uint8))
+    rn = Reader(ch.reader_handle(0), native=True)
+    rp = Reader(ch.reader_handle(1), native=False)
+    for i in range(spec.slot_count):
+        L.U64.pack_into(w._buf, L.control_offset(i), 2 * i + 1)
+        L.U64.pack_into(w._buf, L.control_offset(i) + 8, 10 ** 12 + i)
+    L.U64.pack_into(w._buf, L.OFF_LAST_SEQ, 10 ** 12 + 10)
+    stop = threading.Event()
+
+    def ring():
+        while not stop.is_set():
+            for fd in w._events:
+                try:
+                    os.write(fd, b"x")
+                except OSError:
+                    pass
+            time.sleep(0.0005)
+
+    t = threading.Thread(target=ring, daemon=True)
+    t.start()
+    try:
+        for r in (rn, rp):
+            t0 = time.monotonic()
+            try:
+                r.receive(timeout=0.2)
+                raise AssertionError("a message out of odd slots")
+            except BridgeError as e:
+                assert type(e).__name__ == "ChannelTimeout", e
+            took = time.monotonic() - t0
+            assert took < 1.0, took
+    finally:
+        stop.set(); t.join()
+print("ok")
+"""
+
+
+def test_lying_channel_header_and_endless_wake_ups():
+    """A channel header with wrong magic/version/geometry/channel id is refused alike by
+    both paths at attach; a writer that rings forever while every slot is odd and
+    last_seq is far ahead cannot hold receive(timeout) past its timeout."""
+    _run(_ATTACH_AND_TIMEOUT, timeout=60)
 
 
 # ===================================================================== hostile reader
