@@ -515,17 +515,26 @@ static PyObject *w_publish(PyObject *m, PyObject *const *a, Py_ssize_t n) {
 
 /* ------------------------------------------------------------- the reader */
 
+static PyObject *accept_core(PyObject *rawo, PyObject *compiled, PyObject *ctx,
+                             uint64_t want_seq, uint64_t want_gen, uint64_t now,
+                             uint64_t last_capture);
+
 /* take(seg, lease, ctl, hdr, lay, want, k, deadline, hdr_max, lay_max, last_seq_off,
- *      last_slot_off, retries)
+ *      last_slot_off, retries, compiled, ctx, last_capture, last_layout)
  *   -> None (nothing newer than want - 1 is stable), False (a message is there but k < 0:
- *      no lease free), or (slot, gen, seq, raw_header, raw_layout) with lease k held.
+ *      no lease free), or (slot, gen, seq, raw_header, raw_layout, stamp) with lease k
+ *      held; stamp: `accept`'s verdict (clock read after the copy) when raw_layout
+ *      equals last_layout (the layout the reader validated last), else None.
  * R1, R2, L1-L3, R3 (copies), R4, R5 as in the argument at the top; a slot the writer
  * took meanwhile is looked for again, at most `retries` times. */
 static PyObject *r_take(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-    if (n != 13) {
-        PyErr_SetString(PyExc_TypeError, "take() takes 13 arguments");
+    if (n != 17) {
+        PyErr_SetString(PyExc_TypeError, "take() takes 17 arguments");
         return NULL;
     }
+    uint64_t last_capture;
+    if (get_u64(a[15], &last_capture) < 0)
+        return NULL;
     Region *seg = as_region(a[0], "segment");
     Region *lease = seg ? as_region(a[1], "lease table") : NULL;
     if (lease == NULL)
@@ -622,8 +631,20 @@ static PyObject *r_take(PyObject *m, PyObject *const *a, Py_ssize_t n) {
                 return NULL;
             continue;   /* the writer took the slot while we leased it: look again */
         }
-        return Py_BuildValue("(nKKNN)", slot, (unsigned long long)g1,
-                             (unsigned long long)seq, raw_h, raw_l);
+        PyObject *stamp = NULL, *last = a[16];
+        if (PyBytes_Check(last) && PyBytes_GET_SIZE(last) == ln
+                && memcmp(PyBytes_AS_STRING(last), PyBytes_AS_STRING(raw_l), ln) == 0)
+            stamp = accept_core(raw_h, a[13], a[14], seq, g1, monotonic_ns(), last_capture);
+        else
+            stamp = Py_NewRef(Py_None);
+        if (stamp == NULL) {
+            __atomic_store_n((uint64_t *)(e + 8), 0, RELEASE);
+            Py_DECREF(raw_h);
+            Py_DECREF(raw_l);
+            return NULL;
+        }
+        return Py_BuildValue("(nKKNNN)", slot, (unsigned long long)g1,
+                             (unsigned long long)seq, raw_h, raw_l, stamp);
     }
     return Py_NewRef(Py_None);
 bad_offsets:
@@ -686,12 +707,9 @@ enum { F_VERSION, F_CHANNEL, F_SEQ, F_GEN, F_PID, F_CRC_WHICH, F_FRAME_WHICH, F_
  * ctx: (crc_n, crc_is, frame_n, frame_is, exp_n, exp_is, gain_n, gain_is, channel_id,
  *       need_crc, need_frame, tolerance_ns, max_age_ns, receipt captureTsNs offset in
  *       the Receipt's data section, Stamp type) */
-static PyObject *h_accept(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-    if (n != 7) {
-        PyErr_SetString(PyExc_TypeError, "accept() takes 7 arguments");
-        return NULL;
-    }
-    PyObject *rawo = a[0], *compiled = a[1], *ctx = a[2];
+static PyObject *accept_core(PyObject *rawo, PyObject *compiled, PyObject *ctx,
+                             uint64_t want_seq, uint64_t want_gen, uint64_t now,
+                             uint64_t last_capture) {
     if (!PyBytes_Check(rawo) || !PyDict_Check(compiled) || !PyTuple_Check(ctx)
             || PyTuple_GET_SIZE(ctx) != 15) {
         PyErr_SetString(PyExc_TypeError, "accept(): bad argument types");
@@ -706,10 +724,6 @@ static PyObject *h_accept(PyObject *m, PyObject *const *a, Py_ssize_t n) {
         if (get_u64(PyTuple_GET_ITEM(ctx, i), &c[i]) < 0)
             return NULL;
     PyTypeObject *stamp_type = (PyTypeObject *)PyTuple_GET_ITEM(ctx, 14);
-    uint64_t want_seq, want_gen, now, last_capture;
-    if (get_u64(a[3], &want_seq) < 0 || get_u64(a[4], &want_gen) < 0
-            || get_u64(a[5], &now) < 0 || get_u64(a[6], &last_capture) < 0)
-        return NULL;
     PyObject *key = PyBytes_FromStringAndSize((const char *)raw, 16);
     if (key == NULL)
         return NULL;
@@ -986,6 +1000,18 @@ fail:
     Py_XDECREF(exp_which);
     Py_XDECREF(gain_which);
     return NULL;
+}
+
+static PyObject *h_accept(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    uint64_t want_seq, want_gen, now, last_capture;
+    if (n != 7) {
+        PyErr_SetString(PyExc_TypeError, "accept() takes 7 arguments");
+        return NULL;
+    }
+    if (get_u64(a[3], &want_seq) < 0 || get_u64(a[4], &want_gen) < 0
+            || get_u64(a[5], &now) < 0 || get_u64(a[6], &last_capture) < 0)
+        return NULL;
+    return accept_core(a[0], a[1], a[2], want_seq, want_gen, now, last_capture);
 }
 
 /* ------------------------------------------------------------- module */

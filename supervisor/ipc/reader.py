@@ -76,6 +76,9 @@ class Reader:
             self._seg = nat.Region(self._mm)
             self._lease_r = nat.Region(self._lease_mm, True)
             self._ntake = nat.take
+            # The native header check. take() runs it itself; a replaced one (tests
+            # count its verdicts) is called from here instead, on the same bytes.
+            self._naccept = nat.accept
             self._fence = nat.fence_full
             self._seg.load(0)     # acquire the magic: the header it guards is visible
         self._check_channel_header()
@@ -114,7 +117,6 @@ class Reader:
             self.try_receive = self._try_receive_native   # the native hot path
             self._stable = self._seg.check
             H = codec.HEADER
-            self._naccept = nat.accept
             self._compiled = H._compiled
             self._actx = (H.crc_n, H.crc_is, H.frame_n, H.frame_is, H.exp_n, H.exp_is,
                           H.gain_n, H.gain_is, spec.channel_id, int(spec.crc),
@@ -166,56 +168,42 @@ class Reader:
         self._free_leases.append(k)
 
     def _try_receive_native(self) -> Message | None:
-        """``try_receive`` on the native atomics: the slot search, lease and seqlock
-        read (with its retries) in one call (see _native.c), then the same checks."""
+        """``try_receive`` on the native atomics: the slot search, lease, seqlock read
+        (with its retries) and, for a message in the layout validated last, every
+        header check, in one call (see _native.c); then the same CRC check. Anything
+        the native check does not accept goes to ``_accept``, which decides."""
         free = self._free_leases
         k = free[-1] if free else -1
+        inline = self._naccept is self._native.accept
         got = self._ntake(self._seg, self._lease_r, self._ctl, self._hdr_at, self._lay_at,
                           self._last_seq + 1, k, _now() + self._lease_ns, HEADER_MAX,
-                          LAYOUT_MAX, _OFF_LAST_SEQ, _OFF_LAST_SLOT, _RETRIES)
+                          LAYOUT_MAX, _OFF_LAST_SEQ, _OFF_LAST_SLOT, _RETRIES,
+                          self._compiled, self._actx, self._last_capture,
+                          self._last_layout_raw if inline else None)
         if got is None:
             return None
         if got is False:
             raise BridgeError(f"channel {self.spec.name!r}: all {self.spec.max_leases} "
                               f"leases are held; release a message before receiving another")
         free.pop()
+        slot, gen, seq, raw_h, raw_l, stamp = got
         try:
-            return self._accept_native(*got[:3], k, *got[3:])
+            if not inline and raw_l == self._last_layout_raw:
+                stamp = self._naccept(raw_h, self._compiled, self._actx, seq, gen, _now(),
+                                      self._last_capture)
+            if stamp is None:
+                return self._accept(slot, gen, seq, k, raw_h, raw_l)
+            if self._received or self._rejected:
+                self._dropped += seq - self._last_seq - 1
+            self._last_seq = seq
+            layout = self._last_layout
+            crc = stamp[4]
+            if crc is not None and self.spec.crc:
+                self._check_crc(slot, gen, seq, k, layout, crc)
         except BaseException:
             if k not in free:
                 self._drop_lease(k)
             raise
-
-    def _accept_native(self, slot: int, gen: int, seq: int, k: int, raw_h: bytes,
-                       raw_l: bytes) -> Message:
-        """``_accept`` for the common message: the layout bytes are the last ones
-        validated, and the native check (`_native.accept`) accepts the header after
-        every check ``_accept`` makes on it. Anything else goes to ``_accept``, which
-        decides on the same bytes; the CRC is checked here as there."""
-        stamp = None
-        if raw_l == self._last_layout_raw:
-            stamp = self._naccept(raw_h, self._compiled, self._actx, seq, gen, _now(),
-                                  self._last_capture)
-        if stamp is None:
-            return self._accept(slot, gen, seq, k, raw_h, raw_l)
-        if self._received or self._rejected:
-            self._dropped += seq - self._last_seq - 1
-        self._last_seq = seq
-        layout = self._last_layout
-        crc = stamp[4]
-        if crc is not None and self.spec.crc:
-            lo, hi = layout.span
-            got = zlib.crc32(self._payloads[slot][lo:hi])
-            e = None
-            if not self._stable(self._ctl[slot], gen):
-                e = TornRead(self.spec.name, "slot reused during the CRC check", seq)
-            elif got != crc:
-                e = CrcMismatch(self.spec.name, f"payload CRC {got:#010x} != header "
-                                f"{crc:#010x}", seq)
-            if e is not None:
-                self._rejected[e.reason] += 1
-                self._drop_lease(k)
-                raise e
         capture_ts = stamp[6]
         if capture_ts is not None:
             self._last_capture = capture_ts
@@ -232,6 +220,21 @@ class Reader:
         msg._array = None
         msg._released = msg._lost = False
         return msg
+
+    def _check_crc(self, slot: int, gen: int, seq: int, k: int, layout: Layout,
+                   crc: int) -> None:
+        lo, hi = layout.span
+        got = zlib.crc32(self._payloads[slot][lo:hi])
+        e = None
+        if not self._stable(self._ctl[slot], gen):
+            e = TornRead(self.spec.name, "slot reused during the CRC check", seq)
+        elif got != crc:
+            e = CrcMismatch(self.spec.name, f"payload CRC {got:#010x} != header "
+                            f"{crc:#010x}", seq)
+        if e is not None:
+            self._rejected[e.reason] += 1
+            self._drop_lease(k)
+            raise e
 
     # ------------------------------------------------------------ receiving
 
