@@ -29,6 +29,7 @@ _now = time.monotonic_ns
 _new_message = object.__new__
 _OFF_LAST_SEQ = L.OFF_LAST_SEQ
 _OFF_LAST_SLOT = L.OFF_LAST_SLOT
+_MAX_SEQ = 2**64 - 1
 
 # How far a publish, frame capture or receipt capture timestamp may lie ahead of the
 # reader's clock before the message is rejected as FutureTimestamp. Every timestamp on
@@ -172,6 +173,9 @@ class Reader:
         (with its retries) and, for a message in the layout validated last, every
         header check, in one call (see _native.c); then the same CRC check. Anything
         the native check does not accept goes to ``_accept``, which decides."""
+        if self._last_seq >= _MAX_SEQ:
+            return None      # nothing can be newer (a hostile writer's last word); as in
+                             # the pure-Python path, which compares before it looks
         free = self._free_leases
         k = free[-1] if free else -1
         inline = self._naccept is self._native.accept

@@ -17,6 +17,9 @@ from .errors import BridgeError
 from .receipt import Receipt
 
 _LAST_SEQ_WORD = L.OFF_LAST_SEQ // 8
+# Above this a sequence or generation was not reached by counting (2**62 messages at a
+# million a second: 146,000 years); the supervisor's fail-safe repair uses the same bound.
+PLAUSIBLE = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,15 @@ class Writer:
                                                        spec.control_size):
                 raise BridgeError(f"channel {spec.name!r}: segment layout does not match spec")
             self._last_seq = L.U64.unpack_from(buf, L.OFF_LAST_SEQ)[0]
+            # What a previous (perhaps compromised) writer left is continued only if a
+            # writer could have reached it: near 2**64 the next increments would
+            # overflow every 8-byte word they go to.
+            words = [self._last_seq, *(L.GEN_SEQ.unpack_from(buf, cb)[0] for cb in self._ctl)]
+            if max(words) >= PLAUSIBLE:
+                raise BridgeError(f"channel {spec.name!r}: the segment holds sequence or "
+                                  f"generation {max(words):#x} from a previous writer, beyond "
+                                  f"any a writer reaches; the supervisor must re-create or "
+                                  f"repair the channel")
             for i, cb in enumerate(self._ctl):
                 gen, seq = L.GEN_SEQ.unpack_from(buf, cb)
                 self._gen[i] = gen + (gen & 1)    # an interrupted write is abandoned
