@@ -107,6 +107,26 @@ def drain(r, n=4):
     return got
 
 
+def _counted(r):
+    """drain(r), counting the native header check's verdicts into `verdicts`."""
+    name = "_naccept" if hasattr(r, "_naccept") else "_ntake"
+    orig = getattr(r, name)
+
+    def counting(*args):
+        got = orig(*args)
+        if name == "_naccept":
+            verdicts[got is not None] += 1
+        elif isinstance(got, tuple) and len(got) >= 6:
+            verdicts[got[5] is not None] += 1
+        return got
+
+    setattr(r, name, counting)
+    try:
+        return drain(r)
+    finally:
+        setattr(r, name, orig)
+
+
 def untyped(results):
     return [o for o in results if "UNTYPED" in o]
 '''
@@ -539,6 +559,157 @@ def test_lying_channel_header_and_endless_wake_ups():
     both paths at attach; a writer that rings forever while every slot is odd and
     last_seq is far ahead cannot hold receive(timeout) past its timeout."""
     _run(_ATTACH_AND_TIMEOUT, timeout=60)
+
+
+_RECEIPT_SWEEP = r"""
+# The native header check reads a Receipt's captureTsNs itself (a struct pointer it
+# follows without pycapnp): every receipt pointer word a hostile writer could put there,
+# with future timestamps planted where a moved pointer may read them.
+spec = ChannelSpec(name="hostile", slot_size=4096, slot_count=4, max_readers=2)
+H = codec.HEADER
+ch = Channel.create(spec)
+w = Writer(ch.writer_handle(), seal=False)
+rn = Reader(ch.reader_handle(0), native=True)
+rp = Reader(ch.reader_handle(1), native=False)
+
+
+def publish(n):
+    now = time.monotonic_ns()
+    with w.loan() as loan:
+        loan.array((16,), "uint8")[...] = n % 256
+        return loan.publish(receipt=Receipt(n, now - 5000, now - 4000, now - 100, "CPU",
+                                            64, 32, kernels_run=3))
+
+
+for n in (1, 2):
+    publish(n)
+    a, b = drain(rn), drain(rp)
+    assert a == b and a[0][0] == "ok", (a, b)
+# Where the receipt pointer sits: root pointer section, pointer receipt_ptr.
+hb0 = w._geo.header[0]
+seen = {}
+cases = 0
+verdicts = [0, 0]
+for off in list(range(-12, 18)) + [(1 << 29) - 1, 1 << 29, (1 << 30) - 1]:
+    for dwords in (0, 1, 2, 3, 11, 12, 0xFFFF):
+        for pcount in (0, 1, 2, 0xFFFF):
+            for tag in (0, 0, 1, 2, 3):
+                cases += 1
+                seq = publish(cases + 2)
+                slot = L.LAST.unpack_from(w._buf, L.OFF_LAST_SEQ)[1]
+                hb = w._geo.header[slot]
+                raw = bytes(w._buf[hb:hb + 2048])
+                _, words = struct.unpack_from("<II", raw, 0)
+                root = L.U64.unpack_from(raw, 8)[0]
+                rdw, rpc = (root >> 32) & 0xFFFF, root >> 48
+                rpos = 16 + ((root & 0xFFFFFFFF) >> 2) * 8 + rdw * 8 + H.receipt_ptr * 8
+                word = ((off % (1 << 30)) << 2) | tag | dwords << 32 | pcount << 48
+                L.U64.pack_into(w._buf, hb + rpos, word)
+                future = time.monotonic_ns() + 10 ** 10
+                for k in (1, 2, 4, 6):      # frameId, captureTsNs, inferEndNs, bytesOut
+                    L.U64.pack_into(w._buf, hb + rpos + 8 + 8 * k - 8, future)
+                a = counted_(rn)
+                b = drain(rp)
+                key = a[0][0] + ("/" + a[0][1] if a[0][0] == "rej" else "")
+                seen[key] = seen.get(key, 0) + 1
+                assert not untyped(a) and not untyped(b), (off, dwords, pcount, tag, a, b)
+                assert a == b, (hex(word), a, b)
+print(json.dumps(dict(cases=cases, seen=seen, native=verdicts)))
+assert seen.get("rej/FutureTimestamp", 0) > 0 and seen.get("ok", 0) > 0, seen
+"""
+
+
+def test_receipt_pointer_sweep_native_equals_python():
+    """Every receipt pointer shape (offset -12..17 and the 30-bit edges, data and
+    pointer sizes 0..0xFFFF, all four pointer tags) over planted future timestamps:
+    the native check's verdict equals the pure-Python reader's."""
+    print(_run(_RECEIPT_SWEEP.replace("counted_(rn)", "_counted(rn)"), timeout=60))
+
+
+_WAKE_UP = r"""
+import threading
+# Two hostile readers say "awake, don't ring me" (and worse) in their lease headers; the
+# honest native reader, blocked in receive(), is still woken by every publish.
+spec = ChannelSpec(name="victim", slot_size=4096, slot_count=4, max_readers=3)
+ch = Channel.create(spec)
+w = Writer(ch.writer_handle())
+honest = Reader(ch.reader_handle(2), native=True)
+tables = [shm.map_segment(ch.reader_handle(i).lease_fd, spec.lease_size, writable=True)
+          for i in (0, 1)]
+rng = random.Random(7)
+lat = []
+for i in range(40):
+    for t in tables:
+        L.U64.pack_into(t, L.OFF_AWAKE, rng.choice([L.READER_AWAKE, 0, U64 - 1, 2]))
+        if rng.random() < 0.3:
+            t[:] = rng.randbytes(len(t))
+    got = {}
+
+    def recv():
+        t0 = time.monotonic()
+        try:
+            with honest.receive(timeout=2.0) as m:
+                got["seq"] = m.sequence
+                got["data"] = m.array.tolist()
+        except BaseException as e:
+            got["err"] = repr(e)
+        got["dt"] = time.monotonic() - t0
+
+    th = threading.Thread(target=recv)
+    th.start()
+    time.sleep(0.01)              # the reader is blocked in poll() by now
+    seq = w.publish_array(np.full(8, i, np.uint8))
+    th.join(5)
+    assert not th.is_alive()
+    assert got.get("seq") == seq and got["data"] == [i] * 8, got
+    lat.append(got["dt"])
+print(max(lat))
+assert max(lat) < 1.0, lat
+"""
+
+
+def test_hostile_awake_words_do_not_silence_an_honest_reader():
+    print(_run(_WAKE_UP, timeout=60))
+
+
+_SEGMENT_SIZE = r"""
+import ctypes, errno
+libc = ctypes.CDLL(None, use_errno=True)
+libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+spec = ChannelSpec(name="hostile", slot_size=8192, slot_count=4, max_readers=2)
+ch = Channel.create(spec)
+w = Writer(ch.writer_handle(), seal=False)
+rn = Reader(ch.reader_handle(0), native=True)
+rp = Reader(ch.reader_handle(1), native=False)
+fd = ch.writer_handle().data_fd
+w.publish_array(np.arange(16, dtype=np.uint8))
+assert drain(rn) == drain(rp)
+# The size is sealed: a hostile writer cannot shrink the segment under the readers'
+# mappings (SIGBUS) nor grow it.
+for size in (0, 4096, spec.segment_size - 4096, spec.segment_size + 4096):
+    try:
+        os.ftruncate(fd, size)
+    except OSError as e:
+        assert e.errno == errno.EPERM, e
+    else:
+        raise AssertionError(f"ftruncate({size}) allowed")
+# It can punch holes (the pages read as zeros again): both paths see the same nothing.
+for start, length in [(spec.control_size, spec.segment_size - spec.control_size),
+                      (0, 4096), (0, spec.segment_size)]:
+    w.publish_array(np.arange(16, dtype=np.uint8) * 2)
+    if libc.fallocate(fd, 3, start, length) != 0:      # PUNCH_HOLE | KEEP_SIZE
+        print("fallocate:", os.strerror(ctypes.get_errno()))
+        break
+    a, b = drain(rn), drain(rp)
+    assert not untyped(a) and a == b, (start, length, a, b)
+print("ok")
+"""
+
+
+def test_segment_size_is_sealed_and_punched_holes_read_as_nothing():
+    """A hostile writer cannot resize the segment under the readers (SIGBUS); pages it
+    punches out read as zeros, which both paths treat alike."""
+    print(_run(_SEGMENT_SIZE, timeout=30))
 
 
 # ===================================================================== hostile reader
