@@ -475,16 +475,15 @@ assert a[1:] == b[1:], (a, b)
 '''
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG supervisor/ipc/reader.py Reader._try_receive_native passes self._last_seq + 1 "
-    "to _native.take, whose get_u64(a[5]) (supervisor/ipc/_native.c r_take, `want`) "
-    "raises OverflowError once a hostile writer got the reader to consume sequence "
-    "2**64-1 (control block seq = last_seq = 0xFFFFFFFFFFFFFFFF; consumed even when the "
-    "header is rejected). Every later try_receive/receive of the native reader then "
-    "raises an untyped OverflowError (controlsd catches only BridgeError subclasses: it "
-    "dies); the pure-Python reader returns None / ChannelTimeout."))
-def test_seq_all_ones_native_reader_raises_untyped_overflow():
-    _run(_SEQ_ALL_ONES, timeout=30)
+def test_seq_all_ones_native_reader_waits_like_python():
+    """Regression (found here, fixed in 7f595f6): a hostile writer got the reader to
+    consume sequence 2**64-1 (control block seq = last_seq = 0xFFFF_FFFF_FFFF_FFFF,
+    consumed even though its header is rejected); the native reader then passed
+    last_seq + 1 = 2**64 to `_native.take` (get_u64 of `want` in r_take) and every later
+    try_receive / receive raised an untyped OverflowError (controlsd catches only
+    BridgeError subclasses: it died), where the pure-Python reader returns None /
+    ChannelTimeout."""
+    print(_run(_SEQ_ALL_ONES, timeout=30))
 
 
 _ATTACH_AND_TIMEOUT = r"""
@@ -956,41 +955,80 @@ def test_races_hostile_writer_and_reader_processes(crc):
 
 _RESTART = r'''
 # worker.py re-creates a restarted worker's Writer with seal=False on the same segment:
-# the previous (compromised) incarnation may have left any generation or last_seq.
-problems = []
+# the previous (compromised) incarnation may have left any word in it.
+problems, seen = [], {}
+P = 1 << 62
 for native in (True, False):
-    for what, val in [("gen", U64 - 2), ("gen", U64 - 1), ("last_seq", U64 - 1)]:
-        spec = ChannelSpec(name="restart", slot_size=4096, slot_count=4, max_readers=1)
+    for what, val in [("gen", U64 - 2), ("gen", U64 - 1), ("gen", P), ("gen", P - 2),
+                      ("gen", P - 1), ("gen_one", U64 - 2), ("last_seq", U64 - 1),
+                      ("last_seq", P), ("last_seq", P - 1), ("seq", U64 - 1),
+                      ("seq", P), ("seq_hint", U64 - 1), ("last_slot", U64 - 1)]:
+        spec = ChannelSpec(name="restart", slot_size=4096, slot_count=4, max_readers=2)
         with Channel.create(spec) as ch:
             w = Writer(ch.writer_handle(), seal=False, native=native)
-            w.publish_array(np.arange(8, dtype=np.uint8))
-            for i in range(spec.slot_count):
-                if what == "gen":
-                    L.U64.pack_into(w._buf, L.control_offset(i), val)
-            if what == "last_seq":
-                L.U64.pack_into(w._buf, L.OFF_LAST_SEQ, val)
+            for _ in range(3):
+                w.publish_array(np.arange(8, dtype=np.uint8))
+            buf = w._buf
+            if what == "gen":
+                for i in range(spec.slot_count):
+                    L.U64.pack_into(buf, L.control_offset(i), val)
+            elif what == "gen_one":
+                L.U64.pack_into(buf, L.control_offset(1), val)
+            elif what == "last_seq":
+                L.U64.pack_into(buf, L.OFF_LAST_SEQ, val)
+            elif what in ("seq", "seq_hint"):
+                # One slot's control block (even generation) claims a huge sequence.
+                L.U64.pack_into(buf, L.control_offset(2) + 8, val)
+                if what == "seq_hint":
+                    L.U32.pack_into(buf, L.OFF_LAST_SLOT, 2)
+            elif what == "last_slot":
+                L.U32.pack_into(buf, L.OFF_LAST_SLOT, val % 2 ** 32)
             w.close()
+            outcome = None
             try:
                 w2 = Writer(ch.writer_handle(), seal=False, native=native)
-                for _ in range(3):
-                    w2.publish_array(np.arange(8, dtype=np.uint8))
-            except BridgeError:
-                pass                  # a typed refusal is fine
+            except BridgeError as e:
+                outcome = "refused"
             except Exception as e:
-                problems.append((native, what, hex(val), type(e).__name__, str(e)[:80]))
-print(problems)
+                problems.append((native, what, hex(val), "attach", type(e).__name__,
+                                 str(e)[:80]))
+                continue
+            if outcome is None:
+                # Accepted: it must publish, and both reader paths must read it alike.
+                rn = Reader(ch.reader_handle(0), native=True)
+                rp = Reader(ch.reader_handle(1), native=False)
+                try:
+                    for n in range(6):
+                        w2.publish_array(np.full(8, n, np.uint8))
+                        a, b = drain(rn), drain(rp)
+                        if untyped(a) or untyped(b) or a != b:
+                            problems.append((native, what, hex(val), n, a, b))
+                            break
+                    outcome = "published"
+                except BridgeError as e:
+                    outcome = "refused on publish: " + type(e).__name__
+                except Exception as e:
+                    problems.append((native, what, hex(val), "publish", type(e).__name__,
+                                     str(e)[:80]))
+                finally:
+                    rn.close(); rp.close(); w2.close()
+            seen[f"{'native' if native else 'python'} {what}={val:#x}"] = outcome
+for k, v in seen.items():
+    print(k, "->", v)
 assert not problems, problems
+# The two paths decide every case alike.
+for k, v in seen.items():
+    if k.startswith("native "):
+        assert seen.get("python " + k[7:]) == v, (k, v, seen.get("python " + k[7:]))
 '''
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (both paths, not native-only): supervisor/ipc/writer.py Writer._attach keeps the "
-    "generations and last_seq a previous writer left (gen + (gen & 1), last_seq) without "
-    "bounds; with gen 2**64-2 / 2**64-1 or last_seq 2**64-1 in the segment, attach or "
-    "every publish raises untyped OverflowError (native: Region.store / _discard_native), "
-    "ValueError (pure Python: memoryview 'Q' store) or struct.error (the header plan), "
-    "never a BridgeError. supervisor/worker.py restarts writers with seal=False on the "
-    "same segment, so a compromised incarnation makes every restart crash (failsafe.py "
-    "guards only its own writer with _PLAUSIBLE)."))
-def test_restarted_writer_on_a_poisoned_segment_fails_typed():
-    _run(_RESTART, timeout=30)
+def test_restarted_writer_on_a_poisoned_segment():
+    """Regression (found here, fixed in 7f595f6): worker.py restarts writers with
+    seal=False on the same segment, and Writer._attach continued whatever generations and
+    last_seq the previous (compromised) incarnation left: with 2**64-2 / 2**64-1 there,
+    attach or every publish raised untyped OverflowError (native: Region.store,
+    _discard_native), ValueError (pure Python: memoryview 'Q' store) or struct.error.
+    Now: a typed refusal or working publishes, the same on both paths, for poisoned
+    generations, last_seq, per-slot sequences and the last_slot hint."""
+    print(_run(_RESTART, timeout=30))
