@@ -27,61 +27,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CONFIG = """
-[domains.control]
-failure_policy = "fail_safe"
-actuates = true
+PIPE = ("camerad", "modeld", "controlsd")
 
-[channels.road_frames]
-kind = "frame"
-pixel_formats = ["nv12"]
-slot_size = "{slot}"
-slot_count = 6
-max_age_ms = 100
 
-[channels.model_out]
-dtype = "float32"
-slot_size = "4KiB"
-slot_count = 8
-max_age_ms = 200
-crc = true
-payload = "model_out"
+def bench_config(w: int, h: int, slot: int) -> str:
+    """The vehicle's own pipeline (the embedded default without research) at WxH, no
+    standbys: what a developer replays."""
+    from supervisor.config import default_doc, derive, dumps
 
-[channels.control_cmd]
-dtype = "float32"
-slot_size = "4KiB"
-slot_count = 16
-max_age_ms = 50
-crc = true
-payload = "control_cmd"
-
-[models.lane-offset]
-artifact = "models/demo/lane-offset"
-public_key = "models/demo/demo_ed25519.pub"
-expect_name = "lane-offset-demo"
-min_version = "1.0.0"
-
-[workers.camerad]
-domain = "control"
-module = "workers.camerad"
-publishes = {{ frames = "road_frames" }}
-args = ["--width", "{w}", "--height", "{h}", "--fps", "20"]
-
-[workers.modeld]
-domain = "control"
-module = "workers.modeld"
-model = "lane-offset"
-jit_kernels = true
-subscribes = {{ frames = "road_frames" }}
-publishes = {{ model = "model_out" }}
-ready_timeout_ms = 30000
-
-[workers.controlsd]
-domain = "control"
-module = "workers.controlsd"
-subscribes = {{ model = "model_out" }}
-publishes = {{ command = "control_cmd" }}
-"""
+    return dumps(derive(default_doc(), drop=("workers.research", "channels.shadow_out"), set={
+        "workers.camerad.args": ["--width", str(w), "--height", str(h), "--fps", "20"],
+        "channels.road_frames.slot_size": slot,
+        "channels.model_out.slot_count": 8,
+        "channels.control_cmd.slot_count": 16,
+        **{f"workers.{n}.warm_standby": False for n in PIPE}}))
 
 
 def cli(*args: str, cwd: Path) -> tuple[int, str, float]:
@@ -106,7 +65,7 @@ def main() -> int:
     work = Path(a.out or tempfile.mkdtemp(prefix="replay-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     slot = max(256 << 10, a.width * a.height * 3 // 2 + 4096)
-    (work / "bench.toml").write_text(CONFIG.format(w=a.width, h=a.height, slot=slot))
+    (work / "bench.toml").write_text(bench_config(a.width, a.height, slot))
     rec = work / "rec"
     code, out, wall = cli("record", str(rec), "--config", str(work / "bench.toml"),
                           "--seconds", str(a.seconds), "--quiet", "--video", "raw", cwd=work)

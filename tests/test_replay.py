@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from supervisor.config import default_doc, derive, dumps
 from supervisor.replay.drivelog import DriveLog
 from supervisor.replay.logfmt import MESSAGES
 
@@ -28,70 +29,26 @@ if os.geteuid() != 0:
 ROOT = Path(__file__).resolve().parents[1]
 W, H = 320, 240
 
-CONFIG = """
-[domains.control]
-failure_policy = "fail_safe"
-actuates = true
-{control_binds}
-
-[channels.road_frames]
-kind = "frame"
-pixel_formats = ["nv12"]
-slot_size = "256KiB"
-slot_count = 6
-max_age_ms = 100
-
-[channels.model_out]
-dtype = "float32"
-slot_size = "4KiB"
-slot_count = 8
-max_age_ms = 200
-crc = true
-payload = "model_out"
-
-[channels.control_cmd]
-dtype = "float32"
-slot_size = "4KiB"
-slot_count = 16
-max_age_ms = 50
-crc = true
-payload = "control_cmd"
-
-[models.lane-offset]
-artifact = "{artifact}"
-public_key = "{pubkey}"
-expect_name = "{name}"
-min_version = "1.0.0"
-
-[workers.camerad]
-domain = "control"
-module = "workers.camerad"
-publishes = {{ frames = "road_frames" }}
-args = [{camera_args}]
-
-[workers.modeld]
-domain = "control"
-module = "workers.modeld"
-model = "lane-offset"
-jit_kernels = true
-subscribes = {{ frames = "road_frames" }}
-publishes = {{ model = "model_out" }}
-ready_timeout_ms = 30000
-
-[workers.controlsd]
-domain = "control"
-module = "workers.controlsd"
-subscribes = {{ model = "model_out" }}
-publishes = {{ command = "control_cmd" }}
-"""
 DEMO = dict(artifact="models/demo/lane-offset", pubkey="models/demo/demo_ed25519.pub",
             name="lane-offset-demo")
+PIPE = ("camerad", "modeld", "controlsd")
 
 
 def config(path: Path, *, camera_args=("--width", str(W), "--height", str(H), "--fps", "20"),
-           control_binds: str = "", **model) -> Path:
-    path.write_text(CONFIG.format(camera_args=", ".join(json.dumps(a) for a in camera_args),
-                                  control_binds=control_binds, **{**DEMO, **model}))
+           control_binds: tuple[str, ...] = (), **model) -> Path:
+    """The vehicle's own pipeline (the embedded default without research), small frames,
+    no standbys; `model` overrides the trusted artifact, key and name."""
+    m = {**DEMO, **model}
+    path.write_text(dumps(derive(default_doc(), drop=("workers.research", "channels.shadow_out"),
+                                 set={"workers.camerad.args": list(camera_args),
+                                      "channels.road_frames.slot_size": "256KiB",
+                                      "channels.model_out.slot_count": 8,
+                                      "channels.control_cmd.slot_count": 16,
+                                      "domains.control.extra_ro_binds": list(control_binds),
+                                      "models.lane-offset.artifact": m["artifact"],
+                                      "models.lane-offset.public_key": m["pubkey"],
+                                      "models.lane-offset.expect_name": m["name"],
+                                      **{f"workers.{w}.warm_standby": False for w in PIPE}})))
     return path
 
 
@@ -258,7 +215,7 @@ def clip_log(work) -> Path:
     os.chmod(clips, 0o755)
     cfg = config(work / "clip.toml", camera_args=("--source", "video", "--video", str(clip),
                                                    "--loop"),
-                 control_binds=f'extra_ro_binds = ["{clips}"]')
+                 control_binds=(str(clips),))
     r = cli("record", str(work / "from-clip"), "--config", str(cfg), "--seconds", "2",
             "--quiet", "--recorder-arg=--io-delay-ms", "--recorder-arg=150", cwd=work)
     assert r.returncode == 0, r.stderr[-3000:]

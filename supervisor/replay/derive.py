@@ -8,15 +8,13 @@ of a normal config holds for the derived one, and a problem is reported as usual
 from __future__ import annotations
 
 import copy
-import json
 import os
 import tomllib
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from supervisor.config import ConfigError, load
+from supervisor.config import DEFAULT_SOURCE, ConfigError, default_doc, dumps, load
 
 RECORDER_DOMAIN = "recorder"
 RECORDER = "recorder"
@@ -33,8 +31,7 @@ class DeriveError(ConfigError):
 def read_doc(path: str | os.PathLike | None) -> tuple[dict[str, Any], str]:
     """The user's config as a dict, and its name."""
     if path is None:
-        text = resources.files("supervisor").joinpath("default.toml").read_text("utf-8")
-        return tomllib.loads(text), "<embedded supervisor/default.toml>"
+        return default_doc(), DEFAULT_SOURCE
     try:
         return tomllib.loads(Path(path).read_text("utf-8")), str(path)
     except OSError as e:
@@ -46,43 +43,7 @@ def read_doc(path: str | os.PathLike | None) -> tuple[dict[str, Any], str]:
 # ---------------------------------------------------------------- TOML out
 
 
-def _value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)          # a TOML basic string is a JSON string
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{_key(k)} = {_value(x)}" for k, x in v.items()) + "}"
-    raise DeriveError(f"cannot write {type(v).__name__} {v!r} as TOML")
-
-
-def _key(k: str) -> str:
-    return k if k.replace("_", "").replace("-", "").isalnum() else json.dumps(k)
-
-
-def dumps(doc: dict[str, Any]) -> str:
-    """Top-level tables of tables (``[workers.x]``) and plain values; enough for a
-    supervisor config."""
-    lines: list[str] = []
-    plain = {k: v for k, v in doc.items() if not isinstance(v, dict)}
-    for k, v in plain.items():
-        lines.append(f"{_key(k)} = {_value(v)}")
-    for section, body in doc.items():
-        if not isinstance(body, dict):
-            continue
-        leaf = {k: v for k, v in body.items() if not isinstance(v, dict)}
-        nested = {k: v for k, v in body.items() if isinstance(v, dict)}
-        if leaf or not nested:
-            lines.append(f"\n[{_key(section)}]")
-            lines += [f"{_key(k)} = {_value(v)}" for k, v in leaf.items()]
-        for name, table in nested.items():
-            lines.append(f"\n[{_key(section)}.{_key(name)}]")
-            lines += [f"{_key(k)} = {_value(v)}" for k, v in table.items()]
-    return "\n".join(lines) + "\n"
+# One TOML writer for configs: supervisor.config.dumps (derived configs live there).
 
 
 # ---------------------------------------------------------------- helpers
