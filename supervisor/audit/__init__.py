@@ -116,6 +116,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from supervisor.config import Config
+from supervisor.exits import Exit
 
 from .render import render
 
@@ -123,7 +124,7 @@ __all__ = ["EXIT_DIFFERENCES", "EXIT_MATCH", "SCHEMA_VERSION", "audit", "render"
 
 SCHEMA_VERSION = 1
 EXIT_MATCH = 0
-EXIT_DIFFERENCES = 6
+EXIT_DIFFERENCES = int(Exit.DIFFERS)
 
 
 def audit(cfg: Config, *, live: bool = False, factory: Callable[[Config, Any], Any] | None = None,

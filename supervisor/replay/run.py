@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from supervisor.exits import Exit
+
 from .derive import DeriveError, read_doc, replay_doc, write_config
 from .drivelog import DriveLog, Msg
 from .embed import RunOutcome, give_to_recorder, run_supervised
@@ -31,8 +33,8 @@ from .logfmt import MESSAGES, LogError, Loss, read_stream
 from .record import SOURCE, _one_line
 
 # Exit codes of `supervisor replay` beyond the supervisor's own (supervisor/exits.py):
-DIFFERS = 6        # compared with --ref: outside tolerance (as `audit` uses 6)
-INCOMPLETE = 7     # the replay did not get through the log (timeouts, a worker died)
+DIFFERS = int(Exit.DIFFERS)        # compared with --ref: outside tolerance
+INCOMPLETE = int(Exit.INCOMPLETE)  # the replay did not get through the log
 
 
 class ReplayError(Exception):
