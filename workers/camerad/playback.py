@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 import time
 
 import numpy as np
@@ -134,7 +133,7 @@ def run(ctx, a: argparse.Namespace) -> int:
     try:
         src = open_source(a)
     except SourceError as e:
-        print(f"camerad: {e}", file=sys.stderr, flush=True)
+        ctx.log(f"source refused: {e}")
         return 2
     writer = ctx.writer("frames")
     w, h = src.width, src.height
@@ -195,9 +194,9 @@ def run(ctx, a: argparse.Namespace) -> int:
     done = (f"replay=done frames={published} timeouts={timeouts} log_lost={lost} "
             f"stopped={'sigterm' if stop else 'end'}")
     if kind == "log" and lost:
-        print(f"camerad: {a.log}: {src.loss_text}", file=sys.stderr, flush=True)
+        ctx.log(f"{a.log}: {src.loss_text}")
     ctx.status(done)
-    print(f"camerad: {done}", flush=True)
+    ctx.log(done)
     if kind == "video":
         return 0                        # a clip that ended: the restart policy decides
     while not stop:                     # the driver stops us once it has read the line

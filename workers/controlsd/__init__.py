@@ -134,7 +134,7 @@ def main(ctx: WorkerContext) -> int:
         try:
             times = logclock.load_clock(a.log_clock, a.log_channel)
         except Exception as e:   # LogError: the log cannot place outputs in time
-            print(f"controlsd: --log-clock: {e}", file=sys.stderr, flush=True)
+            ctx.log(f"--log-clock: {e}")
             return 2
         return logclock.run(ctx, a, reader, writer, law, times, model_output_of)
     ctx.ready(status=f"{ctx.channel_of('model')} -> {ctx.channel_of('command')} @ >= {a.hz:g} Hz, timeout {a.timeout_ms:g} ms")

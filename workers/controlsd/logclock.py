@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import signal
-import sys
 import time
 
 import numpy as np
@@ -69,7 +68,7 @@ def run(ctx, a, reader, writer, law: ControlLaw, times: dict[int, int], model_ou
             rejected += 1
             continue
         except BridgeError as e:
-            print(f"controlsd: {e}", file=sys.stderr, flush=True)
+            ctx.log(f"bridge error: {e}")
             continue
         try:
             with msg:

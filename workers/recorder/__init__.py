@@ -165,7 +165,7 @@ def main(ctx: WorkerContext) -> int:
                         video_codec="h264" if a.video == "none" else a.video, fps=a.fps,
                         encode_queue=ENCODE_QUEUE)
     except (KeyError, BridgeError, OSError) as e:
-        print(f"recorder: {e}", file=sys.stderr, flush=True)
+        ctx.log(f"cannot record: {e}")
         return 2
     ctx.ready(status=f"recording {', '.join(names)} -> {a.out} ({a.video})")
     last_ping = last_drops = last_status = time.monotonic()
