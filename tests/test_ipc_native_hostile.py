@@ -63,6 +63,9 @@ SPECIAL32 = [0, 1, 2, 15, 16, 17, 2047, 2048, 2049, 4095, 4096, 0x7FFFFFFF, 0x80
              0xFFFFFFFE, 0xFFFFFFFF]
 
 
+KNOWN_LEN8 = [0]
+
+
 def receive_outcome(r):
     """One try_receive reduced to comparable data; UNTYPED marks a bug."""
     try:
@@ -76,13 +79,35 @@ def receive_outcome(r):
     if m is None:
         return ["none"]
     out = ["ok", repr(tuple(m.stamp))]
+    # The reference (pycapnp, every check) on the same private header bytes must give
+    # the very stamp the reader accepted, and the same receipt.
+    # Known divergence (test_header_length_not_a_multiple_of_8...): a header length
+    # that is not a multiple of 8 is refused by pycapnp alone; the reference then judges
+    # the 8-byte-aligned prefix, and the outcome says so (on both paths alike).
+    raw = m._raw_header
+    if len(raw) % 8:
+        out.append("len%8")
+        KNOWN_LEN8[0] += 1
+        raw = raw[:len(raw) // 8 * 8]
+    try:
+        ref = codec.decode_header(raw, r.spec, fast=False)
+        if repr(tuple(ref)) != out[1]:
+            out.append(f"REFDIFF stamp {tuple(ref)!r}")
+        ref_r = codec.decode_receipt(raw, r.spec, m.sequence, fast=False)
+    except BridgeError as e:
+        ref_r = None
+        if not isinstance(e, Rejected) or "receipt" not in str(e):
+            out.append(f"REFDIFF reference refuses: {e!r}"[:300])
     try:
         lay = m.layout
         out.append(repr((str(lay.dtype), lay.shape, lay.strides, lay.offset, lay.nbytes,
                          lay.frame)))
         out.append(zlib.crc32(m.array.tobytes()))
         try:
-            out.append(repr(m.receipt))
+            rec = m.receipt
+            out.append(repr(rec))
+            if rec != ref_r:
+                out.append(f"REFDIFF receipt {ref_r!r}")
         except BridgeError as e:
             out.append("receipt:" + type(e).__name__)
         m.release()
@@ -197,7 +222,10 @@ def both(rn, rp, max_age_ns=0, count=False):
 
 
 def untyped(results):
-    return [o for o in results if "UNTYPED" in o]
+    """Outcomes that are bugs whatever the other path says: an untyped exception, or an
+    acceptance the reference decoder (pycapnp) does not confirm."""
+    return [o for o in results if "UNTYPED" in o
+            or any(isinstance(x, str) and x.startswith("REFDIFF") for x in o)]
 '''
 
 
@@ -407,7 +435,8 @@ while time.monotonic() < t_end:
         finally:
             rn.close(); rp.close(); w.close()
 print(json.dumps(dict(cases=cases, bad=bad, stats=stats, native_deferred=verdicts[0],
-                      native_accepted=verdicts[1], clock_races=CLOCK_RACES[0])))
+                      native_accepted=verdicts[1], clock_races=CLOCK_RACES[0],
+                      accepted_len_not_8k=KNOWN_LEN8[0])))
 for f in failures[:5]:
     print(json.dumps(f))
 assert not failures, f"{bad} of {cases} cases failed"
@@ -846,6 +875,50 @@ def test_hypothesis_edits_native_equals_python():
     their layouts and control blocks, plus one whole word set to an extreme; the native
     reader's outcome equals the pure-Python reader's."""
     print(_run(_HYPOTHESIS, timeout=60, examples=400))
+
+
+_LEN8 = r"""
+spec = ChannelSpec(name="hostile", slot_size=4096, slot_count=4, max_readers=2)
+ch = Channel.create(spec)
+w = Writer(ch.writer_handle(), seal=False)
+rn = Reader(ch.reader_handle(0), native=True)
+rp = Reader(ch.reader_handle(1), native=False)
+w.publish_array(np.arange(8, dtype=np.uint8))
+assert drain(rn) == drain(rp)
+w.publish_array(np.arange(8, dtype=np.uint8))
+slot = L.LAST.unpack_from(w._buf, L.OFF_LAST_SEQ)[1]
+cb = L.control_offset(slot)
+hlen = L.CONTROL.unpack_from(w._buf, cb)[3]
+L.U32.pack_into(w._buf, cb + 24, hlen + 1)      # one byte more than the message
+raw = bytes(w._buf[w._geo.header[slot]:w._geo.header[slot] + hlen + 1])
+try:
+    codec.decode_header(raw, spec, fast=False)
+    ref = "accepted"
+except Rejected as e:
+    ref = type(e).__name__ + ": " + e.detail
+print("reference:", ref)
+a, b = drain(rn), drain(rp)
+print("native:", a[0][:2], "python:", b[0][:2])
+assert ref.startswith("MalformedHeader"), ref
+# The readers must refuse it as the reference does; both accept it.
+assert a[0] == ["rej", "MalformedHeader"], a
+assert b[0] == ["rej", "MalformedHeader"], b
+"""
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG (fast path, Python and native alike; low severity): a SlotHeader whose length "
+    "(control block header_len, set by the writer) is not a multiple of 8 is refused by "
+    "the reference (_reference.read_header: pycapnp 'input length must be a multiple of "
+    "eight bytes') but accepted by the compiled paths, which only check len(raw) >= the "
+    "segment end: _capnp_fast.Message.__init__ (first decode), _fast_header.decode "
+    "(`if len(raw) < end`) and _native.c accept_core (`if (len < end)`); so "
+    "codec.decode_header(valid + b'\\0', spec) returns a Stamp while fast=False raises "
+    "MalformedHeader, and both readers deliver such a message. The codec promises the "
+    "fast path 'answers exactly what the reference answers'. The Stamp is the one the "
+    "aligned prefix holds, so nothing false is delivered."))
+def test_header_length_not_a_multiple_of_8_is_refused_as_by_the_reference():
+    print(_run(_LEN8, timeout=30))
 
 
 # ===================================================================== hostile reader
