@@ -484,3 +484,24 @@ def test_failed_publish_returns_the_slot(pair):
         assert msg.sequence == seq == 1 and msg.array[0, 0] == 3
     with pytest.raises(BridgeError):
         loan.publish(frame_id=3, capture_ts_ns=1)
+
+
+@pytest.mark.parametrize("extra", [1, 3, 7, 9])
+def test_header_of_partial_words_is_refused_as_by_pycapnp(extra):
+    """pycapnp refuses a flat message that is not whole 8-byte words; the compiled
+    decode (first and compiled reading), the receipt reading and the native check must
+    not accept it either (a writer sets the header length in the control block)."""
+    for spec, frame in ((SPECS[0], None), (SPECS[1], 9)):
+        good = codec.encode_header(spec, sequence=5, generation=8, writer_pid=3,
+                                   domain="control", publish_ts_ns=123, crc32=None,
+                                   frame_id=frame, capture_ts_ns=100, exposure_us=None,
+                                   gain=None)
+        raw = good + bytes(extra)
+        H._compiled.clear()
+        slow = _outcome(codec.decode_header, raw, spec, fast=False)
+        assert slow[0] == "MalformedHeader"
+        assert _outcome(codec.decode_header, raw, spec)[0] == "MalformedHeader"   # first
+        codec.decode_header(good, spec)                          # compile the structure
+        assert _outcome(codec.decode_header, raw, spec)[0] == "MalformedHeader"   # compiled
+        assert native_verdict(raw, spec) is None and native_verdict(good, spec) is not None
+        assert H.receipt_capture(raw) is codec.SLOW

@@ -93,6 +93,9 @@ class Message:
     def __init__(self, buf) -> None:
         if len(buf) < 16:
             raise Broken(f"{len(buf)} bytes is shorter than a segment table and root")
+        if len(buf) % 8:
+            # pycapnp refuses a flat message that is not whole words: so must we.
+            raise Broken(f"{len(buf)} bytes is not a whole number of 8-byte words")
         count_minus_one, words = _SEG.unpack_from(buf, 0)
         if count_minus_one != 0:
             raise Unusual("multi-segment message")

@@ -50,7 +50,7 @@ class _HeaderReading:
         if c is None:
             return self._decode_fields(raw, spec)
         end, start, unpack_from, order, has_meta, meta_word, _ = c
-        if len(raw) < end:
+        if len(raw) < end or len(raw) & 7:
             return self._decode_fields(raw, spec)          # rejects it
         v = unpack_from(raw, start)
         if order is not None:

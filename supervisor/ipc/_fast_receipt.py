@@ -72,7 +72,7 @@ class _ReceiptReading:
             if c is None:
                 return SLOW
         end, rpos, subs = c
-        if len(raw) < end:
+        if len(raw) < end or len(raw) & 7:
             return SLOW
         if rpos < 0:
             return None
@@ -97,7 +97,7 @@ class _ReceiptReading:
             if c is None:
                 return SLOW
         end, rpos, subs = c
-        if len(raw) < end:
+        if len(raw) < end or len(raw) & 7:
             return SLOW
         if rpos < 0:
             return None

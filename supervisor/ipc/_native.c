@@ -748,8 +748,8 @@ static PyObject *accept_core(PyObject *rawo, PyObject *compiled, PyObject *ctx,
             || get_u64(PyTuple_GET_ITEM(nt, 2), &has_meta) < 0
             || get_u64(PyTuple_GET_ITEM(nt, 3), &meta_word) < 0)
         return NULL;
-    if (len < end || (has_meta != 0) != (nfields == F_MAX))
-        Py_RETURN_NONE;
+    if (len < end || len % 8 || (has_meta != 0) != (nfields == F_MAX))
+        Py_RETURN_NONE;                       /* pycapnp refuses partial words too */
     Py_ssize_t pos[F_MAX];
     int code[F_MAX];
     for (Py_ssize_t i = 0; i < nfields; i++) {
