@@ -284,6 +284,8 @@ class Channel {
       if (seq > want && received_) dropped_ += seq - want;
       last_seq_ = seq;
       try {
+        if (hlen % 8 || llen % 8)   // pycapnp (the reference) refuses partial words
+          throw Rejected{"malformed", "header or layout is not whole 8-byte words"};
         accept(slot, gen, seq, hdr, lay);
       } catch (const Rejected& r) {
         std::printf("{\"seq\":%llu,\"rejected\":\"%s\",\"detail\":\"%s\"}\n",
