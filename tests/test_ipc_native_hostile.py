@@ -10,12 +10,9 @@ untyped exception, or an acceptance the pure-Python path (`native=False`, the re
 refuses.
 
 Every batch runs in a SUBPROCESS (a segfault or abort shows up as a negative return code,
-a hang as a timeout), seeded so that a failure prints its reproduction:
-
-    python -c "$(python -c 'import tests.test_ipc_native_hostile as t; print(t.script(...))')"
-
-is not needed: each failure message names the seed and case, and `_run` runs the same
-script with the same seed.
+a hang as a timeout). Batches are seeded (hypothesis: derandomized): a failure prints
+its seed, case, mutations and both paths' outcomes, and re-running the test repeats it.
+A longer hunt: `_run(_WRITER_FUZZ, timeout=400, seed=S, kinds=[...], budget_s=90)`.
 
 Method, per batch:
 * writer side (hostile writer): a native Writer publishes good messages (tensor, CRC,
@@ -24,7 +21,11 @@ Method, per batch:
   other slots' control blocks, the channel header's last_seq / last_slot); a native
   Reader (index 0) and a pure-Python Reader (index 1) then read the same bytes. Their
   outcomes (stamp, layout, payload CRC, receipt, or the error type) must be EQUAL and
-  typed; afterwards an honest message goes through both the same way.
+  typed (up to the clock: see `agree`), every accepted header must decode to the same
+  Stamp and Receipt under the reference (pycapnp, `fast=False`), and afterwards an
+  honest message goes through both the same way. Also: an extremes table, a receipt
+  pointer sweep, hypothesis byte edits, a lying channel header, endless wake-ups,
+  punched holes, and a writer restarted on a poisoned segment.
 * reader side (hostile reader): its lease table gets huge slot indexes, all-ones and
   "negative" generations, deadlines on and around every bound, garbage padding and
   header words; the native writer's slot choice and honoured count are compared with the
