@@ -155,6 +155,8 @@ class Reader:
             raise BridgeError(f"channel {s.name!r}: segment header does not match the spec")
 
     def _latest_seq(self) -> int:
+        if self._seg is not None:
+            return self._seg.load(L.OFF_LAST_SEQ)      # acquire (R1)
         return L.U64.unpack_from(self._buf, L.OFF_LAST_SEQ)[0]
 
     def _slot_gen(self, slot: int) -> int:
