@@ -17,6 +17,10 @@ need=()
 command -v bwrap >/dev/null || need+=(bubblewrap)
 command -v unshare >/dev/null || need+=(util-linux)   # staging mount namespace
 ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2' || need+=(libseccomp2)
+# The bridge's native module (memory ordering, hot path) is compiled at install.
+command -v gcc >/dev/null || need+=(gcc)
+python -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+    2>/dev/null || need+=(python3-dev)
 if [ $dev -eq 1 ]; then
     command -v systemd-analyze >/dev/null || need+=(systemd)
     # tinygrad's CPU backend compiles with clang when a model artifact is built (build
