@@ -103,6 +103,7 @@ class ResearchProc:
         while chunk := os.read(self.status_r, 65536):    # the child is gone: reads to EOF
             self._buf += chunk
         os.close(self.status_r)
+        self.status_r = -1      # closed once: the number may be someone else's by now
         self.status += [x.decode() for x in self._buf.split(b"\n") if x]
         # Its log records (`ctx.log`): {"log": msg, "data": {...}} per line.
         recs = [json.loads(x) for x in out.splitlines() if x]
@@ -112,10 +113,9 @@ class ResearchProc:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.communicate()
-        try:
+        if self.status_r >= 0:
             os.close(self.status_r)
-        except OSError:
-            pass    # already closed by stop()
+            self.status_r = -1
 
 
 @pytest.fixture
