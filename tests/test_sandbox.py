@@ -8,6 +8,7 @@ No traffic leaves the machine: TCP/UDP targets are the host's 127.0.0.1
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import select
@@ -354,9 +355,11 @@ def test_env_is_minimal_and_hostname_is_domain():
 def test_passed_fds_keep_their_numbers():
     r1, w1 = os.pipe()
     r2, w2 = os.pipe()
-    IN, OUT = 50, 51  # unusual numbers to prove they are preserved
-    os.dup2(r1, IN, inheritable=False)
-    os.dup2(w2, OUT, inheritable=False)
+    # Unusual numbers to prove they are preserved, taken with F_DUPFD (the lowest free
+    # number from there): dup2 onto a fixed number would silently close whatever this
+    # process holds there (pycapnp's schema directories once: kj aborted at exit).
+    IN = fcntl.fcntl(r1, fcntl.F_DUPFD_CLOEXEC, 150)
+    OUT = fcntl.fcntl(w2, fcntl.F_DUPFD_CLOEXEC, IN + 7)
     for fd in (r1, w2):
         os.close(fd)
     code = (f"import os; d=os.read({IN}, 100); os.write({OUT}, d.upper()); "
