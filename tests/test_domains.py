@@ -7,6 +7,7 @@ import json
 import os
 import pwd
 import shutil
+import signal
 
 import pytest
 
@@ -147,6 +148,7 @@ def test_overridden_domain_fields_hold_inside_the_sandbox(sup, tmp_path):
         [domains.lab]
         profile = "research"
         refuse_torch = true
+        exec_after_start = false
         extra_rw_binds = ["{out}"]
         [domains.research]
         [workers.importer]
@@ -159,6 +161,17 @@ def test_overridden_domain_fields_hold_inside_the_sandbox(sup, tmp_path):
         domain = "lab"
         module = "workers.probe"
         args = ["--write-file", "{out}/ok.txt"]
+        restart = "never"
+        [workers.execer]
+        domain = "lab"
+        module = "workers.probe"
+        args = ["--exec", "/bin/true"]
+        restart = "never"
+        optional = true
+        [workers.exec-ok]
+        domain = "research"
+        module = "workers.probe"
+        args = ["--exec", "/bin/true"]
         restart = "never"
         [workers.outsider]
         domain = "research"
@@ -175,6 +188,12 @@ def test_overridden_domain_fields_hold_inside_the_sandbox(sup, tmp_path):
     no = r.wait_for("log", worker="outsider", msg="write", timeout=60)[0]
     assert no["data"]["result"].startswith("errno:"), no        # not bound: not even visible
     assert not (out / "no.txt").exists()
+    # exec_after_start = false holds in a research-profile domain too: the process that
+    # tries execve is killed by SIGSYS (-31), where plain research runs the program
+    no = r.wait_for("log", worker="execer", msg="exec", timeout=60)[0]
+    assert no["data"]["result"] == f"exit:-{int(signal.SIGSYS)}", no
+    ok = r.wait_for("log", worker="exec-ok", msg="exec", timeout=60)[0]
+    assert ok["data"]["result"] == "exit:0", ok
     assert all(e["source"] == "supervisor" for e in r.events if e["event"] in ("start", "ready"))
 
 

@@ -47,10 +47,16 @@ def _netns() -> str:
 
 
 def _lock(args: list[str]) -> str:
+    """What the runner does at start for a domain of this profile: the runtime filter
+    (no exec) unless the profile keeps exec after start (research)."""
+    from supervisor.protocol import Isolation
+
     from .seccomp import lock_down
 
     domain = args[0] if args else "control"
-    lock_down(domain)
+    iso = Isolation.for_profile(domain)
+    if not iso.exec_after_start:
+        lock_down(iso.seccomp)
     return domain
 
 

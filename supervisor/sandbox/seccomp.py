@@ -199,9 +199,11 @@ def build_filter(domain: str, *, stage: str, network: bool = False) -> Any:
             _add(sc, flt, kill, "socket", sc.Arg(0, sc.NE, socket.AF_UNIX))
             _add(sc, flt, kill, "connect")
             _add(sc, flt, kill, "sendto", sc.Arg(4, sc.NE, 0))
-        if stage == "runtime":
-            for name in EXEC_DENY:
-                _add(sc, flt, kill, name)
+    if stage == "runtime":
+        # The runtime filter is what `exec_after_start = false` means, whatever the
+        # syscall class: a research domain tightened that way loses exec too.
+        for name in EXEC_DENY:
+            _add(sc, flt, kill, name)
     return flt
 
 

@@ -7,6 +7,7 @@ a vehicle config.
           --import MODULE (after ready)   --map-file PATH (after ready)
           --attack NAME [--attack-before-ready]   (workers/probe/attacks.py)
           --write-file PATH (after ready; the result is logged)
+          --exec PATH (after ready: run it, log its exit status)
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--attack-before-ready", action="store_true")
     p.add_argument("--attack-arg", default="")
     p.add_argument("--write-file", default=None, help="after ready: create PATH and write it")
+    p.add_argument("--exec", dest="exec_", default=None, help="after ready: run PATH")
     return p.parse_args(argv)
 
 
@@ -86,6 +88,14 @@ def main(ctx: WorkerContext) -> int:
             ctx.log("write", path=a.write_file, result="ok")
         except OSError as e:
             ctx.log("write", path=a.write_file, result=f"errno:{e.errno}")
+    if a.exec_:
+        import subprocess
+
+        try:
+            rc = subprocess.run([a.exec_], timeout=10).returncode
+            ctx.log("exec", path=a.exec_, result=f"exit:{rc}")
+        except OSError as e:
+            ctx.log("exec", path=a.exec_, result=f"errno:{e.errno}")
     if a.alloc_mb:
         try:
             blob = np.ones(a.alloc_mb << 20, np.uint8)
