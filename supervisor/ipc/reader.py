@@ -203,14 +203,32 @@ class Reader:
                 self._dropped += seq - self._last_seq - 1
             self._last_seq = seq
             layout = self._last_layout
-            crc = stamp[4]
-            if crc is not None and self.spec.crc:
-                self._check_crc(slot, gen, seq, k, layout, crc)
+            if stamp[4] is not None and self.spec.crc:       # crc32
+                try:
+                    self._check_crc(slot, gen, seq, layout, stamp[4])
+                except Rejected as e:
+                    self._rejected[e.reason] += 1
+                    raise
         except BaseException:
             if k not in free:
                 self._drop_lease(k)
             raise
-        capture_ts = stamp[6]
+        return self._message(slot, gen, k, layout, stamp, raw_h, _UNREAD, stamp[6])
+
+    def _check_crc(self, slot: int, gen: int, seq: int, layout: Layout, crc: int) -> None:
+        """The payload against the header's CRC-32, then the seqlock again."""
+        lo, hi = layout.span
+        got = zlib.crc32(self._payloads[slot][lo:hi])
+        if not self._stable(self._ctl[slot], gen):
+            raise TornRead(self.spec.name, "slot reused during the CRC check", seq)
+        if got != crc:
+            raise CrcMismatch(self.spec.name, f"payload CRC {got:#010x} != header "
+                              f"{crc:#010x}", seq)
+
+    def _message(self, slot: int, gen: int, k: int, layout: Layout, stamp, raw_h: bytes,
+                 receipt, capture_ts: int | None) -> Message:
+        """The one place a Message is built, for either path (no __init__: a call
+        frame less per message)."""
         if capture_ts is not None:
             self._last_capture = capture_ts
         self._received += 1
@@ -222,25 +240,10 @@ class Reader:
         msg._layout = layout
         msg.stamp = stamp
         msg._raw_header = raw_h
-        msg._receipt = _UNREAD
+        msg._receipt = receipt
         msg._array = None
         msg._released = msg._lost = False
         return msg
-
-    def _check_crc(self, slot: int, gen: int, seq: int, k: int, layout: Layout,
-                   crc: int) -> None:
-        lo, hi = layout.span
-        got = zlib.crc32(self._payloads[slot][lo:hi])
-        e = None
-        if not self._stable(self._ctl[slot], gen):
-            e = TornRead(self.spec.name, "slot reused during the CRC check", seq)
-        elif got != crc:
-            e = CrcMismatch(self.spec.name, f"payload CRC {got:#010x} != header "
-                            f"{crc:#010x}", seq)
-        if e is not None:
-            self._rejected[e.reason] += 1
-            self._drop_lease(k)
-            raise e
 
     # ------------------------------------------------------------ receiving
 
@@ -367,33 +370,12 @@ class Reader:
                 raise StaleMessage(spec.name, f"{(now - ts) / 1e6:.1f} ms old, channel "
                                    f"max_age is {spec.max_age_ms} ms", seq)
             if stamp[4] is not None and spec.crc:          # crc32
-                lo, hi = layout.span
-                got = zlib.crc32(self._payloads[slot][lo:hi])
-                if not self._stable(self._ctl[slot], gen):
-                    raise TornRead(spec.name, "slot reused during the CRC check", seq)
-                if got != stamp.crc32:
-                    raise CrcMismatch(spec.name, f"payload CRC {got:#010x} != header "
-                                      f"{stamp.crc32:#010x}", seq)
+                self._check_crc(slot, gen, seq, layout, stamp[4])
         except Rejected as e:
             self._rejected[e.reason] += 1
             self._drop_lease(k)
             raise
-        if capture_ts is not None:
-            self._last_capture = capture_ts
-        self._received += 1
-        # The one place a Message is built (no __init__: a call frame less per message).
-        msg = _new_message(Message)
-        msg._reader = self
-        msg._slot = slot
-        msg._gen = gen
-        msg._lease = k
-        msg._layout = layout
-        msg.stamp = stamp
-        msg._raw_header = raw_h
-        msg._receipt = receipt
-        msg._array = None
-        msg._released = msg._lost = False
-        return msg
+        return self._message(slot, gen, k, layout, stamp, raw_h, receipt, capture_ts)
 
     def receive(self, timeout: float | None = None) -> Message:
         """Block (on the wake-up socket, no polling) until a message arrives."""
