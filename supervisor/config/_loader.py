@@ -220,8 +220,9 @@ class _Loader:
             channel_values[n], ok = self.channel_fields(n, t)
             if not ok:
                 bad_channels.add(n)
-        models = {n: self.model(n, t) for n, t in self.section(doc, "models").items()}
-        _rules.check_binds(self.add, domains, {n: m.resolved() for n, m in models.items()},
+        models = {n: self.model(n, t).resolved()
+                  for n, t in self.section(doc, "models").items()}
+        _rules.check_binds(self.add, domains, models,
                            supervisor.state_dir, PROJECT_ROOT)
         workers = {n: self.worker(n, t, domain_tables, channel_tables)
                    for n, t in worker_tables.items()}
@@ -242,7 +243,7 @@ class _Loader:
         if self.problems:
             raise ConfigFileError(self.problems)
         return Config(self.source, supervisor, domains, workers, channels,
-                      {n: m.resolved() for n, m in models.items()})
+                      models)
 
     # -- models
 

@@ -136,11 +136,12 @@ class DomainConfig:
 
 
 # Each profile's isolation; for control these are also the loosest values allowed.
+# The knobs the runner enforces come from `protocol.Isolation.for_profile` (one home);
+# the sandbox's view adds network and compilers.
 PROFILE_DEFAULTS: dict[str, dict[str, object]] = {
-    CONTROL: {"network": False, "hide_compilers": True, "exec_after_start": False,
-              "refuse_torch": True, "exec_memory_after_ready": False, "seccomp": CONTROL},
-    RESEARCH: {"hide_compilers": False, "exec_after_start": True, "refuse_torch": False,
-               "exec_memory_after_ready": True, "seccomp": RESEARCH},
+    profile: {**extra, **dataclasses.asdict(Isolation.for_profile(profile))}
+    for profile, extra in ((CONTROL, {"network": False, "hide_compilers": True}),
+                           (RESEARCH, {"hide_compilers": False}))
 }
 
 

@@ -65,7 +65,7 @@ def check_binds(add: Add, domains: dict[str, DomainConfig], models: dict,
                 continue
             for other, d2 in domains.items():
                 for j, rw2 in enumerate(d2.extra_rw_binds):
-                    if (other, j) != (name, i) and _overlap(rw, rw2) and other != name:
+                    if other != name and _overlap(rw, rw2):
                         add(key, f"{rw} overlaps domains.{other}.extra_rw_binds ({rw2}): "
                             "one writable place per domain")
             for where, p in ro:

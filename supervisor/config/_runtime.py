@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.machinery
 import importlib.util
 import os
@@ -170,8 +171,7 @@ def _entry_problem(name: str, spec: Any) -> str | None:
     if not isinstance(origin, str) or not origin.endswith(".py"):
         return None
     try:
-        with tokenize.open(origin) as f:
-            tree = ast.parse(f.read(), origin)
+        tree = _parse(origin)
     except SyntaxError as e:
         return f"cannot parse {origin}: {e.msg} (line {e.lineno})"
     except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -198,6 +198,19 @@ def _entry_problem(name: str, spec: Any) -> str | None:
     return None
 
 
+def _parse(origin: str) -> ast.Module:
+    """A worker module's source, parsed once per version of the file (the entry-point
+    check and the role check both read it)."""
+    st = os.stat(origin)
+    return _parse_version(origin, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_version(origin: str, mtime_ns: int, size: int) -> ast.Module:
+    with tokenize.open(origin) as f:
+        return ast.parse(f.read(), origin)
+
+
 def _declared_roles(name: str, search: list[str]) -> dict[str, tuple[str, ...]] | None:
     """A worker module's ``ROLES = {"in": (...), "out": (...)}`` (read from its source,
     never imported), or None when it declares none."""
@@ -206,8 +219,7 @@ def _declared_roles(name: str, search: list[str]) -> dict[str, tuple[str, ...]] 
     if not isinstance(origin, str) or not origin.endswith(".py"):
         return None
     try:
-        with tokenize.open(origin) as f:
-            tree = ast.parse(f.read(), origin)
+        tree = _parse(origin)
     except (SyntaxError, OSError, UnicodeDecodeError, ValueError):
         return None
     for node in tree.body:
