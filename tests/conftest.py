@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import textwrap
 import time
@@ -167,29 +168,50 @@ class Run:
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env=dict(os.environ, **(env or {})))
         self.events: list[dict] = []
+        self.lines: list[str] = []       # every stderr line, events or not
+        # Lines arrive on a thread: a quiet supervisor must fail a wait at its deadline,
+        # not block a blocking readline forever.
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self._lines.put(line)
+        self._lines.put(None)            # EOF: the supervisor is gone
+
+    def _take(self, timeout: float) -> bool:
+        """One line into `events` (JSON ones); False at EOF or when none came in time."""
+        try:
+            line = self._lines.get(timeout=max(timeout, 0))
+        except queue.Empty:
+            return False
+        if line is None:
+            self._lines.put(None)        # stays at EOF
+            return False
+        self.lines.append(line)
+        if line.startswith("{"):
+            self.events.append(json.loads(line))
+        return True
 
     def wait_for(self, event: str, count: int = 1, timeout: float = 30, **match) -> list[dict]:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while True:
             hits = [e for e in self.events if e["event"] == event
                     and all(e.get(k) == v for k, v in match.items())]
             if len(hits) >= count:
                 return hits
-            line = self.proc.stderr.readline()
-            if not line:
-                if self.proc.poll() is not None:
-                    break
-                continue
-            if line.startswith("{"):
-                self.events.append(json.loads(line))
+            if not self._take(deadline - time.monotonic()) and (
+                    time.monotonic() >= deadline or self.proc.poll() is not None):
+                break
         raise AssertionError(f"no {count}x {event} {match}; got "
                              f"{[e['event'] for e in self.events]}")
 
     def finish(self, timeout: float = 20) -> int:
         code = self.proc.wait(timeout)
-        for line in self.proc.stderr:
-            if line.startswith("{"):
-                self.events.append(json.loads(line))
+        self._reader.join(timeout)
+        while self._take(0):
+            pass
         return code
 
     def stop(self) -> None:

@@ -118,8 +118,8 @@ def test_torch_import_refused_statically(sup, tmp_path):
         """
     env = {"PYTHONPATH": str(tmp_path)}
     chk = sup(cfg, env=env, cmd="check")
-    assert chk.proc.wait(60) == 3
-    report = chk.proc.stderr.read()
+    assert chk.finish(timeout=60) == 3
+    report = "".join(chk.lines)
     assert "bad" in report and "control" in report
     assert "badpkg.model" in report and "torch" in report
     run = sup(cfg, env=env)
