@@ -286,3 +286,41 @@ def test_fleet_on_a_local_ray_cluster(work, recorded):
     # The Ray task ran a whole replay: its summary is there, with every frame.
     n = len(DriveLog.open(recorded).video("road_frames"))
     assert [j["frames"] for j in rep["jobs"]] == [n]
+
+
+def test_a_recorders_tampering_with_its_log_is_refused_in_one_line(work, recorded):
+    """The log directory belongs to the recorder's sandbox user. What it could plant
+    there after a compromise: its own config (the replay would run it as root), a symlink
+    to a host file, a FIFO. The replay refuses each with one line, before it starts."""
+    import pwd
+    import shutil
+
+    def tampered(name: str, how) -> Path:
+        d = work / f"tamper-{name}"
+        shutil.copytree(recorded, d, symlinks=True)
+        how(d)
+        return d
+
+    def own_config(d: Path) -> None:          # replaced by the recorder: its own file
+        u = pwd.getpwnam("trio-research")
+        (d / "source.toml").unlink()
+        (d / "source.toml").write_text('[workers.x]\ndomain = "research"\ncommand = ["/bin/sh"]\n')
+        os.chown(d / "source.toml", u.pw_uid, u.pw_gid)
+
+    def symlink(d: Path) -> None:
+        (d / "messages.tlog").unlink()
+        (d / "messages.tlog").symlink_to("/etc/shadow")
+
+    def fifo(d: Path) -> None:
+        (d / "road_frames.vidx").unlink()
+        os.mkfifo(d / "road_frames.vidx")
+
+    for name, how, says in [("config", own_config, "not written by the recording supervisor"),
+                            ("symlink", symlink, "a symbolic link"),
+                            ("fifo", fifo, "not a regular file")]:
+        r = cli("replay", str(tampered(name, how)), "--out", str(work / f"run-{name}"),
+                "--no-progress", cwd=work, timeout=60)
+        err = r.stderr.strip().splitlines()
+        assert r.returncode not in (0, 6) and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert any(says in line for line in err), (name, err)
+        assert not (work / f"run-{name}" / "summary.json").exists()

@@ -33,11 +33,16 @@ def read_doc(path: str | os.PathLike | None) -> tuple[dict[str, Any], str]:
     if path is None:
         return default_doc(), DEFAULT_SOURCE
     try:
-        return tomllib.loads(Path(path).read_text("utf-8")), str(path)
+        return parse_doc(Path(path).read_bytes(), str(path)), str(path)
     except OSError as e:
         raise DeriveError(f"{path}: cannot read the config: {e.strerror}") from None
+
+
+def parse_doc(data: bytes, name: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(data.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise DeriveError(f"{path}: not valid TOML: {e}") from None
+        raise DeriveError(f"{name}: not valid TOML: {e}") from None
 
 
 # ---------------------------------------------------------------- TOML out

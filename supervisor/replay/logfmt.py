@@ -24,8 +24,10 @@ not indexed at all (the unindexed tail is reported as dropped bytes).
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import struct
 import zlib
 from collections.abc import Iterator
@@ -55,6 +57,33 @@ Entry = _schema.Entry
 
 class LogError(Exception):
     """A log (or one of its files) cannot be used at all."""
+
+
+def open_regular(path: str | os.PathLike) -> int:
+    """A log file opened for reading, only if it is a regular file. The directory was
+    written by a sandboxed recorder: a symlink planted there would make the (root)
+    replay read a host file, a FIFO would hang it, a device would never end."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "a symbolic link (a log holds regular files only)",
+                          str(path)) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file (a log holds regular files only)",
+                      str(path))
+    os.set_blocking(fd, True)
+    return fd
+
+
+def read_regular(path: str | os.PathLike, start: int = 0) -> bytes:
+    """A log file's bytes from `start` (see `open_regular`)."""
+    with os.fdopen(open_regular(path), "rb") as f:
+        if start:
+            f.seek(start)
+        return f.read()
 
 
 # ---------------------------------------------------------------- framing
@@ -125,8 +154,7 @@ def read_stream(path: str | os.PathLike, *, start: int = 0, loss: Loss | None = 
     counted in ``loss.truncated_bytes`` when ``final`` (the writer is done), else left
     for the next call (the writer may still be appending it)."""
     loss = loss if loss is not None else Loss()
-    with open(path, "rb") as f:
-        data = f.read() if start == 0 else (f.seek(start), f.read())[1]
+    data = read_regular(path, start)
     pos, end = 0, len(data)
     while pos < end:
         if end - pos < REC.size:
@@ -298,7 +326,7 @@ class VideoReader:
         d = Path(directory)
         meta = d / f"{channel}.video"
         try:
-            self.info = VideoInfo(**json.loads(meta.read_text()))
+            self.info = VideoInfo(**json.loads(read_regular(meta)))
         except (OSError, ValueError, TypeError) as e:
             raise LogError(f"{meta}: no usable video description ({e})") from None
         self.path = d / f"{channel}.{'h264' if self.info.codec == 'h264' else 'nv12'}"
@@ -306,7 +334,7 @@ class VideoReader:
         self.loss = Loss()
         self.index = self._read_index(d / f"{channel}.vidx")
         # Opened now: a sandboxed player opens its files before it is READY.
-        self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        self._fd = open_regular(self.path)
         if self.info.codec == "h264":
             import av  # noqa: F401  (its libraries are mapped now, not after READY)
 
@@ -320,7 +348,7 @@ class VideoReader:
 
     def _read_index(self, path: Path) -> list[IndexEntry]:
         try:
-            raw = path.read_bytes()
+            raw = read_regular(path)
             size = os.path.getsize(self.path)
         except OSError as e:
             raise LogError(f"{path}: {e.strerror}") from None
@@ -406,7 +434,7 @@ def frame_times(directory: str | os.PathLike, channel: str) -> dict[int, int]:
     (no decoder, no capnp): what a replaying worker needs for log time."""
     path = Path(directory) / f"{channel}.vidx"
     try:
-        raw = path.read_bytes()
+        raw = read_regular(path)
     except OSError as e:
         raise LogError(f"{path}: {e.strerror}") from None
     out: dict[int, int] = {}

@@ -90,6 +90,7 @@ def record(out: str, *, config: str | None = None, seconds: float | None = None,
         raise RecordError(str(e)) from None
     path = prepare_out(out)
     Path(path, SOURCE).write_text(dumps(doc))
+    os.chmod(Path(path, SOURCE), 0o644)   # ours alone to write: replay checks that
     with tempfile.TemporaryDirectory(prefix="trio-record-") as tmp:
         try:
             cfg, _ = write_config(derived, tmp, "record.toml")

@@ -26,10 +26,10 @@ import numpy as np
 
 from supervisor.exits import Exit
 
-from .derive import DeriveError, read_doc, replay_doc, write_config
+from .derive import DeriveError, parse_doc, read_doc, replay_doc, write_config
 from .drivelog import DriveLog, Msg
 from .embed import RunOutcome, give_to_recorder, run_supervised
-from .logfmt import MESSAGES, LogError, Loss, read_stream
+from .logfmt import MESSAGES, LogError, Loss, open_regular, read_stream
 from .record import SOURCE, _one_line
 
 # Exit codes of `supervisor replay` beyond the supervisor's own (supervisor/exits.py):
@@ -106,6 +106,27 @@ def _default_out(log: str) -> str:
     return os.path.abspath(f"{Path(log).name}.replay-{stamp}")
 
 
+def _recorded_config(log: str) -> dict[str, Any]:
+    """The config `record` saved beside the log (else the embedded default). The log
+    directory belongs to the recorder's sandbox user, which can replace any file in it:
+    the config is used only if this (replaying) user still owns it and nobody else may
+    write it, and it is read from the descriptor that was checked."""
+    path = os.path.join(log, SOURCE)
+    if not os.path.lexists(path):
+        return read_doc(None)[0]
+    try:
+        fd = open_regular(path)
+    except OSError as e:
+        raise ReplayError(f"{path}: {e.strerror}; pass --config") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise ReplayError(f"{path}: owned by uid {st.st_uid} with mode "
+                              f"{st.st_mode & 0o777:o}, not written by the recording supervisor "
+                              "(the recorder's sandbox could have replaced it); pass --config")
+        return parse_doc(f.read(), path)
+
+
 def replay(log: str, *, out: str | None = None, config: str | None = None,
            realtime: bool = False, step_timeout_s: float = 5.0, echo=None,
            progress_out=sys.stderr) -> ReplayResult:
@@ -115,10 +136,8 @@ def replay(log: str, *, out: str | None = None, config: str | None = None,
         src = DriveLog.open(log)
     except LogError as e:
         raise ReplayError(str(e)) from None
-    cfg_path = config or (os.path.join(log, SOURCE) if os.path.isfile(os.path.join(log, SOURCE))
-                          else None)
     try:
-        doc, _ = read_doc(cfg_path)
+        doc = read_doc(config)[0] if config else _recorded_config(log)
     except DeriveError as e:
         raise ReplayError(str(e)) from None
     run_dir = os.path.abspath(out or _default_out(log))
