@@ -107,9 +107,15 @@ def cmd_clear_fail_safe(args: argparse.Namespace) -> int:
 
 
 def cmd_units(args: argparse.Namespace) -> int:
+    from supervisor.config import VEHICLE
     from supervisor.units import write_units
 
     cfg = _config(args.config)
+    if cfg.supervisor.mode != VEHICLE:
+        print(f"supervisor units: {cfg.source}: supervisor.mode: a unit runs the vehicle; "
+              f"this is a {cfg.supervisor.mode!r} config (set mode = \"{VEHICLE}\")",
+              file=sys.stderr)
+        return int(Exit.CONFIG)
     for path in write_units(cfg, Path(args.out), config_path=args.config,
                             python=args.python, prefix=args.prefix):
         print(path)

@@ -35,7 +35,7 @@ PIPE = ("camerad", "modeld", "controlsd")
 
 
 def config(path: Path, *, camera_args=("--width", str(W), "--height", str(H), "--fps", "20"),
-           control_binds: tuple[str, ...] = (), **model) -> Path:
+           control_binds: tuple[str, ...] = (), mode: str = "vehicle", **model) -> Path:
     """The vehicle's own pipeline (the embedded default without research), small frames,
     no standbys; `model` overrides the trusted artifact, key and name."""
     m = {**DEMO, **model}
@@ -45,6 +45,7 @@ def config(path: Path, *, camera_args=("--width", str(W), "--height", str(H), "-
                                       "channels.model_out.slot_count": 8,
                                       "channels.control_cmd.slot_count": 16,
                                       "domains.control.extra_ro_binds": list(control_binds),
+                                      "supervisor.mode": mode,
                                       "models.lane-offset.artifact": m["artifact"],
                                       "models.lane-offset.public_key": m["pubkey"],
                                       "models.lane-offset.expect_name": m["name"],
@@ -215,7 +216,7 @@ def clip_log(work) -> Path:
     os.chmod(clips, 0o755)
     cfg = config(work / "clip.toml", camera_args=("--source", "video", "--video", str(clip),
                                                    "--loop"),
-                 control_binds=(str(clips),))
+                 control_binds=(str(clips),), mode="simulation")   # a clip, not the camera
     r = cli("record", str(work / "from-clip"), "--config", str(cfg), "--seconds", "2",
             "--quiet", "--recorder-arg=--io-delay-ms", "--recorder-arg=150", cwd=work)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -223,6 +223,27 @@ def test_derived_configs_load_with_the_normal_loader(tmp_path):
     assert "--log-clock" not in cfg3.workers[plan.controls].args
 
 
+def test_replay_knobs_are_refused_in_a_vehicle_config(tmp_path):
+    """Recorded frames or recorded time into control, or a camera paced by another
+    domain, are simulation-only: the replay's derived config says so, and the same
+    config as a vehicle config is refused naming each argument."""
+    from supervisor.config import check_runtime, dumps, loads
+
+    doc, _ = derive.read_doc(None)
+    rdoc, plan = derive.replay_doc(doc, str(tmp_path / "log"), str(tmp_path / "run"),
+                                   str(tmp_path / "state"))
+    cfg, _ = derive.write_config(rdoc, tmp_path, "p.toml")
+    assert cfg.supervisor.mode == "simulation"
+    assert not [p for p in check_runtime(cfg, sandboxed=False) if "simulation" in p.reason]
+    rdoc["supervisor"]["mode"] = "vehicle"
+    bad = check_runtime(loads(dumps(rdoc), "vehicle.toml"), sandboxed=False)
+    lines = [str(p) for p in bad if "simulation only" in p.reason]
+    assert any(f"workers.{plan.controls}.args[" in ln and "'--log-clock'" in ln for ln in lines), lines
+    assert any(f"workers.{plan.camera}.args[" in ln and "'--source log'" in ln for ln in lines), lines
+    assert any("'--lockstep'" in ln for ln in lines), lines
+    assert all("\n" not in ln for ln in lines)
+
+
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "supervisor.cli", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=60)

@@ -79,6 +79,21 @@ def test_committed_unit_is_what_units_renders(tmp_path):
         "systemd/ is stale: run `supervisor units` (default config) and commit the result"
 
 
+def test_a_simulation_config_gets_no_vehicle_unit(tmp_path):
+    """A replay's config (recorded frames and time into control) must never become the
+    car's unit: `supervisor units` refuses it in one line."""
+    from supervisor.config import default_doc, derive, dumps
+
+    cfg = tmp_path / "sim.toml"
+    cfg.write_text(dumps(derive(default_doc(), set={"supervisor.mode": "simulation"})))
+    p = subprocess.run([sys.executable, "-m", "supervisor.cli", "units", "--config", str(cfg),
+                        "--out", str(tmp_path / "u")], capture_output=True, text=True,
+                       cwd=ROOT, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert "supervisor.mode" in p.stderr and "'simulation'" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "u").exists()
+
+
 @needs_analyze
 def test_unit_verifies_and_is_hardened(tmp_path):
     (unit,) = write_units(load(), tmp_path, config_path=None, prefix=str(_fake_prefix(tmp_path)))

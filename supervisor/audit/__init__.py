@@ -52,7 +52,8 @@ schema_version; a renamed or removed key or a changed meaning bumps it.
                      check_trust: its summary, actuation_paths: [{actuation, channels,
                      workers, domains, research_data_upstream}], research_data: {channel:
                      why}, log_only_reads: [{worker, channel, research_data}],
-                     actuating_domains, holds}
+                     actuating_domains, holds, supervisor_mode: "vehicle" or
+                     "simulation" (recorded frames/time may reach control)}
     supervisor       (live only) {outcome, exit_code, events: the supervisor's refused/
                      exit/gave_up/skipped/... events (and, when it did not start, each
                      worker's last output lines), cgroups: cgroup version or null,

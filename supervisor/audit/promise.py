@@ -478,4 +478,4 @@ def trust_rules(cfg: Config) -> dict[str, Any]:
              and all(not cfg.domains[n].network for n in actuating))
     return {"rules": rules, "check_trust": summary, "actuation_paths": paths,
             "research_data": tainted, "log_only_reads": log_only,
-            "actuating_domains": actuating, "holds": holds}
+            "actuating_domains": actuating, "holds": holds, "supervisor_mode": cfg.supervisor.mode}

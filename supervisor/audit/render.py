@@ -286,6 +286,9 @@ def _trust_lines(t: dict, bullet: str) -> list[str]:
         out.append(f"{r['worker']} reads {r['channel']} log-only (shadow_subscribes).")
     out.append(f"Actuating domains: {', '.join(t['actuating_domains']) or 'none'}. "
                f"Rules hold for this config: {'yes' if t['holds'] else 'NO'}.")
+    if t.get("supervisor_mode", "vehicle") != "vehicle":
+        out.append(f"Mode {t['supervisor_mode']!r}: simulation-only arguments allowed "
+                   f"(recorded frames or time may reach control); never a vehicle config.")
     return out
 
 

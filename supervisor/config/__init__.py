@@ -20,7 +20,10 @@ Safety rules checked here, besides types and references:
 
 What depends on the machine rather than the file is checked by `check_runtime(cfg)`
 (``supervisor check`` runs it): worker modules exist and define ``main(ctx)``, command
-executables and ``extra_ro_binds`` exist, domain users exist, channels fit MemAvailable.
+executables and ``extra_ro_binds`` exist, domain users exist, channels fit MemAvailable,
+and a vehicle config (``[supervisor] mode``) gives no worker a simulation-only argument
+(the module's ``SIMULATION_ONLY``: recorded frames or time into control, a camera paced
+by another domain).
 
 The package in parts: `_model` (the dataclasses and errors), `_loader` (TOML to checked
 dataclasses), `_values` (value checks, sizes), `_rules` (the whole-file rules: writers,
@@ -33,7 +36,7 @@ from supervisor.ipc.spec import DTYPES, KINDS, PIXEL_FORMATS, ChannelSpec
 from ._derive import default_doc, derive, dumps
 from ._loader import load, loads
 from ._model import (CONTROL, DEFAULT_SHM_BUDGET, DEFAULT_SOURCE, MIN_WORKER_MEMORY,
-                     PROFILES, PROJECT_ROOT, RESEARCH, ChannelConfig, Config, ConfigFileError,
+                     PROFILES, PROJECT_ROOT, RESEARCH, SIMULATION, VEHICLE, ChannelConfig, Config, ConfigFileError,
                      DomainConfig, ModelConfig, Problem, SupervisorConfig, WorkerConfig)
 from ._rules import channel_shm_bytes
 from ._runtime import check_runtime
@@ -41,7 +44,7 @@ from ._values import format_size, parse_size
 
 __all__ = [
     "CONTROL", "DEFAULT_SHM_BUDGET", "DEFAULT_SOURCE", "DTYPES", "KINDS", "MIN_WORKER_MEMORY",
-    "PIXEL_FORMATS", "PROFILES", "PROJECT_ROOT", "RESEARCH", "ChannelConfig", "ChannelSpec",
+    "PIXEL_FORMATS", "PROFILES", "PROJECT_ROOT", "RESEARCH", "SIMULATION", "VEHICLE", "ChannelConfig", "ChannelSpec",
     "Config", "ConfigError", "ConfigFileError", "DomainConfig", "ModelConfig", "Problem", "SupervisorConfig",
     "WorkerConfig", "channel_shm_bytes", "check_runtime", "default_doc", "derive", "dumps", "format_size", "load", "loads",
     "parse_size",

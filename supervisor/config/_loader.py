@@ -17,7 +17,7 @@ from supervisor.ipc.spec import DTYPES, KINDS, PIXEL_FORMATS, ChannelSpec
 from . import _rules
 from ._model import (CONTROL, DEFAULT_SOURCE, MIN_WORKER_MEMORY, PROFILE_DEFAULTS, PROFILES,
                      PROJECT_ROOT,
-                     RESEARCH,
+                     RESEARCH, SIMULATION, VEHICLE,
                      ChannelConfig, Config, ConfigFileError, DomainConfig, ModelConfig, Problem,
                      SupervisorConfig, WorkerConfig)
 from ._values import (_CHANNEL_NAME, _NAME, _abs_path, _argv, _bindings, _bool, _choice,
@@ -49,6 +49,7 @@ _SUPERVISOR_KEYS: dict[str, Callable[[Any], Any]] = {
     "log_format": _choice("json", "text"),
     "state_dir": _string,
     "shm_budget": _size(1 << 20, 1 << 50),
+    "mode": _choice(VEHICLE, SIMULATION),
 }
 _DOMAIN_KEYS: dict[str, Callable[[Any], Any]] = {
     "profile": _choice(CONTROL, RESEARCH),

@@ -17,6 +17,9 @@ from ._graph import topo_sort
 
 CONTROL = "control"
 RESEARCH = "research"
+# Supervisor modes ([supervisor] mode).
+VEHICLE = "vehicle"
+SIMULATION = "simulation"
 DEFAULT_SOURCE = "<embedded supervisor/default.toml>"
 # The checkout holding supervisor/ and workers/: on the workers' PYTHONPATH (see
 # supervisor.sandbox.policy.PROJECT_ROOT), so module names are looked up here too.
@@ -73,6 +76,11 @@ class SupervisorConfig:
     # Upper bound on the shared memory of all channels together (segments + lease
     # tables); check_runtime() also compares the total with the machine's MemAvailable.
     shm_budget: int = DEFAULT_SHM_BUDGET
+    # "vehicle" or "simulation". Worker arguments that feed control recorded data or
+    # recorded time, or pace it from another domain (a module's ``SIMULATION_ONLY``,
+    # e.g. controlsd's --log-clock), are refused in a vehicle config; `supervisor
+    # replay` derives simulation configs, and `supervisor units` renders only vehicle ones.
+    mode: str = VEHICLE
 
 
 # Built-in domain profiles: supervisor/sandbox/policy.py derives every isolation knob of

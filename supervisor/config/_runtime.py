@@ -12,7 +12,7 @@ import sys
 import tokenize
 from typing import Any
 
-from ._model import PROJECT_ROOT, Config, Problem, WorkerConfig
+from ._model import PROJECT_ROOT, SIMULATION, VEHICLE, Config, Problem, WorkerConfig
 from ._rules import _approx_size, _shm_overview, channel_shm_bytes
 from ._values import _key, _suggest
 
@@ -24,6 +24,8 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
 
     * each worker ``module`` exists on the workers' path (the project root plus
       ``sys.path``) and is a worker: its source defines a top-level ``main(ctx)``;
+    * in a vehicle config (``[supervisor] mode``), no worker has an argument its module
+      declares simulation-only (``SIMULATION_ONLY``: recorded data or time into control);
     * each ``command`` executable exists;
     * sandboxed: each ``extra_ro_binds`` path exists and each domain's host user exists
       (`supervisor.sandbox.policy.host_ids`, which only checks when running as root);
@@ -46,6 +48,9 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
             else:
                 for key, reason in _role_problems(w, search):
                     add(f"{path}.{key}", reason)
+                if cfg.supervisor.mode == VEHICLE:
+                    for key, reason in _simulation_problems(w, search):
+                        add(f"{path}.{key}", reason)
         elif w.command:
             reason = _executable_problem(w.command[0])
             if reason:
@@ -211,9 +216,9 @@ def _parse_version(origin: str, mtime_ns: int, size: int) -> ast.Module:
         return ast.parse(f.read(), origin)
 
 
-def _declared_roles(name: str, search: list[str]) -> dict[str, tuple[str, ...]] | None:
-    """A worker module's ``ROLES = {"in": (...), "out": (...)}`` (read from its source,
-    never imported), or None when it declares none."""
+def _declared(name: str, search: list[str], variable: str) -> Any:
+    """The literal value of a worker module's top-level ``VARIABLE = ...`` (read from
+    its source, never imported), or None when it has none."""
     spec, _ = _locate(name, search)
     origin = getattr(spec, "origin", None)
     if not isinstance(origin, str) or not origin.endswith(".py"):
@@ -224,14 +229,45 @@ def _declared_roles(name: str, search: list[str]) -> dict[str, tuple[str, ...]] 
         return None
     for node in tree.body:
         if (isinstance(node, ast.Assign) and len(node.targets) == 1
-                and isinstance(node.targets[0], ast.Name) and node.targets[0].id == "ROLES"):
+                and isinstance(node.targets[0], ast.Name) and node.targets[0].id == variable):
             try:
-                value = ast.literal_eval(node.value)
+                return ast.literal_eval(node.value)
             except ValueError:
                 return None
-            if isinstance(value, dict):
-                return {k: tuple(v) for k, v in value.items() if k in ("in", "out")}
     return None
+
+
+def _declared_roles(name: str, search: list[str]) -> dict[str, tuple[str, ...]] | None:
+    """A worker module's ``ROLES = {"in": (...), "out": (...)}``, or None."""
+    value = _declared(name, search, "ROLES")
+    if isinstance(value, dict):
+        return {k: tuple(v) for k, v in value.items() if k in ("in", "out")}
+    return None
+
+
+def _simulation_problems(w: WorkerConfig, search: list[str]) -> list[tuple[str, str]]:
+    """Arguments the worker's module declares simulation-only (``SIMULATION_ONLY =
+    {"--flag": why}`` or ``{"--flag": (why, ("value", ...))}`` for some values only)
+    found in a vehicle config's ``args``. The module's parser must not accept
+    abbreviations (argparse ``allow_abbrev=False``) for the match to be exact."""
+    declared = _declared(w.module or "", search, "SIMULATION_ONLY")
+    if not isinstance(declared, dict) or not w.args:
+        return []
+    out = []
+    args = list(w.args)
+    for i, tok in enumerate(args):
+        flag, eq, val = tok.partition("=")
+        if flag not in declared:
+            continue
+        why, values = declared[flag] if isinstance(declared[flag], tuple) else (declared[flag], None)
+        value = val if eq else (args[i + 1] if i + 1 < len(args) else "")
+        if values is not None and value not in values:
+            continue
+        shown = f"{flag} {value}" if values is not None else flag
+        out.append((f"args[{i}]", f"{shown!r} ({why}) is for simulation only: a vehicle "
+                    f"config must not have it (a replay's derived config sets "
+                    f"[supervisor] mode = \"{SIMULATION}\")"))
+    return out
 
 
 def _role_problems(w: WorkerConfig, search: list[str]) -> list[tuple[str, str]]:

@@ -555,7 +555,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby):
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> Exit:
         cfg = self.config
         self.log.emit("supervisor_start", config=cfg.source, pid=os.getpid(),
-                      sandboxed=self.sandboxed)
+                      sandboxed=self.sandboxed, mode=cfg.supervisor.mode)
         latched = self.latch.read()
         if latched is not None:
             self.exit_code = Exit.FAIL_SAFE

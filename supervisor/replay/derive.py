@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.config import DEFAULT_SOURCE, ConfigError, default_doc, dumps, load
+from supervisor.config import DEFAULT_SOURCE, SIMULATION, ConfigError, default_doc, dumps, load
 
 RECORDER_DOMAIN = "recorder"
 RECORDER = "recorder"
@@ -206,6 +206,7 @@ def replay_doc(doc: dict[str, Any], log_dir: str, run_log: str, state_dir: str, 
     workers = doc["workers"]
     sup = doc.setdefault("supervisor", {})
     sup["state_dir"] = os.path.abspath(state_dir)    # a replay never latches the car's
+    sup["mode"] = SIMULATION                         # recorded frames and time into control
     for w in workers.values():
         w["warm_standby"] = False                    # nothing to take over in a replay
     cam = workers[plan.camera]

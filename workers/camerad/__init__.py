@@ -50,6 +50,13 @@ from .synthetic import SyntheticRoad, nv12_to_gray, nv12_to_rgb
 
 # The roles this worker's code asks for; `supervisor check` verifies the config binds them.
 ROLES = {"out": ("frames",)}
+# Refused by `supervisor check` in a vehicle config (supervisor/config/_runtime.py): in a
+# car, recorded pixels must never reach control, nor may another domain pace the camera.
+SIMULATION_ONLY = {
+    "--source": ("recorded or file frames instead of the camera", ("replay", "log", "video")),
+    "--lockstep": "the camera waits for another worker before each frame",
+    "--wait-for": "the camera waits for another worker before its first frame",
+}
 
 FORMATS = ("nv12", "rgb888", "gray8")
 SENSORS = ("road", "wide", "driver", "unknown")
@@ -58,7 +65,7 @@ MAX_SLEEP_S = 0.05
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="workers.camerad")
+    p = argparse.ArgumentParser(prog="workers.camerad", allow_abbrev=False)  # SIMULATION_ONLY matches exactly
     p.add_argument("--source", choices=("synthetic", "replay", "log", "video"),
                    default="synthetic")
     p.add_argument("--log", default=None, help="recorded log (--source replay)")

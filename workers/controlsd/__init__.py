@@ -50,7 +50,7 @@ PING_NS = 20_000_000
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="workers.controlsd")
+    p = argparse.ArgumentParser(prog="workers.controlsd", allow_abbrev=False)  # SIMULATION_ONLY matches exactly
     p.add_argument("--hz", type=float, default=50.0, help="minimum command rate")
     p.add_argument("--timeout-ms", type=float, default=150.0)
     p.add_argument("--max-age-ms", type=float, default=150.0)
@@ -111,6 +111,8 @@ def _publish(writer, cmd: Command) -> None:
 
 # The roles this worker's code asks for; `supervisor check` verifies the config binds them.
 ROLES = {"in": ("model",), "out": ("command",)}
+# Refused by `supervisor check` in a vehicle config (supervisor/config/_runtime.py).
+SIMULATION_ONLY = {"--log-clock": "the control law steps on recorded time, not the clock"}
 
 
 def main(ctx: WorkerContext) -> int:
