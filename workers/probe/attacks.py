@@ -337,11 +337,115 @@ def nested_log(ctx: WorkerContext) -> dict:
     return {"denied": True}     # the evidence is in the supervisor's events
 
 
+def modify_ldt(ctx: WorkerContext) -> dict:
+    """Install our own x86 code segment in the LDT (no capability needed): kernel attack
+    surface no worker needs. Killed in control; EPERM in research."""
+    import struct
+
+    # struct user_desc: entry 0, base 0, limit 0xfffff, 32-bit code segment, page
+    # granular, usable.
+    flags = 1 | (2 << 1) | (1 << 4) | (1 << 6)
+    desc = ctypes.create_string_buffer(struct.pack("=IIII", 0, 0, 0xFFFFF, flags), 16)
+    rc = _libc.syscall(ctypes.c_long(154), ctypes.c_long(1), desc, ctypes.c_long(16))
+    return {"denied": rc != 0, "errno": errno.errorcode.get(ctypes.get_errno()) if rc else None}
+
+
+def mremap_exec(ctx: WorkerContext) -> dict:
+    """After READY (and after the READY snapshot): a new executable mapping without
+    mmap or mprotect, which the exec watch never sees: mremap grows the last page of
+    libc's text by one page and moves it. Only the maps scan can tell (new-exec-after-
+    ready). Waits for the kill; returns only if none came."""
+    time.sleep(3.0)
+    _libc.mremap.restype = ctypes.c_void_p
+    _libc.mremap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int,
+                             ctypes.c_void_p)
+    with open("/proc/self/maps") as f:
+        text = [ln.split() for ln in f]
+    lo, hi = next(tuple(int(x, 16) for x in v[0].split("-")) for v in text
+                  if v[1] == "r-xp" and len(v) > 5 and "/libc.so" in v[5])
+    new = _libc.mremap(hi - mmap.PAGESIZE, mmap.PAGESIZE, 2 * mmap.PAGESIZE, 1, None)  # MAYMOVE
+    if new is None or new == ctypes.c_void_p(-1).value:
+        return {"denied": True, "errno": errno.errorcode.get(ctypes.get_errno())}
+    time.sleep(8.0)
+    return {"denied": False, "at": hex(new)}
+
+
+def own_listener(ctx: WorkerContext) -> dict:
+    """Take the exec watch from the supervisor: install our own seccomp user-notification
+    filter for mprotect (a newer filter's listener would be asked first), then make
+    memory executable. The kernel allows one listener per filter chain (EBUSY); a
+    notify filter without a listener only makes our own calls fail (ENOSYS)."""
+    import struct
+
+    # ld [0] (nr); jeq mprotect ? ret USER_NOTIF : ret ALLOW
+    prog = [(0x20, 0, 0, 0), (0x15, 0, 1, 10), (0x06, 0, 0, 0x7FC00000), (0x06, 0, 0, 0x7FFF0000)]
+    raw = b"".join(struct.pack("=HBBI", *ins) for ins in prog)
+    buf = ctypes.create_string_buffer(raw, len(raw))
+
+    class _Fprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    fprog = _Fprog(len(prog), ctypes.cast(buf, ctypes.c_void_p))
+    res: dict = {}
+    for label, flags in (("new_listener", 8), ("no_listener", 0)):   # FLAG_NEW_LISTENER
+        rc = _libc.syscall(ctypes.c_long(317), ctypes.c_long(1), ctypes.c_long(flags),
+                           ctypes.byref(fprog))
+        res[label] = "ok" if rc >= 0 else errno.errorcode.get(ctypes.get_errno())
+        if rc >= 0 and flags:
+            os.close(rc)
+    res.update(_anon_rx())
+    return res
+
+
+def wake_abuse(ctx: WorkerContext) -> dict:
+    """A reader abusing its wake-up socket: fds sent to the writer's end, the writer's
+    direction stuffed, then both directions shut down. The writer (control) must
+    publish on, untouched."""
+    import json
+
+    from supervisor.ipc import env_name
+
+    h = next(json.loads(os.environ[env_name(ch)]) for ch in ctx.channels)
+    s = socket.socket(fileno=os.dup(h["event_fd"]))
+    res: dict = {}
+    try:
+        socket.send_fds(s, [b"x"], [h["data_fd"], h["lease_fd"], h["event_fd"]])
+        res["scm_rights"] = "sent"
+    except OSError as e:
+        res["scm_rights"] = _err(e)
+    s.setblocking(False)
+    n = 0
+    try:
+        while n < 64 << 20:
+            n += s.send(b"\xff" * 65536)
+    except OSError as e:
+        res["flood"] = _err(e)
+    res["flood_bytes"] = n
+    s.shutdown(socket.SHUT_RDWR)
+    time.sleep(1.0)            # the writer publishes into a shut-down socket meanwhile
+    res["denied"] = True       # the evidence is the writer's health (src, sink)
+    return res
+
+
+def status_churn(ctx: WorkerContext) -> dict:
+    """900 distinct STATUS lines a second for 3 s: under the flood limit (1000 lines/s),
+    yet each one was an event in the supervisor's log (~0.5 MB/s, enough to trip
+    journald's default rate limit and so hide every other worker's events)."""
+    fd, n = int(os.environ[ENV_STATUS_FD]), 0
+    t_end = time.monotonic() + 3.0
+    while time.monotonic() < t_end:
+        os.write(fd, b"".join(f"STATUS={n + i:06d} {'x' * 500}\n".encode() for i in range(90)))
+        n += 90
+        time.sleep(0.1)
+    return {"denied": None, "lines": n}
+
+
 ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
     f.__name__: f for f in (
         core_pattern, sysrq, proc_self_mem, reopen_rw, acl_then_reopen, fchmod_channel,
         forge_log, tty, fork_storm, memory_hog, dev_shm, ptrace, personality, unix_connect,
         mprotect_exec, memfd_exec, dlopen_tmp, torch_files, swallow_guard, fake_ready,
-        status_flood, long_line, nested_log,
+        status_flood, long_line, nested_log, modify_ldt, mremap_exec, own_listener,
+        wake_abuse, status_churn,
     )
 }
