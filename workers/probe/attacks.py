@@ -440,12 +440,24 @@ def status_churn(ctx: WorkerContext) -> dict:
     return {"denied": None, "lines": n}
 
 
+def status_escape(ctx: WorkerContext) -> dict:
+    """Terminal control in a STATUS line: the live status line on the operator's terminal
+    quotes every worker's status. A carriage return and an erase-line rewrite the
+    whole line (a FAIL-SAFE shown as engaged), OSC 52 writes the operator's clipboard."""
+    fd = int(os.environ[ENV_STATUS_FD])
+    fake = "control_cmd  50.0/s drop 0 lost 0 | steer +0.010 rad engaged"
+    for _ in range(3):
+        os.write(fd, f"STATUS=ok\r\x1b[2K{fake}\x1b]52;c;ZWNobyBwd25lZAo=\x07\n".encode())
+        time.sleep(1.0)
+    return {"denied": None}
+
+
 ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
     f.__name__: f for f in (
         core_pattern, sysrq, proc_self_mem, reopen_rw, acl_then_reopen, fchmod_channel,
         forge_log, tty, fork_storm, memory_hog, dev_shm, ptrace, personality, unix_connect,
         mprotect_exec, memfd_exec, dlopen_tmp, torch_files, swallow_guard, fake_ready,
         status_flood, long_line, nested_log, modify_ldt, mremap_exec, own_listener,
-        wake_abuse, status_churn,
+        wake_abuse, status_churn, status_escape,
     )
 }
