@@ -65,6 +65,8 @@ ATTACKERS = {
     "r-wake": ("research", "wake_abuse", False),
     "r-churn": ("research", "status_churn", False),
     "r-escape": ("research", "status_escape", False),
+    "r-descr": ("research", "shared_description", False),
+    "c-descr": ("control", "shared_description", False),
 }
 
 
@@ -267,6 +269,16 @@ def test_wake_up_socket_abuse_leaves_the_writer_publishing(fleet):
     res = assert_denied(ev, "r-wake")
     assert res["scm_rights"] == "sent" and res["flood"] == "EAGAIN", res
     assert not _of(fleet["running"], "src", "exit") and not _of(fleet["running"], "r-wake", "exit")
+
+
+@pytest.mark.xfail(strict=True, reason="open: Channel.reader_handle hands every reader the "
+                   "same O_RDONLY description (supervisor/ipc/channel.py)")
+def test_a_research_reader_cannot_change_what_a_control_reader_holds(fleet):
+    """A covert channel at least: flags and offset set by research, read by control."""
+    ev = fleet["events"]
+    assert attack_result(ev, "r-descr") == {"attack": "shared_description", "denied": None,
+                                            "set": True}
+    assert_denied(ev, "c-descr")
 
 
 def test_frames_untouched_by_the_reader_attacks(fleet):

@@ -452,12 +452,29 @@ def status_escape(ctx: WorkerContext) -> dict:
     return {"denied": None}
 
 
+def shared_description(ctx: WorkerContext) -> dict:
+    """Every reader of a channel holds the same read-only open file description: what a
+    research reader sets on it (file status flags, the offset) a control reader sees.
+    Research: set them. Control: look, a little later."""
+    import fcntl
+
+    fd = _channel_fd(ctx)
+    if ctx.domain == "research":
+        fcntl.fcntl(fd, fcntl.F_SETFL, os.O_NONBLOCK | os.O_APPEND)
+        os.lseek(fd, 0x5EED, os.SEEK_SET)
+        return {"denied": None, "set": True}
+    time.sleep(3.0)
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL) & (os.O_NONBLOCK | os.O_APPEND)
+    offset = os.lseek(fd, 0, os.SEEK_CUR)
+    return {"denied": flags == 0 and offset != 0x5EED, "flags": flags, "offset": offset}
+
+
 ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
     f.__name__: f for f in (
         core_pattern, sysrq, proc_self_mem, reopen_rw, acl_then_reopen, fchmod_channel,
         forge_log, tty, fork_storm, memory_hog, dev_shm, ptrace, personality, unix_connect,
         mprotect_exec, memfd_exec, dlopen_tmp, torch_files, swallow_guard, fake_ready,
         status_flood, long_line, nested_log, modify_ldt, mremap_exec, own_listener,
-        wake_abuse, status_churn, status_escape,
+        wake_abuse, status_churn, status_escape, shared_description,
     )
 }
