@@ -1,9 +1,7 @@
 """``bridge``: supervisor.ipc ``Writer.loan()``/``publish`` and ``Reader.receive()``
 (wake-up socket) on the native module when it is built; ``bridge-py``: the same on the
 pure-Python path (``native=False``, the hot path before the native module: x86-64 only),
-so one run compares before and after; ``bridge-poll`` spins on ``Reader.try_receive()``;
-``bridge-nospin``: ``Reader(spin_us=0)``, the event variant without the bounded look at
-shared memory before blocking (``receive()`` as it was before that was added)."""
+so one run compares before and after; ``bridge-poll`` spins on ``Reader.try_receive()``."""
 from __future__ import annotations
 
 import importlib
@@ -21,7 +19,6 @@ class BridgeTransport(Transport):
     module = "supervisor.ipc"
     poll = False
     native: bool | None = None     # None: the module's default (native when built)
-    spin_us: float | None = None   # None: the Reader's default
     SLOTS = 8
     _count = 0
 
@@ -42,12 +39,6 @@ class BridgeTransport(Transport):
 
     def _kw(self) -> dict:
         return {} if self.native is None else {"native": self.native}
-
-    def _rkw(self) -> dict:
-        kw = self._kw()
-        if self.spin_us is not None:
-            kw["spin_us"] = self.spin_us
-        return kw
 
     def setup(self, nbytes, run_id):
         super().setup(nbytes, run_id)
@@ -103,7 +94,7 @@ class BridgeTransport(Transport):
 
     def open_receiver(self):
         _, _, _, Reader = self._api()
-        r = Reader(self.rh, **self._rkw())
+        r = Reader(self.rh, **self._kw())
         poll = self.poll
 
         try_receive = getattr(r, "try_receive", None)
@@ -169,10 +160,3 @@ class BridgePyTransport(BridgeTransport):
     label = "trio-bridge (pure Py)"
     native = False
     note = "the pure-Python hot path (before the native module), same API"
-
-
-class BridgeNoSpinTransport(BridgeTransport):
-    key = "bridge-nospin"
-    label = "trio-bridge (no spin)"
-    spin_us = 0.0
-    note = "Reader(spin_us=0): blocks as soon as the ring is empty"

@@ -42,15 +42,6 @@ _MAX_SEQ = 2**64 - 1
 # per-channel override, so this is the one value for every channel.
 FUTURE_TOLERANCE_NS = 5_000_000
 
-# How long receive() keeps looking at shared memory (no system call, only the
-# channel's last_seq word) after finding nothing, before it blocks on the wake-up
-# socket. A message that follows within this window is taken without a sleep and a
-# wake-up (a stream: the writer's next message is a few microseconds away; blocking
-# and being woken costs tens to hundreds of microseconds on a small machine). Bounded:
-# at 20 Hz frames this is at most 20 us of CPU per message; 0 turns it off
-# (Reader(spin_us=0)). receive_async never spins (it would stall the trio loop).
-SPIN_US = 20.0
-
 # How long a reader waits for the writer to map and seal the segment on attach.
 ATTACH_TIMEOUT_S = 5.0
 _RETRIES = 8
@@ -71,11 +62,8 @@ class Reader:
     message already published (subject to max_age), never at older history."""
 
     def __init__(self, handle: ReaderHandle, *, attach_timeout_s: float = ATTACH_TIMEOUT_S,
-                 native: bool | None = None, spin_us: float = SPIN_US) -> None:
+                 native: bool | None = None) -> None:
         self.spec = spec = handle.spec
-        if not spin_us >= 0:
-            raise ValueError(f"spin_us must be >= 0, got {spin_us!r}")
-        self._spin_ns = int(spin_us * 1000)
         # The memory-ordering path (see _atomics): refuses to start where none is correct.
         self._native = nat = _atomics.select(native)
         self._wait_for_writer(handle.data_fd, attach_timeout_s)
@@ -401,10 +389,6 @@ class Reader:
             msg = self.try_receive()
             if msg is not None:
                 return msg
-            if self._spin_ns:
-                msg = self._spin(None if end is None else int(end * 1e9))
-                if msg is not None:
-                    return msg
             wait_ms = -1
             if end is not None:
                 left = end - time.monotonic()
@@ -429,21 +413,6 @@ class Reader:
                 msg = self.try_receive()
                 if msg is not None:
                     return msg
-
-    def _spin(self, deadline_ns: int | None) -> Message | None:
-        """Look at last_seq for up to ``spin_us`` (no system call), never past the
-        receive's own deadline, before blocking; take a message as soon as one is
-        published. None: nothing came, block."""
-        latest = self._latest_seq
-        end = _now() + self._spin_ns
-        if deadline_ns is not None and deadline_ns < end:
-            end = deadline_ns
-        while _now() < end:
-            if latest() > self._last_seq:
-                msg = self.try_receive()
-                if msg is not None:
-                    return msg
-        return None
 
     def _sleeping(self) -> Message | None:
         """Native path, before blocking on the wake-up socket: say so (the writer then
