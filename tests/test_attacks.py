@@ -67,6 +67,7 @@ ATTACKERS = {
     "r-escape": ("research", "status_escape", False),
     "r-descr": ("research", "shared_description", False),
     "c-descr": ("control", "shared_description", False),
+    "c-patch": ("control", "patch_library", True),
 }
 
 
@@ -392,6 +393,18 @@ def test_anonymous_exec_before_ready_refused_without_jit_kernels(fleet):
     ev = fleet["events"]
     ref = _of(ev, "c-mprotect0", "refused")
     assert ref and ref[0]["kind"] == "exec_memory", _of(ev, "c-mprotect0")
+
+
+def test_a_patched_library_page_cannot_become_code_again(fleet):
+    """Before READY, libz mapped r-x from a read-only mount, made writable (unwatched),
+    patched and made executable: the copied-on-write page is refused."""
+    ev = fleet["events"]
+    ref = _of(ev, "c-patch", "refused")
+    assert ref and ref[0]["kind"] == "exec_memory" and ref[0]["syscall"] == "mprotect", \
+        _of(ev, "c-patch")
+    assert "modified" in ref[0]["reason"] and "libz" in ref[0]["reason"], ref[0]
+    res = attack_result(ev, "c-patch")
+    assert res is None or (res["denied"] and res["rw"] == 0), res
 
 
 def test_the_same_mapping_before_ready_is_allowed_for_a_jit_worker(fleet):

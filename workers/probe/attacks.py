@@ -469,12 +469,34 @@ def shared_description(ctx: WorkerContext) -> dict:
     return {"denied": flags == 0 and offset != 0x5EED, "flags": flags, "offset": offset}
 
 
+def patch_library(ctx: WorkerContext) -> dict:
+    """Before READY: a shared library mapped read+execute from a read-only mount (allowed),
+    made writable (mprotect without PROT_EXEC: not watched), patched, made executable
+    again. The patched page is a private copy, no longer the file's: refused."""
+    import glob
+
+    path = (glob.glob("/usr/lib/x86_64-linux-gnu/libz.so.1*") + glob.glob("/usr/lib/*/libz.so.1*")
+            + glob.glob("/lib/*/libz.so.1*"))[0]
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), mmap.PAGESIZE, flags=mmap.MAP_PRIVATE, prot=PROT_RX)
+    # Its address, from our maps (the loader's own text of the library is not at offset 0).
+    with open("/proc/self/maps") as f:
+        at = next(int(ln.split("-")[0], 16) for ln in f
+                  if ln.split()[1:3] == ["r-xp", "00000000"] and ln.rstrip().endswith(
+                      os.path.basename(os.path.realpath(path))))
+    res: dict = {"rw": _libc.mprotect(at, mmap.PAGESIZE, PROT_RW)}
+    ctypes.memmove(at, b"\xc3", 1)                    # ret
+    rc = _libc.mprotect(at, mmap.PAGESIZE, PROT_RX)
+    res.update(denied=rc != 0, errno=errno.errorcode.get(ctypes.get_errno()) if rc else None)
+    m.close()
+    return res
+
 ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
     f.__name__: f for f in (
         core_pattern, sysrq, proc_self_mem, reopen_rw, acl_then_reopen, fchmod_channel,
         forge_log, tty, fork_storm, memory_hog, dev_shm, ptrace, personality, unix_connect,
         mprotect_exec, memfd_exec, dlopen_tmp, torch_files, swallow_guard, fake_ready,
         status_flood, long_line, nested_log, modify_ldt, mremap_exec, own_listener,
-        wake_abuse, status_churn, status_escape, shared_description,
+        wake_abuse, status_churn, status_escape, shared_description, patch_library,
     )
 }
