@@ -108,14 +108,19 @@ class BridgeTransport(Transport):
             rejected = 0
 
             def recv(self, timeout_s):
-                deadline = now_ns() + int(timeout_s * 1e9)
+                deadline = None
                 while True:
                     try:
                         if poll:
                             msg = (try_receive() if try_receive is not None
                                    else r.receive(timeout=0))
                         else:
-                            msg = r.receive(timeout=max(timeout_s, 1e-3))
+                            # A non-blocking take first, then the blocking wait: the
+                            # same order as the iceoryx2 receiver (take(), then the
+                            # Listener), so neither pays for a deadline it did not need.
+                            msg = try_receive() if try_receive is not None else None
+                            if msg is None:
+                                msg = r.receive(timeout=max(timeout_s, 1e-3))
                     except TimeoutError:           # ChannelTimeout
                         msg = None
                     except Exception as e:  # noqa: BLE001
@@ -137,7 +142,11 @@ class BridgeTransport(Transport):
                             self.rejected += 1     # overwritten while held: not valid
                             continue
                         return ts, seq, t, n
-                    if not poll or now_ns() > deadline:
+                    if not poll:
+                        return None
+                    if deadline is None:
+                        deadline = now_ns() + int(timeout_s * 1e9)
+                    elif now_ns() > deadline:
                         return None
 
             def close(self):
