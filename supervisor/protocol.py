@@ -133,11 +133,21 @@ def format_line(kind: str, text: str = "") -> str:
     return f"{kind}=1" + (f" STATUS={text}" if text else "")
 
 
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable (controls, escape sequences,
+    bidi overrides) shown as a Python escape: a worker's words reach the operator's
+    terminal (the live status line) and must not move its cursor or rewrite it."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def parse_line(line: str) -> list[StatusLine]:
     """Supervisor side. sd_notify style: several assignments may share a line
-    ("READY=1 STATUS=fps=20"); STATUS and REFUSED take the rest of the line."""
+    ("READY=1 STATUS=fps=20"); STATUS and REFUSED take the rest of the line, made
+    `printable`."""
     out: list[StatusLine] = []
-    rest = line
+    rest = printable(line)
     while rest:
         key, eq, value = rest.partition("=")
         if not eq or key not in _KINDS:

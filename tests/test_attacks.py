@@ -272,8 +272,6 @@ def test_wake_up_socket_abuse_leaves_the_writer_publishing(fleet):
     assert not _of(fleet["running"], "src", "exit") and not _of(fleet["running"], "r-wake", "exit")
 
 
-@pytest.mark.xfail(strict=True, reason="open: Channel.reader_handle hands every reader the "
-                   "same O_RDONLY description (supervisor/ipc/channel.py)")
 def test_a_research_reader_cannot_change_what_a_control_reader_holds(fleet):
     """A covert channel at least: flags and offset set by research, read by control."""
     ev = fleet["events"]
@@ -443,8 +441,6 @@ def test_status_flood_is_refused_and_starves_nobody(fleet):
         assert not _of(ev, w, "watchdog_missed")
 
 
-@pytest.mark.xfail(strict=True, reason="open: every distinct STATUS line is a `status` event "
-                   "(supervisor/lifecycle/_io.py); only output lines are limited (50/s)")
 def test_status_churn_cannot_flood_the_event_log(fleet):
     """900 distinct STATUS lines a second stay under the flood refusal (1000/s) and each
     became an event: ~0.5 MB/s of log from one research worker, past journald's default
@@ -456,8 +452,6 @@ def test_status_churn_cannot_flood_the_event_log(fleet):
     assert len(_of(ev, "r-churn", "status")) <= 200 or _of(ev, "r-churn", "refused")
 
 
-@pytest.mark.xfail(strict=True, reason="open: the live status line quotes each worker's "
-                   "STATUS text raw (supervisor/monitor.py Monitor.line)")
 def test_a_worker_status_cannot_rewrite_the_operators_status_line(fleet):
     """The live line goes to the operator's terminal: a worker's STATUS with a carriage
     return and an erase-line would replace everything before it (the FAIL-SAFE prefix,

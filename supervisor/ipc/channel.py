@@ -103,7 +103,10 @@ class Channel:
                  event_fds: list[int], reader_event_fds: list[int] | None = None) -> None:
         self.spec = spec
         self._data_fd = data_fd
-        self._data_ro = shm.reopen_read_only(data_fd)
+        # One read-only open file description per reader index, made when first handed
+        # out: readers of different domains must not share flags, offset or locks (a
+        # research reader's fcntl/lseek would otherwise be visible to a control reader).
+        self._data_ro: dict[int, int] = {}
         self._lease_fds = lease_fds
         self._lease_ro = [shm.reopen_read_only(fd) for fd in lease_fds]
         self._event_fds = event_fds
@@ -137,7 +140,9 @@ class Channel:
         if not 0 <= index < self.spec.max_readers:
             raise ConfigError(f"channel {self.spec.name!r} has reader slots "
                               f"0..{self.spec.max_readers - 1}, not {index}")
-        return ReaderHandle(self.spec, index, self._data_ro, self._lease_fds[index],
+        if index not in self._data_ro:
+            self._data_ro[index] = shm.reopen_read_only(self._data_fd)
+        return ReaderHandle(self.spec, index, self._data_ro[index], self._lease_fds[index],
                             self._reader_event_fds[index])
 
     def writer_sealed(self) -> bool:
@@ -150,7 +155,8 @@ class Channel:
         self._closed = True
         ends = [*self._event_fds, *(fd for fd in self._reader_event_fds
                                     if fd not in self._event_fds)]
-        for fd in [self._data_fd, self._data_ro, *self._lease_fds, *self._lease_ro, *ends]:
+        for fd in [self._data_fd, *self._data_ro.values(), *self._lease_fds, *self._lease_ro,
+                   *ends]:
             try:
                 os.close(fd)
             except OSError:

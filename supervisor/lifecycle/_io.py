@@ -18,6 +18,12 @@ class _WorkerIO:
     """Status and output pipes of each run (mixed into `Supervisor`)."""
 
     STATUS_LINES_PER_S = 1000.0
+    # Status *events* per worker: a burst, then this rate; changes in between are held
+    # and the latest is logged when the bucket allows (with how many were held). Every
+    # distinct line becoming an event let one worker flood the log (and journald's rate
+    # limit, which then drops the supervisor's own events too).
+    STATUS_EVENTS_PER_S = 2.0
+    STATUS_EVENT_BURST = 10.0
 
     async def _read_status(self, run: WorkerRun) -> None:
         """READY=1 / WATCHDOG=1 / STATUS=... lines from the worker's status pipe."""
@@ -91,8 +97,8 @@ class _WorkerIO:
         elif msg.kind == "STATUS":
             if msg.text != run.status:
                 run.status = msg.text
-                self.log.emit("status", worker=run.cfg.name, domain=run.cfg.domain,
-                              status=msg.text)
+                run.status_held += 1          # changes since the last status event
+            self._log_status(run)
             if self.monitor is not None:
                 self.monitor.statuses[run.cfg.name] = msg.text
         elif msg.kind == "REFUSED":
@@ -100,6 +106,25 @@ class _WorkerIO:
             # exception is named all the same.
             kind, _, detail = msg.text.partition(" ")
             self._refuse(run, f"guard:{kind[:32]}", detail[:512] or kind)
+
+    def _log_status(self, run: WorkerRun) -> None:
+        """Log the run's latest status if it changed since the last `status` event and
+        the run's status-event bucket allows it (called on each STATUS line and by the
+        heartbeat, so a held change is logged even if the worker goes quiet)."""
+        if not run.status_held or run.status == run.status_logged:
+            run.status_held = 0
+            return
+        now = time.monotonic()
+        run.status_ev_tokens = min(self.STATUS_EVENT_BURST, run.status_ev_tokens
+                                   + (now - run.status_ev_ts) * self.STATUS_EVENTS_PER_S)
+        run.status_ev_ts = now
+        if run.status_ev_tokens < 1:
+            return
+        run.status_ev_tokens -= 1
+        held, run.status_held, run.status_logged = run.status_held - 1, 0, run.status
+        extra = {"held": held} if held else {}
+        self.log.emit("status", worker=run.cfg.name, domain=run.cfg.domain,
+                      status=run.status, **extra)
 
     async def _read_output(self, run: WorkerRun) -> None:
         """The worker's stdout/stderr as `output` events naming it (bounded, rate limited)."""

@@ -30,6 +30,10 @@ class WorkerRun:
     status_buf: bytes = b""                  # an incomplete status line
     status_tokens: float = 1000.0            # status-line rate limit (token bucket)
     status_ts: float = 0.0
+    status_logged: str = ""                  # the last status text that became an event
+    status_ev_tokens: float = 10.0           # status-event rate limit (token bucket)
+    status_ev_ts: float = 0.0
+    status_held: int = 0                     # changes not logged since (rate limit)
     out_r: int | None = None                 # the worker's stdout+stderr (a pipe)
     output: LineLimiter = field(default_factory=LineLimiter)
     cgroup: object | None = None             # sandbox.cgroups.WorkerCgroup of this run

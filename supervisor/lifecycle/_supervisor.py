@@ -519,6 +519,8 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby):
         if self.notify.watchdog_s:
             interval = min(interval, self.notify.watchdog_s / 2)
         while True:
+            for run in self._all_runs():
+                self._log_status(run)          # a held status change, now allowed
             up = sum(1 for r in self.runs.values() if r.proc and r.proc.poll() is None)
             text = f"{up}/{len(self.runs)} workers running"
             self.notify.send(watchdog=1, status=text) if self.notify.watchdog_s else \
