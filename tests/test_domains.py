@@ -87,6 +87,21 @@ expect_name = "m"
     assert "extra_rw_binds[3]: /srv/lab overlaps models.m (/srv/lab/model)" in got[3]
 
 
+def test_an_alias_of_a_writable_bind_is_that_bind(tmp_path):
+    """bubblewrap follows symlinks: control reading research's output directory through
+    a symlink is the same channel around the bridge (found by the red team)."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "alias").symlink_to(tmp_path / "out")
+    text = BASE.format(extra=f"""
+[domains.lab]
+profile = "research"
+extra_rw_binds = ["{tmp_path / 'out'}"]
+""").replace("actuates = true", f'actuates = true\nextra_ro_binds = ["{tmp_path / "alias"}"]')
+    got = problems(text)
+    assert len(got) == 1 and f"{tmp_path / 'out'} overlaps domains.control ({tmp_path / 'alias'})" \
+        in got[0], got
+
+
 def test_roles_bind_channels_and_a_role_bound_twice_is_an_error():
     cfg = loads(BASE.format(extra=""), "d.toml")
     assert cfg.workers["cam"].roles == (("frames", "x"),)

@@ -9,6 +9,7 @@ users per domain, and the shared-memory budget. Machine-dependent checks are in
 """
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 from supervisor.ipc.spec import ChannelSpec
@@ -43,9 +44,15 @@ _NEVER_WRITABLE = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib64", "/boot", "
                    "/dev", "/run", "/var/lib/trio-supervisor")
 
 
-def _overlap(a: str, b: str) -> bool:
+def _nested(a: str, b: str) -> bool:
     a, b = a.rstrip("/") or "/", b.rstrip("/") or "/"
     return a == b or a.startswith(b + "/") or b.startswith(a + "/")
+
+
+def _overlap(a: str, b: str) -> bool:
+    """As written or as bubblewrap will bind them: it follows symlinks on the host, so an
+    alias of another domain's writable directory is that directory."""
+    return _nested(a, b) or _nested(os.path.realpath(a), os.path.realpath(b))
 
 
 def check_binds(add: Add, domains: dict[str, DomainConfig], models: dict,
