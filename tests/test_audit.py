@@ -111,7 +111,8 @@ def test_default_config_promises(default_report):
     assert res["compilers_visible"] and res["exec_after_start"]
     assert res["seccomp"]["filters"] == 1 and res["seccomp"]["launch"]["eperm"]
     assert res["limits"] == {"memory_max": 8 * 2**30, "pids_max": 256, "cpu_quota_pct": 200.0,
-                             "nofile": None}
+                             "cpu_weight": 100, "nofile": None}
+    assert rows["controlsd"]["limits"]["cpu_weight"] == 1000   # control waits for no one
 
     chans = {c["channel"]: c for c in r["channels"]}
     assert chans["control_cmd"]["actuation"] and chans["control_cmd"]["crc"]
@@ -225,6 +226,7 @@ def test_live_audit_of_a_clean_system(tmp_path):
         assert rows[reader]["evidence"]["channel_fds"]["frames"]["data"] == ["O_RDONLY"]
     lim = rows["src"]["limits"]
     assert (lim["memory_max"], lim["pids_max"], lim["cpu_quota_pct"]) == (256 * 2**20, 32, 50.0)
+    assert lim["cpu_weight"] == 1000 and rows["lab"]["limits"]["cpu_weight"] == 100  # in force
     assert rows["sink"]["limits"]["nofile"] == 256 and rows["sink"]["limits"]["pids_max"] == 64
 
 

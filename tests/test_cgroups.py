@@ -112,6 +112,9 @@ def test_limits_are_validated():
         with pytest.raises(ValueError):
             Limits(**bad)
     assert Limits(cpu_quota_pct=150).cpu_quota_us == 150_000
+    for bad in (dict(cpu_weight=0), dict(cpu_weight=10001), dict(cpu_weight=1.5)):
+        with pytest.raises(ValueError):
+            Limits(**bad)
     with pytest.raises(ValueError):
         CgroupTree.create("../escape")
 
@@ -130,7 +133,9 @@ def test_in_force_reads_back_the_limits(tree):
     if tree.version == 2:
         assert files.get("memory.oom.group", "1") == "1"
 
+    assert tree.leaf("heavy", Limits(cpu_weight=1000)).in_force()["cpu_weight"] == 1000
     free = tree.leaf("free", Limits()).in_force()
+    assert free["cpu_weight"] == 100                # the kernel's default share
     assert (free["memory_max"], free["pids_max"], free["cpu_quota_us"]) == (None, None, None)
     assert free["cpu_period_us"] == 100_000
 
@@ -264,6 +269,35 @@ def test_cpu_quota_throttles(tree, start):
     p.stdin.write("\n")
     p.stdin.flush()
     p.communicate(timeout=10)
+
+
+SPIN = r"""
+import os, sys, time
+os.sched_setaffinity(0, {int(sys.argv[1])})     # both groups on one CPU: they compete
+print("spinning", flush=True)
+start, end = float(sys.argv[2]), float(sys.argv[3])   # CLOCK_MONOTONIC: one for both
+while time.monotonic() < start:
+    time.sleep(0.001)
+t0 = os.times()
+while time.monotonic() < end:
+    pass
+t = os.times()
+print(t.user + t.system - t0.user - t0.system, flush=True)
+"""
+
+
+def test_cpu_weight_decides_who_waits_under_contention(tree, start):
+    """Control's default weight (1000) against research's (100), both wanting the same
+    CPU: the heavy group gets most of it; with equal weights they would split it."""
+    cpu = min(os.sched_getaffinity(0))
+    heavy = tree.leaf("heavy", Limits(cpu_weight=1000))
+    light = tree.leaf("light", Limits(cpu_weight=100))
+    t0 = time.monotonic() + 0.5                     # both started and spinning by then
+    procs = [start(heavy, SPIN, cpu, t0, t0 + 1.5), start(light, SPIN, cpu, t0, t0 + 1.5)]
+    assert all(p.stdout.readline().strip() == "spinning" for p in procs)
+    h, li = (float(p.stdout.readline()) for p in procs)
+    print(f"\ncpu_weight 1000 vs 100 on one CPU: {h:.2f} s vs {li:.2f} s CPU")
+    assert h > 3 * li, (h, li)
 
 
 SLEEPER = r"""

@@ -90,7 +90,8 @@ Worker row (config mode = promise; live mode = observation, same keys):
     no_new_privs                 bool
     capabilities                 {effective, permitted, inheritable, ambient, bounding}:
                                  lists of capability names (all empty: bwrap --cap-drop ALL)
-    limits                       {memory_max (bytes), pids_max, cpu_quota_pct, nofile}; null
+    limits                       {memory_max (bytes), pids_max, cpu_quota_pct, cpu_weight
+                                 (cgroup cpu.weight; v1 cpu.shares x 100 / 1024), nofile}; null
                                  = unlimited / inherited; live adds enforced_by
     channels                     {writes: [{channel, access}], reads: [{channel, shadow,
                                  log_only, access}]}; access "read-write" | "read-only";

@@ -342,6 +342,7 @@ def observed_row(promise: dict[str, Any], e: dict[str, Any] | None,
         "memory_max": cg.get("memory_max"),
         "pids_max": cg.get("pids_max"),
         "cpu_quota_pct": round(quota * 100 / period, 3) if quota and period else None,
+        "cpu_weight": cg.get("cpu_weight"),
         "nofile": e["nofile"][0],
         "enforced_by": (f"cgroup v{cg['version']}" if cg.get("version") and cg.get("member")
                         else "nothing (no cgroup)"),
@@ -445,7 +446,7 @@ def differences(promise: dict[str, Any], seen: dict[str, Any],
             diff(f"capabilities.{label}", promise["capabilities"].get(label, []), caps,
                  f"{name} holds {label} capabilities: {', '.join(caps)}")
     pl, sl = promise["limits"], seen["limits"]
-    for key in ("memory_max", "pids_max", "cpu_quota_pct"):
+    for key in ("memory_max", "pids_max", "cpu_quota_pct", "cpu_weight"):
         want, got = pl[key], sl[key]
         if key == "memory_max" and want is not None and got is not None:
             same = abs(want - got) < 4096       # the kernel rounds to pages

@@ -162,6 +162,7 @@ RESOURCES: list[tuple[str, str, Cell]] = [
     ("memory max", "limits.memory_max", _limit("memory_max", format_size)),
     ("pids max", "limits.pids_max", _limit("pids_max", str)),
     ("cpu quota", "limits.cpu_quota_pct", _limit("cpu_quota_pct", lambda v: f"{v:g}%")),
+    ("cpu weight", "limits.cpu_weight", _limit("cpu_weight", str)),
     ("open files", "limits.nofile", _limit("nofile", str)),
     ("writes", "channels", _writes),
     ("reads", "channels", _reads),

@@ -17,6 +17,10 @@ from ._graph import topo_sort
 
 CONTROL = "control"
 RESEARCH = "research"
+# Default cgroup cpu.weight by profile: under contention control gets ten times
+# research's share of the CPUs, so a busy research model cannot delay the control loop
+# (the quota only caps research; the weight decides who waits when both want a core).
+CPU_WEIGHT = {CONTROL: 1000, RESEARCH: 100}
 # Supervisor modes ([supervisor] mode).
 VEHICLE = "vehicle"
 SIMULATION = "simulation"
@@ -184,6 +188,9 @@ class WorkerConfig:
     # cgroup limits of the worker's sandbox (v2, or v1 memory/pids/cpu controllers):
     memory_max: int | None = None           # bytes: heap, page cache, shared memory and tmpfs
     cpu_quota: float | None = None          # percent of one CPU (200 = two CPUs)
+    # Share of the CPUs under contention (cgroup cpu.weight 1..10000); None: the
+    # profile's (CPU_WEIGHT). A research worker may never outweigh a control worker.
+    cpu_weight: int | None = None
     pids_max: int | None = 64               # processes + threads (a fork storm stops here)
     # Control-grade domains: may the worker create anonymous executable memory before
     # READY (modeld: tinygrad maps the signed artifact's kernels)? Never after READY.
@@ -264,6 +271,11 @@ class Config:
     def profile_of(self, worker: str) -> str:
         """The profile (control or research) of a worker's domain: what its sandbox is."""
         return self.domains[self.workers[worker].domain].profile
+
+    def cpu_weight_of(self, worker: str) -> int:
+        """The worker's cgroup cpu.weight: its own, or its profile's default."""
+        w = self.workers[worker].cpu_weight
+        return w if w is not None else CPU_WEIGHT[self.profile_of(worker)]
 
     def domain_of(self, worker: str) -> DomainConfig:
         return self.domains[self.workers[worker].domain]

@@ -132,7 +132,8 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby):
         self._leaf_seq += 1
         leaf = f"{w.name}-{'s' if run.is_standby else 'r'}{self._leaf_seq}"
         run.cgroup = cg = self.cgroups.leaf(leaf, Limits(
-            memory_max=w.memory_max, pids_max=w.pids_max, cpu_quota_pct=w.cpu_quota))
+            memory_max=w.memory_max, pids_max=w.pids_max, cpu_quota_pct=w.cpu_quota,
+            cpu_weight=self.config.cpu_weight_of(w.name)))
         run.oom_before = cg.oom_kills()
         return cg.open_join_fds()
 

@@ -50,6 +50,10 @@ class Limits:
     memory_max: int | None = None
     pids_max: int | None = None        # tasks (threads count)
     cpu_quota_pct: float | None = None  # percent of one CPU (200 = two CPUs)
+    # Share of the CPUs under contention against the other workers' runs (all siblings
+    # below the tree): v2 cpu.weight 1..10000 (default 100); v1 cpu.shares = weight x
+    # 1024 / 100. Unlike the quota it costs nothing when the machine is idle.
+    cpu_weight: int | None = None
 
     def __post_init__(self) -> None:
         # Reject here, not as an EINVAL from a kernel file halfway through a leaf set-up.
@@ -60,6 +64,9 @@ class Limits:
         if self.cpu_quota_pct is not None and not self.cpu_quota_pct >= 1:
             # CFS refuses quotas under 1 ms; at a 100 ms period that is 1 %.
             raise ValueError(f"cpu_quota_pct must be >= 1, got {self.cpu_quota_pct!r}")
+        if self.cpu_weight is not None and (type(self.cpu_weight) is not int
+                                            or not 1 <= self.cpu_weight <= 10000):
+            raise ValueError(f"cpu_weight must be 1..10000, got {self.cpu_weight!r}")
 
     @property
     def cpu_quota_us(self) -> int | None:
@@ -212,7 +219,8 @@ class WorkerCgroup:
         lim = self.limits
         # Only controllers in use get written (tests run the v2 code with none enabled).
         mem, pids, cpu = (self._dirs.get(c) if c in self._controllers else None for c in CONTROLLERS)
-        for c, wanted in (("memory", lim.memory_max), ("pids", lim.pids_max), ("cpu", lim.cpu_quota_pct)):
+        for c, wanted in (("memory", lim.memory_max), ("pids", lim.pids_max),
+                          ("cpu", lim.cpu_quota_pct), ("cpu", lim.cpu_weight)):
             if wanted is not None and c not in self._controllers:
                 raise CgroupUnavailable(f"{c} limit requested but the {c} controller is not in use")
         if self.version == 1:
@@ -228,6 +236,7 @@ class WorkerCgroup:
                 _write(f"{cpu}/cpu.cfs_period_us", str(CPU_PERIOD_US))
                 q = lim.cpu_quota_us
                 _write(f"{cpu}/cpu.cfs_quota_us", "-1" if q is None else str(q))
+                _write(f"{cpu}/cpu.shares", str(max(2, (lim.cpu_weight or 100) * 1024 // 100)))
             return
         if mem:
             _write(f"{mem}/memory.max", "max" if lim.memory_max is None else str(lim.memory_max))
@@ -242,6 +251,7 @@ class WorkerCgroup:
         if cpu:
             q = lim.cpu_quota_us
             _write(f"{cpu}/cpu.max", f"{'max' if q is None else q} {CPU_PERIOD_US}")
+            _write(f"{cpu}/cpu.weight", str(lim.cpu_weight or 100))
 
     def _is_current(self) -> bool:
         try:
@@ -325,12 +335,15 @@ class WorkerCgroup:
             period = num(get("cpu", "cpu.cfs_period_us"))
             out["memory_max"] = mem
             out["swap_max"] = memsw - mem if memsw is not None and mem is not None else None
+            shares = num(get("cpu", "cpu.shares"))
+            out["cpu_weight"] = None if shares is None else round(shares * 100 / 1024)
         else:
             out["memory_max"] = num(get("memory", "memory.max"))
             out["swap_max"] = num(get("memory", "memory.swap.max"))
             get("memory", "memory.oom.group")
             cpu_max = get("cpu", "cpu.max")
             quota, period = (num(x) for x in cpu_max.split()) if cpu_max else (None, None)
+            out["cpu_weight"] = num(get("cpu", "cpu.weight"))
         out["pids_max"] = num(get("pids", "pids.max"))
         out["cpu_quota_us"] = quota
         out["cpu_period_us"] = period
