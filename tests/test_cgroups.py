@@ -106,6 +106,28 @@ def start():
             pass
 
 
+def test_trees_of_dead_supervisors_are_swept(tree):
+    """A supervisor killed with SIGKILL leaves its tree behind; the next one removes it
+    (and kills what an orphaned sandbox left there), but never a live supervisor's."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    parents = {os.path.dirname(p) for p in tree.paths}
+    for parent in parents:
+        for pid in (dead, "1"):
+            os.makedirs(f"{parent}/trio-supervisor-{pid}", exist_ok=True)
+    try:
+        again = CgroupTree.create(f"trio-cgtest-{os.getpid()}-{secrets.token_hex(3)}")
+        again.close()
+        for parent in parents:
+            assert not os.path.exists(f"{parent}/trio-supervisor-{dead}")
+            assert os.path.isdir(f"{parent}/trio-supervisor-1")     # pid 1 lives
+    finally:
+        for parent in parents:
+            for pid in (dead, "1"):
+                if os.path.isdir(f"{parent}/trio-supervisor-{pid}"):
+                    os.rmdir(f"{parent}/trio-supervisor-{pid}")
+
+
 def test_limits_are_validated():
     for bad in (dict(memory_max=0), dict(memory_max=1.5e9), dict(pids_max=0),
                 dict(pids_max=True), dict(cpu_quota_pct=0.5), dict(cpu_quota_pct=float("nan"))):

@@ -179,6 +179,28 @@ def _destroy(tops: list[str], version: int, timeout: float = _KILL_TIMEOUT) -> N
                     time.sleep(0.01)
 
 
+_DEFAULT_PREFIX = "trio-supervisor-"
+
+
+def _sweep_stale(parent: str, version: int) -> None:
+    """Remove the trees of supervisors that died without cleaning up (SIGKILL, a crash):
+    ``trio-supervisor-PID`` beside ours whose PID no longer exists. Whatever is still in
+    one (a sandbox orphaned by its supervisor) is killed. A live PID is left alone, even
+    if reused: another supervisor may be running."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for n in names:
+        pid = n[len(_DEFAULT_PREFIX):]
+        if not (n.startswith(_DEFAULT_PREFIX) and pid.isdigit()) or os.path.exists(f"/proc/{pid}"):
+            continue
+        try:
+            _destroy([os.path.join(parent, n)], version)
+        except OSError:
+            pass          # not ours to fight over: the next start tries again
+
+
 def _check_name(name: str) -> None:
     if not _NAME.match(name) or name in _RESERVED:
         raise ValueError(f"bad cgroup name {name!r}: want {_NAME.pattern}, not {sorted(_RESERVED)}")
@@ -384,7 +406,7 @@ class CgroupTree:
                 controllers: tuple[str, ...] = CONTROLLERS) -> CgroupTree:
         # root/controllers are for tests only: the v2 code can then run against a
         # hybrid system's /sys/fs/cgroup/unified, where no controller is available.
-        name = name or f"trio-supervisor-{os.getpid()}"
+        name = name or f"{_DEFAULT_PREFIX}{os.getpid()}"
         _check_name(name)
         try:
             with open("/proc/self/cgroup") as f:
@@ -426,6 +448,7 @@ class CgroupTree:
             if enable:
                 _write(f"{own_dir}/cgroup.subtree_control", enable)
             base = f"{own_dir}/{name}"
+            _sweep_stale(own_dir, 2)
             _destroy([base], 2)            # a fixed name reused after a crash: drop leftovers
             os.mkdir(base)
             if enable:
@@ -468,6 +491,7 @@ class CgroupTree:
         made: list[str] = []
         try:
             for b in dict.fromkeys(bases.values()):
+                _sweep_stale(os.path.dirname(b), 1)
                 _destroy([b], 1)           # a fixed name reused after a crash: drop leftovers
                 os.mkdir(b)
                 made.append(b)
