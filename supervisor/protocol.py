@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 ENV_NAME = "TRIO_WORKER"
 ENV_DOMAIN = "TRIO_DOMAIN"
@@ -58,6 +59,10 @@ ENV_MODEL = "TRIO_MODEL"
 ENV_ISOLATION = "TRIO_ISOLATION"
 # Directories the worker may write besides /tmp and /dev (Landlock), ":"-separated.
 ENV_WRITABLE = "TRIO_WRITABLE"
+# "vehicle" or "simulation" ([supervisor] mode): a worker refuses its SIMULATION_ONLY
+# arguments unless told "simulation" (absent or garbled: vehicle).
+ENV_MODE = "TRIO_MODE"
+VEHICLE, SIMULATION = "vehicle", "simulation"
 
 
 @dataclass(frozen=True)
@@ -164,6 +169,32 @@ def parse_line(line: str) -> list[StatusLine]:
     return out
 
 
+# ---------------------------------------------------------------- simulation-only arguments
+
+
+def simulation_only(declared: Any, args: Sequence[str]) -> list[tuple[int, str, str]]:
+    """``(index, argument, why)`` for each of ``args`` that a worker module declares
+    simulation-only: ``SIMULATION_ONLY = {"--flag": why}`` or ``{"--flag": (why,
+    ("value", ...))}`` for some values only; ``--flag value`` and ``--flag=value`` alike.
+    Exact names: the module's parser must refuse abbreviations (allow_abbrev=False).
+    Checked by `supervisor check` on a vehicle config and by the worker itself."""
+    if not isinstance(declared, dict):
+        return []
+    out = []
+    args = list(args)
+    for i, tok in enumerate(args):
+        flag, eq, val = str(tok).partition("=")
+        if flag not in declared:
+            continue
+        spec = declared[flag]
+        why, values = spec if isinstance(spec, tuple) and len(spec) == 2 else (spec, None)
+        value = val if eq else (str(args[i + 1]) if i + 1 < len(args) else "")
+        if values is not None and value not in values:
+            continue
+        out.append((i, f"{flag} {value}" if values is not None else flag, str(why)))
+    return out
+
+
 # ---------------------------------------------------------------- the endpoint
 
 
@@ -182,6 +213,7 @@ class Endpoint:
     roles: tuple[tuple[str, str], ...] = ()
     writable: tuple[str, ...] = ()
     model: dict[str, str | None] | None = None   # the trust record of [models.NAME]
+    mode: str = VEHICLE                          # [supervisor] mode
 
 
 def worker_env(ep: Endpoint, status_fd: int | None,
@@ -194,7 +226,8 @@ def worker_env(ep: Endpoint, status_fd: int | None,
     env = {ENV_NAME: ep.name, ENV_DOMAIN: ep.domain, ENV_PROFILE: ep.profile or ep.domain,
            ENV_NETWORK: "1" if ep.network else "0", ENV_SANDBOXED: "1" if ep.sandboxed else "0",
            ENV_ISOLATION: iso.encode(), ENV_WRITABLE: ":".join(ep.writable),
-           ENV_ROLES: encode_roles(ep.roles), ENV_CHANNELS: ",".join(handles)}
+           ENV_ROLES: encode_roles(ep.roles), ENV_CHANNELS: ",".join(handles),
+           ENV_MODE: ep.mode}
     if status_fd is not None:
         env[ENV_STATUS_FD] = str(status_fd)
     if ep.model is not None:

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 from supervisor.ipc import Reader, ReaderHandle, Writer, WriterHandle, env_name
 
-from supervisor.protocol import (ENV_CHANNELS, ENV_DOMAIN, ENV_NAME, ENV_NETWORK, ENV_PROFILE,
-                                 ENV_MODEL, ENV_ROLES, ENV_STANDBY_FD, ENV_STATUS_FD, Isolation,
-                                 decode_roles, format_line)
+from supervisor.protocol import (ENV_CHANNELS, ENV_DOMAIN, ENV_MODE, ENV_MODEL, ENV_NAME,
+                                 ENV_NETWORK, ENV_PROFILE, ENV_ROLES, ENV_STANDBY_FD,
+                                 ENV_STATUS_FD, SIMULATION, VEHICLE, Isolation, decode_roles,
+                                 format_line, simulation_only)
 
 # A log record a worker writes on its stdout (`WorkerContext.log`); the supervisor
 # re-emits it as a `log` event whose source is the worker (it cannot claim another).
@@ -46,6 +47,7 @@ class WorkerContext:
     isolation: Isolation = field(default_factory=Isolation)
     # The [models.NAME] trust record the config gives this worker (None: no model).
     model: dict | None = None
+    mode: str = VEHICLE        # [supervisor] mode: anything but "simulation" is a vehicle
     _writers: dict[str, Writer] = field(default_factory=dict)
     _readers: dict[str, Reader] = field(default_factory=dict)
     _locked: bool = False
@@ -58,7 +60,18 @@ class WorkerContext:
                    channels=tuple(c for c in env.get(ENV_CHANNELS, "").split(",") if c),
                    status_fd=int(fd) if fd else None, network=env.get(ENV_NETWORK) == "1",
                    profile=env.get(ENV_PROFILE, ""), roles=decode_roles(env.get(ENV_ROLES)),
-                   isolation=Isolation.from_env(env), model=_model_of(env))
+                   isolation=Isolation.from_env(env), model=_model_of(env),
+                   mode=env.get(ENV_MODE, VEHICLE))
+
+    def simulation_only_problem(self, declared: dict, argv: list[str]) -> str | None:
+        """One line if ``argv`` has an argument the module declares simulation-only and
+        this is not a simulation (the worker's own check: `supervisor check` cannot read
+        the arguments of a `command` worker)."""
+        if self.mode == SIMULATION:
+            return None
+        bad = simulation_only(declared, argv)
+        return None if not bad else (f"refused: {bad[0][1]!r} ({bad[0][2]}) is for simulation "
+                                     f"only, and this is a {self.mode!r} run")
 
     @property
     def strict(self) -> bool:

@@ -96,13 +96,14 @@ class Worker:
     gives a worker (the supervisor's own `protocol.worker_env`), its status pipe drained."""
 
     def __init__(self, module: str, args: list[str], *, writes: dict[str, Channel] = {},
-                 reads: dict[str, Channel] = {}, domain: str = "control") -> None:
+                 reads: dict[str, Channel] = {}, domain: str = "control",
+                 mode: str = "vehicle") -> None:
         """`writes` / `reads` map the worker's roles to channels, as the config binds them."""
         handles = {ch.spec.name: ch.writer_handle() for ch in writes.values()}
         handles.update({ch.spec.name: ch.reader_handle(0) for ch in reads.values()})
         roles = tuple((role, ch.spec.name) for role, ch in (*writes.items(), *reads.items()))
         r, w = os.pipe2(os.O_CLOEXEC)
-        ep = Endpoint(name=module.rsplit(".", 1)[-1], domain=domain, roles=roles)
+        ep = Endpoint(name=module.rsplit(".", 1)[-1], domain=domain, roles=roles, mode=mode)
         env_extra, fds = worker_env(ep, w, handles)
         env = dict(os.environ, **env_extra)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO),

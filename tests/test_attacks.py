@@ -442,14 +442,17 @@ def test_status_flood_is_refused_and_starves_nobody(fleet):
 
 
 def test_status_churn_cannot_flood_the_event_log(fleet):
-    """900 distinct STATUS lines a second stay under the flood refusal (1000/s) and each
-    became an event: ~0.5 MB/s of log from one research worker, past journald's default
-    rate limit (10,000 messages / 30 s per unit), which then drops the supervisor's
-    own events too (a control worker's refusal, the fail-safe)."""
+    """900 distinct STATUS lines a second stay under the flood refusal (1000/s); each
+    becoming an event was ~0.5 MB/s of log from one research worker, past journald's
+    default rate limit (10,000 messages / 30 s per unit), which then drops the
+    supervisor's own events too (a control worker's refusal, the fail-safe). Status
+    events are rate limited per worker (a burst, then 10/s)."""
     ev = fleet["events"]
     res = attack_result(ev, "r-churn")
-    assert res is not None and res["lines"] >= 2000, _of(ev, "r-churn")[-3:]
-    assert len(_of(ev, "r-churn", "status")) <= 200 or _of(ev, "r-churn", "refused")
+    assert res is not None and res["lines"] >= 300, _of(ev, "r-churn")[-3:]
+    events = _of(ev, "r-churn", "status")
+    assert len(events) <= 25 + res["lines"] / 50, (len(events), res["lines"])
+    assert any(e.get("held") for e in events), events[-3:]    # what was held is counted
 
 
 def test_a_worker_status_cannot_rewrite_the_operators_status_line(fleet):

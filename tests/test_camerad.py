@@ -353,7 +353,7 @@ def test_camerad_replays_a_log_with_loop_and_bad_records(workers, tmp_path):
     with ch, reader:
         proc = workers("workers.camerad", ["--source", "replay", "--log", str(path), "--loop",
                                            "--frames", "6", "--fps", "50"],
-                       writes={"frames": ch})
+                       writes={"frames": ch}, mode="simulation")
         data = {fid: d.tobytes() for fid, _, _, d in frames}
         exp = {fid: e for fid, _, e, _ in frames}
         got = []
@@ -379,10 +379,34 @@ def test_camerad_refuses_a_bad_log_before_ready(workers, tmp_path):
     ch, reader = frame_channel("road_frames", "nv12", 64, 48)
     with ch, reader:
         proc = workers("workers.camerad", ["--source", "replay", "--log", str(path)],
-                       writes={"frames": ch})
+                       writes={"frames": ch}, mode="simulation")
         rc, out, err = proc.wait()
         assert rc == 2 and "not a camera log" in out   # its log record
         assert not any(ln.startswith("READY") for ln in proc.lines)
+
+
+@pytest.mark.parametrize("args", [["--source", "log", "--log", "/nonexistent"],
+                                  ["--source=video", "--video", "/x.mp4"],
+                                  ["--lockstep", "ack"]])
+def test_a_vehicle_camera_refuses_recorded_frames_itself(workers, args):
+    """However it was started (a `command` worker is not read by `supervisor check`),
+    camerad in a vehicle run refuses its simulation-only arguments before READY."""
+    ch, reader = frame_channel("road_frames", "nv12", 64, 48)
+    with ch, reader:
+        proc = workers("workers.camerad", args, writes={"frames": ch})
+        rc, out, err = proc.wait()
+        assert rc == 2 and "is for simulation only" in out and "'vehicle' run" in out, out
+        assert not any(ln.startswith("READY") for ln in proc.lines)
+
+
+def test_simulation_only_flags_cannot_be_abbreviated():
+    """The check matches exact names, so the parsers must refuse prefixes."""
+    from workers.camerad import parse_args as cam
+    from workers.controlsd import parse_args as ctl
+    for parse, argv in ((cam, ["--sourc", "log"]), (cam, ["--lock", "x"]),
+                        (ctl, ["--log-c", "/x"])):
+        with pytest.raises(SystemExit):
+            parse(argv)
 
 
 def test_camerad_stops_cleanly_on_sigterm(workers):

@@ -107,25 +107,44 @@ def start():
 
 
 def test_trees_of_dead_supervisors_are_swept(tree):
-    """A supervisor killed with SIGKILL leaves its tree behind; the next one removes it
-    (and kills what an orphaned sandbox left there), but never a live supervisor's."""
+    """A supervisor killed with SIGKILL leaves its empty tree behind; the next one of the
+    same PID namespace removes it. A live PID's tree, another namespace's and a tree that
+    still holds a process are left alone (only rmdir, never a kill)."""
+    ns = os.stat("/proc/self/ns/pid").st_ino
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()
+    names = {"dead": f"trio-supervisor-{ns}-{dead}", "live": f"trio-supervisor-{ns}-1",
+             "other ns": f"trio-supervisor-{ns + 1}-{dead}",
+             "busy": f"trio-supervisor-{ns}-4194303"}       # a PID nobody has
     parents = {os.path.dirname(p) for p in tree.paths}
-    for parent in parents:
-        for pid in (dead, "1"):
-            os.makedirs(f"{parent}/trio-supervisor-{pid}", exist_ok=True)
+    made = [f"{parent}/{n}" for parent in parents for n in names.values()]
+    for d in made:
+        os.makedirs(f"{d}/leaf", exist_ok=True)
+    busy = [f"{parent}/{names['busy']}/leaf" for parent in parents]
+    sleeper = subprocess.Popen(["sleep", "30"])
     try:
-        again = CgroupTree.create(f"trio-cgtest-{os.getpid()}-{secrets.token_hex(3)}")
-        again.close()
+        for d in busy:
+            with open(f"{d}/cgroup.procs", "w") as f:
+                f.write(str(sleeper.pid))
+        CgroupTree.create(f"trio-cgtest-{os.getpid()}-{secrets.token_hex(3)}").close()
         for parent in parents:
-            assert not os.path.exists(f"{parent}/trio-supervisor-{dead}")
-            assert os.path.isdir(f"{parent}/trio-supervisor-1")     # pid 1 lives
+            assert not os.path.exists(f"{parent}/{names['dead']}")
+            for kept in ("live", "other ns", "busy"):
+                assert os.path.isdir(f"{parent}/{names[kept]}/leaf"), kept
+        assert sleeper.poll() is None                # never a kill
     finally:
-        for parent in parents:
-            for pid in (dead, "1"):
-                if os.path.isdir(f"{parent}/trio-supervisor-{pid}"):
-                    os.rmdir(f"{parent}/trio-supervisor-{pid}")
+        sleeper.kill()
+        sleeper.wait()
+        for d in sorted(made, reverse=True):
+            for sub in (f"{d}/leaf", d):
+                for _ in range(100):
+                    try:
+                        os.rmdir(sub)
+                        break
+                    except FileNotFoundError:
+                        break
+                    except OSError:
+                        time.sleep(0.02)
 
 
 def test_limits_are_validated():

@@ -455,9 +455,10 @@ def differences(promise: dict[str, Any], seen: dict[str, Any],
         else:
             same = want == got
         if not same:
+            unset = "not set" if key == "cpu_weight" else "unlimited"
             diff(f"limits.{key}", want, got, f"{name}: {key} in force is "
-                 f"{'unlimited' if got is None else got}, the config says "
-                 f"{'unlimited' if want is None else want} ({sl['enforced_by']})")
+                 f"{unset if got is None else got}, the config says "
+                 f"{unset if want is None else want} ({sl['enforced_by']})")
     if pl["nofile"] is not None and sl["nofile"] != pl["nofile"]:
         diff("limits.nofile", pl["nofile"], sl["nofile"], f"{name}: open-file limit "
              f"{sl['nofile']}, the config says {pl['nofile']}")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from supervisor.ipc.errors import ConfigError
 from supervisor.ipc.spec import ChannelSpec
-from supervisor.protocol import Isolation
+from supervisor.protocol import SIMULATION, VEHICLE, Isolation
 
 from ._graph import topo_sort
 
@@ -21,9 +21,8 @@ RESEARCH = "research"
 # research's share of the CPUs, so a busy research model cannot delay the control loop
 # (the quota only caps research; the weight decides who waits when both want a core).
 CPU_WEIGHT = {CONTROL: 1000, RESEARCH: 100}
-# Supervisor modes ([supervisor] mode).
-VEHICLE = "vehicle"
-SIMULATION = "simulation"
+# Supervisor modes ([supervisor] mode): SIMULATION, VEHICLE from supervisor.protocol (the
+# worker is told its mode too, protocol.ENV_MODE).
 DEFAULT_SOURCE = "<embedded supervisor/default.toml>"
 # The checkout holding supervisor/ and workers/: on the workers' PYTHONPATH (see
 # supervisor.sandbox.policy.PROJECT_ROOT), so module names are looked up here too.

@@ -9,7 +9,6 @@ users per domain, and the shared-memory budget. Machine-dependent checks are in
 """
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 from supervisor.ipc.spec import ChannelSpec
@@ -49,17 +48,19 @@ def _nested(a: str, b: str) -> bool:
     return a == b or a.startswith(b + "/") or b.startswith(a + "/")
 
 
-def _overlap(a: str, b: str) -> bool:
-    """As written or as bubblewrap will bind them: it follows symlinks on the host, so an
-    alias of another domain's writable directory is that directory."""
-    return _nested(a, b) or _nested(os.path.realpath(a), os.path.realpath(b))
-
-
 def check_binds(add: Add, domains: dict[str, DomainConfig], models: dict,
-                state_dir: str, project_root: str) -> None:
+                state_dir: str, project_root: str,
+                resolve: Callable[[str], str] | None = None) -> None:
     """A writable bind is a channel outside the bridge: what one domain writes there must
     never be what another domain (or the model trust) reads. So it may not overlap any
-    other domain's binds, a model's files, the project, the state dir or the OS."""
+    other domain's binds, a model's files, the project, the state dir or the OS.
+
+    ``resolve`` (`check_runtime` passes os.path.realpath): compare the paths as bubblewrap
+    will bind them on this machine, symlinks followed, so an alias of another domain's
+    writable directory is that directory."""
+    def _overlap(a: str, b: str) -> bool:
+        return _nested(a, b) if resolve is None else _nested(resolve(a), resolve(b))
+
     ro = [(f"domains.{n}", p) for n, d in domains.items() for p in d.extra_ro_binds]
     ro += [(f"models.{n}", p) for n, m in models.items()
            for p in (getattr(m, "artifact", ""), getattr(m, "public_key", "")) if p.startswith("/")]

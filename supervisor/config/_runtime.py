@@ -12,8 +12,10 @@ import sys
 import tokenize
 from typing import Any
 
+from supervisor.protocol import simulation_only
+
 from ._model import PROJECT_ROOT, SIMULATION, VEHICLE, Config, Problem, WorkerConfig
-from ._rules import _approx_size, _shm_overview, channel_shm_bytes
+from ._rules import _approx_size, _shm_overview, channel_shm_bytes, check_binds
 from ._values import _key, _suggest
 
 
@@ -51,10 +53,17 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
                 if cfg.supervisor.mode == VEHICLE:
                     for key, reason in _simulation_problems(w, search):
                         add(f"{path}.{key}", reason)
+                # (a `command` worker is not read here: the worker refuses them itself,
+                # supervisor/worker.py WorkerContext.simulation_only_problem)
         elif w.command:
             reason = _executable_problem(w.command[0])
             if reason:
                 add(f"{path}.command[0]", reason)
+
+    # Writable binds as bubblewrap will resolve them (symlinks followed): the file-only
+    # check in load() compares them as written.
+    check_binds(add, cfg.domains, cfg.models, cfg.supervisor.state_dir, str(PROJECT_ROOT),
+                resolve=_realpath)
 
     if sandboxed:
         from supervisor.sandbox.policy import host_ids
@@ -203,6 +212,13 @@ def _entry_problem(name: str, spec: Any) -> str | None:
     return None
 
 
+def _realpath(p: str) -> str:
+    try:
+        return os.path.realpath(p)
+    except (ValueError, OSError):       # a NUL byte (refused elsewhere with its key)
+        return p
+
+
 def _parse(origin: str) -> ast.Module:
     """A worker module's source, parsed once per version of the file (the entry-point
     check and the role check both read it)."""
@@ -228,46 +244,38 @@ def _declared(name: str, search: list[str], variable: str) -> Any:
     except (SyntaxError, OSError, UnicodeDecodeError, ValueError):
         return None
     for node in tree.body:
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1
-                and isinstance(node.targets[0], ast.Name) and node.targets[0].id == variable):
+        target = (node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1
+                  else node.target if isinstance(node, ast.AnnAssign) and node.value else None)
+        if isinstance(target, ast.Name) and target.id == variable:
             try:
                 return ast.literal_eval(node.value)
             except ValueError:
-                return None
+                return _UNREADABLE
     return None
+
+
+_UNREADABLE = object()     # `_declared`: assigned, but not a literal
 
 
 def _declared_roles(name: str, search: list[str]) -> dict[str, tuple[str, ...]] | None:
     """A worker module's ``ROLES = {"in": (...), "out": (...)}``, or None."""
     value = _declared(name, search, "ROLES")
-    if isinstance(value, dict):
+    if isinstance(value, dict) and value is not _UNREADABLE:
         return {k: tuple(v) for k, v in value.items() if k in ("in", "out")}
     return None
 
 
 def _simulation_problems(w: WorkerConfig, search: list[str]) -> list[tuple[str, str]]:
-    """Arguments the worker's module declares simulation-only (``SIMULATION_ONLY =
-    {"--flag": why}`` or ``{"--flag": (why, ("value", ...))}`` for some values only)
-    found in a vehicle config's ``args``. The module's parser must not accept
-    abbreviations (argparse ``allow_abbrev=False``) for the match to be exact."""
+    """Arguments the worker's module declares simulation-only (`protocol.simulation_only`)
+    in a vehicle config's ``args``. A declaration that is not a plain literal dict is
+    itself a problem: the rule must not fail open."""
     declared = _declared(w.module or "", search, "SIMULATION_ONLY")
-    if not isinstance(declared, dict) or not w.args:
-        return []
-    out = []
-    args = list(w.args)
-    for i, tok in enumerate(args):
-        flag, eq, val = tok.partition("=")
-        if flag not in declared:
-            continue
-        why, values = declared[flag] if isinstance(declared[flag], tuple) else (declared[flag], None)
-        value = val if eq else (args[i + 1] if i + 1 < len(args) else "")
-        if values is not None and value not in values:
-            continue
-        shown = f"{flag} {value}" if values is not None else flag
-        out.append((f"args[{i}]", f"{shown!r} ({why}) is for simulation only: a vehicle "
-                    f"config must not have it (a replay's derived config sets "
-                    f"[supervisor] mode = \"{SIMULATION}\")"))
-    return out
+    if declared is _UNREADABLE:
+        return [("module", f"{w.module}: SIMULATION_ONLY must be a plain dict literal "
+                 "(`supervisor check` reads it without importing the module)")]
+    return [(f"args[{i}]", f"{shown!r} ({why}) is for simulation only: a vehicle config must "
+             f"not have it (a replay's derived config sets [supervisor] mode = \"{SIMULATION}\")")
+            for i, shown, why in simulation_only(declared, w.args)]
 
 
 def _role_problems(w: WorkerConfig, search: list[str]) -> list[tuple[str, str]]:

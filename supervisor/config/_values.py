@@ -201,6 +201,8 @@ def _argv(v: Any) -> tuple[str, ...]:
 
 
 def _abs_path(s: str) -> None:
+    if "\0" in s:
+        raise ValueError(f"{s!r} contains a NUL byte, which no path can")
     if not s.startswith("/") or ".." in s.split("/"):
         raise ValueError(f"{s!r} must be an absolute path without '..'")
     if s.rstrip("/") == "":
@@ -213,6 +215,8 @@ def _rel_path(v: Any) -> str:
         raise ValueError(f"expected a path, got {_describe(v)}")
     if ".." in v.split("/"):
         raise ValueError(f"{v!r} must not contain '..'")
+    if "\0" in v:
+        raise ValueError(f"{v!r} contains a NUL byte, which no path can")
     return v
 
 

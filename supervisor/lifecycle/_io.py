@@ -22,14 +22,15 @@ class _WorkerIO:
     # and the latest is logged when the bucket allows (with how many were held). Every
     # distinct line becoming an event let one worker flood the log (and journald's rate
     # limit, which then drops the supervisor's own events too).
-    STATUS_EVENTS_PER_S = 2.0
-    STATUS_EVENT_BURST = 10.0
+    STATUS_EVENTS_PER_S = 10.0
+    STATUS_EVENT_BURST = 20.0
 
     async def _read_status(self, run: WorkerRun) -> None:
         """READY=1 / WATCHDOG=1 / STATUS=... lines from the worker's status pipe."""
         while run.status_r is not None:
             await trio.lowlevel.wait_readable(run.status_r)
             if not self._poll_status(run):
+                self._log_status(run, final=True)   # no more will come: log what is held
                 return
             await trio.sleep(0)       # a checkpoint between reads: others get their turn
 
@@ -107,18 +108,18 @@ class _WorkerIO:
             kind, _, detail = msg.text.partition(" ")
             self._refuse(run, f"guard:{kind[:32]}", detail[:512] or kind)
 
-    def _log_status(self, run: WorkerRun) -> None:
+    def _log_status(self, run: WorkerRun, *, final: bool = False) -> None:
         """Log the run's latest status if it changed since the last `status` event and
-        the run's status-event bucket allows it (called on each STATUS line and by the
-        heartbeat, so a held change is logged even if the worker goes quiet)."""
+        the run's status-event bucket allows it. Called on each STATUS line, by the
+        heartbeat (a worker gone quiet), and with ``final`` when its status pipe ends (the
+        last word is always logged, whatever the bucket)."""
         if not run.status_held or run.status == run.status_logged:
-            run.status_held = 0
-            return
+            return                # nothing new (held changes that came back stay counted)
         now = time.monotonic()
         run.status_ev_tokens = min(self.STATUS_EVENT_BURST, run.status_ev_tokens
                                    + (now - run.status_ev_ts) * self.STATUS_EVENTS_PER_S)
         run.status_ev_ts = now
-        if run.status_ev_tokens < 1:
+        if run.status_ev_tokens < 1 and not final:
             return
         run.status_ev_tokens -= 1
         held, run.status_held, run.status_logged = run.status_held - 1, 0, run.status

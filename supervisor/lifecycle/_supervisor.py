@@ -101,7 +101,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby):
         return Endpoint(name=w.name, domain=w.domain, profile=d.profile,
                         isolation=d.isolation(), network=d.network, sandboxed=self.sandboxed,
                         roles=w.roles, writable=d.extra_rw_binds,
-                        model=dataclasses.asdict(m) if m else None)
+                        model=dataclasses.asdict(m) if m else None, mode=self.config.supervisor.mode)
 
     # ---------------------------------------------------------------- processes
 
@@ -551,6 +551,8 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby):
             if run.proc.poll() is None:
                 self._kill(run)
                 run.proc.wait()
+            self._poll_status(run)              # its last lines, then its last word
+            self._log_status(run, final=True)
             self.log.emit("stopped", worker=name, code=run.proc.returncode)
 
     # ---------------------------------------------------------------- main

@@ -1,4 +1,5 @@
-"""Per-worker cgroups: a memory limit that counts shared memory, a pids limit, a CPU quota.
+"""Per-worker cgroups: a memory limit that counts shared memory, a pids limit, a CPU quota
+and a CPU weight (who waits when workers compete for a core).
 
 Why cgroups and not rlimits: RLIMIT_DATA/RLIMIT_AS see only the address space of one
 process. Pages of a memfd or a tmpfs file are charged to the memory cgroup of whoever
@@ -182,23 +183,31 @@ def _destroy(tops: list[str], version: int, timeout: float = _KILL_TIMEOUT) -> N
 _DEFAULT_PREFIX = "trio-supervisor-"
 
 
-def _sweep_stale(parent: str, version: int) -> None:
-    """Remove the trees of supervisors that died without cleaning up (SIGKILL, a crash):
-    ``trio-supervisor-PID`` beside ours whose PID no longer exists. Whatever is still in
-    one (a sandbox orphaned by its supervisor) is killed. A live PID is left alone, even
-    if reused: another supervisor may be running."""
+def _default_name() -> str:
+    """``trio-supervisor-<pid namespace inode>-<pid>``: a PID means something only in
+    its own namespace, and supervisors of other namespaces may share our parent."""
+    return f"{_DEFAULT_PREFIX}{os.stat('/proc/self/ns/pid').st_ino}-{os.getpid()}"
+
+
+def _sweep_stale(parent: str) -> None:
+    """Remove the empty trees of supervisors of our PID namespace that died without
+    cleaning up (SIGKILL, a crash): ``trio-supervisor-<our ns>-PID`` with PID gone. Only
+    rmdir, never a kill: a tree that still holds a process, one of another namespace and
+    a live PID's (even if reused) are left alone."""
+    mine = f"{_DEFAULT_PREFIX}{os.stat('/proc/self/ns/pid').st_ino}-"
     try:
         names = os.listdir(parent)
     except OSError:
         return
     for n in names:
-        pid = n[len(_DEFAULT_PREFIX):]
-        if not (n.startswith(_DEFAULT_PREFIX) and pid.isdigit()) or os.path.exists(f"/proc/{pid}"):
+        pid = n[len(mine):]
+        if not (n.startswith(mine) and pid.isdigit()) or os.path.exists(f"/proc/{pid}"):
             continue
         try:
-            _destroy([os.path.join(parent, n)], version)
+            for d in _subtree(os.path.join(parent, n)):      # deepest first
+                os.rmdir(d)
         except OSError:
-            pass          # not ours to fight over: the next start tries again
+            pass          # busy or gone: not ours to fight over
 
 
 def _check_name(name: str) -> None:
@@ -406,7 +415,7 @@ class CgroupTree:
                 controllers: tuple[str, ...] = CONTROLLERS) -> CgroupTree:
         # root/controllers are for tests only: the v2 code can then run against a
         # hybrid system's /sys/fs/cgroup/unified, where no controller is available.
-        name = name or f"{_DEFAULT_PREFIX}{os.getpid()}"
+        name = name or _default_name()
         _check_name(name)
         try:
             with open("/proc/self/cgroup") as f:
@@ -448,7 +457,7 @@ class CgroupTree:
             if enable:
                 _write(f"{own_dir}/cgroup.subtree_control", enable)
             base = f"{own_dir}/{name}"
-            _sweep_stale(own_dir, 2)
+            _sweep_stale(own_dir)
             _destroy([base], 2)            # a fixed name reused after a crash: drop leftovers
             os.mkdir(base)
             if enable:
@@ -491,7 +500,7 @@ class CgroupTree:
         made: list[str] = []
         try:
             for b in dict.fromkeys(bases.values()):
-                _sweep_stale(os.path.dirname(b), 1)
+                _sweep_stale(os.path.dirname(b))
                 _destroy([b], 1)           # a fixed name reused after a crash: drop leftovers
                 os.mkdir(b)
                 made.append(b)

@@ -179,6 +179,10 @@ def _planes_fill(planes: tuple[np.ndarray, ...], data: memoryview, fmt: str,
 
 
 def main(ctx: WorkerContext) -> int:
+    refused = ctx.simulation_only_problem(SIMULATION_ONLY, sys.argv[1:])
+    if refused:
+        ctx.log(refused)
+        return 2
     a = parse_args(sys.argv[1:])
     if a.source in ("log", "video"):
         return playback.run(ctx, a)

@@ -116,6 +116,10 @@ SIMULATION_ONLY = {"--log-clock": "the control law steps on recorded time, not t
 
 
 def main(ctx: WorkerContext) -> int:
+    refused = ctx.simulation_only_problem(SIMULATION_ONLY, sys.argv[1:])
+    if refused:
+        ctx.log(refused)
+        return 2
     a = parse_args(sys.argv[1:])
     cfg = LawConfig(k_p=a.k_p, k_h=a.k_h, max_steer=a.max_steer, max_rate=a.max_rate,
                     tau_s=a.tau_ms / 1000, timeout_ms=a.timeout_ms, max_age_ms=a.max_age_ms,
