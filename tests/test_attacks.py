@@ -279,6 +279,12 @@ def test_a_research_reader_cannot_change_what_a_control_reader_holds(fleet):
                                             "set": True}
     assert_denied(ev, "c-descr")
 
+    def reported(worker: str) -> int:
+        return next(e["mono_ns"] for e in _of(ev, worker, "output")
+                    if e["line"].startswith("ATTACK "))
+    # Control looked after research had set them, or the test proved nothing.
+    assert reported("r-descr") < reported("c-descr")
+
 
 def test_frames_untouched_by_the_reader_attacks(fleet):
     ev = fleet["events"]
