@@ -115,6 +115,16 @@ def receive_outcome(r):
     return out
 
 
+def writer_and_both_readers():
+    """One small channel, its (unsealed: the hostile writer scribbles) writer, a native
+    reader and a pure-Python reader: (spec, ch, w, rn, rp)."""
+    spec = ChannelSpec(name="hostile", slot_size=4096, slot_count=4, max_readers=2)
+    ch = Channel.create(spec)
+    w = Writer(ch.writer_handle(), seal=False)
+    return (spec, ch, w, Reader(ch.reader_handle(0), native=True),
+            Reader(ch.reader_handle(1), native=False))
+
+
 def drain(r, n=4):
     got = []
     for _ in range(n):
@@ -514,11 +524,7 @@ def test_hostile_writer_extremes_table():
 
 
 _SEQ_ALL_ONES = r'''
-spec = ChannelSpec(name="hostile", slot_size=4096, slot_count=4, max_readers=2)
-ch = Channel.create(spec)
-w = Writer(ch.writer_handle(), seal=False)
-rn = Reader(ch.reader_handle(0), native=True)
-rp = Reader(ch.reader_handle(1), native=False)
+spec, ch, w, rn, rp = writer_and_both_readers()
 w.publish_array(np.arange(8, dtype=np.uint8))
 assert drain(rn) == drain(rp)
 # The hostile writer publishes one message whose control block says seq 2**64 - 1.
@@ -633,12 +639,8 @@ _RECEIPT_SWEEP = r"""
 # The native header check reads a Receipt's captureTsNs itself (a struct pointer it
 # follows without pycapnp): every receipt pointer word a hostile writer could put there,
 # with future timestamps planted where a moved pointer may read them.
-spec = ChannelSpec(name="hostile", slot_size=4096, slot_count=4, max_readers=2)
+spec, ch, w, rn, rp = writer_and_both_readers()
 H = codec.HEADER
-ch = Channel.create(spec)
-w = Writer(ch.writer_handle(), seal=False)
-rn = Reader(ch.reader_handle(0), native=True)
-rp = Reader(ch.reader_handle(1), native=False)
 
 
 def publish(n):
@@ -868,11 +870,7 @@ def test_hypothesis_edits_native_equals_python():
 
 
 _LEN8 = r"""
-spec = ChannelSpec(name="hostile", slot_size=4096, slot_count=4, max_readers=2)
-ch = Channel.create(spec)
-w = Writer(ch.writer_handle(), seal=False)
-rn = Reader(ch.reader_handle(0), native=True)
-rp = Reader(ch.reader_handle(1), native=False)
+spec, ch, w, rn, rp = writer_and_both_readers()
 for extra in (1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, -1, -8):
     w.publish_array(np.arange(8, dtype=np.uint8))
     assert drain(rn) == drain(rp)          # an honest one: compiled structures are live

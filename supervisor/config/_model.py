@@ -199,6 +199,10 @@ class WorkerConfig:
     # into the sandbox and the trust record is passed to it (protocol.ENV_MODEL).
     model: str | None = None
 
+    def cpu_weight_in(self, profile: str) -> int:
+        """Its cgroup cpu.weight in a domain of ``profile``: its own, or the profile's."""
+        return self.cpu_weight if self.cpu_weight is not None else CPU_WEIGHT[profile]
+
     @property
     def reads(self) -> tuple[str, ...]:
         """Every channel the worker attaches to as a reader, shadow or not."""
@@ -273,8 +277,7 @@ class Config:
 
     def cpu_weight_of(self, worker: str) -> int:
         """The worker's cgroup cpu.weight: its own, or its profile's default."""
-        w = self.workers[worker].cpu_weight
-        return w if w is not None else CPU_WEIGHT[self.profile_of(worker)]
+        return self.workers[worker].cpu_weight_in(self.profile_of(worker))
 
     def domain_of(self, worker: str) -> DomainConfig:
         return self.domains[self.workers[worker].domain]

@@ -14,7 +14,7 @@ from typing import Callable
 from supervisor.ipc.spec import ChannelSpec
 
 from ._graph import cycle_through, topo_sort
-from ._model import CONTROL, CPU_WEIGHT, RESEARCH, ChannelConfig, DomainConfig, WorkerConfig
+from ._model import CONTROL, RESEARCH, ChannelConfig, DomainConfig, WorkerConfig
 from ._values import _key, format_size
 
 Add = Callable[[str, str], None]
@@ -86,20 +86,18 @@ def check_cpu_weights(add: Add, workers: dict[str, WorkerConfig],
                       domains: dict[str, DomainConfig]) -> None:
     """No research worker outweighs a control worker for CPU (cgroup cpu.weight): under
     contention research waits for control, never the other way round."""
-    def weight(w: WorkerConfig) -> int | None:
-        d = domains.get(w.domain)
-        return None if d is None else (w.cpu_weight if w.cpu_weight is not None
-                                       else CPU_WEIGHT[d.profile])
-    ctl = [(weight(w), w.name) for w in workers.values()
-           if (d := domains.get(w.domain)) and d.profile == CONTROL and weight(w)]
-    if not ctl:
-        return
-    low, low_name = min(ctl)
+    by_profile: dict[str, list[tuple[int, str]]] = {CONTROL: [], RESEARCH: []}
     for w in workers.values():
-        d = domains.get(w.domain)
-        if d and d.profile == RESEARCH and (weight(w) or 0) > low:
-            add(f"{_key('workers', w.name)}.cpu_weight",
-                f"{weight(w)} outweighs control worker {low_name!r} ({low}): a research "
+        d = domains.get(w.domain)             # an unknown domain is reported elsewhere
+        if d is not None and d.profile in by_profile:
+            by_profile[d.profile].append((w.cpu_weight_in(d.profile), w.name))
+    if not by_profile[CONTROL]:
+        return
+    low, low_name = min(by_profile[CONTROL])
+    for weight, name in by_profile[RESEARCH]:
+        if weight > low:
+            add(f"{_key('workers', name)}.cpu_weight",
+                f"{weight} outweighs control worker {low_name!r} ({low}): a research "
                 "worker may never take CPU from control under contention")
 
 

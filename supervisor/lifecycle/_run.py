@@ -31,8 +31,8 @@ class WorkerRun:
     status_tokens: float = 1000.0            # status-line rate limit (token bucket)
     status_ts: float = 0.0
     status_logged: str = ""                  # the last status text that became an event
-    status_ev_tokens: float = 20.0           # status-event rate limit (token bucket)
-    status_ev_ts: float = 0.0
+    status_ev_tokens: float = 0.0            # status-event bucket (filled at first use:
+    status_ev_ts: float = 0.0                # the refill since ts 0 tops it up)
     status_held: int = 0                     # changes not logged since (rate limit)
     out_r: int | None = None                 # the worker's stdout+stderr (a pipe)
     output: LineLimiter = field(default_factory=LineLimiter)
