@@ -68,6 +68,7 @@ ATTACKERS = {
     "r-descr": ("research", "shared_description", False),
     "c-descr": ("control", "shared_description", False),
     "c-patch": ("control", "patch_library", True),
+    "r-weight": ("research", "raise_cpu_weight", False),
 }
 
 
@@ -234,6 +235,13 @@ def assert_denied(ev: list[dict], worker: str) -> dict:
 def test_kernel_knobs_read_only(fleet, worker):
     res = assert_denied(fleet["events"], worker)
     assert res["error"] in ("EROFS", "EACCES", "ENOENT"), res
+
+
+def test_research_cannot_raise_its_cpu_weight(fleet):
+    """The weight that makes research wait for control is set from outside: inside the
+    sandbox no cgroup file is writable (none is even mounted) and mounting one fails."""
+    res = assert_denied(fleet["events"], "r-weight")
+    assert res["opened"] == [] and res["mount_cgroup2"] != "ok" and res["mount_cgroup"] != "ok"
 
 
 def test_each_domain_runs_as_its_own_unprivileged_host_user(fleet):

@@ -491,6 +491,35 @@ def patch_library(ctx: WorkerContext) -> dict:
     m.close()
     return res
 
+def raise_cpu_weight(ctx: WorkerContext) -> dict:
+    """Research taking CPU from control: raise its own cgroup's weight (v2 cpu.weight,
+    v1 cpu.shares) through any path to the cgroup file system it can find, or mount one."""
+    res: dict = {}
+    paths = [f"/sys/fs/cgroup{p}" for p in ("", "/cpu", "/cpu,cpuacct")]
+    try:
+        with open("/proc/self/cgroup") as f:
+            for ln in f:
+                rel = ln.rstrip("\n").split(":", 2)[2]
+                paths += [f"/sys/fs/cgroup{rel}", f"/sys/fs/cgroup/cpu{rel}"]
+    except OSError as e:
+        res["proc_self_cgroup"] = _err(e)
+    opened = []
+    for d in dict.fromkeys(paths):
+        for name in ("cpu.weight", "cpu.shares"):
+            r = _open_for_write(f"{d}/{name}")
+            if not r["denied"]:
+                opened.append(f"{d}/{name}")
+    res["opened"] = opened
+    os.makedirs("/tmp/cg", exist_ok=True)
+    libc = ctypes.CDLL(None, use_errno=True)
+    for fstype, data in ((b"cgroup2", None), (b"cgroup", b"cpu")):
+        rc = libc.mount(b"none", b"/tmp/cg", fstype, 0, data)
+        res[f"mount_{fstype.decode()}"] = "ok" if rc == 0 else errno.errorcode.get(
+            ctypes.get_errno(), str(ctypes.get_errno()))
+    res["denied"] = not opened and all(v != "ok" for k, v in res.items() if k.startswith("mount"))
+    return res
+
+
 ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
     f.__name__: f for f in (
         core_pattern, sysrq, proc_self_mem, reopen_rw, acl_then_reopen, fchmod_channel,
@@ -498,5 +527,6 @@ ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
         mprotect_exec, memfd_exec, dlopen_tmp, torch_files, swallow_guard, fake_ready,
         status_flood, long_line, nested_log, modify_ldt, mremap_exec, own_listener,
         wake_abuse, status_churn, status_escape, shared_description, patch_library,
+        raise_cpu_weight,
     )
 }
