@@ -1,7 +1,12 @@
 """End-to-end camera-to-control latency under the real supervisor, and the share of it
 spent outside the model (target: supervisor + bridge overhead <= 5 % of model time).
 
-    python bench/e2e_latency.py [--seconds 10] [--fps 20]
+    python bench/e2e_latency.py [--seconds 10] [--fps 20] [--realtime on|off|both]
+
+--realtime: the control workers with the realtime_priority/budget in REALTIME below
+(SCHED_FIFO from READY, supervisor/sandbox/sched.py) or in the normal class; "both"
+(the default) runs the pipeline twice in one invocation, normal class first, and
+prints both, so the two designs are compared on the same machine state.
 
 Runs camerad -> modeld -> controlsd, sandboxed, from the embedded default's channel
 contracts, and attaches this process as one more reader of each channel. Per frame:
@@ -65,6 +70,7 @@ domain = "control"
 module = "workers.camerad"
 publishes = {{ frames = "road_frames" }}
 args = ["--fps", "{fps}"]
+{rt_camerad}
 [models.lane-offset]
 artifact = "models/demo/lane-offset"          # relative to the project root
 public_key = "models/demo/demo_ed25519.pub"
@@ -79,11 +85,13 @@ jit_kernels = true
 subscribes = {{ frames = "road_frames" }}
 publishes = {{ model = "model_out" }}
 ready_timeout_ms = 30000
+{rt_modeld}
 [workers.controlsd]
 domain = "control"
 module = "workers.controlsd"
 subscribes = {{ model = "model_out" }}
 publishes = {{ command = "control_cmd" }}
+{rt_controlsd}
 """
 
 
@@ -91,12 +99,38 @@ def pct(a, qs=(50, 99)):
     return [float(np.percentile(np.asarray(a, float), q)) for q in qs]
 
 
+# The control workers' realtime_priority / realtime_budget_pct for "--realtime on":
+# controlsd highest (the law and its SAFE command), camerad next (capture is never late),
+# modeld lowest (a long inference never delays either); budgets from their CPU per frame
+# at 20 fps (render ~2.4 ms, inference ~8 ms, law < 0.5 ms), with room.
+REALTIME = {"camerad": (52, 10), "modeld": (51, 40), "controlsd": (53, 10)}
+
+
+def _realtime_lines(on: bool) -> dict[str, str]:
+    return {f"rt_{name}": (f"realtime_priority = {prio}\nrealtime_budget_pct = {budget}"
+                           if on else "") for name, (prio, budget) in REALTIME.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--fps", type=float, default=20.0)
+    ap.add_argument("--realtime", choices=("on", "off", "both"), default="both")
     a = ap.parse_args()
-    cfg = loads(CONFIG.format(fps=a.fps), "bench/e2e_latency.py")
+    modes = {"on": [True], "off": [False], "both": [False, True]}[a.realtime]
+    results = {rt: measure(a, rt) for rt in modes}
+    if len(results) == 2:
+        off, on = results[False], results[True]
+        print(f"\nsame run, normal class -> SCHED_FIFO: outside the model {off[0]:.2f} -> "
+              f"{on[0]:.2f} ms ({on[0] / off[0]:.2f}x), {off[1]:.1f} % -> {on[1]:.1f} % of "
+              f"model time; e2e p99 {off[2]:.2f} -> {on[2]:.2f} ms")
+    return 0
+
+
+def measure(a: argparse.Namespace, realtime: bool) -> tuple[float, float, float]:
+    """One pipeline run; (outside ms, outside % of model, e2e p99 ms)."""
+    cfg = loads(CONFIG.format(fps=a.fps, **_realtime_lines(realtime)), "bench/e2e_latency.py")
+    print(f"--- control workers in the {'real-time (SCHED_FIFO)' if realtime else 'normal'} class")
     frames: dict[int, tuple[int, int, int]] = {}     # frame id -> (capture, publish, recv)
     outs: list[tuple[int, int, object]] = []           # (publish, recv, receipt)
     cmds: list[int] = []                               # publish ts
@@ -160,7 +194,7 @@ def main() -> int:
           f"receipt: preprocessing + kernels + copies); supervisor: none (fds only)")
     print(f"(this process as one more reader: road_frames hop p50 {pct(hop_f)[0]:.0f} us, "
           f"model_out hop p50 {pct(hop_o)[0]:.0f} us, on cores the workers keep busy)")
-    return 0
+    return float(outside), float(outside / m50 * 100), pct(e2e)[1]
 
 
 if __name__ == "__main__":

@@ -87,6 +87,20 @@ NAMESPACES = ("user", "pid", "net", "mnt", "ipc", "uts", "cgroup")
 SYSCALL_DENY = ("@clock", "@cpu-emulation", "@debug", "@keyring", "@module", "@obsolete",
                 "@raw-io", "@reboot", "@resources", "@swap", "bpf", "userfaultfd",
                 "io_uring_setup", "io_uring_enter", "io_uring_register")
+# A config with real-time workers (``realtime_priority``): the supervisor makes their
+# main threads SCHED_FIFO at READY (supervisor/sandbox/sched.py), which takes
+# CAP_SYS_NICE, RestrictRealtime=no and sched_setscheduler out of @resources (the rest of
+# @resources stays denied). The workers themselves never get any of it.
+REALTIME_CAPABILITY = "CAP_SYS_NICE"
+RESOURCES_BUT_SCHED = ("ioprio_set", "mbind", "migrate_pages", "move_pages", "nice",
+                       "sched_setaffinity", "sched_setattr", "sched_setparam",
+                       "set_mempolicy", "set_mempolicy_home_node", "setpriority", "setrlimit")
+REALTIME_EXPOSURE: dict[str, str] = {
+    "CapabilityBoundingSet=~CAP_SYS_(NICE|RESOURCE)": "CAP_SYS_NICE: SCHED_FIFO for the "
+                                                      "real-time workers",
+    "RestrictRealtime=": "the real-time workers' SCHED_FIFO",
+    "SystemCallFilter=~@resources": "sched_setscheduler (the rest of @resources is denied)",
+}
 _HOMES = ("/root", "/home", "/run/user")
 
 # Every check `systemd-analyze security` still marks exposed on the generated unit, and
@@ -158,6 +172,10 @@ def render(cfg: Config, *, config_path: str | None, python: str | None = None,
     needs_net = any(d.network for d in cfg.domains.values())
     nofile = max((w.nofile or 0 for w in cfg.workers.values()), default=0)
     home = any(_under(p, _HOMES) for p in (py, conf_file or ""))
+    realtime = any(w.realtime_priority is not None for w in cfg.workers.values())
+    caps = (*CAPABILITIES, REALTIME_CAPABILITY) if realtime else CAPABILITIES
+    deny = (tuple(x for x in SYSCALL_DENY if x != "@resources") + RESOURCES_BUT_SCHED
+            if realtime else SYSCALL_DENY)
     state = cfg.supervisor.state_dir.rstrip("/")
     if state.startswith("/var/lib/") and "/" not in state[len("/var/lib/"):]:
         state_lines = [f"StateDirectory={state[len('/var/lib/'):]}", "StateDirectoryMode=0700"]
@@ -199,7 +217,9 @@ def render(cfg: Config, *, config_path: str | None, python: str | None = None,
         "# setuid/setgid: drop to the domain user; sys_admin + sys_chroot: the staging",
         "# mount namespace; sys_ptrace + dac_read_search: the workers' /proc (maps scan,",
         "# exec watch); kill: stop sandboxes of other uids.",
-        "CapabilityBoundingSet=" + " ".join(CAPABILITIES),
+        *(["# sys_nice (and RestrictRealtime=no, sched_setscheduler): SCHED_FIFO for the",
+           "# real-time workers' main threads at READY."] if realtime else []),
+        "CapabilityBoundingSet=" + " ".join(caps),
         "AmbientCapabilities=",
         "NoNewPrivileges=yes",
         "ProtectSystem=strict",
@@ -219,13 +239,13 @@ def render(cfg: Config, *, config_path: str | None, python: str | None = None,
         "ProtectKernelLogs=no",
         "ProtectHostname=no",
         "KeyringMode=private",
-        "RestrictRealtime=yes",
+        f"RestrictRealtime={'no' if realtime else 'yes'}",
         "RestrictSUIDSGID=yes",
         "LockPersonality=yes",
         "# tinygrad maps the signed artifact's kernels executable (modeld, jit_kernels).",
         "MemoryDenyWriteExecute=no",
         "SystemCallArchitectures=native",
-        "SystemCallFilter=~" + " ".join(SYSCALL_DENY),
+        "SystemCallFilter=~" + " ".join(deny),
         "SystemCallErrorNumber=EPERM",
         "# AF_NETLINK: bwrap brings up lo in each sandbox's network namespace (rtnetlink).",
         "RestrictAddressFamilies=AF_UNIX AF_NETLINK" + (" AF_INET AF_INET6" if needs_net else ""),

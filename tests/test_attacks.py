@@ -69,7 +69,11 @@ ATTACKERS = {
     "c-descr": ("control", "shared_description", False),
     "c-patch": ("control", "patch_library", True),
     "r-weight": ("research", "raise_cpu_weight", False),
+    "c-rt": ("control", "raise_priority", False),      # granted SCHED_FIFO 50 at READY
+    "r-rt": ("research", "raise_priority", False),
+    "c-rtspin": ("control", "realtime_runaway", False),   # SCHED_FIFO, 10 % budget
 }
+RT_PRIORITY = 50
 
 
 def _toml(sock_dir: Path) -> str:
@@ -106,6 +110,8 @@ def _toml(sock_dir: Path) -> str:
         args = ["--read", "frames", "--attack", attack,
                 "--attack-arg", str(sock_dir / "host.sock")] + (["--attack-before-ready"] if before else [])
         jit = "jit_kernels = true" if name == "c-jit" else ""
+        if name in ("c-rt", "c-rtspin"):
+            jit = f"realtime_priority = {RT_PRIORITY}\n    realtime_budget_pct = 10"
         parts.append(f"""
     [workers.{name}]
     {jit}
@@ -242,6 +248,38 @@ def test_research_cannot_raise_its_cpu_weight(fleet):
     sandbox no cgroup file is writable (none is even mounted) and mounting one fails."""
     res = assert_denied(fleet["events"], "r-weight")
     assert res["opened"] == [] and res["mount_cgroup2"] != "ok" and res["mount_cgroup"] != "ok"
+
+
+def test_realtime_is_granted_by_the_supervisor_and_cannot_be_raised_or_passed_on(fleet):
+    """A control worker the supervisor made SCHED_FIFO at READY cannot raise its
+    priority, clear SCHED_RESET_ON_FORK or lower its nice value, and the threads and
+    children it starts run in the normal class."""
+    res = assert_denied(fleet["events"], "c-rt")
+    assert res["granted"] == [os.SCHED_FIFO, RT_PRIORITY, True], res
+    assert res["fifo_98"] == res["fifo_1_no_reset"] == "EPERM", res
+    assert res["nice_-20"] == "EACCES", res        # setpriority's word for it
+    grant = _of(fleet["events"], "c-rt", "realtime")
+    assert grant and grant[0]["priority"] == RT_PRIORITY and grant[0]["reset_on_fork"]
+
+
+def test_a_runaway_realtime_worker_is_held_to_its_budget(fleet):
+    """A SCHED_FIFO control worker in a busy loop gets its cgroup's RT budget (10 % of a
+    CPU per 100 ms here), not the CPU: the rest of the machine, the supervisor's
+    watchdog included, keeps running. Needs RT group scheduling (cgroup v1 with
+    cpu.rt_runtime_us); without it only the kernel's global 95 % applies."""
+    grant = _of(fleet["events"], "c-rtspin", "realtime")
+    assert grant, _of(fleet["events"], "c-rtspin")
+    if not grant[0]["bound"].endswith("(cgroup)"):
+        pytest.skip(f"no per-cgroup RT budget here: {grant[0]['bound']}")
+    res = assert_denied(fleet["events"], "c-rtspin")
+    assert res["fifo"] and res["share"] < 0.25, res
+    print(f"\nrunaway SCHED_FIFO worker, 10 % budget: {res['cpu_s']} s CPU in {res['wall_s']} s")
+
+
+def test_research_cannot_enter_the_realtime_class(fleet):
+    res = assert_denied(fleet["events"], "r-rt")
+    assert res["granted"][0] == os.SCHED_OTHER and res["fifo_98"] == "EPERM", res
+    assert not _of(fleet["events"], "r-rt", "realtime")
 
 
 def test_each_domain_runs_as_its_own_unprivileged_host_user(fleet):

@@ -59,7 +59,7 @@ CLEAN = textwrap.dedent("""
            args=["--publish", "frames", "--period-ms", "20", "--ping-ms", "20"],
            extra='memory_max = "256MiB"\n    pids_max = 32\n    cpu_quota = 50')
     + _probe("sink", "control", subscribes=["frames"], args=["--read", "frames"],
-             extra="nofile = 256")
+             extra="nofile = 256\n    realtime_priority = 20\n    realtime_budget_pct = 5")
     + _probe("lab", "research", subscribes=["frames"], args=["--read", "frames"]))
 
 
@@ -228,6 +228,11 @@ def test_live_audit_of_a_clean_system(tmp_path):
     assert (lim["memory_max"], lim["pids_max"], lim["cpu_quota_pct"]) == (256 * 2**20, 32, 50.0)
     assert lim["cpu_weight"] == 1000 and rows["lab"]["limits"]["cpu_weight"] == 100  # in force
     assert rows["sink"]["limits"]["nofile"] == 256 and rows["sink"]["limits"]["pids_max"] == 64
+    # the real-time grant, read back from the kernel (and the cgroup's RT budget on v1)
+    sch = rows["sink"]["scheduling"]
+    assert (sch["policy"], sch["priority"], sch["reset_on_fork"]) == ("fifo", 20, True)
+    assert sch["rt_budget_pct"] in (5, None)         # None: no per-cgroup RT budget (v2)
+    assert rows["src"]["scheduling"]["policy"] == rows["lab"]["scheduling"]["policy"] == "other"
 
 
 BROKEN = CLEAN + textwrap.dedent(

@@ -120,6 +120,35 @@ def test_unit_verifies_and_is_hardened(tmp_path):
         assert all(f"{DEFAULT_PREFIX}/bin/python3 is not executable" in x for x in lines), lines
 
 
+@needs_analyze
+def test_a_realtime_config_costs_the_unit_sys_nice_and_sched_setscheduler_only(tmp_path):
+    """Real-time workers need the supervisor to set SCHED_FIFO: the unit gains
+    CAP_SYS_NICE, RestrictRealtime=no and sched_setscheduler (the rest of @resources
+    stays denied), exactly the three checks REALTIME_EXPOSURE names; a config without
+    real-time workers (the default) keeps them closed."""
+    from supervisor.config import default_doc, derive, dumps, loads
+    from supervisor.units import REALTIME_EXPOSURE
+
+    cfg = loads(dumps(derive(default_doc(), set={"workers.controlsd.realtime_priority": 53})),
+                "rt.toml")
+    (unit,) = write_units(cfg, tmp_path, config_path=None, prefix=str(_fake_prefix(tmp_path)))
+    d = _directives(unit.read_text())
+    assert d["CapabilityBoundingSet"][0].split()[-1] == "CAP_SYS_NICE"
+    assert d["RestrictRealtime"] == ["no"]
+    (deny,) = d["SystemCallFilter"]
+    assert "sched_setscheduler" not in deny and "@resources" not in deny
+    assert {"setpriority", "sched_setattr", "sched_setaffinity", "setrlimit"} <= set(deny.split())
+    assert subprocess.run([ANALYZE, "verify", str(unit)], capture_output=True).returncode == 0
+    s = subprocess.run([ANALYZE, "security", "--offline=true", str(unit)],
+                       capture_output=True, text=True, env=dict(os.environ, LC_ALL="C.UTF-8"))
+    exposed = set(re.findall(r"^\s*\u2717 (\S+)", s.stdout, re.M))
+    assert exposed - set(EXPOSURE) == set(REALTIME_EXPOSURE), s.stdout[-3000:]
+    score = float(re.search(r"Overall exposure level for \S+: ([0-9.]+)", s.stdout).group(1))
+    assert score <= 3.6, s.stdout[-3000:]      # measured: 3.3 + CAP_SYS_NICE, RT, @resources
+    plain = _directives(render(load(), config_path=None))
+    assert plain["RestrictRealtime"] == ["yes"] and "CAP_SYS_NICE" not in plain["CapabilityBoundingSet"][0]
+
+
 # --------------------------------------------------------------------------- simulation
 
 _SECCOMP = textwrap.dedent(r"""

@@ -94,6 +94,17 @@ def interfaces(pid: int) -> list[str]:
     return names
 
 
+def scheduling(pid: int) -> dict[str, Any]:
+    """The scheduling class of thread ``pid`` (the worker's main thread)."""
+    from supervisor.sandbox.sched import policy_of
+
+    try:
+        policy, prio, reset = policy_of(pid)
+    except ProcessLookupError as e:
+        raise Gone(pid) from e
+    return {"policy": policy, "priority": prio, "reset_on_fork": reset}
+
+
 def nofile(pid: int) -> tuple[int | None, int | None]:
     for line in _read(f"/proc/{pid}/limits").splitlines():
         if line.startswith("Max open files"):

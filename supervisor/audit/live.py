@@ -230,6 +230,7 @@ def _worker_evidence(sup, run, promise: dict[str, Any], candidates: list[str]) -
         "namespaces": ev.namespaces(pid),
         "interfaces": ev.interfaces(pid),
         "nofile": list(ev.nofile(pid)),
+        "scheduling": ev.scheduling(pid),
         "exec_mappings": ev.exec_mappings(entries),
         "channel_mappings": ev.channel_mappings(entries),
         "channel_fds": ev.channel_fds(pid),
@@ -347,6 +348,7 @@ def observed_row(promise: dict[str, Any], e: dict[str, Any] | None,
         "enforced_by": (f"cgroup v{cg['version']}" if cg.get("version") and cg.get("member")
                         else "nothing (no cgroup)"),
     }
+    row["scheduling"] = dict(e["scheduling"], rt_budget_pct=cg.get("rt_budget_pct"))
     writes, reads = [], []
     fds = e["channel_fds"]
     for ch, m in sorted(e["channel_mappings"].items()):
@@ -459,6 +461,17 @@ def differences(promise: dict[str, Any], seen: dict[str, Any],
             diff(f"limits.{key}", want, got, f"{name}: {key} in force is "
                  f"{unset if got is None else got}, the config says "
                  f"{unset if want is None else want} ({sl['enforced_by']})")
+    psch, ssch = promise["scheduling"], seen["scheduling"]
+    if (psch["policy"], psch["priority"], psch["reset_on_fork"]) != (
+            ssch["policy"], ssch["priority"], ssch["reset_on_fork"]):
+        diff("scheduling", psch, ssch, f"{name}: main thread runs {ssch['policy']} "
+             f"{ssch['priority']} (reset_on_fork {ssch['reset_on_fork']}), the config says "
+             f"{psch['policy']} {psch['priority']}")
+    if psch["rt_budget_pct"] is not None and ssch["rt_budget_pct"] not in (
+            None, psch["rt_budget_pct"]):      # None: no RT groups, the global bound only
+        diff("scheduling.rt_budget_pct", psch["rt_budget_pct"], ssch["rt_budget_pct"],
+             f"{name}: RT budget in force is {ssch['rt_budget_pct']} %, the config says "
+             f"{psch['rt_budget_pct']} %")
     if pl["nofile"] is not None and sl["nofile"] != pl["nofile"]:
         diff("limits.nofile", pl["nofile"], sl["nofile"], f"{name}: open-file limit "
              f"{sl['nofile']}, the config says {pl['nofile']}")

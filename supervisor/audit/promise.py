@@ -333,12 +333,22 @@ def worker_row(cfg: Config, w: WorkerConfig, *, sup=None,
         "limits": {"memory_max": w.memory_max, "pids_max": w.pids_max,
                    "cpu_quota_pct": w.cpu_quota, "cpu_weight": cfg.cpu_weight_of(w.name),
                    "nofile": w.nofile},
+        "scheduling": scheduling_promise(w),
         "channels": {"writes": [{"channel": c, "access": "read-write"} for c in w.publishes],
                      "reads": reads},
         "models": trusted_models(w, cfg),
         "torch": "refused" if is_strict else "allowed",
         "admission": admitted or {"checked": False, "admitted": None, "chains": []},
     }
+
+
+def scheduling_promise(w) -> dict[str, Any]:
+    """The worker's main thread from READY on (supervisor/sandbox/sched.py)."""
+    rt = w.realtime()
+    if rt is None:
+        return {"policy": "other", "priority": 0, "reset_on_fork": False, "rt_budget_pct": None}
+    return {"policy": "fifo", "priority": rt.priority, "reset_on_fork": True,
+            "rt_budget_pct": rt.budget_pct}
 
 
 # --------------------------------------------------------------------------- channels

@@ -81,6 +81,18 @@ def _limit(key: str, fmt: Callable[[Any], str]) -> Cell:
     return cell
 
 
+def _scheduling(r: dict, mode: str) -> str:
+    s = r.get("scheduling")
+    if s is None:
+        return "-"
+    if s["policy"] == "other":
+        return "normal"
+    budget = s.get("rt_budget_pct")
+    bound = f"{budget}% of a CPU per 100 ms" if budget else "global RT limit only"
+    return (f"{s['policy'].upper()} {s['priority']} from READY"
+            f"{', not inherited' if s['reset_on_fork'] else ', INHERITED by children'}; {bound}")
+
+
 def _writes(r: dict, mode: str) -> str:
     ch = r.get("channels")
     if ch is None:
@@ -163,6 +175,7 @@ RESOURCES: list[tuple[str, str, Cell]] = [
     ("pids max", "limits.pids_max", _limit("pids_max", str)),
     ("cpu quota", "limits.cpu_quota_pct", _limit("cpu_quota_pct", lambda v: f"{v:g}%")),
     ("cpu weight", "limits.cpu_weight", _limit("cpu_weight", str)),
+    ("scheduling", "scheduling", _scheduling),
     ("open files", "limits.nofile", _limit("nofile", str)),
     ("writes", "channels", _writes),
     ("reads", "channels", _reads),

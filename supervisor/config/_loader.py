@@ -92,6 +92,8 @@ _WORKER_KEYS: dict[str, Callable[[Any], Any]] = {
     "memory_max": _size(1 << 20, 1 << 50),
     "cpu_quota": _percent,
     "cpu_weight": _int(1, 10000),
+    "realtime_priority": _int(1, 98),
+    "realtime_budget_pct": _int(1, 90),
     "pids_max": _int(8, 1 << 22),
     "jit_kernels": _bool,
     "nofile": _int(16, 1 << 20),
@@ -238,6 +240,7 @@ class _Loader:
         writers = _rules.check_writers(self.add, workers, channel_tables)
         _rules.check_trust(self.add, workers, domains, writers, channel_values)
         _rules.check_cpu_weights(self.add, workers, domains)
+        _rules.check_realtime(self.add, workers, domains)
         _rules.check_optional(self.add, workers, writers)
         _rules.check_cycles(self.add, workers)
         channels = self.channels(channel_values, bad_channels, workers)

@@ -21,6 +21,10 @@ RESEARCH = "research"
 # research's share of the CPUs, so a busy research model cannot delay the control loop
 # (the quota only caps research; the weight decides who waits when both want a core).
 CPU_WEIGHT = {CONTROL: 1000, RESEARCH: 100}
+# A real-time worker's default RT budget (% of a CPU per 100 ms), and what all of them
+# together may reserve (the kernel keeps 5 % of every CPU out of RT reach itself).
+REALTIME_BUDGET_PCT = 20
+REALTIME_TOTAL_PCT = 80
 # Supervisor modes ([supervisor] mode): SIMULATION, VEHICLE from supervisor.protocol (the
 # worker is told its mode too, protocol.ENV_MODE).
 DEFAULT_SOURCE = "<embedded supervisor/default.toml>"
@@ -190,6 +194,13 @@ class WorkerConfig:
     # Share of the CPUs under contention (cgroup cpu.weight 1..10000); None: the
     # profile's (CPU_WEIGHT). A research worker may never outweigh a control worker.
     cpu_weight: int | None = None
+    # SCHED_FIFO priority (1..98) of the worker's main thread from READY on; None:
+    # normal class. Control workers only; set by the supervisor, never inherited by
+    # threads or children the worker starts (supervisor/sandbox/sched.py).
+    realtime_priority: int | None = None
+    # ... and the most of one CPU it may hold per 100 ms where the kernel can bound it
+    # per cgroup (v1 RT groups); None: REALTIME_BUDGET_PCT.
+    realtime_budget_pct: int | None = None
     pids_max: int | None = 64               # processes + threads (a fork storm stops here)
     # Control-grade domains: may the worker create anonymous executable memory before
     # READY (modeld: tinygrad maps the signed artifact's kernels)? Never after READY.
@@ -202,6 +213,14 @@ class WorkerConfig:
     def cpu_weight_in(self, profile: str) -> int:
         """Its cgroup cpu.weight in a domain of ``profile``: its own, or the profile's."""
         return self.cpu_weight if self.cpu_weight is not None else CPU_WEIGHT[profile]
+
+    def realtime(self):
+        """Its sandbox.sched.Realtime, or None for the normal class."""
+        from supervisor.sandbox.sched import Realtime
+
+        if self.realtime_priority is None:
+            return None
+        return Realtime(self.realtime_priority, self.realtime_budget_pct or REALTIME_BUDGET_PCT)
 
     @property
     def reads(self) -> tuple[str, ...]:

@@ -14,7 +14,8 @@ from typing import Callable
 from supervisor.ipc.spec import ChannelSpec
 
 from ._graph import cycle_through, topo_sort
-from ._model import CONTROL, RESEARCH, ChannelConfig, DomainConfig, WorkerConfig
+from ._model import (CONTROL, REALTIME_TOTAL_PCT, RESEARCH, ChannelConfig, DomainConfig,
+                     WorkerConfig)
 from ._values import _key, format_size
 
 Add = Callable[[str, str], None]
@@ -99,6 +100,28 @@ def check_cpu_weights(add: Add, workers: dict[str, WorkerConfig],
             add(f"{_key('workers', name)}.cpu_weight",
                 f"{weight} outweighs control worker {low_name!r} ({low}): a research "
                 "worker may never take CPU from control under contention")
+
+
+def check_realtime(add: Add, workers: dict[str, WorkerConfig],
+                   domains: dict[str, DomainConfig]) -> None:
+    """Only control workers run real-time (a research task in the RT class would
+    preempt every control task in the normal one), and their RT budgets fit together."""
+    total = 0
+    for w in workers.values():
+        key = _key("workers", w.name)
+        if w.realtime_priority is None:
+            if w.realtime_budget_pct is not None:
+                add(f"{key}.realtime_budget_pct", "has no effect without realtime_priority")
+            continue
+        d = domains.get(w.domain)
+        if d is not None and d.profile != CONTROL:
+            add(f"{key}.realtime_priority", f"a {d.profile} worker may not run real-time: "
+                "it would preempt control workers; only control workers may")
+            continue
+        total += w.realtime().budget_pct
+    if total > REALTIME_TOTAL_PCT:
+        add("workers", f"real-time budgets add up to {total} % of a CPU, more than "
+            f"{REALTIME_TOTAL_PCT} %: lower realtime_budget_pct")
 
 
 def check_writers(add: Add, workers: dict[str, WorkerConfig], channels: dict) -> dict[str, str]:

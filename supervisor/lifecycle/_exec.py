@@ -23,6 +23,7 @@ class _ExecWindow:
         self.log.emit("ready", worker=run.cfg.name, pid=run.pid,
                       start_to_ready_ms=round((now - run.started_ns) / 1e6, 3),
                       exec_mappings_admitted=run.exec_allowed)
+        self._make_realtime(run)
 
     def _close_exec_window(self, run: WorkerRun) -> bool:
         """READY ends start-up. For a control-grade worker the supervisor, not the

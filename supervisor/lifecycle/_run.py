@@ -44,6 +44,7 @@ class WorkerRun:
     exec_snapshot: object | None = None      # maps.ExecSnapshot taken at READY
     kill_reason: str = ""                    # why the supervisor killed it, if it did
     ready_claimed: bool = False              # the worker said READY=1 (this run)
+    realtime_pid: int = 0                    # the thread made SCHED_FIFO at READY
     # Warm standby: a second instance, waiting in its sandbox for the channels.
     is_standby: bool = False
     standby: "WorkerRun | None" = None

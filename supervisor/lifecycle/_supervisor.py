@@ -28,11 +28,12 @@ from supervisor.sandbox.policy import RESEARCH
 
 from ._exec import _ExecWindow
 from ._io import _WorkerIO
+from ._realtime import _Realtime
 from ._run import FailSafe, StartFailed, WorkerRun, _signame
 from ._standby import _WarmStandby
 
 
-class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby):
+class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
     def __init__(self, config: Config, *, log: EventLog | None = None,
                  notifier: Notifier | None = None, sandboxed: bool = True,
                  grace_s: float = 3.0, python: str = sys.executable,
@@ -45,6 +46,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby):
         self.grace_s = grace_s
         self.python = python
         self.cgroups = None              # sandbox.cgroups.CgroupTree while running
+        self.rt_grouped = False          # its leaves take RT budgets (v1 RT groups)
         self.latch = FailSafeLatch.for_config(config)
         self._nursery: trio.Nursery | None = None
         self._leaf_seq = 0
@@ -665,6 +667,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby):
                 self.log.emit("limits_not_enforced", reason=f"cgroups unavailable: {e}")
             else:
                 self.log.emit("cgroups", version=self.cgroups.version)
+        self._reserve_realtime()
         return None
 
     async def _start_all(self, nursery: trio.Nursery, refused: set[str]) -> None:

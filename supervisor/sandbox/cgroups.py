@@ -340,6 +340,18 @@ class WorkerCgroup:
                 return int(value)
         return 0
 
+    def grant_rt(self, runtime_us: int, period_us: int) -> bool:
+        """An RT budget for this leaf (v1 with RT group scheduling: the kernel refuses
+        SCHED_FIFO in a cgroup with none). False where no such file exists (v2, or a
+        kernel without RT groups): only the global sched_rt_runtime_us bounds it there."""
+        self._require_current()
+        cpu = self._dirs.get("cpu") if "cpu" in self._controllers else None
+        if self.version != 1 or cpu is None or not os.path.exists(f"{cpu}/cpu.rt_runtime_us"):
+            return False
+        _write(f"{cpu}/cpu.rt_period_us", str(period_us))
+        _write(f"{cpu}/cpu.rt_runtime_us", str(runtime_us))
+        return True
+
     def in_force(self) -> dict[str, object]:
         """Limits as the kernel reports them (not as requested), plus the raw files."""
         self._require_current()
@@ -368,6 +380,10 @@ class WorkerCgroup:
             out["swap_max"] = memsw - mem if memsw is not None and mem is not None else None
             shares = num(get("cpu", "cpu.shares"))
             out["cpu_weight"] = None if shares is None else round(shares * 100 / 1024)
+            rt = num(get("cpu", "cpu.rt_runtime_us"), ("-1",))
+            rt_period = num(get("cpu", "cpu.rt_period_us"))
+            out["rt_budget_pct"] = (None if rt is None or not rt_period
+                                    else round(rt * 100 / rt_period))
         else:
             out["memory_max"] = num(get("memory", "memory.max"))
             out["swap_max"] = num(get("memory", "memory.swap.max"))
@@ -375,6 +391,7 @@ class WorkerCgroup:
             cpu_max = get("cpu", "cpu.max")
             quota, period = (num(x) for x in cpu_max.split()) if cpu_max else (None, None)
             out["cpu_weight"] = num(get("cpu", "cpu.weight"))
+            out["rt_budget_pct"] = None      # v2 has no per-cgroup RT budget
         out["pids_max"] = num(get("pids", "pids.max"))
         out["cpu_quota_us"] = quota
         out["cpu_period_us"] = period
@@ -527,6 +544,16 @@ class CgroupTree:
             raise
         self._leaves[name] = w
         return w
+
+    def reserve_rt(self, runtime_us: int, period_us: int) -> bool:
+        """RT bandwidth for the leaves below (v1 RT groups: a child's budget must fit
+        in its parent's). False where the kernel has no RT groups (see grant_rt)."""
+        cpu = self._bases.get("cpu") if "cpu" in self._controllers else None
+        if self.version != 1 or cpu is None or not os.path.exists(f"{cpu}/cpu.rt_runtime_us"):
+            return False
+        _write(f"{cpu}/cpu.rt_period_us", str(period_us))
+        _write(f"{cpu}/cpu.rt_runtime_us", str(runtime_us))
+        return True
 
     def close(self) -> None:
         """Kill every process left in the leaves, remove leaves and base. Idempotent.

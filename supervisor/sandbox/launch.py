@@ -125,6 +125,10 @@ def _child_setup(spec: LaunchSpec, rlimits: Mapping[str, int], cgroup_fds: Seque
         for res, v in limits:
             resource.setrlimit(res, (v, v))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))   # no core files from sandboxes
+        # No real-time class of its own making, whatever the supervisor's limit: only
+        # the supervisor grants it (sandbox/sched.py), and a worker may only lower it.
+        resource.setrlimit(resource.RLIMIT_RTPRIO, (0, 0))
+        resource.setrlimit(resource.RLIMIT_NICE, (0, 0))       # nor a nice below 0
         if spec.mntns_fd >= 0 and _libc.setns(spec.mntns_fd, staging.CLONE_NEWNS) != 0:
             raise OSError(ctypes.get_errno(), "setns(staging mount namespace)")
         if spec.host_uid is not None:

@@ -520,6 +520,76 @@ def raise_cpu_weight(ctx: WorkerContext) -> dict:
     return res
 
 
+def raise_priority(ctx: WorkerContext) -> dict:
+    """Take more CPU than granted: enter SCHED_FIFO or raise the FIFO priority the
+    supervisor gave (to 98), clear SCHED_RESET_ON_FORK so that a thread or child keeps
+    it, or lower its nice value. A control worker first waits for its grant (the
+    supervisor sets it from outside after READY) so that the attack runs against it."""
+    import threading
+
+    fifo, reset = os.SCHED_FIFO, os.SCHED_RESET_ON_FORK
+    if ctx.domain == "control":
+        _await_fifo()
+    pol = os.sched_getscheduler(0)
+    granted = os.sched_getparam(0).sched_priority
+    res: dict = {"granted": [pol & ~reset, granted, bool(pol & reset)]}
+
+    def attempt(policy: int, prio: int) -> str:
+        try:
+            os.sched_setscheduler(0, policy, os.sched_param(prio))
+        except OSError as e:
+            return _err(e)
+        return "ok"
+    res["fifo_98"] = attempt(fifo | reset, 98)
+    res["fifo_1_no_reset"] = attempt(fifo, max(granted, 1))
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, -20)
+        res["nice_-20"] = "ok"
+    except OSError as e:
+        res["nice_-20"] = _err(e)
+    seen: list = []
+    t = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0) & ~reset))
+    t.start()
+    t.join()
+    res["thread_policy"] = seen[0]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(w, bytes([os.sched_getscheduler(0) & ~reset]))
+        os._exit(0)
+    os.waitpid(pid, 0)
+    res["child_policy"] = os.read(r, 1)[0]
+    os.close(r)
+    os.close(w)
+    res["denied"] = (all(res[k] != "ok" for k in ("fifo_98", "fifo_1_no_reset", "nice_-20"))
+                     and res["thread_policy"] == res["child_policy"] == os.SCHED_OTHER)
+    return res
+
+
+def _await_fifo(timeout: float = 5.0) -> bool:
+    """Until the supervisor's SCHED_FIFO grant (made from outside after READY) is in force."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK == os.SCHED_FIFO:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def realtime_runaway(ctx: WorkerContext) -> dict:
+    """A real-time worker gone into a busy loop (a bug, or on purpose): with its budget
+    (10 % of a CPU per 100 ms in the fleet) the kernel throttles it, and everything else,
+    the supervisor included, keeps the rest of the CPU. Spins 2 s of wall time."""
+    res: dict = {"fifo": _await_fifo()}
+    t0, c0 = time.monotonic(), time.thread_time()
+    while time.monotonic() - t0 < 2.0:
+        pass
+    wall, cpu = time.monotonic() - t0, time.thread_time() - c0
+    res.update(wall_s=round(wall, 3), cpu_s=round(cpu, 3), share=round(cpu / wall, 3))
+    res["denied"] = res["fifo"] and cpu / wall < 0.25
+    return res
+
+
 ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
     f.__name__: f for f in (
         core_pattern, sysrq, proc_self_mem, reopen_rw, acl_then_reopen, fchmod_channel,
@@ -527,6 +597,6 @@ ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
         mprotect_exec, memfd_exec, dlopen_tmp, torch_files, swallow_guard, fake_ready,
         status_flood, long_line, nested_log, modify_ldt, mremap_exec, own_listener,
         wake_abuse, status_churn, status_escape, shared_description, patch_library,
-        raise_cpu_weight,
+        raise_cpu_weight, raise_priority, realtime_runaway,
     )
 }

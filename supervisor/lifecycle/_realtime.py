@@ -1,0 +1,58 @@
+"""Real-time class for READY control workers (config ``realtime_priority``; the kernel
+side and the why are in supervisor/sandbox/sched.py)."""
+from __future__ import annotations
+
+from ._run import WorkerRun
+
+
+class _Realtime:
+    """RT bandwidth for the tree, SCHED_FIFO at READY (mixed into `Supervisor`)."""
+
+    def _reserve_realtime(self) -> None:
+        """The tree's RT bandwidth: every RT worker's budget plus the largest once more
+        (a restarted or adopted run may be READY before the dead run's cgroup is gone)."""
+        from supervisor.sandbox.sched import RT_PERIOD_US
+
+        budgets = [w.realtime().budget_pct for w in self.config.workers.values()
+                   if w.realtime_priority is not None]
+        self.rt_grouped = False
+        if not budgets or self.cgroups is None:
+            return
+        # The kernel keeps sched_rt_runtime_us (95 % by default) for all RT groups:
+        # with the spare if it fits, else exactly the budgets.
+        err: OSError | None = None
+        for pct in dict.fromkeys((min(sum(budgets) + max(budgets), 90), sum(budgets))):
+            try:
+                self.rt_grouped = self.cgroups.reserve_rt(pct * RT_PERIOD_US // 100,
+                                                          RT_PERIOD_US)
+                return
+            except OSError as e:
+                err = e
+        # The parent cgroup has less RT bandwidth than that: each grant fails below,
+        # and each worker runs in the normal class with an event saying why.
+        self.log.emit("realtime_unavailable", worker=None,
+                      reason=f"reserving {sum(budgets)} % of a CPU for RT workers: {err}")
+        self.rt_grouped = True          # the leaves have RT files: SCHED_FIFO needs them
+
+    def _make_realtime(self, run: WorkerRun) -> None:
+        """SCHED_FIFO for the worker's main thread, once READY; a refusal is an event,
+        not a failure (the worker runs on in the normal class)."""
+        from supervisor.sandbox.sched import RT_PERIOD_US, RealtimeUnavailable, make_fifo
+
+        rt = run.cfg.realtime()
+        if rt is None:
+            return
+        name = run.cfg.name
+        bound = "global sched_rt_runtime_us only (no RT group scheduling)"
+        try:
+            if self.rt_grouped and run.cgroup is not None:
+                run.cgroup.grant_rt(rt.runtime_us, RT_PERIOD_US)
+                bound = f"{rt.budget_pct} % of a CPU per {RT_PERIOD_US // 1000} ms (cgroup)"
+            pid = self._worker_pid(run)
+            make_fifo(pid, rt.priority, lambda: pid == self._worker_pid(run))
+        except (RealtimeUnavailable, OSError) as e:
+            self.log.emit("realtime_unavailable", worker=name, reason=str(e))
+            return
+        run.realtime_pid = pid
+        self.log.emit("realtime", worker=name, pid=pid, policy="fifo",
+                      priority=rt.priority, reset_on_fork=True, bound=bound)

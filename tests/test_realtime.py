@@ -1,0 +1,103 @@
+"""Real-time control workers (``realtime_priority``): who may have it, what it costs the
+unit, and the kernel side. The attacks on it (raise it, pass it on, run away with it,
+research entering it) run from inside real sandboxes in tests/test_attacks.py."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from supervisor.config import ConfigFileError, loads
+from supervisor.sandbox.sched import Realtime, RealtimeUnavailable, make_fifo, policy_of
+
+BASE = """
+[domains.control]
+[domains.research]
+[workers.cam]
+domain = "control"
+module = "workers.camerad"
+{cam}
+[workers.lab]
+domain = "research"
+module = "workers.research"
+{lab}
+"""
+
+
+def _problems(cam: str = "", lab: str = "") -> list[str]:
+    try:
+        loads(BASE.format(cam=cam, lab=lab), "rt.toml")
+    except ConfigFileError as e:
+        return [str(p) for p in e.problems]
+    return []
+
+
+def test_only_control_workers_may_run_realtime():
+    assert _problems(cam="realtime_priority = 53") == []
+    (p,) = _problems(lab="realtime_priority = 1")
+    assert "workers.lab.realtime_priority" in p and "research worker may not run real-time" in p
+
+
+def test_realtime_settings_that_cannot_work_are_refused_in_one_line():
+    (p,) = _problems(cam="realtime_budget_pct = 20")
+    assert "workers.cam.realtime_budget_pct: has no effect without realtime_priority" in p
+    (p,) = _problems(cam="realtime_priority = 99")       # the kernel's own class
+    assert "workers.cam.realtime_priority" in p
+    (p,) = _problems(cam="realtime_priority = 50\nrealtime_budget_pct = 85")
+    assert "real-time budgets add up to 85 %" in p
+
+
+def test_realtime_record():
+    assert Realtime(53, 10).runtime_us == 10_000
+    for bad in ((0, 10), (99, 10), (50, 0), (50, 91), (50.5, 10)):
+        with pytest.raises(ValueError):
+            Realtime(*bad)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="SCHED_FIFO needs CAP_SYS_NICE")
+def test_make_fifo_sets_the_main_thread_only_and_not_inherited():
+    """The grant is SCHED_FIFO with SCHED_RESET_ON_FORK for the one thread named: a
+    thread or child the process starts later runs in the normal class."""
+    child = subprocess.Popen([sys.executable, "-c", textwrap_child], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        make_fifo(child.pid, 10, lambda: True)
+        assert policy_of(child.pid) == ("fifo", 10, True)
+        out, _ = child.communicate("go\n", timeout=30)
+        assert out.split() == ["fifo", "other", "other"], out
+    finally:
+        child.kill()
+
+
+textwrap_child = """
+import os, sys, threading
+sys.stdin.readline()
+me = os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK
+seen = []
+t = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0)))
+t.start(); t.join()
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if os.sched_getscheduler(0) == os.SCHED_OTHER else 1)
+_, st = os.waitpid(pid, 0)
+name = {os.SCHED_FIFO: "fifo", os.SCHED_OTHER: "other"}
+print(name.get(me), name.get(seen[0]), "other" if os.waitstatus_to_exitcode(st) == 0 else "rt")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="SCHED_FIFO needs CAP_SYS_NICE")
+def test_make_fifo_refuses_a_pid_that_is_no_longer_the_worker():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with pytest.raises(RealtimeUnavailable, match="no longer the worker"):
+            make_fifo(child.pid, 10, lambda: False)
+        assert policy_of(child.pid)[0] == "other"
+    finally:
+        child.kill()
+        child.wait()
+    with pytest.raises(RealtimeUnavailable, match="gone"):
+        make_fifo(child.pid, 10, lambda: True)
