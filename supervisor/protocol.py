@@ -62,6 +62,7 @@ ENV_WRITABLE = "TRIO_WRITABLE"
 # "vehicle" or "simulation" ([supervisor] mode): a worker refuses its SIMULATION_ONLY
 # arguments unless told "simulation" (absent or garbled: vehicle).
 ENV_MODE = "TRIO_MODE"
+ENV_BUSY_POLL = "TRIO_BUSY_POLL_US"     # the worker's readers' busy_poll_us
 VEHICLE, SIMULATION = "vehicle", "simulation"
 
 
@@ -214,6 +215,7 @@ class Endpoint:
     writable: tuple[str, ...] = ()
     model: dict[str, str | None] | None = None   # the trust record of [models.NAME]
     mode: str = VEHICLE                          # [supervisor] mode
+    busy_poll_us: int = 0                        # its readers' (ipc/_cadence.py)
 
 
 def worker_env(ep: Endpoint, status_fd: int | None,
@@ -227,7 +229,7 @@ def worker_env(ep: Endpoint, status_fd: int | None,
            ENV_NETWORK: "1" if ep.network else "0", ENV_SANDBOXED: "1" if ep.sandboxed else "0",
            ENV_ISOLATION: iso.encode(), ENV_WRITABLE: ":".join(ep.writable),
            ENV_ROLES: encode_roles(ep.roles), ENV_CHANNELS: ",".join(handles),
-           ENV_MODE: ep.mode}
+           ENV_MODE: ep.mode, ENV_BUSY_POLL: str(ep.busy_poll_us)}
     if status_fd is not None:
         env[ENV_STATUS_FD] = str(status_fd)
     if ep.model is not None:

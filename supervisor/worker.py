@@ -16,14 +16,19 @@ from dataclasses import dataclass, field
 
 from supervisor.ipc import Reader, ReaderHandle, Writer, WriterHandle, env_name
 
-from supervisor.protocol import (ENV_CHANNELS, ENV_DOMAIN, ENV_MODE, ENV_MODEL, ENV_NAME,
-                                 ENV_NETWORK, ENV_PROFILE, ENV_ROLES, ENV_STANDBY_FD,
+from supervisor.protocol import (ENV_BUSY_POLL, ENV_CHANNELS, ENV_DOMAIN, ENV_MODE,
+                                 ENV_MODEL, ENV_NAME, ENV_NETWORK, ENV_PROFILE, ENV_ROLES, ENV_STANDBY_FD,
                                  ENV_STATUS_FD, SIMULATION, VEHICLE, Isolation, decode_roles,
                                  format_line, simulation_only)
 
 # A log record a worker writes on its stdout (`WorkerContext.log`); the supervisor
 # re-emits it as a `log` event whose source is the worker (it cannot claim another).
 LOG_KEY = "log"
+
+
+def _busy_poll_of(env) -> int:
+    text = env.get(ENV_BUSY_POLL, "0")
+    return int(text) if text.isdigit() and int(text) <= 100_000 else 0
 
 
 def _model_of(env) -> dict | None:
@@ -48,6 +53,7 @@ class WorkerContext:
     # The [models.NAME] trust record the config gives this worker (None: no model).
     model: dict | None = None
     mode: str = VEHICLE        # [supervisor] mode: anything but "simulation" is a vehicle
+    busy_poll_us: int = 0      # the config's: its readers busy-poll regular streams
     _writers: dict[str, Writer] = field(default_factory=dict)
     _readers: dict[str, Reader] = field(default_factory=dict)
     _locked: bool = False
@@ -61,7 +67,7 @@ class WorkerContext:
                    status_fd=int(fd) if fd else None, network=env.get(ENV_NETWORK) == "1",
                    profile=env.get(ENV_PROFILE, ""), roles=decode_roles(env.get(ENV_ROLES)),
                    isolation=Isolation.from_env(env), model=_model_of(env),
-                   mode=env.get(ENV_MODE, VEHICLE))
+                   mode=env.get(ENV_MODE, VEHICLE), busy_poll_us=_busy_poll_of(env))
 
     def simulation_only_problem(self, declared: dict, argv: list[str]) -> str | None:
         """One line if ``argv`` has an argument the module declares simulation-only and
@@ -136,7 +142,8 @@ class WorkerContext:
         """A read-only reader of the channel bound to `role` in the config."""
         channel = self.channel_of(role)
         if channel not in self._readers:
-            self._readers[channel] = Reader(ReaderHandle.from_json(self._handle_json(role)))
+            self._readers[channel] = Reader(ReaderHandle.from_json(self._handle_json(role)),
+                                            busy_poll_us=self.busy_poll_us)
         return self._readers[channel]
 
     def _send(self, line: str) -> None:

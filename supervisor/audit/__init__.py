@@ -94,7 +94,8 @@ Worker row (config mode = promise; live mode = observation, same keys):
                                  (cgroup cpu.weight; v1 cpu.shares x 100 / 1024), nofile}; null
                                  = unlimited / inherited; live adds enforced_by
     scheduling                   {policy ("fifo" | "other" ...), priority, reset_on_fork,
-                                 rt_budget_pct}: the main thread from READY on; live reads
+                                 rt_budget_pct, busy_poll_us (config only)}: the main
+                                 thread from READY on; live reads
                                  sched_getscheduler and the cgroup's cpu.rt_runtime_us
                                  (null: no per-cgroup RT budget, the global limit only)
     channels                     {writes: [{channel, access}], reads: [{channel, shadow,

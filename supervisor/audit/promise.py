@@ -346,9 +346,10 @@ def scheduling_promise(w) -> dict[str, Any]:
     """The worker's main thread from READY on (supervisor/sandbox/sched.py)."""
     rt = w.realtime()
     if rt is None:
-        return {"policy": "other", "priority": 0, "reset_on_fork": False, "rt_budget_pct": None}
+        return {"policy": "other", "priority": 0, "reset_on_fork": False, "rt_budget_pct": None,
+                "busy_poll_us": w.busy_poll_us}
     return {"policy": "fifo", "priority": rt.priority, "reset_on_fork": True,
-            "rt_budget_pct": rt.budget_pct}
+            "rt_budget_pct": rt.budget_pct, "busy_poll_us": w.busy_poll_us}
 
 
 # --------------------------------------------------------------------------- channels

@@ -85,12 +85,15 @@ def _scheduling(r: dict, mode: str) -> str:
     s = r.get("scheduling")
     if s is None:
         return "-"
+    poll = f"; busy-polls its readers' streams (<= {2 * s['busy_poll_us']} us a message)" \
+        if s.get("busy_poll_us") else ""
     if s["policy"] == "other":
-        return "normal"
+        return "normal" + poll
     budget = s.get("rt_budget_pct")
     bound = f"{budget}% of a CPU per 100 ms" if budget else "global RT limit only"
     return (f"{s['policy'].upper()} {s['priority']} from READY"
-            f"{', not inherited' if s['reset_on_fork'] else ', INHERITED by children'}; {bound}")
+            f"{', not inherited' if s['reset_on_fork'] else ', INHERITED by children'}; "
+            f"{bound}{poll}")
 
 
 def _writes(r: dict, mode: str) -> str:

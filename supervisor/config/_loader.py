@@ -94,6 +94,7 @@ _WORKER_KEYS: dict[str, Callable[[Any], Any]] = {
     "cpu_weight": _int(1, 10000),
     "realtime_priority": _int(1, 98),
     "realtime_budget_pct": _int(1, 90),
+    "busy_poll_us": _int(0, 100_000),
     "pids_max": _int(8, 1 << 22),
     "jit_kernels": _bool,
     "nofile": _int(16, 1 << 20),

@@ -201,6 +201,10 @@ class WorkerConfig:
     # ... and the most of one CPU it may hold per 100 ms where the kernel can bound it
     # per cgroup (v1 RT groups); None: REALTIME_BUDGET_PCT.
     realtime_budget_pct: int | None = None
+    # Its readers busy-poll a regular stream (a camera's) for up to this many us either
+    # side of the next message's predicted arrival instead of sleeping through the
+    # wake-up (supervisor/ipc/_cadence.py): at most 2x this of CPU per message. 0: off.
+    busy_poll_us: int = 0
     pids_max: int | None = 64               # processes + threads (a fork storm stops here)
     # Control-grade domains: may the worker create anonymous executable memory before
     # READY (modeld: tinygrad maps the signed artifact's kernels)? Never after READY.

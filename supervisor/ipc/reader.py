@@ -9,6 +9,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from . import _atomics, codec, layout as L, shm
+from ._cadence import Cadence
 from ._geometry import HEADER_MAX, LAYOUT_MAX, SlotGeometry
 from ._message import UNREAD as _UNREAD, Message
 from ._types import Layout, Stamp
@@ -53,6 +54,8 @@ class ReaderStats:
     dropped: int              # sequence gaps: messages the writer reused before we read them
     rejected: dict[str, int]  # per Rejected.reason
     leases_lost: int
+    busy_poll_hits: int = 0   # messages taken while busy-polling (busy_poll_us)
+    busy_poll_misses: int = 0  # busy-poll windows that ended without one
 
 
 class Reader:
@@ -62,7 +65,7 @@ class Reader:
     message already published (subject to max_age), never at older history."""
 
     def __init__(self, handle: ReaderHandle, *, attach_timeout_s: float = ATTACH_TIMEOUT_S,
-                 native: bool | None = None) -> None:
+                 native: bool | None = None, busy_poll_us: int = 0) -> None:
         self.spec = spec = handle.spec
         # The memory-ordering path (see _atomics): refuses to start where none is correct.
         self._native = nat = _atomics.select(native)
@@ -114,6 +117,8 @@ class Reader:
         self._poller = select.poll()
         self._poller.register(self._efd, select.POLLIN)
         self._undrained = False   # the wake-up socket woke us and was not drained yet
+        # Busy-poll around the predicted next message of a periodic stream (_cadence).
+        self._cadence = Cadence(busy_poll_us * 1000) if busy_poll_us > 0 else None
         if nat is not None:
             self.try_receive = self._try_receive_native   # the native hot path
             self._stable = self._seg.check
@@ -231,6 +236,8 @@ class Reader:
         frame less per message)."""
         if capture_ts is not None:
             self._last_capture = capture_ts
+        if self._cadence is not None:
+            self._cadence.seen(stamp[3])
         self._received += 1
         msg = _new_message(Message)
         msg._reader = self
@@ -378,9 +385,9 @@ class Reader:
         return self._message(slot, gen, k, layout, stamp, raw_h, receipt, capture_ts)
 
     def receive(self, timeout: float | None = None) -> Message:
-        """Block (on the wake-up socket, no polling) until a message arrives."""
+        """Block on the wake-up socket until a message arrives; with ``busy_poll_us``,
+        a regular stream's next message is busy-polled for instead (_busy_poll)."""
         end = None if timeout is None else time.monotonic() + timeout
-        poll = self._poller.poll
         while True:
             if self._undrained:
                 self._drain()
@@ -389,6 +396,10 @@ class Reader:
             msg = self.try_receive()
             if msg is not None:
                 return msg
+            if self._cadence is not None:
+                msg = self._busy_poll(end)
+                if msg is not None:
+                    return msg
             wait_ms = -1
             if end is not None:
                 left = end - time.monotonic()
@@ -396,23 +407,60 @@ class Reader:
                     raise ChannelTimeout(f"channel {self.spec.name!r}: nothing within "
                                          f"{timeout:.3f}s")
                 wait_ms = max(1, int(left * 1000 + 0.999))
-            if self._lease_r is not None:
-                msg = self._sleeping()
-                if msg is not None:
-                    return msg
-                try:
-                    woke = poll(wait_ms)
-                finally:
-                    self._lease_r.store(L.OFF_AWAKE, L.READER_AWAKE)
-            else:
-                woke = poll(wait_ms)
-            if woke:
-                # Woken: take the message first and drain the socket on the next call
-                # (a system call fewer between the wake-up and the message).
-                self._undrained = True
-                msg = self.try_receive()
-                if msg is not None:
-                    return msg
+            msg = self._block(wait_ms)
+            if msg is not None:
+                return msg
+
+    def _busy_poll(self, end: float | None) -> Message | None:
+        """``receive``, on a stream regular enough to predict: sleep (on the wake-up
+        socket, so an early message still wakes us) until the window before the next
+        message opens, then watch shared memory until it comes or the window closes.
+        None: nothing in the window (or no window); the caller blocks as usual."""
+        cad = self._cadence
+        w = cad.window()
+        if w is None:
+            return None
+        start, stop = w
+        now = _now()
+        if end is not None:
+            end_ns = int(end * 1e9)
+            if start >= end_ns:
+                return None
+            stop = min(stop, end_ns)
+        if now >= stop:
+            return None
+        if now < start and (start - now) // 1_000_000 > 0:
+            msg = self._block((start - now) // 1_000_000)
+            if msg is not None:
+                return msg
+        try_receive = self.try_receive
+        while _now() < stop:
+            msg = try_receive()
+            if msg is not None:
+                cad.hits += 1
+                return msg
+        cad.misses += 1
+        return None
+
+    def _block(self, wait_ms: int) -> Message | None:
+        """One wait on the wake-up socket (the awake flag down meanwhile, native path);
+        the message it woke us for, if any."""
+        if self._lease_r is not None:
+            msg = self._sleeping()
+            if msg is not None:
+                return msg
+            try:
+                woke = self._poller.poll(wait_ms)
+            finally:
+                self._lease_r.store(L.OFF_AWAKE, L.READER_AWAKE)
+        else:
+            woke = self._poller.poll(wait_ms)
+        if woke:
+            # Woken: take the message first and drain the socket on the next call
+            # (a system call fewer between the wake-up and the message).
+            self._undrained = True
+            return self.try_receive()
+        return None
 
     def _sleeping(self) -> Message | None:
         """Native path, before blocking on the wake-up socket: say so (the writer then
@@ -460,7 +508,9 @@ class Reader:
 
     @property
     def stats(self) -> ReaderStats:
-        return ReaderStats(self._received, self._dropped, dict(self._rejected), self._lost)
+        cad = self._cadence
+        return ReaderStats(self._received, self._dropped, dict(self._rejected), self._lost,
+                           cad.hits if cad else 0, cad.misses if cad else 0)
 
     def close(self) -> None:
         if self._lease_r is not None:

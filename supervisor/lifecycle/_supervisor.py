@@ -103,7 +103,8 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
         return Endpoint(name=w.name, domain=w.domain, profile=d.profile,
                         isolation=d.isolation(), network=d.network, sandboxed=self.sandboxed,
                         roles=w.roles, writable=d.extra_rw_binds,
-                        model=dataclasses.asdict(m) if m else None, mode=self.config.supervisor.mode)
+                        model=dataclasses.asdict(m) if m else None, mode=self.config.supervisor.mode,
+                        busy_poll_us=w.busy_poll_us)
 
     # ---------------------------------------------------------------- processes
 

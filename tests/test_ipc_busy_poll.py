@@ -1,0 +1,99 @@
+"""A reader's busy_poll_us (supervisor/ipc/_cadence.py): on a regular stream it takes
+messages while busy-polling around their predicted arrival, and it never changes what
+is delivered (every message, in order, every check) nor how long receive may block."""
+from __future__ import annotations
+
+import multiprocessing
+import random
+import time
+
+import numpy as np
+import pytest
+
+from supervisor.ipc import ChannelTimeout, Reader, Writer
+from supervisor.ipc._cadence import Cadence
+from supervisor.worker import _busy_poll_of
+
+_fork = multiprocessing.get_context("fork")
+
+
+def _publish(handle, intervals_s: list[float]) -> None:
+    w = Writer(handle, domain="control")
+    time.sleep(0.3)                          # the reader attaches meanwhile
+    t = time.monotonic()
+    for i, iv in enumerate(intervals_s):
+        t += iv
+        time.sleep(max(0.0, t - time.monotonic()))
+        w.publish_array(np.full(16, i % 251, np.uint8))
+
+
+def _stream(make_channel, intervals_s: list[float], busy_poll_us: int):
+    """Every message of a writer process publishing at ``intervals_s``, as (seq, first
+    byte), and the reader's stats."""
+    ch = make_channel(slot_count=8, max_readers=1)
+    p = _fork.Process(target=_publish, args=(ch.writer_handle(), intervals_s))
+    p.start()
+    r = Reader(ch.reader_handle(0), busy_poll_us=busy_poll_us)
+    got = []
+    try:
+        for _ in intervals_s:
+            with r.receive(timeout=2) as m:
+                got.append((m.sequence, int(m.array[0])))
+    finally:
+        p.join(10)
+    return got, r.stats
+
+
+def test_a_regular_stream_is_taken_while_busy_polling_and_nothing_is_lost(make_channel):
+    got, st = _stream(make_channel, [0.02] * 60, busy_poll_us=3000)
+    assert got == [(i + 1, i) for i in range(60)]          # all, in order, no gap
+    assert st.dropped == 0 and not st.rejected
+    # the first intervals teach the period; then messages land in windows (not all:
+    # this writer's sleep jitters by milliseconds on a busy VM, a camera's does not)
+    assert st.busy_poll_hits >= 15, st
+
+
+def test_an_irregular_stream_is_not_busy_polled(make_channel):
+    rng = random.Random(7)
+    got, st = _stream(make_channel, [rng.uniform(0.002, 0.04) for _ in range(40)],
+                      busy_poll_us=500)
+    assert [s for s, _ in got] == list(range(1, 41))
+    assert st.busy_poll_hits + st.busy_poll_misses <= 8, st   # rarely predictable
+
+
+def test_off_by_default(make_channel):
+    got, st = _stream(make_channel, [0.01] * 20, busy_poll_us=0)
+    assert len(got) == 20 and st.busy_poll_hits == st.busy_poll_misses == 0
+
+
+def test_receive_timeout_holds_when_the_next_message_is_predicted_later(make_channel):
+    """A stream that stops: the predicted window lies past the caller's timeout, and
+    receive still gives up at the timeout, not at the window."""
+    ch = make_channel(slot_count=8, max_readers=1)
+    w = Writer(ch.writer_handle(), domain="control")
+    r = Reader(ch.reader_handle(0), busy_poll_us=20_000)
+    for i in range(8):                       # a 100 ms period, learned
+        w.publish_array(np.full(16, i, np.uint8))
+        with r.receive(timeout=1) as m:
+            assert m.array[0] == i
+        time.sleep(0.1)
+    t0 = time.monotonic()
+    with pytest.raises(ChannelTimeout):
+        r.receive(timeout=0.03)
+    assert time.monotonic() - t0 < 0.08
+
+
+def test_cadence_learns_a_period_and_starts_over_after_a_pause():
+    c = Cadence(lead_ns=1_000_000)
+    for k in range(8):
+        c.seen(10_000_000_000 + k * 50_000_000)
+    start, stop = c.window()
+    assert (start + stop) // 2 == 10_000_000_000 + 8 * 50_000_000
+    c.seen(10_000_000_000 + 7 * 50_000_000 + 2_000_000_000)    # a 2 s pause
+    assert c.window() is None and c.period_ns == 2_000_000_000
+
+
+@pytest.mark.parametrize("text,want", [("2500", 2500), ("", 0), ("-5", 0), ("1e9", 0),
+                                       ("999999999", 0)])
+def test_the_worker_reads_its_busy_poll_setting_defensively(text, want):
+    assert _busy_poll_of({"TRIO_BUSY_POLL_US": text}) == want
