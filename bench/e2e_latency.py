@@ -8,7 +8,9 @@ readers sleep on the wake-up socket); "tuned" gives them the realtime_priority/b
 REALTIME below (SCHED_FIFO from READY, supervisor/sandbox/sched.py) and modeld
 busy_poll_us = BUSY_POLL_US on the camera's stream (supervisor/ipc/_cadence.py); "both"
 (the default) runs the pipeline twice in one invocation, plain first, and prints both,
-so the two are compared on the same machine state.
+so the two are compared on the same machine state. (The embedded default config sits
+in between: modeld busy-polls, which needs no privilege; real-time is opt-in, since it
+costs the unit CAP_SYS_NICE.)
 
 Runs camerad -> modeld -> controlsd, sandboxed, from the embedded default's channel
 contracts, and attaches this process as one more reader of each channel. Per frame:

@@ -66,6 +66,12 @@ def test_off_by_default(make_channel):
     assert len(got) == 20 and st.busy_poll_hits == st.busy_poll_misses == 0
 
 
+def test_a_stream_too_fast_for_the_window_is_not_busy_polled(make_channel):
+    """Windows would overlap into a busy loop (a camera gone wild): the reader waits."""
+    got, st = _stream(make_channel, [0.003] * 40, busy_poll_us=1000)
+    assert len(got) == 40 and st.busy_poll_hits + st.busy_poll_misses == 0, st
+
+
 def test_receive_timeout_holds_when_the_next_message_is_predicted_later(make_channel):
     """A stream that stops: the predicted window lies past the caller's timeout, and
     receive still gives up at the timeout, not at the window."""

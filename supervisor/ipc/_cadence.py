@@ -7,8 +7,8 @@ a fixed period, so the reader can sleep until shortly before the next frame is d
 watch shared memory until it arrives; the writer then skips the wake-up too (the
 reader's awake flag). Linux's SO_BUSY_POLL makes the same trade for sockets.
 
-Cost: at most ``2 * busy_poll_us`` of CPU per message, and none unless the stream is
-regular: the last intervals agree to within the window. The publish stamps it learns
+Cost: at most ``2 * busy_poll_us`` of CPU per message and half of one CPU in all, and
+none unless the stream is regular: the last intervals agree to within the window. The publish stamps it learns
 from are the writer's (a lying writer only moves the window: the message itself is
 still checked in full, and a window missed just means the usual blocking wait).
 """
@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 _SETTLE = 4          # intervals within the window in a row before the first window
 _GAP = 4             # an interval this many periods long: the stream paused; start over
+_DUTY = 4            # never poll more than 2 windows in this many: a stream faster than
+                     # 4 x busy_poll_us (a camera gone wild) is waited for as usual
 
 
 @dataclass
@@ -49,7 +51,8 @@ class Cadence:
 
     def window(self) -> tuple[int, int] | None:
         """[start, stop) of monotonic ns to busy-poll for the next message, or None."""
-        if self.regular < _SETTLE or self.jitter_ns > self.lead_ns:
+        if (self.regular < _SETTLE or self.jitter_ns > self.lead_ns
+                or self.period_ns < _DUTY * self.lead_ns):
             return None
         due = self.last_pub_ns + self.period_ns
         return due - self.lead_ns, due + self.lead_ns
