@@ -348,3 +348,38 @@ def test_receipt_completion_point_is_recognised():
     assert not _completion_queued("hostVisible") and not _completion_queued(1)
     assert _completion_queued("deviceQueued") and _completion_queued(2)
     assert _completion_queued("CompletionPoint.DEVICE_QUEUED")
+
+
+@pytest.mark.parametrize("values", [(0.25, -0.01, 0.8, 0.0), (math.nan, 1.0, 0.9, 0.0),
+                                    (math.inf, -math.inf, 1e-45, 3.4e38), (0.1, 0.2)])
+def test_model_output_of_reads_what_from_array_reads(make_channel, values):
+    """The float32[n] path (msg.tolist) gives the very output the numpy path gives."""
+    ch = make_channel(name="model_out", dtype="float32", slot_size=4096, crc=True)
+    with Writer(ch.writer_handle()) as w, Reader(ch.reader_handle(0)) as r:
+        rc = Receipt(frame_id=9, capture_ts_ns=time.monotonic_ns() - 1000, infer_start_ns=1,
+                     infer_end_ns=2, device="CPU", bytes_in=1, bytes_out=16,
+                     completion="deviceQueued", latency_ns=77)
+        with w.loan() as loan:
+            loan.array((len(values),), np.float32)[:] = values
+            loan.publish(receipt=rc)
+        with r.receive(timeout=2) as msg:
+            got = model_output_of(msg)
+            want = ModelOutput.from_array(msg.array, rc.capture_ts_ns, frame_id=9,
+                                          latency_ns=77, host_visible=False)
+    assert repr(got) == repr(want)          # NaN != NaN: compare the reprs
+
+
+def test_publish_writes_what_encode_writes(make_channel):
+    from schemas.payloads import CONTROL_CMD
+    from workers.controlsd import _publish
+
+    ch = make_channel(name="control_cmd", dtype="float32", slot_size=4096, crc=True)
+    with Writer(ch.writer_handle()) as w, Reader(ch.reader_handle(0)) as r:
+        for cmd in (Command(-0.125, True, SafeReason.OK, 12.5),
+                    Command(0.1, False, SafeReason.FUTURE, 1.8e13)):
+            _publish(w, cmd)
+            with r.receive(timeout=2) as msg:
+                got = msg.array.tobytes()
+            want = CONTROL_CMD.encode(steer_rad=cmd.steer_rad, engaged=float(cmd.engaged),
+                                      reason=float(cmd.reason), model_age_ms=cmd.model_age_ms)
+            assert got == want.tobytes()

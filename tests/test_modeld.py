@@ -238,3 +238,18 @@ def test_modeld_refuses_an_artifact_it_cannot_verify(test_key):  # noqa: F811
               env_extra={"TRIO_WORKER": "modeld", "TRIO_DOMAIN": "control"})
     assert res.returncode == 2
     assert '{"log":"artifact refused: BadSignature' in res.stdout
+
+
+def test_receipt_fields_are_the_named_ones(engine):
+    """_receipt builds the Receipt positionally: every value lands in its named field."""
+    from supervisor.ipc import Receipt
+    from supervisor.model.runtime import RunStats
+
+    st = RunStats(bytes_in=11, bytes_out=16, kernels_run=5, device="CPU")
+    r = engine._receipt(7, 123, 1_000, 3_000, st)
+    assert r == Receipt(frame_id=7, capture_ts_ns=123, infer_start_ns=1_000, infer_end_ns=3_000,
+                        device="CPU", bytes_in=11, bytes_out=16, completion="hostVisible",
+                        latency_ns=2_000, worst_case_ns=engine.worst_case_ns,
+                        deadline_ns=engine.deadline_ns,
+                        deadline_misses=engine.deadline_misses,
+                        artifact_sha256=engine.artifact_sha256, kernels_run=5)

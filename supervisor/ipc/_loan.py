@@ -17,7 +17,7 @@ class Loan:
     """A slot the writer owns until ``publish`` or ``discard``. Fill it through the
     writable arrays it hands out; they must not be used after publish."""
 
-    __slots__ = ("_w", "slot", "_payload", "_desc", "_frame", "_lkey", "_done")
+    __slots__ = ("_w", "slot", "_payload", "_desc", "_frame", "_lkey", "_span", "_done")
 
     def __init__(self, writer: Writer, slot: int) -> None:
         self._w = writer
@@ -26,6 +26,7 @@ class Loan:
         self._desc: tuple | None = None
         self._frame: FrameFormat | None = None
         self._lkey: tuple | None = None      # what the slot's SlotLayout is encoded from
+        self._span: tuple[int, int] | None = None   # tensor_span of _desc (the CRC's bytes)
         self._done = False
 
     @property
@@ -49,13 +50,13 @@ class Loan:
             if made is not None:
                 kept = w._array_views[self.slot].get(key)
                 if kept is not None:
-                    self._desc, self._lkey = made
+                    self._desc, self._lkey, self._span = made
                     return kept.view()
         a = self._array(shape, dtype, strides, offset)
         if key is not None:
             if len(w._array_cache) >= 64:
                 w._array_cache.clear()
-            w._array_cache[key] = (self._desc, self._lkey)
+            w._array_cache[key] = (self._desc, self._lkey, self._span)
             views = w._array_views[self.slot]
             if len(views) >= 8:
                 views.clear()
@@ -75,6 +76,7 @@ class Loan:
         if lo < 0 or hi > self.capacity:
             raise BridgeError(f"tensor spans [{lo}, {hi}), slot holds {self.capacity} bytes")
         self._desc = desc = (dt, shape, tuple(strides), offset)
+        self._span = (lo, hi)
         # A frame() before this array() still describes the slot (as it always has).
         self._lkey = (dt.str, *desc[1:], self._frame)
         return np.ndarray(shape, dt, buffer=self._payload, offset=offset,
@@ -94,8 +96,8 @@ class Loan:
                 w._frame_cache.clear()
             # The layout cache key of a frame is its frame() arguments: hashing those
             # is cheap, hashing the FrameFormat dataclass per message is not.
-            made = w._frame_cache[key] = (fmt, self._desc, ("frame", *key))
-        fmt, self._desc, self._lkey = made
+            made = w._frame_cache[key] = (fmt, self._desc, ("frame", *key), self._span)
+        fmt, self._desc, self._lkey, self._span = made
         self._frame = fmt
         # Fresh views of plane arrays kept per slot and format: numpy builds an array
         # from a buffer slowly, a view of one quickly (same memory, shape and strides).

@@ -3,6 +3,7 @@ read-only zero-copy views of the payload (built only by `reader.Reader`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -12,7 +13,11 @@ from .errors import BridgeError, LeaseLost, Rejected
 from .receipt import Receipt
 
 _gen_of = L.U64.unpack_from
+_compiled_receipt = codec.HEADER.receipt
+_SLOW = codec.SLOW
 UNREAD = object()           # Message._receipt before the first decode
+# map() with these builds FrameInfo's tuples in C (a generator is a frame per plane).
+_row_stride, _plane_offset = attrgetter("row_stride"), attrgetter("offset")
 
 
 @dataclass(frozen=True)
@@ -54,8 +59,13 @@ class Message:
         if r is not UNREAD:
             return r           # decoded before from the same private bytes
         try:
-            r = self._receipt = codec.decode_receipt(self._raw_header, self._reader.spec,
-                                                     self.sequence)
+            # codec.decode_receipt's two steps, without its call: the compiled reading,
+            # else pycapnp's (which decides anything unusual).
+            r = _compiled_receipt(self._raw_header)
+            if r is _SLOW:
+                r = codec.decode_receipt(self._raw_header, self._reader.spec,
+                                         self.stamp.sequence, fast=False)
+            self._receipt = r
         except Rejected as e:
             self._reader._rejected[e.reason] += 1
             raise
@@ -88,25 +98,36 @@ class Message:
     @property
     def array(self) -> np.ndarray:
         """Read-only zero-copy view with the published shape, dtype and strides."""
+        a = self._array
+        if a is None:
+            a = self._array = self._kept_array().view()
+        else:
+            self._kept_array()          # the same seqlock check as the first time
+        return a
+
+    def tolist(self) -> list:
+        """``array.tolist()`` without building the view (one numpy call): the payload
+        as Python values. Like the view, they count only if ``release()`` passes."""
+        return self._kept_array().tolist()
+
+    def _kept_array(self) -> np.ndarray:
+        """The reader's array for this slot and layout, after checking the slot is
+        still ours (LeaseLost if not). ``array`` hands out fresh views of it."""
         r, slot = self._reader, self._slot
         seg = r._seg
         if (self._released or self._lost
                 or (_gen_of(r._buf, r._ctl[slot])[0] if seg is None
                     else seg.load(r._ctl[slot])) != self._gen):   # acquire (R2)
             self.check()
-        a = self._array
-        if a is None:
-            lay = self._layout
-            # A fresh view of an array kept per slot and layout: same memory, shape,
-            # strides and read-only flags, without numpy re-parsing the buffer. The
-            # cache holds the Layout itself, so an identity match is exact.
-            kept = r._views[slot]
-            if kept is None or kept[0] is not lay:
-                kept = r._views[slot] = (lay, np.ndarray(
-                    lay.shape, lay.dtype, buffer=r._payloads[slot], offset=lay.offset,
-                    strides=lay.strides))
-            a = self._array = kept[1].view()
-        return a
+        lay = self._layout
+        # Kept per slot and layout: a view of an array is built much faster than an
+        # array from a buffer. The cache holds the Layout itself: identity is exact.
+        kept = r._views[slot]
+        if kept is None or kept[0] is not lay:
+            kept = r._views[slot] = (lay, np.ndarray(
+                lay.shape, lay.dtype, buffer=r._payloads[slot], offset=lay.offset,
+                strides=lay.strides))
+        return kept[1]
 
     def planes(self) -> tuple[np.ndarray, ...]:
         """Read-only per-plane views of a frame (NV12: Y (h,w), UV (h/2,w/2,2))."""
@@ -132,8 +153,8 @@ class Message:
         if fmt is None:
             return None
         return FrameInfo(s.frame_id, fmt.sensor, fmt.pixel_format, fmt.pixel_range,
-                         fmt.width, fmt.height, tuple(p.row_stride for p in fmt.planes),
-                         tuple(p.offset for p in fmt.planes), s.capture_ts_ns,
+                         fmt.width, fmt.height, tuple(map(_row_stride, fmt.planes)),
+                         tuple(map(_plane_offset, fmt.planes)), s.capture_ts_ns,
                          s.publish_ts_ns, s.exposure_us, s.gain)
 
     def __dlpack__(self, **kw):

@@ -258,8 +258,7 @@ class Writer:
                 self._layout_cache[loan._lkey] = raw_layout
             crc = None
             if spec.crc:
-                dt, shape, strides, offset = loan._desc
-                lo, hi = codec.tensor_span(shape, strides, offset, dt.itemsize)
+                lo, hi = loan._span          # tensor_span of loan._desc, from the loan
                 crc = zlib.crc32(loan._payload[lo:hi])
             seq = self._last_seq + 1
             gen = self._gen[slot] + 1
@@ -312,8 +311,7 @@ class Writer:
         if receipt is None:
             raw_layout = self._layout_cache.get(loan._lkey)
             if raw_layout is not None and self.spec.crc:
-                dt, shape, strides, offset = loan._desc
-                lo, hi = codec.tensor_span(shape, strides, offset, dt.itemsize)
+                lo, hi = loan._span          # tensor_span of loan._desc, from the loan
                 crc = zlib.crc32(loan._payload[lo:hi])
             plan = self._header_plans.get((crc is not None, frame_id is not None))
         if plan is not None and raw_layout is not None and plan.native is not None:

@@ -61,6 +61,16 @@ class SafeReason(IntEnum):
     FAIL_SAFE = 10   # published by the supervisor when the control domain failed safe
 
 
+# The members the law names on every step, as module globals: ``SafeReason.OK`` is a class
+# attribute lookup through the Enum metaclass (several dicts), a global is one lookup.
+_OK, _NO_INPUT, _TIMEOUT, _STALE = (SafeReason.OK, SafeReason.NO_INPUT, SafeReason.TIMEOUT,
+                                    SafeReason.STALE)
+_LOW_CONFIDENCE, _INVALID, _NOT_HOST_VISIBLE, _RECOVERING, _FUTURE = (
+    SafeReason.LOW_CONFIDENCE, SafeReason.INVALID, SafeReason.NOT_HOST_VISIBLE,
+    SafeReason.RECOVERING, SafeReason.FUTURE)
+_isfinite = math.isfinite
+
+
 @dataclass(frozen=True)
 class ModelOutput:
     """One model output, as the law needs it."""
@@ -94,6 +104,15 @@ class ModelOutput:
         # tolist(): Python floats in one call (NaN and inf kept), not three numpy scalars.
         v = flat[:3].astype(np.float64, copy=False).tolist()
         return cls(v[0], v[1], v[2], ts_ns, **kw)
+
+    @classmethod
+    def from_floats(cls, v: list[float], ts_ns: int, frame_id: int | None = None,
+                    latency_ns: int | None = None, host_visible: bool = True) -> ModelOutput:
+        """``from_array`` for values already read out as Python floats (e.g. a float32[n]
+        payload's ``tolist()``: the same floats, without numpy's reshape and cast)."""
+        if len(v) < 3:
+            return cls(math.nan, math.nan, math.nan, ts_ns, frame_id, latency_ns, host_visible)
+        return cls(v[0], v[1], v[2], ts_ns, frame_id, latency_ns, host_visible)
 
 
 @dataclass(frozen=True)
@@ -160,22 +179,23 @@ class ControlLaw:
         """Why ``out`` (received at ``rx_ns``) may not drive the car now, or OK."""
         c = self.cfg
         if out is None or rx_ns is None:
-            return SafeReason.NO_INPUT
+            return _NO_INPUT
         if now_ns - rx_ns > c.timeout_ms * 1e6:
-            return SafeReason.TIMEOUT
+            return _TIMEOUT
         if out.refused is not None:
             return out.refused
-        if not all(math.isfinite(v) for v in (out.offset_m, out.heading_rad, out.confidence)):
-            return SafeReason.INVALID
+        if not (_isfinite(out.offset_m) and _isfinite(out.heading_rad)
+                and _isfinite(out.confidence)):
+            return _INVALID
         if not out.host_visible:
-            return SafeReason.NOT_HOST_VISIBLE
+            return _NOT_HOST_VISIBLE
         if out.ts_ns - now_ns > c.future_tolerance_ms * 1e6:
-            return SafeReason.FUTURE
+            return _FUTURE
         if now_ns - out.ts_ns > c.max_age_ms * 1e6:
-            return SafeReason.STALE
+            return _STALE
         if out.confidence < c.min_confidence:
-            return SafeReason.LOW_CONFIDENCE
-        return SafeReason.OK
+            return _LOW_CONFIDENCE
+        return _OK
 
     def step(self, model_out: ModelOutput | None, now_ns: int, *,
              hold: SafeReason | None = None) -> Command:
@@ -188,9 +208,9 @@ class ControlLaw:
         if model_out is not None:
             self._latest, self._latest_rx_ns = model_out, now_ns
         reason = self.judge(self._latest, self._latest_rx_ns, now_ns)
-        if hold is not None and hold != SafeReason.OK:
+        if hold is not None and hold != _OK:
             reason = hold
-        if reason != SafeReason.OK:
+        if reason != _OK:
             self.engaged = False
             self._streak = 0
         elif not self.engaged:
@@ -199,7 +219,7 @@ class ControlLaw:
             if self._streak >= c.engage_count:
                 self.engaged = True
             else:
-                reason = SafeReason.RECOVERING
+                reason = _RECOVERING
 
         if self.engaged:
             out = self._latest
