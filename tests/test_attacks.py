@@ -72,7 +72,12 @@ ATTACKERS = {
     "c-rt": ("control", "raise_priority", False),      # granted SCHED_FIFO 50 at READY
     "r-rt": ("research", "raise_priority", False),
     "c-rtspin": ("control", "realtime_runaway", False),   # SCHED_FIFO, 10 % budget
+    # red team (real-time): each SCHED_FIFO 50 at READY, 10 % budget like c-rtspin
+    "c-rtpi": ("control", "realtime_pi_boost", False),
+    "c-rthop": ("control", "realtime_hop", False),
+    "c-rtmisc": ("control", "realtime_sched_misc", False),
 }
+REALTIME = ("c-rt", "c-rtspin", "c-rtpi", "c-rthop", "c-rtmisc")
 RT_PRIORITY = 50
 
 
@@ -110,7 +115,7 @@ def _toml(sock_dir: Path) -> str:
         args = ["--read", "frames", "--attack", attack,
                 "--attack-arg", str(sock_dir / "host.sock")] + (["--attack-before-ready"] if before else [])
         jit = "jit_kernels = true" if name == "c-jit" else ""
-        if name in ("c-rt", "c-rtspin"):
+        if name in REALTIME:
             jit = f"realtime_priority = {RT_PRIORITY}\n    realtime_budget_pct = 10"
         parts.append(f"""
     [workers.{name}]
@@ -274,6 +279,56 @@ def test_a_runaway_realtime_worker_is_held_to_its_budget(fleet):
     res = assert_denied(fleet["events"], "c-rtspin")
     assert res["fifo"] and res["share"] < 0.25, res
     print(f"\nrunaway SCHED_FIFO worker, 10 % budget: {res['cpu_s']} s CPU in {res['wall_s']} s")
+
+
+def _rt_grouped(ev: list[dict], worker: str) -> None:
+    grant = _of(ev, worker, "realtime")
+    assert grant, _of(ev, worker)
+    if not grant[0]["bound"].endswith("(cgroup)"):
+        pytest.skip(f"no per-cgroup RT budget here: {grant[0]['bound']}")
+
+
+@pytest.mark.xfail(strict=True, reason="HOLE: priority inheritance escapes the RT budget: a "
+                   "normal thread owning a PI futex the SCHED_FIFO main thread waits on is "
+                   "boosted to its priority, and a boosted rt_rq is never throttled")
+def test_a_realtime_worker_cannot_escape_its_budget_by_priority_inheritance(fleet):
+    """Red team. The main thread (FIFO 50, 10 % budget) blocks in FUTEX_LOCK_PI on a
+    futex its own normal thread holds; that thread, pinned to one CPU, spins 1 s and a
+    normal child pinned to the same CPU measures what is left. Seen: the owner runs at
+    kernel prio 49 (FIFO 50) for 0.95 s of the 1 s and the competitor gets 0.045 s
+    (under a throttled 10 % budget it would get most of the CPU)."""
+    ev = fleet["events"]
+    _rt_grouped(ev, "c-rtpi")
+    res = attack_result(ev, "c-rtpi")
+    print(f"\nPI-boosted owner: {res}")
+    assert_denied(ev, "c-rtpi")
+
+
+@pytest.mark.xfail(strict=True, reason="HOLE: cpu.rt_runtime_us is a per-CPU budget: a FIFO "
+                   "thread that moves itself to the next CPU before its runtime there runs "
+                   "out gets budget_pct of every CPU (N x the promised share)")
+def test_a_realtime_worker_cannot_multiply_its_budget_by_hopping_cpus(fleet):
+    """Red team: the runaway of c-rtspin, but sched_setaffinity to the next CPU after
+    8 ms of CPU time. Seen on 2 CPUs: ~0.18 of a CPU at a 10 % budget (c-rtspin: 0.10)."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one CPU: nowhere to hop")
+    ev = fleet["events"]
+    _rt_grouped(ev, "c-rthop")
+    res = attack_result(ev, "c-rthop")
+    print(f"\nCPU-hopping runaway, 10 % budget: {res}")
+    assert_denied(ev, "c-rthop")
+
+
+def test_a_realtime_worker_has_no_other_door_to_priority(fleet):
+    """Red team: SCHED_DEADLINE, RR for FIFO, sched_setattr without the reset flag,
+    IOPRIO_CLASS_RT, FIFO for a thread or for bwrap's init, RLIMIT_RTPRIO raised: all
+    refused, and the grant is unchanged afterwards."""
+    ev = fleet["events"]
+    res = assert_denied(ev, "c-rtmisc")
+    for k in ("deadline", "setattr_no_reset", "rr", "ioprio_rt", "init_fifo", "thread_fifo"):
+        assert res[k] == "EPERM", (k, res)
+    assert res["after"] == [os.SCHED_FIFO, RT_PRIORITY, True], res
+    print(f"\nuclamp_min=1024 for the FIFO thread: {res['uclamp_min_1024']}")
 
 
 def test_research_cannot_enter_the_realtime_class(fleet):

@@ -566,11 +566,12 @@ def raise_priority(ctx: WorkerContext) -> dict:
     return res
 
 
-def _await_fifo(timeout: float = 5.0) -> bool:
-    """Until the supervisor's SCHED_FIFO grant (made from outside after READY) is in force."""
+def _await_fifo(timeout: float = 5.0, tid: int = 0) -> bool:
+    """Until the supervisor's SCHED_FIFO grant (made from outside after READY) is in
+    force (for thread ``tid``: 0 is the caller)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK == os.SCHED_FIFO:
+        if os.sched_getscheduler(tid) & ~os.SCHED_RESET_ON_FORK == os.SCHED_FIFO:
             return True
         time.sleep(0.02)
     return False
@@ -590,6 +591,236 @@ def realtime_runaway(ctx: WorkerContext) -> dict:
     return res
 
 
+# ---------------------------------------------------------------- red team: real-time
+
+_SYS_FUTEX, _SYS_GETTID, _SYS_SCHED_SETATTR, _SYS_IOPRIO_SET = 202, 186, 314, 251
+_FUTEX_LOCK_PI, _FUTEX_UNLOCK_PI = 6, 7
+
+
+def _spin(seconds: float) -> tuple[float, float]:
+    """(wall, thread CPU) of a busy loop of ``seconds`` of wall time."""
+    t0, c0 = time.monotonic(), time.thread_time()
+    while time.monotonic() - t0 < seconds:
+        pass
+    return time.monotonic() - t0, time.thread_time() - c0
+
+
+def _competitor(cpu: int, end: float) -> tuple[int, int]:
+    """A normal-class child pinned to ``cpu`` spinning until monotonic ``end``: (pid,
+    read fd of its CPU time in ms). What a real-time hog on that CPU leaves to everyone
+    else (a child that never runs before ``end`` reports ~0)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.sched_setaffinity(0, {cpu})
+            c0 = time.thread_time()
+            while time.monotonic() < end:
+                pass
+            os.write(w, str(int((time.thread_time() - c0) * 1000)).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    return pid, r
+
+
+def realtime_pi_boost(ctx: WorkerContext) -> dict:
+    """Escape the RT budget by priority inheritance: a normal thread (SCHED_RESET_ON_FORK
+    made it normal) takes a PI futex, the SCHED_FIFO main thread blocks on it, and the
+    kernel boosts the owner to the main thread's priority. An rt_rq holding a boosted
+    task is never throttled (rt_rq_throttled() ignores rt_throttled while rt_nr_boosted),
+    so the boosted thread spins at real-time priority without any budget. A normal
+    child pinned to the same CPU measures what is left for everyone else."""
+    import threading
+
+    res: dict = {"fifo": _await_fifo()}
+    word = ctypes.c_uint32(0)
+    addr = ctypes.c_void_p(ctypes.addressof(word))
+    locked, out = threading.Event(), {}
+    spin_s = 1.0
+
+    def owner() -> None:
+        tid = _libc.syscall(_SYS_GETTID)
+        out["policy"] = os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK
+        cpu = min(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpu})
+        if _libc.syscall(_SYS_FUTEX, addr, _FUTEX_LOCK_PI, 0, None) != 0:
+            out["lock"] = errno.errorcode.get(ctypes.get_errno(), "?")
+            locked.set()
+            return
+        out["lock"] = "ok"
+        locked.set()
+        time.sleep(0.2)                    # the main thread blocks on it meanwhile
+        try:
+            with open(f"/proc/self/task/{tid}/sched") as f:
+                out["prio"] = next((int(x.split(":")[1]) for x in f if x.startswith("prio ")), None)
+        except OSError as e:
+            out["prio"] = _err(e)
+        pid, rfd = _competitor(cpu, time.monotonic() + spin_s)
+        wall, cpu_s = _spin(spin_s)
+        out.update(wall_s=round(wall, 3), cpu_s=round(cpu_s, 3))
+        _libc.syscall(_SYS_FUTEX, addr, _FUTEX_UNLOCK_PI, 0, None)
+        os.waitpid(pid, 0)
+        out["competitor_cpu_s"] = int(os.read(rfd, 32) or b"-1000") / 1000
+        os.close(rfd)
+
+    t = threading.Thread(target=owner)
+    t.start()
+    locked.wait(5)
+    if out.get("lock") == "ok":
+        rc = _libc.syscall(_SYS_FUTEX, addr, _FUTEX_LOCK_PI, 0, None)
+        res["main_lock"] = "ok" if rc == 0 else errno.errorcode.get(ctypes.get_errno(), "?")
+        if rc == 0:
+            _libc.syscall(_SYS_FUTEX, addr, _FUTEX_UNLOCK_PI, 0, None)
+    t.join()
+    res.update(out)
+    res["share"] = round(out.get("cpu_s", 0) / max(out.get("wall_s", 1), 1e-9), 3)
+    # Held to the 10 % budget (or never boosted into the RT class at all).
+    res["denied"] = res["fifo"] and res["share"] < 0.25
+    return res
+
+
+def realtime_hop(ctx: WorkerContext) -> dict:
+    """Escape the RT budget by hopping CPUs: cpu.rt_runtime_us is granted per CPU, so a
+    SCHED_FIFO thread that moves itself to the next CPU just before its runtime on this
+    one runs out gets the budget once per CPU (nothing needs a privilege: same task)."""
+    res: dict = {"fifo": _await_fifo()}
+    cpus = sorted(os.sched_getaffinity(0))
+    res["cpus"] = len(cpus)
+    i = hops = 0
+    t0, c0 = time.monotonic(), time.thread_time()
+    last = c0
+    while time.monotonic() - t0 < 2.0:
+        c = time.thread_time()
+        if c - last > 0.008:               # 8 of the 10 ms per 100 ms on this CPU
+            i = (i + 1) % len(cpus)
+            os.sched_setaffinity(0, {cpus[i]})
+            last, hops = c, hops + 1
+    wall, cpu = time.monotonic() - t0, time.thread_time() - c0
+    res.update(wall_s=round(wall, 3), cpu_s=round(cpu, 3), share=round(cpu / wall, 3), hops=hops)
+    res["denied"] = res["fifo"] and cpu / wall < 0.14     # 10 % budget and a margin
+    return res
+
+
+class _SchedAttr(ctypes.Structure):
+    _fields_ = [("size", ctypes.c_uint32), ("policy", ctypes.c_uint32),
+                ("flags", ctypes.c_uint64), ("nice", ctypes.c_int32),
+                ("priority", ctypes.c_uint32), ("runtime", ctypes.c_uint64),
+                ("deadline", ctypes.c_uint64), ("period", ctypes.c_uint64),
+                ("util_min", ctypes.c_uint32), ("util_max", ctypes.c_uint32)]
+
+
+def _setattr(tid: int, **kw) -> str:
+    a = _SchedAttr(size=ctypes.sizeof(_SchedAttr), **kw)
+    if _libc.syscall(_SYS_SCHED_SETATTR, tid, ctypes.byref(a), 0) == 0:
+        return "ok"
+    return errno.errorcode.get(ctypes.get_errno(), "?")
+
+
+def realtime_sched_misc(ctx: WorkerContext) -> dict:
+    """Every other door to more CPU or I/O priority for a SCHED_FIFO worker: deadline
+    class, RR instead of FIFO, sched_setattr without the reset flag, real-time I/O
+    priority, a thread or bwrap's init made FIFO, a higher RLIMIT_RTPRIO. uclamp (a
+    frequency hint, not a class) is reported, not judged."""
+    import resource
+    import threading
+
+    res: dict = {"fifo": _await_fifo()}
+    prio = os.sched_getparam(0).sched_priority
+    res["deadline"] = _setattr(0, policy=6, runtime=2_000_000, deadline=10_000_000,
+                               period=10_000_000)
+    res["setattr_no_reset"] = _setattr(0, policy=os.SCHED_FIFO, priority=prio)
+    try:
+        os.sched_setscheduler(0, os.SCHED_RR | os.SCHED_RESET_ON_FORK, os.sched_param(prio))
+        res["rr"] = "ok"
+    except OSError as e:
+        res["rr"] = _err(e)
+    rc = _libc.syscall(_SYS_IOPRIO_SET, 1, 0, (1 << 13) | 0)     # IOPRIO_CLASS_RT, level 0
+    res["ioprio_rt"] = "ok" if rc == 0 else errno.errorcode.get(ctypes.get_errno(), "?")
+    try:
+        os.sched_setscheduler(1, os.SCHED_FIFO, os.sched_param(1))   # bwrap's init
+        res["init_fifo"] = "ok"
+    except OSError as e:
+        res["init_fifo"] = _err(e)
+    tids: list = []
+    stop = threading.Event()
+    th = threading.Thread(target=lambda: (tids.append(_libc.syscall(_SYS_GETTID)), stop.wait(5)))
+    th.start()
+    while not tids:
+        time.sleep(0.001)
+    try:
+        os.sched_setscheduler(tids[0], os.SCHED_FIFO, os.sched_param(1))
+        res["thread_fifo"] = "ok"
+    except OSError as e:
+        res["thread_fifo"] = _err(e)
+    stop.set()
+    th.join()
+    try:
+        resource.setrlimit(resource.RLIMIT_RTPRIO, (99, 99))
+        res["rlimit_rtprio"] = "ok"
+    except (OSError, ValueError) as e:
+        res["rlimit_rtprio"] = _err(e)
+    res["uclamp_min_1024"] = _setattr(0, policy=os.SCHED_FIFO, priority=prio,
+                                      flags=0x01 | 0x08 | 0x10 | 0x20, util_min=1024)
+    res["after"] = [os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK,
+                    os.sched_getparam(0).sched_priority,
+                    bool(os.sched_getscheduler(0) & os.SCHED_RESET_ON_FORK)]
+    judged = ("deadline", "setattr_no_reset", "rr", "ioprio_rt", "init_fifo", "thread_fifo",
+              "rlimit_rtprio")
+    res["denied"] = res["fifo"] and all(res[k] != "ok" for k in judged)
+    return res
+
+
+def realtime_pid_wrap(ctx: WorkerContext) -> dict:
+    """Choose who gets the supervisor's SCHED_FIFO grant. The supervisor takes 'the
+    second descendant of bwrap' (Supervisor._worker_pid: descendant_pids() lists bwrap
+    init's children in /proc order, i.e. by host pid). Before READY: churn threads
+    (each takes a host pid) until the host's pid counter wraps (pid_max is small on many
+    machines: 32768 here), leaving a double-forked orphan (reparented to bwrap's init)
+    every few thousand pids; after the wrap an orphan has a host pid below ours and is
+    listed first. Each orphan reports if it was made real-time; we report our own class."""
+    import threading
+
+    n = int(ARG or "40000")            # thread churn: pid_max + a margin
+    every = max(n // 12, 1)
+    r, w = os.pipe()
+    orphans = 0
+    for i in range(n):
+        if i % every == every // 2:
+            pid = os.fork()
+            if pid == 0:                      # the middle child: exits, orphaning the next
+                if os.fork() == 0:
+                    os.close(r)
+                    end = time.monotonic() + 30
+                    while time.monotonic() < end:
+                        if os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK == os.SCHED_FIFO:
+                            os.write(w, b"F")
+                            _spin(0.05)            # and a little RT work to show it
+                            break
+                        time.sleep(0.02)
+                os._exit(0)
+            os.waitpid(pid, 0)
+            orphans += 1
+        t = threading.Thread(target=int)
+        t.start()
+        t.join()
+    os.close(w)
+    res: dict = {"threads": n, "orphans": orphans}
+    # READY happens when we return (attack before READY); the grant follows it. Report
+    # from a thread so that the main thread goes on to READY.
+    def report() -> None:
+        import select
+        main_fifo = _await_fifo(5.0, os.getpid())   # the main thread's class
+        got = select.select([r], [], [], 0.5)[0] and os.read(r, 64)
+        res.update(main_fifo=main_fifo, orphan_fifo=bool(got))
+        res["denied"] = main_fifo and not got
+        import json
+        print("ATTACK " + json.dumps({"attack": "realtime_pid_wrap_result", **res}), flush=True)
+    threading.Thread(target=report, daemon=True).start()
+    res["denied"] = None
+    return res
+
+
 ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
     f.__name__: f for f in (
         core_pattern, sysrq, proc_self_mem, reopen_rw, acl_then_reopen, fchmod_channel,
@@ -598,5 +829,6 @@ ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
         status_flood, long_line, nested_log, modify_ldt, mremap_exec, own_listener,
         wake_abuse, status_churn, status_escape, shared_description, patch_library,
         raise_cpu_weight, raise_priority, realtime_runaway,
+        realtime_pi_boost, realtime_hop, realtime_sched_misc, realtime_pid_wrap,
     )
 }
