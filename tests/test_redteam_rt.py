@@ -6,7 +6,8 @@ fleet, tests/test_attacks.py: c-rtpi, c-rthop, c-rtmisc).
 * real-time control workers (supervisor/lifecycle/_realtime.py): who the supervisor's
   SCHED_FIFO grant lands on (Supervisor._worker_pid), and a grant at restart.
 
-Holes are strict xfails: the test states the property the feature promises.
+Each test states the property the feature promises; all four holes found were closed
+(a busy-poll window spun up to 1 ms early; the grant could land on an orphan).
 """
 from __future__ import annotations
 
@@ -28,12 +29,6 @@ from supervisor.ipc import ChannelTimeout, Reader, Writer
 # ---------------------------------------------------------------- busy-polling readers
 
 
-@pytest.mark.xfail(strict=True, reason="HOLE: Reader._busy_poll sleeps only whole "
-                   "milliseconds before the window ((start - now) // 1_000_000) and spins "
-                   "from now when less than 1 ms is left, so a reader spins up to 1 ms "
-                   "before its window opens: up to 2 x busy_poll_us + 1 ms a message, i.e. "
-                   "~100 % of a CPU at busy_poll_us=250 and ~75 % at the default 1000 on a "
-                   "stream at the 4x duty limit, not 'half of one CPU'")
 @pytest.mark.parametrize("lead_us", [250, 1000])
 def test_a_busy_poll_window_costs_at_most_twice_busy_poll_us(make_channel, lead_us):
     """The promise (_cadence docstring): at most 2 x busy_poll_us of CPU a message.
@@ -151,13 +146,13 @@ _BASE = """
 """
 
 
-@pytest.mark.xfail(strict=True, reason="HOLE: Supervisor._worker_pid takes the first child of "
-                   "bwrap's init in host-pid order; a worker that wraps the host pid counter "
-                   "(threads take pids; pid_max 32768 here) leaves an orphan that sorts first, "
-                   "and the SCHED_FIFO grant (and the READY exec snapshot, the audit's "
-                   "read-back and SIGTERM) goes to the orphan, not the worker's main thread")
 @pytest.mark.parametrize("_", [0], ids=["pid-wrap"])
 def test_the_realtime_grant_goes_to_the_workers_main_thread(tmp_path, _):
+    """Red team (was a hole): before READY the worker churns the host pid counter past
+    pid_max with threads and leaves double-forked orphans with bwrap's init, one of which
+    then has a lower host pid than the worker; the grant (and the READY snapshot, the
+    audit, SIGTERM) went to the first child in host-pid order. Now to pid 2 of the
+    sandbox's pid namespace, which only the worker can be."""
     for m in needs_sandbox:
         if m.name == "skipif" and m.args[0]:
             pytest.skip(m.kwargs["reason"])

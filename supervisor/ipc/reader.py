@@ -429,8 +429,11 @@ class Reader:
             stop = min(stop, end_ns)
         if now >= stop:
             return None
-        if now < start and (start - now) // 1_000_000 > 0:
-            msg = self._block((start - now) // 1_000_000)
+        if now < start:
+            # Rounded up (poll counts whole ms): never spin before the window opens (red
+            # team: rounding down cost up to 1 ms more than 2 x busy_poll_us). A message
+            # that comes while we sleep past the start still wakes us.
+            msg = self._block(-(-(start - now) // 1_000_000))
             if msg is not None:
                 return msg
         try_receive = self.try_receive

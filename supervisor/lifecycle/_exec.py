@@ -42,6 +42,8 @@ class _ExecWindow:
         from supervisor.admission import maps
 
         pid = self._worker_pid(run)
+        if self.sandboxed and pid == run.pid:
+            return              # no worker in the sandbox any more: its exit is reported
         try:
             snap = await trio.to_thread.run_sync(maps.exec_snapshot, pid)
         except (maps.ProcessGone, OSError):   # gone between READY and now: its exit is reported

@@ -49,6 +49,8 @@ class _Realtime:
                 run.cgroup.grant_rt(rt.runtime_us, RT_PERIOD_US)
                 bound = f"{rt.budget_pct} % of a CPU per {RT_PERIOD_US // 1000} ms (cgroup)"
             pid = self._worker_pid(run)
+            if self.sandboxed and pid == run.pid:
+                raise RealtimeUnavailable("no worker process in the sandbox")
             make_fifo(pid, rt.priority, lambda: pid == self._worker_pid(run))
         except (RealtimeUnavailable, OSError) as e:
             self.log.emit("realtime_unavailable", worker=name, reason=str(e))

@@ -241,12 +241,10 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
         if sig == signal.SIGKILL or not self.sandboxed:
             run.proc.send_signal(sig)
             return
-        targets = self.worker_pids(run)[1:2] or [run.pid]   # [bwrap's init, the worker]
-        for pid in targets:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+        try:
+            os.kill(self._worker_pid(run), sig)     # bwrap itself when there is no worker
+        except ProcessLookupError:
+            pass
 
     async def _wait_exit(self, run: WorkerRun) -> int:
         pidfd = os.pidfd_open(run.pid)
@@ -402,9 +400,15 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
             self._close_run_fds(run)
 
     def _worker_pid(self, run: WorkerRun) -> int:
-        """Host pid of the worker itself (in a sandbox: after bwrap's init)."""
+        """Host pid of the worker itself (in a sandbox: pid 2 of its pid namespace, see
+        sandbox_main_pid); ``run.pid`` (bwrap) when there is none (yet, or any more)."""
         pids = self.worker_pids(run)
-        return pids[1] if self.sandboxed and len(pids) > 1 else (pids[0] if pids else run.pid)
+        if not self.sandboxed:
+            return pids[0] if pids else run.pid
+        from supervisor.sandbox import sandbox_main_pid
+
+        found = sandbox_main_pid(pids)
+        return run.pid if found is None else found
 
     def _exit_cause(self, run: WorkerRun, code: int) -> tuple[str | None, str]:
         """(signal name, cause) of an exit. bwrap reports a child killed by signal N

@@ -5,7 +5,8 @@ the in-sandbox probe and the supervisor import this without it.
 """
 
 from .bwrap import build_bwrap_argv, bwrap_path, bwrap_supports, compiler_masks
-from .launch import LaunchSpec, descendant_pids, on_stable_thread, prepare, run, spawn
+from .launch import (LaunchSpec, descendant_pids, on_stable_thread, prepare, run,
+                     sandbox_main_pid, spawn)
 from .policy import CONTROL, RESEARCH, SandboxPolicy, policy_for_domain
 from .seccomp import SeccompUnavailableError, lock_down
 
@@ -19,7 +20,7 @@ __all__ = [
     "bwrap_path",
     "bwrap_supports",
     "compiler_masks",
-    "descendant_pids",
+    "descendant_pids", "sandbox_main_pid",
     "lock_down",
     "on_stable_thread",
     "policy_for_domain",

@@ -244,6 +244,25 @@ def run(
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
+def sandbox_main_pid(pids: list[int]) -> int | None:
+    """Which of a sandbox's host ``pids`` (descendant_pids of its bwrap) is the worker:
+    the one that is pid 2 in the sandbox's pid namespace (bwrap's init is 1 and forks
+    the worker first). Not by host pid order: a worker that wraps the host pid counter
+    can leave an orphan with a lower host pid than its own (red team), and no one else
+    can be pid 2 in there while the worker lives."""
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/status", "rb") as f:
+                for line in f:
+                    if line.startswith(b"NSpid:"):
+                        if line.split()[-1] == b"2" and len(line.split()) > 2:
+                            return p
+                        break
+        except OSError:
+            continue
+    return None
+
+
 def descendant_pids(pid: int) -> list[int]:
     """Host pids of all descendants of `pid` (bwrap's init, the worker, ...)."""
     children: dict[int, list[int]] = {}

@@ -100,6 +100,11 @@ _CLONE_NS_FLAGS = (
     0x20000000,  # CLONE_NEWPID
     0x40000000,  # CLONE_NEWNET
 )
+# futex(2) ops that take a priority-inheriting lock (FUTEX_CMD_MASK drops the
+# private and clock flags): LOCK_PI, UNLOCK_PI, TRYLOCK_PI, WAIT_REQUEUE_PI,
+# CMP_REQUEUE_PI, LOCK_PI2.
+_FUTEX_CMD_MASK = 0x7F
+_FUTEX_PI_OPS = (6, 7, 8, 11, 12, 13)
 _PERSONALITY_QUERY = 0xFFFFFFFF  # personality(0xffffffff) only reads the persona
 _SHM_EXEC = 0o100000
 _SOCK_TYPE_MASK = 0xF
@@ -188,6 +193,14 @@ def build_filter(domain: str, *, stage: str, network: bool = False) -> Any:
         # mappings executable behind the exec watch. Compared on all 64 bits:
         # glibc passes the query as 0xffffffff.
         _add(sc, flt, kill, "personality", sc.Arg(0, sc.NE, _PERSONALITY_QUERY))
+        # What would stretch a real-time worker's RT budget (sandbox/sched.py; red
+        # team): a PI futex lends the SCHED_FIFO thread's priority to a normal thread,
+        # and a boosted task is never throttled (0.95 of a CPU at a 10 % budget); the
+        # budget is per CPU, so a thread moving itself from CPU to CPU multiplies it
+        # (0.185 at 10 % on 2 CPUs). Nothing we run takes PI locks or sets affinity.
+        for op in _FUTEX_PI_OPS:
+            _add(sc, flt, kill, "futex", sc.Arg(1, sc.MASKED_EQ, _FUTEX_CMD_MASK, op))
+        _add(sc, flt, kill, "sched_setaffinity")
         # SysV shm attached executable = new executable memory without PROT_EXEC.
         _add(sc, flt, kill, "shmat", sc.Arg(2, sc.MASKED_EQ, _SHM_EXEC, _SHM_EXEC))
         # An unconnected AF_UNIX datagram socket can sendto any socket path it

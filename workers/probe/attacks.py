@@ -642,13 +642,15 @@ def realtime_pi_boost(ctx: WorkerContext) -> dict:
     def owner() -> None:
         tid = _libc.syscall(_SYS_GETTID)
         out["policy"] = os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK
-        cpu = min(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cpu})
+        # The lock first: the PI futex itself is what must be refused (affinity is
+        # refused too, see realtime_hop, and would end the attack before it).
         if _libc.syscall(_SYS_FUTEX, addr, _FUTEX_LOCK_PI, 0, None) != 0:
             out["lock"] = errno.errorcode.get(ctypes.get_errno(), "?")
             locked.set()
             return
         out["lock"] = "ok"
+        cpu = min(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpu})
         locked.set()
         time.sleep(0.2)                    # the main thread blocks on it meanwhile
         try:
