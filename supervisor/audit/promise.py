@@ -93,7 +93,8 @@ def seccomp_promise(profile: str, network: bool, *, at_launch: bool = True,
     if is_strict:
         kill = [*sc.BASE_DENY, clone_ns, *sc.FILE_META_DENY, *sc.STRICT_DENY,
                 "personality(other than query)", "shmat(SHM_EXEC)",
-                "socket(AF_UNIX, SOCK_DGRAM)", "socketpair(SOCK_DGRAM)"]
+                "socket(AF_UNIX, SOCK_DGRAM)", "socketpair(SOCK_DGRAM)",
+                "futex(PI ops)", "sched_setaffinity"]
         if not network:
             kill += ["socket(other than AF_UNIX)", "connect", "sendto(with address)"]
         eperm: list[str] = []
