@@ -59,7 +59,8 @@ CLEAN = textwrap.dedent("""
            args=["--publish", "frames", "--period-ms", "20", "--ping-ms", "20"],
            extra='memory_max = "256MiB"\n    pids_max = 32\n    cpu_quota = 50')
     + _probe("sink", "control", subscribes=["frames"], args=["--read", "frames"],
-             extra="nofile = 256\n    realtime_priority = 20\n    realtime_budget_pct = 5")
+             extra="nofile = 256\n    realtime_priority = 20\n    realtime_budget_pct = 5"
+                   "\n    warm_standby = true")   # a standby is normal class until READY
     + _probe("lab", "research", subscribes=["frames"], args=["--read", "frames"]))
 
 
@@ -233,6 +234,7 @@ def test_live_audit_of_a_clean_system(tmp_path):
     assert (sch["policy"], sch["priority"], sch["reset_on_fork"]) == ("fifo", 20, True)
     assert sch["rt_budget_pct"] in (5, None)         # None: no per-cgroup RT budget (v2)
     assert rows["src"]["scheduling"]["policy"] == rows["lab"]["scheduling"]["policy"] == "other"
+    assert rows["sink"]["standby"]["scheduling"]["policy"] == "other"
 
 
 BROKEN = CLEAN + textwrap.dedent(

@@ -4,6 +4,7 @@ is delivered (every message, in order, every check) nor how long receive may blo
 from __future__ import annotations
 
 import multiprocessing
+import os
 import random
 import time
 
@@ -79,14 +80,42 @@ def test_receive_timeout_holds_when_the_next_message_is_predicted_later(make_cha
     w = Writer(ch.writer_handle(), domain="control")
     r = Reader(ch.reader_handle(0), busy_poll_us=20_000)
     for i in range(8):                       # a 100 ms period, learned
+        if i:
+            time.sleep(0.1)
         w.publish_array(np.full(16, i, np.uint8))
         with r.receive(timeout=1) as m:
             assert m.array[0] == i
-        time.sleep(0.1)
+    assert r._cadence.window()[0] > time.monotonic_ns() + 30_000_000   # past the timeout
     t0 = time.monotonic()
     with pytest.raises(ChannelTimeout):
         r.receive(timeout=0.03)
     assert time.monotonic() - t0 < 0.08
+
+
+def test_a_wake_up_without_a_message_does_not_start_the_spin_early(make_channel):
+    """The writer holds the other end of the wake-up socket: a byte without a message
+    before the window opens only means sleeping on (review: it used to start the spin
+    there, 180 ms of CPU in a 200 ms period). Period learned white-box, as a regular
+    writer leaves it; the next message never comes."""
+    import threading
+
+    ch = make_channel(slot_count=8, max_readers=1)
+    wh = ch.writer_handle()
+    w = Writer(wh, domain="control")
+    r = Reader(ch.reader_handle(0), busy_poll_us=1000)
+    w.publish_array(np.zeros(16, np.uint8))
+    m = r.receive(timeout=1)
+    cad = r._cadence
+    cad.period_ns, cad.jitter_ns, cad.regular = 200_000_000, 0, 8
+    cad.last_pub_ns = m.stamp.publish_ts_ns
+    m.release()
+    threading.Timer(0.02, os.write, (wh.event_fds[0], b"x")).start()
+    c0 = time.thread_time()
+    with pytest.raises(ChannelTimeout):
+        r.receive(timeout=0.25)
+    cpu_ms = (time.thread_time() - c0) * 1000
+    assert cpu_ms < 2 * 1.0 + 3, f"{cpu_ms:.1f} ms of CPU for one window of 2 ms"
+    assert cad.misses == 1
 
 
 def test_cadence_learns_a_period_and_starts_over_after_a_pause():

@@ -169,7 +169,10 @@ def audit(cfg: Config, *, live: bool = False, factory: Callable[[Config, Any], A
                 diffs += lv.differences(p, seen, e)
             if got["outcome"] == "started" and e and e.get("standby"):
                 # its warm standby: the same sandbox, but no channel until it takes over
-                p_sb = dict(p, channels={"writes": [], "reads": []})
+                # and the normal class: a real-time grant comes at its READY too
+                p_sb = dict(p, channels={"writes": [], "reads": []},
+                            scheduling=dict(p["scheduling"], policy="other", priority=0,
+                                            reset_on_fork=False, rt_budget_pct=None))
                 e_sb = e["standby"]
                 seen_sb = lv.observed_row(p_sb, e_sb, got.get("host", {}), [],
                                           got.get("inherited_seccomp_filters", 0))

@@ -429,13 +429,18 @@ class Reader:
             stop = min(stop, end_ns)
         if now >= stop:
             return None
-        if now < start:
+        while now < start:
             # Rounded up (poll counts whole ms): never spin before the window opens (red
             # team: rounding down cost up to 1 ms more than 2 x busy_poll_us). A message
-            # that comes while we sleep past the start still wakes us.
+            # that comes while we sleep past the start still wakes us; a wake-up byte
+            # without one (the writer holds the socket's other end) only means sleeping
+            # on (review: spinning from there cost 180 ms of CPU in a 200 ms period).
+            if self._undrained:
+                self._drain()
             msg = self._block(-(-(start - now) // 1_000_000))
             if msg is not None:
                 return msg
+            now = _now()
         try_receive = self.try_receive
         while _now() < stop:
             msg = try_receive()
