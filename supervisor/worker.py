@@ -27,8 +27,11 @@ LOG_KEY = "log"
 
 
 def _busy_poll_of(env) -> int:
+    from supervisor.ipc._cadence import MAX_BUSY_POLL_US
+
     text = env.get(ENV_BUSY_POLL, "0")
-    return int(text) if text.isdigit() and int(text) <= 100_000 else 0
+    ok = text.isascii() and text.isdigit() and int(text) <= MAX_BUSY_POLL_US
+    return int(text) if ok else 0
 
 
 def _model_of(env) -> dict | None:

@@ -3,7 +3,9 @@ unit, and the kernel side. The attacks on it (raise it, pass it on, run away wit
 research entering it) run from inside real sandboxes in tests/test_attacks.py."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -101,3 +103,64 @@ def test_make_fifo_refuses_a_pid_that_is_no_longer_the_worker():
         child.wait()
     with pytest.raises(RealtimeUnavailable, match="gone"):
         make_fifo(child.pid, 10, lambda: True)
+
+
+RT_FLEET = """
+[domains.control]
+failure_policy = "restart"
+actuates = true
+[channels.x]
+slot_size = "4KiB"
+dtype = "uint8"
+max_readers = 3
+""" + "".join(f"""
+[workers.{name}]
+domain = "control"
+module = "workers.probe"
+{'publishes' if name == 'a' else 'subscribes'} = ["x"]
+args = [{'"--publish", "x", "--period-ms", "20"' if name == 'a' else '"--read", "x"'}]
+realtime_priority = {40 + i}
+realtime_budget_pct = 10
+""" for i, name in enumerate(("a", "b", "c")))
+
+
+@pytest.mark.sandbox
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("bwrap") is None,
+                    reason="needs root and bubblewrap")
+def test_without_per_cgroup_budgets_one_cpu_stays_outside_the_realtime_class(monkeypatch):
+    """Where nothing bounds a runaway but the kernel's global 95 % (cgroup v2, or no RT
+    groups), real-time workers never hold every CPU: on N CPUs at most N - 1 are granted,
+    the others run on in the normal class with an event saying why (review)."""
+    import io
+
+    import trio
+
+    from supervisor.events import EventLog
+    from supervisor.lifecycle import Supervisor
+    from supervisor.sandbox.cgroups import CgroupTree
+
+    from supervisor.sandbox import sched
+
+    # This kernel has RT groups (v1), where a cgroup without RT runtime refuses
+    # SCHED_FIFO: the machine without them is stood in for, the kernel call recorded.
+    monkeypatch.setattr(CgroupTree, "reserve_rt", lambda self, *a: False)   # as on v2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})        # two CPUs
+    monkeypatch.setattr(sched, "make_fifo", lambda pid, prio, still_ours: None)
+    out = io.StringIO()
+
+    async def main() -> None:
+        sup = Supervisor(loads(RT_FLEET, "rt.toml"), log=EventLog(stream=out))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sup.run)
+            with trio.fail_after(30):
+                while out.getvalue().count('"realtime') < 3:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    ev = [json.loads(x) for x in out.getvalue().splitlines() if x.startswith("{")]
+    granted = [e for e in ev if e["event"] == "realtime"]
+    refused = [e for e in ev if e["event"] == "realtime_unavailable"]
+    assert len(granted) == 1 and granted[0]["bound"].startswith("global"), granted
+    assert len(refused) == 2 and all("one CPU always stays outside" in e["reason"]
+                                     for e in refused), refused

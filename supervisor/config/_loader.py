@@ -11,8 +11,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
 
+from supervisor.ipc._cadence import MAX_BUSY_POLL_US
 from supervisor.ipc.errors import ConfigError
 from supervisor.ipc.spec import DTYPES, KINDS, PIXEL_FORMATS, ChannelSpec
+from supervisor.sandbox.sched import MAX_BUDGET_PCT, MAX_PRIORITY
 
 from . import _rules
 from ._model import (CONTROL, DEFAULT_SOURCE, MIN_WORKER_MEMORY, PROFILE_DEFAULTS, PROFILES,
@@ -92,9 +94,9 @@ _WORKER_KEYS: dict[str, Callable[[Any], Any]] = {
     "memory_max": _size(1 << 20, 1 << 50),
     "cpu_quota": _percent,
     "cpu_weight": _int(1, 10000),
-    "realtime_priority": _int(1, 98),
-    "realtime_budget_pct": _int(1, 90),
-    "busy_poll_us": _int(0, 100_000),
+    "realtime_priority": _int(1, MAX_PRIORITY),
+    "realtime_budget_pct": _int(1, MAX_BUDGET_PCT),
+    "busy_poll_us": _int(0, MAX_BUSY_POLL_US),
     "pids_max": _int(8, 1 << 22),
     "jit_kernels": _bool,
     "nofile": _int(16, 1 << 20),

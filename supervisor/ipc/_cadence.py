@@ -7,7 +7,8 @@ a fixed period, so the reader can sleep until shortly before the next frame is d
 watch shared memory until it arrives; the writer then skips the wake-up too (the
 reader's awake flag). Linux's SO_BUSY_POLL makes the same trade for sockets.
 
-Cost: at most ``2 * busy_poll_us`` of CPU per message and half of one CPU in all, and
+Cost: at most ``2 * busy_poll_us`` of CPU per message and about half of one CPU in all
+(the windows, plus the calls around them), and
 none unless the stream is regular: the last intervals agree to within the window. The publish stamps it learns
 from are the writer's (a lying writer only moves the window: the message itself is
 still checked in full, and a window missed just means the usual blocking wait).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_BUSY_POLL_US = 100_000   # a window of 0.2 s: anything longer is not busy-polling
 _SETTLE = 4          # intervals within the window in a row before the first window
 _GAP = 4             # an interval this many periods long: the stream paused; start over
 _DUTY = 4            # never poll more than 2 windows in this many: a stream faster than

@@ -43,7 +43,10 @@ class _ExecWindow:
 
         pid = self._worker_pid(run)
         if self.sandboxed and pid == run.pid:
-            return              # no worker in the sandbox any more: its exit is reported
+            # Gone (its exit is reported too), or this /proc shows no NSpid to find it by.
+            self._refuse(run, "protocol", "READY, but no worker process (pid 2 of the "
+                         "sandbox's pid namespace) to check")
+            return
         try:
             snap = await trio.to_thread.run_sync(maps.exec_snapshot, pid)
         except (maps.ProcessGone, OSError):   # gone between READY and now: its exit is reported

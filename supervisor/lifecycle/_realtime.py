@@ -2,6 +2,8 @@
 side and the why are in supervisor/sandbox/sched.py)."""
 from __future__ import annotations
 
+import os
+
 from ._run import WorkerRun
 
 
@@ -31,7 +33,9 @@ class _Realtime:
         # The parent cgroup has less RT bandwidth than that: each grant fails below,
         # and each worker runs in the normal class with an event saying why.
         self.log.emit("realtime_unavailable", worker=None,
-                      reason=f"reserving {sum(budgets)} % of a CPU for RT workers: {err}")
+                      reason=f"reserving {sum(budgets)} % of a CPU for RT workers: {err} "
+                             "(the supervisor's own cgroup has less RT runtime: give it "
+                             "cpu.rt_runtime_us, or run the workers in the normal class)")
         self.rt_grouped = True          # the leaves have RT files: SCHED_FIFO needs them
 
     def _make_realtime(self, run: WorkerRun) -> None:
@@ -45,9 +49,24 @@ class _Realtime:
         name = run.cfg.name
         bound = "global sched_rt_runtime_us only (no RT group scheduling)"
         try:
+            if not self.sandboxed:
+                # Its own rlimits and capabilities would be the supervisor's.
+                raise RealtimeUnavailable("not sandboxed: the worker could raise it itself")
             if self.rt_grouped and run.cgroup is not None:
                 run.cgroup.grant_rt(rt.runtime_us, RT_PERIOD_US)
                 bound = f"{rt.budget_pct} % of a CPU per {RT_PERIOD_US // 1000} ms (cgroup)"
+            else:
+                # Nothing bounds a runaway but the kernel's 95 % of each CPU: one CPU at
+                # least stays outside the real-time class, the supervisor's included.
+                cpus = len(os.sched_getaffinity(0))
+                held = [r.cfg.name for r in self.runs.values()
+                        if r is not run and r.realtime_pid and r.proc is not None
+                        and r.proc.poll() is None]
+                if len(held) + 1 >= cpus:
+                    raise RealtimeUnavailable(
+                        f"no per-cgroup RT budget here and {len(held)} real-time worker(s) "
+                        f"({', '.join(held) or 'none'}) on {cpus} CPU(s): one CPU always "
+                        "stays outside the real-time class")
             pid = self._worker_pid(run)
             if self.sandboxed and pid == run.pid:
                 raise RealtimeUnavailable("no worker process in the sandbox")

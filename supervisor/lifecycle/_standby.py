@@ -79,7 +79,7 @@ class _WarmStandby:
             setattr(run, f, getattr(sb, f))
         run.started_ns = run.last_ping_ns = time.monotonic_ns()
         run.ready_ns, run.ready, run.ready_claimed = 0, trio.Event(), False
-        run.exec_snapshot, run.kill_reason = None, ""
+        run.exec_snapshot, run.kill_reason, run.realtime_pid = None, "", 0
         self.log.emit("standby_adopted", worker=run.cfg.name, pid=run.pid,
                       waited_ms=round((run.started_ns - sb.started_ns) / 1e6, 1))
         return True

@@ -219,6 +219,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
         run.pid = run.proc.pid
         run.started_ns = run.last_ping_ns = time.monotonic_ns()
         run.ready_ns = 0            # per run: backoff resets only after a run that was ready
+        run.realtime_pid = 0        # granted again at this run's READY
         run.ready = trio.Event()
         self.log.emit("standby_start" if run.is_standby else "start", worker=w.name,
                       domain=w.domain, pid=run.pid, sandboxed=self.sandboxed)

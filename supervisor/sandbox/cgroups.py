@@ -96,6 +96,16 @@ def _write(path: str, text: str) -> None:
         os.close(fd)
 
 
+def _set_rt(cpu_dir: str | None, runtime_us: int, period_us: int) -> bool:
+    """RT bandwidth of a v1 cpu cgroup; False where there is no such file (v2, or a
+    kernel without RT group scheduling)."""
+    if cpu_dir is None or not os.path.exists(f"{cpu_dir}/cpu.rt_runtime_us"):
+        return False
+    _write(f"{cpu_dir}/cpu.rt_period_us", str(period_us))
+    _write(f"{cpu_dir}/cpu.rt_runtime_us", str(runtime_us))
+    return True
+
+
 def _procs(directory: str) -> list[int]:
     try:
         return [int(x) for x in _read(os.path.join(directory, "cgroup.procs")).split()]
@@ -346,11 +356,7 @@ class WorkerCgroup:
         kernel without RT groups): only the global sched_rt_runtime_us bounds it there."""
         self._require_current()
         cpu = self._dirs.get("cpu") if "cpu" in self._controllers else None
-        if self.version != 1 or cpu is None or not os.path.exists(f"{cpu}/cpu.rt_runtime_us"):
-            return False
-        _write(f"{cpu}/cpu.rt_period_us", str(period_us))
-        _write(f"{cpu}/cpu.rt_runtime_us", str(runtime_us))
-        return True
+        return _set_rt(cpu if self.version == 1 else None, runtime_us, period_us)
 
     def in_force(self) -> dict[str, object]:
         """Limits as the kernel reports them (not as requested), plus the raw files."""
@@ -549,11 +555,7 @@ class CgroupTree:
         """RT bandwidth for the leaves below (v1 RT groups: a child's budget must fit
         in its parent's). False where the kernel has no RT groups (see grant_rt)."""
         cpu = self._bases.get("cpu") if "cpu" in self._controllers else None
-        if self.version != 1 or cpu is None or not os.path.exists(f"{cpu}/cpu.rt_runtime_us"):
-            return False
-        _write(f"{cpu}/cpu.rt_period_us", str(period_us))
-        _write(f"{cpu}/cpu.rt_runtime_us", str(runtime_us))
-        return True
+        return _set_rt(cpu if self.version == 1 else None, runtime_us, period_us)
 
     def close(self) -> None:
         """Kill every process left in the leaves, remove leaves and base. Idempotent.

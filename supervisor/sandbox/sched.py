@@ -26,6 +26,7 @@ from dataclasses import dataclass
 RT_PERIOD_US = 100_000
 # 99 is the kernel's own (watchdog, migration threads): never above it.
 MAX_PRIORITY = 98
+MAX_BUDGET_PCT = 90      # of a CPU: the kernel keeps 5 % of each out of RT reach itself
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,9 @@ class Realtime:
     def __post_init__(self) -> None:
         if type(self.priority) is not int or not 1 <= self.priority <= MAX_PRIORITY:
             raise ValueError(f"realtime priority must be 1..{MAX_PRIORITY}, got {self.priority!r}")
-        if type(self.budget_pct) is not int or not 1 <= self.budget_pct <= 90:
-            raise ValueError(f"realtime budget must be 1..90 %, got {self.budget_pct!r}")
+        if type(self.budget_pct) is not int or not 1 <= self.budget_pct <= MAX_BUDGET_PCT:
+            raise ValueError(f"realtime budget must be 1..{MAX_BUDGET_PCT} %, "
+                             f"got {self.budget_pct!r}")
 
     @property
     def runtime_us(self) -> int:
@@ -64,8 +66,8 @@ def make_fifo(pid: int, priority: int, still_ours: Callable[[], bool]) -> None:
                                   os.sched_param(priority))
         except PermissionError:
             raise RealtimeUnavailable(
-                "sched_setscheduler: EPERM (no CAP_SYS_NICE, or no RT runtime in the "
-                "worker's cgroup: RT group scheduling under cgroup v2)") from None
+                "sched_setscheduler: EPERM (the supervisor has no CAP_SYS_NICE, or the "
+                "worker's cgroup has no RT runtime)") from None
         except ProcessLookupError:
             raise RealtimeUnavailable(f"pid {pid} is gone") from None
         # Dead before the set (a pid number is freed at reap, even with a pidfd open):

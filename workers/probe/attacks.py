@@ -649,6 +649,8 @@ def realtime_pi_boost(ctx: WorkerContext) -> dict:
             locked.set()
             return
         out["lock"] = "ok"
+        # Evidence that the lock itself went through, before the next refused call.
+        print("ATTACK-STEP lock_pi ok", flush=True)
         cpu = min(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cpu})
         locked.set()
