@@ -24,27 +24,10 @@ class _ReceiptReading:
     def receipt(self, raw: bytes):
         """The Receipt in an encoded SlotHeader, None if it has none, or ``SLOW`` when
         only pycapnp may answer (unusual layout, bad bytes, anything not plain)."""
-        # The steps of `receipt_capture`, spelt out again for the same reason (a call
-        # and a tuple less per decode).
-        c = self._rcompiled.get(raw[:16])
-        if c is None:
-            c = self._rcompile_root(raw)
-            if c is None:
-                return SLOW
-        end, rpos, subs = c
-        if len(raw) < end or len(raw) & 7:
-            return SLOW
-        if rpos < 0:
-            return None
-        rw = raw[rpos:rpos + 8]
-        if rw == _ZERO_WORD:
-            return None
-        e = subs.get(rw)
-        if e is None:
-            e = self._rcompile_receipt(raw, rpos, end, subs)
-            if e is None:
-                return SLOW
-        start, unpack_from, order, lists, dpos, spos = e
+        e = self._receipt_entry(raw)
+        if e is None or e is SLOW:
+            return e
+        end, (start, unpack_from, order, lists, dpos, spos) = e
         v = unpack_from(raw, start)
         if order is not None:
             v = order(v)
@@ -81,9 +64,8 @@ class _ReceiptReading:
         pointer word alone places the scalars; a receipt whose Text or Data is bad still
         raises MalformedHeader when decoded.
 
-        The reader calls it on every message, so the steps that find the compiled
-        receipt are spelt out here rather than called (a call and a tuple less per
-        message); ``receipt`` spells out the same steps."""
+        The reader calls it on every message, so the steps of `_receipt_entry` are
+        spelt out here rather than called (a call and a tuple less per message)."""
         c = self._rcompiled.get(raw[:16])
         if c is None:
             c = self._rcompile_root(raw)
@@ -106,6 +88,28 @@ class _ReceiptReading:
         if e[2] is not None:
             v = e[2](v)                        # order
         return v[1]                            # _R_SCALARS[1]: capture_ts_ns
+
+    def _receipt_entry(self, raw: bytes):
+        """(segment end, compiled receipt structure), None (no receipt) or SLOW."""
+        c = self._rcompiled.get(raw[:16])
+        if c is None:
+            c = self._rcompile_root(raw)
+            if c is None:
+                return SLOW
+        end, rpos, subs = c
+        if len(raw) < end or len(raw) & 7:
+            return SLOW
+        if rpos < 0:
+            return None
+        rw = raw[rpos:rpos + 8]
+        if rw == _ZERO_WORD:
+            return None
+        e = subs.get(rw)
+        if e is None:
+            e = self._rcompile_receipt(raw, rpos, end, subs)
+            if e is None:
+                return SLOW
+        return end, e
 
     def _rcompile_root(self, raw: bytes):
         try:
