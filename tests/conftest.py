@@ -208,6 +208,16 @@ class Run:
         raise AssertionError(f"no {count}x {event} {match}; got "
                              f"{[e['event'] for e in self.events]}")
 
+    def wait_until(self, pred, timeout: float = 30) -> list[dict]:
+        """Events until ``pred(events)`` holds (AssertionError at the deadline or EOF)."""
+        deadline = time.monotonic() + timeout
+        while not pred(self.events):
+            if not self._take(deadline - time.monotonic()) and (
+                    time.monotonic() >= deadline or self.proc.poll() is not None):
+                raise AssertionError(f"condition not met; got "
+                                     f"{[e['event'] for e in self.events]}")
+        return self.events
+
     def finish(self, timeout: float = 20) -> int:
         code = self.proc.wait(timeout)
         self._reader.join(timeout)

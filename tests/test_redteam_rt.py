@@ -14,12 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import textwrap
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -65,57 +60,13 @@ def test_a_busy_poll_window_costs_at_most_twice_busy_poll_us(make_channel, lead_
 # ---------------------------------------------------------------- real-time grants
 
 
-needs_sandbox = [
-    pytest.mark.sandbox,
-    pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed"),
-    pytest.mark.skipif(os.geteuid() != 0, reason="the supervisor's isolation needs root"),
-]
+needs_sandbox = pytest.mark.skipif(shutil.which("bwrap") is None or os.geteuid() != 0,
+                                   reason="needs bubblewrap and root")
 
 
 def _pid_max() -> int:
     with open("/proc/sys/kernel/pid_max") as f:
         return int(f.read())
-
-
-class _Run:
-    """One `supervisor run` of ``toml`` (events from its stderr)."""
-
-    def __init__(self, tmp: Path, toml: str) -> None:
-        cfg = tmp / "rt.toml"
-        cfg.write_text(textwrap.dedent(toml))
-        self.log_path = tmp / "supervisor.log"
-        self.log = open(self.log_path, "w+")
-        state = tmp / "state"
-        state.mkdir()
-        self.out = open(tmp / "status.out", "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor.cli", "run", "--config", str(cfg)],
-            stdout=self.out, stderr=self.log, env=dict(os.environ, TRIO_STATE_DIR=str(state)))
-
-    def events(self) -> list[dict]:
-        with open(self.log_path) as f:
-            return [json.loads(x) for x in f if x.startswith("{")]
-
-    def wait_for(self, pred, timeout: float) -> list[dict]:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end and self.proc.poll() is None:
-            ev = self.events()
-            if pred(ev):
-                return ev
-            time.sleep(0.2)
-        return self.events()
-
-    def stop(self) -> list[dict]:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        self.out.close()
-        return self.events()
 
 
 def _output(ev: list[dict], worker: str, prefix: str) -> list[dict]:
@@ -146,21 +97,19 @@ _BASE = """
 """
 
 
-@pytest.mark.parametrize("_", [0], ids=["pid-wrap"])
-def test_the_realtime_grant_goes_to_the_workers_main_thread(tmp_path, _):
+@pytest.mark.sandbox
+@needs_sandbox
+def test_the_realtime_grant_goes_to_the_workers_main_thread(tmp_path, sup):
     """Red team (was a hole): before READY the worker churns the host pid counter past
     pid_max with threads and leaves double-forked orphans with bwrap's init, one of which
     then has a lower host pid than the worker; the grant (and the READY snapshot, the
     audit, SIGTERM) went to the first child in host-pid order. Now to pid 2 of the
     sandbox's pid namespace, which only the worker can be."""
-    for m in needs_sandbox:
-        if m.name == "skipif" and m.args[0]:
-            pytest.skip(m.kwargs["reason"])
     if _pid_max() > 200_000:
         pytest.skip(f"pid_max {_pid_max()}: wrapping it takes too long for a test")
     churn = _pid_max() + 6000
     os.chmod(tmp_path, 0o755)
-    run = _Run(tmp_path, _BASE + f"""
+    run = sup(_BASE + f"""
     [workers.c-rtwrap]
     domain = "control"
     module = "workers.probe"
@@ -174,13 +123,9 @@ def test_the_realtime_grant_goes_to_the_workers_main_thread(tmp_path, _):
     ready_timeout_ms = 60000
     pids_max = 64
     """)
-    try:
-        ev = run.wait_for(lambda ev: _output(ev, "c-rtwrap", "ATTACK ")
-                          and len(_output(ev, "c-rtwrap", "ATTACK ")) >= 2
-                          or any(e["event"] == "exit" and e.get("worker") == "c-rtwrap"
-                                 for e in ev), 120)
-    finally:
-        ev = run.stop()
+    ev = run.wait_until(lambda ev: len(_output(ev, "c-rtwrap", "ATTACK ")) >= 2
+                        or any(e["event"] == "exit" and e.get("worker") == "c-rtwrap"
+                               for e in ev), 120)
     mine = [e for e in ev if e.get("worker") == "c-rtwrap"]
     results = {r["attack"]: r for r in _output(ev, "c-rtwrap", "ATTACK ")}
     grant = [e for e in mine if e["event"] in ("realtime", "realtime_unavailable")]
@@ -192,17 +137,15 @@ def test_the_realtime_grant_goes_to_the_workers_main_thread(tmp_path, _):
     assert final["main_fifo"] and not final["orphan_fifo"], final
 
 
-@pytest.mark.parametrize("_", [0], ids=["restart"])
-def test_a_crash_looping_realtime_worker_gets_a_grant_or_an_event_each_run(tmp_path, _):
+@pytest.mark.sandbox
+@needs_sandbox
+def test_a_crash_looping_realtime_worker_gets_a_grant_or_an_event_each_run(tmp_path, sup):
     """A SCHED_FIFO control worker that exits 150 ms after READY, five times in a row
     (restart = always, no backoff to speak of): each run is granted again or an event
     says why not (the previous run's cgroup with its rt_runtime_us may still exist);
     the supervisor never crashes and keeps src running."""
-    for m in needs_sandbox:
-        if m.name == "skipif" and m.args[0]:
-            pytest.skip(m.kwargs["reason"])
     os.chmod(tmp_path, 0o755)
-    run = _Run(tmp_path, _BASE + """
+    run = sup(_BASE + """
     [workers.c-rtloop]
     domain = "control"
     module = "workers.probe"
@@ -217,16 +160,13 @@ def test_a_crash_looping_realtime_worker_gets_a_grant_or_an_event_each_run(tmp_p
 
     def readies(ev):
         return [e for e in ev if e.get("worker") == "c-rtloop" and e["event"] == "ready"]
-    try:
-        ev = run.wait_for(lambda ev: len(readies(ev)) >= 5, 60)
-        alive = run.proc.poll() is None
-    finally:
-        ev = run.stop()
+    ev = run.wait_until(lambda ev: len(readies(ev)) >= 5, 60)
+    alive = run.proc.poll() is None
     mine = [e for e in ev if e.get("worker") == "c-rtloop"]
     grants = [e for e in mine if e["event"] in ("realtime", "realtime_unavailable")]
     print(f"\nreadies {len(readies(ev))}, grants {[(g['event'], g.get('reason')) for g in grants]}")
     assert alive, "the supervisor died"
     assert len(readies(ev)) >= 5, [e["event"] for e in mine][-10:]
-    assert len(grants) >= len(readies(ev)) - 1, grants        # the last may be cut by stop
+    assert len(grants) >= len(readies(ev)) - 1, grants   # the last may not be read yet
     assert not [e for e in ev if e.get("worker") == "src" and e["event"] == "exit"
                 and e.get("code") not in (0, None, -15, 143)]
