@@ -76,6 +76,7 @@ ATTACKERS = {
     "c-rtpi": ("control", "realtime_pi_boost", False),
     "c-rthop": ("control", "realtime_hop", False),
     "c-rtmisc": ("control", "realtime_sched_misc", False),
+    "r-rtmisc": ("research", "realtime_sched_misc", False),   # no grant: every door, cold
 }
 REALTIME = ("c-rt", "c-rtspin", "c-rtpi", "c-rthop", "c-rtmisc")
 RT_PRIORITY = 50
@@ -316,6 +317,20 @@ def test_a_realtime_worker_has_no_other_door_to_priority(fleet):
         assert res[k] == "EPERM", (k, res)
     assert res["after"] == [os.SCHED_FIFO, RT_PRIORITY, True], res
     print(f"\nuclamp_min=1024 for the FIFO thread: {res['uclamp_min_1024']}")
+
+
+def test_research_has_no_door_to_priority_either(fleet):
+    """The same doors from research, which holds no grant at all (and keeps
+    sched_setaffinity, which only kills in control): deadline, RR, FIFO through
+    sched_setattr, RT I/O priority, FIFO for a thread or for bwrap's init, a higher
+    RLIMIT_RTPRIO. All refused; it ends in the normal class."""
+    ev = fleet["events"]
+    res = attack_result(ev, "r-rtmisc")
+    assert res is not None, _of(ev, "r-rtmisc")
+    for k in ("deadline", "setattr_no_reset", "rr", "ioprio_rt", "init_fifo", "thread_fifo",
+              "rlimit_rtprio"):
+        assert res[k] != "ok", (k, res)
+    assert res["fifo"] is False and res["after"][0] == os.SCHED_OTHER, res
 
 
 def test_research_cannot_enter_the_realtime_class(fleet):
