@@ -1,17 +1,18 @@
 """End-to-end camera-to-control latency under the real supervisor, and the share of it
 spent outside the model (target: supervisor + bridge overhead <= 5 % of model time).
 
-    python bench/e2e_latency.py [--seconds 10] [--fps 20] [--design plain|tuned|both]
-                                [--repeat 2]
+    python bench/e2e_latency.py [--seconds 10] [--fps 20]
+                                [--design plain|tuned|both|announce] [--repeat 2]
 
---design: "plain" runs the control workers as the default config does (normal class,
-readers sleep on the wake-up socket); "tuned" gives them the realtime_priority/budget in
-REALTIME below (SCHED_FIFO from READY, supervisor/sandbox/sched.py) and modeld
-busy_poll_us = BUSY_POLL_US on the camera's stream (supervisor/ipc/_cadence.py); "both"
-(the default) runs the pipeline twice in one invocation, plain first, and prints both,
-so the two are compared on the same machine state. (The embedded default config sits
-in between: modeld busy-polls, which needs no privilege; real-time is opt-in, since it
-costs the unit CAP_SYS_NICE.)
+--design: "plain" runs the control workers in the normal class, readers asleep on the
+wake-up socket; "tuned" gives them the realtime_priority/budget in REALTIME below
+(SCHED_FIFO from READY, supervisor/sandbox/sched.py) and busy_poll_us = BUSY_POLL_US:
+modeld on the camera's stream, controlsd on model_out, whose next message modeld
+announces (Writer.announce; supervisor/ipc/_cadence.py). "both" (the default) runs plain
+then tuned, "announce" tuned without controlsd's busy-polling then tuned, alternating
+in one invocation, so that each pair is compared on the same machine state. (The
+embedded default config sits in between: modeld and controlsd busy-poll, which needs
+no privilege; real-time is opt-in, since it costs the unit CAP_SYS_NICE.)
 
 Runs camerad -> modeld -> controlsd, sandboxed, from the embedded default's channel
 contracts, and attaches this process as one more reader of each channel. Per frame:
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import re
 import sys
 from pathlib import Path
 
@@ -110,17 +112,21 @@ def pct(a, qs=(50, 99)):
 # at 20 fps (render ~2.4 ms, inference ~8 ms, law < 0.5 ms), with room.
 REALTIME = {"camerad": (52, 10), "modeld": (51, 60), "controlsd": (53, 10)}
 # modeld's window either side of the next frame: the camera's own jitter is ~0.5 ms here.
-# (controlsd's input, model_out, jitters with the inference time: no window to predict.)
-BUSY_POLL_US = {"modeld": 1000}
+# controlsd's input, model_out, jitters with the inference time: its window is centred
+# where modeld announces the output (Writer.announce: the median inference).
+BUSY_POLL_US = {"modeld": 1000, "controlsd": 1000}
 
 
-def _tuning_lines(on: bool) -> dict[str, str]:
+def _tuning_lines(design: str) -> dict[str, str]:
+    """Config lines per worker: none for "plain"; REALTIME and BUSY_POLL_US for
+    "tuned"; "unannounced" is "tuned" with controlsd waiting to be woken (no window on
+    model_out), so that the announcement's share is measured on its own."""
     out = {}
     for name, (prio, budget) in REALTIME.items():
         lines = [f"realtime_priority = {prio}", f"realtime_budget_pct = {budget}"]
-        if name in BUSY_POLL_US:
+        if name in BUSY_POLL_US and not (design == "unannounced" and name == "controlsd"):
             lines.append(f"busy_poll_us = {BUSY_POLL_US[name]}")
-        out[f"rt_{name}"] = "\n".join(lines) if on else ""
+        out[f"rt_{name}"] = "\n".join(lines) if design != "plain" else ""
     return out
 
 
@@ -128,41 +134,47 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--fps", type=float, default=20.0)
-    ap.add_argument("--design", choices=("plain", "tuned", "both"), default="both")
+    ap.add_argument("--design", choices=("plain", "tuned", "both", "announce"),
+                    default="both", help="both: plain against tuned; announce: tuned "
+                    "without controlsd's announced window against tuned")
     ap.add_argument("--repeat", type=int, default=2,
                     help="runs of each design, alternating (this VM's neighbours come and "
                          "go within a minute: one run each can be a different machine)")
     a = ap.parse_args()
-    modes = {"tuned": [True], "plain": [False], "both": [False, True]}[a.design]
-    runs: dict[bool, list[tuple[float, float, float, float]]] = {m: [] for m in modes}
+    modes = {"tuned": ["tuned"], "plain": ["plain"], "both": ["plain", "tuned"],
+             "announce": ["unannounced", "tuned"]}[a.design]
+    runs: dict[str, list[tuple[float, float, float, float]]] = {m: [] for m in modes}
     for _ in range(a.repeat):
         for m in modes:
             runs[m].append(measure(a, m))
     print("\nper run (outside ms, % of model, model p50 ms, e2e p99 ms):")
     for m in modes:
-        print(f"  {'tuned' if m else 'plain'}: " + "; ".join(
+        print(f"  {m}: " + "; ".join(
             f"{o:.2f} ms {pc:.1f} % model {mo:.2f} p99 {p99:.1f}" for o, pc, mo, p99 in runs[m]))
     if len(modes) == 2:
         med = {m: [float(np.median([r[i] for r in runs[m]])) for i in range(4)] for m in modes}
-        off, on = med[False], med[True]
-        print(f"median of {a.repeat} alternating runs, plain -> tuned: outside the model "
-              f"{off[0]:.2f} -> {on[0]:.2f} ms ({on[0] / off[0]:.2f}x), {off[1]:.1f} % -> "
-              f"{on[1]:.1f} % of model time (model p50 {off[2]:.2f} / {on[2]:.2f} ms); "
+        off, on = med[modes[0]], med[modes[1]]
+        print(f"median of {a.repeat} alternating runs, {modes[0]} -> {modes[1]}: outside the "
+              f"model {off[0]:.2f} -> {on[0]:.2f} ms ({on[0] / off[0]:.2f}x), {off[1]:.1f} % "
+              f"-> {on[1]:.1f} % of model time (model p50 {off[2]:.2f} / {on[2]:.2f} ms); "
               f"e2e p99 {off[3]:.1f} -> {on[3]:.1f} ms")
     return 0
 
 
-def measure(a: argparse.Namespace, tuned: bool) -> tuple[float, float, float, float]:
+def measure(a: argparse.Namespace, design: str) -> tuple[float, float, float, float]:
     """One pipeline run; (outside ms, outside % of model, model p50 ms, e2e p99 ms)."""
-    cfg = loads(CONFIG.format(fps=a.fps, **_tuning_lines(tuned)), "bench/e2e_latency.py")
-    print("--- " + (f"tuned: SCHED_FIFO {REALTIME}, busy_poll_us {BUSY_POLL_US}" if tuned
-                    else "plain: normal class, readers sleep on the wake-up socket"))
+    cfg = loads(CONFIG.format(fps=a.fps, **_tuning_lines(design)), "bench/e2e_latency.py")
+    print("--- " + {"tuned": f"tuned: SCHED_FIFO {REALTIME}, busy_poll_us {BUSY_POLL_US}",
+                    "unannounced": "unannounced: tuned, but controlsd waits to be woken",
+                    "plain": "plain: normal class, readers sleep on the wake-up socket"}[design])
     frames: dict[int, tuple[int, int, int]] = {}     # frame id -> (capture, publish, recv)
     outs: list[tuple[int, int, object]] = []           # (publish, recv, receipt)
     cmds: list[int] = []                               # publish ts
 
+    events = io.StringIO()
+
     async def run():
-        sup = Supervisor(cfg, log=EventLog(stream=io.StringIO()), status_out=None)
+        sup = Supervisor(cfg, log=EventLog(stream=events), status_out=None)
         async with trio.open_nursery() as nursery:
             await nursery.start(sup.run)
             rf = Reader(sup.channels["road_frames"].reader_handle(1))
@@ -220,6 +232,10 @@ def measure(a: argparse.Namespace, tuned: bool) -> tuple[float, float, float, fl
           f"receipt: preprocessing + kernels + copies); supervisor: none (fds only)")
     print(f"(this process as one more reader: road_frames hop p50 {pct(hop_f)[0]:.0f} us, "
           f"model_out hop p50 {pct(hop_o)[0]:.0f} us, on cores the workers keep busy)")
+    polls = re.findall(r"busy_poll=(\d+)/(\d+)", events.getvalue())
+    if polls:     # controlsd's last status line (its only reader: model_out)
+        print(f"controlsd busy-polling model_out: {polls[-1][0]} messages taken in a window, "
+              f"{polls[-1][1]} windows missed")
     return float(outside), float(outside / m50 * 100), float(m50), pct(e2e)[1]
 
 

@@ -132,3 +132,108 @@ def test_cadence_learns_a_period_and_starts_over_after_a_pause():
                                        ("999999999", 0)])
 def test_the_worker_reads_its_busy_poll_setting_defensively(text, want):
     assert _busy_poll_of({"TRIO_BUSY_POLL_US": text}) == want
+
+
+# --- Writer.announce: a stream whose period does not predict it (a model's output) ---
+
+def _publish_announced(handle, intervals_s: list[float], announce: bool) -> None:
+    w = Writer(handle, domain="control")
+    time.sleep(0.3)                          # the reader attaches meanwhile
+    for i, iv in enumerate(intervals_s):
+        due = time.monotonic_ns() + int(iv * 1e9)
+        if announce:
+            w.announce(due)
+        time.sleep(max(0.0, (due - time.monotonic_ns()) / 1e9))
+        w.publish_array(np.full(16, i % 251, np.uint8))
+
+
+@pytest.mark.parametrize("announce", [True, False])
+def test_an_announced_irregular_stream_is_taken_while_busy_polling(make_channel, announce):
+    """An inference's output: 20-60 ms apart at random, so no period predicts it, but
+    the writer says when each is due. Taken in the announced windows, every message, in
+    order; unannounced, the same stream is waited for as usual."""
+    rng = random.Random(11)
+    intervals = [rng.uniform(0.02, 0.06) for _ in range(40)]
+    ch = make_channel(slot_count=8, max_readers=1)
+    p = _fork.Process(target=_publish_announced, args=(ch.writer_handle(), intervals, announce))
+    p.start()
+    r = Reader(ch.reader_handle(0), busy_poll_us=3000)
+    got = []
+    try:
+        for _ in intervals:
+            with r.receive(timeout=2) as m:
+                got.append((m.sequence, int(m.array[0])))
+    finally:
+        p.join(10)
+    st = r.stats
+    assert got == [(i + 1, i) for i in range(40)] and st.dropped == 0 and not st.rejected
+    if announce:
+        assert st.busy_poll_hits >= 20, st
+    else:
+        assert st.busy_poll_hits + st.busy_poll_misses <= 8, st
+
+
+def _cpu_ms_of_a_receive_while(r, nudge) -> float:
+    """Thread CPU of a receive that times out after 250 ms while ``nudge`` runs every
+    5 ms in another thread."""
+    import threading
+
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(0.005):
+            nudge()
+
+    t = threading.Thread(target=loop)
+    t.start()
+    try:
+        c0 = time.thread_time()
+        with pytest.raises(ChannelTimeout):
+            r.receive(timeout=0.25)
+        return (time.thread_time() - c0) * 1000
+    finally:
+        stop.set()
+        t.join()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_lying_writer_costs_a_reader_one_window_per_message(make_channel, native):
+    """A hostile writer announces a new due time (1 ms ahead) every 5 ms and never
+    publishes: the reader spins through one window (2 ms), not one per announcement
+    (that would be ~100 ms of CPU), and otherwise pays what a wake-up byte costs it,
+    which the writer (it holds the socket's other end) could always send."""
+    ch = make_channel(slot_count=8, max_readers=1)
+    wh = ch.writer_handle()
+    w = Writer(wh, domain="control", native=native)
+    r = Reader(ch.reader_handle(0), busy_poll_us=1000, native=native)
+    w.publish_array(np.zeros(16, np.uint8))
+    r.receive(timeout=1).release()
+    bytes_only = _cpu_ms_of_a_receive_while(r, lambda: os.write(wh.event_fds[0], b"x"))
+    assert r.stats.busy_poll_misses == 0
+    lying = _cpu_ms_of_a_receive_while(r, lambda: w.announce(time.monotonic_ns() + 1_000_000))
+    assert r.stats.busy_poll_misses == 1, r.stats
+    assert lying < bytes_only + 2 * 1.0 + 8, \
+        f"{lying:.1f} ms of CPU against ~50 announcements ({bytes_only:.1f} ms for the bytes)"
+
+
+def test_an_announcement_for_a_message_already_taken_is_ignored(make_channel):
+    """The announcement names the sequence number it is for: once that message is
+    taken, its window is stale and the reader does not spin for it."""
+    ch = make_channel(slot_count=8, max_readers=1)
+    w = Writer(ch.writer_handle(), domain="control")
+    r = Reader(ch.reader_handle(0), busy_poll_us=20_000)
+    w.announce(time.monotonic_ns() + 30_000_000)        # for sequence 1, 30 ms ahead
+    w.publish_array(np.zeros(16, np.uint8))               # sequence 1, early
+    r.receive(timeout=1).release()
+    c0 = time.thread_time()
+    with pytest.raises(ChannelTimeout):
+        r.receive(timeout=0.06)                           # the old window lies in here
+    assert r.stats.busy_poll_hits == r.stats.busy_poll_misses == 0
+    assert (time.thread_time() - c0) * 1000 < 5
+
+
+@pytest.mark.parametrize("due", [0, -1, 1 << 63])
+def test_announce_refuses_what_is_not_a_clock_time(make_channel, due):
+    w = Writer(make_channel(slot_count=4, max_readers=1).writer_handle(), domain="control")
+    with pytest.raises(ValueError, match="not a monotonic clock time"):
+        w.announce(due)

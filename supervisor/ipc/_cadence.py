@@ -12,6 +12,13 @@ Cost: at most ``2 * busy_poll_us`` of CPU per message and about half of one CPU 
 none unless the stream is regular: the last intervals agree to within the window. The publish stamps it learns
 from are the writer's (a lying writer only moves the window: the message itself is
 still checked in full, and a window missed just means the usual blocking wait).
+
+A stream whose period does not predict it (a model's output: it follows the inference,
+which jitters by milliseconds) is predicted by its writer instead: ``Writer.announce``
+names the next sequence number and when it is due, and the window is centred there.
+Whatever a writer announces, a reader spins through at most one announced window per
+message it takes (``spent``; a window cut short by the caller's timeout may be resumed,
+never moved), so the bound above holds against a lying writer too.
 """
 from __future__ import annotations
 
@@ -33,6 +40,8 @@ class Cadence:
     regular: int = 0        # consecutive intervals within the window
     hits: int = 0           # messages taken while busy-polling
     misses: int = 0         # windows that ended without one
+    spent: tuple[int, int] = (0, 0)   # (sequence number, due) of the announced window
+                                      # polled last: one per message, resumable
 
     def seen(self, publish_ts_ns: int) -> None:
         """A message published at ``publish_ts_ns`` was taken."""
@@ -58,3 +67,10 @@ class Cadence:
             return None
         due = self.last_pub_ns + self.period_ns
         return due - self.lead_ns, due + self.lead_ns
+
+    def around(self, due_ns: int) -> tuple[int, int] | None:
+        """The window around a time the writer announced (``Writer.announce``), unless
+        this stream is too fast for windows at all (_DUTY)."""
+        if self.period_ns and self.period_ns < _DUTY * self.lead_ns:
+            return None
+        return due_ns - self.lead_ns, due_ns + self.lead_ns

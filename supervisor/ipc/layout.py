@@ -39,6 +39,13 @@ OFF_LAST_SLOT = 56
 # a reader that sees a new last_seq sees its slot too; last_slot is only ever a hint: a
 # reader checks the control block it names before trusting it.
 LAST = struct.Struct("<QI")
+# The writer's announcement of its next publish (Writer.announce): the sequence number
+# it will carry, then when it is due (CLOCK_MONOTONIC ns); 0: nothing announced. Its
+# own cache line, away from last_seq, which readers spin on. Only ever a hint for a
+# busy-polling reader's window (_cadence): never trusted for delivery, so the two words
+# are stored and loaded without a lock (a torn pair only misplaces one window).
+OFF_NEXT_SEQ = 128
+OFF_NEXT_DUE = 136
 
 # Control block: gen, seq, publish_ts_ns, header_len, layout_len.
 CONTROL = struct.Struct("<QQQII")

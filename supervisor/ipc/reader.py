@@ -412,14 +412,23 @@ class Reader:
                 return msg
 
     def _busy_poll(self, end: float | None) -> Message | None:
-        """``receive``, on a stream regular enough to predict: sleep (on the wake-up
-        socket, so an early message still wakes us) until the window before the next
-        message opens, then watch shared memory until it comes or the window closes.
-        None: nothing in the window (or no window); the caller blocks as usual."""
+        """``receive``, on a stream regular enough to predict, or whose writer announced
+        its next message (Writer.announce): sleep (on the wake-up socket, so an early
+        message still wakes us) until the window before the next message opens, then
+        watch shared memory until it comes or the window closes. None: nothing in the
+        window (or no window); the caller blocks as usual."""
         cad = self._cadence
-        w = cad.window()
+        nxt = self._last_seq + 1
+        w = None
+        seq, due = self._announced()
+        # One announced window per message at most (one due: resuming it is fine).
+        if seq == nxt and (cad.spent[0] != nxt or cad.spent[1] == due):
+            w = cad.around(due)
+        announced = w is not None
         if w is None:
-            return None
+            w = cad.window()
+            if w is None:
+                return None
         start, stop = w
         now = _now()
         if end is not None:
@@ -441,6 +450,8 @@ class Reader:
             if msg is not None:
                 return msg
             now = _now()
+        if announced:
+            cad.spent = (nxt, due)
         try_receive = self.try_receive
         while _now() < stop:
             msg = try_receive()
@@ -449,6 +460,14 @@ class Reader:
                 return msg
         cad.misses += 1
         return None
+
+    def _announced(self) -> tuple[int, int]:
+        """(sequence number, due ns) of the writer's announced next publish (layout
+        OFF_NEXT_SEQ): a hint, read without a lock (see layout)."""
+        if self._seg is not None:
+            return self._seg.load_relaxed(L.OFF_NEXT_SEQ), self._seg.load_relaxed(L.OFF_NEXT_DUE)
+        return L.U64.unpack_from(self._buf, L.OFF_NEXT_SEQ)[0], \
+            L.U64.unpack_from(self._buf, L.OFF_NEXT_DUE)[0]
 
     def _block(self, wait_ms: int) -> Message | None:
         """One wait on the wake-up socket (the awake flag down meanwhile, native path);

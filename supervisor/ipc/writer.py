@@ -86,6 +86,7 @@ class Writer:
             self._seg = nat.Region(self._mm, True)
             self._lease_regions = tuple(nat.Region(mm) for mm in self._leases)
             self._nloan, self._npublish, self._npack = nat.loan, nat.publish, nat.pack_header
+            self._fence = nat.fence_full
             # The SlotLayout bytes object each slot holds (as this writer wrote it last).
             self._slot_layout: list[bytes | None] = [None] * spec.slot_count
             self._slot_layout_gen = [0] * spec.slot_count
@@ -388,6 +389,36 @@ class Writer:
         with self.loan() as loan:
             loan.array(array.shape, array.dtype)[...] = array
             return loan.publish(**stamp)
+
+    def announce(self, due_ns: int) -> None:
+        """Say when the next publish is due (CLOCK_MONOTONIC ns), for a stream whose
+        period does not predict it (a model's output follows its inference, not a
+        clock). A reader with ``busy_poll_us`` then sleeps until just before ``due_ns``
+        and watches shared memory from there instead of waiting to be woken (_cadence).
+        Readers asleep on their socket are woken to read it, as by a publish (the
+        awake flag, K4/K5 in _native.c); a reader that does not busy-poll ignores it.
+        A hint, never a promise: nothing waits for it, and a wrong one costs a busy-
+        polling reader at most one window per message."""
+        due = int(due_ns)
+        if due <= 0 or due >= PLAUSIBLE:
+            raise ValueError(f"announce(): due_ns {due_ns!r} is not a monotonic clock time")
+        nxt = self._last_seq + 1
+        events, write = self._events, os.write
+        if self._seg is not None:
+            self._seg.store_relaxed(L.OFF_NEXT_SEQ, nxt)
+            self._seg.store_relaxed(L.OFF_NEXT_DUE, due)
+            self._fence()                                   # K4
+            awake = [r.load_relaxed(L.OFF_AWAKE) == L.READER_AWAKE
+                     for r in self._lease_regions]          # K5
+            events = [fd for i, fd in enumerate(events) if i >= len(awake) or not awake[i]]
+        else:
+            self._words[L.OFF_NEXT_SEQ // 8] = nxt
+            self._words[L.OFF_NEXT_DUE // 8] = due
+        for fd in events:
+            try:
+                write(fd, b"\x01")
+            except OSError:
+                pass  # full or closed, as in publish
 
     @property
     def stats(self) -> WriterStats:

@@ -152,6 +152,7 @@ def main(ctx: WorkerContext) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     reader = ctx.reader("model")
+    poll = getattr(ctx, "busy_poll_us", 0)   # then the status line says how it went
     writer = ctx.writer("command")
     law = ControlLaw(cfg)
     if a.log_clock:           # a replay: log time, one command per output
@@ -220,7 +221,8 @@ def main(ctx: WorkerContext) -> int:
         next_tick = now + tick
         if now >= next_status:
             next_status = now + status_ns
-            rej = reader.stats.rejected
+            st = reader.stats
+            rej = st.rejected
             ctx.status(
                 f"engaged={int(last.engaged)} reason={last.reason.name} "
                 f"steer={last.steer_rad:+.4f} model_age_ms={last.model_age_ms:.1f} "
@@ -228,7 +230,8 @@ def main(ctx: WorkerContext) -> int:
                 f"latency_ms={'-' if last_latency_ns is None else f'{last_latency_ns / 1e6:.2f}'} "
                 f"commands={published} rejected={sum(rej.values())}"
                 f"{'' if not rej else ' ' + ','.join(f'{k}:{v}' for k, v in sorted(rej.items()))} "
-                f"future={future} leases_lost={lost}")
+                f"future={future} leases_lost={lost}"
+                f"{f' busy_poll={st.busy_poll_hits}/{st.busy_poll_misses}' if poll else ''}")
     final = law.step(None, time.monotonic_ns(), hold=SafeReason.SHUTDOWN)
     _publish(writer, final)
     ctx.status(f"stopped: engaged=0 reason=SHUTDOWN commands={published + 1}")

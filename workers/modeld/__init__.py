@@ -21,6 +21,8 @@ full range, minimum size; a mismatch is counted by reason and skipped), preproce
 plane into the model input, release the frame, run, copy the output to host memory and
 publish float32[4] = (offset_m, heading_rad, confidence, reserved) on ``model`` with the
 frame's id and capture time and an execution receipt (`supervisor.ipc.receipt.Receipt`).
+Before each inference it announces on ``model`` when the output is due (the median of
+the last inferences: ``Writer.announce``), for readers that busy-poll.
 """
 from __future__ import annotations
 
@@ -87,6 +89,11 @@ class Modeld:
                 y = msg.planes()[0]
                 eng.check_frame(y, pixel_format=info.pixel_format, pixel_range=info.pixel_range,
                                 width=info.width, height=info.height)
+                # When model_out's next message is due, so that a busy-polling
+                # reader (controlsd) watches for it then instead of being woken.
+                expected = eng.expected_ns
+                if expected:
+                    self.writer.announce(time.monotonic_ns() + expected)
                 t0 = time.monotonic_ns()
                 x = eng.preprocess(y)
                 msg.release()              # input copied: give the camera its slot back
