@@ -161,13 +161,12 @@ def print_tables(rows: list[dict], keys: list[str], labels: dict[str, str],
         l2 = f"{'':<15}"
         for k in keys:
             cell = summ.get(size, {}).get(k, {})
-            lat = cell.get("lat")
+            lat, tp = cell.get("lat"), cell.get("tput")
             if "skipped" in cell:
                 a, b = "skipped", ""
-            elif lat:
-                a = f"{fmt(lat['p50'])}/{fmt(lat['p99'])}/{fmt(lat['p99.9'])}"
-                tp = cell.get("tput")
-                b = f"{fmt(tp['msgs_per_s'], 0)}/s" if tp else "ERR"
+            elif lat or tp:     # "-": that mode was not run (--modes) or failed (above)
+                a = f"{fmt(lat['p50'])}/{fmt(lat['p99'])}/{fmt(lat['p99.9'])}" if lat else "-"
+                b = f"{fmt(tp['msgs_per_s'], 0)}/s" if tp else "-"
             else:
                 a, b = "ERR", ""
             l1 += f"{a:>{colw}}"
