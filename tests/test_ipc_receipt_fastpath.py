@@ -87,6 +87,10 @@ def test_compiled_receipt_encode_equals_pycapnp(v, r):
     plan.pack_into(buf, 8, v["sequence"], v["generation"], v["publish_ts_ns"], v["crc32"],
                    v["frame_id"], v["capture_ts_ns"], v["exposure_us"], v["gain"], r)
     assert bytes(buf[8:8 + len(ref)]) == ref
+    assert plan.native is not None                      # the native writer: the same bytes
+    assert plan.pack_native_bytes(v["sequence"], v["generation"], v["publish_ts_ns"],
+                                  v["crc32"], v["frame_id"], v["capture_ts_ns"],
+                                  v["exposure_us"], v["gain"], r) == ref
 
 
 # Receipt scalars and their capnp widths: a value outside them is refused.
@@ -109,6 +113,10 @@ def test_out_of_range_receipt_values_are_refused_by_both(v, r, field, data):
     plan = _plan(v, r)
     with pytest.raises((struct.error, OverflowError)):
         _pack(plan, v, r)
+    # The native writer declines (None) and the Writer lets pycapnp raise.
+    assert plan.pack_native_bytes(v["sequence"], v["generation"], v["publish_ts_ns"],
+                                  v["crc32"], v["frame_id"], v["capture_ts_ns"],
+                                  v["exposure_us"], v["gain"], r) is None
 
 
 @FAST
@@ -229,6 +237,35 @@ def test_writer_and_reader_use_the_compiled_receipt_paths(channel):
             assert H.receipt(raw) == r
             assert list(m.array) == [i, i + 1, i + 2, i + 3]
     assert w._receipt_plans                               # the compiled writer ran
+
+
+def test_the_native_writer_writes_receipt_headers_itself(channel, monkeypatch):
+    """After the first publish of a stream (layout cached), a header with a receipt is
+    written by the native plan: Python's encoder is not called, and the bytes are
+    still pycapnp's."""
+    w = Writer(channel.writer_handle())
+    if not w.native:
+        pytest.skip("no native module on this machine")
+    rd = Reader(channel.reader_handle(0))
+    r = Receipt(1, 2, 3, 4, "CPU", 4096, 16, "hostVisible", 10, 11, 50_000_000, 0,
+                b"\x5a" * 32, 12)
+    w.publish_array(np.zeros(4, np.float32), frame_id=1, capture_ts_ns=2, receipt=r)
+    rd.receive(timeout=1).release()
+
+    def encode(*a, **k):
+        raise AssertionError("the Python encoder ran")
+
+    monkeypatch.setattr(w, "_encode", encode)
+    for i in range(2, 5):
+        ri = dataclasses.replace(r, frame_id=i, latency_ns=i * 1000,
+                                 completion="deviceQueued" if i % 2 else "hostVisible")
+        w.publish_array(np.full(4, i, np.float32), frame_id=i, capture_ts_ns=2, receipt=ri)
+        with rd.receive(timeout=1) as m:
+            assert m.receipt == ri and list(m.array) == [i] * 4
+            assert m._raw_header == codec.encode_header(
+                rd.spec, sequence=m.sequence, generation=m._gen, writer_pid=w._pid,
+                domain="unknown", publish_ts_ns=m.publish_ts_ns, crc32=m.stamp.crc32,
+                frame_id=i, capture_ts_ns=2, receipt=ri)
 
 
 def test_writer_falls_back_to_pycapnp_for_values_it_cannot_pack(channel):

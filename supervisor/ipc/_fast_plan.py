@@ -63,35 +63,47 @@ class HeaderPlan:
         if self.pack(0, 0, 0, 0, 0, 0, 0, 0.0, zero) != template:
             raise cf.Broken("compiled SlotHeader writer does not reproduce its template")
         # The same patch for the native writer (`_native.pack_header`): the template and
-        # (position, struct code) per patched field, in ``values`` order. Receipts stay
-        # with the Python patcher. Checked against it below, as the tests do at length.
+        # (position, struct code) per patched field, in ``values`` order; a receipt's
+        # scalars go as the call's ``extra`` values. Checked against the Python patcher
+        # below, as the tests do at length.
         self.template = template
         self.native = None
-        if not has_receipt and _atomics.NATIVE is not None:
+        if _atomics.NATIVE is not None:
             self.native = (int(has_crc), int(has_frame), a.exp_unknown, a.exp_is,
                            a.gain_unknown, a.gain_is,
                            *(x for at, sc in placed for x in (at, ord(cf._char(sc)))))
             probe = (0x1111111111111111, 0x2222222222222222, 0x3333333333333333,
                      0x44444444, 0x5555555555555555, 0x6666666666666666, 0x77777777, 1.5)
+            rprobe = Receipt(0x0101010101010101, 0x0202020202020202, 0x0303030303030303,
+                             0x0404040404040404, "", 0x0505050505050505, 0x0606060606060606,
+                             "deviceQueued", 0x0707070707070707, 0x0808080808080808,
+                             0x0909090909090909, 0x0A0A0A0A0A0A0A0A, b"", 0x0B0B0B0B)
             for args in (probe, probe[:6] + (None, None)):
+                args += (rprobe if has_receipt else None,)
                 if self.pack_native_bytes(*args) != self.pack(*args):
                     raise cf.Broken("native SlotHeader writer differs from the compiled one")
 
     def pack_native_bytes(self, sequence, generation, ts, crc, frame_id, capture,
-                          exposure, gain) -> bytes | None:
+                          exposure, gain, receipt=None) -> bytes | None:
         """What ``native`` writes for these values (None: a value that does not fit,
         which the Python plan must judge). For checks, not for the hot path."""
         mm = mmap.mmap(-1, max(8, -(-self.size // 8) * 8))
         region = _atomics.NATIVE.Region(mm, True)
         try:
-            if not _atomics.NATIVE.pack_header(region, 0, self.template, self.native,
-                                               sequence, generation, ts, crc, frame_id,
-                                               capture, exposure, gain):
+            if not _atomics.NATIVE.pack_header(
+                    region, 0, self.template, self.native, sequence, generation, ts, crc,
+                    frame_id, capture, exposure, gain,
+                    self._rvals(receipt) if self.has_receipt else None):
                 return None
             return bytes(mm[:self.size])
         finally:
             region.release()
             mm.close()
+
+    def receipt_values(self, receipt) -> tuple:
+        """The receipt's patched values, in the plan's order (``extra`` for the native
+        writer). Raises what a receipt the plan cannot write raises."""
+        return self._rvals(receipt)
 
     def values(self, sequence, generation, ts, crc, frame_id, capture, exposure, gain,
                receipt=None) -> tuple:

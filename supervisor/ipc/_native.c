@@ -912,15 +912,22 @@ static int put_scalar(unsigned char *dst, int c, PyObject *o) {
 }
 
 /* pack_header(seg, base, template, table, seq, gen, ts, crc, frame_id, capture,
- *             exposure, gain) -> bool
+ *             exposure, gain[, extra]) -> bool
  * A compiled HeaderPlan's SlotHeader (pycapnp's template with the per-message fields
  * patched) written at seg[base:]; table = (has_crc, has_frame, exp_unknown, exp_is,
  * gain_unknown, gain_is, then (position, struct code) per patched field in the plan's
- * order). False: a value does not fit its field, nothing is promised about the bytes
- * written (the slot is still odd) and the caller lets the Python plan raise. */
+ * order); extra: a tuple of values patched after those (a Receipt's scalars, in the
+ * plan's order). False: a value does not fit its field, nothing is promised about the
+ * bytes written (the slot is still odd) and the caller lets the Python plan raise. */
+#define MAX_EXTRA 24
 static PyObject *h_pack(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-    if (n != 12) {
-        PyErr_SetString(PyExc_TypeError, "pack_header() takes 12 arguments");
+    if (n != 12 && n != 13) {
+        PyErr_SetString(PyExc_TypeError, "pack_header() takes 12 or 13 arguments");
+        return NULL;
+    }
+    PyObject *extra = n == 13 ? a[12] : Py_None;
+    if (extra != Py_None && (!PyTuple_Check(extra) || PyTuple_GET_SIZE(extra) > MAX_EXTRA)) {
+        PyErr_SetString(PyExc_TypeError, "pack_header(): extra must be a short tuple");
         return NULL;
     }
     Region *seg = as_region(a[0], "segment");
@@ -944,7 +951,7 @@ static PyObject *h_pack(PyObject *m, PyObject *const *a, Py_ssize_t n) {
         if (get_u64(PyTuple_GET_ITEM(table, i), &t[i]) < 0)
             return NULL;
     int has_crc = (int)t[0], has_frame = (int)t[1];
-    PyObject *vals[9];
+    PyObject *vals[9 + MAX_EXTRA];
     int nv = 0;
     vals[nv++] = a[4];                 /* sequence */
     vals[nv++] = a[5];                 /* generation */
@@ -966,6 +973,9 @@ static PyObject *h_pack(PyObject *m, PyObject *const *a, Py_ssize_t n) {
         vals[nv++] = gain_which;
         vals[nv++] = a[11] == Py_None ? zerof : a[11];
     }
+    if (extra != Py_None)
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(extra); i++)
+            vals[nv++] = PyTuple_GET_ITEM(extra, i);
     if (PyTuple_GET_SIZE(table) != 6 + 2 * nv) {
         PyErr_SetString(PyExc_ValueError, "pack_header(): table does not match the plan");
         goto fail;

@@ -304,25 +304,32 @@ class Writer:
                         publish_ts_ns, receipt: Receipt | None = None) -> int:
         """Publish on the native atomics: control block, time stamp, the release stores
         of the generation and last_seq, and the wake-ups in one call (see _native.c).
-        A header without a receipt is written by the native plan, and a layout
-        the slot already holds (this writer wrote it there last) is not written again;
-        everything else goes through ``_encode``."""
+        A header of a compiled shape (with or without a receipt) is written by the
+        native plan, and a layout the slot already holds (this writer wrote it there
+        last) is not written again; everything else goes through ``_encode``."""
         slot = loan.slot
-        plan = raw_layout = crc = None
-        if receipt is None:
-            raw_layout = self._layout_cache.get(loan._lkey)
-            if raw_layout is not None and self.spec.crc:
+        plan = crc = extra = None
+        raw_layout = self._layout_cache.get(loan._lkey)
+        if raw_layout is not None:
+            if self.spec.crc:
                 lo, hi = loan._span          # tensor_span of loan._desc, from the loan
                 crc = zlib.crc32(loan._payload[lo:hi])
-            plan = self._header_plans.get((crc is not None, frame_id is not None))
-        if plan is not None and raw_layout is not None and plan.native is not None:
+            if receipt is None:
+                plan = self._header_plans.get((crc is not None, frame_id is not None))
+            else:
+                plan = self._receipt_plan(crc is not None, frame_id is not None, receipt)
+                try:
+                    extra = plan.receipt_values(receipt) if plan is not None else None
+                except Exception:
+                    plan = None          # values pycapnp must judge (_encode)
+        if plan is not None and plan.native is not None:
             seq = self._last_seq + 1
             gen = self._gen[slot] + 1
             base = self._geo.header[slot]
             try:
                 ok = self._npack(self._seg, base, plan.template, plan.native, seq, gen,
                                  publish_ts_ns or 0, crc, frame_id, capture_ts_ns,
-                                 exposure_us, gain)
+                                 exposure_us, gain, extra)
             except BaseException:
                 self._discard(loan)
                 raise
