@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from supervisor.ipc import ChannelTimeout, Reader, Writer
+from supervisor.ipc import layout as L
 from supervisor.ipc._cadence import Cadence
 from supervisor.worker import _busy_poll_of
 
@@ -237,3 +238,21 @@ def test_announce_refuses_what_is_not_a_clock_time(make_channel, due):
     w = Writer(make_channel(slot_count=4, max_readers=1).writer_handle(), domain="control")
     with pytest.raises(ValueError, match="not a monotonic clock time"):
         w.announce(due)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_an_announcement_wakes_only_busy_polling_readers(make_channel, native):
+    """A reader that does not busy-poll has no use for an announcement: it is not woken
+    for one (each wake-up is a context switch). Both readers asleep, as before a block."""
+    import select
+
+    ch = make_channel(slot_count=8, max_readers=2)
+    w = Writer(ch.writer_handle(), domain="control", native=native)
+    polls = Reader(ch.reader_handle(0), busy_poll_us=1000, native=native)
+    plain = Reader(ch.reader_handle(1), native=native)
+    for r in (polls, plain):
+        if r._lease_r is not None:
+            r._lease_r.store(L.OFF_AWAKE, 0)     # about to block (Reader._sleeping)
+    w.announce(time.monotonic_ns() + 10_000_000)
+    ready, _, _ = select.select([polls._efd, plain._efd], [], [], 0.05)
+    assert ready == [polls._efd]

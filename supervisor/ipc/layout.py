@@ -63,6 +63,10 @@ LEASE_BASE = 64
 # before it next blocks, so the writer may skip its wake-up byte (see _native.c).
 OFF_AWAKE = 16
 READER_AWAKE = 1
+# In the lease header: READER_POLLS while the reader busy-polls (busy_poll_us), so that
+# Writer.announce wakes it to read an announcement; other readers are not woken for one.
+OFF_POLLS = 24
+READER_POLLS = 1
 LEASE_STRIDE = 32
 
 U64 = struct.Struct("<Q")

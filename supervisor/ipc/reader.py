@@ -119,6 +119,8 @@ class Reader:
         self._undrained = False   # the wake-up socket woke us and was not drained yet
         # Busy-poll around the predicted next message of a periodic stream (_cadence).
         self._cadence = Cadence(busy_poll_us * 1000) if busy_poll_us > 0 else None
+        if self._cadence is not None:        # wake me for announcements (Writer.announce)
+            L.U64.pack_into(self._lease_mm, L.OFF_POLLS, L.READER_POLLS)
         if nat is not None:
             self.try_receive = self._try_receive_native   # the native hot path
             self._stable = self._seg.check

@@ -402,8 +402,9 @@ class Writer:
         period does not predict it (a model's output follows its inference, not a
         clock). A reader with ``busy_poll_us`` then sleeps until just before ``due_ns``
         and watches shared memory from there instead of waiting to be woken (_cadence).
-        Readers asleep on their socket are woken to read it, as by a publish (the
-        awake flag, K4/K5 in _native.c); a reader that does not busy-poll ignores it.
+        The busy-polling readers (lease header OFF_POLLS) asleep on their socket are
+        woken to read it, as by a publish (the awake flag, K4/K5 in _native.c); the
+        others are not woken for it.
         A hint, never a promise: nothing waits for it, and a wrong one costs a busy-
         polling reader at most one window per message."""
         due = int(due_ns)
@@ -415,13 +416,17 @@ class Writer:
             self._seg.store_relaxed(L.OFF_NEXT_SEQ, nxt)
             self._seg.store_relaxed(L.OFF_NEXT_DUE, due)
             self._fence()                                   # K4
-            awake = [r.load_relaxed(L.OFF_AWAKE) == L.READER_AWAKE
-                     for r in self._lease_regions]          # K5
-            events = [fd for i, fd in enumerate(events) if i >= len(awake) or not awake[i]]
+            wake = [r.load_relaxed(L.OFF_POLLS) == L.READER_POLLS
+                    and r.load_relaxed(L.OFF_AWAKE) != L.READER_AWAKE     # K5
+                    for r in self._lease_regions]
         else:
             self._words[L.OFF_NEXT_SEQ // 8] = nxt
             self._words[L.OFF_NEXT_DUE // 8] = due
-        for fd in events:
+            wake = [L.U64.unpack_from(mm, L.OFF_POLLS)[0] == L.READER_POLLS
+                    for mm in self._leases]
+        for fd, w in zip(events, wake):
+            if not w:
+                continue
             try:
                 write(fd, b"\x01")
             except OSError:
