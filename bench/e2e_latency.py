@@ -106,11 +106,14 @@ def pct(a, qs=(50, 99)):
     return [float(np.percentile(np.asarray(a, float), q)) for q in qs]
 
 
-# The control workers' realtime_priority / realtime_budget_pct for "--realtime on":
-# controlsd highest (the law and its SAFE command), camerad next (capture is never late),
-# modeld lowest (a long inference never delays either); budgets from their CPU per frame
-# at 20 fps (render ~2.4 ms, inference ~8 ms, law < 0.5 ms), with room.
-REALTIME = {"camerad": (52, 10), "modeld": (51, 60), "controlsd": (53, 10)}
+# The control workers' realtime_priority / realtime_budget_pct for "tuned": each reader
+# below its writer (camerad > modeld > controlsd), because each busy-polls its input and
+# a spin above the writer takes the CPU the writer needs (config rule check_busy_poll;
+# controlsd at 53 over modeld's 51: 14 of 108 windows hit). controlsd still runs ahead
+# of every normal task; on 2 CPUs only camerad and modeld together (~2.4 ms of render a
+# frame) can hold it back. Budgets from their CPU per frame at 20 fps (render ~2.4 ms,
+# inference ~8 ms, law < 0.5 ms, plus the windows), with room.
+REALTIME = {"camerad": (52, 10), "modeld": (51, 60), "controlsd": (50, 10)}
 # modeld's window either side of the next frame: the camera's own jitter is ~0.5 ms here.
 # controlsd's input, model_out, jitters with the inference time: its window is centred
 # where modeld announces the output (Writer.announce: the median inference).

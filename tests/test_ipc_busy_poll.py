@@ -174,6 +174,23 @@ def test_an_announced_irregular_stream_is_taken_while_busy_polling(make_channel,
         assert st.busy_poll_hits + st.busy_poll_misses <= 8, st
 
 
+def _primed(make_channel, native: bool = True, busy_poll_us: int = 1000,
+            period_s: float = 0.02):
+    """A writer and a busy-polling reader that took two messages ``period_s`` apart:
+    the period is known (announcements are believed from then on), not yet regular."""
+    ch = make_channel(slot_count=8, max_readers=1)
+    wh = ch.writer_handle()
+    w = Writer(wh, domain="control", native=native)
+    r = Reader(ch.reader_handle(0), busy_poll_us=busy_poll_us, native=native)
+    for i in range(2):
+        if i:
+            time.sleep(period_s)
+        w.publish_array(np.full(16, i, np.uint8))
+        r.receive(timeout=1).release()
+    assert r._cadence.period_ns > 0 and r._cadence.window() is None
+    return w, r, wh
+
+
 def _cpu_ms_of_a_receive_while(r, nudge) -> float:
     """Thread CPU of a receive that times out after 250 ms while ``nudge`` runs every
     5 ms in another thread."""
@@ -203,12 +220,7 @@ def test_a_lying_writer_costs_a_reader_one_window_per_message(make_channel, nati
     publishes: the reader spins through one window (2 ms), not one per announcement
     (that would be ~100 ms of CPU), and otherwise pays what a wake-up byte costs it,
     which the writer (it holds the socket's other end) could always send."""
-    ch = make_channel(slot_count=8, max_readers=1)
-    wh = ch.writer_handle()
-    w = Writer(wh, domain="control", native=native)
-    r = Reader(ch.reader_handle(0), busy_poll_us=1000, native=native)
-    w.publish_array(np.zeros(16, np.uint8))
-    r.receive(timeout=1).release()
+    w, r, wh = _primed(make_channel, native, busy_poll_us=1000)
     bytes_only = _cpu_ms_of_a_receive_while(r, lambda: os.write(wh.event_fds[0], b"x"))
     assert r.stats.busy_poll_misses == 0
     lying = _cpu_ms_of_a_receive_while(r, lambda: w.announce(time.monotonic_ns() + 1_000_000))
@@ -220,11 +232,9 @@ def test_a_lying_writer_costs_a_reader_one_window_per_message(make_channel, nati
 def test_an_announcement_for_a_message_already_taken_is_ignored(make_channel):
     """The announcement names the sequence number it is for: once that message is
     taken, its window is stale and the reader does not spin for it."""
-    ch = make_channel(slot_count=8, max_readers=1)
-    w = Writer(ch.writer_handle(), domain="control")
-    r = Reader(ch.reader_handle(0), busy_poll_us=20_000)
-    w.announce(time.monotonic_ns() + 30_000_000)        # for sequence 1, 30 ms ahead
-    w.publish_array(np.zeros(16, np.uint8))               # sequence 1, early
+    w, r, _ = _primed(make_channel, busy_poll_us=5000, period_s=0.025)
+    w.announce(time.monotonic_ns() + 30_000_000)        # for sequence 3, 30 ms ahead
+    w.publish_array(np.zeros(16, np.uint8))               # sequence 3, early
     r.receive(timeout=1).release()
     c0 = time.thread_time()
     with pytest.raises(ChannelTimeout):
@@ -256,3 +266,65 @@ def test_an_announcement_wakes_only_busy_polling_readers(make_channel, native):
     w.announce(time.monotonic_ns() + 10_000_000)
     ready, _, _ = select.select([polls._efd, plain._efd], [], [], 0.05)
     assert ready == [polls._efd]
+
+
+def test_one_window_per_message_whatever_its_source(make_channel):
+    """Review: on a regular stream a writer could get a second window per message by
+    announcing another due after the first window (the period's window followed).
+    Now one window per message, announced or predicted."""
+    import threading
+
+    ch = make_channel(slot_count=8, max_readers=1)
+    w = Writer(ch.writer_handle(), domain="control")
+    r = Reader(ch.reader_handle(0), busy_poll_us=5000)
+    for i in range(8):                               # a regular 25 ms stream, learned
+        if i:
+            time.sleep(0.025)
+        w.publish_array(np.full(16, i, np.uint8))
+        with r.receive(timeout=1):
+            pass
+    now = time.monotonic_ns()
+    w.announce(now + 20_000_000)                     # the period says ~25 ms: elsewhere
+    threading.Timer(0.03, w.announce, (now + 40_000_000,)).start()
+    c0 = time.thread_time()
+    with pytest.raises(ChannelTimeout):
+        r.receive(timeout=0.2)
+    cpu_ms = (time.thread_time() - c0) * 1000
+    assert r.stats.busy_poll_misses == 1, r.stats
+    assert cpu_ms < 2 * 5 + 4, f"{cpu_ms:.1f} ms of CPU for one window of 10 ms"
+
+
+def test_a_window_cut_by_the_timeout_is_resumed_not_moved(make_channel):
+    """controlsd's 20 ms ticks cut windows: the next receive resumes the same window
+    and takes the message in it."""
+    import threading
+
+    w, r, _ = _primed(make_channel, busy_poll_us=10_000, period_s=0.045)
+    now = time.monotonic_ns()
+    w.announce(now + 30_000_000)                     # window 20..40 ms from now
+    threading.Timer(0.033, w.publish_array, (np.zeros(16, np.uint8),)).start()
+    with pytest.raises(ChannelTimeout):
+        r.receive(timeout=0.025)                     # cut at 25 ms
+    assert r.stats.busy_poll_misses == 1
+    with r.receive(timeout=1) as m:                  # resumed: 25..40 ms
+        assert m.sequence == 3
+    assert r.stats.busy_poll_hits == 1, r.stats
+
+
+@pytest.mark.parametrize("forged", [False, True])
+def test_an_absurd_due_never_breaks_receive(make_channel, forged):
+    """Review: a due 30 days ahead (announce accepts it) or 2**64-1 written straight into
+    the segment made receive() raise OverflowError from poll. It is not believed, and
+    receive without a timeout still returns the next message."""
+    import threading
+
+    w, r, _ = _primed(make_channel)
+    if forged:
+        w._words[L.OFF_NEXT_DUE // 8] = 2**64 - 1
+        w._words[L.OFF_NEXT_SEQ // 8] = 3
+    else:
+        w.announce(time.monotonic_ns() + 30 * 86400 * 10**9)
+    threading.Timer(0.05, w.publish_array, (np.full(16, 7, np.uint8),)).start()
+    with r.receive() as m:
+        assert m.sequence == 3 and m.array[0] == 7
+    assert r.stats.busy_poll_hits == r.stats.busy_poll_misses == 0

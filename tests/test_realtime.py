@@ -53,6 +53,47 @@ def test_realtime_settings_that_cannot_work_are_refused_in_one_line():
     assert "real-time budgets add up to 85 %" in p
 
 
+PIPE = """
+[domains.control]
+[channels.frames]
+slot_size = "64KiB"
+[workers.cam]
+domain = "control"
+module = "workers.camerad"
+publishes = {{ frames = "frames" }}
+{cam}
+[workers.model]
+domain = "control"
+module = "workers.modeld"
+subscribes = {{ frames = "frames" }}
+busy_poll_us = 1000
+{model}
+"""
+
+
+@pytest.mark.parametrize("cam,model,refused", [
+    ("realtime_priority = 52", "realtime_priority = 51", False),
+    ("realtime_priority = 51", "realtime_priority = 53", True),    # spins above its writer
+    ("realtime_priority = 51", "realtime_priority = 51", True),    # level: no better
+    ("", "realtime_priority = 51", True),                           # writer in normal class
+    ("", "", False),                                                # nobody real-time
+])
+def test_a_busy_polling_realtime_reader_ranks_below_its_writer(cam, model, refused):
+    """Measured: controlsd at FIFO 53 spinning for modeld's output at 51 on 2 CPUs took
+    the CPU modeld needed to publish (14 windows of 108 hit). Refused in one line."""
+    try:
+        loads(PIPE.format(cam=cam, model=model), "rt.toml")
+        problems = []
+    except ConfigFileError as e:
+        problems = [str(p) for p in e.problems]
+    if not refused:
+        assert problems == []
+        return
+    (p,) = problems
+    assert "workers.model.busy_poll_us" in p and "its writer 'cam'" in p
+    assert "rank the reader below its writers" in p
+
+
 def test_realtime_record():
     assert Realtime(53, 10).runtime_us == 10_000
     for bad in ((0, 10), (99, 10), (50, 0), (50, 91), (50.5, 10)):

@@ -244,6 +244,7 @@ class _Loader:
         _rules.check_trust(self.add, workers, domains, writers, channel_values)
         _rules.check_cpu_weights(self.add, workers, domains)
         _rules.check_realtime(self.add, workers, domains)
+        _rules.check_busy_poll(self.add, workers, writers)
         _rules.check_optional(self.add, workers, writers)
         _rules.check_cycles(self.add, workers)
         channels = self.channels(channel_values, bad_channels, workers)

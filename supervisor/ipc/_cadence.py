@@ -17,8 +17,10 @@ A stream whose period does not predict it (a model's output: it follows the infe
 which jitters by milliseconds) is predicted by its writer instead: ``Writer.announce``
 names the next sequence number and when it is due, and the window is centred there.
 Whatever a writer announces, a reader spins through at most one announced window per
-message it takes (``spent``; a window cut short by the caller's timeout may be resumed,
-never moved), so the bound above holds against a lying writer too.
+message it takes, announced or not (``spent``; a window cut short by the caller's
+timeout may be resumed, never moved), so the bound above holds against a lying writer
+too. An announcement is believed only after the stream's period is known (two
+messages), for a due after the last message and at most _HORIZON_NS ahead.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ _SETTLE = 4          # intervals within the window in a row before the first win
 _GAP = 4             # an interval this many periods long: the stream paused; start over
 _DUTY = 4            # never poll more than 2 windows in this many: a stream faster than
                      # 4 x busy_poll_us (a camera gone wild) is waited for as usual
+_HORIZON_NS = 5_000_000_000   # an announced due further ahead is not believed
 
 
 @dataclass
@@ -40,8 +43,8 @@ class Cadence:
     regular: int = 0        # consecutive intervals within the window
     hits: int = 0           # messages taken while busy-polling
     misses: int = 0         # windows that ended without one
-    spent: tuple[int, int] = (0, 0)   # (sequence number, due) of the announced window
-                                      # polled last: one per message, resumable
+    spent: tuple[int, int, int] = (0, 0, 0)   # (sequence number, start, stop) of the
+                                              # window polled last: one per message
 
     def seen(self, publish_ts_ns: int) -> None:
         """A message published at ``publish_ts_ns`` was taken."""
@@ -68,9 +71,16 @@ class Cadence:
         due = self.last_pub_ns + self.period_ns
         return due - self.lead_ns, due + self.lead_ns
 
-    def around(self, due_ns: int) -> tuple[int, int] | None:
-        """The window around a time the writer announced (``Writer.announce``), unless
-        this stream is too fast for windows at all (_DUTY)."""
-        if self.period_ns and self.period_ns < _DUTY * self.lead_ns:
-            return None
-        return due_ns - self.lead_ns, due_ns + self.lead_ns
+    def next_window(self, nxt: int, seq: int, due_ns: int, now_ns: int
+                    ) -> tuple[int, int] | None:
+        """[start, stop) to busy-poll for message ``nxt``, or None: around the time the
+        writer announced (``seq``, ``due_ns``: Writer.announce) if that names ``nxt``
+        and is plausible, else from the period (``window``). One window per message,
+        whatever its source: once one was polled for ``nxt`` (``spent``), only it may
+        be resumed (the caller's timeout may have cut it short)."""
+        if self.spent[0] == nxt:
+            return self.spent[1], self.spent[2]
+        if (seq == nxt and self.last_pub_ns < due_ns <= now_ns + _HORIZON_NS
+                and self.period_ns >= _DUTY * self.lead_ns):
+            return due_ns - self.lead_ns, due_ns + self.lead_ns
+        return self.window()

@@ -42,8 +42,9 @@ LAST = struct.Struct("<QI")
 # The writer's announcement of its next publish (Writer.announce): the sequence number
 # it will carry, then when it is due (CLOCK_MONOTONIC ns); 0: nothing announced. Its
 # own cache line, away from last_seq, which readers spin on. Only ever a hint for a
-# busy-polling reader's window (_cadence): never trusted for delivery, so the two words
-# are stored and loaded without a lock (a torn pair only misplaces one window).
+# busy-polling reader's window (_cadence), never trusted for delivery: the due is stored
+# first, then the sequence number with a release store; a reader acquires the sequence
+# number, then loads the due: that one or a later one (a misplaced window at worst).
 OFF_NEXT_SEQ = 128
 OFF_NEXT_DUE = 136
 

@@ -27,6 +27,8 @@ _decode_header = codec.HEADER.decode
 _receipt_capture = codec.HEADER.receipt_capture
 _SLOW = codec.SLOW
 _now = time.monotonic_ns
+_MAX_SLEEP_MS = 1000     # one sleep before a busy-poll window, at most (then look again)
+_FD_SETSIZE = 1024       # select() takes fds below this
 _new_message = object.__new__
 _OFF_LAST_SEQ = L.OFF_LAST_SEQ
 _OFF_LAST_SLOT = L.OFF_LAST_SLOT
@@ -421,16 +423,10 @@ class Reader:
         window (or no window); the caller blocks as usual."""
         cad = self._cadence
         nxt = self._last_seq + 1
-        w = None
         seq, due = self._announced()
-        # One announced window per message at most (one due: resuming it is fine).
-        if seq == nxt and (cad.spent[0] != nxt or cad.spent[1] == due):
-            w = cad.around(due)
-        announced = w is not None
+        w = cad.next_window(nxt, seq, due, _now())
         if w is None:
-            w = cad.window()
-            if w is None:
-                return None
+            return None
         start, stop = w
         now = _now()
         if end is not None:
@@ -441,19 +437,19 @@ class Reader:
         if now >= stop:
             return None
         while now < start:
-            # Rounded up (poll counts whole ms): never spin before the window opens (red
-            # team: rounding down cost up to 1 ms more than 2 x busy_poll_us). A message
-            # that comes while we sleep past the start still wakes us; a wake-up byte
-            # without one (the writer holds the socket's other end) only means sleeping
-            # on (review: spinning from there cost 180 ms of CPU in a 200 ms period).
+            # Never spin before the window opens (red team: sleeping rounded down to
+            # poll's whole ms cost up to 1 ms more than 2 x busy_poll_us). A message
+            # that comes while we sleep still wakes us; a wake-up byte without one
+            # (the writer holds the socket's other end) only means sleeping on
+            # (review: spinning from there cost 180 ms of CPU in a 200 ms period).
             if self._undrained:
                 self._drain()
-            msg = self._block(-(-(start - now) // 1_000_000))
+            msg = self._block(min(-(-(start - now) // 1_000_000), _MAX_SLEEP_MS),
+                              precise_s=(start - now) / 1e9)
             if msg is not None:
                 return msg
             now = _now()
-        if announced:
-            cad.spent = (nxt, due)
+        cad.spent = (nxt, *w)
         try_receive = self.try_receive
         while _now() < stop:
             msg = try_receive()
@@ -465,31 +461,38 @@ class Reader:
 
     def _announced(self) -> tuple[int, int]:
         """(sequence number, due ns) of the writer's announced next publish (layout
-        OFF_NEXT_SEQ): a hint, read without a lock (see layout)."""
+        OFF_NEXT_SEQ): the sequence number acquired first, so the due read after it is
+        the one stored for it or a later one (Writer.announce stores the due first)."""
         if self._seg is not None:
-            return self._seg.load_relaxed(L.OFF_NEXT_SEQ), self._seg.load_relaxed(L.OFF_NEXT_DUE)
+            return self._seg.load(L.OFF_NEXT_SEQ), self._seg.load_relaxed(L.OFF_NEXT_DUE)
         return L.U64.unpack_from(self._buf, L.OFF_NEXT_SEQ)[0], \
             L.U64.unpack_from(self._buf, L.OFF_NEXT_DUE)[0]
 
-    def _block(self, wait_ms: int) -> Message | None:
+    def _block(self, wait_ms: int, precise_s: float | None = None) -> Message | None:
         """One wait on the wake-up socket (the awake flag down meanwhile, native path);
-        the message it woke us for, if any."""
+        the message it woke us for, if any. ``precise_s``: wait that long instead, to
+        the microsecond (select; poll counts whole ms), where the fd allows it."""
         if self._lease_r is not None:
             msg = self._sleeping()
             if msg is not None:
                 return msg
             try:
-                woke = self._poller.poll(wait_ms)
+                woke = self._wait(wait_ms, precise_s)
             finally:
                 self._lease_r.store(L.OFF_AWAKE, L.READER_AWAKE)
         else:
-            woke = self._poller.poll(wait_ms)
+            woke = self._wait(wait_ms, precise_s)
         if woke:
             # Woken: take the message first and drain the socket on the next call
             # (a system call fewer between the wake-up and the message).
             self._undrained = True
             return self.try_receive()
         return None
+
+    def _wait(self, wait_ms: int, precise_s: float | None) -> bool:
+        if precise_s is not None and self._efd < _FD_SETSIZE and precise_s <= _MAX_SLEEP_MS / 1000:
+            return bool(select.select((self._efd,), (), (), precise_s)[0])
+        return bool(self._poller.poll(wait_ms))
 
     def _sleeping(self) -> Message | None:
         """Native path, before blocking on the wake-up socket: say so (the writer then

@@ -413,15 +413,15 @@ class Writer:
         nxt = self._last_seq + 1
         events, write = self._events, os.write
         if self._seg is not None:
-            self._seg.store_relaxed(L.OFF_NEXT_SEQ, nxt)
             self._seg.store_relaxed(L.OFF_NEXT_DUE, due)
+            self._seg.store(L.OFF_NEXT_SEQ, nxt)      # release: the due before it
             self._fence()                                   # K4
             wake = [r.load_relaxed(L.OFF_POLLS) == L.READER_POLLS
                     and r.load_relaxed(L.OFF_AWAKE) != L.READER_AWAKE     # K5
                     for r in self._lease_regions]
         else:
-            self._words[L.OFF_NEXT_SEQ // 8] = nxt
             self._words[L.OFF_NEXT_DUE // 8] = due
+            self._words[L.OFF_NEXT_SEQ // 8] = nxt
             wake = [L.U64.unpack_from(mm, L.OFF_POLLS)[0] == L.READER_POLLS
                     for mm in self._leases]
         for fd, w in zip(events, wake):

@@ -22,7 +22,8 @@ plane into the model input, release the frame, run, copy the output to host memo
 publish float32[4] = (offset_m, heading_rad, confidence, reserved) on ``model`` with the
 frame's id and capture time and an execution receipt (`supervisor.ipc.receipt.Receipt`).
 Before each inference it announces on ``model`` when the output is due (the median of
-the last inferences: ``Writer.announce``), for readers that busy-poll.
+the last frames' time from there to the publish: ``Writer.announce``), for readers that
+busy-poll.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import argparse
 import signal
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ ROLES = {"in": ("frames",), "out": ("model",)}
 
 ROOT = Path(__file__).resolve().parents[2]
 PING_S = 0.1
+ANNOUNCE_FROM = 16     # frames whose median time to publish is the next announcement
 STATUS_S = 5.0
 
 
@@ -69,6 +71,7 @@ class Modeld:
         self.errors: Counter[str] = Counter()
         self.published = 0
         self.last_receipt: Any = None
+        self._to_publish: deque[int] = deque(maxlen=ANNOUNCE_FROM)   # ns, for announce
 
     def step(self, timeout: float) -> bool:
         """Handle at most one frame; False if none arrived within ``timeout``."""
@@ -89,11 +92,13 @@ class Modeld:
                 y = msg.planes()[0]
                 eng.check_frame(y, pixel_format=info.pixel_format, pixel_range=info.pixel_range,
                                 width=info.width, height=info.height)
-                # When model_out's next message is due, so that a busy-polling
-                # reader (controlsd) watches for it then instead of being woken.
-                expected = eng.expected_ns
-                if expected:
-                    self.writer.announce(time.monotonic_ns() + expected)
+                # When model_out's next message is due (the median time from here
+                # to the publish, of the last frames), so that a busy-polling reader
+                # (controlsd) watches for it then instead of being woken.
+                announced = time.monotonic_ns()
+                if self._to_publish:
+                    ahead = sorted(self._to_publish)
+                    self.writer.announce(announced + ahead[len(ahead) // 2])
                 t0 = time.monotonic_ns()
                 x = eng.preprocess(y)
                 msg.release()              # input copied: give the camera its slot back
@@ -109,6 +114,7 @@ class Modeld:
             loan.array((4,), np.float32)[:] = out
             loan.publish(frame_id=info.frame_id, capture_ts_ns=info.capture_ts_ns,
                          receipt=receipt)
+        self._to_publish.append(time.monotonic_ns() - announced)
         self.published += 1
         self.last_receipt = receipt
         return True

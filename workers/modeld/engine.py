@@ -19,7 +19,7 @@ Nothing here imports tinygrad at module import: `Engine` does, through
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -88,9 +88,6 @@ def preprocess_y(y: np.ndarray, spec: dict, out: np.ndarray | None = None) -> np
     return out
 
 
-RECENT = 16     # inferences the expected latency is the median of
-
-
 class FrameRejected(Exception):
     """A frame that does not match the artifact's input ABI (counted, not fatal)."""
 
@@ -117,7 +114,6 @@ class Engine:
         self.worst_case_ns = 0
         self.deadline_misses = 0
         self.inferences = 0
-        self._recent: deque[int] = deque(maxlen=RECENT)   # latencies, for expected_ns
         self.rejected: Counter[str] = Counter()
         t0 = time.monotonic_ns()
         self.model = runtime.load_model(verified, exclusive=exclusive)
@@ -155,13 +151,6 @@ class Engine:
             self._reject("too_small", f"frame {w}x{h} is smaller than the model's minimum "
                                       f"{self.min_width}x{self.min_height}")
 
-    @property
-    def expected_ns(self) -> int:
-        """The median latency of the last RECENT inferences (0 before the first): when
-        the next output is due, for the output channel's announcement (modeld)."""
-        r = sorted(self._recent)
-        return r[len(r) // 2] if r else 0
-
     def _reject(self, reason: str, msg: str) -> None:
         self.rejected[reason] += 1
         raise FrameRejected(reason, msg)
@@ -191,7 +180,6 @@ class Engine:
     def _receipt(self, frame_id: int, capture_ts_ns: int, t0: int, t1: int, st: Any) -> Receipt:
         lat = t1 - t0
         self.inferences += 1
-        self._recent.append(lat)
         self.worst_case_ns = max(self.worst_case_ns, lat)
         if self.deadline_ns and lat > self.deadline_ns:
             self.deadline_misses += 1
