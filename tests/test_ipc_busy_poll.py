@@ -52,7 +52,7 @@ def test_a_regular_stream_is_taken_while_busy_polling_and_nothing_is_lost(make_c
     assert st.dropped == 0 and not st.rejected
     # the first intervals teach the period; then messages land in windows (not all:
     # this writer's sleep jitters by milliseconds on a busy VM, a camera's does not)
-    assert st.busy_poll_hits >= 15, st
+    assert st.busy_poll_hits >= 10, st
 
 
 def test_an_irregular_stream_is_not_busy_polled(make_channel):
@@ -328,3 +328,46 @@ def test_an_absurd_due_never_breaks_receive(make_channel, forged):
     with r.receive() as m:
         assert m.sequence == 3 and m.array[0] == 7
     assert r.stats.busy_poll_hits == r.stats.busy_poll_misses == 0
+
+
+def _announce_then_publish_late(handle, n: int, lead_ns: int) -> None:
+    w = Writer(handle, domain="control")
+    time.sleep(0.3)
+    for _ in range(3):
+        w.publish_array(np.zeros(16, np.uint8))
+        time.sleep(0.02)
+    frozen = time.monotonic_ns()
+    for i in range(n):
+        t = time.monotonic_ns()
+        w.announce(t + lead_ns)                      # the window: now .. now + 2 lead
+        while time.monotonic_ns() < t + 2 * lead_ns - 100_000:
+            time.sleep(0.0002)                       # published just before it closes
+        w.publish_array(np.full(16, i % 200, np.uint8), publish_ts_ns=frozen)
+
+
+def test_back_to_back_windows_keep_the_duty_bound(make_channel):
+    """Review: a writer that froze its publish stamps (the period learned from the
+    first three stays) and announced each message just ahead, publishing just before
+    the window closed, kept a reader spinning at 82-86 % of a CPU. A window now opens
+    2 x busy_poll_us after the last one closed (the reader's own clock): at most about
+    half a CPU, and every message still comes, in order."""
+    n, lead_ns = 150, 1_000_000
+    ch = make_channel(slot_count=8, max_readers=1)
+    p = _fork.Process(target=_announce_then_publish_late,
+                      args=(ch.writer_handle(), n, lead_ns))
+    p.start()
+    r = Reader(ch.reader_handle(0), busy_poll_us=lead_ns // 1000)
+    try:
+        seqs = []
+        for _ in range(3):
+            with r.receive(timeout=2) as m:
+                seqs.append(m.sequence)
+        c0, t0 = time.thread_time(), time.monotonic()
+        for _ in range(n):
+            with r.receive(timeout=2) as m:
+                seqs.append(m.sequence)
+        share = (time.thread_time() - c0) / (time.monotonic() - t0)
+    finally:
+        p.join(10)
+    assert seqs == list(range(1, n + 4))
+    assert share < 0.55, f"the reader used {share:.0%} of a CPU"

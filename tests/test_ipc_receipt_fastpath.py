@@ -328,3 +328,30 @@ def test_native_check_of_receipt_headers_agrees_with_the_reader(v, r, early, dat
         assert got == want                      # accepted by both, the same Stamp
     elif not isinstance(want, Rejected) and compiled and v["publish_ts_ns"] < 2**63:
         raise AssertionError(f"native check deferred a header the reader accepts: {want}")
+
+
+class _HashRaises(str):
+    exc: type[BaseException] = ValueError
+
+    def __hash__(self):
+        raise self.exc("from device.__hash__")
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("exc", [ValueError, KeyboardInterrupt])
+def test_a_receipt_that_raises_gives_its_slot_back(channel, native, exc):
+    """Review: the native writer looked up the receipt plan outside the discard guard;
+    a receipt whose device raised there left its slot loaned (odd) for good, and after
+    slot_count of them the channel refused every publish."""
+    w = Writer(channel.writer_handle(), native=native)
+    good = Receipt(1, 2, 3, 4, "CPU", 4096, 16, "hostVisible", 10, 11, 50_000_000, 0,
+                   b"\x5a" * 32, 12)
+    w.publish_array(np.zeros(4, np.float32), frame_id=1, capture_ts_ns=2, receipt=good)
+    dev = type("Dev", (_HashRaises,), {"exc": exc})("CPU")
+    bad = dataclasses.replace(good, device=dev)
+    for i in range(channel.spec.slot_count + 1):
+        with pytest.raises(exc):
+            w.publish_array(np.zeros(4, np.float32), frame_id=2 + i, capture_ts_ns=3,
+                            receipt=bad)
+    assert w.stats.loans_discarded == channel.spec.slot_count + 1 and not w._loaned
+    w.publish_array(np.zeros(4, np.float32), frame_id=99, capture_ts_ns=100, receipt=good)

@@ -133,9 +133,10 @@ def check_busy_poll(add: Add, workers: dict[str, WorkerConfig], writers: dict[st
     for w in workers.values():
         if not w.busy_poll_us or w.realtime_priority is None:
             continue
-        for ch in w.reads:
+        for ch in w.subscribes:     # shadow reads feed no actuation: not worth a rule
             src = workers.get(writers.get(ch, ""))
-            if src is None or (src.realtime_priority or 0) > w.realtime_priority:
+            if (src is None or src is w
+                    or (src.realtime_priority or 0) > w.realtime_priority):
                 continue
             wp = ("the normal class" if src.realtime_priority is None
                   else f"priority {src.realtime_priority}")
@@ -144,6 +145,7 @@ def check_busy_poll(add: Add, workers: dict[str, WorkerConfig], writers: dict[st
                 f"its writer {src.name!r} runs at {wp}: the spin would take the CPU the "
                 "writer needs to publish; rank the reader below its writers, or drop "
                 "busy_poll_us")
+            break                   # one line per worker
 
 
 def check_writers(add: Add, workers: dict[str, WorkerConfig], channels: dict) -> dict[str, str]:

@@ -8,7 +8,8 @@ watch shared memory until it arrives; the writer then skips the wake-up too (the
 reader's awake flag). Linux's SO_BUSY_POLL makes the same trade for sockets.
 
 Cost: at most ``2 * busy_poll_us`` of CPU per message and about half of one CPU in all
-(the windows, plus the calls around them), and
+(a window opens at least ``2 * busy_poll_us`` after the last one closed, on this
+reader's clock; plus the calls around them), and
 none unless the stream is regular: the last intervals agree to within the window. The publish stamps it learns
 from are the writer's (a lying writer only moves the window: the message itself is
 still checked in full, and a window missed just means the usual blocking wait).
@@ -82,5 +83,13 @@ class Cadence:
             return self.spent[1], self.spent[2]
         if (seq == nxt and self.last_pub_ns < due_ns <= now_ns + _HORIZON_NS
                 and self.period_ns >= _DUTY * self.lead_ns):
-            return due_ns - self.lead_ns, due_ns + self.lead_ns
-        return self.window()
+            w = due_ns - self.lead_ns, due_ns + self.lead_ns
+        else:
+            w = self.window()
+        if w is None:
+            return None
+        # The duty bound on this reader's own clock (review: a writer that froze its
+        # publish stamps kept an old period, and announced windows back to back spun a
+        # reader at 86 % of a CPU): a window opens 2 x lead after the last one closed.
+        start = max(w[0], self.spent[2] + 2 * self.lead_ns)
+        return (start, w[1]) if start < w[1] else None

@@ -951,7 +951,12 @@ static PyObject *h_pack(PyObject *m, PyObject *const *a, Py_ssize_t n) {
         if (get_u64(PyTuple_GET_ITEM(table, i), &t[i]) < 0)
             return NULL;
     int has_crc = (int)t[0], has_frame = (int)t[1];
-    PyObject *vals[9 + MAX_EXTRA];
+    Py_ssize_t n_extra = extra == Py_None ? 0 : PyTuple_GET_SIZE(extra);
+    if (PyTuple_GET_SIZE(table) != 6 + 2 * (3 + (has_crc != 0) + 6 * (has_frame != 0) + n_extra)) {
+        PyErr_SetString(PyExc_ValueError, "pack_header(): table does not match the plan");
+        return NULL;
+    }
+    PyObject *vals[10 + MAX_EXTRA];     /* 3 + crc + 6 frame fields, then the extra */
     int nv = 0;
     vals[nv++] = a[4];                 /* sequence */
     vals[nv++] = a[5];                 /* generation */

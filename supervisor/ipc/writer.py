@@ -317,11 +317,14 @@ class Writer:
             if receipt is None:
                 plan = self._header_plans.get((crc is not None, frame_id is not None))
             else:
-                plan = self._receipt_plan(crc is not None, frame_id is not None, receipt)
                 try:
+                    plan = self._receipt_plan(crc is not None, frame_id is not None, receipt)
                     extra = plan.receipt_values(receipt) if plan is not None else None
                 except Exception:
-                    plan = None          # values pycapnp must judge (_encode)
+                    plan = None          # values pycapnp must judge (_encode discards)
+                except BaseException:
+                    self._discard(loan)  # nothing was published: the slot goes back
+                    raise
         if plan is not None and plan.native is not None:
             seq = self._last_seq + 1
             gen = self._gen[slot] + 1
