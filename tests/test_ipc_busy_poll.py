@@ -299,14 +299,14 @@ def test_a_window_cut_by_the_timeout_is_resumed_not_moved(make_channel):
     and takes the message in it."""
     import threading
 
-    w, r, _ = _primed(make_channel, busy_poll_us=10_000, period_s=0.045)
+    w, r, _ = _primed(make_channel, busy_poll_us=20_000, period_s=0.085)
     now = time.monotonic_ns()
-    w.announce(now + 30_000_000)                     # window 20..40 ms from now
-    threading.Timer(0.033, w.publish_array, (np.zeros(16, np.uint8),)).start()
+    w.announce(now + 60_000_000)                     # window 40..80 ms from now
+    threading.Timer(0.062, w.publish_array, (np.zeros(16, np.uint8),)).start()
     with pytest.raises(ChannelTimeout):
-        r.receive(timeout=0.025)                     # cut at 25 ms
+        r.receive(timeout=0.05)                      # cut at 50 ms
     assert r.stats.busy_poll_misses == 1
-    with r.receive(timeout=1) as m:                  # resumed: 25..40 ms
+    with r.receive(timeout=1) as m:                  # resumed: 50..80 ms
         assert m.sequence == 3
     assert r.stats.busy_poll_hits == 1, r.stats
 

@@ -129,7 +129,10 @@ def test_a_realtime_config_costs_the_unit_sys_nice_and_sched_setscheduler_only(t
     from supervisor.config import default_doc, derive, dumps, loads
     from supervisor.units import REALTIME_EXPOSURE
 
-    cfg = loads(dumps(derive(default_doc(), set={"workers.controlsd.realtime_priority": 53})),
+    # controlsd alone real-time: it then waits to be woken (a busy-polling real-time
+    # reader must rank below its writer, and modeld stays in the normal class).
+    cfg = loads(dumps(derive(default_doc(), set={"workers.controlsd.realtime_priority": 53,
+                                                 "workers.controlsd.busy_poll_us": 0})),
                 "rt.toml")
     (unit,) = write_units(cfg, tmp_path, config_path=None, prefix=str(_fake_prefix(tmp_path)))
     d = _directives(unit.read_text())
