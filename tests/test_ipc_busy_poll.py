@@ -176,18 +176,22 @@ def test_an_announced_irregular_stream_is_taken_while_busy_polling(make_channel,
 
 def _primed(make_channel, native: bool = True, busy_poll_us: int = 1000,
             period_s: float = 0.02):
-    """A writer and a busy-polling reader that took two messages ``period_s`` apart:
-    the period is known (announcements are believed from then on), not yet regular."""
+    """A writer and a busy-polling reader that took four messages ``period_s`` apart,
+    each announced to the nanosecond (stamped with its due): the period is known and
+    the writer's announcements are trusted (Cadence.trust), not yet regular."""
     ch = make_channel(slot_count=8, max_readers=1)
     wh = ch.writer_handle()
     w = Writer(wh, domain="control", native=native)
     r = Reader(ch.reader_handle(0), busy_poll_us=busy_poll_us, native=native)
-    for i in range(2):
+    for i in range(4):
         if i:
             time.sleep(period_s)
-        w.publish_array(np.full(16, i, np.uint8))
+        due = time.monotonic_ns()
+        w.announce(due)
+        w.publish_array(np.full(16, i, np.uint8), publish_ts_ns=due)
         r.receive(timeout=1).release()
-    assert r._cadence.period_ns > 0 and r._cadence.window() is None
+    cad = r._cadence
+    assert cad.period_ns > 0 and cad.window() is None and cad.trust == 4
     return w, r, wh
 
 
@@ -233,8 +237,8 @@ def test_an_announcement_for_a_message_already_taken_is_ignored(make_channel):
     """The announcement names the sequence number it is for: once that message is
     taken, its window is stale and the reader does not spin for it."""
     w, r, _ = _primed(make_channel, busy_poll_us=5000, period_s=0.025)
-    w.announce(time.monotonic_ns() + 30_000_000)        # for sequence 3, 30 ms ahead
-    w.publish_array(np.zeros(16, np.uint8))               # sequence 3, early
+    w.announce(time.monotonic_ns() + 30_000_000)        # for sequence 5, 30 ms ahead
+    w.publish_array(np.zeros(16, np.uint8))               # sequence 5, early
     r.receive(timeout=1).release()
     c0 = time.thread_time()
     with pytest.raises(ChannelTimeout):
@@ -307,7 +311,7 @@ def test_a_window_cut_by_the_timeout_is_resumed_not_moved(make_channel):
         r.receive(timeout=0.05)                      # cut at 50 ms
     assert r.stats.busy_poll_misses == 1
     with r.receive(timeout=1) as m:                  # resumed: 50..80 ms
-        assert m.sequence == 3
+        assert m.sequence == 5
     assert r.stats.busy_poll_hits == 1, r.stats
 
 
@@ -321,12 +325,12 @@ def test_an_absurd_due_never_breaks_receive(make_channel, forged):
     w, r, _ = _primed(make_channel)
     if forged:
         w._words[L.OFF_NEXT_DUE // 8] = 2**64 - 1
-        w._words[L.OFF_NEXT_SEQ // 8] = 3
+        w._words[L.OFF_NEXT_SEQ // 8] = 5
     else:
         w.announce(time.monotonic_ns() + 30 * 86400 * 10**9)
     threading.Timer(0.05, w.publish_array, (np.full(16, 7, np.uint8),)).start()
     with r.receive() as m:
-        assert m.sequence == 3 and m.array[0] == 7
+        assert m.sequence == 5 and m.array[0] == 7
     assert r.stats.busy_poll_hits == r.stats.busy_poll_misses == 0
 
 
@@ -371,3 +375,35 @@ def test_back_to_back_windows_keep_the_duty_bound(make_channel):
         p.join(10)
     assert seqs == list(range(1, n + 4))
     assert share < 0.55, f"the reader used {share:.0%} of a CPU"
+
+
+def _announce_wrong_then_right(handle, n: int) -> None:
+    w = Writer(handle, domain="control")
+    rng = random.Random(5)
+    time.sleep(0.3)
+    for i in range(2 * n):                   # irregular: no period predicts it
+        due = time.monotonic_ns() + rng.randrange(30_000_000, 60_000_000)
+        w.announce(due - (15_000_000 if i < n else 0))   # first 15 ms early, then right
+        time.sleep(max(0.0, (due - time.monotonic_ns()) / 1e9))
+        w.publish_array(np.full(16, i % 200, np.uint8))
+
+
+def test_announcements_that_miss_are_not_polled_for_until_they_are_right_again(make_channel):
+    """A loaded machine: the writer's announcements are 15 ms early (its inference ran
+    long). The reader judges each announced message against its window, polled for or
+    not, so it stops spinning for them; once they are right again, it polls again."""
+    n = 25
+    ch = make_channel(slot_count=8, max_readers=1)
+    p = _fork.Process(target=_announce_wrong_then_right, args=(ch.writer_handle(), n))
+    p.start()
+    r = Reader(ch.reader_handle(0), busy_poll_us=3000)
+    try:
+        for i in range(2 * n):
+            with r.receive(timeout=2) as m:
+                assert m.sequence == i + 1
+            if i == n - 1:
+                wrong = r.stats
+    finally:
+        p.join(10)
+    assert wrong.busy_poll_hits + wrong.busy_poll_misses == 0, wrong
+    assert r.stats.busy_poll_hits >= 10, r.stats

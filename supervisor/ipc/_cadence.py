@@ -20,8 +20,10 @@ names the next sequence number and when it is due, and the window is centred the
 Whatever a writer announces, a reader spins through at most one announced window per
 message it takes, announced or not (``spent``; a window cut short by the caller's
 timeout may be resumed, never moved), so the bound above holds against a lying writer
-too. An announcement is believed only after the stream's period is known (two
-messages), for a due after the last message and at most _HORIZON_NS ahead.
+too. Announcements are believed once _SETTLE announced messages in a row came within
+their windows (polled or not; a miss halves the count, like an irregular interval) and
+the stream's period is known, for a due after the last message and at most _HORIZON_NS
+ahead.
 """
 from __future__ import annotations
 
@@ -46,9 +48,23 @@ class Cadence:
     misses: int = 0         # windows that ended without one
     spent: tuple[int, int, int] = (0, 0, 0)   # (sequence number, start, stop) of the
                                               # window polled last: one per message
+    heard: tuple[int, int] = (0, 0)   # the announcement read while waiting: (seq, due)
+    trust: int = 0          # announced messages in a row that came within their window
 
-    def seen(self, publish_ts_ns: int) -> None:
-        """A message published at ``publish_ts_ns`` was taken."""
+    def seen(self, publish_ts_ns: int, sequence: int = 0, announced: tuple[int, int] = (0, 0)
+             ) -> None:
+        """Message ``sequence``, published at ``publish_ts_ns``, was taken; ``announced``:
+        the writer's announcement as it stands now, (sequence, due): it or the one
+        read while waiting (a writer may announce the next before this one is taken)."""
+        if announced[0] != sequence:
+            announced = self.heard
+        if announced[0] == sequence and sequence:
+            # Was it announced right (would its window have held it)? Judged on every
+            # announced message, polled for or not, so a writer whose announcements
+            # miss (a loaded machine: inference times all over) is waited for as
+            # usual, and earns windows back by announcing right again.
+            ok = abs(publish_ts_ns - announced[1]) < self.lead_ns
+            self.trust = self.trust + 1 if ok else self.trust // 2
         last, self.last_pub_ns = self.last_pub_ns, publish_ts_ns
         if not last or publish_ts_ns <= last:
             return
@@ -79,9 +95,12 @@ class Cadence:
         and is plausible, else from the period (``window``). One window per message,
         whatever its source: once one was polled for ``nxt`` (``spent``), only it may
         be resumed (the caller's timeout may have cut it short)."""
+        if seq == nxt:
+            self.heard = (seq, due_ns)
         if self.spent[0] == nxt:
             return self.spent[1], self.spent[2]
-        if (seq == nxt and self.last_pub_ns < due_ns <= now_ns + _HORIZON_NS
+        if (seq == nxt and self.trust >= _SETTLE
+                and self.last_pub_ns < due_ns <= now_ns + _HORIZON_NS
                 and self.period_ns >= _DUTY * self.lead_ns):
             w = due_ns - self.lead_ns, due_ns + self.lead_ns
         else:

@@ -241,7 +241,7 @@ class Reader:
         if capture_ts is not None:
             self._last_capture = capture_ts
         if self._cadence is not None:
-            self._cadence.seen(stamp[3])
+            self._cadence.seen(stamp[3], stamp[0], self._announced())
         self._received += 1
         msg = _new_message(Message)
         msg._reader = self
