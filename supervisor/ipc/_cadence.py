@@ -17,10 +17,9 @@ still checked in full, and a window missed just means the usual blocking wait).
 A stream whose period does not predict it (a model's output: it follows the inference,
 which jitters by milliseconds) is predicted by its writer instead: ``Writer.announce``
 names the next sequence number and when it is due, and the window is centred there.
-Whatever a writer announces, a reader spins through at most one announced window per
-message it takes, announced or not (``spent``; a window cut short by the caller's
-timeout may be resumed, never moved), so the bound above holds against a lying writer
-too. Announcements are believed once _SETTLE announced messages in a row came within
+Whatever a writer announces, a reader spins through at most one window per message it
+takes, announced or predicted (``spent``; a window cut short by the caller's timeout
+may be resumed, never moved), so the bound above holds against a lying writer too. Announcements are believed once _SETTLE announced messages in a row came within
 their windows (polled or not; a miss halves the count, like an irregular interval) and
 the stream's period is known, for a due after the last message and at most _HORIZON_NS
 ahead.

@@ -490,7 +490,8 @@ class Reader:
         return None
 
     def _wait(self, wait_ms: int, precise_s: float | None) -> bool:
-        if precise_s is not None and self._efd < _FD_SETSIZE and precise_s <= _MAX_SLEEP_MS / 1000:
+        if (precise_s is not None and self._efd < _FD_SETSIZE
+                and precise_s <= _MAX_SLEEP_MS / 1000):
             return bool(select.select((self._efd,), (), (), precise_s)[0])
         return bool(self._poller.poll(wait_ms))
 
