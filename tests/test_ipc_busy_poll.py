@@ -281,12 +281,16 @@ def test_one_window_per_message_whatever_its_source(make_channel):
     ch = make_channel(slot_count=8, max_readers=1)
     w = Writer(ch.writer_handle(), domain="control")
     r = Reader(ch.reader_handle(0), busy_poll_us=5000)
-    for i in range(8):                               # a regular 25 ms stream, learned
-        if i:
-            time.sleep(0.025)
-        w.publish_array(np.full(16, i, np.uint8))
+    t0 = time.monotonic_ns()
+    for i in range(8):              # a regular 25 ms stream, each message announced right
+        due = t0 + i * 25_000_000
+        time.sleep(max(0.0, (due - time.monotonic_ns()) / 1e9))
+        w.announce(due)
+        w.publish_array(np.full(16, i, np.uint8), publish_ts_ns=due)
         with r.receive(timeout=1):
             pass
+    cad = r._cadence
+    assert cad.window() is not None and cad.trust >= 4   # both kinds of window open
     now = time.monotonic_ns()
     w.announce(now + 20_000_000)                     # the period says ~25 ms: elsewhere
     threading.Timer(0.03, w.announce, (now + 40_000_000,)).start()
