@@ -42,8 +42,19 @@ class _ExecWindow:
         from supervisor.admission import maps
 
         pid = self._worker_pid(run)
+        # A worker that died right after READY (a control worker killed by seccomp, CI:
+        # refusing it overwrote its SIGSYS with our SIGKILL) takes its sandbox with it:
+        # wait for either, so that its own exit is what is reported.
+        deadline = trio.current_time() + _FIND_WORKER_S
+        while self.sandboxed and pid == run.pid and trio.current_time() < deadline:
+            if _exited(run.pid):
+                return                        # its exit is reported, with its cause
+            await trio.sleep(0.01)
+            pid = self._worker_pid(run)
         if self.sandboxed and pid == run.pid:
-            # Gone (its exit is reported too), or this /proc shows no NSpid to find it by.
+            if _exited(run.pid):
+                return
+            # The sandbox lives on without a pid 2, or this /proc shows no NSpid.
             self._refuse(run, "protocol", "READY, but no worker process (pid 2 of the "
                          "sandbox's pid namespace) to check")
             return
@@ -122,3 +133,18 @@ class _ExecWindow:
                 self._refuse(run, "exec_memory", f"{rq.syscall}: {v.reason}",
                              syscall=rq.syscall, pid_in_host=rq.pid,
                              prot=rq.prot, target=rq.target)
+
+
+_FIND_WORKER_S = 0.5   # how long a sandbox may show no worker before READY is refused
+
+
+def _exited(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie not yet reaped, or gone): without reaping it,
+    which is the supervisor's waiter's job."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] in (b"Z", b"X")
+
