@@ -29,11 +29,12 @@ def _publish(handle, intervals_s: list[float]) -> None:
         w.publish_array(np.full(16, i % 251, np.uint8))
 
 
-def _stream(make_channel, intervals_s: list[float], busy_poll_us: int):
-    """Every message of a writer process publishing at ``intervals_s``, as (seq, first
-    byte), and the reader's stats."""
+def _stream(make_channel, intervals_s: list[float], busy_poll_us: int,
+            publish=_publish, *more):
+    """Every message of a writer process publishing at ``intervals_s`` (``publish(handle,
+    intervals_s, *more)``), as (seq, first byte), and the reader's stats."""
     ch = make_channel(slot_count=8, max_readers=1)
-    p = _fork.Process(target=_publish, args=(ch.writer_handle(), intervals_s))
+    p = _fork.Process(target=publish, args=(ch.writer_handle(), intervals_s, *more))
     p.start()
     r = Reader(ch.reader_handle(0), busy_poll_us=busy_poll_us)
     got = []
@@ -155,18 +156,7 @@ def test_an_announced_irregular_stream_is_taken_while_busy_polling(make_channel,
     order; unannounced, the same stream is waited for as usual."""
     rng = random.Random(11)
     intervals = [rng.uniform(0.02, 0.06) for _ in range(40)]
-    ch = make_channel(slot_count=8, max_readers=1)
-    p = _fork.Process(target=_publish_announced, args=(ch.writer_handle(), intervals, announce))
-    p.start()
-    r = Reader(ch.reader_handle(0), busy_poll_us=3000)
-    got = []
-    try:
-        for _ in intervals:
-            with r.receive(timeout=2) as m:
-                got.append((m.sequence, int(m.array[0])))
-    finally:
-        p.join(10)
-    st = r.stats
+    got, st = _stream(make_channel, intervals, 3000, _publish_announced, announce)
     assert got == [(i + 1, i) for i in range(40)] and st.dropped == 0 and not st.rejected
     if announce:
         assert st.busy_poll_hits >= 20, st

@@ -30,9 +30,9 @@ module = "workers.research"
 """
 
 
-def _problems(cam: str = "", lab: str = "") -> list[str]:
+def _problems(cam: str = "", lab: str = "", template: str = BASE, **more: str) -> list[str]:
     try:
-        loads(BASE.format(cam=cam, lab=lab), "rt.toml")
+        loads(template.format(cam=cam, lab=lab, **more), "rt.toml")
     except ConfigFileError as e:
         return [str(p) for p in e.problems]
     return []
@@ -81,11 +81,7 @@ busy_poll_us = 1000
 def test_a_busy_polling_realtime_reader_ranks_below_its_writer(cam, model, refused):
     """Measured: controlsd at FIFO 53 spinning for modeld's output at 51 on 2 CPUs took
     the CPU modeld needed to publish (14 windows of 108 hit). Refused in one line."""
-    try:
-        loads(PIPE.format(cam=cam, model=model), "rt.toml")
-        problems = []
-    except ConfigFileError as e:
-        problems = [str(p) for p in e.problems]
+    problems = _problems(cam, template=PIPE, model=model)
     if not refused:
         assert problems == []
         return
