@@ -63,6 +63,7 @@ ATTACKERS = {
     "c-mremap": ("control", "mremap_exec", False),
     "c-listener": ("control", "own_listener", False),
     "r-wake": ("research", "wake_abuse", False),
+    "r-announce": ("research", "announce_sink", False),
     "r-churn": ("research", "status_churn", False),
     "r-escape": ("research", "status_escape", False),
     "r-descr": ("research", "shared_description", False),
@@ -101,7 +102,7 @@ def _toml(sock_dir: Path) -> str:
     domain = "control"
     module = "workers.probe"
     publishes = ["frames"]
-    args = ["--publish", "frames", "--period-ms", "20", "--ping-ms", "20"]
+    args = ["--publish", "frames", "--period-ms", "20", "--ping-ms", "20", "--announce"]
     watchdog_ms = 300
     restart = "always"
     [workers.sink]
@@ -373,6 +374,17 @@ def test_wake_up_socket_abuse_leaves_the_writer_publishing(fleet):
     res = assert_denied(ev, "r-wake")
     assert res["scm_rights"] == "sent" and res["flood"] == "EAGAIN", res
     assert not _of(fleet["running"], "src", "exit") and not _of(fleet["running"], "r-wake", "exit")
+
+
+def test_a_reader_claiming_to_busy_poll_cannot_hurt_an_announcing_writer(fleet):
+    """Research claims (its own lease table) to busy-poll and to sleep, so the control
+    writer's announcements go to its socket; it takes them, then shuts the socket. The
+    writer announces and publishes on, and the control sink keeps reading."""
+    ev = fleet["events"]
+    res = assert_denied(ev, "r-announce")
+    assert res["woken_bytes"] > 0, res          # the claim worked: it was woken
+    assert not _of(fleet["running"], "src", "exit")
+    assert not _of(fleet["running"], "sink", "exit")
 
 
 def test_a_research_reader_cannot_change_what_a_control_reader_holds(fleet):

@@ -3,7 +3,7 @@ misses, channel traffic, forbidden imports. Used by tests/ and bench/, never shi
 a vehicle config.
 
     args: --ready-delay-ms N   --exit-after-ms N --exit-code C   --ping-ms N
-          --stop-pinging-after-ms N   --publish CH --period-ms N   --read CH
+          --stop-pinging-after-ms N   --publish CH --period-ms N [--announce]   --read CH
           --import MODULE (after ready)   --map-file PATH (after ready)
           --attack NAME [--attack-before-ready]   (workers/probe/attacks.py)
           --write-file PATH (after ready; the result is logged)
@@ -33,6 +33,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--publish", action="append", default=[])
     p.add_argument("--read", action="append", default=[])
     p.add_argument("--period-ms", type=int, default=20)
+    p.add_argument("--announce", action="store_true",
+                   help="announce each next publish (Writer.announce)")
     p.add_argument("--import", dest="import_", default=None)
     p.add_argument("--map-file", default=None)
     p.add_argument("--alloc-mb", type=int, default=0, help="after ready: allocate this much")
@@ -128,6 +130,8 @@ def main(ctx: WorkerContext) -> int:
         for w in writers.values():
             n += 1
             w.publish_array(np.full(4, n % 100, w.spec.np_dtype))
+            if a.announce:
+                w.announce(time.monotonic_ns() + min(a.ping_ms, a.period_ms) * 1_000_000)
         for r in readers.values():
             while (m := r.try_receive()) is not None:
                 m.release()

@@ -427,6 +427,34 @@ def wake_abuse(ctx: WorkerContext) -> dict:
     return res
 
 
+def announce_sink(ctx: WorkerContext) -> dict:
+    """A research reader of a channel whose control writer announces every message
+    (Writer.announce) claims in its own lease table to busy-poll and to be asleep, so
+    that every announcement is sent to its wake-up socket; it takes those bytes, then
+    shuts the socket down. The writer (control) must announce and publish on,
+    untouched: the evidence is its health (src) and the sink's traffic."""
+    import json
+
+    from supervisor.ipc import env_name, layout as L
+
+    h = next(json.loads(os.environ[env_name(ch)]) for ch in ctx.channels)
+    lease = mmap.mmap(h["lease_fd"], mmap.PAGESIZE)        # its own: writable
+    L.U64.pack_into(lease, L.OFF_POLLS, L.READER_POLLS)
+    L.U64.pack_into(lease, L.OFF_AWAKE, 0)
+    s = socket.socket(fileno=os.dup(h["event_fd"]))
+    time.sleep(0.5)                  # announcements arrive as wake-up bytes meanwhile
+    s.setblocking(False)
+    got = 0
+    try:
+        while chunk := s.recv(65536):
+            got += len(chunk)
+    except OSError:
+        pass
+    s.shutdown(socket.SHUT_RDWR)     # the writer's next wake-ups fail (EPIPE)
+    time.sleep(1.0)
+    return {"denied": True, "woken_bytes": got}
+
+
 def status_churn(ctx: WorkerContext) -> dict:
     """900 distinct STATUS lines a second for 3 s: under the flood limit (1000 lines/s),
     yet each one was an event in the supervisor's log (~0.5 MB/s, enough to trip
@@ -831,7 +859,7 @@ ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
         forge_log, tty, fork_storm, memory_hog, dev_shm, ptrace, personality, unix_connect,
         mprotect_exec, memfd_exec, dlopen_tmp, torch_files, swallow_guard, fake_ready,
         status_flood, long_line, nested_log, modify_ldt, mremap_exec, own_listener,
-        wake_abuse, status_churn, status_escape, shared_description, patch_library,
+        wake_abuse, announce_sink, status_churn, status_escape, shared_description, patch_library,
         raise_cpu_weight, raise_priority, realtime_runaway,
         realtime_pi_boost, realtime_hop, realtime_sched_misc, realtime_pid_wrap,
     )
