@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from supervisor.ipc import Channel, ChannelSpec, Reader, Receipt, Writer
+from supervisor.ipc import Channel, ChannelSpec, NextLoan, Reader, Receipt, Writer
 from workers.controlsd import model_output_of
 from workers.controlsd.law import (Command, ControlLaw, LawConfig, ModelOutput,
                                    SafeReason)
@@ -375,9 +375,10 @@ def test_publish_writes_what_encode_writes(make_channel):
 
     ch = make_channel(name="control_cmd", dtype="float32", slot_size=4096, crc=True)
     with Writer(ch.writer_handle()) as w, Reader(ch.reader_handle(0)) as r:
+        out = NextLoan(w, CONTROL_CMD.shape, np.float32)
         for cmd in (Command(-0.125, True, SafeReason.OK, 12.5),
                     Command(0.1, False, SafeReason.FUTURE, 1.8e13)):
-            _publish(w, cmd)
+            _publish(out, cmd)
             with r.receive(timeout=2) as msg:
                 got = msg.array.tobytes()
             want = CONTROL_CMD.encode(steer_rad=cmd.steer_rad, engaged=float(cmd.engaged),

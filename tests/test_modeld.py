@@ -253,3 +253,25 @@ def test_receipt_fields_are_the_named_ones(engine):
                         deadline_ns=engine.deadline_ns,
                         deadline_misses=engine.deadline_misses,
                         artifact_sha256=engine.artifact_sha256, kernels_run=5)
+
+
+def test_the_output_lands_in_the_array_given_bit_identically(engine, reference):
+    """modeld hands the model the next model_out slot's array (NextLoan): the output is
+    copied there, the very bytes of a fresh output; an array the output does not fit is
+    refused in one line naming both, before anything runs."""
+    from supervisor.model import AbiMismatch
+
+    y = SyntheticRoad(W, H, seed=SEED).render(FRAMES[0])[0]
+    x = engine.preprocess(y).copy()
+    into = np.full(4, np.nan, np.float32)
+    out, r = engine.infer_tensor(x, frame_id=FRAMES[0], capture_ts_ns=123, out=into)
+    assert out is into and into.tobytes().hex() == reference["outputs"][0]
+    runs = engine.inferences
+    read_only = np.empty(4, np.float32)
+    read_only.flags.writeable = False              # a reader's view
+    for bad in (np.empty(4, np.float64), np.empty(5, np.float32),
+                np.empty(8, np.float32)[::2], read_only):
+        with pytest.raises(AbiMismatch, match=r"the model writes float32\[4\]") as e:
+            engine.infer_tensor(x, out=bad)
+        assert "\n" not in str(e.value)
+    assert engine.inferences == runs

@@ -5,6 +5,9 @@
     with w.loan() as loan:
         loan.array((1208, 1928), "uint8")[...] = pixels
         loan.publish()
+    nxt = NextLoan(w, (1208, 1928), "uint8")  # or the next slot loaned ahead of its data
+    nxt.array[...] = pixels
+    nxt.publish()                             # ... and the one after loaned at once
     r = Reader(chan.reader_handle(0))                                     # a reader
     with r.receive(timeout=1.0) as msg:
         use(msg.array)                                                    # read-only view
@@ -18,13 +21,13 @@ from .errors import (BoundsError, BridgeError, ChannelTimeout, ConfigError, CrcM
 from .reader import FUTURE_TOLERANCE_NS, Reader, ReaderStats
 from .receipt import Receipt
 from .spec import ChannelSpec
-from .writer import Loan, Writer, WriterStats
+from .writer import Loan, NextLoan, Writer, WriterStats
 
 __all__ = [
     "FUTURE_TOLERANCE_NS", "BoundsError", "BridgeError", "Channel", "ChannelSpec",
     "ChannelTimeout", "ConfigError", "CrcMismatch", "DTypeMismatch", "FormatError",
     "FrameFormat", "FrameInfo", "FutureTimestamp", "Layout", "LeaseLost", "Loan",
-    "MalformedHeader", "Message", "PlaneInfo", "Reader", "ReaderHandle", "ReaderStats",
+    "MalformedHeader", "Message", "NextLoan", "PlaneInfo", "Reader", "ReaderHandle", "ReaderStats",
     "Receipt", "Rejected", "SequenceError", "Stamp", "StaleMessage", "TornRead", "Writer",
     "WriterHandle", "WriterStats", "env_name",
 ]

@@ -137,6 +137,72 @@ class Loan:
             self.discard()   # an unpublished loan (or an exception) returns the slot
 
 
+
+class NextLoan:
+    """A stream's next message on loan before its data exists (iceoryx2's loan ahead):
+    the slot is claimed and its array made right after each publish, while the caches
+    still hold that path, so that new data costs only filling ``array`` and ``publish``
+    (cold, at 20 Hz, a loan and its array cost as much as the publish). For streams whose
+    every message has one description (a model's output, a command).
+
+    It always holds one slot (odd: readers keep off it), so readers can lag one message
+    less behind this writer; ``discard`` gives it back."""
+
+    __slots__ = ("_w", "_shape", "_dtype", "_loan", "_array")
+
+    def __init__(self, writer: Writer, shape: tuple[int, ...] | int,
+                 dtype: str | np.dtype | None = None) -> None:
+        self._w, self._shape, self._dtype = writer, shape, dtype
+        self._loan: Loan | None = None
+        self._array: np.ndarray | None = None
+        self._renew()
+
+    def _renew(self) -> None:
+        loan = self._w.loan()
+        try:
+            self._array = loan.array(self._shape, self._dtype)
+        except BaseException:
+            loan.discard()
+            raise
+        self._loan = loan
+
+    @property
+    def array(self) -> np.ndarray:
+        """The next message's writable tensor (loaned again here if the last renewal
+        failed: BridgeError then, as ``Writer.loan`` raises it)."""
+        if self._loan is None:
+            self._renew()
+        return self._array
+
+    def publish(self, **stamp) -> int:
+        """``Loan.publish`` of what ``array`` holds, then the next loan. Returns the
+        sequence number."""
+        loan = self._loan
+        if loan is None:
+            raise BridgeError(f"channel {self._w.spec.name!r}: nothing on loan to publish; "
+                              f"fill array first")
+        self._loan = self._array = None
+        try:
+            return loan.publish(**stamp)
+        finally:
+            try:
+                self._renew()
+            except BridgeError:
+                pass        # no free slot now: ``array`` tries again, and raises
+
+    def discard(self) -> None:
+        """Give the slot back (unpublished, invalid)."""
+        loan, self._loan, self._array = self._loan, None, None
+        if loan is not None:
+            loan.discard()
+
+    def __enter__(self) -> NextLoan:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.discard()
+
+
 def _frame_layout(pixel_format: str, width: int, height: int, row_stride: int | None,
                   sensor: str, pixel_range: str) -> tuple[FrameFormat, tuple]:
     """Plane layout and whole-frame tensor of a tightly packed (or row-padded) frame."""

@@ -412,11 +412,18 @@ class LoadedModel:
         alloc._model_counted = True
         alloc._model_counts = counts
 
-    def run(self, x: np.ndarray, *, _session: bool = True) -> tuple[np.ndarray, RunStats]:
+    def run(self, x: np.ndarray, *, out: np.ndarray | None = None, _session: bool = True
+            ) -> tuple[np.ndarray, RunStats]:
         """Copy ``x`` in, run the captured program, copy the output back to host memory.
 
-        Returns a fresh output array (host memory, device synchronised) and what crossed.
-        """
+        Returns the output array (host memory, device synchronised) and what crossed:
+        a fresh one, or ``out`` (C-contiguous, writable, the output's dtype and shape:
+        e.g. a loaned slot's array, so the output lands where it is published)."""
+        if out is not None and (out.dtype != self._out.dtype or out.shape != self._out.shape
+                                or not (out.flags.c_contiguous and out.flags.writeable)):
+            raise AbiMismatch(f"out is {out.dtype}{list(out.shape)}, the model writes "
+                              f"{self._out.dtype}{list(self._out.shape)} (C-contiguous, "
+                              f"writable)")
         ia = self.verified.input_abi["tensor"]
         if x.dtype != np.dtype(ia["dtype"]) or list(x.shape) != ia["shape"]:
             raise AbiMismatch(f"input is {x.dtype}{list(x.shape)}, the model takes "
@@ -427,10 +434,10 @@ class LoadedModel:
             x = self._stage
         if _session:
             with self.session():
-                return self._run(x)
-        return self._run(x)
+                return self._run(x, out)
+        return self._run(x, out)
 
-    def _run(self, x: np.ndarray) -> tuple[np.ndarray, RunStats]:
+    def _run(self, x: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, RunStats]:
         from tinygrad.helpers import GlobalCounters
 
         counts = self._alloc._model_counts
@@ -438,7 +445,8 @@ class LoadedModel:
         self._alloc._copyin(self._xbuf._buf, memoryview(x).cast("B"))
         ret = self._jit(self._x)
         obuf = ret.uop.buffer
-        out = np.empty_like(self._out)
+        if out is None:
+            out = np.empty_like(self._out)
         # _copyout synchronises the device first: the bytes are final when it returns.
         self._alloc._copyout(memoryview(out).cast("B"), obuf._buf)
         return out, RunStats(counts["in"] - b_in, counts["out"] - b_out,

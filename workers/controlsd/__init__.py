@@ -35,7 +35,7 @@ import numpy as np
 
 from schemas.payloads import CONTROL_CMD
 from supervisor.ipc import (BridgeError, ChannelTimeout, FutureTimestamp, LeaseLost, Message,
-                            Rejected)
+                            NextLoan, Rejected)
 from supervisor.worker import WorkerContext
 
 from .law import Command, ControlLaw, LawConfig, ModelOutput, SafeReason
@@ -116,17 +116,17 @@ if sorted((_STEER, _ENGAGED, _REASON, _AGE)) != list(range(len(CONTROL_CMD.field
     raise ImportError("controlsd._publish must write every CONTROL_CMD field")
 
 
-def _publish(writer, cmd: Command) -> None:
-    """One CONTROL_CMD payload (schemas/payloads.py), written straight into the slot:
-    element by element, numpy's cheapest path for four scalars (``encode`` assigns a
-    list, which numpy first turns into an array: several times the cold cost)."""
-    with writer.loan() as loan:
-        out = loan.array(CONTROL_CMD.shape, np.float32)
-        out[_STEER] = cmd.steer_rad
-        out[_ENGAGED] = 1.0 if cmd.engaged else 0.0
-        out[_REASON] = float(cmd.reason)
-        out[_AGE] = cmd.model_age_ms
-        loan.publish()
+def _publish(out: NextLoan, cmd: Command) -> None:
+    """One CONTROL_CMD payload (schemas/payloads.py), written straight into the slot
+    loaned ahead (NextLoan: the loan is off the output -> command path): element by
+    element, numpy's cheapest path for four scalars (``encode`` assigns a list, which
+    numpy first turns into an array: several times the cold cost)."""
+    a = out.array
+    a[_STEER] = cmd.steer_rad
+    a[_ENGAGED] = 1.0 if cmd.engaged else 0.0
+    a[_REASON] = float(cmd.reason)
+    a[_AGE] = cmd.model_age_ms
+    out.publish()
 
 
 # The roles this worker's code asks for; `supervisor check` verifies the config binds them.
@@ -164,6 +164,7 @@ def main(ctx: WorkerContext) -> int:
             ctx.log(f"--log-clock: {e}")
             return 2
         return logclock.run(ctx, a, reader, writer, law, times, model_output_of)
+    out = NextLoan(writer, CONTROL_CMD.shape, np.float32)
     ctx.ready(status=f"{ctx.channel_of('model')} -> {ctx.channel_of('command')} @ >= {a.hz:g} Hz, timeout {a.timeout_ms:g} ms")
 
     tick = int(1e9 / a.hz)
@@ -216,7 +217,7 @@ def main(ctx: WorkerContext) -> int:
         last = law.step(new, now)
         if new is not None and last.reason == SafeReason.FUTURE:
             future += 1         # refused by the bridge, or caught by the law itself
-        _publish(writer, last)
+        _publish(out, last)
         published += 1
         next_tick = now + tick
         if now >= next_status:
@@ -233,6 +234,6 @@ def main(ctx: WorkerContext) -> int:
                 f"future={future} leases_lost={lost}"
                 f"{f' busy_poll={st.busy_poll_hits}/{st.busy_poll_misses}' if poll else ''}")
     final = law.step(None, time.monotonic_ns(), hold=SafeReason.SHUTDOWN)
-    _publish(writer, final)
+    _publish(out, final)
     ctx.status(f"stopped: engaged=0 reason=SHUTDOWN commands={published + 1}")
     return 0

@@ -18,8 +18,8 @@ Channels (bound by the config): input role ``frames``, output role ``model``.
 
 Per frame on ``frames``: check it against the artifact's input ABI (NV12, Y plane, uint8,
 full range, minimum size; a mismatch is counted by reason and skipped), preprocess the Y
-plane into the model input, release the frame, run, copy the output to host memory and
-publish float32[4] = (offset_m, heading_rad, confidence, reserved) on ``model`` with the
+plane into the model input, release the frame, run, copy the output to host memory (the
+next ``model`` slot, loaned ahead: ``NextLoan``) and publish float32[4] = (offset_m, heading_rad, confidence, reserved) on ``model`` with the
 frame's id and capture time and an execution receipt (`supervisor.ipc.receipt.Receipt`).
 Before each inference it announces on ``model`` when the output is due (the median of
 the last frames' time from there to the publish: ``Writer.announce``), for readers that
@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from supervisor.ipc import BridgeError, ChannelTimeout, LeaseLost, Rejected
+from supervisor.ipc import BridgeError, ChannelTimeout, LeaseLost, NextLoan, Rejected
 from supervisor.model import ArtifactError, load_verified
 
 from .engine import ENGINE_ABI, Engine, FrameRejected
@@ -68,6 +68,9 @@ class Modeld:
         self.ctx, self.a, self.engine = ctx, a, engine
         self.reader = ctx.reader("frames")
         self.writer = ctx.writer("model")
+        # The next output's slot, loaned ahead: the model copies its output straight
+        # into it, and only the receipt and the publish follow the inference.
+        self.out = NextLoan(self.writer, tuple(ENGINE_ABI["output"]["shape"]), np.float32)
         self.errors: Counter[str] = Counter()
         self.published = 0
         self.last_receipt: Any = None
@@ -108,11 +111,9 @@ class Modeld:
             except LeaseLost:
                 self.errors["lease_lost"] += 1
                 return True
-        out, receipt = eng.infer_tensor(x, frame_id=info.frame_id,
-                                        capture_ts_ns=info.capture_ts_ns, start_ns=t0)
-        with self.writer.loan() as loan:
-            loan.array((4,), np.float32)[:] = out
-            loan.publish(frame_id=info.frame_id, capture_ts_ns=info.capture_ts_ns,
+        _, receipt = eng.infer_tensor(x, frame_id=info.frame_id, capture_ts_ns=info.capture_ts_ns,
+                                      start_ns=t0, out=self.out.array)
+        self.out.publish(frame_id=info.frame_id, capture_ts_ns=info.capture_ts_ns,
                          receipt=receipt)
         self._to_publish.append(time.monotonic_ns() - announced)
         self.published += 1

@@ -169,11 +169,13 @@ class Engine:
         return out, self._receipt(frame_id, capture_ts_ns, t0, t1, st)
 
     def infer_tensor(self, x: np.ndarray, *, frame_id: int = 0, capture_ts_ns: int = 0,
-                     start_ns: int | None = None) -> tuple[np.ndarray, Receipt]:
+                     start_ns: int | None = None, out: np.ndarray | None = None
+                     ) -> tuple[np.ndarray, Receipt]:
         """Run an already preprocessed input (float32 [1, 1, H, W]). ``start_ns``: when
-        this inference began (e.g. before preprocessing), for the receipt's latency."""
+        this inference began (e.g. before preprocessing), for the receipt's latency;
+        ``out``: where to copy the output (LoadedModel.run)."""
         t0 = time.monotonic_ns() if start_ns is None else start_ns
-        out, st = self.model.run(x)
+        out, st = self.model.run(x, out=out)
         t1 = time.monotonic_ns()
         return out, self._receipt(frame_id, capture_ts_ns, t0, t1, st)
 
