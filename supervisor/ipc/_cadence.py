@@ -20,13 +20,15 @@ names the next sequence number and when it is due, and the window is centred the
 Whatever a writer announces, a reader spins through at most one window per message it
 takes, announced or predicted (``spent``; a window cut short by the caller's timeout
 may be resumed, never moved), so the bound above holds against a lying writer too.
-Announcements are believed while the writer's are more often right than wrong (``trust``:
-each announced message, polled for or not, counts +1 if it came within its window, -1
-if not, between 0 and _TRUST_MAX; believed at _SETTLE and up) and the stream's period is
-known, for a due after the last message and at most _HORIZON_NS ahead. (A model's
-inference time varies: on a shared 2-CPU machine 40-60 % of outputs came within 1 ms of
-their announcement; "4 in a row, a miss halves" then opened a window for 26 % of them,
-this rule for 89 %. Trust only spends this reader's CPU, within the bound above.)
+Announcements are believed while ``trust`` is _SETTLE or more: each announced message,
+polled for or not, counts +1 if it came within its window and -1 if not, kept between 0
+and _TRUST_MAX; and only once the stream's period is known, for a due after the last
+message and at most _HORIZON_NS ahead. A writer right 60 % of the time is believed for
+~89 % of its messages, one right half the time for ~55 %, one right 40 % of the time for
+~18 % (simulated). (A model's inference time varies: on a shared 2-CPU machine 40-60 % of
+outputs came within 1 ms of their announcement, and "4 in a row, a miss halves" opened a
+window for ~26 % of them at 60 %.) Trust only spends this reader's CPU, within the bound
+above.
 """
 from __future__ import annotations
 

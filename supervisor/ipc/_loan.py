@@ -137,7 +137,6 @@ class Loan:
             self.discard()   # an unpublished loan (or an exception) returns the slot
 
 
-
 class NextLoan:
     """A stream's next message on loan before its data exists (iceoryx2's loan ahead):
     the slot is claimed and its array made right after each publish, while the caches
@@ -145,38 +144,46 @@ class NextLoan:
     (cold, at 20 Hz, a loan and its array cost as much as the publish). For streams whose
     every message has one description (a model's output, a command).
 
-    It always holds one slot (odd: readers keep off it), so readers can lag one message
-    less behind this writer; ``discard`` gives it back."""
+    It holds one slot between publishes (odd: readers keep off it), so readers can lag
+    one message less behind this writer; ``discard`` gives it back. Only where the ring
+    has a slot to spare beyond all that leases may protect (slot_count - max_readers x
+    max_leases >= 2): in a tighter ring the next loan, taken at publish time, could be the
+    slot just published (every other one held), taking that message back before any
+    reader saw it. There the slot is loaned when ``array`` is first used, as
+    ``Writer.loan`` would."""
 
-    __slots__ = ("_w", "_shape", "_dtype", "_loan", "_array")
+    __slots__ = ("_w", "_shape", "_dtype", "_loan", "_array", "_ahead")
 
     def __init__(self, writer: Writer, shape: tuple[int, ...] | int,
                  dtype: str | np.dtype | None = None) -> None:
+        spec = writer.spec
         self._w, self._shape, self._dtype = writer, shape, dtype
+        self._ahead = spec.slot_count - spec.max_readers * spec.max_leases >= 2
         self._loan: Loan | None = None
         self._array: np.ndarray | None = None
-        self._renew()
+        if self._ahead:
+            self._renew()
 
     def _renew(self) -> None:
-        loan = self._w.loan()
+        loan = self._loan = self._w.loan()
         try:
             self._array = loan.array(self._shape, self._dtype)
         except BaseException:
+            self._loan = None
             loan.discard()
             raise
-        self._loan = loan
 
     @property
     def array(self) -> np.ndarray:
-        """The next message's writable tensor (loaned again here if the last renewal
-        failed: BridgeError then, as ``Writer.loan`` raises it)."""
+        """The next message's writable tensor (loaned here if it is not on loan yet:
+        BridgeError then, as ``Writer.loan`` raises it)."""
         if self._loan is None:
             self._renew()
         return self._array
 
     def publish(self, **stamp) -> int:
         """``Loan.publish`` of what ``array`` holds, then the next loan. Returns the
-        sequence number."""
+        sequence number. Whatever fails, the slot goes back and the next is loaned."""
         loan = self._loan
         if loan is None:
             raise BridgeError(f"channel {self._w.spec.name!r}: nothing on loan to publish; "
@@ -184,11 +191,15 @@ class NextLoan:
         self._loan = self._array = None
         try:
             return loan.publish(**stamp)
+        except BaseException:
+            loan.discard()    # review: a bad keyword left it loaned; no-op once published
+            raise
         finally:
-            try:
-                self._renew()
-            except BridgeError:
-                pass        # no free slot now: ``array`` tries again, and raises
+            if self._ahead:
+                try:
+                    self._renew()
+                except BridgeError:
+                    pass      # no free slot now: ``array`` tries again, and raises
 
     def discard(self) -> None:
         """Give the slot back (unpublished, invalid)."""

@@ -125,9 +125,16 @@ class Writer:
                 gen, seq = L.GEN_SEQ.unpack_from(buf, cb)
                 self._gen[i] = gen + (gen & 1)    # an interrupted write is abandoned
                 self._seq[i] = seq if not gen & 1 else 0
+                # An abandoned slot (a loan held at exit: NextLoan always holds one) is
+                # left invalid, seq 0 stored while still odd, as _discard leaves it
+                # (review: its old seq made a lagging reader read a half-written header).
                 if self._seg is not None:
+                    if gen & 1:
+                        self._seg.store(cb + L.OFF_SEQ, 0)
                     self._seg.store(cb, self._gen[i])
                 else:
+                    if gen & 1:
+                        self._words[cb // 8 + 1] = 0
                     self._words[cb // 8] = self._gen[i]
         if self._seg is None:
             L.CHANNEL_HDR.pack_into(buf, 0, L.MAGIC, L.LAYOUT_VERSION, spec.slot_count,

@@ -19,8 +19,10 @@ Channels (bound by the config): input role ``frames``, output role ``model``.
 Per frame on ``frames``: check it against the artifact's input ABI (NV12, Y plane, uint8,
 full range, minimum size; a mismatch is counted by reason and skipped), preprocess the Y
 plane into the model input, release the frame, run, copy the output to host memory (the
-next ``model`` slot, loaned ahead: ``NextLoan``) and publish float32[4] = (offset_m, heading_rad, confidence, reserved) on ``model`` with the
-frame's id and capture time and an execution receipt (`supervisor.ipc.receipt.Receipt`).
+next ``model`` slot, loaned ahead: ``NextLoan``) and publish float32[4] = (offset_m,
+heading_rad, confidence, reserved) on ``model`` with the frame's id and capture time and
+an execution receipt (`supervisor.ipc.receipt.Receipt`). The frame's description is
+checked against the input ABI once per layout the bridge validated.
 Before each inference it announces on ``model`` when the output is due (the median of
 the last frames' time from there to the publish: ``Writer.announce``), for readers that
 busy-poll.
