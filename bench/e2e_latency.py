@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import re
 import sys
 from pathlib import Path
@@ -235,6 +236,10 @@ def measure(a: argparse.Namespace, design: str) -> tuple[float, float, float, fl
           f"receipt: preprocessing + kernels + copies); supervisor: none (fds only)")
     print(f"(this process as one more reader: road_frames hop p50 {pct(hop_f)[0]:.0f} us, "
           f"model_out hop p50 {pct(hop_o)[0]:.0f} us, on cores the workers keep busy)")
+    # A "tuned" run is tuned only if the grants happened: say which did not.
+    for e in map(json.loads, events.getvalue().splitlines()):
+        if e.get("event") == "realtime_unavailable":
+            print(f"realtime refused for {e.get('worker') or 'all'}: {e.get('reason')}")
     polls = re.findall(r"busy_poll=(\d+)/(\d+)", events.getvalue())
     if polls:     # controlsd's last status line (its only reader: model_out)
         print(f"controlsd busy-polling model_out: {polls[-1][0]} messages taken in a window, "

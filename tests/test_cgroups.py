@@ -513,3 +513,30 @@ def test_v2_refuses_when_other_processes_share_our_cgroup(v2_outer):
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_closed_tree_gives_its_rt_bandwidth_back_at_once(tree):
+    """A removed v1 cgroup kept its RT bandwidth counted against its parent's for
+    seconds: a supervisor started right after another (systemd's Restart=, every second
+    e2e bench run) could reserve none and ran its real-time workers in the normal class.
+    Closing gives it back first: the same reservation succeeds at once, twice over."""
+    cpu = tree._bases.get("cpu")
+    if tree.version != 1 or cpu is None or not os.path.exists(f"{cpu}/cpu.rt_runtime_us"):
+        pytest.skip("no cgroup v1 RT group scheduling here")
+    parent = os.path.dirname(cpu)
+    with open(f"{parent}/cpu.rt_runtime_us") as f, open(f"{parent}/cpu.rt_period_us") as g:
+        share = int(f.read()) / int(g.read())
+    runtime = int(share * 0.9 * 100_000)       # most of what the parent has
+    if runtime <= 0:
+        pytest.skip("this cgroup has no RT runtime to reserve")
+    tree.close()
+    for _ in range(2):
+        t = CgroupTree.create(f"trio-cgtest-{os.getpid()}-{secrets.token_hex(3)}")
+        try:
+            assert t.reserve_rt(runtime, 100_000)
+            assert t.leaf("w", Limits()).grant_rt(runtime // 2, 100_000)
+        finally:
+            try:
+                t.close()
+            finally:
+                _force_cleanup(t.paths)

@@ -171,12 +171,28 @@ def _kill_tree(tops: list[str], version: int, timeout: float = _KILL_TIMEOUT) ->
         delay = min(delay * 2, 0.05)
 
 
+def _release_rt(d: str) -> None:
+    """Give a v1 cgroup's RT bandwidth back before its rmdir: a removed group keeps
+    counting against its parent's until the kernel frees it, seconds later, so a
+    supervisor restarted at once (systemd's Restart=) could reserve none and ran every
+    real-time worker in the normal class (measured: each second bench run here)."""
+    try:
+        with open(f"{d}/cpu.rt_runtime_us") as f:
+            if f.read().strip() in ("0", ""):
+                return
+        _write(f"{d}/cpu.rt_runtime_us", "0")
+    except OSError:
+        pass          # no RT groups, gone, or still busy: rmdir decides
+
+
 def _destroy(tops: list[str], version: int, timeout: float = _KILL_TIMEOUT) -> None:
     """Kill, then rmdir bottom-up (a worker may have made sub-cgroups if it could)."""
     _kill_tree(tops, version, timeout)
     deadline = time.monotonic() + timeout
     for top in tops:
         for d in _subtree(top):
+            if version == 1:
+                _release_rt(d)              # deepest first, as a parent's must cover
             while True:
                 try:
                     os.rmdir(d)
@@ -215,6 +231,7 @@ def _sweep_stale(parent: str) -> None:
             continue
         try:
             for d in _subtree(os.path.join(parent, n)):      # deepest first
+                _release_rt(d)
                 os.rmdir(d)
         except OSError:
             pass          # busy or gone: not ours to fight over
