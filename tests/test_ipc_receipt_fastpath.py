@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import struct
 
 import capnp
@@ -107,7 +106,7 @@ def test_out_of_range_receipt_values_are_refused_by_both(v, r, field, data):
     that wrapped around: the Writer then lets pycapnp raise (next test)."""
     top = 2 ** _R_WIDTH[field]
     bad = data.draw(st.integers(max_value=-1) | st.integers(min_value=top, max_value=top * 4))
-    r = dataclasses.replace(r, **{field: bad})
+    r = r._replace(**{field: bad})
     with pytest.raises((capnp.KjException, OverflowError)):
         _encode(v, r)
     plan = _plan(v, r)
@@ -126,8 +125,7 @@ def test_compiled_receipt_decode_equals_pycapnp(v, r):
     kind, got = _agree(raw)
     assert kind == "ok"
     assert H.receipt(raw) is not codec.SLOW or "\0" in r.device   # the compiled path ran
-    assert got == Receipt(**{**r.__dict__, "device": r.device[:64],
-                             "artifact_sha256": r.artifact_sha256[:64]})
+    assert got == r._replace(device=r.device[:64], artifact_sha256=r.artifact_sha256[:64])
 
 
 @FAST
@@ -257,7 +255,7 @@ def test_the_native_writer_writes_receipt_headers_itself(channel, monkeypatch):
 
     monkeypatch.setattr(w, "_encode", encode)
     for i in range(2, 5):
-        ri = dataclasses.replace(r, frame_id=i, latency_ns=i * 1000,
+        ri = r._replace(frame_id=i, latency_ns=i * 1000,
                                  completion="deviceQueued" if i % 2 else "hostVisible")
         w.publish_array(np.full(4, i, np.float32), frame_id=i, capture_ts_ns=2, receipt=ri)
         with rd.receive(timeout=1) as m:
@@ -319,7 +317,7 @@ def test_native_check_of_receipt_headers_agrees_with_the_reader(v, r, early, dat
     spec = ChannelSpec(name="m", slot_size=64, crc=v["crc32"] is not None, channel_id=3,
                        kind="frame" if v["frame_id"] is not None else "tensor")
     if early:     # a receipt captured before publishing, as an honest writer's is
-        r = dataclasses.replace(r, capture_ts_ns=data.draw(st.integers(0, v["publish_ts_ns"])))
+        r = r._replace(capture_ts_ns=data.draw(st.integers(0, v["publish_ts_ns"])))
     raw = _encode(v, r)
     want, compiled = _reader_verdict(raw, spec, v["publish_ts_ns"])     # compiles too
     got = codec.native_accept(raw, spec, v["sequence"], v["generation"],
@@ -348,10 +346,26 @@ def test_a_receipt_that_raises_gives_its_slot_back(channel, native, exc):
                    b"\x5a" * 32, 12)
     w.publish_array(np.zeros(4, np.float32), frame_id=1, capture_ts_ns=2, receipt=good)
     dev = type("Dev", (_HashRaises,), {"exc": exc})("CPU")
-    bad = dataclasses.replace(good, device=dev)
+    bad = good._replace(device=dev)
     for i in range(channel.spec.slot_count + 1):
         with pytest.raises(exc):
             w.publish_array(np.zeros(4, np.float32), frame_id=2 + i, capture_ts_ns=3,
                             receipt=bad)
     assert w.stats.loans_discarded == channel.spec.slot_count + 1 and not w._loaned
     w.publish_array(np.zeros(4, np.float32), frame_id=99, capture_ts_ns=100, receipt=good)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_receipt_with_no_such_completion_point_is_refused_in_one_line(channel, native):
+    """Receipt is a NamedTuple (built per output, cold): its completion point is checked
+    where it is encoded. The publish fails with a ValueError naming it, the slot goes
+    back, and the writer publishes on."""
+    w = Writer(channel.writer_handle(), native=native)
+    bad = Receipt(1, 2, 3, 4, "CPU", 4096, 16, "done")
+    with pytest.raises(ValueError, match=r"^receipt completion 'done' not in \(") as e:
+        w.publish_array(np.zeros(4, np.float32), frame_id=1, capture_ts_ns=2, receipt=bad)
+    assert "\n" not in str(e.value)
+    assert w.stats.loans_discarded == 1 and not w._loaned
+    w.publish_array(np.zeros(4, np.float32), frame_id=2, capture_ts_ns=3,
+                    receipt=bad._replace(completion="hostVisible"))
+    assert w.stats.published == 1

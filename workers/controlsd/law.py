@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 import numpy as np
 
@@ -71,9 +72,10 @@ _LOW_CONFIDENCE, _INVALID, _NOT_HOST_VISIBLE, _RECOVERING, _FUTURE = (
 _isfinite = math.isfinite
 
 
-@dataclass(frozen=True)
-class ModelOutput:
-    """One model output, as the law needs it."""
+class ModelOutput(NamedTuple):
+    """One model output, as the law needs it. NamedTuples (this and Command), not
+    frozen dataclasses: one of each is built per output, after 50 ms of other work,
+    where a NamedTuple costs about half as much to build."""
 
     offset_m: float
     heading_rad: float
@@ -142,8 +144,7 @@ class LawConfig:
             raise ValueError("engage_count must be >= 1")
 
 
-@dataclass(frozen=True)
-class Command:
+class Command(NamedTuple):
     steer_rad: float
     engaged: bool
     reason: SafeReason

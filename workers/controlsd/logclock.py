@@ -14,7 +14,6 @@ command and is counted (status ``unplaced=``). On SIGTERM one last SHUTDOWN comm
 """
 from __future__ import annotations
 
-import dataclasses
 import signal
 import time
 
@@ -81,7 +80,7 @@ def run(ctx, a, reader, writer, law: ControlLaw, times: dict[int, int], model_ou
         if t is None:
             unplaced += 1
             continue
-        cmd = law.step(dataclasses.replace(got, ts_ns=t), t)
+        cmd = law.step(got._replace(ts_ns=t), t)
         publish(writer, cmd, got.frame_id)
         published += 1
         last_t = t

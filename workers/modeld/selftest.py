@@ -99,7 +99,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         outs.append(out.tobytes().hex())
         vals.append([float(v) for v in out])
         truths.append([truth.offset_m, truth.heading_rad])
-        receipts.append(r.as_dict() if hasattr(r, "as_dict") else dict(vars(r)))
+        receipts.append(r.as_dict())
         lat.append(r.latency_ns)
     # model-only timing on the golden input (no preprocessing), for the record
     model_ns = []
