@@ -12,6 +12,7 @@
     with r.receive(timeout=1.0) as msg:
         use(msg.array)                                                    # read-only view
 """
+from ._loan import NextLoan
 from ._message import FrameInfo, Message
 from ._types import FrameFormat, Layout, PlaneInfo, Stamp
 from .channel import Channel, ReaderHandle, WriterHandle, env_name
@@ -21,13 +22,13 @@ from .errors import (BoundsError, BridgeError, ChannelTimeout, ConfigError, CrcM
 from .reader import FUTURE_TOLERANCE_NS, Reader, ReaderStats
 from .receipt import Receipt
 from .spec import ChannelSpec
-from .writer import Loan, NextLoan, Writer, WriterStats
+from .writer import Loan, Writer, WriterStats
 
 __all__ = [
     "FUTURE_TOLERANCE_NS", "BoundsError", "BridgeError", "Channel", "ChannelSpec",
     "ChannelTimeout", "ConfigError", "CrcMismatch", "DTypeMismatch", "FormatError",
     "FrameFormat", "FrameInfo", "FutureTimestamp", "Layout", "LeaseLost", "Loan",
-    "MalformedHeader", "Message", "NextLoan", "PlaneInfo", "Reader", "ReaderHandle", "ReaderStats",
-    "Receipt", "Rejected", "SequenceError", "Stamp", "StaleMessage", "TornRead", "Writer",
-    "WriterHandle", "WriterStats", "env_name",
+    "MalformedHeader", "Message", "NextLoan", "PlaneInfo", "Reader", "ReaderHandle",
+    "ReaderStats", "Receipt", "Rejected", "SequenceError", "Stamp", "StaleMessage",
+    "TornRead", "Writer", "WriterHandle", "WriterStats", "env_name",
 ]

@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _atomics, codec, layout as L, shm
 from ._geometry import HEADER_MAX, LAYOUT_MAX, SlotGeometry
-from ._loan import Loan, NextLoan
+from ._loan import Loan
 from .channel import WriterHandle
 from .errors import BridgeError
 from .receipt import Receipt

@@ -177,9 +177,6 @@ def _release_rt(d: str) -> None:
     supervisor restarted at once (systemd's Restart=) could reserve none and ran every
     real-time worker in the normal class (measured: each second bench run here)."""
     try:
-        with open(f"{d}/cpu.rt_runtime_us") as f:
-            if f.read().strip() in ("0", ""):
-                return
         _write(f"{d}/cpu.rt_runtime_us", "0")
     except OSError:
         pass          # no RT groups, gone, or still busy: rmdir decides

@@ -859,7 +859,8 @@ ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
         forge_log, tty, fork_storm, memory_hog, dev_shm, ptrace, personality, unix_connect,
         mprotect_exec, memfd_exec, dlopen_tmp, torch_files, swallow_guard, fake_ready,
         status_flood, long_line, nested_log, modify_ldt, mremap_exec, own_listener,
-        wake_abuse, announce_sink, status_churn, status_escape, shared_description, patch_library,
+        wake_abuse, announce_sink, status_churn, status_escape, shared_description,
+        patch_library,
         raise_cpu_weight, raise_priority, realtime_runaway,
         realtime_pi_boost, realtime_hop, realtime_sched_misc, realtime_pid_wrap,
     )
