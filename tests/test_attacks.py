@@ -64,6 +64,7 @@ ATTACKERS = {
     "c-listener": ("control", "own_listener", False),
     "r-wake": ("research", "wake_abuse", False),
     "r-announce": ("research", "announce_sink", False),
+    "r-hoard": ("research", "lease_hoard", False),
     "r-churn": ("research", "status_churn", False),
     "r-escape": ("research", "status_escape", False),
     "r-descr": ("research", "shared_description", False),
@@ -102,7 +103,8 @@ def _toml(sock_dir: Path) -> str:
     domain = "control"
     module = "workers.probe"
     publishes = ["frames"]
-    args = ["--publish", "frames", "--period-ms", "20", "--ping-ms", "20", "--announce"]
+    args = ["--publish", "frames", "--period-ms", "20", "--ping-ms", "20", "--announce",
+            "--loan-ahead"]
     watchdog_ms = 300
     restart = "always"
     [workers.sink]
@@ -383,6 +385,18 @@ def test_a_reader_claiming_to_busy_poll_cannot_hurt_an_announcing_writer(fleet):
     ev = fleet["events"]
     res = assert_denied(ev, "r-announce")
     assert res["woken_bytes"] > 0, res          # the claim worked: it was woken
+    assert not _of(fleet["running"], "src", "exit")
+    assert not _of(fleet["running"], "sink", "exit")
+
+
+def test_a_reader_hoarding_leases_cannot_pin_a_writer_that_loans_ahead(fleet):
+    """Research forges a live lease on every slot in all 126 entries of its lease page;
+    the control writer (src, NextLoan) honours max_leases of them, publishes on through
+    more than one slot, and the control sink keeps reading."""
+    ev = fleet["events"]
+    res = assert_denied(ev, "r-hoard")
+    print(f"\nr-hoard: {res}")
+    assert res["entries_forged"] > 100 and res["published"] >= 30, res
     assert not _of(fleet["running"], "src", "exit")
     assert not _of(fleet["running"], "sink", "exit")
 

@@ -3,7 +3,7 @@ misses, channel traffic, forbidden imports. Used by tests/ and bench/, never shi
 a vehicle config.
 
     args: --ready-delay-ms N   --exit-after-ms N --exit-code C   --ping-ms N
-          --stop-pinging-after-ms N   --publish CH --period-ms N [--announce]   --read CH
+          --stop-pinging-after-ms N   --publish CH --period-ms N [--announce] [--loan-ahead]   --read CH
           --import MODULE (after ready)   --map-file PATH (after ready)
           --attack NAME [--attack-before-ready]   (workers/probe/attacks.py)
           --write-file PATH (after ready; the result is logged)
@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from supervisor.ipc import NextLoan
 from supervisor.worker import WorkerContext
 
 
@@ -35,6 +36,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--period-ms", type=int, default=20)
     p.add_argument("--announce", action="store_true",
                    help="announce each next publish (Writer.announce)")
+    p.add_argument("--loan-ahead", action="store_true",
+                   help="publish through NextLoan (the next slot loaned ahead)")
     p.add_argument("--import", dest="import_", default=None)
     p.add_argument("--map-file", default=None)
     p.add_argument("--alloc-mb", type=int, default=0, help="after ready: allocate this much")
@@ -64,6 +67,8 @@ def main(ctx: WorkerContext) -> int:
     a = _args(sys.argv[1:])
     writers = {ch: ctx.writer(ch) for ch in a.publish}
     readers = {ch: ctx.reader(ch) for ch in a.read}
+    ahead = {ch: NextLoan(w, 4, w.spec.np_dtype) for ch, w in writers.items()
+             if a.loan_ahead}
     if a.ready_delay_ms:
         time.sleep(a.ready_delay_ms / 1000)
     if a.attack:
@@ -127,9 +132,13 @@ def main(ctx: WorkerContext) -> int:
             return a.exit_code
         if a.stop_pinging_after_ms < 0 or ms < a.stop_pinging_after_ms:
             ctx.watchdog()
-        for w in writers.values():
+        for ch, w in writers.items():
             n += 1
-            w.publish_array(np.full(4, n % 100, w.spec.np_dtype))
+            if ch in ahead:
+                ahead[ch].array[:] = n % 100
+                ahead[ch].publish()
+            else:
+                w.publish_array(np.full(4, n % 100, w.spec.np_dtype))
             if a.announce:
                 w.announce(time.monotonic_ns() + min(a.ping_ms, a.period_ms) * 1_000_000)
         for r in readers.values():

@@ -455,6 +455,40 @@ def announce_sink(ctx: WorkerContext) -> dict:
     return {"denied": True, "woken_bytes": got}
 
 
+def lease_hoard(ctx: WorkerContext) -> dict:
+    """A research reader fills its whole lease page (126 entries, not the channel's
+    max_leases) with live leases on every slot at its current generation, refreshed every
+    5 ms for 1.5 s, to pin the control writer's ring (whose next slot is loaned ahead:
+    NextLoan) and make it take back what it just published. The writer honours only
+    max_leases entries per reader: it must publish on, through more than one slot."""
+    import json
+
+    from supervisor.ipc import env_name, layout as L
+    from supervisor.ipc._geometry import control_offset
+
+    h = next(json.loads(os.environ[env_name(ch)]) for ch in ctx.channels)
+    seg = mmap.mmap(h["data_fd"], 0, prot=mmap.PROT_READ)
+    lease = mmap.mmap(h["lease_fd"], mmap.PAGESIZE)        # its own: writable
+    count = L.CHANNEL_HDR.unpack_from(seg, 0)[2]
+    entries = (mmap.PAGESIZE - L.LEASE_BASE) // L.LEASE_STRIDE
+    seq0 = L.U64.unpack_from(seg, L.OFF_LAST_SEQ)[0]
+    slots: set[int] = set()
+    end = time.monotonic() + 1.5
+    while time.monotonic() < end:
+        deadline = time.monotonic_ns() + 50_000_000
+        for k in range(entries):
+            slot = k % count
+            gen = L.GEN_SEQ.unpack_from(seg, control_offset(slot))[0]
+            L.LEASE_ENTRY.pack_into(lease, L.LEASE_BASE + L.LEASE_STRIDE * k, slot, gen,
+                                    deadline)
+        slots.add(L.U32.unpack_from(seg, L.OFF_LAST_SLOT)[0])
+        time.sleep(0.005)
+    published = L.U64.unpack_from(seg, L.OFF_LAST_SEQ)[0] - seq0
+    # 1.5 s at the writer's 20 ms period is ~75 messages.
+    return {"denied": published >= 30 and len(slots) > 1, "entries_forged": entries,
+            "published": published, "slots_used": len(slots)}
+
+
 def status_churn(ctx: WorkerContext) -> dict:
     """900 distinct STATUS lines a second for 3 s: under the flood limit (1000 lines/s),
     yet each one was an event in the supervisor's log (~0.5 MB/s, enough to trip
@@ -859,8 +893,8 @@ ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
         forge_log, tty, fork_storm, memory_hog, dev_shm, ptrace, personality, unix_connect,
         mprotect_exec, memfd_exec, dlopen_tmp, torch_files, swallow_guard, fake_ready,
         status_flood, long_line, nested_log, modify_ldt, mremap_exec, own_listener,
-        wake_abuse, announce_sink, status_churn, status_escape, shared_description,
-        patch_library,
+        wake_abuse, announce_sink, lease_hoard, status_churn, status_escape,
+        shared_description, patch_library,
         raise_cpu_weight, raise_priority, realtime_runaway,
         realtime_pi_boost, realtime_hop, realtime_sched_misc, realtime_pid_wrap,
     )
