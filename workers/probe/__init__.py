@@ -3,7 +3,8 @@ misses, channel traffic, forbidden imports. Used by tests/ and bench/, never shi
 a vehicle config.
 
     args: --ready-delay-ms N   --exit-after-ms N --exit-code C   --ping-ms N
-          --stop-pinging-after-ms N   --publish CH --period-ms N [--announce] [--loan-ahead]   --read CH
+          --stop-pinging-after-ms N   --publish CH --period-ms N [--announce] [--loan-ahead]
+          --read CH
           --import MODULE (after ready)   --map-file PATH (after ready)
           --attack NAME [--attack-before-ready]   (workers/probe/attacks.py)
           --write-file PATH (after ready; the result is logged)
