@@ -2,7 +2,7 @@
 
 Everything else about the package is in pyproject.toml; this file only adds the C
 extension, compiled with the machine's C compiler (gcc on Debian: `build-essential`
-or just `gcc` and `python3-dev`). Without it the bridge runs its pure-Python path on
+or just `gcc`, `python3-dev` and `zlib1g-dev`). Without it the bridge runs its pure-Python path on
 x86-64 only and refuses to start elsewhere (see supervisor/ipc/_atomics.py); so a
 failed build is reported by setuptools but does not fail the install (``optional``).
 """
@@ -13,6 +13,7 @@ setup(
         Extension(
             "supervisor.ipc._native",
             sources=["supervisor/ipc/_native.c"],
+            libraries=["z"],        # zlib's crc32: the CRC check runs in the hot path
             optional=True,
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra",
                                 "-Wno-unused-parameter", "-Wno-missing-field-initializers",

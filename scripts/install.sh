@@ -21,6 +21,7 @@ ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2' || need+=(libseccomp2)
 command -v gcc >/dev/null || need+=(gcc)
 python -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
     2>/dev/null || need+=(python3-dev)
+[ -e /usr/include/zlib.h ] || need+=(zlib1g-dev)      # its CRC-32 (crc32_z)
 if [ $dev -eq 1 ]; then
     command -v systemd-analyze >/dev/null || need+=(systemd)
     # tinygrad's CPU backend compiles with clang when a model artifact is built (build

@@ -17,8 +17,8 @@ import time
 import numpy as np
 import pytest
 
-from supervisor.ipc import (BridgeError, LeaseLost, Reader, TornRead, Writer, _atomics,
-                            layout as L)
+from supervisor.ipc import (BridgeError, CrcMismatch, LeaseLost, Reader, TornRead, Writer,
+                            _atomics, layout as L)
 
 NATIVE = _atomics.NATIVE
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -145,6 +145,51 @@ def test_native_and_python_writers_write_the_same_segment(make_channel, crc):
     assert bytes(wa._buf) == bytes(wb._buf)       # every header, layout, control block
     wa.close()
     wb.close()
+
+
+@pytest.mark.skipif(NATIVE is None, reason="no native module on this machine")
+@pytest.mark.parametrize("size", [64, 256 * 1024])      # a frame's CRC lets go of the GIL
+def test_the_native_take_checks_the_crc_itself_and_refuses_a_scribbled_payload(
+        make_channel, size):
+    """The CRC-32 of a message in the layout validated last is checked inside take
+    (then the seqlock again); a payload changed after publish is still a counted,
+    one-line CrcMismatch, and the next good message is delivered."""
+    ch = make_channel(slot_size=size, slot_count=4, max_readers=1, crc=True)
+    w, r = Writer(ch.writer_handle()), Reader(ch.reader_handle(0))
+    take, confirmed = r._ntake, []
+
+    def watching(*a):
+        got = take(*a)
+        if isinstance(got, tuple):
+            confirmed.append(got[7])
+        return got
+
+    r._ntake = watching
+
+    def publish(v: int, scribble: bool = False) -> int:
+        with w.loan() as loan:
+            a = loan.array((size,), "uint8")
+            a[...] = v
+            seq = loan.publish()
+            if scribble:
+                a[size // 2] = v + 1      # a buggy writer scribbles after publishing
+        return seq
+
+    for i in range(3):
+        seq = publish(i)
+        with r.receive(timeout=1) as msg:
+            assert msg.sequence == seq and int(msg.array[size - 1]) == i
+    assert confirmed == [0, 1, 1]     # the first layout is validated by Python first
+    publish(9, scribble=True)
+    with pytest.raises(CrcMismatch, match="payload CRC") as info:
+        r.receive(timeout=1)
+    assert str(info.value).count("\n") == 0 and confirmed[-1] == 0
+    assert r.stats.rejected == {"crc_mismatch": 1}
+    seq = publish(4)
+    with r.receive(timeout=1) as msg:
+        assert msg.sequence == seq and confirmed[-1] == 1
+    w.close()
+    r.close()
 
 
 @pytest.mark.parametrize("wn,rn", [(True, False), (False, True)])

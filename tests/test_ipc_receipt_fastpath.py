@@ -18,7 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from supervisor.ipc import ChannelSpec, Reader, Rejected, Writer, codec, layout as L
-from supervisor.ipc import _capnp_fast as cf, receipt as receipt_codec
+from supervisor.ipc import _atomics, _capnp_fast as cf, receipt as receipt_codec
+from supervisor.ipc._message import UNREAD
 from supervisor.ipc.receipt import COMPLETION_POINTS, Receipt
 
 H = codec.HEADER
@@ -51,10 +52,18 @@ def _outcome(raw: bytes, *, fast: bool):
         return type(e).__name__, None
 
 
+def _native(raw: bytes):
+    """The native reading (the one the reader's take runs), or SLOW without it."""
+    return codec.native_receipt(raw) if _atomics.NATIVE is not None else codec.SLOW
+
+
 def _agree(raw: bytes):
     slow = _outcome(raw, fast=False)
     assert _outcome(raw, fast=True) == slow
     assert _outcome(raw, fast=True) == slow       # again, from the compiled structure
+    n = _native(raw)
+    if n is not codec.SLOW:                        # it answers only what pycapnp accepts
+        assert slow == ("ok", n)
     return slow
 
 
@@ -125,6 +134,8 @@ def test_compiled_receipt_decode_equals_pycapnp(v, r):
     kind, got = _agree(raw)
     assert kind == "ok"
     assert H.receipt(raw) is not codec.SLOW or "\0" in r.device   # the compiled path ran
+    if _atomics.NATIVE is not None:                      # and so did the native one
+        assert _native(raw) is not codec.SLOW or "\0" in r.device
     assert got == r._replace(device=r.device[:64], artifact_sha256=r.artifact_sha256[:64])
 
 
@@ -192,6 +203,7 @@ def test_unusual_messages_fall_back_to_pycapnp():
     # Two segments in the table: not handled here; pycapnp decides (and rejects).
     two = struct.pack("<II", 1, struct.unpack_from("<I", raw, 4)[0]) + raw[8:]
     assert H.receipt(two) is codec.SLOW
+    assert _native(two) is codec.SLOW
     _agree(two)
     # An unknown completion value: pycapnp decides.
     m = cf.Message(raw)
@@ -199,6 +211,7 @@ def test_unusual_messages_fall_back_to_pycapnp():
     odd = bytearray(raw)
     struct.pack_into("<H", odd, rc.at(H.r_scalars[-1]), 7)
     assert H.receipt(bytes(odd)) is codec.SLOW
+    assert _native(bytes(odd)) is codec.SLOW
     _agree(bytes(odd))
     # Text without its NUL, or invalid UTF-8: pycapnp decides.
     for patch in (b"CPU\x01", b"\xff\xfe\x00"[:3] + b"\x00"):
@@ -206,6 +219,7 @@ def test_unusual_messages_fall_back_to_pycapnp():
         i = bytes(bad).index(b"CPU\x00")
         bad[i:i + 4] = patch
         assert H.receipt(bytes(bad)) is codec.SLOW
+        assert _native(bytes(bad)) is codec.SLOW
         _agree(bytes(bad))
 
 
@@ -224,6 +238,8 @@ def test_writer_and_reader_use_the_compiled_receipt_paths(channel):
         w.publish_array(np.arange(4, dtype=np.float32) + i, frame_id=i,
                         capture_ts_ns=5, receipt=r)
         with rd.receive(timeout=1) as m:
+            # The native take read the Receipt with the header; else it is read on demand.
+            assert (m._receipt is not UNREAD) == (rd.native and i > 1), (i, m._receipt)
             raw = m._raw_header
             ref = codec.encode_header(rd.spec, sequence=m.sequence,
                                       generation=m._gen, writer_pid=w._pid,

@@ -83,3 +83,12 @@ class _HeaderFields:
 
         self.receipt_values = receipt_values
         self.zero_receipt = Receipt(0, 0, 0, 0, "", 0, 0, "unknown")
+        # The native reading's table (_native.c receipt_core): the Receipt type, the
+        # completion names by enumerant value, the two pointer indexes, then (offset,
+        # struct code) per scalar in _R_SCALARS order.
+        names = [None] * (max(self.r_completion_name) + 1)
+        for v, n in self.r_completion_name.items():
+            names[v] = n
+        self.r_native = (Receipt, tuple(names), self.r_device_ptr, self.r_sha_ptr,
+                         *(x for s in self.r_scalars
+                           for x in (s.offset, ord(s.fmt.format.lstrip("<")))))

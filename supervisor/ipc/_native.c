@@ -76,6 +76,7 @@
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #define RELAXED __ATOMIC_RELAXED
 #define ACQUIRE __ATOMIC_ACQUIRE
@@ -517,19 +518,35 @@ static PyObject *w_publish(PyObject *m, PyObject *const *a, Py_ssize_t n) {
 
 static PyObject *accept_core(PyObject *rawo, PyObject *compiled, PyObject *ctx,
                              uint64_t want_seq, uint64_t want_gen, uint64_t now,
-                             uint64_t last_capture);
+                             uint64_t last_capture, PyObject **receipt);
+
+/* The reader's context tuple (codec.native_ctx): 14 integers, then these. */
+enum { CTX_STAMP = 14, CTX_SLOW, CTX_RTABLE, CTX_LEN };
+enum { CTX_NEED_CRC = 9 };
+
+static int need_crc_of(PyObject *ctx) {
+    return PyLong_Check(PyTuple_GET_ITEM(ctx, CTX_NEED_CRC))
+        && PyObject_IsTrue(PyTuple_GET_ITEM(ctx, CTX_NEED_CRC)) == 1;
+}
 
 /* take(seg, lease, ctl, hdr, lay, want, k, deadline, hdr_max, lay_max, last_seq_off,
- *      last_slot_off, retries, compiled, ctx, last_capture, last_layout)
+ *      last_slot_off, retries, compiled, ctx, last_capture, last, pay)
  *   -> None (nothing newer than want - 1 is stable), False (a message is there but k < 0:
- *      no lease free), or (slot, gen, seq, raw_header, raw_layout, stamp) with lease k
- *      held; stamp: `accept`'s verdict (clock read after the copy) when raw_layout
- *      equals last_layout (the layout the reader validated last), else None.
+ *      no lease free), or (slot, gen, seq, raw_header, raw_layout, stamp, receipt,
+ *      crc_ok) with lease k held.
+ *   last: None, or (raw_layout, lo, hi): the layout the reader validated last and the
+ *      payload span [lo, hi) it touches. Only for a message in that layout: stamp is
+ *      `accept`'s verdict (clock read after the copy), receipt the Receipt `receipt`
+ *      reads from the header copy (None: it has none; ctx's slow sentinel: Python
+ *      decodes it on demand), and crc_ok is 1 when the header's CRC-32 matched the
+ *      payload span (pay[slot] + [lo, hi)) and the slot was still stable after it
+ *      (R4 + R5 again). Anything else: stamp None, receipt the sentinel, crc_ok 0, and
+ *      the Python path checks what it must.
  * R1, R2, L1-L3, R3 (copies), R4, R5 as in the argument at the top; a slot the writer
  * took meanwhile is looked for again, at most `retries` times. */
 static PyObject *r_take(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-    if (n != 17) {
-        PyErr_SetString(PyExc_TypeError, "take() takes 17 arguments");
+    if (n != 18) {
+        PyErr_SetString(PyExc_TypeError, "take() takes 18 arguments");
         return NULL;
     }
     uint64_t last_capture;
@@ -539,10 +556,11 @@ static PyObject *r_take(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     Region *lease = seg ? as_region(a[1], "lease table") : NULL;
     if (lease == NULL)
         return NULL;
-    PyObject *ctl = a[2], *hdr = a[3], *lay = a[4];
+    PyObject *ctl = a[2], *hdr = a[3], *lay = a[4], *pay = a[17];
     uint64_t want, deadline;
     Py_ssize_t k, hdr_max, lay_max, last_seq_off, last_slot_off, retries;
-    if (!PyTuple_Check(ctl) || !PyTuple_Check(hdr) || !PyTuple_Check(lay)) {
+    if (!PyTuple_Check(ctl) || !PyTuple_Check(hdr) || !PyTuple_Check(lay)
+            || !PyTuple_Check(pay)) {
         PyErr_SetString(PyExc_TypeError, "take(): offsets must be tuples");
         return NULL;
     }
@@ -552,8 +570,33 @@ static PyObject *r_take(PyObject *m, PyObject *const *a, Py_ssize_t n) {
             || get_ssize(a[12], &retries) < 0)
         return NULL;
     Py_ssize_t count = PyTuple_GET_SIZE(ctl);
-    if (PyTuple_GET_SIZE(hdr) != count || PyTuple_GET_SIZE(lay) != count) {
+    if (PyTuple_GET_SIZE(hdr) != count || PyTuple_GET_SIZE(lay) != count
+            || PyTuple_GET_SIZE(pay) != count) {
         PyErr_SetString(PyExc_ValueError, "take(): slot tables disagree");
+        return NULL;
+    }
+    /* The layout validated last and its payload span, if any. */
+    PyObject *last = NULL;
+    Py_ssize_t span_lo = 0, span_hi = 0;
+    if (a[16] != Py_None) {
+        if (!PyTuple_Check(a[16]) || PyTuple_GET_SIZE(a[16]) != 3
+                || !PyBytes_Check(PyTuple_GET_ITEM(a[16], 0))) {
+            PyErr_SetString(PyExc_TypeError, "take(): last must be (bytes, lo, hi) or None");
+            return NULL;
+        }
+        last = PyTuple_GET_ITEM(a[16], 0);
+        if (get_ssize(PyTuple_GET_ITEM(a[16], 1), &span_lo) < 0
+                || get_ssize(PyTuple_GET_ITEM(a[16], 2), &span_hi) < 0)
+            return NULL;
+        if (span_lo < 0 || span_hi < span_lo) {
+            PyErr_SetString(PyExc_ValueError, "take(): bad payload span");
+            return NULL;
+        }
+    }
+    PyObject *slow = PyTuple_Check(a[14]) && PyTuple_GET_SIZE(a[14]) == CTX_LEN
+        ? PyTuple_GET_ITEM(a[14], CTX_SLOW) : NULL;
+    if (slow == NULL) {
+        PyErr_SetString(PyExc_TypeError, "take(): bad ctx");
         return NULL;
     }
     Py_ssize_t lease_off = LEASE_BASE + LEASE_STRIDE * k;
@@ -631,20 +674,52 @@ static PyObject *r_take(PyObject *m, PyObject *const *a, Py_ssize_t n) {
                 return NULL;
             continue;   /* the writer took the slot while we leased it: look again */
         }
-        PyObject *stamp = NULL, *last = a[16];
-        if (PyBytes_Check(last) && PyBytes_GET_SIZE(last) == ln
+        PyObject *stamp = NULL, *receipt = NULL;
+        int crc_ok = 0;
+        if (last != NULL && PyBytes_GET_SIZE(last) == ln
                 && memcmp(PyBytes_AS_STRING(last), PyBytes_AS_STRING(raw_l), ln) == 0)
-            stamp = accept_core(raw_h, a[13], a[14], seq, g1, monotonic_ns(), last_capture);
+            stamp = accept_core(raw_h, a[13], a[14], seq, g1, monotonic_ns(), last_capture,
+                                &receipt);
         else
             stamp = Py_NewRef(Py_None);
+        if (stamp != NULL && stamp != Py_None && PyTuple_GET_ITEM(stamp, 4) != Py_None
+                && need_crc_of(a[14])) {
+            /* The payload against the header's CRC-32, then the seqlock again (R4 + R5:
+             * the payload bytes are plain loads like R3's). */
+            Py_ssize_t po;
+            if (get_ssize(PyTuple_GET_ITEM(pay, slot), &po) < 0) {
+                Py_CLEAR(stamp);
+            } else if (in_bounds(seg, po + span_lo, span_hi - span_lo)) {
+                const Bytef *p = (const Bytef *)(b + po + span_lo);
+                Py_ssize_t len = span_hi - span_lo;
+                uLong crc = crc32(0L, Z_NULL, 0);
+                if (len > (1 << 16)) {      /* a frame: let other threads run meanwhile */
+                    Py_BEGIN_ALLOW_THREADS
+                    crc = crc32_z(crc, p, (z_size_t)len);
+                    Py_END_ALLOW_THREADS
+                } else {
+                    crc = crc32_z(crc, p, (z_size_t)len);
+                }
+                __atomic_thread_fence(ACQUIRE);                               /* R4 */
+                uint64_t g3 = __atomic_load_n((uint64_t *)(b + cb), RELAXED);  /* R5 */
+                unsigned long want_crc = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(stamp, 4));
+                if (want_crc == (unsigned long)-1 && PyErr_Occurred())
+                    Py_CLEAR(stamp);
+                else
+                    crc_ok = g3 == g1 && crc == want_crc;
+            }
+        }
         if (stamp == NULL) {
             __atomic_store_n((uint64_t *)(e + 8), 0, RELEASE);
             Py_DECREF(raw_h);
             Py_DECREF(raw_l);
+            Py_XDECREF(receipt);
             return NULL;
         }
-        return Py_BuildValue("(nKKNNN)", slot, (unsigned long long)g1,
-                             (unsigned long long)seq, raw_h, raw_l, stamp);
+        if (receipt == NULL)
+            receipt = Py_NewRef(slow);
+        return Py_BuildValue("(nKKNNNNi)", slot, (unsigned long long)g1,
+                             (unsigned long long)seq, raw_h, raw_l, stamp, receipt, crc_ok);
     }
     return Py_NewRef(Py_None);
 bad_offsets:
@@ -691,6 +766,177 @@ static uint64_t read_u(const unsigned char *raw, Py_ssize_t pos, int c) {
     return v;
 }
 
+
+/* ------------------------------------------------------------- receipt */
+
+/* (start, count) of the byte list whose pointer word sits at raw[pos]: 1 with
+ * *start = *count = 0 for a null pointer; 0 for anything else (the caller lets
+ * pycapnp decide). As _fast_receipt._byte_list. */
+static int byte_list(const unsigned char *raw, Py_ssize_t pos, Py_ssize_t end,
+                     Py_ssize_t *start, Py_ssize_t *count) {
+    uint64_t w;
+    memcpy(&w, raw + pos, 8);
+    *start = *count = 0;
+    if (w == 0)
+        return 1;
+    if ((w & 3) != 1 || ((w >> 32) & 7) != 2)
+        return 0;                 /* not a list pointer, or not a list of bytes */
+    int64_t off = (int64_t)((w & 0xFFFFFFFFu) >> 2);
+    if (off >= (1 << 29))
+        off -= (1 << 30);
+    int64_t n = (int64_t)(w >> 35);
+    int64_t st = (int64_t)pos + 8 + off * 8;
+    if (st < 8 || st + (n + 7) / 8 * 8 > (int64_t)end)
+        return 0;
+    *start = (Py_ssize_t)st;
+    *count = (Py_ssize_t)n;
+    return 1;
+}
+
+enum { RT_TYPE, RT_COMPLETION, RT_DEVICE, RT_SHA, RT_SCALARS, RT_NSCALARS = 12 };
+
+/* receipt_core(raw, rpos, end, rtable, slow) -> Receipt | None | slow (new reference)
+ *
+ * The Receipt a SlotHeader's receipt pointer (at raw[rpos], segment end `end`) leads
+ * to, read as `_fast_receipt._ReceiptReading.receipt` reads it: None for a null
+ * pointer; `slow` for anything that reading would hand to pycapnp (far or non-struct
+ * pointer, out of bounds, an older Receipt without every field, a bad Text or Data,
+ * an unknown completion point). The tests compare all three readings.
+ *
+ * rtable: (Receipt type, completion names by value, device pointer index, sha pointer
+ *          index, then (offset, struct code) per scalar in _fast_fields._R_SCALARS
+ *          order: 11 integers, then completion) */
+static PyObject *receipt_core(const unsigned char *raw, Py_ssize_t rpos, Py_ssize_t end,
+                              PyObject *rtable, PyObject *slow) {
+    if (!PyTuple_Check(rtable) || PyTuple_GET_SIZE(rtable) != RT_SCALARS + 2 * RT_NSCALARS
+            || !PyTuple_Check(PyTuple_GET_ITEM(rtable, RT_COMPLETION))) {
+        PyErr_SetString(PyExc_TypeError, "receipt(): bad receipt table");
+        return NULL;
+    }
+    if (rpos < 8 || rpos + 8 > end)
+        return Py_NewRef(slow);
+    uint64_t rw;
+    memcpy(&rw, raw + rpos, 8);
+    if (rw == 0)
+        return Py_NewRef(Py_None);
+    if (rw & 3)
+        return Py_NewRef(slow);               /* not a struct pointer (far, list, ...) */
+    int64_t off = (int64_t)((rw & 0xFFFFFFFFu) >> 2);
+    if (off >= (1 << 29))
+        off -= (1 << 30);
+    int64_t dwords = (int64_t)((rw >> 32) & 0xFFFF), pcount = (int64_t)(rw >> 48);
+    int64_t start = (int64_t)rpos + 8 + off * 8;
+    if (start < 8 || start + (dwords + pcount) * 8 > (int64_t)end)
+        return Py_NewRef(slow);
+    Py_ssize_t dptr, sptr;
+    if (get_ssize(PyTuple_GET_ITEM(rtable, RT_DEVICE), &dptr) < 0
+            || get_ssize(PyTuple_GET_ITEM(rtable, RT_SHA), &sptr) < 0)
+        return NULL;
+    if (dptr < 0 || sptr < 0 || dptr >= pcount || sptr >= pcount)
+        return Py_NewRef(slow);
+    uint64_t v[RT_NSCALARS];
+    int code[RT_NSCALARS];
+    Py_ssize_t pos[RT_NSCALARS];
+    for (int i = 0; i < RT_NSCALARS; i++) {
+        Py_ssize_t o, c;
+        if (get_ssize(PyTuple_GET_ITEM(rtable, RT_SCALARS + 2 * i), &o) < 0
+                || get_ssize(PyTuple_GET_ITEM(rtable, RT_SCALARS + 2 * i + 1), &c) < 0)
+            return NULL;
+        int sz = scalar_size((int)c);
+        if (sz == 0 || c == 'f' || c == 'd') {
+            PyErr_SetString(PyExc_TypeError, "receipt(): receipt scalars must be integers");
+            return NULL;
+        }
+        if (o < 0 || o + sz > dwords * 8)
+            return Py_NewRef(slow);           /* an older, shorter Receipt */
+        pos[i] = (Py_ssize_t)start + o;
+        code[i] = (int)c;
+        v[i] = read_u(raw, pos[i], code[i]);
+    }
+    Py_ssize_t ptrs = (Py_ssize_t)(start + dwords * 8), ds, dn, ss, sn;
+    if (!byte_list(raw, ptrs + dptr * 8, end, &ds, &dn)
+            || !byte_list(raw, ptrs + sptr * 8, end, &ss, &sn))
+        return Py_NewRef(slow);
+    PyObject *names = PyTuple_GET_ITEM(rtable, RT_COMPLETION);
+    uint64_t comp = v[RT_NSCALARS - 1];
+    if (comp >= (uint64_t)PyTuple_GET_SIZE(names) || PyTuple_GET_ITEM(names, comp) == Py_None)
+        return Py_NewRef(slow);               /* not a completion point we know */
+    PyObject *device;
+    if (ds == 0 && dn == 0) {
+        device = PyUnicode_FromStringAndSize("", 0);
+    } else {
+        /* Text: NUL-terminated, no NUL inside, UTF-8; the first 64 characters kept. */
+        if (dn < 1 || raw[ds + dn - 1] != 0 || memchr(raw + ds, 0, dn - 1) != NULL)
+            return Py_NewRef(slow);
+        device = PyUnicode_DecodeUTF8((const char *)raw + ds, dn - 1, "strict");
+        if (device == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError))
+                return NULL;
+            PyErr_Clear();
+            return Py_NewRef(slow);
+        }
+        if (PyUnicode_GET_LENGTH(device) > 64) {
+            PyObject *cut = PyUnicode_Substring(device, 0, 64);
+            Py_SETREF(device, cut);
+        }
+    }
+    if (device == NULL)
+        return NULL;
+    PyObject *items[14];
+    /* Receipt(frame_id, capture_ts_ns, infer_start_ns, infer_end_ns, device, bytes_in,
+     *         bytes_out, completion, latency_ns, worst_case_ns, deadline_ns,
+     *         deadline_misses, artifact_sha256, kernels_run) */
+    static const int from[14] = {0, 1, 2, 3, -1, 4, 5, -2, 6, 7, 8, 9, -3, 10};
+    for (int i = 0; i < 14; i++) {
+        int f = from[i];
+        if (f >= 0)
+            items[i] = read_scalar(raw, pos[f], code[f]);
+        else if (f == -1)
+            items[i] = device;
+        else if (f == -2)
+            items[i] = Py_NewRef(PyTuple_GET_ITEM(names, comp));
+        else
+            items[i] = PyBytes_FromStringAndSize((const char *)raw + ss, sn < 64 ? sn : 64);
+    }
+    PyTypeObject *rt = (PyTypeObject *)PyTuple_GET_ITEM(rtable, RT_TYPE);
+    PyObject *out = NULL;
+    int ok = 1;
+    for (int i = 0; i < 14; i++)
+        ok &= items[i] != NULL;
+    if (ok && PyType_Check(rt) && PyType_IsSubtype(rt, &PyTuple_Type))
+        out = rt->tp_alloc(rt, 14);
+    if (out == NULL) {
+        for (int i = 0; i < 14; i++)
+            Py_XDECREF(items[i]);
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "receipt(): bad Receipt type");
+        return NULL;
+    }
+    for (int i = 0; i < 14; i++)
+        PyTuple_SET_ITEM(out, i, items[i]);
+    return out;
+}
+
+/* receipt(raw, rpos, end, rtable, slow): receipt_core for Python (the tests). */
+static PyObject *h_receipt(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    Py_ssize_t rpos, end;
+    if (n != 5) {
+        PyErr_SetString(PyExc_TypeError, "receipt() takes 5 arguments");
+        return NULL;
+    }
+    if (!PyBytes_Check(a[0])) {
+        PyErr_SetString(PyExc_TypeError, "receipt(): raw must be bytes");
+        return NULL;
+    }
+    if (get_ssize(a[1], &rpos) < 0 || get_ssize(a[2], &end) < 0)
+        return NULL;
+    if (end < 0 || end > PyBytes_GET_SIZE(a[0])) {
+        PyErr_SetString(PyExc_ValueError, "receipt(): end outside raw");
+        return NULL;
+    }
+    return receipt_core((const unsigned char *)PyBytes_AS_STRING(a[0]), rpos, end, a[3], a[4]);
+}
+
 enum { F_VERSION, F_CHANNEL, F_SEQ, F_GEN, F_PID, F_CRC_WHICH, F_FRAME_WHICH, F_TS, F_CRC,
        F_WORD, F_FRAME_ID, F_CAPTURE, F_EXP_WHICH, F_GAIN_WHICH, F_EXP, F_GAIN, F_MAX };
 
@@ -709,9 +955,9 @@ enum { F_VERSION, F_CHANNEL, F_SEQ, F_GEN, F_PID, F_CRC_WHICH, F_FRAME_WHICH, F_
  *       the Receipt's data section, Stamp type) */
 static PyObject *accept_core(PyObject *rawo, PyObject *compiled, PyObject *ctx,
                              uint64_t want_seq, uint64_t want_gen, uint64_t now,
-                             uint64_t last_capture) {
+                             uint64_t last_capture, PyObject **receipt) {
     if (!PyBytes_Check(rawo) || !PyDict_Check(compiled) || !PyTuple_Check(ctx)
-            || PyTuple_GET_SIZE(ctx) != 15) {
+            || PyTuple_GET_SIZE(ctx) != CTX_LEN) {
         PyErr_SetString(PyExc_TypeError, "accept(): bad argument types");
         return NULL;
     }
@@ -723,7 +969,7 @@ static PyObject *accept_core(PyObject *rawo, PyObject *compiled, PyObject *ctx,
     for (int i = 0; i < 14; i++)
         if (get_u64(PyTuple_GET_ITEM(ctx, i), &c[i]) < 0)
             return NULL;
-    PyTypeObject *stamp_type = (PyTypeObject *)PyTuple_GET_ITEM(ctx, 14);
+    PyTypeObject *stamp_type = (PyTypeObject *)PyTuple_GET_ITEM(ctx, CTX_STAMP);
     PyObject *key = PyBytes_FromStringAndSize((const char *)raw, 16);
     if (key == NULL)
         return NULL;
@@ -860,6 +1106,13 @@ static PyObject *accept_core(PyObject *rawo, PyObject *compiled, PyObject *ctx,
     }
     for (int i = 0; i < 9; i++)
         PyTuple_SET_ITEM(out, i, items[i]);
+    if (receipt != NULL && PyTuple_GET_ITEM(ctx, CTX_RTABLE) != Py_None) {
+        *receipt = rpos < 0 ? Py_NewRef(Py_None)
+            : receipt_core(raw, rpos, end, PyTuple_GET_ITEM(ctx, CTX_RTABLE),
+                           PyTuple_GET_ITEM(ctx, CTX_SLOW));
+        if (*receipt == NULL)
+            Py_CLEAR(out);
+    }
     return out;
 }
 
@@ -1026,7 +1279,7 @@ static PyObject *h_accept(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     if (get_u64(a[3], &want_seq) < 0 || get_u64(a[4], &want_gen) < 0
             || get_u64(a[5], &now) < 0 || get_u64(a[6], &last_capture) < 0)
         return NULL;
-    return accept_core(a[0], a[1], a[2], want_seq, want_gen, now, last_capture);
+    return accept_core(a[0], a[1], a[2], want_seq, want_gen, now, last_capture, NULL);
 }
 
 /* ------------------------------------------------------------- module */
@@ -1043,6 +1296,8 @@ static PyMethodDef module_methods[] = {
      "the reader's seqlock read of the next slot, with its lease"},
     {"pack_header", (PyCFunction)(void (*)(void))h_pack, METH_FASTCALL,
      "a compiled SlotHeader plan written into the segment (False: let Python raise)"},
+    {"receipt", (PyCFunction)(void (*)(void))h_receipt, METH_FASTCALL,
+     "the Receipt in a SlotHeader, None, or the slow sentinel (pycapnp decides)"},
     {"accept", (PyCFunction)(void (*)(void))h_accept, METH_FASTCALL,
      "the reader's checks of a plain SlotHeader: a Stamp, or None (Python decides)"},
     {NULL}

@@ -70,6 +70,17 @@ def decode_receipt(raw: bytes, spec: ChannelSpec, sequence: int, *, fast: bool =
     return read_receipt(raw, spec, sequence)
 
 
+def native_ctx(spec: ChannelSpec, slow: object, tolerance_ns: int, max_age_ns: int) -> tuple:
+    """The native reader's context for one channel (`_native.c`: accept_core's ``ctx``):
+    the header's union layouts, the channel's requirements and limits, the Stamp type,
+    the sentinel take() gives for a receipt it left to Python, and the receipt table."""
+    H = HEADER
+    return (H.crc_n, H.crc_is, H.frame_n, H.frame_is, H.exp_n, H.exp_is, H.gain_n,
+            H.gain_is, spec.channel_id, int(spec.crc), int(spec.kind == "frame"),
+            tolerance_ns, max_age_ns, H.r_scalars[1].offset,   # the receipt's captureTsNs
+            Stamp, slow, H.r_native)
+
+
 def native_accept(raw: bytes, spec: ChannelSpec, sequence: int, generation: int,
                   now_ns: int, last_capture_ns: int = 0, max_age_ns: int | None = None,
                   tolerance_ns: int = 5_000_000) -> Stamp | None:
@@ -82,10 +93,28 @@ def native_accept(raw: bytes, spec: ChannelSpec, sequence: int, generation: int,
 
     if _atomics.NATIVE is None:
         raise BridgeError("supervisor.ipc._native is not built")
-    H = HEADER
     age = spec.max_age_ms * 1_000_000 if max_age_ns is None else max_age_ns
-    ctx = (H.crc_n, H.crc_is, H.frame_n, H.frame_is, H.exp_n, H.exp_is, H.gain_n,
-           H.gain_is, spec.channel_id, int(spec.crc), int(spec.kind == "frame"),
-           tolerance_ns, age, H.r_scalars[1].offset, Stamp)
-    return _atomics.NATIVE.accept(raw, H._compiled, ctx, sequence, generation, now_ns,
+    ctx = native_ctx(spec, SLOW, tolerance_ns, age)
+    return _atomics.NATIVE.accept(raw, HEADER._compiled, ctx, sequence, generation, now_ns,
                                   last_capture_ns)
+
+
+def native_receipt(raw: bytes):
+    """The native reading of the Receipt in an encoded SlotHeader (`_native.receipt`,
+    the one take() runs on every accepted model output): a Receipt, None (it has none)
+    or SLOW (pycapnp decides). For tests; BridgeError without the module."""
+    from . import _atomics
+    from ._capnp_fast import Broken, Message, Unusual
+    from .errors import BridgeError
+
+    if _atomics.NATIVE is None:
+        raise BridgeError("supervisor.ipc._native is not built")
+    try:
+        m = Message(raw)
+    except (Broken, Unusual):
+        return SLOW
+    r = m.root
+    if HEADER.receipt_ptr >= r.pcount:
+        return None
+    return _atomics.NATIVE.receipt(bytes(raw), r.ptrs + HEADER.receipt_ptr * 8, m.end,
+                                   HEADER.r_native, SLOW)

@@ -12,7 +12,7 @@ from . import _atomics, codec, layout as L, shm
 from ._cadence import Cadence
 from ._geometry import HEADER_MAX, LAYOUT_MAX, SlotGeometry
 from ._message import UNREAD as _UNREAD, Message
-from ._types import Layout, Stamp
+from ._types import Layout
 from .channel import ReaderHandle
 from .errors import (BridgeError, ChannelTimeout, CrcMismatch, FutureTimestamp,
                      MalformedHeader, Rejected, SequenceError, StaleMessage, TornRead)
@@ -100,6 +100,8 @@ class Reader:
         self._layouts: dict[bytes, Layout] = {}
         self._last_layout_raw: bytes | None = None
         self._last_layout: Layout | None = None
+        # What the native take needs of it: (bytes, payload span lo, hi).
+        self._last_take: tuple[bytes, int, int] | None = None
         # Start at the newest message already published (if any): fresh, not history.
         self._last_seq = max(self._latest_seq() - 1, 0)
         self._last_capture = 0
@@ -126,12 +128,10 @@ class Reader:
         if nat is not None:
             self.try_receive = self._try_receive_native   # the native hot path
             self._stable = self._seg.check
-            H = codec.HEADER
-            self._compiled = H._compiled
-            self._actx = (H.crc_n, H.crc_is, H.frame_n, H.frame_is, H.exp_n, H.exp_is,
-                          H.gain_n, H.gain_is, spec.channel_id, int(spec.crc),
-                          int(spec.kind == "frame"), FUTURE_TOLERANCE_NS, self._max_age_ns,
-                          H.r_scalars[1].offset, Stamp)   # the receipt's captureTsNs
+            self._compiled = codec.HEADER._compiled
+            self._actx = codec.native_ctx(spec, _UNREAD, FUTURE_TOLERANCE_NS,
+                                          self._max_age_ns)
+            self._pay_at = geo.payload
 
     @property
     def native(self) -> bool:
@@ -182,8 +182,9 @@ class Reader:
     def _try_receive_native(self) -> Message | None:
         """``try_receive`` on the native atomics: the slot search, lease, seqlock read
         (with its retries) and, for a message in the layout validated last, every
-        header check, in one call (see _native.c); then the same CRC check. Anything
-        the native check does not accept goes to ``_accept``, which decides."""
+        header check, the CRC check and the Receipt's reading, in one call (see
+        _native.c). Anything the native check does not accept goes to ``_accept``,
+        which decides; a CRC it did not confirm is checked again here (and raises)."""
         if self._last_seq >= _MAX_SEQ:
             return None      # nothing can be newer (a hostile writer's last word); as in
                              # the pure-Python path, which compares before it looks
@@ -194,14 +195,14 @@ class Reader:
                           self._last_seq + 1, k, _now() + self._lease_ns, HEADER_MAX,
                           LAYOUT_MAX, _OFF_LAST_SEQ, _OFF_LAST_SLOT, _RETRIES,
                           self._compiled, self._actx, self._last_capture,
-                          self._last_layout_raw if inline else None)
+                          self._last_take if inline else None, self._pay_at)
         if got is None:
             return None
         if got is False:
             raise BridgeError(f"channel {self.spec.name!r}: all {self.spec.max_leases} "
                               f"leases are held; release a message before receiving another")
         free.pop()
-        slot, gen, seq, raw_h, raw_l, stamp = got
+        slot, gen, seq, raw_h, raw_l, stamp, receipt, crc_ok = got
         try:
             if not inline and raw_l == self._last_layout_raw:
                 stamp = self._naccept(raw_h, self._compiled, self._actx, seq, gen, _now(),
@@ -212,7 +213,7 @@ class Reader:
                 self._dropped += seq - self._last_seq - 1
             self._last_seq = seq
             layout = self._last_layout
-            if stamp[4] is not None and self.spec.crc:       # crc32
+            if not crc_ok and stamp[4] is not None and self.spec.crc:       # crc32
                 try:
                     self._check_crc(slot, gen, seq, layout, stamp[4])
                 except Rejected as e:
@@ -222,7 +223,7 @@ class Reader:
             if k not in free:
                 self._drop_lease(k)
             raise
-        return self._message(slot, gen, k, layout, stamp, raw_h, _UNREAD, stamp[6])
+        return self._message(slot, gen, k, layout, stamp, raw_h, receipt, stamp[6])
 
     def _check_crc(self, slot: int, gen: int, seq: int, layout: Layout, crc: int) -> None:
         """The payload against the header's CRC-32, then the seqlock again."""
@@ -338,6 +339,7 @@ class Reader:
                         self._layouts.clear()
                     self._layouts[raw_l] = layout
                 self._last_layout_raw, self._last_layout = raw_l, layout
+                self._last_take = (raw_l, *layout.span)
             stamp = _decode_header(raw_h, spec)
             if stamp[0] != seq or stamp[1] != gen:        # sequence, generation
                 raise MalformedHeader(spec.name, f"header says seq {stamp.sequence} gen "
