@@ -384,3 +384,37 @@ def test_publish_writes_what_encode_writes(make_channel):
             want = CONTROL_CMD.encode(steer_rad=cmd.steer_rad, engaged=float(cmd.engaged),
                                       reason=float(cmd.reason), model_age_ms=cmd.model_age_ms)
             assert got == want.tobytes()
+
+
+def test_the_rehearsal_changes_neither_the_law_nor_what_is_published(make_channel):
+    """controlsd's rehearsal (run at the start of each busy-poll window on the output
+    taken last) steps a copy of the law and fills the loaned command slot without
+    publishing it: the law's state, the commands published and their bytes are what
+    they are without it."""
+    from schemas.payloads import CONTROL_CMD
+    from workers.controlsd import _publish, rehearsal
+
+    mo_ch = make_channel(name="model_out", dtype="float32", slot_size=4096, crc=True)
+    cmd_ch = make_channel(name="control_cmd", dtype="float32", slot_size=4096, crc=True)
+    with Writer(mo_ch.writer_handle()) as mw, Reader(mo_ch.reader_handle(0)) as mr, \
+            Writer(cmd_ch.writer_handle()) as cw, Reader(cmd_ch.reader_handle(0)) as cr:
+        law, twin = ControlLaw(LawConfig(engage_count=1)), ControlLaw(LawConfig(engage_count=1))
+        out = NextLoan(cw, CONTROL_CMD.shape, np.float32)
+        rehearse = rehearsal(law, out)
+        for i, offset in enumerate((0.5, -0.3, 0.2)):
+            mw.publish_array(np.array([offset, 0.01, 0.9, 0.0], np.float32))
+            with mr.receive(timeout=2) as msg:
+                before = dict(vars(law))
+                rehearse(msg)                     # as the reader calls it
+                rehearse(msg)
+                assert vars(law) == before        # the law itself did not move
+                assert cr.try_receive() is None   # nothing was published
+                got = model_output_of(msg)
+            now = time.monotonic_ns() + i * 20_000_000
+            cmd, want = law.step(got, now), twin.step(got, now)
+            assert cmd == want and cmd.engaged
+            _publish(out, cmd)
+            with cr.receive(timeout=2) as m:
+                assert m.array.tobytes() == CONTROL_CMD.encode(
+                    steer_rad=cmd.steer_rad, engaged=1.0, reason=float(cmd.reason),
+                    model_age_ms=cmd.model_age_ms).tobytes()

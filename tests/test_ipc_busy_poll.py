@@ -428,3 +428,99 @@ def test_announcements_that_miss_are_not_polled_for_until_they_are_right_again(m
         p.join(10)
     assert wrong.busy_poll_hits + wrong.busy_poll_misses == 0, wrong
     assert r.stats.busy_poll_hits >= 10, r.stats
+
+
+# ------------------------------------------------------------------ rehearsals
+
+
+def _rehearsed_stream(make_channel, fn_of, n: int = 60, **spec):
+    """``_stream`` with ``reader.rehearse(fn_of(reader))``: (delivered, stats)."""
+    ch = make_channel(slot_count=8, max_readers=1, **spec)
+    p = _fork.Process(target=_publish, args=(ch.writer_handle(), [0.02] * n))
+    p.start()
+    r = Reader(ch.reader_handle(0), busy_poll_us=3000)
+    r.rehearse(fn_of(r))
+    got = []
+    try:
+        for _ in range(n):
+            with r.receive(timeout=2) as m:
+                got.append((m.sequence, int(m.array[0])))
+    finally:
+        p.join(10)
+    return got, r.stats
+
+
+def test_a_window_rehearses_the_message_taken_last_and_delivers_as_before(make_channel):
+    """Each window begins by running the worker's rehearsal on the message taken last,
+    taken again in full; what is delivered and counted is what it was without."""
+    seen: list[tuple[int, int]] = []            # (its seq, its first byte)
+
+    def fn_of(r):
+        return lambda m: seen.append((m.sequence, int(m.array[0])))
+
+    got, st = _rehearsed_stream(make_channel, fn_of)
+    assert got == [(i + 1, i) for i in range(60)]          # all, in order, no gap
+    assert st.dropped == 0 and not st.rejected and st.received == 60
+    assert st.busy_poll_hits >= 10 and st.rehearsals >= st.busy_poll_hits, st
+    assert not st.rehearsal_error and len(seen) == st.rehearsals
+    assert set(seen) <= set(got)           # delivered messages, their very bytes
+
+
+def test_the_rehearsal_sees_the_message_taken_last(make_channel):
+    ch = make_channel(slot_count=8, max_readers=1)
+    w = Writer(ch.writer_handle(), domain="control")
+    r = Reader(ch.reader_handle(0), busy_poll_us=1000)
+    seen = []
+    r.rehearse(lambda m: seen.append((m.sequence, m.array.tolist(), m.stamp)))
+    r._rehearse()
+    assert seen == [] and r.stats.rehearsals == 0        # nothing taken yet
+    for i in range(3):
+        w.publish_array(np.full(16, i, np.uint8))
+        with r.receive(timeout=1) as m:
+            stamp = m.stamp
+        r._rehearse()
+        assert seen[-1] == (i + 1, [i] * 16, stamp)       # the same message, checked anew
+    st = r.stats
+    assert (st.received, st.dropped, st.rejected, st.leases_lost, st.rehearsals) == (
+        3, 0, {}, 0, 3)
+    w.publish_array(np.full(16, 9, np.uint8))
+    r._rehearse()           # a newer one is there: the last one is rehearsed, the new
+    assert seen[-1][0] == 3     # one is still delivered
+    with r.receive(timeout=1) as m:
+        assert (m.sequence, int(m.array[0])) == (4, 9)
+    assert r.stats.received == 4 and r.stats.dropped == 0
+    w.close()
+    r.close()
+
+
+def test_a_rehearsal_of_a_message_gone_stale_is_not_a_rejection(make_channel):
+    ch = make_channel(slot_count=8, max_readers=1, max_age_ms=20)
+    w = Writer(ch.writer_handle(), domain="control")
+    r = Reader(ch.reader_handle(0), busy_poll_us=1000)
+    seen = []
+    r.rehearse(seen.append)
+    w.publish_array(np.zeros(16, np.uint8))
+    r.receive(timeout=1).release()
+    time.sleep(0.05)
+    r._rehearse()              # refused as stale now: no rehearsal, nothing counted
+    assert seen == [] and r.stats.rejected == {} and r.stats.received == 1
+    w.publish_array(np.ones(16, np.uint8))
+    with r.receive(timeout=1) as m:
+        assert m.sequence == 2
+    w.close()
+    r.close()
+
+
+def test_a_rehearsal_that_raises_is_turned_off_and_receiving_goes_on(make_channel):
+    calls = []
+
+    def fn_of(r):
+        def fn(m):
+            calls.append(m.sequence)
+            raise RuntimeError("worker bug\nsecond line")
+        return fn
+
+    got, st = _rehearsed_stream(make_channel, fn_of, n=40)
+    assert got == [(i + 1, i) for i in range(40)] and not st.rejected
+    assert len(calls) == 1 and st.rehearsal_error == "RuntimeError: worker bug"
+    assert st.busy_poll_hits >= 5, st         # windows (and the reader's part) go on

@@ -27,6 +27,7 @@ reason SHUTDOWN is published, then it exits 0.
 from __future__ import annotations
 
 import argparse
+import copy
 import signal
 import sys
 import time
@@ -116,17 +117,31 @@ if sorted((_STEER, _ENGAGED, _REASON, _AGE)) != list(range(len(CONTROL_CMD.field
     raise ImportError("controlsd._publish must write every CONTROL_CMD field")
 
 
-def _publish(out: NextLoan, cmd: Command) -> None:
+def _fill(out: NextLoan, cmd: Command) -> None:
     """One CONTROL_CMD payload (schemas/payloads.py), written straight into the slot
     loaned ahead (NextLoan: the loan is off the output -> command path): element by
     element, numpy's cheapest path for four scalars (``encode`` assigns a list, which
-    numpy first turns into an array: several times the cold cost)."""
+    numpy first turns into an array: several times the cold cost). Not published."""
     a = out.array
     a[_STEER] = cmd.steer_rad
     a[_ENGAGED] = 1.0 if cmd.engaged else 0.0
     a[_REASON] = float(cmd.reason)
     a[_AGE] = cmd.model_age_ms
+
+
+def _publish(out: NextLoan, cmd: Command) -> None:
+    _fill(out, cmd)
     out.publish()
+
+
+def rehearsal(law: ControlLaw, out: NextLoan):
+    """The model reader's rehearsal (Reader.rehearse): one output's path, without
+    effect, at the start of each busy-poll window, so that the real one runs warm:
+    decode, the law on a copy of itself, the command written into the slot loaned ahead
+    but never published (the next publish writes every field first: _fill)."""
+    def rehearse(msg: Message) -> None:
+        _fill(out, copy.copy(law).step(model_output_of(msg), time.monotonic_ns()))
+    return rehearse
 
 
 # The roles this worker's code asks for; `supervisor check` verifies the config binds them.
@@ -165,6 +180,8 @@ def main(ctx: WorkerContext) -> int:
             return 2
         return logclock.run(ctx, a, reader, writer, law, times, model_output_of)
     out = NextLoan(writer, CONTROL_CMD.shape, np.float32)
+    if poll:
+        reader.rehearse(rehearsal(law, out))
     ctx.ready(status=f"{ctx.channel_of('model')} -> {ctx.channel_of('command')} @ >= {a.hz:g} Hz, timeout {a.timeout_ms:g} ms")
 
     tick = int(1e9 / a.hz)
@@ -232,7 +249,9 @@ def main(ctx: WorkerContext) -> int:
                 f"commands={published} rejected={sum(rej.values())}"
                 f"{'' if not rej else ' ' + ','.join(f'{k}:{v}' for k, v in sorted(rej.items()))} "
                 f"future={future} leases_lost={lost}"
-                f"{f' busy_poll={st.busy_poll_hits}/{st.busy_poll_misses}' if poll else ''}")
+                f"{f' busy_poll={st.busy_poll_hits}/{st.busy_poll_misses}' if poll else ''}"
+                f"{f' rehearsals={st.rehearsals}' if poll else ''}"
+                f"{f' rehearsal_off={st.rehearsal_error!r}' if st.rehearsal_error else ''}")
     final = law.step(None, time.monotonic_ns(), hold=SafeReason.SHUTDOWN)
     _publish(out, final)
     ctx.status(f"stopped: engaged=0 reason=SHUTDOWN commands={published + 1}")
