@@ -524,3 +524,19 @@ def test_a_rehearsal_that_raises_is_turned_off_and_receiving_goes_on(make_channe
     assert got == [(i + 1, i) for i in range(40)] and not st.rejected
     assert len(calls) == 1 and st.rehearsal_error == "RuntimeError: worker bug"
     assert st.busy_poll_hits >= 5, st         # windows (and the reader's part) go on
+
+
+def test_a_rehearsal_longer_than_its_window_is_turned_off(make_channel):
+    """The CPU bound of busy-polling (2 x busy_poll_us a message) holds with a worker
+    rehearsal too slow for it: the first window it overruns turns it off."""
+    calls = []
+
+    def fn_of(r):
+        def fn(m):
+            calls.append(m.sequence)
+            time.sleep(0.008)               # more than the 6 ms window
+        return fn
+
+    got, st = _rehearsed_stream(make_channel, fn_of, n=40)
+    assert got == [(i + 1, i) for i in range(40)] and not st.rejected
+    assert len(calls) == 1 and st.rehearsal_error == "longer than the busy-poll window"

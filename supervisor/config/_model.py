@@ -204,6 +204,7 @@ class WorkerConfig:
     # Its readers busy-poll a regular stream (a camera's) for up to this many us either
     # side of the next message's predicted arrival instead of sleeping through the
     # wake-up (supervisor/ipc/_cadence.py): at most 2x this of CPU per message. 0: off.
+    # Each window begins with a rehearsal of the last message's path (Reader.rehearse).
     busy_poll_us: int = 0
     pids_max: int | None = 64               # processes + threads (a fork storm stops here)
     # Control-grade domains: may the worker create anonymous executable memory before

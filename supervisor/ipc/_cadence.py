@@ -7,6 +7,10 @@ a fixed period, so the reader can sleep until shortly before the next frame is d
 watch shared memory until it arrives; the writer then skips the wake-up too (the
 reader's awake flag). Linux's SO_BUSY_POLL makes the same trade for sockets.
 
+A window begins with a rehearsal (``Reader.rehearse``): the message taken last is taken
+again and the worker's path run on it without effect, so that the next one runs on warm
+caches; it spends the window's own time.
+
 Cost: at most ``2 * busy_poll_us`` of CPU per message and about half of one CPU in all
 (a window opens at least ``2 * busy_poll_us`` after the last one closed, on this
 reader's clock; plus the calls around them), and

@@ -459,6 +459,10 @@ class Reader:
             now = _now()
         cad.spent = (nxt, *w)
         self._rehearse()
+        if self._rehearsal is not None and _now() > stop:
+            # Longer than the whole window: it would break the CPU bound (2 x lead).
+            self._rehearsal = None
+            self._rehearsal_error = "longer than the busy-poll window"
         try_receive = self.try_receive
         while _now() < stop:
             msg = try_receive()
@@ -478,8 +482,9 @@ class Reader:
         last: the reader takes it again in full (every check, lease, Message) with its
         own state put back afterwards, calls ``fn(msg)`` (None: the reader's part only)
         and releases it. ``fn`` must have no effect: compute and throw away; whatever it
-        returns is dropped. If it raises, it is turned off (``stats.rehearsal_error``)
-        and receiving goes on. Without busy_poll_us there are no windows and no
+        returns is dropped. If it raises, or runs past the end of its window (the CPU
+        bound of busy-polling), it is turned off (``stats.rehearsal_error``) and
+        receiving goes on. Without busy_poll_us there are no windows and no
         rehearsals; the reader's own part runs in every window, ``fn`` or not."""
         self._rehearsal = fn
         self._rehearsal_error = ""
