@@ -174,6 +174,11 @@ class NextLoan:
             raise
 
     @property
+    def on_loan(self) -> bool:
+        """A slot is on loan now (``array`` would not take one)."""
+        return self._loan is not None
+
+    @property
     def array(self) -> np.ndarray:
         """The next message's writable tensor (loaned here if it is not on loan yet:
         BridgeError then, as ``Writer.loan`` raises it)."""

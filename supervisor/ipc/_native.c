@@ -692,14 +692,9 @@ static PyObject *r_take(PyObject *m, PyObject *const *a, Py_ssize_t n) {
             } else if (in_bounds(seg, po + span_lo, span_hi - span_lo)) {
                 const Bytef *p = (const Bytef *)(b + po + span_lo);
                 Py_ssize_t len = span_hi - span_lo;
-                uLong crc = crc32(0L, Z_NULL, 0);
-                if (len > (1 << 16)) {      /* a frame: let other threads run meanwhile */
-                    Py_BEGIN_ALLOW_THREADS
-                    crc = crc32_z(crc, p, (z_size_t)len);
-                    Py_END_ALLOW_THREADS
-                } else {
-                    crc = crc32_z(crc, p, (z_size_t)len);
-                }
+                /* With the GIL held: the mappings must stay while p points into them
+                 * (red team: a close() from another thread meanwhile crashed). */
+                uLong crc = crc32_z(crc32(0L, Z_NULL, 0), p, (z_size_t)len);
                 __atomic_thread_fence(ACQUIRE);                               /* R4 */
                 uint64_t g3 = __atomic_load_n((uint64_t *)(b + cb), RELAXED);  /* R5 */
                 unsigned long want_crc = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(stamp, 4));

@@ -48,6 +48,9 @@ FUTURE_TOLERANCE_NS = 5_000_000
 
 # How long a reader waits for the writer to map and seal the segment on attach.
 ATTACH_TIMEOUT_S = 5.0
+# A CRC'd channel with slots bigger than this is not rehearsed (Reader.rehearse): the
+# CRC of a message alone could outlast a busy-poll window (~80 us here at this size).
+REHEARSE_CRC_MAX = 256 * 1024
 _RETRIES = 8
 
 
@@ -127,8 +130,12 @@ class Reader:
         # Busy-poll around the predicted next message of a periodic stream (_cadence).
         self._cadence = Cadence(busy_poll_us * 1000) if busy_poll_us > 0 else None
         self._rehearsal: Callable[[Message], object] | None = None
+        # Off where the reader's own part (a full take) could outlast a window: a CRC'd
+        # channel of big slots (~1 ms of CRC per 3 MB); and once one overran its window.
+        self._rehearsing = not (spec.crc and spec.slot_size > REHEARSE_CRC_MAX)
         self._rehearsals = 0
         self._rehearsal_error = ""
+        self._delivered: tuple[int, int, int] | None = None   # (seq, slot, gen) last
         if self._cadence is not None:        # wake me for announcements (Writer.announce)
             L.U64.pack_into(self._lease_mm, L.OFF_POLLS, L.READER_POLLS)
         if nat is not None:
@@ -250,6 +257,7 @@ class Reader:
         if self._cadence is not None:
             self._cadence.seen(stamp[3], stamp[0], self._announced())
         self._received += 1
+        self._delivered = (stamp[0], slot, gen)
         msg = _new_message(Message)
         msg._reader = self
         msg._slot = slot
@@ -458,11 +466,13 @@ class Reader:
                 return msg
             now = _now()
         cad.spent = (nxt, *w)
-        self._rehearse()
-        if self._rehearsal is not None and _now() > stop:
-            # Longer than the whole window: it would break the CPU bound (2 x lead).
-            self._rehearsal = None
-            self._rehearsal_error = "longer than the busy-poll window"
+        if self._rehearsing:
+            self._rehearse()
+            if _now() > w[1]:
+                # Past the window's own end (not the caller's timeout): it would break
+                # the CPU bound (2 x lead); the reader's part too (a big CRC'd frame).
+                self._rehearsing, self._rehearsal = False, None
+                self._rehearsal_error = "longer than the busy-poll window"
         try_receive = self.try_receive
         while _now() < stop:
             msg = try_receive()
@@ -478,25 +488,32 @@ class Reader:
         Why: after the 50 ms between two messages, everything a message's path runs is
         cold (a VM's host reuses the CPU's caches meanwhile): here, a cold take,
         decode and control law cost ~2.3x what they cost warm. A window is CPU spent
-        waiting anyway, so it begins by running that path once on the message taken
+        waiting anyway, so it begins by running that path once on the message delivered
         last: the reader takes it again in full (every check, lease, Message) with its
         own state put back afterwards, calls ``fn(msg)`` (None: the reader's part only)
-        and releases it. ``fn`` must have no effect: compute and throw away; whatever it
-        returns is dropped. If it raises, or runs past the end of its window (the CPU
-        bound of busy-polling), it is turned off (``stats.rehearsal_error``) and
-        receiving goes on. Without busy_poll_us there are no windows and no
-        rehearsals; the reader's own part runs in every window, ``fn`` or not."""
+        and releases it. ``fn`` only ever sees that very message (sequence, slot and
+        generation), never one the reader rejected or has not delivered yet.
+
+        ``fn`` must have no effect: compute and throw away; whatever it returns is
+        dropped. A BridgeError from it (hostile bytes it refuses) skips that rehearsal;
+        any other exception turns it off (``stats.rehearsal_error``). A rehearsal that
+        runs past the end of its window (the CPU bound of busy-polling) turns all of
+        rehearsing off. Receiving goes on either way. Without busy_poll_us there are no
+        windows and no rehearsals; the reader's own part runs in every window, except on
+        a CRC'd channel of slots over REHEARSE_CRC_MAX bytes (its CRC alone could
+        outlast a window)."""
         self._rehearsal = fn
         self._rehearsal_error = ""
 
     def _rehearse(self) -> None:
-        """One rehearsal (see ``rehearse``): the message taken last, taken again, given
-        to the worker's rehearsal, released; the reader's state as it was before."""
-        if self._last_seq == 0 or not self._free_leases or self._last_seq >= _MAX_SEQ:
+        """One rehearsal (see ``rehearse``): the message delivered last, taken again,
+        given to the worker's rehearsal, released; the reader's state as it was."""
+        last = self._delivered
+        if last is None or not self._free_leases or not self._rehearsing:
             return
         saved = (self._last_seq, self._dropped, self._received, self._last_capture,
-                 self._lost, self._rejected, self._cadence)
-        self._last_seq -= 1
+                 self._lost, self._rejected, self._cadence, self._delivered)
+        self._last_seq = last[0] - 1
         self._rejected, self._cadence = Counter(), None
         try:
             try:
@@ -505,8 +522,13 @@ class Reader:
                 msg = None      # that message is gone or no longer acceptable
             if msg is not None:
                 try:
-                    if self._rehearsal is not None:
-                        self._rehearsal(msg)
+                    fn = self._rehearsal
+                    # Only the very message delivered last (red team: a reused slot
+                    # gave the next one, not delivered yet; a rejected one came back).
+                    if fn is not None and (msg.stamp[0], msg._slot, msg._gen) == last:
+                        fn(msg)
+                except BridgeError:
+                    pass            # the worker refused hostile bytes: this time only
                 except Exception as e:   # the worker's rehearsal: never the real path
                     self._rehearsal = None
                     self._rehearsal_error = f"{type(e).__name__}: {e}".splitlines()[0][:200]
@@ -517,7 +539,7 @@ class Reader:
                         pass    # LeaseLost: the writer reused the slot meanwhile
         finally:
             (self._last_seq, self._dropped, self._received, self._last_capture,
-             self._lost, self._rejected, self._cadence) = saved
+             self._lost, self._rejected, self._cadence, self._delivered) = saved
         self._rehearsals += 1
 
     def _announced(self) -> tuple[int, int]:

@@ -138,9 +138,13 @@ def rehearsal(law: ControlLaw, out: NextLoan):
     """The model reader's rehearsal (Reader.rehearse): one output's path, without
     effect, at the start of each busy-poll window, so that the real one runs warm:
     decode, the law on a copy of itself, the command written into the slot loaned ahead
-    but never published (the next publish writes every field first: _fill)."""
+    but never published (the next publish writes every field first: _fill). Never a
+    loan of its own: in a ring too tight to loan ahead, an early loan could take back
+    the command published last (red team)."""
     def rehearse(msg: Message) -> None:
-        _fill(out, copy.copy(law).step(model_output_of(msg), time.monotonic_ns()))
+        cmd = copy.copy(law).step(model_output_of(msg), time.monotonic_ns())
+        if out.on_loan:
+            _fill(out, cmd)
     return rehearse
 
 
