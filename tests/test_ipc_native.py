@@ -192,6 +192,41 @@ def test_the_native_take_checks_the_crc_itself_and_refuses_a_scribbled_payload(
     r.close()
 
 
+_USE_AFTER_CLOSE = textwrap.dedent("""
+    import sys
+    import numpy as np
+    sys.path.insert(0, sys.argv[1])
+    from supervisor.ipc import Channel, ChannelSpec, NextLoan, Reader, Writer
+    ch = Channel.create(ChannelSpec(name="x", dtype="float32", slot_size=4096,
+                                    slot_count=4, max_readers=1))
+    w, r = Writer(ch.writer_handle()), Reader(ch.reader_handle(0))
+    w.publish_array(np.arange(4, dtype=np.float32))
+    m = r.receive(timeout=1)
+    seen = m.array
+    ahead = NextLoan(w, (4,), np.float32)
+    held = w.loan().array((4,), np.float32)
+    w.close()
+    r.close()
+    held[0] = 1.0                    # a loaned array, written after close()
+    ahead.array[1] = 2.0             # the slot NextLoan holds
+    print(seen.tolist())             # a message's array, read after close()
+""")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_arrays_used_after_close_do_not_crash_the_process(native):
+    """numpy arrays keep no buffer export: close() used to unmap the segment under a
+    loaned or received array, and the next access through it killed the process
+    (SIGSEGV). The mapping now lives as long as something refers to it."""
+    if native and NATIVE is None:
+        pytest.skip("no native module on this machine")
+    env = dict(os.environ, **{_atomics.ENV: "1" if native else "0"})
+    p = subprocess.run([sys.executable, "-c", _USE_AFTER_CLOSE, REPO], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, (p.returncode, p.stderr[-500:])
+    assert p.stdout.strip() == "[0.0, 1.0, 2.0, 3.0]"
+
+
 @pytest.mark.parametrize("wn,rn", [(True, False), (False, True)])
 def test_each_path_reads_the_others_messages(make_channel, wn, rn):
     ch = make_channel(slot_size=4096, slot_count=4, max_readers=1, crc=True)

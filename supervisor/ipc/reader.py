@@ -648,9 +648,11 @@ class Reader:
                 pass  # a message's array still uses it
         try:
             self._buf.release()
-            self._mm.close()
         except BufferError:
-            pass  # views still alive; the mapping goes with them
+            pass  # views still alive
+        # Never mmap.close(): a message's numpy array keeps no buffer export, so it would
+        # unmap under it and a read through it would crash the process. The mapping goes
+        # when the last reference to it does (this reader's, or an array's).
 
     def __enter__(self) -> Reader:
         return self

@@ -467,9 +467,11 @@ class Writer:
         try:
             self._words.release()
             self._buf.release()
-            self._mm.close()
         except BufferError:
-            pass  # a caller still holds a loaned array; the mapping goes with the process
+            pass  # a caller still holds a loaned array
+        # Never mmap.close(): numpy arrays of a loan keep no buffer export, so it would
+        # unmap under them and a write through one would crash the process. The mapping
+        # goes when the last reference to it does (this writer's, or an array's).
 
     def __enter__(self) -> Writer:
         return self
