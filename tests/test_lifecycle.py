@@ -227,6 +227,14 @@ def test_default_config_runs_every_worker_sandboxed_with_live_status():
         assert ready == {"camerad", "modeld", "controlsd", "research"}
         assert all(e["sandboxed"] for e in events if e["event"] == "start")
         assert events[-1]["event"] == "supervisor_exit" and events[-1]["code"] == 0
+        # Each worker stopped clean: its output pipe stayed open until it exited (it
+        # was closed first, and a worker with output still buffered died of the flush:
+        # Python's exit code 120, a clean stop that read as a failure).
+        codes = {e["worker"]: e["code"] for e in events
+                 if e["event"] == "stopped" and not e.get("standby")}
+        assert codes == dict.fromkeys(ready, 0), codes
+        assert any(e["event"] == "log" and e["worker"] == "modeld"
+                   and e.get("msg", "").startswith("stopping:") for e in events)
     finally:
         if p.poll() is None:
             p.kill()

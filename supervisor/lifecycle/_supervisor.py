@@ -398,7 +398,11 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
         finally:
             if run.out_r is not None:
                 self._drain_output(run)     # its last words, then the pipe goes
-            self._close_run_fds(run)
+            # Left while it still runs (the supervisor is stopping: cancelled, SIGINT):
+            # its pipes stay open until _shutdown_workers has stopped it. Closed here, a
+            # worker writing on its way out died of it (exit code 120 for a clean stop).
+            if run.proc is None or run.proc.poll() is not None:
+                self._close_run_fds(run)
 
     def _worker_pid(self, run: WorkerRun) -> int:
         """Host pid of the worker itself (in a sandbox: pid 2 of its pid namespace, see
@@ -561,6 +565,9 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
                 run.proc.wait()
             self._poll_status(run)              # its last lines, then its last word
             self._log_status(run, final=True)
+            if run.out_r is not None:
+                self._drain_output(run)
+            self._close_run_fds(run)
             self.log.emit("stopped", worker=name, code=run.proc.returncode)
 
     # ---------------------------------------------------------------- main
