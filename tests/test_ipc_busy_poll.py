@@ -528,15 +528,25 @@ def test_a_rehearsal_that_raises_is_turned_off_and_receiving_goes_on(make_channe
 
 def test_a_rehearsal_longer_than_its_window_is_turned_off(make_channel):
     """The CPU bound of busy-polling (2 x busy_poll_us a message) holds with a worker
-    rehearsal too slow for it: the first window it overruns turns it off."""
-    calls = []
+    rehearsal too slow for it: the first window it overruns turns it off. Counted in
+    CPU: a rehearsal that was only preempted (or sleeps) has not spent the bound."""
+    calls, naps = [], []
 
     def fn_of(r):
         def fn(m):
             calls.append(m.sequence)
-            time.sleep(0.008)               # more than the 6 ms window
+            end = time.thread_time_ns() + 8_000_000      # 8 ms of CPU: over 6 ms
+            while time.thread_time_ns() < end:
+                pass
         return fn
 
     got, st = _rehearsed_stream(make_channel, fn_of, n=40)
     assert got == [(i + 1, i) for i in range(40)] and not st.rejected
     assert len(calls) == 1 and st.rehearsal_error == "longer than the busy-poll window"
+
+    def napping(r):
+        return lambda m: (naps.append(m.sequence), time.sleep(0.008))   # no CPU spent
+
+    got, st = _rehearsed_stream(make_channel, napping, n=30)
+    assert got == [(i + 1, i) for i in range(30)] and not st.rehearsal_error
+    assert len(naps) >= 5 and len(naps) == st.rehearsals, st

@@ -28,6 +28,7 @@ _decode_header = codec.HEADER.decode
 _receipt_capture = codec.HEADER.receipt_capture
 _SLOW = codec.SLOW
 _now = time.monotonic_ns
+_cpu_ns = time.thread_time_ns      # CPU this thread spent: what the busy-poll bound counts
 _MAX_SLEEP_MS = 1000     # one sleep before a busy-poll window, at most (then look again)
 _FD_SETSIZE = 1024       # select() takes fds below this
 _new_message = object.__new__
@@ -467,10 +468,13 @@ class Reader:
             now = _now()
         cad.spent = (nxt, *w)
         if self._rehearsing:
+            cpu = _cpu_ns()
             self._rehearse()
-            if _now() > w[1]:
-                # Past the window's own end (not the caller's timeout): it would break
-                # the CPU bound (2 x lead); the reader's part too (a big CRC'd frame).
+            if _cpu_ns() - cpu > 2 * cad.lead_ns:
+                # More CPU than a whole window: it would break the CPU bound (2 x lead);
+                # the reader's part too (a big CRC'd frame). CPU, not wall time: a worker
+                # in the normal class preempted meanwhile has not spent it (README run:
+                # one preemption turned controlsd's rehearsal off for good).
                 self._rehearsing, self._rehearsal = False, None
                 self._rehearsal_error = "longer than the busy-poll window"
         try_receive = self.try_receive
@@ -497,7 +501,7 @@ class Reader:
         ``fn`` must have no effect: compute and throw away; whatever it returns is
         dropped. A BridgeError from it (hostile bytes it refuses) skips that rehearsal;
         any other exception turns it off (``stats.rehearsal_error``). A rehearsal that
-        runs past the end of its window (the CPU bound of busy-polling) turns all of
+        spends more CPU than a whole window (the CPU bound of busy-polling) turns all of
         rehearsing off. Receiving goes on either way. Without busy_poll_us there are no
         windows and no rehearsals; the reader's own part runs in every window, except on
         a CRC'd channel of slots over REHEARSE_CRC_MAX bytes (its CRC alone could
