@@ -30,3 +30,18 @@ def forge(w: Writer, raw_header: bytes, raw_layout: bytes, *, seq: int | None = 
     w._loaned.discard(slot)
     loan._done = True
     return gen
+
+
+def watch_crc_confirms(r) -> list[int]:
+    """What the native take of Reader ``r`` said of each CRC it checked from now on
+    (its ``crc_ok``: 1 confirmed, 0 left to Python), in order."""
+    take, confirmed = r._ntake, []
+
+    def watching(*a):
+        got = take(*a)
+        if isinstance(got, tuple):
+            confirmed.append(got[7])
+        return got
+
+    r._ntake = watching
+    return confirmed

@@ -3,6 +3,8 @@
     python tests/ipc_peer.py writer   # reads JSON commands on stdin, publishes
     python tests/ipc_peer.py holder   # receives N messages, holds their leases, sleeps
     python tests/ipc_peer.py hostile  # attacks its read-only view and the names
+    python tests/ipc_peer.py flood S  # native writer: turns the ring over for S seconds,
+                                      # every uint64 of a payload its message's number
 
 The channel handle arrives as JSON in $PEER_HANDLE; its fds are inherited.
 """
@@ -84,6 +86,19 @@ def run_writer() -> None:
                 a[...] = (w.last_sequence + 1) % 256
                 seq = loan.publish()
         print(json.dumps({"seq": seq}), flush=True)
+
+
+def run_flood() -> None:
+    w = Writer(WriterHandle.from_json(os.environ["PEER_HANDLE"]), native=True)
+    words = w.spec.slot_size // 8
+    end = time.monotonic() + float(sys.argv[2])
+    i = 0
+    while time.monotonic() < end:
+        i += 1
+        with w.loan() as loan:
+            loan.array((words,), "uint64")[...] = i
+            loan.publish()
+    print(i, flush=True)
 
 
 def run_holder() -> None:
@@ -191,4 +206,5 @@ def run_hostile() -> None:
 
 
 if __name__ == "__main__":
-    {"writer": run_writer, "holder": run_holder, "hostile": run_hostile}[sys.argv[1]]()
+    {"writer": run_writer, "holder": run_holder, "hostile": run_hostile,
+     "flood": run_flood}[sys.argv[1]]()

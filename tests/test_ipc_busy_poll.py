@@ -30,13 +30,16 @@ def _publish(handle, intervals_s: list[float]) -> None:
 
 
 def _stream(make_channel, intervals_s: list[float], busy_poll_us: int,
-            publish=_publish, *more):
+            publish=_publish, *more, rehearsal=None):
     """Every message of a writer process publishing at ``intervals_s`` (``publish(handle,
-    intervals_s, *more)``), as (seq, first byte), and the reader's stats."""
+    intervals_s, *more)``), as (seq, first byte), and the reader's stats; with
+    ``rehearsal``, the reader rehearses ``rehearsal(reader)`` (Reader.rehearse)."""
     ch = make_channel(slot_count=8, max_readers=1)
     p = _fork.Process(target=publish, args=(ch.writer_handle(), intervals_s, *more))
     p.start()
     r = Reader(ch.reader_handle(0), busy_poll_us=busy_poll_us)
+    if rehearsal is not None:
+        r.rehearse(rehearsal(r))
     got = []
     try:
         for _ in intervals_s:
@@ -433,21 +436,9 @@ def test_announcements_that_miss_are_not_polled_for_until_they_are_right_again(m
 # ------------------------------------------------------------------ rehearsals
 
 
-def _rehearsed_stream(make_channel, fn_of, n: int = 60, **spec):
-    """``_stream`` with ``reader.rehearse(fn_of(reader))``: (delivered, stats)."""
-    ch = make_channel(slot_count=8, max_readers=1, **spec)
-    p = _fork.Process(target=_publish, args=(ch.writer_handle(), [0.02] * n))
-    p.start()
-    r = Reader(ch.reader_handle(0), busy_poll_us=3000)
-    r.rehearse(fn_of(r))
-    got = []
-    try:
-        for _ in range(n):
-            with r.receive(timeout=2) as m:
-                got.append((m.sequence, int(m.array[0])))
-    finally:
-        p.join(10)
-    return got, r.stats
+def _rehearsed_stream(make_channel, fn_of, n: int = 60):
+    """``_stream`` of n messages 20 ms apart, busy-polled, rehearsing ``fn_of(reader)``."""
+    return _stream(make_channel, [0.02] * n, 3000, rehearsal=fn_of)
 
 
 def test_a_window_rehearses_the_message_taken_last_and_delivers_as_before(make_channel):

@@ -20,6 +20,9 @@ import pytest
 from supervisor.ipc import (BridgeError, CrcMismatch, LeaseLost, Reader, TornRead, Writer,
                             _atomics, layout as L)
 
+from .conftest import PEER
+from .forge import watch_crc_confirms
+
 NATIVE = _atomics.NATIVE
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -156,15 +159,7 @@ def test_the_native_take_checks_the_crc_itself_and_refuses_a_scribbled_payload(
     one-line CrcMismatch, and the next good message is delivered."""
     ch = make_channel(slot_size=size, slot_count=4, max_readers=1, crc=True)
     w, r = Writer(ch.writer_handle()), Reader(ch.reader_handle(0))
-    take, confirmed = r._ntake, []
-
-    def watching(*a):
-        got = take(*a)
-        if isinstance(got, tuple):
-            confirmed.append(got[7])
-        return got
-
-    r._ntake = watching
+    confirmed = watch_crc_confirms(r)
 
     def publish(v: int, scribble: bool = False) -> int:
         with w.loan() as loan:
@@ -241,24 +236,6 @@ def test_each_path_reads_the_others_messages(make_channel, wn, rn):
     r.close()
 
 
-_WRITER = textwrap.dedent("""
-    import os, sys, time
-    import numpy as np
-    sys.path.insert(0, sys.argv[1])
-    from supervisor.ipc import Writer, WriterHandle
-    w = Writer(WriterHandle.from_json(os.environ["H"]), native=True)
-    end = time.monotonic() + float(sys.argv[2])
-    i = 0
-    while time.monotonic() < end:
-        i += 1
-        with w.loan() as loan:
-            a = loan.array((1 << 14,), "uint64")
-            a[...] = i                    # every word of the payload says which message
-            loan.publish()
-    print(i, flush=True)
-""")
-
-
 def test_no_torn_payload_survives_the_seqlock_across_processes(make_channel):
     """A native writer in another process overwrites a 2-slot ring as fast as it can
     while this reader reads whole payloads; a read the seqlock lets through (release()
@@ -266,9 +243,9 @@ def test_no_torn_payload_survives_the_seqlock_across_processes(make_channel):
     ch = make_channel(slot_size=8 << 14, slot_count=2, max_readers=1, max_leases=1,
                       lease_ms=1, dtype="uint64")
     h = ch.writer_handle()
-    p = subprocess.Popen([sys.executable, "-c", _WRITER, REPO, "1.5"], pass_fds=h.fds(),
-                         env=dict(os.environ, H=h.to_json()), stdout=subprocess.PIPE,
-                         text=True)
+    p = subprocess.Popen([sys.executable, str(PEER), "flood", "1.5"], pass_fds=h.fds(),
+                         env=dict(os.environ, PEER_HANDLE=h.to_json()),
+                         stdout=subprocess.PIPE, text=True)
     r = Reader(ch.reader_handle(0), native=True)
     good = torn_caught = 0
     end = time.monotonic() + 1.3

@@ -21,11 +21,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from supervisor.ipc import (BridgeError, ChannelSpec, CrcMismatch, FutureTimestamp,
-                            LeaseLost, NextLoan, Reader, Rejected, StaleMessage, Writer,
+from supervisor.ipc import (ChannelSpec, CrcMismatch, FutureTimestamp,
+                            LeaseLost, NextLoan, Reader, Rejected, Writer,
                             _atomics, codec, layout as L)
 from supervisor.ipc import _capnp_fast as cf
 from supervisor.ipc.receipt import Receipt
+
+from .conftest import PEER
+from .forge import watch_crc_confirms
 
 NATIVE = _atomics.NATIVE
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -327,24 +330,6 @@ def test_controlsd_law_copy_shares_no_state_with_the_law_even_on_hostile_outputs
 # ====================================================================== native take: CRC
 
 
-_CRC_WRITER = textwrap.dedent("""
-    import os, sys, time
-    import numpy as np
-    sys.path.insert(0, sys.argv[1])
-    from supervisor.ipc import Writer, WriterHandle
-    w = Writer(WriterHandle.from_json(os.environ["H"]), native=True)
-    end = time.monotonic() + float(sys.argv[2])
-    i = 0
-    while time.monotonic() < end:
-        i += 1
-        with w.loan() as loan:
-            a = loan.array((1 << 15,), "uint64")
-            a[...] = i
-            loan.publish()
-    print(i, flush=True)
-""")
-
-
 @needs_native
 def test_native_crc_under_a_writer_rewriting_the_ring_across_processes(make_channel):
     """A seqlock-following writer in another process turns a 2-slot CRC'd ring over as
@@ -353,19 +338,11 @@ def test_native_crc_under_a_writer_rewriting_the_ring_across_processes(make_chan
     ch = make_channel(slot_size=8 << 15, slot_count=2, max_readers=1, max_leases=1,
                       lease_ms=1, dtype="uint64", crc=True)
     h = ch.writer_handle()
-    p = subprocess.Popen([sys.executable, "-c", _CRC_WRITER, REPO, "1.2"], pass_fds=h.fds(),
-                         env=dict(os.environ, H=h.to_json()), stdout=subprocess.PIPE,
-                         text=True)
+    p = subprocess.Popen([sys.executable, str(PEER), "flood", "1.2"], pass_fds=h.fds(),
+                         env=dict(os.environ, PEER_HANDLE=h.to_json()),
+                         stdout=subprocess.PIPE, text=True)
     r = Reader(ch.reader_handle(0), native=True)
-    take, confirmed = r._ntake, []
-
-    def watching(*a):
-        got = take(*a)
-        if isinstance(got, tuple):
-            confirmed.append(got[7])
-        return got
-
-    r._ntake = watching
+    confirmed = watch_crc_confirms(r)
     good = 0
     end = time.monotonic() + 1.0
     while time.monotonic() < end:

@@ -762,6 +762,29 @@ static uint64_t read_u(const unsigned char *raw, Py_ssize_t pos, int c) {
 }
 
 
+/* An instance of the tuple subclass `type` (Stamp, Receipt) holding items[0..n), whose
+ * references it steals, even on failure; NULL with an exception set if an item is NULL
+ * (its error stands) or `type` is not a tuple subclass (TypeError naming `what`). */
+static PyObject *tuple_of(PyObject *type, PyObject **items, Py_ssize_t n, const char *what) {
+    PyTypeObject *t = (PyTypeObject *)type;
+    PyObject *out = NULL;
+    int ok = 1;
+    for (Py_ssize_t i = 0; i < n; i++)
+        ok &= items[i] != NULL;
+    if (ok && PyType_Check(type) && PyType_IsSubtype(t, &PyTuple_Type))
+        out = t->tp_alloc(t, n);
+    if (out == NULL) {
+        for (Py_ssize_t i = 0; i < n; i++)
+            Py_XDECREF(items[i]);
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_TypeError, "%s: not a tuple type", what);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyTuple_SET_ITEM(out, i, items[i]);
+    return out;
+}
+
 /* ------------------------------------------------------------- receipt */
 
 /* (start, count) of the byte list whose pointer word sits at raw[pos]: 1 with
@@ -893,23 +916,7 @@ static PyObject *receipt_core(const unsigned char *raw, Py_ssize_t rpos, Py_ssiz
         else
             items[i] = PyBytes_FromStringAndSize((const char *)raw + ss, sn < 64 ? sn : 64);
     }
-    PyTypeObject *rt = (PyTypeObject *)PyTuple_GET_ITEM(rtable, RT_TYPE);
-    PyObject *out = NULL;
-    int ok = 1;
-    for (int i = 0; i < 14; i++)
-        ok &= items[i] != NULL;
-    if (ok && PyType_Check(rt) && PyType_IsSubtype(rt, &PyTuple_Type))
-        out = rt->tp_alloc(rt, 14);
-    if (out == NULL) {
-        for (int i = 0; i < 14; i++)
-            Py_XDECREF(items[i]);
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "receipt(): bad Receipt type");
-        return NULL;
-    }
-    for (int i = 0; i < 14; i++)
-        PyTuple_SET_ITEM(out, i, items[i]);
-    return out;
+    return tuple_of(PyTuple_GET_ITEM(rtable, RT_TYPE), items, 14, "receipt(): Receipt type");
 }
 
 /* receipt(raw, rpos, end, rtable, slow): receipt_core for Python (the tests). */
@@ -964,7 +971,6 @@ static PyObject *accept_core(PyObject *rawo, PyObject *compiled, PyObject *ctx,
     for (int i = 0; i < 14; i++)
         if (get_u64(PyTuple_GET_ITEM(ctx, i), &c[i]) < 0)
             return NULL;
-    PyTypeObject *stamp_type = (PyTypeObject *)PyTuple_GET_ITEM(ctx, CTX_STAMP);
     PyObject *key = PyBytes_FromStringAndSize((const char *)raw, 16);
     if (key == NULL)
         return NULL;
@@ -1086,21 +1092,9 @@ static PyObject *accept_core(PyObject *rawo, PyObject *compiled, PyObject *ctx,
     items[6] = has_frame ? read_scalar(raw, pos[F_CAPTURE], code[F_CAPTURE]) : Py_NewRef(Py_None);
     items[7] = has_exp ? read_scalar(raw, pos[F_EXP], code[F_EXP]) : Py_NewRef(Py_None);
     items[8] = has_gain ? read_scalar(raw, pos[F_GAIN], code[F_GAIN]) : Py_NewRef(Py_None);
-    PyObject *out = NULL;
-    int ok = 1;
-    for (int i = 0; i < 9; i++)
-        ok &= items[i] != NULL;
-    if (ok && PyType_Check(stamp_type) && PyType_IsSubtype(stamp_type, &PyTuple_Type))
-        out = stamp_type->tp_alloc(stamp_type, 9);
-    if (out == NULL) {
-        for (int i = 0; i < 9; i++)
-            Py_XDECREF(items[i]);
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "accept(): bad Stamp type");
+    PyObject *out = tuple_of(PyTuple_GET_ITEM(ctx, CTX_STAMP), items, 9, "accept(): Stamp type");
+    if (out == NULL)
         return NULL;
-    }
-    for (int i = 0; i < 9; i++)
-        PyTuple_SET_ITEM(out, i, items[i]);
     if (receipt != NULL && PyTuple_GET_ITEM(ctx, CTX_RTABLE) != Py_None) {
         *receipt = rpos < 0 ? Py_NewRef(Py_None)
             : receipt_core(raw, rpos, end, PyTuple_GET_ITEM(ctx, CTX_RTABLE),
