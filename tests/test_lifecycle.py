@@ -69,6 +69,33 @@ def test_start_order_readiness_and_orderly_sigterm(sup):
         assert not os.path.exists(f"/proc/{pid}")
 
 
+def test_a_worker_flooding_its_output_instead_of_stopping_is_killed_and_the_stop_goes_on(sup):
+    """Attack from inside the sandbox on the shutdown: on SIGTERM the worker writes to
+    its stdout without end. Its pipe stays open until it has stopped (so an honest
+    worker's last words are not lost) and nothing reads it meanwhile: the flood blocks,
+    the grace period ends it with SIGKILL, and the next worker is still stopped by its
+    SIGTERM (the probe keeps the default action: bwrap reports 128 + SIGTERM)."""
+    r = sup(CONTROL.format(policy="fail_safe") + """
+        [workers.calm]
+        domain = "control"
+        module = "workers.probe"
+        [workers.stall]
+        domain = "control"
+        module = "workers.probe"
+        args = ["--attack", "shutdown_flood"]
+        """)
+    r.wait_for("all_ready")
+    r.wait_for("output", worker="stall")              # the ATTACK line: armed
+    t0 = time.monotonic()
+    r.proc.send_signal(signal.SIGTERM)
+    assert r.finish() == 0
+    assert time.monotonic() - t0 < 3.0 + 10           # the grace period, then on
+    stopped = {e["worker"]: e["code"] for e in r.events if e["event"] == "stopped"}
+    assert stopped == {"stall": -signal.SIGKILL, "calm": 128 + signal.SIGTERM}, stopped
+    assert _names(r.events, "stopped") == ["stall", "calm"]
+    assert r.events[-1]["event"] == "supervisor_exit"
+
+
 def test_crash_is_restarted_with_backoff(sup):
     r = sup(CONTROL.format(policy="fail_safe") + PIPELINE.format(
         a_args=', "--exit-after-ms", "300", "--exit-code", "3"',

@@ -328,6 +328,23 @@ def long_line(ctx: WorkerContext) -> dict:
     return {"denied": True}     # the evidence is the supervisor's output event
 
 
+def shutdown_flood(ctx: WorkerContext) -> dict:
+    """Arm for the stop: on SIGTERM, ignore it and write to stdout without end. The
+    supervisor keeps a worker's output pipe open until the worker has stopped, and reads
+    none of it meanwhile: the stop must still end (SIGKILL after the grace period) and
+    the rest of the shutdown go on."""
+    import signal
+
+    def flood(signum, frame) -> None:
+        line = "F" * 1023 + "\n"
+        while True:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+    signal.signal(signal.SIGTERM, flood)
+    return {"denied": True, "armed": True}     # the evidence is the supervisor's events
+
+
 def nested_log(ctx: WorkerContext) -> dict:
     """A log record nested deeper than the supervisor's recursion limit, then a forged
     record claiming to be the supervisor: parsing either must not end or fool it."""
@@ -892,7 +909,7 @@ ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
         core_pattern, sysrq, proc_self_mem, reopen_rw, acl_then_reopen, fchmod_channel,
         forge_log, tty, fork_storm, memory_hog, dev_shm, ptrace, personality, unix_connect,
         mprotect_exec, memfd_exec, dlopen_tmp, torch_files, swallow_guard, fake_ready,
-        status_flood, long_line, nested_log, modify_ldt, mremap_exec, own_listener,
+        status_flood, long_line, shutdown_flood, nested_log, modify_ldt, mremap_exec, own_listener,
         wake_abuse, announce_sink, lease_hoard, status_churn, status_escape,
         shared_description, patch_library,
         raise_cpu_weight, raise_priority, realtime_runaway,
