@@ -322,6 +322,27 @@ def test_one_window_per_message_whatever_its_source(make_channel):
     assert cpu_ms < 2 * 5 + 4, f"{cpu_ms:.1f} ms of CPU for one window of 10 ms"
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_a_later_announcement_moves_a_window_not_yet_opened(make_channel, native):
+    """modeld announces once preprocessing is done, when it knows best: a reader asleep
+    until a window chosen earlier (from an older announcement, or the period) is woken
+    by the new one and polls around it instead, and takes the message there."""
+    import threading
+
+    # Windows of +-20 ms: the publishing thread needs the GIL from the spinning one
+    # (a switch every 5 ms), so it publishes within the window, not at once.
+    w, r, _ = _primed(make_channel, native, busy_poll_us=20_000, period_s=0.085)
+    now = time.monotonic_ns()
+    w.announce(now + 150_000_000)                    # window 130..170 ms from now
+    threading.Timer(0.01, w.announce, (now + 60_000_000,)).start()   # moved: 40..80
+    threading.Timer(0.055, w.publish_array, (np.zeros(16, np.uint8),)).start()
+    with r.receive(timeout=1) as m:
+        assert m.sequence == 5
+    took_ms = (time.monotonic_ns() - now) / 1e6
+    assert r.stats.busy_poll_hits == 1 and r.stats.busy_poll_misses == 0, r.stats
+    assert took_ms < 100, f"taken {took_ms:.1f} ms after the first announcement"
+
+
 def test_a_window_cut_by_the_timeout_is_resumed_not_moved(make_channel):
     """controlsd's 20 ms ticks cut windows: the next receive resumes the same window
     and takes the message in it."""

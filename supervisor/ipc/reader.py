@@ -440,20 +440,22 @@ class Reader:
         window (or no window); the caller blocks as usual."""
         cad = self._cadence
         nxt = self._last_seq + 1
-        seq, due = self._announced()
-        w = cad.next_window(nxt, seq, due, _now())
-        if w is None:
-            return None
-        start, stop = w
-        now = _now()
-        if end is not None:
-            end_ns = int(end * 1e9)
-            if start >= end_ns:
+        heard = self._announced()
+        w = cad.next_window(nxt, *heard, _now())
+        end_ns = None if end is None else int(end * 1e9)
+        while True:
+            if w is None:
                 return None
-            stop = min(stop, end_ns)
-        if now >= stop:
-            return None
-        while now < start:
+            start, stop = w
+            now = _now()
+            if end_ns is not None:
+                if start >= end_ns:
+                    return None
+                stop = min(stop, end_ns)
+            if now >= stop:
+                return None
+            if now >= start:
+                break
             # Never spin before the window opens (red team: sleeping rounded down to
             # poll's whole ms cost up to 1 ms more than 2 x busy_poll_us). A message
             # that comes while we sleep still wakes us; a wake-up byte without one
@@ -465,7 +467,14 @@ class Reader:
                               precise_s=(start - now) / 1e9)
             if msg is not None:
                 return msg
-            now = _now()
+            # Woken without a message: perhaps by an announcement (the writer wakes
+            # a busy-polling reader for one), made or moved since the window was
+            # chosen: a writer that knows better later (modeld, once preprocessing is
+            # done) moves a window not yet opened. Still one window per message
+            # (``spent`` is set only once one opens).
+            if (a := self._announced()) != heard:
+                heard = a
+                w = cad.next_window(nxt, *heard, _now())
         cad.spent = (nxt, *w)
         if self._rehearsing:
             cpu = _cpu_ns()
