@@ -41,6 +41,7 @@ ATTACKERS = {
     "c-forge": ("control", "forge_log", False),
     "c-tty": ("control", "tty", False),
     "c-ptrace": ("control", "ptrace", False),
+    "c-scout": ("control", "seccomp_scout", False),
     "c-persona": ("control", "personality", False),
     "c-unix": ("control", "unix_connect", False),
     "c-devshm": ("control", "dev_shm", False),
@@ -360,6 +361,17 @@ def test_proc_self_mem_not_writable(fleet):
 def test_reader_cannot_reopen_its_channel_writable(fleet):
     res = assert_denied(fleet["events"], "r-reopen")
     assert res["error"] == "EACCES"
+
+
+def test_a_control_worker_cannot_scout_its_filter_from_a_child(fleet):
+    """Red team (was a hole): a forked child made each forbidden call and died of it
+    alone; the supervisor saw nothing, so a hostile worker could map its seccomp filter
+    call by call without a trace. Now the fork itself kills the worker, and the
+    supervisor's exit event names seccomp."""
+    ev = fleet["events"]
+    assert attack_result(ev, "c-scout") is None, attack_result(ev, "c-scout")
+    ex = killed_by(ev, "c-scout")
+    assert ex["signal"] == "SIGSYS" and "seccomp" in ex["cause"], ex
 
 
 @pytest.mark.parametrize("worker", ["r-acl", "c-acl", "r-chmod"])

@@ -212,9 +212,19 @@ def test_dangerous_classes_kill_from_launch(attack):
 
 
 @pytest.mark.parametrize("attack", ["unix_socket_after_lockdown", "threads_after_lockdown"])
-def test_lockdown_keeps_unix_sockets_threads_fork(attack):
+def test_lockdown_keeps_unix_sockets_and_threads(attack):
     out = probe(control(), attack, "control")
     assert out["denied"] is False, out
+
+
+@pytest.mark.parametrize("how", ["fork", "spawn"])
+def test_a_new_process_after_lockdown_kills(how):
+    # "Must not start processes after start-up": fork, and posix_spawn's
+    # clone(CLONE_VM | CLONE_VFORK), kill the worker itself (red team: a forked child
+    # killed by seccomp died unseen, so a worker could probe its filter call by call).
+    probe_killed(control(), "fork_after_lockdown", "control", how)
+    out = probe(research(), "fork_after_lockdown", "research", how)
+    assert out["denied"] is False and out["detail"][how] == 7, out
 
 
 def test_lockdown_idempotent_in_sandbox():
@@ -319,6 +329,48 @@ def test_control_cannot_see_or_kill_research_sandbox():
     while any(_alive(q) for q in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [q for q in pids if _alive(q)], "sandbox processes survived killing bwrap"
+
+
+ORPHAN = r"""
+import os, time
+r, w = os.pipe()                    # close-on-exec: EOF once the orphan is "sleep"
+if os.fork() == 0:                  # a double-forked orphan, reparented to bwrap's init
+    if os.fork() == 0:
+        os.execv("/bin/sleep", ["sleep", "60"])
+    os._exit(0)
+os.close(w)
+os.wait()
+os.read(r, 1)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_worker_is_found_by_its_sandbox_pid_not_host_order():
+    """The supervisor's grant, READY snapshot, audit and SIGTERM go to the sandbox's
+    pid 2 (sandbox_main_pid), never to whichever process comes first by host pid: a
+    worker that wraps the host pid counter can leave an orphan listed before it (red
+    team). Research may fork, so the orphan is real here."""
+    from supervisor.sandbox.launch import sandbox_main_pid
+
+    p = spawn(research(), [PY, "-c", ORPHAN], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        pids = descendant_pids(p.pid)
+
+        def cmd(q: int) -> bytes:
+            with open(f"/proc/{q}/cmdline", "rb") as f:
+                return f.read()
+        orphan = [q for q in pids if cmd(q).startswith(b"sleep")]
+        worker = [q for q in pids if cmd(q).startswith(PY.encode())]
+        assert len(orphan) == 1 and len(worker) == 1, [(q, cmd(q)) for q in pids]
+        others = [q for q in pids if q not in orphan]
+        assert sandbox_main_pid([*orphan, *others]) == worker[0]
+        assert sandbox_main_pid([*others, *orphan]) == worker[0]
+        assert sandbox_main_pid(orphan) is None
+    finally:
+        p.kill()
+        p.wait()
 
 
 def _alive(pid: int) -> bool:
@@ -442,3 +494,30 @@ def test_ro_binds_under_tmp_leave_no_writable_parent():
         out = probe(pol, "write_ro_path", root, os.path.join(root, "pkg"))
         assert out["denied"], out
         assert all("EROFS" in v for v in out["detail"].values()), out
+
+
+# --- library lookups without a process (supervisor/sandbox/ldcache.py) -----------
+
+def test_library_lookups_answer_as_ldconfig_does():
+    """Locked down, ctypes.util.find_library reads the linker's cache instead of running
+    ldconfig: the same answer for every library name in the cache (and a miss)."""
+    import ctypes.util
+
+    from supervisor.sandbox import ldcache
+
+    names = sorted({s[3:].split(".so")[0] for s in ldcache.sonames() if s.startswith("lib")})
+    assert len(names) > 20, names
+    wrong = [(n, ctypes.util.find_library(n), ldcache.find_library(n)) for n in names[::3]
+             + ["no-such-library-here"]
+             if ctypes.util.find_library(n) != ldcache.find_library(n)]
+    assert not wrong, wrong
+
+
+def test_a_locked_down_worker_imports_trio_and_finds_libraries():
+    """trio's import asks find_library("pthread"), which runs ldconfig: locked down,
+    that fork would kill the worker. The answer comes from the cache instead."""
+    code = ("from supervisor.sandbox.seccomp import lock_down; lock_down('control');"
+            "import ctypes.util, trio; print(ctypes.util.find_library('pthread'))")
+    r = run(control(), [PY, "-c", code], timeout=60)
+    assert r.returncode == 0 and r.stdout.strip().startswith("libpthread.so"), \
+        (r.returncode, r.stdout, r.stderr[-2000:])

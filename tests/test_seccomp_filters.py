@@ -78,6 +78,7 @@ print(json.dumps(out))
 
 BAD = [-1] * 6  # invalid fd / pointer / flags everywhere
 AF_UNIX, AF_INET, AF_NETLINK = 1, 2, 16
+SIGCHLD = int(signal.SIGCHLD)
 SOCK_STREAM, SOCK_DGRAM, SOCK_RAW, SOCK_SEQPACKET, SOCK_CLOEXEC = 1, 2, 3, 5, 0o2000000
 CLONE_SIGHAND = 0x800  # without CLONE_VM: EINVAL before anything is created
 SHM_EXEC = 0o100000
@@ -122,6 +123,12 @@ def control_cases() -> tuple[list, dict[str, str]]:
     case("execve:after-lock_down", "execve", BAD, SIGSYS, lock="control")
     case("execveat:after-lock_down", "execveat", BAD, SIGSYS, lock="control")
     case("execve:before-lock_down", "execve", BAD, f"errno:{errno.EFAULT}")
+    # No new process after the lock-down, by any call (the forked child exits at once
+    # if one slips through: "errno:0"); start-up may fork.
+    case("clone:process:after-lock_down", "clone", [SIGCHLD, 0, 0, 0, 0], SIGSYS, lock="control")
+    case("fork:after-lock_down", "fork", [], SIGSYS, lock="control")
+    case("vfork:after-lock_down", "vfork", [], SIGSYS, lock="control")
+    case("clone:process:before-lock_down", "clone", [SIGCHLD, 0, 0, 0, 0], "errno:0")
     if platform.machine() == "x86_64":
         # bad-arch action, from a second thread: the whole process must die
         case("x32-abi", X32_GETPID, [], SIGSYS, "", True)
@@ -208,6 +215,9 @@ import json, os, socket, threading
 import numpy, capnp, tinygrad, trio
 from tinygrad import Tensor
 from supervisor.sandbox import seccomp
+pid = os.fork()                  # start-up may fork (the launch filter); not after
+if pid == 0:
+    os._exit(7)
 seccomp.lock_down(os.environ.get("DOMAIN_UNDER_TEST", "control"), required=False)
 a, b = socket.socketpair()
 a.sendall(b"ping")
@@ -219,9 +229,6 @@ async def main():
     await s1.send(b"x")
     return (await s2.recv(1)).decode() + str(await trio.to_thread.run_sync(lambda: 42))
 trio_ok = trio.run(main)
-pid = os.fork()
-if pid == 0:
-    os._exit(7)
 extra = {}
 if os.environ.get("WITH_TORCH"):
     import torch

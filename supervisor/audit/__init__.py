@@ -72,8 +72,9 @@ Worker row (config mode = promise; live mode = observation, same keys):
                                  an interface other than lo exists)
     compilers_visible            bool: a compiler/assembler/linker resolves to an
                                  executable file inside the sandbox (masked = char device)
-    exec_after_start             bool: execve possible once the runner locked down (strict
-                                 profiles: no, seccomp kills it). Live: inferred from the
+    exec_after_start             bool: execve (or a new process) possible once the runner
+                                 locked down (strict profiles: no, seccomp kills the
+                                 worker). Live: inferred from the
                                  number of stacked seccomp filters
     new_exec_memory_after_ready  bool: new executable memory after READY (strict: no, the
                                  exec watch refuses it). Live: the supervisor holds the

@@ -55,6 +55,14 @@ REHEARSE_CRC_MAX = 256 * 1024
 _RETRIES = 8
 
 
+def _cut(w: tuple[int, int] | None, end_ns: int | None, now: int) -> tuple[int, int] | None:
+    """A busy-poll window cut to the caller's deadline; None if nothing of it is left."""
+    if w is None or (end_ns is not None and w[0] >= end_ns):
+        return None
+    stop = w[1] if end_ns is None else min(w[1], end_ns)
+    return None if now >= stop else (w[0], stop)
+
+
 @dataclass(frozen=True)
 class ReaderStats:
     received: int
@@ -441,21 +449,13 @@ class Reader:
         cad = self._cadence
         nxt = self._last_seq + 1
         heard = self._announced()
-        w = cad.next_window(nxt, *heard, _now())
         end_ns = None if end is None else int(end * 1e9)
-        while True:
-            if w is None:
-                return None
-            start, stop = w
-            now = _now()
-            if end_ns is not None:
-                if start >= end_ns:
-                    return None
-                stop = min(stop, end_ns)
-            if now >= stop:
-                return None
-            if now >= start:
-                break
+        w = cad.next_window(nxt, *heard, _now())
+        now = _now()
+        if (cut := _cut(w, end_ns, now)) is None:
+            return None
+        start, stop = cut
+        while now < start:
             # Never spin before the window opens (red team: sleeping rounded down to
             # poll's whole ms cost up to 1 ms more than 2 x busy_poll_us). A message
             # that comes while we sleep still wakes us; a wake-up byte without one
@@ -472,9 +472,13 @@ class Reader:
             # chosen: a writer that knows better later (modeld, once preprocessing is
             # done) moves a window not yet opened. Still one window per message
             # (``spent`` is set only once one opens).
+            now = _now()
             if (a := self._announced()) != heard:
                 heard = a
-                w = cad.next_window(nxt, *heard, _now())
+                w = cad.next_window(nxt, *heard, now)
+                if (cut := _cut(w, end_ns, now)) is None:
+                    return None
+                start, stop = cut
         cad.spent = (nxt, *w)
         if self._rehearsing:
             cpu = _cpu_ns()

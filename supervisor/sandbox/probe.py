@@ -132,15 +132,21 @@ def exec_compiler(args: list[str]) -> tuple[bool, dict]:
 
 
 def exec_after_lockdown(args: list[str]) -> tuple[bool, dict]:
+    """Where the profile locks down (no exec after start), the first execve kills the
+    whole process, also from a thread that existed before the lock-down (TSYNC): the
+    probe prints nothing. Where it keeps exec (research), /bin/true runs."""
+    from supervisor.protocol import Isolation
+
     d: dict = {"baseline_exec": subprocess.run(["/bin/true"]).returncode}
-    # A thread that exists BEFORE lock_down must be filtered too (TSYNC).
     go, res = threading.Event(), {}
+    locked = not Isolation.for_profile(args[0] if args else "control").exec_after_start
 
     def old_thread() -> None:
         go.wait()
         try:
-            rc = subprocess.run(["/bin/true"]).returncode
-            res["r"] = "killed: SIGSYS" if rc == -31 else "executed"   # the child's execve
+            if locked:   # no fork first: process creation itself is denied there
+                os.execv("/bin/true", ["/bin/true"])   # success: exit 0, no JSON
+            res["r"] = subprocess.run(["/bin/true"]).returncode
         except OSError as e:
             res["r"] = _err(e)
 
@@ -149,21 +155,8 @@ def exec_after_lockdown(args: list[str]) -> tuple[bool, dict]:
     d["domain"] = _lock(args)
     go.set()
     t.join()
-    d["pre_existing_thread"] = res["r"]
-    try:
-        rc = subprocess.run(["/bin/true"]).returncode
-        d["subprocess"] = "killed: SIGSYS" if rc == -31 else "executed"
-        if rc != -31:
-            return False, d
-    except OSError as e:
-        d["subprocess"] = _err(e)
-    if res["r"] == "executed":
-        return False, d
-    try:
-        os.execv("/bin/true", ["/bin/true"])  # on success no JSON is printed: test fails
-    except OSError as e:
-        d["execv"] = _err(e)
-    return True, d
+    d["pre_existing_thread"] = res.get("r")
+    return res.get("r") != 0, d
 
 
 def inet_socket_after_lockdown(args: list[str]) -> tuple[bool, dict]:
@@ -197,21 +190,38 @@ def unix_socket_after_lockdown(args: list[str]) -> tuple[bool, dict]:
 
 
 def threads_after_lockdown(args: list[str]) -> tuple[bool, dict]:
-    """Sanity, not an attack: threads (clone3 -> ENOSYS -> clone) and fork work."""
+    """Sanity, not an attack: threads work after the lock-down (clone3 -> ENOSYS ->
+    clone with CLONE_THREAD)."""
     d: dict = {"domain": _lock(args)}
-    try:
-        box: list[int] = []
-        t = threading.Thread(target=lambda: box.append(threading.get_native_id()))
-        t.start(), t.join()
-        d["thread"] = bool(box)
+    box: list[int] = []
+    t = threading.Thread(target=lambda: box.append(threading.get_native_id()))
+    t.start(), t.join()
+    d["thread"] = bool(box)
+    return not d["thread"], d
+
+
+def _new_process(how: str) -> int:
+    if how == "fork":
         pid = os.fork()
         if pid == 0:
             os._exit(7)
-        d["fork_status"] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-        return not (d["thread"] and d["fork_status"] == 7), d
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    # posix_spawn: glibc's clone(CLONE_VM | CLONE_VFORK), then the exec
+    pid = os.posix_spawn("/bin/sh", ["/bin/sh", "-c", "exit 7"], {})
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def fork_after_lockdown(args: list[str]) -> tuple[bool, dict]:
+    """ARGS: [domain] [fork|spawn]. A new process after the lock-down: killed (SIGSYS,
+    no JSON) where the profile does not start processes after start-up; a research
+    profile forks and spawns (exit 7)."""
+    d: dict = {"domain": _lock(args[:1])}
+    how = args[1] if len(args) > 1 else "fork"
+    try:
+        d[how] = _new_process(how)
     except OSError as e:
-        d["error"] = _err(e)
-        return True, d
+        d[how] = _err(e)
+    return d[how] != 7, d
 
 
 def ptrace_after_lockdown(args: list[str]) -> tuple[bool, dict]:
@@ -318,6 +328,7 @@ ATTACKS: dict[str, Callable[[list[str]], tuple[bool, dict]]] = {
     for f in (
         tcp_connect, udp_send, abstract_unix_connect, exec_compiler, exec_after_lockdown,
         inet_socket_after_lockdown, unix_socket_after_lockdown, threads_after_lockdown,
+        fork_after_lockdown,
         ptrace_after_lockdown, read_unbound_path, write_ro_path, kill_pid, see_pid,
         no_new_privs, mknod_dev, unshare_userns, info,
     )

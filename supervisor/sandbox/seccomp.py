@@ -7,7 +7,8 @@ Three filters, all default-ALLOW deny-lists (no allow-list yet):
                except the execve ban: the interpreter still has to start.
 * runtime    - `lock_down(domain)`, called by the trusted runner before the
                worker module is imported; for strict domains it adds the
-               execve/execveat ban. Filters stack, so the launch rules stay.
+               execve/execveat ban and the ban on new processes (fork, vfork,
+               clone without CLONE_THREAD). Filters stack, so the launch rules stay.
 * exec watch - `install_exec_watch()`, strict domains, right after lock_down:
                every request for new executable memory (mmap/mprotect/
                pkey_mprotect with PROT_EXEC) and every memfd_create goes to the
@@ -40,6 +41,7 @@ import threading
 import warnings
 from typing import Any
 
+from . import ldcache
 from .policy import RESEARCH
 
 # Dangerous in any domain: debugging/tracing other processes, kernel code and
@@ -75,6 +77,15 @@ FILE_META_DENY = (
     "setxattrat", "removexattrat",
 )
 EXEC_DENY = ("execve", "execveat")
+# Process creation, with exec (the runtime filter: "must not start processes after
+# start-up"): fork, vfork, and clone without CLONE_THREAD (posix_spawn, subprocess).
+# Threads stay (clone with CLONE_THREAD, which needs CLONE_VM: the same process).
+# Why kill and not only exec (red team): a forked child that tried a forbidden call
+# died alone, unseen by the supervisor, so a hostile worker could probe its filter
+# call by call without a trace; now the first fork ends the worker, logged as a
+# seccomp kill. A child would also be a process the supervisor does not watch.
+PROCESS_DENY = ("fork", "vfork")
+_CLONE_THREAD = 0x00010000
 # Strict domains only: remap_file_pages is deprecated and only reshuffles pages
 # inside an existing mapping; nothing we run needs it.
 STRICT_DENY = ("remap_file_pages",)
@@ -217,9 +228,11 @@ def build_filter(domain: str, *, stage: str, network: bool = False) -> Any:
             _add(sc, flt, kill, "sendto", sc.Arg(4, sc.NE, 0))
     if stage == "runtime":
         # The runtime filter is what `exec_after_start = false` means, whatever the
-        # syscall class: a research domain tightened that way loses exec too.
-        for name in EXEC_DENY:
+        # syscall class: a research domain tightened that way loses exec and new
+        # processes too.
+        for name in EXEC_DENY + PROCESS_DENY:
             _add(sc, flt, kill, name)
+        _add(sc, flt, kill, "clone", sc.Arg(0, sc.MASKED_EQ, _CLONE_THREAD, 0))
     return flt
 
 
@@ -284,6 +297,9 @@ def lock_down(domain: str, *, network: bool = False, required: bool = True) -> b
         # only the caller; load() fails rather than partially applying.
         flt.set_attr(sc.Attr.CTL_TSYNC, 1)
         set_no_new_privs()
+        # Library lookups that would run ldconfig (trio's import does) are answered
+        # from the linker's cache: the fork would now kill the process.
+        ldcache.install()
         flt.load()
         _installed.add(domain)
         return True

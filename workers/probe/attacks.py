@@ -196,6 +196,23 @@ def ptrace(ctx: WorkerContext) -> dict:
     return {"denied": rc != 0, "errno": errno.errorcode.get(ctypes.get_errno())}
 
 
+def seccomp_scout(ctx: WorkerContext) -> dict:
+    """Map the seccomp filter without dying for it: a child tries each forbidden call
+    (ptrace, then execve) and the worker reads the child's fate. Was a silent probe (a
+    child killed by seccomp died unseen by the supervisor); now the worker's first fork
+    kills the worker itself, and the supervisor names seccomp: nothing printed."""
+    seen = {}
+    for name, call in (("ptrace", lambda: _libc.ptrace(16, 1, None, None)),
+                       ("execve", lambda: os.execv("/bin/true", ["/bin/true"]))):
+        pid = os.fork()
+        if pid == 0:
+            call()
+            os._exit(0)
+        st = os.waitpid(pid, 0)[1]
+        seen[name] = f"signal:{os.WTERMSIG(st)}" if os.WIFSIGNALED(st) else "survived"
+    return {"denied": False, "mapped": seen}
+
+
 def personality(ctx: WorkerContext) -> dict:
     """READ_IMPLIES_EXEC would make every later PROT_READ mapping executable."""
     rc = _libc.personality(0x0400000)
@@ -602,7 +619,7 @@ def raise_cpu_weight(ctx: WorkerContext) -> dict:
 def raise_priority(ctx: WorkerContext) -> dict:
     """Take more CPU than granted: enter SCHED_FIFO or raise the FIFO priority the
     supervisor gave (to 98), clear SCHED_RESET_ON_FORK so that a thread or child keeps
-    it, or lower its nice value. A control worker first waits for its grant (the
+    it (a child only where the domain may start processes), or lower its nice value. A control worker first waits for its grant (the
     supervisor sets it from outside after READY) so that the attack runs against it."""
     import threading
 
@@ -631,15 +648,19 @@ def raise_priority(ctx: WorkerContext) -> dict:
     t.start()
     t.join()
     res["thread_policy"] = seen[0]
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.write(w, bytes([os.sched_getscheduler(0) & ~reset]))
-        os._exit(0)
-    os.waitpid(pid, 0)
-    res["child_policy"] = os.read(r, 1)[0]
-    os.close(r)
-    os.close(w)
+    res["child_policy"] = os.SCHED_OTHER
+    if ctx.isolation.exec_after_start:
+        # Only where processes may be started: a locked-down worker's fork is itself
+        # killed by seccomp (tests/test_sandbox.py), so no child could keep the class.
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(w, bytes([os.sched_getscheduler(0) & ~reset]))
+            os._exit(0)
+        os.waitpid(pid, 0)
+        res["child_policy"] = os.read(r, 1)[0]
+        os.close(r)
+        os.close(w)
     res["denied"] = (all(res[k] != "ok" for k in ("fifo_98", "fifo_1_no_reset", "nice_-20"))
                      and res["thread_policy"] == res["child_policy"] == os.SCHED_OTHER)
     return res
@@ -907,7 +928,8 @@ def realtime_pid_wrap(ctx: WorkerContext) -> dict:
 ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
     f.__name__: f for f in (
         core_pattern, sysrq, proc_self_mem, reopen_rw, acl_then_reopen, fchmod_channel,
-        forge_log, tty, fork_storm, memory_hog, dev_shm, ptrace, personality, unix_connect,
+        forge_log, tty, fork_storm, memory_hog, dev_shm, ptrace, seccomp_scout, personality,
+        unix_connect,
         mprotect_exec, memfd_exec, dlopen_tmp, torch_files, swallow_guard, fake_ready,
         status_flood, long_line, shutdown_flood, nested_log, modify_ldt, mremap_exec, own_listener,
         wake_abuse, announce_sink, lease_hoard, status_churn, status_escape,
