@@ -45,6 +45,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from schemas.payloads import CONTROL_CMD
 from supervisor.ipc import FUTURE_TOLERANCE_NS
 
 
@@ -153,16 +154,16 @@ class Command(NamedTuple):
     frame_id: int | None = None      # frame the newest model output came from
 
     def to_array(self) -> np.ndarray:
-        """The control_cmd tensor: float32[4] = (steer_rad, engaged 0/1, reason code,
-        model_age_ms)."""
-        return np.array([self.steer_rad, 1.0 if self.engaged else 0.0, float(self.reason),
-                         self.model_age_ms], np.float32)
+        """The control_cmd tensor (schemas.payloads.CONTROL_CMD: steer_rad, engaged 0/1,
+        reason code, model_age_ms)."""
+        return CONTROL_CMD.encode(steer_rad=self.steer_rad, engaged=1.0 if self.engaged else 0.0,
+                                  reason=float(self.reason), model_age_ms=self.model_age_ms)
 
     @classmethod
     def from_array(cls, a: np.ndarray) -> Command:
-        a = np.asarray(a, np.float32).reshape(-1)
-        return cls(float(a[0]), bool(a[1] >= 0.5), SafeReason(int(round(float(a[2])))),
-                   float(a[3]))
+        d = CONTROL_CMD.decode(np.asarray(a, np.float32).reshape(-1))
+        return cls(d["steer_rad"], d["engaged"] >= 0.5, SafeReason(int(round(d["reason"]))),
+                   d["model_age_ms"])
 
 
 class ControlLaw:
