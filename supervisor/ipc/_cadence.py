@@ -20,7 +20,9 @@ still checked in full, and a window missed just means the usual blocking wait).
 
 A stream whose period does not predict it (a model's output: it follows the inference,
 which jitters by milliseconds) is predicted by its writer instead: ``Writer.announce``
-names the next sequence number and when it is due, and the window is centred there.
+names the next sequence number and when it is due, and the window is centred there; a
+later announcement (the writer knows better once part of its work is done) moves a
+window that has not opened yet (the reader is woken for it).
 Whatever a writer announces, a reader spins through at most one window per message it
 takes, announced or predicted (``spent``; a window cut short by the caller's timeout
 may be resumed, never moved), so the bound above holds against a lying writer too.
