@@ -62,6 +62,7 @@ ATTACKERS = {
     "c-ldt": ("control", "modify_ldt", False),
     "r-ldt": ("research", "modify_ldt", False),
     "c-mremap": ("control", "mremap_exec", False),
+    "c-headless": ("control", "headless_mremap", False),
     "c-listener": ("control", "own_listener", False),
     "r-wake": ("research", "wake_abuse", False),
     "r-announce": ("research", "announce_sink", False),
@@ -366,12 +367,10 @@ def test_reader_cannot_reopen_its_channel_writable(fleet):
 def test_a_control_worker_cannot_scout_its_filter_from_a_child(fleet):
     """Red team (was a hole): a forked child made each forbidden call and died of it
     alone; the supervisor saw nothing, so a hostile worker could map its seccomp filter
-    call by call without a trace. Now the fork itself kills the worker, and the
-    supervisor's exit event names seccomp."""
-    ev = fleet["events"]
-    assert attack_result(ev, "c-scout") is None, attack_result(ev, "c-scout")
-    ex = killed_by(ev, "c-scout")
-    assert ex["signal"] == "SIGSYS" and "seccomp" in ex["cause"], ex
+    call by call without a trace. Now no child can be made (EPERM): a forbidden call
+    can only be the worker's own, which kills it with a seccomp exit event (c-ptrace)."""
+    res = assert_denied(fleet["events"], "c-scout")
+    assert set(res["mapped"].values()) == {"no child: EPERM"}, res
 
 
 @pytest.mark.parametrize("worker", ["r-acl", "c-acl", "r-chmod"])
@@ -524,6 +523,19 @@ def test_new_executable_mapping_by_mremap_is_refused_by_the_maps_scan(fleet):
     assert ref and ref[0]["kind"] == "new-exec-after-ready", _of(ev, "c-mremap")
     assert "libc.so" in ref[0]["reason"]
     assert _of(ev, "c-mremap", "exit"), "refused but not stopped"
+
+
+def test_a_worker_without_its_main_thread_is_still_scanned(fleet):
+    """Red team (was a hole): the main thread exits alone, so /proc/PID/maps of the
+    worker reads empty and its mountinfo fails; the scan took that for a process gone
+    and skipped it, and the mremap that only the scan can see went unnoticed. The scan
+    reads a live thread's view now (maps.live_task)."""
+    ev = fleet["events"]
+    assert attack_result(ev, "c-headless") is None, "the mremap went unnoticed for 8 s"
+    ref = _of(ev, "c-headless", "refused")
+    assert ref and ref[0]["kind"] == "new-exec-after-ready", \
+        "\n".join(str(e.get("line") or e["event"]) for e in _of(ev, "c-headless"))
+    assert _of(ev, "c-headless", "exit"), "refused but not stopped"
 
 
 def test_a_worker_cannot_take_the_exec_watch_for_itself(fleet):

@@ -115,6 +115,9 @@ def control_cases() -> tuple[list, dict[str, str]]:
     case("socket:unix-dgram-cloexec", "socket", [AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0], SIGSYS)
     case("socket:unix-stream", "socket", [AF_UNIX, SOCK_STREAM, 0], "errno:0")
     case("socketpair:dgram", "socketpair", [AF_UNIX, SOCK_DGRAM, 0, -1], SIGSYS)
+    # red team: the kernel makes an AF_UNIX SOCK_RAW socket a datagram socket
+    case("socket:unix-raw", "socket", [AF_UNIX, SOCK_RAW, 0], SIGSYS)
+    case("socketpair:raw", "socketpair", [AF_UNIX, SOCK_RAW, 0, -1], SIGSYS)
     case("socketpair:seqpacket", "socketpair", [AF_UNIX, SOCK_SEQPACKET, 0, -1], f"errno:{errno.EFAULT}")
     case("connect", "connect", [-1, 0, 0], SIGSYS)
     case("sendto:addr", "sendto", [-1, 0, 0, 0, 1, 16], SIGSYS)
@@ -123,11 +126,13 @@ def control_cases() -> tuple[list, dict[str, str]]:
     case("execve:after-lock_down", "execve", BAD, SIGSYS, lock="control")
     case("execveat:after-lock_down", "execveat", BAD, SIGSYS, lock="control")
     case("execve:before-lock_down", "execve", BAD, f"errno:{errno.EFAULT}")
-    # No new process after the lock-down, by any call (the forked child exits at once
-    # if one slips through: "errno:0"); start-up may fork.
-    case("clone:process:after-lock_down", "clone", [SIGCHLD, 0, 0, 0, 0], SIGSYS, lock="control")
-    case("fork:after-lock_down", "fork", [], SIGSYS, lock="control")
-    case("vfork:after-lock_down", "vfork", [], SIGSYS, lock="control")
+    # No new process after the lock-down, by any call: EPERM (the forked child exits
+    # at once if one slips through: "errno:0"); start-up may fork.
+    no_process = f"errno:{errno.EPERM}"
+    case("clone:process:after-lock_down", "clone", [SIGCHLD, 0, 0, 0, 0], no_process,
+         lock="control")
+    case("fork:after-lock_down", "fork", [], no_process, lock="control")
+    case("vfork:after-lock_down", "vfork", [], no_process, lock="control")
     case("clone:process:before-lock_down", "clone", [SIGCHLD, 0, 0, 0, 0], "errno:0")
     if platform.machine() == "x86_64":
         # bad-arch action, from a second thread: the whole process must die

@@ -774,6 +774,31 @@ def start_time(pid: int) -> int:
     return int(rest[19])  # field 22 overall; rest[0] is field 3
 
 
+def _task_state(pid: int, tid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return b"X"
+    return data[data.rindex(b")") + 2:data.rindex(b")") + 3]
+
+
+def live_task(pid: int) -> int:
+    """Which /proc/<id> shows process ``pid`` to a scan: ``pid`` itself, unless its main
+    thread has exited while other threads run on (red team: a control worker that
+    called exit(2), not exit_group(2), on its main thread went on with an empty
+    /proc/PID/maps and an unreadable /proc/PID/mountinfo, and the scans skipped it as
+    gone); then a live thread's id, whose /proc files show the same process."""
+    if _task_state(pid, pid) not in (b"Z", b"X"):
+        return pid
+    try:
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return pid
+    return next((t for t in tids if t != pid and _task_state(pid, t) not in (b"Z", b"X")),
+                pid)
+
+
 def scan_pid(pid: int, *, snapshot: ExecSnapshot | None = None, identify: bool = True,
              immutable_code: bool | None = None) -> list[MapsHit]:
     """Refusals for a live process. Raises ProcessGone if it has exited.
@@ -790,11 +815,12 @@ def scan_pid(pid: int, *, snapshot: ExecSnapshot | None = None, identify: bool =
         raise ValueError(f"snapshot of pid {snapshot.pid} used to scan pid {pid}")
     if immutable_code is None:
         immutable_code = snapshot is not None
-    text = _read_maps(pid)
-    mounts = read_mounts(pid) if immutable_code else None
+    view = live_task(pid)
+    text = _read_maps(view)
+    mounts = read_mounts(view) if immutable_code else None
     if snapshot is not None and start_time(pid) != snapshot.start_time:
         raise ProcessGone(pid)  # the pid was reused: the worker we snapshot is gone
-    return scan_maps_text(pid, text, snapshot=snapshot, identify=identify,
+    return scan_maps_text(view, text, snapshot=snapshot, identify=identify,
                           immutable_code=immutable_code, mounts=mounts)
 
 
@@ -807,13 +833,15 @@ def exec_snapshot(pid: int, *, identify: bool = True) -> ExecSnapshot:
     supervisor refuses READY if it is not empty.
     """
     begun = start_time(pid)
-    text = _read_maps(pid)
-    mounts = read_mounts(pid)
+    view = live_task(pid)
+    text = _read_maps(view)
+    mounts = read_mounts(view)
     if start_time(pid) != begun:
         raise ProcessGone(pid)
     lines = _parse(text)
     mappings = frozenset(ln.mapping for ln in lines if ln.mapping is not None)
-    hits = _scan(pid, lines, identify=identify) + _exec_hits(pid, lines, None, unsafe=True, mounts=mounts)
+    hits = _scan(view, lines, identify=identify) + _exec_hits(view, lines, None, unsafe=True,
+                                                              mounts=mounts)
     return ExecSnapshot(pid, begun, mappings, tuple(hits))
 
 

@@ -73,8 +73,8 @@ Worker row (config mode = promise; live mode = observation, same keys):
     compilers_visible            bool: a compiler/assembler/linker resolves to an
                                  executable file inside the sandbox (masked = char device)
     exec_after_start             bool: execve (or a new process) possible once the runner
-                                 locked down (strict profiles: no, seccomp kills the
-                                 worker). Live: inferred from the
+                                 locked down (strict profiles: no, seccomp kills execve
+                                 and refuses fork). Live: inferred from the
                                  number of stacked seccomp filters
     new_exec_memory_after_ready  bool: new executable memory after READY (strict: no, the
                                  exec watch refuses it). Live: the supervisor holds the

@@ -130,9 +130,9 @@ class DomainConfig:
     # -- isolation knobs; None = the profile's default (resolved by the loader)
     # cc, gcc, clang, ld, ... masked inside the sandbox (and Debian's alternatives).
     hide_compilers: bool | None = None
-    # May start processes after its start-up (control: execve, fork, vfork and clone
-    # without CLONE_THREAD kill the worker from the runner on; the worker's own code
-    # never runs with either allowed).
+    # May start processes after its start-up (control: from the runner on, execve
+    # kills the worker and fork, vfork and clone without CLONE_THREAD fail with EPERM;
+    # the worker's own code never runs with either allowed).
     exec_after_start: bool | None = None
     # Torch (and the rest of the refusal list) refused at admission, by the import
     # guard and the maps scan, and absent from the sandbox's filesystem.

@@ -26,7 +26,7 @@ from supervisor.output import LineLimiter
 from supervisor.protocol import ENV_EXECWATCH_FD, ENV_STANDBY_FD, Endpoint, worker_env
 from supervisor.sandbox.policy import RESEARCH
 
-from ._exec import _ExecWindow
+from ._exec import _ExecWindow, _exited
 from ._io import _WorkerIO
 from ._realtime import _Realtime
 from ._run import FailSafe, StartFailed, WorkerRun, _signame
@@ -518,8 +518,17 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
                         hits = await trio.to_thread.run_sync(functools.partial(
                             maps.scan_pid, pid, snapshot=snap if own else None,
                             immutable_code=snap is not None and not own))
-                    except Exception:  # the process went away between listing and reading
+                    except maps.ProcessGone:   # went away between listing and reading
                         continue
+                    except Exception as exc:
+                        # Alive but not readable is not clean (red team: a worker made
+                        # its maps unreadable and went unscanned, silently).
+                        if run.refused or run.proc is None or run.proc.poll() is not None \
+                                or maps.live_task(pid) == pid and _exited(pid):
+                            continue
+                        self._refuse(run, "unscannable", f"cannot scan pid {pid}: "
+                                     f"{type(exc).__name__}: {exc}", scan_pid=pid)
+                        break
                     if run.refused or run.proc is None or run.proc.poll() is not None:
                         break
                     if hits:

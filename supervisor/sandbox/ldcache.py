@@ -1,10 +1,9 @@
 """``ctypes.util.find_library`` for a process that may not start one.
 
 On Linux the standard library answers ``find_library(name)`` by running ``ldconfig -p``
-(then gcc, ld, objdump). A locked-down worker may start no process (seccomp.py kills it
-at the fork), yet libraries look things up at import: trio's thread cache asks for
-"pthread". Before the ban, the child's exec was killed and the lookup quietly returned
-None; now the fork would end the worker. `seccomp.lock_down` therefore points
+(then gcc, ld, objdump). A locked-down worker may start no process (seccomp.py: the
+fork fails with EPERM), yet libraries look things up at import: trio's thread cache asks
+for "pthread", and would get None. `seccomp.lock_down` therefore points
 ``ctypes.util.find_library`` here: the same answer (the first ``lib<name>.*`` of this
 machine's ABI, in ``ldconfig -p``'s order), read from the linker's cache file itself.
 

@@ -323,6 +323,29 @@ def info(args: list[str]) -> tuple[bool, dict]:
     }
 
 
+def unix_raw_dgram_after_lockdown(args: list[str]) -> tuple[bool, dict]:
+    """ARGS: [domain]. socket(AF_UNIX, SOCK_RAW): the kernel turns it into a datagram
+    socket (af_unix.c: "BSD has AF_UNIX, SOCK_RAW"), which the SOCK_DGRAM rule does not
+    match; sendmsg with an address (sendto's is watched, sendmsg's is not) then reaches
+    any socket path the worker can see. Denied when the first call kills (no verdict)."""
+    d: dict = {"domain": _lock(args[:1])}
+    path = f"/tmp/redteam-{os.getpid()}.sock"
+    rx = socket.socket(socket.AF_UNIX, socket.SOCK_RAW)
+    d["type"] = rx.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE)
+    rx.bind(path)
+    tx = socket.socket(socket.AF_UNIX, socket.SOCK_RAW)
+    try:
+        d["sent"] = tx.sendmsg([b"hello"], [], 0, path)
+        rx.settimeout(2)
+        d["received"] = rx.recv(16).decode()
+    except OSError as e:
+        d["sent"] = _err(e)
+    finally:
+        tx.close(), rx.close()
+        os.unlink(path)
+    return d.get("received") != "hello", d
+
+
 ATTACKS: dict[str, Callable[[list[str]], tuple[bool, dict]]] = {
     f.__name__: f
     for f in (
@@ -330,7 +353,7 @@ ATTACKS: dict[str, Callable[[list[str]], tuple[bool, dict]]] = {
         inet_socket_after_lockdown, unix_socket_after_lockdown, threads_after_lockdown,
         fork_after_lockdown,
         ptrace_after_lockdown, read_unbound_path, write_ro_path, kill_pid, see_pid,
-        no_new_privs, mknod_dev, unshare_userns, info,
+        no_new_privs, mknod_dev, unshare_userns, info, unix_raw_dgram_after_lockdown,
     )
 }
 

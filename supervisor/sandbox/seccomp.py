@@ -8,7 +8,8 @@ Three filters, all default-ALLOW deny-lists (no allow-list yet):
 * runtime    - `lock_down(domain)`, called by the trusted runner before the
                worker module is imported; for strict domains it adds the
                execve/execveat ban and the ban on new processes (fork, vfork,
-               clone without CLONE_THREAD). Filters stack, so the launch rules stay.
+               clone without CLONE_THREAD: EPERM, see PROCESS_DENY). Filters stack,
+               so the launch rules stay.
 * exec watch - `install_exec_watch()`, strict domains, right after lock_down:
                every request for new executable memory (mmap/mprotect/
                pkey_mprotect with PROT_EXEC) and every memfd_create goes to the
@@ -20,7 +21,8 @@ Denials kill. In a strict domain a forbidden call is an attack or a bug, and an
 EPERM that a library swallows would hide it, so they end the whole process
 (SECCOMP_RET_KILL_PROCESS, seen by the supervisor as SIGSYS). The research
 domain keeps EPERM for the generic list, but the calls that would let a channel
-reader make itself a writer (chmod/chown/xattr writes) kill there too.
+reader make itself a writer (chmod/chown/xattr writes) kill there too. One
+exception: a new process after lock-down is refused with EPERM (PROCESS_DENY).
 
 Precedence across stacked filters is KILL > TRAP > ERRNO > USER_NOTIF > ALLOW:
 neither the launch nor the runtime filter may touch mmap, mprotect,
@@ -80,10 +82,14 @@ EXEC_DENY = ("execve", "execveat")
 # Process creation, with exec (the runtime filter: "must not start processes after
 # start-up"): fork, vfork, and clone without CLONE_THREAD (posix_spawn, subprocess).
 # Threads stay (clone with CLONE_THREAD, which needs CLONE_VM: the same process).
-# Why kill and not only exec (red team): a forked child that tried a forbidden call
-# died alone, unseen by the supervisor, so a hostile worker could probe its filter
-# call by call without a trace; now the first fork ends the worker, logged as a
-# seccomp kill. A child would also be a process the supervisor does not watch.
+# Why (red team): a forked child that made a forbidden call died alone, unseen by the
+# supervisor, so a hostile worker could map its filter call by call without a trace;
+# with no child, every forbidden call is the worker's own and kills it, logged. A child
+# would also be a process the supervisor does not watch.
+# EPERM, the one denial that does not kill: a failed fork gains an attacker nothing
+# (no child exists), while the standard library shells out for lookups and falls back
+# when it cannot (platform.platform, uuid.getnode, ctypes.util.find_library: a kill
+# there would end a worker for logging its platform; red team).
 PROCESS_DENY = ("fork", "vfork")
 _CLONE_THREAD = 0x00010000
 # Strict domains only: remap_file_pages is deprecated and only reshuffles pages
@@ -119,6 +125,7 @@ _FUTEX_PI_OPS = (6, 7, 8, 11, 12, 13)
 _PERSONALITY_QUERY = 0xFFFFFFFF  # personality(0xffffffff) only reads the persona
 _SHM_EXEC = 0o100000
 _SOCK_TYPE_MASK = 0xF
+_UNIX_CONNECTED = (socket.SOCK_STREAM, socket.SOCK_SEQPACKET)   # the AF_UNIX types kept
 _PROT_EXEC = 0x4
 
 _PR_SET_NO_NEW_PRIVS = 38
@@ -216,10 +223,14 @@ def build_filter(domain: str, *, stage: str, network: bool = False) -> Any:
         _add(sc, flt, kill, "shmat", sc.Arg(2, sc.MASKED_EQ, _SHM_EXEC, _SHM_EXEC))
         # An unconnected AF_UNIX datagram socket can sendto any socket path it
         # can see (journald, a host daemon bound into the sandbox): none at all.
-        _add(sc, flt, kill, "socket", sc.Arg(0, sc.EQ, socket.AF_UNIX),
-             sc.Arg(1, sc.MASKED_EQ, _SOCK_TYPE_MASK, socket.SOCK_DGRAM))
-        _add(sc, flt, kill, "socketpair",
-             sc.Arg(1, sc.MASKED_EQ, _SOCK_TYPE_MASK, socket.SOCK_DGRAM))
+        # Every type but stream and seqpacket (red team: SOCK_RAW is made a datagram
+        # socket by the kernel for AF_UNIX, and sendmsg's address is out of reach).
+        for kind in range(_SOCK_TYPE_MASK + 1):
+            if kind in _UNIX_CONNECTED:
+                continue
+            _add(sc, flt, kill, "socket", sc.Arg(0, sc.EQ, socket.AF_UNIX),
+                 sc.Arg(1, sc.MASKED_EQ, _SOCK_TYPE_MASK, kind))
+            _add(sc, flt, kill, "socketpair", sc.Arg(1, sc.MASKED_EQ, _SOCK_TYPE_MASK, kind))
         if not network:
             # Channels arrive as inherited fds and socketpairs; nothing legitimate
             # opens another family, connects anywhere or sends to an address.
@@ -230,9 +241,12 @@ def build_filter(domain: str, *, stage: str, network: bool = False) -> Any:
         # The runtime filter is what `exec_after_start = false` means, whatever the
         # syscall class: a research domain tightened that way loses exec and new
         # processes too.
-        for name in EXEC_DENY + PROCESS_DENY:
+        for name in EXEC_DENY:
             _add(sc, flt, kill, name)
-        _add(sc, flt, kill, "clone", sc.Arg(0, sc.MASKED_EQ, _CLONE_THREAD, 0))
+        no_process = sc.ERRNO(errno.EPERM)
+        for name in PROCESS_DENY:
+            _add(sc, flt, no_process, name)
+        _add(sc, flt, no_process, "clone", sc.Arg(0, sc.MASKED_EQ, _CLONE_THREAD, 0))
     return flt
 
 
@@ -298,7 +312,7 @@ def lock_down(domain: str, *, network: bool = False, required: bool = True) -> b
         flt.set_attr(sc.Attr.CTL_TSYNC, 1)
         set_no_new_privs()
         # Library lookups that would run ldconfig (trio's import does) are answered
-        # from the linker's cache: the fork would now kill the process.
+        # from the linker's cache: no process can be started from here on.
         ldcache.install()
         flt.load()
         _installed.add(domain)

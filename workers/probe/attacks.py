@@ -199,18 +199,22 @@ def ptrace(ctx: WorkerContext) -> dict:
 def seccomp_scout(ctx: WorkerContext) -> dict:
     """Map the seccomp filter without dying for it: a child tries each forbidden call
     (ptrace, then execve) and the worker reads the child's fate. Was a silent probe (a
-    child killed by seccomp died unseen by the supervisor); now the worker's first fork
-    kills the worker itself, and the supervisor names seccomp: nothing printed."""
+    child killed by seccomp died unseen by the supervisor); now no child can be made
+    (EPERM), so every forbidden call would be the worker's own, and kill it, logged."""
     seen = {}
     for name, call in (("ptrace", lambda: _libc.ptrace(16, 1, None, None)),
                        ("execve", lambda: os.execv("/bin/true", ["/bin/true"]))):
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as e:
+            seen[name] = f"no child: {_err(e)}"
+            continue
         if pid == 0:
             call()
             os._exit(0)
         st = os.waitpid(pid, 0)[1]
         seen[name] = f"signal:{os.WTERMSIG(st)}" if os.WIFSIGNALED(st) else "survived"
-    return {"denied": False, "mapped": seen}
+    return {"denied": all(v.startswith("no child") for v in seen.values()), "mapped": seen}
 
 
 def personality(ctx: WorkerContext) -> dict:
@@ -393,7 +397,7 @@ def mremap_exec(ctx: WorkerContext) -> dict:
     _libc.mremap.restype = ctypes.c_void_p
     _libc.mremap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int,
                              ctypes.c_void_p)
-    with open("/proc/self/maps") as f:
+    with open("/proc/thread-self/maps") as f:     # /proc/self/maps is empty headless
         text = [ln.split() for ln in f]
     lo, hi = next(tuple(int(x, 16) for x in v[0].split("-")) for v in text
                   if v[1] == "r-xp" and len(v) > 5 and "/libc.so" in v[5])
@@ -402,6 +406,25 @@ def mremap_exec(ctx: WorkerContext) -> dict:
         return {"denied": True, "errno": errno.errorcode.get(ctypes.get_errno())}
     time.sleep(8.0)
     return {"denied": False, "at": hex(new)}
+
+
+def headless_mremap(ctx: WorkerContext) -> dict:
+    """Blind the maps scan, then do what only it can see: the main thread leaves with
+    exit(2), not exit_group(2), so the worker runs on in a second thread while
+    /proc/PID/maps reads empty and /proc/PID/mountinfo fails; that thread runs
+    mremap_exec. Was unnoticed (the scan skipped the worker as gone). Never returns:
+    the thread reports only if no kill came."""
+    import json
+    import threading
+
+    def body() -> None:
+        res = mremap_exec(ctx)
+        print("ATTACK " + json.dumps({"attack": "headless_mremap", **res}), flush=True)
+        os._exit(0)
+    threading.Thread(target=body).start()
+    time.sleep(0.2)
+    _libc.syscall({"x86_64": 60, "aarch64": 93}[os.uname().machine], 0)   # SYS_exit
+    return {"denied": None, "error": "exit(2) returned"}
 
 
 def own_listener(ctx: WorkerContext) -> dict:
@@ -888,10 +911,14 @@ def realtime_pid_wrap(ctx: WorkerContext) -> dict:
     n = int(ARG or "40000")            # thread churn: pid_max + a margin
     every = max(n // 12, 1)
     r, w = os.pipe()
-    orphans = 0
+    orphans, fork_error = 0, ""
     for i in range(n):
-        if i % every == every // 2:
-            pid = os.fork()
+        if i % every == every // 2 and not fork_error:
+            try:
+                pid = os.fork()
+            except OSError as e:              # locked down: no new process at all
+                fork_error = _err(e)
+                continue
             if pid == 0:                      # the middle child: exits, orphaning the next
                 if os.fork() == 0:
                     os.close(r)
@@ -909,7 +936,7 @@ def realtime_pid_wrap(ctx: WorkerContext) -> dict:
         t.start()
         t.join()
     os.close(w)
-    res: dict = {"threads": n, "orphans": orphans}
+    res: dict = {"threads": n, "orphans": orphans, "fork_error": fork_error}
     # READY happens when we return (attack before READY); the grant follows it. Report
     # from a thread so that the main thread goes on to READY.
     def report() -> None:
@@ -932,7 +959,7 @@ ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
         unix_connect,
         mprotect_exec, memfd_exec, dlopen_tmp, torch_files, swallow_guard, fake_ready,
         status_flood, long_line, shutdown_flood, nested_log, modify_ldt, mremap_exec, own_listener,
-        wake_abuse, announce_sink, lease_hoard, status_churn, status_escape,
+        wake_abuse, announce_sink, lease_hoard, status_churn, status_escape, headless_mremap,
         shared_description, patch_library,
         raise_cpu_weight, raise_priority, realtime_runaway,
         realtime_pi_boost, realtime_hop, realtime_sched_misc, realtime_pid_wrap,
