@@ -521,8 +521,9 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
                     except maps.ProcessGone:   # went away between listing and reading
                         continue
                     except Exception as exc:
-                        # Alive but not readable is not clean (red team: a worker made
-                        # its maps unreadable and went unscanned, silently).
+                        # Alive but not readable is not clean: it was skipped as gone
+                        # (red team: a worker whose main thread had exited made its
+                        # mountinfo fail, and went unscanned, silently).
                         if run.refused or run.proc is None or run.proc.poll() is not None \
                                 or maps.live_task(pid) == pid and _exited(pid):
                             continue

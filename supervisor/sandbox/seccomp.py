@@ -88,7 +88,7 @@ EXEC_DENY = ("execve", "execveat")
 # would also be a process the supervisor does not watch.
 # EPERM, the one denial that does not kill: a failed fork gains an attacker nothing
 # (no child exists), while the standard library shells out for lookups and falls back
-# when it cannot (platform.platform, uuid.getnode, ctypes.util.find_library: a kill
+# when it cannot (platform.platform, platform.processor, ctypes.util.find_library: a kill
 # there would end a worker for logging its platform; red team).
 PROCESS_DENY = ("fork", "vfork")
 _CLONE_THREAD = 0x00010000
