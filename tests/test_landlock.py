@@ -5,8 +5,6 @@ sandbox's private /tmp: /proc/self/mem is opened for writing and closed at once.
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import sys
 
 import pytest
@@ -15,17 +13,9 @@ from supervisor.sandbox import landlock
 from supervisor.sandbox.launch import run
 from supervisor.sandbox.policy import policy_for_domain
 
+from .conftest import bwrap_unusable
 
-def _bwrap_usable() -> str | None:
-    bw = shutil.which("bwrap")
-    if bw is None:
-        return "bwrap not installed"
-    r = subprocess.run([bw, "--unshare-user", "--unshare-pid", "--ro-bind", "/", "/", "true"],
-                       capture_output=True, timeout=20)
-    return None if r.returncode == 0 else f"bwrap unusable: {r.stderr!r}"
-
-
-_why = _bwrap_usable()
+_why = bwrap_unusable()
 if _why:
     pytest.skip(_why, allow_module_level=True)
 ABI = landlock.abi_version()  # host query only: never restrict the test process itself

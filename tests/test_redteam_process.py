@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import signal
 import struct
 import subprocess
@@ -27,17 +26,9 @@ from supervisor.sandbox import descendant_pids, policy_for_domain, run, spawn
 from supervisor.sandbox import ldcache
 from supervisor.sandbox.launch import sandbox_main_pid
 
+from .conftest import bwrap_unusable
 
-def _bwrap_usable() -> str | None:
-    bw = shutil.which("bwrap")
-    if bw is None:
-        return "bwrap not installed"
-    r = subprocess.run([bw, "--unshare-user", "--unshare-pid", "--ro-bind", "/", "/", "true"],
-                       capture_output=True, timeout=20)
-    return None if r.returncode == 0 else f"bwrap unusable: {r.stderr!r}"
-
-
-_why = _bwrap_usable()
+_why = bwrap_unusable()
 if _why:
     pytest.skip(_why, allow_module_level=True)
 

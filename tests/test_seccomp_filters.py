@@ -11,9 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import platform
-import shutil
 import signal
-import subprocess
 import sys
 
 import pytest
@@ -23,17 +21,9 @@ from supervisor.sandbox import seccomp
 from supervisor.sandbox.launch import run
 from supervisor.sandbox.policy import policy_for_domain
 
+from .conftest import bwrap_unusable
 
-def _bwrap_usable() -> str | None:
-    bw = shutil.which("bwrap")
-    if bw is None:
-        return "bwrap not installed"
-    r = subprocess.run([bw, "--unshare-user", "--unshare-pid", "--ro-bind", "/", "/", "true"],
-                       capture_output=True, timeout=20)
-    return None if r.returncode == 0 else f"bwrap unusable: {r.stderr!r}"
-
-
-_why = _bwrap_usable()
+_why = bwrap_unusable()
 if _why:
     pytest.skip(_why, allow_module_level=True)
 
