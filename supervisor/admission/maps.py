@@ -774,13 +774,16 @@ def start_time(pid: int) -> int:
     return int(rest[19])  # field 22 overall; rest[0] is field 3
 
 
-def _task_state(pid: int, tid: int) -> bytes:
+def task_exited(pid: int, tid: int | None = None) -> bool:
+    """True once process ``pid`` (thread ``tid`` of it, if given) has exited: a zombie
+    not yet reaped, or gone. Reads /proc only, reaps nothing."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
     try:
-        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+        with open(path, "rb") as f:
             data = f.read()
     except OSError:
-        return b"X"
-    return data[data.rindex(b")") + 2:data.rindex(b")") + 3]
+        return True
+    return data[data.rindex(b")") + 2:data.rindex(b")") + 3] in (b"Z", b"X")
 
 
 def live_task(pid: int) -> int:
@@ -789,14 +792,13 @@ def live_task(pid: int) -> int:
     called exit(2), not exit_group(2), on its main thread went on with an empty
     /proc/PID/maps and an unreadable /proc/PID/mountinfo, and the scans skipped it as
     gone); then a live thread's id, whose /proc files show the same process."""
-    if _task_state(pid, pid) not in (b"Z", b"X"):
+    if not task_exited(pid):
         return pid
     try:
         tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
     except OSError:
         return pid
-    return next((t for t in tids if t != pid and _task_state(pid, t) not in (b"Z", b"X")),
-                pid)
+    return next((t for t in tids if t != pid and not task_exited(pid, t)), pid)
 
 
 def scan_pid(pid: int, *, snapshot: ExecSnapshot | None = None, identify: bool = True,

@@ -8,6 +8,8 @@ import socket
 
 import trio
 
+from supervisor.admission.maps import task_exited
+
 from ._run import WorkerRun
 
 
@@ -47,12 +49,12 @@ class _ExecWindow:
         # wait for either, so that its own exit is what is reported.
         deadline = trio.current_time() + _FIND_WORKER_S
         while self.sandboxed and pid == run.pid and trio.current_time() < deadline:
-            if _exited(run.pid):
+            if task_exited(run.pid):
                 return                        # its exit is reported, with its cause
             await trio.sleep(0.01)
             pid = self._worker_pid(run)
         if self.sandboxed and pid == run.pid:
-            if _exited(run.pid):
+            if task_exited(run.pid):
                 return
             # The sandbox lives on without a pid 2, or this /proc shows no NSpid.
             self._refuse(run, "protocol", "READY, but no worker process (pid 2 of the "
@@ -136,15 +138,3 @@ class _ExecWindow:
 
 
 _FIND_WORKER_S = 0.5   # how long a sandbox may show no worker before READY is refused
-
-
-def _exited(pid: int) -> bool:
-    """True once ``pid`` has exited (a zombie not yet reaped, or gone): without reaping it,
-    which is the supervisor's waiter's job."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return True
-    return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] in (b"Z", b"X")
-

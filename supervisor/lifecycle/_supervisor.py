@@ -26,7 +26,7 @@ from supervisor.output import LineLimiter
 from supervisor.protocol import ENV_EXECWATCH_FD, ENV_STANDBY_FD, Endpoint, worker_env
 from supervisor.sandbox.policy import RESEARCH
 
-from ._exec import _ExecWindow, _exited
+from ._exec import _ExecWindow
 from ._io import _WorkerIO
 from ._realtime import _Realtime
 from ._run import FailSafe, StartFailed, WorkerRun, _signame
@@ -525,7 +525,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
                         # (red team: a worker whose main thread had exited made its
                         # mountinfo fail, and went unscanned, silently).
                         if run.refused or run.proc is None or run.proc.poll() is not None \
-                                or maps.live_task(pid) == pid and _exited(pid):
+                                or maps.live_task(pid) == pid and maps.task_exited(pid):
                             continue
                         self._refuse(run, "unscannable", f"cannot scan pid {pid}: "
                                      f"{type(exc).__name__}: {exc}", scan_pid=pid)
