@@ -450,8 +450,8 @@ class Reader:
         nxt = self._last_seq + 1
         heard = self._announced()
         end_ns = None if end is None else int(end * 1e9)
-        w = cad.next_window(nxt, *heard, _now())
         now = _now()
+        w = cad.next_window(nxt, *heard, now)
         if (cut := _cut(w, end_ns, now)) is None:
             return None
         start, stop = cut
