@@ -199,6 +199,13 @@ def body():
     time.sleep(20)
     os._exit(0)
 threading.Thread(target=body).start()
+def churn():
+    while True:                        # threads born and gone all the time
+        t = threading.Thread(target=int)
+        t.start()
+        t.join()
+if os.environ.get("CHURN") == "1":
+    threading.Thread(target=churn, daemon=True).start()
 time.sleep(0.2)
 if os.environ.get("LEADER_EXITS") == "1":
     libc.syscall(L(60), L(0))          # SYS_exit: this thread only
@@ -206,13 +213,15 @@ time.sleep(20)
 """
 
 
-def _scan_worker(leader_exits: bool):
+def _scan_worker(leader_exits: bool, churn: bool = False, scans: int = 1):
     """(leader state, bytes in /proc/PID/maps, scan_pid's hits or the exception it raised),
-    scanned as the supervisor's _scan_maps does a control worker (immutable code)."""
+    scanned as the supervisor's _scan_maps does a control worker (immutable code); with
+    ``scans`` > 1, the last item is the list of each scan's result."""
     from supervisor.admission import maps
 
     p = spawn(policy_for_domain("control"), [PY, "-c", PRE + LEADER_EXIT],
-              env_extra={"LEADER_EXITS": "1" if leader_exits else "0"},
+              env_extra={"LEADER_EXITS": "1" if leader_exits else "0",
+                         "CHURN": "1" if churn else "0"},
               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "locked"
@@ -224,11 +233,13 @@ def _scan_worker(leader_exits: bool):
             state = [ln.split()[1] for ln in f if ln.startswith("State:")][0]
         with open(f"/proc/{pid}/maps") as f:
             size = len(f.read())
-        try:
-            hits = maps.scan_pid(pid, immutable_code=True)
-        except Exception as e:          # _scan_maps: "went away", skipped without a word
-            hits = e
-        return state, size, hits
+        results = []
+        for _ in range(scans):
+            try:
+                results.append(maps.scan_pid(pid, immutable_code=True))
+            except Exception as e:      # _scan_maps: "went away", skipped without a word
+                results.append(e)
+        return state, size, results[0] if scans == 1 else results
     finally:
         p.kill()
         p.wait()
@@ -249,6 +260,18 @@ def test_a_worker_without_its_main_thread_is_still_scanned():
     assert state == "Z" and size == 0, (state, size)        # what the supervisor reads by pid
     assert not isinstance(hits, Exception), repr(hits)
     assert any(h.kind == "writable-exec" for h in hits), hits
+
+
+def test_a_headless_worker_churning_threads_is_scanned_every_time():
+    """The same worker, its main thread gone, while other threads are born and exit all
+    the time: the live thread whose view the scan reads must not vanish under it (a
+    scan that raised would be skipped, and a worker that churned could hide between
+    scans). Every one of 30 back-to-back scans sees the writable code."""
+    state, _size, results = _scan_worker(leader_exits=True, churn=True, scans=30)
+    assert state == "Z", state
+    bad = [r for r in results if isinstance(r, Exception)
+           or not any(h.kind == "writable-exec" for h in r)]
+    assert not bad, bad[:3]
 
 
 # --- the AF_UNIX datagram ban, by another name --------------------------------------
