@@ -965,3 +965,7 @@ ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
         realtime_pi_boost, realtime_hop, realtime_sched_misc, realtime_pid_wrap,
     )
 }
+
+from .attacks_net import ATTACKS as _NET_ATTACKS  # noqa: E402  (network rule attacks)
+
+ATTACKS.update(_NET_ATTACKS)
