@@ -316,7 +316,11 @@ def test_a_recorders_tampering_with_its_log_is_refused_in_one_line(work, recorde
         (d / "road_frames.vidx").unlink()
         os.mkfifo(d / "road_frames.vidx")
 
+    def deleted(d: Path) -> None:            # removed: the replay must not guess
+        (d / "source.toml").unlink()
+
     for name, how, says in [("config", own_config, "not written by the recording supervisor"),
+                            ("deleted", deleted, "source.toml: missing"),
                             ("symlink", symlink, "a symbolic link"),
                             ("fifo", fifo, "not a regular file")]:
         r = cli("replay", str(tampered(name, how)), "--out", str(work / f"run-{name}"),

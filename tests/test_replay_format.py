@@ -254,6 +254,9 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     (["replay", "{tmp}"], "neither a drive log"),
     (["replay", "{log}", "--tol", "model_out"], "--tol 'model_out'"),
     (["replay", "{log}", "--config", "{tmp}/missing.toml"], "cannot read the config"),
+    # no source.toml beside the log: never the embedded default in its place
+    (["replay", "{log}"], "source.toml: missing (the config this log was recorded with); "
+                          "pass --config"),
     (["record", "{log}", "--seconds", "1"], "exists and is not an empty directory"),
     (["record", "{tmp}/new", "--seconds", "0"], "--seconds 0: must be > 0"),
 ])

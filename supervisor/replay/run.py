@@ -107,13 +107,16 @@ def _default_out(log: str) -> str:
 
 
 def _recorded_config(log: str) -> dict[str, Any]:
-    """The config `record` saved beside the log (else the embedded default). The log
-    directory belongs to the recorder's sandbox user, which can replace any file in it:
-    the config is used only if this (replaying) user still owns it and nobody else may
-    write it, and it is read from the descriptor that was checked."""
+    """The config `record` saved beside the log. The log directory belongs to the
+    recorder's sandbox user, which can replace or delete any file in it: the config is
+    used only if this (replaying) user still owns it and nobody else may write it, and
+    it is read from the descriptor that was checked. A missing one is refused too (never
+    the embedded default in its place: a recorder that deleted it would choose what the
+    replay runs, and a user would compare against a pipeline that was never recorded)."""
     path = os.path.join(log, SOURCE)
     if not os.path.lexists(path):
-        return read_doc(None)[0]
+        raise ReplayError(f"{path}: missing (the config this log was recorded with); "
+                          "pass --config")
     try:
         fd = open_regular(path)
     except OSError as e:
