@@ -4,11 +4,24 @@
 #                                    # its research extra (the default config's torch
 #                                    # shadow worker; torch==2.13.0 CPU wheel on disk)
 #   bash scripts/install.sh --dev    # + clang (model builds) and the test extra
+#   bash scripts/install.sh --system # the vehicle install: a venv under PREFIX
+#                                    # (/opt/trio-supervisor) from a system interpreter
+#                                    # outside any home, the domain users, the state dir,
+#                                    # and the systemd unit written and verified
+#                                    # (docs/vehicle.md: enable, remove)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
 dev=0
-[ "${1:-}" = "--dev" ] && dev=1
+system=0
+case "${1:-}" in
+    --dev) dev=1 ;;
+    --system) system=1 ;;
+    "") ;;
+    *) echo "install.sh: unknown option ${1} (use --dev or --system)" >&2; exit 2 ;;
+esac
+PREFIX="${TRIO_PREFIX:-/opt/trio-supervisor}"
+UNIT_DIR="${TRIO_UNIT_DIR:-/etc/systemd/system}"
 
 sudo=""
 [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null && sudo="sudo"
@@ -32,6 +45,15 @@ if [ $dev -eq 1 ]; then
     [ -e /usr/include/capnp/message.h ] || need+=(libcapnp-dev)
     command -v g++ >/dev/null || need+=(g++)
 fi
+if [ $system -eq 1 ]; then
+    # The unit's ExecStart is PREFIX/bin/python3 and the unit hides /root and /home
+    # (ProtectHome=yes): the venv's base interpreter must live outside them.
+    command -v systemd-analyze >/dev/null || need+=(systemd)
+    [ -x /usr/bin/python3 ] || need+=(python3)
+    /usr/bin/python3 -c 'import ensurepip' 2>/dev/null || need+=(python3-venv)
+    /usr/bin/python3 -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+        2>/dev/null || need+=(python3-dev)
+fi
 if [ ${#need[@]} -gt 0 ]; then
     $sudo apt-get update -qq
     $sudo apt-get install -y -qq --no-install-recommends "${need[@]}"
@@ -46,7 +68,25 @@ for u in trio-control trio-research; do
     fi
 done
 
-if [ $dev -eq 1 ]; then
+if [ $system -eq 1 ]; then
+    base=/usr/bin/python3
+    if ! "$base" -c 'import sys; sys.exit(not ((3, 11) <= sys.version_info[:2] < (3, 13)))'; then
+        echo "install.sh --system: $base is not Python 3.11 or 3.12 (the package needs one)" >&2
+        exit 2
+    fi
+    [ -x "$PREFIX/bin/python3" ] || $sudo "$base" -m venv "$PREFIX"
+    # A real install, not a link into this checkout: the car runs what was installed.
+    $sudo "$PREFIX/bin/python3" -m pip install -q --upgrade "$(pwd)[research]"
+    $sudo install -d -m 0700 -o root -g root /var/lib/trio-supervisor
+    $sudo install -d -m 0755 "$UNIT_DIR"
+    $sudo "$PREFIX/bin/supervisor" units --prefix "$PREFIX" --out "$UNIT_DIR" >/dev/null
+    if command -v systemd-analyze >/dev/null; then
+        $sudo systemd-analyze verify "$UNIT_DIR/trio-supervisor.service"
+    fi
+    echo "installed: $PREFIX (venv), $UNIT_DIR/trio-supervisor.service (verified)"
+    echo "enable:    systemctl daemon-reload && systemctl enable --now trio-supervisor"
+    echo "remove:    systemctl disable --now trio-supervisor; rm $UNIT_DIR/trio-supervisor.service; rm -r $PREFIX"
+elif [ $dev -eq 1 ]; then
     python -m pip install -q -e '.[dev,research,replay,fleet]'
 else
     python -m pip install -q -e '.[research,replay]'
