@@ -2,10 +2,66 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Any, TextIO
+
+
+class Level(IntEnum):
+    """An event's level; the values are journald's (syslog) priorities, so a lower
+    number matters more. Every event carries its level's name in ``level``."""
+
+    ERROR = 3      # the system is not doing its job: fail-safe, latch errors, exit != 0
+    WARNING = 4    # a worker failed or was refused; a limit is off; the system goes on
+    INFO = 6       # lifecycle: start, ready, restart, a clean stop
+    DEBUG = 7      # periodic: status, worker output
+
+
+# The level of each event that is not INFO. A worker's own lines are never above
+# INFO: it cannot raise an alarm in the supervisor's name (or drown one: they are
+# rate-limited upstream, and output/log stay DEBUG/INFO whatever they say).
+_LEVELS: dict[str, Level] = {
+    "status": Level.DEBUG, "output": Level.DEBUG, "standby_warm": Level.DEBUG,
+    "standby_start": Level.DEBUG,
+    "fail_safe": Level.ERROR, "fail_safe_error": Level.ERROR,
+    "fail_safe_latch_error": Level.ERROR, "fail_safe_command": Level.WARNING,
+    "start_failed_required": Level.ERROR, "gave_up": Level.ERROR,
+    "refused": Level.WARNING, "ready_timeout": Level.WARNING, "watchdog_missed": Level.WARNING,
+    "limits_not_enforced": Level.WARNING, "realtime_unavailable": Level.WARNING,
+    "cgroup_error": Level.WARNING, "start_failed": Level.WARNING,
+    "standby_failed": Level.WARNING, "protocol_error": Level.WARNING,
+    "output_dropped": Level.WARNING, "monitor_error": Level.WARNING,
+    "config_problem": Level.WARNING, "restart": Level.WARNING, "cooldown": Level.WARNING,
+}
+LEVEL_NAMES = {"debug": Level.DEBUG, "info": Level.INFO, "warning": Level.WARNING,
+               "error": Level.ERROR}
+
+
+def level_of(event: str, fields: dict[str, Any]) -> Level:
+    """The level of one event: by name, and by exit code for the events that carry one
+    (an exit or a supervisor exit with code 0 is INFO, anything else matters)."""
+    if event in ("exit", "supervisor_exit", "standby_exit"):
+        code = fields.get("code")
+        if code in (0, None) or fields.get("expected"):
+            return Level.INFO
+        return Level.ERROR if event == "supervisor_exit" else Level.WARNING
+    return _LEVELS.get(event, Level.INFO)
+
+
+def _journal_stream(stream: TextIO) -> bool:
+    """True when `stream` is systemd's journal stream ($JOURNAL_STREAM = dev:ino of it):
+    then each line starts with <N>, which journald reads as the line's priority."""
+    want = os.environ.get("JOURNAL_STREAM", "")
+    if not want:
+        return False
+    try:
+        st = os.fstat(stream.fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
+    return want == f"{st.st_dev}:{st.st_ino}"
 
 
 def _text(v: Any) -> str:
@@ -24,7 +80,7 @@ def render(rec: dict[str, Any], fmt: str = "json") -> str:
     # Values are quoted when they could pass for more keys or a new line (a worker's
     # output or status is text it chose).
     rest = " ".join(f"{k}={_text(v)}" for k, v in rec.items()
-                    if k not in ("ts", "mono_ns", "source", "event"))
+                    if k not in ("ts", "mono_ns", "source", "event", "level"))
     return f"{clock} {_text(rec.get('source', '?'))} {_text(rec.get('event', '?'))} {rest}".rstrip()
 
 
@@ -37,20 +93,32 @@ class EventLog:
     the pipe it came from, never from what the worker wrote), ``event`` and, for events
     about a worker, ``worker`` and ``domain``. ``--log-format text`` renders the same
     events for a terminal: ``HH:MM:SS.mmm SOURCE EVENT key=value ...``.
+
+    Every event has a ``level`` (`Level`, journald's priorities); events below
+    ``min_level`` are kept (``events``) but not written (``--log-level``). Under systemd
+    each line is prefixed with journald's ``<N>`` priority.
     """
 
     stream: TextIO = field(default_factory=lambda: sys.stderr)
     fmt: str = "json"
     keep: bool = True
     events: list[dict[str, Any]] = field(default_factory=list)
+    min_level: Level = Level.DEBUG
+    journal: bool | None = None      # None: detect from $JOURNAL_STREAM
 
     def emit(self, event: str, *, source: str = "supervisor", **fields: Any) -> dict[str, Any]:
+        level = level_of(event, fields)
         rec = {"ts": round(time.time(), 6), "mono_ns": time.monotonic_ns(), "source": source,
-               "event": event, **fields}
+               "event": event, "level": level.name.lower(), **fields}
         if self.keep:
             self.events.append(rec)
+        if level > self.min_level:
+            return rec
+        if self.journal is None:
+            self.journal = _journal_stream(self.stream)
         try:
-            self.stream.write(render(rec, self.fmt) + "\n")
+            prefix = f"<{int(level)}>" if self.journal else ""
+            self.stream.write(prefix + render(rec, self.fmt) + "\n")
             self.stream.flush()
         except (OSError, ValueError):
             pass  # a closed log stream must not take the supervisor down
