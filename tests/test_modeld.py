@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from supervisor.ipc import Channel, ChannelSpec, Reader, Writer
-from supervisor.protocol import Endpoint, worker_env
+from supervisor.protocol import ENV_MODE, SIMULATION, Endpoint, worker_env
 from supervisor.model import load_verified
 from supervisor.model import artifact as A
 from tests.test_model_artifact import DEMO, DEMO_PUB, copy_bundle, drop_kernel, test_key  # noqa: F401
@@ -185,7 +185,8 @@ def test_modeld_worker_in_the_control_sandbox_over_the_bridge(reference):
     camera = Writer(road_ch.writer_handle(), domain="control")
     rh, ow = road_ch.reader_handle(0), out_ch.writer_handle()
     r, wfd = os.pipe2(os.O_CLOEXEC)
-    ep = Endpoint(name="modeld", domain="control", sandboxed=True,
+    # --artifact is simulation-only: a vehicle run refuses it (test_config_models.py)
+    ep = Endpoint(name="modeld", domain="control", sandboxed=True, mode=SIMULATION,
                   roles=(("model", "model_out"), ("frames", "road_frames")))
     env, fds = worker_env(ep, wfd, {"model_out": ow, "road_frames": rh})
     pol = policy_for_domain("control", extra_ro_binds=[str(DEMO), str(DEMO_PUB)])
@@ -234,7 +235,8 @@ def test_modeld_refuses_an_artifact_it_cannot_verify(test_key):  # noqa: F811
     pol = policy_for_domain("control", extra_ro_binds=[str(DEMO), str(pub)])
     res = run(pol, [sys.executable, "-m", "supervisor.runner", "workers.modeld",
                     "--artifact", str(DEMO), "--pubkey", str(pub)], timeout=60,
-              env_extra={"TRIO_WORKER": "modeld", "TRIO_DOMAIN": "control"})
+              env_extra={"TRIO_WORKER": "modeld", "TRIO_DOMAIN": "control",
+                         ENV_MODE: SIMULATION})
     assert res.returncode == 2
     assert '{"log":"artifact refused: BadSignature' in res.stdout
 

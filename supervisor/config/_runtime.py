@@ -7,6 +7,8 @@ import importlib.machinery
 import importlib.util
 import os
 import pkgutil
+import re
+import shlex
 import shutil
 import sys
 import tokenize
@@ -16,7 +18,7 @@ from supervisor.protocol import simulation_only
 
 from ._model import PROJECT_ROOT, SIMULATION, VEHICLE, Config, Problem, WorkerConfig
 from ._rules import _approx_size, _shm_overview, channel_shm_bytes, check_binds
-from ._values import _key, _suggest
+from ._values import _MODULE, _key, _suggest
 
 
 def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
@@ -27,7 +29,9 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
     * each worker ``module`` exists on the workers' path (the project root plus
       ``sys.path``) and is a worker: its source defines a top-level ``main(ctx)``;
     * in a vehicle config (``[supervisor] mode``), no worker has an argument its module
-      declares simulation-only (``SIMULATION_ONLY``: recorded data or time into control);
+      declares simulation-only (``SIMULATION_ONLY``: recorded data or time into control,
+      a model no ``[models]`` table trusts), given as ``args`` or through a ``command``
+      that runs the module (`runs_module`);
     * each ``command`` executable exists;
     * sandboxed: each ``extra_ro_binds`` path exists and each domain's host user exists
       (`supervisor.sandbox.policy.host_ids`, which only checks when running as root);
@@ -50,15 +54,16 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
             else:
                 for key, reason in _role_problems(w, search):
                     add(f"{path}.{key}", reason)
-                if cfg.supervisor.mode == VEHICLE:
-                    for key, reason in _simulation_problems(w, search):
-                        add(f"{path}.{key}", reason)
-                # (a `command` worker is not read here: the worker refuses them itself,
-                # supervisor/worker.py WorkerContext.simulation_only_problem)
         elif w.command:
             reason = _executable_problem(w.command[0])
             if reason:
                 add(f"{path}.command[0]", reason)
+        # What the worker's module declares about its arguments, also for a `command`
+        # worker that runs a worker module (python -m [supervisor.runner] MODULE): the
+        # one door for models and recorded data must not have a side entrance.
+        if cfg.supervisor.mode == VEHICLE and not (w.module and verdicts[w.module]):
+            for key, reason in _simulation_problems(w, search):
+                add(f"{path}.{key}", reason)
 
     # Writable binds as bubblewrap will resolve them (symlinks followed): the file-only
     # check in load() compares them as written.
@@ -266,16 +271,135 @@ def _declared_roles(name: str, search: list[str]) -> dict[str, tuple[str, ...]] 
 
 
 def _simulation_problems(w: WorkerConfig, search: list[str]) -> list[tuple[str, str]]:
-    """Arguments the worker's module declares simulation-only (`protocol.simulation_only`)
-    in a vehicle config's ``args``. A declaration that is not a plain literal dict is
-    itself a problem: the rule must not fail open."""
-    declared = _declared(w.module or "", search, "SIMULATION_ONLY")
-    if declared is _UNREADABLE:
-        return [("module", f"{w.module}: SIMULATION_ONLY must be a plain dict literal "
-                 "(`supervisor check` reads it without importing the module)")]
-    return [(f"args[{i}]", f"{shown!r} ({why}) is for simulation only: a vehicle config must "
-             f"not have it (a replay's derived config sets [supervisor] mode = \"{SIMULATION}\")")
-            for i, shown, why in simulation_only(declared, w.args)]
+    """Arguments the worker module it runs declares simulation-only
+    (`protocol.simulation_only`), in a vehicle config's ``args`` (or a `command`'s
+    argv). The declarations of the packages around the module count too: a package's
+    arguments mean the same in its submodules (workers.modeld.selftest's --artifact). A
+    declaration that is not a plain literal dict is itself a problem: the rule must not
+    fail open."""
+    runs = runs_module(w)
+    if runs is None:
+        return []
+    module, argv = runs
+    declared: dict = {}
+    parts = module.split(".")
+    for name in (".".join(parts[:i]) for i in range(1, len(parts) + 1)):
+        value = _declared(name, search, "SIMULATION_ONLY")
+        if value is _UNREADABLE or (value is not None and not isinstance(value, dict)):
+            return [("module" if w.module else "command",
+                     f"{name}: SIMULATION_ONLY must be a plain dict literal "
+                     "(`supervisor check` reads it without importing the module)")]
+        declared.update(value or {})
+    return [(argv[i][0], f"{shown!r} ({why}) is for simulation only: a vehicle config must "
+             f"not give it to {module} (a replay's derived config sets [supervisor] mode = "
+             f"\"{SIMULATION}\")")
+            for i, shown, why in simulation_only(declared, [t for _, t in argv])]
+
+
+# -- which worker module a worker runs, and with which arguments
+
+_PYTHON = re.compile(r"^python[0-9.]*$")
+_RUNNER = "supervisor.runner"
+
+
+def runs_module(w: WorkerConfig) -> tuple[str, list[tuple[str, str]]] | None:
+    """(module, [(key path, argument)]) of the worker module ``w`` runs: its ``module``,
+    or the one a ``command`` starts with a Python interpreter (``python -m MODULE``,
+    ``python -m supervisor.runner MODULE``, ``python PROJECT/path/to/module.py``, also
+    behind ``env`` or ``sh -c``). None when the command runs something else (``-c`` code, another
+    program): such a worker is refused by the worker module itself if it reaches one
+    (`WorkerContext.simulation_only_problem`; every worker is told the mode)."""
+    if w.module:
+        return _unwrap_runner(w.module, [(f"args[{i}]", a) for i, a in enumerate(w.args)])
+    argv = [(f"command[{i}]", a) for i, a in enumerate(w.command or ())]
+    argv += [(f"args[{i}]", a) for i, a in enumerate(w.args)]
+    found = _python_module(argv)
+    return None if found is None else _unwrap_runner(*found)
+
+
+def _unwrap_runner(module: str, argv: list[tuple[str, str]]
+                   ) -> tuple[str, list[tuple[str, str]]] | None:
+    if module != _RUNNER:
+        return module, argv
+    if not argv or not _MODULE.match(argv[0][1]):
+        return None
+    return argv[0][1], argv[1:]
+
+
+_SHELLS = ("sh", "bash", "dash")
+
+
+def _python_module(argv: list[tuple[str, str]]) -> tuple[str, list[tuple[str, str]]] | None:
+    i = 0
+    if argv and os.path.basename(argv[0][1]) in _SHELLS:       # sh -c "python -m ..."
+        at = next((k for k, (_, t) in enumerate(argv) if t == "-c"), None)
+        if at is None or at + 1 >= len(argv):
+            return None
+        key, script = argv[at + 1]
+        try:
+            words = shlex.split(script)
+        except ValueError:
+            return None
+        words = words[1:] if words[:1] == ["exec"] else words
+        return _python_module([(key, t) for t in words]) if words else None
+    if argv and os.path.basename(argv[0][1]) == "env":       # env [-i] [NAME=VALUE...] prog
+        i = 1
+        while i < len(argv) and (argv[i][1].startswith("-") or "=" in argv[i][1]):
+            i += 1
+    if i >= len(argv) or not _is_python(argv[i][1]):
+        return None
+    i += 1
+    while i < len(argv):
+        tok = argv[i][1]
+        if tok == "--" or not tok.startswith("-") or tok == "-":
+            break
+        if tok.startswith("--"):                 # --check-hash-based-pycs MODE, ...
+            i += 1 if "=" in tok or tok in ("--help", "--version") else 2
+            continue
+        for j, flag in enumerate(tok[1:], start=2):
+            rest = tok[j:]
+            if flag == "c":                      # code on the command line: not judged here
+                return None
+            if flag == "m":
+                if rest:
+                    return rest, argv[i + 1:]
+                return (argv[i + 1][1], argv[i + 2:]) if i + 1 < len(argv) else None
+            if flag in "WX":                     # -W arg, -X opt: the value is the rest or next
+                i += 0 if rest else 1
+                break
+        i += 1
+    if i < len(argv) and argv[i][1] == "--":
+        i += 1
+    if i >= len(argv):
+        return None
+    module = _script_module(argv[i][1])
+    return None if module is None else (module, argv[i + 1:])
+
+
+def _is_python(prog: str) -> bool:
+    if _PYTHON.match(os.path.basename(prog)):
+        return True
+    try:
+        return os.path.realpath(shutil.which(prog) or prog) == os.path.realpath(sys.executable)
+    except (ValueError, OSError):
+        return False
+
+
+def _script_module(script: str) -> str | None:
+    """The dotted name of a script inside the project (workers/modeld/__init__.py ->
+    workers.modeld), else None."""
+    try:
+        path = os.path.realpath(os.path.join(PROJECT_ROOT, script))
+    except (ValueError, OSError):
+        return None
+    rel = os.path.relpath(path, PROJECT_ROOT)
+    if rel.startswith("..") or not rel.endswith(".py"):
+        return None
+    parts = rel[:-3].split(os.sep)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    name = ".".join(parts)
+    return name if parts and _MODULE.match(name) else None
 
 
 def _role_problems(w: WorkerConfig, search: list[str]) -> list[tuple[str, str]]:

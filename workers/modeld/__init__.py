@@ -1,12 +1,15 @@
 """modeld: the control-domain model worker (no compiler visible, exec denied).
 
-    args: [--deadline-ms 50] [--status-ms 5000]
-          (development: --artifact DIR --pubkey FILE [--expect-name NAME] [--expect-version V])
+    args: [--deadline-ms 50] [--status-ms 5000] [--expect-version V]
+          (simulation only: --artifact DIR --pubkey FILE [--expect-name NAME])
 
 What it loads is config, not code: the supervisor passes the worker's ``[models.NAME]``
 trust record (artifact, public key, expected name, minimum version: an older signed
 artifact is refused, no rollback) and binds both files read-only. ``--artifact`` etc.
-are for running it by hand; with neither, it refuses to start.
+are for running it by hand or in a simulation: they are `SIMULATION_ONLY`, refused by
+`supervisor check`/`run` in a vehicle config and by the worker itself in a vehicle run
+(one door for models: a car runs only what a ``[models]`` table trusts). With no model
+at all it refuses to start; `NEEDS_MODEL` lets `supervisor check` say so first.
 
 Start-up, all before ``ctx.ready()`` (which installs the seccomp filter that denies
 exec): verify the signed artifact (`supervisor.model.load_verified`), configure tinygrad
@@ -46,6 +49,17 @@ from .engine import ENGINE_ABI, Engine, FrameRejected
 
 # The roles this worker's code asks for; `supervisor check` verifies the config binds them.
 ROLES = {"in": ("frames",), "out": ("model",)}
+# Arguments that point the worker at code or weights other than the config's [models.NAME]:
+# refused in a vehicle config by `supervisor check`/`run` (supervisor/config/_runtime.py,
+# also through a `command` worker that runs this module) and by main() in a vehicle run.
+SIMULATION_ONLY = {
+    "--artifact": "a model artifact no [models] table trusts",
+    "--pubkey": "a signing key no [models] table names",
+    "--expect-name": "names the model of a hand-given --artifact",
+}
+# Without `model = NAME` this worker exits 2 at every start (in control: a fail-safe after
+# its restarts); `supervisor check` refuses such a config instead (_runtime.py).
+NEEDS_MODEL = True
 
 ROOT = Path(__file__).resolve().parents[2]
 PING_S = 0.1
@@ -54,7 +68,7 @@ STATUS_S = 5.0
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="workers.modeld")
+    p = argparse.ArgumentParser(prog="workers.modeld", allow_abbrev=False)  # SIMULATION_ONLY matches exactly
     p.add_argument("--artifact", default=None, help="development: instead of the config's model")
     p.add_argument("--pubkey", default=None)
     p.add_argument("--deadline-ms", type=float, default=50.0)
@@ -166,6 +180,12 @@ class Modeld:
 
 
 def main(ctx: Any) -> int:
+    # Before parsing: in a vehicle run, an argument that names other code or weights is
+    # refused, whatever started the worker (a module or a `command` worker).
+    refused = ctx.simulation_only_problem(SIMULATION_ONLY, sys.argv[1:])
+    if refused:
+        ctx.log(refused)
+        return 2
     a = _args(sys.argv[1:])
     m = getattr(ctx, "model", None) or {}
     if a.artifact:     # by hand: the command line names what to trust
