@@ -4,7 +4,10 @@ sandbox's private /tmp: /proc/self/mem is opened for writing and closed at once.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import socket
 import sys
 
 import pytest
@@ -44,8 +47,11 @@ r = {}
 """
 
 
-def sandboxed(domain: str, body: str) -> dict:
-    r = run(policy_for_domain(domain), [sys.executable, "-c", PRELUDE + body + "\nprint(json.dumps(r))"],
+def sandboxed(domain: str, body: str, *, seccomp: bool = True) -> dict:
+    """`seccomp=False`: no launch filter, so that Landlock alone answers a call the
+    filter would kill first (connect, in every domain without a network)."""
+    policy = dataclasses.replace(policy_for_domain(domain), seccomp_at_launch=seccomp)
+    r = run(policy, [sys.executable, "-c", PRELUDE + body + "\nprint(json.dumps(r))"],
             timeout=30)
     assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-3000:])
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -113,9 +119,10 @@ r["proc_self_mem"] = attempt(lambda: open_w("/proc/self/mem"))
 
 @pytest.mark.skipif(ABI < 6, reason="scoping needs Landlock ABI 6 (Linux 6.12)")
 def test_abstract_unix_sockets_scoped():
-    # research: the strict launch filter kills connect() outright, so scoping is
-    # what stands between a research worker and abstract sockets it did not create.
-    r = sandboxed("research", r"""
+    # Seccomp kills connect() outright in every domain without a network (and the
+    # network namespace is private): without the filter, scoping alone must stand
+    # between a worker and abstract sockets it did not create.
+    r = sandboxed("research", seccomp=False, body=r"""
 srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 srv.bind("\0landlock-test"); srv.listen(4)   # created outside the Landlock domain
 def connect():
@@ -134,3 +141,48 @@ r["own"] = attempt(connect_own)
 """)
     assert r["pre"] == "ok" and r["own"] == "ok", r
     assert r["post"] == "EPERM" and r["kill_init"] == "EPERM", r
+
+
+def test_resolve_unix_is_handled_from_abi_9_and_granted_nowhere():
+    """Pathname unix sockets (LANDLOCK_ACCESS_FS_RESOLVE_UNIX, ABI 9, Linux 7.1): handled
+    where the kernel has it, so only sockets created inside the sandbox's own Landlock
+    domain can be reached; never part of what write_dirs grant (a writable bind may hold
+    a host service's socket). Below ABI 9 the ruleset must not mention it (EINVAL)."""
+    assert not landlock.handled_rights(8) & landlock.ACCESS_FS_RESOLVE_UNIX
+    assert landlock.handled_rights(9) & landlock.ACCESS_FS_RESOLVE_UNIX
+    for abi in (1, 7, 9, 10):
+        assert not landlock.write_rights(abi) & landlock.ACCESS_FS_RESOLVE_UNIX
+
+
+@pytest.mark.skipif(ABI < 9, reason=f"pathname unix sockets need Landlock ABI 9 (Linux 7.1); "
+                                     f"this kernel has ABI {ABI}")
+def test_pathname_unix_sockets_scoped(tmp_path):
+    """A host socket in a directory bound read-write into the sandbox: unreachable after
+    restrict() (EACCES) even beneath a write_dir; a socket the sandbox made: reachable.
+    Seccomp off, so that Landlock alone answers (seccomp would kill at connect)."""
+    os.chmod(tmp_path, 0o777)
+    host = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    host.bind(str(tmp_path / "host.sock"))
+    os.chmod(tmp_path / "host.sock", 0o777)
+    host.listen(4)
+    try:
+        policy = dataclasses.replace(policy_for_domain("research", extra_rw_binds=[str(tmp_path)]),
+                                     seccomp_at_launch=False)
+        body = f"""
+def connect(path):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+        c.connect(path)
+r["pre"] = attempt(lambda: connect("{tmp_path}/host.sock"))
+landlock.restrict(("/tmp", "{tmp_path}"))
+r["post"] = attempt(lambda: connect("{tmp_path}/host.sock"))
+own = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+own.bind("/tmp/own.sock"); own.listen(1)
+r["own"] = attempt(lambda: connect("/tmp/own.sock"))
+"""
+        r = run(policy, [sys.executable, "-c", PRELUDE + body + "\nprint(json.dumps(r))"],
+                timeout=30)
+        assert r.returncode == 0, (r.stdout, r.stderr[-2000:])
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out == {"pre": "ok", "post": "EACCES", "own": "ok"}, out
+    finally:
+        host.close()

@@ -242,7 +242,10 @@ NET_POLICIES = {
     "control": lambda: control(),
     "control-no-seccomp": lambda: control(seccomp_at_launch=False),
     "research-default": lambda: research(),
+    "research-no-seccomp": lambda: research(seccomp_at_launch=False),
 }
+# `network = false` kills at the call in every profile (seccomp._deny_outside).
+NET_KILLED = ("control", "research-default")
 
 
 @pytest.fixture
@@ -256,8 +259,8 @@ def tcp_listener():
 
 
 def _net_probe(name: str, attack: str, *args: object) -> dict | None:
-    """Control's seccomp kills the attempt (None); without it, the netns denies it."""
-    if name == "control":
+    """Seccomp kills the attempt (None); without it, the netns denies it."""
+    if name in NET_KILLED:
         probe_killed(NET_POLICIES[name](), attack, *args)
         return None
     out = probe(NET_POLICIES[name](), attack, *args)

@@ -6,7 +6,8 @@ patches executable pages without mprotect and so without the exec watch; other
 /proc files tune the process). Landlock refuses every write-class open or
 directory change outside `write_dirs`, whatever the mounts and permissions say.
 With ABI >= 6 it also scopes signals and abstract unix sockets to the sandbox's
-own Landlock domain: nothing outside it can be signalled or connected to.
+own Landlock domain: nothing outside it can be signalled or connected to; with
+ABI >= 9 pathname unix sockets too (RESOLVE_UNIX, below).
 
 Raw syscalls through ctypes (the numbers are the same on x86-64 and aarch64), so
 it needs neither pyseccomp nor a Landlock library. Reads stay unrestricted.
@@ -49,6 +50,15 @@ _FS_WRITE_BY_ABI = {
     2: 1 << 13,     # REFER
     3: 1 << 14,     # TRUNCATE
 }
+# ABI 9 (Linux 7.1): connect() and sendmsg() to a pathname unix socket. Handled and
+# granted nowhere: a sandbox then reaches only sockets created inside its own Landlock
+# domain, never a host service whose socket a bind made visible. Depth only: the
+# denial is EACCES, which a library may swallow, so the rule that reports (a seccomp
+# kill of connect / sendto with an address / datagram sockets in every domain without
+# a network, seccomp.py `_deny_outside`) stays; this also covers a domain with a
+# network. The kernel this project is measured on (6.18) has ABI 7.
+ACCESS_FS_RESOLVE_UNIX = 1 << 16
+_RESOLVE_UNIX_ABI = 9
 SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0
 SCOPE_SIGNAL = 1 << 1
 _SCOPE_ABI = 6
@@ -92,6 +102,12 @@ def write_rights(abi: int) -> int:
     return sum(bits for v, bits in _FS_WRITE_BY_ABI.items() if v <= abi)
 
 
+def handled_rights(abi: int) -> int:
+    """Everything the ruleset handles at this ABI: the write rights (granted beneath
+    write_dirs) plus RESOLVE_UNIX where the kernel has it (granted nowhere)."""
+    return write_rights(abi) | (ACCESS_FS_RESOLVE_UNIX if abi >= _RESOLVE_UNIX_ABI else 0)
+
+
 def restrict(write_dirs: Sequence[str] = ("/tmp", "/dev"), *, scope: bool = True) -> int:
     """Allow writes only beneath `write_dirs` for this process and its future children.
 
@@ -106,7 +122,8 @@ def restrict(write_dirs: Sequence[str] = ("/tmp", "/dev"), *, scope: bool = True
     if threads != 1:
         raise RuntimeError(f"landlock.restrict() needs a single-threaded process, found {threads} "
                            "threads: the others would stay unrestricted")
-    handled = write_rights(abi)
+    handled = handled_rights(abi)
+    granted = write_rights(abi)
     attr = _RulesetAttr(handled_access_fs=handled)
     size = ctypes.sizeof(ctypes.c_uint64)  # ABI 1-5 without net rules: the first field
     if abi >= _SCOPE_ABI and scope:
@@ -120,7 +137,7 @@ def restrict(write_dirs: Sequence[str] = ("/tmp", "/dev"), *, scope: bool = True
             except FileNotFoundError:
                 continue
             try:
-                rule = _PathBeneathAttr(allowed_access=handled, parent_fd=fd)
+                rule = _PathBeneathAttr(allowed_access=granted, parent_fd=fd)
                 _sys(_SYS_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(_RULE_PATH_BENEATH),
                      ctypes.byref(rule), ctypes.c_uint32(0))
             finally:

@@ -21,7 +21,8 @@ Denials kill. In a strict domain a forbidden call is an attack or a bug, and an
 EPERM that a library swallows would hide it, so they end the whole process
 (SECCOMP_RET_KILL_PROCESS, seen by the supervisor as SIGSYS). The research
 domain keeps EPERM for the generic list, but the calls that would let a channel
-reader make itself a writer (chmod/chown/xattr writes) kill there too. One
+reader make itself a writer (chmod/chown/xattr writes) kill there too, and so does
+everything `network = false` forbids, in every profile (`_deny_outside`). One
 exception: a new process after lock-down is refused with EPERM (PROCESS_DENY).
 
 Precedence across stacked filters is KILL > TRAP > ERRNO > USER_NOTIF > ALLOW:
@@ -221,22 +222,13 @@ def build_filter(domain: str, *, stage: str, network: bool = False) -> Any:
         _add(sc, flt, kill, "sched_setaffinity")
         # SysV shm attached executable = new executable memory without PROT_EXEC.
         _add(sc, flt, kill, "shmat", sc.Arg(2, sc.MASKED_EQ, _SHM_EXEC, _SHM_EXEC))
-        # An unconnected AF_UNIX datagram socket can sendto any socket path it
-        # can see (journald, a host daemon bound into the sandbox): none at all.
-        # Every type but stream and seqpacket (red team: SOCK_RAW is made a datagram
-        # socket by the kernel for AF_UNIX, and sendmsg's address is out of reach).
-        for kind in range(_SOCK_TYPE_MASK + 1):
-            if kind in _UNIX_CONNECTED:
-                continue
-            _add(sc, flt, kill, "socket", sc.Arg(0, sc.EQ, socket.AF_UNIX),
-                 sc.Arg(1, sc.MASKED_EQ, _SOCK_TYPE_MASK, kind))
-            _add(sc, flt, kill, "socketpair", sc.Arg(1, sc.MASKED_EQ, _SOCK_TYPE_MASK, kind))
-        if not network:
-            # Channels arrive as inherited fds and socketpairs; nothing legitimate
-            # opens another family, connects anywhere or sends to an address.
-            _add(sc, flt, kill, "socket", sc.Arg(0, sc.NE, socket.AF_UNIX))
-            _add(sc, flt, kill, "connect")
-            _add(sc, flt, kill, "sendto", sc.Arg(4, sc.NE, 0))
+        # A strict domain never has a network (policy.py refuses it), so the
+        # no-network rules below always apply; the datagram ban is kept for a
+        # hand-made strict filter with network=True too.
+        if network:
+            _deny_unix_datagrams(sc, flt, kill)
+    if not network:
+        _deny_outside(sc, flt, kill)
     if stage == "runtime":
         # The runtime filter is what `exec_after_start = false` means, whatever the
         # syscall class: a research domain tightened that way loses exec and new
@@ -248,6 +240,60 @@ def build_filter(domain: str, *, stage: str, network: bool = False) -> Any:
             _add(sc, flt, no_process, name)
         _add(sc, flt, no_process, "clone", sc.Arg(0, sc.MASKED_EQ, _CLONE_THREAD, 0))
     return flt
+
+
+def _deny_unix_datagrams(sc: Any, flt: Any, action: int) -> None:
+    """No AF_UNIX socket of a kind whose sendmsg honours an address.
+
+    An unconnected (or even a connected) AF_UNIX datagram socket can send to any
+    socket path it can see (journald, a host daemon whose directory is bound into
+    the sandbox) with sendmsg, whose msghdr is a pointer seccomp cannot read. Stream
+    sockets refuse an address in sendmsg (EOPNOTSUPP/EISCONN) and seqpacket ignores
+    it, so those two stay (channels, status and exec-watch sockets are both kinds).
+    Every other type number is refused, not just SOCK_DGRAM: the kernel makes
+    AF_UNIX SOCK_RAW a datagram socket (red team)."""
+    for kind in range(_SOCK_TYPE_MASK + 1):
+        if kind in _UNIX_CONNECTED:
+            continue
+        _add(sc, flt, action, "socket", sc.Arg(0, sc.EQ, socket.AF_UNIX),
+             sc.Arg(1, sc.MASKED_EQ, _SOCK_TYPE_MASK, kind))
+        _add(sc, flt, action, "socketpair", sc.Arg(1, sc.MASKED_EQ, _SOCK_TYPE_MASK, kind))
+
+
+def _deny_outside(sc: Any, flt: Any, action: int) -> None:
+    """`network = false`, in every profile: nothing outside the sandbox can be reached.
+
+    What can still reach out of a sandbox with its own empty network namespace is
+    a socket family that is not namespaced (AF_VSOCK to the hypervisor, some netlink
+    families, ...) and a pathname unix socket of the host that a bind made visible
+    (a service socket inside an `extra_ro_binds` directory: a read-only mount does
+    not stop connect). Abstract unix names are per network namespace and Landlock
+    scopes them as well (landlock.py). So:
+
+    * socket() of any family but AF_UNIX, and socketpair() of any family but
+      AF_UNIX (AF_TIPC has one), kill.
+    * connect() kills, whatever the address. Seccomp sees only the pointer, so it
+      cannot tell a host socket from one the sandbox made itself; nothing we run
+      connects inside its own sandbox (channels come as inherited fds and
+      socketpairs), and a kill is an exit event naming the worker, where an EPERM
+      or EACCES would be swallowed by a library without a trace. Landlock's
+      RESOLVE_UNIX right (ABI 9, Linux 7.1) could make the finer cut (allow
+      sockets created in the sandbox) but answers EACCES, unseen by the
+      supervisor, and this kernel line has ABI 7: landlock.py adds it as depth
+      where the kernel has it, this rule stays the one that reports.
+    * sendto() with an address kills (argument 4 is a plain register).
+    * sendmsg()/sendmmsg() with an address cannot be judged (the address is in a
+      msghdr behind a pointer): instead no socket that would honour one can
+      exist, i.e. no AF_UNIX datagram socket (`_deny_unix_datagrams`).
+    glibc tries nscd's socket for passwd/group/hosts look-ups: the policy sets
+    USER/LOGNAME/HOME so that Python never asks (policy.py), and research workers
+    (torch, datasets) start and run under this rule (tests/test_attacks_net.py).
+    """
+    _add(sc, flt, action, "socket", sc.Arg(0, sc.NE, socket.AF_UNIX))
+    _add(sc, flt, action, "socketpair", sc.Arg(0, sc.NE, socket.AF_UNIX))
+    _add(sc, flt, action, "connect")
+    _add(sc, flt, action, "sendto", sc.Arg(4, sc.NE, 0))
+    _deny_unix_datagrams(sc, flt, action)
 
 
 def launch_filter_fd(domain: str, network: bool = False) -> int:
