@@ -60,6 +60,7 @@ class WorkerContext:
     _writers: dict[str, Writer] = field(default_factory=dict)
     _readers: dict[str, Reader] = field(default_factory=dict)
     _locked: bool = False
+    _wx: str | None = None     # what lock_wx() locked ("wx mdwe=1 seccomp=1")
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> WorkerContext:
@@ -166,12 +167,26 @@ class WorkerContext:
         lock_down(self.isolation.seccomp, network=self.network, required=self.strict)
         self._locked = True
 
+    def lock_wx(self) -> str:
+        """W^X from READY on (exec_memory_after_ready = false): MDWE and a seccomp filter
+        that kills any request for new executable memory (sandbox/wx.py). Returns what
+        was locked, for the READY line; the supervisor checks it from outside."""
+        if self.isolation.exec_memory_after_ready:
+            return ""
+        if self._wx is None:
+            from supervisor.sandbox import wx
+
+            self._wx = wx.lock().line()
+        return self._wx
+
     def ready(self, status: str = "") -> None:
-        """Start-up is over: lock down (control) and tell the supervisor."""
+        """Start-up is over: lock down (control), lock W^X, and tell the supervisor."""
         self._activate()
         if self.strict:
             self.lock_down()
-        self._send(format_line("READY", status))
+        locked = self.lock_wx()
+        # First in the line: a long status is cut at the end (protocol.STATUS_MAX).
+        self._send(format_line("READY", f"[{locked}] {status}" if locked else status))
 
     def watchdog(self) -> None:
         self._send(format_line("WATCHDOG"))

@@ -9,6 +9,7 @@ import socket
 import trio
 
 from supervisor.admission.maps import task_exited
+from supervisor.sandbox.wx import filter_count, kernel_has_mdwe
 
 from ._run import WorkerRun
 
@@ -19,13 +20,40 @@ class _ExecWindow:
     def _strict(self, run: WorkerRun) -> bool:
         return self.sandboxed and run.watch_sock is not None
 
-    def _set_ready(self, run: WorkerRun, now: int) -> None:
+    def _set_ready(self, run: WorkerRun, now: int, **fields) -> None:
         run.ready_ns = now
         run.ready.set()
         self.log.emit("ready", worker=run.cfg.name, pid=run.pid,
                       start_to_ready_ms=round((now - run.started_ns) / 1e6, 3),
-                      exec_mappings_admitted=run.exec_allowed)
+                      exec_mappings_admitted=run.exec_allowed, **fields)
         self._make_realtime(run)
+
+    async def _verify_wx(self, run: WorkerRun, pid: int) -> dict | None:
+        """The W^X lock the worker says it took at READY (sandbox/wx.py), checked from
+        outside: its filter read back from every thread. The fields of the `ready` event,
+        or None once refused. MDWE has no outside view: the worker's word for it and
+        whether this kernel has it at all (`mdwe_kernel`: false means only the filter
+        holds) are reported, nothing more."""
+        from supervisor.sandbox import wx
+
+        said = wx.parse_line(run.status or "")
+        baseline = getattr(run.watch, "filters_at_listener", None)
+        try:
+            got = await trio.to_thread.run_sync(functools.partial(wx.verify, pid,
+                                                                  baseline=baseline))
+        except OSError as e:
+            if not task_exited(pid):           # gone: its exit is reported, with its cause
+                self._refuse(run, "wx_lock", f"READY, but its W^X lock cannot be checked: {e}")
+            return None
+        if not got.ok:
+            self._refuse(run, "wx_lock", f"READY without the W^X lock: {got.reason}",
+                         checked_by=got.how, worker_says=said or None)
+            return None
+        out = {"wx_lock": got.how, "wx_check_ms": round(got.ms, 3),
+               "mdwe": said.get("mdwe"), "mdwe_kernel": _kernel_has_mdwe()}
+        if got.reason:             # why the filter was only counted, not read back
+            out["wx_note"] = got.reason
+        return out
 
     def _close_exec_window(self, run: WorkerRun) -> bool:
         """READY ends start-up. For a control-grade worker the supervisor, not the
@@ -60,6 +88,9 @@ class _ExecWindow:
             self._refuse(run, "protocol", "READY, but no worker process (pid 2 of the "
                          "sandbox's pid namespace) to check")
             return
+        wx_fields = await self._verify_wx(run, pid)
+        if wx_fields is None:
+            return
         try:
             snap = await trio.to_thread.run_sync(maps.exec_snapshot, pid)
         except (maps.ProcessGone, OSError):   # gone between READY and now: its exit is reported
@@ -70,7 +101,7 @@ class _ExecWindow:
             return
         run.exec_snapshot = snap
         if not run.refused:
-            self._set_ready(run, now)
+            self._set_ready(run, now, **wx_fields)
         # A request answered just before READY may complete after the snapshot: one more
         # look shortly after, not only at the next periodic scan.
         await trio.sleep(0.1)
@@ -98,6 +129,14 @@ class _ExecWindow:
         if not fds:
             return
         run.watch = ExecWatch(fds[0], allow_anonymous_exec=run.cfg.jit_kernels)
+        # The filters the worker holds now (launch, runtime, exec watch): at READY the
+        # W^X filter must be among those added after these (_verify_wx).
+        pid = self._worker_pid(run)
+        if pid != run.pid or not self.sandboxed:
+            try:
+                run.watch.filters_at_listener = filter_count(pid)
+            except (OSError, ValueError):
+                pass
 
     async def _watch_exec(self, run: WorkerRun) -> None:
         """Judge every executable mapping the control worker asks for (seccomp user
@@ -135,6 +174,11 @@ class _ExecWindow:
                 self._refuse(run, "exec_memory", f"{rq.syscall}: {v.reason}",
                              syscall=rq.syscall, pid_in_host=rq.pid,
                              prot=rq.prot, target=rq.target)
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel_has_mdwe() -> bool:
+    return kernel_has_mdwe()
 
 
 _FIND_WORKER_S = 0.5   # how long a sandbox may show no worker before READY is refused

@@ -200,6 +200,8 @@ class ExecWatch:
         self.hung_up = False  # every filtered task is gone: stop polling this fd
         self.judge_budget_s = JUDGE_BUDGET_S
         self.judge_wall_s = JUDGE_WALL_S
+        # Seccomp_filters of the worker when its listener arrived (wx.verify's fallback).
+        self.filters_at_listener: int | None = None
 
     def fileno(self) -> int:
         return self._fd

@@ -1,0 +1,281 @@
+"""W^X that the kernel enforces from READY on (strict domains: exec_memory_after_ready = false).
+
+The exec watch (execwatch.py) judges requests for executable memory by seccomp user
+notification: a judgement in the supervisor, with a window between looking and the
+kernel acting. From READY on nothing may depend on such a judgement, so at READY the
+worker locks itself (`lock()`, called by WorkerContext.ready before the READY line is
+written):
+
+* `prctl(PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN)` (Linux >= 6.3): no mapping may become
+  executable that was not, and none may be writable and executable at once. It still
+  allows a fresh mmap(PROT_READ|PROT_EXEC) of a file, hence:
+* a plain seccomp filter, judged on register arguments only, that kills the process
+  (SECCOMP_RET_KILL_PROCESS: SIGSYS, an `exit` event with its cause) on mmap, mprotect
+  and pkey_mprotect with PROT_EXEC, and on memfd_create. KILL outranks USER_NOTIF in
+  stacked filters, so the exec watch never sees these calls again; it stays, refusing
+  everything after READY, as a second layer.
+
+Other doors to executable memory are shut already at launch (seccomp.py): shmat with
+SHM_EXEC, remap_file_pages, personality(READ_IMPLIES_EXEC), io_uring, execve. mremap
+can move or grow an executable mapping of an admitted file (never its content); the
+maps scan names that (new-exec-after-ready). Killing mremap would kill glibc's realloc.
+
+The supervisor does not take the worker's word for it (`verify()`): from outside it
+seizes every thread with ptrace, reads each thread's filters back
+(PTRACE_SECCOMP_GET_FILTER; the kernel keeps the program as loaded) and requires this
+exact program among them, on every thread, beyond the filters it counted when the exec
+watch arrived. Without ptrace access to the filters it falls back to the count in
+/proc/PID/task/*/status (Seccomp_filters) and says so. MDWE cannot be read from outside
+(no /proc field): the READY line's word for it is reported next to whether this kernel
+has MDWE at all (`kernel_has_mdwe`), never trusted for anything.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from .seccomp import _add, _Fileno, _pyseccomp, set_no_new_privs
+
+PR_SET_MDWE, PR_GET_MDWE = 65, 66
+PR_MDWE_REFUSE_EXEC_GAIN = 1
+_PROT_EXEC = 0x4
+KILLED = ("mmap", "mprotect", "pkey_mprotect")   # with PROT_EXEC in argument 2
+KILLED_ANY = ("memfd_create",)
+
+# ptrace(2) requests (x86-64 and aarch64 share them) and the status of a seized stop.
+_PTRACE_DETACH = 17
+_PTRACE_SEIZE, _PTRACE_INTERRUPT = 0x4206, 0x4207
+_PTRACE_SECCOMP_GET_FILTER = 0x420C
+_WALL = 0x40000000
+VERIFY_WALL_S = 0.5     # every thread must stop for the check within this
+_MAX_ROUNDS = 16        # thread-list re-reads while seizing (threads made meanwhile)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.prctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                        ctypes.c_ulong)
+_libc.ptrace.restype = ctypes.c_long
+_libc.ptrace.argtypes = (ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p)
+
+
+@dataclass(frozen=True)
+class Lock:
+    """What `lock()` put in place in this process."""
+
+    mdwe: bool
+    seccomp: bool
+
+    def line(self) -> str:
+        """For the READY line: what was locked (the supervisor checks what it can)."""
+        return f"wx mdwe={int(self.mdwe)} seccomp={int(self.seccomp)}"
+
+
+def build_filter() -> Any:
+    """The W^X filter: KILL_PROCESS on every request for new executable memory."""
+    sc = _pyseccomp()
+    flt = sc.SyscallFilter(sc.ALLOW)
+    flt.set_attr(sc.Attr.CTL_NNP, 1)
+    flt.set_attr(sc.Attr.ACT_BADARCH, sc.KILL_PROCESS)
+    flt.set_attr(sc.Attr.CTL_TSYNC, 1)      # every thread, or load() fails
+    for name in KILLED:
+        _add(sc, flt, sc.KILL_PROCESS, name, sc.Arg(2, sc.MASKED_EQ, _PROT_EXEC, _PROT_EXEC))
+    for name in KILLED_ANY:
+        _add(sc, flt, sc.KILL_PROCESS, name)
+    return flt
+
+
+@lru_cache(maxsize=1)
+def program() -> bytes:
+    """The classic BPF that `lock()` loads: what `verify()` looks for in the kernel."""
+    fd = os.memfd_create("wx-filter", os.MFD_CLOEXEC)
+    try:
+        build_filter().export_bpf(_Fileno(fd))
+        size = os.lseek(fd, 0, os.SEEK_CUR)
+        return os.pread(fd, size, 0)
+    finally:
+        os.close(fd)
+
+
+def kernel_has_mdwe() -> bool:
+    """PR_GET_MDWE answers (with this process's flags) on a kernel that has MDWE."""
+    return _libc.prctl(PR_GET_MDWE, 0, 0, 0, 0) >= 0
+
+
+def set_mdwe() -> bool:
+    """Refuse executable-memory gain in this process for good; False if the kernel lacks MDWE."""
+    if _libc.prctl(PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN, 0, 0, 0) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err == errno.EINVAL:     # no MDWE in this kernel (< 6.3): the filter still holds
+        return False
+    raise OSError(err, f"prctl(PR_SET_MDWE): {os.strerror(err)}")
+
+
+def lock() -> Lock:
+    """Lock this process: MDWE where the kernel has it, then the W^X filter on every
+    thread. Irreversible. Raises (never runs unlocked) if the filter cannot be loaded."""
+    mdwe = set_mdwe()
+    set_no_new_privs()
+    build_filter().load()
+    return Lock(mdwe=mdwe, seccomp=True)
+
+
+def parse_line(text: str) -> dict[str, bool]:
+    """The worker's word in its READY status ("wx mdwe=1 seccomp=1"), {} if absent."""
+    at = text.find("wx mdwe=")
+    if at < 0:
+        return {}
+    out: dict[str, bool] = {}
+    for word in text[at + 3:].split()[:2]:
+        key, _, val = word.partition("=")
+        if key in ("mdwe", "seccomp") and val in ("0", "1"):
+            out[key] = val == "1"
+    return out
+
+
+# -- the supervisor's check ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Verified:
+    ok: bool
+    how: str                # "ptrace" (programs read back) | "count" (Seccomp_filters only)
+    reason: str = ""        # why not, naming the thread
+    threads: int = 0
+    ms: float = 0.0
+
+
+def filter_count(pid: int, tid: int | None = None) -> int:
+    """Seccomp_filters of a thread (the process's main thread by default)."""
+    path = f"/proc/{pid}/status" if tid is None else f"/proc/{pid}/task/{tid}/status"
+    with open(path) as f:
+        for ln in f:
+            if ln.startswith("Seccomp_filters:"):
+                return int(ln.split()[1])
+    raise OSError(errno.ENOSYS, "no Seccomp_filters in /proc status")
+
+
+def _tids(pid: int) -> list[int]:
+    return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+
+
+def _filters_of(tid: int, first: int, count: int, want: bytes) -> bool:
+    """Is `want` one of filters first..count-1 of seized, stopped thread `tid`? (Index 0
+    is the oldest filter: those the launch and the runner installed come first.)"""
+    buf = ctypes.create_string_buffer(len(want))
+    for index in range(first, count):
+        n = _libc.ptrace(_PTRACE_SECCOMP_GET_FILTER, tid, ctypes.c_void_p(index), None)
+        if n < 0:
+            raise OSError(ctypes.get_errno(), f"PTRACE_SECCOMP_GET_FILTER {tid}/{index}")
+        if n * 8 != len(want):
+            continue
+        if _libc.ptrace(_PTRACE_SECCOMP_GET_FILTER, tid, ctypes.c_void_p(index), buf) < 0:
+            raise OSError(ctypes.get_errno(), f"PTRACE_SECCOMP_GET_FILTER {tid}/{index}")
+        if buf.raw == want:
+            return True
+    return False
+
+
+def _wait_stopped(tid: int, deadline: float) -> bool:
+    while True:
+        try:
+            got, _status = os.waitpid(tid, os.WNOHANG | _WALL)
+        except ChildProcessError:
+            return False          # gone
+        if got == tid:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0002)
+
+
+def verify(pid: int, *, baseline: int | None, wall_s: float = VERIFY_WALL_S) -> Verified:
+    """Does every thread of `pid` hold the W^X filter? Read back by ptrace where the
+    kernel allows; else (count only) every thread must hold more than the `baseline`
+    filters counted when the exec watch arrived (None: unknown, refused). Run in one OS
+    thread (ptrace requests must come from the thread that seized). Threads are stopped
+    only for the read and let go after; a thread that is exiting is not asked."""
+    t0 = time.monotonic()
+    want = program()
+    seized: list[int] = []
+
+    def result(ok: bool, reason: str = "") -> Verified:
+        return Verified(ok, "ptrace", reason, len(seized), (time.monotonic() - t0) * 1e3)
+
+    try:
+        for _ in range(_MAX_ROUNDS):
+            fresh = [t for t in _tids(pid) if t not in seized and not _gone(pid, t)]
+            if not fresh:
+                break
+            for tid in fresh:
+                if _libc.ptrace(_PTRACE_SEIZE, tid, None, None) == 0:
+                    seized.append(tid)
+                    _libc.ptrace(_PTRACE_INTERRUPT, tid, None, None)
+                    continue
+                err = ctypes.get_errno()
+                if err == errno.ESRCH or _gone(pid, tid):
+                    continue                     # exited meanwhile
+                if not seized and err in (errno.EPERM, errno.EACCES):
+                    return _by_count(pid, baseline, t0, f"ptrace: {os.strerror(err)}")
+                return result(False, f"thread {tid} cannot be checked: {os.strerror(err)}")
+        else:
+            return result(False, f"threads kept appearing ({len(seized)} seized)")
+        deadline = t0 + wall_s
+        checked = 0
+        for tid in seized:
+            if not _wait_stopped(tid, deadline):
+                if _gone(pid, tid):
+                    continue
+                return result(False, f"thread {tid} did not stop within {wall_s * 1e3:g} ms "
+                              "to be checked")
+            # Any filter may be the one: only the W^X program itself matches, and a
+            # filter, once loaded, stays (the baseline matters only to the count).
+            count = filter_count(pid, tid)
+            try:
+                found = _filters_of(tid, 0, count, want)
+            except OSError as e:
+                if checked == 0 and e.errno in (errno.EINVAL, errno.EACCES, errno.EIO):
+                    return _by_count(pid, baseline, t0, f"no filter read-back: {e}")
+                if _gone(pid, tid):
+                    continue
+                raise
+            if not found:
+                return result(False, f"thread {tid} has {count} seccomp filter(s), none of "
+                              "them the W^X filter")
+            checked += 1
+        return result(True)
+    finally:
+        for tid in seized:
+            _libc.ptrace(_PTRACE_DETACH, tid, None, None)
+
+
+def _gone(pid: int, tid: int) -> bool:
+    """The thread has exited (a zombie, or no longer listed)."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return True
+    return data[data.rindex(b")") + 2:data.rindex(b")") + 3] in (b"Z", b"X")
+
+
+def _by_count(pid: int, baseline: int | None, t0: float, why: str) -> Verified:
+    """No filter read-back here: every thread must at least have more filters than before."""
+    tids = _tids(pid)
+    if baseline is None:
+        return Verified(False, "count", f"no filter count from before READY to compare ({why})",
+                        len(tids), (time.monotonic() - t0) * 1e3)
+    for tid in tids:
+        try:
+            count = filter_count(pid, tid)
+        except FileNotFoundError:
+            continue
+        if count <= baseline:
+            return Verified(False, "count", f"thread {tid} has {count} seccomp filters, no more "
+                            f"than the {baseline} it had before READY ({why})", len(tids),
+                            (time.monotonic() - t0) * 1e3)
+    return Verified(True, "count", why, len(tids), (time.monotonic() - t0) * 1e3)
