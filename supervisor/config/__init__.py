@@ -16,6 +16,8 @@ Safety rules checked here, besides types and references:
 * publisher -> subscriber dependencies form no cycle, so ``Config.start_order()`` exists;
 * a required worker does not depend on an optional one (admission may refuse that one);
 * a module worker's ``memory_max`` can host the interpreter (`MIN_WORKER_MEMORY`);
+* every worker has a ``memory_max`` and a ``pids_max``: its own, its domain's, or its
+  profile's (`PROFILE_LIMITS`), never unset after loading;
 * all channels' shared memory fits ``[supervisor] shm_budget``.
 
 What depends on the machine rather than the file is checked by `check_runtime(cfg)`
@@ -36,7 +38,7 @@ from supervisor.ipc.spec import DTYPES, KINDS, PIXEL_FORMATS, ChannelSpec
 from ._derive import default_doc, derive, dumps
 from ._loader import load, loads
 from ._model import (CONTROL, DEFAULT_SHM_BUDGET, DEFAULT_SOURCE, MIN_WORKER_MEMORY,
-                     PROFILES, PROJECT_ROOT, RESEARCH, SIMULATION, VEHICLE, ChannelConfig, Config, ConfigFileError,
+                     PROFILE_LIMITS, PROFILES, PROJECT_ROOT, RESEARCH, SIMULATION, VEHICLE, ChannelConfig, Config, ConfigFileError,
                      DomainConfig, ModelConfig, Problem, SupervisorConfig, WorkerConfig)
 from ._rules import channel_shm_bytes
 from ._runtime import check_runtime
@@ -44,7 +46,7 @@ from ._values import format_size, parse_size
 
 __all__ = [
     "CONTROL", "DEFAULT_SHM_BUDGET", "DEFAULT_SOURCE", "DTYPES", "KINDS", "MIN_WORKER_MEMORY",
-    "PIXEL_FORMATS", "PROFILES", "PROJECT_ROOT", "RESEARCH", "SIMULATION", "VEHICLE", "ChannelConfig", "ChannelSpec",
+    "PIXEL_FORMATS", "PROFILE_LIMITS", "PROFILES", "PROJECT_ROOT", "RESEARCH", "SIMULATION", "VEHICLE", "ChannelConfig", "ChannelSpec",
     "Config", "ConfigError", "ConfigFileError", "DomainConfig", "ModelConfig", "Problem", "SupervisorConfig",
     "WorkerConfig", "channel_shm_bytes", "check_runtime", "default_doc", "derive", "dumps", "format_size", "load", "loads",
     "parse_size",

@@ -17,7 +17,8 @@ from supervisor.ipc.spec import DTYPES, KINDS, PIXEL_FORMATS, ChannelSpec
 from supervisor.sandbox.sched import MAX_BUDGET_PCT, MAX_PRIORITY
 
 from . import _rules
-from ._model import (CONTROL, DEFAULT_SOURCE, MIN_WORKER_MEMORY, PROFILE_DEFAULTS, PROFILES,
+from ._model import (CONTROL, DEFAULT_SOURCE, MIN_WORKER_MEMORY, PROFILE_DEFAULTS, PROFILE_LIMITS,
+                     PROFILES,
                      PROJECT_ROOT,
                      RESEARCH, SIMULATION, VEHICLE,
                      ChannelConfig, Config, ConfigFileError, DomainConfig, ModelConfig, Problem,
@@ -66,6 +67,8 @@ _DOMAIN_KEYS: dict[str, Callable[[Any], Any]] = {
     "refuse_torch": _bool,
     "exec_memory_after_ready": _bool,
     "seccomp": _choice(CONTROL, RESEARCH),
+    "memory_max": _size(1 << 20, 1 << 50),
+    "pids_max": _int(8, 1 << 22),
 }
 _MODEL_KEYS: dict[str, Callable[[Any], Any]] = {
     "artifact": _rel_path,
@@ -231,7 +234,7 @@ class _Loader:
                   for n, t in self.section(doc, "models").items()}
         _rules.check_binds(self.add, domains, models,
                            supervisor.state_dir, PROJECT_ROOT)
-        workers = {n: self.worker(n, t, domain_tables, channel_tables)
+        workers = {n: self.worker(n, t, domain_tables, channel_tables, domains)
                    for n, t in worker_tables.items()}
         for w in workers.values():
             if w.model is not None and w.model not in models:
@@ -296,6 +299,9 @@ class _Loader:
                 # Control may only tighten, and its defaults are already the tightest.
                 self.add(f"{path}.{key}", f"a {CONTROL!r}-profile domain {_CONTROL_MUST[key]} "
                          f"({key} = {_toml(default)})")
+        for key, default in PROFILE_LIMITS[profile].items():
+            if values[key] is None:
+                values[key] = default
         if values["extra_rw_binds"] and profile == CONTROL:
             self.add(f"{path}.extra_rw_binds", f"a {CONTROL!r}-profile domain has no writable "
                      "binds: it writes only its channels")
@@ -303,7 +309,8 @@ class _Loader:
 
     # -- workers
 
-    def worker(self, name: str, table: dict, domains: dict, channels: dict) -> WorkerConfig:
+    def worker(self, name: str, table: dict, domains: dict, channels: dict,
+               domains_cfg: dict[str, DomainConfig]) -> WorkerConfig:
         path = _key("workers", name)
         values, _ = self.fields(path, table, _schema_of(WorkerConfig, _WORKER_KEYS))
         roles: dict[str, str] = {}
@@ -316,6 +323,11 @@ class _Loader:
                 roles.setdefault(role, ch)
             values[key] = tuple(ch for _, ch in pairs)
         values["roles"] = tuple(roles.items())
+        # Limits the worker leaves out are its domain's (from the profile): never unset.
+        d = domains_cfg.get(values["domain"] or "")
+        inherited = [k for k in PROFILE_LIMITS[CONTROL] if values[k] is None]
+        for key in inherited:
+            values[key] = getattr(d, key) if d is not None else PROFILE_LIMITS[CONTROL][key]
         w = WorkerConfig(name, **{k: v for k, v in values.items() if k != "domain"},
                          domain=values["domain"] or "")
 
@@ -330,8 +342,10 @@ class _Loader:
         elif "module" not in table and "command" not in table:
             self.add(path, "set exactly one of module (run as python -m) or command (an argv array)")
         if w.module and w.memory_max is not None and w.memory_max < MIN_WORKER_MEMORY:
-            self.add(f"{path}.memory_max", f"{format_size(w.memory_max)} cannot host the "
-                     f"interpreter (minimum {format_size(MIN_WORKER_MEMORY)})")
+            whose = (f" (domain {w.domain!r}'s memory_max, which it inherits)"
+                     if "memory_max" in inherited else "")
+            self.add(f"{path}.memory_max", f"{format_size(w.memory_max)}{whose} cannot host "
+                     f"the interpreter (minimum {format_size(MIN_WORKER_MEMORY)})")
         if w.backoff_max_ms < w.backoff_initial_ms:
             self.add(f"{path}.backoff_max_ms", f"{w.backoff_max_ms} is below "
                      f"backoff_initial_ms ({w.backoff_initial_ms})")

@@ -142,6 +142,10 @@ class DomainConfig:
     exec_memory_after_ready: bool | None = None
     # Syscall filter class: "control" (denials kill) or "research" (EPERM for most).
     seccomp: str = ""
+    # -- the default cgroup limits of its workers (a worker's own key wins); None = the
+    # profile's (`PROFILE_LIMITS`, resolved by the loader: never None after load()).
+    memory_max: int | None = None      # bytes
+    pids_max: int | None = None        # processes + threads
 
     def isolation(self) -> Isolation:
         """The knobs the runner enforces inside each sandbox of this domain."""
@@ -158,6 +162,34 @@ PROFILE_DEFAULTS: dict[str, dict[str, object]] = {
     profile: {**extra, **dataclasses.asdict(Isolation.for_profile(profile))}
     for profile, extra in ((CONTROL, {"network": False, "hide_compilers": True}),
                            (RESEARCH, {"hide_compilers": False}))
+}
+
+
+# Each profile's default cgroup limits for a worker that sets none (the domain's
+# ``memory_max`` / ``pids_max`` keys override them for all its workers; a worker's own
+# keys override both). A default is a backstop against a runaway worker, not a sizing:
+# control workers differ too much (camerad ~50 MiB, modeld with a real model GiBs), so
+# each control worker should say what it needs; without a limit at all, one worker could
+# take the vehicle's memory or pids from every other (issue 21: a research worker with
+# no memory_max wrote 3 GiB).
+#
+# memory_max (bytes, the cgroup's: heap, page cache, shared memory it writes, tmpfs):
+# * control 1 GiB. Measured here (VmHWM, CPython 3.11): a module worker with numpy and
+#   capnp 35 MiB; modeld with the signed demo model after 5 frames 156 MiB. Without
+#   cgroups the limit falls back to RLIMIT_DATA, which counts every thread's stack and
+#   malloc arena: there `import numpy` with OpenBLAS's thread per core hung at 512 MiB on
+#   a 16-core machine and took 0.23 s at 1 GiB (../shared/NOTES.md). So 1 GiB, not less.
+# * research 2 GiB. `import torch` (CPU) alone is 217 MiB RSS here; a shadow model's
+#   weights and activations get the remaining ~1.8 GiB. A bigger research model says so
+#   (the default config's research worker: 8 GiB); the 3 GiB write stops at 2 GiB.
+# pids_max (processes + threads; a fork or thread storm stops here):
+# * control 64: the interpreter, numpy's BLAS pool (one thread per core) and the
+#   worker's own few threads; control may not fork after start anyway.
+# * research 256: torch's intra-op and inter-op pools (one thread per core each) plus
+#   OpenMP's, on machines of up to ~64 cores.
+PROFILE_LIMITS: dict[str, dict[str, int]] = {
+    CONTROL: {"memory_max": 1 * 2**30, "pids_max": 64},
+    RESEARCH: {"memory_max": 2 * 2**30, "pids_max": 256},
 }
 
 
@@ -190,6 +222,8 @@ class WorkerConfig:
     ready_timeout_ms: int = 5000
     optional: bool = False                  # if admission refuses it, the rest still starts
     # cgroup limits of the worker's sandbox (v2, or v1 memory/pids/cpu controllers):
+    # None in the file: the domain's default (DomainConfig.memory_max / pids_max, from the
+    # profile's PROFILE_LIMITS); never None after load(), so what is enforced is visible.
     memory_max: int | None = None           # bytes: heap, page cache, shared memory and tmpfs
     cpu_quota: float | None = None          # percent of one CPU (200 = two CPUs)
     # Share of the CPUs under contention (cgroup cpu.weight 1..10000); None: the
@@ -207,7 +241,7 @@ class WorkerConfig:
     # wake-up (supervisor/ipc/_cadence.py): at most 2x this of CPU per message. 0: off.
     # Each window begins with a rehearsal of the last message's path (Reader.rehearse).
     busy_poll_us: int = 0
-    pids_max: int | None = 64               # processes + threads (a fork storm stops here)
+    pids_max: int | None = None             # processes + threads (a fork storm stops here)
     # Control-grade domains: may the worker create anonymous executable memory before
     # READY (modeld: tinygrad maps the signed artifact's kernels)? Never after READY.
     jit_kernels: bool = False
