@@ -179,6 +179,9 @@ def test_a_truncated_log_replays_in_real_time_with_the_loss_reported(work, recor
             cwd=work)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "input log: dropped 3 partial record(s) at the end" in r.stdout
+    # The cut took the closing summary, and two frames' pixels: both are loss.
+    assert "the log was never closed" in r.stdout
+    assert f"2 of {whole} frames have no video" in r.stdout
     s = json.loads((work / "run-cut" / "summary.json").read_text())
     assert s["frames"]["in_log"] == whole - 2 == s["frames"]["replayed"]
     assert s["input_log_loss"]["partial_records"] == 3
@@ -329,3 +332,23 @@ def test_a_recorders_tampering_with_its_log_is_refused_in_one_line(work, recorde
         assert r.returncode not in (0, 6) and "Traceback" not in r.stderr, r.stderr[-2000:]
         assert any(says in line for line in err), (name, err)
         assert not (work / f"run-{name}" / "summary.json").exists()
+
+
+def test_a_failed_replay_names_the_worker_and_the_event(work, recorded):
+    """A config whose frame slots are too small for the log's frames: camerad fails on
+    its first frame. The replay says which worker, which event and the worker's own last
+    words, in one line on stderr (and in summary.json), not just "no run log"."""
+    import tomllib
+
+    doc = tomllib.loads(config(work / "small-slots.toml").read_text())
+    doc["channels"]["road_frames"]["slot_size"] = "64KiB"
+    (work / "small-slots.toml").write_text(dumps(doc))
+    r = cli("replay", str(recorded), "--config", str(work / "small-slots.toml"), "--out",
+            str(work / "run-small-slots"), "--no-progress", cwd=work)
+    assert r.returncode == 7, r.stdout + r.stderr[-3000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("supervisor replay: event 'exit': camerad exited with code 1"), line
+    assert "slot holds 65536 bytes" in line and "fail_safe" in line, line
+    assert "Traceback" not in line
+    s = json.loads((work / "run-small-slots" / "summary.json").read_text())
+    assert s["exit_code"] == 7 and s["error"] == line.removeprefix("supervisor replay: ")

@@ -291,3 +291,35 @@ def test_progress_bar_follows_the_run_log_while_it_is_written(tmp_path):
     quiet = io.StringIO()                             # not a terminal: no bar at all
     _Progress(tmp_path / "log" / MESSAGES, 10, "model_out", out=quiet).tick()
     assert quiet.getvalue() == ""
+
+
+# `python -m supervisor.cli` as it runs where the 'replay' extra is not installed: the
+# import system finds no `av` (PyAV), whatever site-packages holds.
+_NO_AV = """
+import runpy, sys
+class NoAv:
+    def find_spec(self, name, path=None, target=None):
+        if name == "av" or name.startswith("av."):
+            raise ModuleNotFoundError("No module named 'av'", name="av")
+        return None
+sys.meta_path.insert(0, NoAv())
+sys.argv = ["supervisor"] + sys.argv[1:]
+runpy.run_module("supervisor.cli", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("args", [["replay", "{log}", "--out", "{tmp}/run"],
+                                  ["record", "{tmp}/new", "--seconds", "1"]])
+def test_without_the_replay_extra_is_one_line_naming_it(tmp_path, args):
+    from supervisor.config import default_doc, dumps
+
+    write_log(tmp_path / "log", n=2, video="h264")
+    (tmp_path / "log" / "source.toml").write_text(dumps(default_doc()))
+    (tmp_path / "empty").mkdir()
+    fill = {"tmp": str(tmp_path / "empty"), "log": str(tmp_path / "log")}
+    r = subprocess.run([sys.executable, "-c", _NO_AV, *[a.format(**fill) for a in args]],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "needs PyAV, which is not installed: pip install 'supervisor[replay]'" in r.stderr
+    assert not (tmp_path / "empty" / "run").exists()

@@ -1,7 +1,15 @@
 """The ``record`` and ``replay`` subcommands (supervisor/cli.py parses, this runs).
 
 Bad input (a missing log, an unusable config, a bad --tol) is one line on stderr and
-exit 2, never a traceback.
+exit 2, never a traceback. Exit status of both commands:
+
+    0  done (replay: within tolerance of --ref, when given)
+    1  internal error (a bug: one line naming the exception and where)
+    2  bad input: the log, the config, an argument; a missing optional extra
+    3-5  the supervisor's own (supervisor/exits.py): refused, fail-safe, start failed
+    6  replay --ref: differs (outside tolerance)
+    7  replay: incomplete (did not get through the log; the cause is named)
+    8  a drive log could not be written (disk full, I/O error): one line says where
 """
 from __future__ import annotations
 
@@ -63,6 +71,16 @@ def _fail(prog: str, msg: str, code: int = int(Exit.CONFIG)) -> int:
 
 
 def _internal(prog: str, e: BaseException) -> int:
+    """One line for what was not foreseen: a missing optional module names its extra, a
+    full disk says so (exit 8), anything else is a bug and says where."""
+    from .logfmt import REPLAY_EXTRA, is_no_space
+    from .record import WRITE_FAILED
+
+    if isinstance(e, ModuleNotFoundError) and e.name in ("av", "matplotlib"):
+        return _fail(prog, f"needs {e.name}, which is not installed: {REPLAY_EXTRA}")
+    if is_no_space(e):
+        return _fail(prog, f"disk full: {getattr(e, 'filename', None) or ''}: {e.strerror}",
+                     WRITE_FAILED)
     where = traceback.extract_tb(e.__traceback__)[-1]
     print(f"supervisor {prog}: internal error: {type(e).__name__}: {e} "
           f"({where.filename}:{where.lineno})", file=sys.stderr)
@@ -76,10 +94,12 @@ def cmd_record(args: argparse.Namespace) -> int:
         rec = record(args.out, config=args.config, seconds=args.seconds, video=args.video,
                      echo=None if args.quiet else sys.stderr, recorder_args=args.recorder_arg)
     except RecordError as e:
-        return _fail("record", str(e))
+        return _fail("record", str(e), e.code)
     except Exception as e:
         return _internal("record", e)
     print(rec.text())
+    if rec.fault:
+        _fail("record", rec.fault)
     return rec.exit_code
 
 
@@ -140,6 +160,8 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
         return _fail("replay", str(e))
     s = res.summary
     code = res.exit_code
+    if s.get("error"):               # why it failed, in one line, where errors go
+        _fail("replay", s["error"])
     if ref is not None and s.get("frames"):
         run = DriveLog.open(Path(res.run_dir) / "log")
         payloads = _payloads(res.run_dir)
@@ -172,8 +194,6 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
 
 
 def print_summary(s: dict) -> None:
-    if "error" in s:
-        print(f"replay failed: {s['error']}")
     f = s.get("frames", {})
     lat = s.get("model_latency_ms", {})
     fmt = (lambda v: "-" if v is None else f"{v:.2f}")

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import queue
@@ -177,8 +178,11 @@ class LogWriter:
                 n = v.count
                 v.write(frame_id, capture_ts_ns, planes[0], planes[1])
             else:
-                if self._encoder.error is not None:
-                    raise OSError(f"video encoder: {self._encoder.error}")
+                err = self._encoder.error
+                if err is not None:          # (a full disk keeps its errno: see is_no_space)
+                    raise OSError(getattr(err, "errno", None) or errno.EIO,
+                                  f"video encoder: {getattr(err, 'strerror', None) or err}",
+                                  getattr(err, "filename", None))
                 y, uv = planes
                 # One thread writes each video in submission order: indices are exact.
                 if self._encoder.submit(lambda: v.write(frame_id, capture_ts_ns, y, uv)):
@@ -215,13 +219,18 @@ class LogWriter:
                                                   event=json.dumps(record, default=str)))
 
     def close(self, summary: dict[str, Any] | None = None) -> None:
-        if self._encoder is not None:
-            self._encoder.close()            # what is queued is written first
-        self.stream.write_entry(Entry.new_message(monoNs=time.monotonic_ns(),
-                                                  stop=json.dumps(summary or {})))
-        self.stream.close()
-        for v in self.videos.values():
-            v.close()
+        """Write the closing summary and close every file. Every descriptor is closed
+        even when writing fails (a full disk): the error is raised after."""
+        try:
+            if self._encoder is not None:
+                self._encoder.close()            # what is queued is written first
+                self._encoder = None
+            self.stream.write_entry(Entry.new_message(monoNs=time.monotonic_ns(),
+                                                      stop=json.dumps(summary or {})))
+        finally:
+            self.stream.close()
+            for v in self.videos.values():
+                v.close()
 
 
 @dataclass
@@ -301,15 +310,30 @@ class DriveLog:
         return sorted(p.stem for p in self.path.glob("*.video"))
 
     def full_loss(self) -> Loss:
-        """Stream loss plus every video's."""
+        """Stream loss plus every video's, whether the recorder closed the log, and the
+        frames whose pixels are not in their video (a log that says "nothing lost" can
+        be replayed whole)."""
         total = Loss()
         total.add(self.loss)
+        total.not_closed = not self.closed
+        indexed: dict[str, int] = {}
         for ch in self.video_channels():
             try:
-                total.add(self.video(ch).loss)
+                v = self.video(ch)
             except LogError as e:
                 total.corrupt_records += 1
                 total.problems.append(str(e))
+                continue
+            total.add(v.loss)
+            indexed[ch] = len(v)
+            v.close()
+        if self.info.get("video") == "none":       # a replay's own log: metadata only
+            return total
+        for ch, frames in self.frames.items():
+            nv12 = [f for f in frames if f.pixel_format == "nv12"]
+            total.frames += len(nv12)
+            total.frames_skipped += sum(f.video_index < 0 for f in nv12)
+            total.frames_unwritten += sum(f.video_index >= indexed.get(ch, 0) for f in nv12)
         return total
 
     @property

@@ -48,9 +48,24 @@ class _Tee(io.TextIOBase):
 @dataclass
 class RunOutcome:
     exit_code: int
-    reason: str               # "until" (got what it came for), "timeout", "supervisor"
+    # "until" (got what it came for), "timeout", "supervisor" (it ended by itself),
+    # "recorder_fault" (the recorder could not write its log: `fault`)
+    reason: str
     wall_s: float
     events: list[dict[str, Any]] = field(default_factory=list)
+    fault: dict[str, Any] | None = None     # the recorder's `log` event with its fault
+
+
+def recorder_fault(events: list[dict[str, Any]], start: int = 0) -> dict[str, Any] | None:
+    """The recorder's record that it stopped writing (a full disk, an I/O error), if any
+    (see workers/recorder: ``fault`` in the record's data)."""
+    from .derive import RECORDER
+
+    for e in events[start:]:
+        if (e.get("event") == "log" and e.get("worker") == RECORDER
+                and isinstance(e.get("data"), dict) and e["data"].get("fault")):
+            return e
+    return None
 
 
 def host_user_of_research() -> tuple[int, int] | None:
@@ -72,14 +87,20 @@ def run_supervised(cfg, lifecycle_dir: str | None, *, until: Callable[[EventLog]
                    tick: Callable[[EventLog], None] | None = None) -> RunOutcome:
     from supervisor.lifecycle import Supervisor
 
-    lifecycle = (LogWriter(lifecycle_dir, [], writer="supervisor")
-                 if lifecycle_dir is not None else None)
+    lifecycle = None
+    if lifecycle_dir is not None:
+        try:
+            lifecycle = LogWriter(lifecycle_dir, [], writer="supervisor")
+        except OSError:
+            pass    # (a full disk) the run goes on without its lifecycle log; the recorder says why
     log = EventLog(stream=_Tee(echo, lifecycle), keep=True)
     sup = Supervisor(cfg, log=log, status_out=None)
     reason = "timeout"
+    fault: dict[str, Any] | None = None
+    seen = 0
 
     async def main() -> float:
-        nonlocal reason
+        nonlocal reason, fault, seen
         start = trio.current_time()
         async with trio.open_nursery() as n:
             async def run_it() -> None:
@@ -98,10 +119,20 @@ def run_supervised(cfg, lifecycle_dir: str | None, *, until: Callable[[EventLog]
                     if until is not None and until(log):
                         reason = "until"
                         break
+                    # The recorder cannot write: nothing more will be recorded, stop now
+                    # (in order, the control domain untouched) and say why.
+                    fault = recorder_fault(log.events, seen)
+                    seen = len(log.events)
+                    if fault is not None:
+                        reason = "recorder_fault"
+                        break
             n.cancel_scope.cancel()
         return trio.current_time() - start
 
     wall = trio.run(main)
     if lifecycle is not None:
-        lifecycle.close({"exit_code": int(sup.exit_code)})
-    return RunOutcome(int(sup.exit_code), reason, wall, log.events)
+        try:
+            lifecycle.close({"exit_code": int(sup.exit_code)})
+        except OSError:
+            pass            # a full disk: the lifecycle log reads as not closed
+    return RunOutcome(int(sup.exit_code), reason, wall, log.events, fault)

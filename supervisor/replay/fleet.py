@@ -150,8 +150,8 @@ def run_ray(logs: list[str], out: str, address: str, extra: list[str], timeout_s
     try:
         import ray
     except ImportError:
-        raise FleetError("--ray needs the 'fleet' extra (pip install "
-                         "'trio-supervisor[fleet]')") from None
+        raise FleetError("--ray needs the 'fleet' extra: pip install "
+                         "'supervisor[fleet]' (from a checkout: pip install '.[fleet]')") from None
     started = not ray.is_initialized()
     if started:
         kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}

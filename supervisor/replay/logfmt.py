@@ -59,6 +59,43 @@ class LogError(Exception):
     """A log (or one of its files) cannot be used at all."""
 
 
+# A write that failed for lack of room (the disk, the user's quota, the file size limit):
+# the recorder stops writing, says so in one line and leaves the log whole up to there.
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+# What to install for H.264 video and clips (pyproject's optional dependencies).
+REPLAY_EXTRA = "pip install 'supervisor[replay]' (from a checkout: pip install '.[replay]')"
+
+
+def need_av(what: str) -> None:
+    """PyAV, or one line saying which extra brings it (never a ModuleNotFoundError)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("av") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise LogError(f"{what} needs PyAV, which is not installed: {REPLAY_EXTRA}")
+
+
+def is_no_space(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in NO_SPACE_ERRNOS
+
+
+def _write_all(fd: int, data: bytes, what: str) -> None:
+    """One write(2) of ``data``; a short write (the disk filled up in the middle) is cut
+    back off the file, so a full disk leaves whole records and never half of one, and is
+    raised as ENOSPC."""
+    n = os.write(fd, data)
+    if n != len(data):
+        end = os.fstat(fd).st_size
+        os.ftruncate(fd, end - n)
+        raise OSError(errno.ENOSPC, f"short write ({n} of {len(data)} bytes): no space left "
+                      "on device", what)
+
+
 def open_regular(path: str | os.PathLike) -> int:
     """A log file opened for reading, only if it is a regular file. The directory was
     written by a sandboxed recorder: a symlink planted there would make the (root)
@@ -107,11 +144,9 @@ class StreamWriter:
 
     def write_raw(self, body: bytes) -> None:
         rec = frame_record(body)
-        n = os.write(self._fd, rec)
-        if n != len(rec):            # a full disk: the partial record is what a crash leaves
-            raise OSError(f"{self.path}: short write ({n} of {len(rec)} bytes)")
+        _write_all(self._fd, rec, self.path)
         self.records += 1
-        self.bytes += n
+        self.bytes += len(rec)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -128,6 +163,11 @@ class Loss:
     corrupt_records: int = 0       # CRC or decode failures (skipped)
     corrupt_bytes: int = 0
     problems: list[str] = field(default_factory=list)
+    # Of a whole log (`DriveLog.full_loss`), not of one file:
+    not_closed: bool = False       # no closing summary: the recorder was killed or crashed
+    frames: int = 0                # frame entries of channels whose pixels were recorded
+    frames_skipped: int = 0        # ... whose pixels the recorder skipped (encoder busy)
+    frames_unwritten: int = 0      # ... given a video position the video never got
 
     def add(self, other: Loss) -> None:
         self.truncated_bytes += other.truncated_bytes
@@ -135,17 +175,39 @@ class Loss:
         self.corrupt_records += other.corrupt_records
         self.corrupt_bytes += other.corrupt_bytes
         self.problems.extend(other.problems)
+        self.not_closed = self.not_closed or other.not_closed
+        self.frames += other.frames
+        self.frames_skipped += other.frames_skipped
+        self.frames_unwritten += other.frames_unwritten
+
+    @property
+    def frames_without_video(self) -> int:
+        return self.frames_skipped + self.frames_unwritten
 
     @property
     def any(self) -> bool:
-        return bool(self.truncated_bytes or self.corrupt_records)
+        return bool(self.truncated_bytes or self.corrupt_records or self.not_closed
+                    or self.frames_without_video)
 
     def text(self) -> str:
         if not self.any:
             return "nothing lost"
-        return (f"dropped {self.truncated_records} partial record(s) at the end "
-                f"({self.truncated_bytes} bytes), {self.corrupt_records} corrupt record(s) "
-                f"({self.corrupt_bytes} bytes)")
+        parts = []
+        if self.truncated_bytes or self.corrupt_records:
+            parts.append(f"dropped {self.truncated_records} partial record(s) at the end "
+                         f"({self.truncated_bytes} bytes), {self.corrupt_records} corrupt "
+                         f"record(s) ({self.corrupt_bytes} bytes)")
+        if self.not_closed:
+            parts.append("the log was never closed (its recorder stopped without writing its "
+                         "closing summary: killed, crashed or out of space)")
+        if self.frames_without_video:
+            why = [f"{n} {what}" for n, what in (
+                (self.frames_skipped, "skipped by the recorder (encoder busy)"),
+                (self.frames_unwritten, "never written to the video (lost with the recorder)"))
+                if n]
+            parts.append(f"{self.frames_without_video} of {self.frames} frames have no video "
+                         f"({', '.join(why)})")
+        return "; ".join(parts)
 
 
 def read_stream(path: str | os.PathLike, *, start: int = 0, loss: Loss | None = None,
@@ -250,13 +312,20 @@ class VideoWriter:
             raise LogError(f"video of {info.pixel_format} frames: only nv12 is recorded")
         if info.width % 2 or info.height % 2:
             raise LogError(f"video {info.width}x{info.height}: nv12 needs even sizes")
+        if info.codec == "h264":
+            need_av("recording H.264 video")     # before any file is made
         d = Path(directory)
         self.info = info
         tmp = d / f".{channel}.video.tmp"
-        tmp.write_text(json.dumps(info.__dict__))
-        os.replace(tmp, d / f"{channel}.video")
+        try:
+            tmp.write_text(json.dumps(info.__dict__))
+            os.replace(tmp, d / f"{channel}.video")
+        except OSError:
+            tmp.unlink(missing_ok=True)      # a full disk leaves no temporary file behind
+            raise
         ext = "h264" if info.codec == "h264" else "nv12"
-        self._data = os.open(d / f"{channel}.{ext}", os.O_WRONLY | os.O_APPEND | os.O_CREAT
+        self._path = d / f"{channel}.{ext}"
+        self._data = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT
                              | os.O_CLOEXEC, 0o644)
         self._index = os.open(d / f"{channel}.vidx", os.O_WRONLY | os.O_APPEND | os.O_CREAT
                               | os.O_CLOEXEC, 0o644)
@@ -303,11 +372,14 @@ class VideoWriter:
             return              # (never with zerolatency) nothing to index yet
         data = b"".join(p for p, _ in packets)
         key = any(k for _, k in packets)
-        n = os.write(self._data, data)
-        if n != len(data):
-            raise OSError(f"video: short write ({n} of {len(data)} bytes)")
-        os.write(self._index, _vix(frame_id, ts, self._offset, n, KEYFRAME if key else 0))
-        self._offset += n
+        _write_all(self._data, data, str(self._path))
+        try:
+            _write_all(self._index, _vix(frame_id, ts, self._offset, len(data),
+                                         KEYFRAME if key else 0), str(self._path))
+        except OSError:
+            os.ftruncate(self._data, self._offset)   # no data without its index record
+            raise
+        self._offset += len(data)
         self.count += 1
 
     def close(self) -> None:
@@ -336,6 +408,7 @@ class VideoReader:
         # Opened now: a sandboxed player opens its files before it is READY.
         self._fd = open_regular(self.path)
         if self.info.codec == "h264":
+            need_av(f"{self.path}: H.264 video")
             import av  # noqa: F401  (its libraries are mapped now, not after READY)
 
     def close(self) -> None:

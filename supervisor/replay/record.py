@@ -5,6 +5,12 @@ profile domain, a read-only reader of every channel) writing the drive log into 
 OUT is created here and given to the recorder domain's host user; the supervisor adds
 ``lifecycle.tlog`` (its events) and ``source.toml`` (the config that was recorded, which
 `supervisor replay` uses unless told otherwise).
+
+Exit status: the supervisor's (0 after an orderly stop), 2 for bad input, and
+`WRITE_FAILED` (8) when the log could not be written (the disk filled up, an I/O error):
+then one line on stderr says where and why, the recording stopped there (the log is
+whole up to that point, no temporary file is left) and the control domain ran on
+untouched until the orderly stop.
 """
 from __future__ import annotations
 
@@ -19,13 +25,28 @@ from pathlib import Path
 from .derive import RECORDER, DeriveError, dumps, read_doc, record_doc, write_config
 from .drivelog import DriveLog
 from .embed import give_to_recorder, run_supervised
-from .logfmt import LogError
+from .logfmt import LogError, need_av
 
 SOURCE = "source.toml"
+# Exit status of `record` and `replay` when a drive log could not be written (a full
+# disk, an I/O error). Beside supervisor/exits.py's (0-7), which these commands also use.
+WRITE_FAILED = 8
 
 
 class RecordError(Exception):
-    """One line: why nothing was recorded."""
+    """One line: why nothing was recorded (``code``: the exit status)."""
+
+    def __init__(self, msg: str, code: int = 2) -> None:
+        super().__init__(msg)
+        self.code = code
+
+
+def fault_line(fault: dict) -> str:
+    """The recorder's fault record as the one line the user sees."""
+    data = fault.get("data") or {}
+    n = sum((data.get("recorded") or {}).values())
+    return (f"{fault.get('msg', 'the recorder could not write its log')} "
+            f"[{n} messages recorded before; the control domain ran on untouched]")
 
 
 @dataclass(frozen=True)
@@ -36,12 +57,15 @@ class Recorded:
     messages: dict[str, int]
     drops: dict[str, int]
     wall_s: float
+    fault: str | None = None         # one line: why the recording stopped early
+    loss: str = "nothing lost"
 
     def text(self) -> str:
         msgs = ", ".join(f"{k} {v}" for k, v in sorted(self.messages.items())) or "none"
         drops = ", ".join(f"{k} {v}" for k, v in sorted(self.drops.items()) if v) or "none"
         return (f"recorded {self.frames} frames, messages: {msgs}; {self.wall_s:.1f} s in all, "
-                f"to {self.path}; recorder drops: {drops}")
+                f"to {self.path}; recorder drops: {drops}"
+                + ("" if self.loss == "nothing lost" else f"; lost: {self.loss}"))
 
 
 def prepare_out(out: str) -> str:
@@ -82,6 +106,11 @@ def record(out: str, *, config: str | None = None, seconds: float | None = None,
            recorder_args: list[str] | None = None) -> Recorded:
     if seconds is not None and seconds <= 0:
         raise RecordError(f"--seconds {seconds:g}: must be > 0")
+    if video == "h264":         # the recorder would die of it in its sandbox: say it here
+        try:
+            need_av("--video h264")
+        except LogError as e:
+            raise RecordError(f"{e} (or record --video raw)") from None
     try:
         doc, _source = read_doc(config)
         derived = record_doc(doc, os.path.abspath(out), video=video)
@@ -89,8 +118,13 @@ def record(out: str, *, config: str | None = None, seconds: float | None = None,
     except DeriveError as e:
         raise RecordError(str(e)) from None
     path = prepare_out(out)
-    Path(path, SOURCE).write_text(dumps(doc))
-    os.chmod(Path(path, SOURCE), 0o644)   # ours alone to write: replay checks that
+    try:
+        Path(path, SOURCE).write_text(dumps(doc))
+        os.chmod(Path(path, SOURCE), 0o644)   # ours alone to write: replay checks that
+    except OSError as e:
+        Path(path, SOURCE).unlink(missing_ok=True)
+        raise RecordError(f"{path}/{SOURCE}: {e.strerror}; nothing recorded",
+                          WRITE_FAILED) from None
     with tempfile.TemporaryDirectory(prefix="trio-record-") as tmp:
         try:
             cfg, _ = write_config(derived, tmp, "record.toml")
@@ -100,14 +134,18 @@ def record(out: str, *, config: str | None = None, seconds: float | None = None,
         outcome = run_supervised(cfg, path, until=_after_ready(seconds),
                                  timeout_s=None if seconds is None else seconds + 300,
                                  echo=echo)
+    fault = fault_line(outcome.fault) if outcome.fault is not None else None
     try:
         log = DriveLog.open(path)
     except LogError as e:
-        why = next((ev.get("reason") for ev in reversed(outcome.events)
-                    if ev["event"] == "supervisor_exit"), None)
-        raise RecordError(f"no usable log was written ({e}); the supervisor exited "
-                          f"{outcome.exit_code}" + (f": {why}" if why else "")) from None
+        if fault is not None:
+            raise RecordError(fault, WRITE_FAILED) from None
+        from .run import failure_cause
+
+        raise RecordError(f"no usable log was written ({e}); "
+                          f"{failure_cause(outcome.events, outcome.exit_code)}") from None
     frames = sum(len(v) for v in log.frames.values())
-    return Recorded(path, outcome.exit_code,
+    return Recorded(path, WRITE_FAILED if fault else outcome.exit_code,
                     frames, {k: len(v) for k, v in log.messages.items()},
-                    {k: d.total for k, d in log.drops.items()}, outcome.wall_s)
+                    {k: d.total for k, d in log.drops.items()}, outcome.wall_s, fault,
+                    log.full_loss().text())

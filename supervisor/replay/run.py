@@ -30,7 +30,7 @@ from .derive import DeriveError, parse_doc, read_doc, replay_doc, write_config
 from .drivelog import DriveLog, Msg
 from .embed import RunOutcome, give_to_recorder, run_supervised
 from .logfmt import MESSAGES, LogError, Loss, open_regular, read_stream
-from .record import SOURCE, _one_line
+from .record import SOURCE, WRITE_FAILED, _one_line, fault_line
 
 # Exit codes of `supervisor replay` beyond the supervisor's own (supervisor/exits.py):
 DIFFERS = int(Exit.DIFFERS)        # compared with --ref: outside tolerance
@@ -101,6 +101,64 @@ class _Progress:
             self.out.flush()
 
 
+# Events that say something went wrong, in the order a failure unfolds (the first one
+# in time is the cause; what follows is its consequence).
+_BAD = ("refused", "start_failed", "ready_timeout", "protocol_error", "watchdog_missed",
+        "exit", "gave_up", "start_failed_required", "fail_safe", "fail_safe_error",
+        "config_problem")
+
+
+def _describe(e: dict[str, Any]) -> str:
+    ev = e.get("event")
+    if ev == "exit":
+        how = (f"was killed by signal {e['signal']}" if e.get("signal")
+               else f"exited with code {e.get('code')}")
+        up = e.get("uptime_ms")
+        return (f"{how}" + (f" ({e['cause']})" if e.get("cause") else "")
+                + (f" after {up / 1000:.1f} s" if isinstance(up, (int, float)) else ""))
+    if ev == "start_failed":
+        return f"failed to start: {e.get('error', '')}"
+    if ev == "ready_timeout":
+        return "was not READY in time (ready_timeout)"
+    detail = e.get("reason") or e.get("error") or e.get("kind") or ""
+    return f"{ev}" + (f": {detail}" if detail else "")
+
+
+def _last_words(events: list[dict[str, Any]], worker: str, upto: int) -> str | None:
+    """The worker's own last output or log line before event ``upto`` (a traceback's
+    last line names the exception), or just after it (its pipe is read concurrently)."""
+    said = [e for e in events[:upto + 20]
+            if e.get("worker") == worker and e.get("event") in ("output", "log")]
+    if not said:
+        return None
+    e = said[-1]
+    return str(e.get("line") if e["event"] == "output" else e.get("msg", ""))[:300]
+
+
+def failure_cause(events: list[dict[str, Any]], exit_code: int | None = None) -> str:
+    """One line: which worker failed first, how (the event), in its own last words,
+    what followed, and how the supervisor ended."""
+    bad = [(i, e) for i, e in enumerate(events) if e.get("event") in _BAD]
+    end = next((e for e in reversed(events) if e.get("event") == "supervisor_exit"), None)
+    tail = ""
+    if end is not None:
+        tail = f"supervisor exit {end.get('code')}" + (
+            f" ({end['reason']})" if end.get("reason") else "")
+    elif exit_code is not None:
+        tail = f"supervisor exit {exit_code}"
+    if not bad:
+        return tail or "no worker failed (see the lifecycle events with --events)"
+    i, first = bad[0]
+    who = first.get("worker")
+    head = f"{who} {_describe(first)}" if who else _describe(first)
+    words = _last_words(events, who, i) if who else None
+    if words:
+        head += f"; its last words: {words!r}"
+    then = [f"{e['event']} {e.get('worker') or ''}".strip() for _, e in bad[1:4]]
+    return "; ".join([f"event {first['event']!r}: {head}"]
+                     + ([f"then {', '.join(then)}"] if then else []) + ([tail] if tail else []))
+
+
 def _default_out(log: str) -> str:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return os.path.abspath(f"{Path(log).name}.replay-{stamp}")
@@ -155,7 +213,10 @@ def replay(log: str, *, out: str | None = None, config: str | None = None,
     if plan.frames not in src.video_channels():
         raise ReplayError(f"{log}: has no video of {plan.frames!r} (was it recorded with "
                           f"--video none?)")
-    video = src.video(plan.frames)
+    try:
+        video = src.video(plan.frames)        # (H.264 without PyAV: one line, the extra)
+    except LogError as e:
+        raise ReplayError(str(e)) from None
     total = len(video)
     if total == 0:
         raise ReplayError(f"{log}: the video of {plan.frames!r} has no whole frame")
@@ -188,29 +249,49 @@ def replay(log: str, *, out: str | None = None, config: str | None = None,
                              echo=echo, tick=bar.tick)
     bar.close()
     cam = _kv(camera_status(outcome.events))
+    fault = fault_line(outcome.fault) if outcome.fault is not None else None
     try:
         run = DriveLog.open(run_log)
     except LogError as e:
-        summary = {"log": log, "run": run_dir, "error": f"no run log: {e}",
-                   "exit_code": INCOMPLETE}
-        Path(run_dir, "summary.json").write_text(json.dumps(summary, indent=2))
-        return ReplayResult(run_dir, INCOMPLETE, summary, outcome)
+        code = WRITE_FAILED if fault else INCOMPLETE
+        summary = {"log": log, "run": run_dir, "exit_code": code,
+                   "error": fault or failure_cause(outcome.events, outcome.exit_code),
+                   "run_log": f"none: {e}"}
+        _write_summary(run_dir, summary)
+        return ReplayResult(run_dir, code, summary, outcome)
     summary = summarize(src, run, plan, cam, outcome, realtime=realtime, log_s=log_s,
                         total=total, input_loss=src.full_loss())
     summary.update(log=log, run=run_dir)
     code = 0
-    if outcome.reason != "until" or cam.get("stopped") == "error":
+    if fault:
+        code = WRITE_FAILED
+    elif outcome.reason != "until" or cam.get("stopped") == "error":
         code = outcome.exit_code or INCOMPLETE
     elif summary["frames"]["replayed"] < total or summary["frames"]["step_timeouts"]:
         code = INCOMPLETE
+    if code:
+        summary["error"] = fault or failure_cause(outcome.events, outcome.exit_code)
+        if outcome.reason == "timeout" and not fault:
+            summary["error"] = f"no end within {timeout:.0f} s; " + summary["error"]
     summary["exit_code"] = code
-    Path(run_dir, "summary.json").write_text(json.dumps(summary, indent=2))
+    _write_summary(run_dir, summary)
     try:
         plot(src, run, plan, Path(run_dir, "plot.png"))
     except Exception as e:                  # a missing picture never fails a replay
         summary.setdefault("notes", []).append(f"plot.png not drawn: {type(e).__name__}: {e}")
+        _write_summary(run_dir, summary)
+    return ReplayResult(run_dir, summary["exit_code"], summary, outcome)
+
+
+def _write_summary(run_dir: str, summary: dict[str, Any]) -> None:
+    """summary.json; on a full disk the replay still reports (exit `WRITE_FAILED`)."""
+    try:
         Path(run_dir, "summary.json").write_text(json.dumps(summary, indent=2))
-    return ReplayResult(run_dir, code, summary, outcome)
+    except OSError as e:
+        Path(run_dir, "summary.json").unlink(missing_ok=True)
+        summary.setdefault("notes", []).append(f"summary.json not written: {e.strerror}")
+        if summary.get("exit_code") in (0, None):
+            summary["exit_code"] = WRITE_FAILED
 
 
 def receipt_latencies(msgs: list[Msg]) -> tuple[list[float], int]:
@@ -317,7 +398,8 @@ def plot(src: DriveLog, run: DriveLog, plan, path: Path) -> None:
         if dl:
             ax1.axhline(dl[0], color="r", ls="--", lw=0.8, label=f"deadline {dl[0]:g} ms")
     ax1.set_ylabel("ms")
-    ax1.legend(loc="upper right", fontsize=8)
+    if pts:
+        ax1.legend(loc="upper right", fontsize=8)
     ax1.set_title(f"replay of {src.path.name}")
     for log, label, style in ((src, "recorded", "-"), (run, "replay", "--")):
         pts = [(at(m), float(m.array.ravel()[0])) for m in log.messages.get(plan.command or "", [])]
@@ -326,7 +408,8 @@ def plot(src: DriveLog, run: DriveLog, plan, path: Path) -> None:
             ax2.plot(*zip(*pts), style, lw=1, label=label)
     ax2.set_xlabel("log time (s)")
     ax2.set_ylabel("steer command (rad)")
-    ax2.legend(loc="upper right", fontsize=8)
+    if ax2.get_legend_handles_labels()[0]:
+        ax2.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

@@ -12,6 +12,8 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from supervisor.protocol import ENV_SANDBOXED
+
 
 class SourceError(Exception):
     """The recording cannot be played (one line: what and why)."""
@@ -68,9 +70,22 @@ class VideoFileSource:
 
     def __init__(self, path: str | os.PathLike, width: int | None = None,
                  height: int | None = None) -> None:
-        import av
+        from supervisor.replay.logfmt import LogError, need_av
 
         self.path = os.fspath(path)
+        try:
+            need_av(f"{self.path}: playing a video clip")
+        except LogError as e:
+            raise SourceError(str(e)) from None
+        import av
+
+        # Judged before PyAV opens it: inside a sandbox a file that exists on the host
+        # but lies outside every bind is simply absent, and "[Errno 2] No such file"
+        # about a file the user can see sends them the wrong way.
+        if not os.path.lexists(self.path) and os.environ.get(ENV_SANDBOXED) == "1":
+            raise SourceError(f"{self.path}: not visible inside the sandbox (a clip must be "
+                              f"bound read-only into the camera's domain: add its directory to "
+                              f"the domain's extra_ro_binds)")
         try:
             self._container = av.open(self.path)
         except (av.error.FFmpegError, OSError) as e:

@@ -15,6 +15,13 @@ writers never wait for it (leases are bounded by the channel's lease_ms), and wh
 missed is counted per channel (sequence gaps, rejections, lost leases) and written to
 the log as ``drops`` entries and in its status line. On SIGTERM it drains what is still
 in the rings, writes a closing summary and exits 0.
+
+A write that fails (the disk is full, or any other I/O error) stops the recording, not
+the recorder: it says so in one `log` record (``fault = "disk_full"`` or
+``"write_error"``, which `supervisor record`/`replay` wait for and turn into one line and
+their exit code), leaves the log whole up to there (a short write is cut back off the
+file, no temporary file stays) and waits, pinging its watchdog, for SIGTERM. It never
+exits with a traceback, and nothing is restarted: the control domain never notices.
 """
 from __future__ import annotations
 
@@ -150,6 +157,7 @@ def report_drops(taps: list[Tap], log) -> None:
 
 def main(ctx: WorkerContext) -> int:
     from supervisor.replay.drivelog import LogWriter  # (PyAV loads here, before READY)
+    from supervisor.replay.logfmt import is_no_space
 
     global IO_DELAY_S
     a = parse_args(sys.argv[1:])
@@ -164,10 +172,34 @@ def main(ctx: WorkerContext) -> int:
                                             "fps": a.fps, "channels": names},
                         video_codec="h264" if a.video == "none" else a.video, fps=a.fps,
                         encode_queue=ENCODE_QUEUE)
-    except (KeyError, BridgeError, OSError) as e:
+    except OSError as e:
+        if not is_no_space(e):
+            ctx.log(f"cannot record: {e}")
+            return 2
+        ctx.ready(status="disk full")       # (not a start failure: nothing to restart)
+        return write_failed(ctx, [], None, e, stop)
+    except (KeyError, BridgeError) as e:
         ctx.log(f"cannot record: {e}")
         return 2
     ctx.ready(status=f"recording {', '.join(names)} -> {a.out} ({a.video})")
+    try:
+        record_until_stopped(ctx, taps, log, ack, stop, a.status_s)
+        # Stopping: what is still in the rings was published before the stop; keep it
+        # (for at most a second: writers still publishing must not keep a slow recorder
+        # here until the supervisor's SIGKILL, which would cost the closing summary).
+        end = time.monotonic() + FINAL_DRAIN_S
+        while drain(taps, log, ack=ack) and time.monotonic() < end:
+            pass
+        report_drops(taps, log)
+        log.close(closing_summary(taps))
+    except OSError as e:
+        return write_failed(ctx, taps, log, e, stop)
+    ctx.status("stopped: " + status_text(taps))
+    return 0
+
+
+def record_until_stopped(ctx: WorkerContext, taps: list[Tap], log, ack: Ack | None,
+                         stop: list[int], status_s: float) -> None:
     last_ping = last_drops = last_status = time.monotonic()
     while not stop:
         # Bounded batches: a SIGTERM is seen soon even when writing is slow.
@@ -180,21 +212,39 @@ def main(ctx: WorkerContext) -> int:
         if now - last_drops >= DROPS_EVERY_S:
             report_drops(taps, log)
             last_drops = now
-        if now - last_status >= a.status_s:
+        if now - last_status >= status_s:
             ctx.status(status_text(taps))
             last_status = now
-    # Stopping: what is still in the rings was published before the stop; keep it (for
-    # at most a second: writers still publishing must not keep a slow recorder here
-    # until the supervisor's SIGKILL, which would cost the closing summary).
-    end = time.monotonic() + FINAL_DRAIN_S
-    while drain(taps, log, ack=ack) and time.monotonic() < end:
-        pass
-    report_drops(taps, log)
-    summary = {t.name: {"recorded": t.recorded, "dropped": t.counts()[0],
-                        "rejected": t.counts()[1], "leases_lost": t.counts()[2],
-                        "skipped": t.skipped} for t in taps}
-    log.close(summary)
-    ctx.status("stopped: " + status_text(taps))
+
+
+def closing_summary(taps: list[Tap]) -> dict[str, dict[str, int]]:
+    return {t.name: {"recorded": t.recorded, "dropped": t.counts()[0],
+                     "rejected": t.counts()[1], "leases_lost": t.counts()[2],
+                     "skipped": t.skipped} for t in taps}
+
+
+def write_failed(ctx: WorkerContext, taps: list[Tap], log, e: OSError,
+                 stop: list[int]) -> int:
+    """The log cannot be written any more: one record that says so, the log closed as
+    far as the disk allows, then idle until SIGTERM (exiting would be a restart, and a
+    restarted recorder would hit the same full disk)."""
+    from supervisor.replay.logfmt import is_no_space
+
+    fault = "disk_full" if is_no_space(e) else "write_error"
+    where = e.filename or "the log"
+    ctx.log(f"{'disk full' if fault == 'disk_full' else 'cannot write'}: {where}: "
+            f"{e.strerror or e}; recording stopped (the log is whole up to here)",
+            fault=fault, path=str(where), errno=e.errno,
+            recorded={t.name: t.recorded for t in taps})
+    try:
+        if log is not None:
+            log.close({**closing_summary(taps), "fault": fault})
+    except OSError:
+        pass                  # no room for the closing summary: the log reads as not closed
+    ctx.status(f"stopped: {fault}: " + status_text(taps))
+    while not stop:
+        ctx.watchdog()
+        time.sleep(PING_S)
     return 0
 
 
