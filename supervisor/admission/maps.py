@@ -31,6 +31,13 @@ anywhere in the process's own mount table (/proc/PID/mountinfo; the sandbox's
 /tmp and /dev/shm are tmpfs with their own devices). Only read-only files and
 private anonymous memory are code that stays what it was at READY.
 
+They also refuse a file-backed executable mapping holding a page that is not the
+file's ("foreign-code-page"): a private file mapping whose page was copied on write
+(patched while writable, then made executable again, or moved there by mremap) runs
+code no file holds, though maps names the file. /proc/PID/pagemap says, per page,
+whether it is the file's (bit 61) or a private copy; only executable private file
+ranges are read (8 bytes a page: ~2.5 KiB for a 1 MiB text), once per scan.
+
 Limits: identity is ELF metadata. A copy whose SONAME and build-id note were
 both rewritten, and that needs no torch library by name, is only caught by the
 post-READY accounting (if mapped after READY) -- not before READY.
@@ -43,7 +50,7 @@ import os
 import stat
 import struct
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
@@ -54,6 +61,7 @@ KIND_FORBIDDEN = "forbidden-library"
 KIND_NEW_EXEC = "new-exec-after-ready"
 KIND_WRITABLE_EXEC = "writable-exec"
 KIND_UNSAFE_EXEC = "unsafe-exec"
+KIND_FOREIGN_PAGE = "foreign-code-page"
 
 # backing of a mapping
 FILE, DELETED, MEMFD, ANONYMOUS, SPECIAL = "file", "deleted", "memfd", "anonymous", "special"
@@ -457,6 +465,9 @@ class MapsHit:
             why = "; ".join(self.reasons) or self.backing
             return (f"pid {self.pid} maps {what} executable ({self.perms}) at {self.address}: "
                     f"code that can still change after READY ({why})")
+        if self.kind == KIND_FOREIGN_PAGE:
+            return (f"pid {self.pid} maps {what} executable ({self.perms}) at {self.address}: "
+                    f"code no file holds ({'; '.join(self.reasons)})")
         if self.kind == KIND_NEW_EXEC:
             return (f"pid {self.pid} maps {what} executable ({self.perms}) at {self.address}: "
                     f"new {self.backing} executable mapping after READY (not in the READY snapshot)")
@@ -670,9 +681,60 @@ def unsafe_exec_reason(m: ExecMapping, mounts: MountTable | None) -> str | None:
     return None
 
 
+# /proc/PID/pagemap, one 64-bit entry per page: bit 63 present, 62 swapped, 61 a file
+# page (or shared anonymous). Indexed by the top byte of each little-endian entry: 1 for
+# a page of a private mapping that is not the file's own (a copy made on write, or
+# swapped out, which only anonymous pages are).
+NOT_THE_FILES = bytes(1 if (b & 0x40) or (b & 0xA0) == 0x80 else 0 for b in range(256))
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_PAGEMAP_CHUNK = 1 << 16  # entries per read
+
+
+def first_foreign_page(fd: int, start: int, end: int,
+                       check: Callable[[], object] | None = None) -> int | None:
+    """First page in [start, end) that is not the file's, read from the pagemap open at
+    ``fd``; ``check`` runs between chunks (a budget may raise there)."""
+    page, last = start // _PAGE, -(-end // _PAGE)
+    while page < last:
+        n = min(last - page, _PAGEMAP_CHUNK)
+        data = os.pread(fd, n * 8, page * 8)
+        if len(data) != n * 8:
+            raise OSError(5, "short read of pagemap")
+        at = data[7::8].translate(NOT_THE_FILES).find(1)
+        if at >= 0:
+            return (page + at) * _PAGE
+        page += n
+        if check is not None:
+            check()
+    return None
+
+
+def foreign_pages(pid: int, mappings: Iterable[ExecMapping]) -> dict[int, int]:
+    """start of mapping -> its first page that is not the file's, for each executable
+    private file mapping of ``pid`` that holds one."""
+    wanted = [m for m in mappings if m.backing == FILE and m.perms[3:4] == "p"]
+    if not wanted:
+        return {}
+    try:
+        fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    except (FileNotFoundError, ProcessLookupError) as exc:
+        raise ProcessGone(pid) from exc
+    out: dict[int, int] = {}
+    try:
+        for m in wanted:
+            page = first_foreign_page(fd, m.start, m.end)
+            if page is not None:
+                out[m.start] = page
+    finally:
+        os.close(fd)
+    return out
+
+
 def _exec_hits(pid: int, lines: Iterable[_Line], snapshot: ExecSnapshot | None, *,
-               unsafe: bool = False, mounts: MountTable | None = None) -> list[MapsHit]:
-    """Writable+executable, then (``unsafe``) unsafe-exec, then (``snapshot``) new mappings."""
+               unsafe: bool = False, mounts: MountTable | None = None,
+               pages: dict[int, int] | None = None) -> list[MapsHit]:
+    """Writable+executable, then (``unsafe``) unsafe-exec and (``pages``, from
+    `foreign_pages`) code pages no file holds, then (``snapshot``) new mappings."""
     wx: list[MapsHit] = []
     bad: list[MapsHit] = []
     new: list[MapsHit] = []
@@ -680,6 +742,11 @@ def _exec_hits(pid: int, lines: Iterable[_Line], snapshot: ExecSnapshot | None, 
         m = ln.mapping
         if m is None:
             continue
+        if pages and m.start in pages:
+            bad.append(MapsHit(pid, m.path, KIND_FOREIGN_PAGE, ln.address, ln.deleted,
+                               kind=KIND_FOREIGN_PAGE, backing=m.backing, perms=m.perms,
+                               reasons=(f"page {pages[m.start]:#x} is not the file's (a private "
+                                        "copy: patched, or moved there)",)))
         if m.writable:
             wx.append(MapsHit(pid, m.path, KIND_WRITABLE_EXEC, ln.address, ln.deleted,
                               kind=KIND_WRITABLE_EXEC, backing=m.backing, perms=m.perms))
@@ -724,7 +791,7 @@ class ExecSnapshot:
 
 def scan_maps_text(pid: int, text: str, *, snapshot: ExecSnapshot | None = None,
                    identify: bool = False, immutable_code: bool | None = None,
-                   mounts: MountTable | None = None) -> list[MapsHit]:
+                   mounts: MountTable | None = None, pagemap: bool = False) -> list[MapsHit]:
     """Refusals in the text of ``pid``'s maps file.
 
     Forbidden libraries first (one hit per mapped object), then, given a
@@ -734,14 +801,18 @@ def scan_maps_text(pid: int, text: str, *, snapshot: ExecSnapshot | None = None,
     executable mappings it does not cover. By default only the text is judged
     (file names); ``identify=True`` also reads each executable mapping through
     /proc/PID/map_files (root; a mapping gone since is skipped), which is what
-    `scan_pid` does: the text must then be ``pid``'s own, just read.
+    `scan_pid` does: the text must then be ``pid``'s own, just read. ``pagemap=True``
+    (with immutable code) also reads ``pid``'s pagemap for code pages no file holds.
     """
     lines = _parse(text)
     hits = _scan(pid, lines, identify=identify)
     if immutable_code is None:
         immutable_code = snapshot is not None
     if snapshot is not None or immutable_code:
-        hits += _exec_hits(pid, lines, snapshot, unsafe=immutable_code, mounts=mounts)
+        pages = foreign_pages(pid, (ln.mapping for ln in lines if ln.mapping is not None)) \
+            if pagemap and immutable_code else None
+        hits += _exec_hits(pid, lines, snapshot, unsafe=immutable_code, mounts=mounts,
+                           pages=pages)
     return hits
 
 
@@ -823,7 +894,7 @@ def scan_pid(pid: int, *, snapshot: ExecSnapshot | None = None, identify: bool =
     if snapshot is not None and start_time(pid) != snapshot.start_time:
         raise ProcessGone(pid)  # the pid was reused: the worker we snapshot is gone
     return scan_maps_text(view, text, snapshot=snapshot, identify=identify,
-                          immutable_code=immutable_code, mounts=mounts)
+                          immutable_code=immutable_code, mounts=mounts, pagemap=True)
 
 
 def exec_snapshot(pid: int, *, identify: bool = True) -> ExecSnapshot:
@@ -842,8 +913,9 @@ def exec_snapshot(pid: int, *, identify: bool = True) -> ExecSnapshot:
         raise ProcessGone(pid)
     lines = _parse(text)
     mappings = frozenset(ln.mapping for ln in lines if ln.mapping is not None)
+    pages = foreign_pages(view, mappings)
     hits = _scan(view, lines, identify=identify) + _exec_hits(view, lines, None, unsafe=True,
-                                                              mounts=mounts)
+                                                              mounts=mounts, pages=pages)
     return ExecSnapshot(pid, begun, mappings, tuple(hits))
 
 
@@ -852,6 +924,7 @@ def scan_self(*, identify: bool = True) -> list[MapsHit]:
 
 
 __all__ = [
+    "KIND_FOREIGN_PAGE",
     "KIND_FORBIDDEN",
     "KIND_NEW_EXEC",
     "KIND_UNSAFE_EXEC",
@@ -864,6 +937,8 @@ __all__ = [
     "ProcessGone",
     "RefusedObject",
     "exec_snapshot",
+    "first_foreign_page",
+    "foreign_pages",
     "identity_of",
     "read_elf_identity",
     "read_mounts",
