@@ -44,6 +44,8 @@ if [ $dev -eq 1 ]; then
     command -v capnp >/dev/null || need+=(capnproto)
     [ -e /usr/include/capnp/message.h ] || need+=(libcapnp-dev)
     command -v g++ >/dev/null || need+=(g++)
+    # The console test runs `supervisor run` in a real terminal (tests/test_console.py).
+    command -v tmux >/dev/null || need+=(tmux)
 fi
 if [ $system -eq 1 ]; then
     # The unit's ExecStart is PREFIX/bin/python3 and the unit hides /root and /home

@@ -6,6 +6,7 @@ worst case, deadline misses) and the latest control command. It never writes a c
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections import deque
@@ -21,6 +22,7 @@ from supervisor.ipc import BridgeError, Channel, LeaseLost, Reader, Rejected
 class ChannelView:
     name: str
     reader: Reader | None
+    kind: str = "tensor"          # the channel's kind: frame rates lead the live line
     times: deque = field(default_factory=lambda: deque(maxlen=200))
     latencies_ms: deque = field(default_factory=lambda: deque(maxlen=500))
     receipts: int = 0
@@ -70,7 +72,7 @@ class Monitor:
             idx = reader_index.get(name)
             if idx is not None and idx < ch.spec.max_readers:
                 self._handles[name] = ch.reader_handle(idx)
-                self.views[name] = ChannelView(name, None)
+                self.views[name] = ChannelView(name, None, kind=ch.spec.kind)
         self.out = out or sys.stdout
         self.interval_s = interval_s
         self.lines = 0
@@ -106,24 +108,42 @@ class Monitor:
             except (LeaseLost, Rejected):
                 v.errors += 1
 
-    def line(self) -> str:
-        parts = []
+    def line(self, width: int | None = None) -> str:
+        """The status as one line, most important first: the actuation state (FAIL-SAFE,
+        SAFE or ENGAGED, with the command), frames/s, model latency, drops, channels
+        without a writer, then the details and the workers' own status. Within `width`
+        columns whole segments are kept in that order and the rest left out (never cut
+        inside a segment); with no width, everything."""
+        head = [self.fail_safe_text()] if self.fail_safe else []
+        frames, model, worry, extra = [], [], [], []
+        dropped = lost = misses = 0
         for v in self.views.values():
             if v.reader is None:
-                parts.append(f"{v.name} (no writer)")
+                worry.append(f"{v.name}: no writer")
                 continue
-            s = v.reader.stats
-            text = f"{v.name} {v.rate():5.1f}/s drop {s.dropped} lost {v.lost}"
-            if v.latencies_ms:
+            dropped += v.reader.stats.dropped
+            lost += v.lost
+            rate = f"{v.name} {_rate(v.rate())}/s"
+            act = self._actuation(v)
+            if act:
+                head.append(act)
+                extra.append(rate)
+            elif v.latencies_ms:
                 lat = np.percentile(np.array(v.latencies_ms), [50, 99])
-                text += (f" | model {v.device} p50 {lat[0]:.1f} ms p99 {lat[1]:.1f} ms "
-                         f"worst {v.worst_ms:.1f} ms miss {v.deadline_misses} "
-                         f"receipts {v.receipts}")
-            text += self._actuation(v)
-            parts.append(text)
-        parts += [f"{w}: {text[:100]}" for w, text in self.statuses.items()]
-        line = " || ".join(parts)
-        return f"FAIL-SAFE ({self.fail_safe}) || {line}" if self.fail_safe else line
+                misses += v.deadline_misses
+                model.append(f"model {v.device} p50 {lat[0]:.1f}/p99 {lat[1]:.1f} ms")
+                extra.append(f"{rate} worst {v.worst_ms:.1f} ms receipts {v.receipts}")
+            elif v.kind == "frame":
+                frames.append(rate)
+            else:
+                extra.append(rate)
+        counts = (f"drop {dropped}" + (f" lost {lost}" if lost else "")
+                  + (f" miss {misses}" if misses else ""))
+        extra += [f"{w}: {text}" for w, text in self.statuses.items()]
+        return _fit([*head, *frames, *model, counts, *worry, *extra], width)
+
+    def fail_safe_text(self) -> str:
+        return f"FAIL-SAFE ({self.fail_safe})"
 
     def _actuation(self, v: ChannelView) -> str:
         """An actuation channel's state: engaged only while its last command is fresh."""
@@ -139,26 +159,85 @@ class Monitor:
         age_ms = (time.monotonic_ns() - v.last_ns) / 1e6
         limit = self.max_age_ms.get(v.name) or 0
         if self.fail_safe:
-            return " | SAFE (failed safe)"
+            return "SAFE (failed safe)"
         if limit and age_ms > limit:
-            return f" | SAFE (no command for {age_ms:.0f} ms)"
-        state = "engaged" if cmd.get("engaged") else "SAFE"
-        return f" | steer {cmd.get('steer_rad', 0.0):+.3f} rad {state}"
+            return f"SAFE (no command for {age_ms:.0f} ms)"
+        state = "ENGAGED" if cmd.get("engaged") else "SAFE"
+        return f"{state} {cmd.get('steer_rad', 0.0):+.3f} rad"
 
     async def run(self) -> None:
-        async with trio.open_nursery() as nursery:
-            for v in self.views.values():
-                nursery.start_soon(self._follow, v)
-            while True:
-                await trio.sleep(self.interval_s)
-                self.print_line()
+        try:
+            async with trio.open_nursery() as nursery:
+                for v in self.views.values():
+                    nursery.start_soon(self._follow, v)
+                while True:
+                    await trio.sleep(self.interval_s)
+                    self.print_line()
+        finally:
+            self.finish()
+
+    def _live(self) -> bool:
+        return bool(getattr(self.out, "isatty", lambda: False)())
 
     def print_line(self) -> None:
         try:
-            # On a terminal the status is one line rewritten in place.
-            live = getattr(self.out, "isatty", lambda: False)()
-            self.out.write(("\r\x1b[2K" if live else "") + self.line() + ("" if live else "\n"))
+            # On a terminal the status is one line rewritten in place, never wider than
+            # the terminal (a wrapped line would stack a row per update); elsewhere
+            # (journald, a file) one whole line per update.
+            live = self._live()
+            width = _columns(self.out) - 1 if live else None
+            self.out.write(("\r\x1b[2K" if live else "") + self.line(width)
+                           + ("" if live else "\n"))
             self.out.flush()
         except (OSError, ValueError):
             pass
         self.lines += 1
+
+    def finish(self) -> None:
+        """End the live line with a newline, so what follows starts on its own row."""
+        if self.lines and self._live():
+            try:
+                self.out.write("\n")
+                self.out.flush()
+            except (OSError, ValueError):
+                pass
+            self.lines = 0
+
+
+SEP = " | "
+
+
+def _rate(r: float) -> str:
+    return f"{r:.0f}" if r >= 10 else f"{r:.1f}"
+
+
+def _columns(out) -> int:
+    try:
+        return os.get_terminal_size(out.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        return 80
+
+
+def _fit(segments: list[str], width: int | None) -> str:
+    """Join whole segments, in order, while they fit in `width` (all when None). The
+    first segment that does not fit is shortened to its whole words that do, marked
+    with an ellipsis, and ends the line (never a cut inside a word: `latency_ms=7.`)."""
+    segments = [" ".join(s.split()) for s in segments if s]   # one row: no newlines
+    if width is None:
+        return SEP.join(segments)
+    out = ""
+    for seg in segments:
+        cand = seg if not out else out + SEP + seg
+        if len(cand) <= width:
+            out = cand
+            continue
+        words, room = seg.split(" "), width - len(out) - (len(SEP) if out else 0) - 2
+        part = ""
+        for w in words:
+            if len(part) + len(w) + (1 if part else 0) > room:
+                break
+            part = f"{part} {w}" if part else w
+        if part:
+            out = (out + SEP if out else "") + part + " …"
+        break
+    return out

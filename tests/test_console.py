@@ -1,0 +1,99 @@
+"""The operator's console: the live status line as a terminal shows it (tmux), and the
+rules that keep it one row (supervisor/monitor.py)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from supervisor.monitor import _fit
+
+ROOT = Path(__file__).resolve().parents[1]
+SEGMENTS = ["ENGAGED +0.012 rad", "road_frames 20/s", "model CPU p50 7.1/p99 9.3 ms",
+            "drop 0", "model_out 20/s worst 9.9 ms receipts 120",
+            "modeld: frames=1 latency_ms=7.1 rehearsals=3"]
+
+
+@pytest.mark.parametrize("width", [9, 40, 79, 100, 159])
+def test_the_line_never_passes_the_width_and_keeps_the_order(width):
+    line = _fit(SEGMENTS, width)
+    assert 0 < len(line) <= width
+    assert line.startswith("ENGAGED")                 # the state is always first
+    kept = [s for s in SEGMENTS if s in line]
+    assert kept == SEGMENTS[:len(kept)]               # a prefix, in priority order
+
+
+def test_a_segment_is_shortened_at_a_word_never_inside_one():
+    line = _fit(SEGMENTS, 150)
+    assert line.endswith(" …")
+    assert "latency_ms=7.1" in line or "latency_ms" not in line
+    last = line[:-2].rsplit(" | ", 1)[1]
+    assert all(tok in SEGMENTS[-1].split() for tok in last.split())
+
+
+def test_without_a_width_everything_is_there_on_one_row():
+    line = _fit([*SEGMENTS, "x: a\nb\rc"], None)
+    assert all(s in line for s in SEGMENTS) and "\n" not in line and "\r" not in line
+
+
+def _pane(session: str) -> list[str]:
+    out = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], check=True,
+                         capture_output=True, text=True).stdout
+    return out.splitlines()
+
+
+def _wait_for(session: str, ok, timeout: float) -> list[str]:
+    deadline = time.monotonic() + timeout
+    rows: list[str] = []
+    while time.monotonic() < deadline:
+        rows = _pane(session)
+        if ok(rows):
+            return rows
+        time.sleep(0.5)
+    raise AssertionError("\n".join(rows))
+
+
+@pytest.mark.sandbox
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux not installed")
+@pytest.mark.skipif(shutil.which("bwrap") is None or os.geteuid() != 0,
+                    reason="supervisor run needs bubblewrap and root")
+def test_the_live_line_fits_80_and_160_columns_and_ends_with_a_newline(tmp_path):
+    """What an operator sees: `supervisor run` in an 80-column terminal shows one row
+    (state, frames/s, model latency, drops first), widened to 160 it shows more on the
+    same single row, and after Ctrl-C the shell's next output starts on a row of its own."""
+    default = (ROOT / "supervisor" / "default.toml").read_text()
+    cfg = tmp_path / "car.toml"                  # the default's control pipeline
+    head, _, _ = default.partition("[workers.research]")
+    chan, _, rest = head.partition("[channels.shadow_out]")
+    cfg.write_text(chan + rest[rest.index("\n["):])
+    session = f"console{os.getpid()}"
+    cmd = (f"cd {ROOT} && TRIO_STATE_DIR={tmp_path}/state {sys.executable} -m supervisor.cli "
+           f"run --config {cfg} 2>{tmp_path}/events; echo EXIT=$?; sleep 30")
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "12",
+                    "bash", "-c", cmd], check=True)
+    try:
+        def live(rows: list[str]) -> bool:
+            return any("road_frames" in r and "model" in r and "/0.0" not in r
+                       and "road_frames 0.0/s" not in r for r in rows)
+        rows = _wait_for(session, live, 120)
+        text = [r for r in rows if r.strip()]
+        assert len(text) == 1, rows                   # one row: no wrap, nothing stacked
+        row = text[0]
+        assert len(row) <= 80 and row.split(" | ")[0].split()[0] in ("ENGAGED", "SAFE"), row
+        assert "drop " in row, row
+        subprocess.run(["tmux", "resize-window", "-t", session, "-x", "160"], check=True)
+        rows = _wait_for(session, lambda rs: any(len(r.rstrip()) > 80 for r in rs), 15)
+        text = [r for r in rows if r.strip()]
+        assert len(text) == 1 and len(text[0]) <= 160, rows
+        assert "receipts" in text[0], text[0]
+        subprocess.run(["tmux", "send-keys", "-t", session, "C-c"], check=True)
+        rows = _wait_for(session, lambda rs: any("EXIT=" in r for r in rs), 60)
+        exit_row = next(r for r in rows if "EXIT=" in r)
+        assert exit_row.startswith("EXIT=0"), rows    # on its own row, and a clean exit
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
