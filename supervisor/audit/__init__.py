@@ -136,20 +136,31 @@ EXIT_DIFFERENCES = int(Exit.DIFFERS)
 
 
 def audit(cfg: Config, *, live: bool = False, factory: Callable[[Config, Any], Any] | None = None,
-          settle_s: float = 1.0, timeout_s: float = 180.0) -> dict[str, Any]:
-    """The audit report (a JSON-ready dict, schema above). ``factory(cfg, log)`` makes
-    the Supervisor for --live (tests pass a subclass that breaks isolation on purpose)."""
+          settle_s: float = 1.0, timeout_s: float = 180.0, running: Any = None,
+          progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The audit report (a JSON-ready dict, schema above). With ``running`` (a
+    `running.RunningSupervisor`) --live reads that system, read-only; without it --live
+    starts its own (``--start``). ``factory(cfg, log)`` makes the Supervisor for the
+    latter (tests pass a subclass that breaks isolation on purpose)."""
     from . import promise as pr
 
+    say = progress or (lambda msg: None)
     sup = pr.quiet_supervisor(cfg)
     report: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "mode": "live" if live else "config",
                               "config": cfg.source}
     if live:
+        say("deriving the promise from the config")
         promised = [pr.worker_row(cfg, w, sup=sup) for w in cfg.workers.values()]
         from . import live as lv
 
-        got = lv.run_live(cfg, {r["worker"]: r for r in promised}, factory=factory,
-                          settle_s=settle_s, timeout_s=timeout_s)
+        if running is not None:
+            from . import running as rn
+
+            got = rn.collect(running, {r["worker"]: r for r in promised}, say)
+        else:
+            say("starting the configured system (--start)")
+            got = lv.run_live(cfg, {r["worker"]: r for r in promised}, factory=factory,
+                              settle_s=settle_s, timeout_s=timeout_s)
         events = got["events"]
         static = {e["worker"]: e for e in events
                   if e["event"] == "refused" and "kind" not in e and e.get("worker")}
@@ -171,7 +182,10 @@ def audit(cfg: Config, *, live: bool = False, factory: Callable[[Config, Any], A
             if got["outcome"] == "started" and e and e.get("standby"):
                 # its warm standby: the same sandbox, but no channel until it takes over
                 # and the normal class: a real-time grant comes at its READY too
-                p_sb = dict(p, channels={"writes": [], "reads": []},
+                # ... and W^X is locked at READY, which a standby has not reached.
+                sec = dict(p["seccomp"], filters=p["seccomp"]["filters"]
+                           - (1 if p["seccomp"].get("wx_from_ready") else 0))
+                p_sb = dict(p, channels={"writes": [], "reads": []}, seccomp=sec,
                             scheduling=dict(p["scheduling"], policy="other", priority=0,
                                             reset_on_fork=False, rt_budget_pct=None))
                 e_sb = e["standby"]
@@ -202,6 +216,8 @@ def audit(cfg: Config, *, live: bool = False, factory: Callable[[Config, Any], A
             diffs.append({"worker": name, "key": "stop", "expected": "stopped",
                           "observed": pids, "detail": f"{name}: sandbox process(es) "
                           f"{', '.join(map(str, pids))} still running after the orderly stop"})
+        if running is not None and got["outcome"] == "started":
+            diffs += _running_checks(cfg, report, got, running, say)
         if got["outcome"] != "started":
             result, code = "not-started", got["exit_code"] or 1
         elif diffs:
@@ -220,4 +236,37 @@ def audit(cfg: Config, *, live: bool = False, factory: Callable[[Config, Any], A
         report.update(result="promise", exit_code=EXIT_MATCH, workers=rows, differences=[])
     report["channels"] = pr.channel_rows(cfg)
     report["trust"] = pr.trust_rules(cfg)
+    from .sections import add_sections
+
+    say("adding the reviewer's sections")
+    report = add_sections(report, cfg, sup)
+    if running is not None:
+        report["running"] = {"pid": running.pid, "argv": running.argv,
+                             "config": running.config or "<embedded default>",
+                             "sandboxes": len(running.sandboxes)}
     return report
+
+
+def _running_checks(cfg: Config, report: dict[str, Any], got: dict[str, Any], running: Any,
+                    say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """What only a running system shows: each interference path's fds and mappings,
+    each filesystem view against its mount table, the inherited open-file limit."""
+    from . import fsview, pathcheck, paths
+
+    say("checking interference paths and filesystem views")
+    state = pathcheck.state_dir_of(cfg, running.state_dir)
+    rows, diffs = pathcheck.check_paths(cfg, paths.interference_paths(cfg), got, state)
+    report["live_paths"] = rows
+    for name, e in (got.get("workers") or {}).items():
+        if not e.get("running"):
+            continue
+        view = fsview.view_of(cfg, cfg.workers[name])
+        diffs += fsview.compare(name, view, e.get("mounts") or {})
+        want = cfg.workers[name].nofile
+        own = (got.get("supervisor_nofile") or [None])[0]
+        if want is None and own is not None and e["nofile"][0] != own:
+            diffs.append({"worker": name, "key": "limits.nofile",
+                          "expected": f"inherited ({own})", "observed": e["nofile"][0],
+                          "detail": f"{name}: open-file limit {e['nofile'][0]}; the config "
+                                    f"says inherited, the supervisor's own is {own}"})
+    return diffs

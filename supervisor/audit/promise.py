@@ -81,8 +81,15 @@ def policy(cfg: Config, w: WorkerConfig, sup=None):
 # --------------------------------------------------------------------------- seccomp
 
 
+def _has_wx() -> bool:
+    """W^X from READY exists in this tree (supervisor/sandbox/wx.py, worker.lock_wx)."""
+    from .syscalls import _wx
+
+    return _wx() is not None
+
+
 def seccomp_promise(profile: str, network: bool, *, at_launch: bool = True,
-                    after_start: bool | None = None) -> dict[str, Any]:
+                    after_start: bool | None = None, wx: bool = False) -> dict[str, Any]:
     """The filters a sandbox of this profile carries, summarised from the constants of
     `supervisor.sandbox.seccomp` (the same ones `build_filter` compiles)."""
     from supervisor.sandbox import seccomp as sc
@@ -102,14 +109,23 @@ def seccomp_promise(profile: str, network: bool, *, at_launch: bool = True,
         kill = list(sc.FILE_META_FD)
         eperm = [*sc.BASE_DENY, clone_ns,
                  *(n for n in sc.FILE_META_DENY if n not in sc.FILE_META_FD)]
-    filters = (1 if at_launch else 0) + (2 if after_start else 0)
+    launch = {"kill": kill, "eperm": eperm, "enosys": ["clone3"]}
+    try:   # the rules build_filter really adds (the lists above are the fallback)
+        from .syscalls import stage_lists
+
+        launch = stage_lists(profile, stage="launch", network=network)
+    except sc.SeccompUnavailableError:
+        pass
+    filters = (1 if at_launch else 0) + (2 if after_start else 0) + (1 if wx else 0)
     return {
         "mode": "filter" if filters else "disabled",
         "filters": filters,
-        "launch": {"kill": kill, "eperm": eperm, "enosys": ["clone3"]} if at_launch else None,
+        "launch": launch if at_launch else None,
         "after_start_kill": list(sc.EXEC_DENY) if after_start else [],
         "exec_watch": ([f"{n}(PROT_EXEC)" for n in sc.EXEC_WATCH_PROT]
                        + list(sc.EXEC_WATCH_ANY)) if after_start else [],
+        # W^X (sandbox/wx.py): loaded by the worker at READY, one more filter from then on
+        "wx_from_ready": wx,
     }
 
 
@@ -327,7 +343,8 @@ def worker_row(cfg: Config, w: WorkerConfig, *, sup=None,
         "new_exec_memory_after_ready": not is_strict,
         "jit_kernels": (w.jit_kernels if is_strict else True),
         "seccomp": seccomp_promise(profile, network, at_launch=at_launch,
-                                   after_start=after_start),
+                                   after_start=after_start,
+                                   wx=_has_wx() and not d.exec_memory_after_ready),
         "no_new_privs": True,
         "capabilities": {"effective": [], "permitted": [], "inheritable": [],
                          "ambient": [], "bounding": []},

@@ -39,26 +39,17 @@ def _seccomp(r: dict, mode: str) -> str:
     head = f"{s.get('mode')} x{s.get('filters')}"
     if mode != "config":
         return head + (f" (+{s['inherited']} inherited)" if s.get("inherited") else "")
+    launch = s.get("launch") or {}
     parts = [head]
-    launch = s.get("launch")
     if launch:
-        def some(names: list[str]) -> str:
-            shown = [n for n in _NOTABLE if n in names][:4]
-            return f" ({', '.join(shown)}, ...)" if shown else ""
-
-        parts.append(f"launch kills {len(launch['kill'])}{some(launch['kill'])}" +
-                     (f", EPERM {len(launch['eperm'])}{some(launch['eperm'])}"
-                      if launch["eperm"] else ""))
+        parts.append(f"launch: {len(launch['kill'])} kill, {len(launch['eperm'])} EPERM")
     if s.get("after_start_kill"):
-        parts.append("kills " + "/".join(s["after_start_kill"]) + " after start")
+        parts.append("after start kills " + "/".join(s["after_start_kill"]))
     if s.get("exec_watch"):
         parts.append("exec watch")
-    return ", ".join(parts)
-
-
-# Named in the seccomp cell when the list holds them (the JSON has every name).
-_NOTABLE = ("ptrace", "mount", "unshare", "bpf", "io_uring_setup", "keyctl", "connect",
-            "fchmod", "fsetxattr", "process_vm_writev")
+    if s.get("class"):
+        parts.append(f"every rule: appendix {s['class']}")
+    return "; ".join(parts)
 
 
 def _caps(r: dict, mode: str) -> str:
@@ -249,31 +240,65 @@ def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
     return out
 
 
+# Markdown tables narrow enough to read: at most 6 columns, split by topic (the worker
+# column, with its domain, first).
+GROUPS: list[tuple[str, list[tuple[str, str, Cell]]]] = [
+    ("Identity and namespaces", [ISOLATION[0], ISOLATION[1], ISOLATION[2], ISOLATION[9],
+                                 ISOLATION[8]]),
+    ("Code execution", [ISOLATION[3], ISOLATION[4], ISOLATION[5], ISOLATION[6]]),
+    ("Seccomp (summary; the whole policy is in the appendices)", [ISOLATION[7]]),
+    ("Resources", RESOURCES[:4] + [RESOURCES[5]]),
+    ("Scheduling and channels", [RESOURCES[4], RESOURCES[6], RESOURCES[7]]),
+    ("Trust", RESOURCES[8:]),
+]
+
+
 def markdown(report: dict) -> str:
+    from . import review
+
     live = report["mode"] == "live"
-    lines = [f"# {_title(report)}", "", _summary(report), ""]
+    lines = [f"# {_title(report)}", ""]
+    lines += review.md_head(report)
+    lines += [_summary(report), ""]
     rows = report["workers"]
-    lead = ["worker", "domain"] + (["pid"] if live else [])
 
     def first(r: dict) -> list[str]:
-        return [r["worker"], _domain(r)] + ([str(r.get("pid") or "not running")] if live else [])
+        who = f"{r['worker']} ({_domain(r)})"
+        if live:
+            who += f", pid {r.get('pid')}" if r.get("running") else ", NOT RUNNING"
+        return [who]
 
-    lines += ["## Isolation", ""]
-    lines += _md_table(lead + [f[0] for f in ISOLATION],
-                       [first(r) + [_cell(report, r, p, c) for _, p, c in ISOLATION] for r in rows])
-    lines += ["", "## Resources, channels, trust", ""]
-    lines += _md_table(lead + [f[0] for f in RESOURCES],
-                       [first(r) + [_cell(report, r, p, c) for _, p, c in RESOURCES] for r in rows])
     if live:
-        lines += ["", "## Differences", ""]
+        lines += ["## Differences", ""]
         lines += [f"- **{d['worker'] or '-'}** `{d['key']}`: {d['detail']}"
                   for d in report["differences"]] or ["None."]
-    lines += ["", "## Channels", ""]
-    lines += _md_table(["channel", "writer", "readers", "shadow", "payload", "actuation",
-                        "crc", "max age", "feeds actuation"], [_channel_cells(c)
-                                                               for c in report["channels"]])
+        lines.append("")
+    lines += review.md_paths(report)
+    lines += review.md_failure(report)
+    lines += ["## Isolation per worker", ""]
+    for title, cols in GROUPS:
+        lines += [f"### {title}", ""]
+        lines += _md_table(["worker"] + [c[0] for c in cols],
+                           [first(r) + [_cell(report, r, p, c) for _, p, c in cols]
+                            for r in rows])
+        lines.append("")
+    lines += review.md_filesystem(report)
+    lines += ["## Channels", ""]
+    lines += _md_table(["channel", "writer", "readers", "data", "checks", "feeds actuation"],
+                       [_channel_narrow(c) for c in report["channels"]])
     lines += ["", "## Trust rules", ""] + _trust_lines(report["trust"], "- ")
-    return "\n".join(lines) + "\n"
+    lines += review.md_syscalls(report)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _channel_narrow(c: dict) -> list[str]:
+    cells = _channel_cells(c)
+    data = f"{c['kind']} {c['dtype']}, {c['slot_count']} x {c['slot_size']} B" + (
+        f"; payload {c['payload']}" if c["payload"] else "") + (
+        "; ACTUATION" if c["actuation"] else "") + (
+        f"; {cells[3]}" if cells[3] != "no" else "")
+    checks = f"{cells[6]}, max age {cells[7]}, lease {c['lease_ms']} ms"
+    return [c["channel"], cells[1], cells[2], data, checks, cells[8]]
 
 
 def _channel_cells(c: dict) -> list[str]:
@@ -313,8 +338,10 @@ def _trust_lines(t: dict, bullet: str) -> list[str]:
 
 
 def text(report: dict) -> str:
+    from . import review
+
     live = report["mode"] == "live"
-    lines = [_title(report), _summary(report), ""]
+    lines = [_title(report)] + review.text_head(report) + [_summary(report), ""]
     width = max(len(f[0]) for f in ISOLATION + RESOURCES) + 2
     for r in report["workers"]:
         head = f"{r['worker']}  [{_domain(r)}]"
@@ -342,6 +369,7 @@ def text(report: dict) -> str:
                      f"payload {cells[4]}; actuation {cells[5]}; {cells[6]}; max age {cells[7]}"
                      + (f"; feeds {cells[8]}" if cells[8] != "-" else ""))
     lines += ["", "Trust rules:"] + [("  " + x if x else "") for x in _trust_lines(report["trust"], "* ")]
+    lines += review.text_sections(report)
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,206 @@
+"""The ``supervisor audit`` command line, all of it (``supervisor/cli.py`` dispatches
+here; ``python -m supervisor.audit`` is the same):
+
+    supervisor audit [--config F] [--format text|markdown|json] [--output FILE]
+                     [--sign KEY]
+    supervisor audit --live [--config F] [--pid PID] [--format ...]
+    supervisor audit --live --start [--config F] [--settle S] [--timeout S]
+    supervisor audit diff OLD.json NEW.json [--format text|markdown|json]
+    supervisor audit verify REPORT SIG PUBKEY
+
+``--live`` inspects the running supervisor (found through /proc: its bwrap children;
+``--pid`` picks one when several run), read-only; its config is the one the running
+supervisor was started with unless ``--config`` says otherwise. ``--start`` starts a
+system of its own for the audit instead, and refuses while a vehicle supervisor runs.
+``--sign KEY`` writes the JSON report to ``--output`` and a detached ed25519 signature
+next to it (``FILE.sig``). Progress goes to stderr when it is a terminal.
+
+Exit codes: 0 report made / system matches / diff without weakening / signature good;
+6 differences found live, or the diff weakened isolation; 1 a user's mistake or an
+internal error (one line, never a traceback), or a signature that does not verify;
+2 config error; 3, 4, 5 ``--start``: the supervisor's own exit before READY.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+from supervisor.exits import Exit
+
+PROG = "supervisor audit"
+
+
+class UsageError(Exception):
+    """A user's mistake: one line on stderr, exit 1."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Isolation audit for a safety "
+                                "reviewer (see docs/review.md). Also: `audit diff OLD NEW`, "
+                                "`audit verify REPORT SIG PUBKEY`.")
+    p.add_argument("--config", "-c", default=None, help="TOML config (default: the embedded "
+                   "one; --live: the running supervisor's)")
+    p.add_argument("--format", choices=("text", "markdown", "json"), default=None)
+    p.add_argument("--output", "-o", default=None, help="write the report here, not stdout")
+    p.add_argument("--sign", metavar="KEY", default=None,
+                   help="ed25519 private key: sign the JSON report (needs --output)")
+    p.add_argument("--live", action="store_true",
+                   help="inspect the running system (read-only)")
+    p.add_argument("--start", action="store_true",
+                   help="--live: start a system of its own for the audit instead")
+    p.add_argument("--pid", type=int, default=None,
+                   help="--live: the supervisor to inspect when several run")
+    p.add_argument("--settle", type=float, default=1.0,
+                   help="--start: seconds to wait after all workers are READY")
+    p.add_argument("--timeout", type=float, default=180.0,
+                   help="--start: seconds to wait for all workers to be READY")
+    return p
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):    # one line, exit 1 (argparse's own exits 2)
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _load(path: str | None):
+    from supervisor.config import ConfigError, load
+
+    try:
+        return load(path)
+    except ConfigError as e:
+        first = str(e).splitlines()
+        print(f"{PROG}: config error: {' '.join(x.strip() for x in first)}", file=sys.stderr)
+        raise SystemExit(int(Exit.CONFIG))
+
+
+def cmd_diff(argv: list[str]) -> int:
+    from . import diff
+
+    p = _Parser(prog=f"{PROG} diff", add_help=True)
+    p.add_argument("old")
+    p.add_argument("new")
+    p.add_argument("--format", choices=("text", "markdown", "json"), default="text")
+    a = p.parse_args(argv)
+    try:
+        d = diff.compare(diff.load(a.old), diff.load(a.new))
+    except diff.ReportError as e:
+        raise UsageError(f"{PROG} diff: {e}") from None
+    sys.stdout.write(diff.render(d, a.format))
+    return int(d["exit_code"])
+
+
+def cmd_verify(argv: list[str]) -> int:
+    from .sign import SignError, verify_file
+
+    p = _Parser(prog=f"{PROG} verify")
+    p.add_argument("report")
+    p.add_argument("signature")
+    p.add_argument("pubkey")
+    a = p.parse_args(argv)
+    try:
+        kid = verify_file(a.report, a.signature, a.pubkey)
+    except SignError as e:
+        print(f"{PROG} verify: FAILED: {e}", file=sys.stderr)
+        return int(Exit.ERROR)
+    print(f"{PROG} verify: OK: {a.report} signed by key {kid}")
+    return 0
+
+
+def _pick(pid: int | None):
+    from .running import find_supervisors
+
+    found = find_supervisors()
+    if pid is not None:
+        found = [r for r in found if r.pid == pid]
+        if not found:
+            raise UsageError(f"{PROG} --live: no running supervisor with pid {pid}")
+    if not found:
+        raise UsageError(f"{PROG} --live: no running supervisor found (start one with "
+                         f"`supervisor run`, or audit a system of its own with --start)")
+    if len(found) > 1:
+        raise UsageError(f"{PROG} --live: {len(found)} supervisors run (pids "
+                         f"{', '.join(str(r.pid) for r in found)}): choose one with --pid")
+    return found[0]
+
+
+def _refuse_start_beside_vehicle() -> None:
+    """--start would be a second full system on the vehicle: refused."""
+    from supervisor.config import ConfigError, load
+
+    from .running import find_supervisors
+
+    for rs in find_supervisors():
+        try:
+            mode = load(rs.config).supervisor.mode
+        except ConfigError:
+            mode = "vehicle"          # unreadable: assume the worst
+        # The vehicle's supervisor latches the real state dir; a test or bench run
+        # points TRIO_STATE_DIR elsewhere.
+        if mode == "vehicle" and rs.state_dir is None:
+            raise UsageError(f"{PROG} --live --start: refused: a vehicle supervisor runs "
+                             f"(pid {rs.pid}); audit it with --live (read-only), or stop it")
+
+
+def cmd_report(a: argparse.Namespace) -> int:
+    from . import audit, render
+    from .running import terminal_progress
+
+    fmt = a.format or ("json" if a.sign else "text")
+    if a.sign and (fmt != "json" or not a.output):
+        raise UsageError(f"{PROG} --sign: signs the JSON report written to a file: add "
+                         f"--output FILE (and --format json, the default with --sign)")
+    if a.start and not a.live:
+        raise UsageError(f"{PROG}: --start goes with --live")
+    if a.live and os.geteuid() != 0:
+        raise UsageError(f"{PROG} --live: needs root (the workers' /proc, cgroups)")
+    progress = terminal_progress()
+    running = None
+    if a.live and not a.start:
+        running = _pick(a.pid)
+        progress(f"supervisor pid {running.pid}, {len(running.sandboxes)} sandboxes")
+    elif a.start:
+        _refuse_start_beside_vehicle()
+    cfg = _load(a.config if (a.config or running is None) else running.config)
+    report = audit(cfg, live=a.live, settle_s=a.settle, timeout_s=a.timeout,
+                   running=running, progress=progress)
+    out = render(report, fmt)
+    if a.output:
+        with open(a.output, "w", encoding="utf-8") as f:
+            f.write(out)
+    else:
+        sys.stdout.write(out)
+    if a.sign:
+        from .sign import SignError, sign_file
+
+        try:
+            path, kid = sign_file(a.output, a.sign)
+        except SignError as e:
+            raise UsageError(f"{PROG} --sign: {e}") from None
+        print(f"{PROG}: signed {a.output} -> {path} (key {kid})", file=sys.stderr)
+    progress(f"done: {report['result']}, exit {report['exit_code']}")
+    return int(report["exit_code"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "diff":
+            return cmd_diff(argv[1:])
+        if argv and argv[0] == "verify":
+            return cmd_verify(argv[1:])
+        p = _parser()
+        p.__class__ = _Parser
+        return cmd_report(p.parse_args(argv))
+    except UsageError as e:
+        print(str(e), file=sys.stderr)
+        return int(Exit.ERROR)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return int(Exit.ERROR)
+    except Exception as e:   # a bug: one line that says where, exit 1
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        print(f"{PROG}: internal error: {type(e).__name__}: {e} "
+              f"({where.filename}:{where.lineno})", file=sys.stderr)
+        return int(Exit.ERROR)

@@ -1,0 +1,199 @@
+"""Each interference path checked on the running processes (``audit --live``): the fds
+and mappings that carry it have the access the mechanism relies on.
+
+Input: the paths (paths.py) and the evidence running.py read: per worker its fds by
+target, its channel handles (fd numbers, from bwrap's --setenv), its channel mappings
+and mount table; the supervisor's own fds and mappings. Output: one check per path
+instance, {path, check, observed, ok}, and a difference for every failed one."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from supervisor.config import Config
+
+from .paths import SUPERVISOR
+
+
+def _fd(e: dict[str, Any], fd: Any) -> dict[str, Any] | None:
+    """{target, access, nonblock} of fd number ``fd`` in a worker's evidence."""
+    if fd is None:
+        return None
+    for target, items in (e.get("fds") or {}).items():
+        for i in items:
+            if i["fd"] == int(fd):
+                return dict(i, target=target)
+    return None
+
+
+def _seg(target: str | None) -> str:
+    return (target or "closed").removeprefix("/memfd:").removesuffix(" (deleted)")
+
+
+class _Checks:
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.diffs: list[dict[str, Any]] = []
+
+    def add(self, path: str, worker: str | None, check: str, observed: str, ok: bool) -> None:
+        self.rows.append({"path": path, "check": check, "observed": observed, "ok": ok})
+        if not ok:
+            self.diffs.append({"worker": worker, "key": f"paths.{path}", "expected": check,
+                               "observed": observed, "detail": f"{path}: expected {check}; "
+                                                               f"observed {observed}"})
+
+
+def _data(c: _Checks, p: dict, ew: dict, er: dict | None, got: dict) -> None:
+    ch, w, r = p["channel"], p["writer"], p["reader"]
+    wh = (ew.get("handles") or {}).get(ch) or {}
+    f = _fd(ew, wh.get("data_fd"))
+    maps = (ew.get("channel_mappings") or {}).get(ch, {}).get("data", [])
+    ok = bool(f) and _seg(f["target"]) == f"trio-bridge:{ch}" and f["access"] == "O_RDWR"
+    c.add(p["id"], w, f"{w}: segment fd O_RDWR, mapped rw-s",
+          f"fd {wh.get('data_fd')} {_seg(f and f['target'])} {f and f['access']}, "
+          f"mapped {','.join(maps) or 'not mapped'}", ok and maps == ["rw-s"])
+    if r == SUPERVISOR:
+        m = (got.get("supervisor_channel_mappings") or {}).get(ch, {}).get("data", [])
+        c.add(p["id"], None, "supervisor (monitor): segment mapped read-only",
+              f"mapped {','.join(m) or 'not mapped'}", not any("w" in x for x in m))
+        return
+    if er is None or not er.get("running"):
+        c.add(p["id"], r, f"{r} running", "not running", False)
+        return
+    rh = (er.get("handles") or {}).get(ch) or {}
+    f = _fd(er, rh.get("data_fd"))
+    maps = (er.get("channel_mappings") or {}).get(ch, {}).get("data", [])
+    ok = bool(f) and _seg(f["target"]) == f"trio-bridge:{ch}" and f["access"] == "O_RDONLY"
+    c.add(p["id"], r, f"{r}: segment fd O_RDONLY, mapped r--s only",
+          f"fd {rh.get('data_fd')} {_seg(f and f['target'])} {f and f['access']}, "
+          f"mapped {','.join(maps) or 'not mapped'}",
+          ok and bool(maps) and not any("w" in x for x in maps))
+
+
+def _lease(c: _Checks, p: dict, ew: dict, er: dict | None, got: dict, index: int) -> None:
+    # A lease table is written by the channel's reader and read by the channel's writer.
+    ch, cw, lw = p["channel"], p["reader"], p["writer"]
+    wh = (ew.get("handles") or {}).get(ch) or {}
+    lease_fds = wh.get("lease_fds") or []
+    f = _fd(ew, lease_fds[index]) if index < len(lease_fds) else None
+    maps = (ew.get("channel_mappings") or {}).get(ch, {}).get("leases", {}).get(str(index), [])
+    c.add(p["id"], cw, f"{cw} (channel writer): lease{index} fd O_RDONLY, mapped r--s",
+          f"{_seg(f and f['target'])} {f and f['access']}, mapped "
+          f"{','.join(maps) or 'not mapped'}",
+          bool(f) and _seg(f["target"]) == f"trio-bridge:{ch}:lease{index}"
+          and f["access"] == "O_RDONLY" and not any("w" in x for x in maps))
+    if lw == SUPERVISOR or er is None or not er.get("running"):
+        return
+    rh = (er.get("handles") or {}).get(ch) or {}
+    f = _fd(er, rh.get("lease_fd"))
+    c.add(p["id"], lw, f"{lw} (reader {index}): its own lease{index} only, fd O_RDWR",
+          f"{_seg(f and f['target'])} {f and f['access']}",
+          bool(f) and _seg(f["target"]) == f"trio-bridge:{ch}:lease{rh.get('index')}"
+          and rh.get("index") == index and f["access"] == "O_RDWR")
+
+
+def _wakeup(c: _Checks, p: dict, ew: dict, er: dict | None, index: int, reverse: bool) -> None:
+    ch = p["channel"]
+    writer = p["reader"] if reverse else p["writer"]
+    wh = (ew.get("handles") or {}).get(ch) or {}
+    ev_fds = wh.get("event_fds") or []
+    f = _fd(ew, ev_fds[index]) if index < len(ev_fds) else None
+    if reverse:
+        c.add(p["id"], writer, f"{writer} (channel writer): its end a non-blocking socket",
+              f"{f and f['target']}, {'non-blocking' if f and f['nonblock'] else 'BLOCKING'}",
+              bool(f) and f["target"].startswith("socket:") and f["nonblock"])
+        return
+    reader = p["reader"]
+    if reader == SUPERVISOR or er is None or not er.get("running"):
+        c.add(p["id"], writer, f"{writer}: wake-up socket {index} open",
+              f"{f and f['target']}", bool(f) and f["target"].startswith("socket:"))
+        return
+    rh = (er.get("handles") or {}).get(ch) or {}
+    g = _fd(er, rh.get("event_fd"))
+    same = bool(f and g) and f["target"] != g["target"]     # two ends, two inodes
+    c.add(p["id"], reader, f"{reader}: its own end of a socketpair (not the writer's)",
+          f"{g and g['target']} (writer's end {f and f['target']})",
+          bool(g) and g["target"].startswith("socket:") and same)
+
+
+def _pipes(c: _Checks, p: dict, e: dict, got: dict) -> None:
+    sup = got.get("supervisor_fds") or {}
+    w = p["writer"]
+    if p["kind"] == "status pipe":
+        f = _fd(e, e.get("status_fd"))
+        held = [i for i in sup.get(f["target"], []) if i["access"] == "O_RDONLY"] if f else []
+        c.add(p["id"], w, f"{w}: status fd a pipe O_WRONLY, read end held by the supervisor",
+              f"{f and f['target']} {f and f['access']}; supervisor "
+              f"{'holds the read end' if held else 'does NOT hold it'}",
+              bool(f) and f["target"].startswith("pipe:") and f["access"] == "O_WRONLY"
+              and bool(held))
+    elif p["kind"] == "output pipe":
+        outs = [_fd(e, 1), _fd(e, 2)]
+        ok = all(f and f["target"].startswith("pipe:") and any(
+            i["access"] == "O_RDONLY" for i in sup.get(f["target"], [])) for f in outs)
+        c.add(p["id"], w, f"{w}: stdout and stderr a pipe read by the supervisor",
+              ", ".join(str(f and f["target"]) for f in outs), ok)
+    elif p["kind"] == "exec-watch notifications":
+        listeners = sum(len(v) for k, v in sup.items() if "seccomp" in k)
+        mine = (e.get("exec_watch") or {}).get("worker_holds_listener")
+        c.add(p["id"], w, f"{w} holds no seccomp listener; the supervisor holds listeners",
+              f"worker {'HOLDS one' if mine else 'holds none'}; supervisor holds {listeners}",
+              not mine and listeners > 0)
+
+
+def check_paths(cfg: Config, paths: list[dict[str, Any]], got: dict[str, Any],
+                state_dir: str | None) -> tuple[list[dict], list[dict]]:
+    c = _Checks()
+    ev = got.get("workers") or {}
+    index = {}
+    for name in cfg.channels:
+        readers = cfg.readers_of(name)
+        for i, r in enumerate([*readers, SUPERVISOR]):
+            index[(name, r)] = i
+    for p in paths:
+        kind = p["kind"]
+        if p.get("channel"):
+            ch = p["channel"]
+            writer = cfg.writer_of(ch)
+            reader = p["reader"] if kind in ("channel data", "wake-up socket") else p["writer"]
+            ew = ev.get(writer)
+            if ew is None or not ew.get("running"):
+                c.add(p["id"], writer, f"{writer} running", "not running", False)
+                continue
+            er = ev.get(reader)
+            i = index.get((ch, reader), 0)
+            if kind == "channel data":
+                _data(c, p, ew, er, got)
+            elif kind == "lease table":
+                _lease(c, p, ew, er, got, i)
+            elif kind in ("wake-up socket", "wake-up socket (reverse)"):
+                _wakeup(c, p, ew, er, i, kind.endswith("(reverse)"))
+        elif kind in ("status pipe", "output pipe", "exec-watch notifications"):
+            e = ev.get(p["writer"])
+            if e and e.get("running"):
+                _pipes(c, p, e, got)
+        elif kind == "standby control socket":
+            name = p["reader"].split()[0]
+            sb = (ev.get(name) or {}).get("standby")
+            c.add(p["id"], name, f"{name}: a warm standby sandbox waits",
+                  f"standby pid {sb.get('pid')}" if sb else "no standby running", bool(sb))
+        elif kind == "state directory" and state_dir:
+            _state_dir(c, p, ev, state_dir)
+    return c.rows, c.diffs
+
+
+def _state_dir(c: _Checks, p: dict, ev: dict, state_dir: str) -> None:
+    from .evidence import resolve_in_root
+
+    seen = []
+    for name, e in ev.items():
+        if e.get("running"):
+            _final, st = resolve_in_root(f"/proc/{e['pid']}/root", state_dir)
+            if st is not None:
+                seen.append(name)
+    c.add(p["id"], None, f"{state_dir} exists in no sandbox",
+          f"visible in {', '.join(seen)}" if seen else "in none", not seen)
+
+
+def state_dir_of(cfg: Config, env_dir: str | None) -> str:
+    return env_dir or os.environ.get("TRIO_STATE_DIR") or cfg.supervisor.state_dir

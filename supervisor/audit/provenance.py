@@ -1,0 +1,111 @@
+"""Where and from what an audit was made, so that a reviewer can reproduce it and tell
+two reports apart: time, host, kernel, distribution, package version and git commit,
+the config's sha256, every model artifact's sha256 and signing key, the interpreter and
+the libraries that enforce or check isolation."""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from supervisor.config import Config
+
+# Libraries whose versions change what is enforced or checked.
+LIBRARIES = ("trio", "numpy", "cryptography", "pyseccomp", "pycapnp", "tinygrad", "torch")
+
+
+def _distribution() -> str | None:
+    try:
+        for line in Path("/etc/os-release").read_text().splitlines():
+            if line.startswith("PRETTY_NAME="):
+                return line.split("=", 1)[1].strip().strip('"')
+    except OSError:
+        pass
+    return None
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def git_commit(root: str) -> dict[str, Any]:
+    """{commit, dirty} of the checkout at ``root``, or {commit: "not a checkout"}."""
+    if not os.path.isdir(os.path.join(root, ".git")):
+        return {"commit": "not a checkout", "dirty": None}
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        # Only the shipped packages count: a dirty test file changes nothing enforced.
+        status = subprocess.run(["git", "-C", root, "status", "--porcelain", "--",
+                                 "supervisor", "workers", "schemas"], capture_output=True,
+                                text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": "not a checkout", "dirty": None}
+    return {"commit": head, "dirty": bool(status.strip())}
+
+
+def _tool(argv: list[str]) -> str | None:
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    out = (p.stdout or p.stderr).strip().splitlines()
+    return out[0] if out else None
+
+
+def config_sha256(cfg: Config) -> str | None:
+    """sha256 of the config file's bytes (the embedded default's when no file)."""
+    from supervisor.config import PROJECT_ROOT
+
+    src = cfg.source
+    if src.startswith("<embedded"):
+        path = Path(PROJECT_ROOT) / "supervisor" / "default.toml"
+    else:
+        path = Path(src)
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def artifacts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each model artifact the workers load: manifest sha256 and signing key id (the
+    manifest lists every file's sha256 and is what the signature covers)."""
+    out = []
+    for r in rows:
+        for m in r.get("models") or []:
+            out.append({"worker": r["worker"], "artifact": m.get("artifact"),
+                        "manifest_sha256": m.get("manifest_sha256"),
+                        "key_id": m.get("key_id"), "signature": m.get("signature"),
+                        "name": m.get("name"), "version": m.get("version")})
+    return out
+
+
+def provenance(cfg: Config, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    from supervisor.config import PROJECT_ROOT
+
+    u = platform.uname()
+    return {
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": socket.gethostname(),
+        "kernel": f"{u.system} {u.release} {u.machine}",
+        "distribution": _distribution(),
+        "package": {"name": "supervisor", "version": _version("supervisor")},
+        "git": git_commit(str(PROJECT_ROOT)),
+        "config": {"source": cfg.source, "sha256": config_sha256(cfg)},
+        "artifacts": artifacts(rows),
+        "python": f"{platform.python_implementation()} {platform.python_version()} "
+                  f"({sys.executable})",
+        "libraries": {name: _version(name) for name in LIBRARIES},
+        "tools": {"bwrap": _tool(["bwrap", "--version"])},
+    }
