@@ -25,7 +25,7 @@ import shutil
 import subprocess
 from typing import Callable, Iterable, Mapping, Sequence
 
-from .policy import SandboxPolicy
+from .policy import SandboxPolicy, minimize
 
 # Never in a sandbox's environment: dynamic-loader hooks (load code into
 # every process, bwrap included).
@@ -149,6 +149,26 @@ def compiler_masks(ro_binds: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[st
     return tuple(sorted(files)), tuple(sorted(dirs))
 
 
+def masks_to_mount(policy: SandboxPolicy) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The compiler masks (files, dirs) that still need a mount once the refused
+    distributions are hidden.
+
+    A mask at or below a hidden entry is skipped: there is nothing left to mask, and
+    bwrap would have to create its mount point's parents in a directory that no longer
+    exists, on a read-only mount (GPU machine: triton ships its own ptxas in
+    triton/backends/nvidia/bin, and triton is hidden: "Can't mkdir parents ... Read-only
+    file system", every control sandbox dead at start). A directory mask below another
+    one is skipped too: the outer tmpfs is read-only by then and hides it anyway.
+    Compared on both spellings, as given and resolved (masks are real paths).
+    """
+    files, dirs = compiler_masks(tuple(policy.ro_binds))
+    gone = {*policy.hidden, *(os.path.realpath(h) for h in policy.hidden)}
+    kept_dirs = tuple(d for d in minimize(dirs) if not _visible(d, tuple(gone)))
+    kept_files = tuple(f for f in files
+                       if not _visible(f, tuple(gone)) and not _visible(f, kept_dirs))
+    return kept_files, kept_dirs
+
+
 def check_env(env: Mapping[str, str], forbidden: re.Pattern[str] = _FORBIDDEN_ENV) -> None:
     for k, v in env.items():
         if not k or "=" in k or "\0" in k or "\0" in v:
@@ -187,10 +207,13 @@ def _hide_args(hidden: Sequence[str], source: Callable[[str], str] = _same,
     one gives "No module named 'torch'" and ENOENT for every file below it.
     """
     by_dir: dict[str, set[str]] = {}
-    for h in hidden:
+    # Only the outermost: an entry below another hidden one is gone with it, and its
+    # directory cannot be rebuilt where nothing exists.
+    for h in minimize(hidden):
         by_dir.setdefault(os.path.dirname(h), set()).add(os.path.basename(h))
     a: list[str] = []
-    for d, names in sorted(by_dir.items()):
+    # Parents before children: a directory rebuilt later would cover an earlier view.
+    for d, names in sorted(by_dir.items(), key=lambda kv: (kv[0].count("/"), kv[0])):
         if views and d in views:
             a += ["--ro-bind", views[d], d]
             continue
@@ -290,7 +313,7 @@ def build_bwrap_argv(
     a += ["--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
 
     if policy.hide_compilers:
-        files, dirs = compiler_masks(tuple(policy.ro_binds))
+        files, dirs = masks_to_mount(policy)
         for d in dirs:
             a += ["--tmpfs", d, "--remount-ro", d]  # empty and unwritable
         for f in files:

@@ -30,10 +30,13 @@ import signal
 import time
 from dataclasses import dataclass
 
-__all__ = ["CGROUP_ROOT", "CgroupTree", "CgroupUnavailable", "Limits", "WorkerCgroup"]
+__all__ = ["CGROUP_ROOT", "CgroupTree", "CgroupUnavailable", "Limits", "LimitsOff",
+           "WorkerCgroup", "limits_off"]
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 CONTROLLERS = ("memory", "pids", "cpu")
+# The worker config's limit keys each controller enforces (what an operator reads).
+LIMITS_OF = {"memory": ("memory_max",), "pids": ("pids_max",), "cpu": ("cpu_quota", "cpu_weight")}
 CPU_PERIOD_US = 100_000
 # v1 prints "no limit" as PAGE_COUNTER_MAX * PAGE_SIZE (9223372036854771712 with 4 KiB
 # pages); anything this large is no limit in practice.
@@ -76,6 +79,44 @@ class Limits:
 
 class CgroupUnavailable(RuntimeError):
     """cgroups cannot be used here; str() is a one-line reason for a log or config error."""
+
+
+@dataclass(frozen=True)
+class LimitsOff:
+    """What this machine's cgroups cannot enforce, for ONE event per supervisor run (not
+    a line per worker): the limits that are off, those still on, and why.
+
+    The rest runs: a worker whose memory_max cannot be enforced still starts. No
+    RLIMIT_DATA/RLIMIT_AS stand-in is recommended (see `fallback`): both count address
+    space reserved, not memory used (OpenBLAS's per-thread buffers, glibc's 64 MiB
+    arenas), so a limit sized to memory hangs or kills a worker that uses little of it
+    (GPU machine: `import numpy` with 16 OpenBLAS threads hung under RLIMIT_DATA =
+    512 MiB), while shared memory and tmpfs, which a worker can fill, are not counted.
+    """
+
+    version: int | None                  # 1, 2, or None when no cgroup could be used
+    controllers: tuple[str, ...]         # controllers off: memory, pids, cpu
+    reason: str
+
+    @property
+    def limits(self) -> tuple[str, ...]:
+        return tuple(k for c in self.controllers for k in LIMITS_OF.get(c, ()))
+
+    def event(self) -> dict[str, object]:
+        """Fields of the one `limits_not_enforced` event (level warning)."""
+        on = tuple(k for c in CONTROLLERS if c not in self.controllers for k in LIMITS_OF[c])
+        return {"off": list(self.limits), "enforced": list(on),
+                "cgroup": f"v{self.version}" if self.version else "none",
+                "reason": self.reason,
+                "fallback": "none: the limits off are not enforced (no rlimit stands in)"}
+
+
+def limits_off(tree: "CgroupTree | None", error: str = "") -> LimitsOff | None:
+    """The one report for a run: `tree.off` for a partial tree, every limit when there is
+    no tree (`error`: the CgroupUnavailable text), None when everything is enforced."""
+    if tree is None:
+        return LimitsOff(None, CONTROLLERS, error or "cgroups unavailable")
+    return tree.off
 
 
 # --- small file helpers ---------------------------------------------------------------
@@ -253,12 +294,15 @@ class WorkerCgroup:
     """One worker run's cgroup (one directory per v1 hierarchy, one directory in v2)."""
 
     def __init__(self, name: str, limits: Limits, version: int, dirs: dict[str, str],
-                 controllers: tuple[str, ...]) -> None:
+                 controllers: tuple[str, ...], off: tuple[str, ...] = ()) -> None:
         self.name = name
         self.limits = limits
         self.version = version
         self._dirs = dirs                                   # controller -> directory
         self._controllers = controllers
+        # Controllers the tree already reported as off (one `limits_not_enforced` event
+        # for the run): their limits are skipped here, not refused per worker.
+        self._off = off
         self.paths: tuple[str, ...] = tuple(dict.fromkeys(dirs.values()))
         self._inos: tuple[int, ...] = ()
 
@@ -276,7 +320,7 @@ class WorkerCgroup:
         mem, pids, cpu = (self._dirs.get(c) if c in self._controllers else None for c in CONTROLLERS)
         for c, wanted in (("memory", lim.memory_max), ("pids", lim.pids_max),
                           ("cpu", lim.cpu_quota_pct), ("cpu", lim.cpu_weight)):
-            if wanted is not None and c not in self._controllers:
+            if wanted is not None and c not in self._controllers and c not in self._off:
                 raise CgroupUnavailable(f"{c} limit requested but the {c} controller is not in use")
         if self.version == 1:
             if lim.memory_max is not None and mem:
@@ -433,23 +477,33 @@ class WorkerCgroup:
 class CgroupTree:
     """Base cgroup of one supervisor run; leaves are created under it per worker run."""
 
-    def __init__(self, name: str, version: int, bases: dict[str, str], controllers: tuple[str, ...]) -> None:
+    def __init__(self, name: str, version: int, bases: dict[str, str], controllers: tuple[str, ...],
+                 off: LimitsOff | None = None) -> None:
         self.name = name
         self.version = version
         self._bases = bases                                 # controller -> base directory
         self._controllers = controllers
+        # What this machine's cgroups cannot enforce (partial trees only); None: all on.
+        self.off = off
         self.paths: tuple[str, ...] = tuple(dict.fromkeys(bases.values()))
         self._leaves: dict[str, WorkerCgroup] = {}
         self._closed = False
 
     @classmethod
-    def create(cls, name: str | None = None) -> CgroupTree:
-        """v2 when /sys/fs/cgroup is a cgroup2 mount, else v1 memory+pids+cpu; else raise."""
-        return cls._create(name)
+    def create(cls, name: str | None = None, *, partial: bool = False) -> CgroupTree:
+        """v2 when /sys/fs/cgroup is a cgroup2 mount, else v1 memory+pids+cpu; else raise.
+
+        partial=True: where only some controllers are delegated (v2; a GPU machine had
+        only `memory`) or mounted (v1), use those and record the rest in `tree.off`, so
+        that the limits that can be enforced are, and the caller reports the others once
+        (`LimitsOff.event()`). A v2 tree with no controller at all still gives every
+        sandbox its own cgroup: membership and cgroup.kill, no limits.
+        """
+        return cls._create(name, partial=partial)
 
     @classmethod
     def _create(cls, name: str | None = None, *, root: str = CGROUP_ROOT,
-                controllers: tuple[str, ...] = CONTROLLERS) -> CgroupTree:
+                controllers: tuple[str, ...] = CONTROLLERS, partial: bool = False) -> CgroupTree:
         # root/controllers are for tests only: the v2 code can then run against a
         # hybrid system's /sys/fs/cgroup/unified, where no controller is available.
         name = name or _default_name()
@@ -460,24 +514,30 @@ class CgroupTree:
         except OSError as e:
             raise CgroupUnavailable(f"cannot read /proc/self/cgroup: {e.strerror}") from None
         if os.path.exists(os.path.join(root, "cgroup.controllers")):
-            return cls._create_v2(name, root, controllers, proc_cgroup)
+            return cls._create_v2(name, root, controllers, proc_cgroup, partial)
         with open("/proc/self/mountinfo") as f:
             mountinfo = f.read()
-        return cls._create_v1(name, controllers, proc_cgroup, mountinfo)
+        return cls._create_v1(name, controllers, proc_cgroup, mountinfo, partial)
 
     @classmethod
-    def _create_v2(cls, name: str, mount: str, controllers: tuple[str, ...], proc_cgroup: str) -> CgroupTree:
+    def _create_v2(cls, name: str, mount: str, controllers: tuple[str, ...], proc_cgroup: str,
+                   partial: bool = False) -> CgroupTree:
         own = next((ln[3:] for ln in proc_cgroup.splitlines() if ln.startswith("0::")), None)
         if own is None:
             raise CgroupUnavailable("cgroup v2: no '0::' line in /proc/self/cgroup")
         own_dir = mount + own.rstrip("/") if own != "/" else mount
+        off = None
         try:
             available = _read(f"{own_dir}/cgroup.controllers").split()
             missing = [c for c in controllers if c not in available]
             if missing:
-                raise CgroupUnavailable(
-                    f"cgroup v2: controller(s) {' '.join(missing)} not delegated to {own_dir} "
-                    f"(available: {' '.join(available) or 'none'}; run under systemd with Delegate=yes)")
+                why = (f"cgroup v2: controller(s) {' '.join(missing)} not delegated to {own_dir} "
+                       f"(available: {' '.join(available) or 'none'}; run under systemd with "
+                       f"Delegate=yes)")
+                if not partial:
+                    raise CgroupUnavailable(why)
+                off = LimitsOff(2, tuple(missing), why)
+                controllers = tuple(c for c in controllers if c in available)
             # No-internal-process rule: a non-root cgroup holding processes cannot enable
             # controllers for its children. The real root is exempt and is the only
             # cgroup without cgroup.type (a cgroup-namespace root is not exempt).
@@ -501,10 +561,11 @@ class CgroupTree:
                 _write(f"{base}/cgroup.subtree_control", enable)
         except OSError as e:
             raise CgroupUnavailable(f"cgroup v2 at {own_dir}: {_why(e)}") from None
-        return cls(name, 2, {c: base for c in CONTROLLERS}, controllers)
+        return cls(name, 2, {c: base for c in CONTROLLERS}, controllers, off)
 
     @classmethod
-    def _create_v1(cls, name: str, controllers: tuple[str, ...], proc_cgroup: str, mountinfo: str) -> CgroupTree:
+    def _create_v1(cls, name: str, controllers: tuple[str, ...], proc_cgroup: str, mountinfo: str,
+                   partial: bool = False) -> CgroupTree:
         own: dict[str, str] = {}
         for ln in proc_cgroup.splitlines():
             _id, ctrls, path = ln.split(":", 2)
@@ -519,14 +580,23 @@ class CgroupTree:
             for c in p[2].split(","):
                 mounts.setdefault(c, (_unescape(f[4]), _unescape(f[3]), "ro" in f[5].split(",")))
         missing = [c for c in controllers if c not in mounts or c not in own]
-        if missing:
-            raise CgroupUnavailable(
-                f"no cgroup2 at {CGROUP_ROOT} and cgroup v1 controller(s) {' '.join(missing)} not mounted")
+        # A read-only hierarchy is as good as absent (a container's cgroupfs).
+        read_only = [c for c in controllers if c not in missing and mounts[c][2]]
+        off = None
+        if missing or read_only:
+            why = "; ".join(
+                ([f"no cgroup2 at {CGROUP_ROOT} and cgroup v1 controller(s) "
+                  f"{' '.join(missing)} not mounted"] if missing else [])
+                + [f"cgroup v1 {c} hierarchy at {mounts[c][0]} is mounted read-only"
+                   for c in read_only])
+            usable = tuple(c for c in controllers if c not in missing and c not in read_only)
+            if not partial or not usable:
+                raise CgroupUnavailable(why)
+            off = LimitsOff(1, tuple(c for c in controllers if c not in usable), why)
+            controllers = usable
         bases: dict[str, str] = {}
         for c in controllers:
             mountpoint, mroot, ro = mounts[c]
-            if ro:
-                raise CgroupUnavailable(f"cgroup v1 {c} hierarchy at {mountpoint} is mounted read-only")
             path = own[c]
             if mroot != "/":
                 # The mount shows only a sub-tree (a container's bind mount of its cgroup).
@@ -545,7 +615,7 @@ class CgroupTree:
             for b in reversed(made):
                 os.rmdir(b)
             raise CgroupUnavailable(f"cgroup v1: {_why(e)}") from None
-        return cls(name, 1, bases, controllers)
+        return cls(name, 1, bases, controllers, off)
 
     def leaf(self, name: str, limits: Limits) -> WorkerCgroup:
         """A fresh leaf for one worker run; whatever a previous leaf of this name left is killed."""
@@ -553,7 +623,9 @@ class CgroupTree:
         if self._closed:
             raise RuntimeError("CgroupTree is closed")
         w = WorkerCgroup(name, limits, self.version,
-                         {c: os.path.join(b, name) for c, b in self._bases.items()}, self._controllers)
+                         {c: os.path.join(b, name) for c, b in self._bases.items()
+                          if c in self._controllers or self.version == 2},
+                         self._controllers, self.off.controllers if self.off else ())
         # By path, not via the old handle: also catches a leaf we lost track of.
         _destroy(list(w.paths), self.version)
         self._leaves.pop(name, None)

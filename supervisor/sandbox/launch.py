@@ -20,13 +20,18 @@ import os
 import queue
 import resource
 import subprocess
+import sys
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 from . import seccomp, staging
 from .bwrap import build_bwrap_argv
-from .policy import SandboxPolicy
+from .policy import SandboxPolicy, for_worker
+
+if TYPE_CHECKING:
+    from supervisor.config import Config
 
 T = TypeVar("T")
 
@@ -283,4 +288,84 @@ def descendant_pids(pid: int) -> list[int]:
         for c in children.get(todo.pop(), []):
             out.append(c)
             todo.append(c)
+    return out
+
+
+# --- can the sandbox be built at all? (for `supervisor check`) ----------------------
+
+# What the rehearsal runs inside: the interpreter, its site, and the project's
+# protocol module (PYTHONPATH, staging of a 0700 home, hidden distributions).
+_REHEARSAL = ("-c", "import supervisor.protocol")
+
+
+@dataclass(frozen=True)
+class SandboxCheck:
+    """Whether one worker's sandbox could be built and its interpreter started."""
+
+    worker: str
+    ok: bool
+    # One line: bwrap's own message ("bwrap: Can't mkdir parents for ...") or the
+    # interpreter's last line, plus what to do where the machine probe knows it.
+    error: str = ""
+    ms: float = 0.0
+
+    def line(self) -> str:
+        return (f"{self.worker}: sandbox ok ({self.ms:.0f} ms)" if self.ok
+                else f"{self.worker}: sandbox cannot start: {self.error}")
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def rehearse(policy: SandboxPolicy, worker: str = "", *, timeout_s: float = 30.0) -> SandboxCheck:
+    """Build `policy`'s sandbox exactly as spawn() does (staging namespace, host uid,
+    launch seccomp filter, every bind, whiteout and compiler mask) and start the
+    interpreter in it, importing the project. What makes this fail makes `run` fail the
+    same way for every worker of that policy, so `supervisor check` should call it (or
+    `rehearse_config`) and fail with the returned line. Not covered: what the worker's own
+    code does, cgroups and limits (those need `check --start`)."""
+    name = worker or policy.domain
+    t0 = time.monotonic()
+    try:
+        r = run(policy, [sys.executable, *_REHEARSAL], timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return SandboxCheck(name, False, f"interpreter did not start within {timeout_s:.0f} s")
+    except (OSError, LookupError, ValueError, RuntimeError) as e:
+        # bwrap missing, staging refused, no such host user, libseccomp missing...
+        return SandboxCheck(name, False, f"{type(e).__name__}: {e}")
+    ms = (time.monotonic() - t0) * 1000
+    if r.returncode == 0:
+        return SandboxCheck(name, True, ms=ms)
+    err = _last_line(r.stderr) or f"exit status {r.returncode}, no output"
+    from .probe import userns_advice
+
+    advice = userns_advice() if "namespace" in err or "uid map" in err or "uid_map" in err else None
+    return SandboxCheck(name, False, f"{err}{' -> ' + advice if advice else ''}", ms)
+
+
+def _build_key(p: SandboxPolicy) -> tuple:
+    """What decides whether a sandbox can be built (not its environment)."""
+    return (p.rules, p.network, p.hide_compilers, p.host_uid, p.host_gid, p.seccomp_at_launch,
+            tuple(p.ro_binds), tuple(p.rw_binds), tuple(p.dev_binds), tuple(p.hidden))
+
+
+def rehearse_config(config: "Config", *, timeout_s: float = 30.0) -> list[SandboxCheck]:
+    """`rehearse` for every worker of `config` (research included), one start per
+    distinct sandbox layout. A worker whose policy cannot even be made (a domain user
+    missing) is a failed check, not an exception."""
+    done: dict[tuple, SandboxCheck] = {}
+    out: list[SandboxCheck] = []
+    for name, w in config.workers.items():
+        try:
+            pol = for_worker(config, w)
+        except (LookupError, ValueError) as e:
+            out.append(SandboxCheck(name, False, str(e)))
+            continue
+        key = _build_key(pol)
+        if key not in done:
+            done[key] = rehearse(pol, name, timeout_s=timeout_s)
+        c = done[key]
+        out.append(SandboxCheck(name, c.ok, c.error, c.ms))
     return out

@@ -7,13 +7,17 @@ turns it into a command line and `seccomp.py` into syscall filters.
 from __future__ import annotations
 
 import glob
+import math
 import os
 import pwd
 import site
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    from supervisor.config import Config, WorkerConfig
 
 CONTROL = "control"
 RESEARCH = "research"
@@ -189,6 +193,28 @@ def refused_paths(ro_binds: Iterable[str]) -> list[str]:
     return sorted(set(out))
 
 
+# Thread pools that size themselves from the machine's core count (OpenBLAS, OpenMP,
+# MKL, numexpr): set to the worker's CPU share instead.
+THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+              "NUMEXPR_NUM_THREADS")
+
+
+def thread_count(cpu_quota_pct: float | None, strict: bool) -> int | None:
+    """Threads for a worker's math libraries: its CPU share, at least 1.
+
+    Why (GPU machine, 16 cores): OpenBLAS starts one thread per core at `import numpy`
+    and reserves a buffer per thread; under a 512 MiB memory limit enforced as
+    RLIMIT_DATA (no cgroup) the import hung and camerad never printed a line. Threads
+    beyond the worker's quota only queue for the same CPU time anyway. A control worker
+    without a quota gets 1: its work is one frame pipeline, and a pool of spinning BLAS
+    threads is jitter for every other control worker. Research without a quota keeps the
+    libraries' own choice (None).
+    """
+    if cpu_quota_pct:
+        return max(1, min(os.cpu_count() or 1, math.ceil(cpu_quota_pct / 100)))
+    return 1 if strict else None
+
+
 def policy_for_domain(
     domain: str,
     network: bool = False,
@@ -201,6 +227,7 @@ def policy_for_domain(
     hide_compilers: bool | None = None,
     refuse_torch: bool | None = None,
     exec_after_start: bool | None = None,
+    cpu_quota_pct: float | None = None,
 ) -> SandboxPolicy:
     """Build the policy for `domain` from its isolation fields (see
     `supervisor.config.DomainConfig`); a field left None takes the profile's value.
@@ -251,6 +278,9 @@ def policy_for_domain(
     }
     if pp:
         env["PYTHONPATH"] = pp
+    threads = thread_count(cpu_quota_pct, strict)
+    if threads is not None:
+        env.update(dict.fromkeys(THREAD_ENV, str(threads)))
 
     host_uid, host_gid = host_ids(rules, user)
     return SandboxPolicy(
@@ -258,7 +288,8 @@ def policy_for_domain(
         profile=rules,
         host_uid=host_uid,
         host_gid=host_gid,
-        hidden=refused_paths(ro) if refuse_torch else [],
+        # Outermost only: a refused tree nested in another one is hidden with it.
+        hidden=minimize(refused_paths(ro)) if refuse_torch else [],
         network=bool(network),
         hide_compilers=hide_compilers,
         seccomp_after_start=not exec_after_start,
@@ -270,3 +301,18 @@ def policy_for_domain(
         python_path=python_path,
         hostname=domain,
     )
+
+
+def for_worker(config: "Config", w: "WorkerConfig") -> SandboxPolicy:
+    """The sandbox policy of worker `w`: its domain's isolation fields, its model's
+    files bound read-only, its math libraries' threads sized to its CPU quota. A pure
+    function of the config, for the supervisor, `check` and the audit alike."""
+    d = config.domains[w.domain]
+    m = config.models.get(w.model or "")
+    ro = (*d.extra_ro_binds, *((m.artifact, m.public_key) if m else ()))
+    return policy_for_domain(w.domain, network=d.network, extra_ro_binds=ro,
+                             extra_rw_binds=d.extra_rw_binds, user=d.user,
+                             profile=d.profile, hide_compilers=d.hide_compilers,
+                             refuse_torch=d.refuse_torch,
+                             exec_after_start=d.exec_after_start,
+                             cpu_quota_pct=w.cpu_quota)

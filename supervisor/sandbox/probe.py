@@ -6,6 +6,10 @@ when every attempt failed. "info" reports the environment instead.
 
 Network safety: a non-loopback target is only tried when this network
 namespace has no interface but `lo` (then nothing can leave the box).
+
+Also the machine side (run OUTSIDE, by the supervisor or `check`): the kernel knobs
+that stop unprivileged user namespaces, hence every sandbox (`userns_blockers`,
+`userns_advice`). Read only: a knob is opened for reading, never written.
 """
 
 from __future__ import annotations
@@ -344,6 +348,56 @@ def unix_raw_dgram_after_lockdown(args: list[str]) -> tuple[bool, dict]:
         tx.close(), rx.close()
         os.unlink(path)
     return d.get("received") != "hello", d
+
+
+# --- machine side: what stops bwrap's user namespace --------------------------------
+
+_BWRAP_PROFILE = ("abi <abi/4.0>, include <tunables/global> "
+                  "profile bwrap /usr/bin/bwrap flags=(unconfined) { userns, }")
+# (knob under <proc>/sys, value that blocks, one line saying what to do). bwrap runs as
+# the domain's unprivileged host user, so every one of these applies even to a root
+# supervisor.
+_USERNS_KNOBS: tuple[tuple[str, str, str], ...] = (
+    ("kernel/apparmor_restrict_unprivileged_userns", "1",
+     "AppArmor (Ubuntu 23.10+/24.04) refuses unprivileged user namespaces: give bwrap a "
+     f"profile that allows them: write '{_BWRAP_PROFILE}' to /etc/apparmor.d/bwrap and run "
+     "`apparmor_parser -r /etc/apparmor.d/bwrap` (or set the sysctl to 0: every program "
+     "then gets them)"),
+    ("kernel/unprivileged_userns_clone", "0",
+     "unprivileged user namespaces are off (Debian <= 10 knob): sysctl -w "
+     "kernel.unprivileged_userns_clone=1 (persist it in /etc/sysctl.d/)"),
+    ("user/max_user_namespaces", "0",
+     "no user namespaces allowed: sysctl -w user.max_user_namespaces=15000 "
+     "(persist it in /etc/sysctl.d/)"),
+)
+
+
+def _read_knob(path: str) -> str | None:
+    try:
+        with open(path) as f:          # read only: a kernel knob is never written here
+            return f.read().strip()
+    except OSError:
+        return None                    # absent: this kernel has no such knob
+
+
+def userns_blockers(proc_root: str = "/proc") -> list[tuple[str, str, str]]:
+    """(sysctl name, value, what to do) for each knob under `proc_root` that stops an
+    unprivileged user namespace. `proc_root` is a fake tree in tests."""
+    out = []
+    for rel, bad, advice in _USERNS_KNOBS:
+        value = _read_knob(os.path.join(proc_root, "sys", rel))
+        if value == bad:
+            out.append((rel.replace("/", "."), value, advice))
+    return out
+
+
+def userns_advice(proc_root: str = "/proc") -> str | None:
+    """One line naming the knob(s) that would make every sandbox fail, and the fix;
+    None when nothing here stops bwrap."""
+    found = userns_blockers(proc_root)
+    if not found:
+        return None
+    return "; ".join(f"{name} = {value}: {advice}" for name, value, advice in found)
 
 
 ATTACKS: dict[str, Callable[[list[str]], tuple[bool, dict]]] = {
