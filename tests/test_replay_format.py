@@ -3,6 +3,7 @@ trips, reading while written, crash and corruption losses (reported, never fatal
 per-field comparison with tolerances, and the CLI's one-line refusals."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from supervisor.replay import derive
 from supervisor.replay.diff import (
     compare,
     parse_tolerances,
+    render_json,
     render_markdown,
     render_text,
 )
@@ -191,7 +193,52 @@ def test_model_time_gate_compares_p99_and_max_with_the_reference(tmp_path):
     assert compare(slow, ref, **kw, p99_ratio=3, max_ratio=3).ok
 
 
-@pytest.mark.parametrize("spec", ["model_out", "x=-1", "=3", "a=b"])
+def test_only_gated_channels_decide_and_presence_has_a_tolerance_and_values_are_shown(tmp_path):
+    write_log(tmp_path / "ref", n=12)
+    write_log(tmp_path / "new", n=12, offset=lambda k: 0.01 * k + (0.5 if k >= 7 else 0.0),
+              skip=(3,))
+    ref, new = DriveLog.open(tmp_path / "ref"), DriveLog.open(tmp_path / "new")
+    kw = dict(channels=["model_out", "control_cmd"],
+              payloads={"model_out": "model_out", "control_cmd": "control_cmd"},
+              model_channel="model_out")
+    # Not gated: compared and reported, never the verdict (research, shadow channels).
+    r = compare(new, ref, **kw, gated={"model_out"}, ignore=["model_out.offset_m"],
+                tolerances=parse_tolerances(["model_out.removed=1"]))
+    mo, cc = r.channels
+    assert r.ok and mo.ok and mo.removed == [3] and not cc.ok and not cc.gated
+    assert mo.ignored_fields == ["offset_m"] and "offset_m" not in [f.name for f in mo.fields]
+    assert "control_cmd (not gated: reported only)" in render_text(r)
+    assert compare(new, ref, **kw, gated={"model_out"}).ok is False   # offset_m counts again
+    # A whole channel ignored; presence tolerances are counts per channel.
+    r = compare(new, ref, **kw, ignore=["model_out"],
+                tolerances=parse_tolerances(["control_cmd.removed=1",
+                                             "control_cmd.steer_rad=0.6"]))
+    assert r.ok and [c.channel for c in r.channels] == ["control_cmd"] and r.ignored == ["model_out"]
+    assert not compare(new, ref, **kw, ignore=["model_out"],
+                       tolerances=parse_tolerances(["control_cmd.steer_rad=0.6"])).ok
+    # Values, not only counts: the first divergent messages of each field, every id.
+    r = compare(new, ref, **kw)
+    off = next(f for f in r.channels[0].fields if f.name == "offset_m")
+    assert [x["frame"] for x in off.examples] == list(range(7, 12))
+    assert off.examples[0]["ref"] == pytest.approx(0.07) and off.examples[0]["run"] == pytest.approx(0.57)
+    d = json.loads(render_json(r))
+    assert d["channels"][0]["removed"] == [3] and d["channels"][0]["changed_count"] == 5
+    assert d["channels"][0]["fields"][0]["examples"][0]["frame"] == 7
+    assert "frame 7: ref 0.07 -> run 0.57" in render_text(r)
+    assert "| `model_out.offset_m` | 7 | 0.07 | 0.57 |" in render_markdown(r)
+
+
+def test_the_default_verdict_leaves_research_and_shadow_channels_out(tmp_path):
+    doc, _ = derive.read_doc(None)
+    rdoc, _ = derive.replay_doc(doc, str(tmp_path / "log"), str(tmp_path / "run"),
+                                str(tmp_path / "state"))
+    cfg, _ = derive.write_config(rdoc, tmp_path, "p.toml")
+    assert "shadow_out" in cfg.channels and derive.ACK in cfg.channels
+    assert derive.verdict_channels(cfg) == {"road_frames", "model_out", "control_cmd"}
+
+
+@pytest.mark.parametrize("spec", ["model_out", "x=-1", "=3", "a=b", "model_out.added=1.5",
+                                  "added=1"])
 def test_bad_tolerance_is_refused(spec):
     with pytest.raises(ValueError, match="CHANNEL"):
         parse_tolerances([spec])

@@ -47,7 +47,15 @@ def add_replay_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--ref", default=None,
                    help="compare with REF: an earlier RUN, a LOG, or 'self' (the log replayed)")
     s.add_argument("--tol", action="append", default=[], metavar="CHANNEL[.FIELD]=X",
-                   help="absolute tolerance (repeatable; default 0: bit-identical)")
+                   help="absolute tolerance (repeatable; default 0: bit-identical); "
+                        "CHANNEL.added=N / CHANNEL.removed=N accept N messages more/fewer")
+    s.add_argument("--ignore", action="append", default=[], metavar="CHANNEL[.FIELD]",
+                   help="leave a channel (or one of its fields) out of the comparison "
+                        "(repeatable)")
+    s.add_argument("--gate", action="append", default=[], metavar="CHANNEL",
+                   help="let CHANNEL decide the verdict too (repeatable; by default only "
+                        "the control pipeline's channels do: research and shadow channels "
+                        "are reported, never gated); --gate all: every channel")
     s.add_argument("--time-p99", type=float, default=1.5,
                    help="model time gate: p99 may be at most this x REF's (default 1.5)")
     s.add_argument("--time-max", type=float, default=2.0,
@@ -121,6 +129,17 @@ def _payloads(run_dir: str) -> dict[str, str]:
             if isinstance(c, dict) and c.get("payload")}
 
 
+def _gated(run_dir: str, extra: list[str]) -> set[str] | None:
+    """The channels that decide the verdict: the control pipeline's, plus --gate's."""
+    from supervisor.config import load
+
+    from .derive import verdict_channels
+
+    if "all" in extra:
+        return None
+    return verdict_channels(load(os.path.join(run_dir, "replay.toml"))) | set(extra)
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from .diff import ToleranceError, parse_tolerances
 
@@ -170,7 +189,8 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
         report = compare(run, ref, channels=chans, payloads=payloads,
                          model_channel=plan.model_out, tolerances=tols,
                          p99_ratio=args.time_p99, max_ratio=args.time_max,
-                         floor_ms=args.time_floor_ms)
+                         floor_ms=args.time_floor_ms,
+                         gated=_gated(res.run_dir, args.gate), ignore=args.ignore)
         Path(res.run_dir, "diff.md").write_text(render_markdown(report))
         Path(res.run_dir, "diff.json").write_text(render_json(report))
         s["diff"] = {"ref": str(ref.path), "ok": report.ok,
@@ -194,6 +214,9 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
 
 
 def print_summary(s: dict) -> None:
+    if "frames" not in s:            # it never got to replay a frame (the error says why)
+        print(f"run: {s.get('run')} (summary.json)")
+        return
     f = s.get("frames", {})
     lat = s.get("model_latency_ms", {})
     fmt = (lambda v: "-" if v is None else f"{v:.2f}")
@@ -225,6 +248,10 @@ def _fleet(args: argparse.Namespace) -> int:
         extra += ["--ref", "self"]
     for t in args.tol:
         extra += ["--tol", t]
+    for i in args.ignore:
+        extra += ["--ignore", i]
+    for g in args.gate:
+        extra += ["--gate", g]
     extra += ["--time-p99", str(args.time_p99), "--time-max", str(args.time_max),
               "--time-floor-ms", str(args.time_floor_ms), "--step-timeout",
               str(args.step_timeout)]

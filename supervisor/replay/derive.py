@@ -263,3 +263,22 @@ def write_config(doc: dict[str, Any], directory: str | os.PathLike, name: str):
     path = Path(directory) / name
     path.write_text(dumps(doc))
     return load(path), path
+
+
+def verdict_channels(cfg) -> set[str]:
+    """The channels that decide a comparison's verdict by default: those written by a
+    worker of a non-research domain and not marked shadow (the control pipeline's). A
+    research model's outputs, the recorder's acknowledgements and anything shadow are
+    reported but never decide (openpilot's process_replay compares each process's
+    deterministic outputs; research carries its own timings)."""
+    out: set[str] = set()
+    for name, ch in cfg.channels.items():
+        if ch.shadow or name == ACK:
+            continue
+        try:
+            writer = cfg.writer_of(name)
+        except (KeyError, StopIteration):
+            continue
+        if cfg.profile_of(writer) != "research":
+            out.add(name)
+    return out

@@ -1,5 +1,14 @@
 """``--ref REF``: what a replay changed, per channel and per field, with tolerances.
 
+The verdict is decided by the *gated* channels only: by default those the control
+pipeline writes (not shadow channels, not research's: a research model's outputs carry
+its own timings and would make every comparison differ). The others are compared and
+reported all the same. ``--gate CHANNEL`` adds one to the verdict, ``--ignore
+CHANNEL[.FIELD]`` leaves a channel (or one field) out of the comparison altogether, and
+a tolerance covers presence too: ``--tol CHANNEL.added=N`` / ``CHANNEL.removed=N``
+accept up to N messages more or fewer than REF (as openpilot's process_replay lets each
+process ignore what is not deterministic).
+
 Messages are matched by frame id (the frame a model output or command came from; a
 live log's controlsd also publishes between frames, and only the first message per
 frame is compared). Per channel: messages added (in the run, not in REF), removed (in
@@ -24,6 +33,8 @@ from .drivelog import DriveLog, Msg
 from .run import commands_by_frame, receipt_latencies
 
 DEFAULT_TOL = 0.0              # bit-identical unless told otherwise
+PRESENCE = ("added", "removed")  # --tol CHANNEL.added=N: counts, not values
+EXAMPLES = 10                  # divergent messages kept per field, with their values
 
 
 class ToleranceError(ValueError):
@@ -41,6 +52,9 @@ def parse_tolerances(specs: list[str]) -> dict[str, float]:
             tol = -1.0
         if not sep or not key or tol < 0 or math.isnan(tol):
             raise ToleranceError(f"--tol {s!r}: expected CHANNEL[.FIELD]=NUMBER >= 0")
+        if key.rpartition(".")[2] in PRESENCE and (not tol.is_integer() or "." not in key):
+            raise ToleranceError(f"--tol {s!r}: CHANNEL.added / CHANNEL.removed take a whole "
+                                 f"number of messages")
         out[key] = tol
     return out
 
@@ -52,6 +66,8 @@ class FieldDiff:
     changed: int = 0
     max_abs: float = 0.0
     at_frame: int | None = None      # where the largest difference is
+    # The first `EXAMPLES` messages over tolerance: {"frame", "ref", "run", "diff"}.
+    examples: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -63,10 +79,15 @@ class ChannelDiff:
     changed: list[int] = field(default_factory=list)
     fields: list[FieldDiff] = field(default_factory=list)
     note: str = ""                   # why it was not compared (then it does not fail)
+    gated: bool = True               # decides the verdict (else: reported only)
+    added_tol: int = 0               # presence tolerances (--tol CHANNEL.added=N)
+    removed_tol: int = 0
+    ignored_fields: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not (self.added or self.removed or self.changed)
+        return (len(self.added) <= self.added_tol and len(self.removed) <= self.removed_tol
+                and not self.changed)
 
     @property
     def first(self) -> int | None:
@@ -97,13 +118,17 @@ class Report:
     ok: bool
     loss: dict[str, str] = field(default_factory=dict)
 
+    ignored: list[str] = field(default_factory=list)   # channels left out (--ignore)
+
     def as_dict(self) -> dict[str, Any]:
+        """Everything, frame ids in full and each changed field's first divergent
+        messages with their values."""
         d = asdict(self)
         for c, cd in zip(d["channels"], self.channels):
             for k in ("added", "removed", "changed"):
                 c[f"{k}_count"] = len(c[k])
-                c[k] = c[k][:50]
             c["ok"] = cd.ok
+        d["gated"] = [c.channel for c in self.channels if c.gated]
         return d
 
 
@@ -119,8 +144,12 @@ def _keyed(msgs: list[Msg]) -> dict[int, Msg]:
 
 
 def compare_channel(channel: str, run: list[Msg], ref: list[Msg], tols: dict[str, float],
-                    payloads: dict[str, str], default_tol: float) -> ChannelDiff:
-    cd = ChannelDiff(channel)
+                    payloads: dict[str, str], default_tol: float, *,
+                    ignore_fields: frozenset[str] = frozenset(), gated: bool = True
+                    ) -> ChannelDiff:
+    cd = ChannelDiff(channel, gated=gated,
+                     added_tol=int(tols.get(f"{channel}.added", 0)),
+                     removed_tol=int(tols.get(f"{channel}.removed", 0)))
     for side, msgs in (("the run", run), ("REF", ref)):
         if msgs and all(m.frame_id is None for m in msgs):
             # A live controlsd's commands: published between frames too, without the
@@ -137,6 +166,7 @@ def compare_channel(channel: str, run: list[Msg], ref: list[Msg], tols: dict[str
     names = _fields(channel, payloads, width)
     fds = [FieldDiff(n, tols.get(f"{channel}.{n}", tols.get(channel, default_tol)))
            for n in names]
+    cd.ignored_fields = [n for n in names if n in ignore_fields]
     changed: set[int] = set()
     for fid in common:
         x = a[fid].array.ravel().astype(np.float64)
@@ -149,14 +179,25 @@ def compare_channel(channel: str, run: list[Msg], ref: list[Msg], tols: dict[str
         both_nan = np.isnan(x) & np.isnan(y)
         diff = np.where(both_nan, 0.0, np.where(np.isnan(diff), np.inf, diff))
         for i, fd in enumerate(fds[:len(diff)]):
+            if fd.name in ignore_fields:
+                continue
             if diff[i] > fd.tolerance:
                 fd.changed += 1
                 changed.add(fid)
+                if len(fd.examples) < EXAMPLES:
+                    fd.examples.append({"frame": fid, "ref": _num(y[i]), "run": _num(x[i]),
+                                        "diff": _num(diff[i])})
             if diff[i] > fd.max_abs:
                 fd.max_abs, fd.at_frame = float(diff[i]), fid
     cd.changed = sorted(changed)
-    cd.fields = fds
+    cd.fields = [f for f in fds if f.name not in ignore_fields]
     return cd
+
+
+def _num(v: float) -> float | str:
+    """A value for JSON (which has no NaN or infinity)."""
+    v = float(v)
+    return v if math.isfinite(v) else str(v)
 
 
 def time_gate(run: DriveLog, ref: DriveLog, channel: str | None, *, p99_ratio: float,
@@ -179,17 +220,30 @@ def time_gate(run: DriveLog, ref: DriveLog, channel: str | None, *, p99_ratio: f
 def compare(run: DriveLog, ref: DriveLog, *, channels: list[str], payloads: dict[str, str],
             model_channel: str | None, tolerances: dict[str, float] | None = None,
             default_tol: float = DEFAULT_TOL, p99_ratio: float = 1.5, max_ratio: float = 2.0,
-            floor_ms: float = 5.0) -> Report:
+            floor_ms: float = 5.0, gated: set[str] | None = None,
+            ignore: list[str] | tuple[str, ...] = ()) -> Report:
+    """``gated``: the channels that decide the verdict (None: all); ``ignore``:
+    CHANNEL or CHANNEL.FIELD left out of the comparison."""
     tols = tolerances or {}
+    skip = {i for i in ignore if "." not in i}
+    fields: dict[str, set[str]] = {}
+    for i in ignore:
+        ch, dot, f = i.partition(".")
+        if dot:
+            fields.setdefault(ch, set()).add(f)
     diffs = [compare_channel(ch, run.messages.get(ch, []), ref.messages.get(ch, []), tols,
-                             payloads, default_tol)
-             for ch in channels if run.messages.get(ch) or ref.messages.get(ch)]
+                             payloads, default_tol,
+                             ignore_fields=frozenset(fields.get(ch, ())),
+                             gated=gated is None or ch in gated)
+             for ch in channels if ch not in skip
+             and (run.messages.get(ch) or ref.messages.get(ch))]
     gate = time_gate(run, ref, model_channel, p99_ratio=p99_ratio, max_ratio=max_ratio,
                      floor_ms=floor_ms)
-    firsts = [d.first for d in diffs if d.first is not None]
+    firsts = [d.first for d in diffs if d.first is not None and d.gated]
     return Report(str(run.path), str(ref.path), diffs, gate, min(firsts) if firsts else None,
-                  all(d.ok for d in diffs) and gate.ok,
-                  {"run": run.full_loss().text(), "ref": ref.full_loss().text()})
+                  all(d.ok for d in diffs if d.gated) and gate.ok,
+                  {"run": run.full_loss().text(), "ref": ref.full_loss().text()},
+                  sorted(skip & set(channels)))
 
 
 # ---------------------------------------------------------------- rendering
@@ -206,11 +260,13 @@ def render_text(r: Report) -> str:
              + ("" if r.first_divergent_frame is None
                 else f" (first divergent frame {r.first_divergent_frame})")]
     for c in r.channels:
+        tag = "" if c.gated else " (not gated: reported only)"
         if c.note:
-            lines.append(f"{c.channel}: {c.note}")
+            lines.append(f"{c.channel}{tag}: {c.note}")
             continue
-        lines.append(f"{c.channel}: {c.compared} compared, {len(c.added)} added, "
-                     f"{len(c.removed)} removed, {len(c.changed)} changed")
+        lines.append(f"{c.channel}{tag}: {c.compared} compared, {len(c.added)} added, "
+                     f"{len(c.removed)} removed, {len(c.changed)} changed"
+                     + _presence_tol(c))
         if c.added:
             lines.append(f"  added frames: {_ids(c.added)}")
         if c.removed:
@@ -220,6 +276,13 @@ def render_text(r: Report) -> str:
                 lines.append(f"  {f.name}: {f.changed} over tolerance {f.tolerance:g}, "
                              f"max |diff| {f.max_abs:.6g}"
                              + (f" at frame {f.at_frame}" if f.at_frame is not None else ""))
+            for x in f.examples[:3]:
+                lines.append(f"    frame {x['frame']}: ref {_v(x['ref'])} -> run "
+                             f"{_v(x['run'])}")
+        if c.ignored_fields:
+            lines.append(f"  ignored fields: {', '.join(c.ignored_fields)}")
+    if r.ignored:
+        lines.append(f"ignored channels: {', '.join(r.ignored)}")
     g = r.gate
     if g.p99_ms is None:
         lines.append(f"model time: {g.why}")
@@ -233,6 +296,15 @@ def render_text(r: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _v(v: float | str) -> str:
+    return v if isinstance(v, str) else f"{v:.6g}"
+
+
+def _presence_tol(c: ChannelDiff) -> str:
+    t = [f"{k} <= {n}" for k, n in (("added", c.added_tol), ("removed", c.removed_tol)) if n]
+    return f" (tolerated: {', '.join(t)})" if t else ""
+
+
 def render_markdown(r: Report) -> str:
     head = "✅ within tolerance" if r.ok else "❌ **differs**"
     out = [f"### Replay comparison: {head}", "",
@@ -242,11 +314,14 @@ def render_markdown(r: Report) -> str:
     out += ["", "| channel | compared | added | removed | changed |",
             "|---|---:|---:|---:|---:|"]
     for c in r.channels:
+        name = f"`{c.channel}`" + ("" if c.gated else " (not gated)")
         if c.note:
-            out.append(f"| `{c.channel}` | _{c.note}_ | | | |")
+            out.append(f"| {name} | _{c.note}_ | | | |")
             continue
-        out.append(f"| `{c.channel}` | {c.compared} | {len(c.added)} | {len(c.removed)} | "
+        out.append(f"| {name} | {c.compared} | {len(c.added)} | {len(c.removed)} | "
                    f"{len(c.changed)} |")
+    if r.ignored:
+        out.append(f"\nIgnored: {', '.join(f'`{c}`' for c in r.ignored)}")
     rows = [(c.channel, f) for c in r.channels for f in c.fields if f.changed or f.max_abs]
     if rows:
         out += ["", "| field | over tolerance | max abs diff | at frame | tolerance |",
@@ -254,6 +329,11 @@ def render_markdown(r: Report) -> str:
         for ch, f in rows:
             out.append(f"| `{ch}.{f.name}` | {f.changed} | {f.max_abs:.6g} | "
                        f"{'' if f.at_frame is None else f.at_frame} | {f.tolerance:g} |")
+        ex = [(ch, f, x) for ch, f in rows for x in f.examples]
+        if ex:
+            out += ["", "| field | frame | ref | run |", "|---|---:|---:|---:|"]
+            out += [f"| `{ch}.{f.name}` | {x['frame']} | {_v(x['ref'])} | {_v(x['run'])} |"
+                    for ch, f, x in ex]
     g = r.gate
     out.append("")
     if g.p99_ms is None:

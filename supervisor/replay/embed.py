@@ -54,6 +54,9 @@ class RunOutcome:
     wall_s: float
     events: list[dict[str, Any]] = field(default_factory=list)
     fault: dict[str, Any] | None = None     # the recorder's `log` event with its fault
+    # Each worker's last status line as the supervisor received it (status *events* are
+    # rate limited: the last event can be seconds older than the worker's final word).
+    final_status: dict[str, str] = field(default_factory=dict)
 
 
 def recorder_fault(events: list[dict[str, Any]], start: int = 0) -> dict[str, Any] | None:
@@ -84,7 +87,26 @@ def give_to_recorder(path: str) -> None:
 
 def run_supervised(cfg, lifecycle_dir: str | None, *, until: Callable[[EventLog], bool] | None,
                    timeout_s: float | None, echo=sys.stderr,
-                   tick: Callable[[EventLog], None] | None = None) -> RunOutcome:
+                   tick: Callable[[EventLog], None] | None = None,
+                   state_dir: str | None = None) -> RunOutcome:
+    """``state_dir``: the run's own fail-safe state (a replay's), which then wins over
+    TRIO_STATE_DIR too: a replay that fails safe latches nothing outside its run."""
+    saved = os.environ.get("TRIO_STATE_DIR")
+    if state_dir is not None:
+        os.environ["TRIO_STATE_DIR"] = state_dir
+    try:
+        return _run_supervised(cfg, lifecycle_dir, until=until, timeout_s=timeout_s,
+                               echo=echo, tick=tick)
+    finally:
+        if state_dir is not None:
+            if saved is None:
+                os.environ.pop("TRIO_STATE_DIR", None)
+            else:
+                os.environ["TRIO_STATE_DIR"] = saved
+
+
+def _run_supervised(cfg, lifecycle_dir: str | None, *, until, timeout_s: float | None,
+                    echo, tick) -> RunOutcome:
     from supervisor.lifecycle import Supervisor
 
     lifecycle = None
@@ -135,4 +157,15 @@ def run_supervised(cfg, lifecycle_dir: str | None, *, until: Callable[[EventLog]
             lifecycle.close({"exit_code": int(sup.exit_code)})
         except OSError:
             pass            # a full disk: the lifecycle log reads as not closed
-    return RunOutcome(int(sup.exit_code), reason, wall, log.events, fault)
+    return RunOutcome(int(sup.exit_code), reason, wall, log.events, fault, _final_status(sup))
+
+
+def _final_status(sup) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, run in dict(getattr(sup, "runs", {}) or {}).items():
+        text = getattr(run, "status", None)
+        if text is None:                      # (per-process state split off the run)
+            text = getattr(getattr(run, "current", None), "status", None)
+        if isinstance(text, str) and text:
+            out[name] = text
+    return out

@@ -246,7 +246,7 @@ def replay(log: str, *, out: str | None = None, config: str | None = None,
     log_s = (durations[-1] - durations[0]) / 1e9 if len(durations) > 1 else 0.0
     timeout = 120.0 + (log_s * 2 if realtime else total * (step_timeout_s + 0.5))
     outcome = run_supervised(cfg, run_log, until=finished, timeout_s=timeout,
-                             echo=echo, tick=bar.tick)
+                             echo=echo, tick=bar.tick, state_dir=os.path.join(run_dir, "state"))
     bar.close()
     cam = _kv(camera_status(outcome.events))
     fault = fault_line(outcome.fault) if outcome.fault is not None else None
@@ -329,6 +329,7 @@ def summarize(src: DriveLog, run: DriveLog, plan, cam: dict[str, str], outcome: 
     for e in outcome.events:
         if e["event"] == "status":
             statuses[e["worker"]] = e["status"]
+    statuses.update(outcome.final_status)     # the final word, not the last logged one
     return {
         "mode": "realtime" if realtime else "lockstep",
         "frames": {"in_log": total, "replayed": replayed,
