@@ -370,3 +370,40 @@ def test_without_the_replay_extra_is_one_line_naming_it(tmp_path, args):
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
     assert "needs PyAV, which is not installed: pip install 'supervisor[replay]'" in r.stderr
     assert not (tmp_path / "empty" / "run").exists()
+
+
+def test_record_and_fleet_progress_on_a_terminal_and_nothing_otherwise(tmp_path):
+    import io
+    import time
+
+    from supervisor.events import EventLog
+    from supervisor.replay.progress import FleetProgress, RecordProgress
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    events = EventLog(stream=io.StringIO(), keep=True)
+    events.emit("supervisor_start")
+    events.emit("start", worker="camerad")
+    events.emit("start", worker="recorder")
+    events.emit("ready", worker="camerad")
+    out = Tty()
+    bar = RecordProgress(str(tmp_path / "log"), 30, out=out)
+    bar.tick(events)
+    assert "record: starting the pipeline: 1/2 workers ready" in out.getvalue()
+    write_log(tmp_path / "log", n=5, close=False)
+    events.emit("ready", worker="recorder")
+    bar._next = 0
+    bar.tick(events)
+    assert out.getvalue().rstrip().endswith("s of 30 s, 5 frames, 10 messages, 0 dropped")
+    bar.close()
+    quiet = io.StringIO()
+    RecordProgress(str(tmp_path / "log"), 30, out=quiet).tick(events)
+    fp = FleetProgress(4, out=quiet)
+    fp.update(1, 0, 2)
+    assert quiet.getvalue() == ""
+    fp = FleetProgress(4, out=out)
+    fp.t0 = time.monotonic() - 10
+    fp.update(2, 1, 2)
+    assert "fleet: 2/4 logs done (1 failed), 2 running, 10 s, ETA 10 s" in out.getvalue()

@@ -32,7 +32,8 @@ def add_record_args(s: argparse.ArgumentParser) -> None:
                    help="stop N seconds after the recorder is READY (default: until Ctrl-C)")
     s.add_argument("--video", choices=("h264", "raw"), default="h264",
                    help="road video: H.264 (default) or lossless raw NV12 (bit-exact replays)")
-    s.add_argument("--quiet", action="store_true", help="no lifecycle events on stderr")
+    s.add_argument("--quiet", action="store_true",
+                   help="no lifecycle events on stderr (on a terminal: a progress line instead)")
     s.add_argument("--recorder-arg", action="append", default=[], metavar="ARG",
                    help="passed on to the recorder worker (e.g. --recorder-arg=--io-delay-ms"
                         " --recorder-arg=50 to see what a slow disk does)")
@@ -100,7 +101,8 @@ def cmd_record(args: argparse.Namespace) -> int:
 
     try:
         rec = record(args.out, config=args.config, seconds=args.seconds, video=args.video,
-                     echo=None if args.quiet else sys.stderr, recorder_args=args.recorder_arg)
+                     echo=None if args.quiet else sys.stderr, recorder_args=args.recorder_arg,
+                     progress_out=sys.stderr if args.quiet else None)
     except RecordError as e:
         return _fail("record", str(e), e.code)
     except Exception as e:
@@ -257,7 +259,8 @@ def _fleet(args: argparse.Namespace) -> int:
               str(args.step_timeout)]
     out = args.out or os.path.abspath("fleet-replay")
     try:
-        rep = replay_fleet(args.logs, out, jobs=args.jobs, ray=args.ray, extra=extra)
+        rep = replay_fleet(args.logs, out, jobs=args.jobs, ray=args.ray, extra=extra,
+                           progress_out=None if args.no_progress else sys.stderr)
     except FleetError as e:
         return _fail("replay", str(e))
     except Exception as e:

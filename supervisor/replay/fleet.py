@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .logfmt import MESSAGES
+from .progress import FleetProgress
 from .run import DIFFERS
 
 RETRIES = 1
@@ -109,12 +110,17 @@ def _attempt_dir(out: str, name: str, k: int) -> str:
     return os.path.join(out, name if k == 0 else f"{name}.retry{k}")
 
 
-def _execute(logs: list[str], out: str, extra: list[str], submit, timeout_s: float
-             ) -> list[JobResult]:
+def _execute(logs: list[str], out: str, extra: list[str], submit, timeout_s: float,
+             progress: FleetProgress | None = None) -> list[JobResult]:
     results = {log: JobResult(log, Path(log).name) for log in logs}
     pending = {log: submit(log, _attempt_dir(out, Path(log).name, 0)) for log in logs}
     tries = {log: 0 for log in logs}
+    shown = -1.0
     while pending:
+        if progress is not None and time.monotonic() - shown >= 1.0:
+            shown = time.monotonic()
+            done = [r for r in results.values() if r.attempts and r.log not in pending]
+            progress.update(len(done), sum(r.status == "failed" for r in done), len(pending))
         for log, fut in list(pending.items()):
             got = fut()
             if got is None:
@@ -128,11 +134,13 @@ def _execute(logs: list[str], out: str, extra: list[str], submit, timeout_s: flo
                 tries[log] += 1
                 pending[log] = submit(log, _attempt_dir(out, r.name, tries[log]))
         time.sleep(0.05)
+    if progress is not None:
+        progress.update(len(logs), sum(r.status == "failed" for r in results.values()), 0)
     return [results[log] for log in logs]
 
 
 def run_local(logs: list[str], out: str, jobs: int, extra: list[str],
-              timeout_s: float) -> list[JobResult]:
+              timeout_s: float, progress: FleetProgress | None = None) -> list[JobResult]:
     pool = ThreadPoolExecutor(max_workers=max(1, jobs))
 
     def submit(log: str, run_dir: str):
@@ -140,13 +148,14 @@ def run_local(logs: list[str], out: str, jobs: int, extra: list[str],
         return lambda: ({**f.result(), "run_dir": run_dir} if f.done() else None)
 
     try:
-        return _execute(logs, out, extra, submit, timeout_s)
+        return _execute(logs, out, extra, submit, timeout_s, progress)
     finally:
         pool.shutdown(wait=True)
 
 
 def run_ray(logs: list[str], out: str, address: str, extra: list[str], timeout_s: float,
-            cpus_per_job: float = 1.0) -> list[JobResult]:
+            cpus_per_job: float = 1.0, progress: FleetProgress | None = None
+            ) -> list[JobResult]:
     try:
         import ray
     except ImportError:
@@ -182,7 +191,7 @@ def run_ray(logs: list[str], out: str, address: str, extra: list[str], timeout_s
         return poll
 
     try:
-        return _execute(logs, out, extra, submit, timeout_s)
+        return _execute(logs, out, extra, submit, timeout_s, progress)
     finally:
         if started:
             ray.shutdown()
@@ -233,7 +242,9 @@ class FleetReport:
 
 
 def replay_fleet(paths: list[str], out: str, *, jobs: int = 1, ray: str | None = None,
-                 extra: list[str] | None = None, timeout_s: float = 1800.0) -> FleetReport:
+                 extra: list[str] | None = None, timeout_s: float = 1800.0,
+                 progress_out=None) -> FleetReport:
+    """``progress_out``: a terminal for the progress line (logs done/total, ETA)."""
     logs = expand(paths)
     out = os.path.abspath(out)
     if os.path.exists(out) and os.listdir(out):
@@ -241,10 +252,14 @@ def replay_fleet(paths: list[str], out: str, *, jobs: int = 1, ray: str | None =
     os.makedirs(out, exist_ok=True)
     os.chmod(out, 0o755)
     t0 = time.monotonic()
-    if ray is not None:
-        res = run_ray(logs, out, ray, extra or [], timeout_s)
-    else:
-        res = run_local(logs, out, jobs, extra or [], timeout_s)
+    bar = FleetProgress(len(logs), progress_out)
+    try:
+        if ray is not None:
+            res = run_ray(logs, out, ray, extra or [], timeout_s, progress=bar)
+        else:
+            res = run_local(logs, out, jobs, extra or [], timeout_s, progress=bar)
+    finally:
+        bar.close()
     rep = FleetReport(out, f"ray {ray}" if ray else f"jobs {jobs}", time.monotonic() - t0, res)
     Path(out, "fleet.json").write_text(json.dumps(rep.as_dict(), indent=2))
     Path(out, "fleet.md").write_text(rep.markdown())

@@ -26,6 +26,7 @@ from .derive import RECORDER, DeriveError, dumps, read_doc, record_doc, write_co
 from .drivelog import DriveLog
 from .embed import give_to_recorder, run_supervised
 from .logfmt import LogError, need_av
+from .progress import RecordProgress
 
 SOURCE = "source.toml"
 # Exit status of `record` and `replay` when a drive log could not be written (a full
@@ -103,7 +104,8 @@ def _after_ready(seconds: float | None):
 
 def record(out: str, *, config: str | None = None, seconds: float | None = None,
            video: str = "h264", echo=sys.stderr,
-           recorder_args: list[str] | None = None) -> Recorded:
+           recorder_args: list[str] | None = None, progress_out=None) -> Recorded:
+    """``progress_out``: a terminal for the progress line (seconds, frames, drops)."""
     if seconds is not None and seconds <= 0:
         raise RecordError(f"--seconds {seconds:g}: must be > 0")
     if video == "h264":         # the recorder would die of it in its sandbox: say it here
@@ -131,9 +133,11 @@ def record(out: str, *, config: str | None = None, seconds: float | None = None,
         except Exception as e:           # the loader's ConfigError: one line per problem
             shutil.rmtree(path, ignore_errors=True)
             raise RecordError(f"derived record config: {_one_line(e)}") from None
+        bar = RecordProgress(path, seconds, out=progress_out, recorder=RECORDER)
         outcome = run_supervised(cfg, path, until=_after_ready(seconds),
                                  timeout_s=None if seconds is None else seconds + 300,
-                                 echo=echo)
+                                 echo=echo, tick=bar.tick)
+        bar.close()
     fault = fault_line(outcome.fault) if outcome.fault is not None else None
     try:
         log = DriveLog.open(path)

@@ -29,7 +29,8 @@ from supervisor.exits import Exit
 from .derive import DeriveError, parse_doc, read_doc, replay_doc, write_config
 from .drivelog import DriveLog, Msg
 from .embed import RunOutcome, give_to_recorder, run_supervised
-from .logfmt import MESSAGES, LogError, Loss, open_regular, read_stream
+from .logfmt import MESSAGES, REC, LogError, Loss, open_regular, read_stream
+from .progress import startup_text
 from .record import SOURCE, WRITE_FAILED, _one_line, fault_line
 
 # Exit codes of `supervisor replay` beyond the supervisor's own (supervisor/exits.py):
@@ -69,8 +70,13 @@ class _Progress:
         self.t0: float | None = None        # the first frame through (not the start-up)
         self.enabled = channel is not None and hasattr(out, "isatty") and out.isatty()
 
-    def tick(self, _log=None) -> None:
-        if not self.enabled or not self.path.is_file():
+    def tick(self, log=None) -> None:
+        if not self.enabled:
+            return
+        if not self.path.is_file():
+            if log is not None:             # the start-up phases: who is READY so far
+                self.out.write("\r" + startup_text(log.events, "replay").ljust(60))
+                self.out.flush()
             return
         from .logfmt import Entry
 
@@ -79,10 +85,12 @@ class _Progress:
             with Entry.from_bytes(body) as e:
                 if e.which() == "message" and e.message.channel == self.channel:
                     self.done += 1
-            last = off + 12 + len(body)
+            last = off + REC.size + len(body)
         self.offset = last
         if self.done == 0:
-            self.out.write("\rreplay: starting the pipeline ...")
+            text = (startup_text(log.events, "replay") if log is not None
+                    else "replay: starting the pipeline ...")
+            self.out.write("\r" + text.ljust(60))
             self.out.flush()
             return
         if self.t0 is None:
