@@ -45,11 +45,14 @@ import fcntl
 import os
 import platform
 import select
+import signal
 import stat
 import struct
 import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
+
+from supervisor.admission.maps import first_foreign_page
 
 # <linux/seccomp.h>. The ioctl numbers encode the struct sizes, so a kernel whose
 # structs differ would reject them; we check the sizes once instead of guessing.
@@ -63,9 +66,12 @@ _GET_NOTIF_SIZES = 3
 _NR_SECCOMP = {"x86_64": 317, "aarch64": 277}
 
 _PROT_WRITE, _PROT_EXEC = 0x2, 0x4
+_MAP_FIXED, _MAP_FIXED_NOREPLACE = 0x10, 0x100000
 _MAP_TYPE, _MAP_PRIVATE = 0x03, 0x02  # MAP_SHARED 1, MAP_PRIVATE 2, MAP_SHARED_VALIDATE 3
 _MAP_ANONYMOUS = 0x20  # same on x86-64 and aarch64
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
 _ADDR_LIMIT = 1 << 64
 
 # <linux/fs.h> (6.11): struct procmap_query, PROCMAP_QUERY = _IOWR('f', 17, ...).
@@ -78,11 +84,6 @@ _PMQ_R, _PMQ_W, _PMQ_X, _PMQ_SHARED = 0x1, 0x2, 0x4, 0x8
 _NAME_MAX = 4096 + 16  # PATH_MAX + " (deleted)"
 _procmap_query_works: bool | None = None  # None: not tried yet
 
-# /proc/PID/pagemap: bit 63 present, 62 swapped, 61 file page or shared anonymous.
-# Indexed by the top byte of each (little-endian) entry: 1 = a private page that is
-# not the file's own (copied on write, or swapped out, which only anonymous pages are).
-_COW_TABLE = bytes(1 if (b & 0x40) or (b & 0xA0) == 0x80 else 0 for b in range(256))
-_PAGEMAP_CHUNK = 1 << 16  # entries per read
 
 # How long one judgement may take before it is refused instead ("too slow to judge"),
 # and how many mappings one mprotect may span.
@@ -90,6 +91,11 @@ JUDGE_BUDGET_S = 0.05  # CPU time of this thread (system time: reading /proc)
 JUDGE_WALL_S = 0.5  # wall time (a lock held by the worker; a descheduled supervisor)
 MAX_RANGE_MAPPINGS = 1024
 _TARGET_NAMES = 6  # names listed in ExecRequest.target
+MAX_SHARERS = 64  # other processes stopped with the worker (strict domains: none)
+_STOPPED = ("T", "t", "Z", "X")  # a thread in these states runs none of the worker's code
+# SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV (5.19): without it SIGSTOP would cancel the
+# caller's pending notification and the kernel would re-issue it, for ever.
+_KILLABLE_RECV = tuple(int(x) for x in platform.release().split(".")[:2] if x.isdigit()) >= (5, 19)
 
 # (AUDIT_ARCH, nr) -> name. Only what the filter watches; anything else is refused.
 _SYSCALLS = {
@@ -202,6 +208,15 @@ class ExecWatch:
         self.judge_wall_s = JUDGE_WALL_S
         # Seccomp_filters of the worker when its listener arrived (wx.verify's fallback).
         self.filters_at_listener: int | None = None
+        # Stop the worker while judging and check the result (see _Frozen). Off only to
+        # measure the race it closes (bench/wx_race.py), or where the kernel cannot keep
+        # a received notification from being interrupted by SIGSTOP (< 5.19).
+        self.freeze = _KILLABLE_RECV
+        self.mismatches = 0     # calls whose result was not what was judged
+        # What the request being judged may make executable (_mismatch): (dev, inode)
+        # of the judged files, and whether private anonymous memory was judged.
+        self._judged: set[tuple[tuple[int, int], int]] = set()
+        self._judged_anon = False
 
     def fileno(self) -> int:
         return self._fd
@@ -241,17 +256,100 @@ class ExecWatch:
                 except BaseException:
                     self._respond(req.id, False)  # never leave a received request unanswered
                     raise
+            verdict, slow = self._answer(req)
+            if verdict is not None:
+                out.append(verdict)
+            if slow:
+                break
+        return out
+
+    def _answer(self, req: ExecRequest) -> tuple[Verdict | None, bool]:
+        """Judge and answer one received request: (verdict, too slow); None if the
+        request was gone by the time it was judged. Before READY the whole worker is
+        stopped while it is judged and until the kernel's result has been checked."""
+        frozen: _Frozen | None = None
+        if self.freeze and not self.ready and req.syscall != "memfd_create":
+            try:
+                frozen = _Frozen.stop(req.pid, time.monotonic() + self.judge_wall_s)
+            except (TooSlow, OSError) as e:
+                if isinstance(e, OSError) and not self._id_valid(req.id):
+                    return None, False            # the caller died: nothing to answer
+                self._respond(req.id, False)
+                why = str(e) if isinstance(e, TooSlow) else f"cannot stop pid {req.pid}: {e}"
+                return Verdict(req, False, why), isinstance(e, TooSlow)
+        try:
             allowed, reason, target, slow = self._judge(req)
             req = dataclasses.replace(req, target=target)
             # The tid may have died and been reused while we read /proc: if the
             # request is no longer pending, what we read may describe a stranger.
             if not self._id_valid(req.id):
-                continue
+                return None, False
+            if allowed and frozen is not None:
+                return self._continue_and_check(req, reason, frozen), False
             self._respond(req.id, allowed)
-            out.append(Verdict(req, allowed, reason))
-            if slow:
-                break
-        return out
+            return Verdict(req, allowed, reason), slow
+        finally:
+            if frozen is not None:
+                frozen.resume()
+
+    def _continue_and_check(self, req: ExecRequest, reason: str, frozen: _Frozen) -> Verdict:
+        """Let the kernel make the call (the rest of the worker is stopped), wait until the
+        caller has made it and stopped too, then check what the kernel did: every
+        mapping the call made executable is of the file judged (device + inode, never
+        the fd number) with only the file's own pages, or anonymous memory where that
+        was judged. A mismatch kills the worker while it is still stopped."""
+        budget = _Budget(self.judge_budget_s, self.judge_wall_s)
+        region = _region(req)
+        try:
+            before = set(vmas_between(req.pid, *(region or (0, _ADDR_LIMIT)),
+                                      exec_only=region is None, budget=budget))
+        except (TooSlow, OSError) as e:
+            self._respond(req.id, False)
+            return Verdict(req, False, f"cannot read the mappings before the call: {e}")
+        self._respond(req.id, True)
+        if not frozen.wait_caller(time.monotonic() + self.judge_wall_s):
+            if frozen.caller_gone():
+                return Verdict(req, True, reason)
+            frozen.kill()
+            return Verdict(req, False, f"after the call: pid {frozen.tgid} did not finish it "
+                           f"within {self.judge_wall_s * 1e3:g} ms to be checked (killed)")
+        try:
+            after = vmas_between(req.pid, *(region or (0, _ADDR_LIMIT)),
+                                 exec_only=region is None, budget=budget)
+            problem = self._mismatch(req.pid, before, after, region, budget)
+        except (TooSlow, OSError) as e:
+            if frozen.caller_gone():
+                return Verdict(req, True, reason)
+            problem = f"its result cannot be checked ({e})"
+        if problem is None:
+            return Verdict(req, True, reason)
+        frozen.kill()
+        self.mismatches += 1
+        return Verdict(req, False, f"after the call: {problem} (killed)")
+
+    def _mismatch(self, pid: int, before: set[Vma], after: list[Vma],
+                  region: tuple[int, int] | None, budget: _Budget) -> str | None:
+        """What the call made executable that was not what we judged, or None."""
+        for v in after:
+            if "x" not in v.perms or v in before:
+                continue
+            where = f"{v.label} at {v.start:#x}-{v.end:#x}"
+            if v.kind == "anon" and self._judged_anon and not v.shared:
+                continue
+            if v.kind != "file":
+                return f"{where} became executable, but a file was judged"
+            if (v.dev, v.inode) not in self._judged:
+                return (f"{where} (device {v.dev[0]}:{v.dev[1]}, inode {v.inode}) became "
+                        "executable, not the file judged")
+            if "w" in v.perms:
+                return f"{where} is writable and executable"
+            if not v.shared:
+                lo, hi = (max(v.start, region[0]), min(v.end, region[1])) if region else \
+                    (v.start, v.end)
+                page = _modified_page(pid, lo, hi, budget)
+                if page is not None:
+                    return f"{where}: page {page:#x} is not the file's"
+        return None
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -301,6 +399,7 @@ class ExecWatch:
         target: list[str | None] = [None]
         budget = _Budget(self.judge_budget_s, self.judge_wall_s)
         slow = False
+        self._judged, self._judged_anon = set(), False
         try:
             allowed, reason = self._judge_inner(req, target, budget)
             if allowed:
@@ -335,11 +434,16 @@ class ExecWatch:
             if req.flags & _MAP_TYPE != _MAP_PRIVATE:
                 return False, "shared anonymous executable memory (another view of it can be writable)"
             if self.allow_anonymous_exec:
+                self._judged_anon = True
                 return True, "private anonymous executable memory (allowed for this worker)"
             return False, "anonymous executable memory"
         if req.prot & _PROT_WRITE:
             return False, "writable and executable file mapping"
-        return _code_file(req.pid, f"/proc/{req.pid}/fd/{req.fd}")
+        link = f"/proc/{req.pid}/fd/{req.fd}"
+        ok, why = _code_file(req.pid, link)
+        if ok and self.freeze:
+            self._judged.add(_mapped_identity(link))
+        return ok, why
 
     def _judge_protect(self, req: ExecRequest, target: list[str | None],
                        budget: _Budget) -> tuple[bool, str]:
@@ -377,6 +481,7 @@ class ExecWatch:
             return False, "special mapping " + ", ".join(v.name for v in vmas if v.kind == "special")
         if kinds == {"anon"}:
             if self.allow_anonymous_exec:
+                self._judged_anon = True
                 return True, "private anonymous executable memory (allowed for this worker)"
             return False, "anonymous executable memory"
         if "anon" in kinds:
@@ -401,6 +506,7 @@ class ExecWatch:
             ok, why = checked[key]
             if not ok:
                 return False, why
+            self._judged.add(key)
             budget.check()
         return True, "file mapping from a read-only mount"
 
@@ -494,23 +600,238 @@ def _modified_page(pid: int, start: int, end: int, budget: _Budget | None = None
     """First page in [start, end) of a private file mapping that is not the file's own."""
     fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        page = start // _PAGE
-        last = end // _PAGE
-        while page < last:
-            n = min(last - page, _PAGEMAP_CHUNK)
-            data = os.pread(fd, n * 8, page * 8)
-            if len(data) != n * 8:
-                raise OSError(errno.EIO, "short read of pagemap")
-            flags = data[7::8].translate(_COW_TABLE)  # top byte of each little-endian entry
-            at = flags.find(1)
-            if at >= 0:
-                return (page + at) * _PAGE
-            page += n
-            if budget is not None:
-                budget.check()
+        return first_foreign_page(fd, start, end, budget.check if budget is not None else None)
     finally:
         os.close(fd)
-    return None
+
+
+def vmas_between(pid: int, start: int, end: int, *, exec_only: bool = False,
+                 budget: _Budget | None = None) -> list[Vma]:
+    """The mappings of `pid` that overlap [start, end), holes allowed (executable ones
+    only with `exec_only`): PROCMAP_QUERY where the kernel has it, else the maps text."""
+    if _procmap_query_works is not False:
+        try:
+            return _query_between(pid, start, end, exec_only, budget)
+        except OSError as e:
+            if e.errno not in (errno.ENOTTY, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+    out = []
+    with open(f"/proc/{pid}/maps", encoding="utf-8", errors="surrogateescape") as f:
+        for n, line in enumerate(f):
+            if budget is not None and n % 256 == 0:
+                budget.check()
+            fields = line.rstrip("\n").split(None, 5)
+            lo_s, _, hi_s = fields[0].partition("-")
+            lo, hi = int(lo_s, 16), int(hi_s, 16)
+            if hi <= start or (exec_only and "x" not in fields[1]):
+                continue
+            if lo >= end:
+                break
+            major, _, minor = fields[3].partition(":")
+            out.append(Vma(lo, hi, fields[1], int(fields[2], 16), (int(major, 16), int(minor, 16)),
+                           int(fields[4]), fields[5] if len(fields) > 5 else ""))
+            _too_many(len(out))
+    return out
+
+
+def _query_between(pid: int, start: int, end: int, exec_only: bool,
+                   budget: _Budget | None) -> list[Vma]:
+    name = ctypes.create_string_buffer(_NAME_MAX)
+    name_addr = ctypes.addressof(name)
+    flags = _PMQ_COVERING_OR_NEXT | (_PMQ_X if exec_only else 0)
+    out: list[Vma] = []
+    fd = os.open(f"/proc/{pid}/maps", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        cur = start
+        while cur < end:
+            buf = bytearray(_PMQ.pack(_PMQ.size, flags, cur, 0, 0, 0, 0, 0, 0,
+                                      0, 0, _NAME_MAX, 0, name_addr, 0))
+            try:
+                fcntl.ioctl(fd, _PROCMAP_QUERY, buf, True)
+            except OSError as e:
+                if e.errno == errno.ENOENT:
+                    break
+                raise
+            (_sz, _fl, _a, lo, hi, vflags, _psz, offset, inode, major, minor, name_size,
+             _bsz, _na, _ba) = _PMQ.unpack(buf)
+            if lo >= end:
+                break
+            perms = ("r" if vflags & _PMQ_R else "-") + ("w" if vflags & _PMQ_W else "-") + \
+                    ("x" if vflags & _PMQ_X else "-") + ("s" if vflags & _PMQ_SHARED else "p")
+            text = name.raw[: max(name_size - 1, 0)].decode("utf-8", "surrogateescape")
+            out.append(Vma(lo, hi, perms, offset, (major, minor), inode, text))
+            _too_many(len(out))
+            if budget is not None:
+                budget.check()
+            cur = hi
+    finally:
+        os.close(fd)
+    return out
+
+
+def _region(req: ExecRequest) -> tuple[int, int] | None:
+    """The addresses a call can change, if its arguments say (mprotect, MAP_FIXED); None
+    for an mmap the kernel places: then every executable mapping is compared."""
+    addr, length = req.args[0], req.args[1]
+    if req.syscall == "mmap" and not req.flags & (_MAP_FIXED | _MAP_FIXED_NOREPLACE):
+        return None
+    end = addr + -(-length // _PAGE) * _PAGE
+    return (addr - addr % _PAGE, min(end, _ADDR_LIMIT - _PAGE)) if length else None
+
+
+# -- stopping the worker while it is judged ------------------------------------------
+
+
+def _stat_state(pid: int, tid: int) -> str | None:
+    """The thread's state letter (R, S, D, T, t, Z, X...), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    at = data.rindex(b")") + 2
+    return chr(data[at])
+
+
+def _tasks(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+def _status_field(pid: int, key: str) -> str:
+    with open(f"/proc/{pid}/status") as f:
+        for ln in f:
+            if ln.startswith(key):
+                return ln.split(":", 1)[1].strip()
+    raise OSError(errno.ENOENT, f"no {key} for pid {pid}")
+
+
+_NR_TGKILL = {"x86_64": 234, "aarch64": 131}.get(platform.machine(), -1)
+
+
+def _tgkill(pid: int, tid: int, sig: int) -> None:
+    if _libc.syscall(ctypes.c_long(_NR_TGKILL), ctypes.c_long(pid), ctypes.c_long(tid),
+                     ctypes.c_long(sig)) != 0 and ctypes.get_errno() != errno.ESRCH:
+        raise OSError(ctypes.get_errno(), f"tgkill({pid}, {tid}, {sig})")
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for tid in _tasks(pid):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return out
+
+
+def _sharers(tgid: int) -> list[int]:
+    """Every other process that could share the worker's memory or files (a clone with
+    CLONE_VM or CLONE_FILES but not CLONE_THREAD): its descendants and, in a sandbox,
+    its siblings under the sandbox's init. Strict domains have none (no new process)."""
+    todo = _children(tgid)
+    try:
+        parent = int(_status_field(tgid, "PPid"))
+        same_ns = os.stat(f"/proc/{parent}/ns/pid").st_ino == os.stat(f"/proc/{tgid}/ns/pid").st_ino
+        if parent > 1 and same_ns and _status_field(parent, "NSpid").split()[-1] == "1":
+            todo += [c for c in _children(parent) if c != tgid]
+    except (OSError, ValueError):
+        pass
+    seen: list[int] = []
+    while todo and len(seen) < MAX_SHARERS:
+        p = todo.pop()
+        if p != tgid and p not in seen:
+            seen.append(p)
+            todo += _children(p)
+    return seen
+
+
+class _Frozen:
+    """The worker stopped (SIGSTOP to its thread group and any process that could share
+    its memory) while one request of it is judged. Every thread but the caller must be
+    in stopped state before the judgement starts: the caller itself waits in the
+    kernel, killably (SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV), so SIGSTOP cannot end
+    its wait; a thread the kernel creates meanwhile joins the stop. Nothing of the
+    worker runs between our look and the kernel's act, and after CONTINUE the caller
+    stops on its way back to user space, so its result is read before any of the
+    worker's code runs again."""
+
+    def __init__(self, tgid: int, caller: int, procs: list[int]) -> None:
+        self.tgid, self.caller, self.procs = tgid, caller, procs
+        self.killed = False
+
+    @classmethod
+    def stop(cls, caller: int, deadline: float) -> _Frozen:
+        tgid = int(_status_field(caller, "Tgid"))
+        procs = [tgid, *_sharers(tgid)]
+        for p in procs:
+            # To each thread: a process-directed SIGSTOP wakes one thread to start the
+            # group stop, and that may be the caller, whose killable wait ignores it.
+            for tid in _tasks(p) or [p]:
+                _tgkill(p, tid, signal.SIGSTOP)
+        frozen = cls(tgid, caller, procs)
+        try:
+            frozen._wait(lambda: frozen._running(), deadline,
+                         lambda t: f"too slow to judge: thread {t} of pid {tgid} did not stop "
+                         f"(state {_stat_state(tgid, t)}, caller {caller})")
+        except BaseException:
+            frozen.resume()
+            raise
+        return frozen
+
+    def _running(self) -> int | None:
+        for p in self.procs:
+            for tid in _tasks(p):
+                if tid == self.caller:
+                    continue
+                state = _stat_state(p, tid)
+                if state is not None and state not in _STOPPED:
+                    return tid
+        return None
+
+    @staticmethod
+    def _wait(running: Callable[[], int | None], deadline: float,
+              why: Callable[[int], str]) -> None:
+        pause = 20e-6
+        while (tid := running()) is not None:
+            if time.monotonic() > deadline:
+                raise TooSlow(why(tid))
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def wait_caller(self, deadline: float) -> bool:
+        """Until the caller has made the call and stopped (or died); False past deadline."""
+        def running() -> int | None:
+            state = _stat_state(self.tgid, self.caller)
+            return None if state is None or state in _STOPPED else self.caller
+        try:
+            self._wait(running, deadline, str)
+        except TooSlow:
+            return False
+        return True
+
+    def caller_gone(self) -> bool:
+        return _stat_state(self.tgid, self.caller) in (None, "Z", "X")
+
+    def kill(self) -> None:
+        self.killed = True
+        for p in self.procs:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def resume(self) -> None:
+        if self.killed:
+            return                 # stays stopped until the kill lands: its code never runs
+        for p in self.procs:
+            try:
+                os.kill(p, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
 
 class _Mounts:
@@ -536,6 +857,30 @@ class _Mounts:
                                  "ro" not in per_mount and "ro" not in per_sb))
             self._rows = rows
         return self._rows
+
+
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long)
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+
+
+def _mapped_identity(link: str) -> tuple[tuple[int, int], int]:
+    """(device, inode) that a mapping of the file behind `link` shows in maps: the
+    kernel's identity of it, which is not always what fstat says (an overlay maps its
+    lower file). Found by mapping one page of it here, read-only, for a moment."""
+    fd = os.open(link, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        addr = _libc.mmap(None, _PAGE, 0x1, _MAP_PRIVATE, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap of {link} to identify it")
+    finally:
+        os.close(fd)
+    try:
+        [v] = vmas_between(os.getpid(), addr, addr + _PAGE)
+        return v.dev, v.inode
+    finally:
+        _libc.munmap(addr, _PAGE)
 
 
 def _code_file(pid: int, link: str, mounts: _Mounts | None = None) -> tuple[bool, str]:
