@@ -156,10 +156,13 @@ class _ExecWindow:
             self._poll_status(run)
             if run.refused:
                 return
-            # A bounded batch per wakeup, then a checkpoint: a worker flooding requests
-            # must not hold the event loop (other workers' watchdogs run on it).
-            verdicts = watch.handle_pending(max_requests=16,
-                                            before_judging=lambda: self._poll_status(run))
+            # A bounded batch per wakeup, off the event loop: before READY each judgement
+            # stops the worker and waits for its threads to stop (and for the call's
+            # result), which must never hold other workers' watchdogs. The status pipe
+            # is still read on the loop, before each judgement.
+            verdicts = await trio.to_thread.run_sync(functools.partial(
+                watch.handle_pending, max_requests=16,
+                before_judging=lambda: trio.from_thread.run_sync(self._poll_status, run)))
             await trio.sleep(0)
             if not verdicts:
                 if watch.hung_up:         # every watched task is gone: the exit follows

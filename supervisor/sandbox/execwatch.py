@@ -783,14 +783,43 @@ class _Frozen:
         return frozen
 
     def _running(self) -> int | None:
+        """A thread that is not (provably) stopped, or None once every one is.
+
+        Two passes: every thread stopped in both, with the same CPU time and slice
+        count (/proc/.../schedstat) and no thread more or less. A thread stopped when we
+        read it may be woken later by one we read after it (SIGCONT, then SIGSTOP to
+        itself: red team); if none ran between the passes, there was an instant when
+        all were stopped, and from then on nothing of the worker can wake any of it."""
+        first = self._fingerprint()
+        if isinstance(first, int):
+            return first
+        second = self._fingerprint()
+        if isinstance(second, int):
+            return second
+        if first != second:
+            return next((t for t in set(first) ^ set(second)), None) or next(
+                t for t in first if first[t] != second.get(t))
+        return None
+
+    def _fingerprint(self) -> dict[int, str] | int:
+        """tid -> its schedstat, if every thread but the caller is stopped; else a tid
+        that is not."""
+        out: dict[int, str] = {}
         for p in self.procs:
             for tid in _tasks(p):
                 if tid == self.caller:
                     continue
                 state = _stat_state(p, tid)
-                if state is not None and state not in _STOPPED:
+                if state is None or state in ("Z", "X"):
+                    continue
+                if state not in _STOPPED:
                     return tid
-        return None
+                try:
+                    with open(f"/proc/{p}/task/{tid}/schedstat") as f:
+                        out[tid] = f.read()
+                except OSError:
+                    continue
+        return out
 
     @staticmethod
     def _wait(running: Callable[[], int | None], deadline: float,
