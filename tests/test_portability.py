@@ -203,6 +203,18 @@ def test_other_userns_knobs_are_named(tmp_path):
     assert names == ["kernel.unprivileged_userns_clone", "user.max_user_namespaces"], names
 
 
+@pytest.mark.parametrize("line", [
+    "bwrap: setting up uid map: Permission denied",                   # Ubuntu 24.04
+    "bwrap: No permissions to create new namespace, likely because the kernel does not "
+    "allow non-privileged user namespaces."])
+def test_a_refused_user_namespace_gets_the_fix_appended(tmp_path, line):
+    proc = _fake_proc(tmp_path, **{"kernel.apparmor_restrict_unprivileged_userns": "1"})
+    out = probe.explain_bwrap_error(line, proc)
+    assert out.startswith(line + " -> kernel.apparmor_restrict_unprivileged_userns = 1"), out
+    other = "bwrap: Can't find source path /x: No such file or directory"
+    assert probe.explain_bwrap_error(other, proc) == other
+
+
 def test_this_machines_knobs_are_read_not_written():
     """The real /proc, read only: nothing here blocks bwrap (the sandbox tests run)."""
     before = {p: os.stat(p).st_mtime for p in ("/proc/sys/user/max_user_namespaces",)
@@ -319,7 +331,7 @@ def test_no_cgroups_at_all_is_one_report_of_every_limit():
     ev = off.event()
     assert ev["off"] == ["memory_max", "pids_max", "cpu_quota", "cpu_weight"]
     assert ev["cgroup"] == "none" and ev["reason"].startswith("cgroup v2: no '0::'")
-    assert "rlimit" in ev["fallback"]
+    assert ev["enforced"] == [] and ev["fallback"] == "none"
 
 
 # --------------------------------------------------------------- math threads

@@ -102,13 +102,13 @@ class LimitsOff:
     def limits(self) -> tuple[str, ...]:
         return tuple(k for c in self.controllers for k in LIMITS_OF.get(c, ()))
 
-    def event(self) -> dict[str, object]:
-        """Fields of the one `limits_not_enforced` event (level warning)."""
+    def event(self, fallback: str = "none") -> dict[str, object]:
+        """Fields of the one `limits_not_enforced` event (level warning). `fallback`:
+        what the caller puts in the limits' place, if anything (e.g. "RLIMIT_DATA")."""
         on = tuple(k for c in CONTROLLERS if c not in self.controllers for k in LIMITS_OF[c])
         return {"off": list(self.limits), "enforced": list(on),
                 "cgroup": f"v{self.version}" if self.version else "none",
-                "reason": self.reason,
-                "fallback": "none: the limits off are not enforced (no rlimit stands in)"}
+                "reason": self.reason, "fallback": fallback}
 
 
 def limits_off(tree: "CgroupTree | None", error: str = "") -> LimitsOff | None:

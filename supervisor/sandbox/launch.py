@@ -338,11 +338,10 @@ def rehearse(policy: SandboxPolicy, worker: str = "", *, timeout_s: float = 30.0
     ms = (time.monotonic() - t0) * 1000
     if r.returncode == 0:
         return SandboxCheck(name, True, ms=ms)
-    err = _last_line(r.stderr) or f"exit status {r.returncode}, no output"
-    from .probe import userns_advice
+    from .probe import explain_bwrap_error
 
-    advice = userns_advice() if "namespace" in err or "uid map" in err or "uid_map" in err else None
-    return SandboxCheck(name, False, f"{err}{' -> ' + advice if advice else ''}", ms)
+    err = _last_line(r.stderr) or f"exit status {r.returncode}, no output"
+    return SandboxCheck(name, False, explain_bwrap_error(err), ms)
 
 
 def _build_key(p: SandboxPolicy) -> tuple:

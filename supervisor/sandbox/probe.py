@@ -393,11 +393,29 @@ def userns_blockers(proc_root: str = "/proc") -> list[tuple[str, str, str]]:
 
 def userns_advice(proc_root: str = "/proc") -> str | None:
     """One line naming the knob(s) that would make every sandbox fail, and the fix;
-    None when nothing here stops bwrap."""
+    None when nothing here stops bwrap. A knob set is not proof of failure (an AppArmor
+    profile may already allow bwrap): whether a sandbox starts is what
+    `launch.rehearse` finds; this says why when it does not."""
     found = userns_blockers(proc_root)
     if not found:
         return None
     return "; ".join(f"{name} = {value}: {advice}" for name, value, advice in found)
+
+
+# How bwrap words a refused user namespace: AppArmor (uid map write refused), the
+# Debian knob / max_user_namespaces (clone refused).
+_USERNS_ERRORS = ("setting up uid map", "No permissions to create new namespace",
+                  "Creating new namespace failed", "unshare", "uid_map")
+
+
+def explain_bwrap_error(line: str, proc_root: str = "/proc") -> str:
+    """bwrap's error line, with what to do appended when it is a refused user namespace
+    and a knob here explains it."""
+    if any(k in line for k in _USERNS_ERRORS):
+        advice = userns_advice(proc_root)
+        if advice:
+            return f"{line} -> {advice}"
+    return line
 
 
 ATTACKS: dict[str, Callable[[list[str]], tuple[bool, dict]]] = {
