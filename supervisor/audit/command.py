@@ -131,16 +131,24 @@ def _refuse_start_beside_vehicle() -> None:
 
     from .running import find_supervisors
 
+    from .running import is_supervisor_run
+
+    vehicle = []
     for rs in find_supervisors():
+        if not is_supervisor_run(rs.argv):
+            continue                  # a test or bench holding a Supervisor in-process
         try:
             mode = load(rs.config).supervisor.mode
         except ConfigError:
             mode = "vehicle"          # unreadable: assume the worst
-        # The vehicle's supervisor latches the real state dir; a test or bench run
-        # points TRIO_STATE_DIR elsewhere.
+        # The vehicle's `supervisor run` latches its config's state dir; a test or
+        # bench run points TRIO_STATE_DIR elsewhere.
         if mode == "vehicle" and rs.state_dir is None:
-            raise UsageError(f"{PROG} --live --start: refused: a vehicle supervisor runs "
-                             f"(pid {rs.pid}); audit it with --live (read-only), or stop it")
+            vehicle.append(str(rs.pid))
+    if vehicle:
+        raise UsageError(f"{PROG} --live --start: refused: a vehicle supervisor runs (pid "
+                         f"{', '.join(vehicle)}); audit it with --live (read-only), or "
+                         f"stop it")
 
 
 def cmd_report(a: argparse.Namespace) -> int:

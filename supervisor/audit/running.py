@@ -103,7 +103,7 @@ def _config_arg(argv: list[str], cwd: str) -> str | None:
     return None
 
 
-def _is_supervisor_run(argv: list[str]) -> bool:
+def is_supervisor_run(argv: list[str]) -> bool:
     """``supervisor run`` or ``python -m supervisor.cli run`` (whatever the path)."""
     joined = " ".join(argv)
     return "run" in argv and ("supervisor.cli" in joined or any(
@@ -138,7 +138,7 @@ def find_supervisors() -> list[RunningSupervisor]:
                 continue
             found[parent] = rs
             rs.sandboxes.append(Sandbox(env[ENV_NAME], pid, ENV_STANDBY_FD in env, env))
-        elif _is_supervisor_run(argv) and pid not in found:
+        elif is_supervisor_run(argv) and pid not in found:
             rs = _supervisor(pid)
             if rs is not None:
                 found[pid] = rs
