@@ -10,12 +10,20 @@ the worker that owned the channel is dead when the supervisor writes.
 Latch: a small JSON file in the state directory. While it exists `supervisor run`
 starts nothing and exits 4; `supervisor clear-fail-safe` removes it. The generated
 unit does not restart on exit 4 (RestartPreventExitStatus=4).
+
+Only a vehicle-mode run reads or writes the vehicle's latch (TRIO_STATE_DIR, else the
+config's state_dir). A simulation-mode run (replay, record of a clip, any
+`mode = "simulation"` config) latches in a directory of its own, made for that run
+when it first latches, so a simulation that fails safe stops only itself (issue 22: a
+failed record under load latched the car, and every `supervisor run` after it exited 4).
 """
 from __future__ import annotations
 
 import json
 import mmap
 import os
+import secrets
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,16 +33,38 @@ import numpy as np
 from supervisor.ipc import Channel, Writer
 
 LATCH_NAME = "failsafe.latch"
+# The vehicle's state directory (config/_model.py SupervisorConfig.state_dir's default):
+# a simulation run never latches in it, whatever its config or environment says.
+VEHICLE_STATE_DIR = "/var/lib/trio-supervisor"
 
 
 @dataclass
 class FailSafeLatch:
     path: Path
+    # Simulation: `path` is inside a directory made for this run (see per_run) by the
+    # first set(); until then nothing exists and read() finds no latch.
+    per_run_base: Path | None = None
 
     @classmethod
     def for_config(cls, config) -> FailSafeLatch:
-        state = os.environ.get("TRIO_STATE_DIR") or config.supervisor.state_dir
-        return cls(Path(state) / LATCH_NAME)
+        from supervisor.protocol import SIMULATION
+
+        base = os.environ.get("TRIO_STATE_DIR") or config.supervisor.state_dir
+        if getattr(config.supervisor, "mode", None) == SIMULATION:
+            return cls.per_run(base)
+        return cls(Path(base) / LATCH_NAME)
+
+    @classmethod
+    def per_run(cls, base: str | os.PathLike) -> FailSafeLatch:
+        """A simulation run's latch: below `base` (where the state dir is, when that is
+        not the vehicle's; else the system's temporary directory), in a directory no
+        other run has. The name is fixed here, the directory made only by set()."""
+        root = Path(base)
+        if root.resolve() == Path(VEHICLE_STATE_DIR).resolve():
+            root = Path(tempfile.gettempdir())
+        run_dir = root / f"simulation-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-" \
+                         f"{secrets.token_hex(4)}"
+        return cls(run_dir / LATCH_NAME, per_run_base=root)
 
     def read(self) -> dict | None:
         try:
@@ -45,7 +75,12 @@ class FailSafeLatch:
             return {"reason": f"unreadable latch file: {e}"}
 
     def set(self, reason: str) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if self.per_run_base is not None:
+            self.per_run_base.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self.path.parent.mkdir(mode=0o700)      # ours alone: never an existing one
+            self.per_run_base = None                # made: a second set() reuses it
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                    "reason": reason, "pid": os.getpid()}))

@@ -92,10 +92,22 @@ def peers():
         p.close()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_state_dir(tmp_path_factory):
+    """A floor under `_state_dir`: fixtures wider than one test (a module's supervisor
+    fleet, a module's stress run) are set up before any function fixture, and would
+    otherwise latch in the machine's /var/lib/trio-supervisor."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRIO_STATE_DIR", str(tmp_path_factory.mktemp("session-state")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _state_dir(tmp_path_factory, monkeypatch):
     """Each test latches its fail-safes in its own directory, never the machine's
-    /var/lib/trio-supervisor: a test that fails safe must not stop the next one."""
+    /var/lib/trio-supervisor: a test that fails safe must not stop the next one. Set in
+    os.environ, so every `supervisor` the test starts as a subprocess (Run, Worker,
+    subprocess.run with or without env=dict(os.environ, ...)) inherits it."""
     d = tmp_path_factory.mktemp("state")
     monkeypatch.setenv("TRIO_STATE_DIR", str(d))
     return d

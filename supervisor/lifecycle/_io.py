@@ -18,10 +18,13 @@ class _WorkerIO:
     """Status and output pipes of each run (mixed into `Supervisor`)."""
 
     STATUS_LINES_PER_S = 1000.0
-    # Status *events* per worker: a burst, then this rate; changes in between are held
-    # and the latest is logged when the bucket allows (with how many were held). Every
-    # distinct line becoming an event let one worker flood the log (and journald's rate
-    # limit, which then drops the supervisor's own events too).
+    # Status *events* per worker: one per [supervisor] status_interval_s; the changes in
+    # between are held and the latest is logged at the interval (with how many were
+    # held). A change that matters (_status_matters: engaged flips, a safe-state reason,
+    # drops starting, the last word) is logged at once, within a bucket of this rate
+    # and burst, so that even those cannot flood the log (and journald's rate limit,
+    # which then drops the supervisor's own events too). Every distinct line becoming
+    # an event made 99 of 134 events in 38 s `status` (issue 23).
     STATUS_EVENTS_PER_S = 10.0
     STATUS_EVENT_BURST = 20.0
 
@@ -81,13 +84,21 @@ class _WorkerIO:
                 self._refuse(run, "protocol", "standby claimed READY before activation")
             elif msg.kind == "STANDBY" and not run.warm:
                 run.warm = True
+                run.warmed.set()
                 self.log.emit("standby_warm", worker=run.cfg.name, pid=run.pid,
                               start_ms=round((now - run.started_ns) / 1e6, 1))
             return
         if msg.kind == "READY":
             run.last_ping_ns = now
-            if not run.ready_claimed and not run.refused:
+            # A run the supervisor has already killed (ready timeout, watchdog) is not
+            # made ready by a line that was still in the pipe: no `ready` after a kill.
+            if not run.ready_claimed and not run.refused and not run.kill_reason:
                 run.ready_claimed = True
+                # The worker said it now: the ready deadline stops here, whatever the
+                # supervisor's own checks of this READY take (they may refuse, never
+                # time out).
+                run.ready_said_ns = now
+                run.ready_said.set()
                 if not self._strict(run):
                     self._set_ready(run, now)
                 elif self._close_exec_window(run):
@@ -109,19 +120,23 @@ class _WorkerIO:
             self._refuse(run, f"guard:{kind[:32]}", detail[:512] or kind)
 
     def _log_status(self, run: WorkerRun, *, final: bool = False) -> None:
-        """Log the run's latest status if it changed since the last `status` event and
-        the run's status-event bucket allows it. Called on each STATUS line, by the
-        heartbeat (a worker gone quiet), and with ``final`` when its status pipe ends (the
-        last word is always logged, whatever the bucket)."""
+        """Log the run's latest status if it changed since the last `status` event:
+        at once if the change matters (or is the first), else once the status interval
+        has passed since the last one. Called on each STATUS line, by the heartbeat (a
+        held change, a worker gone quiet), and with ``final`` when its status pipe ends
+        (the last word is always logged)."""
         if not run.status_held or run.status == run.status_logged:
             return                # nothing new (held changes that came back stay counted)
         now = time.monotonic()
         run.status_ev_tokens = min(self.STATUS_EVENT_BURST, run.status_ev_tokens
                                    + (now - run.status_ev_ts) * self.STATUS_EVENTS_PER_S)
         run.status_ev_ts = now
-        if run.status_ev_tokens < 1 and not final:
+        due = now - run.status_logged_at >= self.config.supervisor.status_interval_s
+        urgent = not run.status_logged or _status_matters(run.status_logged, run.status)
+        if not final and not due and not (urgent and run.status_ev_tokens >= 1):
             return
-        run.status_ev_tokens -= 1
+        run.status_ev_tokens = max(run.status_ev_tokens - 1, 0.0)
+        run.status_logged_at = now
         held, run.status_held, run.status_logged = run.status_held - 1, 0, run.status
         extra = {"held": held} if held else {}
         self.log.emit("status", worker=run.cfg.name, domain=run.cfg.domain,
@@ -168,3 +183,32 @@ class _WorkerIO:
             self.log.emit("output", source=name, worker=name, domain=domain, line=line)
         else:
             self.log.emit("log", source=name, worker=name, domain=domain, **rec)
+
+
+# Status fields whose change is news at once: the command's state and why.
+_STATE_KEYS = ("engaged", "reason")
+# Counters of trouble: news the moment they leave zero (drops starting).
+_TROUBLE_KEYS = ("dropped", "overruns", "rejected", "deadline_misses", "leases_lost",
+                 "lost", "drops", "errors")
+_ZERO = ("", "0", "none", "0.0")
+
+
+def _fields(text: str) -> dict[str, str]:
+    """key=value tokens of a status text (the workers' grammar; free text is ignored)."""
+    out = {}
+    for tok in text.split():
+        k, eq, v = tok.partition("=")
+        if eq:
+            out[k.rstrip(":")] = v
+    return out
+
+
+def _status_matters(old: str, new: str) -> bool:
+    """A change worth an event at once: engaged or the safe-state reason changed, a
+    trouble counter left zero, or the worker's last word ("stopped...")."""
+    if new.startswith("stopped"):
+        return True
+    a, b = _fields(old), _fields(new)
+    if any(a.get(k) != b.get(k) for k in _STATE_KEYS if k in a or k in b):
+        return True
+    return any(a.get(k, "") in _ZERO and b.get(k, "") not in _ZERO for k in _TROUBLE_KEYS)

@@ -13,19 +13,45 @@ from ._run import WorkerRun
 
 
 class _WarmStandby:
-    """Keeping and adopting standbys (mixed into `Supervisor`)."""
+    """Keeping and adopting standbys (mixed into `Supervisor`).
+
+    Depth 2: a worker with `warm_standby` keeps two standbys, started one after the
+    other. One is not enough: a replacement takes 0.2-1.2 s to start (modeld: its
+    imports and model load), so a second kill within that time found none and cold
+    started (12 of 12 second kills within 200 ms, issue 22). With two, the adoption
+    takes one and the other is warm already; the replacement starts at the adopted
+    run's READY. Why not one standby plus a replacement started at the kill: it would
+    not be warm within 200 ms either, and its start-up would compete on two cores with
+    the adopted run's READY check and first outputs. The cost of the second standby is
+    memory, not CPU: a warm standby blocks in recvmsg; its private memory is what its
+    imports and model load allocated (tens of MB for the default workers, see the
+    bench). Only one standby of a worker is ever starting at a time."""
+
+    STANDBY_DEPTH = 2
+
+    def _fill_standbys(self, run: WorkerRun) -> None:
+        """Start one more standby of `run` if it has fewer than the depth and none is
+        starting (the next starts when this one is warm)."""
+        if (not run.cfg.warm_standby or not self.sandboxed or self._nursery is None
+                or self._stopping or run.proc is None or run.proc.poll() is not None):
+            return
+        live = [sb for sb in run.standbys if sb.proc is None or sb.proc.poll() is None]
+        if len(live) >= self.STANDBY_DEPTH or any(not sb.warm for sb in live):
+            return
+        self._nursery.start_soon(self._keep_standby, run)
 
     async def _keep_standby(self, run: WorkerRun) -> None:
         """Start a standby instance of `run`'s worker and serve it (status, output, exec
         watch) while it waits; if it dies waiting, that is logged and the next READY of
         the active instance starts another."""
         sb = WorkerRun(run.cfg, is_standby=True)
+        run.standbys.append(sb)         # counted at once: no second start beside it
         try:
             self._spawn(sb)
         except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
+            run.standbys.remove(sb)
             self.log.emit("standby_failed", worker=run.cfg.name, error=f"{type(e).__name__}: {e}")
             return
-        run.standby = sb
         code = None
         try:
             with trio.CancelScope() as sb.scope:
@@ -34,33 +60,41 @@ class _WarmStandby:
                     n.start_soon(self._read_status, sb)
                     n.start_soon(self._read_output, sb)
                     n.start_soon(self._watch_exec, sb)
+
+                    async def then_the_next() -> None:
+                        await sb.warmed.wait()
+                        self._fill_standbys(run)
+
+                    n.start_soon(then_the_next)
                     code = await self._wait_exit(sb)
                     n.cancel_scope.cancel()
         finally:
             sb.handed_over.set()
         if sb.adopted or code is None:
             return
-        if run.standby is sb:
-            run.standby = None
+        if sb in run.standbys:
+            run.standbys.remove(sb)
         sig, cause = self._exit_cause(sb, code)
         self._release_cgroup(sb)
         self._close_run_fds(sb)
-        if not self._stopping:
+        if not self._stopping and not sb.stopped:
             self.log.emit("standby_exit", worker=run.cfg.name, pid=sb.pid, code=code,
                           signal=sig, cause=cause or sb.refused or None)
 
     async def _adopt_standby(self, run: WorkerRun) -> bool:
         """Hand the channels to the waiting standby and make it the run: no cold start.
         False when there is none fit to take over (then the caller spawns as usual)."""
-        sb, run.standby = run.standby, None
-        if sb is None:
-            return False
-        usable = (sb.proc is not None and sb.proc.poll() is None and not sb.refused
-                  and sb.ctl_sock is not None and (sb.watch is not None or not self._strict(sb)))
-        if not usable:
-            if sb.proc is not None and sb.proc.poll() is None:
+        while True:
+            sb = run.standby
+            if sb is None:
+                return False
+            run.standbys.remove(sb)
+            if (sb.proc is not None and sb.proc.poll() is None and not sb.refused
+                    and sb.ctl_sock is not None
+                    and (sb.watch is not None or not self._strict(sb))):
+                break
+            if sb.proc is not None and sb.proc.poll() is None:   # unfit: the next one
                 self._kill(sb)
-            return False
         handles = self._handles(run.cfg)
         chans = {ch: h.to_json() for ch, h in handles.items()}
         fds = [fd for h in handles.values() for fd in h.fds()]
@@ -77,9 +111,7 @@ class _WarmStandby:
                   "out_r", "output", "cgroup", "oom_before", "watch_sock", "watch",
                   "exec_allowed", "ctl_sock"):
             setattr(run, f, getattr(sb, f))
-        run.started_ns = run.last_ping_ns = time.monotonic_ns()
-        run.ready_ns, run.ready, run.ready_claimed = 0, trio.Event(), False
-        run.exec_snapshot, run.kill_reason, run.realtime_pid = None, "", 0
+        run.begin(time.monotonic_ns())
         self.log.emit("standby_adopted", worker=run.cfg.name, pid=run.pid,
                       waited_ms=round((run.started_ns - sb.started_ns) / 1e6, 1))
         return True

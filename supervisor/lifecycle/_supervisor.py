@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import select
 import shutil
 import signal
 import socket
@@ -28,6 +29,7 @@ from supervisor.sandbox.policy import RESEARCH
 
 from ._exec import _ExecWindow
 from ._io import _WorkerIO
+from ._procstate import nspid_depth, process_dead, process_exiting
 from ._realtime import _Realtime
 from ._run import FailSafe, StartFailed, WorkerRun, _signame
 from ._standby import _WarmStandby
@@ -213,14 +215,9 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
         run.status_tokens, run.status_ts = self.STATUS_LINES_PER_S, time.monotonic()
         run.out_r = out_r
         run.output = LineLimiter()
-        run.watch_sock, run.watch, run.exec_allowed, run.exec_snapshot = ours, None, 0, None
-        run.kill_reason = ""
-        run.ready_claimed = False
+        run.watch_sock, run.watch, run.exec_allowed = ours, None, 0
         run.pid = run.proc.pid
-        run.started_ns = run.last_ping_ns = time.monotonic_ns()
-        run.ready_ns = 0            # per run: backoff resets only after a run that was ready
-        run.realtime_pid = 0        # granted again at this run's READY
-        run.ready = trio.Event()
+        run.begin(time.monotonic_ns())
         self.log.emit("standby_start" if run.is_standby else "start", worker=w.name,
                       domain=w.domain, pid=run.pid, sandboxed=self.sandboxed)
 
@@ -304,13 +301,10 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
                 run.started_ns = time.monotonic_ns()
             else:
                 code, why = await self._run_once(run, on_ready)
-            sig, cause = self._exit_cause(run, code)
+            self._log_exit(run, code, why)       # stopping or not: every death is logged
             self._release_cgroup(run)
             if self._stopping:
                 return
-            self.log.emit("exit", worker=w.name, pid=run.pid, code=code, signal=sig,
-                          cause=cause or None, reason=why,
-                          uptime_ms=round((time.monotonic_ns() - run.started_ns) / 1e6, 3))
             if run.refused:
                 return await self._give_up(run, task_status, started, "refused at runtime")
             if not self._restart_allowed(run, code):
@@ -335,8 +329,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
             if run.ready_ns and time.monotonic_ns() - run.ready_ns > w.backoff_max_ms * 4e6:
                 attempt = 0
             delay = min(w.backoff_initial_ms * 2 ** attempt, w.backoff_max_ms) / 1000
-            sb = run.standby
-            if sb is not None and sb.proc is not None and sb.proc.poll() is None:
+            if any(sb.proc is not None and sb.proc.poll() is None for sb in run.standbys):
                 # A ready-made instance is waiting: the backoff (which protects the
                 # machine from cold-start storms) has nothing to protect here.
                 delay = 0.0
@@ -349,7 +342,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
     # ---------------------------------------------------------------- warm standby
 
     def _close_run_fds(self, run: WorkerRun) -> None:
-        for name in ("status_r", "out_r"):
+        for name in ("status_r", "out_r", "worker_pidfd"):
             fd = getattr(run, name)
             if fd is not None:
                 os.close(fd)
@@ -365,8 +358,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
         out = []
         for r in list(self.runs.values()):
             out.append(r)
-            if r.standby is not None:
-                out.append(r.standby)
+            out.extend(r.standbys)
         return out
 
     def _release_cgroup(self, run: WorkerRun) -> None:
@@ -394,7 +386,11 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
     async def _run_once(self, run: WorkerRun, on_ready) -> tuple[int, str]:
         """Run until the process exits; returns (returncode, why it ended)."""
         try:
-            return await self._run_once_inner(run, on_ready)
+            result = await self._run_once_inner(run, on_ready)
+            # Before anything can adopt a standby or spawn a new writer: the one writer
+            # of the channel is the supervisor until then.
+            await self._last_word(run)
+            return result
         finally:
             if run.out_r is not None:
                 self._drain_output(run)     # its last words, then the pipe goes
@@ -447,15 +443,22 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
             async def announce() -> None:
                 await run.ready.wait()
                 on_ready()
-                if w.warm_standby and self.sandboxed and run.standby is None and self._nursery:
-                    self._nursery.start_soon(self._keep_standby, run)
+                self._fill_standbys(run)
 
             nursery.start_soon(announce)
 
             async def ready_deadline() -> None:
+                # Counts the worker's start-up only: it ends when its READY line was
+                # read, not when the supervisor's checks of that READY are done.
                 nonlocal why
                 with trio.move_on_after(w.ready_timeout_ms / 1000):
-                    await run.ready.wait()
+                    await run.ready_said.wait()
+                    return
+                # Our own lag must never be blamed on the worker: read what it sent.
+                for _ in range(64):
+                    if run.ready_said.is_set() or not self._poll_status(run):
+                        break
+                if run.ready_said.is_set() or run.refused or run.proc.poll() is not None:
                     return
                 why = f"not ready within {w.ready_timeout_ms} ms"
                 run.kill_reason = "ready timeout"
@@ -489,9 +492,107 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
 
             nursery.start_soon(ready_deadline)
             nursery.start_soon(watchdog)
+            nursery.start_soon(self._guard_writer, run)
             code = await self._wait_exit(run)
             nursery.cancel_scope.cancel()
         return code, why
+
+    # ---------------------------------------------------------------- last resort
+    # When the writer of an actuation channel dies (any cause: crash, kill -9, refused,
+    # watchdog), the supervisor publishes the payload's safe value at once, as the
+    # channel's writer of last resort; that is the last word until the next writer
+    # (standby or restart) publishes. One writer at a time still holds: the supervisor
+    # writes only once no process of the dead writer's sandbox can write (its memory is
+    # released), and every path that hands the channel to a new writer (_adopt_standby,
+    # _spawn) runs after _last_word in the same task, never beside it. The new writer
+    # attaches to the segment after our Writer is closed and continues the sequence and
+    # generations our publish left (ipc.Writer._attach): readers see no step back.
+
+    def _actuation_of(self, w: WorkerConfig) -> list[str]:
+        """The actuation channels (with a safe payload) that worker `w` writes."""
+        return [ch for ch in w.publishes if ch in self.channels
+                and self.config.channels[ch].actuation and self.config.channels[ch].payload]
+
+    async def _guard_writer(self, run: WorkerRun) -> None:
+        """Wait on the worker process itself (not bwrap: bwrap learns of the death
+        through its own child, later) and say the last word the moment it dies."""
+        if not self.sandboxed or run.is_standby or not self._actuation_of(run.cfg):
+            return
+        fd = await self._open_worker_pidfd(run)
+        if fd is None:
+            return                     # died before it was found: the exit path speaks
+        await trio.lowlevel.wait_readable(fd)
+        await self._last_word(run)
+
+    async def _open_worker_pidfd(self, run: WorkerRun) -> int | None:
+        """A pidfd of the run's worker process, once its sandbox shows one."""
+        while run.proc is not None and run.proc.poll() is None:
+            pid = self._worker_pid(run)
+            if pid != run.pid:
+                try:
+                    fd = os.pidfd_open(pid)
+                except ProcessLookupError:
+                    fd = None
+                if fd is not None:
+                    if pid in self.worker_pids(run):   # still ours, not a recycled pid
+                        run.worker_pidfd = fd
+                        return fd
+                    os.close(fd)
+            await trio.sleep(0.01)
+        return None
+
+    def _writer_gone(self, run: WorkerRun) -> bool:
+        """No process of the run's sandbox can write a channel any more: the worker is
+        dead (its pidfd readable) and so is every other process of the sandbox but
+        bwrap's own two (the outer bwrap, run.pid, and its init, pid 1 inside), which
+        never map a segment. A process inside do_exit() is not dead enough (see
+        _procstate.process_dead)."""
+        if not self.sandboxed:
+            return run.proc is None or run.proc.poll() is not None
+        if run.worker_pidfd is not None and not _readable(run.worker_pidfd):
+            return False
+        pids = set(run.cgroup.pids()) if run.cgroup is not None else set()
+        pids.update(self.worker_pids(run))        # empty once bwrap is gone
+        inner = len(nspid_depth(os.getpid()) or (0,)) + 1   # the sandbox's level
+        for pid in pids - {run.pid}:
+            ns = nspid_depth(pid)
+            if ns is not None and len(ns) == inner and ns[-1] == 1:
+                continue                          # bwrap's init in the sandbox
+            if not process_dead(pid):
+                return False
+        return True
+
+    async def _last_word(self, run: WorkerRun) -> None:
+        """Publish SAFE on each actuation channel `run` writes, once its writer is dead
+        (once per process of the run)."""
+        names = self._actuation_of(run.cfg)
+        if not names or run.last_word_said or run.is_standby:
+            return
+        died_ns = time.monotonic_ns()
+        deadline = died_ns + int(self.grace_s * 1e9)
+        while not self._writer_gone(run):
+            if time.monotonic_ns() > deadline:
+                self.log.emit("last_word_error", worker=run.cfg.name, pid=run.pid,
+                              reason=f"its processes outlived it by {self.grace_s:g} s; "
+                                     "not writing (the readers' max age still guards)")
+                return
+            await trio.sleep(0.001)
+        if run.last_word_said:         # the other path (guard or exit) said it meanwhile
+            return
+        run.last_word_said = True
+        from supervisor.failsafe import publish_safe
+
+        for name in names:
+            payload = self.config.channels[name].payload
+            try:
+                values = publish_safe(self.channels[name], payload)
+            except Exception as e:   # logged: the reader-side max age still guards it
+                self.log.emit("last_word_error", worker=run.cfg.name, channel=name,
+                              reason=f"{type(e).__name__}: {e}")
+            else:
+                self.log.emit("last_word", worker=run.cfg.name, pid=run.pid, channel=name,
+                              payload=payload, waited_ms=round(
+                                  (time.monotonic_ns() - died_ns) / 1e6, 3), **values)
 
     # ---------------------------------------------------------------- domain-wide
 
@@ -499,43 +600,58 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
         """Every interval, each control process's executable mappings: a library that
         is torch by name, SONAME or build-id, writable code, or (for the worker itself,
         against its READY snapshot) any executable mapping that appeared after READY."""
-        from supervisor.admission import maps
-
         period = self.config.supervisor.maps_scan_interval_s
         while True:
             await trio.sleep(period)
             for run in self._all_runs():
-                if self.config.profile_of(run.cfg.name) == RESEARCH or run.refused:
+                if self.config.profile_of(run.cfg.name) != RESEARCH and not run.refused:
+                    await self._scan_run(run)
+
+    def _run_over(self, run: WorkerRun) -> bool:
+        """The run is refused already, or its sandbox (bwrap) has exited."""
+        return bool(run.refused) or run.proc is None or run.proc.poll() is not None
+
+    async def _scan_run(self, run: WorkerRun) -> None:
+        """One scan of every process of one run's sandbox; refuses the run on a finding,
+        or when a process that is alive cannot be read."""
+        from supervisor.admission import maps
+
+        snap = run.exec_snapshot
+        for pid in self.worker_pids(run):
+            own = snap is not None and snap.pid == pid
+            try:
+                # Off the event loop: reading ELF identities must never delay a watchdog
+                # ping or an exec-watch answer. After READY every other process of the
+                # sandbox (bwrap's init, children) must hold only code that cannot
+                # change either.
+                hits = await trio.to_thread.run_sync(functools.partial(
+                    maps.scan_pid, pid, snapshot=snap if own else None,
+                    immutable_code=snap is not None and not own))
+            except maps.ProcessGone:   # went away between listing and reading
+                continue
+            except Exception as exc:
+                # Alive but not readable is not clean (red team: a worker whose main
+                # thread had exited made its mountinfo fail, and went unscanned). But a
+                # process caught dying (kill -9: its mount namespace is released before
+                # it is a zombie, and mountinfo says EINVAL) is an exit, whatever the
+                # read said: its exit is reported with its own cause.
+                if self._run_over(run) or await self._exiting(pid):
                     continue
-                snap = run.exec_snapshot
-                for pid in self.worker_pids(run):
-                    own = snap is not None and snap.pid == pid
-                    try:
-                        # Off the event loop: reading ELF identities must never delay a
-                        # watchdog ping or an exec-watch answer. After READY every other
-                        # process of the sandbox (bwrap's init, children) must hold only
-                        # code that cannot change either.
-                        hits = await trio.to_thread.run_sync(functools.partial(
-                            maps.scan_pid, pid, snapshot=snap if own else None,
-                            immutable_code=snap is not None and not own))
-                    except maps.ProcessGone:   # went away between listing and reading
-                        continue
-                    except Exception as exc:
-                        # Alive but not readable is not clean: it was skipped as gone
-                        # (red team: a worker whose main thread had exited made its
-                        # mountinfo fail, and went unscanned, silently).
-                        if run.refused or run.proc is None or run.proc.poll() is not None \
-                                or maps.live_task(pid) == pid and maps.task_exited(pid):
-                            continue
-                        self._refuse(run, "unscannable", f"cannot scan pid {pid}: "
-                                     f"{type(exc).__name__}: {exc}", scan_pid=pid)
-                        break
-                    if run.refused or run.proc is None or run.proc.poll() is not None:
-                        break
-                    if hits:
-                        self._refuse(run, hits[0].kind, hits[0].describe(), scan_pid=pid,
-                                     chains=[h.describe() for h in hits])
-                        break
+                self._refuse(run, "unscannable", f"cannot scan pid {pid}: "
+                             f"{type(exc).__name__}: {exc}", scan_pid=pid)
+                return
+            if self._run_over(run):
+                return
+            if hits:
+                # A finding is evidence of what ran, dying or not: always refused.
+                self._refuse(run, hits[0].kind, hits[0].describe(), scan_pid=pid,
+                             chains=[h.describe() for h in hits])
+                return
+
+    @staticmethod
+    async def _exiting(pid: int) -> bool:
+        """The process is gone, a zombie, or all of it is on its way out (_procstate)."""
+        return await trio.to_thread.run_sync(process_exiting, pid)
 
     async def _heartbeat(self) -> None:
         interval = self.config.supervisor.status_interval_s
@@ -551,34 +667,58 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
             await trio.sleep(interval)
 
     async def _shutdown_workers(self) -> None:
-        """SIGTERM in reverse start order, SIGKILL after the grace period."""
+        """SIGTERM in reverse start order, SIGKILL after the grace period. Every worker
+        gets its event: `stopped` for one we stopped, `exit` for one that had died on
+        its own (just before the stop signal: its task was cancelled before it could
+        say so)."""
         self._stopping = True
         for run in list(self.runs.values()):          # standbys hold no channel: just go
-            sb, run.standby = run.standby, None
-            if sb is not None and sb.proc is not None and sb.proc.poll() is None:
-                self._kill(sb)
-                sb.proc.wait()
-                self.log.emit("stopped", worker=run.cfg.name, standby=True, code=sb.proc.returncode)
-            if sb is not None:
-                self._release_cgroup(sb)
+            standbys, run.standbys = run.standbys, []
+            for sb in standbys:
+                self._stop_standby(run, sb)
         order = [n for n in reversed(self.config.start_order()) if n in self.runs]
         for name in order:
             run = self.runs[name]
-            if run.proc is None or run.proc.poll() is not None:
+            if run.proc is None:
                 continue
-            self._kill(run, signal.SIGTERM)
-            with trio.move_on_after(self.grace_s):
-                while run.proc.poll() is None:
-                    await trio.sleep(0.01)
-            if run.proc.poll() is None:
-                self._kill(run)
-                run.proc.wait()
+            stopped = run.proc.poll() is None
+            if stopped:
+                self._kill(run, signal.SIGTERM)
+                with trio.move_on_after(self.grace_s):
+                    while run.proc.poll() is None:
+                        await trio.sleep(0.01)
+                if run.proc.poll() is None:
+                    self._kill(run)
+                    run.proc.wait()
             self._poll_status(run)              # its last lines, then its last word
             self._log_status(run, final=True)
             if run.out_r is not None:
                 self._drain_output(run)
+            await self._last_word(run)          # a stopped commander says SAFE too
+            if stopped:
+                self.log.emit("stopped", worker=name, pid=run.pid, code=run.proc.returncode)
+            elif not run.exit_logged:
+                self._log_exit(run, run.proc.returncode, "exited while the supervisor stopped")
             self._close_run_fds(run)
-            self.log.emit("stopped", worker=name, code=run.proc.returncode)
+            self._release_cgroup(run)
+
+    def _stop_standby(self, run: WorkerRun, sb: WorkerRun) -> None:
+        """A standby holds no channel: killed at once, and logged as `stopped` (it was
+        not a crash), never as an exit."""
+        sb.stopped = True
+        if sb.proc is not None and sb.proc.poll() is None:
+            self._kill(sb)
+            sb.proc.wait()
+            self.log.emit("stopped", worker=run.cfg.name, standby=True, pid=sb.pid)
+        self._release_cgroup(sb)
+
+    def _log_exit(self, run: WorkerRun, code: int, why: str) -> None:
+        """The `exit` event of the run's current process (once per process)."""
+        sig, cause = self._exit_cause(run, code)
+        run.exit_logged = True
+        self.log.emit("exit", worker=run.cfg.name, pid=run.pid, code=code, signal=sig,
+                      cause=cause or None, reason=why,
+                      uptime_ms=round((time.monotonic_ns() - run.started_ns) / 1e6, 3))
 
     # ---------------------------------------------------------------- main
 
@@ -739,6 +879,8 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
         doomed = [r for r in self._all_runs()
                   if self.config.profile_of(r.cfg.name) != RESEARCH]
         for run in doomed:
+            if run.proc is not None and run.proc.poll() is None and not run.kill_reason:
+                run.kill_reason = "fail-safe"
             self._kill(run)
         with trio.move_on_after(self.grace_s):
             for run in doomed:
@@ -781,6 +923,13 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
                 self.notify.stopping()
                 scope.cancel()
                 return
+
+
+def _readable(fd: int) -> bool:
+    """A pidfd is readable once its process has exited."""
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(0))
 
 
 def run_config(config: Config, **kw) -> int:

@@ -1,0 +1,531 @@
+"""The fault suite: kill -9s of the real pipeline, counted and timed; one table.
+
+    python bench/faults.py                        # every fault, this tree, a table
+    python bench/faults.py --before /tmp/before   # the same suite on another checkout
+                                                  # too (a `git worktree add` of the
+                                                  # commit before), side by side
+    python bench/faults.py --only refusals --refusal-kills 50    # one fault, short
+
+Faults (each on the sandboxed control pipeline camerad -> modeld -> controlsd of the
+embedded default config, research dropped, `failure_policy = "restart"` and a large
+restart budget so that every kill is measured rather than ending the run):
+
+  refusals   kill -9 round-robin over the control workers (the worker process, or its
+             bwrap, alternately) with maps scans every 20 ms; a `refused` event for a
+             killed worker is a false refusal (a dying process is an exit).
+  safe       kill -9 of controlsd while its last command is engaged=1: time from the kill
+             to the first engaged=0 command on control_cmd (the supervisor's SAFE as
+             writer of last resort, or the new writer's own first disengaged command).
+             Run quiet and with `--load` busy loops beside it.
+  second     kill -9 of a worker, then again as soon as its replacement has published
+             (within 200 ms of the first kill where the replacement is that fast): time
+             from the second kill to the next instance's first output.
+  exits      `supervisor run` of a small probe pipeline; kill -9 of a worker, then SIGINT
+             to the supervisor 0-10 ms later: a death without an `exit` event is missing.
+
+Nothing here is part of the test suite (a full run takes tens of minutes on 2 cores).
+The state dir is a fresh temporary one: no run here touches the machine's latch.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+
+
+def _tree_from_argv() -> Path:
+    """--tree PATH (internal: how --before runs this same file against another
+    checkout): that tree's `supervisor` is imported, and sandboxes bind that tree."""
+    if "--tree" in sys.argv:
+        return Path(sys.argv[sys.argv.index("--tree") + 1]).resolve()
+    return HERE.parents[1]
+
+
+TREE = _tree_from_argv()
+sys.path.insert(0, str(TREE))
+
+import numpy as np  # noqa: E402
+import trio  # noqa: E402
+
+from schemas.payloads import CONTROL_CMD  # noqa: E402
+from supervisor.config import default_doc, derive, dumps, loads  # noqa: E402
+from supervisor.events import EventLog  # noqa: E402
+from supervisor.ipc import Reader, Rejected  # noqa: E402
+from supervisor.lifecycle import Supervisor  # noqa: E402
+
+PIPE = ("camerad", "modeld", "controlsd")
+OUT = {"camerad": "road_frames", "modeld": "model_out", "controlsd": "control_cmd"}
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def _config(**extra):
+    """The vehicle pipeline (default config without research), restarting freely."""
+    return loads(dumps(derive(default_doc(), drop=("workers.research", "channels.shadow_out"),
+                              set={"domains.control.failure_policy": "restart",
+                                   **{f"workers.{w}.{k}": v for w in PIPE for k, v in (
+                                       ("restart", "always"), ("max_restarts", 100000),
+                                       ("backoff_initial_ms", 20))},
+                                   **extra})), "faults (default pipeline)")
+
+
+def _worker_pid(sup: Supervisor, w: str) -> int:
+    run = sup.runs[w]
+    pid = sup._worker_pid(run)
+    return pid
+
+
+def _drain(r: Reader) -> None:
+    while True:
+        try:
+            m = r.try_receive()
+        except Rejected:
+            continue
+        if m is None:
+            return
+        m.release()
+
+
+async def _up(sup: Supervisor, w: str, old_pid: int, timeout: float = 90) -> bool:
+    """The worker is READY again in a new process (False: it never came back)."""
+    with trio.move_on_after(timeout):
+        while True:
+            run = sup.runs.get(w)
+            if run is not None and run.refused:
+                return False
+            if (run is not None and run.pid != old_pid and run.ready.is_set()
+                    and run.proc is not None and run.proc.poll() is None):
+                return True
+            await trio.sleep(0.01)
+    return False
+
+
+def _is_up(sup: Supervisor, w: str, old_pid: int) -> bool:
+    run = sup.runs.get(w)
+    return (run is not None and not run.refused and run.pid != old_pid and run.ready.is_set()
+            and run.proc is not None and run.proc.poll() is None)
+
+
+async def _warm(sup: Supervisor, w: str, timeout: float = 60) -> None:
+    """Its standby (if the tree has them) is warm."""
+    with trio.move_on_after(timeout):
+        while True:
+            sb = sup.runs[w].standby
+            if sb is not None and sb.warm:
+                return
+            await trio.sleep(0.02)
+
+
+async def _with_supervisor(cfg, body):
+    log = EventLog(stream=io.StringIO())
+    sup = Supervisor(cfg, log=log)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        try:
+            return await body(sup, log)
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+# ---------------------------------------------------------------- refusals
+
+async def _refusals(kills: int, interval: float, seed: int) -> dict:
+    rng = random.Random(seed)
+    cfg = _config(**{"supervisor.maps_scan_interval_s": interval})
+
+    async def body(sup: Supervisor, log: EventLog) -> dict:
+        live = list(PIPE)
+        done = 0
+        killed: dict[str, int] = {}       # worker -> the sandbox (bwrap) pid last killed
+        since: dict[str, float] = {}      # worker -> when it was killed (still not back)
+        refused: list[dict] = []
+        seen = 0
+        while done < kills and live:
+            # The next READY worker, round-robin: kills overlap with other workers'
+            # recoveries (the scans then meet several dying processes at once).
+            ready = [w for w in live if _is_up(sup, w, killed.get(w, 0))]
+            for w in list(since):
+                if w in ready:
+                    del since[w]
+                elif time.monotonic() - since[w] > 90 or sup.runs[w].refused:
+                    live.remove(w)        # refused (no restart) or never back: out
+                    del since[w]
+            new = log.of("refused")[seen:]
+            seen += len(new)
+            refused += [{"worker": e.get("worker"), "kind": e.get("kind"),
+                         "reason": str(e.get("reason"))[:200]} for e in new]
+            if not ready:
+                await trio.sleep(0.01)
+                continue
+            w = ready[done % len(ready)]
+            run = sup.runs[w]
+            await trio.sleep(rng.uniform(0.0, 0.05))
+            if not _is_up(sup, w, killed.get(w, 0)):
+                continue
+            target = _worker_pid(sup, w) if done % 2 == 0 else run.pid
+            if target == run.pid and done % 2 == 0:
+                continue                   # no worker process in there (yet)
+            try:
+                os.kill(target, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            killed[w], since[w] = run.pid, time.monotonic()
+            done += 1
+            if done % 50 == 0:
+                print(f"  refusals: {done}/{kills} kills, {len(refused)} refused",
+                      file=sys.stderr, flush=True)
+        for w in list(since):              # the last kills: their scans too
+            await _up(sup, w, killed[w], timeout=30)
+        new = log.of("refused")[seen:]
+        refused += [{"worker": e.get("worker"), "kind": e.get("kind"),
+                     "reason": str(e.get("reason"))[:200]} for e in new]
+        return {"kills": done, "refused": len(refused), "examples": refused[:5],
+                "fail_safe": len(log.of("fail_safe")), "interval_s": interval,
+                "gave_up": len(log.of("gave_up"))}
+
+    return await _with_supervisor(cfg, body)
+
+
+# ---------------------------------------------------------------- death -> SAFE
+
+async def _safe(trials: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    cfg = _config(**{"channels.control_cmd.max_readers": 3})
+
+    async def body(sup: Supervisor, log: EventLog) -> dict:
+        ch = sup.channels["control_cmd"]
+        r = Reader(ch.reader_handle(len(sup.config.readers_of("control_cmd"))))
+        lat: list[float] = []
+        never = 0
+        for i in range(trials):
+            run = sup.runs["controlsd"]
+            await _warm(sup, "controlsd")
+            # engaged now: the last command says so
+            engaged = False
+            with trio.move_on_after(30):
+                while not engaged:
+                    try:
+                        m = await r.receive_async()
+                    except Rejected:
+                        continue
+                    with m:
+                        engaged = CONTROL_CMD.decode(np.array(m.array))["engaged"] == 1.0
+            await trio.sleep(rng.uniform(0.0, 0.03))
+            _drain(r)
+            target = _worker_pid(sup, "controlsd") if i % 2 == 0 else run.pid
+            old = run.pid
+            t0 = time.monotonic()
+            try:
+                os.kill(target, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            got = None
+            with trio.move_on_after(15):
+                while got is None:
+                    try:
+                        m = await r.receive_async()
+                    except Rejected:
+                        continue
+                    with m:
+                        if CONTROL_CMD.decode(np.array(m.array))["engaged"] == 0.0:
+                            got = (time.monotonic() - t0) * 1000
+            if got is None:
+                never += 1
+            else:
+                lat.append(got)
+            await _up(sup, "controlsd", old)
+        return {"trials": trials, "ms": lat, "never_safe": never,
+                "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99), "max_ms": max(lat, default=None)}
+
+    return await _with_supervisor(cfg, body)
+
+
+# ---------------------------------------------------------------- second kill
+
+async def _first_output_after(sup: Supervisor, r: Reader, w: str, old_pid: int,
+                              timeout: float = 30) -> float | None:
+    """Seconds until the first message from an instance other than `old_pid`."""
+    t0 = time.monotonic()
+    with trio.move_on_after(timeout):
+        while True:
+            try:
+                m = await r.receive_async()
+            except Rejected:
+                continue
+            with m:
+                run = sup.runs[w]
+                if run.pid != old_pid and run.ready.is_set():
+                    return time.monotonic() - t0
+    return None
+
+
+async def _second(trials: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    cfg = _config()
+
+    async def body(sup: Supervisor, log: EventLog) -> dict:
+        readers = {w: Reader(sup.channels[OUT[w]].reader_handle(
+            len(sup.config.readers_of(OUT[w])))) for w in PIPE}
+        out: dict[str, list[float]] = {w: [] for w in PIPE}
+        gaps: list[float] = []
+        failed = 0
+        for i in range(trials):
+            w = PIPE[i % len(PIPE)]
+            await _warm(sup, w)
+            await trio.sleep(0.3 + rng.uniform(0, 0.1))
+            r = readers[w]
+            run = sup.runs[w]
+            pid1 = run.pid
+            _drain(r)
+            t1 = time.monotonic()
+            os.kill(_worker_pid(sup, w), signal.SIGKILL)
+            if await _first_output_after(sup, r, w, pid1) is None:
+                failed += 1
+                continue
+            pid2 = sup.runs[w].pid
+            t2 = time.monotonic()
+            gaps.append((t2 - t1) * 1000)
+            try:
+                os.kill(_worker_pid(sup, w), signal.SIGKILL)
+            except ProcessLookupError:
+                failed += 1
+                continue
+            if await _first_output_after(sup, r, w, pid2) is None:
+                failed += 1
+            else:
+                out[w].append((time.monotonic() - t2) * 1000)
+            await _up(sup, w, pid2)
+        allv = [x for v in out.values() for x in v]
+        return {"trials": trials, "failed": failed, "ms": out, "gap_ms": gaps,
+                "within_200ms": sum(1 for g in gaps if g <= 200),
+                "p50_ms": pct(allv, 50), "p99_ms": pct(allv, 99),
+                "per_worker": {w: {"p50": pct(v, 50), "p99": pct(v, 99), "n": len(v)}
+                               for w, v in out.items()}}
+
+    return await _with_supervisor(cfg, body)
+
+
+# ---------------------------------------------------------------- exit events at shutdown
+
+SMALL = """
+[domains.control]
+actuates = true
+failure_policy = "restart"
+[channels.x]
+slot_size = "4KiB"
+[workers.a]
+domain = "control"
+module = "workers.probe"
+publishes = ["x"]
+args = ["--publish", "x"]
+[workers.b]
+domain = "control"
+module = "workers.probe"
+subscribes = ["x"]
+args = ["--read", "x"]
+warm_standby = true
+"""
+
+
+def _exits_trial(cfg: str, rng: random.Random) -> dict:
+    p = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config", cfg,
+                          "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         text=True, cwd=TREE, env=dict(os.environ, PYTHONPATH=str(TREE)))
+    events: list[dict] = []
+    victim = None
+    try:
+        for line in p.stderr:
+            if line.startswith("{"):
+                e = json.loads(line)
+                events.append(e)
+                if e["event"] == "all_ready":
+                    break
+        starts = {e["worker"]: e["pid"] for e in events if e["event"] == "start"}
+        if not starts:
+            return {"ok": False, "why": "never started"}
+        victim = rng.choice(sorted(starts))
+        os.kill(starts[victim], signal.SIGKILL)
+        time.sleep(rng.uniform(0.0, 0.010))
+        p.send_signal(signal.SIGINT)
+        for line in p.stderr:
+            if line.startswith("{"):
+                events.append(json.loads(line))
+    finally:
+        p.wait(60)
+    pid = next(e["pid"] for e in events if e["event"] == "start" and e["worker"] == victim)
+    ended = [e for e in events if e["event"] in ("exit", "stopped") and e.get("worker") == victim
+             and e.get("pid", pid) == pid and not e.get("standby")]
+    exit_ev = [e for e in ended if e["event"] == "exit"]
+    return {"ok": True, "exit_event": bool(exit_ev), "any_end_event": bool(ended),
+            "rc": p.returncode}
+
+
+def _exits(trials: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write(SMALL)
+    try:
+        res = [_exits_trial(f.name, rng) for _ in range(trials)]
+    finally:
+        os.unlink(f.name)
+    ran = [r for r in res if r["ok"]]
+    return {"trials": len(ran), "missing_exit": sum(1 for r in ran if not r["exit_event"]),
+            "missing_any": sum(1 for r in ran if not r["any_end_event"])}
+
+
+# ---------------------------------------------------------------- load, table
+
+class Load:
+    """`n` busy loops beside the measurement (the machine loaded)."""
+
+    def __init__(self, n: int) -> None:
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                      for _ in range(n)]
+
+    def __enter__(self) -> "Load":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
+@dataclass
+class Options:
+    only: list[str] = field(default_factory=lambda: ["refusals", "safe", "second", "exits"])
+    refusal_kills: int = 1000
+    scan_interval_s: float = 0.02
+    safe_trials: int = 60
+    second_trials: int = 30
+    exit_trials: int = 50
+    load: int = 2
+    seed: int = 1
+
+
+def run_suite(o: Options) -> dict:
+    res: dict = {"tree": str(TREE)}
+    t = time.monotonic()
+    if "refusals" in o.only:
+        res["refusals"] = trio.run(_refusals, o.refusal_kills, o.scan_interval_s, o.seed)
+    if "safe" in o.only:
+        res["safe"] = trio.run(_safe, o.safe_trials, o.seed)
+        with Load(o.load):
+            res["safe_loaded"] = trio.run(_safe, o.safe_trials, o.seed + 1)
+        res["safe_loaded"]["load"] = o.load
+    if "second" in o.only:
+        res["second"] = trio.run(_second, o.second_trials, o.seed)
+    if "exits" in o.only:
+        res["exits"] = _exits(o.exit_trials, o.seed)
+    res["seconds"] = round(time.monotonic() - t, 1)
+    return res
+
+
+def _f(x, unit: str = " ms") -> str:
+    return "–" if x is None else f"{x:.1f}{unit}"
+
+
+def rows(res: dict) -> dict[str, tuple[str, str]]:
+    """fault -> (trials, figure)."""
+    out: dict[str, tuple[str, str]] = {}
+    if "refusals" in res:
+        r = res["refusals"]
+        out[f"kill -9, scans every {r['interval_s'] * 1000:g} ms: false refusals"] = (
+            f"{r['kills']} kills", f"{r['refused']} refused" + (
+                f" (then {r['fail_safe']} fail-safe)" if r.get("fail_safe") else ""))
+    for key, label in (("safe", "kill -9 controlsd: death → SAFE on control_cmd p50 / p99"),
+                       ("safe_loaded", "… with {load} busy loops beside it")):
+        if key in res:
+            s = res[key]
+            never = f", {s['never_safe']} never SAFE in 15 s" if s["never_safe"] else ""
+            out[label.format(load=s.get("load", ""))] = (
+                f"{s['trials']} kills", f"{_f(s['p50_ms'])} / {_f(s['p99_ms'])} "
+                f"(max {_f(s['max_ms'])}){never}")
+    if "second" in res:
+        s = res["second"]
+        gap = pct(s["gap_ms"], 50)
+        out["second kill after recovery: kill → first output p50 / p99"] = (
+            f"{s['trials']} pairs", f"{_f(s['p50_ms'])} / {_f(s['p99_ms'])} "
+            f"({s['within_200ms']} second kills ≤ 200 ms after the first, gap p50 "
+            f"{_f(gap)}; {s['failed']} failed)")
+        for w, v in s["per_worker"].items():
+            out[f"  … {w}"] = (f"{v['n']}", f"{_f(v['p50'])} / {_f(v['p99'])}")
+    if "exits" in res:
+        e = res["exits"]
+        out["kill -9 then SIGINT 0-10 ms later: exit events missing"] = (
+            f"{e['trials']} runs", f"{e['missing_exit']} missing "
+                                   f"({e['missing_any']} with no event at all)")
+    return out
+
+
+def table(after: dict, before: dict | None) -> str:
+    a = rows(after)
+    b = rows(before) if before else {}
+    lines = ["| fault | trials | before | after |", "|---|---|---|---|"]
+    for k, (n, fig) in a.items():
+        bn, bfig = b.get(k, ("", "not run"))
+        trials = n if not bn or bn == n else f"{bn} / {n}"
+        lines.append(f"| {k} | {trials} | {bfig if before else '–'} | {fig} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="refusals,safe,second,exits")
+    ap.add_argument("--refusal-kills", type=int, default=1000)
+    ap.add_argument("--scan-interval-s", type=float, default=0.02)
+    ap.add_argument("--safe-trials", type=int, default=60)
+    ap.add_argument("--second-trials", type=int, default=30)
+    ap.add_argument("--exit-trials", type=int, default=50)
+    ap.add_argument("--load", type=int, default=2, help="busy loops for the loaded SAFE run")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--before", help="another checkout (the commit before): run there too")
+    ap.add_argument("--before-json", help="its results, saved from an earlier --json run")
+    ap.add_argument("--tree", help=argparse.SUPPRESS)
+    ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    ap.add_argument("--save", help="also write the results (JSON) here")
+    a = ap.parse_args()
+    os.environ["TRIO_STATE_DIR"] = tempfile.mkdtemp(prefix="trio-faults-state-")
+    o = Options(only=a.only.split(","), refusal_kills=a.refusal_kills,
+                scan_interval_s=a.scan_interval_s, safe_trials=a.safe_trials,
+                second_trials=a.second_trials, exit_trials=a.exit_trials, load=a.load,
+                seed=a.seed)
+    before = None
+    if a.before_json:
+        before = json.loads(Path(a.before_json).read_text())
+    elif a.before:
+        argv = [x for x in sys.argv[1:] if x not in ("--json",)]
+        i = argv.index("--before")
+        del argv[i:i + 2]
+        r = subprocess.run([sys.executable, str(HERE), *argv, "--tree", a.before, "--json"],
+                           stdout=subprocess.PIPE, text=True, check=True)
+        before = json.loads(r.stdout)
+    after = run_suite(o)
+    if a.save:
+        Path(a.save).write_text(json.dumps(after))
+    if a.json:
+        print(json.dumps(after))
+        return 0
+    print(table(after, before))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
