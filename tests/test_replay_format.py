@@ -407,3 +407,36 @@ def test_record_and_fleet_progress_on_a_terminal_and_nothing_otherwise(tmp_path)
     fp.t0 = time.monotonic() - 10
     fp.update(2, 1, 2)
     assert "fleet: 2/4 logs done (1 failed), 2 running, 10 s, ETA 10 s" in out.getvalue()
+
+
+def test_log_tool_info_cat_and_frames(tmp_path, capsys):
+    """`supervisor log` (python -m supervisor.replay.logtool until the CLI has it): what a
+    log holds and lost, a channel as CSV / JSON lines, frames as PNG; one line for a
+    channel that is not there."""
+    from supervisor.replay import logtool
+
+    write_log(tmp_path / "log", n=6, skip=(2,), close=False)
+
+    def tool(*args: str) -> subprocess.CompletedProcess:
+        code = logtool.main(list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    r = tool("info", str(tmp_path / "log"))
+    assert r.returncode == 0, r.stderr
+    assert "NOT closed" in r.stdout and "model_out: 5 messages (5 with a frame id, 5 receipts)" in r.stdout
+    assert "road_frames: 6 frames 160x120 nv12, video raw 6 frames, ids 0..5" in r.stdout
+    assert "loss: the log was never closed" in r.stdout
+    d = json.loads(tool("info", str(tmp_path / "log"), "--format", "json").stdout)
+    assert d["closed"] is False and d["channels"]["control_cmd"]["messages"] == 5
+    r = tool("cat", str(tmp_path / "log"), "model_out", "--format", "csv")
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("sequence,frame_id,publish_ts_ns,capture_ts_ns,offset_m,")
+    assert len(lines) == 6 and lines[0].endswith("latency_ms")
+    js = [json.loads(ln) for ln in tool("cat", str(tmp_path / "log"), "control_cmd").stdout.splitlines()]
+    assert [j["frame_id"] for j in js] == [0, 1, 3, 4, 5] and js[3]["steer_rad"] == pytest.approx(-0.04)
+    r = tool("frames", str(tmp_path / "log"), "--out", str(tmp_path / "png"), "--every", "2")
+    assert r.returncode == 0 and sorted(p.name for p in (tmp_path / "png").iterdir()) == [
+        "0.png", "2.png", "4.png"]
+    r = tool("cat", str(tmp_path / "log"), "nope")
+    assert r.returncode == 2 and "no channel 'nope'" in r.stderr and "Traceback" not in r.stderr

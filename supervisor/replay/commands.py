@@ -270,3 +270,22 @@ def _fleet(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(rep.markdown())
     return rep.exit_code
+
+
+def add_log_args(s: argparse.ArgumentParser) -> None:
+    from .logtool import add_log_args as add
+
+    add(s)
+
+
+def cmd_log(args: argparse.Namespace) -> int:
+    from .logtool import cmd_log as run
+
+    return run(args)
+
+
+# The subcommands this package serves: name -> (add its arguments, run it). The CLI
+# (supervisor/cli.py) needs only these names.
+SUBCOMMANDS = {"record": (add_record_args, cmd_record),
+               "replay": (add_replay_args, cmd_replay),
+               "log": (add_log_args, cmd_log)}

@@ -19,6 +19,7 @@ from supervisor.config import DEFAULT_SOURCE, SIMULATION, ConfigError, default_d
 RECORDER_DOMAIN = "recorder"
 RECORDER = "recorder"
 ACK = "replay_ack"       # the recorder's "recorded the command of frame N" (lockstep)
+REPLAY_READY_TIMEOUT_MS = 30000   # the least READY deadline of a replay's workers
 CAMERA = "workers.camerad"
 CONTROLS = "workers.controlsd"
 MODEL = "workers.modeld"
@@ -209,6 +210,11 @@ def replay_doc(doc: dict[str, Any], log_dir: str, run_log: str, state_dir: str, 
     sup["mode"] = SIMULATION                         # recorded frames and time into control
     for w in workers.values():
         w["warm_standby"] = False                    # nothing to take over in a replay
+        # A replay judges what the pipeline computes, not how fast it starts: on a
+        # loaded machine (a CI runner, a laptop) a camera READY after 5 s must not end
+        # the replay in a fail-safe. The vehicle's own deadlines are `run`'s to enforce.
+        w["ready_timeout_ms"] = max(int(w.get("ready_timeout_ms", 0) or 0),
+                                    REPLAY_READY_TIMEOUT_MS)
     cam = workers[plan.camera]
     args = _strip(list(cam.get("args") or []), {
         "--source": 1, "--log": 1, "--loop": 0, "--width": 1, "--height": 1, "--format": 1,
