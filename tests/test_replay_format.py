@@ -440,3 +440,16 @@ def test_log_tool_info_cat_and_frames(tmp_path, capsys):
         "0.png", "2.png", "4.png"]
     r = tool("cat", str(tmp_path / "log"), "nope")
     assert r.returncode == 2 and "no channel 'nope'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_clip_absent_inside_a_sandbox_says_it_is_not_visible_there(tmp_path, monkeypatch):
+    pytest.importorskip("av", reason="the 'replay' extra (PyAV) is not installed")
+    from workers.camerad.video import SourceError, VideoFileSource
+
+    clip = tmp_path / "dashcam.mp4"          # exists on the host, not bound into a sandbox
+    monkeypatch.setenv("TRIO_SANDBOXED", "1")
+    with pytest.raises(SourceError, match="not visible inside the sandbox .*extra_ro_binds"):
+        VideoFileSource(clip)
+    monkeypatch.setenv("TRIO_SANDBOXED", "0")  # outside a sandbox: the plain truth
+    with pytest.raises(SourceError, match="not a playable video"):
+        VideoFileSource(clip)

@@ -194,6 +194,7 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
                          floor_ms=args.time_floor_ms,
                          gated=_gated(res.run_dir, args.gate), ignore=args.ignore)
         Path(res.run_dir, "diff.md").write_text(render_markdown(report))
+        _plot_with_ref(res.run_dir, plan, run, ref, args.logs[0])
         Path(res.run_dir, "diff.json").write_text(render_json(report))
         s["diff"] = {"ref": str(ref.path), "ok": report.ok,
                      "first_divergent_frame": report.first_divergent_frame}
@@ -213,6 +214,17 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
     else:
         print_summary(s)
     return code
+
+
+def _plot_with_ref(run_dir: str, plan, run, ref, log: str) -> None:
+    """plot.png again, with REF overlaid (a missing picture never fails a replay)."""
+    from .drivelog import DriveLog
+    from .run import plot
+
+    try:
+        plot(DriveLog.open(log), run, plan, Path(run_dir, "plot.png"), ref=ref)
+    except Exception:
+        pass
 
 
 def print_summary(s: dict) -> None:

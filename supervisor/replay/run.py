@@ -378,7 +378,7 @@ def commands_by_frame(msgs: list[Msg]) -> dict[int, Msg]:
     return out
 
 
-def plot(src: DriveLog, run: DriveLog, plan, path: Path) -> None:
+def plot(src: DriveLog, run: DriveLog, plan, path: Path, ref: DriveLog | None = None) -> None:
     """Model latency over log time, and the replay's steering command against the
     recorded one. Log time: the recorded capture time of each frame (the replay's
     messages are placed by their frame id; a live recording's commands, which carry no
@@ -401,6 +401,12 @@ def plot(src: DriveLog, run: DriveLog, plan, path: Path) -> None:
     model = run.messages.get(plan.model_out or "", [])
     pts = [(at(m), m.receipt.latency_ns / 1e6) for m in model if m.receipt is not None]
     pts = [p for p in pts if p[0] is not None]
+    if ref is not None:                      # --ref: REF's model latency under the run's
+        rpts = [(at(m), m.receipt.latency_ns / 1e6) for m in
+                ref.messages.get(plan.model_out or "", []) if m.receipt is not None]
+        rpts = [p for p in rpts if p[0] is not None]
+        if rpts:
+            ax1.plot(*zip(*rpts), ".-", ms=2, lw=0.6, color="0.6", label="REF latency")
     if pts:
         ax1.plot(*zip(*pts), ".-", ms=3, lw=0.8, label="model latency (receipt)")
         dl = [m.receipt.deadline_ns / 1e6 for m in model if m.receipt and m.receipt.deadline_ns]
@@ -410,7 +416,10 @@ def plot(src: DriveLog, run: DriveLog, plan, path: Path) -> None:
     if pts:
         ax1.legend(loc="upper right", fontsize=8)
     ax1.set_title(f"replay of {src.path.name}")
-    for log, label, style in ((src, "recorded", "-"), (run, "replay", "--")):
+    logs = [(src, "recorded", "-"), (run, "replay", "--")]
+    if ref is not None and ref.path != src.path:
+        logs.append((ref, "REF", ":"))
+    for log, label, style in logs:
         pts = [(at(m), float(m.array.ravel()[0])) for m in log.messages.get(plan.command or "", [])]
         pts = sorted(p for p in pts if p[0] is not None)
         if pts:
