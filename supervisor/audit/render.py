@@ -42,7 +42,8 @@ def _seccomp(r: dict, mode: str) -> str:
     launch = s.get("launch") or {}
     parts = [head]
     if launch:
-        parts.append(f"launch: {len(launch['kill'])} kill, {len(launch['eperm'])} EPERM")
+        parts.append(f"launch: {len(launch['kill'])} kill rules, {len(launch['eperm'])} "
+                     f"EPERM rules")
     if s.get("after_start_kill"):
         parts.append("after start kills " + "/".join(s["after_start_kill"]))
     if s.get("exec_watch"):

@@ -225,12 +225,35 @@ def md_filesystem(report: dict[str, Any]) -> list[str]:
 # --------------------------------------------------------------------------- syscalls
 
 
+def _socket_types(whens: list[str]) -> list[str]:
+    """One rule per socket type (seccomp compares the masked type field, 4 bits) read
+    back as "every type but ...": the complement is what a reviewer checks."""
+    import re
+    import socket
+
+    by: dict[str, list[str]] = {}
+    rest = []
+    for w in whens:
+        m = re.match(r"^(.*?)type (\w+)$", w)
+        (by.setdefault(m.group(1), []).append(m.group(2)) if m else rest.append(w))
+    out = list(rest)
+    names = {str(k.value): k.name for k in socket.SocketKind if k.value < 16}
+    for prefix, types in by.items():
+        listed = {names.get(t, t) for t in types}
+        every = [names.get(str(i), str(i)) for i in range(16)]
+        kept = [t for t in every if t not in listed]
+        out.append(f"{prefix}type any but {', '.join(kept)}" if len(kept) < len(listed)
+                   else f"{prefix}type {', '.join(sorted(listed))}")
+    return out
+
+
 def _grouped_conditions(rules: list[dict[str, Any]]) -> list[list[str]]:
     by: dict[tuple[str, str, str], list[str]] = {}
     for r in rules:
         act = r["action"] if r["action"] != "errno" else r["errno"]
         by.setdefault((r["syscall"], act, r["stage"]), []).append(r["when"] or "always")
-    return [[s, a, "; ".join(w), st] for (s, a, st), w in sorted(by.items())]
+    return [[s, a, "; ".join(_socket_types(w) if s in ("socket", "socketpair") else w), st]
+            for (s, a, st), w in sorted(by.items())]
 
 
 def md_syscalls(report: dict[str, Any]) -> list[str]:
