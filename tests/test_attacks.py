@@ -87,6 +87,8 @@ ATTACKERS = {
     "c-sigcont": ("control", "sigcont_race", True),
     "c-fakewx": ("control", "fake_wx_lock", True),       # READY by hand, a decoy filter
     "c-wx1thread": ("control", "wx_one_thread", True),   # the W^X filter on one thread only
+    "c-newthread": ("control", "thread_birth_race", True),
+    "c-vmchild": ("control", "shared_vm_child", True),
 }
 REALTIME = ("c-rt", "c-rtspin", "c-rtpi", "c-rthop", "c-rtmisc")
 RT_PRIORITY = 50
@@ -548,7 +550,14 @@ def test_ready_without_the_wx_lock_is_refused(fleet, worker, needle):
     assert _of(ev, worker, "exit"), "refused but not stopped"
 
 
-@pytest.mark.parametrize("worker", ["c-cowrace", "c-fdswap", "c-sigcont"])
+def test_no_process_can_share_memory_outside_the_stopped_thread_group(fleet):
+    """The exec watch stops the worker's thread group while it judges; a vfork child or a
+    clone(CLONE_VM) process would share its memory and run on. None can be made."""
+    res = assert_denied(fleet["events"], "c-vmchild")
+    assert res["vfork"] == res["clone_vm"] == res["fork"] == "EPERM", res
+
+
+@pytest.mark.parametrize("worker", ["c-cowrace", "c-fdswap", "c-sigcont", "c-newthread"])
 def test_a_race_against_the_exec_watch_never_wins(fleet, worker):
     """Issue 21 (was a hole: wins in bench/wx_race.py before the fix): thread 2 mremaps a
     patched copy-on-write page onto the page thread 1 asked to make executable, or

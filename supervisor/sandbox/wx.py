@@ -131,7 +131,7 @@ def parse_line(text: str) -> dict[str, bool]:
         return {}
     out: dict[str, bool] = {}
     for word in text[at + 3:].split()[:2]:
-        key, _, val = word.partition("=")
+        key, _, val = word.rstrip("]").partition("=")
         if key in ("mdwe", "seccomp") and val in ("0", "1"):
             out[key] = val == "1"
     return out

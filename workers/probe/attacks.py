@@ -696,7 +696,8 @@ def _delay(i: int, spread_us: int) -> int:
     return (i * 7919) % max(spread_us, 1)
 
 
-def cow_race_tries(tries: int, spread_us: int = 600, pads: int = 300) -> dict:
+def cow_race_tries(tries: int, spread_us: int = 600, pads: int = 300,
+                   new_thread: bool = False) -> dict:
     """Issue 21 (1): mprotect(R|X) of a clean read-only page of a library while thread 2
     mremaps a patched copy-on-write copy of that page onto it. A win: the page is then
     executable and holds our byte. Makes `pads` read-only mappings of the library first
@@ -711,8 +712,16 @@ def cow_race_tries(tries: int, spread_us: int = 600, pads: int = 300) -> dict:
         ctypes.memset(copy, 0xC3, 1)                        # copy on write: no longer the file's
         libc.mprotect(copy, _PAGE, mmap.PROT_READ)          # not watched: no PROT_EXEC
         tgt = libc.mmap(None, _PAGE, mmap.PROT_READ, _MAP_PRIVATE_, fd, 0)
-        racer.arm(lambda c=copy, t=tgt: libc.mremap(c, _PAGE, _PAGE, _MREMAP_MAYMOVE | _MREMAP_FIXED,
-                                                    t), _delay(i, spread_us))
+        def move(c: int = copy, t: int = tgt) -> None:
+            libc.mremap(c, _PAGE, _PAGE, _MREMAP_MAYMOVE | _MREMAP_FIXED, t)
+
+        if new_thread:     # a thread born while the supervisor stops the worker
+            import threading
+
+            racer.arm(lambda: (th := threading.Thread(target=move), th.start(), th.join()),
+                      _delay(i, spread_us))
+        else:
+            racer.arm(move, _delay(i, spread_us))
         rc = libc.mprotect(tgt, _PAGE, PROT_RX)
         racer.done.wait()
         if rc != 0:
@@ -768,6 +777,39 @@ def cow_mremap_race(ctx: WorkerContext) -> dict:
     res["last"] = "ok" if libc.mprotect(tgt, _PAGE, PROT_RX) == 0 else \
         errno.errorcode.get(ctypes.get_errno())
     return {"denied": res["wins"] == 0 and res["last"] != "ok", **res}
+
+
+def thread_birth_race(ctx: WorkerContext) -> dict:
+    """Red team (own work), before READY: the copy-on-write race, with the mremap made
+    by a thread created just as thread 1 enters its syscall, so that it is born while
+    the supervisor stops the worker (it must join the stop: the thread list is re-read
+    and must be the same in both passes). No win; refused like c-cowrace."""
+    res = cow_race_tries(30, new_thread=True)
+    return {"denied": res["wins"] == 0, **res}
+
+
+def shared_vm_child(ctx: WorkerContext) -> dict:
+    """Red team (own work): a process that shares the worker's memory but is not in its
+    thread group would run on while the thread group is stopped for a judgement:
+    vfork, clone(CLONE_VM|CLONE_VFORK) without CLONE_THREAD, fork. All EPERM in
+    control (the runtime filter: no new process)."""
+    res: dict = {}
+    nr_vfork, nr_clone = 58, 56
+    for label, args in (("vfork", (nr_vfork,)),
+                        ("clone_vm", (nr_clone, 0x100 | 0x4000 | 17, 0, 0, 0, 0))):
+        rc = _libc.syscall(*(ctypes.c_long(a) for a in args))
+        if rc == 0:                                   # the child, on our stack: leave now
+            _libc.syscall(ctypes.c_long(60), ctypes.c_long(0))
+        res[label] = "ok" if rc > 0 else errno.errorcode.get(ctypes.get_errno())
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        res["fork"] = "ok"
+    except OSError as e:
+        res["fork"] = _err(e)
+    res["denied"] = all(v == "EPERM" for v in res.values())
+    return res
 
 
 def fd_swap_race(ctx: WorkerContext) -> dict:
@@ -1231,6 +1273,7 @@ ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
         raise_cpu_weight, raise_priority, realtime_runaway,
         realtime_pi_boost, realtime_hop, realtime_sched_misc, realtime_pid_wrap,
         cow_mremap_race, fd_swap_race, fake_wx_lock, wx_one_thread, sigcont_race,
+        thread_birth_race, shared_vm_child,
     )
 }
 
