@@ -144,6 +144,53 @@ def test_formats(default_report):
         render(default_report, "yaml")
 
 
+def test_reviewer_sections_of_the_default_config(default_report):
+    """Issue 25: provenance and verdict first, every byte path between domains (the
+    research-written lease table camerad reads among them), failure behaviour, each
+    worker's files, the whole syscall policy, in every format."""
+    r = default_report
+    prov = r["provenance"]
+    assert prov["time_utc"].endswith("Z") and prov["kernel"].startswith("Linux")
+    assert len(prov["config"]["sha256"]) == 64 and prov["git"]["commit"]
+    (art,) = prov["artifacts"]
+    assert art["key_id"].startswith("83749b6d") and len(art["manifest_sha256"]) == 64
+    v = r["verdict"]
+    assert v["holds"] and v["counts"]["workers"] == 4
+    into = {p["id"]: p for p in v["into_actuating"]}
+    assert "road_frames.lease.research" in into and "lease_ms (100 ms)" in \
+        into["road_frames.lease.research"]["bound"]
+    paths = {p["id"]: p for p in r["interference_paths"]}
+    mon = paths["control_cmd.data.supervisor"]          # the monitor reads control_cmd
+    assert (mon["writer"], mon["reader"]) == ("controlsd", "supervisor")
+    fail = {f["worker"]: f for f in r["failure"]}
+    assert fail["controlsd"]["failure_policy"] == "fail_safe" and fail["controlsd"]["warm_standby"]
+    assert "max_age_ms 50 ms" in fail["controlsd"]["actuation_meanwhile"]
+    assert "FAIL-SAFE" in fail["camerad"]["on_give_up"]
+    assert "optional" in fail["research"]["on_give_up"]
+    fs = r["filesystem"]["camerad"]
+    if not fs["error"]:
+        assert fs["writable"] == ["/tmp", "/dev/shm"]
+        assert any("torch" in names for names in fs["whiteouts"].values())
+        assert "torch" not in str(r["filesystem"]["research"]["whiteouts"])
+    sc = r["syscalls"]
+    if not sc["error"]:
+        control = sc["classes"][sc["by_domain"]["control"]]
+        assert {"ptrace", "execve", "bpf"} <= set(control["killed"])
+        assert "read" in control["allowed"] and "mmap" in control["notified"]
+        research = sc["classes"][sc["by_domain"]["research"]]
+        assert research["errno"]["ptrace"] == "EPERM"
+    md = render(r, "markdown")
+    first_table = md.index("\n|")
+    assert md.index("VERDICT:") < first_table             # the verdict before any table
+    assert "## Interference paths" in md and "**road_frames.lease.research**" in md
+    assert "## Failure behaviour per worker" in md and "## Filesystem view per worker" in md
+    if not sc["error"]:
+        assert "### Appendix A:" in md and "### Appendix B:" in md
+        txt = render(r, "text")
+        # the whole list, never cut: every killed syscall of the control class
+        assert all(n in txt for n in control["killed"]) and ", ..." not in txt
+
+
 def test_refused_worker_shows_its_chain(tmp_path):
     """A control worker that imports torch: admission's chain is in its row."""
     pkg = tmp_path / "torchy_worker"

@@ -1,30 +1,45 @@
-"""``supervisor audit``: what each worker can and cannot do, for a safety reviewer.
+"""``supervisor audit``: what each worker can and cannot do, for a safety reviewer who
+signs it (docs/review.md). The command line is command.py's:
 
-    supervisor audit [--config F] [--format text|markdown|json]
-    supervisor audit --live [--config F] [--format ...] [--settle S] [--timeout S]
+    supervisor audit [--config F] [--format text|markdown|json] [--output F] [--sign KEY]
+    supervisor audit --live [--pid PID] [--config F] [--format ...]
+    supervisor audit --live --start [--config F] [--settle S] [--timeout S]
+    supervisor audit diff OLD.json NEW.json [--format ...]      (diff.py; exit 6 weakened)
+    supervisor audit verify REPORT SIG PUBKEY                    (sign.py)
 
 Without ``--live`` the report says what the config *promises*, derived from the code
 that enforces it: the sandbox policy (`Supervisor._policy` ->
-`supervisor.sandbox.policy`), the seccomp constants (`supervisor.sandbox.seccomp`), the
-cgroup limits, the channels, the signed model artifacts a worker loads (their manifests
-read and signatures checked with the key the worker trusts) and the static torch
-admission (`supervisor.admission.check_worker`, as ``Supervisor.admit`` runs it).
+`supervisor.sandbox.policy`) and the bwrap command line built from it (fsview.py), the
+seccomp filters as `supervisor.sandbox.seccomp` builds them (syscalls.py), the cgroup
+limits, the channels and the IPC mechanisms between them (paths.py), the restart and
+fail-safe policy (failure.py), the signed model artifacts a worker loads (their
+manifests read and signatures checked with the key the worker trusts) and the static
+torch admission (`supervisor.admission.check_worker`, as ``Supervisor.admit`` runs it).
+Provenance and the verdict come first (sections.py, review.py).
 
-With ``--live`` it STARTS the configured system itself, in this process, exactly as
-``supervisor run`` would (every worker of the config, including any that talks to the
-vehicle: run it on a bench or with the vehicle's supervisor stopped), waits until every
+With ``--live`` it reads the system that is RUNNING (running.py): the supervisor is
+found through /proc as the parent of its bwrap sandboxes, each sandbox is read from the
+outside (/proc of its worker, its cgroup, its fds against the handles bwrap was given),
+nothing is started, signalled or written, and every difference from the promise is
+flagged, each interference path's fds and mappings included (pathcheck.py), each
+filesystem view against the mount table. Root is needed, as for ``run``.
+
+With ``--live --start`` it STARTS the configured system itself, in this process,
+exactly as ``supervisor run`` would (every worker of the config, including any that
+talks to the vehicle: refused while a vehicle supervisor runs), waits until every
 worker is READY, reads each worker's sandbox from the outside (/proc of its host pid,
 its cgroup, the supervisor's exec-watch state), stops the system in order and flags
 every difference from the promise. A fail-safe during the audit is latched in a private
-temporary state directory, never in the real one. Root is needed, as for ``run``.
+temporary state directory, never in the real one.
 
 Exit codes of ``supervisor audit``:
 
     0  config mode: the report was produced; --live: the running system matches the config
-    6  --live: differences were found (listed in the report)
-    1  internal error, or --live could not start the system for another reason
+    6  --live: differences were found (listed in the report); diff: isolation weakened
+    1  a user's mistake (one line), internal error, a signature that does not verify,
+       or --live --start could not start the system for another reason
     2  config error (as ``supervisor run``)
-    3, 4, 5  --live: the supervisor stopped before all workers were READY with that exit
+    3, 4, 5  --live --start: the supervisor stopped before all workers were READY with that exit
        status (3 admission refused a required worker, 4 fail-safe, 5 a required worker
        never became ready)
 
@@ -60,6 +75,28 @@ schema_version; a renamed or removed key or a changed meaning bumps it.
                      survivors: {worker: [host pids]} still alive after the stop,
                      stop_error: why the orderly stop failed, or null}
     host_namespaces  (live only) {"supervisor": {ns: inode}, "init": {ns: inode}}
+    provenance       {time_utc, host, kernel, distribution, package: {name, version},
+                     git: {commit ("not a checkout"), dirty}, config: {source, sha256},
+                     artifacts: [{worker, artifact, manifest_sha256, key_id, signature,
+                     name, version}], python, libraries: {name: version}, tools}
+    verdict          {holds, reasons: [why not], counts: {workers, domains, channels,
+                     paths, cross_domain_paths, supervisor_paths, into_actuating,
+                     seccomp_classes, killed: {class: n}, differences}, into_actuating:
+                     [{id, kind, writer, reader, bound}]}
+    interference_paths  [{id, kind, channel, from, to, direction, crosses, writer,
+                     reader, carries, worst, bound, live}] (paths.py)
+    failure          [{worker, domain, restart, restart_text, budget: {max_restarts,
+                     window_s}, backoff_ms: {initial, max}, backoff_text, cooldown_s,
+                     watchdog_ms, ready_timeout_ms, warm_standby, optional,
+                     failure_policy, on_give_up, actuation_meanwhile}] (failure.py)
+    filesystem       {worker: {mounts: [{path, what, access, source, size}], masked,
+                     whiteouts: {dir: [names]}, writable, error}} (fsview.py)
+    syscalls         {classes: {key: {domains, launch, runtime, exec_watch, network,
+                     default, killed, errno: {name: errno}, notified, conditional:
+                     [{syscall, action, errno, when, stage}], after_ready: [...],
+                     allowed, table_size}}, by_domain: {domain: key}, error}
+    live_paths       (--live on a running system) [{path, check, observed, ok}]
+    running          (--live on a running system) {pid, argv, config, sandboxes}
 
 Worker row (config mode = promise; live mode = observation, same keys):
 
@@ -160,7 +197,7 @@ def audit(cfg: Config, *, live: bool = False, factory: Callable[[Config, Any], A
         else:
             say("starting the configured system (--start)")
             got = lv.run_live(cfg, {r["worker"]: r for r in promised}, factory=factory,
-                              settle_s=settle_s, timeout_s=timeout_s)
+                              settle_s=settle_s, timeout_s=timeout_s, progress=say)
         events = got["events"]
         static = {e["worker"]: e for e in events
                   if e["event"] == "refused" and "kind" not in e and e.get("worker")}

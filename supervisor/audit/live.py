@@ -1,8 +1,9 @@
-"""`supervisor audit --live`: start the configured system, read what each sandbox really
-is from /proc and from the supervisor's own state, and compare it with the promise.
+"""`supervisor audit --live --start`: start the configured system, read what each sandbox
+really is from /proc and from the supervisor's own state, and compare it with the promise.
+(Plain ``--live`` inspects the system that is running instead: running.py; the row
+building and comparison below serve both.)
 
-The running supervisor cannot be queried, so the audit starts the configured system
-itself, in this process, exactly as ``supervisor run`` does (`Supervisor.run` under
+With ``--start`` the audit starts the configured system itself, in this process, exactly as ``supervisor run`` does (`Supervisor.run` under
 trio, a quiet event log, no systemd notification, a private temporary state directory
 so that a fail-safe during the audit never latches the real one). Once every worker is
 READY (the ``all_ready`` event) and a short settle time has passed, evidence is read off
@@ -23,8 +24,9 @@ from supervisor.config import Config
 from . import evidence as ev
 from .promise import HOST, NAMESPACES, PRIVATE, strict
 
-# Namespaces each sandbox must have for itself: never the host's, never another's.
-_PER_SANDBOX = ("user", "pid", "ipc", "uts", "cgroup", "mnt", "net")
+# Namespaces each sandbox must have for itself: never the host's, never another's
+# (every one bwrap makes: the same tuple as the promise's).
+_PER_SANDBOX = NAMESPACES
 
 
 def _default_factory(cfg: Config, log) -> Any:
@@ -35,7 +37,9 @@ def _default_factory(cfg: Config, log) -> Any:
 
 
 async def _start_and_collect(cfg: Config, factory, settle_s: float, timeout_s: float,
-                             promises: dict[str, dict[str, Any]]) -> tuple[Any, Any, str, dict]:
+                             promises: dict[str, dict[str, Any]],
+                             progress: Callable[[str], None] = lambda m: None,
+                             ) -> tuple[Any, Any, str, dict]:
     import trio
 
     from supervisor.events import EventLog
@@ -57,8 +61,14 @@ async def _start_and_collect(cfg: Config, factory, settle_s: float, timeout_s: f
     async with trio.open_nursery() as nursery:
         nursery.start_soon(supervise)
         with trio.move_on_after(timeout_s):
+            said = 0.0
             while not ended.is_set() and not log.of("all_ready"):
                 await trio.sleep(0.05)
+                if trio.current_time() - said >= 2.0:    # a terminal sees it is alive
+                    said = trio.current_time()
+                    ready = sorted({e["worker"] for e in log.of("ready")})
+                    progress(f"waiting for READY: {len(ready)} of {len(cfg.workers)} "
+                             f"({', '.join(ready) or 'none yet'})")
         if failure:
             outcome = f"supervisor failed: {_describe(failure[0])}"
         elif log.of("all_ready") and not ended.is_set():
@@ -87,7 +97,8 @@ def _describe(e: BaseException) -> str:
 
 def run_live(cfg: Config, promises: dict[str, dict[str, Any]], *,
              factory: Callable[[Config, Any], Any] | None = None,
-             settle_s: float = 1.0, timeout_s: float = 180.0) -> dict[str, Any]:
+             settle_s: float = 1.0, timeout_s: float = 180.0,
+             progress: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """Start ``cfg``, collect evidence, stop. Returns {"outcome", "exit_code" (of the
     supervisor), "events" (its refusals and exits), "host", "workers": {name: evidence}}."""
     import trio
@@ -98,7 +109,7 @@ def run_live(cfg: Config, promises: dict[str, dict[str, Any]], *,
         try:
             sup, log, outcome, collected = trio.run(
                 _start_and_collect, cfg, factory or _default_factory, settle_s, timeout_s,
-                promises)
+                promises, progress)
         finally:
             if saved is None:
                 os.environ.pop("TRIO_STATE_DIR", None)
