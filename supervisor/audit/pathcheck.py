@@ -179,7 +179,53 @@ def check_paths(cfg: Config, paths: list[dict[str, Any]], got: dict[str, Any],
                   f"standby pid {sb.get('pid')}" if sb else "no standby running", bool(sb))
         elif kind == "state directory" and state_dir:
             _state_dir(c, p, ev, state_dir)
+        elif kind == "shared CPU and memory (cgroups)":
+            _cgroups(c, p, ev)
+        elif kind == "signals, ptrace, /proc":
+            _processes(c, p, cfg, ev)
+        elif kind == "drive log / written files" and p["id"] == "files.none":
+            _no_shared_files(c, p, ev)
     return c.rows, c.diffs
+
+
+def _cgroups(c: _Checks, p: dict, ev: dict) -> None:
+    """Each worker of the writing domain sits in a cgroup of its own, limits in force."""
+    for name in p["writer"].split(", "):
+        e = ev.get(name) or {}
+        if not e.get("running"):
+            continue
+        cg = e.get("cgroup") or {}
+        others = [n for n, x in ev.items() if n != name and x.get("running") and
+                  (x.get("cgroup") or {}).get("paths") == cg.get("paths")]
+        c.add(p["id"], name, f"{name}: a member of a cgroup of its own",
+              f"cgroup v{cg.get('version')} {', '.join(cg.get('paths') or ['none'])}"
+              + (f", SHARED with {', '.join(others)}" if others else ""),
+              bool(cg.get("member")) and not others)
+
+
+def _processes(c: _Checks, p: dict, cfg: Config, ev: dict) -> None:
+    uids: dict[str, set[int]] = {}
+    for name, e in ev.items():
+        if e.get("running"):
+            uids.setdefault(cfg.workers[name].domain, set()).add(
+                int(e["status"]["Uid"].split()[1]))
+    shared = [(a, b) for a in uids for b in uids if a < b and uids[a] & uids[b]]
+    c.add(p["id"], None, "each domain runs as its own host uids, none as root",
+          "; ".join(f"{d}: {sorted(u)}" for d, u in sorted(uids.items())),
+          not shared and all(0 not in u for u in uids.values()))
+
+
+def _no_shared_files(c: _Checks, p: dict, ev: dict) -> None:
+    from .fsview import DEV_NODES
+
+    for name, e in ev.items():
+        if not e.get("running"):
+            continue
+        rw = [m for m, x in (e.get("mounts") or {}).items() if x["access"] == "rw"
+              and x["fstype"] not in ("proc",) and m not in ("/tmp", "/dev/shm")
+              and not (m.startswith("/dev/") and m[5:].split("/")[0] in DEV_NODES)]
+        c.add(p["id"], name, f"{name}: writable only /tmp, /dev/shm (private tmpfs) and "
+              "bwrap's device nodes", ", ".join(rw) or "nothing else", not rw)
 
 
 def _state_dir(c: _Checks, p: dict, ev: dict, state_dir: str) -> None:

@@ -443,6 +443,9 @@ def channel_rows(cfg: Config) -> list[dict[str, Any]]:
             "max_age_ms": s.max_age_ms,
             "lease_ms": s.lease_ms,
             "max_readers": s.max_readers,
+            # The supervisor's monitor reads at the spare index after the workers'
+            # (Supervisor._run_monitor): one more reader, never an actuating one.
+            "monitor": len(readers) < s.max_readers,
         })
     return rows
 

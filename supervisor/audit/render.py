@@ -303,8 +303,10 @@ def _channel_narrow(c: dict) -> list[str]:
 
 
 def _channel_cells(c: dict) -> list[str]:
-    readers = ", ".join(r["worker"] + (" (log-only)" if r["log_only"] else "")
-                        for r in c["readers"]) or "none"
+    readers = ", ".join([r["worker"] + (" (log-only)" if r["log_only"] else "")
+                         for r in c["readers"]]
+                        + (["supervisor (monitor, status line only)"] if c.get("monitor")
+                           else [])) or "none"
     shadow = "yes" if c["shadow"] else ("research data" if c["research_data"] else "no")
     return [c["channel"], f"{c['writer']} ({c['writer_domain']})", readers, shadow,
             c["payload"] or "-", "yes" if c["actuation"] else "no",
