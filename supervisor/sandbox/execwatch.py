@@ -23,17 +23,36 @@ Cost: a judgement reads only the range it is about (the PROCMAP_QUERY ioctl on
 with 60,000 mappings costs what one with 60 does. `handle_pending` answers at most
 `max_requests` per call, so the caller can yield between calls.
 
-Known limits (why READY matters): CONTINUE lets the kernel redo the call after we
-looked, so before READY another thread of the worker could swap the fd number
-(dup2) or the mapping under an mprotect between our check and the call -- and a
-call we allowed just before READY may still be running when the supervisor takes
-its READY snapshot. After READY everything is refused, so no race helps there, and
-the READY snapshot and every maps scan refuse any executable mapping whose content
-can still change (maps.KIND_UNSAFE_EXEC: memfd, deleted file, shared memory, a file
-on a writable mount). Memory that is already writable and executable at READY
-needs no syscall to be rewritten: see writable_executable_mappings(). If the
-supervisor closes the listener, watched calls fail with ENOSYS in the worker; if it
-stops reading, they block.
+No race to win (issue 21). CONTINUE lets the kernel make the call after we looked;
+a second thread used to swap the fd number (dup2) or mremap a patched copy onto the
+range between our look and the kernel's act (bench/wx_race.py: 46 and 32 wins in 200
+tries each). Now, before READY, the whole worker is stopped while a request is judged
+(_Frozen: SIGSTOP to each thread and to any process that could share its memory;
+the caller's own wait is killable only, SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV, so it
+stays where it is). Judging starts only once every other thread is stopped in two
+passes that agree (a thread read as stopped could otherwise be woken by one read
+after it). Where another thread exists, the caller is let go alone (CONTINUE), and
+once it has made the call and stopped too, what the kernel did is checked: every
+mapping the call made executable is the file judged by the kernel's own (device,
+inode), with only the file's pages (/proc/PID/pagemap), or anonymous memory where
+that was judged; a mismatch kills the worker before any of its code runs again, and
+is a refusal naming the mapping and the page. A worker whose threads do not stop
+within the judgement's wall budget is refused ("too slow to judge"). Cost: a stop and
+a look at each thread per judgement (~0.5 ms here), plus the wait for the call's
+result when another thread exists (a few ms on a loaded machine).
+
+mremap, remap_file_pages, madvise: none is watched and none needs to be. mremap moves
+or grows a mapping with its own protection: a patched copy moved onto code is not
+executable unless an mprotect asks (judged: the page is seen), and a patched page
+that got into an executable mapping anyway is refused at READY and by every maps
+scan (maps.KIND_FOREIGN_PAGE). remap_file_pages kills in strict domains (seccomp);
+madvise can only drop private copies (MADV_DONTNEED: the file's pages come back) or
+hint. After READY the worker's own W^X lock (wx.py: MDWE and a filter that kills any
+PROT_EXEC request and memfd_create) means no judgement is needed at all; the watch
+refuses everything after READY as a second layer. Memory that is already writable
+and executable at READY needs no syscall to be rewritten: see
+writable_executable_mappings(). If the supervisor closes the listener, watched calls
+fail with ENOSYS in the worker; if it stops reading, they block.
 """
 
 from __future__ import annotations
