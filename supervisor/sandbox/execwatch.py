@@ -233,6 +233,7 @@ class ExecWatch:
         # a received notification from being interrupted by SIGSTOP (< 5.19).
         self.freeze = _KILLABLE_RECV
         self.mismatches = 0     # calls whose result was not what was judged
+        self.stops = 0          # judgements made with the worker stopped
         # What the request being judged may make executable (_mismatch): (dev, inode)
         # of the judged files, and whether private anonymous memory was judged.
         self._judged: set[tuple[tuple[int, int], int]] = set()
@@ -291,6 +292,7 @@ class ExecWatch:
         if self.freeze and not self.ready and req.syscall != "memfd_create":
             try:
                 frozen = _Frozen.stop(req.pid, time.monotonic() + self.judge_wall_s)
+                self.stops += 1
             except (TooSlow, OSError) as e:
                 if isinstance(e, OSError) and not self._id_valid(req.id):
                     return None, False            # the caller died: nothing to answer
