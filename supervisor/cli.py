@@ -15,6 +15,19 @@ from supervisor.events import EventLog  # noqa: E402
 from supervisor.exits import Exit  # noqa: E402
 
 
+def _internal_error(prog: str, e: BaseException) -> int:
+    """A bug, not a config mistake: one line that says what and where, exit 1 (never a
+    traceback on the operator's terminal, where a config mistake's line would drown)."""
+    import traceback
+
+    from supervisor.protocol import printable
+
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" ({tb[-1].filename}:{tb[-1].lineno})" if tb else ""
+    print(printable(f"{prog}: internal error: {type(e).__name__}: {e}{where}"), file=sys.stderr)
+    return int(Exit.ERROR)
+
+
 def _config(path: str | None):
     try:
         return load(path)
@@ -28,8 +41,6 @@ def cmd_check(args: argparse.Namespace) -> int:
     (`check_runtime`), then static admission. One line per problem (``FILE: KEY:
     REASON``) on stderr, never a traceback. Exit 2 for config problems, 3 when
     admission refuses a worker (as ``run`` would stop there first), else 0."""
-    import traceback
-
     from supervisor.config import ConfigFileError, check_runtime
     from supervisor.lifecycle import Supervisor
 
@@ -54,11 +65,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         with open("/dev/null", "w") as devnull:
             log = EventLog(stream=devnull, keep=True)
             refused = Supervisor(cfg, log=log).admit()
-    except Exception as e:   # a bug in a check: one line that says where, exit 1
-        where = traceback.extract_tb(e.__traceback__)[-1]
-        print(f"supervisor check: internal error: {type(e).__name__}: {e} "
-              f"({where.filename}:{where.lineno})", file=sys.stderr)
-        return int(Exit.ERROR)
+    except Exception as e:   # a bug in a check
+        return _internal_error("supervisor check", e)
     for e in log.of("refused"):
         print(e["reason"], file=sys.stderr)
     if refused:
@@ -88,7 +96,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     sup = Supervisor(cfg, log=log, sandboxed=not args.no_sandbox, grace_s=args.grace,
                      # stdout is the status line; workers' output arrives as events
                      status_out=None if args.quiet else sys.stdout)
-    return int(trio.run(sup.run))
+    try:
+        return int(trio.run(sup.run))
+    except Exception as e:   # a bug (config mistakes are refused before start, exit 2)
+        return _internal_error("supervisor run", e)
 
 
 def cmd_clear_fail_safe(args: argparse.Namespace) -> int:
@@ -127,7 +138,6 @@ def cmd_audit(args: argparse.Namespace) -> int:
     system's evidence. Exit codes: see supervisor/audit/__init__.py (0 matches or config
     report, 6 differences found, else the supervisor's own codes)."""
     import os
-    import traceback
 
     from supervisor.audit import audit, render
 
@@ -139,11 +149,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     try:
         report = audit(cfg, live=args.live, settle_s=args.settle, timeout_s=args.timeout)
         out = render(report, args.format)
-    except Exception as e:   # one line that says where, exit 1 (as `check` does)
-        where = traceback.extract_tb(e.__traceback__)[-1]
-        print(f"supervisor audit: internal error: {type(e).__name__}: {e} "
-              f"({where.filename}:{where.lineno})", file=sys.stderr)
-        return int(Exit.ERROR)
+    except Exception as e:   # as `check` does
+        return _internal_error("supervisor audit", e)
     sys.stdout.write(out)
     return int(report["exit_code"])
 

@@ -18,14 +18,20 @@ Safety rules checked here, besides types and references:
 * a module worker's ``memory_max`` can host the interpreter (`MIN_WORKER_MEMORY`);
 * every worker has a ``memory_max`` and a ``pids_max``: its own, its domain's, or its
   profile's (`PROFILE_LIMITS`), never unset after loading;
-* all channels' shared memory fits ``[supervisor] shm_budget``.
+* all channels' shared memory fits ``[supervisor] shm_budget``;
+* every number is within its range, with its unit (`_loader`: ms, s, %, bytes, counts),
+  a module worker's cpu_quota leaves it the CPU to start before its ready timeout
+  (`MIN_START_CPU_S`), and no string holds a NUL or anything that is not UTF-8; names
+  and host users match their patterns (they become paths, unit names, getpwnam input).
 
 What depends on the machine rather than the file is checked by `check_runtime(cfg)`
 (``supervisor check`` runs it): worker modules exist and define ``main(ctx)``, command
 executables and ``extra_ro_binds`` exist, domain users exist, channels fit MemAvailable,
-and a vehicle config (``[supervisor] mode``) gives no worker a simulation-only argument
-(the module's ``SIMULATION_ONLY``: recorded frames or time into control, a camera paced
-by another domain).
+a worker whose module declares ``NEEDS_MODEL`` has ``model =``, a vehicle's state dir is
+writable (probed, nothing left behind), and a vehicle config (``[supervisor] mode``) gives
+no worker a simulation-only argument (the module's ``SIMULATION_ONLY``: recorded frames or
+time into control, a camera paced by another domain, a model no ``[models]`` table
+trusts), also not through a ``command`` that runs a worker module.
 
 The package in parts: `_model` (the dataclasses and errors), `_loader` (TOML to checked
 dataclasses), `_values` (value checks, sizes), `_rules` (the whole-file rules: writers,

@@ -25,7 +25,8 @@ from ._model import (CONTROL, DEFAULT_SOURCE, MIN_WORKER_MEMORY, PROFILE_DEFAULT
                      SupervisorConfig, WorkerConfig)
 from ._values import (_CHANNEL_NAME, _NAME, _abs_path, _argv, _bindings, _bool, _choice,
                       _describe, _int, _ItemError, _in, _key, _module, _number, _percent,
-                      _rel_path, _size, _str_list, _string, _suggest, format_size)
+                      _rel_path, _size, _state_dir, _str_list, _string, _suggest, _user,
+                      format_size)
 
 
 # Why each isolation field of a control-profile domain cannot be loosened.
@@ -46,12 +47,20 @@ def _toml(v: object) -> str:
 # --------------------------------------------------------------------------- schemas
 # key -> check; defaults come from the dataclasses of _model (no default = required).
 
+# Every number has a range, with its unit: past it, a value is a typo or would break
+# something later (1e308 overflows a cgroup file; a 1 ms watchdog kills every worker).
+MS_MAX = 3_600_000           # an hour: no timeout or interval of a worker is longer
+S_MAX = 86_400.0             # a day: no window or cool-down is longer
+SIZE_MAX = 1 << 40           # 1 TiB: more than any vehicle computer's memory
+
 _SUPERVISOR_KEYS: dict[str, Callable[[Any], Any]] = {
-    "status_interval_s": _number(),
-    "maps_scan_interval_s": _number(),
+    # the live status line and its event: more often than 10 Hz is a busy loop
+    "status_interval_s": _number(0.1, 3600.0, unit=" s", least=True),
+    # the maps re-scan: 20 ms is the least tried under load (issue 22)
+    "maps_scan_interval_s": _number(0.01, 3600.0, unit=" s", least=True),
     "log_format": _choice("json", "text"),
-    "state_dir": _string,
-    "shm_budget": _size(1 << 20, 1 << 50),
+    "state_dir": _state_dir,
+    "shm_budget": _size(1 << 20, SIZE_MAX),
     "mode": _choice(VEHICLE, SIMULATION),
 }
 _DOMAIN_KEYS: dict[str, Callable[[Any], Any]] = {
@@ -61,13 +70,13 @@ _DOMAIN_KEYS: dict[str, Callable[[Any], Any]] = {
     "actuates": _bool,
     "extra_ro_binds": _str_list(_abs_path),
     "extra_rw_binds": _str_list(_abs_path),
-    "user": _string,
+    "user": _user,
     "hide_compilers": _bool,
     "exec_after_start": _bool,
     "refuse_torch": _bool,
     "exec_memory_after_ready": _bool,
     "seccomp": _choice(CONTROL, RESEARCH),
-    "memory_max": _size(1 << 20, 1 << 50),
+    "memory_max": _size(1 << 20, SIZE_MAX),
     "pids_max": _int(8, 1 << 22),
 }
 _MODEL_KEYS: dict[str, Callable[[Any], Any]] = {
@@ -85,21 +94,23 @@ _WORKER_KEYS: dict[str, Callable[[Any], Any]] = {
     "subscribes": _bindings,
     "shadow_subscribes": _bindings,
     "restart": _choice("always", "on-failure", "never"),
-    "backoff_initial_ms": _int(1, 3_600_000),
-    "backoff_max_ms": _int(1, 3_600_000),
-    "max_restarts": _int(0, 1_000_000),
-    "restart_window_s": _number(),
-    "cooldown_s": _number(),
+    "backoff_initial_ms": _int(1, MS_MAX, " ms"),
+    "backoff_max_ms": _int(1, MS_MAX, " ms"),
+    "max_restarts": _int(0, 10_000),
+    "restart_window_s": _number(0.0, S_MAX, unit=" s"),
+    "cooldown_s": _number(0.0, S_MAX, unit=" s", zero_ok=True),     # 0: never again
     "warm_standby": _bool,
-    "watchdog_ms": _int(0, 3_600_000),
-    "ready_timeout_ms": _int(1, 3_600_000),
+    # workers ping every 20-100 ms: a watchdog under 20 ms would kill a healthy one
+    "watchdog_ms": _int(20, MS_MAX, " ms", zero_ok=True),           # 0: no watchdog
+    # no worker (an interpreter, a sandbox) starts in under 100 ms
+    "ready_timeout_ms": _int(100, MS_MAX, " ms"),
     "optional": _bool,
-    "memory_max": _size(1 << 20, 1 << 50),
+    "memory_max": _size(1 << 20, SIZE_MAX),
     "cpu_quota": _percent,
     "cpu_weight": _int(1, 10000),
     "realtime_priority": _int(1, MAX_PRIORITY),
-    "realtime_budget_pct": _int(1, MAX_BUDGET_PCT),
-    "busy_poll_us": _int(0, MAX_BUSY_POLL_US),
+    "realtime_budget_pct": _int(1, MAX_BUDGET_PCT, " %"),
+    "busy_poll_us": _int(0, MAX_BUSY_POLL_US, " us"),
     "pids_max": _int(8, 1 << 22),
     "jit_kernels": _bool,
     "nofile": _int(16, 1 << 20),
@@ -115,8 +126,8 @@ _CHANNEL_KEYS: dict[str, tuple[Callable[[Any], Any], Any]] = {
     "pixel_formats": (_str_list(_in(PIXEL_FORMATS)), ()),
     "max_readers": (_int(1, 64), None),          # None: subscribers + 1 spare
     "max_leases": (_int(1, 16), _SPEC_DEFAULTS["max_leases"]),
-    "lease_ms": (_int(1, 3_600_000), _SPEC_DEFAULTS["lease_ms"]),
-    "max_age_ms": (_int(0, 3_600_000), _SPEC_DEFAULTS["max_age_ms"]),
+    "lease_ms": (_int(1, MS_MAX, " ms"), _SPEC_DEFAULTS["lease_ms"]),
+    "max_age_ms": (_int(0, MS_MAX, " ms"), _SPEC_DEFAULTS["max_age_ms"]),
     "crc": (_bool, None),
     "integrity": (_bool, None),                  # same switch as crc
     "shadow": (_bool, False),
@@ -139,9 +150,17 @@ def load(path: str | Path | None = None) -> Config:
         text = resources.files("supervisor").joinpath("default.toml").read_text("utf-8")
         return loads(text, DEFAULT_SOURCE)
     try:
-        text = Path(path).read_text("utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+        data = Path(path).read_bytes()
+    except OSError as e:
         raise ConfigFileError([Problem(str(path), "", f"cannot read the config: {e}")]) from e
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ConfigFileError([Problem(str(path), "", f"line {line}, column {column}: byte "
+                                       f"0x{data[e.start]:02x} is not valid UTF-8 (TOML is "
+                                       "UTF-8)")]) from None
     return loads(text, str(path))
 
 
@@ -246,6 +265,7 @@ class _Loader:
         writers = _rules.check_writers(self.add, workers, channel_tables)
         _rules.check_trust(self.add, workers, domains, writers, channel_values)
         _rules.check_cpu_weights(self.add, workers, domains)
+        _rules.check_start_cpu(self.add, workers)
         _rules.check_realtime(self.add, workers, domains)
         _rules.check_busy_poll(self.add, workers, writers)
         _rules.check_optional(self.add, workers, writers)

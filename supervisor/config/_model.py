@@ -11,7 +11,7 @@ from pathlib import Path
 
 from supervisor.ipc.errors import ConfigError
 from supervisor.ipc.spec import ChannelSpec
-from supervisor.protocol import SIMULATION, VEHICLE, Isolation
+from supervisor.protocol import SIMULATION, VEHICLE, Isolation, printable
 
 from ._graph import topo_sort
 
@@ -28,6 +28,8 @@ REALTIME_TOTAL_PCT = 80
 # Supervisor modes ([supervisor] mode): SIMULATION, VEHICLE from supervisor.protocol (the
 # worker is told its mode too, protocol.ENV_MODE).
 DEFAULT_SOURCE = "<embedded supervisor/default.toml>"
+# Overrides [supervisor] state_dir (tests, development): see _runtime.state_dir_in_use.
+ENV_STATE_DIR = "TRIO_STATE_DIR"
 # The checkout holding supervisor/ and workers/: on the workers' PYTHONPATH (see
 # supervisor.sandbox.policy.PROJECT_ROOT), so module names are looked up here too.
 PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
@@ -41,6 +43,12 @@ PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 # BLAS pool) and channel slots. Below 64 MiB such a worker is OOM-killed while starting,
 # before it can become READY; 64 MiB leaves ~20 MiB for the worker itself.
 MIN_WORKER_MEMORY = 64 * 2**20
+# The least CPU time a module worker needs to become READY: the interpreter, numpy,
+# capnp, the runner and the worker's own imports. Measured (user + sys, CPython 3.11,
+# this 2-core VM): workers.probe 0.37 s, camerad 0.36 s, controlsd 0.39 s, modeld 0.48 s
+# before loading its model. A cpu_quota that gives less than this within
+# ready_timeout_ms can never see READY (issue 22: camerad at cpu_quota = 1).
+MIN_START_CPU_S = 0.3
 DEFAULT_SHM_BUDGET = 2 * 2**30
 
 # --------------------------------------------------------------------------- errors
@@ -55,7 +63,10 @@ class Problem:
     reason: str
 
     def __str__(self) -> str:
-        return f"{self.file}: {self.key}: {self.reason}" if self.key else f"{self.file}: {self.reason}"
+        # One printable line whatever the config held: a reason may quote a value (a path,
+        # a user, an argument) with a newline or an escape sequence in it.
+        text = f"{self.file}: {self.key}: {self.reason}" if self.key else f"{self.file}: {self.reason}"
+        return printable(text)
 
 
 class ConfigFileError(ConfigError):

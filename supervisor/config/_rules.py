@@ -9,13 +9,14 @@ users per domain, and the shared-memory budget. Machine-dependent checks are in
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from supervisor.ipc.spec import ChannelSpec
 
 from ._graph import cycle_through, topo_sort
-from ._model import (CONTROL, REALTIME_TOTAL_PCT, RESEARCH, ChannelConfig, DomainConfig,
-                     WorkerConfig)
+from ._model import (CONTROL, MIN_START_CPU_S, REALTIME_TOTAL_PCT, RESEARCH, ChannelConfig,
+                     DomainConfig, WorkerConfig)
 from ._values import _key, format_size
 
 Add = Callable[[str, str], None]
@@ -146,6 +147,23 @@ def check_busy_poll(add: Add, workers: dict[str, WorkerConfig], writers: dict[st
                 "writer needs to publish; rank the reader below its writers, or drop "
                 "busy_poll_us")
             break                   # one line per worker
+
+
+def check_start_cpu(add: Add, workers: dict[str, WorkerConfig]) -> None:
+    """A module worker's cpu_quota must leave it the CPU to start before its ready
+    timeout (`MIN_START_CPU_S`): below that it is killed as not ready, restarted, killed
+    again, and in control the domain fails safe. A command worker's needs are unknown."""
+    for w in workers.values():
+        if not w.module or w.cpu_quota is None:
+            continue
+        budget_s = w.cpu_quota / 100 * w.ready_timeout_ms / 1000
+        if budget_s < MIN_START_CPU_S:
+            need = math.ceil(MIN_START_CPU_S * 100_000 / w.ready_timeout_ms)
+            add(f"{_key('workers', w.name)}.cpu_quota",
+                f"{w.cpu_quota:g} % of a CPU gives {w.name!r} {budget_s:.3g} CPU-seconds "
+                f"before its ready timeout ({w.ready_timeout_ms} ms); a Python worker needs "
+                f"about {MIN_START_CPU_S:g} to start, so it would never be READY: use "
+                f"cpu_quota >= {need} or a longer ready_timeout_ms")
 
 
 def check_writers(add: Add, workers: dict[str, WorkerConfig], channels: dict) -> dict[str, str]:

@@ -11,12 +11,14 @@ import re
 import shlex
 import shutil
 import sys
+import tempfile
 import tokenize
 from typing import Any
 
 from supervisor.protocol import simulation_only
 
-from ._model import PROJECT_ROOT, SIMULATION, VEHICLE, Config, Problem, WorkerConfig
+from ._model import (ENV_STATE_DIR, PROJECT_ROOT, SIMULATION, VEHICLE, Config, Problem,
+                     WorkerConfig)
 from ._rules import _approx_size, _shm_overview, channel_shm_bytes, check_binds
 from ._values import _MODULE, _key, _suggest
 
@@ -32,6 +34,9 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
       declares simulation-only (``SIMULATION_ONLY``: recorded data or time into control,
       a model no ``[models]`` table trusts), given as ``args`` or through a ``command``
       that runs the module (`runs_module`);
+    * a worker whose module declares ``NEEDS_MODEL`` has ``model = NAME``;
+    * vehicle: the state dir the run will latch in is writable, or creatable (probed,
+      nothing left behind);
     * each ``command`` executable exists;
     * sandboxed: each ``extra_ro_binds`` path exists and each domain's host user exists
       (`supervisor.sandbox.policy.host_ids`, which only checks when running as root);
@@ -61,9 +66,23 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
         # What the worker's module declares about its arguments, also for a `command`
         # worker that runs a worker module (python -m [supervisor.runner] MODULE): the
         # one door for models and recorded data must not have a side entrance.
-        if cfg.supervisor.mode == VEHICLE and not (w.module and verdicts[w.module]):
-            for key, reason in _simulation_problems(w, search):
+        if not (w.module and verdicts[w.module]):
+            for key, reason in _model_problems(w, cfg, search):
                 add(f"{path}.{key}", reason)
+            if cfg.supervisor.mode == VEHICLE:
+                for key, reason in _simulation_problems(w, search):
+                    add(f"{path}.{key}", reason)
+
+    if cfg.supervisor.mode == VEHICLE:
+        # The fail-safe latch must be writable before anything can fail safe: else the
+        # latch is lost (fail_safe_latch_error) and the next run starts as if nothing
+        # happened. A simulation run latches in a state dir of its own, per run.
+        state = state_dir_in_use(cfg)
+        reason = _state_dir_problem(state)
+        if reason:
+            add("supervisor.state_dir", reason + (f" ({ENV_STATE_DIR} overrides the config's "
+                                                  f"{cfg.supervisor.state_dir})"
+                                                  if state != cfg.supervisor.state_dir else ""))
 
     # Writable binds as bubblewrap will resolve them (symlinks followed): the file-only
     # check in load() compares them as written.
@@ -294,6 +313,60 @@ def _simulation_problems(w: WorkerConfig, search: list[str]) -> list[tuple[str, 
              f"not give it to {module} (a replay's derived config sets [supervisor] mode = "
              f"\"{SIMULATION}\")")
             for i, shown, why in simulation_only(declared, [t for _, t in argv])]
+
+
+def _model_problems(w: WorkerConfig, cfg: Config, search: list[str]) -> list[tuple[str, str]]:
+    """A worker whose module declares ``NEEDS_MODEL = True`` (modeld) without
+    ``model = NAME``: it would exit at every start, and in control fail safe and latch
+    after its restarts, for what is a config mistake."""
+    runs = runs_module(w)
+    if runs is None or w.model is not None:
+        return []
+    module = runs[0]
+    needs = _declared(module, search, "NEEDS_MODEL")
+    if needs is _UNREADABLE or (needs is not None and not isinstance(needs, bool)):
+        return [("module" if w.module else "command",
+                 f"{module}: NEEDS_MODEL must be True or False (`supervisor check` reads "
+                 "it without importing the module)")]
+    if not needs:
+        return []
+    have = (f"e.g. one of {', '.join(repr(m) for m in cfg.models)}" if cfg.models
+            else "this config has no [models] table: add [models.NAME] with artifact, "
+                 "public_key, expect_name and min_version")
+    return [("model", f"{module} needs a model: give {w.name!r} model = NAME, the "
+             f"[models.NAME] the vehicle trusts ({have})")]
+
+
+def state_dir_in_use(cfg: Config) -> str:
+    """The state dir a run of ``cfg`` latches in: ``TRIO_STATE_DIR`` (tests, development)
+    or the config's (as supervisor.failsafe.FailSafeLatch.for_config reads it)."""
+    return os.environ.get(ENV_STATE_DIR) or cfg.supervisor.state_dir
+
+
+def _state_dir_problem(state: str) -> str | None:
+    """Why the fail-safe latch could not be written in ``state`` (created if missing,
+    parents too, as the latch does), or None. Probed by creating a temporary file in it,
+    or a temporary directory in its nearest existing parent, and removing it again:
+    check leaves nothing behind."""
+    try:
+        path = os.path.abspath(state)
+        existing = path
+        while not os.path.lexists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            return f"{state}: {existing} is not a directory; the fail-safe latch lives here"
+        if existing == path:
+            fd, probe = tempfile.mkstemp(prefix=".trio-check-", dir=path)
+            os.close(fd)
+            os.unlink(probe)
+        else:
+            os.rmdir(tempfile.mkdtemp(prefix=".trio-check-", dir=existing))
+    except OSError as e:
+        where = f" (creating it in {existing})" if existing != path else ""
+        return f"{state}: not writable{where}: {_strerror(e)}; the fail-safe latch lives here"
+    except ValueError as e:          # a NUL byte: refused by load() already
+        return f"{state!r}: {e}"
+    return None
 
 
 # -- which worker module a worker runs, and with which arguments

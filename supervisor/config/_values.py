@@ -6,6 +6,7 @@ points the reason at one element of an array.
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from fractions import Fraction
 from typing import Any, Callable
@@ -80,9 +81,25 @@ def _suggest(word: str, options: Any) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+def _text_problem(s: str) -> str | None:
+    """Why a config string cannot be used as given: a NUL byte (no path, argument or
+    user name can hold one: the kernel or libc refuses it later, mid-start) or something
+    that is not UTF-8 (a lone surrogate: what a non-UTF-8 byte decodes to)."""
+    if "\0" in s:
+        return f"{s!r} contains a NUL byte"
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"{s!r} is not valid UTF-8"
+    return None
+
+
 def _string(v: Any) -> str:
     if not isinstance(v, str):
         raise ValueError(f"expected a string, got {_describe(v)}")
+    why = _text_problem(v)
+    if why:
+        raise ValueError(why)
     return v
 
 
@@ -92,30 +109,47 @@ def _bool(v: Any) -> bool:
     return v
 
 
-def _int(lo: int | None = None, hi: int | None = None) -> Callable[[Any], int]:
+def _int(lo: int | None = None, hi: int | None = None, unit: str = "",
+         zero_ok: bool = False) -> Callable[[Any], int]:
+    """An integer in lo..hi (``unit`` named in the reason); ``zero_ok``: 0 too (the
+    knob's "off"), below ``lo``."""
     def check(v: Any) -> int:
         if isinstance(v, bool) or not isinstance(v, int):
             raise ValueError(f"expected an integer, got {_describe(v)}")
-        return _in_range(v, lo, hi)
+        if zero_ok and v == 0:
+            return v
+        try:
+            return _in_range(v, lo, hi, unit=unit)
+        except ValueError as e:
+            raise ValueError(f"{e} (or 0: off)" if zero_ok else str(e)) from None
     return check
 
 
-def _number(lo: float = 0.0) -> Callable[[Any], float]:
-    """A number strictly above ``lo``."""
+def _number(lo: float = 0.0, hi: float = float("inf"), unit: str = "",
+            zero_ok: bool = False, least: bool = False) -> Callable[[Any], float]:
+    """A finite number above ``lo`` (``least``: or equal to it) and at most ``hi``
+    (``zero_ok``: or exactly 0, the knob's "off")."""
     def check(v: Any) -> float:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"expected a number, got {_describe(v)}")
-        if not lo < v < float("inf"):
-            raise ValueError(f"{v} must be greater than {lo:g} and finite")
+        if zero_ok and v == 0:
+            return 0.0
+        if not (lo <= v if least else lo < v) or not v < float("inf"):
+            off = " (or 0: off)" if zero_ok else ""
+            bound = "at least" if least else "greater than"
+            raise ValueError(f"{v} must be {bound} {lo:g}{unit} and finite{off}")
+        if v > hi:
+            raise ValueError(f"{v:g}{unit} is out of range; must be at most {hi:g}{unit}")
         return float(v)
     return check
 
 
-def _in_range(v: Any, lo: Any, hi: Any, show: Callable[[Any], str] = str) -> Any:
+def _in_range(v: Any, lo: Any, hi: Any, show: Callable[[Any], str] = str,
+              unit: str = "") -> Any:
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         bounds = (f"in {show(lo)}..{show(hi)}" if lo is not None and hi is not None
                   else f">= {show(lo)}" if lo is not None else f"<= {show(hi)}")
-        raise ValueError(f"{show(v)} is out of range; must be {bounds}")
+        raise ValueError(f"{show(v)} is out of range; must be {bounds}{unit}")
     return v
 
 
@@ -144,6 +178,9 @@ def _str_list(item: Callable[[str], None] | None = None,
         for i, s in enumerate(v):
             if not isinstance(s, str):
                 raise _ItemError(i, f"expected a string, got {_describe(s)}")
+            why = _text_problem(s)
+            if why:
+                raise _ItemError(i, why)
             if unique and s in v[:i]:
                 raise _ItemError(i, f"{s!r} is listed twice")
             if item is not None:
@@ -171,6 +208,9 @@ def _bindings(v: Any) -> tuple[tuple[str, str], ...]:
             raise ValueError(f"role {role!r} is not a valid name (letters, digits, _ and -)")
         if not isinstance(ch, str):
             raise ValueError(f"role {role!r}: expected a channel name, got {_describe(ch)}")
+        why = _text_problem(ch)
+        if why:
+            raise ValueError(f"role {role!r}: {why}")
         if any(c == ch for _, c in out):
             raise ValueError(f"channel {ch!r} is bound to two roles")
         out.append((role, ch))
@@ -201,8 +241,9 @@ def _argv(v: Any) -> tuple[str, ...]:
 
 
 def _abs_path(s: str) -> None:
-    if "\0" in s:
-        raise ValueError(f"{s!r} contains a NUL byte, which no path can")
+    why = _text_problem(s)
+    if why:
+        raise ValueError(why)
     if not s.startswith("/") or ".." in s.split("/"):
         raise ValueError(f"{s!r} must be an absolute path without '..'")
     if s.rstrip("/") == "":
@@ -213,11 +254,40 @@ def _rel_path(v: Any) -> str:
     """A file or directory: absolute, or relative to the project root; no '..'."""
     if not isinstance(v, str) or not v:
         raise ValueError(f"expected a path, got {_describe(v)}")
+    why = _text_problem(v)
+    if why:
+        raise ValueError(why)
     if ".." in v.split("/"):
         raise ValueError(f"{v!r} must not contain '..'")
-    if "\0" in v:
-        raise ValueError(f"{v!r} contains a NUL byte, which no path can")
     return v
+
+
+def _state_dir(v: Any) -> str:
+    """The fail-safe latch's directory: absolute (a run must not depend on its working
+    directory), no '..', not '/'. Whether it can be written is `_runtime`'s question."""
+    s = _string(v)
+    if not s.startswith("/") or ".." in s.split("/") or s.rstrip("/") == "":
+        raise ValueError(f"{s!r} must be an absolute directory without '..', not '/'")
+    return s
+
+
+# Host user names as Debian's adduser takes them (NAME_REGEX, at most 32 bytes): a user
+# name reaches getpwnam() and, through it, the sandbox's uid; never a path or an option.
+_USER = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
+
+
+def _user(v: Any) -> str:
+    s = _string(v)
+    if not _USER.match(s):
+        raise ValueError(f"{s!r} is not a user name (lower-case letters, digits, _ and -, "
+                         "starting with a letter or _, at most 32)")
+    return s
+
+
+# cpu_quota, in percent of one CPU: CFS refuses a quota under 1 ms per 100 ms period
+# (1 %), and 1024 CPUs is more than any machine this runs on (a number past it is a
+# typo, e.g. 1e308, which would overflow the cgroup's microseconds).
+CPU_QUOTA_MIN_PCT, CPU_QUOTA_MAX_PCT = 1.0, 102_400.0
 
 
 def _percent(v: Any) -> float:
@@ -226,7 +296,12 @@ def _percent(v: Any) -> float:
             v = float(v.strip().removesuffix("%"))
         except ValueError:
             raise ValueError(f"{v!r} is not a percentage such as 200 or '200%'") from None
-    return _number(0.0)(v)
+    pct = _number(0.0)(v)
+    if not CPU_QUOTA_MIN_PCT <= pct <= CPU_QUOTA_MAX_PCT:
+        raise ValueError(f"{pct:g} % is out of range; must be in {CPU_QUOTA_MIN_PCT:g}.."
+                         f"{CPU_QUOTA_MAX_PCT:g} % of one CPU (1 % is the kernel's least "
+                         "quota, 100 per CPU)")
+    return pct
 
 
 # Worker, domain and channel names end up in unit names, paths and segment names.
@@ -236,4 +311,6 @@ _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
 def _key(*parts: str) -> str:
-    return ".".join(p if _BARE_KEY.match(p) else f'"{p}"' for p in parts)
+    """A key path as TOML writes it; a part that is not a bare key is quoted with every
+    control character escaped, so that a problem stays one printable line."""
+    return ".".join(p if _BARE_KEY.match(p) else json.dumps(p) for p in parts)
