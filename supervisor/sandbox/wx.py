@@ -207,10 +207,17 @@ def verify(pid: int, *, baseline: int | None, wall_s: float = VERIFY_WALL_S) -> 
         return Verified(ok, "ptrace", reason, len(seized), (time.monotonic() - t0) * 1e3)
 
     try:
+        deadline = t0 + wall_s
+        checked: set[int] = set()
+        # Rounds: seize the threads not seized yet, wait until they are stopped, check
+        # them, and list again. A thread born before its creator stopped (and perhaps
+        # before that creator loaded the filter on itself alone) appears in the next
+        # round; once a listing shows nothing new, every thread is stopped and none can
+        # make another.
         for _ in range(_MAX_ROUNDS):
             fresh = [t for t in _tids(pid) if t not in seized and not _gone(pid, t)]
             if not fresh:
-                break
+                return result(True)
             for tid in fresh:
                 if _libc.ptrace(_PTRACE_SEIZE, tid, None, None) == 0:
                     seized.append(tid)
@@ -222,32 +229,30 @@ def verify(pid: int, *, baseline: int | None, wall_s: float = VERIFY_WALL_S) -> 
                 if not seized and err in (errno.EPERM, errno.EACCES):
                     return _by_count(pid, baseline, t0, f"ptrace: {os.strerror(err)}")
                 return result(False, f"thread {tid} cannot be checked: {os.strerror(err)}")
-        else:
-            return result(False, f"threads kept appearing ({len(seized)} seized)")
-        deadline = t0 + wall_s
-        checked = 0
-        for tid in seized:
-            if not _wait_stopped(tid, deadline):
-                if _gone(pid, tid):
+            for tid in seized:
+                if tid in checked:
                     continue
-                return result(False, f"thread {tid} did not stop within {wall_s * 1e3:g} ms "
-                              "to be checked")
-            # Any filter may be the one: only the W^X program itself matches, and a
-            # filter, once loaded, stays (the baseline matters only to the count).
-            count = filter_count(pid, tid)
-            try:
-                found = _filters_of(tid, 0, count, want)
-            except OSError as e:
-                if checked == 0 and e.errno in (errno.EINVAL, errno.EACCES, errno.EIO):
-                    return _by_count(pid, baseline, t0, f"no filter read-back: {e}")
-                if _gone(pid, tid):
-                    continue
-                raise
-            if not found:
-                return result(False, f"thread {tid} has {count} seccomp filter(s), none of "
-                              "them the W^X filter")
-            checked += 1
-        return result(True)
+                if not _wait_stopped(tid, deadline):
+                    if _gone(pid, tid):
+                        continue
+                    return result(False, f"thread {tid} did not stop within {wall_s * 1e3:g} "
+                                  "ms to be checked")
+                # Any filter may be the one: only the W^X program itself matches, and a
+                # filter, once loaded, stays (the baseline matters only to the count).
+                try:
+                    count = filter_count(pid, tid)
+                    found = _filters_of(tid, 0, count, want)
+                except OSError as e:
+                    if not checked and e.errno in (errno.EINVAL, errno.EACCES, errno.EIO):
+                        return _by_count(pid, baseline, t0, f"no filter read-back: {e}")
+                    if _gone(pid, tid):
+                        continue
+                    raise
+                if not found:
+                    return result(False, f"thread {tid} has {count} seccomp filter(s), none "
+                                  "of them the W^X filter")
+                checked.add(tid)
+        return result(False, f"threads kept appearing ({len(seized)} seized)")
     finally:
         for tid in seized:
             _libc.ptrace(_PTRACE_DETACH, tid, None, None)
