@@ -278,8 +278,11 @@ def audit(cfg: Config, *, live: bool = False, factory: Callable[[Config, Any], A
     say("adding the reviewer's sections")
     report = add_sections(report, cfg, sup)
     if running is not None:
+        # What the supervisor was started with, and what it was audited against (they
+        # differ when --config names another file: then the differences say how).
         report["running"] = {"pid": running.pid, "argv": running.argv,
                              "config": running.config or "<embedded default>",
+                             "config_audited": cfg.source,
                              "sandboxes": len(running.sandboxes)}
     return report
 

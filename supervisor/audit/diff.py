@@ -293,6 +293,12 @@ def compare(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     if ot.get("holds") != nt.get("holds"):
         changes.append(Change("trust", "rules", "holds", ot.get("holds"), nt.get("holds"),
                               WEAKENED if not nt.get("holds") else TIGHTENED))
+    # A live report: differences between the running system and its config that the
+    # old report did not have are a weakening of what actually runs.
+    od, nd = len(old.get("differences") or []), len(new.get("differences") or [])
+    if od != nd:
+        changes.append(Change("live", "differences", "count", od, nd,
+                              WEAKENED if nd > od else TIGHTENED))
     counts = {e: sum(1 for c in changes if c.effect == e) for e in (WEAKENED, TIGHTENED, CHANGED)}
     prov = {}
     for k in ("time_utc", "host", "kernel", "git", "config"):

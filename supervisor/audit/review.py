@@ -37,6 +37,11 @@ def _provenance_items(p: dict[str, Any]) -> list[tuple[str, str]]:
                       f"{a.get('artifact')}: manifest sha256 {a.get('manifest_sha256')}, "
                       f"key id {a.get('key_id')}, signature {a.get('signature')}"))
     items.append(("python", p.get("python")))
+    run = p.get("_running")
+    if run:
+        items.append(("running supervisor", f"pid {run['pid']}, started with "
+                      f"{run['config']}, audited against {run['config_audited']}, "
+                      f"{run['sandboxes']} sandboxes (standbys included)"))
     libs = ", ".join(f"{k} {v or 'absent'}" for k, v in (p.get("libraries") or {}).items())
     items.append(("libraries", libs))
     tools = ", ".join(f"{v or k + ' absent'}" for k, v in (p.get("tools") or {}).items())
@@ -68,24 +73,26 @@ def verdict_paragraph(report: dict[str, Any]) -> str:
             + (f" {c['differences']} difference(s) found live." if live else ""))
 
 
+def _prov(report: dict[str, Any]) -> dict[str, Any] | None:
+    p = report.get("provenance")
+    return dict(p, _running=report.get("running")) if p else None
+
+
 def md_head(report: dict[str, Any]) -> list[str]:
     out = []
     para = verdict_paragraph(report)
     if para:
         out += [para, ""]
-    p = report.get("provenance")
+    p = _prov(report)
     if p:
         out += ["## Provenance", ""]
         out += _table(["item", "value"], [[k, v] for k, v in _provenance_items(p)])
-        sig = report.get("signature_note")
-        if sig:
-            out += [sig, ""]
     return out
 
 
 def text_head(report: dict[str, Any]) -> list[str]:
     out = [verdict_paragraph(report)] if report.get("verdict") else []
-    p = report.get("provenance")
+    p = _prov(report)
     if p:
         out += [f"  {k}: {v}" for k, v in _provenance_items(p)]
     return out
