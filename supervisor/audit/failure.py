@@ -13,9 +13,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from schemas.payloads import PAYLOADS
 from supervisor.config import Config, WorkerConfig
 
 from .promise import _feeds_actuation
+
+
+def _last_word() -> bool:
+    """Does this tree's supervisor publish SAFE the moment an actuation writer dies
+    (lifecycle: `_last_word`, landed with issue 22), not only at fail-safe?"""
+    from supervisor.lifecycle import Supervisor
+
+    return callable(getattr(Supervisor, "_last_word", None))
 
 
 def _restart_text(w: WorkerConfig) -> str:
@@ -39,13 +48,23 @@ def _meanwhile(cfg: Config, w: WorkerConfig, upstream: dict[str, list[str]]) -> 
         stale = (f"readers reject its last message once older than max_age_ms {age} ms"
                  if age else "its last message stays readable (no max_age_ms: UNBOUNDED)")
         if act in w.publishes:
-            parts.append(f"{act}: no new message until the restart (or the standby) "
-                         f"publishes; {stale}")
+            if _last_word():
+                safe = PAYLOADS[ch.payload].safe if ch.payload in PAYLOADS else None
+                word = ", ".join(f"{k}={v:g}" for k, v in (safe or {}).items())
+                parts.append(f"{act}: SAFE at once by the supervisor (writer of last "
+                             f"resort: {word}) the moment {w.name}'s process is dead, "
+                             f"before its standby takes over or a restart; that is the "
+                             f"last word until the next {w.name} publishes (if the "
+                             f"supervisor cannot write it, {stale})")
+            else:
+                parts.append(f"{act}: no new message until the restart (or the standby) "
+                             f"publishes; {stale}")
         elif any(c in w.publishes for c in chans):
             writer = cfg.writer_of(act)
+            then = (f"if {writer} dies too, the supervisor publishes SAFE as writer of "
+                    f"last resort" if _last_word() else f"{stale} if {writer} stops too")
             parts.append(f"{act}: its writer {writer} gets no fresh input and publishes its "
-                         f"own safe state (not engaged: no input / stale / timeout); "
-                         f"{stale} if {writer} stops too")
+                         f"own safe state (not engaged: no input / stale / timeout); {then}")
     return "; ".join(parts) or "feeds no actuation channel"
 
 

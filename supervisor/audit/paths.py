@@ -86,8 +86,9 @@ def _channel_paths(cfg: Config, name: str) -> list[Path]:
             bound=(f"the reader maps the segment read-only (its own O_RDONLY description of "
                    f"a 0400 memfd, write-sealed by the writer) and rejects what fails: "
                    f"{', '.join(checks)}"
-                   + ("" if not ch.actuation else "; on fail-safe the supervisor publishes "
-                      "the payload's safe value as writer of last resort")),
+                   + ("" if not ch.actuation else "; when its writer dies, and on "
+                      "fail-safe, the supervisor publishes the payload's safe value as "
+                      "writer of last resort")),
             live=f"{writer}: data rw-s, fd O_RDWR; {reader}: data r--s, fd O_RDONLY"))
         out.append(Path(
             id=f"{name}.lease.{reader}", kind="lease table", channel=name,
