@@ -7,7 +7,10 @@
    copies it into ``--logs`` logs;
 2. replays one log deterministically (lockstep) and reports frames/s against the
    recorded rate (real time = 1.0x), and checks a second replay is bit-identical;
-3. replays all logs one by one (``--jobs 1``), with ``--jobs 2``, and on a local Ray
+3. with ``--gate-runs K``: the CI gate under load, K more replays compared with the
+   first while ``--hogs H`` CPU hogs (default 2: both cores here) run, counting verdicts
+   (``--research`` keeps the research worker and its shadow channel: reported, not gated);
+4. replays all logs one by one (``--jobs 1``), with ``--jobs 2``, and on a local Ray
    cluster (``--ray local``), and reports each wall time against one-by-one.
 
 Every replay is a whole sandboxed pipeline (camerad, modeld, controlsd, recorder).
@@ -30,12 +33,13 @@ sys.path.insert(0, str(ROOT))
 PIPE = ("camerad", "modeld", "controlsd")
 
 
-def bench_config(w: int, h: int, slot: int) -> str:
-    """The vehicle's own pipeline (the embedded default without research) at WxH, no
-    standbys: what a developer replays."""
+def bench_config(w: int, h: int, slot: int, research: bool = False) -> str:
+    """The vehicle's own pipeline (the embedded default, without research unless asked)
+    at WxH, no standbys: what a developer replays."""
     from supervisor.config import default_doc, derive, dumps
 
-    return dumps(derive(default_doc(), drop=("workers.research", "channels.shadow_out"), set={
+    drop = () if research else ("workers.research", "channels.shadow_out")
+    return dumps(derive(default_doc(), drop=drop, set={
         "workers.camerad.args": ["--width", str(w), "--height", str(h), "--fps", "20"],
         "channels.road_frames.slot_size": slot,
         "channels.model_out.slot_count": 8,
@@ -53,6 +57,34 @@ def cli(*args: str, cwd: Path) -> tuple[int, str, float]:
     return p.returncode, p.stdout, time.monotonic() - t0
 
 
+def gate_under_load(rec: Path, work: Path, runs: int, hogs: int) -> None:
+    """K replays vs the first while `hogs` busy loops compete for the cores: verdicts
+    (exit 0 within tolerance, 6 differs, else failed) and the recorder's drops."""
+    verdicts: dict[str, int] = {}
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
+    try:
+        for k in range(runs):
+            out_dir = work / f"gate{k}"
+            code, _, wall = cli("replay", str(rec), "--out", str(out_dir), "--ref",
+                                str(work / "one0"), "--time-p99", "50", "--time-max", "50",
+                                "--no-progress", cwd=work)
+            v = {0: "within tolerance", 6: "DIFFERS"}.get(code, f"failed ({code})")
+            verdicts[v] = verdicts.get(v, 0) + 1
+            try:
+                s = json.loads((out_dir / "summary.json").read_text())
+                drops = {c: sum(d.values()) for c, d in s.get("drops", {}).items()}
+            except (OSError, ValueError):
+                drops = {}
+            print(f"gate {k + 1}/{runs} under {hogs} hogs: {v} in {wall:.1f} s, recorder "
+                  f"drops {drops or 'none'}")
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    print("gate under load: " + ", ".join(f"{n} {v}" for v, n in verdicts.items())
+          + f" of {runs}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--logs", type=int, default=20, help="0: replay speed only, no fleet")
@@ -60,12 +92,17 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=320)
     ap.add_argument("--height", type=int, default=240)
     ap.add_argument("--skip-ray", action="store_true")
+    ap.add_argument("--gate-runs", type=int, default=0,
+                    help="replays compared with the first under --hogs CPU hogs")
+    ap.add_argument("--hogs", type=int, default=2)
+    ap.add_argument("--research", action="store_true",
+                    help="keep the research worker (shadow_out: reported, not gated)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     work = Path(a.out or tempfile.mkdtemp(prefix="replay-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     slot = max(256 << 10, a.width * a.height * 3 // 2 + 4096)
-    (work / "bench.toml").write_text(bench_config(a.width, a.height, slot))
+    (work / "bench.toml").write_text(bench_config(a.width, a.height, slot, a.research))
     rec = work / "rec"
     code, out, wall = cli("record", str(rec), "--config", str(work / "bench.toml"),
                           "--seconds", str(a.seconds), "--quiet", "--video", "raw", cwd=work)
@@ -93,7 +130,7 @@ def main() -> int:
     code, out, _ = cli("replay", str(rec), "--out", str(work / "one2"), "--ref",
                        str(work / "one0"), "--no-progress", cwd=work)
     d = json.loads((work / "one2" / "diff.json").read_text())
-    same = all(c["ok"] for c in d["channels"])
+    same = all(c["ok"] for c in d["channels"] if c["channel"] in d["gated"])
     g = d["gate"]
     print(f"third replay vs first: model outputs and commands "
           f"{'bit-identical' if same else 'DIFFER'} "
@@ -101,6 +138,8 @@ def main() -> int:
           f" compared); "
           f"time gate {'ok' if g['ok'] else 'failed: ' + g['why']} (exit {code})")
 
+    if a.gate_runs:
+        gate_under_load(rec, work, a.gate_runs, a.hogs)
     if a.logs == 0:
         return 0
     logs = work / "logs"

@@ -82,6 +82,22 @@ def test_disk_full_while_recording_is_one_line_exit_8_and_control_runs_on(tmp_pa
     assert "recorded " in r.stdout and "lost: " in r.stdout or not loss.any
 
 
+def test_a_disk_already_full_is_one_line_exit_8_and_leaves_nothing(tmp_path, small_disk):
+    with open(small_disk / "fill", "wb", buffering=0) as f:   # the whole tmpfs, to the end
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+        except OSError:
+            pass
+    r = _cli("record", str(small_disk / "drive"), "--seconds", "1", "--video", "raw",
+             cwd=tmp_path, timeout=60)
+    assert r.returncode == 8, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [
+        f"supervisor record: {small_disk / 'drive'}/source.toml: No space left on device; "
+        "nothing recorded"]
+    assert sorted(p.name for p in small_disk.iterdir()) == ["fill"]
+
+
 KILLED_WRITER = textwrap.dedent("""
     import os, signal, sys
     import numpy as np

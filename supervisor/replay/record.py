@@ -119,12 +119,15 @@ def record(out: str, *, config: str | None = None, seconds: float | None = None,
         derived["workers"][RECORDER]["args"] += list(recorder_args or [])
     except DeriveError as e:
         raise RecordError(str(e)) from None
+    existed = os.path.exists(out)
     path = prepare_out(out)
     try:
         Path(path, SOURCE).write_text(dumps(doc))
         os.chmod(Path(path, SOURCE), 0o644)   # ours alone to write: replay checks that
     except OSError as e:
         Path(path, SOURCE).unlink(missing_ok=True)
+        if not existed:
+            os.rmdir(path)                    # nothing left behind of a record never begun
         raise RecordError(f"{path}/{SOURCE}: {e.strerror}; nothing recorded",
                           WRITE_FAILED) from None
     with tempfile.TemporaryDirectory(prefix="trio-record-") as tmp:

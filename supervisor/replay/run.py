@@ -167,6 +167,20 @@ def failure_cause(events: list[dict[str, Any]], exit_code: int | None = None) ->
                      + ([f"then {', '.join(then)}"] if then else []) + ([tail] if tail else []))
 
 
+def _done_text(e: dict[str, Any]) -> str:
+    return str(e.get("status") if e["event"] == "status" else e.get("msg", ""))
+
+
+def camera_done(events: list[dict[str, Any]], camera: str) -> dict[str, Any] | None:
+    """The camera's ``replay=done ...`` line: its `log` record (sent with the status;
+    `status` events are rate limited and may come seconds later) or its status."""
+    for e in events:
+        if (e.get("worker") == camera and e.get("event") in ("log", "status")
+                and "replay=done" in _done_text(e)):
+            return e
+    return None
+
+
 def _default_out(log: str) -> str:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return os.path.abspath(f"{Path(log).name}.replay-{stamp}")
@@ -239,11 +253,14 @@ def replay(log: str, *, out: str | None = None, config: str | None = None,
         raise ReplayError(f"derived replay config: {_one_line(e)}") from None
 
     def camera_status(events) -> str:
+        done = camera_done(events, plan.camera)
+        if done is not None:
+            return _done_text(done)
         st = [e for e in events if e.get("event") == "status" and e.get("worker") == plan.camera]
         return st[-1]["status"] if st else ""
 
     def finished(evlog) -> bool:
-        if "replay=done" in camera_status(evlog.events):
+        if camera_done(evlog.events, plan.camera) is not None:
             return True
         # The camera died (it is never restarted in a replay): nothing more will come.
         return any(e["event"] in ("exit", "gave_up") and e.get("worker") == plan.camera
@@ -325,9 +342,8 @@ def summarize(src: DriveLog, run: DriveLog, plan, cam: dict[str, str], outcome: 
     # The replay proper: from the moment every worker is READY to the camera's last
     # frame done (the pipeline's start-up is the same for a log of any length).
     ready = next((e["mono_ns"] for e in outcome.events if e["event"] == "all_ready"), None)
-    done = next((e["mono_ns"] for e in outcome.events if e["event"] == "status"
-                 and e.get("worker") == plan.camera and "replay=done" in e.get("status", "")),
-                None)
+    end = camera_done(outcome.events, plan.camera)
+    done = end["mono_ns"] if end is not None else None
     replay_s = (done - ready) / 1e9 if ready and done and done > ready else None
     first = next((e["mono_ns"] for e in outcome.events if e["event"] == "supervisor_start"), None)
     start_s = (ready - first) / 1e9 if ready and first else None

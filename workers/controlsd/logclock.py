@@ -91,4 +91,7 @@ def run(ctx, a, reader, writer, law: ControlLaw, times: dict[int, int], model_ou
                        f"unplaced={unplaced} rejected={rejected} leases_lost={lost}")
     if last_t is not None:
         publish(writer, law.step(None, last_t, hold=SafeReason.SHUTDOWN), None)
+    # The final word (a replay's summary shows it): what this run did in all.
+    ctx.status(f"log_clock stopped outputs={outputs} commands={published} "
+               f"unplaced={unplaced} rejected={rejected} leases_lost={lost}")
     return 0
