@@ -216,30 +216,13 @@ def audit(cfg: Config, *, live: bool = False, factory: Callable[[Config, Any], A
             rows.append(seen)
             if got["outcome"] == "started":
                 diffs += lv.differences(p, seen, e)
-            if got["outcome"] == "started" and e and e.get("standby"):
-                # its warm standby: the same sandbox, but no channel until it takes over
-                # and the normal class: a real-time grant comes at its READY too
-                # ... and W^X is locked at READY, which a standby has not reached.
-                sec = dict(p["seccomp"], filters=p["seccomp"]["filters"]
-                           - (1 if p["seccomp"].get("wx_from_ready") else 0))
-                p_sb = dict(p, channels={"writes": [], "reads": []}, seccomp=sec,
-                            scheduling=dict(p["scheduling"], policy="other", priority=0,
-                                            reset_on_fork=False, rt_budget_pct=None))
-                e_sb = e["standby"]
-                seen_sb = lv.observed_row(p_sb, e_sb, got.get("host", {}), [],
-                                          got.get("inherited_seccomp_filters", 0))
-                seen["standby"] = {k: seen_sb[k] for k in seen_sb if k not in
-                                   ("worker", "domain", "profile", "optional")}
-                # A standby is still in start-up (READY comes at take-over): its exec
-                # window is open by design; the exec watch must be installed all the same.
-                sb_diffs = [d for d in lv.differences(p_sb, seen_sb, e_sb)
-                            if d["key"] != "new_exec_memory_after_ready"]
-                if pr.strict(p["profile"]) and not e_sb["exec_watch"]["listener_held"]:
-                    sb_diffs.append({"worker": p["worker"], "key": "new_exec_memory_after_ready",
-                                     "expected": False, "observed": True,
-                                     "detail": f"{p['worker']}: no exec watch installed"})
-                diffs += [dict(d, key=f"standby.{d['key']}", detail=f"(standby) {d['detail']}")
-                          for d in sb_diffs]
+            standbys = (e or {}).get("standbys") or ([e["standby"]] if e and e.get("standby")
+                                                      else [])
+            if got["outcome"] == "started" and standbys:
+                checked = [_standby_row(p, e_sb, got) for e_sb in standbys]
+                seen["standby"] = checked[0][0]
+                seen["standbys"] = [row for row, _ in checked]
+                diffs += [d for _, ds in checked for d in ds]
         if got["outcome"] == "started":   # each sandbox its own (unless promised the host's)
             by_name = {p["worker"]: p for p in promised}
             diffs += [d for d in lv.shared_namespaces(evidence)
@@ -285,6 +268,35 @@ def audit(cfg: Config, *, live: bool = False, factory: Callable[[Config, Any], A
                              "config_audited": cfg.source,
                              "sandboxes": len(running.sandboxes)}
     return report
+
+
+def _standby_row(p: dict[str, Any], e_sb: dict[str, Any],
+                 got: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A warm standby: the same sandbox as its worker, but no channel until it takes
+    over, and the normal class (a real-time grant comes at its READY too), and W^X
+    is locked at READY, which a standby has not reached."""
+    from . import live as lv
+    from . import promise as pr
+
+    sec = dict(p["seccomp"], filters=p["seccomp"]["filters"]
+               - (1 if p["seccomp"].get("wx_from_ready") else 0))
+    p_sb = dict(p, channels={"writes": [], "reads": []}, seccomp=sec,
+                scheduling=dict(p["scheduling"], policy="other", priority=0,
+                                reset_on_fork=False, rt_budget_pct=None))
+    seen_sb = lv.observed_row(p_sb, e_sb, got.get("host", {}), [],
+                              got.get("inherited_seccomp_filters", 0))
+    row = {k: seen_sb[k] for k in seen_sb if k not in ("worker", "domain", "profile",
+                                                        "optional")}
+    # Still in start-up (READY comes at take-over): its exec window is open by design;
+    # the exec watch must be installed all the same.
+    diffs = [d for d in lv.differences(p_sb, seen_sb, e_sb)
+             if d["key"] != "new_exec_memory_after_ready"]
+    if pr.strict(p["profile"]) and not e_sb["exec_watch"]["listener_held"]:
+        diffs.append({"worker": p["worker"], "key": "new_exec_memory_after_ready",
+                      "expected": False, "observed": True,
+                      "detail": f"{p['worker']}: no exec watch installed"})
+    return row, [dict(d, key=f"standby.{d['key']}", detail=f"(standby pid {e_sb.get('pid')}) "
+                      f"{d['detail']}") for d in diffs]
 
 
 def _running_checks(cfg: Config, report: dict[str, Any], got: dict[str, Any], running: Any,

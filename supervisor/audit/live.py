@@ -200,14 +200,17 @@ def collect(sup, promises: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 break
             except ev.Gone:
                 workers[name] = {"running": False, "why": "exited while being read"}
-        standby = getattr(run, "standby", None)    # warm standby: a second sandbox
-        if standby is not None and workers[name].get("running"):
+        # warm standbys: more sandboxes of the same worker (oldest first)
+        standbys = list(getattr(run, "standbys", None) or
+                        ([run.standby] if getattr(run, "standby", None) else []))
+        for standby in standbys if workers[name].get("running") else []:
             try:
                 sb = _evidence_of(sup, standby, promises.get(name, {}), candidates)
             except ev.Gone:
                 sb = {"running": False, "why": "exited while being read"}
             if sb.get("running"):
-                workers[name]["standby"] = sb
+                workers[name].setdefault("standbys", []).append(sb)
+                workers[name].setdefault("standby", sb)
     own = ev.status("self")
     return {"host": host_namespaces(), "workers": workers,
             "compiler_candidates": candidates,

@@ -354,10 +354,10 @@ def text(report: dict) -> str:
         for label, prefix, cell in ISOLATION + RESOURCES:
             lines.append(f"  {label:<{width}}{_cell(report, r, prefix, cell)}")
         if live and r.get("standby"):
-            sb = r["standby"]
+            pids = ", ".join(str(sb.get("pid")) for sb in r.get("standbys") or [r["standby"]])
             bad = [d for d in report["differences"] if d["worker"] == r["worker"]
                    and d["key"].startswith("standby.")]
-            lines.append(f"  {'warm standby':<{width}}pid {sb.get('pid')}: "
+            lines.append(f"  {'warm standby':<{width}}pid {pids}: "
                          + (f"!! {len(bad)} difference(s)" if bad else
                             "checked like the worker, holds no channel"))
         lines.append("")

@@ -349,9 +349,10 @@ def collect(rs: RunningSupervisor, promises: dict[str, dict[str, Any]],
                 break
             except ev.Gone:
                 e = {"running": False, "why": "exited while being read"}
-        if sb.standby:
+        if sb.standby:         # a worker may have several (one starting at a time)
             if sb.worker in workers and e.get("running"):
-                workers[sb.worker]["standby"] = e
+                workers[sb.worker].setdefault("standbys", []).append(e)
+                workers[sb.worker].setdefault("standby", e)
             continue
         workers[sb.worker] = e
     host = {"supervisor": ev.namespaces(rs.pid)}
