@@ -271,6 +271,8 @@ def test_live_inspects_the_running_system(running):
     assert checks[("frames.lease.lab", "lab (reader 1): its own lease1 only, fd O_RDWR")]
     lease = checks[("frames.lease.lab", "src (channel writer): lease1 fd O_RDONLY, mapped r--s")]
     assert "r--s" in lease["observed"]
+    claims = checks[("frames.lease.lab", "lab (reader 1): the claims it wrote, as src reads them")]
+    assert "lease(s) held" in claims["observed"]          # the very bytes, read back
     assert {c["path"] for c in r["live_paths"]} >= {"status.src", "output.lab",
                                                     "execwatch.sink", "state-dir"}
     rows = {w["worker"]: w for w in r["workers"]}

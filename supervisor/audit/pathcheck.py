@@ -84,12 +84,51 @@ def _lease(c: _Checks, p: dict, ew: dict, er: dict | None, got: dict, index: int
           and f["access"] == "O_RDONLY" and not any("w" in x for x in maps))
     if lw == SUPERVISOR or er is None or not er.get("running"):
         return
+    seen = lease_contents(got, ch, index)
+    if seen is not None:
+        # The bytes themselves, as the channel writer reads them: what the reader claims
+        # now. A claim beyond lease_ms is not an error of the bound: the writer ignores it.
+        c.add(p["id"], lw, f"{lw} (reader {index}): the claims it wrote, as {cw} reads them",
+              seen, True)
     rh = (er.get("handles") or {}).get(ch) or {}
     f = _fd(er, rh.get("lease_fd"))
     c.add(p["id"], lw, f"{lw} (reader {index}): its own lease{index} only, fd O_RDWR",
           f"{_seg(f and f['target'])} {f and f['access']}",
           bool(f) and _seg(f["target"]) == f"trio-bridge:{ch}:lease{rh.get('index')}"
           and rh.get("index") == index and f["access"] == "O_RDWR")
+
+
+def lease_contents(got: dict, ch: str, index: int) -> str | None:
+    """Lease table ``index`` of channel ``ch`` read through the supervisor's own fd (it
+    created every table): the live entries and how far ahead their deadlines are."""
+    import time
+
+    from supervisor.ipc import layout as L
+
+    pid = got.get("supervisor_pid")
+    fds = (got.get("supervisor_fds") or {}).get(f"/memfd:trio-bridge:{ch}:lease{index} (deleted)")
+    if not pid or not fds:
+        return None
+    try:
+        fd = os.open(f"/proc/{pid}/fd/{fds[0]['fd']}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        page = os.pread(fd, L.LEASE_BASE + L.LEASE_STRIDE * 16, 0)
+    finally:
+        os.close(fd)
+    now = time.monotonic_ns()
+    magic, owner, max_leases = L.LEASE_HDR.unpack_from(page, 0)
+    if magic != L.LEASE_MAGIC:
+        return "no lease table header (reader not attached yet)"
+    live = []
+    for k in range(min(max_leases, 16)):
+        slot, gen, deadline = L.LEASE_ENTRY.unpack_from(page, L.lease_offset(k))
+        if gen:
+            live.append(f"slot {slot} gen {gen} for {(deadline - now) / 1e6:.1f} ms more")
+    return (f"{len(live)} of {max_leases} lease(s) held" + (": " + "; ".join(live) if live
+                                                             else "") +
+            f" (written by pid {owner} inside its sandbox)")
 
 
 def _wakeup(c: _Checks, p: dict, ew: dict, er: dict | None, index: int, reverse: bool) -> None:

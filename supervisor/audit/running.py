@@ -362,6 +362,7 @@ def collect(rs: RunningSupervisor, promises: dict[str, dict[str, Any]],
     return {"outcome": "started", "exit_code": 0, "events": [], "cgroups": None,
             "survivors": {}, "host": host, "workers": workers,
             "compiler_candidates": candidates, "inherited_seccomp_filters": inherited,
+            "supervisor_pid": rs.pid,
             "supervisor_fds": _fd_targets(rs.pid),
             "supervisor_channel_mappings": ev.channel_mappings(ev.maps(rs.pid)),
             "supervisor_nofile": list(ev.nofile(rs.pid))}
