@@ -66,6 +66,14 @@ CLEAN = textwrap.dedent("""
 # --------------------------------------------------------------------------- config mode
 
 
+def _demo_key_id() -> str:
+    """The key id of the public key the default config trusts for its model."""
+    from supervisor.model.keys import key_id, load_public_key
+
+    cfg = load()
+    return key_id(load_public_key(cfg.models[cfg.workers["modeld"].model].public_key))
+
+
 @pytest.fixture(scope="module")
 def default_report():
     return audit(load())
@@ -96,7 +104,7 @@ def test_default_config_promises(default_report):
     (model,) = rows["modeld"]["models"]
     assert model["name"] == "lane-offset-demo" and model["version"] == "1.0.0"
     assert model["signature"] == "verified"
-    assert model["key_id"].startswith("83749b6d")
+    assert model["key_id"] == _demo_key_id()
     assert model["artifact"].endswith("models/demo/lane-offset")
     named = getattr(load().workers["modeld"], "model", None)
     if named:   # the trust record comes from the config's [models.NAME]
@@ -137,7 +145,7 @@ def test_formats(default_report):
     assert "| camerad (control) |" in md and "## Channels" in md and "## Trust rules" in md
     # narrow enough to read: no table wider than 6 columns
     assert max(line.count("|") - 1 for line in md.splitlines() if line.startswith("|")) <= 6
-    assert "lane-offset-demo 1.0.0 key 83749b6d" in md
+    assert f"lane-offset-demo 1.0.0 key {_demo_key_id()[:16]}" in md
     txt = render(default_report, "text")
     assert "research  [research]" in txt and "exec after start" in txt
     with pytest.raises(ValueError):
@@ -153,7 +161,8 @@ def test_reviewer_sections_of_the_default_config(default_report):
     assert prov["time_utc"].endswith("Z") and prov["kernel"].startswith("Linux")
     assert len(prov["config"]["sha256"]) == 64 and prov["git"]["commit"]
     (art,) = prov["artifacts"]
-    assert art["key_id"].startswith("83749b6d") and len(art["manifest_sha256"]) == 64
+    assert art["key_id"] == _demo_key_id() and len(art["manifest_sha256"]) == 64
+    assert art["files_match_manifest"] is True and "jit.pkl" in art["files"]
     v = r["verdict"]
     assert v["holds"] and v["counts"]["workers"] == 4
     into = {p["id"]: p for p in v["into_actuating"]}

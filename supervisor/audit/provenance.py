@@ -78,16 +78,42 @@ def config_sha256(cfg: Config) -> str | None:
         return None
 
 
+def _files(artifact: str | None) -> tuple[dict[str, str], bool | None]:
+    """({file: sha256} as the signed manifest lists them, whether every file on disk
+    has that sha256 now)."""
+    import json
+
+    if not artifact:
+        return {}, None
+    root = Path(artifact)
+    try:
+        listed = json.loads((root / "manifest.json").read_bytes()).get("files") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}, None
+    files = {n: str(v.get("sha256")) for n, v in listed.items() if isinstance(v, dict)}
+    ok = True
+    for name, want in files.items():
+        try:
+            with open(root / name, "rb") as f:
+                ok &= hashlib.file_digest(f, "sha256").hexdigest() == want
+        except OSError:
+            ok = False
+    return files, ok
+
+
 def artifacts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each model artifact the workers load: manifest sha256 and signing key id (the
-    manifest lists every file's sha256 and is what the signature covers)."""
+    manifest lists every file's sha256 and is what the signature covers), the files'
+    sha256 and whether the files on disk match them."""
     out = []
     for r in rows:
         for m in r.get("models") or []:
+            files, match = _files(m.get("artifact"))
             out.append({"worker": r["worker"], "artifact": m.get("artifact"),
                         "manifest_sha256": m.get("manifest_sha256"),
                         "key_id": m.get("key_id"), "signature": m.get("signature"),
-                        "name": m.get("name"), "version": m.get("version")})
+                        "name": m.get("name"), "version": m.get("version"),
+                        "files": files, "files_match_manifest": match})
     return out
 
 

@@ -33,9 +33,13 @@ def _provenance_items(p: dict[str, Any]) -> list[tuple[str, str]]:
              ("git commit", commit),
              ("config", f"{p['config']['source']}, sha256 {p['config']['sha256']}")]
     for a in p.get("artifacts") or []:
+        files = "; ".join(f"{n} {h}" for n, h in (a.get("files") or {}).items())
+        match = {True: "all match the manifest", False: "DO NOT MATCH the manifest",
+                 None: "not checked"}[a.get("files_match_manifest")]
         items.append((f"artifact ({a['worker']})",
                       f"{a.get('artifact')}: manifest sha256 {a.get('manifest_sha256')}, "
-                      f"key id {a.get('key_id')}, signature {a.get('signature')}"))
+                      f"key id {a.get('key_id')}, signature {a.get('signature')}; files "
+                      f"(sha256): {files or 'none listed'}; {match}"))
     items.append(("python", p.get("python")))
     run = p.get("_running")
     if run:
