@@ -58,4 +58,10 @@ SHADOW_OUT = Payload(
                    "frame_id_mod_2_24", "latency_ms", "age_ms", "pipeline_ms"),
     doc="research's shadow estimate: logged, never actuated")
 
-PAYLOADS: dict[str, Payload] = {p.name: p for p in (MODEL_OUT, CONTROL_CMD, SHADOW_OUT)}
+DRIVER_STATE = Payload(
+    "driver_state", ("face_prob", "eyes_on_road_prob", "confidence", "reserved"),
+    doc="driver monitoring: a face is in view (0..1), the driver looks at the road "
+        "(0..1), confidence 0..1 (the driver-monitor model's output, never actuated)")
+
+PAYLOADS: dict[str, Payload] = {p.name: p for p in (MODEL_OUT, CONTROL_CMD, SHADOW_OUT,
+                                                    DRIVER_STATE)}

@@ -108,13 +108,18 @@ def test_demo_bundle_verifies_into_private_copies():
         abi = v.manifest["abi"]
         assert abi["input"]["frame"] == {**abi["input"]["frame"], "pixel_format": "nv12",
                                          "plane": "y", "pixel_range": "full", "dtype": "uint8"}
-        assert abi["input"]["tensor"]["strides"] == [32768, 32768, 512, 4]
+        # input ABI 2: the Y plane as it lies in the frame, preprocessed in the artifact
+        assert abi["version"] == 2 and abi["input"]["takes"] == "y_plane"
+        assert abi["input"]["tensor"]["shape"] == [1208, 1936]
+        assert abi["input"]["tensor"]["strides"] == [1936, 1]
+        assert abi["input"]["preprocess"]["tolerance"]["max_abs"] == 0.0
         assert abi["output"]["fields"] == ["offset_m", "heading_rad", "confidence", "reserved"]
         assert v.manifest["host"]["required_cpu_flags"]
         work = v.workdir
     assert not work.exists()                          # close() removes the copies
-    size = sum(p.stat().st_size for p in DEMO.parent.rglob("*") if p.is_file())
-    assert size < 2 * 1024 * 1024
+    # golden.bin holds a whole Y plane (1208 x 1936 bytes) since input ABI 2
+    size = sum(p.stat().st_size for p in DEMO.rglob("*") if p.is_file())
+    assert size < 3 * 1024 * 1024
 
 
 def test_verification_never_imports_tinygrad():

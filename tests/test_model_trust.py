@@ -28,7 +28,7 @@ def test_default_config_trusts_the_demo_model_and_binds_it_to_modeld():
 def test_check_prints_what_it_trusts(tmp_path):
     r = check(tmp_path, DEFAULT)
     assert r.returncode == 0, r.stderr
-    assert "trusts model 'lane-offset': lane-offset-demo 1.0.0 (>= 1.0.0), key 83749b6d" in r.stdout
+    assert "trusts model 'lane-offset': lane-offset-demo 1.0.0 (>= 1.0.0), key b6cca30d" in r.stdout
 
 
 def test_an_older_signed_artifact_is_a_rollback_and_refused(tmp_path):

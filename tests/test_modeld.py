@@ -25,6 +25,7 @@ from workers.camerad.synthetic import SyntheticRoad
 from workers.modeld.engine import ENGINE_ABI, Engine, FrameRejected
 
 W, H, SEED = 1928, 1208, 7
+STRIDE = 1936          # the demo artifact's Y plane row stride (PyAV's for 1928)
 FRAMES = range(0, 6)
 MANIFEST = A.read_manifest_unverified(DEMO)
 MODEL_KERNELS = [k["name"] for k in MANIFEST["kernels"] if k["role"] == "model"]
@@ -76,7 +77,9 @@ def test_outputs_follow_the_lane_and_receipts_say_what_ran(engine, reference):
         assert abs(off - truth.offset_m) < 0.15 and abs(head - truth.heading_rad) < 0.02
         assert conf > 0.9 and reserved == 0.0
         assert r.device == "CPU" and r.completion == "hostVisible"
-        assert r.bytes_in == 1 * 1 * 64 * 128 * 4 and r.bytes_out == 4 * 4
+        # the one copy: the Y plane into the model's input buffer (rendered planes are
+        # packed at 1928, the model's stride is 1936: row by row), 16 bytes out
+        assert r.bytes_in == H * W and r.bytes_out == 4 * 4
         assert r.kernels_run == len(MODEL_KERNELS)
         assert r.artifact_sha256 == hashlib.sha256((DEMO / "manifest.json").read_bytes()).digest()
         assert r.latency_ns == r.infer_end_ns - r.infer_start_ns > 0
@@ -133,7 +136,8 @@ def test_control_sandbox_runs_the_artifact_bit_identically_without_a_compiler(re
     sha = hashlib.sha256((DEMO / "manifest.json").read_bytes()).hexdigest()
     for r in rep["receipts"]:
         assert r["device"] == "CPU" and r["completion"] == "hostVisible"
-        assert (r["bytes_in"], r["bytes_out"]) == (32768, 16)
+        # the selftest's frames have the model's row stride: one memcpy of the plane's span
+        assert (r["bytes_in"], r["bytes_out"]) == ((H - 1) * STRIDE + W, 16)
         assert r["artifact_sha256"] == sha and r["kernels_run"] == len(MODEL_KERNELS)
         assert r["deadline_misses"] == 0
 
@@ -206,8 +210,8 @@ def test_modeld_worker_in_the_control_sandbox_over_the_bridge(reference):
                 with camera.loan() as loan:
                     loan.frame("rgb888", W, H)[0][...] = 0
                     loan.publish(frame_id=1000, capture_ts_ns=time.monotonic_ns())
-            with camera.loan() as loan:
-                y, uv = loan.frame("nv12", W, H)
+            with camera.loan() as loan:      # a real camera's row stride
+                y, uv = loan.frame("nv12", W, H, row_stride=STRIDE)
                 road.render_into(fid, y, uv)
                 loan.publish(frame_id=fid, capture_ts_ns=time.monotonic_ns())
             with results.receive(timeout=20) as msg:
@@ -247,7 +251,7 @@ def test_receipt_fields_are_the_named_ones(engine):
     from supervisor.model.runtime import RunStats
 
     st = RunStats(bytes_in=11, bytes_out=16, kernels_run=5, device="CPU")
-    r = engine._receipt(7, 123, 1_000, 3_000, st)
+    r = engine._receipt(7, 123, 1_000, 3_000, st, 0)
     assert r == Receipt(frame_id=7, capture_ts_ns=123, infer_start_ns=1_000, infer_end_ns=3_000,
                         device="CPU", bytes_in=11, bytes_out=16, completion="hostVisible",
                         latency_ns=2_000, worst_case_ns=engine.worst_case_ns,
@@ -263,9 +267,8 @@ def test_the_output_lands_in_the_array_given_bit_identically(engine, reference):
     from supervisor.model import AbiMismatch
 
     y = SyntheticRoad(W, H, seed=SEED).render(FRAMES[0])[0]
-    x = engine.preprocess(y).copy()
     into = np.full(4, np.nan, np.float32)
-    out, r = engine.infer_tensor(x, frame_id=FRAMES[0], capture_ts_ns=123, out=into)
+    out, r = engine.infer(y, frame_id=FRAMES[0], capture_ts_ns=123, out=into)
     assert out is into and into.tobytes().hex() == reference["outputs"][0]
     runs = engine.inferences
     read_only = np.empty(4, np.float32)
@@ -273,6 +276,6 @@ def test_the_output_lands_in_the_array_given_bit_identically(engine, reference):
     for bad in (np.empty(4, np.float64), np.empty(5, np.float32),
                 np.empty(8, np.float32)[::2], read_only):
         with pytest.raises(AbiMismatch, match=r"the model writes float32\[4\]") as e:
-            engine.infer_tensor(x, out=bad)
+            engine.infer(y, out=bad)
         assert "\n" not in str(e.value)
     assert engine.inferences == runs

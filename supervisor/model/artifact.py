@@ -358,7 +358,17 @@ def _check_abi_consistency(m: dict) -> None:
     if not isinstance(frame, dict) or not isinstance(pre, dict):
         raise AbiMismatch(f"{MANIFEST}: abi.input.frame and abi.input.preprocess are required")
     shape = inp["tensor"]["shape"]
-    if shape[-2:] != [pre.get("out_height"), pre.get("out_width")]:
+    if abi.get("version", 1) >= 2 and inp.get("takes") == "y_plane":
+        # The Y plane as it lies in memory: [height, row_stride] uint8, width <= stride.
+        dims = [frame.get(k) for k in ("height", "row_stride", "width")]
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
+            raise AbiMismatch(f"{MANIFEST}: abi.input.frame needs height, row_stride and "
+                              f"width (positive ints)")
+        if inp["tensor"]["dtype"] != "uint8" or shape != dims[:2] or dims[2] > dims[1]:
+            raise AbiMismatch(f"{MANIFEST}: abi.input.tensor {inp['tensor']['dtype']}{shape} "
+                              f"is not the uint8 Y plane [height, row_stride] = {dims[:2]} "
+                              f"with width {dims[2]} <= row_stride")
+    elif shape[-2:] != [pre.get("out_height"), pre.get("out_width")]:
         raise AbiMismatch(f"{MANIFEST}: abi.input.tensor.shape {shape} does not end in "
                           f"preprocess out_height x out_width "
                           f"({pre.get('out_height')}x{pre.get('out_width')})")
@@ -378,6 +388,22 @@ def _match_subset(expected: Any, actual: Any, path: str) -> None:
             _match_subset(v, actual[k], f"{path}.{k}")
     elif expected != actual:
         raise AbiMismatch(f"{path}: artifact says {actual!r}, expected {expected!r}")
+
+
+def _check_abi_version(expected: dict, abi: dict) -> None:
+    """What input the artifact takes is its ABI version: say so in one line when it is
+    not the one the caller runs (e.g. a version 1 artifact, which took a float32 tensor
+    preprocessed outside it, under a runtime that feeds the Y plane)."""
+    want = expected.get("version")
+    if want is None:
+        return
+    have = abi.get("version", 1)
+    if have != want:
+        takes = (abi.get("input") or {}).get("takes", "a preprocessed float32 tensor")
+        raise AbiMismatch(f"abi.version: the artifact's input ABI is {have} (it takes "
+                          f"{takes}), this engine runs input ABI {want} (it feeds "
+                          f"{(expected.get('input') or {}).get('takes', '?')}); rebuild it "
+                          f"with workers.modelbuild")
 
 
 class _NoGlobals(pickle.Unpickler):
@@ -500,6 +526,7 @@ def load_verified(path: str | os.PathLike, public_key: Any, *, expect_name: str 
         _check_host(m)
         _check_abi_consistency(m)
         if expect_abi is not None:
+            _check_abi_version(expect_abi, m["abi"])
             _match_subset(expect_abi, m["abi"], "abi")
 
         # 4. kernels.db holds exactly the listed objects (read-only, no tinygrad involved)

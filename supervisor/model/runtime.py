@@ -270,7 +270,7 @@ class _JitUnpickler(pickle.Unpickler):
 
 def _np_dtype(dt: Any) -> str:
     return {"float": "float32", "float32": "float32", "half": "float16", "float16": "float16",
-            "uchar": "uint8", "uint8": "uint8", "int": "int32", "int32": "int32"}.get(dt.name, dt.name)
+            "uchar": "uint8", "unsigned char": "uint8", "uint8": "uint8", "int": "int32", "int32": "int32"}.get(dt.name, dt.name)
 
 
 # ------------------------------------------------------------------ the loaded model
@@ -437,12 +437,36 @@ class LoadedModel:
                 return self._run(x, out)
         return self._run(x, out)
 
-    def _run(self, x: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, RunStats]:
+    def input_view(self) -> np.ndarray:
+        """The model's input buffer as a writable host array (the ABI's dtype and shape):
+        a caller that fills it in place (modeld copying a frame's Y plane straight in)
+        then calls `run_staged`, with no copy through the allocator. Host memory on the
+        CPU device; the device is idle whenever a run has returned (its output copy
+        synchronises)."""
+        ia = self.verified.input_abi["tensor"]
+        mv = self._alloc._as_buffer(self._xbuf._buf)
+        return np.frombuffer(mv, dtype=ia["dtype"], count=int(np.prod(ia["shape"]))
+                             ).reshape(ia["shape"])
+
+    def run_staged(self, *, out: np.ndarray | None = None) -> tuple[np.ndarray, RunStats]:
+        """Run on what `input_view` holds now; otherwise as `run` (``bytes_in`` counts
+        only the allocator's copies: 0 here, the caller knows what it staged)."""
+        if out is not None and (out.dtype != self._out.dtype or out.shape != self._out.shape
+                                or not (out.flags.c_contiguous and out.flags.writeable)):
+            raise AbiMismatch(f"out is {out.dtype}{list(out.shape)}, the model writes "
+                              f"{self._out.dtype}{list(self._out.shape)} (C-contiguous, "
+                              f"writable)")
+        with self.session():
+            return self._run(None, out)
+
+    def _run(self, x: np.ndarray | None, out: np.ndarray | None = None
+             ) -> tuple[np.ndarray, RunStats]:
         from tinygrad.helpers import GlobalCounters
 
         counts = self._alloc._model_counts
         b_in, b_out, k0 = counts["in"], counts["out"], GlobalCounters.kernel_count
-        self._alloc._copyin(self._xbuf._buf, memoryview(x).cast("B"))
+        if x is not None:
+            self._alloc._copyin(self._xbuf._buf, memoryview(x).cast("B"))
         ret = self._jit(self._x)
         obuf = ret.uop.buffer
         if out is None:

@@ -75,7 +75,7 @@ class SyntheticRoad:
     """Deterministic road scene in NV12 (full range). ``width`` and ``height`` even."""
 
     def __init__(self, width: int = 1928, height: int = 1208, seed: int = 0, *,
-                 fps: float = 20.0, speed_mps: float = 25.0) -> None:
+                 fps: float = 20.0, speed_mps: float = 25.0, hfov_deg: float = HFOV_DEG) -> None:
         if width < 16 or height < 16 or width % 2 or height % 2:
             raise ValueError(f"width and height must be even and >= 16, got {width}x{height}")
         if fps <= 0:
@@ -83,7 +83,8 @@ class SyntheticRoad:
         self.width, self.height, self.seed = width, height, seed
         self.fps, self.speed_mps = float(fps), float(speed_mps)
         rng = np.random.default_rng([seed, 0x5EED])
-        self.focal = width / (2 * math.tan(math.radians(HFOV_DEG / 2)))
+        self.hfov_deg = float(hfov_deg)
+        self.focal = width / (2 * math.tan(math.radians(self.hfov_deg / 2)))
         self.cx = (width - 1) / 2
         self.horizon = HORIZON * height
         self.first_row = int(math.floor(self.horizon)) + 1      # first ground row
@@ -215,6 +216,109 @@ class SyntheticRoad:
         uv_out[rr, cc, 0] = U_YELLOW
         uv_out[rr, cc, 1] = V_YELLOW
         return truth
+
+
+# ---------------------------------------------------------------- driver camera
+
+WIDE_HFOV_DEG = 120.0      # the wide road camera: the same drive, a wider lens
+DM_SEGMENT_S = 4.0         # the driver's state holds for this long, then is drawn again
+Y_CABIN, Y_FACE, Y_EYE, Y_HAIR = 45, 170, 30, 25
+
+
+@dataclass(frozen=True)
+class DriverTruth:
+    face_present: bool
+    eyes_on_road: bool    # False while the head is down (or no face)
+    face_x: float         # face centre, fraction of the width
+    face_y: float         # face centre, fraction of the height
+
+
+class SyntheticDriver:
+    """Deterministic driver-camera scene in NV12: a dark cabin, and (most of the time) a
+    face whose eyes look at the road or, head down, away. The state changes every
+    `DM_SEGMENT_S` seconds (drawn from the seed: 60 % attentive, 25 % head down, 15 %
+    no face); the face drifts slowly. Same interface as `SyntheticRoad`."""
+
+    def __init__(self, width: int = 1928, height: int = 1208, seed: int = 0, *,
+                 fps: float = 20.0) -> None:
+        if width < 64 or height < 64 or width % 2 or height % 2:
+            raise ValueError(f"width and height must be even and >= 64, got {width}x{height}")
+        if fps <= 0:
+            raise ValueError("fps must be > 0")
+        self.width, self.height, self.seed, self.fps = width, height, seed, float(fps)
+        rng = np.random.default_rng([seed, 0xD71])
+        rows = np.linspace(0, 1, height)[:, None]
+        bg = Y_CABIN + 25 * rows + rng.normal(0, 6.0, (height, width))
+        self._bg = np.clip(bg, 0, 255).astype(np.uint8)
+        self._uv = np.full((height // 2, width // 2, 2), 128, np.uint8)
+        # The face: an ellipse mask in its own box (axes 0.09 w by 0.2 h).
+        self.ax, self.ay = int(0.09 * width), int(0.2 * height)
+        yy, xx = np.mgrid[-self.ay:self.ay + 1, -self.ax:self.ax + 1]
+        self._face = (xx / self.ax) ** 2 + (yy / self.ay) ** 2 <= 1.0
+        self._hair = self._face & (yy < -0.45 * self.ay)
+        er = max(2, int(0.012 * width))
+        ey, ex = np.mgrid[-er:er + 1, -er:er + 1]
+        self._eye = ex ** 2 + ey ** 2 <= er * er
+        self._phase = rng.uniform(0, 2 * math.pi, 2)
+
+    def truth(self, frame_id: int) -> DriverTruth:
+        t = frame_id / self.fps
+        u = np.random.default_rng([self.seed, int(t // DM_SEGMENT_S)]).random()
+        present = u >= 0.15
+        on_road = present and u >= 0.40
+        fx = 0.5 + 0.08 * math.sin(2 * math.pi * t / 13.0 + self._phase[0])
+        fy = 0.45 + 0.04 * math.sin(2 * math.pi * t / 9.0 + self._phase[1])
+        if present and not on_road:
+            fy += 0.12                                  # head down: the face drops
+        return DriverTruth(bool(present), bool(on_road), fx, fy)
+
+    def render(self, frame_id: int) -> tuple[np.ndarray, np.ndarray, DriverTruth]:
+        y = np.empty((self.height, self.width), np.uint8)
+        uv = np.empty((self.height // 2, self.width // 2, 2), np.uint8)
+        return y, uv, self.render_into(frame_id, y, uv)
+
+    def _stamp(self, y_out: np.ndarray, cx: int, cy: int, mask: np.ndarray, value: int) -> None:
+        """Set ``mask``'s pixels (centred at cx, cy) to ``value``, clipped to the frame."""
+        hy, hx = mask.shape[0] // 2, mask.shape[1] // 2
+        y0, y1 = max(cy - hy, 0), min(cy + hy + 1, self.height)
+        x0, x1 = max(cx - hx, 0), min(cx + hx + 1, self.width)
+        if y0 >= y1 or x0 >= x1:
+            return
+        m = mask[y0 - (cy - hy):y1 - (cy - hy), x0 - (cx - hx):x1 - (cx - hx)]
+        np.copyto(y_out[y0:y1, x0:x1], np.uint8(value), where=m)
+
+    def render_into(self, frame_id: int, y_out: np.ndarray, uv_out: np.ndarray
+                    ) -> DriverTruth:
+        """Render into caller-owned planes of any row stride (e.g. a bridge loan)."""
+        h, w = self.height, self.width
+        if y_out.shape != (h, w) or uv_out.shape != (h // 2, w // 2, 2):
+            raise ValueError(f"planes must be {(h, w)} and {(h // 2, w // 2, 2)}, got "
+                             f"{y_out.shape} and {uv_out.shape}")
+        truth = self.truth(frame_id)
+        np.copyto(y_out, self._bg)
+        np.copyto(uv_out, self._uv)
+        if truth.face_present:
+            cx, cy = int(truth.face_x * w), int(truth.face_y * h)
+            self._stamp(y_out, cx, cy, self._face, Y_FACE)
+            self._stamp(y_out, cx, cy, self._hair, Y_HAIR)
+            if truth.eyes_on_road:
+                dx, ey = int(0.35 * self.ax), cy - int(0.15 * self.ay)
+                self._stamp(y_out, cx - dx, ey, self._eye, Y_EYE)
+                self._stamp(y_out, cx + dx, ey, self._eye, Y_EYE)
+            else:                                       # head down: the crown of the head
+                self._stamp(y_out, cx, cy - int(0.2 * self.ay), self._hair, Y_HAIR)
+        return truth
+
+
+def scene(sensor: str, width: int = 1928, height: int = 1208, seed: int = 0, *,
+          fps: float = 20.0):
+    """The synthetic scene a camera of ``sensor`` sees: road (40 deg), wide (the same
+    drive through a 120 deg lens) or driver (the cabin)."""
+    if sensor == "driver":
+        return SyntheticDriver(width, height, seed, fps=fps)
+    if sensor == "wide":
+        return SyntheticRoad(width, height, seed, fps=fps, hfov_deg=WIDE_HFOV_DEG)
+    return SyntheticRoad(width, height, seed, fps=fps)
 
 
 # ---------------------------------------------------------------- conversions

@@ -10,10 +10,15 @@ Steps, in one fresh process (tinygrad is configured before it is imported):
    ``CACHEDB`` in a fresh temp dir.
 2. Open the CPU device: its four worker programs are compiled now (recorded as role
    "device-init").
-3. Render synthetic frames, preprocess them with modeld's own `preprocess_y`, run the
-   fixed conv trunk (batched), fit the linear head by ridge least squares against the
-   frames' truth, calibrate the confidence.
-4. Capture the deployed function with TinyJit on sample inputs; strip the compiled
+3. Render synthetic frames, preprocess them with modeld's own `preprocess_y` (the numpy
+   reference), run the fixed conv trunk (batched), fit the linear head by ridge least
+   squares against the frames' truth, calibrate the confidence.
+4. Capture the deployed function with TinyJit on sample Y planes (uint8
+   [height, row_stride], input ABI 2): crop, area mean and normalisation as tinygrad
+   kernels (`preprocess.Preprocess`), then the network. Every validation frame is run
+   both ways, deployed (Y plane in) and reference (numpy preprocessing, the same
+   network): the outputs must be bit-identical, and so must the preprocessed tensors
+   (the manifest declares tolerance 0 and records what was checked). Strip the compiled
    objects out of the captured graph (jit.pkl keeps graph, C sources and weights) and put
    every object the runtime needs into kernels.db (tinygrad's cache table format).
 5. golden.bin (a sample input and this build's output for it), manifest.json (canonical
@@ -34,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,15 +48,66 @@ from supervisor.model import artifact as A
 from supervisor.model import host as H
 from supervisor.model import keys as K
 from supervisor.model.runtime import PINNED_ENV, kernel_name, tinygrad_imported
-from workers.modeld.engine import ENGINE_ABI, min_frame, preprocess_spec, preprocess_y
+from workers.modeld.engine import ABI_VERSION, ENGINE_ABI, INPUT_TAKES, preprocess_spec, preprocess_y
 
 from .model import LaneNet, conv_weights, fit_head
-from .synthetic import road_class
+from .preprocess import Geometry, Preprocess
+from .synthetic import driver_class, road_class
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_NAME = "lane-offset-demo"
 DEFAULT_VERSION = "1.0.0"
 DEVICE_INIT = ("signal_prog", "wait_prog", "timestamp_prog", "worker_prog")
+ROW_ALIGN = 16      # default row stride: width rounded up to 16 (1928 -> 1936, as PyAV's)
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    """What a kind of model sees, learns and says (the build is the same for each)."""
+    scene: str                    # "road" or "driver": modelbuild.synthetic's class
+    default_name: str
+    input_name: str
+    description: str
+    targets: tuple[str, str]      # the two fitted outputs (the third is the confidence)
+    payload: str                  # schemas/payloads.py name of the output
+    units: list[str]
+    conventions: str
+    crop_top: tuple[int, int]     # crop_top_num, crop_top_den
+    probabilities: bool           # head clipped to [0, 1]
+
+
+KINDS: dict[str, ModelKind] = {
+    "lane": ModelKind(
+        "road", DEFAULT_NAME, "road_y",
+        "lane offset/heading regressor on the NV12 Y plane: crop + area mean in the "
+        "artifact, fixed seeded conv trunk, ridge-fitted linear head (demo)",
+        ("offset_m", "heading_rad"), "model_out", ["m", "rad", "1", ""],
+        "offset_m + = car right of lane centre; heading_rad + = car pointing right of "
+        "the lane; confidence in [0, 1]; reserved = 0", (2, 5), False),
+    "driver": ModelKind(
+        "driver", "driver-monitor-demo", "driver_y",
+        "driver monitoring on the driver camera's NV12 Y plane: area mean in the "
+        "artifact, fixed seeded conv trunk, ridge-fitted head clipped to [0, 1] (demo)",
+        ("face_prob", "eyes_on_road_prob"), "driver_state", ["1", "1", "1", ""],
+        "face_prob: a face is in view; eyes_on_road_prob: the driver looks at the road "
+        "(0 when head down or no face); both in [0, 1]; confidence as the lane model's; "
+        "reserved = 0", (0, 1), True),
+}
+
+
+def _truth(kind: ModelKind, truth) -> tuple[float, float]:
+    if kind.scene == "driver":
+        return float(truth.face_present), float(truth.eyes_on_road)
+    return truth.offset_m, truth.heading_rad
+
+
+def strided_plane(y: np.ndarray, row_stride: int, fill: int = 0) -> np.ndarray:
+    """The Y plane as it lies in a frame with ``row_stride``: uint8 [h, row_stride],
+    padding columns set to ``fill`` (never read by the model)."""
+    h, w = y.shape
+    buf = np.full((h, row_stride), fill, np.uint8)
+    buf[:, :w] = y
+    return buf
 
 
 def default_key_path() -> Path:
@@ -88,24 +145,36 @@ def _prepare_out(out: Path, force: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
-def _frames(road_cls, width, height, seeds, n_per_seed, spec, rng_seed):
-    X, T = [], []
+def _frame_ids(seeds, n_per_seed, rng_seed):
     for s in seeds:
-        road = road_cls(width, height, seed=s)
-        ids = np.random.default_rng([rng_seed, s]).integers(0, 200_000, n_per_seed)
-        for fid in ids:
-            y, _uv, truth = road.render(int(fid))
-            X.append(preprocess_y(y, spec)[0].copy())
-            T.append((truth.offset_m, truth.heading_rad))
+        for fid in np.random.default_rng([rng_seed, s]).integers(0, 200_000, n_per_seed):
+            yield s, int(fid)
+
+
+def _frames(road_cls, kind, width, height, seeds, n_per_seed, spec, rng_seed):
+    X, T = [], []
+    scenes = {s: road_cls(width, height, seed=s) for s in seeds}
+    for s, fid in _frame_ids(seeds, n_per_seed, rng_seed):
+        y, _uv, truth = scenes[s].render(fid)
+        X.append(preprocess_y(y, spec)[0].copy())
+        T.append(_truth(kind, truth))
     return np.stack(X).astype(np.float32), np.asarray(T, np.float64)
 
 
 def build(out: Path, key_path: Path, *, seed: int = 0, frames: int = 1600,
           val_frames: int = 300, width: int = 1928, height: int = 1208,
-          cpu: str | None = None, name: str = DEFAULT_NAME, version: str = DEFAULT_VERSION,
+          row_stride: int | None = None, kind: str = "lane",
+          cpu: str | None = None, name: str | None = None, version: str = DEFAULT_VERSION,
           pubkey_out: Path | None = None, force: bool = False, rehearse: bool = True,
           lams: tuple[float, ...] = (0.1, 1.0, 10.0, 100.0, 1000.0), log=print) -> dict:
     t_start = time.monotonic()
+    if kind not in KINDS:
+        raise SystemExit(f"modelbuild: unknown model kind {kind!r} (known: {', '.join(KINDS)})")
+    mk = KINDS[kind]
+    name = name or mk.default_name
+    row_stride = row_stride or -(-width // ROW_ALIGN) * ROW_ALIGN
+    if row_stride < width:
+        raise SystemExit(f"modelbuild: row stride {row_stride} < width {width}")
     if _inside(key_path, PROJECT_ROOT):
         raise SystemExit(f"modelbuild: refusing a private key inside the repository "
                          f"({key_path}); keep it outside, e.g. {default_key_path()}")
@@ -136,7 +205,8 @@ def build(out: Path, key_path: Path, *, seed: int = 0, frames: int = 1600,
     try:
         return _build(out, key, pub, tmp, target=target, arch_string=arch_string, level=level,
                       need_flags=need_flags, seed=seed, frames=frames, val_frames=val_frames,
-                      width=width, height=height, name=name, version=version,
+                      width=width, height=height, row_stride=row_stride, kind=mk,
+                      name=name, version=version,
                       pubkey_out=pubkey_out or key_path.with_suffix(".pub"),
                       rehearse=rehearse, lams=lams, log=log, t_start=t_start)
     finally:
@@ -144,7 +214,8 @@ def build(out: Path, key_path: Path, *, seed: int = 0, frames: int = 1600,
 
 
 def _build(out, key, pub, tmp, *, target, arch_string, level, need_flags, seed, frames,
-           val_frames, width, height, name, version, pubkey_out, rehearse, lams, log, t_start):
+           val_frames, width, height, row_stride, kind, name, version, pubkey_out, rehearse,
+           lams, log, t_start):
     import tinygrad.helpers as TH
     from tinygrad import Device, Tensor, TinyJit
     from tinygrad.device import Compiler
@@ -172,16 +243,18 @@ def _build(out, key, pub, tmp, *, target, arch_string, level, need_flags, seed, 
                          f", expected {list(DEVICE_INIT)} (tinygrad changed?)")
     phase[0] = "build"
 
-    spec = preprocess_spec()
-    road_cls, road_name = road_class()
+    spec = preprocess_spec(crop_top_num=kind.crop_top[0], crop_top_den=kind.crop_top[1])
+    geom = Geometry.of(spec, height, width, row_stride)
+    road_cls, road_name = road_class() if kind.scene == "road" else driver_class()
     weights = conv_weights(seed)
     net = LaneNet(weights)
+    net.clip01 = kind.probabilities
     train_seeds = [seed * 1000 + i for i in range(4)]
     val_seed = seed * 1000 + 999
     per_seed = max(1, frames // len(train_seeds))
     t0 = time.monotonic()
-    Xtr, Ttr = _frames(road_cls, width, height, train_seeds, per_seed, spec, seed)
-    Xva, Tva = _frames(road_cls, width, height, [val_seed], val_frames, spec, seed)
+    Xtr, Ttr = _frames(road_cls, kind, width, height, train_seeds, per_seed, spec, seed)
+    Xva, Tva = _frames(road_cls, kind, width, height, [val_seed], val_frames, spec, seed)
     log(f"modelbuild: {len(Xtr)}+{len(Xva)} frames from {road_name} {width}x{height} "
         f"in {time.monotonic() - t0:.1f}s")
 
@@ -217,28 +290,55 @@ def _build(out, key, pub, tmp, *, target, arch_string, level, need_flags, seed, 
     e_typ = float(np.median(Etr))
     conf_e0, conf_k = np.float32(0.5 * e_typ), np.float32(8.0 / max(e_typ, 1e-6))
 
-    # The deployed function, captured on sample inputs.
+    # The deployed function, captured on sample Y planes: preprocessing, then the net.
     net.t["head_w"] = Tensor(np.ascontiguousarray(Wh), device="CPU").realize()
     net.t["head_b"] = Tensor(bh, device="CPU").realize()
     net.t["conf_e0"] = Tensor(np.array([conf_e0], np.float32), device="CPU").realize()
     net.t["conf_k"] = Tensor(np.array([conf_k], np.float32), device="CPU").realize()
+    pre = Preprocess(geom, spec)
+    val_scene = road_cls(width, height, seed=val_seed)
+    val_ids = [fid for _s, fid in _frame_ids([val_seed], val_frames, seed)]
+
+    def val_plane(i: int) -> np.ndarray:
+        # padding bytes vary with the frame: they must never matter
+        return strided_plane(val_scene.render(val_ids[i])[0], row_stride, fill=(37 * i) % 256)
+
     phase[0] = "model"
-    jit = TinyJit(lambda x: net.forward(x).realize())
+    jit = TinyJit(lambda y: net.forward(pre(y)).realize())
     for i in range(3):
-        jit(Tensor(np.ascontiguousarray(Xtr[i:i + 1]), device="CPU").realize())
+        jit(Tensor(val_plane(i), device="CPU").realize())
     cap = jit.captured
     if cap is None:
         raise SystemExit("modelbuild: TinyJit captured nothing")
 
-    def run_deployed(x):
-        return jit(Tensor(np.ascontiguousarray(x), device="CPU").realize()).numpy().copy()
+    def run_deployed(yp):
+        return jit(Tensor(np.ascontiguousarray(yp), device="CPU").realize()).numpy().copy()
 
-    P = np.stack([run_deployed(Xva[i:i + 1]) for i in range(len(Xva))])
+    # The reference: numpy preprocessing, the same network (compiled here, not shipped).
+    phase[0] = "check"
+    ref_jit = TinyJit(lambda x: net.forward(x).realize())
+    pre_jit = TinyJit(lambda y: pre(y).realize())
+    P = np.empty((len(Xva), 4), np.float32)
+    out_diff = pre_diff = 0.0
+    for i in range(len(Xva)):
+        yp = val_plane(i)
+        P[i] = run_deployed(yp)
+        ref = ref_jit(Tensor(np.ascontiguousarray(Xva[i:i + 1]), device="CPU").realize()).numpy()
+        xin = pre_jit(Tensor(yp, device="CPU").realize()).numpy()
+        out_diff = max(out_diff, float(np.abs(P[i] - ref).max()))
+        pre_diff = max(pre_diff, float(np.abs(xin - Xva[i:i + 1]).max()))
+        if P[i].tobytes() != ref.tobytes() or xin.tobytes() != Xva[i:i + 1].tobytes():
+            raise SystemExit(f"modelbuild: validation frame {i}: the artifact's preprocessing "
+                             f"differs from the numpy reference (input max |diff| {pre_diff}, "
+                             f"output {out_diff}); tolerance 0 is declared")
+    log(f"modelbuild: {len(Xva)} validation frames bit-identical to the numpy reference "
+        f"(preprocessed input and output)")
+    phase[0] = "model"
     rmse = np.sqrt(((P[:, :2] - Tva) ** 2).mean(0))
-    blank = preprocess_y(np.full((height, width), 100, np.uint8), spec)
+    blank = strided_plane(np.full((height, width), 100, np.uint8), row_stride)
     conf_blank = float(run_deployed(blank)[2])
-    log(f"modelbuild: validation rmse offset {rmse[0]:.4f} m (std {Tva[:, 0].std():.3f}), "
-        f"heading {rmse[1]:.5f} rad (std {Tva[:, 1].std():.4f}); confidence median "
+    log(f"modelbuild: validation rmse {kind.targets[0]} {rmse[0]:.4f} (std {Tva[:, 0].std():.3f}), "
+        f"{kind.targets[1]} {rmse[1]:.5f} (std {Tva[:, 1].std():.4f}); confidence median "
         f"{float(np.median(P[:, 2])):.3f}, on a blank frame {conf_blank:.3f}")
 
     # Strip the objects out of the captured graph; collect them for kernels.db.
@@ -262,7 +362,7 @@ def _build(out, key, pub, tmp, *, target, arch_string, level, need_flags, seed, 
 
     # golden output first, then drop the intermediate buffers' contents (only the weights
     # need to travel in jit.pkl; intermediates are reallocated at load)
-    gin = np.ascontiguousarray(Xva[:1])
+    gin = val_plane(0)
     gout = run_deployed(gin)
     (out / A.GOLDEN_FILE).write_bytes(gin.tobytes() + gout.tobytes())
     cap.free_intermediates()
@@ -295,15 +395,13 @@ def _build(out, key, pub, tmp, *, target, arch_string, level, need_flags, seed, 
 
     import hashlib
 
-    in_shape = [1, 1, spec["out_height"], spec["out_width"]]
-    mh, mw = min_frame(spec)
+    in_shape = [height, row_stride]
     manifest = {
         "format": A.FORMAT,
         "model": {
             "name": name, "version": version,
             "created_utc": _created_utc(),
-            "description": "lane offset/heading regressor on the NV12 Y plane: fixed seeded "
-                           "conv trunk, ridge-fitted linear head (demo)",
+            "description": kind.description,
         },
         "runtime": {
             "framework": "tinygrad", "tinygrad_version": _tg_version(),
@@ -330,43 +428,50 @@ def _build(out, key, pub, tmp, *, target, arch_string, level, need_flags, seed, 
             for s, lib, n, role in rows
         ],
         "abi": {
+            "version": ABI_VERSION,
             "input": {
-                "name": "road_y",
+                "name": kind.input_name,
+                "takes": INPUT_TAKES,
                 "frame": {"pixel_format": "nv12", "plane": "y", "dtype": "uint8",
-                          "pixel_range": "full", "min_width": mw, "min_height": mh,
+                          "pixel_range": "full", "width": width, "height": height,
+                          "row_stride": row_stride, "min_width": width, "min_height": height,
                           "channel_kind": "frame"},
-                "preprocess": spec,
-                "tensor": {"dtype": "float32", "shape": in_shape,
-                           "strides": [4 * in_shape[2] * in_shape[3]] * 2 + [4 * in_shape[3], 4],
-                           "byte_offset": 0, "layout": "NCHW",
-                           "normalisation": "(y - 128) / 64 after area mean"},
+                "preprocess": dict(spec, in_artifact=True, tolerance={
+                    "max_abs": 0.0, "reference": "workers.modeld.engine.preprocess_y",
+                    "checked_frames": int(len(Xva)), "max_abs_seen_input": pre_diff,
+                    "max_abs_seen_output": out_diff}),
+                "tensor": {"dtype": "uint8", "shape": in_shape, "strides": [row_stride, 1],
+                           "byte_offset": 0, "layout": "HW",
+                           "meaning": "the Y plane as it lies in the frame: rows at "
+                                      "row_stride, columns >= width are padding (never read)"},
             },
             "output": {"dtype": "float32", "shape": [4], "strides": [4], "byte_offset": 0,
-                       "layout": "vector",
-                       "fields": ["offset_m", "heading_rad", "confidence", "reserved"],
-                       "units": ["m", "rad", "1", ""],
-                       "conventions": "offset_m + = car right of lane centre; heading_rad + = "
-                                      "car pointing right of the lane; confidence in [0, 1]; "
-                                      "reserved = 0"},
+                       "layout": "vector", "payload": kind.payload,
+                       "fields": [*kind.targets, "confidence", "reserved"],
+                       "units": kind.units, "conventions": kind.conventions},
         },
         "golden": {"file": A.GOLDEN_FILE, "input_bytes": int(gin.nbytes),
                    "output_bytes": int(gout.nbytes)},
         "training": {
             "generator": road_name, "render_size": [width, height], "seed": seed,
+            "kind": [k for k, v in KINDS.items() if v is kind][0], "targets": list(kind.targets),
             "train_seeds": train_seeds, "val_seed": val_seed,
             "train_frames": int(len(Xtr)), "val_frames": int(len(Xva)),
             "head": "ridge least squares on standardised features, folded", "ridge_lambda": lam,
             "ridge_lambda_scores": {f"{k:g}": round(v, 6) for k, v in lam_scores.items()},
-            "val_rmse_offset_m": round(float(rmse[0]), 6),
-            "val_rmse_heading_rad": round(float(rmse[1]), 7),
-            "val_std_offset_m": round(float(Tva[:, 0].std()), 6),
-            "val_std_heading_rad": round(float(Tva[:, 1].std()), 7),
+            f"val_rmse_{kind.targets[0]}": round(float(rmse[0]), 6),
+            f"val_rmse_{kind.targets[1]}": round(float(rmse[1]), 7),
+            f"val_std_{kind.targets[0]}": round(float(Tva[:, 0].std()), 6),
+            f"val_std_{kind.targets[1]}": round(float(Tva[:, 1].std()), 7),
             "confidence": {"edge_energy_median": round(e_typ, 6), "e0": float(conf_e0),
                            "k": float(conf_k), "median_val": round(float(np.median(P[:, 2])), 6),
                            "blank_frame": round(conf_blank, 6)},
         },
     }
     A._match_subset(ENGINE_ABI, manifest["abi"], "abi")  # the engine can run it
+    from workers.modeld.engine import check_output_payload
+
+    check_output_payload(manifest["abi"]["output"])
     mbytes = A.write_signed(out, manifest, key)
     pubkey_out.parent.mkdir(parents=True, exist_ok=True)
     pubkey_out.write_text(K.public_key_text(pub))
@@ -375,22 +480,25 @@ def _build(out, key, pub, tmp, *, target, arch_string, level, need_flags, seed, 
         "out": str(out), "pubkey": str(pubkey_out), "key_id": K.key_id(pub),
         "manifest_sha256": hashlib.sha256(mbytes).hexdigest(), "target": target,
         "kernels": [r[2] for r in rows], "bytes": sum(f.stat().st_size for f in out.iterdir()),
-        "val_rmse_offset_m": float(rmse[0]), "val_rmse_heading_rad": float(rmse[1]),
-        "generator": road_name,
+        f"val_rmse_{kind.targets[0]}": float(rmse[0]),
+        f"val_rmse_{kind.targets[1]}": float(rmse[1]), "generator": road_name,
+        "preprocess_checked_frames": int(len(Xva)),
     }
     if rehearse:
-        summary["rehearsal"] = rehearse_bundle(out, pubkey_out, width=width, height=height)
+        summary["rehearsal"] = rehearse_bundle(out, pubkey_out, width=width, height=height,
+                                               scene=kind.scene)
     summary["seconds"] = round(time.monotonic() - t_start, 2)
     return summary
 
 
-def rehearse_bundle(out: Path, pubkey: Path, *, width: int, height: int) -> dict:
+def rehearse_bundle(out: Path, pubkey: Path, *, width: int, height: int,
+                    scene: str = "road") -> dict:
     """Load the signed bundle in a fresh process the way modeld does; golden must match."""
     env = {k: v for k, v in os.environ.items() if k not in PINNED_ENV and k not in ("DEV", "CACHEDB")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
     res = subprocess.run([sys.executable, "-m", "workers.modeld.selftest", "--artifact", str(out),
                           "--pubkey", str(pubkey), "--frames", "2", "--width", str(width),
-                          "--height", str(height)],
+                          "--height", str(height), "--scene", scene],
                          capture_output=True, text=True, env=env, timeout=300)
     try:
         rep = json.loads(res.stdout.strip().splitlines()[-1])
@@ -437,7 +545,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=1928)
     p.add_argument("--height", type=int, default=1208)
     p.add_argument("--cpu", default=None, help="x86-64 level to compile for (default: best <= v3)")
-    p.add_argument("--name", default=DEFAULT_NAME)
+    p.add_argument("--row-stride", type=int, default=None,
+                   help=f"Y plane row stride the artifact takes (default: width rounded up "
+                        f"to {ROW_ALIGN}, e.g. 1936 for 1928)")
+    p.add_argument("--kind", choices=sorted(KINDS), default="lane",
+                   help="lane: road camera -> model_out; driver: driver camera -> driver_state")
+    p.add_argument("--name", default=None, help="model name (default per --kind)")
     p.add_argument("--version", default=DEFAULT_VERSION)
     p.add_argument("--ridge", type=float, action="append", default=None,
                    help="ridge strength candidates (repeatable; default 0.1 1 10 100 1000)")
@@ -445,7 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-rehearsal", action="store_true")
     a = p.parse_args(argv)
     summary = build(a.out, a.key or default_key_path(), seed=a.seed, frames=a.frames,
-                    val_frames=a.val_frames, width=a.width, height=a.height, cpu=a.cpu,
+                    val_frames=a.val_frames, width=a.width, height=a.height,
+                    row_stride=a.row_stride, kind=a.kind, cpu=a.cpu,
                     name=a.name, version=a.version, pubkey_out=a.pubkey_out, force=a.force,
                     rehearse=not a.no_rehearsal,
                     lams=tuple(a.ridge) if a.ridge else (0.1, 1.0, 10.0, 100.0, 1000.0),

@@ -65,6 +65,8 @@ class LaneNet:
         t = self.t
         f, energy = self._trunk(x)
         y = f.matmul(t["head_w"]) + t["head_b"]
+        if getattr(self, "clip01", False):      # probabilities (the driver model's head)
+            y = y.clip(0.0, 1.0)
         conf = ((energy - t["conf_e0"]) * t["conf_k"]).sigmoid()
         # reserved = 0 by padding (fused, no extra kernel)
         return y.reshape(2).cat(conf.reshape(1)).pad(((0, 1),)).contiguous()

@@ -15,6 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def driver_class() -> tuple[type, str]:
+    """(SyntheticDriver class, its dotted name): the driver camera's cabin scene."""
+    mod = importlib.import_module("workers.camerad.synthetic")
+    return mod.SyntheticDriver, "workers.camerad.synthetic.SyntheticDriver"
+
+
 def road_class() -> tuple[type, str]:
     """(SyntheticRoad class, its dotted name): the camera's, or the stand-in."""
     try:

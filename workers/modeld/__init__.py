@@ -20,15 +20,16 @@ code 2 and one line on stderr naming the file/field.
 Channels (bound by the config): input role ``frames``, output role ``model``.
 
 Per frame on ``frames``: check it against the artifact's input ABI (NV12, Y plane, uint8,
-full range, minimum size; a mismatch is counted by reason and skipped), preprocess the Y
-plane into the model input, release the frame, run, copy the output to host memory (the
-next ``model`` slot, loaned ahead: ``NextLoan``) and publish float32[4] = (offset_m,
-heading_rad, confidence, reserved) on ``model`` with the frame's id and capture time and
-an execution receipt (`supervisor.ipc.receipt.Receipt`). The frame's description is
-checked against the input ABI once per layout the bridge validated.
-Once a frame is preprocessed, it announces on ``model`` when the output is due (the
-median of the last frames' time from there to the publish: ``Writer.announce``), for
-readers that busy-poll.
+full range, the artifact's size; a mismatch is counted by reason and skipped), copy the
+Y plane into the model's input buffer (the one copy: preprocessing runs inside the
+artifact, input ABI 2), release the frame, run, copy the output to host memory (the
+next ``model`` slot, loaned ahead: ``NextLoan``) and publish float32[4] (the fields of
+the artifact's payload: model_out or driver_state) on ``model`` with the frame's id and
+capture time and an execution receipt (`supervisor.ipc.receipt.Receipt`: bytes copied
+in and out). The frame's description is checked against the input ABI once per layout
+the bridge validated. Once a frame is staged, it announces on ``model`` when the output
+is due (the median of the last frames' time from there to the publish:
+``Writer.announce``), for readers that busy-poll.
 """
 from __future__ import annotations
 
@@ -128,7 +129,7 @@ class Modeld:
                     self._layout_ok = layout
                 y = msg.planes()[0]
                 t0 = time.monotonic_ns()
-                x = eng.preprocess(y)
+                staged = eng.stage(y)
                 msg.release()              # input copied: give the camera its slot back
             except FrameRejected as exc:
                 self.errors[f"frame:{exc.reason}"] += 1
@@ -139,17 +140,16 @@ class Modeld:
         frame_id, capture = stamp.frame_id, stamp.capture_ts_ns
         # When model_out's next message is due (the median time from here to the
         # publish, of the last frames), so that a busy-polling reader (controlsd)
-        # watches for it then instead of being woken. Announced after preprocessing,
-        # not before: preprocessing is ~3/4 of the time and most of its jitter (a
-        # shared VM: announcements made before it missed by up to +-6 ms), the
-        # kernels and the publish are ~2 ms, and the wake-up this announcement costs
-        # controlsd is over before its window opens.
+        # watches for it then instead of being woken. Announced after the input copy:
+        # what is left is the artifact's kernels (preprocessing included) and the
+        # publish, and the wake-up this announcement costs controlsd is over before
+        # its window opens.
         announced = time.monotonic_ns()
         if self._to_publish:
             ahead = sorted(self._to_publish)
             self.writer.announce(announced + ahead[len(ahead) // 2])
-        _, receipt = eng.infer_tensor(x, frame_id=frame_id, capture_ts_ns=capture, start_ns=t0,
-                                      out=self.out.array)
+        _, receipt = eng.run_staged(frame_id=frame_id, capture_ts_ns=capture, start_ns=t0,
+                                    bytes_in=staged, out=self.out.array)
         self.out.publish(frame_id=frame_id, capture_ts_ns=capture, receipt=receipt)
         self._to_publish.append(time.monotonic_ns() - announced)
         self.published += 1

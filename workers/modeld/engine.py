@@ -1,11 +1,19 @@
-"""The inference path of modeld, callable in-process: frame checks, preprocessing, run.
+"""The inference path of modeld, callable in-process: frame checks, staging, run.
 
     verified = load_verified(bundle, pubkey, expect_abi=ENGINE_ABI)
     engine = Engine(verified, deadline_ms=50)
     out, receipt = engine.infer(y_plane, frame_id=7, capture_ts_ns=ts)
 
-Preprocessing (recorded in the artifact's ABI as ``abi.input.preprocess``; the build
-uses this same function on its training frames):
+Input ABI 2 (``abi.version`` 2, ``abi.input.takes = "y_plane"``): the artifact takes the
+NV12 Y plane itself, uint8 ``[height, row_stride]`` as it lies in memory, and runs crop,
+area mean and normalisation as its own kernels (`workers.modelbuild.preprocess`). Per
+frame the engine copies the plane once into the model's input buffer (`stage`: one
+memcpy when the frame's row stride is the model's, else one row-wise copy) and runs; the
+receipt says how many bytes were copied in and out. An artifact of another input ABI
+(version 1 took a preprocessed float32 tensor) is refused at load with one line.
+
+`preprocess_y` below stays the numpy reference of that preprocessing (the build fits the
+model's head on its output and checks the artifact's kernels against it bit for bit):
 
 * crop: drop the top ``floor(h * crop_top_num / crop_top_den)`` rows (sky);
 * area mean: split the remaining rows into ``out_height`` bands and the columns into
@@ -30,16 +38,24 @@ from supervisor.ipc.receipt import Receipt
 
 PREPROCESS_OP = "crop_area_mean"
 PREPROCESS_VERSION = 1
+# Version 2: the artifact takes the Y plane and preprocesses inside (version 1, the
+# float32 tensor preprocessed here in numpy, is no longer run).
+ABI_VERSION = 2
+INPUT_TAKES = "y_plane"
+# Output payloads an artifact may declare (schemas/payloads.py): modeld publishes the
+# output under that payload's field order.
+OUTPUT_PAYLOADS = ("model_out", "driver_state")
 
 # What this engine can feed and read (checked by load_verified(expect_abi=...)).
 ENGINE_ABI = {
+    "version": ABI_VERSION,
     "input": {
+        "takes": INPUT_TAKES,
         "frame": {"pixel_format": "nv12", "plane": "y", "dtype": "uint8", "pixel_range": "full"},
-        "preprocess": {"op": PREPROCESS_OP, "version": PREPROCESS_VERSION},
-        "tensor": {"dtype": "float32", "layout": "NCHW", "byte_offset": 0},
+        "preprocess": {"op": PREPROCESS_OP, "version": PREPROCESS_VERSION, "in_artifact": True},
+        "tensor": {"dtype": "uint8", "layout": "HW", "byte_offset": 0},
     },
-    "output": {"dtype": "float32", "shape": [4], "strides": [4], "byte_offset": 0,
-               "fields": ["offset_m", "heading_rad", "confidence", "reserved"]},
+    "output": {"dtype": "float32", "shape": [4], "strides": [4], "byte_offset": 0},
 }
 
 
@@ -54,6 +70,22 @@ def preprocess_spec(out_height: int = 64, out_width: int = 128, crop_top_num: in
         "formula": "x = (area_mean(y[floor(h*num/den):, :]) - mean) * scale",
         "implementation": "workers.modeld.engine.preprocess_y",
     }
+
+
+def check_output_payload(output_abi: dict) -> str:
+    """The payload the artifact's output is (its fields in that payload's order), or
+    AbiMismatch naming what disagrees."""
+    from schemas.payloads import PAYLOADS
+    from supervisor.model.errors import AbiMismatch
+
+    name = output_abi.get("payload")
+    if name not in OUTPUT_PAYLOADS:
+        raise AbiMismatch(f"abi.output.payload is {name!r}, modeld publishes "
+                          f"{', '.join(OUTPUT_PAYLOADS)}")
+    if list(output_abi.get("fields", ())) != list(PAYLOADS[name].fields):
+        raise AbiMismatch(f"abi.output.fields {output_abi.get('fields')} are not payload "
+                          f"{name}'s {list(PAYLOADS[name].fields)}")
+    return name
 
 
 def min_frame(spec: dict) -> tuple[int, int]:
@@ -97,7 +129,7 @@ class FrameRejected(Exception):
 
 
 class Engine:
-    """One verified model, its preprocessing, and the running latency/deadline record."""
+    """One verified model, its input staging, and the running latency/deadline record."""
 
     def __init__(self, verified: VerifiedArtifact, *, deadline_ms: float = 50.0,
                  exclusive: bool = False) -> None:
@@ -105,11 +137,14 @@ class Engine:
 
         self.verified = verified
         abi = verified.input_abi
-        self.frame_abi = abi["frame"]
+        self.frame_abi = fa = abi["frame"]
         self.spec = abi["preprocess"]
-        self.min_height, self.min_width = abi["frame"]["min_height"], abi["frame"]["min_width"]
+        self.payload = check_output_payload(verified.output_abi)
+        # The one frame geometry the artifact's kernels were captured for.
+        self.height, self.width, self.row_stride = fa["height"], fa["width"], fa["row_stride"]
+        self.min_height, self.min_width = self.height, self.width
         # Parsed once, like the sizes above: np.dtype(name) per frame is a cold numpy path.
-        self.y_dtype = np.dtype(abi["frame"]["dtype"])
+        self.y_dtype = np.dtype(fa["dtype"])
         self.deadline_ns = int(deadline_ms * 1e6)
         self.worst_case_ns = 0
         self.deadline_misses = 0
@@ -118,7 +153,11 @@ class Engine:
         t0 = time.monotonic_ns()
         self.model = runtime.load_model(verified, exclusive=exclusive)
         self.load_ns = time.monotonic_ns() - t0
-        self._x = np.empty(abi["tensor"]["shape"], np.float32)
+        # The model's input buffer, seen as the Y plane: frames are copied straight in.
+        self._in = self.model.input_view()
+        self._in_cols = self._in[:, :self.width]
+        self._in_flat = self._in.reshape(-1)
+        self._span = (self.height - 1) * self.row_stride + self.width
         self.artifact_sha256 = verified.manifest_sha256
 
     @property
@@ -127,6 +166,8 @@ class Engine:
                 "artifact_sha256": self.artifact_sha256.hex(), "key_id": self.verified.key_id,
                 "runtime": self.model.runtime_info, "golden_ok": self.model.golden_ok,
                 "kernels_in_program": self.model.kernels_in_program,
+                "payload": self.payload, "input": f"y_plane {self.width}x{self.height} "
+                                                  f"stride {self.row_stride}",
                 "load_ms": round(self.load_ns / 1e6, 3)}
 
     def check_frame(self, y: Any, *, pixel_format: str = "nv12", pixel_range: str = "full",
@@ -148,38 +189,57 @@ class Engine:
         if (height is not None and h != height) or (width is not None and w != width):
             self._reject("shape", f"Y plane is {w}x{h}, the frame says {width}x{height}")
         if h < self.min_height or w < self.min_width:
-            self._reject("too_small", f"frame {w}x{h} is smaller than the model's minimum "
-                                      f"{self.min_width}x{self.min_height}")
+            self._reject("too_small", f"frame {w}x{h} is smaller than the model's "
+                                      f"{self.width}x{self.height}")
+        if (h, w) != (self.height, self.width):
+            self._reject("shape", f"frame {w}x{h}, the model's kernels are for "
+                                  f"{self.width}x{self.height}")
+        if y.strides[1] != 1:
+            self._reject("layout", f"Y plane column stride {y.strides[1]}, the model takes "
+                                   f"packed rows")
 
     def _reject(self, reason: str, msg: str) -> None:
         self.rejected[reason] += 1
         raise FrameRejected(reason, msg)
 
+    def stage(self, y: np.ndarray) -> int:
+        """Copy a checked Y plane into the model's input buffer (the one copy); returns
+        the bytes copied. Rows at the model's stride: one memcpy of the plane's span
+        (row padding included, it is never read); any other stride: row by row."""
+        if y.strides[0] == self.row_stride:
+            flat = np.lib.stride_tricks.as_strided(y, (self._span,), (1,), writeable=False)
+            self._in_flat[:self._span] = flat
+            return self._span
+        self._in_cols[...] = y
+        return self.height * self.width
+
     def preprocess(self, y: np.ndarray) -> np.ndarray:
-        return preprocess_y(y, self.spec, self._x)
+        """The numpy reference of what the artifact's kernels do (tests, the build)."""
+        return preprocess_y(y, self.spec)
 
     def infer(self, y: np.ndarray, *, frame_id: int = 0, capture_ts_ns: int = 0,
-              pixel_format: str = "nv12", pixel_range: str = "full") -> tuple[np.ndarray, Receipt]:
-        """Check, preprocess and run one Y plane; returns float32[4] and its receipt."""
+              pixel_format: str = "nv12", pixel_range: str = "full",
+              out: np.ndarray | None = None) -> tuple[np.ndarray, Receipt]:
+        """Check, stage and run one Y plane; returns float32[4] and its receipt."""
         self.check_frame(y, pixel_format=pixel_format, pixel_range=pixel_range)
         t0 = time.monotonic_ns()
-        x = self.preprocess(y)
-        out, st = self.model.run(x)
-        t1 = time.monotonic_ns()
-        return out, self._receipt(frame_id, capture_ts_ns, t0, t1, st)
+        staged = self.stage(y)
+        return self.run_staged(frame_id=frame_id, capture_ts_ns=capture_ts_ns, start_ns=t0,
+                               bytes_in=staged, out=out)
 
-    def infer_tensor(self, x: np.ndarray, *, frame_id: int = 0, capture_ts_ns: int = 0,
-                     start_ns: int | None = None, out: np.ndarray | None = None
-                     ) -> tuple[np.ndarray, Receipt]:
-        """Run an already preprocessed input (float32 [1, 1, H, W]). ``start_ns``: when
-        this inference began (e.g. before preprocessing), for the receipt's latency;
-        ``out``: where to copy the output (LoadedModel.run)."""
+    def run_staged(self, *, frame_id: int = 0, capture_ts_ns: int = 0,
+                   start_ns: int | None = None, bytes_in: int = 0,
+                   out: np.ndarray | None = None) -> tuple[np.ndarray, Receipt]:
+        """Run on what `stage` copied in. ``start_ns``: when this inference began (e.g.
+        before staging), for the receipt's latency; ``bytes_in``: what staging copied;
+        ``out``: where to copy the output (LoadedModel.run_staged)."""
         t0 = time.monotonic_ns() if start_ns is None else start_ns
-        out, st = self.model.run(x, out=out)
+        out, st = self.model.run_staged(out=out)
         t1 = time.monotonic_ns()
-        return out, self._receipt(frame_id, capture_ts_ns, t0, t1, st)
+        return out, self._receipt(frame_id, capture_ts_ns, t0, t1, st, bytes_in)
 
-    def _receipt(self, frame_id: int, capture_ts_ns: int, t0: int, t1: int, st: Any) -> Receipt:
+    def _receipt(self, frame_id: int, capture_ts_ns: int, t0: int, t1: int, st: Any,
+                 bytes_in: int) -> Receipt:
         lat = t1 - t0
         self.inferences += 1
         self.worst_case_ns = max(self.worst_case_ns, lat)
@@ -188,6 +248,6 @@ class Engine:
         # Positional, in Receipt's field order (named alongside): 14 keywords cost a
         # name match each in the dataclass __init__'s argument parsing.
         return Receipt(int(frame_id), int(capture_ts_ns), t0, t1,    # frame, capture, start, end
-                       st.device, st.bytes_in, st.bytes_out, "hostVisible",   # completion
+                       st.device, bytes_in + st.bytes_in, st.bytes_out, "hostVisible",
                        lat, self.worst_case_ns, self.deadline_ns,   # latency, worst, deadline
                        self.deadline_misses, self.artifact_sha256, st.kernels_run)
