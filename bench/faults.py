@@ -62,7 +62,7 @@ import trio  # noqa: E402
 from schemas.payloads import CONTROL_CMD  # noqa: E402
 from supervisor.config import default_doc, derive, dumps, loads  # noqa: E402
 from supervisor.events import EventLog  # noqa: E402
-from supervisor.ipc import Reader, Rejected  # noqa: E402
+from supervisor.ipc import LeaseLost, Reader, Rejected  # noqa: E402
 from supervisor.lifecycle import Supervisor  # noqa: E402
 
 PIPE = ("camerad", "modeld", "controlsd")
@@ -81,7 +81,7 @@ def _config(**extra):
     return loads(dumps(derive(default_doc(), drop=("workers.research", "channels.shadow_out"),
                               set={"domains.control.failure_policy": "restart",
                                    **{f"workers.{w}.{k}": v for w in PIPE for k, v in (
-                                       ("restart", "always"), ("max_restarts", 100000),
+                                       ("restart", "always"), ("max_restarts", 10000),
                                        ("backoff_initial_ms", 20))},
                                    **extra})), "faults (default pipeline)")
 
@@ -100,7 +100,27 @@ def _drain(r: Reader) -> None:
             continue
         if m is None:
             return
-        m.release()
+        try:
+            m.release()
+        except LeaseLost:
+            pass
+
+
+async def _command(r: Reader) -> tuple[dict | None, int]:
+    """The next control_cmd (None if the writer reused its slot while we read it: a
+    loaded machine) and its publish time (monotonic ns)."""
+    while True:
+        try:
+            m = await r.receive_async()
+        except Rejected:
+            continue
+        ts = m.stamp.publish_ts_ns
+        try:
+            with m:
+                fields = CONTROL_CMD.decode(np.array(m.array))
+        except LeaseLost:
+            return None, ts
+        return fields, ts
 
 
 async def _up(sup: Supervisor, w: str, old_pid: int, timeout: float = 90) -> bool:
@@ -123,13 +143,19 @@ def _is_up(sup: Supervisor, w: str, old_pid: int) -> bool:
             and run.proc is not None and run.proc.poll() is None)
 
 
+def _warm_count(run) -> int:
+    """Warm standbys of a run (this tree: `standbys`; the tree before: one `standby`)."""
+    sbs = getattr(run, "standbys", None)
+    if sbs is None:
+        sbs = [run.standby] if run.standby is not None else []
+    return sum(1 for sb in sbs if sb.warm and sb.proc is not None and sb.proc.poll() is None)
+
+
 async def _warm(sup: Supervisor, w: str, timeout: float = 60) -> None:
-    """Its standby (if the tree has them) is warm."""
+    """As many warm standbys as the tree keeps (1 before issue 22, then 2)."""
+    depth = getattr(Supervisor, "STANDBY_DEPTH", 1)
     with trio.move_on_after(timeout):
-        while True:
-            sb = sup.runs[w].standby
-            if sb is not None and sb.warm:
-                return
+        while _warm_count(sup.runs[w]) < depth:
             await trio.sleep(0.02)
 
 
@@ -221,12 +247,8 @@ async def _safe(trials: int, seed: int) -> dict:
             engaged = False
             with trio.move_on_after(30):
                 while not engaged:
-                    try:
-                        m = await r.receive_async()
-                    except Rejected:
-                        continue
-                    with m:
-                        engaged = CONTROL_CMD.decode(np.array(m.array))["engaged"] == 1.0
+                    fields, _ = await _command(r)
+                    engaged = fields is not None and fields["engaged"] == 1.0
             await trio.sleep(rng.uniform(0.0, 0.03))
             _drain(r)
             target = _worker_pid(sup, "controlsd") if i % 2 == 0 else run.pid
@@ -239,19 +261,19 @@ async def _safe(trials: int, seed: int) -> dict:
             got = None
             with trio.move_on_after(15):
                 while got is None:
-                    try:
-                        m = await r.receive_async()
-                    except Rejected:
-                        continue
-                    with m:
-                        if CONTROL_CMD.decode(np.array(m.array))["engaged"] == 0.0:
-                            got = (time.monotonic() - t0) * 1000
+                    fields, ts = await _command(r)
+                    if fields is not None and fields["engaged"] == 0.0:
+                        # when it was published, not when this (loaded) task read it
+                        got = (ts / 1e9 - t0) * 1000
             if got is None:
                 never += 1
             else:
                 lat.append(got)
             await _up(sup, "controlsd", old)
+        words = log.of("last_word")
         return {"trials": trials, "ms": lat, "never_safe": never,
+                "last_word_waited_ms": [e.get("waited_ms") for e in words],
+                "kill_to_detect_ms": [],
                 "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99), "max_ms": max(lat, default=None)}
 
     return await _with_supervisor(cfg, body)
@@ -259,20 +281,24 @@ async def _safe(trials: int, seed: int) -> dict:
 
 # ---------------------------------------------------------------- second kill
 
-async def _first_output_after(sup: Supervisor, r: Reader, w: str, old_pid: int,
+async def _first_output_after(sup: Supervisor, r: Reader, w: str, old_pid: int, t0: float,
                               timeout: float = 30) -> float | None:
-    """Seconds until the first message from an instance other than `old_pid`."""
-    t0 = time.monotonic()
+    """Seconds from `t0` (the kill) to the publication of the first message from an
+    instance other than `old_pid`."""
     with trio.move_on_after(timeout):
         while True:
             try:
                 m = await r.receive_async()
             except Rejected:
                 continue
-            with m:
-                run = sup.runs[w]
-                if run.pid != old_pid and run.ready.is_set():
-                    return time.monotonic() - t0
+            ts = m.stamp.publish_ts_ns / 1e9
+            try:
+                m.release()
+            except LeaseLost:
+                pass
+            run = sup.runs[w]
+            if run.pid != old_pid and run.ready.is_set() and ts > t0:
+                return ts - t0
     return None
 
 
@@ -296,7 +322,7 @@ async def _second(trials: int, seed: int) -> dict:
             _drain(r)
             t1 = time.monotonic()
             os.kill(_worker_pid(sup, w), signal.SIGKILL)
-            if await _first_output_after(sup, r, w, pid1) is None:
+            if await _first_output_after(sup, r, w, pid1, t1) is None:
                 failed += 1
                 continue
             pid2 = sup.runs[w].pid
@@ -307,10 +333,11 @@ async def _second(trials: int, seed: int) -> dict:
             except ProcessLookupError:
                 failed += 1
                 continue
-            if await _first_output_after(sup, r, w, pid2) is None:
+            dt = await _first_output_after(sup, r, w, pid2, t2)
+            if dt is None:
                 failed += 1
             else:
-                out[w].append((time.monotonic() - t2) * 1000)
+                out[w].append(dt * 1000)
             await _up(sup, w, pid2)
         allv = [x for v in out.values() for x in v]
         return {"trials": trials, "failed": failed, "ms": out, "gap_ms": gaps,

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from supervisor.config import default_doc, derive, dumps, loads  # noqa: E402
 from supervisor.events import EventLog  # noqa: E402
-from supervisor.ipc import Reader, Rejected  # noqa: E402
+from supervisor.ipc import LeaseLost, Reader, Rejected  # noqa: E402
 from supervisor.lifecycle import Supervisor  # noqa: E402
 
 PIPE = ("camerad", "modeld", "controlsd")
@@ -43,6 +43,37 @@ def _config(warm: bool):
                                        ("backoff_initial_ms", 100), ("warm_standby", warm))}})),
                  f"recovery ({'warm' if warm else 'cold'}, default config)")
 OUT = {"camerad": "road_frames", "modeld": "model_out", "controlsd": "control_cmd"}
+
+
+def _drain(r: Reader) -> None:
+    """Receive and release whatever is there (the timing starts from an empty ring)."""
+    while True:
+        try:
+            m = r.try_receive()
+        except Rejected:
+            continue
+        if m is None:
+            return
+        try:
+            m.release()
+        except LeaseLost:       # reused while we held it: nothing of it was read
+            pass
+
+
+async def _arrival(r: Reader) -> None:
+    """The next message arrived. Only its arrival is timed, its content is never read:
+    under load this task may hold it past its lease, and the writer reusing the slot
+    (LeaseLost on release) does not undo the arrival (it ended the bench, issue 22)."""
+    while True:
+        try:
+            m = await r.receive_async()
+        except Rejected:        # stale leftovers of the dead instance
+            continue
+        try:
+            m.release()
+        except LeaseLost:
+            pass
+        return
 
 
 async def _measure(warm: bool, workers: list[str], kills: int) -> dict[str, list[float]]:
@@ -64,26 +95,15 @@ async def _measure(warm: bool, workers: list[str], kills: int) -> dict[str, list
                 else:
                     await trio.sleep(1.0)
                 r = readers[OUT[w]]
-                while True:
-                    try:
-                        m = r.try_receive()
-                    except Rejected:
-                        continue
-                    if m is None:
-                        break
-                    m.release()
+                _drain(r)
                 pid = sup.runs[w].pid
                 t0 = time.monotonic()
                 os.kill(pid, signal.SIGKILL)
                 with trio.fail_after(60):
                     while True:
-                        try:
-                            m = await r.receive_async()
-                        except Rejected:     # stale leftovers of the dead instance
-                            continue
-                        with m:
-                            if sup.runs[w].pid != pid:
-                                break
+                        await _arrival(r)
+                        if sup.runs[w].pid != pid:
+                            break
                 res[w].append((time.monotonic() - t0) * 1000)
         nursery.cancel_scope.cancel()
     return res

@@ -227,6 +227,15 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
             return []
         if not self.sandboxed:
             return [run.pid]
+        if run.cgroup is not None:
+            # The sandbox's own cgroup lists exactly its processes (every one was cloned
+            # into it, and none can leave): a read of one file per hierarchy, where
+            # walking all of /proc took 13 ms on a loaded 2-core machine, on the event
+            # loop, for every run at every scan.
+            try:
+                return [p for p in run.cgroup.pids() if p != run.pid]
+            except OSError:
+                pass
         from supervisor.sandbox import descendant_pids
 
         return descendant_pids(run.pid)
@@ -551,8 +560,10 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
             return run.proc is None or run.proc.poll() is not None
         if run.worker_pidfd is not None and not _readable(run.worker_pidfd):
             return False
-        pids = set(run.cgroup.pids()) if run.cgroup is not None else set()
-        pids.update(self.worker_pids(run))        # empty once bwrap is gone
+        if run.cgroup is not None:
+            pids = set(run.cgroup.pids())         # all of the sandbox, bwrap gone or not
+        else:
+            pids = set(self.worker_pids(run))     # (empty once bwrap is gone)
         inner = len(nspid_depth(os.getpid()) or (0,)) + 1   # the sandbox's level
         for pid in pids - {run.pid}:
             ns = nspid_depth(pid)
@@ -562,6 +573,30 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
                 return False
         return True
 
+    def _kill_rest(self, run: WorkerRun) -> None:
+        """SIGKILL every process left in the run's cgroup (by pidfd, re-checked as still
+        listed after opening it: never a recycled pid)."""
+        if run.cgroup is None:
+            self._kill(run)
+            return
+        fds: dict[int, int] = {}
+        try:
+            for pid in run.cgroup.pids():
+                try:
+                    fds[pid] = os.pidfd_open(pid)
+                except OSError:
+                    pass
+            still = set(run.cgroup.pids())
+            for pid, fd in fds.items():
+                if pid in still:
+                    try:
+                        signal.pidfd_send_signal(fd, signal.SIGKILL)
+                    except OSError:
+                        pass
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
     async def _last_word(self, run: WorkerRun) -> None:
         """Publish SAFE on each actuation channel `run` writes, once its writer is dead
         (once per process of the run)."""
@@ -570,6 +605,10 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
             return
         died_ns = time.monotonic_ns()
         deadline = died_ns + int(self.grace_s * 1e9)
+        if not self._writer_gone(run):
+            # What is left of a sandbox whose writer or bwrap died is dying anyway (its
+            # pid namespace goes); SIGKILL now saves the chain bwrap -> init -> worker.
+            self._kill_rest(run)
         while not self._writer_gone(run):
             if time.monotonic_ns() > deadline:
                 self.log.emit("last_word_error", worker=run.cfg.name, pid=run.pid,
