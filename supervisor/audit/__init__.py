@@ -188,54 +188,10 @@ def audit(cfg: Config, *, live: bool = False, factory: Callable[[Config, Any], A
     if live:
         say("deriving the promise from the config")
         promised = [pr.worker_row(cfg, w, sup=sup) for w in cfg.workers.values()]
-        from . import live as lv
-
-        if running is not None:
-            from . import running as rn
-
-            got = rn.collect(running, {r["worker"]: r for r in promised}, say)
-        else:
-            say("starting the configured system (--start)")
-            got = lv.run_live(cfg, {r["worker"]: r for r in promised}, factory=factory,
-                              settle_s=settle_s, timeout_s=timeout_s, progress=say)
-        events = got["events"]
-        static = {e["worker"]: e for e in events
-                  if e["event"] == "refused" and "kind" not in e and e.get("worker")}
-        for r in promised:   # admission as the supervisor ran it at start
-            e = static.get(r["worker"])
-            r["admission"] = {"checked": got["outcome"] == "started" or bool(static),
-                              "admitted": e is None,
-                              "chains": list(e.get("chains") or [e.get("reason", "")]) if e else []}
-        evidence = got.get("workers", {})
-        rows, diffs = [], []
-        for p in promised:
-            e = evidence.get(p["worker"])
-            seen = lv.observed_row(p, e, got.get("host", {}), events,
-                                   got.get("inherited_seccomp_filters", 0))
-            seen["evidence"] = e
-            rows.append(seen)
-            if got["outcome"] == "started":
-                diffs += lv.differences(p, seen, e)
-            standbys = (e or {}).get("standbys") or ([e["standby"]] if e and e.get("standby")
-                                                      else [])
-            if got["outcome"] == "started" and standbys:
-                checked = [_standby_row(p, e_sb, got) for e_sb in standbys]
-                seen["standby"] = checked[0][0]
-                seen["standbys"] = [row for row, _ in checked]
-                diffs += [d for _, ds in checked for d in ds]
-        if got["outcome"] == "started":   # each sandbox its own (unless promised the host's)
-            by_name = {p["worker"]: p for p in promised}
-            diffs += [d for d in lv.shared_namespaces(evidence)
-                      if d["worker"] in by_name and by_name[d["worker"]]["namespaces"]
-                      [d["key"].split(".", 1)[1]] != pr.HOST]
-        if got.get("stop_error"):
-            diffs.append({"worker": None, "key": "stop", "expected": "orderly stop",
-                          "observed": got["stop_error"],
-                          "detail": f"the supervisor's orderly stop failed: {got['stop_error']}"})
-        for name, pids in got.get("survivors", {}).items():
-            diffs.append({"worker": name, "key": "stop", "expected": "stopped",
-                          "observed": pids, "detail": f"{name}: sandbox process(es) "
-                          f"{', '.join(map(str, pids))} still running after the orderly stop"})
+        got = _collect(cfg, promised, running, factory, settle_s, timeout_s, say)
+        _admission_at_start(promised, got)
+        rows, diffs = _observed(promised, got)
+        diffs += _stop_differences(got)
         if running is not None and got["outcome"] == "started":
             diffs += _running_checks(cfg, report, got, running, say)
         if got["outcome"] != "started":
@@ -268,6 +224,78 @@ def audit(cfg: Config, *, live: bool = False, factory: Callable[[Config, Any], A
                              "config_audited": cfg.source,
                              "sandboxes": len(running.sandboxes)}
     return report
+
+
+def _collect(cfg: Config, promised: list[dict[str, Any]], running: Any, factory,
+             settle_s: float, timeout_s: float, say: Callable[[str], None]) -> dict[str, Any]:
+    """Evidence: read off the running supervisor, or from a system started for it."""
+    from . import live as lv
+
+    promises = {r["worker"]: r for r in promised}
+    if running is not None:
+        from . import running as rn
+
+        return rn.collect(running, promises, say)
+    say("starting the configured system (--start)")
+    return lv.run_live(cfg, promises, factory=factory, settle_s=settle_s,
+                       timeout_s=timeout_s, progress=say)
+
+
+def _admission_at_start(promised: list[dict[str, Any]], got: dict[str, Any]) -> None:
+    """Admission as the supervisor ran it at start (its refusal events)."""
+    static = {e["worker"]: e for e in got["events"]
+              if e["event"] == "refused" and "kind" not in e and e.get("worker")}
+    for r in promised:
+        e = static.get(r["worker"])
+        r["admission"] = {"checked": got["outcome"] == "started" or bool(static),
+                          "admitted": e is None,
+                          "chains": list(e.get("chains") or [e.get("reason", "")]) if e else []}
+
+
+def _observed(promised: list[dict[str, Any]],
+              got: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The observed rows (standbys included) and every difference from the promise."""
+    from . import live as lv
+    from . import promise as pr
+
+    evidence = got.get("workers", {})
+    started = got["outcome"] == "started"
+    rows, diffs = [], []
+    for p in promised:
+        e = evidence.get(p["worker"])
+        seen = lv.observed_row(p, e, got.get("host", {}), got["events"],
+                               got.get("inherited_seccomp_filters", 0))
+        seen["evidence"] = e
+        rows.append(seen)
+        if started:
+            diffs += lv.differences(p, seen, e)
+        standbys = (e or {}).get("standbys") or ([e["standby"]] if e and e.get("standby")
+                                                  else [])
+        if started and standbys:
+            checked = [_standby_row(p, e_sb, got) for e_sb in standbys]
+            seen["standby"] = checked[0][0]
+            seen["standbys"] = [row for row, _ in checked]
+            diffs += [d for _, ds in checked for d in ds]
+    if started:   # each sandbox its own namespaces (unless promised the host's)
+        by_name = {p["worker"]: p for p in promised}
+        diffs += [d for d in lv.shared_namespaces(evidence)
+                  if d["worker"] in by_name and by_name[d["worker"]]["namespaces"]
+                  [d["key"].split(".", 1)[1]] != pr.HOST]
+    return rows, diffs
+
+
+def _stop_differences(got: dict[str, Any]) -> list[dict[str, Any]]:
+    """--start: the orderly stop failed, or sandbox processes outlived it."""
+    out = []
+    if got.get("stop_error"):
+        out.append({"worker": None, "key": "stop", "expected": "orderly stop",
+                    "observed": got["stop_error"],
+                    "detail": f"the supervisor's orderly stop failed: {got['stop_error']}"})
+    for name, pids in got.get("survivors", {}).items():
+        out.append({"worker": name, "key": "stop", "expected": "stopped",
+                    "observed": pids, "detail": f"{name}: sandbox process(es) "
+                    f"{', '.join(map(str, pids))} still running after the orderly stop"})
+    return out
 
 
 def _standby_row(p: dict[str, Any], e_sb: dict[str, Any],
