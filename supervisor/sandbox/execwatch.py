@@ -238,6 +238,9 @@ class ExecWatch:
         # of the judged files, and whether private anonymous memory was judged.
         self._judged: set[tuple[tuple[int, int], int]] = set()
         self._judged_anon = False
+        self._judged_link: str | None = None   # the /proc fd link of a judged mmap
+        self._init: int | None = None          # the sandbox's init above the worker
+        self._init_known = False
 
     def fileno(self) -> int:
         return self._fd
@@ -289,9 +292,11 @@ class ExecWatch:
         request was gone by the time it was judged. Before READY the whole worker is
         stopped while it is judged and until the kernel's result has been checked."""
         frozen: _Frozen | None = None
-        if self.freeze and not self.ready and req.syscall != "memfd_create":
+        if self.freeze and not self.ready and req.syscall != "memfd_create" \
+                and not _alone(req.pid, self._init_of(req.pid)):
             try:
-                frozen = _Frozen.stop(req.pid, time.monotonic() + self.judge_wall_s)
+                frozen = _Frozen.stop(req.pid, time.monotonic() + self.judge_wall_s,
+                                      self._init_of(req.pid))
                 self.stops += 1
             except (TooSlow, OSError) as e:
                 if isinstance(e, OSError) and not self._id_valid(req.id):
@@ -306,11 +311,6 @@ class ExecWatch:
             # request is no longer pending, what we read may describe a stranger.
             if not self._id_valid(req.id):
                 return None, False
-            if allowed and frozen is not None and frozen.alone():
-                # Nothing but the caller exists (a new thread needs a running one): the
-                # kernel acts on exactly what was judged; no result to wait for.
-                self._respond(req.id, True)
-                return Verdict(req, True, reason), slow
             if allowed and frozen is not None:
                 return self._continue_and_check(req, reason, frozen), False
             self._respond(req.id, allowed)
@@ -318,6 +318,16 @@ class ExecWatch:
         finally:
             if frozen is not None:
                 frozen.resume()
+
+    def _init_of(self, tid: int) -> int | None:
+        """The sandbox init above the worker (cached: one worker per listener)."""
+        if not self._init_known:
+            try:
+                tgid = int(_status_field(tid, "Tgid"))
+            except (OSError, ValueError):
+                return None
+            self._init, self._init_known = _sandbox_init(tgid), True
+        return self._init
 
     def _continue_and_check(self, req: ExecRequest, reason: str, frozen: _Frozen) -> Verdict:
         """Let the kernel make the call (the rest of the worker is stopped), wait until the
@@ -328,6 +338,8 @@ class ExecWatch:
         budget = _Budget(self.judge_budget_s, self.judge_wall_s)
         region = _region(req)
         try:
+            if self._judged_link is not None:    # the worker is stopped: still the same file
+                self._judged.add(_mapped_identity(self._judged_link))
             before = set(vmas_between(req.pid, *(region or (0, _ADDR_LIMIT)),
                                       exec_only=region is None, budget=budget))
         except (TooSlow, OSError) as e:
@@ -426,7 +438,7 @@ class ExecWatch:
         target: list[str | None] = [None]
         budget = _Budget(self.judge_budget_s, self.judge_wall_s)
         slow = False
-        self._judged, self._judged_anon = set(), False
+        self._judged, self._judged_anon, self._judged_link = set(), False, None
         try:
             allowed, reason = self._judge_inner(req, target, budget)
             if allowed:
@@ -468,8 +480,8 @@ class ExecWatch:
             return False, "writable and executable file mapping"
         link = f"/proc/{req.pid}/fd/{req.fd}"
         ok, why = _code_file(req.pid, link)
-        if ok and self.freeze:
-            self._judged.add(_mapped_identity(link))
+        if ok:
+            self._judged_link = link      # identified only if the result is checked
         return ok, why
 
     def _judge_protect(self, req: ExecRequest, target: list[str | None],
@@ -755,18 +767,26 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _sharers(tgid: int) -> list[int]:
-    """Every other process that could share the worker's memory or files (a clone with
-    CLONE_VM or CLONE_FILES but not CLONE_THREAD): its descendants and, in a sandbox,
-    its siblings under the sandbox's init. Strict domains have none (no new process)."""
-    todo = _children(tgid)
+def _sandbox_init(tgid: int) -> int | None:
+    """The worker's parent if it is its pid namespace's init (bwrap's): its other
+    children could share the worker's memory too (CLONE_PARENT). None otherwise."""
     try:
         parent = int(_status_field(tgid, "PPid"))
         same_ns = os.stat(f"/proc/{parent}/ns/pid").st_ino == os.stat(f"/proc/{tgid}/ns/pid").st_ino
         if parent > 1 and same_ns and _status_field(parent, "NSpid").split()[-1] == "1":
-            todo += [c for c in _children(parent) if c != tgid]
+            return parent
     except (OSError, ValueError):
         pass
+    return None
+
+
+def _sharers(tgid: int, init: int | None) -> list[int]:
+    """Every other process that could share the worker's memory or files (a clone with
+    CLONE_VM or CLONE_FILES but not CLONE_THREAD): its descendants and, in a sandbox,
+    its siblings under the sandbox's `init`. Strict domains have none (no new process)."""
+    todo = _children(tgid)
+    if init is not None:
+        todo += [c for c in _children(init) if c != tgid]
     seen: list[int] = []
     while todo and len(seen) < MAX_SHARERS:
         p = todo.pop()
@@ -774,6 +794,14 @@ def _sharers(tgid: int) -> list[int]:
             seen.append(p)
             todo += _children(p)
     return seen
+
+
+def _alone(caller: int, init: int | None) -> bool:
+    """The caller is the only thread of its process, and no other process could share
+    its memory: nothing of the worker can run while the caller waits for our answer (a
+    new thread needs a running one), so the kernel acts on exactly what we judge, and
+    there is nothing to stop (most of start-up: the interpreter's imports)."""
+    return _tasks(caller) == [caller] and not _sharers(caller, init)
 
 
 class _Frozen:
@@ -791,9 +819,9 @@ class _Frozen:
         self.killed = False
 
     @classmethod
-    def stop(cls, caller: int, deadline: float) -> _Frozen:
+    def stop(cls, caller: int, deadline: float, init: int | None) -> _Frozen:
         tgid = int(_status_field(caller, "Tgid"))
-        procs = [tgid, *_sharers(tgid)]
+        procs = [tgid, *_sharers(tgid, init)]
         for p in procs:
             # To each thread: a process-directed SIGSTOP wakes one thread to start the
             # group stop, and that may be the caller, whose killable wait ignores it.
@@ -871,10 +899,6 @@ class _Frozen:
         except TooSlow:
             return False
         return True
-
-    def alone(self) -> bool:
-        """The caller is the only thread of the only process that could touch its memory."""
-        return len(self.procs) == 1 and _tasks(self.tgid) == [self.caller]
 
     def caller_gone(self) -> bool:
         return _stat_state(self.tgid, self.caller) in (None, "Z", "X")
