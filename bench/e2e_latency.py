@@ -3,6 +3,14 @@ spent outside the model (target: supervisor + bridge overhead <= 5 % of model ti
 
     python bench/e2e_latency.py [--seconds 10] [--fps 20]
                                 [--design plain|tuned|both|announce] [--repeat 2]
+                                [--before-tree DIR]
+
+--before-tree DIR: another checkout of this project (e.g. ``git archive <commit> | tar -x
+-C DIR``, plus the built supervisor/ipc/_native*.so): each repeat runs that tree's own
+bench (one run of each design, its own supervisor, workers and artifact) and then this
+tree's, alternating, and prints the pairs (model p50/p99, e2e p50/p99, the load average
+before each run). Used for input ABI 1 (numpy preprocessing in modeld) against input ABI
+2 (preprocessing inside the artifact).
 
 --design: "plain" runs the control workers in the normal class, readers asleep on the
 wake-up socket; "tuned" gives them the realtime_priority/budget in REALTIME below
@@ -17,9 +25,10 @@ no privilege; real-time is opt-in, since it costs the unit CAP_SYS_NICE.)
 Runs camerad -> modeld -> controlsd, sandboxed, from the embedded default's channel
 contracts, and attaches this process as one more reader of each channel. Per frame:
   e2e        capture -> first control command published after the model output
-  model      the receipt's inference latency: modeld's numpy Y-plane preprocessing,
-             then copy-in, kernels, copy-out (hostVisible); receipt.infer_start is taken
-             before the preprocessing, so "model" includes it
+  model      the receipt's inference latency: the Y plane's copy into the model's
+             input buffer, the artifact's kernels (preprocessing included since input
+             ABI 2; before, modeld's numpy preprocessing, likewise inside "model"),
+             copy-out (hostVisible); receipt.infer_start is taken before the copy
   frame pub->infer start   road_frames publish -> receipt.infer_start: the bridge hop
              (wake-up, receive, every check) and modeld's frame checks
   infer end->model_out     building the receipt and publishing model_out
@@ -35,7 +44,9 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -144,7 +155,11 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=2,
                     help="runs of each design, alternating (this VM's neighbours come and "
                          "go within a minute: one run each can be a different machine)")
+    ap.add_argument("--before-tree", type=Path, default=None,
+                    help="alternate with that checkout's bench (before/after pairs)")
     a = ap.parse_args()
+    if a.before_tree:
+        return compare_trees(a)
     modes = {"tuned": ["tuned"], "plain": ["plain"], "both": ["plain", "tuned"],
              "announce": ["unannounced", "tuned"]}[a.design]
     runs: dict[str, list[tuple[float, float, float, float]]] = {m: [] for m in modes}
@@ -162,6 +177,48 @@ def main() -> int:
               f"model {off[0]:.2f} -> {on[0]:.2f} ms ({on[0] / off[0]:.2f}x), {off[1]:.1f} % "
               f"-> {on[1]:.1f} % of model time (model p50 {off[2]:.2f} / {on[2]:.2f} ms); "
               f"e2e p99 {off[3]:.1f} -> {on[3]:.1f} ms")
+    return 0
+
+
+_FIGURES = {"e2e": re.compile(r"camera->control e2e\s+p50\s+([\d.]+) ms\s+p99\s+([\d.]+) ms"),
+            "model": re.compile(r"model \(receipt\)\s+p50\s+([\d.]+) ms\s+p99\s+([\d.]+) ms")}
+
+
+def _figures(text: str) -> list[dict[str, tuple[float, float]]]:
+    """Per run, in order: {"e2e": (p50, p99), "model": (p50, p99)} from a bench's output."""
+    found = {k: [tuple(map(float, m)) for m in rx.findall(text)] for k, rx in _FIGURES.items()}
+    return [{"e2e": e, "model": m} for e, m in zip(found["e2e"], found["model"])]
+
+
+def compare_trees(a: argparse.Namespace) -> int:
+    """Alternate: the other tree's bench, then this one's, ``repeat`` times."""
+    design = {"both": "tuned", "announce": "tuned"}.get(a.design, a.design)
+    args = ["--seconds", str(a.seconds), "--fps", str(a.fps), "--design", design,
+            "--repeat", "1"]
+    trees = {"before": a.before_tree.resolve(), "after": Path(__file__).resolve().parents[1]}
+    rows: list[tuple[str, float, dict]] = []
+    for i in range(a.repeat):
+        for label, tree in trees.items():
+            load = os.getloadavg()[0]
+            r = subprocess.run([sys.executable, str(tree / "bench" / "e2e_latency.py"), *args],
+                               cwd=tree, capture_output=True, text=True, timeout=600)
+            figs = _figures(r.stdout)
+            if r.returncode != 0 or not figs:
+                print(f"{label} run {i + 1}: failed (rc {r.returncode}): {r.stderr[-2000:]}")
+                return 1
+            rows.append((label, load, figs[0]))
+            print(f"{label:6s} run {i + 1}: load {load:5.2f}  model p50 {figs[0]['model'][0]:6.2f}"
+                  f" p99 {figs[0]['model'][1]:6.2f} ms  e2e p50 {figs[0]['e2e'][0]:6.2f} p99 "
+                  f"{figs[0]['e2e'][1]:6.2f} ms", flush=True)
+    print(f"\nmedian of {a.repeat} alternating runs each ({design}, {a.seconds:g} s, "
+          f"{a.fps:g} fps):")
+    for label in trees:
+        mine = [f for lb, _l, f in rows if lb == label]
+        med = {k: [float(np.median([f[k][j] for f in mine])) for j in (0, 1)] for k in ("model", "e2e")}
+        loads = [ld for lb, ld, _f in rows if lb == label]
+        print(f"  {label:6s} model p50 {med['model'][0]:6.2f} p99 {med['model'][1]:6.2f} ms   "
+              f"e2e p50 {med['e2e'][0]:6.2f} p99 {med['e2e'][1]:6.2f} ms   (load avg "
+              f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs)")
     return 0
 
 
