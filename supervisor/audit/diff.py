@@ -39,6 +39,8 @@ class Change:
 
 
 def _short(v: Any) -> str:
+    if v is None:
+        return "absent"
     s = json.dumps(v, default=str) if not isinstance(v, str) else v
     return s if len(s) <= 120 else s[:117] + "..."
 

@@ -271,6 +271,24 @@ def _resource_paths(cfg: Config) -> list[Path]:
     return out
 
 
+def _network_paths(cfg: Config) -> list[Path]:
+    """A domain with a network reads bytes from outside the machine."""
+    out = []
+    for name, d in cfg.domains.items():
+        if d.network and cfg.workers_in(name):
+            out.append(Path(
+                id=f"network.{name}", kind="network", source="outside", target=name,
+                writer="any host the network reaches", reader=", ".join(cfg.workers_in(name)),
+                carries="anything: the host's network namespace, name resolution and TLS "
+                        "files bound",
+                worst=f"feed {name} any data or code (it may run what it receives)",
+                bound="nothing on this path; what it writes stays research data (the trust "
+                      "rules keep it from actuation); an actuating domain never has a "
+                      "network (the loader refuses it)",
+                live=f"{name}: net namespace is the host's"))
+    return out
+
+
 def _process_paths(cfg: Config) -> list[Path]:
     if len(cfg.domains) < 2:
         return []
@@ -289,7 +307,8 @@ def interference_paths(cfg: Config) -> list[dict[str, Any]]:
     paths: list[Path] = []
     for name in cfg.channels:
         paths += _channel_paths(cfg, name)
-    paths += _pipe_paths(cfg) + _file_paths(cfg) + _resource_paths(cfg) + _process_paths(cfg)
+    paths += (_pipe_paths(cfg) + _file_paths(cfg) + _resource_paths(cfg)
+              + _network_paths(cfg) + _process_paths(cfg))
     return [p.as_dict() for p in paths]
 
 

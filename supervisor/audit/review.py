@@ -111,8 +111,8 @@ _PATH_GROUPS = (("Shared memory: channels, lease tables, wake-up sockets",
                  ("status pipe", "output pipe", "exec-watch notifications",
                   "standby control socket")),
                 ("Files", ("state directory", "drive log / written files")),
-                ("Shared CPU and memory, processes",
-                 ("shared CPU and memory (cgroups)", "signals, ptrace, /proc")))
+                ("Shared CPU and memory, processes, network",
+                 ("shared CPU and memory (cgroups)", "signals, ptrace, /proc", "network")))
 
 
 def md_paths(report: dict[str, Any]) -> list[str]:
