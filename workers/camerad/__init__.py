@@ -8,8 +8,9 @@
 
 Sources:
 
-* ``synthetic`` (default): `synthetic.SyntheticRoad` (seeded by ``--seed``, scene time =
-  frame_id / fps) renders NV12 straight into the loaned slot; ``rgb888`` / ``gray8``
+* ``synthetic`` (default): `synthetic.scene(--sensor)` (road: `SyntheticRoad`; wide: the
+  same drive through a 120 degree lens; driver: `SyntheticDriver`'s cabin; seeded by
+  ``--seed``, scene time = frame_id / fps) renders NV12 straight into the loaned slot; ``rgb888`` / ``gray8``
   render into a scratch NV12 frame and convert into the slot.
 * ``log`` / ``video``: a drive log (supervisor/replay) or a plain video file, played by
   `playback` (lockstep for `supervisor replay`, recorded pace, or the file's rate).
@@ -46,7 +47,7 @@ from supervisor.worker import WorkerContext
 
 from . import playback
 from .replay import ReplayError, ReplayLog
-from .synthetic import SyntheticRoad, nv12_to_gray, nv12_to_rgb
+from .synthetic import nv12_to_gray, nv12_to_rgb, scene
 
 # The roles this worker's code asks for; `supervisor check` verifies the config binds them.
 ROLES = {"out": ("frames",)}
@@ -99,7 +100,7 @@ class _Synthetic:
         self.width = a.width or 1928
         self.height = a.height or 1208
         self.format = a.format or "nv12"
-        self.road = SyntheticRoad(self.width, self.height, a.seed, fps=a.fps)
+        self.road = scene(a.sensor, self.width, self.height, a.seed, fps=a.fps)  # per --sensor
         self.exposure_us = a.exposure_us
         if self.format != "nv12":
             self._y, self._uv, _ = self.road.render(0)
