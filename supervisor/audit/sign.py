@@ -54,7 +54,12 @@ def verify_file(report: str, signature: str, public_key: str) -> str:
         raise SignError(f"{e.filename}: {e.strerror or e}") from None
     try:
         key = load_public_key(public_key)
-        verify(key, sig, data, what=f"{signature} over {report}")
-    except (BadPublicKey, BadSignature) as e:
+    except BadPublicKey as e:
         raise SignError(str(e)) from None
+    try:
+        verify(key, sig, data, what=f"{signature} over {report}")
+    except BadSignature:
+        raise SignError(f"{signature} is not a signature of {report} by key "
+                        f"{key_id(key)[:16]}...: the report was altered, or another key "
+                        f"signed it") from None
     return key_id(key)
