@@ -12,6 +12,8 @@ here; ``python -m supervisor.audit`` is the same):
 ``--pid`` picks one when several run), read-only; its config is the one the running
 supervisor was started with unless ``--config`` says otherwise. ``--start`` starts a
 system of its own for the audit instead, and refuses while a vehicle supervisor runs.
+``--settle``/``--timeout`` only apply to a system the audit starts: given with ``--live``
+alone they are taken as ``--start`` (what ``--live`` meant before), with a note on stderr.
 ``--sign KEY`` writes the JSON report to ``--output`` and a detached ed25519 signature
 next to it (``FILE.sig``). Progress goes to stderr when it is a terminal.
 
@@ -52,10 +54,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="--live: start a system of its own for the audit instead")
     p.add_argument("--pid", type=int, default=None,
                    help="--live: the supervisor to inspect when several run")
-    p.add_argument("--settle", type=float, default=1.0,
-                   help="--start: seconds to wait after all workers are READY")
-    p.add_argument("--timeout", type=float, default=180.0,
-                   help="--start: seconds to wait for all workers to be READY")
+    p.add_argument("--settle", type=float, default=None,
+                   help="--start: seconds to wait after all workers are READY (1)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="--start: seconds to wait for all workers to be READY (180)")
     return p
 
 
@@ -161,6 +163,14 @@ def cmd_report(a: argparse.Namespace) -> int:
                          f"--output FILE (and --format json, the default with --sign)")
     if a.start and not a.live:
         raise UsageError(f"{PROG}: --start goes with --live")
+    if a.live and not a.start and (a.settle is not None or a.timeout is not None):
+        # Before issue 25 `--live` always started a system; its --settle/--timeout only
+        # mean that. Scripts written then keep working, told once what they ask for.
+        print(f"{PROG}: --settle/--timeout are for a system of the audit's own: taken as "
+              f"--live --start (say --start)", file=sys.stderr)
+        a.start = True
+    a.settle = 1.0 if a.settle is None else a.settle
+    a.timeout = 180.0 if a.timeout is None else a.timeout
     if a.live and os.geteuid() != 0:
         raise UsageError(f"{PROG} --live: needs root (the workers' /proc, cgroups)")
     progress = terminal_progress()
