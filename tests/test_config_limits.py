@@ -91,7 +91,7 @@ def test_a_problem_is_one_printable_line_whatever_the_value():
     assert str(p) == 'c.toml: workers."a\\nb": bad\\nvalue \\x1b[2J' and str(p).isprintable()
 
 
-def test_state_dir_must_be_writable_in_a_vehicle_only(tmp_path, monkeypatch):
+def test_the_state_dir_run_latches_in_must_be_writable(tmp_path, monkeypatch):
     from supervisor.config import check_runtime, loads
     from tests.test_config import to_toml
 
@@ -101,9 +101,12 @@ def test_state_dir_must_be_writable_in_a_vehicle_only(tmp_path, monkeypatch):
     found = [p for p in check_runtime(loads(to_toml(doc), "c.toml"), sandboxed=False)
              if p.key == "supervisor.state_dir"]
     assert len(found) == 1 and "not writable (creating it in /proc)" in found[0].reason
-    doc["supervisor"]["mode"] = "simulation"       # a simulation run latches per run
+    doc["supervisor"]["mode"] = "simulation"       # a simulation latches per run, below it
+    assert [p.key for p in check_runtime(loads(to_toml(doc), "c.toml"), sandboxed=False)
+            if p.key == "supervisor.state_dir"] == ["supervisor.state_dir"]
+    doc["supervisor"]["state_dir"] = "/var/lib/trio-supervisor"   # the vehicle's: never
     assert not [p for p in check_runtime(loads(to_toml(doc), "c.toml"), sandboxed=False)
-                if p.key == "supervisor.state_dir"]
+                if p.key == "supervisor.state_dir"]        # ... then below the temp dir
     monkeypatch.setenv("TRIO_STATE_DIR", "/proc/elsewhere")   # what run would use
     doc["supervisor"]["mode"] = "vehicle"
     doc["supervisor"]["state_dir"] = str(tmp_path)

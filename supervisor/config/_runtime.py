@@ -18,7 +18,7 @@ from typing import Any
 from supervisor.protocol import simulation_only
 
 from ._model import (ENV_STATE_DIR, PROJECT_ROOT, SIMULATION, VEHICLE, Config, Problem,
-                     WorkerConfig)
+                     SupervisorConfig, WorkerConfig)
 from ._rules import _approx_size, _shm_overview, channel_shm_bytes, check_binds
 from ._values import _MODULE, _key, _suggest
 
@@ -35,8 +35,8 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
       a model no ``[models]`` table trusts), given as ``args`` or through a ``command``
       that runs the module (`runs_module`);
     * a worker whose module declares ``NEEDS_MODEL`` has ``model = NAME``;
-    * vehicle: the state dir the run will latch in is writable, or creatable (probed,
-      nothing left behind);
+    * the state dir the run will latch in (a simulation: the base of its per-run one) is
+      writable, or creatable (probed, nothing left behind);
     * each ``command`` executable exists;
     * sandboxed: each ``extra_ro_binds`` path exists and each domain's host user exists
       (`supervisor.sandbox.policy.host_ids`, which only checks when running as root);
@@ -73,16 +73,19 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
                 for key, reason in _simulation_problems(w, search):
                     add(f"{path}.{key}", reason)
 
-    if cfg.supervisor.mode == VEHICLE:
-        # The fail-safe latch must be writable before anything can fail safe: else the
-        # latch is lost (fail_safe_latch_error) and the next run starts as if nothing
-        # happened. A simulation run latches in a state dir of its own, per run.
-        state = state_dir_in_use(cfg)
-        reason = _state_dir_problem(state)
-        if reason:
-            add("supervisor.state_dir", reason + (f" ({ENV_STATE_DIR} overrides the config's "
-                                                  f"{cfg.supervisor.state_dir})"
-                                                  if state != cfg.supervisor.state_dir else ""))
+    # The fail-safe latch must be writable before anything can fail safe: else the latch
+    # is lost (fail_safe_latch_error) and the next run starts as if nothing happened. A
+    # simulation run latches in a directory of its own, made per run below the state dir
+    # (below the system's temporary directory when that is the vehicle's): that base.
+    state = state_dir_in_use(cfg)
+    probe = state
+    if cfg.supervisor.mode == SIMULATION and _same_path(state, SupervisorConfig.state_dir):
+        probe = tempfile.gettempdir()
+    reason = _state_dir_problem(probe)
+    if reason:
+        add("supervisor.state_dir", reason + (f" ({ENV_STATE_DIR} overrides the config's "
+                                              f"{cfg.supervisor.state_dir})"
+                                              if state != cfg.supervisor.state_dir else ""))
 
     # Writable binds as bubblewrap will resolve them (symlinks followed): the file-only
     # check in load() compares them as written.
@@ -337,9 +340,17 @@ def _model_problems(w: WorkerConfig, cfg: Config, search: list[str]) -> list[tup
              f"[models.NAME] the vehicle trusts ({have})")]
 
 
+def _same_path(a: str, b: str) -> bool:
+    try:
+        return os.path.realpath(a) == os.path.realpath(b)
+    except (ValueError, OSError):
+        return False
+
+
 def state_dir_in_use(cfg: Config) -> str:
-    """The state dir a run of ``cfg`` latches in: ``TRIO_STATE_DIR`` (tests, development)
-    or the config's (as supervisor.failsafe.FailSafeLatch.for_config reads it)."""
+    """The state dir a run of ``cfg`` latches in (a simulation run: below it, per run):
+    ``TRIO_STATE_DIR`` (tests, development) or the config's, as
+    supervisor.failsafe.FailSafeLatch.for_config reads it."""
     return os.environ.get(ENV_STATE_DIR) or cfg.supervisor.state_dir
 
 
