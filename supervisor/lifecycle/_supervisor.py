@@ -550,38 +550,39 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
             await trio.sleep(0.01)
         return None
 
-    def _writer_gone(self, run: WorkerRun) -> bool:
-        """No process of the run's sandbox can write a channel any more: the worker is
-        dead (its pidfd readable) and so is every other process of the sandbox but
-        bwrap's own two (the outer bwrap, run.pid, and its init, pid 1 inside), which
-        never map a segment. A process inside do_exit() is not dead enough (see
-        _procstate.process_dead)."""
+    def _writer_left(self, run: WorkerRun) -> list[int]:
+        """The processes of the run's sandbox that could still write a channel: the
+        worker until it is dead (its pidfd readable; -1 here), and every other process
+        of the sandbox but bwrap's own two (the outer bwrap, run.pid, and its init, pid
+        1 inside), which never map a segment. A process inside do_exit() is not dead
+        enough (see _procstate.process_dead). Empty: the writer is gone."""
         if not self.sandboxed:
-            return run.proc is None or run.proc.poll() is not None
-        if run.worker_pidfd is not None and not _readable(run.worker_pidfd):
-            return False
+            return [] if run.proc is None or run.proc.poll() is not None else [run.pid]
         if run.cgroup is not None:
             pids = set(run.cgroup.pids())         # all of the sandbox, bwrap gone or not
         else:
             pids = set(self.worker_pids(run))     # (empty once bwrap is gone)
         inner = len(nspid_depth(os.getpid()) or (0,)) + 1   # the sandbox's level
+        left = []
         for pid in pids - {run.pid}:
             ns = nspid_depth(pid)
             if ns is not None and len(ns) == inner and ns[-1] == 1:
                 continue                          # bwrap's init in the sandbox
             if not process_dead(pid):
-                return False
-        return True
+                left.append(pid)
+        if run.worker_pidfd is not None and not _readable(run.worker_pidfd):
+            left.append(-1)
+        return left
 
-    def _kill_rest(self, run: WorkerRun) -> None:
-        """SIGKILL every process left in the run's cgroup (by pidfd, re-checked as still
-        listed after opening it: never a recycled pid)."""
-        if run.cgroup is None:
-            self._kill(run)
+    def _kill_rest(self, run: WorkerRun, pids: list[int]) -> None:
+        """SIGKILL what is left of a dead writer's sandbox (by pidfd, re-checked as still
+        in its cgroup after opening it: never a recycled pid). bwrap's own processes are
+        not among them: they report the worker's own exit status, its cause."""
+        if run.cgroup is None or not pids:
             return
         fds: dict[int, int] = {}
         try:
-            for pid in run.cgroup.pids():
+            for pid in pids:
                 try:
                     fds[pid] = os.pidfd_open(pid)
                 except OSError:
@@ -605,11 +606,12 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
             return
         died_ns = time.monotonic_ns()
         deadline = died_ns + int(self.grace_s * 1e9)
-        if not self._writer_gone(run):
-            # What is left of a sandbox whose writer or bwrap died is dying anyway (its
+        left = self._writer_left(run)
+        if left and (run.proc is None or run.proc.poll() is not None or -1 not in left):
+            # What is left of a sandbox whose bwrap or worker died is dying anyway (its
             # pid namespace goes); SIGKILL now saves the chain bwrap -> init -> worker.
-            self._kill_rest(run)
-        while not self._writer_gone(run):
+            self._kill_rest(run, [p for p in left if p > 0])
+        while self._writer_left(run):
             if time.monotonic_ns() > deadline:
                 self.log.emit("last_word_error", worker=run.cfg.name, pid=run.pid,
                               reason=f"its processes outlived it by {self.grace_s:g} s; "
