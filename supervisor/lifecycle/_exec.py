@@ -51,6 +51,9 @@ class _ExecWindow:
             return None
         out = {"wx_lock": got.how, "wx_check_ms": round(got.ms, 3),
                "mdwe": said.get("mdwe"), "mdwe_kernel": _kernel_has_mdwe()}
+        if run.watch is not None:       # what judging its start-up cost (issue 21)
+            out["exec_judged_ms"] = round(getattr(run.watch, "busy_s", 0.0) * 1e3, 1)
+            out["exec_stops"] = getattr(run.watch, "stops", 0)
         if got.reason:             # why the filter was only counted, not read back
             out["wx_note"] = got.reason
         return out

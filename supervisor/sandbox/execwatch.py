@@ -234,6 +234,7 @@ class ExecWatch:
         self.freeze = _KILLABLE_RECV
         self.mismatches = 0     # calls whose result was not what was judged
         self.stops = 0          # judgements made with the worker stopped
+        self.busy_s = 0.0       # wall time spent answering (judging, stopping, checking)
         # What the request being judged may make executable (_mismatch): (dev, inode)
         # of the judged files, and whether private anonymous memory was judged.
         self._judged: set[tuple[tuple[int, int], int]] = set()
@@ -280,7 +281,9 @@ class ExecWatch:
                 except BaseException:
                     self._respond(req.id, False)  # never leave a received request unanswered
                     raise
+            t0 = time.perf_counter()
             verdict, slow = self._answer(req)
+            self.busy_s += time.perf_counter() - t0
             if verdict is not None:
                 out.append(verdict)
             if slow:
