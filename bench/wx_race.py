@@ -18,7 +18,9 @@ supervisor, do not end the worker, so that every try is counted.
    while the worker runs on); "after": the default (the worker stopped while judged,
    the kernel's result checked before it runs again). The same code otherwise.
 2. Start-up: importing numpy, capnp, tinygrad and trio under the watch (every
-   executable mapping judged), freeze off vs on: wall time and per judgement.
+   executable mapping judged), freeze off vs on: wall time and per judgement; alone
+   (nothing is stopped while the caller is the only thread) and with one more thread
+   (every judgement stops the worker and checks the call's result).
 3. The lock at READY: `wx.lock()` in the worker (MDWE + the filter) and `wx.verify()`
    from outside (every thread seized, its filters read back).
 4. Per frame: a frame-like loop (64 bytes over a socketpair and back, poll: 5
@@ -59,7 +61,10 @@ def say(**kw):
     sock.sendall((json.dumps(kw) + "\n").encode())
 for line in rfile:
     cmd, *args = line.split()
-    if cmd == "imports":
+    if cmd in ("imports", "imports_threaded"):
+        if cmd == "imports_threaded":   # a thread already there: every judgement stops it
+            import threading
+            threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
         t0 = time.perf_counter()
         import numpy, capnp, tinygrad, trio
         say(s=time.perf_counter() - t0)
@@ -164,12 +169,14 @@ def races(tries: int, spread_us: int) -> dict:
 
 def startups(n: int) -> dict:
     out: dict = {}
-    for label, freeze in (("freeze_off", False), ("freeze_on", True)):
+    for label, freeze, cmd in (("freeze_off", False, "imports"), ("freeze_on", True, "imports"),
+                               ("threaded_freeze_off", False, "imports_threaded"),
+                               ("threaded_freeze_on", True, "imports_threaded")):
         runs = []
         for _ in range(n):
             w = Worker(freeze=freeze)
             try:
-                got = w.do("imports")
+                got = w.do(cmd)
                 js = w.served.judge_s
                 runs.append({"import_s": got["s"], "judgements": len(js),
                              "judge_ms_p50": statistics.median(js) * 1e3 if js else 0.0,
