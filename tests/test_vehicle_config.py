@@ -1,0 +1,90 @@
+"""The car-shaped config (supervisor/car.toml): three cameras with distinct synthetic
+scenes, the driver-monitoring model in its own modeld instance with its own signed
+artifact and payload, controls at 100 Hz. Real artifacts, real tinygrad, the real CLI;
+timings are bench/vehicle_load.py's, not these tests'."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from schemas.payloads import DRIVER_STATE, PAYLOADS
+from supervisor.config import load
+from supervisor.model import AbiMismatch, load_verified
+from workers.camerad.synthetic import SyntheticDriver, SyntheticRoad, scene
+from workers.modeld.engine import ENGINE_ABI, Engine, check_output_payload
+
+ROOT = Path(__file__).resolve().parents[1]
+CAR = ROOT / "supervisor" / "car.toml"
+DM = ROOT / "models" / "demo" / "driver-monitor"
+PUB = ROOT / "models" / "demo" / "demo_ed25519.pub"
+W, H = 1928, 1208
+
+
+def test_car_config_is_checked_and_trusts_both_models():
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "check", "--config", str(CAR)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "trusts model 'driver-monitor': driver-monitor-demo 1.0.0" in out
+    assert "for dmonitoringd" in out and "7 workers, 7 channels: all admitted" in out
+    cfg = load(CAR)
+    sensors = {w: cfg.workers[w].args[cfg.workers[w].args.index("--sensor") + 1]
+               for w in ("camerad", "camerad_wide", "camerad_driver")}
+    assert sensors == {"camerad": "road", "camerad_wide": "wide", "camerad_driver": "driver"}
+    dm = cfg.workers["dmonitoringd"]
+    assert dm.module == "workers.modeld" and dm.model == "driver-monitor"
+    assert dict(dm.roles) == {"frames": "driver_frames", "model": "driver_state"}
+    assert cfg.channels["driver_state"].payload == "driver_state"
+    assert "--hz" in cfg.workers["controlsd"].args
+
+
+def test_the_three_cameras_see_distinct_deterministic_scenes():
+    road, wide, drv = (scene(s, 256, 160, seed=3) for s in ("road", "wide", "driver"))
+    assert isinstance(road, SyntheticRoad) and isinstance(drv, SyntheticDriver)
+    assert wide.hfov_deg > road.hfov_deg and wide.truth(9) == road.truth(9)   # same drive
+    ys = [s.render(9)[0] for s in (road, wide, drv)]
+    assert not np.array_equal(ys[0], ys[1]) and not np.array_equal(ys[0], ys[2])
+    again = scene("driver", 256, 160, seed=3).render(9)[0]
+    assert np.array_equal(again, ys[2])
+    # any row stride, as a bridge loan gives
+    buf = np.zeros((160, 272), np.uint8)
+    uv = np.zeros((80, 128, 2), np.uint8)
+    drv.render_into(9, buf[:, :256], uv)
+    assert np.array_equal(buf[:, :256], ys[2]) and not buf[:, 256:].any()
+
+
+def test_driver_monitor_artifact_says_what_the_driver_does():
+    v = load_verified(DM, PUB, expect_name="driver-monitor-demo", expect_abi=ENGINE_ABI)
+    try:
+        eng = Engine(v)
+        assert eng.payload == "driver_state" and PAYLOADS["driver_state"] is DRIVER_STATE
+        d = SyntheticDriver(W, H, seed=5)
+        states = {}
+        for fid in range(0, 4000, 40):               # every 2 s of scene time
+            t = d.truth(fid)
+            key = (t.face_present, t.eyes_on_road)
+            if key in states:
+                continue
+            out, r = eng.infer(d.render(fid)[0], frame_id=fid)
+            states[key] = DRIVER_STATE.decode(out)
+            assert r.bytes_out == 16 and r.bytes_in == H * W
+        assert set(states) == {(True, True), (True, False), (False, False)}
+        for (face, eyes), o in states.items():
+            assert abs(o["face_prob"] - face) < 0.3 and abs(o["eyes_on_road_prob"] - eyes) < 0.3
+            assert 0.0 <= o["face_prob"] <= 1.0 and o["reserved"] == 0.0
+    finally:
+        v.close()
+
+
+def test_an_output_payload_modeld_does_not_publish_is_refused():
+    out = {"payload": "shadow_out", "fields": list(PAYLOADS["shadow_out"].fields)}
+    with pytest.raises(AbiMismatch, match="abi.output.payload is 'shadow_out'"):
+        check_output_payload(out)
+    with pytest.raises(AbiMismatch, match="are not payload driver_state"):
+        check_output_payload({"payload": "driver_state", "fields": ["a", "b", "c", "d"]})
+    assert check_output_payload({"payload": "model_out",
+                                 "fields": list(PAYLOADS["model_out"].fields)}) == "model_out"
