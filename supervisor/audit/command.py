@@ -173,6 +173,12 @@ def cmd_report(a: argparse.Namespace) -> int:
     a.timeout = 180.0 if a.timeout is None else a.timeout
     if a.live and os.geteuid() != 0:
         raise UsageError(f"{PROG} --live: needs root (the workers' /proc, cgroups)")
+    if not a.start:
+        # Nothing is started: a Ctrl-C should end the audit (one line), not be recorded
+        # for a supervisor that does not exist (the CLI installs the recorder first).
+        from supervisor import signals
+
+        signals.uninstall()
     progress = terminal_progress()
     running = None
     if a.live and not a.start:
