@@ -343,8 +343,10 @@ def text_sections(report: dict[str, Any]) -> list[str]:
         for key, c in (sc.get("classes") or {}).items():
             out.append(f"  {key} (domains {', '.join(c['domains'])}), default {c['default']}")
             out.append(f"    killed ({len(c['killed'])}): {', '.join(c['killed'])}")
+            by: dict[str, list[str]] = {}
             for n, e in c["errno"].items():
-                out.append(f"    {e}: {n}")
+                by.setdefault(e, []).append(n)
+            out += [f"    {e} ({len(ns)}): {', '.join(ns)}" for e, ns in by.items()]
             out.append(f"    notified: {', '.join(c['notified']) or 'none'}")
             for row in _grouped_conditions(c["conditional"]):
                 out.append(f"    {row[0]}: {row[1]} when {row[2]} ({row[3]})")
