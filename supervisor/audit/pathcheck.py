@@ -52,6 +52,10 @@ def _data(c: _Checks, p: dict, ew: dict, er: dict | None, got: dict) -> None:
     c.add(p["id"], w, f"{w}: segment fd O_RDWR, mapped rw-s",
           f"fd {wh.get('data_fd')} {_seg(f and f['target'])} {f and f['access']}, "
           f"mapped {','.join(maps) or 'not mapped'}", ok and maps == ["rw-s"])
+    mode = segment_mode(got, ch)
+    if mode is not None:
+        c.add(p["id"], None, f"segment {ch}: inode mode 0400 (no one re-opens it writable)",
+              f"mode {mode:04o}", mode & 0o222 == 0)
     if r == SUPERVISOR:
         m = (got.get("supervisor_channel_mappings") or {}).get(ch, {}).get("data", [])
         c.add(p["id"], None, "supervisor (monitor): segment mapped read-only",
@@ -96,6 +100,20 @@ def _lease(c: _Checks, p: dict, ew: dict, er: dict | None, got: dict, index: int
           f"{_seg(f and f['target'])} {f and f['access']}",
           bool(f) and _seg(f["target"]) == f"trio-bridge:{ch}:lease{rh.get('index')}"
           and rh.get("index") == index and f["access"] == "O_RDWR")
+
+
+def segment_mode(got: dict, ch: str) -> int | None:
+    """The permission bits of channel ``ch``'s segment inode (through the supervisor's fd)."""
+    import stat
+
+    pid = got.get("supervisor_pid")
+    fds = (got.get("supervisor_fds") or {}).get(f"/memfd:trio-bridge:{ch} (deleted)")
+    if not pid or not fds:
+        return None
+    try:
+        return stat.S_IMODE(os.stat(f"/proc/{pid}/fd/{fds[0]['fd']}").st_mode)
+    except OSError:
+        return None
 
 
 def lease_contents(got: dict, ch: str, index: int) -> str | None:

@@ -9,10 +9,12 @@ the spare index after them), the spec gives the bounds (`ChannelSpec.lease_ms`,
 classes give the pipe limits (`Supervisor.STATUS_LINES_PER_S`, `output.LineLimiter`),
 and the domains' binds give the files they share. What each mechanism is (who maps what
 with which protection) is the code in supervisor/ipc/channel.py (`Channel.create`,
-`writer_handle`, `reader_handle`), shm.py (O_RDONLY re-open, mode 0400, the write seal),
+`writer_handle`, `reader_handle`), shm.py (O_RDONLY re-open, mode 0400),
 writer.py (`Writer._protected`: a lease counts only for the slot's current generation
 and within lease_ms) and reader.py (`Reader._drain`: the reader reads its wake-up
-socket, the writer never reads its end).
+socket, the writer never reads its end). Workers' writers do not seal their segment (a
+restarted writer maps it again: supervisor/worker.py), so a reader's read-only access
+rests on its O_RDONLY description and the inode's mode 0400, not on a seal.
 
 Each path: {id, kind, direction, from, to, writer, reader, carries, worst, bound,
 crosses (different domains), live (what ``audit --live`` checks)}; ``from``/``to`` are
@@ -83,9 +85,9 @@ def _channel_paths(cfg: Config, name: str) -> list[Path]:
             worst=("any bytes it likes in the slots it publishes (a forged message within "
                    f"slot_size {s.slot_size}), or none (a stale stream); it cannot write "
                    "the reader's memory"),
-            bound=(f"the reader maps the segment read-only (its own O_RDONLY description of "
-                   f"a 0400 memfd, write-sealed by the writer) and rejects what fails: "
-                   f"{', '.join(checks)}"
+            bound=(f"the reader maps the segment read-only: its own O_RDONLY description "
+                   f"of a mode-0400 memfd it cannot re-open writable (no capabilities, "
+                   f"another owner's inode); it rejects what fails: {', '.join(checks)}"
                    + ("" if not ch.actuation else "; when its writer dies, and on "
                       "fail-safe, the supervisor publishes the payload's safe value as "
                       "writer of last resort")),
