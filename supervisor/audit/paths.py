@@ -148,7 +148,8 @@ def _pipe_paths(cfg: Config) -> list[Path]:
                   "to slow the supervisor's event loop",
             bound=(f"one 4 KiB read per wake-up; lines over 4096 bytes dropped; more than "
                    f"{Supervisor.STATUS_LINES_PER_S:g} lines/s sustained is a refusal "
-                   f"(the worker is killed); {Supervisor.STATUS_EVENT_BURST:g} status events "
+                   f"(the worker is killed and not restarted: its own loss, a fail-safe "
+                   f"for a required control worker); {Supervisor.STATUS_EVENT_BURST:g} status events "
                    f"then {Supervisor.STATUS_EVENTS_PER_S:g}/s reach the log; READY of a "
                    "control worker is verified (maps snapshot) before it counts"),
             live=f"{w.name}: status pipe write end O_WRONLY, read end held by the supervisor"))
