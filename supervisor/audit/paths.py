@@ -172,7 +172,9 @@ def _pipe_paths(cfg: Config) -> list[Path]:
                       "answered); race a mapping change under the supervisor's look",
                 bound="the supervisor holds the only listener; before READY it allows file-"
                       "backed code from read-only mounts (and the declared jit kernels), "
-                      "after READY nothing: the worker is killed",
+                      "after READY nothing: the worker is killed" + (
+                          "; from READY the kernel kills such calls itself (W^X filter, "
+                          "checked by the supervisor before READY counts)" if _wx() else ""),
                 live="strict workers: the supervisor's fds include the listener "
                      "(anon_inode:seccomp notify)"))
         if w.warm_standby:
@@ -183,6 +185,12 @@ def _pipe_paths(cfg: Config) -> list[Path]:
                 worst="(supervisor is trusted)", bound="seqpacket socket to that standby only",
                 live=f"{w.name} standby: one socket fd"))
     return out
+
+
+def _wx() -> bool:
+    from .syscalls import _wx as wx_module
+
+    return wx_module() is not None
 
 
 def _file_paths(cfg: Config) -> list[Path]:
