@@ -7,10 +7,17 @@ worker that stops pinging its watchdog is killed and restarted; a control worker
 runs out of restarts triggers the domain's failure policy ("fail_safe" stops the whole
 control domain). Every decision is one structured log line.
 
+When the writer of an actuation channel dies, whatever the cause, the supervisor
+publishes the payload's safe value at once as the channel's writer of last resort, and
+only then hands the channel to the next writer (standby or restart). A process caught
+dying by a maps scan is an exit, not a refusal. Every death is an `exit` event, at
+shutdown too.
+
 The package in parts: `_supervisor` (Supervisor: start order, one task per worker,
-restart policy, watchdog, fail-safe, shutdown, the main loop), `_io` (status and output
-pipes), `_exec` (READY verification and the exec watch), `_standby` (warm standby) and
-`_run` (WorkerRun, the exceptions).
+restart policy, watchdog, the last word, fail-safe, shutdown, the main loop), `_io`
+(status and output pipes; when READY was said), `_exec` (READY verification and the exec
+watch), `_standby` (warm standbys, two deep), `_procstate` (is a process dying or dead,
+from /proc) and `_run` (WorkerRun, the exceptions).
 """
 from supervisor.exits import Exit
 from supervisor.failsafe import FailSafeLatch
