@@ -68,10 +68,13 @@ for line in rfile:
         t0 = time.perf_counter()
         import numpy, capnp, tinygrad, trio
         say(s=time.perf_counter() - t0)
-    elif cmd in ("cow", "fd"):
+    elif cmd in ("cow", "fd", "cow_newthread"):
         from workers.probe import attacks
-        fn = attacks.cow_race_tries if cmd == "cow" else attacks.fd_swap_tries
-        say(**fn(int(args[0]), int(args[1])))
+        if cmd == "cow_newthread":   # thread 2 acts through a thread born just then
+            say(**attacks.cow_race_tries(int(args[0]), int(args[1]), new_thread=True))
+        else:
+            fn = attacks.cow_race_tries if cmd == "cow" else attacks.fd_swap_tries
+            say(**fn(int(args[0]), int(args[1])))
     elif cmd == "lock":
         from supervisor.sandbox import wx
         t0 = time.perf_counter()
