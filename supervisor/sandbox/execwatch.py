@@ -109,6 +109,10 @@ _procmap_query_works: bool | None = None  # None: not tried yet
 JUDGE_BUDGET_S = 0.05  # CPU time of this thread (system time: reading /proc)
 JUDGE_WALL_S = 0.5  # wall time (a lock held by the worker; a descheduled supervisor)
 MAX_RANGE_MAPPINGS = 1024
+# How long the worker's threads may take to stop, and the caller to make an allowed call
+# and stop. Scheduling, not our work: longer than a judgement's budget on a loaded
+# machine, and off the event loop (one thread per worker), so it holds no one else.
+FREEZE_WALL_S = 2.0
 _TARGET_NAMES = 6  # names listed in ExecRequest.target
 _NAP_S = 30e-6  # between looks at a stopping worker (then 1 ms after 200 looks)
 MAX_SHARERS = 64  # other processes stopped with the worker (strict domains: none)
@@ -226,6 +230,7 @@ class ExecWatch:
         self.hung_up = False  # every filtered task is gone: stop polling this fd
         self.judge_budget_s = JUDGE_BUDGET_S
         self.judge_wall_s = JUDGE_WALL_S
+        self.freeze_wall_s = FREEZE_WALL_S
         # Seccomp_filters of the worker when its listener arrived (wx.verify's fallback).
         self.filters_at_listener: int | None = None
         # Stop the worker while judging and check the result (see _Frozen). Off only to
@@ -298,7 +303,7 @@ class ExecWatch:
         if self.freeze and not self.ready and req.syscall != "memfd_create" \
                 and not _alone(req.pid, self._init_of(req.pid)):
             try:
-                frozen = _Frozen.stop(req.pid, time.monotonic() + self.judge_wall_s,
+                frozen = _Frozen.stop(req.pid, time.monotonic() + self.freeze_wall_s,
                                       self._init_of(req.pid))
                 self.stops += 1
             except (TooSlow, OSError) as e:
@@ -349,12 +354,13 @@ class ExecWatch:
             self._respond(req.id, False)
             return Verdict(req, False, f"cannot read the mappings before the call: {e}")
         self._respond(req.id, True)
-        if not frozen.wait_caller(time.monotonic() + self.judge_wall_s):
+        if not frozen.wait_caller(time.monotonic() + self.freeze_wall_s):
             if frozen.caller_gone():
                 return Verdict(req, True, reason)
             frozen.kill()
             return Verdict(req, False, f"after the call: pid {frozen.tgid} did not finish it "
-                           f"within {self.judge_wall_s * 1e3:g} ms to be checked (killed)")
+                           f"within {self.freeze_wall_s * 1e3:g} ms to be checked (killed)")
+        budget = _Budget(self.judge_budget_s, self.judge_wall_s)   # the wait is not judging
         try:
             after = vmas_between(req.pid, *(region or (0, _ADDR_LIMIT)),
                                  exec_only=region is None, budget=budget)
