@@ -290,6 +290,22 @@ def test_live_inspects_the_running_system(running):
     rw_usr = dict(view, mounts=[dict(m, access="rw") if m["path"] == "/usr" else m
                                 for m in view["mounts"]])
     assert [d["key"] for d in fsview.compare("src", rw_usr, seen)] == ["filesystem./usr"]
+    # ... and so can the path check: the same evidence with lab's segment fd writable
+    from supervisor.audit import pathcheck
+
+    c = loads(cfg.read_text(), str(cfg))
+    got = {"workers": {n: w["evidence"] for n, w in rows.items()}}
+    clean = {d["key"] for d in pathcheck.check_paths(c, paths.interference_paths(c), got,
+                                                     None)[1]}
+    lab = got["workers"]["lab"]
+    data_fd = lab["handles"]["frames"]["data_fd"]
+    for items in lab["fds"].values():
+        for i in items:
+            if i["fd"] == data_fd:
+                i["access"] = "O_RDWR"
+    broken = {d["key"] for d in pathcheck.check_paths(c, paths.interference_paths(c), got,
+                                                      None)[1]}
+    assert broken - clean == {"paths.frames.data.lab"}
     # read-only: nothing started, restarted or stopped meanwhile
     after = [s.bwrap_pid for s in next(x for x in find_supervisors()
                                        if x.pid == proc.pid).sandboxes]
