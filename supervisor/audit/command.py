@@ -145,7 +145,9 @@ def _refuse_start_beside_vehicle() -> None:
             mode = "vehicle"          # unreadable: assume the worst
         # The vehicle's `supervisor run` latches its config's state dir; a test or
         # bench run points TRIO_STATE_DIR elsewhere.
-        if mode == "vehicle" and rs.state_dir is None:
+        # (Unreadable environment, a smaller capability set than the supervisor's:
+        # cannot tell, not counted.)
+        if mode == "vehicle" and rs.environ_readable and rs.state_dir is None:
             vehicle.append(str(rs.pid))
     if vehicle:
         raise UsageError(f"{PROG} --live --start: refused: a vehicle supervisor runs (pid "

@@ -55,7 +55,11 @@ class RunningSupervisor:
     @property
     def state_dir(self) -> str | None:
         """TRIO_STATE_DIR as the supervisor got it (None: its config's state_dir)."""
-        return _environ(self.pid).get("TRIO_STATE_DIR")
+        return (_environ(self.pid) or {}).get("TRIO_STATE_DIR")
+
+    @property
+    def environ_readable(self) -> bool:
+        return _environ(self.pid) is not None
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -66,12 +70,14 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
-def _environ(pid: int) -> dict[str, str]:
+def _environ(pid: int) -> dict[str, str] | None:
+    """Its environment at start, or None when this process may not read it (a smaller
+    capability set than the target's: /proc/PID/environ needs ptrace-read access)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             items = f.read().split(b"\0")
     except OSError:
-        return {}
+        return None
     return dict(i.decode(errors="replace").partition("=")[::2] for i in items if b"=" in i)
 
 
