@@ -229,7 +229,7 @@ def _plot_with_ref(run_dir: str, plan, run, ref, log: str) -> None:
 
 def print_summary(s: dict) -> None:
     if "frames" not in s:            # it never got to replay a frame (the error says why)
-        print(f"run: {s.get('run')} (summary.json)")
+        print(_run_line(s))
         return
     f = s.get("frames", {})
     lat = s.get("model_latency_ms", {})
@@ -245,7 +245,15 @@ def print_summary(s: dict) -> None:
     loss = (s.get("input_log_loss") or {}).get("text")
     if loss and loss != "nothing lost":
         print(f"input log: {loss}")
-    print(f"run: {s.get('run')} (summary.json, plot.png)")
+    print(_run_line(s))
+
+
+def _run_line(s: dict) -> str:
+    """The run directory and what it holds (a full disk may have kept some out)."""
+    run = s.get("run") or ""
+    have = [f for f in ("summary.json", "plot.png", "diff.md", "diff.json")
+            if run and os.path.isfile(os.path.join(run, f))]
+    return f"run: {run} ({', '.join(have) or 'nothing written'})"
 
 
 def _fleet(args: argparse.Namespace) -> int:

@@ -303,6 +303,7 @@ def replay(log: str, *, out: str | None = None, config: str | None = None,
     try:
         plot(src, run, plan, Path(run_dir, "plot.png"))
     except Exception as e:                  # a missing picture never fails a replay
+        Path(run_dir, "plot.png").unlink(missing_ok=True)     # (no half-written picture)
         summary.setdefault("notes", []).append(f"plot.png not drawn: {type(e).__name__}: {e}")
         _write_summary(run_dir, summary)
     return ReplayResult(run_dir, summary["exit_code"], summary, outcome)
