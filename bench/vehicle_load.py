@@ -34,6 +34,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -256,9 +257,17 @@ async def _run(cfg, a, result: dict) -> None:
     seen: dict[str, Seen] = {}
     async with trio.open_nursery() as nursery:
         t_start = time.monotonic()
-        await nursery.start(sup.run)
+        try:
+            await nursery.start(sup.run)
+        except RuntimeError:       # it stopped before all READY: say why, in its words
+            for ln in events.getvalue().splitlines():
+                e = json.loads(ln) if ln.startswith("{") else {}
+                if e.get("level") in ("error", "warning"):
+                    print(ln[:600], file=sys.stderr)
+            raise SystemExit("vehicle_load: the supervisor stopped before every worker was READY")
         result["ready_s"] = time.monotonic() - t_start
         threads = []
+        result["channels_at_ready"] = sorted(sup.channels)
         for name, ch in sup.channels.items():
             r = Reader(ch.reader_handle(ch.spec.max_readers - 1))
             seen[name] = Seen()
@@ -277,6 +286,7 @@ async def _run(cfg, a, result: dict) -> None:
         for t in threads:
             await trio.to_thread.run_sync(t.join, 2.0)
         secs = (t1 - t0) / 1e9
+        result["events_text"] = events.getvalue()
         result.update(analyse(cfg, seen, t0, t1, events.getvalue()))
         result["cpu_pct"] = {w: (cpu1[w] - cpu0.get(w, 0)) / 1e7 / secs for w in cpu1}
         result["supervisor_cpu_pct"] = (sup1 - sup0) / 1e7 / secs
@@ -348,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     a = ap.parse_args(argv)
     cfg = load(a.config)
+    # Its own state dir: a bench run must never latch (or be stopped by) the vehicle's
+    # fail-safe latch in the shared one.
+    os.environ.setdefault("TRIO_STATE_DIR", tempfile.mkdtemp(prefix="vehicle-load-state-"))
     res: dict = {"config": a.config, "warmup": a.warmup}
     trio.run(_run, cfg, a, res)
     res["verdict"] = verdict(cfg, res)
