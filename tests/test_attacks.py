@@ -180,8 +180,11 @@ class Fleet:
         with open(self.log_path) as f:
             return [json.loads(x) for x in f if x.startswith("{")]
 
-    def settle(self, timeout: float = 150) -> list[dict]:
-        """Until every attacker has started and ended its attack (or been killed)."""
+    def settle(self, timeout: float = 240) -> list[dict]:
+        """Until every attacker has started and ended its attack (or been killed). The
+        attackers start one after another (~1-2.5 s each); on a machine shared with
+        other test runs (load 20 on 2 cores: admission alone took 55 s) 150 s was not
+        enough for ~65 of them. Returns as soon as all are done."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             ev = self.events()
