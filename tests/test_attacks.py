@@ -170,8 +170,12 @@ class Fleet:
         # stdout: the live status line (not a terminal, so one line per interval)
         self.out_path = tmp / "status.out"
         self.out = open(self.out_path, "wb")
+        # The fleet's evidence includes the workers' own lines (`output`, debug level):
+        # where `run` has --log-level (info by default), ask for everything.
+        cli = Path(__file__).resolve().parent.parent / "supervisor" / "cli.py"
+        level = ["--log-level", "debug"] if '"--log-level"' in cli.read_text() else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor.cli", "run", "--config", str(cfg)],
+            [sys.executable, "-m", "supervisor.cli", "run", "--config", str(cfg), *level],
             stdout=self.out, stderr=self.log,
             env=dict(os.environ, TRIO_STATE_DIR=str(state)))
         self.t0 = time.monotonic()
