@@ -249,8 +249,19 @@ def analyse(cfg, seen: dict[str, Seen], t0: int, t1: int, events: str) -> dict:
             "camera_dropped": cam_dropped}
 
 
+class _Tee(io.StringIO):
+    """Keeps every event; echoes the start-up and failure ones to stderr as they come."""
+    SHOWN = ("ready", "all_ready", "restart", "exit", "ready_timeout", "fail_safe", "gave_up")
+
+    def write(self, s: str) -> int:
+        for ln in s.splitlines():
+            if any(f'"event":"{e}"' in ln for e in self.SHOWN):
+                print(ln[:300], file=sys.stderr, flush=True)
+        return super().write(s)
+
+
 async def _run(cfg, a, result: dict) -> None:
-    events = io.StringIO()
+    events = _Tee()
     sup = Supervisor(cfg, log=EventLog(stream=events), status_out=None)
     stop = threading.Event()
     bench_tids: list[int] = []
