@@ -1,4 +1,4 @@
-"""``supervisor`` command line: run, check, units, clear-fail-safe, audit, record, replay."""
+"""``supervisor`` command line: run, check, units, clear-fail-safe, audit, record, replay, log."""
 from __future__ import annotations
 
 # First of all: a Ctrl-C or SIGTERM from now on is recorded, never a traceback.
@@ -81,9 +81,48 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     for t in verify_models(cfg)[0]:
         print(f"supervisor check: {t.line()}")
+    bad = _check_sandboxes(cfg)
+    if bad:
+        print(f"supervisor check: {bad} worker sandbox(es) cannot start", file=sys.stderr)
+        return int(Exit.START_FAILED)
     print(f"supervisor check: {cfg.source}: {len(cfg.workers)} workers, "
           f"{len(cfg.channels)} channels: all admitted")
+    if args.start:
+        return _check_start(cfg)
     return 0
+
+
+def _check_sandboxes(cfg) -> int:
+    """Build each distinct sandbox as run would and start the interpreter in it (where
+    sandboxes can run: root and bubblewrap). Returns how many workers' cannot start."""
+    import os
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("bwrap") is None:
+        print("supervisor check: sandboxes not started (needs root and bubblewrap, as run)")
+        return 0
+    from supervisor.sandbox.launch import rehearse_config
+
+    bad = 0
+    for c in rehearse_config(cfg):
+        print(f"supervisor check: {c.line()}", file=sys.stdout if c.ok else sys.stderr)
+        bad += not c.ok
+    return bad
+
+
+def _check_start(cfg) -> int:
+    """`check --start`: every worker started as run starts it, READY awaited, stopped
+    (supervisor/startcheck.py); one line per worker."""
+    from supervisor.startcheck import start_check
+
+    progress = sys.stderr if sys.stderr.isatty() else None
+    code, lines = start_check(cfg, progress=progress)
+    for line in lines:
+        print(f"supervisor check --start: {line}",
+              file=sys.stdout if code == Exit.SHUTDOWN else sys.stderr)
+    if code == Exit.SHUTDOWN:
+        print(f"supervisor check --start: {cfg.source}: all {len(cfg.workers)} workers READY")
+    return int(code)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -91,8 +130,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from supervisor.lifecycle import Supervisor
 
+    from supervisor.events import LEVEL_NAMES
+
     cfg = _config(args.config)
-    log = EventLog(fmt=args.log_format or cfg.supervisor.log_format, keep=False)
+    log = EventLog(fmt=args.log_format or cfg.supervisor.log_format, keep=False,
+                   min_level=LEVEL_NAMES[args.log_level])
     sup = Supervisor(cfg, log=log, sandboxed=not args.no_sandbox, grace_s=args.grace,
                      # stdout is the status line; workers' output arrives as events
                      status_out=None if args.quiet else sys.stdout)
@@ -133,32 +175,18 @@ def cmd_units(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_audit(args: argparse.Namespace) -> int:
-    """What each worker can and cannot do: from the config, or (--live) from the running
-    system's evidence. Exit codes: see supervisor/audit/__init__.py (0 matches or config
-    report, 6 differences found, else the supervisor's own codes)."""
-    import os
-
-    from supervisor.audit import audit, render
-
-    cfg = _config(args.config)
-    if args.live and os.geteuid() != 0:
-        print("supervisor audit --live: needs root, as `supervisor run` does (host users, "
-              "cgroups, the workers' /proc)", file=sys.stderr)
-        return int(Exit.ERROR)
-    try:
-        report = audit(cfg, live=args.live, settle_s=args.settle, timeout_s=args.timeout)
-        out = render(report, args.format)
-    except Exception as e:   # as `check` does
-        return _internal_error("supervisor audit", e)
-    sys.stdout.write(out)
-    return int(report["exit_code"])
-
-
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "audit":     # its own subcommands (diff, verify): audit/command.py
+        from supervisor.audit.command import main as audit_main
+
+        return audit_main(argv[1:])
     p = argparse.ArgumentParser(prog="supervisor", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("run", "check", "units", "clear-fail-safe", "audit", "record", "replay"):
+    from supervisor.replay.commands import SUBCOMMANDS as REPLAY   # record, replay, log
+
+    sub.add_parser("audit", help="what each worker can and cannot do (supervisor audit -h)")
+    for name in ("run", "check", "units", "clear-fail-safe", *REPLAY):
         s = sub.add_parser(name)
         s.add_argument("--config", "-c", default=None,
                        help="TOML config (default: the embedded one)")
@@ -170,31 +198,25 @@ def main(argv: list[str] | None = None) -> int:
                            help="seconds between SIGTERM and SIGKILL on shutdown")
             s.add_argument("--quiet", action="store_true",
                            help="no live status line on stdout (events still go to stderr)")
+            s.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                           default="info", help="the least level of event written to stderr "
+                           "(status and worker output are debug)")
+        if name == "check":
+            s.add_argument("--start", action="store_true",
+                           help="also start every worker as run would, await READY, stop")
         if name == "units":
             s.add_argument("--out", default="systemd")
             s.add_argument("--python", default=None,
                            help="the install target's interpreter (default: PREFIX/bin/python3)")
             s.add_argument("--prefix", default=None,
                            help="the install target's venv (default: /opt/trio-supervisor)")
-        if name == "audit":
-            s.add_argument("--format", choices=("text", "markdown", "json"), default="text")
-            s.add_argument("--live", action="store_true",
-                           help="start the configured system and audit its evidence")
-            s.add_argument("--settle", type=float, default=1.0,
-                           help="--live: seconds to wait after all workers are READY")
-            s.add_argument("--timeout", type=float, default=180.0,
-                           help="--live: seconds to wait for all workers to be READY")
-        if name in ("record", "replay"):   # developer replay: supervisor/replay/
-            from supervisor.replay.commands import add_record_args, add_replay_args
-
-            (add_record_args if name == "record" else add_replay_args)(s)
+        if name in REPLAY:                 # developer replay: supervisor/replay/
+            REPLAY[name][0](s)
     args = p.parse_args(argv)
-    if args.cmd in ("record", "replay"):
-        from supervisor.replay import commands
-
-        return (commands.cmd_record if args.cmd == "record" else commands.cmd_replay)(args)
+    if args.cmd in REPLAY:
+        return REPLAY[args.cmd][1](args)
     return {"run": cmd_run, "check": cmd_check, "units": cmd_units,
-            "clear-fail-safe": cmd_clear_fail_safe, "audit": cmd_audit}[args.cmd](args)
+            "clear-fail-safe": cmd_clear_fail_safe}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def test_a_config_that_runs_starts_every_worker_and_says_so(tmp_path):
     p = _check_start(tmp_path, CONFIG)
     assert p.returncode == 0, p.stdout + p.stderr
     lines = [x for x in p.stdout.splitlines() if "READY in" in x]
-    assert {x.split()[2] for x in lines} == {"src", "sink"}, p.stdout
+    assert {x.split()[3] for x in lines} == {"src", "sink"}, p.stdout
     assert "Traceback" not in p.stderr
     # a scratch state dir: nothing of the run reaches the vehicle's
     assert not (tmp_path / "vehicle-state").exists()
@@ -65,8 +65,8 @@ def test_a_config_that_runs_starts_every_worker_and_says_so(tmp_path):
 def test_a_worker_that_never_says_ready_fails_the_check_with_what_it_was_doing(tmp_path):
     p = _check_start(tmp_path, CONFIG + SILENT)
     assert p.returncode == 5, p.stdout + p.stderr           # Exit.START_FAILED, as run
-    silent = [x for x in p.stdout.splitlines() if "silent" in x]
-    assert len(silent) == 1, p.stdout
+    silent = [x for x in p.stderr.splitlines() if "--start: silent" in x]
+    assert len(silent) == 1, p.stdout + p.stderr
     line = silent[0]
     assert "FAILED" in line and "not ready within" in line, line
     assert "no output in" in line and "last seen: pid" in line, line
