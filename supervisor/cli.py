@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                            help="no live status line on stdout (events still go to stderr)")
             s.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                            default="info", help="the least level of event written to stderr "
-                           "(status and worker output are debug)")
+                           "(every event is kept in the journal's priority either way)")
         if name == "check":
             s.add_argument("--start", action="store_true",
                            help="also start every worker as run would, await READY, stop")

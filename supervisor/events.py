@@ -17,15 +17,14 @@ class Level(IntEnum):
     ERROR = 3      # the system is not doing its job: fail-safe, latch errors, exit != 0
     WARNING = 4    # a worker failed or was refused; a limit is off; the system goes on
     INFO = 6       # lifecycle: start, ready, restart, a clean stop
-    DEBUG = 7      # periodic: status, worker output
+    DEBUG = 7      # diagnostics an operator asks for (--log-level debug)
 
 
-# The level of each event that is not INFO. A worker's own lines are never above
-# INFO: it cannot raise an alarm in the supervisor's name (or drown one: they are
-# rate-limited upstream, and output/log stay DEBUG/INFO whatever they say).
+# The level of each event that is not INFO. A worker's own lines (output, log) are
+# INFO whatever they say: a worker cannot raise an alarm in the supervisor's name,
+# and what it printed before it died is what an operator reads first. Periodic status
+# is INFO too: it comes at status_interval_s (news at once), not per frame.
 _LEVELS: dict[str, Level] = {
-    "status": Level.DEBUG, "output": Level.DEBUG, "standby_warm": Level.DEBUG,
-    "standby_start": Level.DEBUG,
     "fail_safe": Level.ERROR, "fail_safe_error": Level.ERROR,
     "fail_safe_latch_error": Level.ERROR, "fail_safe_command": Level.WARNING,
     "start_failed_required": Level.ERROR, "gave_up": Level.ERROR,

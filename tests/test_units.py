@@ -47,7 +47,7 @@ def _fake_prefix(tmp_path: Path) -> Path:
 
 def test_renders_for_the_install_target():
     d = _directives(render(load(), config_path=None))
-    assert d["ExecStart"] == [f"{DEFAULT_PREFIX}/bin/python3 -m supervisor.cli run"]
+    assert d["ExecStart"] == [f"{DEFAULT_PREFIX}/bin/python3 -m supervisor.cli run --quiet"]
     assert "/root" not in render(load(), config_path=None)
     assert d["RestartPreventExitStatus"] == ["2 3 4"]      # config, refusal, fail-safe latch
     assert d["Delegate"] == ["yes"] and d["Type"] == ["notify"] and d["WatchdogSec"]
@@ -63,9 +63,9 @@ def test_renders_for_the_install_target():
     assert d["StateDirectory"] == ["trio-supervisor"]       # the fail-safe latch
     assert d["RuntimeDirectory"] == ["trio-staging"]
     d2 = _directives(render(load(), config_path=None, python="/usr/bin/python3"))
-    assert d2["ExecStart"] == ["/usr/bin/python3 -m supervisor.cli run"]
+    assert d2["ExecStart"] == ["/usr/bin/python3 -m supervisor.cli run --quiet"]
     d3 = _directives(render(load(), config_path=None, prefix="/opt/venv"))
-    assert d3["ExecStart"] == ["/opt/venv/bin/python3 -m supervisor.cli run"]
+    assert d3["ExecStart"] == ["/opt/venv/bin/python3 -m supervisor.cli run --quiet"]
     # an interpreter under /root (development) keeps home directories readable
     d4 = _directives(render(load(), config_path=None, python="/root/.pyenv/bin/python"))
     assert d4["ProtectHome"] == ["read-only"]
