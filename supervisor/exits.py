@@ -19,3 +19,4 @@ class Exit(enum.IntEnum):
     # Of the checking commands (`audit`, `replay --ref`), never of `run`:
     DIFFERS = 6           # the evidence differs from the promise / the reference
     INCOMPLETE = 7        # a replay did not get through its log
+    WRITE_FAILED = 8      # record/replay: the log could not be written (disk full, I/O)

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor.exits import Exit
+
 from .derive import RECORDER, DeriveError, dumps, read_doc, record_doc, write_config
 from .drivelog import DriveLog
 from .embed import give_to_recorder, run_supervised
@@ -31,7 +33,7 @@ from .progress import RecordProgress
 SOURCE = "source.toml"
 # Exit status of `record` and `replay` when a drive log could not be written (a full
 # disk, an I/O error). Beside supervisor/exits.py's (0-7), which these commands also use.
-WRITE_FAILED = 8
+WRITE_FAILED = int(Exit.WRITE_FAILED)   # one home for exit codes: supervisor/exits.py
 
 
 class RecordError(Exception):
