@@ -125,12 +125,29 @@ def _proc_cpu_ns(pid: int) -> int:
         return 0
 
 
+def _tree_cpu_ns(pid: int) -> int:
+    """CPU of a process and its live descendants (bwrap, then the worker inside)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        total += _proc_cpu_ns(p)
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return total
+
+
 def worker_cpu(sup: Supervisor) -> dict[str, int]:
+    """Per worker: its cgroup's CPU where cgroups are on, else its process tree's (the
+    run's current process; a standby's own CPU is not in it then)."""
     out = {}
     for name, run in sup.runs.items():
         ns = _cg_cpu_ns(run)
         if ns is None and getattr(run, "proc", None) is not None:
-            ns = _proc_cpu_ns(run.proc.pid)   # bwrap only: the worker is its child
+            ns = _tree_cpu_ns(run.proc.pid)
         out[name] = ns or 0
     return out
 
@@ -214,7 +231,7 @@ def analyse(cfg, seen: dict[str, Seen], t0: int, t1: int, events: str) -> dict:
         e2e[frames_ch] = {"to": "control_cmd" if out_ch == "model_out" else out_ch,
                           "ms": pct(ee), "deadline_misses": (max(misses) - min(misses)) if misses else 0}
     for name in seen:
-        if chans[name].kind == "frame" and name not in model_of:
+        if chans[name].spec.kind == "frame" and name not in model_of:
             s = seen[name]
             idx = _window(s, t0, t1)
             e2e[name] = {"to": "publish (no consumer)",
@@ -236,15 +253,21 @@ def analyse(cfg, seen: dict[str, Seen], t0: int, t1: int, events: str) -> dict:
     ev = [json.loads(ln) for ln in events.splitlines() if ln.startswith("{")]
     counts = defaultdict(int)
     for e in ev:
+        if not t0 <= e.get("mono_ns", 0) < t1:        # start-up is not the window
+            continue
         if e.get("event") in ("restart", "watchdog_missed", "fail_safe", "exit", "gave_up",
                               "standby_adopted", "ready_timeout", "protocol_error"):
             counts[f"{e['event']}:{e.get('worker', '')}"] += 1
-    cam_dropped = {}
+    # camerad's cumulative dropped=, from its last status before the window and the
+    # last in it (status lines come every few seconds: the window's edges are blurred)
+    before, last = {}, {}
     for e in ev:
         if e.get("event") == "status" and str(e.get("worker", "")).startswith("camerad"):
-            m = re.search(r"dropped=(\d+)", str(e.get("text", e.get("status", ""))))
+            m = re.search(r"dropped=(\d+)", str(e.get("status", "")))
             if m:
-                cam_dropped[e["worker"]] = int(m.group(1))
+                (before if e.get("mono_ns", 0) < t0 else last if e.get("mono_ns", 0) < t1
+                 else {})[e["worker"]] = int(m.group(1))
+    cam_dropped = {w: n - before.get(w, 0) for w, n in last.items()}
     return {"channels": table, "hops": hops, "e2e": e2e, "drops": drops, "events": dict(counts),
             "camera_dropped": cam_dropped}
 
@@ -298,6 +321,9 @@ async def _run(cfg, a, result: dict) -> None:
             await trio.to_thread.run_sync(t.join, 2.0)
         secs = (t1 - t0) / 1e9
         result["events_text"] = events.getvalue()
+        if a.raw:       # what was seen, for analysing again without running again
+            import pickle
+            a.raw.write_bytes(pickle.dumps((seen, t0, t1, events.getvalue())))
         result.update(analyse(cfg, seen, t0, t1, events.getvalue()))
         result["cpu_pct"] = {w: (cpu1[w] - cpu0.get(w, 0)) / 1e7 / secs for w in cpu1}
         result["supervisor_cpu_pct"] = (sup1 - sup0) / 1e7 / secs
@@ -351,10 +377,10 @@ def render(cfg, res: dict) -> str:
     out.append(f"| supervisor (this process, less the bench's readers) | "
                f"{res['supervisor_cpu_pct']:.1f} |")
     if res["camera_dropped"]:
-        out.append("\ncamera skipped slots (camerad's dropped=, cumulative): "
+        out.append("\ncamera skipped slots in the window (camerad's dropped=): "
                    + ", ".join(f"{k}={v}" for k, v in sorted(res["camera_dropped"].items())))
     if res["events"]:
-        out.append("events: " + ", ".join(f"{k} x{v}" for k, v in sorted(res["events"].items())))
+        out.append("events in the window: " + ", ".join(f"{k} x{v}" for k, v in sorted(res["events"].items())))
     bad = res["verdict"]
     out.append("\nverdict: " + ("HOLDS (no drops on control channels, every deadline met)"
                                 if not bad else "DOES NOT HOLD: " + "; ".join(bad)))
@@ -367,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--warmup", type=float, default=5.0)
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    ap.add_argument("--raw", type=Path, default=None, help="also pickle what was seen here")
     a = ap.parse_args(argv)
     cfg = load(a.config)
     # Its own state dir: a bench run must never latch (or be stopped by) the vehicle's
