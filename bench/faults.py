@@ -55,6 +55,13 @@ def _tree_from_argv() -> Path:
 
 TREE = _tree_from_argv()
 sys.path.insert(0, str(TREE))
+if TREE != HERE.parents[1]:
+    # An editable install (`pip install -e`) maps `supervisor` to its own checkout by a
+    # meta-path finder that wins over sys.path: without this, --tree measured this
+    # tree, not that one. (The sandboxed workers' interpreter still runs that .pth: a
+    # --before run is only valid where the other tree is installed, or none is.)
+    sys.meta_path[:] = [f for f in sys.meta_path
+                        if not getattr(f, "__module__", "").startswith("__editable__")]
 
 import numpy as np  # noqa: E402
 import trio  # noqa: E402
@@ -370,7 +377,12 @@ warm_standby = true
 
 
 def _exits_trial(cfg: str, rng: random.Random) -> dict:
-    p = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config", cfg,
+    # `python -m supervisor.cli`, importing TREE's supervisor even beside an editable
+    # install of another checkout (see the meta_path note at the top)
+    boot = ("import runpy, sys; sys.meta_path[:] = [f for f in sys.meta_path if not "
+            "getattr(f, '__module__', '').startswith('__editable__')]; "
+            "sys.argv[0] = 'supervisor'; runpy.run_module('supervisor.cli', run_name='__main__')")
+    p = subprocess.Popen([sys.executable, "-c", boot, "run", "--config", cfg,
                           "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                          text=True, cwd=TREE, env=dict(os.environ, PYTHONPATH=str(TREE)))
     events: list[dict] = []
