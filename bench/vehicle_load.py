@@ -246,8 +246,12 @@ def analyse(cfg, seen: dict[str, Seen], t0: int, t1: int, events: str) -> dict:
             if c is None or c >= o.pub[b]:
                 unacted += 1
         drops["model_out"] = unacted
-        win = cmd_ts[(cmd_ts >= t0) & (cmd_ts < t1)]
-        gaps = np.diff(win) if len(win) > 1 else np.array([0])
+        c = seen["control_cmd"]
+        idx = _window(c, t0, t1)
+        # Only between consecutive sequence numbers: where this reader missed a command,
+        # the gap it sees is its own, not controlsd's.
+        gaps = np.array([c.pub[j] - c.pub[i] for i, j in zip(idx, idx[1:])
+                         if c.seq[j] == c.seq[i] + 1] or [0])
         drops["control_cmd"] = int((gaps > 2 * CMD_PERIOD_NS).sum())
         table["control_cmd"]["gap_ms_p50_p99_max"] = (*pct(gaps / 1e6), float(gaps.max() / 1e6))
     ev = [json.loads(ln) for ln in events.splitlines() if ln.startswith("{")]
@@ -363,7 +367,7 @@ def render(cfg, res: dict) -> str:
     if "gap_ms_p50_p99_max" in res["channels"].get("control_cmd", {}):
         g = res["channels"]["control_cmd"]["gap_ms_p50_p99_max"]
         out.append(f"\ncontrol_cmd interval p50/p99/max: {g[0]:.2f} / {g[1]:.2f} / {g[2]:.2f} ms "
-                   f"(gaps > {2 * CMD_PERIOD_NS / 1e6:.0f} ms count as drops)")
+                   f"(between consecutive commands; gaps > {2 * CMD_PERIOD_NS / 1e6:.0f} ms count as drops)")
     out += ["", "| camera | hop | p50 / p99 ms |", "|---|---|---|"]
     for cam, hs in res["hops"].items():
         for hop, t in hs.items():
