@@ -332,7 +332,7 @@ def test_camerad_converts_formats(workers, fmt):
                                            "--height", str(h), "--fps", "40",
                                            "--sensor", "wide"],
                        writes={"frames": ch})
-        road = SyntheticRoad(w, h, seed=0, fps=40)
+        road = synthetic.scene("wide", w, h, seed=0, fps=40)     # the wide lens's view
         for _ in range(3):
             with reader.receive(timeout=15) as msg:
                 info = msg.frame
