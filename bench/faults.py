@@ -395,12 +395,16 @@ def _exits_trial(cfg: str, rng: random.Random) -> dict:
                 if e["event"] == "all_ready":
                     break
         starts = {e["worker"]: e["pid"] for e in events if e["event"] == "start"}
-        if not starts:
-            return {"ok": False, "why": "never started"}
+        if not starts or not any(e["event"] == "all_ready" for e in events):
+            p.kill()
+            return {"ok": False, "why": "never all ready (a start failure, not this fault)"}
         victim = rng.choice(sorted(starts))
         os.kill(starts[victim], signal.SIGKILL)
         time.sleep(rng.uniform(0.0, 0.010))
-        p.send_signal(signal.SIGINT)
+        try:
+            p.send_signal(signal.SIGINT)
+        except ProcessLookupError:
+            pass                           # it ended on its own: its events tell
         for line in p.stderr:
             if line.startswith("{"):
                 events.append(json.loads(line))
