@@ -5,12 +5,14 @@ recorded pace, camerad plays a plain video file, and a fleet replays in parallel
 failed job retried once and reported (and on a local Ray cluster)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pwd
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -29,16 +31,33 @@ if os.geteuid() != 0:
 ROOT = Path(__file__).resolve().parents[1]
 W, H = 320, 240
 
-DEMO = dict(artifact="models/demo/lane-offset", pubkey="models/demo/demo_ed25519.pub",
-            name="lane-offset-demo")
 PIPE = ("camerad", "modeld", "controlsd")
+
+
+@functools.lru_cache(maxsize=1)
+def small_demo() -> dict[str, str]:
+    """The demo model built for this module's small frames, once per test process: the
+    shipped artifact's kernels take a 1928x1208 Y plane as it is (input ABI 2) and reject
+    a 320x240 frame (`too_small`), as a car's model should. Signed with a test key."""
+    if shutil.which("clang") is None:
+        pytest.skip("building the small demo model needs clang (scripts/install.sh --dev)")
+    out = Path(tempfile.mkdtemp(prefix="small-demo-"))
+    env = {k: v for k, v in os.environ.items() if k not in ("CACHEDB", "DEV", "PARALLEL")}
+    b = subprocess.run([sys.executable, "-m", "workers.modelbuild", "--out", str(out / "m"),
+                        "--key", str(out / "k.key"), "--seed", "0", "--frames", "40",
+                        "--val-frames", "8", "--width", str(W), "--height", str(H)],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert b.returncode == 0, b.stderr[-3000:]
+    name = json.loads((out / "m" / "manifest.json").read_text())["model"]["name"]
+    return dict(artifact=str(out / "m"), pubkey=str(out / "k.pub"), name=name)
 
 
 def config(path: Path, *, camera_args=("--width", str(W), "--height", str(H), "--fps", "20"),
            control_binds: tuple[str, ...] = (), mode: str = "vehicle", **model) -> Path:
-    """The vehicle's own pipeline (the embedded default without research), small frames,
-    no standbys; `model` overrides the trusted artifact, key and name."""
-    m = {**DEMO, **model}
+    """The vehicle's own pipeline (the embedded default without research), small frames
+    and the demo model built for them (`small_demo`), no standbys; `model` overrides the
+    trusted artifact, key and name."""
+    m = {**(model if "artifact" in model else small_demo()), **model}
     path.write_text(dumps(derive(default_doc(), drop=("workers.research", "channels.shadow_out"),
                                  set={"workers.camerad.args": list(camera_args),
                                       "channels.road_frames.slot_size": "256KiB",

@@ -277,7 +277,7 @@ def test_supervisor_works_under_the_units_restrictions():
             ["unshare", "--mount", "--propagation", "private", "sh", "-c", _MOUNTS, "sh",
              sys.executable, "-c", _SECCOMP, ",".join(sorted(deny)),
              ",".join(str(int(f)) for f in families), d["UMask"][0],
-             "-m", "supervisor.cli", "audit", "--live", "--format", "json", "--settle", "0.5"],
+             "-m", "supervisor.cli", "audit", "--live", "--start", "--format", "json", "--settle", "0.5"],
             capture_output=True, text=True, env=env, cwd=ROOT, timeout=150)
     finally:
         _remove_sim_cgroups(simcg)

@@ -116,11 +116,12 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
         return [*w.command, *w.args]
 
     def _rlimits(self, w: WorkerConfig) -> dict[str, int]:
-        """rlimits of the sandbox: open fds; the data segment only as a fallback for
-        memory_max when there is no cgroup (RLIMIT_DATA misses shared memory and tmpfs)."""
+        """rlimits of the sandbox: open fds. No RLIMIT_DATA stand-in for a memory_max
+        the cgroups cannot enforce: it counts address space reserved, not memory used (a
+        numpy import with 16 OpenBLAS threads hung under 512 MiB on a GPU machine), and
+        misses shared memory and tmpfs; the limit is reported off instead (one
+        `limits_not_enforced` event, see sandbox.cgroups.LimitsOff)."""
         limits = {}
-        if w.memory_max and self.cgroups is None:
-            limits["data"] = w.memory_max
         if w.nofile:
             limits["nofile"] = w.nofile
         return limits
@@ -143,16 +144,9 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
         return cg.open_join_fds()
 
     def _policy(self, w: WorkerConfig):
-        from supervisor.sandbox import policy_for_domain
+        from supervisor.sandbox.policy import for_worker
 
-        d = self.config.domains[w.domain]
-        m = self.config.models.get(w.model or "")
-        ro = (*d.extra_ro_binds, *((m.artifact, m.public_key) if m else ()))
-        return policy_for_domain(w.domain, network=d.network, extra_ro_binds=ro,
-                                 extra_rw_binds=d.extra_rw_binds, user=d.user,
-                                 profile=d.profile, hide_compilers=d.hide_compilers,
-                                 refuse_torch=d.refuse_torch,
-                                 exec_after_start=d.exec_after_start)
+        return for_worker(self.config, w)    # one derivation for run, check and audit
 
     def _spawn(self, run: WorkerRun) -> None:
         w = run.cfg
@@ -580,23 +574,10 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
         not among them: they report the worker's own exit status, its cause."""
         if run.cgroup is None or not pids:
             return
-        fds: dict[int, int] = {}
-        try:
-            for pid in pids:
-                try:
-                    fds[pid] = os.pidfd_open(pid)
-                except OSError:
-                    pass
-            still = set(run.cgroup.pids())
-            for pid, fd in fds.items():
-                if pid in still:
-                    try:
-                        signal.pidfd_send_signal(fd, signal.SIGKILL)
-                    except OSError:
-                        pass
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+        from supervisor.sandbox.cgroups import kill_listed
+
+        cg = run.cgroup
+        kill_listed(pids, lambda: set(cg.pids()))
 
     async def _last_word(self, run: WorkerRun) -> None:
         """Publish SAFE on each actuation channel `run` writes, once its writer is dead
@@ -767,42 +748,20 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
         cfg = self.config
         self.log.emit("supervisor_start", config=cfg.source, pid=os.getpid(),
                       sandboxed=self.sandboxed, mode=cfg.supervisor.mode)
-        latched = self.latch.read()
-        if latched is not None:
-            self.exit_code = Exit.FAIL_SAFE
-            self.log.emit("supervisor_exit", code=int(Exit.FAIL_SAFE), reason=(
-                f"fail-safe latched at {latched.get('time', '?')} ({latched.get('reason', '?')}); "
-                f"an operator clears it with `supervisor clear-fail-safe` ({self.latch.path})"))
+        refused: set[str] = set()
+        stop = self._latched() or (self._sandbox_preflight() if self.sandboxed else None)
+        if stop is None:
+            refused = set(self.admit())
+            stop = self._refused_required(refused) or self._config_problems(refused)
+        if stop is not None:            # one way out before anything has started
+            code, reason = stop
+            self.exit_code = code
+            if self.cgroups is not None:      # made by the preflight: nothing left behind
+                self.cgroups.close()
+                self.cgroups = None
+            self.log.emit("supervisor_exit", code=int(code), reason=reason)
             task_status.started(self)
-            return Exit.FAIL_SAFE
-        if self.sandboxed:
-            problem = self._sandbox_preflight()
-            if problem:
-                code, reason = problem
-                self.log.emit("supervisor_exit", code=int(code), reason=reason)
-                task_status.started(self)
-                return code
-        refused = set(self.admit())
-        hard = [n for n in refused if not cfg.workers[n].optional]
-        if hard:
-            self.log.emit("supervisor_exit", code=int(Exit.REFUSED),
-                          reason=f"admission refused required worker(s): {', '.join(hard)}")
-            task_status.started(self)
-            return Exit.REFUSED
-        # What `supervisor check` knows before start (modules, paths, users, memory):
-        # one event per problem and exit 2, never six tracebacks and a fail-safe.
-        from supervisor.config import check_runtime
-
-        # (an optional worker admission refused is skipped: nothing about it can fail)
-        problems = [p for p in check_runtime(cfg, sandboxed=self.sandboxed)
-                    if not any(p.key.startswith(f"workers.{n}.") for n in refused)]
-        if problems:
-            for p in problems:
-                self.log.emit("config_problem", problem=str(p))
-            self.log.emit("supervisor_exit", code=int(Exit.CONFIG),
-                          reason=f"{len(problems)} config problem(s): {problems[0]}")
-            task_status.started(self)
-            return Exit.CONFIG
+            return code
         # Stop signals are bytes on a pipe (the CLI installs the handlers before anything
         # else, for the process's whole life): a second signal, or one during start-up,
         # can never cut the ordered stop short or raise. Embedded, we give them back.
@@ -847,6 +806,34 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
                 signals.uninstall()
         return self.exit_code
 
+    def _latched(self) -> tuple[Exit, str] | None:
+        latched = self.latch.read()
+        if latched is None:
+            return None
+        return Exit.FAIL_SAFE, (
+            f"fail-safe latched at {latched.get('time', '?')} ({latched.get('reason', '?')}); "
+            f"an operator clears it with `supervisor clear-fail-safe` ({self.latch.path})")
+
+    def _refused_required(self, refused: set[str]) -> tuple[Exit, str] | None:
+        hard = [n for n in refused if not self.config.workers[n].optional]
+        if not hard:
+            return None
+        return Exit.REFUSED, f"admission refused required worker(s): {', '.join(hard)}"
+
+    def _config_problems(self, refused: set[str]) -> tuple[Exit, str] | None:
+        """What `supervisor check` knows before start (modules, paths, users, memory):
+        one event per problem and exit 2, never six tracebacks and a fail-safe. An
+        optional worker admission refused is skipped: nothing about it can fail."""
+        from supervisor.config import check_runtime
+
+        problems = [p for p in check_runtime(self.config, sandboxed=self.sandboxed)
+                    if not any(p.key.startswith(f"workers.{n}.") for n in refused)]
+        for p in problems:
+            self.log.emit("config_problem", problem=str(p))
+        if not problems:
+            return None
+        return Exit.CONFIG, f"{len(problems)} config problem(s): {problems[0]}"
+
     def _sandbox_preflight(self) -> tuple[Exit, str] | None:
         """What must hold before any sandbox starts: the tools, the domain users, and
         the cgroups that enforce memory/pids/CPU limits (logged when unavailable)."""
@@ -863,14 +850,19 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
             self.log.emit("domain_user", domain=name, host_uid=uid, host_gid=gid,
                           user=d.user or None)
         if os.geteuid() == 0:
-            from supervisor.sandbox.cgroups import CgroupTree, CgroupUnavailable
+            from supervisor.sandbox.cgroups import CgroupTree, CgroupUnavailable, limits_off
 
             try:
-                self.cgroups = CgroupTree.create()
+                # The controllers there are (a machine may delegate only some): what
+                # can be enforced is, the rest is said once, and everything runs.
+                self.cgroups = CgroupTree.create(partial=True)
             except (CgroupUnavailable, OSError) as e:
-                self.log.emit("limits_not_enforced", reason=f"cgroups unavailable: {e}")
+                self.log.emit("limits_not_enforced", **limits_off(None, str(e)).event())
             else:
                 self.log.emit("cgroups", version=self.cgroups.version)
+                off = limits_off(self.cgroups)
+                if off is not None:
+                    self.log.emit("limits_not_enforced", **off.event())
         self._reserve_realtime()
         return None
 

@@ -28,10 +28,11 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 __all__ = ["CGROUP_ROOT", "CgroupTree", "CgroupUnavailable", "Limits", "LimitsOff",
-           "WorkerCgroup", "limits_off"]
+           "WorkerCgroup", "kill_listed", "limits_off"]
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 CONTROLLERS = ("memory", "pids", "cpu")
@@ -165,29 +166,35 @@ def _members(tops: list[str]) -> set[int]:
     return {pid for top in tops for d in _subtree(top) for pid in _procs(d)}
 
 
-def _kill_members(tops: list[str]) -> None:
-    """SIGKILL every process listed under tops, without hitting a recycled pid.
+def kill_listed(pids: Iterable[int], listed: Callable[[], set[int]]) -> None:
+    """SIGKILL each of `pids` that `listed()` still lists once its pidfd is open.
 
-    A pidfd opened while its pid is still listed in the cgroup refers to that very
-    process, so: open pidfds, re-read membership, signal only those still listed.
+    A pidfd opened while its pid is still listed (in a cgroup) refers to that very
+    process, so: open pidfds, re-read the listing, signal only those still listed:
+    never a recycled pid.
     """
     fds: dict[int, int] = {}
     try:
-        for pid in _members(tops):
+        for pid in pids:
             try:
                 fds[pid] = os.pidfd_open(pid)
-            except ProcessLookupError:
+            except OSError:
                 pass
-        still = _members(tops)
+        still = listed()
         for pid, fd in fds.items():
             if pid in still:
                 try:
                     signal.pidfd_send_signal(fd, signal.SIGKILL)
-                except ProcessLookupError:
+                except OSError:
                     pass
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def _kill_members(tops: list[str]) -> None:
+    """SIGKILL every process listed under tops, without hitting a recycled pid."""
+    kill_listed(_members(tops), lambda: _members(tops))
 
 
 def _kill_tree(tops: list[str], version: int, timeout: float = _KILL_TIMEOUT) -> None:

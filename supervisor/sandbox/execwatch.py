@@ -106,8 +106,10 @@ _procmap_query_works: bool | None = None  # None: not tried yet
 
 # How long one judgement may take before it is refused instead ("too slow to judge"),
 # and how many mappings one mprotect may span.
-JUDGE_BUDGET_S = 0.05  # CPU time of this thread (system time: reading /proc)
-JUDGE_WALL_S = 0.5  # wall time (a lock held by the worker; a descheduled supervisor)
+# Bounds on a hostile worker's cost to us, not deadlines for an honest one: a loaded
+# 2-core machine took 61 ms of CPU for camerad's judgement once (refused at 50 ms).
+JUDGE_BUDGET_S = 0.25  # CPU time of this thread (system time: reading /proc)
+JUDGE_WALL_S = 2.0  # wall time (a lock held by the worker; a descheduled supervisor)
 MAX_RANGE_MAPPINGS = 1024
 # How long the worker's threads may take to stop, and the caller to make an allowed call
 # and stop. Scheduling, not our work: longer than a judgement's budget on a loaded
