@@ -96,7 +96,7 @@ _WORKER_KEYS: dict[str, Callable[[Any], Any]] = {
     "restart": _choice("always", "on-failure", "never"),
     "backoff_initial_ms": _int(1, MS_MAX, " ms"),
     "backoff_max_ms": _int(1, MS_MAX, " ms"),
-    "max_restarts": _int(0, 10_000),
+    "max_restarts": _int(0, 1_000_000),   # a soak kills workers by the thousand
     "restart_window_s": _number(0.0, S_MAX, unit=" s"),
     "cooldown_s": _number(0.0, S_MAX, unit=" s", zero_ok=True),     # 0: never again
     "warm_standby": _bool,
