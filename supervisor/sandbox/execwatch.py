@@ -574,7 +574,7 @@ def mappings_in_range(pid: int, start: int, end: int, budget: _Budget | None = N
     global _procmap_query_works
     if _procmap_query_works is not False:
         try:
-            got = _query_range(pid, start, end, budget)
+            got = _query(pid, start, end, budget, holes=False)
             _procmap_query_works = True
             return got
         except OSError as e:
@@ -589,25 +589,33 @@ def _too_many(n: int) -> None:
         raise TooSlow(f"too slow to judge: the range spans more than {MAX_RANGE_MAPPINGS} mappings")
 
 
-def _query_range(pid: int, start: int, end: int, budget: _Budget | None) -> list[Vma]:
+def _query(pid: int, start: int, end: int, budget: _Budget | None, *,
+           holes: bool, exec_only: bool = False) -> list[Vma]:
+    """PROCMAP_QUERY over [start, end): one ioctl per mapping. `holes`: a gap ends the
+    walk quietly (vmas_between); else it raises Hole (mappings_in_range, a whole range)."""
     name = ctypes.create_string_buffer(_NAME_MAX)
     name_addr = ctypes.addressof(name)
+    flags = _PMQ_COVERING_OR_NEXT | (_PMQ_X if exec_only else 0)
     out: list[Vma] = []
     fd = os.open(f"/proc/{pid}/maps", os.O_RDONLY | os.O_CLOEXEC)
     try:
         cur = start
         while cur < end:
-            buf = bytearray(_PMQ.pack(_PMQ.size, _PMQ_COVERING_OR_NEXT, cur, 0, 0, 0, 0, 0, 0,
+            buf = bytearray(_PMQ.pack(_PMQ.size, flags, cur, 0, 0, 0, 0, 0, 0,
                                       0, 0, _NAME_MAX, 0, name_addr, 0))
             try:
                 fcntl.ioctl(fd, _PROCMAP_QUERY, buf, True)
             except OSError as e:
-                if e.errno == errno.ENOENT:  # nothing at or after cur
-                    raise Hole(cur) from None
-                raise
+                if e.errno != errno.ENOENT:  # ENOENT: nothing at or after cur
+                    raise
+                if holes:
+                    break
+                raise Hole(cur) from None
             (_sz, _fl, _a, lo, hi, vflags, _psz, offset, inode, major, minor, name_size,
              _bsz, _na, _ba) = _PMQ.unpack(buf)
-            if lo > cur:
+            if lo >= end and holes:
+                break
+            if lo > cur and not holes:
                 raise Hole(cur)
             perms = ("r" if vflags & _PMQ_R else "-") + ("w" if vflags & _PMQ_W else "-") + \
                     ("x" if vflags & _PMQ_X else "-") + ("s" if vflags & _PMQ_SHARED else "p")
@@ -622,27 +630,33 @@ def _query_range(pid: int, start: int, end: int, budget: _Budget | None) -> list
     return out
 
 
-def _maps_range(pid: int, start: int, end: int, budget: _Budget | None) -> list[Vma]:
-    out: list[Vma] = []
-    cur = start
+def _maps_lines(pid: int, budget: _Budget | None):
+    """Each mapping of /proc/PID/maps as a Vma, in order (the text, for older kernels)."""
     with open(f"/proc/{pid}/maps", encoding="utf-8", errors="surrogateescape") as f:
         for n, line in enumerate(f):
             if budget is not None and n % 256 == 0:
                 budget.check()
             fields = line.rstrip("\n").split(None, 5)
             lo_s, _, hi_s = fields[0].partition("-")
-            lo, hi = int(lo_s, 16), int(hi_s, 16)
-            if hi <= cur:
-                continue
-            if lo > cur:
-                raise Hole(cur)
             major, _, minor = fields[3].partition(":")
-            out.append(Vma(lo, hi, fields[1], int(fields[2], 16), (int(major, 16), int(minor, 16)),
-                           int(fields[4]), fields[5] if len(fields) > 5 else ""))
-            _too_many(len(out))
-            cur = hi
-            if cur >= end:
-                return out
+            yield Vma(int(lo_s, 16), int(hi_s, 16), fields[1], int(fields[2], 16),
+                      (int(major, 16), int(minor, 16)), int(fields[4]),
+                      fields[5] if len(fields) > 5 else "")
+
+
+def _maps_range(pid: int, start: int, end: int, budget: _Budget | None) -> list[Vma]:
+    out: list[Vma] = []
+    cur = start
+    for v in _maps_lines(pid, budget):
+        if v.end <= cur:
+            continue
+        if v.start > cur:
+            raise Hole(cur)
+        out.append(v)
+        _too_many(len(out))
+        cur = v.end
+        if cur >= end:
+            return out
     raise Hole(cur)
 
 
@@ -661,61 +675,18 @@ def vmas_between(pid: int, start: int, end: int, *, exec_only: bool = False,
     only with `exec_only`): PROCMAP_QUERY where the kernel has it, else the maps text."""
     if _procmap_query_works is not False:
         try:
-            return _query_between(pid, start, end, exec_only, budget)
+            return _query(pid, start, end, budget, holes=True, exec_only=exec_only)
         except OSError as e:
             if e.errno not in (errno.ENOTTY, errno.EINVAL, errno.EOPNOTSUPP):
                 raise
     out = []
-    with open(f"/proc/{pid}/maps", encoding="utf-8", errors="surrogateescape") as f:
-        for n, line in enumerate(f):
-            if budget is not None and n % 256 == 0:
-                budget.check()
-            fields = line.rstrip("\n").split(None, 5)
-            lo_s, _, hi_s = fields[0].partition("-")
-            lo, hi = int(lo_s, 16), int(hi_s, 16)
-            if hi <= start or (exec_only and "x" not in fields[1]):
-                continue
-            if lo >= end:
-                break
-            major, _, minor = fields[3].partition(":")
-            out.append(Vma(lo, hi, fields[1], int(fields[2], 16), (int(major, 16), int(minor, 16)),
-                           int(fields[4]), fields[5] if len(fields) > 5 else ""))
-            _too_many(len(out))
-    return out
-
-
-def _query_between(pid: int, start: int, end: int, exec_only: bool,
-                   budget: _Budget | None) -> list[Vma]:
-    name = ctypes.create_string_buffer(_NAME_MAX)
-    name_addr = ctypes.addressof(name)
-    flags = _PMQ_COVERING_OR_NEXT | (_PMQ_X if exec_only else 0)
-    out: list[Vma] = []
-    fd = os.open(f"/proc/{pid}/maps", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        cur = start
-        while cur < end:
-            buf = bytearray(_PMQ.pack(_PMQ.size, flags, cur, 0, 0, 0, 0, 0, 0,
-                                      0, 0, _NAME_MAX, 0, name_addr, 0))
-            try:
-                fcntl.ioctl(fd, _PROCMAP_QUERY, buf, True)
-            except OSError as e:
-                if e.errno == errno.ENOENT:
-                    break
-                raise
-            (_sz, _fl, _a, lo, hi, vflags, _psz, offset, inode, major, minor, name_size,
-             _bsz, _na, _ba) = _PMQ.unpack(buf)
-            if lo >= end:
-                break
-            perms = ("r" if vflags & _PMQ_R else "-") + ("w" if vflags & _PMQ_W else "-") + \
-                    ("x" if vflags & _PMQ_X else "-") + ("s" if vflags & _PMQ_SHARED else "p")
-            text = name.raw[: max(name_size - 1, 0)].decode("utf-8", "surrogateescape")
-            out.append(Vma(lo, hi, perms, offset, (major, minor), inode, text))
-            _too_many(len(out))
-            if budget is not None:
-                budget.check()
-            cur = hi
-    finally:
-        os.close(fd)
+    for v in _maps_lines(pid, budget):
+        if v.end <= start or (exec_only and "x" not in v.perms):
+            continue
+        if v.start >= end:
+            break
+        out.append(v)
+        _too_many(len(out))
     return out
 
 
