@@ -377,13 +377,23 @@ def test_publish_writes_what_encode_writes(make_channel):
     with Writer(ch.writer_handle()) as w, Reader(ch.reader_handle(0)) as r:
         out = NextLoan(w, CONTROL_CMD.shape, np.float32)
         for cmd in (Command(-0.125, True, SafeReason.OK, 12.5),
-                    Command(0.1, False, SafeReason.FUTURE, 1.8e13)):
-            _publish(out, cmd)
+                    Command(0.1, False, SafeReason.FUTURE, 1.8e13),
+                    Command(0.0, False, SafeReason.NO_INPUT, -1.0, frame_id=None)):
+            cmd = cmd if cmd.reason == SafeReason.NO_INPUT else cmd._replace(frame_id=77)
+            now = time.monotonic_ns()
+            _publish(out, cmd, now)
             with r.receive(timeout=2) as msg:
                 got = msg.array.tobytes()
+                stamp = msg.stamp
             want = CONTROL_CMD.encode(steer_rad=cmd.steer_rad, engaged=float(cmd.engaged),
                                       reason=float(cmd.reason), model_age_ms=cmd.model_age_ms)
             assert got == want.tobytes()
+            # The header names the frame the command came from and when the law stepped
+            # (what a replay pairs and steps by); nothing before the first output.
+            if cmd.frame_id is None:
+                assert stamp.frame_id is None
+            else:
+                assert (stamp.frame_id, stamp.capture_ts_ns) == (77, now)
 
 
 def test_the_rehearsal_changes_neither_the_law_nor_what_is_published(make_channel):

@@ -517,3 +517,21 @@ def frame_times(directory: str | os.PathLike, channel: str) -> dict[int, int]:
         if magic == VIX_MAGIC and struct.unpack_from("<I", rec, VIX.size)[0] == zlib.crc32(rec[:VIX.size]):
             out[fid] = ts
     return out
+
+
+def command_steps(directory: str | os.PathLike, channel: str) -> list[tuple[int, int]]:
+    """(step time ns, frame id) of each recorded command on ``channel`` that carries a
+    frame id, in the order they were published: a live controlsd stamps every command
+    with the frame id of the newest model output it used and with the clock reading
+    its law stepped at (header capture time), so this is the car's own control clock.
+    Empty for a log recorded before commands carried frame ids. Bad records are
+    skipped (the replay's summary reports the input log's loss)."""
+    out: list[tuple[int, int, int]] = []
+    for e in read_entries(Path(directory) / MESSAGES):
+        if e.which() != "message":
+            continue
+        m = e.message
+        if m.channel == channel and m.hasFrameId and m.captureTsNs > 0:
+            out.append((m.sequence, m.captureTsNs, m.frameId))
+    out.sort()
+    return [(t, fid) for _, t, fid in out]

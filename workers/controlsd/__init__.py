@@ -18,7 +18,10 @@ that puts the command in the safe state with reason FUTURE at once, and engageme
 comes back only through the usual ``--engage-count`` good outputs in a row.
 
 Output: ``command`` float32[4] = (steer_rad, engaged 0/1, safe_state reason code,
-model_age_ms) — see `law.SafeReason` for the codes and `law` for the law itself. A
+model_age_ms) — see `law.SafeReason` for the codes and `law` for the law itself. Each
+command's header carries the frame id of the newest model output it was computed from
+and, as its capture time, the time the law stepped at (none before the first output):
+a recorded drive pairs commands with frames, and a replay steps where the car did. A
 command is published on every new model output and at least every ``1/--hz`` s without
 one, so the safe state (TIMEOUT after ``--timeout-ms`` of silence) shows up on the
 output even when the model is gone. On SIGTERM one last command with engaged=0 and
@@ -129,9 +132,17 @@ def _fill(out: NextLoan, cmd: Command) -> None:
     a[_AGE] = cmd.model_age_ms
 
 
-def _publish(out: NextLoan, cmd: Command) -> None:
+def _publish(out: NextLoan, cmd: Command, now_ns: int | None = None) -> None:
+    """The command, stamped with the frame id of the newest model output it used and
+    the time its law stepped at (header capture time): a log of the drive then pairs
+    commands with frames, and a replay steps its law where this one did
+    (workers/controlsd/logclock.py). None before the first output: nothing to name."""
     _fill(out, cmd)
-    out.publish()
+    if cmd.frame_id is None:
+        out.publish()
+    else:
+        out.publish(frame_id=cmd.frame_id,
+                    capture_ts_ns=time.monotonic_ns() if now_ns is None else now_ns)
 
 
 def rehearsal(law: ControlLaw, out: NextLoan):
@@ -179,10 +190,11 @@ def main(ctx: WorkerContext) -> int:
 
         try:
             times = logclock.load_clock(a.log_clock, a.log_channel)
+            steps = logclock.load_steps(a.log_clock, ctx.channel_of("command"))
         except Exception as e:   # LogError: the log cannot place outputs in time
             ctx.log(f"--log-clock: {e}")
             return 2
-        return logclock.run(ctx, a, reader, writer, law, times, model_output_of)
+        return logclock.run(ctx, a, reader, writer, law, times, model_output_of, steps)
     out = NextLoan(writer, CONTROL_CMD.shape, np.float32)
     if poll:
         reader.rehearse(rehearsal(law, out))
@@ -238,7 +250,7 @@ def main(ctx: WorkerContext) -> int:
         last = law.step(new, now)
         if new is not None and last.reason == SafeReason.FUTURE:
             future += 1         # refused by the bridge, or caught by the law itself
-        _publish(out, last)
+        _publish(out, last, now)
         published += 1
         next_tick = now + tick
         if now >= next_status:
@@ -256,7 +268,8 @@ def main(ctx: WorkerContext) -> int:
                 f"{f' busy_poll={st.busy_poll_hits}/{st.busy_poll_misses}' if poll else ''}"
                 f"{f' rehearsals={st.rehearsals}' if poll else ''}"
                 f"{f' rehearsal_off={st.rehearsal_error!r}' if st.rehearsal_error else ''}")
-    final = law.step(None, time.monotonic_ns(), hold=SafeReason.SHUTDOWN)
-    _publish(out, final)
+    now = time.monotonic_ns()
+    final = law.step(None, now, hold=SafeReason.SHUTDOWN)
+    _publish(out, final, now)
     ctx.status(f"stopped: engaged=0 reason=SHUTDOWN commands={published + 1}")
     return 0

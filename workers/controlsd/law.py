@@ -177,6 +177,11 @@ class ControlLaw:
         self._latest_rx_ns: int | None = None
         self._streak = 0
 
+    @property
+    def last_ns(self) -> int | None:
+        """The time of the last step (None before the first)."""
+        return self._last_ns
+
     def judge(self, out: ModelOutput | None, rx_ns: int | None, now_ns: int) -> SafeReason:
         """Why ``out`` (received at ``rx_ns``) may not drive the car now, or OK."""
         c = self.cfg

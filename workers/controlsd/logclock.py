@@ -1,12 +1,24 @@
 """controlsd on the log's clock (``--log-clock LOG``): what `supervisor replay` runs.
 
 Live, controlsd judges model outputs against the wall clock and also publishes between
-outputs (at least ``--hz``), so its commands depend on scheduling. On log time they do
-not: each model output is stepped through the same `ControlLaw` at the recorded capture
-time of its frame (looked up by frame id in the log's video index, read before READY),
-with that time as the output's age reference, and exactly one command is published per
-output, carrying the frame id in its header. Two replays of one log therefore give
-bit-identical commands, and camerad's lockstep waits for that frame id.
+outputs (at least ``--hz``), so its commands depend on scheduling. In a replay they do
+not: the law steps on the clock the log recorded, read before READY, and exactly one
+command is published per model output, carrying the frame id in its header. Two
+replays of one log therefore give bit-identical commands, and camerad's lockstep waits
+for that frame id. Which clock:
+
+* **The drive's** (a log whose commands carry frame ids: every live command is stamped
+  with the frame id of the newest output it used and the time its law stepped at).
+  The law steps exactly where the car's did: the car's steps between outputs are
+  replayed without publishing (they move the rate-limited steer and can time out),
+  and each output is stepped at the time the car first acted on it, with the frame's
+  recorded capture time as its age reference. With the car's model outputs (a
+  lossless log, the same model) the commands are the car's, bit for bit: `--ref self`
+  compares them. An output the car never acted on (it took a newer one) still gets a
+  command, from a copy of the law, so the car's own steps stay exact (status
+  ``off_drive=``; a comparison shows it as added).
+* **The frames'** (an older log): each output is stepped at the recorded capture time
+  of its frame, which is also its age reference.
 
 An output whose frame id is not in the log (it cannot be placed in time) gets no
 command and is counted (status ``unplaced=``). On SIGTERM one last SHUTDOWN command
@@ -14,6 +26,7 @@ command and is counted (status ``unplaced=``). On SIGTERM one last SHUTDOWN comm
 """
 from __future__ import annotations
 
+import copy
 import signal
 import time
 
@@ -33,6 +46,40 @@ def load_clock(log_dir: str, channel: str) -> dict[int, int]:
     return frame_times(log_dir, channel)
 
 
+def load_steps(log_dir: str, command_channel: str) -> list[tuple[int, int]]:
+    """The car's control steps (time ns, frame id), empty for an older log."""
+    from supervisor.replay.logfmt import command_steps
+
+    return command_steps(log_dir, command_channel)
+
+
+class DriveClock:
+    """Where the car's law stepped: replays its steps up to each output's own."""
+
+    def __init__(self, steps: list[tuple[int, int]]) -> None:
+        self.steps = steps
+        self.first: dict[int, int] = {}
+        for k, (_, fid) in enumerate(steps):
+            self.first.setdefault(fid, k)
+        self.next = 0               # the first step not replayed yet
+
+    def step(self, law: ControlLaw, out, t_capture: int) -> tuple[Command, int, bool]:
+        """(command, step time, on the drive's clock) for output ``out`` of a frame
+        captured at ``t_capture``."""
+        out = out._replace(ts_ns=t_capture)
+        k = self.first.get(out.frame_id)
+        if k is None or k < self.next:
+            # The car never acted on this output: a copy of the law answers for it.
+            last = law.last_ns
+            now = t_capture if last is None else max(t_capture, last)
+            return copy.copy(law).step(out, now), now, False
+        for t, _ in self.steps[self.next:k]:
+            law.step(None, t)        # the car's steps between outputs: not published
+        self.next = k + 1
+        now = self.steps[k][0]
+        return law.step(out, now), now, True
+
+
 def publish(writer, cmd: Command, frame_id: int | None) -> None:
     with writer.loan() as loan:
         CONTROL_CMD.encode(loan.array(CONTROL_CMD.shape, np.float32),
@@ -46,12 +93,16 @@ def publish(writer, cmd: Command, frame_id: int | None) -> None:
             loan.publish(frame_id=frame_id, capture_ts_ns=time.monotonic_ns())
 
 
-def run(ctx, a, reader, writer, law: ControlLaw, times: dict[int, int], model_output_of) -> int:
+def run(ctx, a, reader, writer, law: ControlLaw, times: dict[int, int], model_output_of,
+        steps: list[tuple[int, int]] | None = None) -> int:
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    drive = DriveClock(steps) if steps else None
+    which = "drive" if drive else "frames"
     ctx.ready(status=f"{ctx.channel_of('model')} -> {ctx.channel_of('command')} on log time "
-                     f"({len(times)} frames)")
-    outputs = published = unplaced = rejected = lost = 0
+                     f"({len(times)} frames, clock={which}"
+                     f"{f', {len(steps)} steps' if steps else ''})")
+    outputs = published = unplaced = rejected = lost = off_drive = 0
     last_t = None
     last_ping = status_at = 0.0
     while not stop:
@@ -80,18 +131,24 @@ def run(ctx, a, reader, writer, law: ControlLaw, times: dict[int, int], model_ou
         if t is None:
             unplaced += 1
             continue
-        cmd = law.step(got._replace(ts_ns=t), t)
+        if drive is None:
+            cmd, now = law.step(got._replace(ts_ns=t), t), t
+        else:
+            cmd, now, on_drive = drive.step(law, got, t)
+            off_drive += not on_drive
         publish(writer, cmd, got.frame_id)
         published += 1
-        last_t = t
+        last_t = now
         if time.monotonic() - status_at >= a.status_s:
             status_at = time.monotonic()
             ctx.status(f"log_clock engaged={int(cmd.engaged)} reason={cmd.reason.name} "
                        f"frame={got.frame_id} outputs={outputs} commands={published} "
-                       f"unplaced={unplaced} rejected={rejected} leases_lost={lost}")
+                       f"unplaced={unplaced} off_drive={off_drive} rejected={rejected} "
+                       f"leases_lost={lost}")
     if last_t is not None:
         publish(writer, law.step(None, last_t, hold=SafeReason.SHUTDOWN), None)
     # The final word (a replay's summary shows it): what this run did in all.
-    ctx.status(f"log_clock stopped outputs={outputs} commands={published} "
-               f"unplaced={unplaced} rejected={rejected} leases_lost={lost}")
+    ctx.status(f"log_clock stopped clock={which} outputs={outputs} commands={published} "
+               f"unplaced={unplaced} off_drive={off_drive} rejected={rejected} "
+               f"leases_lost={lost}")
     return 0
