@@ -182,12 +182,11 @@ def audit(cfg: Config, *, live: bool = False, factory: Callable[[Config, Any], A
     from . import promise as pr
 
     say = progress or (lambda msg: None)
-    sup = pr.quiet_supervisor(cfg)
     report: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "mode": "live" if live else "config",
                               "config": cfg.source}
     if live:
         say("deriving the promise from the config")
-        promised = [pr.worker_row(cfg, w, sup=sup) for w in cfg.workers.values()]
+        promised = [pr.worker_row(cfg, w) for w in cfg.workers.values()]
         got = _collect(cfg, promised, running, factory, settle_s, timeout_s, say)
         _admission_at_start(promised, got)
         rows, diffs = _observed(promised, got)
@@ -207,7 +206,7 @@ def audit(cfg: Config, *, live: bool = False, factory: Callable[[Config, Any], A
                       host_namespaces=got.get("host"))
     else:
         admitted = pr.admission(cfg)
-        rows = [pr.worker_row(cfg, w, sup=sup, admitted=admitted[w.name])
+        rows = [pr.worker_row(cfg, w, admitted=admitted[w.name])
                 for w in cfg.workers.values()]
         report.update(result="promise", exit_code=EXIT_MATCH, workers=rows, differences=[])
     report["channels"] = pr.channel_rows(cfg)
@@ -215,7 +214,7 @@ def audit(cfg: Config, *, live: bool = False, factory: Callable[[Config, Any], A
     from .sections import add_sections
 
     say("adding the reviewer's sections")
-    report = add_sections(report, cfg, sup)
+    report = add_sections(report, cfg)
     if running is not None:
         # What the supervisor was started with, and what it was audited against (they
         # differ when --config names another file: then the differences say how).

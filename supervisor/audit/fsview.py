@@ -1,5 +1,5 @@
 """Each worker's filesystem view, read off the bubblewrap command line the supervisor
-would run: `promise.policy` (`Supervisor._policy` -> `sandbox.policy.policy_for_domain`)
+would run: `promise.policy` (`sandbox.policy.for_worker`, as the supervisor)
 then `sandbox.bwrap.build_bwrap_argv`, parsed back into mounts. Nothing is restated here:
 a bind the policy adds or drops shows up (or disappears) in the report by itself.
 
@@ -87,13 +87,13 @@ def _parse(argv: list[str]) -> list[dict[str, Any]]:
     return [mounts[p] for p in order]
 
 
-def view_of(cfg: Config, w: WorkerConfig, sup=None) -> dict[str, Any]:
+def view_of(cfg: Config, w: WorkerConfig) -> dict[str, Any]:
     """{mounts, masked: [paths], whiteouts: {dir: [names]}, writable: [paths], error}."""
     from supervisor.sandbox.bwrap import build_bwrap_argv
 
     from .promise import policy
 
-    pol, why = policy(cfg, w, sup)
+    pol, why = policy(cfg, w)
     if pol is None:
         return {"mounts": [], "masked": [], "whiteouts": {}, "writable": [], "error": why}
     hidden: dict[str, list[str]] = {}
@@ -115,8 +115,8 @@ def view_of(cfg: Config, w: WorkerConfig, sup=None) -> dict[str, Any]:
     }
 
 
-def views(cfg: Config, sup=None) -> dict[str, dict[str, Any]]:
-    return {w.name: view_of(cfg, w, sup) for w in cfg.workers.values()}
+def views(cfg: Config) -> dict[str, dict[str, Any]]:
+    return {w.name: view_of(cfg, w) for w in cfg.workers.values()}
 
 
 # --------------------------------------------------------------------------- live

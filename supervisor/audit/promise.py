@@ -69,11 +69,13 @@ def user_ids(name: str) -> tuple[int | None, int | None]:
     return pw.pw_uid, pw.pw_gid
 
 
-def policy(cfg: Config, w: WorkerConfig, sup=None):
-    """(SandboxPolicy, None) as the supervisor would build it, or (None, why not)."""
-    sup = sup or quiet_supervisor(cfg)
+def policy(cfg: Config, w: WorkerConfig):
+    """(SandboxPolicy, None) as the supervisor builds it (the same pure function), or
+    (None, why not)."""
+    from supervisor.sandbox.policy import for_worker
+
     try:
-        return sup._policy(w), None
+        return for_worker(cfg, w), None
     except (LookupError, ValueError, OSError) as e:
         return None, str(e.args[0] if e.args else e)
 
@@ -314,11 +316,11 @@ def admission(cfg: Config) -> dict[str, dict[str, Any]]:
     return out
 
 
-def worker_row(cfg: Config, w: WorkerConfig, *, sup=None,
+def worker_row(cfg: Config, w: WorkerConfig, *,
                admitted: dict[str, Any] | None = None) -> dict[str, Any]:
     d = cfg.domains[w.domain]
     profile = profile_of(cfg, w)
-    pol, why = policy(cfg, w, sup)
+    pol, why = policy(cfg, w)
     is_strict = pol.strict if pol is not None else strict(profile)
     network = pol.network if pol is not None else bool(d.network)
     user = domain_user(cfg, w)

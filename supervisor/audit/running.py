@@ -198,7 +198,7 @@ def _fd_targets(pid: int) -> dict[str, list[dict[str, Any]]]:
 
 def cgroup_in_force(pid: int) -> dict[str, Any] | None:
     """The limits in force for the cgroup ``pid`` is in (sandbox.cgroups' reader)."""
-    from supervisor.sandbox.cgroups import CONTROLLERS, Limits, WorkerCgroup
+    from supervisor.sandbox.cgroups import CONTROLLERS, WorkerCgroup
 
     try:
         lines = ev._read(f"/proc/{pid}/cgroup").splitlines()
@@ -235,11 +235,8 @@ def cgroup_in_force(pid: int) -> dict[str, Any] | None:
         dirs = {c: os.path.normpath(f"{v2_mount[0]}/{v2}") for c in CONTROLLERS}
     else:
         return None
-    cg = WorkerCgroup(os.path.basename(dirs[CONTROLLERS[0]]), Limits(), version, dirs,
-                      CONTROLLERS)
-    # An existing leaf, read only: its identity is the directories as they are now.
-    cg._inos = tuple(os.stat(p).st_ino for p in cg.paths)
     try:
+        cg = WorkerCgroup.existing(version, {c: dirs[c] for c in CONTROLLERS}, CONTROLLERS)
         force = cg.in_force()
         force["member"] = pid in cg.pids()
     except OSError as e:

@@ -8,14 +8,14 @@ from typing import Any
 from supervisor.config import Config
 
 
-def add_sections(report: dict[str, Any], cfg: Config, sup=None) -> dict[str, Any]:
+def add_sections(report: dict[str, Any], cfg: Config) -> dict[str, Any]:
     from . import failure, fsview, paths, provenance, syscalls
 
     rows = report.get("promised") or report["workers"]
     report["provenance"] = provenance.provenance(cfg, rows)
     report["interference_paths"] = paths.interference_paths(cfg)
     report["failure"] = failure.failure_rows(cfg)
-    report["filesystem"] = fsview.views(cfg, sup)
+    report["filesystem"] = fsview.views(cfg)
     report["syscalls"] = syscalls.policies(cfg)
     for r in report["workers"] + (report.get("promised") or []):
         if isinstance(r.get("seccomp"), dict) and r.get("domain") in report["syscalls"]["by_domain"]:

@@ -313,12 +313,25 @@ class WorkerCgroup:
         self.paths: tuple[str, ...] = tuple(dict.fromkeys(dirs.values()))
         self._inos: tuple[int, ...] = ()
 
-    def _create(self) -> None:
-        for p in self.paths:
-            os.mkdir(p)
+    @classmethod
+    def existing(cls, version: int, dirs: dict[str, str],
+                 controllers: tuple[str, ...]) -> "WorkerCgroup":
+        """A handle on a leaf someone else made (the audit of a running supervisor reads
+        one): its identity is its directories as they are now."""
+        cg = cls(os.path.basename(next(iter(dirs.values()))), Limits(), version, dirs,
+                 controllers)
+        cg._remember()
+        return cg
+
+    def _remember(self) -> None:
         # kernfs inode numbers are never reused, so they tell this leaf from a later one
         # of the same name: a stale handle must not kill or remove its successor.
         self._inos = tuple(os.stat(p).st_ino for p in self.paths)
+
+    def _create(self) -> None:
+        for p in self.paths:
+            os.mkdir(p)
+        self._remember()
         self._apply()
 
     def _apply(self) -> None:
