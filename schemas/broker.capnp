@@ -1,0 +1,121 @@
+# The privileged broker's vocabulary (supervisor/broker, docs/broker.md): the only
+# messages the supervisor proper may send to the process that holds root. One message
+# per SOCK_SEQPACKET datagram; fds travel beside it with SCM_RIGHTS, in the order each
+# request or reply names. Nothing here carries an argv, a uid, a bind or a path: the
+# broker builds every launch from the config it loaded itself at start.
+@0xbccbd2aa7bb29a5a;
+
+enum Signal {
+  term @0;
+  kill @1;
+  int @2;
+  hup @3;
+  usr1 @4;
+  usr2 @5;
+}
+
+# The /proc files the exec watch, the maps scan and the audit read (opened by the broker,
+# so the kernel's access check at open is the broker's; read by the supervisor proper).
+enum ProcFile {
+  status @0;
+  stat @1;
+  maps @2;
+  mountinfo @3;
+  cgroup @4;
+  mem @5;         # read-only: the exec watch reads a syscall's path argument
+}
+
+enum ChannelRole {
+  writer @0;
+  reader @1;
+}
+
+# One channel the worker of a start request is handed: the fds of its handle, in the
+# order WriterHandle.fds() / ReaderHandle.fds() give them.
+struct ChannelGrant {
+  channel @0 :Text;
+  role @1 :ChannelRole;
+  fdCount @2 :UInt16;
+}
+
+# One incarnation of a worker (a run or a standby): the name of what the broker started.
+struct Sandbox {
+  worker @0 :Text;
+  incarnation @1 :UInt32;
+}
+
+struct Start {
+  worker @0 :Text;
+  incarnation @1 :UInt32;     # never reused for a worker
+  standby @2 :Bool;           # no channels; a control socket instead
+  channels @3 :List(ChannelGrant);
+}
+
+struct SignalPid {
+  pid @0 :Int32;
+  signal @1 :Signal;
+}
+
+struct OpenProc {
+  pid @0 :Int32;
+  files @1 :List(ProcFile);
+}
+
+struct Request {
+  id @0 :UInt32;              # echoed in the reply
+  union {
+    ping @1 :Void;
+    start @2 :Start;          # fds: every grant's fds, in grant order
+    signal @3 :SignalPid;
+    killSandbox @4 :Sandbox;  # SIGKILL to its bwrap and everything in its cgroup
+    reap @5 :Sandbox;
+    pids @6 :Sandbox;         # host pids of the sandbox's processes
+    openProc @7 :OpenProc;
+    setLatch @8 :Text;        # the reason; the broker writes state_dir/failsafe.latch
+    clearLatch @9 :Void;
+    readLatch @10 :Void;
+    realtime @11 :Sandbox;    # SCHED_FIFO at the worker's configured priority
+  }
+}
+
+enum ErrorCode {
+  malformed @0;      # not a message of this schema
+  tooLarge @1;       # over the broker's message size
+  badFds @2;         # fds where none belong, too many, or of the wrong kind
+  unknownWorker @3;  # not a worker of the broker's config
+  notOurs @4;        # a pid or incarnation the broker did not start
+  refused @5;        # against the broker's config (uid 0, a bind, the state dir...)
+  failed @6;         # allowed, but the kernel or bwrap said no
+}
+
+struct Error {
+  code @0 :ErrorCode;
+  reason @1 :Text;
+}
+
+struct Started {
+  pid @0 :Int32;              # the outer bwrap (host pid)
+  hostUid @1 :Int32;          # -1: the broker's own (not root)
+  cgroup @2 :Bool;
+  execWatch @3 :Bool;         # fds: pidfd, status read end, output read end,
+  control @4 :Bool;           #      [exec-watch socket], [standby control socket]
+}
+
+struct Reaped {
+  exited @0 :Bool;
+  code @1 :Int32;             # Popen.returncode
+  oomKills @2 :UInt32;
+}
+
+struct Reply {
+  id @0 :UInt32;
+  union {
+    ok @1 :Void;
+    started @2 :Started;
+    reaped @3 :Reaped;
+    pids @4 :List(Int32);
+    opened @5 :List(ProcFile);   # fds: the /proc/PID directory, then one per file
+    latch @6 :Text;              # "" when not latched
+    error @7 :Error;
+  }
+}

@@ -1,0 +1,83 @@
+"""``python -m supervisor.broker --config X --state-dir Y (--socket-fd N | --listen-fd N
+--peer-user U)``: the privileged broker (supervisor/broker/_server.py).
+
+--socket-fd: one end of a socketpair its parent made (a developer's `supervisor run`,
+the tests). --listen-fd: a listening SOCK_SEQPACKET socket systemd passes
+(trio-broker.socket); the broker accepts one connection, and only from --peer-user's
+uid (SO_PEERCRED), refusing any other peer in one line.
+
+Exit codes: 0 the client closed (every sandbox stopped), 2 config or state dir refused.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pwd
+import socket
+import struct
+import sys
+
+from supervisor.events import EventLog
+
+
+def _accept(listen_fd: int, peer_user: str, log: EventLog) -> socket.socket:
+    """The one client: the first connection from `peer_user`'s uid."""
+    uid = pwd.getpwnam(peer_user).pw_uid
+    lsock = socket.socket(fileno=listen_fd)
+    while True:
+        conn, _ = lsock.accept()
+        pid, puid, _gid = struct.unpack("3i", conn.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        if puid == uid:
+            lsock.close()
+            return conn
+        log.emit("broker_refused", source="broker", request="connect", code="refused",
+                 reason=f"peer pid {pid} uid {puid} is not {peer_user} ({uid})")
+        conn.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m supervisor.broker")
+    p.add_argument("--config", default=None)
+    p.add_argument("--state-dir", required=True)
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--socket-fd", type=int)
+    g.add_argument("--listen-fd", type=int)
+    p.add_argument("--peer-user", default="trio-supervisor")
+    args = p.parse_args(argv)
+    log = EventLog()
+    from supervisor.config import ConfigError, load
+
+    from ._checks import StateDir
+    from ._errors import BrokerError
+    from ._server import Broker
+
+    try:
+        cfg = load(args.config)
+    except ConfigError as e:
+        print(f"broker: config: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    try:
+        state = StateDir.open(args.state_dir)
+    except BrokerError as e:
+        print(f"broker: {e}", file=sys.stderr)
+        return 2
+    if args.socket_fd is not None:
+        sock = socket.socket(fileno=args.socket_fd)
+    else:
+        try:
+            sock = _accept(args.listen_fd, args.peer_user, log)
+        except (KeyError, OSError) as e:
+            print(f"broker: accept: {e}", file=sys.stderr)
+            return 2
+    if sock.type != socket.SOCK_SEQPACKET or sock.family != socket.AF_UNIX:
+        print("broker: the socket must be AF_UNIX SOCK_SEQPACKET", file=sys.stderr)
+        return 2
+    os.set_blocking(sock.fileno(), True)
+    broker = Broker(cfg, state, sock, log)
+    broker.open_cgroups()
+    return broker.serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""The supervisor proper's side of the broker: typed calls, one request and one reply
+at a time (a lock makes it safe from trio.to_thread), fds received as the reply says.
+
+A refusal comes back as the broker's exception class (supervisor.broker.Refused,
+NotOurs, ...), one line. Received fds belong to the caller (`StartedSandbox.close`,
+`ProcView.close`)."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import _protocol as P
+from ._errors import BadFds, Malformed
+
+
+@dataclass
+class StartedSandbox:
+    """What a start hands back: bwrap's host pid, a pidfd of it (readable once it
+    exits), and our ends of the worker's pipes and sockets."""
+
+    worker: str
+    incarnation: int
+    pid: int
+    host_uid: int | None
+    cgroup: bool
+    pidfd: int
+    status_r: int
+    out_r: int
+    watch_sock: socket.socket | None = None
+    ctl_sock: socket.socket | None = None
+
+    def close(self) -> None:
+        for fd in (self.pidfd, self.status_r, self.out_r):
+            if fd >= 0:
+                os.close(fd)
+        self.pidfd = self.status_r = self.out_r = -1
+        for s in (self.watch_sock, self.ctl_sock):
+            if s is not None:
+                s.close()
+
+
+@dataclass
+class ProcView:
+    """/proc/PID of a sandboxed process as the broker opened it: the directory and
+    each named file (read with os.pread / os.read; the kernel checked access at open)."""
+
+    pid: int
+    dir_fd: int
+    files: dict[str, int] = field(default_factory=dict)
+
+    def read(self, name: str, size: int = 1 << 20) -> bytes:
+        return os.pread(self.files[name], size, 0)
+
+    def close(self) -> None:
+        for fd in (self.dir_fd, *self.files.values()):
+            os.close(fd)
+        self.dir_fd, self.files = -1, {}
+
+
+def _expect(rep: P.Reply, cls: type, fds: list[int] = ()):
+    if not isinstance(rep, cls):
+        P.close_fds(list(fds))
+        raise Malformed(f"a {type(rep).__name__} reply where a {cls.__name__} belongs")
+    return rep
+
+
+class BrokerClient:
+    def __init__(self, sock: socket.socket, proc: subprocess.Popen | None = None) -> None:
+        self.sock = sock
+        self.proc = proc
+        self._id = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def spawn(cls, *, state_dir: str | os.PathLike, config: str | os.PathLike | None = None,
+              python: str = sys.executable, stderr=None, env: dict | None = None) -> BrokerClient:
+        """Start `python -m supervisor.broker` as a child holding the other end of a
+        socketpair (what a developer's `supervisor run` as root would do)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        argv = [python, "-m", "supervisor.broker", "--state-dir", str(state_dir),
+                "--socket-fd", str(theirs.fileno())]
+        if config is not None:
+            argv[3:3] = ["--config", str(config)]
+        root = str(Path(__file__).resolve().parents[2])
+        full = dict(os.environ if env is None else env)
+        full["PYTHONPATH"] = os.pathsep.join(filter(None, [root, full.get("PYTHONPATH")]))
+        try:
+            proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                    stderr=stderr, env=full, cwd="/")
+        finally:
+            theirs.close()
+        return cls(ours, proc)
+
+    def close(self, timeout: float = 10.0) -> int | None:
+        """Close our end: the broker kills what it started and exits."""
+        self.sock.close()
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    # ------------------------------------------------------------ the call
+
+    def call(self, req: P.Request, fds: list[int] = ()) -> tuple[P.Reply, list[int]]:
+        """Send one request, return (reply, fds); raises the broker's error as its class."""
+        with self._lock:
+            self._id = (self._id + 1) & 0xFFFFFFFF
+            rid = self._id
+            P.send(self.sock, P.encode_request(rid, req), fds)
+            got = P.recv(self.sock)
+        if got is None:
+            raise ConnectionError("the broker closed its socket")
+        data, rfds = got
+        try:
+            got_id, rep = P.decode_reply(data)
+            if got_id != rid and not (isinstance(rep, P.Error) and got_id == 0):
+                raise Malformed(f"reply {got_id} to request {rid}")
+            if len(rfds) != P.reply_fd_count(rep):
+                raise BadFds(f"{len(rfds)} fds with a {type(rep).__name__} reply")
+        except BaseException:
+            P.close_fds(rfds)
+            raise
+        if isinstance(rep, P.Error):
+            raise rep.exception()
+        return rep, rfds
+
+    # ------------------------------------------------------------ typed requests
+
+    def ping(self) -> None:
+        self.call(P.Ping())
+
+    def start(self, worker: str, incarnation: int, *, standby: bool = False,
+              handles: dict[str, object] | None = None) -> StartedSandbox:
+        """Start `worker`'s sandbox; `handles`: its channels' WriterHandle/ReaderHandle
+        by name (their fds travel, the broker checks them against its own specs)."""
+        grants, fds = [], []
+        for name, h in (handles or {}).items():
+            hf = h.fds()                                   # type: ignore[attr-defined]
+            role = "writer" if type(h).__name__ == "WriterHandle" else "reader"
+            grants.append(P.Grant(name, role, len(hf)))
+            fds += hf
+        rep, rfds = self.call(P.Start(worker, incarnation, standby, tuple(grants)), fds)
+        rep = _expect(rep, P.Started, rfds)
+        pidfd, status_r, out_r, *rest = rfds
+        watch = socket.socket(fileno=rest.pop(0)) if rep.exec_watch else None
+        ctl = socket.socket(fileno=rest.pop(0)) if rep.control else None
+        for fd in (status_r, out_r):
+            os.set_blocking(fd, False)
+        return StartedSandbox(worker, incarnation, rep.pid,
+                              None if rep.host_uid < 0 else rep.host_uid, rep.cgroup,
+                              pidfd, status_r, out_r, watch, ctl)
+
+    def signal(self, pid: int, sig: int) -> None:
+        name = P.SIGNAL_NAMES.get(int(sig))
+        if name is None:
+            raise ValueError(f"signal {sig} is not in the broker's vocabulary "
+                             f"({sorted(P.SIGNALS)})")
+        self.call(P.SignalPid(pid, name))
+
+    def kill_sandbox(self, worker: str, incarnation: int) -> None:
+        self.call(P.KillSandbox(worker, incarnation))
+
+    def reap(self, worker: str, incarnation: int) -> P.Reaped:
+        rep, _ = self.call(P.Reap(worker, incarnation))
+        return _expect(rep, P.Reaped)
+
+    def pids(self, worker: str, incarnation: int) -> list[int]:
+        rep, _ = self.call(P.Pids(worker, incarnation))
+        return list(_expect(rep, P.PidList).pids)
+
+    def open_proc(self, pid: int, files: tuple[str, ...] = ("status",)) -> ProcView:
+        rep, rfds = self.call(P.OpenProc(pid, tuple(files)))
+        rep = _expect(rep, P.Opened, rfds)
+        return ProcView(pid, rfds[0], dict(zip(rep.files, rfds[1:])))
+
+    def set_latch(self, reason: str) -> None:
+        self.call(P.SetLatch(reason))
+
+    def clear_latch(self) -> None:
+        self.call(P.ClearLatch())
+
+    def read_latch(self) -> str | None:
+        """The latch file's text, None when not latched."""
+        rep, _ = self.call(P.ReadLatch())
+        return _expect(rep, P.Latch).text or None
+
+    def realtime(self, worker: str, incarnation: int) -> None:
+        self.call(P.Realtime(worker, incarnation))

@@ -1,0 +1,488 @@
+"""The privileged broker: the only process that keeps root once the supervisor is split
+(issue 27). It does what needs privilege and nothing else: builds and starts a worker's
+sandbox from the config it loaded itself (cgroup leaf, bwrap as the domain's user),
+signals, kills and reaps what it started, opens /proc files of those processes, and
+writes the fail-safe latch in its state dir. It never reads a worker's output, status
+or exec-watch notification: it makes the pipes and sockets and hands the read ends to
+the supervisor proper.
+
+One request at a time on the main thread (bwrap's --die-with-parent is bound to the
+thread that forks it, see sandbox/launch.py), one reply per request. Every refusal is
+one `broker_refused` event and a typed error to the client; an unexpected exception is
+one `broker_error` event and a `failed` reply, never the broker's end. End of stream
+(the supervisor proper is gone) kills every sandbox the broker started, and it exits.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from supervisor.config import Config, WorkerConfig
+from supervisor.events import EventLog
+from supervisor.protocol import ENV_EXECWATCH_FD, ENV_STANDBY_FD, Endpoint, worker_env
+
+from . import _protocol as P
+from ._checks import StateDir, check_channel_fds, check_plan
+from ._errors import BadFds, BrokerError, Failed, NotOurs, Refused, UnknownWorker
+
+
+@dataclass
+class _Incarnation:
+    """One sandbox the broker started and has not reaped."""
+
+    worker: str
+    number: int
+    proc: subprocess.Popen
+    cgroup: object | None = None        # sandbox.cgroups.WorkerCgroup
+    oom_before: int = 0
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def pids(self) -> set[int]:
+        """Host pids of the sandbox now: its cgroup's members (bwrap gone or not), else
+        bwrap and its descendants while bwrap lives."""
+        if self.cgroup is not None:
+            try:
+                return set(self.cgroup.pids())
+            except OSError:
+                pass
+        if not self.alive:
+            return set()
+        from supervisor.sandbox import descendant_pids
+
+        return {self.proc.pid, *descendant_pids(self.proc.pid)}
+
+
+def endpoint_for(cfg: Config, w: WorkerConfig) -> Endpoint:
+    """What a sandboxed worker of `cfg` is told at start (the same fields as
+    lifecycle's Supervisor._endpoint; one home for both is a phase-2 refactor)."""
+    d = cfg.domains[w.domain]
+    m = cfg.models.get(w.model or "")
+    return Endpoint(name=w.name, domain=w.domain, profile=d.profile, isolation=d.isolation(),
+                    network=d.network, sandboxed=True, roles=w.roles,
+                    writable=d.extra_rw_binds,
+                    model=dataclasses.asdict(m) if m else None, mode=cfg.supervisor.mode,
+                    busy_poll_us=w.busy_poll_us)
+
+
+def worker_argv(w: WorkerConfig, python: str) -> list[str]:
+    if w.module:
+        return [python, "-m", "supervisor.runner", w.module, *w.args]
+    return [*w.command, *w.args]
+
+
+@dataclass
+class Broker:
+    config: Config
+    state: StateDir
+    sock: socket.socket
+    log: EventLog
+    python: str = sys.executable
+    cgroups: object | None = None                 # sandbox.cgroups.CgroupTree
+    live: dict[tuple[str, int], _Incarnation] = field(default_factory=dict)
+    last_incarnation: dict[str, int] = field(default_factory=dict)
+    refusals: collections.Counter = field(default_factory=collections.Counter)
+    served: int = 0
+    _leaf_seq: int = 0
+
+    # ------------------------------------------------------------ start and end
+
+    def open_cgroups(self) -> None:
+        """One cgroup tree for the broker's sandboxes (root only), partial where the
+        machine delegates only some controllers; what is off is said once."""
+        if os.geteuid() != 0:
+            return
+        from supervisor.sandbox.cgroups import CgroupTree, CgroupUnavailable, limits_off
+
+        try:
+            self.cgroups = CgroupTree.create(partial=True)
+        except (CgroupUnavailable, OSError) as e:
+            self.log.emit("limits_not_enforced", source="broker",
+                          **limits_off(None, str(e)).event())
+            return
+        off = limits_off(self.cgroups)
+        if off is not None:
+            self.log.emit("limits_not_enforced", source="broker", **off.event())
+
+    def serve(self) -> int:
+        self.log.emit("broker_start", source="broker", pid=os.getpid(), uid=os.geteuid(),
+                      config=self.config.source, state_dir=self.state.path,
+                      workers=sorted(self.config.workers))
+        try:
+            while True:
+                try:
+                    got = P.recv(self.sock)
+                except BrokerError as e:          # cut by the kernel: no id to answer
+                    self._refused("?", e)
+                    self._send(0, P.Error(e.code, e.reason))
+                    continue
+                except InterruptedError:
+                    continue
+                except OSError as e:
+                    self.log.emit("broker_error", source="broker", error=f"recv: {e}")
+                    break
+                if got is None:
+                    break
+                self._one(*got)
+        finally:
+            self.stop_all()
+            self.state.close()
+        self.log.emit("broker_exit", source="broker", served=self.served,
+                      refusals=dict(self.refusals))
+        return 0
+
+    def stop_all(self) -> None:
+        """Kill every sandbox still held, then the cgroup tree (nothing outlives us)."""
+        for inc in list(self.live.values()):
+            self._kill_incarnation(inc)
+            try:
+                inc.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+            self._release(inc)
+        self.live.clear()
+        if self.cgroups is not None:
+            try:
+                self.cgroups.close()
+            except OSError as e:
+                self.log.emit("cgroup_error", source="broker", error=str(e))
+            self.cgroups = None
+
+    def _send(self, rid: int, rep: P.Reply, fds: list[int] = ()) -> None:
+        try:
+            P.send(self.sock, P.encode_reply(rid, rep), fds)
+        except OSError as e:
+            self.log.emit("broker_error", source="broker", error=f"send: {e}")
+
+    def _refused(self, kind: str, e: BrokerError, **fields) -> None:
+        self.refusals[e.code] += 1
+        self.log.emit("broker_refused", source="broker", request=kind, code=e.code,
+                      reason=e.reason, **fields)
+
+    def _one(self, data: bytes, fds: list[int]) -> None:
+        """Decode, judge and answer one request. Received fds are closed here unless a
+        handler took them (a start closes its own after the spawn)."""
+        self.served += 1
+        rid, kind = 0, "?"
+        out: list[int] = []
+        try:
+            rid, req = P.decode_request(data)
+            kind = P.kind_of(req)
+            if fds and not isinstance(req, P.Start):
+                raise BadFds(f"{len(fds)} fds with a {kind} request, which takes none")
+            rep, out = self._handle(req, fds)
+        except BrokerError as e:
+            self._refused(kind, e)
+            rep = P.Error(e.code, e.reason)
+        except Exception as e:      # a bug of ours: one line, a reply, and on we go
+            self.refusals["failed"] += 1
+            self.log.emit("broker_error", source="broker", request=kind,
+                          error=f"{type(e).__name__}: {e}")
+            rep = P.Error("failed", f"{type(e).__name__}: {e}")
+        finally:
+            P.close_fds(fds)
+        try:
+            self._send(rid, rep, out)
+        finally:
+            P.close_fds(out)
+
+    def _handle(self, req: P.Request, fds: list[int]) -> tuple[P.Reply, list[int]]:
+        if isinstance(req, P.Ping):
+            return P.Ok(), []
+        if isinstance(req, P.Start):
+            return self._start(req, fds)
+        if isinstance(req, P.SignalPid):
+            self._signal(req.pid, P.SIGNALS[req.signal])
+            return P.Ok(), []
+        if isinstance(req, P.KillSandbox):
+            self._kill_incarnation(self._incarnation(req.worker, req.incarnation))
+            return P.Ok(), []
+        if isinstance(req, P.Reap):
+            return self._reap(self._incarnation(req.worker, req.incarnation)), []
+        if isinstance(req, P.Pids):
+            inc = self._incarnation(req.worker, req.incarnation)
+            return P.PidList(tuple(sorted(inc.pids()))), []
+        if isinstance(req, P.OpenProc):
+            return self._open_proc(req)
+        if isinstance(req, P.SetLatch):
+            self.state.set_latch(req.reason)
+            self.log.emit("broker_latch", source="broker", action="set", reason=req.reason)
+            return P.Ok(), []
+        if isinstance(req, P.ClearLatch):
+            self.state.clear_latch()
+            self.log.emit("broker_latch", source="broker", action="clear")
+            return P.Ok(), []
+        if isinstance(req, P.ReadLatch):
+            return P.Latch(self.state.read_latch()), []
+        if isinstance(req, P.Realtime):
+            self._realtime(self._incarnation(req.worker, req.incarnation))
+            return P.Ok(), []
+        raise Refused(f"no handler for {type(req).__name__}")
+
+    # ------------------------------------------------------------ ownership
+
+    def _incarnation(self, worker: str, number: int) -> _Incarnation:
+        if worker not in self.config.workers:
+            raise UnknownWorker(f"no worker {worker!r} in the broker's config")
+        inc = self.live.get((worker, number))
+        if inc is None:
+            raise NotOurs(f"{worker} incarnation {number}: not started by the broker, or reaped")
+        return inc
+
+    def _owner(self, pid: int) -> _Incarnation | None:
+        """The incarnation whose sandbox `pid` is in now (its bwrap while not reaped)."""
+        for inc in self.live.values():
+            if (pid == inc.proc.pid and inc.alive) or pid in inc.pids():
+                return inc
+        return None
+
+    def _pinned(self, pid: int) -> tuple[int, _Incarnation]:
+        """A pidfd of `pid` checked to be one of ours after it was opened (a pid number
+        recycled between the check and the open is never signalled or opened)."""
+        if self._owner(pid) is None:
+            raise NotOurs(f"pid {pid} is not in a sandbox the broker started")
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            raise NotOurs(f"pid {pid} is gone") from None
+        inc = self._owner(pid)
+        if inc is None:
+            os.close(fd)
+            raise NotOurs(f"pid {pid} left the broker's sandboxes")
+        return fd, inc
+
+    # ------------------------------------------------------------ requests
+
+    def _start(self, req: P.Start, fds: list[int]) -> tuple[P.Reply, list[int]]:
+        w = self.config.workers.get(req.worker)
+        if w is None:
+            raise UnknownWorker(f"no worker {req.worker!r} in the broker's config")
+        if req.incarnation <= self.last_incarnation.get(w.name, 0):
+            raise Refused(f"{w.name} incarnation {req.incarnation} already used "
+                          f"(next must be > {self.last_incarnation.get(w.name, 0)})")
+        if req.standby and not w.warm_standby:
+            raise Refused(f"{w.name} has no warm_standby in the config")
+        handles = self._handles(w, req, fds)
+        from supervisor.sandbox.policy import for_worker
+
+        try:
+            pol = for_worker(self.config, w)
+        except (LookupError, ValueError) as e:
+            raise Refused(f"{w.name}: {e}") from None
+        d = self.config.domains[w.domain]
+        check_plan(pol, domain_rw=tuple(d.extra_rw_binds),
+                   domain_dev=tuple(getattr(d, "extra_dev_binds", ()) or ()),
+                   state_dir=self.state.path, root=os.geteuid() == 0)
+        self.last_incarnation[w.name] = req.incarnation
+        return self._launch(w, req, pol, handles)
+
+    def _handles(self, w: WorkerConfig, req: P.Start, fds: list[int]) -> dict[str, object]:
+        """The worker's channel handles over the received fds, each judged against the
+        broker's own spec of the channel (names, roles, reader index, fd kinds, sizes)."""
+        from supervisor.ipc.channel import ReaderHandle, WriterHandle
+
+        if req.standby:
+            if req.channels or fds:
+                raise BadFds("a standby is handed its channels later, not at start")
+            return {}
+        want = {**{c: "writer" for c in w.publishes}, **{c: "reader" for c in w.reads}}
+        got = {g.channel: g for g in req.channels}
+        if len(got) != len(req.channels) or set(got) != set(want):
+            raise Refused(f"{w.name}: channels {sorted(got)}; the config gives it "
+                          f"{sorted(want)}")
+        if sum(g.fd_count for g in req.channels) != len(fds):
+            raise BadFds(f"{len(fds)} fds for grants of {sum(g.fd_count for g in req.channels)}")
+        specs = self.config.channel_specs()
+        out: dict[str, object] = {}
+        at = 0
+        for g in req.channels:
+            if g.role != want[g.channel]:
+                raise Refused(f"{w.name} is a {want[g.channel]} of {g.channel}, not a {g.role}")
+            spec = specs[g.channel]
+            mine = fds[at:at + g.fd_count]
+            at += g.fd_count
+            check_channel_fds(g.channel, spec, g.role, mine)
+            if g.role == "writer":
+                n = spec.max_readers
+                out[g.channel] = WriterHandle(spec, mine[0], tuple(mine[1:1 + n]),
+                                              tuple(mine[1 + n:]))
+            else:
+                index = self.config.readers_of(g.channel).index(w.name)
+                out[g.channel] = ReaderHandle(spec, index, *mine)
+        return out
+
+    def _launch(self, w: WorkerConfig, req: P.Start, pol, handles: dict) -> tuple[P.Reply, list[int]]:
+        from supervisor.sandbox import launch
+
+        domain = self.config.domains[w.domain]
+        mine: list[int] = []      # our ends, handed to the client
+        theirs: list[int] = []    # the child's ends, closed once it has them
+        cg = None
+        try:
+            # stdout+stderr and the status pipe: read by the supervisor proper, never here.
+            status_r, status_w = os.pipe2(os.O_CLOEXEC)
+            mine.append(status_r)
+            theirs.append(status_w)
+            out_r, out_w = os.pipe2(os.O_CLOEXEC)
+            mine.append(out_r)
+            theirs.append(out_w)
+            env, child_fds = worker_env(endpoint_for(self.config, w), status_w, handles)
+            child_fds.append(status_w)
+            watch = ctl = None
+            if not domain.exec_memory_after_ready:
+                watch, their_watch = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                env[ENV_EXECWATCH_FD] = str(their_watch.fileno())
+                theirs.append(their_watch.detach())
+                child_fds.append(theirs[-1])
+                mine.append(watch.detach())
+            if req.standby:
+                ctl, their_ctl = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                env[ENV_STANDBY_FD] = str(their_ctl.fileno())
+                theirs.append(their_ctl.detach())
+                child_fds.append(theirs[-1])
+                mine.append(ctl.detach())
+            join_fds: list[int] = []
+            if self.cgroups is not None:
+                from supervisor.sandbox.cgroups import Limits
+
+                self._leaf_seq += 1
+                cg = self.cgroups.leaf(f"{w.name}-{'s' if req.standby else 'r'}{self._leaf_seq}",
+                                       Limits(memory_max=w.memory_max, pids_max=w.pids_max,
+                                              cpu_quota_pct=w.cpu_quota,
+                                              cpu_weight=self.config.cpu_weight_of(w.name)))
+                join_fds = cg.open_join_fds()
+                theirs += join_fds
+            proc = launch.spawn(pol, worker_argv(w, self.python), child_fds, env_extra=env,
+                                stdin=subprocess.DEVNULL, stdout=out_w, stderr=out_w,
+                                start_new_session=True,
+                                rlimits={"nofile": w.nofile} if w.nofile else {},
+                                cgroup_fds=join_fds)
+            pidfd = os.pidfd_open(proc.pid)
+        except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
+            P.close_fds(mine)
+            if cg is not None:
+                try:
+                    cg.kill_all()
+                    cg.remove()
+                except OSError:
+                    pass
+            raise Failed(f"{w.name}: {type(e).__name__}: {e}") from None
+        finally:
+            P.close_fds(theirs)
+        inc = _Incarnation(w.name, req.incarnation, proc, cg)
+        if cg is not None:
+            try:
+                inc.oom_before = cg.oom_kills()
+            except OSError:
+                pass
+        self.live[(w.name, req.incarnation)] = inc
+        self.log.emit("broker_started", source="broker", worker=w.name,
+                      incarnation=req.incarnation, pid=proc.pid, standby=req.standby,
+                      host_uid=pol.host_uid, cgroup=cg is not None)
+        return (P.Started(pid=proc.pid, host_uid=-1 if pol.host_uid is None else pol.host_uid,
+                          cgroup=cg is not None, exec_watch=watch is not None,
+                          control=ctl is not None),
+                [pidfd, *mine])
+
+    def _signal(self, pid: int, sig: int) -> None:
+        """SIGKILL of bwrap kills the sandbox; other signals go where the client says
+        (the worker itself: bwrap does not forward them), if it is one of ours."""
+        fd, inc = self._pinned(pid)
+        try:
+            signal.pidfd_send_signal(fd, sig)
+        except ProcessLookupError:
+            pass
+        except OSError as e:
+            raise Failed(f"signal {P.SIGNAL_NAMES.get(sig, sig)} to {pid}: {e.strerror}") \
+                from None
+        finally:
+            os.close(fd)
+
+    def _kill_incarnation(self, inc: _Incarnation) -> None:
+        if inc.alive:
+            try:
+                inc.proc.kill()
+            except ProcessLookupError:
+                pass
+        if inc.cgroup is not None:
+            try:
+                inc.cgroup.kill_all()
+            except (OSError, TimeoutError) as e:
+                raise Failed(f"{inc.worker}: cgroup not empty: {e}") from None
+
+    def _release(self, inc: _Incarnation) -> None:
+        cg, inc.cgroup = inc.cgroup, None
+        if cg is not None:
+            try:
+                cg.kill_all()
+                cg.remove()
+            except (OSError, TimeoutError) as e:
+                self.log.emit("cgroup_error", source="broker", worker=inc.worker, error=str(e))
+
+    def _reap(self, inc: _Incarnation) -> P.Reaped:
+        """Whether bwrap has exited (never blocks); once it has, what is left of the
+        sandbox is killed, its cgroup removed, and the incarnation forgotten."""
+        code = inc.proc.poll()
+        if code is None:
+            return P.Reaped(exited=False)
+        oom = 0
+        if inc.cgroup is not None:
+            try:
+                oom = max(0, inc.cgroup.oom_kills() - inc.oom_before)
+            except OSError:
+                pass
+        self._release(inc)
+        del self.live[(inc.worker, inc.number)]
+        self.log.emit("broker_reaped", source="broker", worker=inc.worker,
+                      incarnation=inc.number, pid=inc.proc.pid, code=code, oom_kills=oom)
+        return P.Reaped(exited=True, code=code, oom_kills=oom)
+
+    def _open_proc(self, req: P.OpenProc) -> tuple[P.Reply, list[int]]:
+        """/proc/PID and the named files, opened as the broker (the kernel's access
+        check of maps and mem is made at open), for a pid of ours only. A /proc/PID
+        directory fd stays bound to that process: re-checked as ours after the open."""
+        if self._owner(req.pid) is None:
+            raise NotOurs(f"pid {req.pid} is not in a sandbox the broker started")
+        fds: list[int] = []
+        try:
+            dfd = os.open(f"/proc/{req.pid}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fds.append(dfd)
+            if self._owner(req.pid) is None:
+                raise NotOurs(f"pid {req.pid} left the broker's sandboxes")
+            for name in req.files:
+                fds.append(os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dfd))
+        except BrokerError:
+            P.close_fds(fds)
+            raise
+        except OSError as e:
+            P.close_fds(fds)
+            raise Failed(f"/proc/{req.pid}: {e.strerror}") from None
+        return P.Opened(req.files), fds
+
+    def _realtime(self, inc: _Incarnation) -> None:
+        """SCHED_FIFO at the config's priority for the sandbox's worker (pid 2 of its
+        pid namespace). The policy around it (READY first, one CPU left outside the
+        real-time class) stays the supervisor proper's."""
+        from supervisor.sandbox import sandbox_main_pid
+        from supervisor.sandbox.sched import RT_PERIOD_US, RealtimeUnavailable, make_fifo
+
+        rt = self.config.workers[inc.worker].realtime()
+        if rt is None:
+            raise Refused(f"{inc.worker} has no realtime_priority in the config")
+        pid = sandbox_main_pid(sorted(inc.pids() - {inc.proc.pid}))
+        if pid is None:
+            raise Failed(f"{inc.worker}: no worker process in the sandbox")
+        try:
+            if inc.cgroup is not None:
+                inc.cgroup.grant_rt(rt.runtime_us, RT_PERIOD_US)
+            make_fifo(pid, rt.priority, lambda: pid in inc.pids())
+        except (RealtimeUnavailable, OSError) as e:
+            raise Failed(f"{inc.worker}: {e}") from None
