@@ -18,12 +18,10 @@ iso.seccomp, network)`, `install_exec_watch()`) install them.
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import socket
-import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from supervisor.config import Config
 
@@ -42,7 +40,6 @@ _VALUE_NAMES = {("prot", 0x4): "PROT_EXEC", ("shmflg", 0o100000): "SHM_EXEC",
                 ("op", 6): "FUTEX_LOCK_PI", ("op", 7): "FUTEX_UNLOCK_PI",
                 ("op", 8): "FUTEX_TRYLOCK_PI", ("op", 11): "FUTEX_WAIT_REQUEUE_PI",
                 ("op", 12): "FUTEX_CMP_REQUEUE_PI", ("op", 13): "FUTEX_LOCK_PI2"}
-_lock = threading.Lock()
 
 
 @dataclass
@@ -72,21 +69,13 @@ class _Lib:
         return _Recorder(default)
 
 
-@contextlib.contextmanager
-def _recording() -> Iterator[Any]:
+def _libs() -> tuple[Any, _Lib]:
+    """(pyseccomp, a stand-in that records): the filter builders take the latter as
+    `lib`, so the audit reads the very rules the sandbox compiles."""
     from supervisor.sandbox import seccomp as sc
 
     real = sc._pyseccomp()          # raises SeccompUnavailableError: reported by the caller
-    mods = [m for m in (sc, _wx()) if m is not None]
-    with _lock:
-        saved = [m._pyseccomp for m in mods]
-        for m in mods:
-            m._pyseccomp = lambda: _Lib(real)
-        try:
-            yield real
-        finally:
-            for m, f in zip(mods, saved):
-                m._pyseccomp = f
+    return real, _Lib(real)
 
 
 def _wx() -> Any:
@@ -197,8 +186,9 @@ def stage_lists(rules_of: str, *, stage: str, network: bool) -> dict[str, list[s
     parentheses where there is one (for the worker rows' summary)."""
     from supervisor.sandbox import seccomp as sc
 
-    with _recording() as lib:
-        rules = _rules(lib, sc.build_filter(rules_of, stage=stage, network=network), stage)
+    lib, rec = _libs()
+    rules = _rules(lib, sc.build_filter(rules_of, stage=stage, network=network, lib=rec),
+                   stage)
     out: dict[str, list[str]] = {"kill": [], "eperm": [], "enosys": []}
     for r in rules:
         key = "kill" if r["action"] == "kill" else (r["errno"] or "").lower()
@@ -238,22 +228,22 @@ def policy_of(cls: SeccompClass) -> dict[str, Any]:
     allowed: [...], default: "allow"} for one class."""
     from supervisor.sandbox import seccomp as sc
 
-    with _recording() as lib:
-        rules: list[dict[str, str]] = []
-        if cls.launch:
-            rules += _rules(lib, sc.build_filter(cls.launch, stage="launch",
-                                                 network=cls.network), "launch")
-        if cls.runtime:
-            rules += _rules(lib, sc.build_filter(cls.runtime, stage="runtime",
-                                                 network=cls.network), "runtime")
-        if cls.exec_watch:
-            rules += _rules(lib, sc.build_exec_watch_filter(), "exec watch")
-        wx = _wx()
-        # W^X is loaded by the worker at READY: its rules apply from then on only, so
-        # they are listed apart, never merged with the start-up rules.
-        after_ready = _rules(lib, wx.build_filter(), "W^X from READY") \
-            if cls.exec_watch and wx is not None else []
-        table = _table(lib)
+    lib, rec = _libs()
+    rules: list[dict[str, str]] = []
+    if cls.launch:
+        rules += _rules(lib, sc.build_filter(cls.launch, stage="launch",
+                                             network=cls.network, lib=rec), "launch")
+    if cls.runtime:
+        rules += _rules(lib, sc.build_filter(cls.runtime, stage="runtime",
+                                             network=cls.network, lib=rec), "runtime")
+    if cls.exec_watch:
+        rules += _rules(lib, sc.build_exec_watch_filter(lib=rec), "exec watch")
+    wx = _wx()
+    # W^X is loaded by the worker at READY: its rules apply from then on only, so
+    # they are listed apart, never merged with the start-up rules.
+    after_ready = _rules(lib, wx.build_filter(lib=rec), "W^X from READY") \
+        if cls.exec_watch and wx is not None else []
+    table = _table(lib)
     # Unconditional rules decide a syscall outright (the strictest across filters);
     # conditional ones are listed with their condition, the call allowed otherwise.
     always: dict[str, dict[str, str]] = {}

@@ -174,16 +174,17 @@ def _add(sc: Any, flt: Any, action: int, name: str, *args: Any) -> None:
     flt.add_rule(action, nr, *args)
 
 
-def build_filter(domain: str, *, stage: str, network: bool = False) -> Any:
+def build_filter(domain: str, *, stage: str, network: bool = False, lib: Any = None) -> Any:
     """Return a pyseccomp.SyscallFilter for `domain` at `stage`.
 
     stage: "launch" (bwrap installs it before exec) or "runtime" (lock_down).
     The runtime filter repeats the launch rules, so a worker launched without
-    a launch filter still ends up with the full set.
+    a launch filter still ends up with the full set. `lib`: pyseccomp or a stand-in
+    with its API (the audit passes one that records the rules instead of compiling).
     """
     if stage not in ("launch", "runtime"):
         raise ValueError(f"unknown seccomp stage {stage!r}")
-    sc = _pyseccomp()
+    sc = lib or _pyseccomp()
     strict = domain != RESEARCH
     flt = sc.SyscallFilter(sc.ALLOW)
     # Required for unprivileged seccomp; also what bwrap sets.
@@ -369,9 +370,10 @@ def installed_domains() -> frozenset[str]:
     return frozenset(_installed)
 
 
-def build_exec_watch_filter() -> Any:
-    """The exec-watch filter: USER_NOTIF for new executable memory and memfds."""
-    sc = _pyseccomp()
+def build_exec_watch_filter(lib: Any = None) -> Any:
+    """The exec-watch filter: USER_NOTIF for new executable memory and memfds. `lib`: as
+    build_filter's."""
+    sc = lib or _pyseccomp()
     flt = sc.SyscallFilter(sc.ALLOW)
     flt.set_attr(sc.Attr.ACT_BADARCH, sc.KILL_PROCESS)
     for name in EXEC_WATCH_PROT:

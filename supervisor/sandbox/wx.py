@@ -77,9 +77,10 @@ class Lock:
         return f"wx mdwe={int(self.mdwe)} seccomp={int(self.seccomp)}"
 
 
-def build_filter() -> Any:
-    """The W^X filter: KILL_PROCESS on every request for new executable memory."""
-    sc = _pyseccomp()
+def build_filter(lib: Any = None) -> Any:
+    """The W^X filter: KILL_PROCESS on every request for new executable memory.
+    `lib`: as seccomp.build_filter's."""
+    sc = lib or _pyseccomp()
     flt = sc.SyscallFilter(sc.ALLOW)
     flt.set_attr(sc.Attr.CTL_NNP, 1)
     flt.set_attr(sc.Attr.ACT_BADARCH, sc.KILL_PROCESS)
