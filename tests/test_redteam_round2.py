@@ -1,0 +1,409 @@
+"""Red team, round 2: attacks no earlier issue names, each run from inside a real
+sandbox under one real `supervisor run` (workers/probe/attacks_redteam2.py). Every test
+asserts the secure behaviour: the attack denied AND the supervisor's log naming the
+worker. An attack that succeeds today is an `xfail(strict=True)` whose reason says what
+breaks: the suite stays green, the lead sees it, and the day it is fixed the strict
+xfail fails and asks for the marker to go.
+
+The supervisor's stdout is a pseudo-terminal of 100 columns here, so that the live
+status row (supervisor/monitor.py) is rendered as an operator's terminal shows it.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import textwrap
+import threading
+import time
+import unicodedata
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.sandbox
+if shutil.which("bwrap") is None:
+    pytest.skip("bubblewrap is not installed", allow_module_level=True)
+if os.geteuid() != 0:
+    pytest.skip("the supervisor's isolation (host uids, cgroups) needs root", allow_module_level=True)
+
+MODULE = "workers.probe.attacks_redteam2"
+COLUMNS = 100
+PIN_MEMORY_MAX_MIB = 64
+# name -> (domain, attack, extra worker TOML)
+ATTACKERS = {
+    "r-wide": ("research", "wide_status", ""),        # first: its status leads the row
+    "r-nonl": ("research", "status_no_newline", ""),
+    "r-pin": ("research", "socket_pin", f'memory_max = "{PIN_MEMORY_MAX_MIB}MiB"'),
+    "c-pin": ("control", "socket_pin", f'memory_max = "{PIN_MEMORY_MAX_MIB}MiB"'),
+    "c-knobs": ("control", "proc_knobs", ""),
+    "r-knobs": ("research", "proc_knobs", ""),
+    "c-fds": ("control", "inherited_fds", ""),
+    "r-fds": ("research", "inherited_fds", ""),
+    "r-kill": ("research", "signal_out", ""),
+    "r-chfd": ("research", "channel_fd_ops", ""),
+    "c-chfd": ("control", "channel_fd_ops", ""),
+    "c-secrets": ("control", "fs_secrets", ""),
+    "r-secrets": ("research", "fs_secrets", ""),
+    "c-exflood": ("control", "exec_watch_flood", 'memory_max = "256MiB"\n    ready_timeout_ms = 30000'),
+}
+BEFORE_READY = ("r-chfd", "c-exflood")     # holds its flock from before control's reader starts
+READERS = ("r-chfd", "c-chfd")
+
+
+def _toml() -> str:
+    parts = ["""
+    [supervisor]
+    status_interval_s = 0.5
+    [domains.control]
+    failure_policy = "restart"
+    [domains.research]
+    [channels.frames]
+    slot_size = "4KiB"
+    dtype = "uint8"
+    max_readers = 4
+    slot_count = 9
+    [workers.src]
+    domain = "control"
+    module = "workers.probe"
+    publishes = ["frames"]
+    args = ["--publish", "frames", "--period-ms", "20", "--ping-ms", "20"]
+    watchdog_ms = 300
+    restart = "always"
+    """]
+    for name, (domain, attack, extra) in ATTACKERS.items():
+        parts.append(f"""
+    [workers.{name}]
+    domain = "{domain}"
+    module = "{MODULE}"
+    {'subscribes = ["frames"]' if name in READERS else ""}
+    args = {json.dumps(["--attack", attack] + (["--read", "frames"] if name in READERS else [])
+                       + (["--attack-before-ready"] if name in BEFORE_READY else []))}
+    restart = "never"
+    optional = true
+    pids_max = 32
+    cpu_quota = 50
+    {extra or 'memory_max = "256MiB"'}
+    """)
+    return textwrap.dedent("".join(parts))
+
+
+class Fleet:
+    """One `supervisor run` of every attacker, its stdout a 100-column pty."""
+
+    def __init__(self, tmp: Path) -> None:
+        cfg = tmp / "redteam2.toml"
+        cfg.write_text(_toml())
+        self.log_path = tmp / "supervisor.log"
+        self.log = open(self.log_path, "w")
+        state = tmp / "state"          # its own fail-safe latch: never the machine's
+        state.mkdir()
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, COLUMNS, 0, 0))
+        self.tty = bytearray()
+        self._master = master
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.cli", "run", "--config", str(cfg),
+             "--log-level", "debug"],
+            stdout=slave, stderr=self.log, stdin=subprocess.DEVNULL,
+            env=dict(os.environ, TRIO_STATE_DIR=str(state)))
+        os.close(slave)
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self._master, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            self.tty += chunk
+
+    def events(self) -> list[dict]:
+        with open(self.log_path) as f:
+            out = []
+            for x in f:
+                try:
+                    out.append(json.loads(x))
+                except ValueError:
+                    pass
+            return out
+
+    def settle(self, timeout: float = 240) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ev = self.events()
+            done = {e.get("worker") for e in ev
+                    if e["event"] in ("exit", "refused", "gave_up")
+                    or (e["event"] == "output" and e["line"].startswith("ATTACK "))}
+            if set(ATTACKERS) <= done:
+                time.sleep(4.0)     # r-wide's 3 s of rows; socket_pin holds for 3 s
+                return self.events()
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        return self.events()
+
+    def stop(self) -> list[dict]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        self._reader.join(timeout=5)
+        os.close(self._master)
+        return self.events()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    f = Fleet(tmp_path_factory.mktemp("redteam2"))
+    try:
+        f.settle()
+        ev = f.stop()
+        yield {"events": ev, "tty": bytes(f.tty)}
+    finally:
+        if f.proc.poll() is None:
+            f.proc.kill()
+
+
+def _of(ev: list[dict], worker: str, event: str | None = None) -> list[dict]:
+    return [e for e in ev if e.get("worker") == worker and (event is None or e["event"] == event)]
+
+
+def attack_result(ev: list[dict], worker: str) -> dict | None:
+    for e in _of(ev, worker, "output"):
+        if e["line"].startswith("ATTACK "):
+            return json.loads(e["line"][7:])
+    return None
+
+
+def _display_width(text: str) -> int:
+    return sum(2 if unicodedata.east_asian_width(c) in ("W", "F") else 1 for c in text)
+
+
+
+
+def assert_named(ev: list[dict], worker: str) -> dict:
+    """The attack's result, from the `output` event the supervisor emitted in the
+    worker's name (the supervisor's log is the evidence), and it was denied."""
+    res = attack_result(ev, worker)
+    assert res is not None, f"{worker} printed no result: {_of(ev, worker)}"
+    assert res["denied"] is True, f"{worker}: attack succeeded: {res}"
+    return res
+
+
+# ---------------------------------------------------------------- what breaks
+
+
+@pytest.mark.xfail(strict=True, reason="status bytes without a newline are never a 'line': "
+                   "no protocol_flood; one warning protocol_error per 8 KiB read "
+                   "(lifecycle/_io.py _poll_status), ~4000 warning events/s into journald")
+def test_status_bytes_without_newline_cannot_flood_the_log(fleet):
+    """2 s of status bytes with no newline (68 MiB at pipe speed): the supervisor must
+    refuse the worker or at least bound its own events about it, as it does for lines
+    (protocol_flood) and for output (output_dropped)."""
+    ev = fleet["events"]
+    errors = _of(ev, "r-nonl", "protocol_error")
+    refused = [e for e in _of(ev, "r-nonl", "refused") if "flood" in e.get("kind", "")]
+    assert errors or refused, _of(ev, "r-nonl")       # it was seen at all
+    assert len(errors) <= 20, f"{len(errors)} protocol_error events from one worker in 2 s"
+
+
+@pytest.mark.xfail(strict=True, reason="the live row is fitted with len(), not terminal "
+                   "columns (monitor.py _fit): fullwidth STATUS text makes it ~1.5x the "
+                   "terminal and each rewrite stacks a row")
+def test_the_live_row_is_never_wider_than_the_terminal_in_columns(fleet):
+    """A research worker's STATUS of printable fullwidth letters (East Asian width F,
+    two columns each) on a 100-column pseudo-terminal: every rendered row must fit in
+    100 columns, or the '\r ESC[2K' rewrite leaves a wrapped row behind each time."""
+    rows = fleet["tty"].decode("utf-8", "replace").split("\r\x1b[2K")
+    wide = [r for r in rows if "r-wide" in r]
+    assert wide, rows[-3:]
+    widths = [_display_width(r.rstrip("\r\n")) for r in wide]
+    assert max(widths) <= COLUMNS, f"rows of {max(widths)} columns on a {COLUMNS}-column terminal"
+
+
+@pytest.mark.xfail(strict=True, reason="flock() on a reader's read-only channel fd is "
+                   "inode-wide: research's LOCK_EX makes control's fail (EAGAIN); "
+                   "'no locks shared across domains' holds for OFD offset/flags only")
+def test_a_research_reader_cannot_hold_a_lock_a_control_reader_sees(fleet):
+    """The architecture: 'each reader holds its own open file description of the data:
+    no flags, offset or locks shared across domains'. The bridge takes no locks today,
+    so this is a latent door (a C++ client, a future tool), not a live one."""
+    ev = fleet["events"]
+    r, c = assert_named(ev, "r-chfd"), assert_named(ev, "c-chfd")
+    assert r["flock_ex"] == "ok", r
+    assert c["flock_ex"] == "ok", f"control's flock: {c['flock_ex']} (research holds it)"
+
+
+@pytest.mark.xfail(strict=True, reason="exec watch: each judgement is budgeted, their number "
+                   "is not (sandbox/execwatch.py handle_pending, lifecycle/_exec.py): one "
+                   "worker's start-up buys seconds of root CPU outside every cgroup")
+def test_a_workers_exec_requests_cannot_buy_unbounded_supervisor_time(fleet):
+    """4 s of allowed R|X mappings of libc before READY from one control worker. Each
+    stops the worker and is judged by the supervisor (root, in no worker's cgroup): the
+    supervisor's judging time for one start-up must be bounded (a rate limit or a
+    refusal for flooding), as status lines (protocol_flood) and output are."""
+    ev = fleet["events"]
+    res = attack_result(ev, "c-exflood")
+    ready = _of(ev, "c-exflood", "ready")
+    assert res is not None and ready, _of(ev, "c-exflood")
+    judged_ms = ready[0].get("exec_judged_ms", 0.0)
+    print(f"\nc-exflood: {res['allowed']} requests allowed, {res['refused']} refused in "
+          f"{res['wall_s']} s; supervisor judging {judged_ms} ms; worker's own CPU "
+          f"{res['own_cpu_s']} s")
+    refused = [e for e in _of(ev, "c-exflood", "refused") if "flood" in e.get("kind", "")]
+    assert refused or judged_ms <= 1000, f"{judged_ms} ms of supervisor judging, no refusal"
+
+
+# ---------------------------------------------------------------- what holds
+
+
+@pytest.mark.parametrize("worker", ["r-pin", "c-pin"])
+def test_socket_buffers_are_charged_to_the_workers_memory_limit(fleet, worker):
+    """256 MiB queued in AF_UNIX socket pairs by a worker with memory_max = 64 MiB:
+    kernel memory, but charged to its cgroup (v1 kmem here), so the OOM killer ends it
+    at its own limit and the supervisor names the cause."""
+    ev = fleet["events"]
+    res = attack_result(ev, worker)
+    ex = _of(ev, worker, "exit")
+    if res is not None:           # it lived: then it must not have pinned its goal
+        assert res["denied"] is True, res
+        assert res["pinned_mib"] <= 2 * PIN_MEMORY_MAX_MIB, res
+    else:
+        assert ex and ex[0]["signal"] == "SIGKILL" and "memory" in ex[0]["cause"], _of(ev, worker)
+
+
+@pytest.mark.parametrize("worker", ["c-knobs", "r-knobs"])
+def test_proc_self_knobs_and_the_clock_are_read_only(fleet, worker):
+    """oom_score_adj, timerslack_ns, clear_refs, coredump_filter, LSM attrs, id maps,
+    setgroups: all EROFS (proc is mounted read-only); clock_settime: EPERM. Denied
+    without an event of its own (the kernel answers an error, nothing dies)."""
+    res = assert_named(fleet["events"], worker)
+    assert res["opened"] == [] and res["clock_settime"] == "EPERM", res
+
+
+@pytest.mark.parametrize("worker", ["c-fds", "r-fds"])
+def test_a_sandbox_inherits_no_supervisor_fd(fleet, worker):
+    """Every fd a worker has: /dev/null, its output and status pipes, and what its own
+    start-up opened (Landlock's O_PATH rule fds, pycapnp's schema files). No socket,
+    no cgroup, namespace, log or state file of the supervisor's."""
+    res = attack_result(fleet["events"], worker)
+    assert res is not None, _of(fleet["events"], worker)
+    bad = {fd: what for fd, what in res["fds"].items()
+           if what.startswith(("socket:", "anon_inode:", "mnt:", "net:", "user:", "pid:"))
+           or "cgroup" in what or what.endswith((".log", ".latch", ".toml"))}
+    assert not bad, res["fds"]
+    pipes = [w for w in res["fds"].values() if w.startswith("pipe:")]
+    assert len(set(pipes)) == 2, res["fds"]     # output (1 and 2) and status
+
+
+def test_signals_reach_no_process_outside_the_sandbox(fleet):
+    """kill(-1) and kill(pid, 0) for pids 1..4095 from research: only the sandbox's
+    own two processes exist (bwrap's init and the worker)."""
+    res = assert_named(fleet["events"], "r-kill")
+    assert res["host_pids_answering"] == [] and res["visible_pids"] == [1, 2], res
+
+
+@pytest.mark.parametrize("worker", ["r-chfd", "c-chfd"])
+def test_a_reader_cannot_seal_truncate_punch_or_remap_its_channel(fleet, worker):
+    """F_ADD_SEALS (EPERM), ftruncate (EINVAL), fallocate punch-hole (EBADF),
+    F_SETLEASE (EACCES), MADV_REMOVE and mprotect(RW) of the shared mapping (EACCES)."""
+    res = assert_named(fleet["events"], worker)
+    assert res["harmful"] == [], res
+
+
+@pytest.mark.parametrize("worker", ["c-secrets", "r-secrets"])
+def test_no_host_secret_or_supervisor_state_is_readable(fleet, worker):
+    """/etc/shadow, /home, the state dir (latch), the staging tree, cgroups, kernel
+    memory, /var/log: absent from the sandbox. /root shows only the interpreter's
+    directory the staging namespace binds (/root/.pyenv here); /proc/kallsyms is there
+    but every address reads 0 to the domain's uid."""
+    res = attack_result(fleet["events"], worker)
+    assert res is not None, _of(fleet["events"], worker)
+    readable = [p for p in res["readable"] if not (p == "/root" and res[p] == [".pyenv"])]
+    assert readable == [], res
+
+
+# ---------------------------------------------------------------- hostile drive logs
+
+
+def _hostile_logs(d: Path) -> dict[str, Path]:
+    """Drive logs whose every record is well framed (magic, length, CRC) and a valid
+    Cap'n Proto `Entry`, but whose contents lie: a log is hostile input (it comes from
+    a developer's laptop, a fleet, a recorder of a compromised car)."""
+    from supervisor.replay.logfmt import MESSAGES, Entry, frame_record
+
+    def start(info: str = "{}"):
+        e = Entry.new_message(monoNs=1)
+        s = e.init("start")
+        s.version, s.writer, s.channels, s.info = 1, "recorder", ["x"], info
+        return e
+
+    def msg(dtype: str = "float32", shape=(1,), data: bytes = b"\0" * 4):
+        e = Entry.new_message(monoNs=2)
+        m = e.init("message")
+        m.channel, m.dtype, m.shape, m.data = "x", dtype, list(shape), data
+        return e
+
+    def stop(text: str = "{}"):
+        e = Entry.new_message(monoNs=3)
+        e.stop = text
+        return e
+
+    cases = {
+        "info-not-json": [start("not json"), stop()],
+        "info-a-list": [start("[1, 2]"), stop()],
+        "dtype-object": [start(), msg(dtype="O", data=b"\0" * 8), stop()],
+        "dtype-unknown": [start(), msg(dtype="nonsense"), stop()],
+        "shape-lies": [start(), msg(shape=(1000, 1000)), stop()],
+        "stop-not-json": [start(), stop("{{{")],
+    }
+    out = {}
+    for name, entries in cases.items():
+        p = d / name
+        p.mkdir()
+        (p / MESSAGES).write_bytes(b"".join(frame_record(e.to_bytes()) for e in entries))
+        out[name] = p
+    return out
+
+
+HOSTILE_LOGS = ("info-not-json", "info-a-list", "dtype-object", "dtype-unknown",
+                "shape-lies", "stop-not-json")
+
+
+@pytest.mark.xfail(strict=True, reason="replay/drivelog.py DriveLog._read trusts a record's "
+                   "contents (json.loads of start.info/stop, np.dtype/reshape of a message): "
+                   "`supervisor log` dies with a traceback (logtool.cmd_log catches LogToolError only)")
+@pytest.mark.parametrize("case", HOSTILE_LOGS)
+def test_supervisor_log_info_answers_a_hostile_log_in_one_line(tmp_path, case):
+    log = _hostile_logs(tmp_path)[case]
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "log", "info", str(log)],
+                       capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in r.stderr, r.stderr[-600:]
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (r.returncode, r.stderr)
+
+
+@pytest.mark.xfail(strict=True, reason="`supervisor replay` of a hostile log is one line but "
+                   "'internal error' (exit 1, 'a bug'), not a refused log (exit 2) counted "
+                   "as corrupt: the bad record is not skipped (replay/drivelog.py _read)")
+def test_supervisor_replay_refuses_a_hostile_log_as_input_not_as_a_bug(tmp_path):
+    log = _hostile_logs(tmp_path)["dtype-object"]
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "replay", str(log),
+                        "--ref", "self"], capture_output=True, text=True, timeout=300,
+                       cwd=tmp_path)
+    assert "Traceback" not in r.stderr, r.stderr[-600:]
+    assert r.returncode != 1 and "internal error" not in r.stderr, (r.returncode, r.stderr)
