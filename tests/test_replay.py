@@ -94,11 +94,52 @@ def recorded(work) -> Path:
     return work / "drive"
 
 
+# --ref self on a lossless log: the model sees the recorded pixels and controlsd steps
+# where the car's law did, so both compare exactly; a log cut while the pipeline ran
+# may end before the car's last output or command was recorded (added at the end), and
+# the time gate is not this module's to judge (two shared cores).
+SELF = ("--ref", "self", "--tol", "model_out.added=2", "--tol", "control_cmd.added=2",
+        "--time-p99", "50", "--time-max", "50")
+
+
 @pytest.fixture(scope="module")
 def first_run(work, recorded) -> Path:
-    r = cli("replay", str(recorded), "--out", str(work / "run1"), "--no-progress", cwd=work)
+    r = cli("replay", str(recorded), "--out", str(work / "run1"), "--no-progress", *SELF,
+            cwd=work)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     return work / "run1"
+
+
+def test_ref_self_compares_the_cars_commands_and_fails_when_the_law_changes(
+        work, recorded, first_run):
+    """The drive's commands carry the frame id of the output they used and when the
+    law stepped: the replay pairs them by frame and steps where the car did, so its
+    commands are the car's bit for bit; the same replay with one gain changed in the
+    config exits 6 on control_cmd and says where (model outputs still equal)."""
+    live = DriveLog.open(recorded).messages["control_cmd"]
+    assert all(m.frame_id is not None for m in live[-10:])
+    engaged = [m for m in live if m.array[1] == 1.0 and abs(m.array[0]) > 1e-4]
+    assert engaged, "the car never steered: a gain change could not show"
+    d = json.loads((first_run / "diff.json").read_text())
+    cmd = {c["channel"]: c for c in d["channels"]}["control_cmd"]
+    n = len(DriveLog.open(recorded).video("road_frames"))
+    assert not cmd["note"] and cmd["compared"] >= n - 2, cmd
+    assert cmd["changed"] == [] and cmd["removed"] == [] and d["ok"]
+
+    doc = __import__("tomllib").loads((work / "drive.toml").read_text())
+    doc["workers"]["controlsd"]["args"] = [*doc["workers"]["controlsd"].get("args", []),
+                                           "--k-p", "0.2", "--k-h", "2.0"]   # 0.05, 0.5 in the car
+    (work / "gain.toml").write_text(dumps(doc))
+    r = cli("replay", str(recorded), "--out", str(work / "run-gain"), "--config",
+            str(work / "gain.toml"), "--no-progress", "--format", "json", *SELF, cwd=work)
+    assert r.returncode == 6, r.stdout[-3000:] + r.stderr[-3000:]
+    d = json.loads(r.stdout)["diff"]
+    by = {c["channel"]: c for c in d["channels"]}
+    assert by["model_out"]["changed"] == [] and by["model_out"]["ok"]
+    assert by["control_cmd"]["changed"] and not by["control_cmd"]["ok"]
+    steer = {f["name"]: f for f in by["control_cmd"]["fields"]}["steer_rad"]
+    assert steer["changed"] > 0 and steer["examples"][0]["ref"] != steer["examples"][0]["run"]
+    assert d["first_divergent_frame"] == by["control_cmd"]["changed"][0]
 
 
 def test_record_writes_every_channel_with_receipts_and_lifecycle(recorded):

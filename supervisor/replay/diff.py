@@ -11,7 +11,8 @@ process ignore what is not deterministic).
 
 Messages are matched by frame id (the frame a model output or command came from; a
 live log's controlsd also publishes between frames, and only the first message per
-frame is compared). Per channel: messages added (in the run, not in REF), removed (in
+frame is compared: the step at which the car acted on that frame's output, where a
+replay's controlsd steps too, see workers/controlsd/logclock.py). Per channel: messages added (in the run, not in REF), removed (in
 REF, not in the run) and changed (some field beyond its tolerance); per field: how many
 changed and the largest absolute difference. The first divergent frame is the lowest
 frame id added, removed or changed on any channel. The model execution time gate

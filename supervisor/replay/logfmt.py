@@ -519,19 +519,23 @@ def frame_times(directory: str | os.PathLike, channel: str) -> dict[int, int]:
     return out
 
 
-def command_steps(directory: str | os.PathLike, channel: str) -> list[tuple[int, int]]:
-    """(step time ns, frame id) of each recorded command on ``channel`` that carries a
-    frame id, in the order they were published: a live controlsd stamps every command
-    with the frame id of the newest model output it used and with the clock reading
-    its law stepped at (header capture time), so this is the car's own control clock.
-    Empty for a log recorded before commands carried frame ids. Bad records are
-    skipped (the replay's summary reports the input log's loss)."""
-    out: list[tuple[int, int, int]] = []
+def command_steps(directory: str | os.PathLike, channel: str
+                  ) -> list[tuple[int, int, tuple[float, ...]]]:
+    """(step time ns, frame id, payload values) of each recorded command on ``channel``
+    that carries a frame id, in the order they were published: a live controlsd stamps
+    every command with the frame id of the newest model output it used and with the
+    clock reading its law stepped at (header capture time), so this is the car's own
+    control clock. Empty for a log recorded before commands carried frame ids. Bad
+    records are skipped (the replay's summary reports the input log's loss)."""
+    out: list[tuple[int, int, int, tuple[float, ...]]] = []
     for e in read_entries(Path(directory) / MESSAGES):
         if e.which() != "message":
             continue
         m = e.message
         if m.channel == channel and m.hasFrameId and m.captureTsNs > 0:
-            out.append((m.sequence, m.captureTsNs, m.frameId))
+            import numpy as np       # (this module is read by sandboxed workers too)
+
+            vals = tuple(np.frombuffer(bytes(m.data), np.dtype(m.dtype)).astype(float).tolist())
+            out.append((m.sequence, m.captureTsNs, m.frameId, vals))
     out.sort()
-    return [(t, fid) for _, t, fid in out]
+    return [(t, fid, vals) for _, t, fid, vals in out]

@@ -177,6 +177,16 @@ class ControlLaw:
         self._latest_rx_ns: int | None = None
         self._streak = 0
 
+    def resume(self, steer_rad: float, engaged: bool, streak: int, at_ns: int) -> None:
+        """Start from where another law was (a replay that begins mid-drive: the car's
+        law had been running before the log did): its steer, engagement and count of
+        good outputs in a row, as of its step at ``at_ns``. The newest output is not
+        carried over: the next step must bring one."""
+        self.steer = self._filtered = float(steer_rad)
+        self.engaged = bool(engaged)
+        self._streak = max(int(streak), 0)
+        self._last_ns = at_ns
+
     @property
     def last_ns(self) -> int | None:
         """The time of the last step (None before the first)."""

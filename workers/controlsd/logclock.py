@@ -16,7 +16,8 @@ for that frame id. Which clock:
   lossless log, the same model) the commands are the car's, bit for bit: `--ref self`
   compares them. An output the car never acted on (it took a newer one) still gets a
   command, from a copy of the law, so the car's own steps stay exact (status
-  ``off_drive=``; a comparison shows it as added).
+  ``off_drive=``; a comparison shows it as added). The log begins mid-drive: the law
+  resumes from the car's last command before the first output (`DriveClock`).
 * **The frames'** (an older log): each output is stepped at the recorded capture time
   of its frame, which is also its age reference.
 
@@ -46,35 +47,64 @@ def load_clock(log_dir: str, channel: str) -> dict[int, int]:
     return frame_times(log_dir, channel)
 
 
-def load_steps(log_dir: str, command_channel: str) -> list[tuple[int, int]]:
-    """The car's control steps (time ns, frame id), empty for an older log."""
+def load_steps(log_dir: str, command_channel: str) -> list[tuple[int, int, tuple[float, ...]]]:
+    """The car's control steps (time ns, frame id, command), empty for an older log."""
     from supervisor.replay.logfmt import command_steps
 
     return command_steps(log_dir, command_channel)
 
 
-class DriveClock:
-    """Where the car's law stepped: replays its steps up to each output's own."""
+_STEER, _ENGAGED, _REASON = (CONTROL_CMD.index(f) for f in ("steer_rad", "engaged", "reason"))
 
-    def __init__(self, steps: list[tuple[int, int]]) -> None:
+
+class DriveClock:
+    """Where the car's law stepped: replays its steps up to each output's own.
+
+    The log begins mid-drive (the car's law ran before the recorder did): at the first
+    output the law resumes from the car's command just before that output's step (its
+    steer, engagement, and good outputs in a row: the distinct frames of the trailing
+    RECOVERING commands), so the first commands compare too."""
+
+    def __init__(self, steps: list[tuple[int, int, tuple[float, ...]]]) -> None:
         self.steps = steps
         self.first: dict[int, int] = {}
-        for k, (_, fid) in enumerate(steps):
+        for k, (_, fid, _) in enumerate(steps):
             self.first.setdefault(fid, k)
-        self.next = 0               # the first step not replayed yet
+        self.next: int | None = None   # the first step not replayed yet (None: not begun)
+
+    def _resume(self, law: ControlLaw, k: int) -> None:
+        """Resume ``law`` from the car's command before step ``k`` (the first output's
+        own), or from step ``k``'s itself when the log holds none before it (the
+        recorder attached after the car acted on that output): a step at the same time
+        then moves nothing, and the command is the car's."""
+        j = max(k - 1, 0)
+        t, fid, cmd = self.steps[j]
+        if len(cmd) != len(CONTROL_CMD.fields):
+            return
+        first = self.steps[k][1]
+        seen = set()
+        for _, f, c in reversed(self.steps[:j + 1]):
+            if len(c) != len(CONTROL_CMD.fields) or round(c[_REASON]) != SafeReason.RECOVERING:
+                break
+            if f != first:           # the output about to be stepped counts itself
+                seen.add(f)
+        law.resume(cmd[_STEER], cmd[_ENGAGED] >= 0.5, len(seen), t)
 
     def step(self, law: ControlLaw, out, t_capture: int) -> tuple[Command, int, bool]:
         """(command, step time, on the drive's clock) for output ``out`` of a frame
         captured at ``t_capture``."""
         out = out._replace(ts_ns=t_capture)
         k = self.first.get(out.frame_id)
-        if k is None or k < self.next:
+        if k is None or (self.next is not None and k < self.next):
             # The car never acted on this output: a copy of the law answers for it.
             last = law.last_ns
             now = t_capture if last is None else max(t_capture, last)
             return copy.copy(law).step(out, now), now, False
-        for t, _ in self.steps[self.next:k]:
-            law.step(None, t)        # the car's steps between outputs: not published
+        if self.next is None:
+            self._resume(law, k)
+        else:
+            for t, _, _ in self.steps[self.next:k]:
+                law.step(None, t)    # the car's steps between outputs: not published
         self.next = k + 1
         now = self.steps[k][0]
         return law.step(out, now), now, True
@@ -94,7 +124,7 @@ def publish(writer, cmd: Command, frame_id: int | None) -> None:
 
 
 def run(ctx, a, reader, writer, law: ControlLaw, times: dict[int, int], model_output_of,
-        steps: list[tuple[int, int]] | None = None) -> int:
+        steps: list[tuple[int, int, tuple[float, ...]]] | None = None) -> int:
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     drive = DriveClock(steps) if steps else None
