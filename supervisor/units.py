@@ -64,6 +64,14 @@ CAP_CHECKPOINT_RESTORE: 2.5; as a non-root User= with those as ambient capabilit
 Below 1.5 only by moving the sandboxes out of this unit: a supervisor unit that hosts
 none (no capabilities, PrivateUsers=yes, no namespaces, @mount/@privileged denied,
 ProtectKernel*=yes) scores 0.2.
+
+The split (issue 27, supervisor/broker, docs/broker.md) renders three more units beside
+this one (`write_split_units`; phase 2 makes them the install): `trio-broker.socket`
+(SOCK_SEQPACKET, root:trio-supervisor 0660), `trio-broker.service`, the sandbox host
+with this unit's capabilities and exposure (3.3, `EXPOSURE`) and none of the
+supervisor's own work, and `trio-supervisor-proper.service`, which parses everything
+hostile as trio-supervisor with no capabilities, no namespaces, PrivateUsers=yes and
+AF_UNIX only: 0.2 (`PROPER_EXPOSURE` names the three items left).
 """
 from __future__ import annotations
 
@@ -74,6 +82,14 @@ from supervisor.exits import Exit
 
 DEFAULT_PREFIX = "/opt/trio-supervisor"   # python3 -m venv; pip install '<pkg>[research]'
 UNIT_NAME = "trio-supervisor.service"
+# The split of issue 27 (supervisor/broker, docs/broker.md): rendered beside the one unit
+# of today until phase 2 switches over.
+BROKER_UNIT = "trio-broker.service"
+BROKER_SOCKET_UNIT = "trio-broker.socket"
+PROPER_UNIT = "trio-supervisor-proper.service"
+SPLIT_UNITS = (BROKER_SOCKET_UNIT, BROKER_UNIT, PROPER_UNIT)
+SUPERVISOR_USER = "trio-supervisor"      # the supervisor proper: no capabilities
+BROKER_SOCKET = "/run/trio-broker/broker.sock"
 SLICE = "system.slice"
 CGROUP_MOUNT = "/sys/fs/cgroup"
 
@@ -151,10 +167,10 @@ def target_python(python: str | None = None, prefix: str | None = None) -> str:
     return str(Path(prefix or DEFAULT_PREFIX) / "bin" / "python3")
 
 
-def unit_cgroup() -> str:
+def unit_cgroup(unit: str = UNIT_NAME) -> str:
     """The unit's own cgroup on the vehicle (cgroup v2, the unit in `SLICE`): the one
-    directory of the cgroup file system the supervisor may write."""
-    return f"{CGROUP_MOUNT}/{SLICE}/{UNIT_NAME}"
+    directory of the cgroup file system the supervisor (or the broker) may write."""
+    return f"{CGROUP_MOUNT}/{SLICE}/{unit}"
 
 
 def _under(path: str, roots: tuple[str, ...]) -> bool:
@@ -163,6 +179,22 @@ def _under(path: str, roots: tuple[str, ...]) -> bool:
 
 def render(cfg: Config, *, config_path: str | None, python: str | None = None,
            prefix: str | None = None) -> str:
+    """The one unit of today: the supervisor and its sandboxes, as root."""
+    return _render_host(cfg, config_path=config_path, python=python, prefix=prefix)
+
+
+def render_broker(cfg: Config, *, config_path: str | None, python: str | None = None,
+                  prefix: str | None = None) -> str:
+    """The broker's unit (issue 27): the sandbox host. It needs everything the one unit
+    of today needs for the sandboxes (same capabilities, namespaces, /proc, delegated
+    cgroup, the same `EXPOSURE`), and nothing for the supervisor proper's work: no
+    notify socket, no watchdog. Socket-activated by `BROKER_SOCKET_UNIT`."""
+    return _render_host(cfg, config_path=config_path, python=python, prefix=prefix,
+                        broker=True)
+
+
+def _render_host(cfg: Config, *, config_path: str | None, python: str | None = None,
+                 prefix: str | None = None, broker: bool = False) -> str:
     from supervisor.sandbox.staging import BASE as STAGING
 
     py = target_python(python, prefix)
@@ -183,31 +215,56 @@ def render(cfg: Config, *, config_path: str | None, python: str | None = None,
         state_lines = [f"ReadWritePaths=-{state}"]
     staging = ([f"RuntimeDirectory={STAGING[len('/run/'):]}", "RuntimeDirectoryMode=0755"]
                if STAGING.startswith("/run/") else [f"ReadWritePaths=-{STAGING}"])
+    if broker:
+        head = [
+            "[Unit]",
+            f"Description=trio broker: the privileged part of the supervisor, sandboxes of "
+            f"{len(cfg.workers)} workers from {cfg.source}",
+            f"Requires={BROKER_SOCKET_UNIT}",
+            f"After=local-fs.target {BROKER_SOCKET_UNIT}",
+            "",
+            "[Service]",
+            "Type=simple",
+            "# fd 3: the listening socket of the .socket unit; the broker accepts one",
+            "# connection, from the supervisor proper's user only (SO_PEERCRED).",
+            f"ExecStart={py} -m supervisor.broker{conf} --state-dir {cfg.supervisor.state_dir}"
+            f" --listen-fd 3 --peer-user {SUPERVISOR_USER}",
+            "Environment=PYTHONDONTWRITEBYTECODE=1",
+            "Restart=on-failure",
+            "RestartSec=1s",
+            "# 2: its config or state dir refused; restarting does not change them.",
+            f"RestartPreventExitStatus={int(Exit.CONFIG)}",
+        ]
+    else:
+        head = [
+            "[Unit]",
+            f"Description=trio supervisor: {len(cfg.workers)} sandboxed workers from {cfg.source}",
+            "After=local-fs.target",
+            "",
+            "[Service]",
+            "Type=notify",
+            "NotifyAccess=main",
+            "# --quiet: the journal has every event; a status line per second would flood it.",
+            f"ExecStart={py} -m supervisor.cli run --quiet{conf}",
+            "Environment=PYTHONDONTWRITEBYTECODE=1",
+            "WatchdogSec=2s",
+            "Restart=on-failure",
+            "RestartSec=1s",
+            "# 2 config error, 3 admission refused a required worker, 4 fail-safe latched:",
+            "# none gets better by restarting (4 waits for `supervisor clear-fail-safe`).",
+            f"RestartPreventExitStatus={int(Exit.CONFIG)} {int(Exit.REFUSED)} {int(Exit.FAIL_SAFE)}",
+        ]
+    who = "broker" if broker else "supervisor"
     lines = [
         "# Generated by `supervisor units` from the config; regenerate, do not edit.",
-        "[Unit]",
-        f"Description=trio supervisor: {len(cfg.workers)} sandboxed workers from {cfg.source}",
-        "After=local-fs.target",
-        "",
-        "[Service]",
-        "Type=notify",
-        "NotifyAccess=main",
-        "# --quiet: the journal has every event; a status line per second would flood it.",
-        f"ExecStart={py} -m supervisor.cli run --quiet{conf}",
-        "Environment=PYTHONDONTWRITEBYTECODE=1",
-        "WatchdogSec=2s",
-        "Restart=on-failure",
-        "RestartSec=1s",
-        "# 2 config error, 3 admission refused a required worker, 4 fail-safe latched:",
-        "# none gets better by restarting (4 waits for `supervisor clear-fail-safe`).",
-        f"RestartPreventExitStatus={int(Exit.CONFIG)} {int(Exit.REFUSED)} {int(Exit.FAIL_SAFE)}",
+        *head,
         "KillMode=mixed",
         "TimeoutStopSec=15s",
-        "# The supervisor makes one cgroup per worker run below its own, and may write",
+        f"# The {who} makes one cgroup per worker run below its own, and may write",
         "# nothing else of the cgroup file system (ProtectControlGroups=yes below).",
         f"Slice={SLICE}",
         "Delegate=yes",
-        f"ReadWritePaths=-{unit_cgroup()}",
+        f"ReadWritePaths=-{unit_cgroup(BROKER_UNIT if broker else UNIT_NAME)}",
         *([f"MemoryMax={memory}"] if memory else []),
         *([f"LimitNOFILE=1024:{nofile}"] if nofile > _DEFAULT_NOFILE_HARD else []),
         "LimitCORE=0",
@@ -255,11 +312,138 @@ def render(cfg: Config, *, config_path: str | None, python: str | None = None,
         "RestrictNamespaces=" + " ".join(NAMESPACES),
         "UMask=0022",
         "",
-        "[Install]",
-        "WantedBy=multi-user.target",
+        *(["# Started by its socket (trio-broker.socket), not enabled on its own."] if broker
+          else ["[Install]", "WantedBy=multi-user.target"]),
         "",
     ]
     return "\n".join(lines)
+
+
+# What `systemd-analyze security` still marks exposed on the supervisor proper's unit, and
+# why (tests/test_units.py fails on any other, and on a stale one).
+PROPER_EXPOSURE: dict[str, str] = {
+    "RestrictAddressFamilies=~AF_UNIX": "25: the broker's socket, the notify socket",
+    "DeviceAllow=": "500: char-rtc r, which ProtectClock=yes adds (worth 1000)",
+    "RootDirectory=/RootImage=": "200: runs from the host's /usr and the install prefix",
+}
+
+
+def render_broker_socket() -> str:
+    """The broker's listening socket: made by systemd before either service starts,
+    connectable by root and the supervisor proper's group only (the broker also checks
+    the peer's uid)."""
+    return "\n".join([
+        "# Generated by `supervisor units`; regenerate, do not edit.",
+        "[Unit]",
+        "Description=trio broker socket: the supervisor proper's only way to privilege",
+        "",
+        "[Socket]",
+        f"ListenSequentialPacket={BROKER_SOCKET}",
+        "SocketUser=root",
+        f"SocketGroup={SUPERVISOR_USER}",
+        "SocketMode=0660",
+        "DirectoryMode=0750",
+        "Accept=no",
+        "RemoveOnStop=yes",
+        "",
+        "[Install]",
+        "WantedBy=sockets.target",
+        "",
+    ])
+
+
+def render_proper(cfg: Config, *, config_path: str | None, python: str | None = None,
+                  prefix: str | None = None) -> str:
+    """The supervisor proper's unit (issue 27, phase 2's ExecStart): config, lifecycle,
+    the workers' pipes and status, events, the exec-watch judgement, the monitor. It
+    reads every hostile byte and holds no privilege at all: a fixed non-root user, an
+    empty capability set, no namespaces, no mounts, no network, AF_UNIX only. Everything
+    privileged goes through the broker's socket."""
+    py = target_python(python, prefix)
+    conf_file = str(Path(config_path).resolve()) if config_path else None
+    conf = f" --config {conf_file}" if conf_file else ""
+    home = any(_under(p, _HOMES) for p in (py, conf_file or ""))
+    return "\n".join([
+        "# Generated by `supervisor units` from the config; regenerate, do not edit.",
+        "[Unit]",
+        f"Description=trio supervisor proper: {len(cfg.workers)} workers from {cfg.source}, "
+        "unprivileged",
+        f"Requires={BROKER_SOCKET_UNIT}",
+        f"After=local-fs.target {BROKER_SOCKET_UNIT}",
+        "",
+        "[Service]",
+        "Type=notify",
+        "NotifyAccess=main",
+        "# Phase 2 of issue 27 gives `run` the broker's socket (docs/broker.md).",
+        f"ExecStart={py} -m supervisor.cli run --quiet --broker {BROKER_SOCKET}{conf}",
+        "Environment=PYTHONDONTWRITEBYTECODE=1",
+        "WatchdogSec=2s",
+        "Restart=on-failure",
+        "RestartSec=1s",
+        f"RestartPreventExitStatus={int(Exit.CONFIG)} {int(Exit.REFUSED)} {int(Exit.FAIL_SAFE)}",
+        "TimeoutStopSec=15s",
+        "LimitCORE=0",
+        f"User={SUPERVISOR_USER}",
+        f"Group={SUPERVISOR_USER}",
+        "CapabilityBoundingSet=",
+        "AmbientCapabilities=",
+        "NoNewPrivileges=yes",
+        "# Its own user (and root) mapped 1:1: the broker's SO_PEERCRED check sees the",
+        "# host uid; every other uid, the sandboxes' included, is nobody in here.",
+        "PrivateUsers=yes",
+        "ProtectSystem=strict",
+        f"ProtectHome={'read-only' if home else 'yes'}",
+        "PrivateTmp=yes",
+        "PrivateDevices=yes",
+        "DevicePolicy=closed",
+        "PrivateMounts=yes",
+        "PrivateIPC=yes",
+        "PrivateNetwork=yes",
+        "IPAddressDeny=any",
+        "ProtectKernelTunables=yes",
+        "ProtectKernelModules=yes",
+        "ProtectKernelLogs=yes",
+        "ProtectControlGroups=yes",
+        "ProtectClock=yes",
+        "ProtectHostname=yes",
+        "# Other uids' /proc stays invisible: the broker opens what the scans read.",
+        "ProtectProc=invisible",
+        "ProcSubset=pid",
+        "KeyringMode=private",
+        "RestrictNamespaces=yes",
+        "RestrictRealtime=yes",
+        "RestrictSUIDSGID=yes",
+        "RemoveIPC=yes",
+        "LockPersonality=yes",
+        "MemoryDenyWriteExecute=yes",
+        "SystemCallArchitectures=native",
+        "SystemCallFilter=@system-service",
+        "SystemCallFilter=~@privileged @resources @mount @debug @clock @cpu-emulation "
+        "@module @obsolete @raw-io @reboot @swap",
+        "SystemCallErrorNumber=EPERM",
+        "RestrictAddressFamilies=AF_UNIX",
+        "UMask=0077",
+        "",
+        "[Install]",
+        "WantedBy=multi-user.target",
+        "",
+    ])
+
+
+def write_split_units(cfg: Config, out: Path, *, config_path: str | None,
+                      python: str | None = None, prefix: str | None = None) -> list[Path]:
+    """The three units of the split (socket, broker, supervisor proper), beside the one
+    unit of today (`write_units`); `supervisor units` writes them once phase 2 wires the
+    broker into `run`."""
+    out.mkdir(parents=True, exist_ok=True)
+    kw = dict(config_path=config_path, python=python, prefix=prefix)
+    texts = {BROKER_SOCKET_UNIT: render_broker_socket(), BROKER_UNIT: render_broker(cfg, **kw),
+             PROPER_UNIT: render_proper(cfg, **kw)}
+    paths = []
+    for name in SPLIT_UNITS:
+        (out / name).write_text(texts[name])
+        paths.append(out / name)
+    return paths
 
 
 def write_units(cfg: Config, out: Path, *, config_path: str | None, python: str | None = None,

@@ -232,16 +232,20 @@ def test_a_control_and_a_research_sandbox_start_run_as_their_users_and_are_reape
 
 
 def test_start_request_latency_and_broker_cpu(broker, capsys):
-    """The figure for docs/broker.md: a start request's round trip (the sandbox's own
-    start-up, staging, seccomp compile and fork included) and the broker's CPU for it."""
+    """The figure for docs/broker.md: a start request's round trip (staging, seccomp
+    compile and fork of bwrap included; not the worker's own start-up) and the broker's
+    CPU for it, beside the same sandbox spawned in this process as the lifecycle does
+    today (launch.spawn): the difference is what the broker costs a start."""
+    from supervisor.sandbox import launch
+    from supervisor.sandbox.policy import for_worker
+    from supervisor.broker._server import worker_argv
+
     c = broker.client
-    hz = os.sysconf("SC_CLK_TCK")
 
-    def cpu() -> float:
-        f = Path(f"/proc/{broker.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(f[11]) + int(f[12])) / hz     # utime + stime of the broker itself
+    def cpu() -> float:         # the broker's own CPU time on record, ns resolution
+        return int(Path(f"/proc/{broker.pid}/schedstat").read_text().split()[0]) / 1e9
 
-    walls, cpus = [], []
+    walls, cpus, direct = [], [], []
     for _ in range(3):
         n = _next() + 100
         c0, t0 = cpu(), time.perf_counter()
@@ -252,14 +256,25 @@ def test_start_request_latency_and_broker_cpu(broker, capsys):
         _wait_exit(s.pidfd)
         c.reap("solo", n)
         s.close()
+    w = broker.config.workers["solo"]
+    for _ in range(3):
+        t0 = time.perf_counter()
+        pol = for_worker(broker.config, w)
+        p = launch.spawn(pol, worker_argv(w, sys.executable), stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+        direct.append(time.perf_counter() - t0)
+        p.kill()
+        p.wait()
     t0 = time.perf_counter()
     for _ in range(200):
         c.ping()
     ping_us = (time.perf_counter() - t0) / 200 * 1e6
     with capsys.disabled():
-        print(f"\nbroker start request: wall {min(walls) * 1e3:.0f}-{max(walls) * 1e3:.0f} ms, "
-              f"broker CPU {min(cpus) * 1e3:.0f}-{max(cpus) * 1e3:.0f} ms; ping round trip "
-              f"{ping_us:.0f} us (load {os.getloadavg()[0]:.1f})")
+        print(f"\nbroker start request: wall min {min(walls) * 1e3:.0f} / max "
+              f"{max(walls) * 1e3:.0f} ms (in-process launch.spawn min {min(direct) * 1e3:.0f} "
+              f"ms), broker CPU min {min(cpus) * 1e3:.1f} / max {max(cpus) * 1e3:.1f} ms; "
+              f"ping round trip {ping_us:.0f} us (load {os.getloadavg()[0]:.1f})")
     assert max(walls) < 30 and ping_us < 50_000
 
 
@@ -446,7 +461,7 @@ def _mutated(draw) -> bytes:
     return bytes(data[:cut]) + draw(st.binary(max_size=64))
 
 
-@settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.one_of(st.binary(max_size=2048), _mutated()))
 def test_fuzz_the_request_decoder_raises_only_its_own_errors(data):
     try:

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from supervisor.config import load
-from supervisor.units import (DEFAULT_PREFIX, EXPOSURE, UNIT_NAME, render, unit_cgroup,
-                             write_units)
+from supervisor.units import (BROKER_UNIT, DEFAULT_PREFIX, EXPOSURE, PROPER_EXPOSURE,
+                             PROPER_UNIT, SPLIT_UNITS, UNIT_NAME, render, unit_cgroup,
+                             write_split_units, write_units)
 
 ROOT = Path(__file__).resolve().parents[1]
 ANALYZE = shutil.which("systemd-analyze")
@@ -150,6 +151,49 @@ def test_a_realtime_config_costs_the_unit_sys_nice_and_sched_setscheduler_only(t
     assert score <= 3.6, s.stdout[-3000:]      # measured: 3.3 + CAP_SYS_NICE, RT, @resources
     plain = _directives(render(load(), config_path=None))
     assert plain["RestrictRealtime"] == ["yes"] and "CAP_SYS_NICE" not in plain["CapabilityBoundingSet"][0]
+
+
+# --------------------------------------------------------------------------- the split
+
+# Issue 27: the supervisor proper holds no privilege; measured 0.2 (PROPER_EXPOSURE names
+# what is left). The broker hosts the sandboxes and costs what the one unit costs.
+MAX_PROPER_EXPOSURE = 1.5
+
+
+def _security(unit: Path) -> tuple[float, set[str], str]:
+    s = subprocess.run([ANALYZE, "security", "--offline=true", str(unit)],
+                       capture_output=True, text=True, env=dict(os.environ, LC_ALL="C.UTF-8"))
+    score = float(re.search(r"Overall exposure level for \S+: ([0-9.]+)", s.stdout).group(1))
+    return score, set(re.findall(r"^\s*\u2717 (\S+)", s.stdout, re.M)), s.stdout[-4000:]
+
+
+def test_committed_split_units_are_what_renders(tmp_path):
+    write_split_units(load(), tmp_path, config_path=None)
+    for name in SPLIT_UNITS:
+        assert (tmp_path / name).read_text() == (ROOT / "systemd" / name).read_text(), \
+            f"systemd/{name} is stale: rerun supervisor.units.write_split_units (default config)"
+
+
+@needs_analyze
+def test_split_units_verify_and_the_supervisor_proper_holds_no_privilege(tmp_path):
+    paths = write_split_units(load(), tmp_path, config_path=None,
+                              prefix=str(_fake_prefix(tmp_path)))
+    for unit in paths:
+        v = subprocess.run([ANALYZE, "verify", str(unit)], capture_output=True, text=True)
+        assert v.returncode == 0 and not (v.stdout + v.stderr).strip(), v.stdout + v.stderr
+    proper = _directives((tmp_path / PROPER_UNIT).read_text())
+    assert proper["User"] == ["trio-supervisor"] and proper["CapabilityBoundingSet"] == [""]
+    assert proper["AmbientCapabilities"] == [""] and proper["NoNewPrivileges"] == ["yes"]
+    assert proper["RestrictNamespaces"] == ["yes"] and proper["RestrictAddressFamilies"] == ["AF_UNIX"]
+    score, exposed, out = _security(tmp_path / PROPER_UNIT)
+    assert score <= MAX_PROPER_EXPOSURE, out
+    assert exposed == set(PROPER_EXPOSURE), out
+    # the broker: the sandbox host, exactly the one unit's documented exposure
+    broker = _directives((tmp_path / BROKER_UNIT).read_text())
+    assert "--listen-fd 3 --peer-user trio-supervisor" in broker["ExecStart"][0]
+    assert broker["ReadWritePaths"][0] == f"-{unit_cgroup(BROKER_UNIT)}"
+    score, exposed, out = _security(tmp_path / BROKER_UNIT)
+    assert score <= MAX_EXPOSURE and exposed == set(EXPOSURE), out
 
 
 # --------------------------------------------------------------------------- simulation
