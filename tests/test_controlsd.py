@@ -176,6 +176,68 @@ def test_command_array_round_trip():
                               ).reason == SafeReason.TIMEOUT
 
 
+def test_a_replay_on_the_drives_clock_gives_the_cars_commands():
+    """The car's law steps at 20 ms ticks and on each output (arriving 3-9 ms after its
+    frame's capture), skips one output (a newer one came first), and the log begins
+    mid-drive, engaged and ramping. `DriveClock` with a fresh law, fed the outputs in
+    order, gives the car's first command for each frame bit for bit; the skipped one
+    gets a command of its own without moving the car's steps."""
+    from workers.controlsd.logclock import DriveClock
+
+    cfg = LawConfig(k_p=0.3, k_h=1.0, max_steer=0.3, max_rate=0.2, engage_count=3)
+    car = ControlLaw(cfg)
+    outs = {f: out(0.4 * math.sin(f / 3), 0.02 * (f % 5), ts=f * 50 * MS, frame_id=f)
+            for f in range(40)}
+    arrive = {f: f * 50 * MS + (3 + f % 7) * MS for f in outs if f != 17}
+    events = sorted([(t, f) for f, t in arrive.items()]
+                    + [(k * 20 * MS + 1, None) for k in range(100)])
+    log = []                            # (t, frame id, command payload) as recorded
+    for t, f in events:             # (17 came with 18: the car took 18 only)
+        c = car.step(outs[f] if f is not None else None, t)
+        if c.frame_id is not None:
+            log.append((t, c.frame_id, tuple(c.to_array().astype(float).tolist())))
+    # The recorder attached just after the car acted on output 12 (mid-drive, ramping).
+    start = next(k for k, (_, f, _) in enumerate(log) if f == 12) + 1
+    first_seen = {}
+    for t, f, v in log[start:]:
+        first_seen.setdefault(f, v)
+    clock, law = DriveClock(log[start:]), ControlLaw(cfg)
+    got = {}
+    for f in range(12, 40):
+        cmd, _, on_drive = clock.step(law, outs[f]._replace(ts_ns=0), f * 50 * MS)
+        assert on_drive == (f != 17), f
+        got[f] = tuple(cmd.to_array().astype(float).tolist())
+    assert first_seen[20][1] == 1.0 and 0 < abs(first_seen[13][0]) < cfg.max_steer
+    for f in range(12, 40):
+        if f != 17:
+            # Engagement, reason and age exactly; the steer from the float32 the car
+            # published (its law keeps float64): equal up to float32's last bit while
+            # the ramp the log began in lasts, exactly once the target is reached.
+            assert got[f][1:] == first_seen[f][1:], f
+            assert got[f][0] == pytest.approx(first_seen[f][0], abs=1e-7), f
+    assert got[39] == first_seen[39]
+    # Another gain: the same clock gives other commands (what --ref self then shows).
+    clock, law = DriveClock(log[start:]), ControlLaw(LawConfig(k_p=0.6, k_h=1.0, max_steer=0.3,
+                                                               max_rate=0.2, engage_count=3))
+    other = [clock.step(law, outs[f], f * 50 * MS)[0].steer_rad for f in range(12, 40)]
+    assert sum(o != got[f][0] for o, f in zip(other, range(12, 40))) > 10
+
+
+def test_resume_takes_the_state_and_needs_a_new_output():
+    law = ControlLaw(CFG)
+    law.resume(0.05, True, 3, 1000 * MS)
+    assert law.last_ns == 1000 * MS
+    c = law.step(out(0.0, 0.0, ts=1010 * MS), 1010 * MS)   # target 0: ramps down from 0.05
+    assert c.engaged and c.reason == SafeReason.OK
+    assert c.steer_rad == pytest.approx(0.05 - CFG.max_rate * 0.010)
+    law = ControlLaw(CFG)
+    law.resume(0.0, False, 2, 1000 * MS)                     # two good outputs so far
+    assert law.step(out(ts=1010 * MS), 1010 * MS).engaged    # the third engages
+    law = ControlLaw(CFG)
+    law.resume(0.1, True, 3, 1000 * MS)
+    assert law.step(None, 1010 * MS).reason == SafeReason.NO_INPUT   # nothing carried over
+
+
 def test_model_output_of_a_real_message(make_channel):
     ch = make_channel(name="model_out", dtype="float32", slot_size=4096, crc=True)
     with Writer(ch.writer_handle()) as w, Reader(ch.reader_handle(0)) as r:
