@@ -313,6 +313,61 @@ def test_a_config_binding_root_or_running_as_root_never_starts_a_broker(tmp_path
     assert "never run as root" in p.stderr and "'/'" in p.stderr
 
 
+def test_a_listening_broker_serves_only_its_peer_user(tmp_path):
+    """The units' way in (trio-broker.socket, --listen-fd): the broker accepts one
+    connection, and only from --peer-user's uid (SO_PEERCRED); root is refused too."""
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    addr = f"\0trio-broker-test-{os.getpid()}"
+    lsock.bind(addr)
+    lsock.listen(4)
+    err = open(tmp_path / "err", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor.broker", "--state-dir",
+                             str(tmp_path / "state"), "--listen-fd", str(lsock.fileno()),
+                             "--peer-user", "nobody"], pass_fds=[lsock.fileno()], cwd=ROOT,
+                            stdin=subprocess.DEVNULL, stderr=err)
+    lsock.close()
+    try:
+        root = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        root.connect(addr)
+        P.send(root, P.encode_request(1, P.Ping()))
+        root.settimeout(30)
+        try:
+            got = P.recv(root)
+        except ConnectionResetError:                  # closed with our ping unread
+            got = None
+        assert got is None                            # hung up on: not its peer
+        root.close()
+        ping = P.encode_request(2, P.Ping())
+        child = os.fork()
+        if child == 0:                                # the supervisor proper's uid
+            code = 1
+            try:
+                os.setgroups([])
+                os.setresgid(nobody.pw_gid, nobody.pw_gid, nobody.pw_gid)
+                os.setresuid(nobody.pw_uid, nobody.pw_uid, nobody.pw_uid)
+                c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                c.connect(addr)
+                c.settimeout(30)
+                c.sendmsg([ping])
+                reply = c.recv(P.MAX_MESSAGE)
+                code = 0 if isinstance(P.decode_reply(reply)[1], P.Ok) else 2
+                c.close()
+            finally:
+                os._exit(code)
+        assert os.waitpid(child, 0)[1] == 0
+        assert proc.wait(30) == 0                     # its one client left: it ends
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        err.close()
+    lines = (tmp_path / "err").read_text().splitlines()
+    refused = [json.loads(x) for x in lines if '"broker_refused"' in x]
+    assert len(refused) == 1 and "uid 0 is not nobody" in refused[0]["reason"], lines
+
+
 def test_the_plan_check_refuses_uid_0_and_binding_root():
     """Defence in depth below the config loader: the policy the broker built is checked
     once more before it forks (check_plan), whatever produced it."""
