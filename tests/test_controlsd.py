@@ -11,8 +11,8 @@ import pytest
 
 from supervisor.ipc import Channel, ChannelSpec, NextLoan, Reader, Receipt, Writer
 from workers.controlsd import model_output_of
-from workers.controlsd.law import (Command, ControlLaw, LawConfig, ModelOutput,
-                                   SafeReason)
+from workers.controlsd.law import (Command, ControlLaw, DriverState, LawConfig,
+                                   ModelOutput, SafeReason)
 
 
 
@@ -238,6 +238,88 @@ def test_resume_takes_the_state_and_needs_a_new_output():
     assert law.step(None, 1010 * MS).reason == SafeReason.NO_INPUT   # nothing carried over
 
 
+# ---------------------------------------------------------------- the driver monitor
+
+
+DCFG = LawConfig(k_p=0.1, k_h=1.0, max_steer=0.2, max_rate=0.5, timeout_ms=100,
+                 max_age_ms=120, engage_count=3, watch_driver=True, driver_max_age_ms=300,
+                 min_face_prob=0.5, min_driver_confidence=0.5, min_eyes_on_road=0.5,
+                 driver_grace_ms=1000)
+
+
+def drive(law: ControlLaw, t0_ms: int, ms: int, face=0.9, eyes=0.9, conf=0.9,
+          driver=True) -> list[Command]:
+    """Model outputs every 50 ms and (if ``driver``) driver states every 50 ms, steps
+    every 10 ms, for ``ms`` from ``t0_ms``."""
+    cmds = []
+    for t_ms in range(t0_ms, t0_ms + ms, 10):
+        t = t_ms * MS
+        mo = out(0.5, 0.0, ts=t - 5 * MS) if t_ms % 50 == 0 else None
+        ds = (DriverState(face, eyes, conf, t - 5 * MS)
+              if driver and t_ms % 50 == 20 else None)
+        cmds.append(law.step(mo, t, driver=ds))
+    return cmds
+
+
+def test_without_a_driver_monitor_the_law_is_unchanged():
+    plain, given = ControlLaw(CFG), ControlLaw(CFG)
+    bad = DriverState(0.0, 0.0, 0.0, 0)             # no driver at all, and old
+    for i in range(60):
+        t = i * 20 * MS
+        mo = out(0.3, 0.01, ts=t) if i % 3 == 0 else None
+        assert plain.step(mo, t) == given.step(mo, t, driver=bad)
+    assert plain.engaged
+
+
+def test_driver_monitor_stale_absent_distracted_and_back():
+    law = ControlLaw(DCFG)
+    cmds = drive(law, 0, 500, driver=False)           # no driver state: never engages
+    assert all(c.reason == SafeReason.DRIVER_STALE and not c.engaged for c in cmds[5:])
+    cmds = drive(law, 500, 500)                        # a driver, watching the road
+    assert cmds[-1].engaged and cmds[-1].reason == SafeReason.OK
+    cmds = drive(law, 1000, 900, face=0.1)             # no face, within the grace
+    assert all(c.engaged for c in cmds)
+    cmds = drive(law, 1900, 400, face=0.1)             # ... past it
+    assert cmds[-1].reason == SafeReason.DRIVER_ABSENT and not cmds[-1].engaged
+    first = next(i for i, c in enumerate(cmds) if not c.engaged)
+    assert 1900 + 10 * first - 1020 >= 1000            # not before the grace ran out
+    steer = [c.steer_rad for c in cmds[first:]]
+    assert all(np.diff(np.abs(steer)) <= 0) and steer[-1] == 0.0   # ramps to 0
+    cmds = drive(law, 2300, 400)                       # back: RECOVERING, then engaged
+    assert cmds[0].reason in (SafeReason.DRIVER_ABSENT, SafeReason.RECOVERING)
+    assert any(c.reason == SafeReason.RECOVERING for c in cmds)
+    assert cmds[-1].engaged
+    cmds = drive(law, 2700, 500, eyes=0.1)             # a glance away: tolerated
+    assert all(c.engaged for c in cmds)
+    cmds = drive(law, 3200, 900, eyes=0.1)             # a long look away: not
+    assert cmds[-1].reason == SafeReason.DRIVER_DISTRACTED and not cmds[-1].engaged
+    cmds = drive(law, 4100, 300)
+    assert cmds[-1].engaged
+    cmds = drive(law, 4400, 400, driver=False)         # the monitor stops
+    assert cmds[-1].reason == SafeReason.DRIVER_STALE and not cmds[-1].engaged
+    stale_at = 4400 + 10 * next(i for i, c in enumerate(cmds) if not c.engaged)
+    assert stale_at - (4370 - 5) > DCFG.driver_max_age_ms   # newest state captured 4365
+
+
+@pytest.mark.parametrize("face,eyes,conf,why", [
+    (0.9, 0.9, 0.1, SafeReason.DRIVER_ABSENT),          # the monitor cannot tell
+    (math.nan, 0.9, 0.9, SafeReason.DRIVER_ABSENT),     # NaN is never a driver
+    (0.9, math.nan, 0.9, SafeReason.DRIVER_DISTRACTED),
+])
+def test_an_unsure_or_broken_driver_state_is_never_an_attentive_driver(face, eyes, conf, why):
+    law = ControlLaw(DCFG)
+    drive(law, 0, 500)
+    cmds = drive(law, 500, 1500, face=face, eyes=eyes, conf=conf)
+    assert cmds[-1].reason == why and not cmds[-1].engaged
+
+
+def test_model_checks_come_before_the_driver():
+    law = ControlLaw(DCFG)
+    drive(law, 0, 500)
+    cmds = [law.step(None, (500 + k * 10) * MS) for k in range(40)]  # model and driver gone
+    assert cmds[-1].reason == SafeReason.TIMEOUT
+
+
 def test_model_output_of_a_real_message(make_channel):
     ch = make_channel(name="model_out", dtype="float32", slot_size=4096, crc=True)
     with Writer(ch.writer_handle()) as w, Reader(ch.reader_handle(0)) as r:
@@ -324,6 +406,50 @@ def test_controlsd_process_follows_model_and_fails_safe(workers):  # noqa: F811
         assert any("reason=OK" in s and "engaged=1" in s for s in statuses)
         assert any("reason=TIMEOUT" in s for s in statuses)
         assert "SHUTDOWN" in statuses[-1]
+
+
+def test_controlsd_process_watches_a_bound_driver_state(workers):  # noqa: F811
+    """A driver_state channel bound as role ``driver``: controlsd engages only with a
+    fresh attentive driver, and goes DRIVER_STALE when the monitor stops (the model
+    still publishing)."""
+    from schemas.payloads import DRIVER_STATE
+
+    model, drv = _tensor_channel("model_out"), _tensor_channel("driver_state")
+    cmd = _tensor_channel("control_cmd")
+    Writer(cmd.writer_handle(), seal=False).close()
+    with model, drv, cmd, Writer(model.writer_handle()) as mw, \
+            Writer(drv.writer_handle()) as dw, Reader(cmd.reader_handle(1)) as cr:
+        proc = workers("workers.controlsd",
+                       ["--hz", "50", "--timeout-ms", "300", "--max-age-ms", "300",
+                        "--driver-max-age-ms", "250", "--engage-count", "2"],
+                       reads={"model": model, "driver": drv}, writes={"command": cmd})
+        seen: list[Command] = []
+
+        def phase(seconds: float, driver: bool) -> list[Command]:
+            start, end = len(seen), time.monotonic() + seconds
+            while time.monotonic() < end:
+                mw.publish_array(np.array([0.5, 0.0, 0.9, 0.0], np.float32))
+                if driver:
+                    dw.publish_array(DRIVER_STATE.encode(face_prob=0.95, eyes_on_road_prob=0.9,
+                                                         confidence=0.9))
+                time.sleep(0.03)
+                while (m := cr.try_receive()) is not None:
+                    with m:
+                        seen.append(Command.from_array(m.array))
+            return seen[start:]
+
+        t0 = time.monotonic()
+        while not any(ln.startswith("READY=1") for ln in proc.lines):
+            assert time.monotonic() - t0 < 15 and proc.proc.poll() is None
+            time.sleep(0.01)
+        assert any("driver driver_state" in ln for ln in proc.lines if ln.startswith("READY=1"))
+        early = phase(0.4, driver=False)               # a model, but no driver monitor
+        assert early and not any(c.engaged for c in early)
+        assert early[-1].reason == SafeReason.DRIVER_STALE
+        watched = phase(0.8, driver=True)
+        assert watched[-1].engaged and watched[-1].reason == SafeReason.OK
+        gone = phase(1.0, driver=False)                # the monitor stops
+        assert gone[-1].reason == SafeReason.DRIVER_STALE and not gone[-1].engaged
 
 
 def test_controlsd_process_refuses_future_stamped_outputs(workers):  # noqa: F811

@@ -2,12 +2,21 @@
 
     python -m supervisor.runner workers.controlsd [--hz 50] [--timeout-ms 150] [--max-age-ms 150] [--min-confidence 0.5]
         [--k-p 0.05] [--k-h 0.5] [--max-steer 0.3] [--max-rate 0.4] [--tau-ms 0]
-        [--engage-count 3] [--status-s 1.0]
+        [--engage-count 3] [--status-s 1.0] [--driver-max-age-ms 500] [--min-face-prob 0.5]
+        [--min-driver-confidence 0.5] [--min-eyes-on-road 0.5] [--driver-grace-ms 2000]
 
-Channels (bound by the config): input role ``model``, output role ``command``.
+Channels (bound by the config): input role ``model`` (and optionally ``driver``),
+output role ``command``.
 
-Input: ``model`` (float32[4] = offset_m, heading_rad, confidence, reserved), the only
-channel read; research/shadow channels are never read. The age of an output is taken
+Input: ``model`` (float32[4] = offset_m, heading_rad, confidence, reserved); research/
+shadow channels are never read. Optional: the driver monitor's ``driver_state``
+(`schemas.payloads.DRIVER_STATE`), bound as role ``driver`` (``subscribes = { model =
+"model_out", driver = "driver_state" }``) or as a channel of that name: then the law
+also watches the driver (``--driver-max-age-ms``, ``--min-face-prob``,
+``--min-driver-confidence``, ``--min-eyes-on-road``, ``--driver-grace-ms``; reasons
+DRIVER_STALE, DRIVER_ABSENT, DRIVER_DISTRACTED, see `law`); without it nothing changes.
+Its newest state is taken without waiting, each loop; one refused or lost is counted
+(status ``driver_*=``), never trusted. The age of an output is taken
 from the capture time of the frame it came from: ``msg.receipt.capture_ts_ns`` when the
 bridge carries an execution receipt, else the message's own capture timestamp, else its
 publish time. A receipt whose completion point is ``deviceQueued`` is refused
@@ -42,10 +51,10 @@ from supervisor.ipc import (BridgeError, ChannelTimeout, FutureTimestamp, LeaseL
                             NextLoan, Rejected)
 from supervisor.worker import WorkerContext
 
-from .law import Command, ControlLaw, LawConfig, ModelOutput, SafeReason
+from .law import Command, ControlLaw, DriverState, LawConfig, ModelOutput, SafeReason
 
-__all__ = ["Command", "ControlLaw", "LawConfig", "ModelOutput", "SafeReason", "main",
-           "model_output_of"]
+__all__ = ["Command", "ControlLaw", "DriverState", "LawConfig", "ModelOutput", "SafeReason",
+           "main", "model_output_of"]
 
 MAX_WAIT_S = 0.05          # longest single wait: the watchdog needs regular pings
 # Watchdog pings at most this often (each one is a write the supervisor must wake up
@@ -65,6 +74,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-rate", type=float, default=0.4)
     p.add_argument("--tau-ms", type=float, default=0.0)
     p.add_argument("--engage-count", type=int, default=3)
+    # Driver monitoring: read only when a driver_state channel is bound (law.py).
+    p.add_argument("--driver-max-age-ms", type=float, default=500.0)
+    p.add_argument("--min-face-prob", type=float, default=0.5)
+    p.add_argument("--min-driver-confidence", type=float, default=0.5)
+    p.add_argument("--min-eyes-on-road", type=float, default=0.5)
+    p.add_argument("--driver-grace-ms", type=float, default=2000.0)
     p.add_argument("--status-s", type=float, default=1.0)
     p.add_argument("--log-clock", default=None, metavar="LOG",
                    help="replay: run on the log's clock, one command per output "
@@ -161,6 +176,49 @@ def rehearsal(law: ControlLaw, out: NextLoan):
 
 # The roles this worker's code asks for; `supervisor check` verifies the config binds them.
 ROLES = {"in": ("model",), "out": ("command",)}
+# Optional: the driver monitor's output, bound as role "driver" or as a channel named
+# driver_state; then the law watches the driver (law.py, DRIVER_*).
+DRIVER_ROLES = ("driver", "driver_state")
+
+
+def driver_role(ctx: WorkerContext) -> str | None:
+    return next((r for r in DRIVER_ROLES if ctx.has(r)), None)
+
+
+def driver_state_of(msg: Message) -> DriverState:
+    """Copy a driver_state message out (before releasing it): its values and the
+    capture time of the driver frame it came from (receipt, header, else publish)."""
+    stamp = msg.stamp
+    receipt = getattr(msg, "receipt", None)
+    capture = (getattr(receipt, "capture_ts_ns", None) if receipt is not None else None) \
+        or stamp.capture_ts_ns
+    return DriverState.from_floats(msg.tolist() if len(msg.layout.shape) == 1
+                                   else list(msg.array.reshape(-1).tolist()),
+                                   int(capture) if capture else stamp.publish_ts_ns)
+
+
+def newest_driver_state(reader, counts: dict[str, int]) -> DriverState | None:
+    """Everything queued on the driver channel, the newest kept (never blocks): a
+    refused or lost one is counted, never trusted."""
+    got = None
+    while True:
+        try:
+            msg = reader.try_receive()
+        except Rejected as e:        # FutureTimestamp among them: never fresh
+            counts[getattr(e, "reason", "rejected")] = counts.get(
+                getattr(e, "reason", "rejected"), 0) + 1
+            continue
+        except BridgeError:
+            counts["error"] = counts.get("error", 0) + 1
+            return got
+        if msg is None:
+            return got
+        try:
+            with msg:
+                state = driver_state_of(msg)
+            got = state
+        except LeaseLost:
+            counts["leases_lost"] = counts.get("leases_lost", 0) + 1
 # Refused by `supervisor check` in a vehicle config (supervisor/config/_runtime.py).
 SIMULATION_ONLY = {"--log-clock": "the control law steps on recorded time, not the clock"}
 
@@ -171,9 +229,16 @@ def main(ctx: WorkerContext) -> int:
         ctx.log(refused)
         return 2
     a = parse_args(sys.argv[1:])
+    droles = driver_role(ctx)
     cfg = LawConfig(k_p=a.k_p, k_h=a.k_h, max_steer=a.max_steer, max_rate=a.max_rate,
                     tau_s=a.tau_ms / 1000, timeout_ms=a.timeout_ms, max_age_ms=a.max_age_ms,
-                    min_confidence=a.min_confidence, engage_count=a.engage_count)
+                    min_confidence=a.min_confidence, engage_count=a.engage_count,
+                    # A replay (--log-clock) does not replay the driver monitor: its
+                    # law runs without it (docs/replay.md).
+                    watch_driver=droles is not None and not a.log_clock,
+                    driver_max_age_ms=a.driver_max_age_ms, min_face_prob=a.min_face_prob,
+                    min_driver_confidence=a.min_driver_confidence,
+                    min_eyes_on_road=a.min_eyes_on_road, driver_grace_ms=a.driver_grace_ms)
     stop = False
 
     def on_term(signum, frame) -> None:
@@ -198,14 +263,18 @@ def main(ctx: WorkerContext) -> int:
     out = NextLoan(writer, CONTROL_CMD.shape, np.float32)
     if poll:
         reader.rehearse(rehearsal(law, out))
-    ctx.ready(status=f"{ctx.channel_of('model')} -> {ctx.channel_of('command')} @ >= {a.hz:g} Hz, timeout {a.timeout_ms:g} ms")
+    driver = ctx.reader(droles) if droles is not None else None
+    driver_counts: dict[str, int] = {}
+    ctx.ready(status=f"{ctx.channel_of('model')} -> {ctx.channel_of('command')} @ >= {a.hz:g} Hz, timeout {a.timeout_ms:g} ms"
+                     + (f", driver {ctx.channel_of(droles)}" if droles else ""))
 
     tick = int(1e9 / a.hz)
     status_ns = int(a.status_s * 1e9)
     now = time.monotonic_ns()
     next_tick = now
     next_status = now + status_ns
-    outputs = lost = receipts = published = future = 0
+    outputs = lost = receipts = published = future = drivers = 0
+    driver_state: DriverState | None = None      # taken, not yet given to the law
     last: Command | None = None
     last_latency_ns = None
     next_ping = now
@@ -242,12 +311,17 @@ def main(ctx: WorkerContext) -> int:
             pass            # counted in reader.stats.rejected; the law sees nothing new
         except BridgeError as e:
             ctx.log(f"bridge error: {e}")
+        if driver is not None:
+            d = newest_driver_state(driver, driver_counts)
+            if d is not None:
+                driver_state, drivers = d, drivers + 1
         now = time.monotonic_ns()
         if new is None and now < next_tick:
             continue
         if new is not None and new.latency_ns is not None:
             last_latency_ns = new.latency_ns
-        last = law.step(new, now)
+        last = law.step(new, now, driver=driver_state)
+        driver_state = None
         if new is not None and last.reason == SafeReason.FUTURE:
             future += 1         # refused by the bridge, or caught by the law itself
         _publish(out, last, now)
@@ -265,6 +339,8 @@ def main(ctx: WorkerContext) -> int:
                 f"commands={published} rejected={sum(rej.values())}"
                 f"{'' if not rej else ' ' + ','.join(f'{k}:{v}' for k, v in sorted(rej.items()))} "
                 f"future={future} leases_lost={lost}"
+                f"{f' driver_states={drivers}' if driver is not None else ''}"
+                f"{''.join(f' driver_{k}={v}' for k, v in sorted(driver_counts.items()))}"
                 f"{f' busy_poll={st.busy_poll_hits}/{st.busy_poll_misses}' if poll else ''}"
                 f"{f' rehearsals={st.rehearsals}' if poll else ''}"
                 f"{f' rehearsal_off={st.rehearsal_error!r}' if st.rehearsal_error else ''}")

@@ -30,6 +30,22 @@ reason (`SafeReason`), in this order:
                   time when known, else from the output's publish time)
   LOW_CONFIDENCE  confidence < ``min_confidence``
 
+With a driver monitor (``LawConfig.watch_driver``: controlsd reads a ``driver_state``
+channel, `schemas.payloads.DRIVER_STATE`), an output that passes every check above is
+then judged with the newest driver state (`DriverState`, passed to ``step``):
+
+  DRIVER_STALE      no driver state yet, or the newest is older than
+                    ``driver_max_age_ms`` (age from its frame's capture time): a driver
+                    monitor that stopped is no driver monitor
+  DRIVER_ABSENT     ``face_prob`` < ``min_face_prob``, or the monitor is unsure
+                    (``confidence`` < ``min_driver_confidence``: it cannot see the
+                    driver), in every driver state for ``driver_grace_ms``
+  DRIVER_DISTRACTED a face, but ``eyes_on_road_prob`` < ``min_eyes_on_road`` in every
+                    driver state for ``driver_grace_ms`` (a glance at a mirror is not)
+
+The grace runs on the driver states' capture times, from the first bad one; one good
+state ends it. Without a driver monitor none of this applies and the law is unchanged.
+
 Any failing check disengages at once (``engaged = False``) and the target becomes 0: the
 steer ramps to 0 at the rate limit. Re-engaging (also the first engagement) needs
 ``engage_count`` consecutive new outputs that pass every check; until then the reason is
@@ -61,6 +77,9 @@ class SafeReason(IntEnum):
     SHUTDOWN = 8
     FUTURE = 9
     FAIL_SAFE = 10   # published by the supervisor when the control domain failed safe
+    DRIVER_ABSENT = 11      # driver monitor: no face (or unsure) for the grace time
+    DRIVER_DISTRACTED = 12  # driver monitor: eyes off the road for the grace time
+    DRIVER_STALE = 13       # driver monitor: no driver state, or too old
 
 
 # The members the law names on every step, as module globals: ``SafeReason.OK`` is a class
@@ -70,6 +89,8 @@ _OK, _NO_INPUT, _TIMEOUT, _STALE = (SafeReason.OK, SafeReason.NO_INPUT, SafeReas
 _LOW_CONFIDENCE, _INVALID, _NOT_HOST_VISIBLE, _RECOVERING, _FUTURE = (
     SafeReason.LOW_CONFIDENCE, SafeReason.INVALID, SafeReason.NOT_HOST_VISIBLE,
     SafeReason.RECOVERING, SafeReason.FUTURE)
+_DRIVER_ABSENT, _DRIVER_DISTRACTED, _DRIVER_STALE = (
+    SafeReason.DRIVER_ABSENT, SafeReason.DRIVER_DISTRACTED, SafeReason.DRIVER_STALE)
 _isfinite = math.isfinite
 
 
@@ -118,6 +139,23 @@ class ModelOutput(NamedTuple):
         return cls(v[0], v[1], v[2], ts_ns, frame_id, latency_ns, host_visible)
 
 
+class DriverState(NamedTuple):
+    """One driver-monitor output (`schemas.payloads.DRIVER_STATE`), as the law needs it."""
+
+    face_prob: float                 # a face is in view, 0..1
+    eyes_on_road_prob: float         # the driver looks at the road, 0..1
+    confidence: float                # the monitor's own confidence, 0..1
+    ts_ns: int                       # age reference: the driver frame's capture time
+
+    @classmethod
+    def from_floats(cls, v: list[float], ts_ns: int) -> DriverState:
+        """The payload's values (face_prob, eyes_on_road_prob, confidence, reserved);
+        fewer than 3 read as an unsure monitor (NaN: never a present, attentive driver)."""
+        if len(v) < 3:
+            return cls(math.nan, math.nan, math.nan, ts_ns)
+        return cls(v[0], v[1], v[2], ts_ns)
+
+
 @dataclass(frozen=True)
 class LawConfig:
     k_p: float = 0.05                # rad of steer per metre of offset
@@ -133,6 +171,13 @@ class LawConfig:
     # How far ahead of now an output's timestamp may be (same clock, same margin as the
     # bridge reader's FutureTimestamp check).
     future_tolerance_ms: float = FUTURE_TOLERANCE_NS / 1e6
+    # Driver monitoring (only with watch_driver: controlsd reads a driver_state channel).
+    watch_driver: bool = False
+    driver_max_age_ms: float = 500.0     # newest driver state older: DRIVER_STALE
+    min_face_prob: float = 0.5           # below (or NaN): no driver in the seat
+    min_driver_confidence: float = 0.5   # below: the monitor cannot tell (as absent)
+    min_eyes_on_road: float = 0.5        # below, with a face: looking elsewhere
+    driver_grace_ms: float = 2000.0      # how long absent / distracted is tolerated
 
     def __post_init__(self) -> None:
         if self.max_steer <= 0 or self.max_rate <= 0 or self.max_dt_s <= 0:
@@ -143,6 +188,8 @@ class LawConfig:
             raise ValueError("future_tolerance_ms must be >= 0")
         if self.engage_count < 1:
             raise ValueError("engage_count must be >= 1")
+        if self.driver_max_age_ms <= 0 or self.driver_grace_ms < 0:
+            raise ValueError("driver_max_age_ms must be > 0, driver_grace_ms >= 0")
 
 
 class Command(NamedTuple):
@@ -176,6 +223,9 @@ class ControlLaw:
         self._latest: ModelOutput | None = None
         self._latest_rx_ns: int | None = None
         self._streak = 0
+        self._driver: DriverState | None = None
+        self._absent_since: int | None = None      # capture time of the first bad state
+        self._distracted_since: int | None = None
 
     def resume(self, steer_rad: float, engaged: bool, streak: int, at_ns: int) -> None:
         """Start from where another law was (a replay that begins mid-drive: the car's
@@ -214,10 +264,41 @@ class ControlLaw:
             return _LOW_CONFIDENCE
         return _OK
 
+    def see_driver(self, state: DriverState) -> None:
+        """Take a new driver state (in capture order): starts or ends the grace."""
+        c = self.cfg
+        self._driver = state
+        absent = not (state.face_prob >= c.min_face_prob
+                      and state.confidence >= c.min_driver_confidence)   # NaN: absent
+        if absent:
+            if self._absent_since is None:
+                self._absent_since = state.ts_ns
+            self._distracted_since = None
+            return
+        self._absent_since = None
+        if state.eyes_on_road_prob >= c.min_eyes_on_road:
+            self._distracted_since = None
+        elif self._distracted_since is None:
+            self._distracted_since = state.ts_ns
+
+    def judge_driver(self, now_ns: int) -> SafeReason:
+        """Why the driver may not be trusted with an engaged system now, or OK."""
+        c = self.cfg
+        d = self._driver
+        if d is None or now_ns - d.ts_ns > c.driver_max_age_ms * 1e6:
+            return _DRIVER_STALE
+        grace = c.driver_grace_ms * 1e6
+        if self._absent_since is not None and now_ns - self._absent_since >= grace:
+            return _DRIVER_ABSENT
+        if self._distracted_since is not None and now_ns - self._distracted_since >= grace:
+            return _DRIVER_DISTRACTED
+        return _OK
+
     def step(self, model_out: ModelOutput | None, now_ns: int, *,
-             hold: SafeReason | None = None) -> Command:
-        """Advance to ``now_ns`` with ``model_out`` (None: nothing new) and return the
-        command. ``hold`` forces the safe state with that reason."""
+             hold: SafeReason | None = None, driver: DriverState | None = None) -> Command:
+        """Advance to ``now_ns`` with ``model_out`` (None: nothing new) and ``driver``
+        (the newest driver state, None: nothing new; read only with watch_driver) and
+        return the command. ``hold`` forces the safe state with that reason."""
         c = self.cfg
         dt = 0.0 if self._last_ns is None else min(max((now_ns - self._last_ns) / 1e9, 0.0),
                                                    c.max_dt_s)
@@ -225,6 +306,11 @@ class ControlLaw:
         if model_out is not None:
             self._latest, self._latest_rx_ns = model_out, now_ns
         reason = self.judge(self._latest, self._latest_rx_ns, now_ns)
+        if c.watch_driver:
+            if driver is not None:
+                self.see_driver(driver)
+            if reason == _OK:
+                reason = self.judge_driver(now_ns)
         if hold is not None and hold != _OK:
             reason = hold
         if reason != _OK:
