@@ -62,14 +62,18 @@ def main(argv: list[str] | None = None) -> int:
     except BrokerError as e:
         print(f"broker: {e}", file=sys.stderr)
         return 2
-    if args.socket_fd is not None:
-        sock = socket.socket(fileno=args.socket_fd)
-    else:
-        try:
+    try:
+        if args.socket_fd is not None:
+            sock = socket.socket(fileno=args.socket_fd)
+        else:
             sock = _accept(args.listen_fd, args.peer_user, log)
-        except (KeyError, OSError) as e:
-            print(f"broker: accept: {e}", file=sys.stderr)
-            return 2
+    except KeyError:
+        print(f"broker: no user {args.peer_user!r} for the peer", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"broker: socket fd {args.socket_fd if args.listen_fd is None else args.listen_fd}:"
+              f" {e.strerror or e}", file=sys.stderr)
+        return 2
     if sock.type != socket.SOCK_SEQPACKET or sock.family != socket.AF_UNIX:
         print("broker: the socket must be AF_UNIX SOCK_SEQPACKET", file=sys.stderr)
         return 2
