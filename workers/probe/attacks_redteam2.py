@@ -316,9 +316,43 @@ def exec_watch_flood(ctx: WorkerContext) -> dict:
             "own_cpu_s": round(time.process_time() - cpu0, 3)}
 
 
+def many_mappings(ctx: WorkerContext) -> dict:
+    """After READY: 60,000 mappings (one PROT_NONE region, every other page made
+    readable: neighbours of different protection never merge), held 6 s. The periodic
+    maps scan reads every control process's whole /proc/PID/maps as root, outside any
+    cgroup: the worker pays a few kernel structures once, the supervisor every scan."""
+    import mmap
+
+    _libc.mmap.restype = ctypes.c_void_p
+    _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                           ctypes.c_int, ctypes.c_long)
+    _libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    pages, page = 60000, mmap.PAGESIZE
+    base = _libc.mmap(None, pages * page, 0,                      # PROT_NONE
+                      mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000, -1, 0)   # NORESERVE
+    if base in (None, ctypes.c_void_p(-1).value):
+        return {"denied": True, "error": errno.errorcode.get(ctypes.get_errno())}
+    made = 0
+    for i in range(0, pages, 2):
+        if _libc.mprotect(base + i * page, page, mmap.PROT_READ) != 0:
+            break
+        made += 1
+    with open("/proc/self/maps") as f:
+        vmas = sum(1 for _ in f)
+    print("ATTACK-STEP " + json.dumps({"held": vmas}), flush=True)
+    t_end = time.monotonic() + 6.0
+    while time.monotonic() < t_end:
+        ctx.watchdog()
+        time.sleep(0.05)
+    _libc.munmap(base, pages * page)
+    return {"denied": None, "vmas": vmas, "mprotects": made}
+
+
 ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
     f.__name__: f for f in (status_no_newline, wide_status, socket_pin, proc_knobs,
-                            inherited_fds, signal_out, channel_fd_ops, fs_secrets, exec_watch_flood)
+                            inherited_fds, signal_out, channel_fd_ops, fs_secrets, exec_watch_flood,
+                            many_mappings)
 }
 
 
