@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import trio
+from wcwidth import wcwidth
 
 from supervisor.ipc import BridgeError, Channel, LeaseLost, Reader, Rejected
+from supervisor.protocol import printable
 
 
 @dataclass
@@ -218,23 +220,31 @@ def _columns(out) -> int:
         return 80
 
 
+def _cols(text: str) -> int:
+    """Terminal columns of `text` (a fullwidth or emoji character takes two: a worker's
+    STATUS= text in them made a row counted by len() ~1.5x the terminal, and each
+    rewrite stacked a row). Text here is printable (protocol.printable)."""
+    return sum(max(wcwidth(c), 0) for c in text)
+
+
 def _fit(segments: list[str], width: int | None) -> str:
-    """Join whole segments, in order, while they fit in `width` (all when None). The
-    first segment that does not fit is shortened to its whole words that do, marked
+    """Join whole segments, in order, while they fit in `width` columns (all when None).
+    The first segment that does not fit is shortened to its whole words that do, marked
     with an ellipsis, and ends the line (never a cut inside a word: `latency_ms=7.`)."""
-    segments = [" ".join(s.split()) for s in segments if s]   # one row: no newlines
+    # One row: no newlines, nothing the terminal would act on (workers' own text).
+    segments = [" ".join(printable(s).split()) for s in segments if s]
     if width is None:
         return SEP.join(segments)
     out = ""
     for seg in segments:
         cand = seg if not out else out + SEP + seg
-        if len(cand) <= width:
+        if _cols(cand) <= width:
             out = cand
             continue
-        words, room = seg.split(" "), width - len(out) - (len(SEP) if out else 0) - 2
+        words, room = seg.split(" "), width - _cols(out) - (len(SEP) if out else 0) - 2
         part = ""
         for w in words:
-            if len(part) + len(w) + (1 if part else 0) > room:
+            if _cols(part) + _cols(w) + (1 if part else 0) > room:
                 break
             part = f"{part} {w}" if part else w
         if part:
