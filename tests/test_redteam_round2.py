@@ -407,6 +407,12 @@ def _hostile_logs(d: Path) -> dict[str, Path]:
         m.channel, m.dtype, m.shape, m.data = "x", dtype, list(shape), data
         return e
 
+    def named(channel: str):
+        e = Entry.new_message(monoNs=2)
+        m = e.init("message")
+        m.channel, m.dtype, m.shape, m.data = channel, "float32", [1], b"\0" * 4
+        return e
+
     def stop(text: str = "{}"):
         e = Entry.new_message(monoNs=3)
         e.stop = text
@@ -419,6 +425,8 @@ def _hostile_logs(d: Path) -> dict[str, Path]:
         "dtype-unknown": [start(), msg(dtype="nonsense"), stop()],
         "shape-lies": [start(), msg(shape=(1000, 1000)), stop()],
         "stop-not-json": [start(), stop("{{{")],
+        # a channel name that retitles the terminal and clears the screen
+        "escape-name": [start(), named(ESCAPE_NAME), stop()],
     }
     out = {}
     for name, entries in cases.items():
@@ -429,6 +437,7 @@ def _hostile_logs(d: Path) -> dict[str, Path]:
     return out
 
 
+ESCAPE_NAME = "x\x1b]0;PWNED\x07\x1b[2J\x1b[31mred"
 HOSTILE_LOGS = ("info-not-json", "info-a-list", "dtype-object", "dtype-unknown",
                 "shape-lies", "stop-not-json")
 
@@ -461,3 +470,19 @@ def test_supervisor_replay_refuses_a_hostile_log_as_input_not_as_a_bug(tmp_path)
                        cwd=tmp_path)
     assert "Traceback" not in r.stderr, r.stderr[-600:]
     assert r.returncode != 1 and "internal error" not in r.stderr, (r.returncode, r.stderr)
+
+
+@pytest.mark.xfail(strict=True, reason="replay/logtool.py render_info (lines 91, 95) prints a "
+                   "log's channel names raw: a hostile log writes escape sequences (OSC "
+                   "title, clear screen) to the developer's terminal")
+def test_supervisor_log_info_writes_no_terminal_control_from_a_log(tmp_path, capsys):
+    """Channel names are text the log chose; the supervisor shows a worker's words
+    through protocol.printable for the same reason (they reach a terminal)."""
+    from supervisor.cli import main
+
+    log = _hostile_logs(tmp_path)["escape-name"]
+    rc = main(["log", "info", str(log)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "messages" in out, out
+    controls = sorted({repr(c) for c in out if not c.isprintable() and c != "\n"})
+    assert not controls, f"control characters reach the terminal: {controls}"
