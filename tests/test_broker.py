@@ -53,6 +53,7 @@ args = ["--read", "a_out"]
 [workers.solo]
 domain = "research"
 module = "workers.probe"
+warm_standby = true
 [workers.w]
 domain = "wide"
 module = "workers.probe"
@@ -179,6 +180,19 @@ def _wait_exit(pidfd: int, timeout: float = 20.0) -> None:
     assert select.select([pidfd], [], [], timeout)[0], "the sandbox did not exit"
 
 
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+
+
+def _gone(pid: int) -> bool:
+    """Dead: no such process, or a zombie nobody has reaped yet (an orphan of a sandbox
+    waits for this machine's pid 1)."""
+    return _state(pid) in ("gone", "Z", "X")
+
+
 def _uid_of(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("Uid:"):
@@ -245,12 +259,13 @@ def test_start_request_latency_and_broker_cpu(broker, capsys):
         return int(Path(f"/proc/{broker.pid}/schedstat").read_text().split()[0]) / 1e9
 
     walls, cpus, direct = [], [], []
-    for _ in range(3):
+    for i in range(3):
         n = _next() + 100
         c0, t0 = cpu(), time.perf_counter()
-        s = c.start("solo", n)
+        s = c.start("solo", n, standby=i == 0)
         walls.append(time.perf_counter() - t0)
         cpus.append(cpu() - c0)
+        assert (s.ctl_sock is not None) == (i == 0)     # a standby's control socket
         c.kill_sandbox("solo", n)
         _wait_exit(s.pidfd)
         c.reap("solo", n)
@@ -288,6 +303,26 @@ def test_unknown_worker_and_reused_incarnation_are_refused(broker):
     with pytest.raises(Refused, match="already used"):
         broker.client.start("solo", 0)          # incarnations count from 1, never back
     _refused(broker, n + 1, "refused")
+    with pytest.raises(Refused, match="warm_standby"):
+        broker.client.start("w", _next(), standby=True)
+    _refused(broker, n + 2, "refused")
+
+
+def test_nothing_it_started_outlives_its_client(tmp_path):
+    """The supervisor proper gone (its socket closed): the broker kills every sandbox
+    it started, removes their cgroups and exits 0."""
+    b = Broker(tmp_path, CONFIG.format(rw=tmp_path))
+    s = b.client.start("solo", 1)
+    pids = b.client.pids("solo", 1)
+    cgroups = [ln.split(":", 2)[2] for ln in Path(f"/proc/{s.pid}/cgroup").read_text().splitlines()]
+    assert b.close() == 0
+    s.close()
+    assert all(_gone(p) for p in pids), [(p, _state(p)) for p in pids]
+    assert b.events("broker_exit")[0]["served"] >= 3
+    for line in cgroups:
+        if line not in ("/", ""):
+            assert not any(Path(m).joinpath(line.lstrip("/")).exists()
+                           for m in Path("/sys/fs/cgroup").iterdir() if m.is_dir()), line
 
 
 def test_a_bind_showing_the_state_dir_is_refused(broker):
