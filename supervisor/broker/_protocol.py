@@ -260,7 +260,7 @@ def encode_reply(rid: int, rep: Reply) -> bytes:
 # What the capnp reader (or a field read on a hostile message) may raise: all of it is
 # "not a message of this schema".
 _READ_ERRORS = (capnp.KjException, ValueError, UnicodeError, AttributeError, TypeError,
-                IndexError, OverflowError, KeyError, RecursionError)
+                IndexError, OverflowError, KeyError, RuntimeError)
 
 
 def _name(v: object, what: str) -> str:
@@ -276,7 +276,10 @@ def _pid(v: int) -> int:
 
 
 def _enum(v: object, allowed: tuple[str, ...] | dict, what: str) -> str:
-    s = str(v)
+    try:
+        s = str(v)
+    except RuntimeError:       # pycapnp: a number past the schema's enumerants ("Member was null")
+        raise Malformed(f"{what}: a value past the schema's") from None
     if s not in allowed:
         raise Malformed(f"{what}: unknown value {s[:32]!r}")
     return s
