@@ -39,6 +39,12 @@ row, not an aborted table.
 Before the matrix, the bridge's per-message CPU cost on both paths, in-process
 (``--cost N`` messages per path and size, 0: skip; see ipcbench/cost.py).
 
+After the matrix, system calls per message (``--syscalls``; default: the bridge and
+iceoryx2 (event) when strace is installed): each case once more with ``strace -f -c``
+attached to each child for the measured phase only, and the voluntary context switches
+(sleeps) per message at each end (see ipcbench/syscalls.py). Traced runs are slower;
+their rates and latencies are not reported, only the counts.
+
 This file is the driver (options, the matrix of cases, re-runs, JSON); each transport
 is one module of bench/ipcbench/ (pipe, zmq_ipc, iox2, bridge), next to the children,
 the per-case harness and the tables.
@@ -65,7 +71,8 @@ from ipcbench import (DEFAULT_TRANSPORTS, TRANSPORTS, BridgePollTransport,  # no
                       BridgeTransport, Skip)
 from ipcbench.cost import per_message_cost, print_cost  # noqa: E402
 from ipcbench.harness import iox2_cleanup, run_case  # noqa: E402
-from ipcbench.report import aggregate, fmt, print_tables  # noqa: E402
+from ipcbench.report import aggregate, fmt, print_syscalls, print_tables  # noqa: E402
+from ipcbench.syscalls import available as strace_available  # noqa: E402
 
 NV12_FRAME = 1928 * 1208 * 3 // 2  # 3,493,536 bytes
 SIZES: list[tuple[str, int]] = [
@@ -155,6 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cost", type=int, metavar="N",
                     help="per-message cost of the bridge's two paths, N messages each per "
                          "size, in-process (default: 20000, --quick: 5000; 0: skip)")
+    ap.add_argument("--syscalls", default="auto", metavar="LIST",
+                    help="count system calls per message (strace) for these transports "
+                         "after the matrix: a comma list, 'all' (every selected one), "
+                         "'none', or 'auto' (bridge and iox2 if selected; default)")
+    ap.add_argument("--syscalls-only", action="store_true",
+                    help="only the system-call pass (no cost, no matrix)")
     ap.add_argument("-v", "--verbose", action="store_true", help="print child tracebacks")
     args = ap.parse_args(argv)
 
@@ -190,6 +203,35 @@ def main(argv: list[str] | None = None) -> int:
         except Skip as e:
             skipped[k] = str(e)
             print(f"  note: skipping {labels[k]}: {e}")
+
+    if args.syscalls == "none":
+        traced_keys: list[str] = []
+    elif args.syscalls == "auto":
+        traced_keys = [k for k in keys if k in ("iox2", "bridge")]
+    elif args.syscalls == "all":
+        traced_keys = list(keys)
+    else:
+        traced_keys = [k.strip() for k in args.syscalls.split(",") if k.strip()]
+        bad = [k for k in traced_keys if k not in keys]
+        if bad:
+            ap.error(f"--syscalls {bad}: not among --transports {keys}")
+    traced_keys = [k for k in traced_keys if k not in skipped]
+    if traced_keys and (why := strace_available()):
+        if args.syscalls_only or args.syscalls not in ("auto",):
+            ap.error(f"--syscalls: {why}")
+        print(f"  note: no system-call counts: {why}")
+        traced_keys = []
+    if args.syscalls_only:
+        if not traced_keys:
+            ap.error("--syscalls-only: no transport to trace")
+        t_start = time.monotonic()
+        sc = _syscall_pass(traced_keys, labels, sizes, modes, args, None)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"syscalls": sc}, f, indent=1, default=str)
+            print(f"wrote {args.json}")
+        print(f"total {time.monotonic() - t_start:.1f} s")
+        return 0
 
     cost: dict[str, dict] = {}
     n_cost = args.cost if args.cost is not None else (5000 if args.quick else 20000)
@@ -251,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
                               + (f"  {fmt(row.get('msgs_per_s'), 0)} msg/s "
                                  f"{fmt(row.get('gb_per_s'), 2)} GB/s"
                                  if mode == "throughput" else "")
+                              + (f"  sleeps/msg rx {row['sleeps_per_msg_rx']:.2f}"
+                                 if row.get("sleeps_per_msg_rx") is not None else "")
                               + (f"  drops={row['drops']}" if row.get("drops") else ""))
                            + f"  [{row['wall_s']:.1f}s"
                            + (f", other procs {row['foreign_cpu_pct']:.0f}% CPU"
@@ -267,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios = print_tables(rows, keys, labels, sizes, args.max_foreign)
     if cost:
         print_cost(cost, args.fill)           # again, next to the tables
+    sc = _syscall_pass(traced_keys, labels, sizes, modes, args, rows) if traced_keys else None
     load1 = os.getloadavg()
     print(f"total {elapsed:.1f} s   load average before {load0[0]:.2f}, after {load1[0]:.2f} "
           f"(the benchmark itself adds ~1-2)")
@@ -285,12 +330,43 @@ def main(argv: list[str] | None = None) -> int:
             "results": rows,
             "ratios": ratios,
             "per_message_cost_us": cost,
+            "syscalls": sc,
             "runs": [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs],
         }
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1, default=str)
         print(f"wrote {args.json}")
     return 0
+
+
+def _syscall_pass(keys: list[str], labels: dict[str, str], sizes, modes, args,
+                  untraced: list[dict] | None) -> dict:
+    """Each (transport, size, mode) once more under strace: system calls per message."""
+    runs = []
+    for size, nbytes in sizes:
+        p = params_for(nbytes, args.quick, 1, args)
+        p["trace"] = True
+        # Under ptrace the transports slow down: a shorter latency run and stream.
+        p["count"] = min(p["count"], 500 if args.quick else 1000)
+        p["max_latency_s"] = 10.0
+        for k in keys:
+            for mode in modes:
+                row = run_case(TRANSPORTS[k], mode, size, nbytes, p)
+                runs.append(row)
+                sc = row.get("syscalls")
+                print(f"  traced {size:<15} {labels[k]:<23} {mode:<10} "
+                      + (f"ERROR {row.get('error', 'no count')[:160]}" if not sc else
+                         f"{sc['sender'].get('per_msg', 0):.2f} + "
+                         f"{sc['receiver'].get('per_msg', 0):.2f} calls/msg "
+                         f"({sc['receiver']['messages']} msgs)")
+                      + f"  [{row['wall_s']:.1f}s]", flush=True)
+    for r in runs:
+        r.pop("_raw_ns", None)
+    print()
+    summary = print_syscalls(runs, keys, labels, sizes, untraced)
+    return {"summary": summary,
+            "runs": [{k: r.get(k) for k in ("transport", "size", "mode", "syscalls",
+                                              "error")} for r in runs]}
 
 
 def _versions() -> dict:

@@ -9,7 +9,8 @@
 """
 from __future__ import annotations
 
-from .bridge import BridgePollTransport, BridgePyTransport, BridgeTransport
+from .bridge import (BridgeSpinTransport, BridgePollTransport, BridgePyTransport,
+                     BridgeTransport)
 from .iox2 import Iox2PollTransport, Iox2Transport, Iox2WaitSetTransport
 from .pipe import PipeTransport
 from .transport import Skip, Transport
@@ -18,11 +19,12 @@ from .zmq_ipc import ZmqTransport
 TRANSPORTS: dict[str, type[Transport]] = {
     t.key: t for t in (PipeTransport, ZmqTransport, Iox2Transport, Iox2PollTransport,
                        Iox2WaitSetTransport, BridgeTransport, BridgePyTransport,
-                       BridgePollTransport)
+                       BridgePollTransport, BridgeSpinTransport)
 }
 DEFAULT_TRANSPORTS = ["pipe", "zmq", "iox2", "iox2-poll", "bridge-py", "bridge"]
 
 __all__ = ["DEFAULT_TRANSPORTS", "TRANSPORTS", "BridgePollTransport", "BridgePyTransport",
+           "BridgeSpinTransport",
            "BridgeTransport",
            "Iox2PollTransport", "Iox2Transport", "Iox2WaitSetTransport", "PipeTransport",
            "Skip", "Transport", "ZmqTransport"]

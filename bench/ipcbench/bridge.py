@@ -19,6 +19,7 @@ class BridgeTransport(Transport):
     module = "supervisor.ipc"
     poll = False
     native: bool | None = None     # None: the module's default (native when built)
+    spin_us: int | None = None     # None: the Reader's default (no spin: ipc/_burst.py)
     SLOTS = 8
     _count = 0
 
@@ -39,6 +40,12 @@ class BridgeTransport(Transport):
 
     def _kw(self) -> dict:
         return {} if self.native is None else {"native": self.native}
+
+    def _reader_kw(self) -> dict:
+        kw = self._kw()
+        if self.spin_us is not None:
+            kw["spin_us"] = self.spin_us
+        return kw
 
     def setup(self, nbytes, run_id):
         super().setup(nbytes, run_id)
@@ -94,7 +101,7 @@ class BridgeTransport(Transport):
 
     def open_receiver(self):
         _, _, _, Reader = self._api()
-        r = Reader(self.rh, **self._kw())
+        r = Reader(self.rh, **self._reader_kw())
         poll = self.poll
 
         try_receive = getattr(r, "try_receive", None)
@@ -162,6 +169,13 @@ class BridgePollTransport(BridgeTransport):
     poll = True
     blocking = False
     note = "receiver spins on Reader.try_receive()"
+
+
+class BridgeSpinTransport(BridgeTransport):
+    key = "bridge-spin"
+    label = "trio-bridge (spin 50us)"
+    spin_us = 50
+    note = "the reader looks on for up to 50 us in a burst before sleeping (_burst)"
 
 
 class BridgePyTransport(BridgeTransport):

@@ -24,7 +24,17 @@ C_TX_LAST = 3    # last sequence number sent (valid once C_TX_DONE)
 C_RX_DONE = 4    # receiver finished (sender may close its endpoint)
 C_ABORT = 5      # parent asks both children to stop
 C_TX_READY = 6   # sender endpoint open
-C_WORDS = 8
+# Syscall counting (``p["trace"]``, bench/ipcbench/syscalls.py): the sender, warmed up,
+# sets C_TX_ARMED and spins until the parent has attached a tracer to both children and
+# set C_TRACE = TRACE_GO; the receiver, done, sets C_RX_END and spins until the parent
+# has detached (C_TRACE = TRACE_STOPPED). Every wait of the harness inside that window
+# spins instead of sleeping, so every system call counted is the transport's.
+C_TRACE = 7
+C_TX_ARMED = 8
+C_RX_END = 9
+C_WORDS = 16
+TRACE_GO = 1
+TRACE_STOPPED = 2
 
 
 def cpu_self() -> float:
@@ -53,8 +63,10 @@ def _pin(cpu: int | None) -> None:
         os.sched_setaffinity(0, {cpu % ncpu})
 
 
-def _wait_credit(ctrl: np.ndarray, seq: int, window: int, timeout_s: float) -> bool:
-    """Block until fewer than ``window`` messages are in flight before ``seq``."""
+def _wait_credit(ctrl: np.ndarray, seq: int, window: int, timeout_s: float,
+                 spin: bool = False) -> bool:
+    """Block until fewer than ``window`` messages are in flight before ``seq``;
+    ``spin``: never sleep (a traced run: no system call of the harness's own)."""
     if seq - ctrl[C_LAST_SEQ] <= window:
         return True
     t_end = time.monotonic() + timeout_s
@@ -64,10 +76,28 @@ def _wait_credit(ctrl: np.ndarray, seq: int, window: int, timeout_s: float) -> b
             raise RuntimeError("aborted by parent")
         spins += 1
         if spins > 200:                # ~20-40 us of spinning, then let others run
-            time.sleep(20e-6)
+            if not spin:
+                time.sleep(20e-6)
             if time.monotonic() > t_end:
                 return False           # message lost (lossy transport): move on
     return True
+
+
+def _spin_until(ctrl: np.ndarray, word: int, value: int, timeout_s: float) -> None:
+    """Spin (no system call: time.monotonic is the vDSO) until ctrl[word] >= value."""
+    t_end = time.monotonic() + timeout_s
+    while ctrl[word] < value:
+        if ctrl[C_ABORT]:
+            raise RuntimeError("aborted by parent")
+        if time.monotonic() > t_end:
+            raise RuntimeError(f"tracer handshake: word {word} never reached {value}")
+
+
+def _switches() -> tuple[int, int]:
+    """(voluntary, involuntary) context switches of this process so far: a voluntary
+    one is a sleep (a blocking wait that blocked)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_nvcsw, ru.ru_nivcsw
 
 
 def sender_main(transport: Transport, mode: str, p: dict, ctrl: np.ndarray, conn) -> None:
@@ -96,6 +126,11 @@ def sender_main(transport: Transport, mode: str, p: dict, ctrl: np.ndarray, conn
             tx.send(seq, src, fill)
             time.sleep(p["period_s"])
         seq = warmup
+        trace = bool(p.get("trace"))
+        if trace:
+            ctrl[C_TX_ARMED] = 1
+            _spin_until(ctrl, C_TRACE, TRACE_GO, 30.0)
+        sw0 = _switches()
         if mode == "latency":
             period_ns = int(p["period_s"] * 1e9)
             nxt = now_ns() + period_ns
@@ -107,9 +142,13 @@ def sender_main(transport: Transport, mode: str, p: dict, ctrl: np.ndarray, conn
                     break
                 dt = nxt - now_ns()
                 if dt > 0:
-                    time.sleep(dt / 1e9)
+                    if trace:
+                        while now_ns() < nxt:     # pacing without a system call
+                            pass
+                    else:
+                        time.sleep(dt / 1e9)
                 # Never send before the receiver has taken the previous message.
-                if not _wait_credit(ctrl, seq, 1, 0.5):
+                if not _wait_credit(ctrl, seq, 1, 0.5, trace):
                     stalls += 1
                 tx.send(seq, src, fill)
                 nxt = max(nxt + period_ns, now_ns())
@@ -121,16 +160,20 @@ def sender_main(transport: Transport, mode: str, p: dict, ctrl: np.ndarray, conn
             window = p["window"]
             stop = now_ns() + int(p["duration_s"] * 1e9)
             while True:
-                if not _wait_credit(ctrl, seq, window, 0.5):
+                if not _wait_credit(ctrl, seq, window, 0.5, trace):
                     stalls += 1
                 tx.send(seq, src, fill)
                 seq += 1
                 if not seq & 15 and (now_ns() > stop or ctrl[C_ABORT]):
                     break
+        sw1 = _switches()
+        out["switches"] = (sw1[0] - sw0[0], sw1[1] - sw0[1])
         gc.enable()
         ctrl[C_TX_LAST] = seq - 1
         ctrl[C_TX_DONE] = 1
         out.update(sent=seq, stalls=stalls)
+        if trace:       # the tracer is still attached: no system call until it is gone
+            _spin_until(ctrl, C_TRACE, TRACE_STOPPED, 60.0)
         # Keep the endpoint open until the receiver has drained (zmq linger,
         # iceoryx2 publisher lifetime, bridge writer).
         t_end = time.monotonic() + 10
@@ -196,10 +239,15 @@ def receiver_main(transport: Transport, mode: str, p: dict, ctrl: np.ndarray, co
         t_first = t_last = 0
         grace = None
         hard_end = time.monotonic() + p["deadline_s"]
+        trace = bool(p.get("trace"))
+        sw0 = None
         gc.collect()
         gc.disable()
         ctrl[C_RX_READY] = 1
         while True:
+            # Sleeps counted from the first measured message (traced: from the go).
+            if sw0 is None and (ctrl[C_TRACE] >= TRACE_GO if trace else last >= warmup - 1):
+                sw0 = _switches()
             got = rx.recv(0.05)
             if got is None:
                 if ctrl[C_ABORT]:
@@ -236,6 +284,12 @@ def receiver_main(transport: Transport, mode: str, p: dict, ctrl: np.ndarray, co
                 n += 1
             if ctrl[C_TX_DONE] and seq >= ctrl[C_TX_LAST]:
                 break
+        sw1 = _switches()
+        if sw0 is not None:
+            out["switches"] = (sw1[0] - sw0[0], sw1[1] - sw0[1])
+        if trace:
+            ctrl[C_RX_END] = 1    # the tracer is still attached: no system call until
+            _spin_until(ctrl, C_TRACE, TRACE_STOPPED, 60.0)   # it is gone
         gc.enable()
         rec = lat[:min(n, cap)]
         out.update(received=n, drops=int(drops), reorder=reorder, bad_len=bad_len,

@@ -15,8 +15,10 @@ import uuid
 
 import numpy as np
 
-from .children import (C_ABORT, C_LAST_SEQ, C_RX_DONE, C_RX_READY, C_TX_DONE, C_TX_READY,
-                       C_WORDS, busy_cpu_s, cpu_self, receiver_main, sender_main)
+from . import syscalls
+from .children import (C_ABORT, C_LAST_SEQ, C_RX_DONE, C_RX_END, C_RX_READY, C_TRACE,
+                       C_TX_ARMED, C_TX_DONE, C_TX_READY, C_WORDS, TRACE_GO, TRACE_STOPPED,
+                       busy_cpu_s, cpu_self, receiver_main, sender_main)
 from .transport import Skip, Transport
 
 
@@ -61,6 +63,9 @@ def run_case(tcls: type[Transport], mode: str, size_label: str, nbytes: int,
     results: dict[str, dict] = {}
     t0 = time.monotonic()
     busy0, own0 = busy_cpu_s(), cpu_self()
+    tracers: dict[str, syscalls.Tracer] = {}
+    traced: dict[str, syscalls.Counts] = {}
+    trace = bool(p.get("trace"))
     try:
         t.setup(nbytes, run_id)
         roles = [("receiver", receiver_main, C_RX_READY), ("sender", sender_main, C_TX_READY)]
@@ -90,7 +95,9 @@ def run_case(tcls: type[Transport], mode: str, size_label: str, nbytes: int,
             elif time.monotonic() - progress > p["stall_s"]:
                 row["stalled"] = f"no progress for {p['stall_s']:.0f} s"
                 break
-            for c in mpc.wait(list(pending), timeout=0.2):
+            if trace:
+                _trace_step(ctrl, procs, tracers, traced)
+            for c in mpc.wait(list(pending), timeout=0.01 if trace else 0.2):
                 role = pending.pop(c)
                 try:
                     results[role] = c.recv()
@@ -116,6 +123,8 @@ def run_case(tcls: type[Transport], mode: str, size_label: str, nbytes: int,
                     results[role] = c.recv()
                 except EOFError:
                     pass
+        if tracers:
+            _detach_all(ctrl, tracers, traced)
         for pr in procs:
             killed |= _stop(pr)
         rx = results.get("receiver", {})
@@ -139,6 +148,22 @@ def run_case(tcls: type[Transport], mode: str, size_label: str, nbytes: int,
         for k in ("sent", "stalls", "truncated"):
             if k in tx:
                 row[k] = tx[k]
+        # Sleeps (voluntary context switches) per message at each end, measured phase.
+        n_tx, n_rx = max(0, tx.get("sent", 0) - p["warmup"]), rx.get("received", 0)
+        for role, r, n in (("tx", tx, n_tx), ("rx", rx, n_rx)):
+            if "switches" in r and n:
+                row[f"sleeps_per_msg_{role}"] = round(r["switches"][0] / n, 3)
+        if trace and not errs:
+            if set(traced) != {"sender", "receiver"}:
+                errs.append("syscall count: the tracer never attached to both children")
+            else:
+                n_tx = max(0, tx.get("sent", 0) - p["warmup"])
+                row["syscalls"] = {
+                    "sender": syscalls.per_message(traced["sender"], n_tx),
+                    "receiver": syscalls.per_message(traced["receiver"],
+                                                     rx.get("received", 0))}
+            if errs:
+                row["error"] = "; ".join(errs)
         if "raw_ns" in rx:
             row["_raw_ns"] = rx["raw_ns"]     # kept in memory for aggregation only
         if not errs and rx.get("received", 0) == 0:
@@ -149,6 +174,11 @@ def run_case(tcls: type[Transport], mode: str, size_label: str, nbytes: int,
         row["error"] = f"{type(e).__name__}: {e}"
         row["tracebacks"] = [traceback.format_exc()]
     finally:
+        if tracers:
+            try:
+                _detach_all(ctrl, tracers, traced)
+            except Exception as e:  # noqa: BLE001
+                row.setdefault("error", f"syscall count: {e}")
         for pr in procs:
             killed |= _stop(pr)
         for c in conns:
@@ -170,6 +200,34 @@ def run_case(tcls: type[Transport], mode: str, size_label: str, nbytes: int,
         row["foreign_cpu_pct"] = round(
             max(0.0, busy1 - busy0 - ours) / (wall * (os.cpu_count() or 1)) * 100, 1)
     return row
+
+
+def _trace_step(ctrl, procs, tracers: dict, traced: dict) -> None:
+    """The parent's side of the tracer handshake (children.py): attach once the sender
+    is armed, detach once the receiver is done."""
+    if not tracers and not traced and ctrl[C_TX_ARMED] and ctrl[C_RX_READY]:
+        for pr in procs:
+            role = "sender" if pr.name.endswith("sender") else "receiver"
+            tracers[role] = syscalls.Tracer(pr.pid)
+        try:
+            for t in tracers.values():
+                t.attach()
+        except syscalls.TracerError:
+            _detach_all(ctrl, tracers, {})
+            ctrl[C_ABORT] = 1
+            raise
+        ctrl[C_TRACE] = TRACE_GO
+    elif tracers and ctrl[C_RX_END] and ctrl[C_TX_DONE]:
+        _detach_all(ctrl, tracers, traced)
+
+
+def _detach_all(ctrl, tracers: dict, traced: dict) -> None:
+    try:
+        for role, t in list(tracers.items()):
+            traced[role] = t.detach()
+    finally:
+        tracers.clear()
+        ctrl[C_TRACE] = TRACE_STOPPED
 
 
 def iox2_cleanup() -> None:

@@ -95,7 +95,13 @@ class Iox2Transport(Transport):
                     if left <= 0:
                         return None
                     if wake == "listener":
-                        listener.timed_wait(Duration.from_nanos(left))
+                        try:
+                            listener.timed_wait(Duration.from_nanos(left))
+                        except iox2.ListenerWaitError as e:
+                            # A signal cut the wait short (strace attaching, --syscalls):
+                            # its SO_RCVTIMEO wait is not restarted. Look again.
+                            if "Interrupt" not in str(e):
+                                raise
                     else:
                         waitset.wait_and_process_with_timeout(Duration.from_nanos(left))
                         listener.try_wait()        # consume, or the WaitSet fires again

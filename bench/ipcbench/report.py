@@ -39,6 +39,10 @@ def aggregate(runs: list[dict], raw_dir: str | None) -> list[dict]:
             vals = [r[k] for r in good if k in r]
             if vals:
                 row[k] = int(sum(vals))
+        for k in ("sleeps_per_msg_tx", "sleeps_per_msg_rx"):
+            vals = [r[k] for r in good if r.get(k) is not None]
+            if vals:
+                row[k] = round(float(np.mean(vals)), 3)
         row["killed"] = any(r.get("killed") for r in rs)
         if any(r.get("truncated") for r in rs):
             row["truncated"] = True
@@ -214,3 +218,63 @@ def print_tables(rows: list[dict], keys: list[str], labels: dict[str, str],
         print(line)
     print()
     return ratios
+
+
+def print_syscalls(rows: list[dict], keys: list[str], labels: dict[str, str],
+                   sizes: list[tuple[str, int]], untraced: list[dict] | None = None) -> dict:
+    """The traced pass (``--syscalls``): system calls per message, each end, the calls
+    by name, and bridge / iceoryx2 of the totals; beside them the sleeps (voluntary
+    context switches) per message of the same case in the untraced matrix
+    (``untraced``: under ptrace every system call is a sleep). Returns {size: {mode:
+    {transport: per-message total}}} and the ratios, for the JSON."""
+    print("System calls per message  (strace -f -c on each child for the measured phase);"
+          " sleeps tx/rx: voluntary context switches per message in the untraced run "
+          "(tx includes the harness's own pacing and credit waits)")
+    hdr = (f"{'size':<15} {'mode':<10} {'transport':<23} {'send':>6} {'recv':>6} "
+           f"{'total':>6} {'sleeps tx/rx':>13}  calls by name (send | recv)")
+    print(hdr)
+    print("-" * len(hdr))
+    out: dict = {}
+    for size, _ in sizes:
+        for mode in ("latency", "throughput"):
+            for k in keys:
+                r = next((x for x in rows if x["transport"] == k and x["size"] == size
+                          and x["mode"] == mode), None)
+                if r is None:
+                    continue
+                name = labels[k]
+                sc = r.get("syscalls")
+                if not sc:
+                    why = r.get("skipped") or r.get("error") or "no count"
+                    print(f"{size:<15} {mode:<10} {name:<23} ERROR {why[:150]}")
+                    continue
+                tx, rx = sc["sender"], sc["receiver"]
+                total = tx.get("per_msg", 0.0) + rx.get("per_msg", 0.0)
+                out.setdefault(size, {}).setdefault(mode, {})[k] = total
+
+                def names(d: dict) -> str:
+                    return " ".join(f"{n} {v:.2f}" for n, v in d.get("by_name", {}).items()) \
+                        or "-"
+
+                u = next((x for x in untraced or () if x["transport"] == k
+                          and x["size"] == size and x["mode"] == mode), {})
+
+                def sl(v: float | None) -> str:
+                    return "-" if v is None else f"{v:.2f}"
+                sleeps = f"{sl(u.get('sleeps_per_msg_tx'))}/{sl(u.get('sleeps_per_msg_rx'))}"
+                print(f"{size:<15} {mode:<10} {name:<23} {tx.get('per_msg', 0):>6.2f} "
+                      f"{rx.get('per_msg', 0):>6.2f} {total:>6.2f} "
+                      f"{sleeps:>13}  {names(tx)} | {names(rx)}")
+    print()
+    ratios: dict = {}
+    print("System calls per message, bridge / iceoryx2 (event)")
+    for size, _ in sizes:
+        for mode in ("latency", "throughput"):
+            cell = out.get(size, {}).get(mode, {})
+            a, b = cell.get("bridge"), cell.get("iox2")
+            if a is None or b is None:
+                continue
+            ratios.setdefault(size, {})[mode] = a / b if b else None
+            print(f"{size:<15} {mode:<10} {a:.2f} / {b:.2f} = {_ratio(a, b) if a else '0x'}")
+    print()
+    return {"per_message": out, "bridge_over_iox2": ratios}

@@ -55,6 +55,8 @@
  *
  * Wake-ups (eventcount, see `publish`): reader K1 awake = 0, K2 fence(seq_cst), K3 one
  * more look (R1...); writer after W5: K4 fence(seq_cst), K5 load awake, send unless set.
+ * One per sleep (K6): the reader counts its sleeps (K0, before K1), the writer sends
+ * no second byte for a sleep it has already sent one for.
  *
  * Channel header: the writer stores every field, then the magic with a RELEASE store
  * (`store`); a reader that sees the magic with an ACQUIRE load (`load`) sees the rest.
@@ -432,7 +434,7 @@ static inline uint64_t monotonic_ns(void) {
 }
 
 /* publish(seg, cb, seq, gen, ts_or_None, ts_pos, hlen, llen, last_slot_off,
- *         last_seq_off, slot, events, leases) -> ts
+ *         last_seq_off, slot, events, leases[, sent]) -> ts
  * The header and layout are already in the slot (W3). Stores the control tail and the
  * last_slot hint, stamps the time (CLOCK_MONOTONIC, = time.monotonic_ns) into the
  * header and the control block, then W4 (gen even) and W5 (last_seq), then one wake-up
@@ -445,12 +447,29 @@ static inline uint64_t monotonic_ns(void) {
  * loads the word (K4, K5): by the two fences, either the reader's last look sees this
  * message or the writer sees 0 and sends the byte. A reader that never writes the
  * word (the pure-Python path, the C++ client) reads as 0: always woken. A reader that
- * lies only loses its own wake-ups. */
+ * lies only loses its own wake-ups.
+ *
+ * One wake-up per sleep (K6; `sent`: the writer's own writable Region, one 8-byte word
+ * per reader): a reader that counts its sleeps stores the new count at SLEEPS_OFF (K0,
+ * relaxed) before it puts its flag down (K1, release). The writer, finding the flag
+ * down (K5, acquire: the count stored before it is visible), loads the count: if it
+ * already sent a byte for that very sleep (sent[i] == count), that byte is still in
+ * the socket or has woken the reader, so it sends none; otherwise it sends one and
+ * remembers the count. No wake-up is lost: the writer read the flag without the
+ * store of any later sleep, so (K2/K4, as above) that later sleep's last look (K3)
+ * sees this message; and within this sleep the byte sent before wakes it. A count of
+ * 0 (a reader that does not count: pure Python, C++) is never skipped. A reader starts
+ * its count at a random value, so a restarted reader never matches what the writer
+ * remembers of the one before. In a burst that finds the reader asleep (slow to be
+ * scheduled), the writer makes one system call for the whole burst, not one per
+ * message (measured: 0.7 wake-ups per message for 0.5 sleeps, bench/ipc_latency.py
+ * --syscalls). */
 #define AWAKE_OFF 16
 #define READER_AWAKE 1
+#define SLEEPS_OFF 32
 static PyObject *w_publish(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-    if (n != 13) {
-        PyErr_SetString(PyExc_TypeError, "publish() takes 13 arguments");
+    if (n != 13 && n != 14) {
+        PyErr_SetString(PyExc_TypeError, "publish() takes 13 or 14 arguments");
         return NULL;
     }
     Region *seg = as_region(a[0], "segment");
@@ -468,6 +487,18 @@ static PyObject *w_publish(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     if (!PyTuple_Check(events) || !PyTuple_Check(leases)) {
         PyErr_SetString(PyExc_TypeError, "publish(): events and leases must be tuples");
         return NULL;
+    }
+    Region *sent = NULL;              /* K6: the count each reader was last woken for */
+    if (n == 14 && a[13] != Py_None) {
+        sent = as_region(a[13], "sent");
+        if (sent == NULL)
+            return NULL;
+        if (!sent->writable
+                || sent->len < 8 * (Py_ssize_t)PyTuple_GET_SIZE(events)) {
+            PyErr_SetString(PyExc_ValueError,
+                            "publish(): sent must be writable, 8 bytes per reader");
+            return NULL;
+        }
     }
     if (!seg->writable || !in_bounds(seg, cb, 32) || cb % 8 || !in_bounds(seg, ts_pos, 8)
             || !in_bounds(seg, last_slot_off, 4) || last_slot_off % 4
@@ -493,13 +524,20 @@ static PyObject *w_publish(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     if (nl)
         __atomic_thread_fence(SEQ_CST);                                /* K4 */
     for (Py_ssize_t i = 0; i < ne; i++) {
+        uint64_t sleeps = 0;
         if (i < nl) {
             PyObject *lo = PyTuple_GET_ITEM(leases, i);
             if (PyObject_TypeCheck(lo, &RegionType)) {
                 Region *lr = (Region *)lo;
                 if (in_bounds(lr, AWAKE_OFF, 8) && __atomic_load_n(
-                        (uint64_t *)(lr->base + AWAKE_OFF), RELAXED) == READER_AWAKE)
+                        (uint64_t *)(lr->base + AWAKE_OFF), ACQUIRE) == READER_AWAKE)
                     continue;                                          /* K5: it will look */
+                if (sent != NULL && in_bounds(lr, SLEEPS_OFF, 8)) {
+                    sleeps = __atomic_load_n((uint64_t *)(lr->base + SLEEPS_OFF), RELAXED);
+                    uint64_t *mine = (uint64_t *)(sent->base + 8 * i);
+                    if (sleeps != 0 && *mine == sleeps)
+                        continue;                           /* K6: this sleep has its byte */
+                }
             }
         }
         long fd = PyLong_AsLong(PyTuple_GET_ITEM(events, i));
@@ -509,6 +547,10 @@ static PyObject *w_publish(PyObject *m, PyObject *const *a, Py_ssize_t n) {
             ssize_t unused = write((int)fd, &one, 1);   /* an eventfd or pipe (tests) */
             (void)unused;
         }
+        /* Remembered whether or not the byte went in: EAGAIN means the socket is full,
+         * so the reader has bytes to wake it; EPIPE, that it is gone. */
+        if (sent != NULL)
+            ((uint64_t *)sent->base)[i] = sleeps;
         /* EAGAIN: full (that reader is asleep or gone: it will see it); EPIPE: closed. */
     }
     return PyLong_FromUnsignedLongLong(ts);
@@ -1316,5 +1358,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(mod, "MAX_SLOTS", MAX_SLOTS);
     PyModule_AddIntConstant(mod, "AWAKE_OFF", AWAKE_OFF);
     PyModule_AddIntConstant(mod, "READER_AWAKE", READER_AWAKE);
+    PyModule_AddIntConstant(mod, "SLEEPS_OFF", SLEEPS_OFF);
     return mod;
 }

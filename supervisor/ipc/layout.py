@@ -68,6 +68,10 @@ READER_AWAKE = 1
 # Writer.announce wakes it to read an announcement; other readers are not woken for one.
 OFF_POLLS = 24
 READER_POLLS = 1
+# In the lease header: how many times the (native) reader has put its awake flag down
+# to sleep, stored before the flag; the writer sends one wake-up byte per sleep, not
+# one per message (K6 in _native.c). 0: a reader that does not count (always woken).
+OFF_SLEEPS = 32
 LEASE_STRIDE = 32
 
 U64 = struct.Struct("<Q")

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import _atomics, codec, layout as L, shm
+from ._burst import MAX_SPIN_US, Burst
 from ._cadence import Cadence
 from ._geometry import HEADER_MAX, LAYOUT_MAX, SlotGeometry
 from ._message import UNREAD as _UNREAD, Message
@@ -73,6 +74,8 @@ class ReaderStats:
     busy_poll_misses: int = 0  # busy-poll windows that ended without one
     rehearsals: int = 0       # windows that began with a rehearsal (Reader.rehearse)
     rehearsal_error: str = ""  # why the worker's rehearsal was turned off, if it was
+    spin_hits: int = 0        # messages taken by looking on before sleeping (spin_us)
+    spin_misses: int = 0      # such spins that ended empty (then the reader slept)
 
 
 class Reader:
@@ -82,8 +85,12 @@ class Reader:
     message already published (subject to max_age), never at older history."""
 
     def __init__(self, handle: ReaderHandle, *, attach_timeout_s: float = ATTACH_TIMEOUT_S,
-                 native: bool | None = None, busy_poll_us: int = 0) -> None:
+                 native: bool | None = None, busy_poll_us: int = 0,
+                 spin_us: int = 0) -> None:
         self.spec = spec = handle.spec
+        # Stay awake through a burst before sleeping (_burst); 0: sleep at once.
+        if not 0 <= spin_us <= MAX_SPIN_US:
+            raise ValueError(f"spin_us must be 0..{MAX_SPIN_US}, not {spin_us!r}")
         # The memory-ordering path (see _atomics): refuses to start where none is correct.
         self._native = nat = _atomics.select(native)
         self._wait_for_writer(handle.data_fd, attach_timeout_s)
@@ -107,7 +114,12 @@ class Reader:
         # that held this index before us may have died holding leases).
         self._lease_mm[:] = bytes(spec.lease_size)
         L.LEASE_HDR.pack_into(self._lease_mm, 0, L.LEASE_MAGIC, os.getpid(), spec.max_leases)
+        # Its sleeps, counted from a random start: a writer that remembers sending a
+        # wake-up for a previous reader's sleep of this index never takes one of ours
+        # for it (K6 in _native.c). Never 0 (0: a reader that does not count).
+        self._sleeps = (int.from_bytes(os.urandom(8), "little") >> 4) | 1
         if self._lease_r is not None:
+            self._lease_r.store_relaxed(L.OFF_SLEEPS, self._sleeps)
             # Awake: this reader looks at shared memory before it blocks (receive), so
             # the writer may skip wake-ups until it says otherwise (_sleeping).
             self._lease_r.store(L.OFF_AWAKE, L.READER_AWAKE)
@@ -145,6 +157,7 @@ class Reader:
         self._rehearsals = 0
         self._rehearsal_error = ""
         self._delivered: tuple[int, int, int] | None = None   # (seq, slot, gen) last
+        self._burst = Burst(spin_us * 1000) if spin_us else None
         if self._cadence is not None:        # wake me for announcements (Writer.announce)
             L.U64.pack_into(self._lease_mm, L.OFF_POLLS, L.READER_POLLS)
         if nat is not None:
@@ -265,6 +278,8 @@ class Reader:
             self._last_capture = capture_ts
         if self._cadence is not None:
             self._cadence.seen(stamp[3], stamp[0], self._announced())
+        if self._burst is not None:
+            self._burst.took(_now())
         self._received += 1
         self._delivered = (stamp[0], slot, gen)
         msg = _new_message(Message)
@@ -425,6 +440,10 @@ class Reader:
             msg = self.try_receive()
             if msg is not None:
                 return msg
+            if self._burst is not None:
+                msg = self._spin(end)
+                if msg is not None:
+                    return msg
             if self._cadence is not None:
                 msg = self._busy_poll(end)
                 if msg is not None:
@@ -499,6 +518,22 @@ class Reader:
         cad.misses += 1
         return None
 
+    def _spin(self, end: float | None) -> Message | None:
+        """In a burst, look on until ``spin_us`` after the last message before sleeping
+        (_burst): the awake flag stays up, so the writer sends no wake-up meanwhile."""
+        burst = self._burst
+        stop = burst.until(None if end is None else int(end * 1e9))
+        if stop <= _now():
+            return None             # not in a burst, or its spin is over already
+        try_receive = self.try_receive
+        while _now() < stop:
+            msg = try_receive()
+            if msg is not None:
+                burst.hits += 1
+                return msg
+        burst.misses += 1
+        return None
+
     def rehearse(self, fn: Callable[[Message], object] | None) -> None:
         """Rehearse the worker's per-message work at the start of each busy-poll window.
 
@@ -529,9 +564,9 @@ class Reader:
         if last is None or not self._free_leases or not self._rehearsing:
             return
         saved = (self._last_seq, self._dropped, self._received, self._last_capture,
-                 self._lost, self._rejected, self._cadence, self._delivered)
+                 self._lost, self._rejected, self._cadence, self._delivered, self._burst)
         self._last_seq = last[0] - 1
-        self._rejected, self._cadence = Counter(), None
+        self._rejected, self._cadence, self._burst = Counter(), None, None
         try:
             try:
                 msg = self.try_receive()
@@ -556,7 +591,8 @@ class Reader:
                         pass    # LeaseLost: the writer reused the slot meanwhile
         finally:
             (self._last_seq, self._dropped, self._received, self._last_capture,
-             self._lost, self._rejected, self._cadence, self._delivered) = saved
+             self._lost, self._rejected, self._cadence, self._delivered,
+             self._burst) = saved
         self._rehearsals += 1
 
     def _announced(self) -> tuple[int, int]:
@@ -596,10 +632,13 @@ class Reader:
         return bool(self._poller.poll(wait_ms))
 
     def _sleeping(self) -> Message | None:
-        """Native path, before blocking on the wake-up socket: say so (the writer then
-        sends wake-ups), fence, look once more (K1-K3 in _native.c). A message found
-        means awake again; an exception leaves the flag down (only more wake-ups)."""
-        self._lease_r.store(L.OFF_AWAKE, 0)
+        """Native path, before blocking on the wake-up socket: count the sleep (K0),
+        say so (the writer then sends one wake-up for it), fence, look once more (K1-K3
+        in _native.c). A message found means awake again; an exception leaves the flag
+        down (only more wake-ups)."""
+        self._sleeps += 1
+        self._lease_r.store_relaxed(L.OFF_SLEEPS, self._sleeps)        # K0
+        self._lease_r.store(L.OFF_AWAKE, 0)                            # K1 (release)
         self._fence()
         msg = self.try_receive()
         if msg is not None:
@@ -641,10 +680,11 @@ class Reader:
 
     @property
     def stats(self) -> ReaderStats:
-        cad = self._cadence
+        cad, burst = self._cadence, self._burst
         return ReaderStats(self._received, self._dropped, dict(self._rejected), self._lost,
                            cad.hits if cad else 0, cad.misses if cad else 0,
-                           self._rehearsals, self._rehearsal_error)
+                           self._rehearsals, self._rehearsal_error,
+                           burst.hits if burst else 0, burst.misses if burst else 0)
 
     def close(self) -> None:
         if self._lease_r is not None:

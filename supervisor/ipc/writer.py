@@ -1,6 +1,7 @@
 """The single writer of a channel: loans a free slot, fills it in place, publishes."""
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import time
@@ -87,6 +88,10 @@ class Writer:
             self._lease_regions = tuple(nat.Region(mm) for mm in self._leases)
             self._nloan, self._npublish, self._npack = nat.loan, nat.publish, nat.pack_header
             self._fence = nat.fence_full
+            # Per reader, the sleep it was last sent a wake-up for (K6 in _native.c):
+            # the writer's own memory, one 8-byte word each.
+            self._sent_mm = mmap.mmap(-1, max(8, 8 * len(self._events)))
+            self._sent = nat.Region(self._sent_mm, True)
             # The SlotLayout bytes object each slot holds (as this writer wrote it last).
             self._slot_layout: list[bytes | None] = [None] * spec.slot_count
             self._slot_layout_gen = [0] * spec.slot_count
@@ -366,7 +371,7 @@ class Writer:
         self._published += 1
         self._npublish(self._seg, self._ctl[slot], seq, gen, publish_ts_ns, base + ts_off,
                        size, nl, L.OFF_LAST_SLOT, L.OFF_LAST_SEQ, slot, self._events,
-                       self._lease_regions)
+                       self._lease_regions, self._sent)
         return seq
 
     def _publish(self, loan: Loan, frame_id, capture_ts_ns, exposure_us, gain,
@@ -453,8 +458,9 @@ class Writer:
     def close(self) -> None:
         if self._seg is not None:
             # The regions hold buffer exports of the mappings: drop them first.
-            for r in (self._seg, *self._lease_regions):
+            for r in (self._seg, *self._lease_regions, self._sent):
                 r.release()
+            self._sent_mm.close()
         for mm in self._leases:
             mm.close()
         self._plane_cache = [{} for _ in self._payloads]
