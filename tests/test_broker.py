@@ -54,6 +54,9 @@ args = ["--read", "a_out"]
 domain = "research"
 module = "workers.probe"
 warm_standby = true
+[workers.lone]
+domain = "research"
+module = "workers.probe"
 [workers.w]
 domain = "wide"
 module = "workers.probe"
@@ -306,6 +309,30 @@ def test_unknown_worker_and_reused_incarnation_are_refused(broker):
     with pytest.raises(Refused, match="warm_standby"):
         broker.client.start("w", _next(), standby=True)
     _refused(broker, n + 2, "refused")
+
+
+def test_a_client_starting_sandboxes_in_a_loop_is_stopped_at_the_configs_count(broker):
+    """A worker without warm_standby has its run and one predecessor not yet reaped:
+    a third live sandbox is refused until one is reaped."""
+    c = broker.client
+    first, second = _next(), _next()
+    started = [c.start("lone", first), c.start("lone", second)]
+    try:
+        n = len(broker.events("broker_refused"))
+        with pytest.raises(Refused, match="at most 2"):
+            c.start("lone", _next())
+        _refused(broker, n, "refused")
+    finally:
+        for s, k in zip(started, (first, second)):
+            c.kill_sandbox("lone", k)
+            _wait_exit(s.pidfd)
+            assert c.reap("lone", k).exited
+            s.close()
+    s = c.start("lone", _next())                      # reaped: room again
+    c.kill_sandbox("lone", s.incarnation)
+    _wait_exit(s.pidfd)
+    c.reap("lone", s.incarnation)
+    s.close()
 
 
 def test_nothing_it_started_outlives_its_client(tmp_path):

@@ -32,6 +32,13 @@ from ._checks import StateDir, check_channel_fds, check_plan
 from ._errors import BadFds, BrokerError, Failed, NotOurs, Refused, UnknownWorker
 
 
+# Live (started, not reaped) sandboxes of one worker: its run and the previous run not
+# yet reaped, plus two warm standbys for a worker with warm_standby
+# (lifecycle/_standby.py STANDBY_DEPTH). More is a client starting sandboxes in a loop.
+MAX_LIVE = 2
+MAX_LIVE_STANDBY = 2 + 2
+
+
 @dataclass
 class _Incarnation:
     """One sandbox the broker started and has not reaped."""
@@ -270,6 +277,10 @@ class Broker:
                           f"(next must be > {self.last_incarnation.get(w.name, 0)})")
         if req.standby and not w.warm_standby:
             raise Refused(f"{w.name} has no warm_standby in the config")
+        cap = MAX_LIVE_STANDBY if w.warm_standby else MAX_LIVE
+        live = sum(1 for inc in self.live.values() if inc.worker == w.name)
+        if live >= cap:
+            raise Refused(f"{w.name} has {live} sandboxes not reaped (at most {cap})")
         handles = self._handles(w, req, fds)
         from supervisor.sandbox.policy import for_worker
 
