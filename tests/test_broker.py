@@ -322,6 +322,9 @@ def test_a_client_starting_sandboxes_in_a_loop_is_stopped_at_the_configs_count(b
         with pytest.raises(Refused, match="at most 2"):
             c.start("lone", _next())
         _refused(broker, n, "refused")
+        with pytest.raises(Refused, match="realtime_priority"):   # SCHED_FIFO: config's only
+            c.realtime("lone", first)
+        _refused(broker, n + 1, "refused")
     finally:
         for s, k in zip(started, (first, second)):
             c.kill_sandbox("lone", k)
