@@ -149,11 +149,11 @@ class Broker:
     def stop_all(self) -> None:
         """Kill every sandbox still held, then the cgroup tree (nothing outlives us)."""
         for inc in list(self.live.values()):
-            self._kill_incarnation(inc)
             try:
+                self._kill_incarnation(inc)
                 inc.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
+            except (Failed, subprocess.TimeoutExpired) as e:   # the next one all the same
+                self.log.emit("cgroup_error", source="broker", worker=inc.worker, error=str(e))
             self._release(inc)
         self.live.clear()
         if self.cgroups is not None:
@@ -175,8 +175,9 @@ class Broker:
                       reason=e.reason, **fields)
 
     def _one(self, data: bytes, fds: list[int]) -> None:
-        """Decode, judge and answer one request. Received fds are closed here unless a
-        handler took them (a start closes its own after the spawn)."""
+        """Decode, judge and answer one request. Every received fd is closed here once
+        the request is done (a started sandbox holds its own copies); the fds of the
+        reply are ours and closed once sent."""
         self.served += 1
         rid, kind = 0, "?"
         out: list[int] = []
@@ -191,9 +192,9 @@ class Broker:
             rep = P.Error(e.code, e.reason)
         except Exception as e:      # a bug of ours: one line, a reply, and on we go
             self.refusals["failed"] += 1
-            self.log.emit("broker_error", source="broker", request=kind,
-                          error=f"{type(e).__name__}: {e}")
-            rep = P.Error("failed", f"{type(e).__name__}: {e}")
+            line = f"{type(e).__name__}: {' '.join(str(e).split())}"[:500]
+            self.log.emit("broker_error", source="broker", request=kind, error=line)
+            rep = P.Error("failed", line)
         finally:
             P.close_fds(fds)
         try:
