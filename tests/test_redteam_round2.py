@@ -61,7 +61,7 @@ READERS = ("r-chfd", "c-chfd")
 
 
 def _toml() -> str:
-    parts = ["""
+    head = textwrap.dedent("""
     [supervisor]
     status_interval_s = 0.5
     maps_scan_interval_s = 0.5
@@ -73,6 +73,8 @@ def _toml() -> str:
     dtype = "uint8"
     max_readers = 4
     slot_count = 9
+    """)
+    src = textwrap.dedent("""
     [workers.src]
     domain = "control"
     module = "workers.probe"
@@ -80,23 +82,27 @@ def _toml() -> str:
     args = ["--publish", "frames", "--period-ms", "20", "--ping-ms", "20"]
     watchdog_ms = 300
     restart = "always"
-    """]
-    for name, (domain, attack, extra) in ATTACKERS.items():
-        parts.append(f"""
-    [workers.{name}]
-    domain = "{domain}"
-    module = "{MODULE}"
-    {'subscribes = ["frames"]' if name in READERS else ""}
-    args = {json.dumps(["--attack", attack] + (["--read", "frames"] if name in READERS else [])
-                       + (["--attack-before-ready"] if name in BEFORE_READY else []))}
-    restart = "never"
-    optional = true
-    ready_timeout_ms = 60000      # a loaded machine (c-exflood's flood is 4 s before READY)
-    pids_max = 32
-    cpu_quota = 50
-    {extra or 'memory_max = "256MiB"'}
     """)
-    return textwrap.dedent("".join(parts))
+    blocks = {}
+    for name, (domain, attack, extra) in ATTACKERS.items():
+        args = (["--attack", attack] + (["--read", "frames"] if name in READERS else [])
+                + (["--attack-before-ready"] if name in BEFORE_READY else []))
+        blocks[name] = textwrap.dedent(f"""
+        [workers.{name}]
+        domain = "{domain}"
+        module = "{MODULE}"
+        {'subscribes = ["frames"]' if name in READERS else ""}
+        args = {json.dumps(args)}
+        restart = "never"
+        optional = true
+        ready_timeout_ms = 60000      # a loaded machine (c-exflood floods 4 s before READY)
+        pids_max = 32
+        cpu_quota = 50
+        {extra or 'memory_max = "256MiB"'}
+        """)
+    # r-wide first of all (before src): its status is the first worker segment of the
+    # live row, so that the row's width is mostly its own text.
+    return head + blocks.pop("r-wide") + src + "".join(blocks.values())
 
 
 class Fleet:
@@ -245,17 +251,18 @@ def test_status_bytes_without_newline_cannot_flood_the_log(fleet):
     assert len(errors) <= 20, f"{len(errors)} protocol_error events from one worker in 2 s"
 
 
-@pytest.mark.xfail(strict=True, reason="the live row is fitted with len(), not terminal "
-                   "columns (monitor.py _fit): fullwidth STATUS text makes it ~1.5x the "
-                   "terminal and each rewrite stacks a row")
 def test_the_live_row_is_never_wider_than_the_terminal_in_columns(fleet):
-    """A research worker's STATUS of printable fullwidth letters (East Asian width F,
+    """Was a hole (fixed in b7c92e7, monitor.py fits in wcwidth columns): the row was
+    fitted with len(), and fullwidth STATUS text made it ~1.5x the terminal.
+    A research worker's STATUS of printable fullwidth letters (East Asian width F,
     two columns each) on a 100-column pseudo-terminal: every rendered row must fit in
     100 columns, or the '\r ESC[2K' rewrite leaves a wrapped row behind each time."""
     rows = fleet["tty"].decode("utf-8", "replace").split("\r\x1b[2K")
-    wide = [r for r in rows if "r-wide" in r]
+    wide = [r for r in rows if "\uff37" in r]      # rows that show some of its text
     assert wide, rows[-3:]
     widths = [_display_width(r.rstrip("\r\n")) for r in wide]
+    print(f"\nr-wide: rows of {min(widths)}..{max(widths)} columns ({max(len(r) for r in wide)} "
+          f"characters) on a {COLUMNS}-column terminal")
     assert max(widths) <= COLUMNS, f"rows of {max(widths)} columns on a {COLUMNS}-column terminal"
 
 
@@ -272,15 +279,30 @@ def test_a_research_reader_cannot_hold_a_lock_a_control_reader_sees(fleet):
     assert c["flock_ex"] == "ok", f"control's flock: {c['flock_ex']} (research holds it)"
 
 
-@pytest.mark.xfail(strict=True, reason="exec watch: each judgement is budgeted, their number "
-                   "is not (sandbox/execwatch.py handle_pending, lifecycle/_exec.py): one "
-                   "worker's start-up buys seconds of root CPU outside every cgroup")
+def _exec_flood_bounded() -> bool:
+    """Whether this tree's exec watch refuses a flood of requests (a fix under way when
+    this was written: the strict xfail below applies only where it is absent)."""
+    import inspect
+
+    from supervisor.sandbox import execwatch
+
+    return "request flood" in inspect.getsource(execwatch)
+
+
+@pytest.mark.xfail(not _exec_flood_bounded(), strict=True,
+                   reason="exec watch: each judgement is budgeted, their number is not "
+                   "(sandbox/execwatch.py handle_pending): one worker's start-up buys "
+                   "seconds of root CPU outside every cgroup")
 def test_a_workers_exec_requests_cannot_buy_unbounded_supervisor_time(fleet):
     """4 s of allowed R|X mappings of libc before READY from one control worker. Each
     stops the worker and is judged by the supervisor (root, in no worker's cgroup): the
-    supervisor's judging time for one start-up must be bounded (a rate limit or a
-    refusal for flooding), as status lines (protocol_flood) and output are."""
+    supervisor's judging time for one start-up must be bounded (a refusal for flooding,
+    named, or at most 1 s of judging), as status lines (protocol_flood) and output are."""
     ev = fleet["events"]
+    refused = [e for e in _of(ev, "c-exflood", "refused") if "flood" in e.get("reason", "")]
+    if refused:
+        print(f"\nc-exflood refused: {refused[0]['reason']}")
+        return
     res = attack_result(ev, "c-exflood")
     ready = _of(ev, "c-exflood", "ready")
     assert res is not None and ready, _of(ev, "c-exflood")
@@ -288,8 +310,7 @@ def test_a_workers_exec_requests_cannot_buy_unbounded_supervisor_time(fleet):
     print(f"\nc-exflood: {res['allowed']} requests allowed, {res['refused']} refused in "
           f"{res['wall_s']} s; supervisor judging {judged_ms} ms; worker's own CPU "
           f"{res['own_cpu_s']} s")
-    refused = [e for e in _of(ev, "c-exflood", "refused") if "flood" in e.get("kind", "")]
-    assert refused or judged_ms <= 1000, f"{judged_ms} ms of supervisor judging, no refusal"
+    assert judged_ms <= 1000, f"{judged_ms} ms of supervisor judging, no refusal"
 
 
 def _cpu_share(cpu: list[tuple[float, float]], t0: float, t1: float) -> float:
