@@ -89,7 +89,7 @@ class Tracer:
         while b"attached" not in seen:
             left = end - time.monotonic()
             if left <= 0 or self._proc.poll() is not None:
-                self.detach()
+                self._abandon()
                 raise TracerError(f"strace -p {self.pid} did not attach: "
                                   f"{seen.decode(errors='replace').strip()[:200] or 'timeout'}")
             if select.select([err], [], [], min(left, 0.1))[0]:
@@ -97,6 +97,19 @@ class Tracer:
                 if not chunk:
                     continue
                 seen += chunk
+
+    def _abandon(self) -> None:
+        """strace never attached: stop it, no summary to read."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(5)
+            proc.stderr.close()
+        try:
+            os.unlink(self._path)
+        except OSError:
+            pass
 
     def detach(self) -> Counts:
         """Stop strace (SIGINT: it detaches and writes its summary) and read it."""
