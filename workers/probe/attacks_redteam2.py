@@ -67,6 +67,21 @@ def wide_status(ctx: WorkerContext) -> dict:
     return {"denied": None, "chars": len(text)}
 
 
+def status_tail_smuggle(ctx: WorkerContext) -> dict:
+    """An over-long status line is 'dropped' when the buffer passes 4096 bytes, but
+    only what was read so far: the rest of the same line, up to its newline, is then
+    parsed as a line of its own. An honest worker relaying text it did not choose
+    (a dataset label, a file name) through ctx.status() can be made to say REFUSED=
+    (the supervisor kills it for good), WATCHDOG= or READY= by that text. The line is
+    8192 bytes up to the smuggled words: the supervisor's reads are 4096 bytes."""
+    text = "A" * (8192 - len("STATUS=")) + "REFUSED=forged by-the-tail-of-a-status-line"
+    for _ in range(3):               # 3 tries: one whose start shares a read is enough
+        time.sleep(1.0)              # what was written before is read and gone
+        ctx.status(text)
+    time.sleep(1.0)                  # killed by now if a tail was taken for a line
+    return {"denied": True, "sent": 3 * (len(text) + len("STATUS=") + 1)}
+
+
 # ---------------------------------------------------------------- kernel memory
 
 
@@ -350,7 +365,7 @@ def many_mappings(ctx: WorkerContext) -> dict:
 
 
 ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
-    f.__name__: f for f in (status_no_newline, wide_status, socket_pin, proc_knobs,
+    f.__name__: f for f in (status_no_newline, status_tail_smuggle, wide_status, socket_pin, proc_knobs,
                             inherited_fds, signal_out, channel_fd_ops, fs_secrets, exec_watch_flood,
                             many_mappings)
 }
