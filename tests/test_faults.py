@@ -150,7 +150,9 @@ def _pipeline() -> str:
 def test_the_commanders_death_is_safe_at_once_and_the_next_writer_goes_on():
     """kill -9 of controlsd (its worker process, then its whole sandbox): the next
     command on control_cmd is the supervisor's SAFE (engaged=0, reason FAIL_SAFE),
-    within a bound no restart meets; then the new writer continues the sequence."""
+    said by the last-word thread, once per death; nothing but the supervisor publishes
+    until the channel is handed to the next writer, which continues the sequence. (How
+    fast: bench/faults.py, not here.)"""
     cfg = loads(_pipeline(), "safe.toml")
     log = EventLog(stream=io.StringIO())
     # (published at, monotonic s; sequence; writer pid as the writer sees it; fields)
@@ -193,18 +195,30 @@ def test_the_commanders_death_is_safe_at_once_and_the_next_writer_goes_on():
     me = os.getpid()
     words = log.of("last_word")
     assert len(words) >= 2, log.of("last_word_error")
+    assert not log.of("last_word_error")
+    # One word per death of the writer (the thread and the loop never both say it), and
+    # while it runs, the thread says it (the loop's path is for what the thread missed).
+    ended = [e["pid"] for e in log.events if e["event"] in ("exit", "stopped")
+             and e.get("worker") == "controlsd" and not e.get("standby")]
+    for pid in ended:
+        assert sum(1 for w in words if w["pid"] == pid) == 1, (pid, words)
+    assert {w["by"] for w in words} == {"thread"}, words
     handovers = [e["mono_ns"] / 1e9 for e in log.events
                  if e["event"] in ("standby_adopted", "start") and e.get("worker") == "controlsd"]
     for t in kills:
         # (the old writer may publish between our clock read and the kill landing)
         safe = next(s for s in seen if s[0] > t and s[2] == me)
         assert safe[3]["engaged"] == 0.0 and safe[3]["reason"] == float(SafeReason.FAIL_SAFE)
-        # loose on a shared 2-core CI machine: a restart takes ~100 ms to seconds
-        assert safe[0] - t < 0.5, safe[0] - t
         # SAFE before the channel was handed to the next writer, which went on from it
-        assert next(h for h in handovers if h > t) > safe[0]
+        handover = next(h for h in handovers if h > t)
+        assert handover > safe[0]
+        # SAFE stays the last word: nothing but the supervisor published between it and
+        # the hand-over (the dead writer cannot; the next one has no channel yet)
+        between = [s for s in seen if safe[0] < s[0] < handover and s[2] != me]
+        assert not between, between
         nxt = next(s for s in seen if s[0] > safe[0] and s[2] != me)
         assert nxt[1] > safe[1], (safe, nxt)
+        assert nxt[0] > handover
     seqs = [s[1] for s in seen]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
 

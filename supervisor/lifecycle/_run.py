@@ -4,6 +4,7 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -54,6 +55,9 @@ class WorkerRun:
     # it is dead, before bwrap has noticed (the writer of last resort waits on it).
     worker_pidfd: int | None = None
     last_word_said: bool = False             # SAFE published after this process died
+    # Held while checking and setting last_word_said: the last-word thread and the event
+    # loop may both come to say it (lifecycle/_lastword.py).
+    last_word_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     exit_logged: bool = False                # its `exit` event is out (this process)
     # Warm standby: a second instance, waiting in its sandbox for the channels.
     is_standby: bool = False

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import select
 import shutil
 import signal
 import socket
@@ -29,13 +28,14 @@ from supervisor.sandbox.policy import RESEARCH
 
 from ._exec import _ExecWindow
 from ._io import _WorkerIO
-from ._procstate import nspid_depth, process_dead, process_exiting
+from ._lastword import _LastResort
+from ._procstate import process_exiting
 from ._realtime import _Realtime
 from ._run import FailSafe, StartFailed, WorkerRun, _signame
 from ._standby import _WarmStandby
 
 
-class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
+class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
     def __init__(self, config: Config, *, log: EventLog | None = None,
                  notifier: Notifier | None = None, sandboxed: bool = True,
                  grace_s: float = 3.0, python: str = sys.executable,
@@ -345,6 +345,8 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
     # ---------------------------------------------------------------- warm standby
 
     def _close_run_fds(self, run: WorkerRun) -> None:
+        if self._lastword is not None and not run.is_standby:
+            self._lastword.forget(run)        # its process is done with: no word now
         for name in ("status_r", "out_r", "worker_pidfd"):
             fd = getattr(run, name)
             if fd is not None:
@@ -501,120 +503,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
         return code, why
 
     # ---------------------------------------------------------------- last resort
-    # When the writer of an actuation channel dies (any cause: crash, kill -9, refused,
-    # watchdog), the supervisor publishes the payload's safe value at once, as the
-    # channel's writer of last resort; that is the last word until the next writer
-    # (standby or restart) publishes. One writer at a time still holds: the supervisor
-    # writes only once no process of the dead writer's sandbox can write (its memory is
-    # released), and every path that hands the channel to a new writer (_adopt_standby,
-    # _spawn) runs after _last_word in the same task, never beside it. The new writer
-    # attaches to the segment after our Writer is closed and continues the sequence and
-    # generations our publish left (ipc.Writer._attach): readers see no step back.
-
-    def _actuation_of(self, w: WorkerConfig) -> list[str]:
-        """The actuation channels (with a safe payload) that worker `w` writes."""
-        return [ch for ch in w.publishes if ch in self.channels
-                and self.config.channels[ch].actuation and self.config.channels[ch].payload]
-
-    async def _guard_writer(self, run: WorkerRun) -> None:
-        """Wait on the worker process itself (not bwrap: bwrap learns of the death
-        through its own child, later) and say the last word the moment it dies."""
-        if not self.sandboxed or run.is_standby or not self._actuation_of(run.cfg):
-            return
-        fd = await self._open_worker_pidfd(run)
-        if fd is None:
-            return                     # died before it was found: the exit path speaks
-        await trio.lowlevel.wait_readable(fd)
-        await self._last_word(run)
-
-    async def _open_worker_pidfd(self, run: WorkerRun) -> int | None:
-        """A pidfd of the run's worker process, once its sandbox shows one."""
-        while run.proc is not None and run.proc.poll() is None:
-            pid = self._worker_pid(run)
-            if pid != run.pid:
-                try:
-                    fd = os.pidfd_open(pid)
-                except ProcessLookupError:
-                    fd = None
-                if fd is not None:
-                    if pid in self.worker_pids(run):   # still ours, not a recycled pid
-                        run.worker_pidfd = fd
-                        return fd
-                    os.close(fd)
-            await trio.sleep(0.01)
-        return None
-
-    def _writer_left(self, run: WorkerRun) -> list[int]:
-        """The processes of the run's sandbox that could still write a channel: the
-        worker until it is dead (its pidfd readable; -1 here), and every other process
-        of the sandbox but bwrap's own two (the outer bwrap, run.pid, and its init, pid
-        1 inside), which never map a segment. A process inside do_exit() is not dead
-        enough (see _procstate.process_dead). Empty: the writer is gone."""
-        if not self.sandboxed:
-            return [] if run.proc is None or run.proc.poll() is not None else [run.pid]
-        if run.cgroup is not None:
-            pids = set(run.cgroup.pids())         # all of the sandbox, bwrap gone or not
-        else:
-            pids = set(self.worker_pids(run))     # (empty once bwrap is gone)
-        inner = len(nspid_depth(os.getpid()) or (0,)) + 1   # the sandbox's level
-        left = []
-        for pid in pids - {run.pid}:
-            ns = nspid_depth(pid)
-            if ns is not None and len(ns) == inner and ns[-1] == 1:
-                continue                          # bwrap's init in the sandbox
-            if not process_dead(pid):
-                left.append(pid)
-        if run.worker_pidfd is not None and not _readable(run.worker_pidfd):
-            left.append(-1)
-        return left
-
-    def _kill_rest(self, run: WorkerRun, pids: list[int]) -> None:
-        """SIGKILL what is left of a dead writer's sandbox (by pidfd, re-checked as still
-        in its cgroup after opening it: never a recycled pid). bwrap's own processes are
-        not among them: they report the worker's own exit status, its cause."""
-        if run.cgroup is None or not pids:
-            return
-        from supervisor.sandbox.cgroups import kill_listed
-
-        cg = run.cgroup
-        kill_listed(pids, lambda: set(cg.pids()))
-
-    async def _last_word(self, run: WorkerRun) -> None:
-        """Publish SAFE on each actuation channel `run` writes, once its writer is dead
-        (once per process of the run)."""
-        names = self._actuation_of(run.cfg)
-        if not names or run.last_word_said or run.is_standby:
-            return
-        died_ns = time.monotonic_ns()
-        deadline = died_ns + int(self.grace_s * 1e9)
-        left = self._writer_left(run)
-        if left and (run.proc is None or run.proc.poll() is not None or -1 not in left):
-            # What is left of a sandbox whose bwrap or worker died is dying anyway (its
-            # pid namespace goes); SIGKILL now saves the chain bwrap -> init -> worker.
-            self._kill_rest(run, [p for p in left if p > 0])
-        while self._writer_left(run):
-            if time.monotonic_ns() > deadline:
-                self.log.emit("last_word_error", worker=run.cfg.name, pid=run.pid,
-                              reason=f"its processes outlived it by {self.grace_s:g} s; "
-                                     "not writing (the readers' max age still guards)")
-                return
-            await trio.sleep(0.001)
-        if run.last_word_said:         # the other path (guard or exit) said it meanwhile
-            return
-        run.last_word_said = True
-        from supervisor.failsafe import publish_safe
-
-        for name in names:
-            payload = self.config.channels[name].payload
-            try:
-                values = publish_safe(self.channels[name], payload)
-            except Exception as e:   # logged: the reader-side max age still guards it
-                self.log.emit("last_word_error", worker=run.cfg.name, channel=name,
-                              reason=f"{type(e).__name__}: {e}")
-            else:
-                self.log.emit("last_word", worker=run.cfg.name, pid=run.pid, channel=name,
-                              payload=payload, waited_ms=round(
-                                  (time.monotonic_ns() - died_ns) / 1e6, 3), **values)
+    # The writer of last resort (SAFE the moment an actuation writer dies): _lastword.
 
     # ---------------------------------------------------------------- domain-wide
 
@@ -768,6 +657,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
         embedded = signals._pipe is None
         sigpipe = signals.install()
         self._make_channels()
+        self._start_last_word_thread()
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -795,6 +685,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
         finally:
             with trio.CancelScope(shield=True):
                 await self._shutdown_workers()
+            self._stop_last_word_thread()      # before the channels it writes go
             self._close_channels()
             if self.cgroups is not None:
                 self.cgroups.close()
@@ -956,13 +847,6 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime):
                 self.notify.stopping()
                 scope.cancel()
                 return
-
-
-def _readable(fd: int) -> bool:
-    """A pidfd is readable once its process has exited."""
-    p = select.poll()
-    p.register(fd, select.POLLIN)
-    return bool(p.poll(0))
 
 
 def run_config(config: Config, **kw) -> int:
