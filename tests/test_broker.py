@@ -569,6 +569,9 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+# The suite's run; a long run for a report: BROKER_FUZZ_EXAMPLES=20000 (the live broker
+# gets a tenth of it).
+_EXAMPLES = int(os.environ.get("BROKER_FUZZ_EXAMPLES", "200"))
 _VALID = [P.encode_request(1, r) for r in (
     P.Ping(), P.Start("a", 3, False, (P.Grant("a_out", "writer", 5),)),
     P.SignalPid(123, "term"), P.OpenProc(5, ("maps", "mem")), P.SetLatch("why"),
@@ -586,7 +589,7 @@ def _mutated(draw) -> bytes:
     return bytes(data[:cut]) + draw(st.binary(max_size=64))
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.one_of(st.binary(max_size=2048), _mutated()))
 # Found by a 20,000-example run: a signal enum past the schema's enumerants made pycapnp
 # raise RuntimeError("Member was null") out of the decoder.
@@ -601,7 +604,7 @@ def test_fuzz_the_request_decoder_raises_only_its_own_errors(data):
     assert 0 <= rid < 2**32 and P.kind_of(req)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=max(100, _EXAMPLES // 10), deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.one_of(st.binary(min_size=1, max_size=512), _mutated()))
 def test_fuzz_the_live_broker_answers_every_datagram(broker, data):
     """Whatever arrives, one reply comes back and the broker lives (a fuzzed message
