@@ -5,10 +5,10 @@ Why (measured, bench/ipc_latency.py --syscalls, 64 B stream): a reader that find
 ring empty blocks on its wake-up socket, and every message after that costs the writer
 a wake-up write (its ``sendto``), the reader a ``poll`` and a ``read`` that drains, and
 the kernel a wake-up of the sleeping task, 50-200 us on a VM's idle vCPU; while it
-sleeps the writer runs out of ring or credit and waits too. In a stream faster than
-that, about half the messages found the reader asleep (0.5 sleeps and 0.7 wake-up
-writes per message). Still looking, the reader keeps its awake flag up, so the writer
-sends nothing (K5 in _native.c): no system call on either side.
+sleeps the writer runs out of ring or credit and waits too. In a 64 B stream about
+half the messages found the reader asleep (0.5 sleeps per message, untraced). Still
+looking, the reader keeps its awake flag up, so the writer sends nothing (K5 in
+_native.c): no system call on either side.
 
 The rule: after a message, if it came within ``spin_ns`` of the one before (a burst),
 a reader that finds nothing looks again until ``spin_ns`` after that message, then
