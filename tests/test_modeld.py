@@ -22,7 +22,7 @@ from supervisor.model import load_verified
 from supervisor.model import artifact as A
 from tests.test_model_artifact import DEMO, DEMO_PUB, copy_bundle, drop_kernel, test_key  # noqa: F401
 from workers.camerad.synthetic import SyntheticRoad
-from workers.modeld.engine import ENGINE_ABI, Engine, FrameRejected
+from workers.modeld.engine import ENGINE_ABI, ENGINE_ABI3, Engine, FrameRejected
 
 W, H, SEED = 1928, 1208, 7
 STRIDE = 1936          # the demo artifact's Y plane row stride (PyAV's for 1928)
@@ -279,3 +279,117 @@ def test_the_output_lands_in_the_array_given_bit_identically(engine, reference):
             engine.infer(y, out=bad)
         assert "\n" not in str(e.value)
     assert engine.inferences == runs
+
+
+# ------------------------------------------------------------------ road + wide (input ABI 3)
+
+WIDE_MODEL = DEMO.parent / "lane-offset-wide"
+
+
+@sandbox
+def test_modeld_pairs_road_and_wide_frames_and_counts_the_unpaired():
+    """The driving model of input ABI 3 in the control sandbox: per road frame the wide
+    frame of the same id and capture time is paired, and the output is the in-process
+    engine's on that pair, bit for bit; a road frame whose wide frame never comes, or
+    came from another instant, is not run: counted by reason, one log line each, and
+    the worker is not held up (the next pair still gets its output)."""
+    from supervisor.sandbox import policy_for_domain, spawn
+    from workers.camerad.synthetic import scene
+
+    v = load_verified(WIDE_MODEL, DEMO_PUB, expect_abi=[ENGINE_ABI, ENGINE_ABI3])
+    try:
+        eng = Engine(v)
+        assert [(i.role, i.sensor) for i in eng.inputs] == [("frames", "road"), ("wide", "wide")]
+        road, wide = scene("road", W, H, seed=SEED), scene("wide", W, H, seed=SEED)
+        want = {fid: eng.infer(road.render(fid)[0], wide.render(fid)[0])[0].tobytes().hex()
+                for fid in (0, 1, 4)}
+    finally:
+        v.close()
+    spec = dict(kind="frame", slot_size=STRIDE * H * 3 // 2, slot_count=6, pixel_formats=("nv12",))
+    road_ch = Channel.create(ChannelSpec(name="road_frames", **spec))
+    wide_ch = Channel.create(ChannelSpec(name="wide_frames", **spec))
+    out_ch = Channel.create(ChannelSpec(name="model_out", dtype="float32", slot_size=4096,
+                                        slot_count=8))
+    cams = {"road": Writer(road_ch.writer_handle(), domain="control"),
+            "wide": Writer(wide_ch.writer_handle(), domain="control")}
+    r, wfd = os.pipe2(os.O_CLOEXEC)
+    ep = Endpoint(name="modeld", domain="control", sandboxed=True, mode=SIMULATION,
+                  roles=(("model", "model_out"), ("frames", "road_frames"),
+                         ("wide", "wide_frames")))
+    env, fds = worker_env(ep, wfd, {"model_out": out_ch.writer_handle(),
+                                    "road_frames": road_ch.reader_handle(0),
+                                    "wide_frames": wide_ch.reader_handle(0)})
+    pol = policy_for_domain("control", extra_ro_binds=[str(WIDE_MODEL), str(DEMO_PUB)])
+    proc = spawn(pol, [sys.executable, "-m", "supervisor.runner", "workers.modeld",
+                       "--artifact", str(WIDE_MODEL), "--pubkey", str(DEMO_PUB),
+                       "--status-ms", "200", "--pair-wait-ms", "30"],
+                 [*fds, wfd], env_extra=env, stdin=subprocess.DEVNULL,
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    os.close(wfd)
+    scenes = {"road": road, "wide": wide}
+
+    def publish(cam: str, fid: int, capture: int) -> None:
+        with cams[cam].loan() as loan:
+            y, uv = loan.frame("nv12", W, H, row_stride=STRIDE, sensor=cam)
+            scenes[cam].render_into(fid, y, uv)
+            loan.publish(frame_id=fid, capture_ts_ns=capture)
+
+    seen: list[str] = []
+    try:
+        assert _read_status(r, "READY=1", 120, seen), (seen, proc.poll())
+        results = Reader(out_ch.reader_handle(0))
+        got = []
+        # frame 3's wide frame is of another instant (40 ms earlier: the bridge takes it,
+        # captures are in order and none is in the future; the pairing does not)
+        for fid, wide_off_ns in ((0, 0), (1, 0), (2, None), (3, -40_000_000), (4, 0)):
+            time.sleep(0.1)
+            t = time.monotonic_ns()
+            if wide_off_ns is not None:          # the wide camera first: it is kept
+                publish("wide", fid, t + wide_off_ns)
+            publish("road", fid, t)
+            if fid in want:
+                with results.receive(timeout=30) as msg:
+                    got.append((msg.stamp.frame_id, msg.array.tobytes().hex()))
+        assert got == [(fid, want[fid]) for fid in (0, 1, 4)]       # bit-identical, in order
+        assert _read_status(r, "unpaired=missing=1,skew=1", 10, seen), seen
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        out, err = proc.communicate(timeout=30)
+        os.close(r)
+        for c in (*cams.values(), road_ch, wide_ch, out_ch):
+            c.close()
+    logs = [json.loads(ln)["log"] for ln in out.decode().splitlines()
+            if ln.startswith('{"log":"unpaired')]
+    assert len(logs) == 2, out[-3000:]
+    assert "unpaired frame 2: wide (wide_y) missing" in logs[0]
+    assert "unpaired frame 3: wide (wide_y) skew" in logs[1] and "-40.0 ms" in logs[1]
+
+
+@sandbox
+def test_a_model_of_two_cameras_without_its_wide_channel_refuses_to_start():
+    from supervisor.sandbox import policy_for_domain, run
+
+    road_ch = Channel.create(ChannelSpec(name="road_frames", kind="frame", slot_size=4096,
+                                         slot_count=4, pixel_formats=("nv12",)))
+    out_ch = Channel.create(ChannelSpec(name="model_out", dtype="float32", slot_size=4096,
+                                        slot_count=8))
+    ep = Endpoint(name="modeld", domain="control", sandboxed=True, mode=SIMULATION,
+                  roles=(("model", "model_out"), ("frames", "road_frames")))
+    try:
+        rfd, wfd = os.pipe2(os.O_CLOEXEC)
+        env, fds = worker_env(ep, wfd, {"model_out": out_ch.writer_handle(),
+                                        "road_frames": road_ch.reader_handle(0)})
+        pol = policy_for_domain("control", extra_ro_binds=[str(WIDE_MODEL), str(DEMO_PUB)])
+        res = run(pol, [sys.executable, "-m", "supervisor.runner", "workers.modeld",
+                        "--artifact", str(WIDE_MODEL), "--pubkey", str(DEMO_PUB)],
+                  timeout=120, env_extra=env, pass_fds=[*fds, wfd])
+        os.close(wfd)
+        os.close(rfd)
+    finally:
+        road_ch.close()
+        out_ch.close()
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    lines = [ln for ln in res.stdout.splitlines() if '"log":"channels:' in ln]
+    assert len(lines) == 1 and "role 'wide'" in lines[0], res.stdout[-2000:]
+    assert "Traceback" not in res.stdout + res.stderr

@@ -22,7 +22,7 @@ from supervisor.model import AbiMismatch, load_verified
 from supervisor.model import artifact as A
 from supervisor.model.runtime import load_model
 from workers.camerad.synthetic import SyntheticRoad
-from workers.modeld.engine import ENGINE_ABI, Engine, preprocess_y
+from workers.modeld.engine import ENGINE_ABI, ENGINE_ABIS, Engine, preprocess_y
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "demo" / "lane-offset"
@@ -139,3 +139,89 @@ def test_the_kernels_equal_numpy_on_other_geometries(tmp_path):
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == [True] * len(geoms)
+
+
+# ------------------------------------------------------------------ two cameras (input ABI 3)
+
+WIDE = ROOT / "models" / "demo" / "lane-offset-wide"
+
+
+def test_the_two_camera_manifest_declares_both_inputs_and_their_pairing():
+    abi = A.read_manifest_unverified(WIDE)["abi"]
+    assert abi["version"] == 3 and "input" not in abi
+    assert [(i["name"], i["role"], i["sensor"]) for i in abi["inputs"]] == \
+        [("road_y", "frames", "road"), ("wide_y", "wide", "wide")]
+    for i in abi["inputs"]:
+        assert i["takes"] == "y_plane" and i["frame"]["row_stride"] == STRIDE
+        tol = i["preprocess"]["tolerance"]
+        assert tol["max_abs"] == 0.0 and tol["checked_frames"] >= 100
+        assert tol["max_abs_seen_input"] == 0.0 and tol["max_abs_seen_output"] == 0.0
+    assert abi["pairing"]["by"] == "frame_id" and 0 < abi["pairing"]["max_skew_ms"] <= 50
+
+
+def test_a_one_camera_engine_refuses_the_two_camera_artifact_in_one_line():
+    with pytest.raises(AbiMismatch) as e:
+        load_verified(WIDE, DEMO_PUB, expect_abi=ENGINE_ABI)
+    msg = str(e.value)
+    assert "\n" not in msg and "input ABI is 3 (it takes 2 Y planes: road_y, wide_y)" in msg
+
+
+@pytest.fixture(scope="module")
+def wide_engine():
+    v = load_verified(WIDE, DEMO_PUB, expect_abi=ENGINE_ABIS)
+    yield Engine(v)
+    v.close()
+
+
+def test_the_two_camera_artifact_sees_each_plane_only_through_its_preprocessing(wide_engine):
+    """The kernels equal numpy's preprocess_y for each plane (the build checked every
+    validation frame bit for bit; here, at run time): planes whose preprocessed tensors
+    are equal give the same output bit for bit (pixels swapped inside a band, other row
+    padding, another stride), and a change that moves one band's mean, in either camera,
+    changes it. Which plane is which matters: swapped, the output differs."""
+    from workers.camerad.synthetic import scene
+
+    eng = wide_engine
+    road, wide = (scene(s, W, H, seed=4).render(33)[0] for s in ("road", "wide"))
+    out, r = eng.infer(_strided(road, STRIDE, 0), _strided(wide, STRIDE, 0), frame_id=33)
+    assert r.bytes_in == 2 * ((H - 1) * STRIDE + W) and r.bytes_out == 16
+    assert abs(out[0] - scene("road", W, H, seed=4).truth(33).offset_m) < 0.2
+
+    def same_bands(y: np.ndarray) -> np.ndarray:
+        # swap two pixels of one band (rows and columns of band 0 past the crop)
+        z = y.copy()
+        top = (H * 2) // 5
+        z[top, 0], z[top + 1, 1] = y[top + 1, 1], y[top, 0]
+        return z
+
+    for k in (0, 1):
+        planes = [road, wide]
+        planes[k] = same_bands(planes[k])
+        assert np.array_equal(eng.preprocess(planes[k], k), eng.preprocess((road, wide)[k], k))
+        again, _ = eng.infer(_strided(planes[0], 2048, 255), _strided(planes[1], W, 0))
+        assert again.tobytes() == out.tobytes(), k
+        moved = [road.copy(), wide.copy()]
+        moved[k][H - 20:, :40] = 255 - moved[k][H - 20:, :40]
+        assert not np.array_equal(eng.preprocess(moved[k], k), eng.preprocess((road, wide)[k], k))
+        assert eng.infer(*moved)[0].tobytes() != out.tobytes(), k
+    assert eng.infer(wide, road)[0].tobytes() != out.tobytes()
+
+
+@pytest.mark.skipif(shutil.which("clang") is None, reason="building needs clang")
+def test_modelbuild_builds_a_two_camera_artifact_equal_to_numpy(tmp_path):
+    """The build of --kind lane_wide: each camera's preprocessing kernels and the output
+    bit-identical to numpy preprocessing + the same network on every validation frame
+    (the build refuses otherwise), the signed bundle rehearsed in a fresh process."""
+    out, key = tmp_path / "bundle", tmp_path / "keys" / "build.key"
+    env = {k: v for k, v in os.environ.items() if k not in ("CACHEDB", "DEV", "PARALLEL")}
+    r = subprocess.run([sys.executable, "-m", "workers.modelbuild", "--kind", "lane_wide",
+                        "--out", str(out), "--key", str(key), "--frames", "64",
+                        "--val-frames", "12", "--width", "256", "--height", "160"],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "12 validation frames bit-identical to the numpy reference (preprocessed inputs" in r.stderr
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["rehearsal"]["golden_ok"] is True
+    with load_verified(out, Path(summary["pubkey"]), expect_abi=ENGINE_ABIS) as v:
+        assert [i["tensor"]["shape"] for i in v.input_abis] == [[160, 256], [160, 256]]
+        assert v.manifest["golden"]["input_bytes"] == 2 * 160 * 256

@@ -161,7 +161,13 @@ class VerifiedArtifact:
 
     @property
     def input_abi(self) -> dict:
-        return self.manifest["abi"]["input"]
+        """The first (for ABI 1-2 the only) input."""
+        return input_abis(self.manifest["abi"])[0]
+
+    @property
+    def input_abis(self) -> list[dict]:
+        """Every input, in the order the model takes them (input ABI 3: several)."""
+        return input_abis(self.manifest["abi"])
 
     @property
     def output_abi(self) -> dict:
@@ -347,35 +353,86 @@ def _check_tensor(t: Any, where: str) -> None:
         raise AbiMismatch(f"{MANIFEST}: {where}.byte_offset must be 0")
 
 
-def _check_abi_consistency(m: dict) -> None:
-    abi = _get(m, "abi", dict)
-    inp, out = abi.get("input"), abi.get("output")
-    if not isinstance(inp, dict) or not isinstance(out, dict):
-        raise AbiMismatch(f"{MANIFEST}: abi.input and abi.output must both be objects")
-    _check_tensor(inp.get("tensor"), "abi.input.tensor")
-    _check_tensor(out, "abi.output")
+# Input ABI 3: an artifact may take several frames (the driving model: road + wide).
+MAX_INPUTS = 4
+PAIRING_BY = ("frame_id",)
+
+
+def _check_input(inp: Any, where: str, version: int) -> None:
+    """One input's frame, preprocessing and tensor agree (``where``: its manifest path)."""
+    if not isinstance(inp, dict):
+        raise AbiMismatch(f"{MANIFEST}: {where} is not an object")
+    _check_tensor(inp.get("tensor"), f"{where}.tensor")
     frame, pre = inp.get("frame"), inp.get("preprocess")
     if not isinstance(frame, dict) or not isinstance(pre, dict):
-        raise AbiMismatch(f"{MANIFEST}: abi.input.frame and abi.input.preprocess are required")
+        raise AbiMismatch(f"{MANIFEST}: {where}.frame and {where}.preprocess are required")
     shape = inp["tensor"]["shape"]
-    if abi.get("version", 1) >= 2 and inp.get("takes") == "y_plane":
+    if version >= 2 and inp.get("takes") == "y_plane":
         # The Y plane as it lies in memory: [height, row_stride] uint8, width <= stride.
         dims = [frame.get(k) for k in ("height", "row_stride", "width")]
         if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
-            raise AbiMismatch(f"{MANIFEST}: abi.input.frame needs height, row_stride and "
+            raise AbiMismatch(f"{MANIFEST}: {where}.frame needs height, row_stride and "
                               f"width (positive ints)")
         if inp["tensor"]["dtype"] != "uint8" or shape != dims[:2] or dims[2] > dims[1]:
-            raise AbiMismatch(f"{MANIFEST}: abi.input.tensor {inp['tensor']['dtype']}{shape} "
+            raise AbiMismatch(f"{MANIFEST}: {where}.tensor {inp['tensor']['dtype']}{shape} "
                               f"is not the uint8 Y plane [height, row_stride] = {dims[:2]} "
                               f"with width {dims[2]} <= row_stride")
     elif shape[-2:] != [pre.get("out_height"), pre.get("out_width")]:
-        raise AbiMismatch(f"{MANIFEST}: abi.input.tensor.shape {shape} does not end in "
+        raise AbiMismatch(f"{MANIFEST}: {where}.tensor.shape {shape} does not end in "
                           f"preprocess out_height x out_width "
                           f"({pre.get('out_height')}x{pre.get('out_width')})")
+
+
+def _check_inputs(abi: dict) -> None:
+    """Input ABI 3: ``abi.inputs``, a list of ABI-2 inputs each with a distinct ``name``
+    and ``role`` (the worker role its frames come from; the first drives the model),
+    and ``abi.pairing``: how frames of one instant are matched (by frame id, capture
+    times at most ``max_skew_ms`` apart)."""
+    inputs = abi.get("inputs")
+    if "input" in abi:
+        raise AbiMismatch(f"{MANIFEST}: abi.input is for input ABI 1-2; version 3 lists "
+                          f"abi.inputs")
+    if not isinstance(inputs, list) or not 1 <= len(inputs) <= MAX_INPUTS:
+        raise AbiMismatch(f"{MANIFEST}: abi.inputs must list 1 to {MAX_INPUTS} inputs")
+    for key in ("name", "role"):
+        vals = [i.get(key) if isinstance(i, dict) else None for i in inputs]
+        if not all(isinstance(v, str) and _NAME_RE.match(v) for v in vals) or \
+                len(set(vals)) != len(vals):
+            raise AbiMismatch(f"{MANIFEST}: abi.inputs[*].{key} must be distinct names "
+                              f"({vals})")
+    for i, inp in enumerate(inputs):
+        _check_input(inp, f"abi.inputs[{i}]", 3)
+    pairing = abi.get("pairing")
+    skew = pairing.get("max_skew_ms") if isinstance(pairing, dict) else None
+    if (not isinstance(pairing, dict) or pairing.get("by") not in PAIRING_BY
+            or not isinstance(skew, (int, float)) or isinstance(skew, bool)
+            or not 0 < skew <= 1000):
+        raise AbiMismatch(f"{MANIFEST}: abi.pairing needs by in {list(PAIRING_BY)} and "
+                          f"max_skew_ms in (0, 1000]")
+
+
+def _check_abi_consistency(m: dict) -> None:
+    abi = _get(m, "abi", dict)
+    version = abi.get("version", 1)
+    out = abi.get("output")
+    if isinstance(version, int) and not isinstance(version, bool) and version >= 3:
+        _check_inputs(abi)
+        if not isinstance(out, dict):
+            raise AbiMismatch(f"{MANIFEST}: abi.output must be an object")
+    else:
+        if not isinstance(abi.get("input"), dict) or not isinstance(out, dict):
+            raise AbiMismatch(f"{MANIFEST}: abi.input and abi.output must both be objects")
+        _check_input(abi["input"], "abi.input", version)
+    _check_tensor(out, "abi.output")
     fields = out.get("fields")
     if not isinstance(fields, list) or len(fields) != out["shape"][-1]:
         raise AbiMismatch(f"{MANIFEST}: abi.output.fields must name each of the "
                           f"{out['shape'][-1]} outputs")
+
+
+def input_abis(abi: dict) -> list[dict]:
+    """Every input of a checked ABI, in the order the model takes them."""
+    return list(abi["inputs"]) if abi.get("version", 1) >= 3 else [abi["input"]]
 
 
 def _match_subset(expected: Any, actual: Any, path: str) -> None:
@@ -390,20 +447,41 @@ def _match_subset(expected: Any, actual: Any, path: str) -> None:
         raise AbiMismatch(f"{path}: artifact says {actual!r}, expected {expected!r}")
 
 
-def _check_abi_version(expected: dict, abi: dict) -> None:
+def _check_abi_version(expected: dict | list[dict], abi: dict) -> dict | None:
     """What input the artifact takes is its ABI version: say so in one line when it is
-    not the one the caller runs (e.g. a version 1 artifact, which took a float32 tensor
-    preprocessed outside it, under a runtime that feeds the Y plane)."""
-    want = expected.get("version")
-    if want is None:
-        return
+    not one the caller runs (e.g. a version 1 artifact, which took a float32 tensor
+    preprocessed outside it, under a runtime that feeds the Y plane). Returns the
+    expectation of the artifact's version (None: the caller named none)."""
+    options = expected if isinstance(expected, list) else [expected]
     have = abi.get("version", 1)
-    if have != want:
-        takes = (abi.get("input") or {}).get("takes", "a preprocessed float32 tensor")
-        raise AbiMismatch(f"abi.version: the artifact's input ABI is {have} (it takes "
-                          f"{takes}), this engine runs input ABI {want} (it feeds "
-                          f"{(expected.get('input') or {}).get('takes', '?')}); rebuild it "
-                          f"with workers.modelbuild")
+    for e in options:
+        if e.get("version") in (None, have):
+            return e
+    takes = (abi.get("input") or {}).get("takes", "a preprocessed float32 tensor")
+    if isinstance(abi.get("inputs"), list):
+        names = [i.get("name", "?") if isinstance(i, dict) else "?" for i in abi["inputs"]]
+        takes = f"{len(names)} Y planes: {', '.join(map(str, names))}"
+    wants = " or ".join(str(e.get("version")) for e in options)
+    feeds = " or ".join(dict.fromkeys(
+        (e.get("input") or e.get("each_input") or {}).get("takes", "?") for e in options))
+    raise AbiMismatch(f"abi.version: the artifact's input ABI is {have} (it takes "
+                      f"{takes}), this engine runs input ABI {wants} (it feeds "
+                      f"{feeds}); rebuild it with workers.modelbuild")
+
+
+def match_abi(expected: dict | list[dict], abi: dict) -> None:
+    """``abi`` is one the caller runs: its version is among ``expected``'s, and every
+    key that expectation gives has its value (``each_input``: every input of an ABI-3
+    artifact has these)."""
+    e = _check_abi_version(expected, abi)
+    if e is None:
+        return
+    e = dict(e)
+    each = e.pop("each_input", None)
+    _match_subset(e, abi, "abi")
+    if each is not None:
+        for i, inp in enumerate(input_abis(abi)):
+            _match_subset(each, inp, f"abi.inputs[{i}]")
 
 
 class _NoGlobals(pickle.Unpickler):
@@ -469,7 +547,8 @@ def _read_kernels(db: Path, m: dict) -> tuple[dict[str, bytes], dict[str, str]]:
 
 
 def load_verified(path: str | os.PathLike, public_key: Any, *, expect_name: str | None = None,
-                  expect_version: str | None = None, expect_abi: dict | None = None,
+                  expect_version: str | None = None,
+                  expect_abi: dict | list[dict] | None = None,
                   min_version: str | None = None,
                   tmp_root: str | os.PathLike | None = None) -> VerifiedArtifact:
     """Verify the bundle at ``path`` against ``public_key`` (object, bytes or key file).
@@ -526,8 +605,7 @@ def load_verified(path: str | os.PathLike, public_key: Any, *, expect_name: str 
         _check_host(m)
         _check_abi_consistency(m)
         if expect_abi is not None:
-            _check_abi_version(expect_abi, m["abi"])
-            _match_subset(expect_abi, m["abi"], "abi")
+            match_abi(expect_abi, m["abi"])
 
         # 4. kernels.db holds exactly the listed objects (read-only, no tinygrad involved)
         kernels, names = _read_kernels(copies[KERNELS_FILE], m)

@@ -337,15 +337,18 @@ class LoadedModel:
             raise AbiMismatch("jit.pkl carries compiled code or unrendered kernels; every "
                               "object must come from kernels.db")
 
-        # ABI of the captured program itself must be the manifest's.
-        ia, oa = v.input_abi["tensor"], v.output_abi
-        if len(cap.expected_input_info) != 1:
+        # ABI of the captured program itself must be the manifest's: as many inputs, in
+        # the same order, each of its shape and dtype.
+        ias, oa = [i["tensor"] for i in v.input_abis], v.output_abi
+        if len(cap.expected_input_info) != len(ias):
             raise AbiMismatch(f"jit.pkl: captured JIT takes {len(cap.expected_input_info)} "
-                              f"inputs, the ABI describes 1")
-        view, _vars, dt, _dev = cap.expected_input_info[0]
-        if list(view.shape) != ia["shape"] or _np_dtype(dt) != ia["dtype"]:
-            raise AbiMismatch(f"jit.pkl: captured input is {_np_dtype(dt)}{list(view.shape)}, "
-                              f"abi.input.tensor says {ia['dtype']}{ia['shape']}")
+                              f"inputs, the ABI describes {len(ias)}")
+        for k, (ia, info) in enumerate(zip(ias, cap.expected_input_info)):
+            view, _vars, dt, _dev = info
+            where = "abi.input.tensor" if len(ias) == 1 else f"abi.inputs[{k}].tensor"
+            if list(view.shape) != ia["shape"] or _np_dtype(dt) != ia["dtype"]:
+                raise AbiMismatch(f"jit.pkl: captured input {k} is {_np_dtype(dt)}"
+                                  f"{list(view.shape)}, {where} says {ia['dtype']}{ia['shape']}")
         ret = cap.ret
         if not isinstance(ret, Tensor):
             raise AbiMismatch("jit.pkl: captured JIT does not return one tensor")
@@ -363,15 +366,18 @@ class LoadedModel:
         self._jit = _TinyJit(None, CapturedJit(cap.ret, linear, cap.expected_names,
                                                 cap.expected_input_info))
         dev = v.runtime["device"]
-        self._x = Tensor.empty(*ia["shape"], dtype=dtypes.float32 if ia["dtype"] == "float32"
-                               else getattr(dtypes, ia["dtype"]), device=dev).realize()
-        self._xbuf = self._x.uop.buffer.ensure_allocated()
+        # One input tensor per ABI input, allocated once: the JIT runs on these buffers.
+        self._xs = [Tensor.empty(*ia["shape"], dtype=dtypes.float32 if ia["dtype"] == "float32"
+                                 else getattr(dtypes, ia["dtype"]), device=dev).realize()
+                    for ia in ias]
+        self._xbufs = [x.uop.buffer.ensure_allocated() for x in self._xs]
+        self._x, self._xbuf = self._xs[0], self._xbufs[0]
         self._device = Device[self._xbuf.device]
         self._alloc = self._device.allocator
-        self._in_bytes = int(np.prod(ia["shape"])) * {"float32": 4, "float16": 2, "uint8": 1,
-                                                      "int32": 4}[ia["dtype"]]
         self._out = np.empty(oa["shape"], dtype=oa["dtype"])
-        self._stage = np.empty(ia["shape"], dtype=ia["dtype"])
+        self._stages = [np.empty(ia["shape"], dtype=ia["dtype"]) for ia in ias]
+        self._in_sizes = [int(np.prod(ia["shape"])) * np.dtype(ia["dtype"]).itemsize
+                          for ia in ias]
         self._count_copies()
         self.runtime_info = {
             "device": self._xbuf.device,
@@ -384,13 +390,30 @@ class LoadedModel:
         self.golden_ok: bool | None = None
         if v.golden is not None:
             gin, gout = v.golden
-            out, _ = self.run(np.frombuffer(gin, dtype=ia["dtype"]).reshape(ia["shape"]),
-                              _session=False)
+            out, _ = self.run(self.golden_inputs(), _session=False)
             if out.tobytes() != gout:
                 raise GoldenMismatch(f"golden.bin: output {out.tolist()} differs from the "
                                      f"signed golden output "
                                      f"{np.frombuffer(gout, oa['dtype']).tolist()} on this host")
             self.golden_ok = True
+
+    @property
+    def n_inputs(self) -> int:
+        return len(self._xs)
+
+    def golden_inputs(self) -> list[np.ndarray]:
+        """The signed golden input(s): golden.bin holds each input's bytes in ABI order,
+        then the output."""
+        gin = self.verified.golden[0]
+        if len(gin) != sum(self._in_sizes):
+            raise AbiMismatch(f"golden.bin: {len(gin)} input bytes, the inputs take "
+                              f"{sum(self._in_sizes)}")
+        out, at = [], 0
+        for ia, n in zip(self.verified.input_abis, self._in_sizes):
+            t = ia["tensor"]
+            out.append(np.frombuffer(gin[at:at + n], dtype=t["dtype"]).reshape(t["shape"]))
+            at += n
+        return out
 
     def _count_copies(self) -> None:
         """Count bytes through the allocator's host<->device copies (every copy path)."""
@@ -412,9 +435,10 @@ class LoadedModel:
         alloc._model_counted = True
         alloc._model_counts = counts
 
-    def run(self, x: np.ndarray, *, out: np.ndarray | None = None, _session: bool = True
-            ) -> tuple[np.ndarray, RunStats]:
-        """Copy ``x`` in, run the captured program, copy the output back to host memory.
+    def run(self, x: np.ndarray | list[np.ndarray], *, out: np.ndarray | None = None,
+            _session: bool = True) -> tuple[np.ndarray, RunStats]:
+        """Copy ``x`` in (a list: one array per input, in ABI order), run the captured
+        program, copy the output back to host memory.
 
         Returns the output array (host memory, device synchronised) and what crossed:
         a fresh one, or ``out`` (C-contiguous, writable, the output's dtype and shape:
@@ -424,27 +448,31 @@ class LoadedModel:
             raise AbiMismatch(f"out is {out.dtype}{list(out.shape)}, the model writes "
                               f"{self._out.dtype}{list(self._out.shape)} (C-contiguous, "
                               f"writable)")
-        ia = self.verified.input_abi["tensor"]
-        if x.dtype != np.dtype(ia["dtype"]) or list(x.shape) != ia["shape"]:
-            raise AbiMismatch(f"input is {x.dtype}{list(x.shape)}, the model takes "
-                              f"{ia['dtype']}{ia['shape']}")
-        if not (x.flags.c_contiguous and x.flags.writeable):
-            # from_mv wants a writable buffer; stage read-only/strided inputs
-            np.copyto(self._stage, x)
-            x = self._stage
+        xs = list(x) if isinstance(x, (list, tuple)) else [x]
+        if len(xs) != len(self._xs):
+            raise AbiMismatch(f"{len(xs)} inputs given, the model takes {len(self._xs)}")
+        for k, (ia_, xk) in enumerate(zip(self.verified.input_abis, xs)):
+            ia = ia_["tensor"]
+            if xk.dtype != np.dtype(ia["dtype"]) or list(xk.shape) != ia["shape"]:
+                raise AbiMismatch(f"input {k} is {xk.dtype}{list(xk.shape)}, the model takes "
+                                  f"{ia['dtype']}{ia['shape']}")
+            if not (xk.flags.c_contiguous and xk.flags.writeable):
+                # from_mv wants a writable buffer; stage read-only/strided inputs
+                np.copyto(self._stages[k], xk)
+                xs[k] = self._stages[k]
         if _session:
             with self.session():
-                return self._run(x, out)
-        return self._run(x, out)
+                return self._run(xs, out)
+        return self._run(xs, out)
 
-    def input_view(self) -> np.ndarray:
-        """The model's input buffer as a writable host array (the ABI's dtype and shape):
+    def input_view(self, index: int = 0) -> np.ndarray:
+        """Input ``index``'s buffer as a writable host array (the ABI's dtype and shape):
         a caller that fills it in place (modeld copying a frame's Y plane straight in)
         then calls `run_staged`, with no copy through the allocator. Host memory on the
         CPU device; the device is idle whenever a run has returned (its output copy
         synchronises)."""
-        ia = self.verified.input_abi["tensor"]
-        mv = self._alloc._as_buffer(self._xbuf._buf)
+        ia = self.verified.input_abis[index]["tensor"]
+        mv = self._alloc._as_buffer(self._xbufs[index]._buf)
         return np.frombuffer(mv, dtype=ia["dtype"], count=int(np.prod(ia["shape"]))
                              ).reshape(ia["shape"])
 
@@ -459,15 +487,16 @@ class LoadedModel:
         with self.session():
             return self._run(None, out)
 
-    def _run(self, x: np.ndarray | None, out: np.ndarray | None = None
+    def _run(self, xs: list[np.ndarray] | None, out: np.ndarray | None = None
              ) -> tuple[np.ndarray, RunStats]:
         from tinygrad.helpers import GlobalCounters
 
         counts = self._alloc._model_counts
         b_in, b_out, k0 = counts["in"], counts["out"], GlobalCounters.kernel_count
-        if x is not None:
-            self._alloc._copyin(self._xbuf._buf, memoryview(x).cast("B"))
-        ret = self._jit(self._x)
+        if xs is not None:
+            for buf, xk in zip(self._xbufs, xs):
+                self._alloc._copyin(buf._buf, memoryview(xk).cast("B"))
+        ret = self._jit(*self._xs)
         obuf = ret.uop.buffer
         if out is None:
             out = np.empty_like(self._out)

@@ -4,7 +4,7 @@
         [--log FILE|DIR] [--video FILE] [--lockstep ROLE] [--realtime]
         [--loop] [--width 1928] [--height 1208] [--fps 20] [--format nv12|rgb888|gray8]
         [--seed 0] [--frames N] [--sensor road] [--exposure-us 10000]
-        [--status-s 1.0]
+        [--trigger start|clock] [--status-s 1.0]
 
 Sources:
 
@@ -27,7 +27,11 @@ exposure is taken to end at the moment its slot comes up (``capture_ts_ns`` is r
 just before the pixels are rendered/copied); ``frame_id = k``. A frame that starts
 more than one period late counts as an overrun, and like a real camera we skip the
 slots already missed (counted as ``dropped``, the frame ids skip too) rather than
-bursting to catch up. Status line (every ``--status-s``): fps over the window, frames,
+bursting to catch up. ``--trigger clock``: the schedule is the grid ``k/fps`` of
+CLOCK_MONOTONIC itself (k counted from boot) and ``frame_id = k``, so cameras started
+with it expose together and give the frames of one instant one id, as sensors on one
+hardware trigger do (the driving model pairs the road and wide cameras by it); the
+default ``start`` counts from this camera's own start. Status line (every ``--status-s``): fps over the window, frames,
 overruns, dropped, mean/max publish time.
 
 Channels (bound by the config, never named here): output role ``frames``.
@@ -81,6 +85,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sensor", choices=SENSORS, default="road")
     p.add_argument("--exposure-us", type=int, default=10_000,
                    help="synthetic exposure time reported in FrameMeta")
+    p.add_argument("--trigger", choices=("start", "clock"), default="start",
+                   help="clock: frames on the shared k/fps grid of CLOCK_MONOTONIC, frame "
+                        "id k (cameras of one instant share ids); start: from 0 at start")
     p.add_argument("--status-s", type=float, default=1.0)
     playback.add_args(p)      # --source log / video (workers/camerad/playback.py)
     a = p.parse_args(argv)
@@ -208,6 +215,10 @@ def main(ctx: WorkerContext) -> int:
     status_ns = int(a.status_s * 1e9)
     t0 = time.monotonic_ns()
     k = 0                     # schedule slot (= synthetic frame id)
+    if a.trigger == "clock":
+        # The shared grid: slot k is due at k * period on the monotonic clock (the first
+        # one not yet past), for every camera started so.
+        k, t0 = -(-t0 // period), 0
     published = overruns = dropped = 0
     win_start, win_frames, pub_sum, pub_max = t0, 0, 0, 0
     while not stop and (a.frames == 0 or published < a.frames):

@@ -48,7 +48,8 @@ from supervisor.model import artifact as A
 from supervisor.model import host as H
 from supervisor.model import keys as K
 from supervisor.model.runtime import PINNED_ENV, kernel_name, tinygrad_imported
-from workers.modeld.engine import ABI_VERSION, ENGINE_ABI, INPUT_TAKES, preprocess_spec, preprocess_y
+from workers.modeld.engine import (ABI_VERSION, ABI_VERSION_MULTI, ENGINE_ABIS, INPUT_TAKES,
+                                   preprocess_spec, preprocess_y)
 
 from .model import LaneNet, conv_weights, fit_head
 from .preprocess import Geometry, Preprocess
@@ -59,6 +60,15 @@ DEFAULT_NAME = "lane-offset-demo"
 DEFAULT_VERSION = "1.0.0"
 DEVICE_INIT = ("signal_prog", "wait_prog", "timestamp_prog", "worker_prog")
 ROW_ALIGN = 16      # default row stride: width rounded up to 16 (1928 -> 1936, as PyAV's)
+
+
+@dataclass(frozen=True)
+class ExtraInput:
+    """A further camera a model of input ABI 3 takes (after the first, ``frames``)."""
+    name: str                     # abi.inputs[i].name
+    role: str                     # the worker role its frames arrive on (modeld: wide)
+    sensor: str                   # workers.camerad.synthetic.scene(sensor): what it shows
+    crop_top: tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,18 @@ class ModelKind:
     conventions: str
     crop_top: tuple[int, int]     # crop_top_num, crop_top_den
     probabilities: bool           # head clipped to [0, 1]
+    # Input ABI 3: more cameras of the same instant, each preprocessed in the artifact
+    # and through the same trunk; the head sees every camera's features side by side.
+    extra: tuple[ExtraInput, ...] = ()
+    max_skew_ms: float = 25.0     # abi.pairing: capture times of one instant, at most
+
+    @property
+    def sensors(self) -> tuple[str, ...]:
+        return (self.scene, *(e.sensor for e in self.extra))
+
+    @property
+    def crops(self) -> tuple[tuple[int, int], ...]:
+        return (self.crop_top, *(e.crop_top for e in self.extra))
 
 
 KINDS: dict[str, ModelKind] = {
@@ -92,6 +114,17 @@ KINDS: dict[str, ModelKind] = {
         "face_prob: a face is in view; eyes_on_road_prob: the driver looks at the road "
         "(0 when head down or no face); both in [0, 1]; confidence as the lane model's; "
         "reserved = 0", (0, 1), True),
+    "lane_wide": ModelKind(
+        "road", "lane-offset-wide-demo", "road_y",
+        "lane offset/heading regressor on two NV12 Y planes of one instant, the road "
+        "camera (40 deg) and the wide road camera (120 deg): crop + area mean of each in "
+        "the artifact, the fixed seeded conv trunk on each, one ridge-fitted linear head "
+        "on both cameras' features (demo; input ABI 3)",
+        ("offset_m", "heading_rad"), "model_out", ["m", "rad", "1", ""],
+        "offset_m + = car right of lane centre; heading_rad + = car pointing right of "
+        "the lane; confidence (from the road camera's lane-edge energy) in [0, 1]; "
+        "reserved = 0", (2, 5), False,
+        extra=(ExtraInput("wide_y", "wide", "wide", (2, 5)),)),
 }
 
 
@@ -151,14 +184,28 @@ def _frame_ids(seeds, n_per_seed, rng_seed):
             yield s, int(fid)
 
 
-def _frames(road_cls, kind, width, height, seeds, n_per_seed, spec, rng_seed):
-    X, T = [], []
-    scenes = {s: road_cls(width, height, seed=s) for s in seeds}
+def _scene(kind: ModelKind, k: int, width: int, height: int, seed: int):
+    """Input k's synthetic camera (k = 0: the kind's own scene class)."""
+    if k == 0:
+        cls, _ = road_class() if kind.scene == "road" else driver_class()
+        return cls(width, height, seed=seed)
+    from workers.camerad.synthetic import scene
+
+    return scene(kind.sensors[k], width, height, seed)
+
+
+def _frames(kind, width, height, seeds, n_per_seed, specs, rng_seed):
+    """Preprocessed inputs (one float32 stack per input: the cameras of one instant,
+    the same frame id of the same drive) and the truth of the first camera's scene."""
+    Xs, T = [[] for _ in specs], []
+    scenes = {s: [_scene(kind, k, width, height, s) for k in range(len(specs))] for s in seeds}
     for s, fid in _frame_ids(seeds, n_per_seed, rng_seed):
-        y, _uv, truth = scenes[s].render(fid)
-        X.append(preprocess_y(y, spec)[0].copy())
-        T.append(_truth(kind, truth))
-    return np.stack(X).astype(np.float32), np.asarray(T, np.float64)
+        for k, (sc, spec) in enumerate(zip(scenes[s], specs)):
+            y, _uv, truth = sc.render(fid)
+            Xs[k].append(preprocess_y(y, spec)[0].copy())
+            if k == 0:
+                T.append(_truth(kind, truth))
+    return [np.stack(X).astype(np.float32) for X in Xs], np.asarray(T, np.float64)
 
 
 def build(out: Path, key_path: Path, *, seed: int = 0, frames: int = 1600,
@@ -243,9 +290,14 @@ def _build(out, key, pub, tmp, *, target, arch_string, level, need_flags, seed, 
                          f", expected {list(DEVICE_INIT)} (tinygrad changed?)")
     phase[0] = "build"
 
-    spec = preprocess_spec(crop_top_num=kind.crop_top[0], crop_top_den=kind.crop_top[1])
-    geom = Geometry.of(spec, height, width, row_stride)
+    specs = [preprocess_spec(crop_top_num=n, crop_top_den=d) for n, d in kind.crops]
+    spec = specs[0]
+    geoms = [Geometry.of(sp, height, width, row_stride) for sp in specs]
+    n_in = len(specs)
     road_cls, road_name = road_class() if kind.scene == "road" else driver_class()
+    if kind.extra:
+        road_name += " + " + ", ".join(f"workers.camerad.synthetic.scene({e.sensor!r})"
+                                       for e in kind.extra)
     weights = conv_weights(seed)
     net = LaneNet(weights)
     net.clip01 = kind.probabilities
@@ -253,10 +305,11 @@ def _build(out, key, pub, tmp, *, target, arch_string, level, need_flags, seed, 
     val_seed = seed * 1000 + 999
     per_seed = max(1, frames // len(train_seeds))
     t0 = time.monotonic()
-    Xtr, Ttr = _frames(road_cls, kind, width, height, train_seeds, per_seed, spec, seed)
-    Xva, Tva = _frames(road_cls, kind, width, height, [val_seed], val_frames, spec, seed)
-    log(f"modelbuild: {len(Xtr)}+{len(Xva)} frames from {road_name} {width}x{height} "
-        f"in {time.monotonic() - t0:.1f}s")
+    Xtrs, Ttr = _frames(kind, width, height, train_seeds, per_seed, specs, seed)
+    Xvas, Tva = _frames(kind, width, height, [val_seed], val_frames, specs, seed)
+    Xtr, Xva = Xtrs[0], Xvas[0]
+    log(f"modelbuild: {len(Xtr)}+{len(Xva)} frames x {n_in} camera(s) from {road_name} "
+        f"{width}x{height} in {time.monotonic() - t0:.1f}s")
 
     # Features of the training frames (batched; these kernels are not shipped).
     B = 32
@@ -274,7 +327,10 @@ def _build(out, key, pub, tmp, *, target, arch_string, level, need_flags, seed, 
             es.append(e.numpy()[:B - pad].copy())
         return np.concatenate(fs), np.concatenate(es)
 
-    Ftr, Etr = features(Xtr)
+    # Every camera through the same trunk; the head sees them side by side (the
+    # confidence is the first camera's lane-edge energy, as the one-camera model's).
+    fe = [features(X) for X in Xtrs]
+    Ftr, Etr = np.concatenate([f for f, _ in fe], axis=1), fe[0][1]
     # Ridge strength: chosen on the last training seed held out, then refit on all.
     n_fit = per_seed * (len(train_seeds) - 1)
     scale = Ttr.std(0) + 1e-9
@@ -295,48 +351,56 @@ def _build(out, key, pub, tmp, *, target, arch_string, level, need_flags, seed, 
     net.t["head_b"] = Tensor(bh, device="CPU").realize()
     net.t["conf_e0"] = Tensor(np.array([conf_e0], np.float32), device="CPU").realize()
     net.t["conf_k"] = Tensor(np.array([conf_k], np.float32), device="CPU").realize()
-    pre = Preprocess(geom, spec)
-    val_scene = road_cls(width, height, seed=val_seed)
+    pres = [Preprocess(g, sp) for g, sp in zip(geoms, specs)]
+    val_scenes = [_scene(kind, k, width, height, val_seed) for k in range(n_in)]
     val_ids = [fid for _s, fid in _frame_ids([val_seed], val_frames, seed)]
 
-    def val_plane(i: int) -> np.ndarray:
-        # padding bytes vary with the frame: they must never matter
-        return strided_plane(val_scene.render(val_ids[i])[0], row_stride, fill=(37 * i) % 256)
+    def val_planes(i: int) -> list[np.ndarray]:
+        # padding bytes vary with the frame and the camera: they must never matter
+        return [strided_plane(sc.render(val_ids[i])[0], row_stride, fill=(37 * i + 101 * k) % 256)
+                for k, sc in enumerate(val_scenes)]
+
+    def tensors(arrs):
+        return [Tensor(np.ascontiguousarray(a), device="CPU").realize() for a in arrs]
 
     phase[0] = "model"
-    jit = TinyJit(lambda y: net.forward(pre(y)).realize())
+    # One camera: f(y); several: f(y0, y1, ...), in abi.inputs order.
+    jit = TinyJit(lambda *ys: net.forward(*[p(y) for p, y in zip(pres, ys)]).realize())
     for i in range(3):
-        jit(Tensor(val_plane(i), device="CPU").realize())
+        jit(*tensors(val_planes(i)))
     cap = jit.captured
     if cap is None:
         raise SystemExit("modelbuild: TinyJit captured nothing")
 
-    def run_deployed(yp):
-        return jit(Tensor(np.ascontiguousarray(yp), device="CPU").realize()).numpy().copy()
+    def run_deployed(yps):
+        return jit(*tensors(yps)).numpy().copy()
 
     # The reference: numpy preprocessing, the same network (compiled here, not shipped).
     phase[0] = "check"
-    ref_jit = TinyJit(lambda x: net.forward(x).realize())
-    pre_jit = TinyJit(lambda y: pre(y).realize())
+    ref_jit = TinyJit(lambda *xs: net.forward(*xs).realize())
+    pre_jits = [TinyJit(lambda y, p=p: p(y).realize()) for p in pres]
     P = np.empty((len(Xva), 4), np.float32)
     out_diff = pre_diff = 0.0
     for i in range(len(Xva)):
-        yp = val_plane(i)
-        P[i] = run_deployed(yp)
-        ref = ref_jit(Tensor(np.ascontiguousarray(Xva[i:i + 1]), device="CPU").realize()).numpy()
-        xin = pre_jit(Tensor(yp, device="CPU").realize()).numpy()
+        yps = val_planes(i)
+        P[i] = run_deployed(yps)
+        ref = ref_jit(*tensors([X[i:i + 1] for X in Xvas])).numpy()
         out_diff = max(out_diff, float(np.abs(P[i] - ref).max()))
-        pre_diff = max(pre_diff, float(np.abs(xin - Xva[i:i + 1]).max()))
-        if P[i].tobytes() != ref.tobytes() or xin.tobytes() != Xva[i:i + 1].tobytes():
+        same = P[i].tobytes() == ref.tobytes()
+        for k, (pj, yp) in enumerate(zip(pre_jits, yps)):
+            xin = pj(Tensor(yp, device="CPU").realize()).numpy()
+            pre_diff = max(pre_diff, float(np.abs(xin - Xvas[k][i:i + 1]).max()))
+            same = same and xin.tobytes() == Xvas[k][i:i + 1].tobytes()
+        if not same:
             raise SystemExit(f"modelbuild: validation frame {i}: the artifact's preprocessing "
                              f"differs from the numpy reference (input max |diff| {pre_diff}, "
                              f"output {out_diff}); tolerance 0 is declared")
     log(f"modelbuild: {len(Xva)} validation frames bit-identical to the numpy reference "
-        f"(preprocessed input and output)")
+        f"(preprocessed input{'s' if n_in > 1 else ''} and output)")
     phase[0] = "model"
     rmse = np.sqrt(((P[:, :2] - Tva) ** 2).mean(0))
     blank = strided_plane(np.full((height, width), 100, np.uint8), row_stride)
-    conf_blank = float(run_deployed(blank)[2])
+    conf_blank = float(run_deployed([blank] * n_in)[2])
     log(f"modelbuild: validation rmse {kind.targets[0]} {rmse[0]:.4f} (std {Tva[:, 0].std():.3f}), "
         f"{kind.targets[1]} {rmse[1]:.5f} (std {Tva[:, 1].std():.4f}); confidence median "
         f"{float(np.median(P[:, 2])):.3f}, on a blank frame {conf_blank:.3f}")
@@ -362,9 +426,9 @@ def _build(out, key, pub, tmp, *, target, arch_string, level, need_flags, seed, 
 
     # golden output first, then drop the intermediate buffers' contents (only the weights
     # need to travel in jit.pkl; intermediates are reallocated at load)
-    gin = val_plane(0)
-    gout = run_deployed(gin)
-    (out / A.GOLDEN_FILE).write_bytes(gin.tobytes() + gout.tobytes())
+    gins = val_planes(0)
+    gout = run_deployed(gins)
+    (out / A.GOLDEN_FILE).write_bytes(b"".join(g.tobytes() for g in gins) + gout.tobytes())
     cap.free_intermediates()
     jit_bytes = pickle.dumps(CapturedJit(cap.ret, stripped, cap.expected_names,
                                          cap.expected_input_info), protocol=5)
@@ -396,6 +460,42 @@ def _build(out, key, pub, tmp, *, target, arch_string, level, need_flags, seed, 
     import hashlib
 
     in_shape = [height, row_stride]
+
+    def input_abi(k: int, name: str) -> dict:
+        return {
+            "name": name,
+            "takes": INPUT_TAKES,
+            "frame": {"pixel_format": "nv12", "plane": "y", "dtype": "uint8",
+                      "pixel_range": "full", "width": width, "height": height,
+                      "row_stride": row_stride, "min_width": width, "min_height": height,
+                      "channel_kind": "frame"},
+            "preprocess": dict(specs[k], in_artifact=True, tolerance={
+                "max_abs": 0.0, "reference": "workers.modeld.engine.preprocess_y",
+                "checked_frames": int(len(Xva)), "max_abs_seen_input": pre_diff,
+                "max_abs_seen_output": out_diff}),
+            "tensor": {"dtype": "uint8", "shape": in_shape, "strides": [row_stride, 1],
+                       "byte_offset": 0, "layout": "HW",
+                       "meaning": "the Y plane as it lies in the frame: rows at "
+                                  "row_stride, columns >= width are padding (never read)"},
+        }
+
+    output_abi = {"dtype": "float32", "shape": [4], "strides": [4], "byte_offset": 0,
+                  "layout": "vector", "payload": kind.payload,
+                  "fields": [*kind.targets, "confidence", "reserved"],
+                  "units": kind.units, "conventions": kind.conventions}
+    if kind.extra:
+        # Input ABI 3: every camera, its role and sensor; frames of one instant.
+        inputs = [dict(input_abi(0, kind.input_name), role="frames", sensor=kind.scene)]
+        inputs += [dict(input_abi(k, e.name), role=e.role, sensor=e.sensor)
+                   for k, e in enumerate(kind.extra, 1)]
+        abi = {"version": ABI_VERSION_MULTI, "inputs": inputs, "output": output_abi,
+               "pairing": {"by": "frame_id", "max_skew_ms": kind.max_skew_ms,
+                           "meaning": "the frames of one inference carry one frame id "
+                                      "(cameras on one trigger) and capture times at "
+                                      "most max_skew_ms apart"}}
+    else:
+        abi = {"version": ABI_VERSION, "input": input_abi(0, kind.input_name),
+               "output": output_abi}
     manifest = {
         "format": A.FORMAT,
         "model": {
@@ -427,30 +527,8 @@ def _build(out, key, pub, tmp, *, target, arch_string, level, need_flags, seed, 
              "object_sha256": hashlib.sha256(lib).hexdigest(), "object_size": len(lib)}
             for s, lib, n, role in rows
         ],
-        "abi": {
-            "version": ABI_VERSION,
-            "input": {
-                "name": kind.input_name,
-                "takes": INPUT_TAKES,
-                "frame": {"pixel_format": "nv12", "plane": "y", "dtype": "uint8",
-                          "pixel_range": "full", "width": width, "height": height,
-                          "row_stride": row_stride, "min_width": width, "min_height": height,
-                          "channel_kind": "frame"},
-                "preprocess": dict(spec, in_artifact=True, tolerance={
-                    "max_abs": 0.0, "reference": "workers.modeld.engine.preprocess_y",
-                    "checked_frames": int(len(Xva)), "max_abs_seen_input": pre_diff,
-                    "max_abs_seen_output": out_diff}),
-                "tensor": {"dtype": "uint8", "shape": in_shape, "strides": [row_stride, 1],
-                           "byte_offset": 0, "layout": "HW",
-                           "meaning": "the Y plane as it lies in the frame: rows at "
-                                      "row_stride, columns >= width are padding (never read)"},
-            },
-            "output": {"dtype": "float32", "shape": [4], "strides": [4], "byte_offset": 0,
-                       "layout": "vector", "payload": kind.payload,
-                       "fields": [*kind.targets, "confidence", "reserved"],
-                       "units": kind.units, "conventions": kind.conventions},
-        },
-        "golden": {"file": A.GOLDEN_FILE, "input_bytes": int(gin.nbytes),
+        "abi": abi,
+        "golden": {"file": A.GOLDEN_FILE, "input_bytes": int(sum(g.nbytes for g in gins)),
                    "output_bytes": int(gout.nbytes)},
         "training": {
             "generator": road_name, "render_size": [width, height], "seed": seed,
@@ -468,7 +546,8 @@ def _build(out, key, pub, tmp, *, target, arch_string, level, need_flags, seed, 
                            "blank_frame": round(conf_blank, 6)},
         },
     }
-    A._match_subset(ENGINE_ABI, manifest["abi"], "abi")  # the engine can run it
+    A._check_abi_consistency(manifest)
+    A.match_abi(ENGINE_ABIS, manifest["abi"])  # the engine can run it
     from workers.modeld.engine import check_output_payload
 
     check_output_payload(manifest["abi"]["output"])
@@ -549,7 +628,9 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"Y plane row stride the artifact takes (default: width rounded up "
                         f"to {ROW_ALIGN}, e.g. 1936 for 1928)")
     p.add_argument("--kind", choices=sorted(KINDS), default="lane",
-                   help="lane: road camera -> model_out; driver: driver camera -> driver_state")
+                   help="lane: road camera -> model_out; lane_wide: road + wide road "
+                        "cameras -> model_out (input ABI 3); driver: driver camera -> "
+                        "driver_state")
     p.add_argument("--name", default=None, help="model name (default per --kind)")
     p.add_argument("--version", default=DEFAULT_VERSION)
     p.add_argument("--ridge", type=float, action="append", default=None,

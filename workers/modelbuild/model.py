@@ -9,6 +9,8 @@ fitted by ridge least squares on synthetic frames.
     conv2  3x3, 8->16, pad 1, ReLU  seeded He-normal weights, seeded small biases
     pool   8x4 mean                 -> 16 x 4 x 16 = 1024 features
     head   1024 -> 2 linear         fitted at build time: (offset_m, heading_rad)
+                                    (two cameras, input ABI 3: 2048 -> 2, the same trunk
+                                    on each, features side by side)
     conf   sigmoid(k * (E - e0))    E = mean of the two Sobel-x channels (lane-edge energy);
                                     k, e0 calibrated at build time (no edges -> ~0)
     output float32[4] = (offset_m, heading_rad, confidence, 0)
@@ -60,10 +62,14 @@ class LaneNet:
         """[B, 1, 64, 128] -> ([B, 1024] features, [B] edge energy)."""
         return self._trunk(x)
 
-    def forward(self, x):
-        """[1, 1, 64, 128] -> float32[4]; needs head_w [1024, 2], head_b [2], conf_k, conf_e0."""
+    def forward(self, x, *more):
+        """[1, 1, 64, 128] per camera -> float32[4]; needs head_w [1024 * cameras, 2],
+        head_b [2], conf_k, conf_e0. Several cameras (input ABI 3): each through the same
+        trunk, features side by side; the confidence is the first camera's."""
         t = self.t
         f, energy = self._trunk(x)
+        if more:
+            f = f.cat(*[self._trunk(m)[0] for m in more], dim=1)
         y = f.matmul(t["head_w"]) + t["head_b"]
         if getattr(self, "clip01", False):      # probabilities (the driver model's head)
             y = y.clip(0.0, 1.0)

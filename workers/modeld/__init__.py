@@ -30,6 +30,20 @@ in and out). The frame's description is checked against the input ABI once per l
 the bridge validated. Once a frame is staged, it announces on ``model`` when the output
 is due (the median of the last frames' time from there to the publish:
 ``Writer.announce``), for readers that busy-poll.
+
+A model of input ABI 3 takes more cameras (the driving model: ``frames``, the road
+camera, and ``wide``, the wide road camera; each input's ``role`` in the manifest is the
+role this worker reads it on, so the config binds ``subscribes = { frames = ..., wide =
+... }``; a role left unbound ends the worker at start with one line). The first input
+drives: per road frame, the others are paired by frame id (cameras on one trigger,
+``camerad --trigger clock``) with capture times at most the manifest's
+``abi.pairing.max_skew_ms`` apart (`Pairer`). A frame of another input is copied into its
+input buffer as it arrives (one copy, the frame released at once) and kept for the road
+frame of its id; a road frame whose partner is missing after ``--pair-wait-ms``, came
+with another capture time, or was skipped by its camera is not run: counted
+(``unpaired=`` in the status line) and said in one ``log`` line (at most one a second per
+reason, with the count since), never waited on longer. No output for that instant: a
+camera that stops leaves model_out stale, and controlsd fails safe on staleness.
 """
 from __future__ import annotations
 
@@ -46,7 +60,7 @@ import numpy as np
 from supervisor.ipc import BridgeError, ChannelTimeout, LeaseLost, NextLoan, Rejected
 from supervisor.model import ArtifactError, load_verified
 
-from .engine import ENGINE_ABI, Engine, FrameRejected
+from .engine import ENGINE_ABI, ENGINE_ABIS, Engine, FrameRejected
 
 # The roles this worker's code asks for; `supervisor check` verifies the config binds them.
 ROLES = {"in": ("frames",), "out": ("model",)}
@@ -64,6 +78,8 @@ NEEDS_MODEL = True
 
 ROOT = Path(__file__).resolve().parents[2]
 PING_S = 0.1
+PAIR_WAIT_MS = 25.0    # how long a road frame waits for its partners (half a 20 Hz period)
+UNPAIRED_LOG_S = 1.0   # at most one log line a second per reason of an unpaired frame
 ANNOUNCE_FROM = 16     # frames whose median time to publish is the next announcement
 STATUS_S = 5.0
 
@@ -77,7 +93,95 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--expect-version", default=None)
     p.add_argument("--status-ms", type=float, default=STATUS_S * 1000,
                    help="how often to send a STATUS line with the counters")
+    p.add_argument("--pair-wait-ms", type=float, default=PAIR_WAIT_MS,
+                   help="input ABI 3: how long a road frame waits for the frame of the same "
+                        "instant from each other camera")
     return p.parse_args(argv)
+
+
+class Pairer:
+    """The frames of one instant from a further camera (input ABI 3), for the road
+    frame that drives the model. Each frame is checked, copied into its input buffer and
+    released as it is received; ``staged`` remembers whose frame the buffer holds. A
+    partner is the frame of the road frame's id, captured at most ``max_skew_ns`` from
+    it. ``pair`` never waits past ``deadline_ns`` and reports why a frame is unpaired:
+
+    * ``missing``: nothing of that id arrived in time (the camera is late or stopped);
+    * ``skipped``: that camera skipped the id (the next one came), or it came before the
+      road frame did and was overwritten by a later one;
+    * ``skew``: the id matched, the capture times did not (cameras not on one trigger);
+    * ``rejected``: the frame failed the input's ABI or the bridge's checks.
+    """
+
+    def __init__(self, engine: Engine, index: int, reader: Any, max_skew_ns: int) -> None:
+        self.engine, self.index, self.reader = engine, index, reader
+        self.inp = engine.inputs[index]
+        self.max_skew_ns = max_skew_ns
+        self.staged_id: int | None = None      # frame id whose plane the buffer holds
+        self.staged_capture = 0
+        self.staged_bytes = 0
+        self._layout_ok: Any = None
+        self.errors: Counter[str] = Counter()
+
+    def _take(self, timeout: float) -> bool:
+        """Receive one frame (waiting at most ``timeout`` s) and stage it; False if none."""
+        try:
+            msg = self.reader.receive(timeout=timeout) if timeout > 0 else self.reader.try_receive()
+        except ChannelTimeout:
+            return False
+        except Rejected as exc:
+            self.errors[f"bridge:{exc.reason}"] += 1
+            return True
+        if msg is None:
+            return False
+        with msg:
+            stamp, layout = msg.stamp, msg.layout
+            try:
+                if layout is not self._layout_ok:
+                    info = msg.frame
+                    if info is None:
+                        self.errors["not_a_frame"] += 1
+                        return True
+                    _check_sensor(self.engine, info, self.index)
+                    self.engine.check_frame(msg.planes()[0], pixel_format=info.pixel_format,
+                                            pixel_range=info.pixel_range, width=info.width,
+                                            height=info.height, index=self.index)
+                    self._layout_ok = layout
+                n = self.engine.stage(msg.planes()[0], self.index)
+                msg.release()
+            except FrameRejected as exc:
+                self.errors[f"frame:{exc.reason}"] += 1
+                return True
+            except LeaseLost:
+                self.errors["lease_lost"] += 1
+                return True
+        self.staged_id, self.staged_capture = stamp.frame_id, stamp.capture_ts_ns
+        self.staged_bytes = n
+        return True
+
+    def pair(self, frame_id: int, capture_ns: int, deadline_ns: int) -> str | None:
+        """None when the buffer holds this instant's frame; else why not (see above)."""
+        while self.staged_id is None or self.staged_id < frame_id:
+            # Take what is there first (older frames of this camera are skipped over).
+            if self._take(0.0):
+                continue
+            left = (deadline_ns - time.monotonic_ns()) / 1e9
+            if left <= 0 or not self._take(left):
+                return "missing"
+        if self.staged_id != frame_id:
+            return "skipped"
+        if abs(self.staged_capture - capture_ns) > self.max_skew_ns:
+            return "skew"
+        return None
+
+
+def _check_sensor(engine: Engine, info: Any, index: int) -> None:
+    """A frame from another camera than the input was fitted on (a wiring mistake: the
+    wide camera's channel bound to ``frames``) is refused like any frame off the ABI."""
+    want = engine.inputs[index].sensor
+    if want is not None and info.sensor != want:
+        engine._reject("sensor", f"frame from sensor {info.sensor!r}, input "
+                                 f"{engine.inputs[index].name!r} takes {want!r}")
 
 
 def _rehearse_frame(msg: Any) -> None:
@@ -96,6 +200,14 @@ class Modeld:
         # into it, and only the receipt and the publish follow the inference.
         self.out = NextLoan(self.writer, tuple(ENGINE_ABI["output"]["shape"]), np.float32)
         self.errors: Counter[str] = Counter()
+        # Input ABI 3: the further cameras, paired with each road frame.
+        pairing = engine.pairing or {}
+        skew = int(float(pairing.get("max_skew_ms", 0)) * 1e6)
+        self.pairers = [Pairer(engine, k, ctx.reader(inp.role), skew)
+                        for k, inp in enumerate(engine.inputs) if k]
+        self.pair_wait_ns = int(a.pair_wait_ms * 1e6)
+        self.unpaired: Counter[str] = Counter()
+        self._unpaired_logged: dict[str, tuple[float, int]] = {}   # reason -> (when, count)
         self.published = 0
         self.last_receipt: Any = None
         self._layout_ok: Any = None     # the frame Layout that last passed check_frame
@@ -123,6 +235,8 @@ class Modeld:
                     if info is None:
                         self.errors["not_a_frame"] += 1
                         return True
+                    if self.pairers:
+                        _check_sensor(eng, info, 0)
                     eng.check_frame(msg.planes()[0], pixel_format=info.pixel_format,
                                     pixel_range=info.pixel_range, width=info.width,
                                     height=info.height)
@@ -138,6 +252,17 @@ class Modeld:
                 self.errors["lease_lost"] += 1
                 return True
         frame_id, capture = stamp.frame_id, stamp.capture_ts_ns
+        if self.pairers:
+            deadline = time.monotonic_ns() + self.pair_wait_ns
+            for p in self.pairers:
+                why = p.pair(frame_id, capture, deadline)
+                if why is not None:
+                    self._unpaired(p, why, frame_id, capture)
+                    return True
+                staged += p.staged_bytes
+            # The receipt times the inference from here: the wait for partners is the
+            # frame -> inference hop's, not the model's (nor its deadline's).
+            t0 = time.monotonic_ns()
         # When model_out's next message is due (the median time from here to the
         # publish, of the last frames), so that a busy-polling reader (controlsd)
         # watches for it then instead of being woken. Announced after the input copy:
@@ -156,11 +281,36 @@ class Modeld:
         self.last_receipt = receipt
         return True
 
+    def _unpaired(self, p: Pairer, why: str, frame_id: int, capture_ns: int) -> None:
+        """Count an unpaired road frame; one log line per reason at most every
+        UNPAIRED_LOG_S (with how many there were since the last)."""
+        self.unpaired[why] += 1
+        now = time.monotonic()
+        last, count_then = self._unpaired_logged.get(why, (-UNPAIRED_LOG_S, 0))
+        if now - last < UNPAIRED_LOG_S:
+            return
+        since = self.unpaired[why] - count_then
+        self._unpaired_logged[why] = (now, self.unpaired[why])
+        has = ("nothing" if p.staged_id is None
+               else f"frame {p.staged_id}, captured {(p.staged_capture - capture_ns) / 1e6:+.1f} "
+                    f"ms from it")
+        self.ctx.log(f"unpaired frame {frame_id}: {p.inp.role} ({p.inp.name}) {why} "
+                     f"(waited at most {self.pair_wait_ns / 1e6:.0f} ms; it holds {has}); "
+                     f"{since} {why} since the last line, not run",
+                     unpaired=why, frame_id=frame_id, role=p.inp.role, count=self.unpaired[why])
+
     def status_text(self) -> str:
         e = self.engine
-        rej = ",".join(f"{k}={v}" for k, v in sorted(self.errors.items())) or "none"
-        return (f"frames={self.published} worst_ms={e.worst_case_ns / 1e6:.2f} "
+        errors = Counter(self.errors)
+        for p in self.pairers:
+            errors.update({f"{p.inp.role}:{k}": v for k, v in p.errors.items()})
+        rej = ",".join(f"{k}={v}" for k, v in sorted(errors.items())) or "none"
+        text = (f"frames={self.published} worst_ms={e.worst_case_ns / 1e6:.2f} "
                 f"deadline_misses={e.deadline_misses} rejected={rej}")
+        if self.pairers:
+            text += " unpaired=" + (",".join(f"{k}={v}" for k, v in
+                                             sorted(self.unpaired.items())) or "0")
+        return text
 
     def run(self) -> int:
         stop = []
@@ -198,10 +348,19 @@ def main(ctx: Any) -> int:
         verified = load_verified(m["artifact"], m["public_key"],
                                  expect_name=m.get("expect_name") or None,
                                  expect_version=a.expect_version,
-                                 min_version=m.get("min_version"), expect_abi=ENGINE_ABI)
+                                 min_version=m.get("min_version"), expect_abi=ENGINE_ABIS)
         engine = Engine(verified, deadline_ms=a.deadline_ms, exclusive=True)
     except ArtifactError as exc:
         ctx.log(f"artifact refused: {type(exc).__name__}: {exc}")
+        return 2
+    # A model of several cameras names the role of each (input ABI 3): all bound, or one
+    # line saying which is not, before any channel is opened.
+    unbound = [i for i in engine.inputs if not ctx.has(i.role)]
+    if unbound:
+        ctx.log("channels: the model takes " + ", ".join(
+            f"{i.name} ({i.sensor or 'a'} camera) on role {i.role!r}" for i in unbound)
+            + "; bind it in the config's subscribes, e.g. subscribes = { "
+            + ", ".join(f'{i.role} = "CHANNEL"' for i in unbound) + " }")
         return 2
     try:
         worker = Modeld(ctx, a, engine)

@@ -12,6 +12,13 @@ memcpy when the frame's row stride is the model's, else one row-wise copy) and r
 receipt says how many bytes were copied in and out. An artifact of another input ABI
 (version 1 took a preprocessed float32 tensor) is refused at load with one line.
 
+Input ABI 3 (``abi.version`` 3, ``abi.inputs``): several such Y planes, each with its own
+frame geometry, preprocessing and ``role`` (the worker role its frames arrive on: the
+driving model takes ``frames``, the road camera, and ``wide``, the wide road camera),
+and ``abi.pairing``: the frames of one inference are of one instant (same frame id,
+capture times at most ``max_skew_ms`` apart). The engine stages each plane into its own
+input buffer (`stage(y, index)`) and runs once; modeld does the pairing.
+
 `preprocess_y` below stays the numpy reference of that preprocessing (the build fits the
 model's head on its output and checks the artifact's kernels against it bit for bit):
 
@@ -47,6 +54,8 @@ INPUT_TAKES = "y_plane"
 OUTPUT_PAYLOADS = ("model_out", "driver_state")
 
 # What this engine can feed and read (checked by load_verified(expect_abi=...)).
+# ENGINE_ABI: one Y plane (input ABI 2); ENGINE_ABI3: several (each input as ABI 2's);
+# ENGINE_ABIS: either, what modeld accepts.
 ENGINE_ABI = {
     "version": ABI_VERSION,
     "input": {
@@ -57,6 +66,13 @@ ENGINE_ABI = {
     },
     "output": {"dtype": "float32", "shape": [4], "strides": [4], "byte_offset": 0},
 }
+ABI_VERSION_MULTI = 3
+ENGINE_ABI3 = {
+    "version": ABI_VERSION_MULTI,
+    "each_input": ENGINE_ABI["input"],
+    "output": ENGINE_ABI["output"],
+}
+ENGINE_ABIS = [ENGINE_ABI, ENGINE_ABI3]
 
 
 def preprocess_spec(out_height: int = 64, out_width: int = 128, crop_top_num: int = 2,
@@ -128,6 +144,34 @@ class FrameRejected(Exception):
         super().__init__(message)
 
 
+class InputStage:
+    """One input of the model: its frame geometry and its buffer, seen as the Y plane."""
+
+    def __init__(self, abi: dict, view: np.ndarray, index: int) -> None:
+        self.index = index
+        self.name = abi.get("name", "y")
+        self.role = abi.get("role", "frames")
+        self.sensor: str | None = abi.get("sensor")    # ABI 3: the camera it was fitted on
+        self.frame_abi = fa = abi["frame"]
+        self.spec = abi["preprocess"]
+        # The one frame geometry the artifact's kernels were captured for.
+        self.height, self.width, self.row_stride = fa["height"], fa["width"], fa["row_stride"]
+        # Parsed once, like the sizes above: np.dtype(name) per frame is a cold numpy path.
+        self.y_dtype = np.dtype(fa["dtype"])
+        self.view = view
+        self.cols = view[:, :self.width]
+        self.flat = view.reshape(-1)
+        self.span = (self.height - 1) * self.row_stride + self.width
+
+    def stage(self, y: np.ndarray) -> int:
+        if y.strides[0] == self.row_stride:
+            flat = np.lib.stride_tricks.as_strided(y, (self.span,), (1,), writeable=False)
+            self.flat[:self.span] = flat
+            return self.span
+        self.cols[...] = y
+        return self.height * self.width
+
+
 class Engine:
     """One verified model, its input staging, and the running latency/deadline record."""
 
@@ -136,15 +180,9 @@ class Engine:
         from supervisor.model import runtime
 
         self.verified = verified
-        abi = verified.input_abi
-        self.frame_abi = fa = abi["frame"]
-        self.spec = abi["preprocess"]
         self.payload = check_output_payload(verified.output_abi)
-        # The one frame geometry the artifact's kernels were captured for.
-        self.height, self.width, self.row_stride = fa["height"], fa["width"], fa["row_stride"]
-        self.min_height, self.min_width = self.height, self.width
-        # Parsed once, like the sizes above: np.dtype(name) per frame is a cold numpy path.
-        self.y_dtype = np.dtype(fa["dtype"])
+        # ABI 3: how frames of one instant are paired (None for a one-input model).
+        self.pairing: dict | None = verified.manifest["abi"].get("pairing")
         self.deadline_ns = int(deadline_ms * 1e6)
         self.worst_case_ns = 0
         self.deadline_misses = 0
@@ -153,11 +191,15 @@ class Engine:
         t0 = time.monotonic_ns()
         self.model = runtime.load_model(verified, exclusive=exclusive)
         self.load_ns = time.monotonic_ns() - t0
-        # The model's input buffer, seen as the Y plane: frames are copied straight in.
-        self._in = self.model.input_view()
-        self._in_cols = self._in[:, :self.width]
-        self._in_flat = self._in.reshape(-1)
-        self._span = (self.height - 1) * self.row_stride + self.width
+        # The model's input buffers, seen as Y planes: frames are copied straight in.
+        self.inputs = [InputStage(ia, self.model.input_view(k), k)
+                       for k, ia in enumerate(verified.input_abis)]
+        first = self.inputs[0]
+        self.frame_abi, self.spec = first.frame_abi, first.spec
+        self.height, self.width, self.row_stride = first.height, first.width, first.row_stride
+        self.min_height, self.min_width = self.height, self.width
+        self.y_dtype = first.y_dtype
+        self._in = first.view
         self.artifact_sha256 = verified.manifest_sha256
 
     @property
@@ -166,14 +208,18 @@ class Engine:
                 "artifact_sha256": self.artifact_sha256.hex(), "key_id": self.verified.key_id,
                 "runtime": self.model.runtime_info, "golden_ok": self.model.golden_ok,
                 "kernels_in_program": self.model.kernels_in_program,
-                "payload": self.payload, "input": f"y_plane {self.width}x{self.height} "
-                                                  f"stride {self.row_stride}",
+                "payload": self.payload,
+                "input": ", ".join(f"{i.name if len(self.inputs) > 1 else 'y_plane'} "
+                                   f"{i.width}x{i.height} stride {i.row_stride}"
+                                   for i in self.inputs),
                 "load_ms": round(self.load_ns / 1e6, 3)}
 
     def check_frame(self, y: Any, *, pixel_format: str = "nv12", pixel_range: str = "full",
-                    plane: str = "y", width: int | None = None, height: int | None = None) -> None:
-        """Raise FrameRejected (counted by reason) unless ``y`` fits the input ABI."""
-        fa = self.frame_abi
+                    plane: str = "y", width: int | None = None, height: int | None = None,
+                    index: int = 0) -> None:
+        """Raise FrameRejected (counted by reason) unless ``y`` fits input ``index``'s ABI."""
+        inp = self.inputs[index]
+        fa = inp.frame_abi
         if pixel_format != fa["pixel_format"]:
             self._reject("pixel_format", f"pixel format {pixel_format!r}, the model takes "
                                          f"{fa['pixel_format']!r}")
@@ -182,18 +228,18 @@ class Engine:
         if pixel_range != fa["pixel_range"]:
             self._reject("pixel_range", f"pixel range {pixel_range!r}, the model takes "
                                         f"{fa['pixel_range']!r}")
-        if not isinstance(y, np.ndarray) or y.dtype != self.y_dtype or y.ndim != 2:
+        if not isinstance(y, np.ndarray) or y.dtype != inp.y_dtype or y.ndim != 2:
             desc = f"{y.dtype}{list(y.shape)}" if isinstance(y, np.ndarray) else type(y).__name__
             self._reject("dtype", f"Y plane is {desc}, the model takes a 2-D {fa['dtype']} plane")
         h, w = y.shape
         if (height is not None and h != height) or (width is not None and w != width):
             self._reject("shape", f"Y plane is {w}x{h}, the frame says {width}x{height}")
-        if h < self.min_height or w < self.min_width:
+        if h < inp.height or w < inp.width:
             self._reject("too_small", f"frame {w}x{h} is smaller than the model's "
-                                      f"{self.width}x{self.height}")
-        if (h, w) != (self.height, self.width):
+                                      f"{inp.width}x{inp.height}")
+        if (h, w) != (inp.height, inp.width):
             self._reject("shape", f"frame {w}x{h}, the model's kernels are for "
-                                  f"{self.width}x{self.height}")
+                                  f"{inp.width}x{inp.height}")
         if y.strides[1] != 1:
             self._reject("layout", f"Y plane column stride {y.strides[1]}, the model takes "
                                    f"packed rows")
@@ -202,28 +248,28 @@ class Engine:
         self.rejected[reason] += 1
         raise FrameRejected(reason, msg)
 
-    def stage(self, y: np.ndarray) -> int:
-        """Copy a checked Y plane into the model's input buffer (the one copy); returns
+    def stage(self, y: np.ndarray, index: int = 0) -> int:
+        """Copy a checked Y plane into input ``index``'s buffer (the one copy); returns
         the bytes copied. Rows at the model's stride: one memcpy of the plane's span
         (row padding included, it is never read); any other stride: row by row."""
-        if y.strides[0] == self.row_stride:
-            flat = np.lib.stride_tricks.as_strided(y, (self._span,), (1,), writeable=False)
-            self._in_flat[:self._span] = flat
-            return self._span
-        self._in_cols[...] = y
-        return self.height * self.width
+        return self.inputs[index].stage(y)
 
-    def preprocess(self, y: np.ndarray) -> np.ndarray:
+    def preprocess(self, y: np.ndarray, index: int = 0) -> np.ndarray:
         """The numpy reference of what the artifact's kernels do (tests, the build)."""
-        return preprocess_y(y, self.spec)
+        return preprocess_y(y, self.inputs[index].spec)
 
-    def infer(self, y: np.ndarray, *, frame_id: int = 0, capture_ts_ns: int = 0,
-              pixel_format: str = "nv12", pixel_range: str = "full",
+    def infer(self, y: np.ndarray, *more: np.ndarray, frame_id: int = 0,
+              capture_ts_ns: int = 0, pixel_format: str = "nv12", pixel_range: str = "full",
               out: np.ndarray | None = None) -> tuple[np.ndarray, Receipt]:
-        """Check, stage and run one Y plane; returns float32[4] and its receipt."""
-        self.check_frame(y, pixel_format=pixel_format, pixel_range=pixel_range)
+        """Check, stage and run one Y plane per input (``more``: the second and later, in
+        ABI order); returns float32[4] and its receipt."""
+        planes = (y, *more)
+        if len(planes) != len(self.inputs):
+            raise ValueError(f"{len(planes)} planes given, the model takes {len(self.inputs)}")
+        for k, p in enumerate(planes):
+            self.check_frame(p, pixel_format=pixel_format, pixel_range=pixel_range, index=k)
         t0 = time.monotonic_ns()
-        staged = self.stage(y)
+        staged = sum(self.stage(p, k) for k, p in enumerate(planes))
         return self.run_staged(frame_id=frame_id, capture_ts_ns=capture_ts_ns, start_ns=t0,
                                bytes_in=staged, out=out)
 

@@ -28,7 +28,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=1928)
     p.add_argument("--height", type=int, default=1208)
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--scene", choices=("road", "driver"), default="road",
+    p.add_argument("--scene", choices=("road", "wide", "driver"), default="road",
                    help="the synthetic camera the frames come from")
     p.add_argument("--first-frame", type=int, default=0)
     p.add_argument("--deadline-ms", type=float, default=50.0)
@@ -56,8 +56,13 @@ def frames(n: int, width: int, height: int, seed: int, first: int, scene: str = 
 
     from workers.modelbuild.synthetic import driver_class, road_class
 
-    cls, _name = road_class() if scene == "road" else driver_class()
-    road = cls(width, height, seed=seed)
+    if scene == "wide":
+        from workers.camerad.synthetic import scene as camera_scene
+
+        road = camera_scene("wide", width, height, seed)
+    else:
+        cls, _name = road_class() if scene == "road" else driver_class()
+        road = cls(width, height, seed=seed)
     for i in range(first, first + n):
         y, _uv, truth = road.render(i)
         if row_stride and row_stride != width:
@@ -70,7 +75,7 @@ def frames(n: int, width: int, height: int, seed: int, first: int, scene: str = 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     from supervisor.model import ArtifactError, load_verified
     from supervisor.model import runtime as R
-    from workers.modeld.engine import ENGINE_ABI, Engine
+    from workers.modeld.engine import ENGINE_ABIS, Engine
 
     rep: dict[str, Any] = {"ok": False, "pid": os.getpid(),
                            "tinygrad_imported_before_load": R.tinygrad_imported()}
@@ -80,7 +85,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     rep["home_cache_before"] = sorted(os.listdir(home_cache)) if os.path.isdir(home_cache) else None
     try:
         t0 = time.monotonic()
-        verified = load_verified(a.artifact, a.pubkey, expect_abi=ENGINE_ABI)
+        verified = load_verified(a.artifact, a.pubkey, expect_abi=ENGINE_ABIS)
         rep["verify_ms"] = round((time.monotonic() - t0) * 1e3, 2)
         engine = Engine(verified, deadline_ms=a.deadline_ms, exclusive=True)
     except ArtifactError as exc:
@@ -97,9 +102,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         lock_down("control")        # no exec, no new process (a no-op under the runner)
         rep["locked_down"] = sorted(installed_domains())
     outs, vals, truths, receipts, lat = [], [], [], [], []
-    for fid, y, truth in frames(a.frames, a.width, a.height, a.seed, a.first_frame, a.scene,
-                                engine.row_stride):
-        out, r = engine.infer(y, frame_id=fid, capture_ts_ns=time.monotonic_ns())
+    # One stream of frames per input: the first --scene, the others the sensor their
+    # input declares (input ABI 3: the same frame ids, one instant of one drive).
+    scenes = [a.scene] + [i.sensor or i.role for i in engine.inputs[1:]]
+    for shots in zip(*(frames(a.frames, a.width, a.height, a.seed, a.first_frame, sc,
+                              i.row_stride) for sc, i in zip(scenes, engine.inputs))):
+        fid, _y, truth = shots[0]
+        out, r = engine.infer(*(y for _f, y, _t in shots), frame_id=fid,
+                              capture_ts_ns=time.monotonic_ns())
         outs.append(out.tobytes().hex())
         vals.append([float(v) for v in out])
         truths.append(truth)
@@ -109,8 +119,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     # artifact; the input copy through the allocator too), for the record
     model_ns = []
     if verified.golden is not None:
-        ia = verified.input_abi["tensor"]
-        x = np.frombuffer(verified.golden[0], ia["dtype"]).reshape(ia["shape"])
+        x = engine.model.golden_inputs()
         for _ in range(20):
             t = time.monotonic_ns()
             engine.model.run(x)
