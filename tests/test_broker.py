@@ -4,6 +4,7 @@ refusal of the request table. After each hostile message the broker must still a
 (a ping) and must have said the refusal in one `broker_refused` line."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import select
@@ -229,6 +230,7 @@ def test_a_control_and_a_research_sandbox_start_run_as_their_users_and_are_reape
                 assert b"python" in view.read("maps")     # opened by the broker, read here
             finally:
                 view.close()
+        _unprivileged_reads(c, c.pids("r", 1)[-1])
         # SIGTERM to the worker itself (bwrap does not forward it), through the broker
         c.signal(c.pids("r", 1)[-1], signal.SIGTERM)
         _wait_exit(r.pidfd)
@@ -245,6 +247,52 @@ def test_a_control_and_a_research_sandbox_start_run_as_their_users_and_are_reape
     started = [e for e in broker.events("broker_started") if e["incarnation"] == 1]
     assert {e["worker"] for e in started} >= {"a", "r"}
     assert all(e["host_uid"] for e in started)
+
+
+def _unprivileged_reads(c: BrokerClient, pid: int) -> None:
+    """The basis of phase 2, measured: a process with no privilege (nobody, as the
+    supervisor proper will be) is refused the worker's /proc/PID/maps, while reading the
+    maps and mem fds the broker opened works. The broker's /proc/PID directory fd does
+    not carry the broker's access: fd/N and map_files are checked at each lookup (the
+    gaps docs/broker.md lists for the exec watch)."""
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    view = c.open_proc(pid, ("maps", "mem"))
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        out = {}
+        try:
+            os.setgroups([])
+            os.setresgid(nobody.pw_gid, nobody.pw_gid, nobody.pw_gid)
+            os.setresuid(nobody.pw_uid, nobody.pw_uid, nobody.pw_uid)
+
+            def attempt(name, fn) -> None:
+                try:
+                    fn()
+                    out[name] = "ok"
+                except OSError as e:
+                    out[name] = e.errno
+
+            maps_fd = view.files["maps"]
+            attempt("own maps", lambda: os.close(os.open(f"/proc/{pid}/maps", os.O_RDONLY)))
+            attempt("maps fd", lambda: os.pread(maps_fd, 4096, 0))
+            start = int(os.pread(maps_fd, 4096, 0).split(b"-")[0], 16)
+            attempt("mem fd", lambda: os.pread(view.files["mem"], 16, start))
+            attempt("fd/0 via dir fd", lambda: os.readlink("fd/0", dir_fd=view.dir_fd))
+            attempt("map_files via dir fd", lambda: os.listdir(
+                os.open("map_files", os.O_RDONLY | os.O_DIRECTORY, dir_fd=view.dir_fd)))
+            os.write(w, json.dumps(out).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.waitpid(child, 0)
+    got = json.loads(os.read(r, 65536) or b"{}")
+    os.close(r)
+    view.close()
+    assert got == {"own maps": errno.EACCES, "maps fd": "ok", "mem fd": "ok",
+                   "fd/0 via dir fd": errno.EACCES, "map_files via dir fd": errno.EACCES}, got
 
 
 def test_start_request_latency_and_broker_cpu(broker, capsys):
