@@ -25,9 +25,10 @@ from supervisor.broker import _protocol as P
 from supervisor.config import load
 from supervisor.ipc import Channel
 
-pytestmark = pytest.mark.sandbox
-if shutil.which("bwrap") is None:
-    pytest.skip("bubblewrap is not installed", allow_module_level=True)
+# The decoder, the plan check and most refusals need no sandbox; the tests that start
+# one are marked.
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
+                                 reason="bubblewrap not installed")
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -207,6 +208,8 @@ def _uid_of(pid: int) -> int:
 # ---------------------------------------------------------------- real sandboxes
 
 
+@pytest.mark.sandbox
+@needs_bwrap
 def test_a_control_and_a_research_sandbox_start_run_as_their_users_and_are_reaped(broker, channel):
     """The client names the worker and incarnation only; the broker builds the sandbox
     from its config (domain user, binds, seccomp, cgroup), hands back pidfd, pipes and
@@ -295,6 +298,8 @@ def _unprivileged_reads(c: BrokerClient, pid: int) -> None:
                    "fd/0 via dir fd": errno.EACCES, "map_files via dir fd": errno.EACCES}, got
 
 
+@pytest.mark.sandbox
+@needs_bwrap
 def test_start_request_latency_and_broker_cpu(broker, capsys):
     """The figure for docs/broker.md: a start request's round trip (staging, seccomp
     compile and fork of bwrap included; not the worker's own start-up) and the broker's
@@ -359,6 +364,8 @@ def test_unknown_worker_and_reused_incarnation_are_refused(broker):
     _refused(broker, n + 2, "refused")
 
 
+@pytest.mark.sandbox
+@needs_bwrap
 def test_a_client_starting_sandboxes_in_a_loop_is_stopped_at_the_configs_count(broker):
     """A worker without warm_standby has its run and one predecessor not yet reaped:
     a third live sandbox is refused until one is reaped."""
@@ -386,6 +393,8 @@ def test_a_client_starting_sandboxes_in_a_loop_is_stopped_at_the_configs_count(b
     s.close()
 
 
+@pytest.mark.sandbox
+@needs_bwrap
 def test_nothing_it_started_outlives_its_client(tmp_path):
     """The supervisor proper gone (its socket closed): the broker kills every sandbox
     it started, removes their cgroups and exits 0."""
