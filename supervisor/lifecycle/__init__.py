@@ -14,7 +14,8 @@ dying by a maps scan is an exit, not a refusal. Every death is an `exit` event, 
 shutdown too.
 
 The package in parts: `_supervisor` (Supervisor: start order, one task per worker,
-restart policy, watchdog, the last word, fail-safe, shutdown, the main loop), `_io`
+restart policy, watchdog, fail-safe, shutdown, the main loop), `_lastword` (the writer of
+last resort: a thread blocked on the actuation writers' pidfds says SAFE), `_io`
 (status and output pipes; when READY was said), `_exec` (READY verification and the exec
 watch), `_standby` (warm standbys, two deep), `_procstate` (is a process dying or dead,
 from /proc) and `_run` (WorkerRun, the exceptions).
