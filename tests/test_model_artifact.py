@@ -370,20 +370,32 @@ def test_modelbuild_refuses_a_key_inside_the_repository(tmp_path):
 
 @pytest.mark.skipif(shutil.which("clang") is None, reason="building needs clang")
 def test_modelbuild_produces_an_artifact_that_verifies(tmp_path):
+    """The build of the two-camera kind (input ABI 3; the one-camera build runs in
+    tests/test_replay.py's small demo models): each camera's preprocessing kernels and
+    the output bit-identical to numpy preprocessing + the same network on every
+    validation frame (the build refuses otherwise), signed, rehearsed in a fresh
+    process, and the fit is real."""
+    from workers.modeld.engine import ENGINE_ABIS
+
     out, key = tmp_path / "bundle", tmp_path / "keys" / "build.key"
     env = dict(os.environ)
     for k in ("CACHEDB", "DEV", "PARALLEL"):
         env.pop(k, None)
-    r = subprocess.run([sys.executable, "-m", "workers.modelbuild", "--out", str(out), "--key",
-                        str(key), "--seed", "3", "--frames", "160", "--val-frames", "24",
-                        "--width", "964", "--height", "604", "--version", "0.0.1-test"],
+    r = subprocess.run([sys.executable, "-m", "workers.modelbuild", "--kind", "lane_wide",
+                        "--out", str(out), "--key", str(key), "--seed", "3", "--frames", "160",
+                        "--val-frames", "24", "--width", "256", "--height", "160",
+                        "--version", "0.0.1-test"],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
+    assert ("24 validation frames bit-identical to the numpy reference (preprocessed "
+            "inputs and output)") in r.stderr
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["rehearsal"] == {"ok": True, "golden_ok": True, "served": len(summary["kernels"])}
     assert oct(key.stat().st_mode & 0o777) == "0o600"
     pub = Path(summary["pubkey"])
-    with load_verified(out, pub, expect_version="0.0.1-test") as v:
+    with load_verified(out, pub, expect_version="0.0.1-test", expect_abi=ENGINE_ABIS) as v:
+        assert [i["tensor"]["shape"] for i in v.input_abis] == [[160, 256], [160, 256]]
+        assert v.manifest["golden"]["input_bytes"] == 2 * 160 * 256
         assert v.manifest["training"]["seed"] == 3
         assert v.manifest["training"]["val_rmse_offset_m"] < 0.5 * v.manifest["training"]["val_std_offset_m"]
         assert v.key_id == summary["key_id"]

@@ -393,3 +393,25 @@ def test_a_model_of_two_cameras_without_its_wide_channel_refuses_to_start():
     lines = [ln for ln in res.stdout.splitlines() if '"log":"channels:' in ln]
     assert len(lines) == 1 and "role 'wide'" in lines[0], res.stdout[-2000:]
     assert "Traceback" not in res.stdout + res.stderr
+
+
+def test_the_recorded_kernel_calls_equal_the_captured_jit(engine):
+    """LoadedModel runs the artifact's kernels as the calls recorded from one run of its
+    captured JIT (no tinygrad Python per frame): on other frames too, the outputs are the
+    JIT's bit for bit, and the receipt counts every kernel."""
+    model = engine.model
+    assert model._plan is not None and len(model._plan) == len(MODEL_KERNELS)
+    road = SyntheticRoad(W, H, seed=SEED + 1)
+    try:
+        for fid in (3, 50, 91):
+            y = road.render(fid)[0]
+            direct, r = engine.infer(y)
+            plan, model._plan = model._plan, None
+            try:
+                jit, r2 = engine.infer(y)
+            finally:
+                model._plan = plan
+            assert direct.tobytes() == jit.tobytes(), fid
+            assert r.kernels_run == r2.kernels_run == len(MODEL_KERNELS)
+    finally:
+        assert model._plan is not None
