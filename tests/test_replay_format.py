@@ -228,6 +228,79 @@ def test_only_gated_channels_decide_and_presence_has_a_tolerance_and_values_are_
     assert "| `model_out.offset_m` | 7 | 0.07 | 0.57 |" in render_markdown(r)
 
 
+def test_report_html_is_self_contained_with_the_verdict_the_channels_and_a_scrubber(tmp_path):
+    """report.html parses, fetches nothing (every src/href a data: URI or an anchor),
+    holds the verdict, the per-channel table and the divergent values; its scrubber has
+    a frame per position and the signals' values at those frames; a hostile string (an
+    error a worker printed) is escaped, never markup."""
+    from html.parser import HTMLParser
+
+    from supervisor.replay.derive import ReplayPlan
+    from supervisor.replay.report import collect, render
+
+    write_log(tmp_path / "ref", n=12)
+    write_log(tmp_path / "new", n=12, offset=lambda k: 0.01 * k + (0.5 if k >= 7 else 0.0),
+              skip=(3,))
+    ref, new = DriveLog.open(tmp_path / "ref"), DriveLog.open(tmp_path / "new")
+    payloads = {"model_out": "model_out", "control_cmd": "control_cmd"}
+    r = compare(new, ref, channels=["model_out", "control_cmd"], payloads=payloads,
+                model_channel="model_out")
+    plan = ReplayPlan("camerad", "road_frames", "controlsd", "control_cmd", "modeld",
+                      "model_out")
+    summary = {"log": str(tmp_path / "ref"), "mode": "lockstep", "exit_code": 6,
+               "frames": {"in_log": 12, "replayed": 12}, "model_latency_ms": {"p50": 5.0},
+               "input_log_loss": {"text": "nothing lost <b>bold</b>"}}
+    page = collect(tmp_path / "run", ref, new, ref, plan, summary, r, payloads)
+    text = render(page)
+
+    class Walk(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tags, self.refs, self.text, self.ids = [], [], [], {}
+            self._in = None
+
+        def handle_starttag(self, tag, attrs):
+            a = dict(attrs)
+            self.tags.append(tag)
+            self.refs += [v for k, v in attrs if k in ("src", "href", "action", "data") and v]
+            if "id" in a:
+                self.ids[a["id"]] = a
+                self._in = a["id"]
+
+        def handle_endtag(self, tag):
+            self._in = None
+
+        def handle_data(self, data):
+            self.text.append((self._in, data))
+
+    w = Walk()
+    w.feed(text)
+    w.close()
+    assert w.tags.count("html") == 1 and w.tags.count("script") == 2
+    assert w.refs and all(v.startswith("data:image/png;base64,") for v in w.refs), w.refs
+    assert "http://" not in text.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    assert "https://" not in text and "<link" not in text
+    verdict = "".join(t for i, t in w.text if i == "verdict")
+    assert "DIFFERS (exit 6), first divergent frame 3" in verdict
+    body = " ".join(t for _, t in w.text)
+    for needle in ("model_out", "control_cmd", "model_out.offset_m", "DIFFERS",
+                   "nothing lost <b>bold</b>"):
+        assert needle in body, needle
+    data = json.loads("".join(t for i, t in w.text if i == "scrub-data").replace("<\\/", "</"))
+    assert data["frames"] == list(range(12)) and len(data["thumbs"]) == 12
+    sig = {s["name"]: s for s in data["signals"]}
+    assert sig["model_out.offset_m"]["run"]["8"] == pytest.approx(0.58)
+    assert sig["model_out.offset_m"]["ref"]["8"] == pytest.approx(0.08)
+    assert "3" not in sig["control_cmd.steer_rad"]["run"]     # skipped in the run
+    assert int(w.ids["scrub"]["max"]) == 11
+    # A failing run's error: escaped, and the verdict says FAILED with it.
+    summary["error"] = "modeld exited; its last words: '</script><script>alert(1)</script>'"
+    w = Walk()
+    w.feed(render(collect(tmp_path / "run", ref, new, None, plan, summary, None, payloads)))
+    assert w.tags.count("script") == 2                    # the page's own two, no third
+    assert any("FAILED (exit 6)" in t and "alert(1)" in t for i, t in w.text if i == "verdict")
+
+
 def test_the_default_verdict_leaves_research_and_shadow_channels_out(tmp_path):
     doc, _ = derive.read_doc(None)
     rdoc, _ = derive.replay_doc(doc, str(tmp_path / "log"), str(tmp_path / "run"),

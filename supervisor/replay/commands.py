@@ -34,6 +34,11 @@ def add_record_args(s: argparse.ArgumentParser) -> None:
                    help="road video: H.264 (default) or lossless raw NV12 (bit-exact replays)")
     s.add_argument("--quiet", action="store_true",
                    help="no lifecycle events on stderr (on a terminal: a progress line instead)")
+    s.add_argument("--clip", default=None, metavar="FILE",
+                   help="play a video file (MP4, MKV, ...) through the pipeline instead of the "
+                        "camera: simulation mode, FILE bound read-only, playback from READY; "
+                        "once through unless --seconds")
+    s.add_argument("--loop", action="store_true", help="--clip: start over at its end")
     s.add_argument("--recorder-arg", action="append", default=[], metavar="ARG",
                    help="passed on to the recorder worker (e.g. --recorder-arg=--io-delay-ms"
                         " --recorder-arg=50 to see what a slow disk does)")
@@ -65,6 +70,9 @@ def add_replay_args(s: argparse.ArgumentParser) -> None:
                    help="model time gate: never fail for less than this many ms over REF "
                         "(scheduler noise on a shared machine; 0 on a quiet one)")
     s.add_argument("--format", choices=("text", "markdown", "json"), default="text")
+    s.add_argument("--report", default=None, metavar="FILE",
+                   help="also write the run's report.html (self-contained: verdict, tables, "
+                        "frames and signals; nothing fetched) to FILE, e.g. a CI artifact")
     s.add_argument("--step-timeout", type=float, default=5.0,
                    help="lockstep: seconds to wait for a frame's command before going on")
     s.add_argument("--jobs", type=int, default=1, help="fleet: replays at once on this machine")
@@ -102,7 +110,8 @@ def cmd_record(args: argparse.Namespace) -> int:
     try:
         rec = record(args.out, config=args.config, seconds=args.seconds, video=args.video,
                      echo=None if args.quiet else sys.stderr, recorder_args=args.recorder_arg,
-                     progress_out=sys.stderr if args.quiet else None)
+                     progress_out=sys.stderr if args.quiet else None,
+                     clip=args.clip, loop=args.loop)
     except RecordError as e:
         return _fail("record", str(e), e.code)
     except Exception as e:
@@ -198,9 +207,10 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
         Path(res.run_dir, "diff.json").write_text(render_json(report))
         s["diff"] = {"ref": str(ref.path), "ok": report.ok,
                      "first_divergent_frame": report.first_divergent_frame}
-        Path(res.run_dir, "summary.json").write_text(json.dumps(s, indent=2))
         if code == 0 and not report.ok:
             code = DIFFERS
+        Path(res.run_dir, "summary.json").write_text(json.dumps(s, indent=2))
+        _write_report(res, args, ref, report, code)
         if args.format == "json":       # one JSON document on stdout, nothing else
             print(json.dumps({"summary": s, "diff": report.as_dict(), "exit_code": code},
                              indent=2))
@@ -209,11 +219,37 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
         print_summary(s)
         sys.stdout.write(out(report))
         return code
+    _write_report(res, args, None, None, code)
     if args.format == "json":
         print(json.dumps({"summary": s, "exit_code": code}, indent=2))
     else:
         print_summary(s)
     return code
+
+
+def _write_report(res, args: argparse.Namespace, ref, report, code: int) -> None:
+    """RUN/report.html (and --report FILE): a page that cannot be drawn in full says
+    what is missing in its notes; one that cannot be written never fails the replay
+    (summary.json's notes say why)."""
+    from .derive import plan_of, read_doc
+    from .drivelog import DriveLog
+    from .report import Page, collect, write
+
+    summary = {**res.summary, "exit_code": code}
+    try:
+        run = DriveLog.open(Path(res.run_dir) / "log")
+        src = DriveLog.open(args.logs[0])
+        plan = plan_of(read_doc(os.path.join(res.run_dir, "replay.toml"))[0])
+        page = collect(res.run_dir, src, run, ref, plan, summary, report,
+                       _payloads(res.run_dir))
+    except Exception as e:           # a failed replay: what there is, and why not more
+        page = Page(f"replay of {Path(args.logs[0]).name}", summary, report,
+                    notes=[f"signals and frames not shown: {type(e).__name__}: {e}"])
+    for dest in [Path(res.run_dir, "report.html"), *([Path(args.report)] if args.report else [])]:
+        try:
+            write(dest, page)
+        except OSError as e:
+            res.summary.setdefault("notes", []).append(f"{dest} not written: {e.strerror}")
 
 
 def _plot_with_ref(run_dir: str, plan, run, ref, log: str) -> None:
@@ -251,7 +287,7 @@ def print_summary(s: dict) -> None:
 def _run_line(s: dict) -> str:
     """The run directory and what it holds (a full disk may have kept some out)."""
     run = s.get("run") or ""
-    have = [f for f in ("summary.json", "plot.png", "diff.md", "diff.json")
+    have = [f for f in ("summary.json", "plot.png", "report.html", "diff.md", "diff.json")
             if run and os.path.isfile(os.path.join(run, f))]
     return f"run: {run} ({', '.join(have) or 'nothing written'})"
 

@@ -20,6 +20,7 @@ RECORDER_DOMAIN = "recorder"
 RECORDER = "recorder"
 ACK = "replay_ack"       # the recorder's "recorded the command of frame N" (lockstep)
 REPLAY_READY_TIMEOUT_MS = 30000   # the least READY deadline of a replay's workers
+CLIP_RESTART_MS = 3_600_000       # record --clip: the camera's restart after the clip ended
 CAMERA = "workers.camerad"
 CONTROLS = "workers.controlsd"
 MODEL = "workers.modeld"
@@ -149,6 +150,50 @@ def camera_fps(doc: dict[str, Any]) -> float:
 def record_doc(doc: dict[str, Any], out_dir: str, *, video: str = "h264") -> dict[str, Any]:
     doc = copy.deepcopy(doc)
     return add_recorder(doc, out_dir, video=video, fps=camera_fps(doc))
+
+
+def clip_doc(doc: dict[str, Any], clip: str, out_dir: str, *, video: str = "h264",
+             loop: bool = False) -> dict[str, Any]:
+    """``record --clip FILE``: the user's pipeline in simulation mode with the camera
+    playing FILE (at the config camera's --width/--height when it gives them, else the
+    clip's own size; at the clip's frame rate), FILE bound read-only into the camera's
+    domain (a sandbox sees only what is bound: nothing else of its directory), and a
+    recorder. The camera starts once the recorder's writer is attached: the recorder
+    is the last worker started, so the clip plays into a pipeline that is READY (and a
+    recording that is on), not into start-up."""
+    doc = copy.deepcopy(doc)
+    clip = os.path.abspath(clip)
+    name, cam = _need(doc, CAMERA, "camera")
+    doc.setdefault("supervisor", {})["mode"] = SIMULATION   # a clip never drives a car
+    cam["args"] = _strip(list(cam.get("args") or []), {
+        "--source": 1, "--log": 1, "--loop": 0, "--format": 1, "--frames": 1, "--seed": 1,
+        "--video": 1, "--log-channel": 1, "--lockstep": 1, "--realtime": 0,
+        "--step-timeout-s": 1, "--wait-for": 1, "--fps": 1, "--trigger": 1}) + [
+        "--source", "video", "--video", clip, *(["--loop"] if loop else [])]
+    if not loop:
+        # A clip that ended exits camerad (0); its restart would play it again, and a
+        # camera that is never restarted fails its domain safe. So its restart waits
+        # longer than any recording: `record` stops once the clip has played.
+        cam["restart"] = "always"
+        cam["backoff_initial_ms"] = cam["backoff_max_ms"] = CLIP_RESTART_MS
+    dom = doc.setdefault("domains", {}).setdefault(cam["domain"], {})
+    if clip not in dom.get("extra_ro_binds", []):
+        dom["extra_ro_binds"] = [*dom.get("extra_ro_binds", []), clip]
+    if ACK in (doc.get("channels") or {}):
+        raise DeriveError(f"the config already has a channel named {ACK!r}")
+    chans = list(doc.get("channels") or {})
+    add_recorder(doc, out_dir, video=video, fps=camera_fps(doc), channels=chans)
+    doc["channels"][ACK] = {"dtype": "float32", "slot_size": "4KiB",
+                            "slot_count": 16, "max_age_ms": 60000, "shadow": True}
+    role = _add_channel(doc, cam, "shadow_subscribes", ACK, "lockstep")
+    cam["args"] += ["--wait-for", role]
+    rec = doc["workers"][RECORDER]
+    ack = _add_channel(doc, rec, "publishes", ACK, "ack")
+    # Attached only, as the camera's start signal: acknowledging nothing (--ack-on no
+    # channel it records), the recorder records as `record` always does (no catch-up
+    # per command: a slow recorder drops and counts, it never paces the pipeline).
+    rec["args"] += ["--ack", ack, "--ack-on", ""]
+    return doc
 
 
 # ---------------------------------------------------------------- replay

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from supervisor.exits import Exit
 
-from .derive import RECORDER, DeriveError, dumps, read_doc, record_doc, write_config
+from .derive import (ACK, RECORDER, DeriveError, clip_doc, dumps, plan_of, read_doc, record_doc,
+                     write_config)
 from .drivelog import DriveLog
 from .embed import give_to_recorder, run_supervised
 from .logfmt import LogError, need_av
@@ -86,6 +87,35 @@ def prepare_out(out: str) -> str:
     return path
 
 
+def derived_source(derived: dict, orig_cam: dict | None = None) -> dict:
+    """The config a clip's log replays with: the clip's pipeline (simulation mode, the
+    camera's size) without the recorder and its acknowledgements (a replay adds its
+    own; the camera's source is replaced by the log's)."""
+    import copy
+
+    doc = copy.deepcopy(derived)
+    doc.get("workers", {}).pop(RECORDER, None)
+    doc.get("domains", {}).pop(RECORDER, None)
+    doc.get("channels", {}).pop(ACK, None)
+    for w in doc.get("workers", {}).values():
+        for key in ("shadow_subscribes", "subscribes"):
+            v = w.get(key)
+            if isinstance(v, dict):
+                w[key] = {r: c for r, c in v.items() if c != ACK}
+                if not w[key]:
+                    del w[key]
+            elif isinstance(v, list):
+                w[key] = [c for c in v if c != ACK]
+        if w.get("module") == "workers.camerad":
+            from .derive import _strip
+
+            w["args"] = _strip(list(w.get("args") or []), {"--wait-for": 1})
+            for k in ("backoff_initial_ms", "backoff_max_ms"):   # the clip's end only
+                if orig_cam is not None and k not in orig_cam:
+                    w.pop(k, None)
+    return doc
+
+
 def _one_line(e: Exception) -> str:
     """A loader error (one line per problem) as one line."""
     problems = getattr(e, "problems", None)
@@ -104,12 +134,51 @@ def _after_ready(seconds: float | None):
     return done
 
 
+def check_clip(clip: str) -> None:
+    """A clip this machine can play, judged here in one line before anything starts
+    (in the sandbox it would be the camera's last words)."""
+    if not os.path.isfile(clip):
+        raise RecordError(f"--clip {clip}: no such file")
+    try:
+        need_av("--clip")
+    except LogError as e:
+        raise RecordError(str(e)) from None
+    import av
+
+    try:
+        with av.open(clip) as c:
+            if not c.streams.video:
+                raise RecordError(f"--clip {clip}: has no video stream")
+    except (av.error.FFmpegError, OSError) as e:
+        raise RecordError(f"--clip {clip}: not a playable video ({e})") from None
+
+
+def _clip_done(camera: str, linger_s: float = 1.0):
+    """Without --seconds a clip is recorded once through: done ``linger_s`` after the
+    camera's last frame (its last commands and outputs reach the log)."""
+    from .run import camera_done
+
+    def done(log) -> bool:
+        e = camera_done(log.events, camera)
+        return e is not None and time.monotonic_ns() - e["mono_ns"] >= linger_s * 1e9
+    return done
+
+
 def record(out: str, *, config: str | None = None, seconds: float | None = None,
            video: str = "h264", echo=sys.stderr,
-           recorder_args: list[str] | None = None, progress_out=None) -> Recorded:
-    """``progress_out``: a terminal for the progress line (seconds, frames, drops)."""
+           recorder_args: list[str] | None = None, progress_out=None,
+           clip: str | None = None, loop: bool = False) -> Recorded:
+    """``progress_out``: a terminal for the progress line (seconds, frames, drops).
+    ``clip``: play this video file through the pipeline (`derive.clip_doc`); without
+    ``seconds`` (and ``loop``) once through."""
     if seconds is not None and seconds <= 0:
         raise RecordError(f"--seconds {seconds:g}: must be > 0")
+    if clip is not None:
+        check_clip(clip)
+        if loop and seconds is None:
+            raise RecordError("--loop plays the clip forever: give --seconds")
+    elif loop:
+        raise RecordError("--loop is for --clip")
     if video == "h264":         # the recorder would die of it in its sandbox: say it here
         try:
             need_av("--video h264")
@@ -117,7 +186,14 @@ def record(out: str, *, config: str | None = None, seconds: float | None = None,
             raise RecordError(f"{e} (or record --video raw)") from None
     try:
         doc, _source = read_doc(config)
-        derived = record_doc(doc, os.path.abspath(out), video=video)
+        if clip is not None:
+            derived = clip_doc(doc, clip, os.path.abspath(out), video=video, loop=loop)
+            from .derive import CAMERA, worker_by_module
+
+            cam = worker_by_module(doc, CAMERA)
+            doc = derived_source(derived, cam[1] if cam else None)  # what replays it
+        else:
+            derived = record_doc(doc, os.path.abspath(out), video=video)
         derived["workers"][RECORDER]["args"] += list(recorder_args or [])
     except DeriveError as e:
         raise RecordError(str(e)) from None
@@ -139,7 +215,9 @@ def record(out: str, *, config: str | None = None, seconds: float | None = None,
             shutil.rmtree(path, ignore_errors=True)
             raise RecordError(f"derived record config: {_one_line(e)}") from None
         bar = RecordProgress(path, seconds, out=progress_out, recorder=RECORDER)
-        outcome = run_supervised(cfg, path, until=_after_ready(seconds),
+        until = (_clip_done(plan_of(derived).camera) if clip is not None and seconds is None
+                 else _after_ready(seconds))
+        outcome = run_supervised(cfg, path, until=until,
                                  timeout_s=None if seconds is None else seconds + 300,
                                  echo=echo, tick=bar.tick)
         bar.close()
