@@ -383,7 +383,7 @@ def test_a_wrong_last_slot_hint_only_costs_a_scan(pair):
     good = codec.encode_layout(np.dtype("uint8"), (4,), (1,), 0, None)
     for k in range(3):
         seq = w._last_seq + 1
-        slot = min(range(4), key=lambda i: w._seq[i])
+        slot = w._choose(w._protected(time.monotonic_ns()))     # the one forge loans
         hdr = codec.encode_header(w.spec, sequence=seq, generation=w._gen[slot] + 2,
                                   writer_pid=1, domain="control",
                                   publish_ts_ns=time.monotonic_ns(), crc32=None)

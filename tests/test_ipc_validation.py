@@ -23,7 +23,8 @@ def _header(w, seq, gen, **kw):
 
 
 def _next(w):
-    """(seq, gen) the next forged message will carry: forge loans the oldest slot."""
+    """(seq, gen) the next forged message will carry: forge loans the slot the writer
+    chooses (Writer._choose: the newest one every reader took, else the oldest)."""
     return w._last_seq + 1, w._gen[_oldest(w)] + 2
 
 
@@ -35,7 +36,8 @@ def _forge_tensor(w, shape, strides, offset=0, dtype=None, **hkw):
 
 
 def _oldest(w):
-    return min(range(w.spec.slot_count), key=lambda i: w._seq[i])
+    """The slot the next loan takes (the name predates Writer._choose)."""
+    return w._choose(w._protected(time.monotonic_ns()))
 
 
 def _layout_bytes(dtype, shape, strides, offset, frame=None, nbytes=None):

@@ -323,10 +323,21 @@ static PyObject *fence_full(PyObject *m, PyObject *unused) {
 
 /* loan(seg, leases, ctl, gens, seqs, loaned, now, limit, max_entries) -> (slot, honoured)
  *
- * The oldest slot (smallest seq) that no live lease protects and that is not on loan;
- * its generation becomes odd (W1, W2). slot -1: none free. A lease counts only for the
+ * Of the slots no live lease protects and not on loan: the newest one every reader has
+ * taken already, if any (its message is nobody's to lose, and it is the one most
+ * likely still in the caches: a 3.5 MB frame copied into the slot written last took
+ * 154 us here, into the oldest of 8 456 us), else the oldest (smallest seq); its
+ * generation becomes odd (W1, W2). slot -1: none free. "Every reader has taken":
+ * seq <= the smallest TAKEN_OFF word over the lease tables of readers that attached
+ * (LEASE_MAGIC at 0; each stores there the sequence number it delivered last; 0, one
+ * that does not: nothing). A table no reader ever attached to (the spare reader index
+ * the config adds) does not count: a reader attaching later starts at the newest
+ * message, never older ones. A reader that overstates only loses its own messages: the
+ * smallest counts, so an honest lagging reader still gets the oldest-first ring. A lease counts only for the
  * slot's current generation and within the channel's lease bound (now < deadline <=
  * limit), whatever its reader wrote. gens/seqs: the writer's lists (updated here). */
+#define TAKEN_OFF 40
+#define LEASE_MAGIC 0x31455341454C4254ull   /* b"TBLEASE1": a reader attached */
 static PyObject *w_loan(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     if (n != 9) {
         PyErr_SetString(PyExc_TypeError, "loan() takes 9 arguments");
@@ -359,10 +370,23 @@ static PyObject *w_loan(PyObject *m, PyObject *const *a, Py_ssize_t n) {
         blocked[i] = 0;
     }
     Py_ssize_t nleases = PyTuple_GET_SIZE(leases);
+    uint64_t taken = UINT64_MAX;                  /* what every reader has taken */
     for (Py_ssize_t t = 0; t < nleases; t++) {
         Region *lr = as_region(PyTuple_GET_ITEM(leases, t), "lease table");
         if (lr == NULL)
             return NULL;
+        /* Acquire: the reader stored it after its lease on that message (L2, L3), so
+         * the lease entries loaded below are at least as new. Advice, like a lease:
+         * a reader still in a slot it said it took is caught by its seqlock (R5). */
+        uint64_t tk = 0;
+        if (in_bounds(lr, TAKEN_OFF, 8)) {
+            if (__atomic_load_n((uint64_t *)lr->base, RELAXED) != LEASE_MAGIC)
+                tk = UINT64_MAX;                      /* never attached: not a reader */
+            else
+                tk = __atomic_load_n((uint64_t *)(lr->base + TAKEN_OFF), ACQUIRE);
+        }
+        if (tk < taken)
+            taken = tk;
         for (Py_ssize_t k = 0; k < max_entries; k++) {
             Py_ssize_t off = LEASE_BASE + LEASE_STRIDE * k;
             if (!in_bounds(lr, off, LEASE_STRIDE))
@@ -390,8 +414,8 @@ static PyObject *w_loan(PyObject *m, PyObject *const *a, Py_ssize_t n) {
         if (PyErr_Occurred())
             return NULL;
     }
-    Py_ssize_t best = -1, honoured = 0;
-    uint64_t best_seq = 0;
+    Py_ssize_t best = -1, honoured = 0, done = -1;
+    uint64_t best_seq = 0, done_seq = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
         if (blocked[i] == 1)
             honoured++;
@@ -404,7 +428,13 @@ static PyObject *w_loan(PyObject *m, PyObject *const *a, Py_ssize_t n) {
             best = i;
             best_seq = s;
         }
+        if (s && s <= taken && (done < 0 || s > done_seq)) {
+            done = i;
+            done_seq = s;
+        }
     }
+    if (done >= 0 && taken != UINT64_MAX)         /* no reader at all: oldest first */
+        best = done;
     if (best < 0)
         return Py_BuildValue("(nn)", (Py_ssize_t)-1, (Py_ssize_t)0);
     Py_ssize_t cb;
@@ -1359,5 +1389,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(mod, "AWAKE_OFF", AWAKE_OFF);
     PyModule_AddIntConstant(mod, "READER_AWAKE", READER_AWAKE);
     PyModule_AddIntConstant(mod, "SLEEPS_OFF", SLEEPS_OFF);
+    PyModule_AddIntConstant(mod, "TAKEN_OFF", TAKEN_OFF);
     return mod;
 }

@@ -72,6 +72,11 @@ READER_POLLS = 1
 # to sleep, stored before the flag; the writer sends one wake-up byte per sleep, not
 # one per message (K6 in _native.c). 0: a reader that does not count (always woken).
 OFF_SLEEPS = 32
+# In the lease header: the sequence number this reader delivered last. A slot whose
+# message every reader has taken is the writer's first choice to reuse (the newest
+# such: still in the caches), before the oldest (Writer.loan; loan in _native.c).
+# 0: nothing (a reader that does not say, a table not in use).
+OFF_TAKEN = 40
 LEASE_STRIDE = 32
 
 U64 = struct.Struct("<Q")

@@ -35,6 +35,8 @@ _FD_SETSIZE = 1024       # select() takes fds below this
 _new_message = object.__new__
 _OFF_LAST_SEQ = L.OFF_LAST_SEQ
 _OFF_LAST_SLOT = L.OFF_LAST_SLOT
+_OFF_TAKEN = L.OFF_TAKEN
+_u64_pack = L.U64.pack_into
 _MAX_SEQ = 2**64 - 1
 
 # How far a publish, frame capture or receipt capture timestamp may lie ahead of the
@@ -280,6 +282,12 @@ class Reader:
             self._cadence.seen(stamp[3], stamp[0], self._announced())
         if self._burst is not None:
             self._burst.took(_now())
+        # Taken: the writer may reuse this message's slot first once every reader has
+        # (layout OFF_TAKEN). The lease keeps it meanwhile.
+        if self._lease_r is not None:
+            self._lease_r.store_relaxed(_OFF_TAKEN, stamp[0])
+        else:
+            _u64_pack(self._lease_mm, _OFF_TAKEN, stamp[0])
         self._received += 1
         self._delivered = (stamp[0], slot, gen)
         msg = _new_message(Message)

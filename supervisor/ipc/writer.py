@@ -167,14 +167,34 @@ class Writer:
                     out.add(slot)
         return out
 
-    def loan(self) -> Loan:
-        """Claim the oldest slot no live lease protects. Never blocks."""
-        protected = self._protected(time.monotonic_ns())
+    def _taken(self) -> int:
+        """The sequence number every reader has taken (layout OFF_TAKEN, the smallest
+        over the lease tables of readers that attached; 0: none, or no reader)."""
+        return min((L.U64.unpack_from(mm, L.OFF_TAKEN)[0] for mm in self._leases
+                    if L.U64.unpack_from(mm, 0)[0] == L.LEASE_MAGIC), default=0)
+
+    def _choose(self, protected: set[int]) -> int:
+        """The slot a loan takes, of those not ``protected`` nor on loan (-1: none): the
+        newest one every reader has taken already (nobody's message to lose, and still
+        in the caches), else the oldest. The native loan makes the same choice
+        (_native.c; tests/test_ipc_slot_reuse.py holds them to it)."""
         loaned, seqs = self._loaned, self._seq
-        slot = -1
+        taken = self._taken()
+        slot = done = -1
         for i in range(self.spec.slot_count):
-            if i not in protected and i not in loaned and (slot < 0 or seqs[i] < seqs[slot]):
+            if i in protected or i in loaned:
+                continue
+            if slot < 0 or seqs[i] < seqs[slot]:
                 slot = i
+            if 0 < seqs[i] <= taken and (done < 0 or seqs[i] > seqs[done]):
+                done = i
+        return done if done >= 0 else slot
+
+    def loan(self) -> Loan:
+        """Claim a slot no live lease protects (``_choose``). Never blocks."""
+        protected = self._protected(time.monotonic_ns())
+        loaned = self._loaned
+        slot = self._choose(protected)
         if slot < 0:
             if len(loaned) >= self.spec.slot_count - self.spec.max_readers * self.spec.max_leases:
                 raise BridgeError(f"channel {self.spec.name!r}: too many open loans")
