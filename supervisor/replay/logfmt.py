@@ -527,14 +527,14 @@ def command_steps(directory: str | os.PathLike, channel: str
     clock reading its law stepped at (header capture time), so this is the car's own
     control clock. Empty for a log recorded before commands carried frame ids. Bad
     records are skipped (the replay's summary reports the input log's loss)."""
+    import numpy as np
+
     out: list[tuple[int, int, int, tuple[float, ...]]] = []
     for e in read_entries(Path(directory) / MESSAGES):
         if e.which() != "message":
             continue
         m = e.message
         if m.channel == channel and m.hasFrameId and m.captureTsNs > 0:
-            import numpy as np       # (this module is read by sandboxed workers too)
-
             vals = tuple(np.frombuffer(bytes(m.data), np.dtype(m.dtype)).astype(float).tolist())
             out.append((m.sequence, m.captureTsNs, m.frameId, vals))
     out.sort()

@@ -36,7 +36,7 @@ import numpy as np
 from schemas.payloads import CONTROL_CMD
 from supervisor.ipc import BridgeError, ChannelTimeout, LeaseLost, Rejected
 
-from .law import Command, ControlLaw, SafeReason
+from .law import Command, ControlLaw, ModelOutput, SafeReason
 
 WAIT_S = 0.05
 
@@ -78,7 +78,7 @@ class DriveClock:
         recorder attached after the car acted on that output): a step at the same time
         then moves nothing, and the command is the car's."""
         j = max(k - 1, 0)
-        t, fid, cmd = self.steps[j]
+        t, _, cmd = self.steps[j]
         if len(cmd) != len(CONTROL_CMD.fields):
             return
         first = self.steps[k][1]
@@ -90,7 +90,8 @@ class DriveClock:
                 seen.add(f)
         law.resume(cmd[_STEER], cmd[_ENGAGED] >= 0.5, len(seen), t)
 
-    def step(self, law: ControlLaw, out, t_capture: int) -> tuple[Command, int, bool]:
+    def step(self, law: ControlLaw, out: ModelOutput, t_capture: int
+             ) -> tuple[Command, int, bool]:
         """(command, step time, on the drive's clock) for output ``out`` of a frame
         captured at ``t_capture``."""
         out = out._replace(ts_ns=t_capture)
