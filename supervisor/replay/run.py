@@ -436,8 +436,17 @@ def plot(src: DriveLog, run: DriveLog, plan, path: Path, ref: DriveLog | None = 
     logs = [(src, "recorded", "-"), (run, "replay", "--")]
     if ref is not None and ref.path != src.path:
         logs.append((ref, "REF", ":"))
+    def at_step(m: Msg) -> float | None:
+        # The car's own commands: at the time its law stepped (their header's capture
+        # time, the recording's clock; several per frame), not stacked on the frame's.
+        if m.frame_id is not None and m.capture_ts_ns and times:
+            return (m.capture_ts_ns - t0) / 1e9
+        return at(m)
+
     for log, label, style in logs:
-        pts = [(at(m), float(m.array.ravel()[0])) for m in log.messages.get(plan.command or "", [])]
+        place = at_step if log is src else at
+        pts = [(place(m), float(m.array.ravel()[0]))
+               for m in log.messages.get(plan.command or "", [])]
         pts = sorted(p for p in pts if p[0] is not None)
         if pts:
             ax2.plot(*zip(*pts), style, lw=1, label=label)
