@@ -363,7 +363,7 @@ static PyObject *w_loan(PyObject *m, PyObject *const *a, Py_ssize_t n) {
         return NULL;
     }
     uint64_t gen[MAX_SLOTS];
-    unsigned char blocked[MAX_SLOTS];   /* 1: leased, 2: on loan */
+    unsigned char blocked[MAX_SLOTS];   /* 1: leased, 2: on loan, 4: a lapsed lease */
     for (Py_ssize_t i = 0; i < count; i++) {
         if (get_u64(PyList_GET_ITEM(gens, i), &gen[i]) < 0)
             return NULL;
@@ -396,8 +396,8 @@ static PyObject *w_loan(PyObject *m, PyObject *const *a, Py_ssize_t n) {
                 continue;
             uint32_t slot = __atomic_load_n((uint32_t *)(lr->base + off), RELAXED);
             uint64_t deadline = __atomic_load_n((uint64_t *)(lr->base + off + 16), RELAXED);
-            if (slot < count && g == gen[slot] && now < deadline && deadline <= limit)
-                blocked[slot] |= 1;
+            if (slot < count && g == gen[slot])
+                blocked[slot] |= (now < deadline && deadline <= limit) ? 1 : 4;
         }
     }
     if (PySet_GET_SIZE(loaned)) {
@@ -417,9 +417,9 @@ static PyObject *w_loan(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     Py_ssize_t best = -1, honoured = 0, done = -1;
     uint64_t best_seq = 0, done_seq = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
-        if (blocked[i] == 1)
+        if ((blocked[i] & 3) == 1)
             honoured++;
-        if (blocked[i])
+        if (blocked[i] & 3)
             continue;
         uint64_t s;
         if (get_u64(PyList_GET_ITEM(seqs, i), &s) < 0)
@@ -428,7 +428,9 @@ static PyObject *w_loan(PyObject *m, PyObject *const *a, Py_ssize_t n) {
             best = i;
             best_seq = s;
         }
-        if (s && s <= taken && (done < 0 || s > done_seq)) {
+        /* A message still held on a lapsed lease is not "taken and done": it goes
+         * in its oldest-first turn, as before, not first. */
+        if (s && s <= taken && !(blocked[i] & 4) && (done < 0 || s > done_seq)) {
             done = i;
             done_seq = s;
         }

@@ -154,17 +154,21 @@ class Writer:
                                 spec.channel_id, self._pid, self._last_seq, 0, 0)
         self._seg.store(0, L.MAGIC)
 
-    def _protected(self, now: int) -> set[int]:
+    def _protected(self, now: int, lapsed: set[int] | None = None) -> set[int]:
         """Slots a live lease protects; a lease counts only for the slot's current
-        generation and within the channel's lease bound, whatever the reader wrote."""
+        generation and within the channel's lease bound, whatever the reader wrote.
+        ``lapsed`` gets the slots still named by a lease past that bound."""
         limit = now + self.spec.lease_ms * 1_000_000
         count, gens, entries, span = (self.spec.slot_count, self._gen,
                                       self._lease_entry.iter_unpack, self._lease_span)
         out = set()
         for mm in self._leases:
             for slot, gen, deadline in entries(mm[span]):
-                if gen and slot < count and gen == gens[slot] and now < deadline <= limit:
-                    out.add(slot)
+                if gen and slot < count and gen == gens[slot]:
+                    if now < deadline <= limit:
+                        out.add(slot)
+                    elif lapsed is not None:
+                        lapsed.add(slot)
         return out
 
     def _taken(self) -> int:
@@ -173,10 +177,12 @@ class Writer:
         return min((L.U64.unpack_from(mm, L.OFF_TAKEN)[0] for mm in self._leases
                     if L.U64.unpack_from(mm, 0)[0] == L.LEASE_MAGIC), default=0)
 
-    def _choose(self, protected: set[int]) -> int:
+    def _choose(self, protected: set[int], lapsed: frozenset[int] | set[int] = frozenset()
+                ) -> int:
         """The slot a loan takes, of those not ``protected`` nor on loan (-1: none): the
         newest one every reader has taken already (nobody's message to lose, and still
-        in the caches), else the oldest. The native loan makes the same choice
+        in the caches; not one still held on a ``lapsed`` lease: that goes in its
+        oldest-first turn), else the oldest. The native loan makes the same choice
         (_native.c; tests/test_ipc_slot_reuse.py holds them to it)."""
         loaned, seqs = self._loaned, self._seq
         taken = self._taken()
@@ -186,15 +192,17 @@ class Writer:
                 continue
             if slot < 0 or seqs[i] < seqs[slot]:
                 slot = i
-            if 0 < seqs[i] <= taken and (done < 0 or seqs[i] > seqs[done]):
+            if (0 < seqs[i] <= taken and i not in lapsed
+                    and (done < 0 or seqs[i] > seqs[done])):
                 done = i
         return done if done >= 0 else slot
 
     def loan(self) -> Loan:
         """Claim a slot no live lease protects (``_choose``). Never blocks."""
-        protected = self._protected(time.monotonic_ns())
+        lapsed: set[int] = set()
+        protected = self._protected(time.monotonic_ns(), lapsed)
         loaned = self._loaned
-        slot = self._choose(protected)
+        slot = self._choose(protected, lapsed)
         if slot < 0:
             if len(loaned) >= self.spec.slot_count - self.spec.max_readers * self.spec.max_leases:
                 raise BridgeError(f"channel {self.spec.name!r}: too many open loans")
