@@ -95,6 +95,7 @@ def _toml(sock_dir: Path) -> str:
     optional = true
     memory_max = "256MiB"
     pids_max = 32
+    ready_timeout_ms = 30000
     """)
     return textwrap.dedent("".join(parts))
 
@@ -135,11 +136,22 @@ class Host:
         with open(self.log_path) as f:
             return [json.loads(x) for x in f if x.startswith("{")]
 
-    def settle(self, timeout: float = 60) -> list[dict]:
-        """Until every attacker has answered or been killed, and torch has imported."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.proc.poll() is None:
+    def settle(self, stall_s: float = 180, admission_s: float = 600,
+               cap_s: float = 1200) -> list[dict]:
+        """Until every attacker has answered or been killed, and torch has imported. The
+        workers start one after another: on a loaded 2-core machine 60 s was not enough
+        for them all (most of the file failed on events never seen). So not a fixed
+        deadline: it gives up when the fleet stops making progress (no worker started,
+        ready or done for ``stall_s``, or ``admission_s`` before the first start) or at
+        ``cap_s``, and returns as soon as all are done. Each attacker's READY deadline is 30 s for the same reason (a sandbox start
+        took over 5 s under load: killed before its attack, nothing proved)."""
+        start = last_change = time.monotonic()
+        seen = -1
+        while time.monotonic() - start < cap_s and self.proc.poll() is None:
             ev = self.events()
+            admitted = any(e["event"] == "channels_created" for e in ev)
+            if time.monotonic() - last_change >= (stall_s if admitted else admission_s):
+                break
             done = {e.get("worker") for e in ev
                     if e["event"] in ("exit", "refused", "gave_up")
                     or (e["event"] == "output" and e["worker"] == TORCH
@@ -147,6 +159,9 @@ class Host:
             if set(ATTACKERS) | {TORCH} <= done:
                 time.sleep(0.5)
                 return self.events()
+            progress = sum(e["event"] in ("start", "ready") for e in ev) + len(done) + admitted
+            if progress != seen:
+                seen, last_change = progress, time.monotonic()
             time.sleep(0.2)
         return self.events()
 

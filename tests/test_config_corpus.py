@@ -478,14 +478,24 @@ if "pytest" in sys.modules:
         bad = next(b for b in CORPUS if b.name == name)
         path = write(bad, tmp_path)
         env = _env(ROOT, bad, str(tmp_path / "state"))
-        for cmd in ("check", "run"):
-            quiet = ["--quiet"] if cmd == "run" else []
-            p = subprocess.run([sys.executable, "-m", "supervisor.cli", cmd, *quiet, "--config",
-                                str(path)],
-                               cwd=tmp_path, env=env, capture_output=True, text=True,
-                               errors="replace", timeout=300)
-            out = p.stdout + p.stderr
-            assert "Traceback" not in out and p.returncode == 2, (cmd, p.returncode, out[-3000:])
+        # Both at once: each pays admission of the pipeline's workers (~10 s of one CPU
+        # for a run-time problem), and CI has two CPUs.
+        procs = {cmd: subprocess.Popen(
+                     [sys.executable, "-m", "supervisor.cli", cmd,
+                      *(["--quiet"] if cmd == "run" else []), "--config", str(path)],
+                     cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                     text=True, errors="replace")
+                 for cmd in ("check", "run")}
+        try:
+            outs = {cmd: p.communicate(timeout=300) for cmd, p in procs.items()}
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        for cmd, (stdout, stderr) in outs.items():
+            code, out = procs[cmd].returncode, stdout + stderr
+            assert "Traceback" not in out and code == 2, (cmd, code, out[-3000:])
             assert f"{path}: " in out, out[-3000:]
             assert '"event": "start"' not in out and '"event":"start"' not in out
 
