@@ -111,6 +111,17 @@ _procmap_query_works: bool | None = None  # None: not tried yet
 JUDGE_BUDGET_S = 0.25  # CPU time of this thread (system time: reading /proc)
 JUDGE_WALL_S = 2.0  # wall time (a lock held by the worker; a descheduled supervisor)
 MAX_RANGE_MAPPINGS = 1024
+# What all of one worker's requests may cost us (one listener: one incarnation): a
+# bucket of CPU and of requests, refilled slowly (a JIT worker maps now and then for
+# its whole life). Each judgement is bounded above, their number was not: a worker
+# mapping libc R|X in a loop before READY bought ~0.4 s of root CPU, outside every
+# cgroup, per second (red team round 2). Honest start-ups, load 14: camerad 29
+# requests, modeld 49; importing numpy, capnp, tinygrad and trio under the watch (the
+# end-to-end test's worker) 263 requests, 0.54 s of our CPU. About 3x that:
+JUDGE_TOTAL_CPU_S = 1.5        # the CPU bucket
+JUDGE_CPU_REFILL = 0.02        # CPU seconds given back per second (2 % of a CPU)
+MAX_JUDGEMENTS = 768           # the request bucket
+JUDGEMENTS_REFILL = 5.0        # requests given back per second
 # How long the worker's threads may take to stop, and the caller to make an allowed call
 # and stop. Scheduling, not our work: longer than a judgement's budget on a loaded
 # machine, and off the event loop (one thread per worker), so it holds no one else.
@@ -242,6 +253,12 @@ class ExecWatch:
         self.mismatches = 0     # calls whose result was not what was judged
         self.stops = 0          # judgements made with the worker stopped
         self.busy_s = 0.0       # wall time spent answering (judging, stopping, checking)
+        self.cpu_s = 0.0        # our CPU time spent answering, in all
+        self.judged = 0         # requests answered, in all
+        # The buckets (JUDGE_TOTAL_CPU_S, MAX_JUDGEMENTS): what is left, refilled on use.
+        self.judge_total_cpu_s, self.max_judgements = JUDGE_TOTAL_CPU_S, MAX_JUDGEMENTS
+        self._cpu_left, self._judgements_left = JUDGE_TOTAL_CPU_S, float(MAX_JUDGEMENTS)
+        self._refilled = time.monotonic()
         # What the request being judged may make executable (_mismatch): (dev, inode)
         # of the judged files, and whether private anonymous memory was judged.
         self._judged: set[tuple[tuple[int, int], int]] = set()
@@ -288,14 +305,40 @@ class ExecWatch:
                 except BaseException:
                     self._respond(req.id, False)  # never leave a received request unanswered
                     raise
-            t0 = time.perf_counter()
+            if (flood := self._flood()) is not None:
+                self._respond(req.id, False)
+                out.append(Verdict(req, False, flood))
+                break
+            t0, c0 = time.perf_counter(), time.thread_time()
             verdict, slow = self._answer(req)
             self.busy_s += time.perf_counter() - t0
+            cpu = time.thread_time() - c0
+            self.cpu_s += cpu
+            self.judged += 1
+            self._cpu_left -= cpu
+            self._judgements_left -= 1
             if verdict is not None:
                 out.append(verdict)
             if slow:
                 break
         return out
+
+    def _flood(self) -> str | None:
+        """Why the next request is refused unjudged: this worker's requests have cost
+        more than their buckets hold (a flood), else None."""
+        now = time.monotonic()
+        dt, self._refilled = now - self._refilled, now
+        self._cpu_left = min(self.judge_total_cpu_s, self._cpu_left + dt * JUDGE_CPU_REFILL)
+        self._judgements_left = min(float(self.max_judgements),
+                                    self._judgements_left + dt * JUDGEMENTS_REFILL)
+        if self._judgements_left < 1:
+            return (f"exec request flood: {self.judged} requests to judge (bucket "
+                    f"{self.max_judgements}, {JUDGEMENTS_REFILL:g}/s)")
+        if self._cpu_left <= 0:
+            return (f"exec request flood: {self.judged} requests took {self.cpu_s:.2f} s "
+                    f"of supervisor CPU (bucket {self.judge_total_cpu_s:.1f} s, "
+                    f"{JUDGE_CPU_REFILL:g} s/s)")
+        return None
 
     def _answer(self, req: ExecRequest) -> tuple[Verdict | None, bool]:
         """Judge and answer one received request: (verdict, too slow); None if the

@@ -303,11 +303,10 @@ def _libc_path() -> str:
 
 
 def exec_watch_flood(ctx: WorkerContext) -> dict:
-    """Before READY: 4 s of allowed requests, each a read+execute mapping of libc (a
-    read-only file: allowed every time). Every one stops the whole worker and has the
-    supervisor, as root and outside any cgroup, judge it; the budgets bound one
-    judgement, nothing bounds how many. The `ready` event's exec_judged_ms says what
-    the supervisor spent."""
+    """Before READY: allowed requests, each a read+execute mapping of libc (a read-only
+    file: allowed every time), until one is refused (or 20 s). Every one stops the
+    whole worker and has the supervisor, as root and outside any cgroup, judge it: the
+    supervisor must bound how many (execwatch's buckets) and refuse the worker."""
     import mmap
 
     fd = os.open(_libc_path(), os.O_RDONLY)
@@ -318,7 +317,7 @@ def exec_watch_flood(ctx: WorkerContext) -> dict:
     prot = mmap.PROT_READ | mmap.PROT_EXEC
     ok = denied = 0
     cpu0, t0 = time.process_time(), time.monotonic()
-    while time.monotonic() - t0 < 4.0:
+    while time.monotonic() - t0 < 20.0 and not denied:
         addr = _libc.mmap(None, 4096, prot, mmap.MAP_PRIVATE, fd, 0)
         if addr in (None, ctypes.c_void_p(-1).value):
             denied += 1
