@@ -34,6 +34,7 @@ _LEVELS: dict[str, Level] = {
     "standby_failed": Level.WARNING, "protocol_error": Level.WARNING,
     "output_dropped": Level.WARNING, "monitor_error": Level.WARNING,
     "config_problem": Level.WARNING, "restart": Level.WARNING, "cooldown": Level.WARNING,
+    "broker_refused": Level.WARNING, "broker_error": Level.ERROR,   # supervisor/broker
 }
 LEVEL_NAMES = {"debug": Level.DEBUG, "info": Level.INFO, "warning": Level.WARNING,
                "error": Level.ERROR}
