@@ -22,7 +22,13 @@ Printed (markdown tables, for bench/RESULTS.md):
   capture -> publish (wide: no consumer yet);
 * CPU per worker (% of one CPU, from its cgroup's cpu.stat, standbys included in their
   worker's cgroup where they share it) and the supervisor's (this process's threads
-  less the bench's reader threads), with the load average before and after;
+  less the bench's reader threads), with the load average before and after; and per
+  worker the time its threads were runnable but waiting for a CPU (schedstat, its
+  current process tree): where that is large against its CPU, the worker's misses are
+  the machine's contention, not its own cost;
+* a model of several cameras (input ABI 3): per further camera, the capture skew to the
+  driving camera's frame of the same id, its publish -> inference start, and its frames
+  no output came from;
 * the verdict: no drops on control channels and every control deadline met (model
   receipts' deadline misses, command gaps, watchdog misses, restarts, fail-safe).
 """
@@ -140,6 +146,32 @@ def _tree_cpu_ns(pid: int) -> int:
     return total
 
 
+def _tree_wait_ns(pid: int) -> int:
+    """Time the threads of a process and its live descendants spent runnable but not
+    running (waiting for a CPU: /proc/PID/task/TID/schedstat's second field)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                try:
+                    with open(f"/proc/{p}/task/{tid}/schedstat") as f:
+                        total += int(f.read().split()[1])
+                    with open(f"/proc/{p}/task/{tid}/children") as f:
+                        todo += [int(c) for c in f.read().split()]
+                except (OSError, IndexError, ValueError):
+                    pass
+        except OSError:
+            pass
+    return total
+
+
+def worker_wait(sup: Supervisor) -> dict[str, int]:
+    """Per worker: run-queue wait of its current process tree (standbys not included)."""
+    return {name: _tree_wait_ns(run.proc.pid) if getattr(run, "proc", None) is not None else 0
+            for name, run in sup.runs.items()}
+
+
 def worker_cpu(sup: Supervisor) -> dict[str, int]:
     """Per worker: its cgroup's CPU where cgroups are on, else its process tree's (the
     run's current process; a standby's own CPU is not in it then)."""
@@ -153,14 +185,16 @@ def worker_cpu(sup: Supervisor) -> dict[str, int]:
 
 
 def threads_cpu(exclude: set[int]) -> int:
-    total = 0
-    for tid in os.listdir("/proc/self/task"):
-        if int(tid) in exclude:
-            continue
+    """CPU of this process (every thread it ever ran, exited ones included: trio's
+    worker threads come and go) less that of the threads in ``exclude`` (the bench's
+    readers, which live to the end)."""
+    t = os.times()
+    total = int((t.user + t.system) * 1e9)
+    for tid in exclude:
         try:
             with open(f"/proc/self/task/{tid}/stat") as f:
                 parts = f.read().rsplit(")", 1)[1].split()
-            total += (int(parts[11]) + int(parts[12])) * 1_000_000_000 // TICKS
+            total -= (int(parts[11]) + int(parts[12])) * 1_000_000_000 // TICKS
         except (OSError, IndexError, ValueError):
             pass
     return total
@@ -184,11 +218,15 @@ def analyse(cfg, seen: dict[str, Seen], t0: int, t1: int, events: str) -> dict:
             readers[ch].append(w)
     secs = (t1 - t0) / 1e9
     table, hops, e2e, drops = {}, {}, {}, {}
-    # model outputs per frame channel: the channel a model worker reads -> what it writes
-    model_of = {}
+    # model outputs per frame channel: the channel a model worker reads -> what it writes;
+    # a model of several cameras (input ABI 3): its further channels -> (the driving
+    # channel, what it writes), paired by frame id
+    model_of, partner_of = {}, {}
     for w, wc in cfg.workers.items():
         if wc.module == "workers.modeld":
             model_of[wc.subscribes[0]] = wc.publishes[0]
+            for ch in wc.subscribes[1:]:
+                partner_of[ch] = (wc.subscribes[0], wc.publishes[0])
     cmd_ts = np.array(sorted(seen["control_cmd"].pub)) if "control_cmd" in seen else np.array([])
     for name in sorted(seen):
         s = seen[name]
@@ -230,8 +268,31 @@ def analyse(cfg, seen: dict[str, Seen], t0: int, t1: int, events: str) -> dict:
             hops[frames_ch]["model_out->command"] = pct(tail)
         e2e[frames_ch] = {"to": "control_cmd" if out_ch == "model_out" else out_ch,
                           "ms": pct(ee), "deadline_misses": (max(misses) - min(misses)) if misses else 0}
+    for ch, (drive, out_ch) in partner_of.items():
+        # The wide camera: its frame of each output's id, how far its capture was from
+        # the road frame's, when it was published against the inference start, and the
+        # road frames not run for want of it (their outputs are missing: drops above).
+        p, f, o = seen[ch], seen[drive], seen[out_ch]
+        ppub = {p.frame[i]: (p.capture[i], p.pub[i]) for i in range(len(p.frame))}
+        fcap = {f.frame[i]: f.capture[i] for i in range(len(f.frame))}
+        outs = {o.frame[i] for i in range(len(o.frame))}
+        pidx = _window(p, t0, t1 - 500_000_000)
+        drops[ch] = sum(1 for i in pidx if p.frame[i] not in outs)
+        skew, hop, render = [], [], []
+        for i in _window(o, t0, t1 - 200_000_000):
+            r, fid = o.receipts[i], o.frame[i]
+            if r is None or fid not in ppub or fid not in fcap:
+                continue
+            cap, pub = ppub[fid]
+            skew.append(abs(cap - fcap[fid]) / 1e6)
+            render.append((pub - cap) / 1e6)
+            hop.append((r.infer_start_ns - pub) / 1e6)
+        hops[ch] = {"capture->publish": pct(render), "|capture - road capture|": pct(skew),
+                    "publish->infer start": pct(hop)}
+        e2e[ch] = {"to": f"{out_ch} (paired with {drive})", "ms": e2e[drive]["ms"],
+                   "deadline_misses": 0}
     for name in seen:
-        if chans[name].spec.kind == "frame" and name not in model_of:
+        if chans[name].spec.kind == "frame" and name not in model_of and name not in partner_of:
             s = seen[name]
             idx = _window(s, t0, t1)
             e2e[name] = {"to": "publish (no consumer)",
@@ -316,8 +377,10 @@ async def _run(cfg, a, result: dict) -> None:
         await trio.sleep(a.warmup)
         load0 = os.getloadavg()
         cpu0, sup0, t0 = worker_cpu(sup), threads_cpu(set(bench_tids)), time.monotonic_ns()
+        wait0 = worker_wait(sup)
         await trio.sleep(a.seconds)
         cpu1, sup1, t1 = worker_cpu(sup), threads_cpu(set(bench_tids)), time.monotonic_ns()
+        wait1 = worker_wait(sup)
         load1 = os.getloadavg()
         await trio.sleep(0.3)
         stop.set()
@@ -329,8 +392,15 @@ async def _run(cfg, a, result: dict) -> None:
             import pickle
             a.raw.write_bytes(pickle.dumps((seen, t0, t1, events.getvalue())))
         result.update(analyse(cfg, seen, t0, t1, events.getvalue()))
-        result["cpu_pct"] = {w: (cpu1[w] - cpu0.get(w, 0)) / 1e7 / secs for w in cpu1}
+        # A worker restarted in the window has a new cgroup / process tree whose counters
+        # start again from 0: its figure is not comparable, so it is None ("restarted").
+        result["cpu_pct"] = {w: (cpu1[w] - cpu0.get(w, 0)) / 1e7 / secs
+                             if cpu1[w] >= cpu0.get(w, 0) else None for w in cpu1}
+        # A restarted worker's new tree starts from 0: clamp rather than report < 0.
+        result["runq_wait_pct"] = {w: (wait1[w] - wait0.get(w, 0)) / 1e7 / secs
+                                   if wait1[w] >= wait0.get(w, 0) else None for w in wait1}
         result["supervisor_cpu_pct"] = (sup1 - sup0) / 1e7 / secs
+        result["restarted"] = sorted(w for w, p in result["cpu_pct"].items() if p is None)
         result["load"] = (load0[0], load1[0])
         result["seconds"] = secs
         nursery.cancel_scope.cancel()
@@ -375,11 +445,16 @@ def render(cfg, res: dict) -> str:
     out += ["", "| camera | e2e to | p50 / p99 ms | model deadline misses |", "|---|---|---|---|"]
     for cam, e in res["e2e"].items():
         out.append(f"| {cam} | {e['to']} | {f(e['ms'])} | {e['deadline_misses']} |")
-    out += ["", "| worker | CPU % of one core |", "|---|---|"]
+    out += ["", "| worker | CPU % of one core | waiting for a CPU, % of the time |",
+            "|---|---|---|"]
+    waits = res.get("runq_wait_pct", {})
+    def num(v) -> str:
+        return "restarted" if v is None else f"{v:.1f}"
+
     for w, p in sorted(res["cpu_pct"].items()):
-        out.append(f"| {w} | {p:.1f} |")
+        out.append(f"| {w} | {num(p)} | {num(waits.get(w, float('nan')))} |")
     out.append(f"| supervisor (this process, less the bench's readers) | "
-               f"{res['supervisor_cpu_pct']:.1f} |")
+               f"{res['supervisor_cpu_pct']:.1f} | - |")
     if res["camera_dropped"]:
         out.append("\ncamera skipped slots in the window (camerad's dropped=): "
                    + ", ".join(f"{k}={v}" for k, v in sorted(res["camera_dropped"].items())))

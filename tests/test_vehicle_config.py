@@ -1,6 +1,6 @@
 """The car-shaped config (supervisor/car.toml): three cameras with distinct synthetic
-scenes, the driver-monitoring model in its own modeld instance with its own signed
-artifact and payload, controls at 100 Hz. Real artifacts, real tinygrad, the real CLI;
+scenes, the driving model on road + wide (input ABI 3), the driver-monitoring model in
+its own modeld instance with its own signed artifact and payload, controls at 100 Hz. Real artifacts, real tinygrad, the real CLI;
 timings are bench/vehicle_load.py's, not these tests'."""
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ W, H = 1928, 1208
 
 def test_car_config_is_checked_and_trusts_both_models():
     r = subprocess.run([sys.executable, "-m", "supervisor.cli", "check", "--config", str(CAR)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)   # 7 sandboxes built on a loaded 2-core machine
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     assert "trusts model 'driver-monitor': driver-monitor-demo 1.0.0" in out
@@ -35,6 +35,14 @@ def test_car_config_is_checked_and_trusts_both_models():
     sensors = {w: cfg.workers[w].args[cfg.workers[w].args.index("--sensor") + 1]
                for w in ("camerad", "camerad_wide", "camerad_driver")}
     assert sensors == {"camerad": "road", "camerad_wide": "wide", "camerad_driver": "driver"}
+    # the driving model takes road + wide, paired by frame id: both on the clock trigger
+    md = cfg.workers["modeld"]
+    assert md.model == "lane-offset-wide"
+    assert dict(md.roles) == {"frames": "road_frames", "wide": "wide_frames", "model": "model_out"}
+    for w in ("camerad", "camerad_wide"):
+        args = cfg.workers[w].args
+        assert args[args.index("--trigger") + 1] == "clock"
+    assert "trusts model 'lane-offset-wide': lane-offset-wide-demo 1.0.0" in out
     dm = cfg.workers["dmonitoringd"]
     assert dm.module == "workers.modeld" and dm.model == "driver-monitor"
     assert dict(dm.roles) == {"frames": "driver_frames", "model": "driver_state"}
