@@ -28,10 +28,11 @@ just before the pixels are rendered/copied); ``frame_id = k``. A frame that star
 more than one period late counts as an overrun, and like a real camera we skip the
 slots already missed (counted as ``dropped``, the frame ids skip too) rather than
 bursting to catch up. ``--trigger clock``: the schedule is the grid ``k/fps`` of
-CLOCK_MONOTONIC itself (k counted from boot) and ``frame_id = k``, so cameras started
-with it expose together and give the frames of one instant one id, as sensors on one
-hardware trigger do (the driving model pairs the road and wide cameras by it); the
-default ``start`` counts from this camera's own start. Status line (every ``--status-s``): fps over the window, frames,
+CLOCK_MONOTONIC itself (k counted from boot), ``frame_id = k`` and ``capture_ts_ns =
+k / fps`` (the trigger's instant, as a hardware-triggered sensor stamps it, however late
+this process woke to render it), so cameras started with it give the frames of one
+instant one id and one capture time (the driving model pairs the road and wide cameras
+by them); the default ``start`` counts from this camera's own start. Status line (every ``--status-s``): fps over the window, frames,
 overruns, dropped, mean/max publish time.
 
 Channels (bound by the config, never named here): output role ``frames``.
@@ -237,7 +238,11 @@ def main(ctx: WorkerContext) -> int:
             missed = late // period
             dropped += missed
             k += missed
-        capture_ts = time.monotonic_ns()
+        # On the shared trigger the exposure is the slot's instant, whenever this
+        # process got the CPU to render it (a sensor stamps its trigger, not its
+        # driver's wake-up): frames of one id from two cameras carry one capture time,
+        # and a late wake-up shows as capture -> publish time, where it belongs.
+        capture_ts = k * period if a.trigger == "clock" else time.monotonic_ns()
         with writer.loan() as loan:
             planes = loan.frame(fmt, w, h, sensor=a.sensor)
             if isinstance(src, _Synthetic):
