@@ -941,8 +941,8 @@ def scribble(t, now):
         if rng.random() < 0.3:       # the padding and the rest of the stride
             t[off + 4:off + 8] = rng.randbytes(4)
             t[off + 24:off + 32] = rng.randbytes(8)
-    if rng.random() < 0.3:           # header: magic, pid, max_leases, the awake word
-        L.U64.pack_into(t, rng.choice([0, 8, L.OFF_AWAKE, 24, 32, 56]),
+    if rng.random() < 0.3:           # header: magic, pid, max_leases, awake, sleeps, taken
+        L.U64.pack_into(t, rng.choice([0, 8, L.OFF_AWAKE, 24, 32, L.OFF_TAKEN, 56]),
                         rng.choice(SPECIAL64 + [L.READER_AWAKE]))
     if rng.random() < 0.05:
         t[:] = bytes([0xFF]) * len(t)
@@ -955,9 +955,11 @@ for i in range(rounds):
     for t in tables:
         scribble(t, now)
     # The pure-Python writer's answer for this very clock reading (its oracle).
-    protected = w._protected(now)
-    free = [s for s in range(spec.slot_count) if s not in protected and s not in w._loaned]
-    want = min(free, key=lambda s: (w._seq[s], s)) if free else -1
+    # (Writer._choose: the newest slot every attached reader took, else the oldest;
+    # the hostile tables' magic and taken words are theirs to write too.)
+    lapsed = set()
+    protected = w._protected(now, lapsed)
+    want = w._choose(protected, lapsed)
     want_honoured = len(protected - w._loaned)
     assert len(protected) <= 2 * spec.max_leases, protected
     gens = list(w._gen)
