@@ -26,10 +26,10 @@ restart budget so that every kill is measured rather than ending the run):
              it, and controlsd in SCHED_FIFO as car.toml runs it (realtime_priority 50,
              budget 10 %, no busy-polling): a dying real-time process is not preempted
              by normal ones while the kernel tears it down.
-  second     kill -9 of a worker, then again as soon as its replacement has published
-             (within 200 ms of the first kill where the replacement is that fast): time
-             from the second kill to the next instance's first output (two warm standbys
-             per worker: lifecycle/_standby.py STANDBY_DEPTH).
+  second     kill -9 of a worker, then 50-200 ms later a kill -9 of whatever took over
+             (once the run's process has changed): time from the second kill to the
+             next instance's first output, and whether that instance was a warm standby
+             (two per worker: lifecycle/_standby.py STANDBY_DEPTH).
   exits      `supervisor run` of a small probe pipeline; kill -9 of a worker, then SIGINT
              to the supervisor 0-10 ms later: a death without an `exit` event is missing.
   configs    the corpus of bad configs (tests/test_config_corpus.py, >= 80): how many pass
@@ -336,7 +336,7 @@ async def _second(trials: int, seed: int) -> dict:
             len(sup.config.readers_of(OUT[w])))) for w in PIPE}
         out: dict[str, list[float]] = {w: [] for w in PIPE}
         gaps: list[float] = []
-        failed = 0
+        failed = warm = 0
         for i in range(trials):
             w = PIPE[i % len(PIPE)]
             await _warm(sup, w)
@@ -347,10 +347,19 @@ async def _second(trials: int, seed: int) -> dict:
             _drain(r)
             t1 = time.monotonic()
             os.kill(_worker_pid(sup, w), signal.SIGKILL)
-            if await _first_output_after(sup, r, w, pid1, t1) is None:
+            # The takeover: the run's process changes (a standby adopted, else a spawn).
+            # The second kill lands 50-200 ms after the first, on whatever took over,
+            # whether or not it has published yet (issue 22: "within 200 ms").
+            with trio.move_on_after(5):
+                while run.pid == pid1:
+                    await trio.sleep(0.002)
+            pid2 = run.pid
+            if pid2 == pid1:
                 failed += 1
+                await _up(sup, w, pid1)
                 continue
-            pid2 = sup.runs[w].pid
+            await trio.sleep(max(0.0, t1 + rng.uniform(0.05, 0.2) - time.monotonic()))
+            adopted = len(log.of("standby_adopted", w))
             t2 = time.monotonic()
             gaps.append((t2 - t1) * 1000)
             try:
@@ -363,10 +372,13 @@ async def _second(trials: int, seed: int) -> dict:
                 failed += 1
             else:
                 out[w].append(dt * 1000)
+                # the process that took over from the second kill was a warm standby
+                warm += any(e["mono_ns"] / 1e9 > t2
+                            for e in log.of("standby_adopted", w)[adopted:])
             await _up(sup, w, pid2)
         allv = [x for v in out.values() for x in v]
         return {"trials": trials, "failed": failed, "ms": out, "gap_ms": gaps,
-                "within_200ms": sum(1 for g in gaps if g <= 200),
+                "within_200ms": sum(1 for g in gaps if g <= 200), "found_warm": warm,
                 "p50_ms": pct(allv, 50), "p99_ms": pct(allv, 99),
                 "per_worker": {w: {"p50": pct(v, 50), "p99": pct(v, 99), "n": len(v)}
                                for w, v in out.items()}}
@@ -571,9 +583,11 @@ def rows(res: dict) -> dict[str, tuple[str, str]]:
     if "second" in res:
         s = res["second"]
         gap = pct(s["gap_ms"], 50)
-        out["second kill after recovery: kill → first output p50 / p99"] = (
+        warm = (f"{s['found_warm']} of {len(s['gap_ms'])} found a warm standby; "
+                if "found_warm" in s else "")
+        out["second kill 50-200 ms after the first: kill → first output p50 / p99"] = (
             f"{s['trials']} pairs", f"{_f(s['p50_ms'])} / {_f(s['p99_ms'])} "
-            f"({s['within_200ms']} second kills ≤ 200 ms after the first, gap p50 "
+            f"({warm}{s['within_200ms']} second kills ≤ 200 ms after the first, gap p50 "
             f"{_f(gap)}; {s['failed']} failed)")
         for w, v in s["per_worker"].items():
             out[f"  … {w}"] = (f"{v['n']}", f"{_f(v['p50'])} / {_f(v['p99'])}")
@@ -600,7 +614,7 @@ ISSUE_BEFORE = {
         "refused in 4 of 4 runs; 5 of 176 kills at the default interval",
     "kill -9 controlsd: death → SAFE on control_cmd p50 / p99":
         "no SAFE: engaged=1 stays, p50 0.77 s, max 4.2 s (24 of 26 kills)",
-    "second kill after recovery: kill → first output p50 / p99":
+    "second kill 50-200 ms after the first: kill → first output p50 / p99":
         "12 of 12 second kills within 200 ms found no standby (cold start)",
     "kill -9 then SIGINT 0-10 ms later: exit events missing":
         "7 of 100 runs (no record of the death in 4)",

@@ -96,6 +96,7 @@ class LastWordThread:
         self.scheduling = ""                            # what _prioritize() got
         self._thread = threading.Thread(target=self._main, name="last-word", daemon=True)
         self._thread.start()
+        self.scheduling = _prioritize(self._thread.native_id)
 
     # ------------------------------------------------------------ trio side
 
@@ -155,7 +156,6 @@ class LastWordThread:
             pass
 
     def _main(self) -> None:
-        self.scheduling = _prioritize()
         while not self._stop:
             self._close_deferred()
             with self._lock:
@@ -277,19 +277,21 @@ class LastWordThread:
             w.finished.set()               # called from the loop itself
 
 
-def _prioritize() -> str:
-    """The calling thread first to a CPU when it wakes (see _RT_PRIORITY); what it got."""
+def _prioritize(tid: int | None) -> str:
+    """Thread `tid` first to a CPU when it wakes (see _RT_PRIORITY); what it got."""
+    if tid is None:
+        return "normal"
     try:
-        os.sched_setscheduler(0, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK,
+        os.sched_setscheduler(tid, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK,
                               os.sched_param(_RT_PRIORITY))
         return f"SCHED_FIFO {_RT_PRIORITY}"
     except OSError:
         pass
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
+        os.setpriority(os.PRIO_PROCESS, tid, _NICE)
         return f"nice {_NICE}"
     except OSError:
-        return "normal"
+        return "normal"     # (a unit without CAP_SYS_NICE / with RestrictRealtime=yes)
 
 
 class _LastResort:
@@ -303,6 +305,10 @@ class _LastResort:
 
             prepare()                      # imports done now, not at the first death
             self._lastword = LastWordThread(self, trio.lowlevel.current_trio_token())
+            # how soon it can run when a writer dies: an operator reads it here
+            self.log.emit("last_word_thread", scheduling=self._lastword.scheduling,
+                          workers=[w.name for w in self.config.workers.values()
+                                   if self._actuation_of(w)])
 
     def _stop_last_word_thread(self) -> None:
         lw, self._lastword = self._lastword, None
