@@ -48,6 +48,10 @@ def test_car_config_is_checked_and_trusts_both_models():
     assert dict(dm.roles) == {"frames": "driver_frames", "model": "driver_state"}
     assert cfg.channels["driver_state"].payload == "driver_state"
     assert "--hz" in cfg.workers["controlsd"].args
+    # controlsd also watches the driver: dmonitoringd's driver_state as its role `driver`
+    assert dict(cfg.workers["controlsd"].roles) == {"model": "model_out",
+                                                    "driver": "driver_state",
+                                                    "command": "control_cmd"}
 
 
 def test_the_three_cameras_see_distinct_deterministic_scenes():
