@@ -165,6 +165,12 @@ def clip_doc(doc: dict[str, Any], clip: str, out_dir: str, *, video: str = "h264
     clip = os.path.abspath(clip)
     name, cam = _need(doc, CAMERA, "camera")
     doc.setdefault("supervisor", {})["mode"] = SIMULATION   # a clip never drives a car
+    for w in (doc.get("workers") or {}).values():
+        # As a replay: a simulation on a developer's (loaded) machine judges what the
+        # pipeline computes, not how fast it starts (`run` enforces the car's deadlines).
+        if isinstance(w, dict):
+            w["ready_timeout_ms"] = max(int(w.get("ready_timeout_ms", 0) or 0),
+                                        REPLAY_READY_TIMEOUT_MS)
     cam["args"] = _strip(list(cam.get("args") or []), {
         "--source": 1, "--log": 1, "--loop": 0, "--format": 1, "--frames": 1, "--seed": 1,
         "--video": 1, "--log-channel": 1, "--lockstep": 1, "--realtime": 0,
@@ -173,7 +179,8 @@ def clip_doc(doc: dict[str, Any], clip: str, out_dir: str, *, video: str = "h264
     if not loop:
         # A clip that ended exits camerad (0); its restart would play it again, and a
         # camera that is never restarted fails its domain safe. So its restart waits
-        # longer than any recording: `record` stops once the clip has played.
+        # longer than any recording: `record` stops once the clip has played, or at
+        # once when the camera exits before the clip's end (record.py, _clip_done).
         cam["restart"] = "always"
         cam["backoff_initial_ms"] = cam["backoff_max_ms"] = CLIP_RESTART_MS
     dom = doc.setdefault("domains", {}).setdefault(cam["domain"], {})

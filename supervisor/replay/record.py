@@ -155,13 +155,28 @@ def check_clip(clip: str) -> None:
 
 def _clip_done(camera: str, linger_s: float = 1.0):
     """Without --seconds a clip is recorded once through: done ``linger_s`` after the
-    camera's last frame (its last commands and outputs reach the log)."""
+    camera's last frame (its last commands and outputs reach the log), or at once when
+    the camera exited before its end (a clip that failed: nothing more will come)."""
     from .run import camera_done
 
     def done(log) -> bool:
         e = camera_done(log.events, camera)
-        return e is not None and time.monotonic_ns() - e["mono_ns"] >= linger_s * 1e9
+        if e is None:
+            return any(x["event"] == "exit" and x.get("worker") == camera
+                       for x in log.events[-50:])
+        return time.monotonic_ns() - e["mono_ns"] >= linger_s * 1e9
     return done
+
+
+def clip_seconds(clip: str) -> float | None:
+    """The clip's duration (None when its container does not say)."""
+    import av
+
+    with av.open(clip) as c:
+        st = c.streams.video[0]
+        if st.duration and st.time_base:
+            return float(st.duration * st.time_base)
+        return c.duration / 1e6 if c.duration else None
 
 
 def record(out: str, *, config: str | None = None, seconds: float | None = None,
@@ -215,10 +230,14 @@ def record(out: str, *, config: str | None = None, seconds: float | None = None,
             shutil.rmtree(path, ignore_errors=True)
             raise RecordError(f"derived record config: {_one_line(e)}") from None
         bar = RecordProgress(path, seconds, out=progress_out, recorder=RECORDER)
-        until = (_clip_done(plan_of(derived).camera) if clip is not None and seconds is None
-                 else _after_ready(seconds))
+        limit = seconds
+        if clip is not None and seconds is None:
+            until = _clip_done(plan_of(derived).camera)
+            limit = clip_seconds(clip) or 3600.0       # start-up: the + 300 below
+        else:
+            until = _after_ready(seconds)
         outcome = run_supervised(cfg, path, until=until,
-                                 timeout_s=None if seconds is None else seconds + 300,
+                                 timeout_s=None if limit is None else limit + 300,
                                  echo=echo, tick=bar.tick)
         bar.close()
     fault = fault_line(outcome.fault) if outcome.fault is not None else None
@@ -232,6 +251,13 @@ def record(out: str, *, config: str | None = None, seconds: float | None = None,
         raise RecordError(f"no usable log was written ({e}); "
                           f"{failure_cause(outcome.events, outcome.exit_code)}") from None
     frames = sum(len(v) for v in log.frames.values())
+    if clip is not None and seconds is None:
+        from .run import camera_done, failure_cause
+
+        if camera_done(outcome.events, plan_of(derived).camera) is None:
+            raise RecordError(f"--clip {clip}: did not play to its end: "
+                              f"{failure_cause(outcome.events, outcome.exit_code)} "
+                              f"(what was recorded is in {path})", int(Exit.INCOMPLETE))
     return Recorded(path, WRITE_FAILED if fault else outcome.exit_code,
                     frames, {k: len(v) for k, v in log.messages.items()},
                     {k: d.total for k, d in log.drops.items()}, outcome.wall_s, fault,
