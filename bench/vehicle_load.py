@@ -19,7 +19,8 @@ Printed (markdown tables, for bench/RESULTS.md):
   start (bridge hop, checks), model (receipt: input copy, kernels incl. preprocessing,
   output copy), inference end -> output publish, model_out publish -> next command;
 * e2e p50/p99 per camera: capture -> command (road), capture -> driver_state (driver),
-  capture -> publish (wide: no consumer yet);
+  capture -> publish (a frame channel no model reads), and for a further camera of a
+  model the driving camera's (its frames are paired with those);
 * CPU per worker (% of one CPU, from its cgroup's cpu.stat, standbys included in their
   worker's cgroup where they share it) and the supervisor's (this process's threads
   less the bench's reader threads), with the load average before and after; and per
