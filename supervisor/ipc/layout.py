@@ -75,7 +75,8 @@ OFF_SLEEPS = 32
 # In the lease header: the sequence number this reader delivered last. A slot whose
 # message every reader has taken is the writer's first choice to reuse (the newest
 # such: still in the caches), before the oldest (Writer.loan; loan in _native.c).
-# 0: nothing (a reader that does not say, a table not in use).
+# 0: nothing (a reader that does not say: C++, or one just attached). A table without
+# LEASE_MAGIC (no reader ever attached: the config's spare index) does not count.
 OFF_TAKEN = 40
 LEASE_STRIDE = 32
 
