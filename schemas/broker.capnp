@@ -23,6 +23,7 @@ enum ProcFile {
   mountinfo @3;
   cgroup @4;
   mem @5;         # read-only: the exec watch reads a syscall's path argument
+  pagemap @6;     # the exec watch and the maps scan: code pages no file holds
 }
 
 enum ChannelRole {
@@ -61,6 +62,28 @@ struct OpenProc {
   files @1 :List(ProcFile);
 }
 
+# One open file of a sandboxed process (/proc/PID/fd/N). The broker formats the name
+# from the numbers: no path travels. Handed back as an O_PATH fd of the target.
+struct OpenFd {
+  pid @0 :Int32;
+  fd @1 :Int32;               # 0 .. 2^20-1 (fs.nr_open's ceiling)
+}
+
+# One mapped object (/proc/PID/map_files/START-END, CAP_SYS_ADMIN): an O_PATH fd of it.
+struct OpenMapFile {
+  pid @0 :Int32;
+  start @1 :UInt64;           # page-aligned, start < end
+  end @2 :UInt64;
+}
+
+# SIGSTOP or SIGCONT to one thread (tgkill) of a process of the broker's sandboxes: the
+# exec watch stops the worker while it judges one of its requests.
+struct SignalThread {
+  pid @0 :Int32;              # the thread group
+  tid @1 :Int32;              # one of its threads (checked in /proc/PID/task)
+  stop @2 :Bool;              # true: SIGSTOP, false: SIGCONT
+}
+
 struct Request {
   id @0 :UInt32;              # echoed in the reply
   union {
@@ -75,6 +98,9 @@ struct Request {
     clearLatch @9 :Void;
     readLatch @10 :Void;
     realtime @11 :Sandbox;    # SCHED_FIFO at the worker's configured priority
+    openFd @12 :OpenFd;
+    openMapFile @13 :OpenMapFile;
+    signalThread @14 :SignalThread;
   }
 }
 
@@ -91,7 +117,8 @@ enum ErrorCode {
 struct Error {
   code @0 :ErrorCode;
   reason @1 :Text;
-}
+  errno @2 :Int32;            # failed: the kernel's errno (0: none), so a /proc reader
+}                             # through the broker sees ENOENT/ESRCH as it would directly
 
 struct Started {
   pid @0 :Int32;              # the outer bwrap (host pid)
@@ -117,5 +144,6 @@ struct Reply {
     opened @5 :List(ProcFile);   # fds: the /proc/PID directory, then one per file
     latch @6 :Text;              # "" when not latched
     error @7 :Error;
+    link @8 :Void;               # fds: one O_PATH fd (openFd, openMapFile)
   }
 }

@@ -670,3 +670,223 @@ def test_fuzz_the_live_broker_answers_every_datagram(broker, data):
     assert isinstance(rep, (P.Error, P.Ok, P.Latch, P.PidList, P.Reaped, P.Started,
                             P.Opened)), rep
     assert broker.client.proc.poll() is None
+
+
+# ---------------------------------------------------------------- /proc for the exec watch
+
+def test_links_and_thread_signals_of_pids_not_its_own_are_refused(broker):
+    """openFd, openMapFile and signalThread carry numbers, never a path: the broker
+    formats /proc/PID/fd/N and map_files/A-B itself, for a pid of its sandboxes only, and
+    refuses numbers out of range before it looks."""
+    b, c = broker, broker.client
+    stranger = subprocess.Popen(["sleep", "30"])
+    try:
+        n = len(b.events("broker_refused"))
+        for pid in (1, os.getpid(), stranger.pid, b.pid):
+            with pytest.raises(NotOurs):
+                c.open_fd(pid, 0)
+            with pytest.raises(NotOurs):
+                c.open_map_file(pid, 0x400000, 0x401000)
+            with pytest.raises(NotOurs):
+                c.signal_thread(pid, pid, stop=True)
+        got = b.events("broker_refused")[n:]
+        assert [e["code"] for e in got] == ["notOurs"] * 12, got
+        assert _state(stranger.pid) not in ("T", "t")         # nothing was stopped
+        for bad in (P.OpenFd(stranger.pid, -1), P.OpenFd(stranger.pid, P.MAX_FD),
+                    P.OpenMapFile(stranger.pid, 0x1000, 0x1000),      # empty
+                    P.OpenMapFile(stranger.pid, 0x2000, 0x1000),      # backwards
+                    P.OpenMapFile(stranger.pid, 0x1001, 0x2000),      # not page-aligned
+                    P.SignalThread(stranger.pid, 0, True), P.OpenProc(stranger.pid, ())):
+            before = len(b.events("broker_refused"))
+            with pytest.raises(Malformed):
+                c.call(bad)
+            _refused(b, before, "malformed")
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def _as_nobody(fn) -> object:
+    """fn() in a forked child that has become nobody (no capabilities: setresuid from 0
+    clears them), its JSON result returned; an exception comes back as its text."""
+    import pwd
+    import traceback
+
+    nobody = pwd.getpwnam("nobody")
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setresgid(nobody.pw_gid, nobody.pw_gid, nobody.pw_gid)
+            os.setresuid(nobody.pw_uid, nobody.pw_uid, nobody.pw_uid)
+            try:
+                out = {"ok": fn()}
+            except BaseException:
+                out = {"error": traceback.format_exc()[-3000:]}
+            data = json.dumps(out).encode()
+            while data:
+                data = data[os.write(w, data):]
+        finally:
+            os._exit(0)
+    os.close(w)
+    chunks = []
+    while chunk := os.read(r, 1 << 16):
+        chunks.append(chunk)
+    os.close(r)
+    os.waitpid(child, 0)
+    got = json.loads(b"".join(chunks) or b'{"error": "no result"}')
+    assert "error" not in got, got["error"]
+    return got["ok"]
+
+
+def _watch_until_ready(a, opener, status_r: int) -> list[tuple[str, bool, str]]:
+    """The real exec watch (sandbox/execwatch.py) over the listener the runner sends,
+    judging every request until the worker says READY: (syscall, allowed, reason)."""
+    from supervisor.sandbox.execwatch import ExecWatch
+
+    _, fds, _, _ = socket.recv_fds(a.watch_sock, 16, 1)
+    watch = ExecWatch(fds[0], allow_anonymous_exec=False, opener=opener)
+    verdicts, buf = [], b""
+    deadline = time.monotonic() + 60
+    try:
+        while b"READY=1" not in buf and time.monotonic() < deadline:
+            ready = select.select([watch.fileno(), status_r], [], [], 0.2)[0]
+            if watch.fileno() in ready and not watch.hung_up:
+                verdicts += [(v.request.syscall, v.allowed, v.reason)
+                             for v in watch.handle_pending(max_requests=16)]
+            if status_r in ready:
+                try:
+                    buf += os.read(status_r, 65536)
+                except BlockingIOError:
+                    pass
+        assert b"READY=1" in buf, buf[-300:]
+    finally:
+        watch.close()
+    return verdicts
+
+
+@pytest.mark.sandbox
+@needs_bwrap
+def test_exec_watch_and_maps_scan_as_nobody_through_the_broker_see_what_root_sees(broker, channel):
+    """Phase 2's ground: the supervisor proper (nobody, no capabilities) runs the real
+    exec watch, maps scan and W^X check of a sandbox the broker started, with the
+    broker's opener (fd/N, map_files, maps, pagemap, mountinfo opened by the broker;
+    SIGSTOP/SIGCONT per thread by its requests), and gets root's verdicts. Without the
+    opener the same scan as nobody is refused by the kernel."""
+    from supervisor.admission import maps
+    from supervisor.broker import BrokerProcOpener
+    from supervisor.sandbox import execwatch, wx
+    from supervisor.sandbox.procfs import DIRECT
+
+    c = broker.client
+    opener = BrokerProcOpener(c)
+    runs = {}
+    for who in ("root", "nobody"):
+        n = _next() + 1000
+        a = c.start("a", n, handles={"a_out": channel.writer_handle()})
+        try:
+            if who == "root":
+                runs[who] = _watch_until_ready(a, DIRECT, a.status_r)
+            else:
+                runs[who] = [tuple(v) for v in _as_nobody(
+                    lambda: _watch_until_ready(a, opener, a.status_r))]
+            worker = c.pids("a", n)[-1]
+        except BaseException:
+            c.kill_sandbox("a", n)
+            raise
+        if who == "root":
+            c.kill_sandbox("a", n)
+            _wait_exit(a.pidfd)
+            c.reap("a", n)
+            a.close()
+    denied = {k: [v for v in vs if not v[1]] for k, vs in runs.items()}
+    assert denied == {"root": [], "nobody": []}, denied
+    # The same start-up judged the same way (a set: how often Python maps one library
+    # is not the point). A single-threaded start-up is judged without a stop (_alone):
+    # the stop through the broker is checked below.
+    assert runs["root"] and set(runs["nobody"]) == set(runs["root"]), runs
+
+    def look(op) -> dict:
+        snap = maps.exec_snapshot(worker, opener=op)
+        return {"scan": [h.describe() for h in maps.scan_pid(worker, immutable_code=True,
+                                                              opener=op)],
+                "snapshot": sorted(repr(m) for m in snap.mappings),
+                "snapshot_hits": [h.describe() for h in snap.hits],
+                "wx_maps": execwatch.writable_executable_mappings(worker, op),
+                "exec_vmas": [list(v) for v in execwatch.vmas_between(
+                    worker, 0, 1 << 47, exec_only=True, opener=op)],
+                "wx": wx.verify(worker, baseline=0, opener=op).ok}
+
+    def as_nobody() -> dict:
+        got = look(opener)
+        try:
+            maps.scan_pid(worker, immutable_code=True)
+            got["direct"] = "read"
+        except PermissionError:
+            got["direct"] = "EACCES"
+        frozen = execwatch._Frozen.stop(worker, time.monotonic() + 5, None, opener)
+        got["stopped"] = _state(worker)
+        frozen.resume()
+        time.sleep(0.05)
+        got["resumed"] = _state(worker)
+        return got
+
+    try:
+        root = look(DIRECT)
+        nobody = _as_nobody(as_nobody)
+        assert nobody.pop("direct") == "EACCES"
+        assert (nobody.pop("stopped"), nobody.pop("resumed")[0]) in (("T", "S"), ("T", "R"))
+        assert nobody == json.loads(json.dumps(root)), (nobody, root)
+        assert root["snapshot"] and root["exec_vmas"] and root["wx"]
+    finally:
+        c.kill_sandbox("a", n)
+        _wait_exit(a.pidfd)
+        c.reap("a", n)
+        a.close()
+
+
+@pytest.mark.sandbox
+@needs_bwrap
+def test_links_and_thread_signals_inside_a_sandbox_are_checked(broker):
+    """Within its own sandbox the broker still refuses: a thread of another process (the
+    sandbox's bwrap, or this test), an fd the worker does not hold, a range it has not
+    mapped. The kernel's errno comes back with a `failed` (ENOENT: as a direct open)."""
+    from supervisor.broker import Failed
+
+    c = broker.client
+    n = _next() + 2000
+    s = c.start("lone", n)
+    try:
+        _status_until_ready(s.status_r)
+        worker = c.pids("lone", n)[-1]
+        before = len(broker.events("broker_refused"))
+        for tid in (s.pid, os.getpid(), 1):
+            with pytest.raises(NotOurs):
+                c.signal_thread(worker, tid, stop=True)
+        assert _state(worker) not in ("T", "t")
+        with pytest.raises(Failed) as e:
+            c.open_fd(worker, 999_999)
+        assert e.value.errno == errno.ENOENT
+        with pytest.raises(Failed) as e:
+            c.open_map_file(worker, 0x1000, 0x2000)
+        assert e.value.errno == errno.ENOENT
+        got = broker.events("broker_refused")[before:]
+        assert [e["code"] for e in got] == ["notOurs"] * 3 + ["failed"] * 2, got
+        fd = c.open_fd(worker, 0)                       # its stdin: /dev/null, O_PATH
+        try:
+            assert os.readlink(f"/proc/self/fd/{fd}") == "/dev/null"
+        finally:
+            os.close(fd)
+        c.signal_thread(worker, worker, stop=True)
+        deadline = time.monotonic() + 5
+        while _state(worker) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _state(worker) == "T"
+        c.signal_thread(worker, worker, stop=False)
+    finally:
+        c.kill_sandbox("lone", n)
+        _wait_exit(s.pidfd)
+        c.reap("lone", n)
+        s.close()

@@ -55,6 +55,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
 
+from supervisor.sandbox.procfs import DIRECT, ProcOpener
+
 from .rules import REFUSED_DISTRIBUTIONS, forbidden_soname, is_torch_c_extension
 
 KIND_FORBIDDEN = "forbidden-library"
@@ -518,7 +520,8 @@ def _identity_reasons(
 
 
 def _identify(
-    pid: int, ln: _Line, m: ExecMapping, fd_cache: dict[int, dict[str, list[str]]]
+    pid: int, ln: _Line, m: ExecMapping, fd_cache: dict[int, dict[str, list[str]]],
+    opener: ProcOpener = DIRECT,
 ) -> ElfIdentity | None:
     """ELF identity of the object behind an executable mapping of ``pid``.
 
@@ -528,27 +531,32 @@ def _identify(
     enough for /proc/PID/root/<path> (a named file) and /proc/PID/fd/N (a memfd
     or deleted file the process still holds open); either is used only if its
     (device, inode) is the one the maps line shows. An object reachable by
-    neither (a memfd closed after mmap) is not identified.
+    neither (a memfd closed after mmap) is not identified. Through the broker's
+    opener, map_files is opened by the broker (root) and followed here.
     """
     try:
-        got = identity_of(f"/proc/{pid}/map_files/{m.address}")
+        with opener.link(pid, f"map_files/{m.address}") as path:
+            got = identity_of(path)
         return got[1] if got is not None else None
     except PermissionError:
         pass
+    except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+        return None  # the broker's open of a mapping gone since (identity_of's own None)
     try:
         major, minor = ln.dev.split(":", 1)
         expected = (os.makedev(int(major, 16), int(minor, 16)), ln.inode)
     except ValueError:
         return None
     if ln.backing == FILE:
-        candidates = [f"/proc/{pid}/root{ln.path}"]
+        candidates = [f"root{ln.path}"]
     else:
         if pid not in fd_cache:
-            fd_cache[pid] = _fd_links(pid)  # once per scan, and only when needed
+            fd_cache[pid] = _fd_links(pid, opener)  # once per scan, and only when needed
         candidates = fd_cache[pid].get(ln.path + _DELETED, [])
     for cand in candidates:
         try:
-            got = identity_of(cand)
+            with opener.link(pid, cand) as path:
+                got = identity_of(path)
         except OSError:
             continue
         if got is not None and got[0] == expected:
@@ -556,24 +564,25 @@ def _identify(
     return None
 
 
-def _fd_links(pid: int) -> dict[str, list[str]]:
-    """readlink text -> /proc/PID/fd/N paths, for the process's open files."""
+def _fd_links(pid: int, opener: ProcOpener = DIRECT) -> dict[str, list[str]]:
+    """readlink text -> fd/N names (under /proc/PID), for the process's open files."""
     out: dict[str, list[str]] = {}
-    base = f"/proc/{pid}/fd"
     try:
-        names = os.listdir(base)
+        names = opener.listdir(pid, "fd")
     except OSError:
         return out
     for n in names:
         try:
-            out.setdefault(os.readlink(f"{base}/{n}"), []).append(f"{base}/{n}")
+            with opener.link(pid, f"fd/{n}") as path:
+                out.setdefault(os.readlink(path), []).append(f"fd/{n}")
         except OSError:
             continue
     return out
 
 
 def _scan(pid: int, lines: list[_Line], *, identify: bool,
-          search_path: Sequence[str] | None = None) -> list[MapsHit]:
+          search_path: Sequence[str] | None = None,
+          opener: ProcOpener = DIRECT) -> list[MapsHit]:
     """Forbidden-library hits, one per mapped object, in maps order."""
     hits: dict[tuple[object, ...], MapsHit] = {}
     refused: dict[str, RefusedObject] | None = None
@@ -592,7 +601,7 @@ def _scan(pid: int, lines: list[_Line], *, identify: bool,
         if not identify or m is None or m.object_key in identified:
             continue
         identified.add(m.object_key)
-        ident = _identify(pid, ln, m, fd_cache)
+        ident = _identify(pid, ln, m, fd_cache, opener)
         if ident is None:
             continue
         if refused is None and ident.build_id:
@@ -636,9 +645,10 @@ class MountTable:
         return cls(frozenset(known), writable)
 
 
-def read_mounts(pid: int) -> MountTable:
+def read_mounts(pid: int, opener: ProcOpener = DIRECT) -> MountTable:
     try:
-        with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        with os.fdopen(opener.open(pid, "mountinfo"), encoding="utf-8",
+                       errors="surrogateescape") as f:
             return MountTable.parse(f.read())
     except (FileNotFoundError, ProcessLookupError) as exc:
         raise ProcessGone(pid) from exc
@@ -709,14 +719,15 @@ def first_foreign_page(fd: int, start: int, end: int,
     return None
 
 
-def foreign_pages(pid: int, mappings: Iterable[ExecMapping]) -> dict[int, int]:
+def foreign_pages(pid: int, mappings: Iterable[ExecMapping],
+                  opener: ProcOpener = DIRECT) -> dict[int, int]:
     """start of mapping -> its first page that is not the file's, for each executable
     private file mapping of ``pid`` that holds one."""
     wanted = [m for m in mappings if m.backing == FILE and m.perms[3:4] == "p"]
     if not wanted:
         return {}
     try:
-        fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+        fd = opener.open(pid, "pagemap")
     except (FileNotFoundError, ProcessLookupError) as exc:
         raise ProcessGone(pid) from exc
     out: dict[int, int] = {}
@@ -791,7 +802,8 @@ class ExecSnapshot:
 
 def scan_maps_text(pid: int, text: str, *, snapshot: ExecSnapshot | None = None,
                    identify: bool = False, immutable_code: bool | None = None,
-                   mounts: MountTable | None = None, pagemap: bool = False) -> list[MapsHit]:
+                   mounts: MountTable | None = None, pagemap: bool = False,
+                   opener: ProcOpener = DIRECT) -> list[MapsHit]:
     """Refusals in the text of ``pid``'s maps file.
 
     Forbidden libraries first (one hit per mapped object), then, given a
@@ -805,20 +817,21 @@ def scan_maps_text(pid: int, text: str, *, snapshot: ExecSnapshot | None = None,
     (with immutable code) also reads ``pid``'s pagemap for code pages no file holds.
     """
     lines = _parse(text)
-    hits = _scan(pid, lines, identify=identify)
+    hits = _scan(pid, lines, identify=identify, opener=opener)
     if immutable_code is None:
         immutable_code = snapshot is not None
     if snapshot is not None or immutable_code:
-        pages = foreign_pages(pid, (ln.mapping for ln in lines if ln.mapping is not None)) \
-            if pagemap and immutable_code else None
+        pages = foreign_pages(pid, (ln.mapping for ln in lines if ln.mapping is not None),
+                              opener) if pagemap and immutable_code else None
         hits += _exec_hits(pid, lines, snapshot, unsafe=immutable_code, mounts=mounts,
                            pages=pages)
     return hits
 
 
-def _read_maps(pid: int) -> str:
+def _read_maps(pid: int, opener: ProcOpener = DIRECT) -> str:
     try:
-        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="surrogateescape") as f:
+        with os.fdopen(opener.open(pid, "maps"), encoding="utf-8",
+                       errors="surrogateescape") as f:
             return f.read()
     except (FileNotFoundError, ProcessLookupError) as exc:
         raise ProcessGone(pid) from exc
@@ -829,10 +842,10 @@ def _read_maps(pid: int) -> str:
         raise
 
 
-def start_time(pid: int) -> int:
+def start_time(pid: int, opener: ProcOpener = DIRECT) -> int:
     """Start time of ``pid`` in clock ticks since boot (ProcessGone if there is none)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with os.fdopen(opener.open(pid, "stat"), "rb") as f:
             data = f.read()
     except (FileNotFoundError, ProcessLookupError) as exc:
         raise ProcessGone(pid) from exc
@@ -845,35 +858,36 @@ def start_time(pid: int) -> int:
     return int(rest[19])  # field 22 overall; rest[0] is field 3
 
 
-def task_exited(pid: int, tid: int | None = None) -> bool:
+def task_exited(pid: int, tid: int | None = None, opener: ProcOpener = DIRECT) -> bool:
     """True once process ``pid`` (thread ``tid`` of it, if given) has exited: a zombie
     not yet reaped, or gone. Reads /proc only, reaps nothing."""
-    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    name = "stat" if tid is None else f"task/{tid}/stat"
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(opener.open(pid, name), "rb") as f:
             data = f.read()
     except OSError:
         return True
     return data[data.rindex(b")") + 2:data.rindex(b")") + 3] in (b"Z", b"X")
 
 
-def live_task(pid: int) -> int:
+def live_task(pid: int, opener: ProcOpener = DIRECT) -> int:
     """Which /proc/<id> shows process ``pid`` to a scan: ``pid`` itself, unless its main
     thread has exited while other threads run on (red team: a control worker that
     called exit(2), not exit_group(2), on its main thread went on with an empty
     /proc/PID/maps and an unreadable /proc/PID/mountinfo, and the scans skipped it as
     gone); then a live thread's id, whose /proc files show the same process."""
-    if not task_exited(pid):
+    if not task_exited(pid, opener=opener):
         return pid
     try:
-        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+        tids = sorted(int(t) for t in opener.listdir(pid, "task"))
     except OSError:
         return pid
-    return next((t for t in tids if t != pid and not task_exited(pid, t)), pid)
+    return next((t for t in tids if t != pid and not task_exited(pid, t, opener)), pid)
 
 
 def scan_pid(pid: int, *, snapshot: ExecSnapshot | None = None, identify: bool = True,
-             immutable_code: bool | None = None) -> list[MapsHit]:
+             immutable_code: bool | None = None,
+             opener: ProcOpener = DIRECT) -> list[MapsHit]:
     """Refusals for a live process. Raises ProcessGone if it has exited.
 
     A zombie has an empty maps file, so it yields no hits (nothing is mapped).
@@ -882,22 +896,25 @@ def scan_pid(pid: int, *, snapshot: ExecSnapshot | None = None, identify: bool =
     (ProcessGone if the pid now names another one). With a snapshot, or with
     ``immutable_code=True`` (e.g. a control worker's child, which has no
     snapshot of its own), writable+executable and unsafe-exec mappings are
-    refusals too.
+    refusals too. ``opener``: how /proc is reached (sandbox/procfs.py; the broker's for
+    an unprivileged supervisor).
     """
     if snapshot is not None and snapshot.pid != pid:
         raise ValueError(f"snapshot of pid {snapshot.pid} used to scan pid {pid}")
     if immutable_code is None:
         immutable_code = snapshot is not None
-    view = live_task(pid)
-    text = _read_maps(view)
-    mounts = read_mounts(view) if immutable_code else None
-    if snapshot is not None and start_time(pid) != snapshot.start_time:
+    view = live_task(pid, opener)
+    text = _read_maps(view, opener)
+    mounts = read_mounts(view, opener) if immutable_code else None
+    if snapshot is not None and start_time(pid, opener) != snapshot.start_time:
         raise ProcessGone(pid)  # the pid was reused: the worker we snapshot is gone
     return scan_maps_text(view, text, snapshot=snapshot, identify=identify,
-                          immutable_code=immutable_code, mounts=mounts, pagemap=True)
+                          immutable_code=immutable_code, mounts=mounts, pagemap=True,
+                          opener=opener)
 
 
-def exec_snapshot(pid: int, *, identify: bool = True) -> ExecSnapshot:
+def exec_snapshot(pid: int, *, identify: bool = True,
+                  opener: ProcOpener = DIRECT) -> ExecSnapshot:
     """Executable mappings of ``pid`` now, with the refusals already visible.
 
     ``hits`` lists forbidden libraries, writable+executable mappings and
@@ -905,16 +922,16 @@ def exec_snapshot(pid: int, *, identify: bool = True) -> ExecSnapshot:
     deleted file, shared memory, file on a device the process can write): the
     supervisor refuses READY if it is not empty.
     """
-    begun = start_time(pid)
-    view = live_task(pid)
-    text = _read_maps(view)
-    mounts = read_mounts(view)
-    if start_time(pid) != begun:
+    begun = start_time(pid, opener)
+    view = live_task(pid, opener)
+    text = _read_maps(view, opener)
+    mounts = read_mounts(view, opener)
+    if start_time(pid, opener) != begun:
         raise ProcessGone(pid)
     lines = _parse(text)
     mappings = frozenset(ln.mapping for ln in lines if ln.mapping is not None)
-    pages = foreign_pages(view, mappings)
-    hits = _scan(view, lines, identify=identify) + _exec_hits(view, lines, None, unsafe=True,
+    pages = foreign_pages(view, mappings, opener)
+    hits = _scan(view, lines, identify=identify, opener=opener) + _exec_hits(view, lines, None, unsafe=True,
                                                               mounts=mounts, pages=pages)
     return ExecSnapshot(pid, begun, mappings, tuple(hits))
 

@@ -5,11 +5,11 @@ The request table (request, what it is checked against, the test that refuses it
 docs/broker.md. Phase 1 builds and tests the broker on its own; the lifecycle does not
 use it yet (docs/broker.md, "Phase 2").
 """
-from ._client import BrokerClient, ProcView, StartedSandbox
+from ._client import BrokerClient, BrokerProcOpener, ProcView, StartedSandbox
 from ._errors import (BadFds, BrokerError, Failed, Malformed, NotOurs, Refused, TooLarge,
                       UnknownWorker)
 from ._protocol import MAX_FDS, MAX_MESSAGE, PROC_FILES, SIGNALS, Reaped
 
-__all__ = ["BadFds", "BrokerClient", "BrokerError", "Failed", "MAX_FDS", "MAX_MESSAGE",
+__all__ = ["BadFds", "BrokerClient", "BrokerProcOpener", "BrokerError", "Failed", "MAX_FDS", "MAX_MESSAGE",
            "Malformed", "NotOurs", "PROC_FILES", "ProcView", "Reaped", "Refused", "SIGNALS",
            "StartedSandbox", "TooLarge", "UnknownWorker"]

@@ -6,16 +6,20 @@ NotOurs, ...), one line. Received fds belong to the caller (`StartedSandbox.clos
 `ProcView.close`)."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import _protocol as P
-from ._errors import BadFds, Malformed
+from ._errors import BadFds, BrokerError, Malformed, NotOurs
 
 
 @dataclass
@@ -194,3 +198,92 @@ class BrokerClient:
 
     def realtime(self, worker: str, incarnation: int) -> None:
         self.call(P.Realtime(worker, incarnation))
+
+    def open_fd(self, pid: int, fd: int) -> int:
+        """An O_PATH fd of what the sandboxed process's fd `fd` is (ours to close)."""
+        rep, rfds = self.call(P.OpenFd(pid, fd))
+        _expect(rep, P.Link, rfds)
+        return rfds[0]
+
+    def open_map_file(self, pid: int, start: int, end: int) -> int:
+        """An O_PATH fd of the object mapped at start-end (ours to close)."""
+        rep, rfds = self.call(P.OpenMapFile(pid, start, end))
+        _expect(rep, P.Link, rfds)
+        return rfds[0]
+
+    def signal_thread(self, pid: int, tid: int, *, stop: bool) -> None:
+        self.call(P.SignalThread(pid, tid, stop))
+
+
+class BrokerProcOpener:
+    """sandbox.procfs.ProcOpener over the broker, for the supervisor proper (no root,
+    no capabilities). What needs privilege goes to the broker: the files of PROC_FILES
+    (opened there, the fd handed over), fd/N and map_files/A-B (an O_PATH fd, followed
+    through /proc/self/fd/M: stat, readlink and a reopen with our own permissions), and
+    SIGSTOP/SIGCONT/SIGKILL. What any user may read (task/*, listing task) is read
+    here. A pid the broker does not own, or one gone, reads as ProcessLookupError; a
+    `failed` open carries the kernel's errno (ENOENT for a mapping gone since)."""
+
+    def __init__(self, client: BrokerClient) -> None:
+        self.client = client
+
+    @staticmethod
+    def _os_error(e: BrokerError) -> OSError:
+        if isinstance(e, NotOurs):
+            return ProcessLookupError(errno.ESRCH, e.reason)
+        return OSError(e.errno or errno.EIO, e.reason)
+
+    def open(self, pid: int, name: str, flags: int = os.O_RDONLY) -> int:
+        if name not in P.PROC_FILES:
+            return os.open(f"/proc/{pid}/{name}", flags | os.O_CLOEXEC)
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            raise PermissionError(errno.EPERM, f"/proc/{pid}/{name}: the broker opens read-only")
+        try:
+            view = self.client.open_proc(pid, (name,))
+        except BrokerError as e:
+            raise self._os_error(e) from None
+        os.close(view.dir_fd)
+        return view.files[name]
+
+    @contextlib.contextmanager
+    def link(self, pid: int, name: str) -> Iterator[str]:
+        kind, _, arg = name.partition("/")
+        try:
+            if kind == "fd":
+                fd = self.client.open_fd(pid, int(arg))
+            elif kind == "map_files":
+                start, _, end = arg.partition("-")
+                fd = self.client.open_map_file(pid, int(start, 16), int(end, 16))
+            else:
+                raise PermissionError(errno.EPERM, f"/proc/{pid}/{name}: not a link the "
+                                      "broker opens")
+        except BrokerError as e:
+            raise self._os_error(e) from None
+        except ValueError:
+            raise FileNotFoundError(errno.ENOENT, f"/proc/{pid}/{name}") from None
+        try:
+            yield f"/proc/self/fd/{fd}"
+        finally:
+            os.close(fd)
+
+    def listdir(self, pid: int, name: str) -> list[str]:
+        if name != "task":
+            raise PermissionError(errno.EPERM, f"/proc/{pid}/{name}: not listed through the broker")
+        return os.listdir(f"/proc/{pid}/task")
+
+    def tgkill(self, pid: int, tid: int, sig: int) -> None:
+        if sig not in (signal.SIGSTOP, signal.SIGCONT):
+            raise ValueError(f"signal {sig} to one thread is not in the broker's vocabulary")
+        try:
+            self.client.signal_thread(pid, tid, stop=sig == signal.SIGSTOP)
+        except NotOurs:
+            pass               # gone (as ESRCH is for tgkill); a stranger is refused and logged
+
+    def kill(self, pid: int, sig: int) -> None:
+        try:
+            if sig == signal.SIGCONT:      # to any thread, it continues the whole group
+                self.client.signal_thread(pid, pid, stop=False)
+            else:
+                self.client.signal(pid, sig)
+        except NotOurs as e:
+            raise ProcessLookupError(errno.ESRCH, e.reason) from None

@@ -12,9 +12,10 @@ class BrokerError(Exception):
 
     code = "failed"
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, errno: int = 0) -> None:
         # One line whatever the cause said: a reason may quote hostile bytes.
         self.reason = " ".join(str(reason).split())[:500]
+        self.errno = errno if 0 <= errno < 4096 else 0   # the kernel's, for `failed`
         super().__init__(self.reason)
 
 

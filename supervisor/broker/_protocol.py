@@ -40,7 +40,9 @@ SIGNALS: dict[str, int] = {"term": _signal.SIGTERM, "kill": _signal.SIGKILL,
                            "int": _signal.SIGINT, "hup": _signal.SIGHUP,
                            "usr1": _signal.SIGUSR1, "usr2": _signal.SIGUSR2}
 SIGNAL_NAMES = {v: k for k, v in SIGNALS.items()}
-PROC_FILES = ("status", "stat", "maps", "mountinfo", "cgroup", "mem")
+PROC_FILES = ("status", "stat", "maps", "mountinfo", "cgroup", "mem", "pagemap")
+MAX_FD = 1 << 20            # fs.nr_open cannot be set higher: no fd number reaches it
+PAGE = 4096
 
 
 # ---------------------------------------------------------------- requests
@@ -96,6 +98,26 @@ class OpenProc:
 
 
 @dataclass(frozen=True)
+class OpenFd:
+    pid: int
+    fd: int
+
+
+@dataclass(frozen=True)
+class OpenMapFile:
+    pid: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class SignalThread:
+    pid: int
+    tid: int
+    stop: bool           # SIGSTOP, else SIGCONT
+
+
+@dataclass(frozen=True)
 class SetLatch:
     reason: str
 
@@ -117,12 +139,13 @@ class Realtime:
 
 
 Request = Union[Ping, Start, SignalPid, KillSandbox, Reap, Pids, OpenProc, SetLatch,
-                ClearLatch, ReadLatch, Realtime]
+                ClearLatch, ReadLatch, Realtime, OpenFd, OpenMapFile, SignalThread]
 _SANDBOX_REQUESTS = {"killSandbox": KillSandbox, "reap": Reap, "pids": Pids,
                      "realtime": Realtime}
 _KIND = {Ping: "ping", Start: "start", SignalPid: "signal", KillSandbox: "killSandbox",
          Reap: "reap", Pids: "pids", OpenProc: "openProc", SetLatch: "setLatch",
-         ClearLatch: "clearLatch", ReadLatch: "readLatch", Realtime: "realtime"}
+         ClearLatch: "clearLatch", ReadLatch: "readLatch", Realtime: "realtime",
+         OpenFd: "openFd", OpenMapFile: "openMapFile", SignalThread: "signalThread"}
 
 
 def kind_of(req: Request) -> str:
@@ -164,6 +187,11 @@ class Opened:
 
 
 @dataclass(frozen=True)
+class Link:
+    """One O_PATH fd travels with it (openFd, openMapFile)."""
+
+
+@dataclass(frozen=True)
 class Latch:
     text: str            # "" when not latched
 
@@ -172,12 +200,13 @@ class Latch:
 class Error:
     code: str
     reason: str
+    errno: int = 0
 
     def exception(self) -> BrokerError:
-        return ERRORS.get(self.code, ERRORS["failed"])(self.reason)
+        return ERRORS.get(self.code, ERRORS["failed"])(self.reason, self.errno)
 
 
-Reply = Union[Ok, Started, Reaped, PidList, Opened, Latch, Error]
+Reply = Union[Ok, Started, Reaped, PidList, Opened, Link, Latch, Error]
 
 
 def reply_fd_count(rep: Reply) -> int:
@@ -186,6 +215,8 @@ def reply_fd_count(rep: Reply) -> int:
         return 3 + rep.exec_watch + rep.control
     if isinstance(rep, Opened):
         return 1 + len(rep.files)
+    if isinstance(rep, Link):
+        return 1
     return 0
 
 
@@ -214,6 +245,15 @@ def encode_request(rid: int, req: Request) -> bytes:
         fl = s.init("files", len(req.files))
         for i, f in enumerate(req.files):
             fl[i] = f
+    elif isinstance(req, OpenFd):
+        s = m.init("openFd")
+        s.pid, s.fd = req.pid, req.fd
+    elif isinstance(req, OpenMapFile):
+        s = m.init("openMapFile")
+        s.pid, s.start, s.end = req.pid, req.start, req.end
+    elif isinstance(req, SignalThread):
+        s = m.init("signalThread")
+        s.pid, s.tid, s.stop = req.pid, req.tid, req.stop
     elif isinstance(req, SetLatch):
         m.setLatch = req.reason
     elif isinstance(req, ClearLatch):
@@ -245,11 +285,13 @@ def encode_reply(rid: int, rep: Reply) -> bytes:
         fl = m.init("opened", len(rep.files))
         for i, f in enumerate(rep.files):
             fl[i] = f
+    elif isinstance(rep, Link):
+        m.link = None
     elif isinstance(rep, Latch):
         m.latch = rep.text
     elif isinstance(rep, Error):
         e = m.init("error")
-        e.code, e.reason = rep.code, rep.reason[:MAX_REASON]
+        e.code, e.reason, e.errno = rep.code, rep.reason[:MAX_REASON], rep.errno
     else:
         raise TypeError(f"not a broker reply: {rep!r}")
     return m.to_bytes()
@@ -310,6 +352,20 @@ def _body(m) -> Request:
             raise Malformed(f"openProc: {len(files)} files (1..{len(PROC_FILES)}, distinct)")
         return OpenProc(_pid(int(m.openProc.pid)),
                         tuple(_enum(f, PROC_FILES, "file") for f in files))
+    if which == "openFd":
+        fd = int(m.openFd.fd)
+        if not 0 <= fd < MAX_FD:
+            raise Malformed(f"openFd: fd {fd} out of range (0..{MAX_FD - 1})")
+        return OpenFd(_pid(int(m.openFd.pid)), fd)
+    if which == "openMapFile":
+        s = m.openMapFile
+        start, end = int(s.start), int(s.end)
+        if start % PAGE or end % PAGE or not start < end:
+            raise Malformed(f"openMapFile: {start:#x}-{end:#x} is not a page-aligned range")
+        return OpenMapFile(_pid(int(s.pid)), start, end)
+    if which == "signalThread":
+        s = m.signalThread
+        return SignalThread(_pid(int(s.pid)), _pid(int(s.tid)), bool(s.stop))
     if which == "setLatch":
         reason = str(m.setLatch)
         if len(reason) > MAX_REASON or not reason.isprintable():
@@ -362,10 +418,12 @@ def decode_reply(data: bytes) -> tuple[int, Reply]:
                 return rid, PidList(tuple(int(p) for p in m.pids))
             if which == "opened":
                 return rid, Opened(tuple(_enum(f, PROC_FILES, "file") for f in m.opened))
+            if which == "link":
+                return rid, Link()
             if which == "latch":
                 return rid, Latch(str(m.latch))
             if which == "error":
-                return rid, Error(str(m.error.code), str(m.error.reason))
+                return rid, Error(str(m.error.code), str(m.error.reason), int(m.error.errno))
             raise Malformed(f"unknown reply {which[:32]!r}")
     except BrokerError:
         raise

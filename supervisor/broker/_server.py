@@ -15,8 +15,11 @@ one `broker_error` event and a `failed` reply, never the broker's end. End of st
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
+import errno
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -66,6 +69,21 @@ class _Incarnation:
         from supervisor.sandbox import descendant_pids
 
         return {self.proc.pid, *descendant_pids(self.proc.pid)}
+
+
+_NR_TGKILL = {"x86_64": 234, "aarch64": 131}.get(platform.machine(), -1)
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def tgkill(pid: int, tid: int, sig: int) -> bool:
+    """tgkill(2); False if the thread is gone (ESRCH), OSError for anything else."""
+    if _libc.syscall(ctypes.c_long(_NR_TGKILL), ctypes.c_long(pid), ctypes.c_long(tid),
+                     ctypes.c_long(sig)) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err == errno.ESRCH:
+        return False
+    raise OSError(err, f"tgkill({pid}, {tid}, {sig})")
 
 
 def endpoint_for(cfg: Config, w: WorkerConfig) -> Endpoint:
@@ -189,7 +207,7 @@ class Broker:
             rep, out = self._handle(req, fds)
         except BrokerError as e:
             self._refused(kind, e)
-            rep = P.Error(e.code, e.reason)
+            rep = P.Error(e.code, e.reason, e.errno)
         except Exception as e:      # a bug of ours: one line, a reply, and on we go
             self.refusals["failed"] += 1
             line = f"{type(e).__name__}: {' '.join(str(e).split())}"[:500]
@@ -220,6 +238,13 @@ class Broker:
             return P.PidList(tuple(sorted(inc.pids()))), []
         if isinstance(req, P.OpenProc):
             return self._open_proc(req)
+        if isinstance(req, P.OpenFd):
+            return P.Link(), [self._open_link(req.pid, f"fd/{req.fd}")]
+        if isinstance(req, P.OpenMapFile):
+            return P.Link(), [self._open_link(req.pid, f"map_files/{req.start:x}-{req.end:x}")]
+        if isinstance(req, P.SignalThread):
+            self._signal_thread(req)
+            return P.Ok(), []
         if isinstance(req, P.SetLatch):
             self.state.set_latch(req.reason)
             self.log.emit("broker_latch", source="broker", action="set", reason=req.reason)
@@ -476,8 +501,58 @@ class Broker:
             raise
         except OSError as e:
             P.close_fds(fds)
-            raise Failed(f"/proc/{req.pid}: {e.strerror}") from None
+            raise Failed(f"/proc/{req.pid}: {e.strerror}", e.errno or 0) from None
         return P.Opened(req.files), fds
+
+    def _open_link(self, pid: int, name: str) -> int:
+        """An O_PATH fd of what /proc/PID/<name> (fd/N or map_files/A-B, formatted here
+        from numbers) leads to, for a pid of ours. The kernel checks those magic links at
+        each lookup (ptrace access; CAP_SYS_ADMIN for map_files), so the supervisor
+        proper cannot follow them through a directory fd: it gets the target itself.
+        O_PATH opens nothing (a device mapping is not opened, a FIFO does not block); the
+        holder fstat()s it, readlink()s /proc/self/fd/M for its name, and reopens it only
+        with its own permissions."""
+        dfd, _ = self._proc_dir(pid)
+        try:
+            return os.open(name, os.O_PATH | os.O_CLOEXEC, dir_fd=dfd)
+        except OSError as e:
+            raise Failed(f"/proc/{pid}/{name.split('/')[0]}: {e.strerror}", e.errno or 0) from None
+        finally:
+            os.close(dfd)
+
+    def _proc_dir(self, pid: int) -> tuple[int, _Incarnation]:
+        """/proc/PID opened for a pid of ours, re-checked after the open (the directory
+        fd stays bound to that process even if the number is reused)."""
+        if self._owner(pid) is None:
+            raise NotOurs(f"pid {pid} is not in a sandbox the broker started")
+        try:
+            dfd = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise NotOurs(f"pid {pid}: {e.strerror}") from None
+        inc = self._owner(pid)
+        if inc is None:
+            os.close(dfd)
+            raise NotOurs(f"pid {pid} left the broker's sandboxes")
+        return dfd, inc
+
+    def _signal_thread(self, req: P.SignalThread) -> None:
+        """SIGSTOP/SIGCONT to one thread of a process of ours: the thread must be listed
+        under that process's own /proc/PID/task once it is pinned (a tid of another
+        process, ours or not, is refused)."""
+        pidfd, _ = self._pinned(req.pid)
+        try:
+            dfd, _ = self._proc_dir(req.pid)
+            try:
+                tids = os.listdir(f"/proc/self/fd/{dfd}/task")
+            finally:
+                os.close(dfd)
+            if str(req.tid) not in tids:
+                raise NotOurs(f"thread {req.tid} is not a thread of pid {req.pid}")
+            sig = signal.SIGSTOP if req.stop else signal.SIGCONT
+            if not tgkill(req.pid, req.tid, sig):
+                raise NotOurs(f"thread {req.tid} of pid {req.pid} is gone")
+        finally:
+            os.close(pidfd)
 
     def _realtime(self, inc: _Incarnation) -> None:
         """SCHED_FIFO at the config's priority for the sandbox's worker (pid 2 of its

@@ -72,6 +72,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from supervisor.admission.maps import first_foreign_page
+from supervisor.sandbox.procfs import DIRECT, ProcOpener
 
 # <linux/seccomp.h>. The ioctl numbers encode the struct sizes, so a kernel whose
 # structs differ would reject them; we check the sizes once instead of guessing.
@@ -234,9 +235,13 @@ class Hole(Exception):
 
 
 class ExecWatch:
-    def __init__(self, listener_fd: int, *, allow_anonymous_exec: bool = False) -> None:
+    def __init__(self, listener_fd: int, *, allow_anonymous_exec: bool = False,
+                 opener: ProcOpener = DIRECT) -> None:
         _check_sizes()
         self._fd = listener_fd  # ours now: close() closes it
+        # How the worker's /proc is read and its threads stopped (sandbox/procfs.py):
+        # directly as root, or through the broker for an unprivileged supervisor.
+        self.opener = opener
         # Private anonymous PROT_EXEC (a JIT) before READY; may be changed at any time.
         self.allow_anonymous_exec = allow_anonymous_exec
         self.ready = False  # set by the supervisor when it accepts the worker's READY
@@ -346,10 +351,10 @@ class ExecWatch:
         stopped while it is judged and until the kernel's result has been checked."""
         frozen: _Frozen | None = None
         if self.freeze and not self.ready and req.syscall != "memfd_create" \
-                and not _alone(req.pid, self._init_of(req.pid)):
+                and not _alone(req.pid, self._init_of(req.pid), self.opener):
             try:
                 frozen = _Frozen.stop(req.pid, time.monotonic() + self.freeze_wall_s,
-                                      self._init_of(req.pid))
+                                      self._init_of(req.pid), self.opener)
                 self.stops += 1
             except (TooSlow, OSError) as e:
                 if isinstance(e, OSError) and not self._id_valid(req.id):
@@ -376,10 +381,10 @@ class ExecWatch:
         """The sandbox init above the worker (cached: one worker per listener)."""
         if not self._init_known:
             try:
-                tgid = int(_status_field(tid, "Tgid"))
+                tgid = int(_status_field(tid, "Tgid", self.opener))
             except (OSError, ValueError):
                 return None
-            self._init, self._init_known = _sandbox_init(tgid), True
+            self._init, self._init_known = _sandbox_init(tgid, self.opener), True
         return self._init
 
     def _continue_and_check(self, req: ExecRequest, reason: str, frozen: _Frozen) -> Verdict:
@@ -392,9 +397,11 @@ class ExecWatch:
         region = _region(req)
         try:
             if self._judged_link is not None:    # the worker is stopped: still the same file
-                self._judged.add(_mapped_identity(self._judged_link))
+                with self.opener.link(req.pid, self._judged_link) as link:
+                    self._judged.add(_mapped_identity(link))
             before = set(vmas_between(req.pid, *(region or (0, _ADDR_LIMIT)),
-                                      exec_only=region is None, budget=budget))
+                                      exec_only=region is None, budget=budget,
+                                      opener=self.opener))
         except (TooSlow, OSError) as e:
             self._respond(req.id, False)
             return Verdict(req, False, f"cannot read the mappings before the call: {e}")
@@ -408,7 +415,7 @@ class ExecWatch:
         budget = _Budget(self.judge_budget_s, self.judge_wall_s)   # the wait is not judging
         try:
             after = vmas_between(req.pid, *(region or (0, _ADDR_LIMIT)),
-                                 exec_only=region is None, budget=budget)
+                                 exec_only=region is None, budget=budget, opener=self.opener)
             problem = self._mismatch(req.pid, before, after, region, budget)
         except (TooSlow, OSError) as e:
             if frozen.caller_gone():
@@ -439,7 +446,7 @@ class ExecWatch:
             if not v.shared:
                 lo, hi = (max(v.start, region[0]), min(v.end, region[1])) if region else \
                     (v.start, v.end)
-                page = _modified_page(pid, lo, hi, budget)
+                page = _modified_page(pid, lo, hi, budget, self.opener)
                 if page is not None:
                     return f"{where}: page {page:#x} is not the file's"
         return None
@@ -520,7 +527,8 @@ class ExecWatch:
     def _judge_mmap(self, req: ExecRequest, target: list[str | None]) -> tuple[bool, str]:
         anonymous = bool(req.flags & _MAP_ANONYMOUS) or req.fd < 0
         if not anonymous:
-            target[0] = os.readlink(f"/proc/{req.pid}/fd/{req.fd}")
+            with self.opener.link(req.pid, f"fd/{req.fd}") as link:
+                target[0] = os.readlink(link)
         if self.ready:
             return False, "new executable memory after READY"
         if anonymous:
@@ -532,8 +540,8 @@ class ExecWatch:
             return False, "anonymous executable memory"
         if req.prot & _PROT_WRITE:
             return False, "writable and executable file mapping"
-        link = f"/proc/{req.pid}/fd/{req.fd}"
-        ok, why = _code_file(req.pid, link)
+        link = f"fd/{req.fd}"
+        ok, why = _code_file(req.pid, link, opener=self.opener)
         if ok:
             self._judged_link = link      # identified only if the result is checked
         return ok, why
@@ -552,7 +560,7 @@ class ExecWatch:
         if end >= _ADDR_LIMIT:
             return False, "range beyond the address space"
         try:
-            vmas = mappings_in_range(req.pid, addr, end, budget)
+            vmas = mappings_in_range(req.pid, addr, end, budget, self.opener)
         except Hole as e:
             target[0] = "[unmapped]"
             if self.ready:
@@ -581,7 +589,7 @@ class ExecWatch:
             return False, "range mixes anonymous and file-backed memory"
         if req.prot & _PROT_WRITE:
             return False, "writable and executable file mapping"
-        mounts = _Mounts(req.pid)
+        mounts = _Mounts(req.pid, self.opener)
         checked: dict[tuple[tuple[int, int], int], tuple[bool, str]] = {}
         for v in vmas:
             # A private file mapping that was ever written may hold copied-on-write
@@ -589,13 +597,14 @@ class ExecWatch:
             if "w" in v.perms:
                 return False, f"file mapping {v.name} was modified or is writable"
             if not v.shared:
-                cow = _modified_page(req.pid, max(v.start, addr), min(v.end, end), budget)
+                cow = _modified_page(req.pid, max(v.start, addr), min(v.end, end), budget,
+                                     self.opener)
                 if cow is not None:
                     return False, f"file mapping {v.name} was modified or is writable (page {cow:#x})"
             key = (v.dev, v.inode)
             if key not in checked:
-                checked[key] = _code_file(req.pid, f"/proc/{req.pid}/map_files/{v.start:x}-{v.end:x}",
-                                          mounts)
+                checked[key] = _code_file(req.pid, f"map_files/{v.start:x}-{v.end:x}",
+                                          mounts, self.opener)
             ok, why = checked[key]
             if not ok:
                 return False, why
@@ -607,7 +616,8 @@ class ExecWatch:
 # -- /proc readers -------------------------------------------------------------------
 
 
-def mappings_in_range(pid: int, start: int, end: int, budget: _Budget | None = None) -> list[Vma]:
+def mappings_in_range(pid: int, start: int, end: int, budget: _Budget | None = None,
+                      opener: ProcOpener = DIRECT) -> list[Vma]:
     """The mappings of `pid` that cover [start, end), in order; Hole if any page is not mapped.
 
     Reads only that range (PROCMAP_QUERY) when the kernel can, else /proc/PID/maps up
@@ -617,14 +627,14 @@ def mappings_in_range(pid: int, start: int, end: int, budget: _Budget | None = N
     global _procmap_query_works
     if _procmap_query_works is not False:
         try:
-            got = _query(pid, start, end, budget, holes=False)
+            got = _query(pid, start, end, budget, holes=False, opener=opener)
             _procmap_query_works = True
             return got
         except OSError as e:
             if e.errno not in (errno.ENOTTY, errno.EINVAL, errno.EOPNOTSUPP) or _procmap_query_works:
                 raise
             _procmap_query_works = False  # an older kernel: read the text instead
-    return _maps_range(pid, start, end, budget)
+    return _maps_range(pid, start, end, budget, opener)
 
 
 def _too_many(n: int) -> None:
@@ -633,14 +643,14 @@ def _too_many(n: int) -> None:
 
 
 def _query(pid: int, start: int, end: int, budget: _Budget | None, *,
-           holes: bool, exec_only: bool = False) -> list[Vma]:
+           holes: bool, exec_only: bool = False, opener: ProcOpener = DIRECT) -> list[Vma]:
     """PROCMAP_QUERY over [start, end): one ioctl per mapping. `holes`: a gap ends the
     walk quietly (vmas_between); else it raises Hole (mappings_in_range, a whole range)."""
     name = ctypes.create_string_buffer(_NAME_MAX)
     name_addr = ctypes.addressof(name)
     flags = _PMQ_COVERING_OR_NEXT | (_PMQ_X if exec_only else 0)
     out: list[Vma] = []
-    fd = os.open(f"/proc/{pid}/maps", os.O_RDONLY | os.O_CLOEXEC)
+    fd = opener.open(pid, "maps")
     try:
         cur = start
         while cur < end:
@@ -673,9 +683,9 @@ def _query(pid: int, start: int, end: int, budget: _Budget | None, *,
     return out
 
 
-def _maps_lines(pid: int, budget: _Budget | None):
+def _maps_lines(pid: int, budget: _Budget | None, opener: ProcOpener = DIRECT):
     """Each mapping of /proc/PID/maps as a Vma, in order (the text, for older kernels)."""
-    with open(f"/proc/{pid}/maps", encoding="utf-8", errors="surrogateescape") as f:
+    with os.fdopen(opener.open(pid, "maps"), encoding="utf-8", errors="surrogateescape") as f:
         for n, line in enumerate(f):
             if budget is not None and n % 256 == 0:
                 budget.check()
@@ -687,10 +697,11 @@ def _maps_lines(pid: int, budget: _Budget | None):
                       fields[5] if len(fields) > 5 else "")
 
 
-def _maps_range(pid: int, start: int, end: int, budget: _Budget | None) -> list[Vma]:
+def _maps_range(pid: int, start: int, end: int, budget: _Budget | None,
+                opener: ProcOpener = DIRECT) -> list[Vma]:
     out: list[Vma] = []
     cur = start
-    for v in _maps_lines(pid, budget):
+    for v in _maps_lines(pid, budget, opener):
         if v.end <= cur:
             continue
         if v.start > cur:
@@ -703,9 +714,10 @@ def _maps_range(pid: int, start: int, end: int, budget: _Budget | None) -> list[
     raise Hole(cur)
 
 
-def _modified_page(pid: int, start: int, end: int, budget: _Budget | None = None) -> int | None:
+def _modified_page(pid: int, start: int, end: int, budget: _Budget | None = None,
+                   opener: ProcOpener = DIRECT) -> int | None:
     """First page in [start, end) of a private file mapping that is not the file's own."""
-    fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    fd = opener.open(pid, "pagemap")
     try:
         return first_foreign_page(fd, start, end, budget.check if budget is not None else None)
     finally:
@@ -713,17 +725,18 @@ def _modified_page(pid: int, start: int, end: int, budget: _Budget | None = None
 
 
 def vmas_between(pid: int, start: int, end: int, *, exec_only: bool = False,
-                 budget: _Budget | None = None) -> list[Vma]:
+                 budget: _Budget | None = None, opener: ProcOpener = DIRECT) -> list[Vma]:
     """The mappings of `pid` that overlap [start, end), holes allowed (executable ones
     only with `exec_only`): PROCMAP_QUERY where the kernel has it, else the maps text."""
     if _procmap_query_works is not False:
         try:
-            return _query(pid, start, end, budget, holes=True, exec_only=exec_only)
+            return _query(pid, start, end, budget, holes=True, exec_only=exec_only,
+                          opener=opener)
         except OSError as e:
             if e.errno not in (errno.ENOTTY, errno.EINVAL, errno.EOPNOTSUPP):
                 raise
     out = []
-    for v in _maps_lines(pid, budget):
+    for v in _maps_lines(pid, budget, opener):
         if v.end <= start or (exec_only and "x" not in v.perms):
             continue
         if v.start >= end:
@@ -746,10 +759,10 @@ def _region(req: ExecRequest) -> tuple[int, int] | None:
 # -- stopping the worker while it is judged ------------------------------------------
 
 
-def _stat_state(pid: int, tid: int) -> str | None:
+def _stat_state(pid: int, tid: int, opener: ProcOpener = DIRECT) -> str | None:
     """The thread's state letter (R, S, D, T, t, Z, X...), None if it is gone."""
     try:
-        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+        with os.fdopen(opener.open(pid, f"task/{tid}/stat"), "rb") as f:
             data = f.read()
     except OSError:
         return None
@@ -757,76 +770,68 @@ def _stat_state(pid: int, tid: int) -> str | None:
     return chr(data[at])
 
 
-def _tasks(pid: int) -> list[int]:
+def _tasks(pid: int, opener: ProcOpener = DIRECT) -> list[int]:
     try:
-        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        return [int(t) for t in opener.listdir(pid, "task")]
     except OSError:
         return []
 
 
-def _status_field(pid: int, key: str) -> str:
-    with open(f"/proc/{pid}/status") as f:
+def _status_field(pid: int, key: str, opener: ProcOpener = DIRECT) -> str:
+    with os.fdopen(opener.open(pid, "status")) as f:
         for ln in f:
             if ln.startswith(key):
                 return ln.split(":", 1)[1].strip()
     raise OSError(errno.ENOENT, f"no {key} for pid {pid}")
 
 
-_NR_TGKILL = {"x86_64": 234, "aarch64": 131}.get(platform.machine(), -1)
-
-
-def _tgkill(pid: int, tid: int, sig: int) -> None:
-    if _libc.syscall(ctypes.c_long(_NR_TGKILL), ctypes.c_long(pid), ctypes.c_long(tid),
-                     ctypes.c_long(sig)) != 0 and ctypes.get_errno() != errno.ESRCH:
-        raise OSError(ctypes.get_errno(), f"tgkill({pid}, {tid}, {sig})")
-
-
-def _children(pid: int) -> list[int]:
+def _children(pid: int, opener: ProcOpener = DIRECT) -> list[int]:
     out: list[int] = []
-    for tid in _tasks(pid):
+    for tid in _tasks(pid, opener):
         try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
+            with os.fdopen(opener.open(pid, f"task/{tid}/children")) as f:
                 out += [int(c) for c in f.read().split()]
         except OSError:
             continue
     return out
 
 
-def _sandbox_init(tgid: int) -> int | None:
+def _sandbox_init(tgid: int, opener: ProcOpener = DIRECT) -> int | None:
     """The worker's parent if it is its pid namespace's init (bwrap's): its other
     children could share the worker's memory too (CLONE_PARENT). None otherwise."""
     try:
-        parent = int(_status_field(tgid, "PPid"))
-        same_ns = os.stat(f"/proc/{parent}/ns/pid").st_ino == os.stat(f"/proc/{tgid}/ns/pid").st_ino
-        if parent > 1 and same_ns and _status_field(parent, "NSpid").split()[-1] == "1":
+        parent = int(_status_field(tgid, "PPid", opener))
+        with opener.link(parent, "ns/pid") as theirs, opener.link(tgid, "ns/pid") as mine:
+            same_ns = os.stat(theirs).st_ino == os.stat(mine).st_ino
+        if parent > 1 and same_ns and _status_field(parent, "NSpid", opener).split()[-1] == "1":
             return parent
     except (OSError, ValueError):
         pass
     return None
 
 
-def _sharers(tgid: int, init: int | None) -> list[int]:
+def _sharers(tgid: int, init: int | None, opener: ProcOpener = DIRECT) -> list[int]:
     """Every other process that could share the worker's memory or files (a clone with
     CLONE_VM or CLONE_FILES but not CLONE_THREAD): its descendants and, in a sandbox,
     its siblings under the sandbox's `init`. Strict domains have none (no new process)."""
-    todo = _children(tgid)
+    todo = _children(tgid, opener)
     if init is not None:
-        todo += [c for c in _children(init) if c != tgid]
+        todo += [c for c in _children(init, opener) if c != tgid]
     seen: list[int] = []
     while todo and len(seen) < MAX_SHARERS:
         p = todo.pop()
         if p != tgid and p not in seen:
             seen.append(p)
-            todo += _children(p)
+            todo += _children(p, opener)
     return seen
 
 
-def _alone(caller: int, init: int | None) -> bool:
+def _alone(caller: int, init: int | None, opener: ProcOpener = DIRECT) -> bool:
     """The caller is the only thread of its process, and no other process could share
     its memory: nothing of the worker can run while the caller waits for our answer (a
     new thread needs a running one), so the kernel acts on exactly what we judge, and
     there is nothing to stop (most of start-up: the interpreter's imports)."""
-    return _tasks(caller) == [caller] and not _sharers(caller, init)
+    return _tasks(caller, opener) == [caller] and not _sharers(caller, init, opener)
 
 
 class _Frozen:
@@ -839,24 +844,27 @@ class _Frozen:
     stops on its way back to user space, so its result is read before any of the
     worker's code runs again."""
 
-    def __init__(self, tgid: int, caller: int, procs: list[int]) -> None:
+    def __init__(self, tgid: int, caller: int, procs: list[int],
+                 opener: ProcOpener = DIRECT) -> None:
         self.tgid, self.caller, self.procs = tgid, caller, procs
+        self.opener = opener
         self.killed = False
 
     @classmethod
-    def stop(cls, caller: int, deadline: float, init: int | None) -> _Frozen:
-        tgid = int(_status_field(caller, "Tgid"))
-        procs = [tgid, *_sharers(tgid, init)]
+    def stop(cls, caller: int, deadline: float, init: int | None,
+             opener: ProcOpener = DIRECT) -> _Frozen:
+        tgid = int(_status_field(caller, "Tgid", opener))
+        procs = [tgid, *_sharers(tgid, init, opener)]
         for p in procs:
             # To each thread: a process-directed SIGSTOP wakes one thread to start the
             # group stop, and that may be the caller, whose killable wait ignores it.
-            for tid in _tasks(p) or [p]:
-                _tgkill(p, tid, signal.SIGSTOP)
-        frozen = cls(tgid, caller, procs)
+            for tid in _tasks(p, opener) or [p]:
+                opener.tgkill(p, tid, signal.SIGSTOP)
+        frozen = cls(tgid, caller, procs, opener)
         try:
             frozen._wait(lambda: frozen._running(), deadline,
                          lambda t: f"too slow to judge: thread {t} of pid {tgid} did not stop "
-                         f"(state {_stat_state(tgid, t)}, caller {caller})")
+                         f"(state {_stat_state(tgid, t, opener)}, caller {caller})")
         except BaseException:
             frozen.resume()
             raise
@@ -886,16 +894,16 @@ class _Frozen:
         that is not."""
         out: dict[int, str] = {}
         for p in self.procs:
-            for tid in _tasks(p):
+            for tid in _tasks(p, self.opener):
                 if tid == self.caller:
                     continue
-                state = _stat_state(p, tid)
+                state = _stat_state(p, tid, self.opener)
                 if state is None or state in ("Z", "X"):
                     continue
                 if state not in _STOPPED:
                     return tid
                 try:
-                    with open(f"/proc/{p}/task/{tid}/schedstat") as f:
+                    with os.fdopen(self.opener.open(p, f"task/{tid}/schedstat")) as f:
                         out[tid] = f.read()
                 except OSError:
                     continue
@@ -917,7 +925,7 @@ class _Frozen:
     def wait_caller(self, deadline: float) -> bool:
         """Until the caller has made the call and stopped (or died); False past deadline."""
         def running() -> int | None:
-            state = _stat_state(self.tgid, self.caller)
+            state = _stat_state(self.tgid, self.caller, self.opener)
             return None if state is None or state in _STOPPED else self.caller
         try:
             self._wait(running, deadline, str)
@@ -926,13 +934,13 @@ class _Frozen:
         return True
 
     def caller_gone(self) -> bool:
-        return _stat_state(self.tgid, self.caller) in (None, "Z", "X")
+        return _stat_state(self.tgid, self.caller, self.opener) in (None, "Z", "X")
 
     def kill(self) -> None:
         self.killed = True
         for p in self.procs:
             try:
-                os.kill(p, signal.SIGKILL)
+                self.opener.kill(p, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
@@ -941,7 +949,7 @@ class _Frozen:
             return                 # stays stopped until the kill lands: its code never runs
         for p in self.procs:
             try:
-                os.kill(p, signal.SIGCONT)
+                self.opener.kill(p, signal.SIGCONT)
             except ProcessLookupError:
                 pass
 
@@ -949,8 +957,9 @@ class _Frozen:
 class _Mounts:
     """The worker's mount table (its own /proc/PID/mountinfo), read once per judgement."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, opener: ProcOpener = DIRECT) -> None:
         self.pid = pid
+        self.opener = opener
         self._rows: list[tuple[int, tuple[int, int], str, bool]] | None = None
 
     @property
@@ -958,7 +967,7 @@ class _Mounts:
         """(mount id, (major, minor), mount point, writable)."""
         if self._rows is None:
             rows = []
-            with open(f"/proc/{self.pid}/mountinfo") as f:
+            with os.fdopen(self.opener.open(self.pid, "mountinfo")) as f:
                 for ln in f:
                     fields = ln.split()
                     sep = fields.index("-", 6)
@@ -995,29 +1004,32 @@ def _mapped_identity(link: str) -> tuple[tuple[int, int], int]:
         _libc.munmap(addr, _PAGE)
 
 
-def _code_file(pid: int, link: str, mounts: _Mounts | None = None) -> tuple[bool, str]:
-    """May the file behind `link` (a /proc magic link) be mapped executable?
+def _code_file(pid: int, name: str, mounts: _Mounts | None = None,
+               opener: ProcOpener = DIRECT) -> tuple[bool, str]:
+    """May the file behind /proc/PID/<name> (a magic link: fd/N, map_files/A-B) be
+    mapped executable?
 
     Only a regular file with a name, reached through a read-only mount of the worker,
     on a device that no mount of the worker can write (a writable bind of the same
     filesystem elsewhere would reach the same file).
     """
-    fd = os.open(link, os.O_PATH | os.O_CLOEXEC)  # follows the magic link to the file
-    try:
-        st = os.fstat(fd)
-        name = os.readlink(link)
-        if not stat.S_ISREG(st.st_mode):
-            return False, f"{name} is not a regular file"
-        if name.startswith("/memfd:"):
-            return False, f"{name} is a memfd"
-        if st.st_nlink == 0:
-            return False, f"{name} is deleted"
-        # Our own fdinfo for this O_PATH fd names the mount the worker reached it by.
-        with open(f"/proc/self/fdinfo/{fd}") as f:
-            mnt_id = next(int(ln.split()[1]) for ln in f if ln.startswith("mnt_id:"))
-    finally:
-        os.close(fd)
-    rows = (mounts or _Mounts(pid)).rows
+    with opener.link(pid, name) as link:
+        fd = os.open(link, os.O_PATH | os.O_CLOEXEC)  # follows the magic link to the file
+        try:
+            st = os.fstat(fd)
+            name = os.readlink(link)
+            if not stat.S_ISREG(st.st_mode):
+                return False, f"{name} is not a regular file"
+            if name.startswith("/memfd:"):
+                return False, f"{name} is a memfd"
+            if st.st_nlink == 0:
+                return False, f"{name} is deleted"
+            # Our own fdinfo for this O_PATH fd names the mount the worker reached it by.
+            with open(f"/proc/self/fdinfo/{fd}") as f:
+                mnt_id = next(int(ln.split()[1]) for ln in f if ln.startswith("mnt_id:"))
+        finally:
+            os.close(fd)
+    rows = (mounts or _Mounts(pid, opener)).rows
     mine = next((r for r in rows if r[0] == mnt_id), None)
     if mine is None:
         return False, f"{name} is on a mount the worker cannot see"
@@ -1029,7 +1041,7 @@ def _code_file(pid: int, link: str, mounts: _Mounts | None = None) -> tuple[bool
     return True, f"{name} on a read-only mount"
 
 
-def writable_executable_mappings(pid: int) -> list[str]:
+def writable_executable_mappings(pid: int, opener: ProcOpener = DIRECT) -> list[str]:
     """The /proc/PID/maps lines of `pid` that are writable and executable at once.
 
     The watch only sees requests for new executable memory: code can still be
@@ -1037,5 +1049,5 @@ def writable_executable_mappings(pid: int) -> list[str]:
     (tinygrad's CPU runtime maps one per kernel when anonymous exec is allowed).
     Worth checking when the supervisor accepts READY.
     """
-    with open(f"/proc/{pid}/maps") as f:
+    with os.fdopen(opener.open(pid, "maps")) as f:
         return [ln.rstrip("\n") for ln in f if ln.split()[1].startswith("rwx")]

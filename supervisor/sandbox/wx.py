@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from .procfs import DIRECT, ProcOpener
 from .seccomp import _add, _Fileno, _pyseccomp, set_no_new_privs
 
 PR_SET_MDWE, PR_GET_MDWE = 65, 66
@@ -153,18 +154,18 @@ class Verified:
     ms: float = 0.0
 
 
-def filter_count(pid: int, tid: int | None = None) -> int:
+def filter_count(pid: int, tid: int | None = None, opener: ProcOpener = DIRECT) -> int:
     """Seccomp_filters of a thread (the process's main thread by default)."""
-    path = f"/proc/{pid}/status" if tid is None else f"/proc/{pid}/task/{tid}/status"
-    with open(path) as f:
+    name = "status" if tid is None else f"task/{tid}/status"
+    with os.fdopen(opener.open(pid, name)) as f:
         for ln in f:
             if ln.startswith("Seccomp_filters:"):
                 return int(ln.split()[1])
     raise OSError(errno.ENOSYS, "no Seccomp_filters in /proc status")
 
 
-def _tids(pid: int) -> list[int]:
-    return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+def _tids(pid: int, opener: ProcOpener = DIRECT) -> list[int]:
+    return sorted(int(t) for t in opener.listdir(pid, "task"))
 
 
 def _filters_of(tid: int, first: int, count: int, want: bytes) -> bool:
@@ -197,12 +198,16 @@ def _wait_stopped(tid: int, deadline: float) -> bool:
         time.sleep(0.0002)
 
 
-def verify(pid: int, *, baseline: int | None, wall_s: float = VERIFY_WALL_S) -> Verified:
+def verify(pid: int, *, baseline: int | None, wall_s: float = VERIFY_WALL_S,
+           opener: ProcOpener = DIRECT) -> Verified:
     """Does every thread of `pid` hold the W^X filter? Read back by ptrace where the
     kernel allows; else (count only) every thread must hold more than the `baseline`
     filters counted when the exec watch arrived (None: unknown, refused). Run in one OS
     thread (ptrace requests must come from the thread that seized). Threads are stopped
-    only for the read and let go after; a thread that is exiting is not asked."""
+    only for the read and let go after; a thread that is exiting is not asked.
+    `opener` reaches /proc (sandbox/procfs.py). The ptrace read-back is this process's
+    own: an unprivileged supervisor gets EPERM and falls back to the count (a broker
+    readFilters request is issue 27's next step, docs/broker.md)."""
     t0 = time.monotonic()
     want = program()
     seized: list[int] = []
@@ -219,7 +224,8 @@ def verify(pid: int, *, baseline: int | None, wall_s: float = VERIFY_WALL_S) -> 
         # round; once a listing shows nothing new, every thread is stopped and none can
         # make another.
         for _ in range(_MAX_ROUNDS):
-            fresh = [t for t in _tids(pid) if t not in seized and not _gone(pid, t)]
+            fresh = [t for t in _tids(pid, opener) if t not in seized
+                     and not _gone(pid, t, opener)]
             if not fresh:
                 return result(True)
             for tid in fresh:
@@ -228,28 +234,28 @@ def verify(pid: int, *, baseline: int | None, wall_s: float = VERIFY_WALL_S) -> 
                     _libc.ptrace(_PTRACE_INTERRUPT, tid, None, None)
                     continue
                 err = ctypes.get_errno()
-                if err == errno.ESRCH or _gone(pid, tid):
+                if err == errno.ESRCH or _gone(pid, tid, opener):
                     continue                     # exited meanwhile
                 if not seized and err in (errno.EPERM, errno.EACCES):
-                    return _by_count(pid, baseline, t0, f"ptrace: {os.strerror(err)}")
+                    return _by_count(pid, baseline, t0, f"ptrace: {os.strerror(err)}", opener)
                 return result(False, f"thread {tid} cannot be checked: {os.strerror(err)}")
             for tid in seized:
                 if tid in checked:
                     continue
                 if not _wait_stopped(tid, deadline):
-                    if _gone(pid, tid):
+                    if _gone(pid, tid, opener):
                         continue
                     return result(False, f"thread {tid} did not stop within {wall_s * 1e3:g} "
                                   "ms to be checked")
                 # Any filter may be the one: only the W^X program itself matches, and a
                 # filter, once loaded, stays (the baseline matters only to the count).
                 try:
-                    count = filter_count(pid, tid)
+                    count = filter_count(pid, tid, opener)
                     found = _filters_of(tid, 0, count, want)
                 except OSError as e:
                     if not checked and e.errno in (errno.EINVAL, errno.EACCES, errno.EIO):
-                        return _by_count(pid, baseline, t0, f"no filter read-back: {e}")
-                    if _gone(pid, tid):
+                        return _by_count(pid, baseline, t0, f"no filter read-back: {e}", opener)
+                    if _gone(pid, tid, opener):
                         continue
                     raise
                 if not found:
@@ -262,25 +268,26 @@ def verify(pid: int, *, baseline: int | None, wall_s: float = VERIFY_WALL_S) -> 
             _libc.ptrace(_PTRACE_DETACH, tid, None, None)
 
 
-def _gone(pid: int, tid: int) -> bool:
+def _gone(pid: int, tid: int, opener: ProcOpener = DIRECT) -> bool:
     """The thread has exited (a zombie, or no longer listed)."""
     try:
-        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+        with os.fdopen(opener.open(pid, f"task/{tid}/stat"), "rb") as f:
             data = f.read()
     except OSError:
         return True
     return data[data.rindex(b")") + 2:data.rindex(b")") + 3] in (b"Z", b"X")
 
 
-def _by_count(pid: int, baseline: int | None, t0: float, why: str) -> Verified:
+def _by_count(pid: int, baseline: int | None, t0: float, why: str,
+              opener: ProcOpener = DIRECT) -> Verified:
     """No filter read-back here: every thread must at least have more filters than before."""
-    tids = _tids(pid)
+    tids = _tids(pid, opener)
     if baseline is None:
         return Verified(False, "count", f"no filter count from before READY to compare ({why})",
                         len(tids), (time.monotonic() - t0) * 1e3)
     for tid in tids:
         try:
-            count = filter_count(pid, tid)
+            count = filter_count(pid, tid, opener)
         except FileNotFoundError:
             continue
         if count <= baseline:
