@@ -39,7 +39,8 @@ drives: per road frame, the others are paired by frame id (cameras on one trigge
 ``camerad --trigger clock``) with capture times at most the manifest's
 ``abi.pairing.max_skew_ms`` apart (`Pairer`). A frame of another input is copied into its
 input buffer as it arrives (one copy, the frame released at once) and kept for the road
-frame of its id; a road frame whose partner is missing after ``--pair-wait-ms``, came
+frame of its id; a road frame whose partner is missing ``--pair-wait-ms`` after the road
+frame's capture (a frame taken later than that waits no more), came
 with another capture time, or was skipped by its camera is not run: counted
 (``unpaired=`` in the status line) and said in one ``log`` line (at most one a second per
 reason, with the count since), never waited on longer. No output for that instant: a
@@ -78,7 +79,7 @@ NEEDS_MODEL = True
 
 ROOT = Path(__file__).resolve().parents[2]
 PING_S = 0.1
-PAIR_WAIT_MS = 25.0    # how long a road frame waits for its partners (half a 20 Hz period)
+PAIR_WAIT_MS = 25.0    # partners due within this of the road frame's capture (half a 20 Hz period)
 UNPAIRED_LOG_S = 1.0   # at most one log line a second per reason of an unpaired frame
 ANNOUNCE_FROM = 16     # frames whose median time to publish is the next announcement
 STATUS_S = 5.0
@@ -94,8 +95,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--status-ms", type=float, default=STATUS_S * 1000,
                    help="how often to send a STATUS line with the counters")
     p.add_argument("--pair-wait-ms", type=float, default=PAIR_WAIT_MS,
-                   help="input ABI 3: how long a road frame waits for the frame of the same "
-                        "instant from each other camera")
+                   help="input ABI 3: how long after a road frame's capture the frame of "
+                        "the same instant from each other camera may come")
     return p.parse_args(argv)
 
 
@@ -253,7 +254,11 @@ class Modeld:
                 return True
         frame_id, capture = stamp.frame_id, stamp.capture_ts_ns
         if self.pairers:
-            deadline = time.monotonic_ns() + self.pair_wait_ns
+            # The partners are due within --pair-wait-ms of the road frame's capture (one
+            # trigger, one capture time): a road frame taken late waits only for what is
+            # left of that, not for a frame that would come later still (under overload,
+            # a full wait per frame put modeld further behind).
+            deadline = max(capture + self.pair_wait_ns, time.monotonic_ns())
             for p in self.pairers:
                 why = p.pair(frame_id, capture, deadline)
                 if why is not None:
