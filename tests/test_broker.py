@@ -632,7 +632,8 @@ _EXAMPLES = int(os.environ.get("BROKER_FUZZ_EXAMPLES", "200"))
 _VALID = [P.encode_request(1, r) for r in (
     P.Ping(), P.Start("a", 3, False, (P.Grant("a_out", "writer", 5),)),
     P.SignalPid(123, "term"), P.OpenProc(5, ("maps", "mem")), P.SetLatch("why"),
-    P.Reap("r", 2), P.ReadLatch())]
+    P.Reap("r", 2), P.ReadLatch(), P.OpenFd(5, 3), P.OpenMapFile(5, 0x1000, 0x3000),
+    P.SignalThread(5, 6, True), P.OpenProc(5, ("pagemap",)))]
 
 
 @st.composite
@@ -890,3 +891,33 @@ def test_links_and_thread_signals_inside_a_sandbox_are_checked(broker):
         _wait_exit(s.pidfd)
         c.reap("lone", n)
         s.close()
+
+
+def test_the_audit_says_what_runs_as_root_and_why(broker, tmp_path):
+    """supervisor/audit/privilege.py: one root supervisor that also reads hostile input
+    until the split is in use; then the broker alone is root (reads no hostile input)
+    and the supervisor proper has no capabilities. How it knows is said."""
+    from supervisor import units
+    from supervisor.audit import privilege as pv
+
+    cfg = broker.config
+    one = pv.privilege(cfg, unit_dir=tmp_path)
+    assert not one["split"] and "no trio-broker.service" in one["found"]
+    [sup] = one["processes"]
+    assert sup["root"] and sup["reads_hostile_input"]
+    assert sup["capabilities"] == list(units.CAPABILITIES) and sup["exposure"] == 3.3
+    (tmp_path / units.BROKER_UNIT).write_text("[Service]\n")
+    split = pv.privilege(cfg, unit_dir=tmp_path)
+    assert split["split"] and "installed" in split["found"]
+    brk, proper = split["processes"]
+    assert (brk["user"], brk["root"], brk["reads_hostile_input"]) == ("root", True, False)
+    assert any("/proc of the sandboxes" in w for w in brk["why"])
+    assert (proper["user"], proper["capabilities"], proper["root"]) == \
+        (units.SUPERVISOR_USER, [], False) and proper["exposure"] == 0.2
+    # A live audit goes by the process that holds the sandboxes, not by files.
+    assert pv.split_in_use({"pid": 7, "argv": ["python", "-m", "supervisor.broker"]},
+                           tmp_path)[0]
+    assert not pv.split_in_use({"pid": 7, "argv": ["supervisor", "run"]}, tmp_path)[0]
+    md = "\n".join(pv.md_lines({"privilege": split}))
+    assert "## What runs as root" in md and "| broker | trio-broker.service | root |" in md
+    assert "| supervisor proper | trio-supervisor-proper.service | trio-supervisor | none |" in md

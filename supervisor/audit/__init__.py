@@ -96,6 +96,9 @@ schema_version; a renamed or removed key or a changed meaning bumps it.
                      [{syscall, action, errno, when, stage}], after_ready: [...],
                      allowed, table_size}}, by_domain: {domain: key}, error}
     live_paths       (--live on a running system) [{path, check, observed, ok}]
+    privilege        what runs as root and why (privilege.py): {split, found (how the
+                     audit knows), processes: [{process, unit, user, root, capabilities,
+                     exposure, reads_hostile_input, why: [...]}]}
     running          (--live on a running system) {pid, argv, config, sandboxes}
 
 Worker row (config mode = promise; live mode = observation, same keys):
@@ -222,6 +225,13 @@ def audit(cfg: Config, *, live: bool = False, factory: Callable[[Config, Any], A
                              "config": running.config or "<embedded default>",
                              "config_audited": cfg.source,
                              "sandboxes": len(running.sandboxes)}
+    from .privilege import privilege
+
+    # What runs as root: --live --start runs the system in this (root) process.
+    report["privilege"] = privilege(cfg, running=report.get("running"),
+                                    split=False if live and running is None else None)
+    if live and running is None:
+        report["privilege"]["found"] = "the audit started the system itself, as root"
     return report
 
 

@@ -255,7 +255,7 @@ GROUPS: list[tuple[str, list[tuple[str, str, Cell]]]] = [
 
 
 def markdown(report: dict) -> str:
-    from . import review
+    from . import privilege, review
 
     live = report["mode"] == "live"
     lines = [f"# {_title(report)}", ""]
@@ -276,6 +276,7 @@ def markdown(report: dict) -> str:
         lines.append("")
     lines += review.md_paths(report)
     lines += review.md_failure(report)
+    lines += privilege.md_lines(report)
     lines += ["## Isolation per worker", ""]
     for title, cols in GROUPS:
         lines += [f"### {title}", ""]
@@ -341,7 +342,7 @@ def _trust_lines(t: dict, bullet: str) -> list[str]:
 
 
 def text(report: dict) -> str:
-    from . import review
+    from . import privilege, review
 
     live = report["mode"] == "live"
     lines = [_title(report)] + review.text_head(report) + [_summary(report), ""]
@@ -372,6 +373,7 @@ def text(report: dict) -> str:
                      f"payload {cells[4]}; actuation {cells[5]}; {cells[6]}; max age {cells[7]}"
                      + (f"; feeds {cells[8]}" if cells[8] != "-" else ""))
     lines += ["", "Trust rules:"] + [("  " + x if x else "") for x in _trust_lines(report["trust"], "* ")]
+    lines += privilege.text_lines(report)
     lines += review.text_sections(report)
     return "\n".join(lines) + "\n"
 
