@@ -182,8 +182,18 @@ def workers():
 # ---------------------------------------------------------------- a supervisor run
 
 
+# How long a supervisor's admission (static checks of every worker's code, before any
+# channel exists) may take before a wait's own clock starts. ~5-10 s on a quiet 2-core
+# machine, 55 s at load 20, over 60 s under two CPU hogs on a shared machine: a
+# wait_for(..., 30) then failed on a supervisor that had not started a worker yet.
+ADMISSION_S = 300
+_PAST_ADMISSION = ("channels_created", "supervisor_exit")
+
+
 class Run:
-    """`supervisor run` as a child process, its JSON event lines parsed as they come."""
+    """`supervisor run` as a child process, its JSON event lines parsed as they come.
+    A wait's timeout counts from the end of admission (or from the call, if later): it
+    is about what the test waits for, not about how loaded the machine is."""
 
     def __init__(self, tmp_path: Path, toml: str, env: dict | None = None,
                  cmd: str = "run") -> None:
@@ -195,6 +205,7 @@ class Run:
             env=dict(os.environ, **(env or {})))
         self.events: list[dict] = []
         self.lines: list[str] = []       # every stderr line, events or not
+        self.admitted_at: float | None = None   # monotonic time admission was over
         # Lines arrive on a thread: a quiet supervisor must fail a wait at its deadline,
         # not block a blocking readline forever.
         self._lines: queue.Queue[str | None] = queue.Queue()
@@ -218,27 +229,36 @@ class Run:
         self.lines.append(line)
         if line.startswith("{"):
             self.events.append(json.loads(line))
+            if self.admitted_at is None and self.events[-1].get("event") in _PAST_ADMISSION:
+                self.admitted_at = time.monotonic()
         return True
 
+    def _deadline(self, called: float, timeout: float) -> float:
+        if self.admitted_at is None:
+            return called + ADMISSION_S + timeout
+        return max(called, self.admitted_at) + timeout
+
     def wait_for(self, event: str, count: int = 1, timeout: float = 30, **match) -> list[dict]:
-        deadline = time.monotonic() + timeout
+        called = time.monotonic()
         while True:
             hits = [e for e in self.events if e["event"] == event
                     and all(e.get(k) == v for k, v in match.items())]
             if len(hits) >= count:
                 return hits
-            if not self._take(deadline - time.monotonic()) and (
-                    time.monotonic() >= deadline or self.proc.poll() is not None):
+            if not self._take(self._deadline(called, timeout) - time.monotonic()) and (
+                    time.monotonic() >= self._deadline(called, timeout)
+                    or self.proc.poll() is not None):
                 break
         raise AssertionError(f"no {count}x {event} {match}; got "
                              f"{[e['event'] for e in self.events]}")
 
     def wait_until(self, pred, timeout: float = 30) -> list[dict]:
         """Events until ``pred(events)`` holds (AssertionError at the deadline or EOF)."""
-        deadline = time.monotonic() + timeout
+        called = time.monotonic()
         while not pred(self.events):
-            if not self._take(deadline - time.monotonic()) and (
-                    time.monotonic() >= deadline or self.proc.poll() is not None):
+            if not self._take(self._deadline(called, timeout) - time.monotonic()) and (
+                    time.monotonic() >= self._deadline(called, timeout)
+                    or self.proc.poll() is not None):
                 raise AssertionError(f"condition not met; got "
                                      f"{[e['event'] for e in self.events]}")
         return self.events
