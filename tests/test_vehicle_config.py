@@ -100,3 +100,21 @@ def test_an_output_payload_modeld_does_not_publish_is_refused():
         check_output_payload({"payload": "driver_state", "fields": ["a", "b", "c", "d"]})
     assert check_output_payload({"payload": "model_out",
                                  "fields": list(PAYLOADS["model_out"].fields)}) == "model_out"
+
+
+def test_check_names_a_camera_input_the_config_leaves_unbound(tmp_path):
+    """The driving model takes the wide camera on role 'wide' (its manifest says so): a
+    config that runs it without binding that role is a config problem `supervisor check`
+    names, not a worker that refuses at every start and fails the control domain safe."""
+    from supervisor.model.trust import verify_models
+
+    text = CAR.read_text().replace('"models/demo/', f'"{ROOT}/models/demo/')
+    assert 'wide = "wide_frames"' in text
+    bad = tmp_path / "car.toml"
+    bad.write_text(text.replace(', wide = "wide_frames"', ""))
+    trusted, problems = verify_models(load(bad))
+    assert {t.model for t in trusted} == {"lane-offset-wide", "driver-monitor"}
+    assert problems == [("workers.modeld.subscribes",
+                         "model 'lane-offset-wide' takes input 'wide_y' (wide camera) on role "
+                         "'wide': bind it, e.g. subscribes = { wide = \"CHANNEL\" }")]
+    assert verify_models(load(CAR))[1] == []

@@ -43,8 +43,28 @@ def verify_models(cfg) -> tuple[list[Trusted], list[tuple[str, str]]]:
                                min_version=m.min_version) as v:
                 trusted.append(Trusted(name, v.name, v.version, m.min_version, v.key_id,
                                        v.manifest_sha256.hex(), users))
+                problems += _unbound_inputs(cfg, name, v, users)
         except ArtifactError as e:
             problems.append((f"models.{name}", f"refused: {type(e).__name__}: {e}"))
         except OSError as e:
             problems.append((f"models.{name}", f"cannot read: {e.strerror or e}"))
     return trusted, problems
+
+
+def _unbound_inputs(cfg, name: str, v, users: tuple[str, ...]) -> list[tuple[str, str]]:
+    """A model of several cameras (input ABI 3) names the worker role of each input:
+    a worker running it without that role bound would refuse to start (in control:
+    restarts, then fail-safe), so `check` says so first."""
+    out: list[tuple[str, str]] = []
+    if len(v.input_abis) < 2:      # one camera: the worker's own ROLES rule covers it
+        return out
+    for w in users:
+        roles = dict(cfg.workers[w].roles)
+        for i in v.input_abis:
+            role = i.get("role")
+            if role is not None and role not in roles:
+                out.append((f"workers.{w}.subscribes",
+                            f"model {name!r} takes input {i.get('name')!r} "
+                            f"({i.get('sensor') or 'a'} camera) on role {role!r}: bind it, "
+                            f"e.g. subscribes = {{ {role} = \"CHANNEL\" }}"))
+    return out
