@@ -97,13 +97,16 @@ def md_lines(report: dict[str, Any]) -> list[str]:
               "capabilities." if p["split"] else
               "One root supervisor (the broker split, issue 27, is not in use).")
              + f" Found: {p['found']}.", ""]
-    head = ["process", "unit", "user", "capabilities", "exposure", "reads hostile input",
-            "why"]
+    # Six columns at most (the report's tables stay readable); the reasons follow.
+    head = ["process", "unit", "user", "capabilities", "exposure", "reads hostile input"]
     rows = [[r["process"], r["unit"], r["user"], ", ".join(r["capabilities"]) or "none",
-             f"{r['exposure']:.1f}", "yes" if r["reads_hostile_input"] else "no",
-             "; ".join(r["why"])] for r in p["processes"]]
+             f"{r['exposure']:.1f}", "yes" if r["reads_hostile_input"] else "no"]
+            for r in p["processes"]]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+    for r in p["processes"]:
+        lines += ["", f"Why the {r['process']} {'is root' if r['root'] else 'runs'}:", ""]
+        lines += [f"- {w}" for w in r["why"]]
     return lines + [""]
 
 
