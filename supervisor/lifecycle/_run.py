@@ -29,6 +29,7 @@ class WorkerRun:
     status: str = ""
     exit_reason: str = ""
     status_buf: bytes = b""                  # an incomplete status line
+    status_skip: bool = False                # inside an over-long line: drop to its newline
     status_tokens: float = 1000.0            # status-line rate limit (token bucket)
     status_ts: float = 0.0
     status_logged: str = ""                  # the last status text that became an event

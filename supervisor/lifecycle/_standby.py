@@ -107,7 +107,8 @@ class _WarmStandby:
         sb.adopted = True
         sb.scope.cancel()               # its tasks stop; ours take over its pipes
         await sb.handed_over.wait()
-        for f in ("proc", "pid", "status_r", "status_buf", "status_tokens", "status_ts",
+        for f in ("proc", "pid", "status_r", "status_buf", "status_skip", "status_tokens",
+                  "status_ts",
                   "out_r", "output", "cgroup", "oom_before", "watch_sock", "watch",
                   "exec_allowed", "ctl_sock"):
             setattr(run, f, getattr(sb, f))

@@ -205,7 +205,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                         sock.close()
         run.ctl_sock = ctl_ours
         run.status_r = r
-        run.status_buf = b""
+        run.status_buf, run.status_skip = b"", False
         run.status_tokens, run.status_ts = self.STATUS_LINES_PER_S, time.monotonic()
         run.out_r = out_r
         run.output = LineLimiter()
