@@ -46,6 +46,8 @@ if [ $dev -eq 1 ]; then
     command -v g++ >/dev/null || need+=(g++)
     # The console test runs `supervisor run` in a real terminal (tests/test_console.py).
     command -v tmux >/dev/null || need+=(tmux)
+    # System calls per message against iceoryx2 (bench/ipc_latency.py --syscalls).
+    command -v strace >/dev/null || need+=(strace)
 fi
 if [ $system -eq 1 ]; then
     # The unit's ExecStart is PREFIX/bin/python3 and the unit hides /root and /home
