@@ -101,7 +101,8 @@ struct Request {
     openFd @12 :OpenFd;
     openMapFile @13 :OpenMapFile;
     signalThread @14 :SignalThread;
-  }
+    openPidNs @15 :Int32;     # the pid: an O_PATH fd of its /proc/PID/ns/pid (the exec
+  }                           # watch asks whether a worker's parent is its sandbox's init)
 }
 
 enum ErrorCode {
@@ -144,6 +145,6 @@ struct Reply {
     opened @5 :List(ProcFile);   # fds: the /proc/PID directory, then one per file
     latch @6 :Text;              # "" when not latched
     error @7 :Error;
-    link @8 :Void;               # fds: one O_PATH fd (openFd, openMapFile)
+    link @8 :Void;               # fds: one O_PATH fd (openFd, openMapFile, openPidNs)
   }
 }

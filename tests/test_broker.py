@@ -633,7 +633,7 @@ _VALID = [P.encode_request(1, r) for r in (
     P.Ping(), P.Start("a", 3, False, (P.Grant("a_out", "writer", 5),)),
     P.SignalPid(123, "term"), P.OpenProc(5, ("maps", "mem")), P.SetLatch("why"),
     P.Reap("r", 2), P.ReadLatch(), P.OpenFd(5, 3), P.OpenMapFile(5, 0x1000, 0x3000),
-    P.SignalThread(5, 6, True), P.OpenProc(5, ("pagemap",)))]
+    P.SignalThread(5, 6, True), P.OpenProc(5, ("pagemap",)), P.OpenPidNs(5))]
 
 
 @st.composite
@@ -676,7 +676,7 @@ def test_fuzz_the_live_broker_answers_every_datagram(broker, data):
 # ---------------------------------------------------------------- /proc for the exec watch
 
 def test_links_and_thread_signals_of_pids_not_its_own_are_refused(broker):
-    """openFd, openMapFile and signalThread carry numbers, never a path: the broker
+    """openFd, openMapFile, openPidNs and signalThread carry numbers, never a path: the broker
     formats /proc/PID/fd/N and map_files/A-B itself, for a pid of its sandboxes only, and
     refuses numbers out of range before it looks."""
     b, c = broker, broker.client
@@ -690,8 +690,10 @@ def test_links_and_thread_signals_of_pids_not_its_own_are_refused(broker):
                 c.open_map_file(pid, 0x400000, 0x401000)
             with pytest.raises(NotOurs):
                 c.signal_thread(pid, pid, stop=True)
+            with pytest.raises(NotOurs):
+                c.open_pid_ns(pid)
         got = b.events("broker_refused")[n:]
-        assert [e["code"] for e in got] == ["notOurs"] * 12, got
+        assert [e["code"] for e in got] == ["notOurs"] * 16, got
         assert _state(stranger.pid) not in ("T", "t")         # nothing was stopped
         for bad in (P.OpenFd(stranger.pid, -1), P.OpenFd(stranger.pid, P.MAX_FD),
                     P.OpenMapFile(stranger.pid, 0x1000, 0x1000),      # empty
@@ -818,7 +820,8 @@ def test_exec_watch_and_maps_scan_as_nobody_through_the_broker_see_what_root_see
                 "wx_maps": execwatch.writable_executable_mappings(worker, op),
                 "exec_vmas": [list(v) for v in execwatch.vmas_between(
                     worker, 0, 1 << 47, exec_only=True, opener=op)],
-                "wx": wx.verify(worker, baseline=0, opener=op).ok}
+                "wx": wx.verify(worker, baseline=0, opener=op).ok,
+                "init": execwatch._sandbox_init(worker, op)}
 
     def as_nobody() -> dict:
         got = look(opener)
@@ -841,6 +844,7 @@ def test_exec_watch_and_maps_scan_as_nobody_through_the_broker_see_what_root_see
         assert (nobody.pop("stopped"), nobody.pop("resumed")[0]) in (("T", "S"), ("T", "R"))
         assert nobody == json.loads(json.dumps(root)), (nobody, root)
         assert root["snapshot"] and root["exec_vmas"] and root["wx"]
+        assert root["init"] is not None           # bwrap's init, found through ns/pid
     finally:
         c.kill_sandbox("a", n)
         _wait_exit(a.pidfd)

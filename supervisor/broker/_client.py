@@ -211,6 +211,12 @@ class BrokerClient:
         _expect(rep, P.Link, rfds)
         return rfds[0]
 
+    def open_pid_ns(self, pid: int) -> int:
+        """An O_PATH fd of the process's pid namespace (fstat: its inode; ours to close)."""
+        rep, rfds = self.call(P.OpenPidNs(pid))
+        _expect(rep, P.Link, rfds)
+        return rfds[0]
+
     def signal_thread(self, pid: int, tid: int, *, stop: bool) -> None:
         self.call(P.SignalThread(pid, tid, stop))
 
@@ -218,7 +224,7 @@ class BrokerClient:
 class BrokerProcOpener:
     """sandbox.procfs.ProcOpener over the broker, for the supervisor proper (no root,
     no capabilities). What needs privilege goes to the broker: the files of PROC_FILES
-    (opened there, the fd handed over), fd/N and map_files/A-B (an O_PATH fd, followed
+    (opened there, the fd handed over), fd/N, map_files/A-B and ns/pid (an O_PATH fd, followed
     through /proc/self/fd/M: stat, readlink and a reopen with our own permissions), and
     SIGSTOP/SIGCONT/SIGKILL. What any user may read (task/*, listing task) is read
     here. A pid the broker does not own, or one gone, reads as ProcessLookupError; a
@@ -254,6 +260,8 @@ class BrokerProcOpener:
             elif kind == "map_files":
                 start, _, end = arg.partition("-")
                 fd = self.client.open_map_file(pid, int(start, 16), int(end, 16))
+            elif name == "ns/pid":
+                fd = self.client.open_pid_ns(pid)
             else:
                 raise PermissionError(errno.EPERM, f"/proc/{pid}/{name}: not a link the "
                                       "broker opens")

@@ -118,6 +118,11 @@ class SignalThread:
 
 
 @dataclass(frozen=True)
+class OpenPidNs:
+    pid: int
+
+
+@dataclass(frozen=True)
 class SetLatch:
     reason: str
 
@@ -139,13 +144,15 @@ class Realtime:
 
 
 Request = Union[Ping, Start, SignalPid, KillSandbox, Reap, Pids, OpenProc, SetLatch,
-                ClearLatch, ReadLatch, Realtime, OpenFd, OpenMapFile, SignalThread]
+                ClearLatch, ReadLatch, Realtime, OpenFd, OpenMapFile, SignalThread,
+                OpenPidNs]
 _SANDBOX_REQUESTS = {"killSandbox": KillSandbox, "reap": Reap, "pids": Pids,
                      "realtime": Realtime}
 _KIND = {Ping: "ping", Start: "start", SignalPid: "signal", KillSandbox: "killSandbox",
          Reap: "reap", Pids: "pids", OpenProc: "openProc", SetLatch: "setLatch",
          ClearLatch: "clearLatch", ReadLatch: "readLatch", Realtime: "realtime",
-         OpenFd: "openFd", OpenMapFile: "openMapFile", SignalThread: "signalThread"}
+         OpenFd: "openFd", OpenMapFile: "openMapFile", SignalThread: "signalThread",
+         OpenPidNs: "openPidNs"}
 
 
 def kind_of(req: Request) -> str:
@@ -188,7 +195,7 @@ class Opened:
 
 @dataclass(frozen=True)
 class Link:
-    """One O_PATH fd travels with it (openFd, openMapFile)."""
+    """One O_PATH fd travels with it (openFd, openMapFile, openPidNs)."""
 
 
 @dataclass(frozen=True)
@@ -254,6 +261,8 @@ def encode_request(rid: int, req: Request) -> bytes:
     elif isinstance(req, SignalThread):
         s = m.init("signalThread")
         s.pid, s.tid, s.stop = req.pid, req.tid, req.stop
+    elif isinstance(req, OpenPidNs):
+        m.openPidNs = req.pid
     elif isinstance(req, SetLatch):
         m.setLatch = req.reason
     elif isinstance(req, ClearLatch):
@@ -366,6 +375,8 @@ def _body(m) -> Request:
     if which == "signalThread":
         s = m.signalThread
         return SignalThread(_pid(int(s.pid)), _pid(int(s.tid)), bool(s.stop))
+    if which == "openPidNs":
+        return OpenPidNs(_pid(int(m.openPidNs)))
     if which == "setLatch":
         reason = str(m.setLatch)
         if len(reason) > MAX_REASON or not reason.isprintable():

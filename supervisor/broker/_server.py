@@ -242,6 +242,8 @@ class Broker:
             return P.Link(), [self._open_link(req.pid, f"fd/{req.fd}")]
         if isinstance(req, P.OpenMapFile):
             return P.Link(), [self._open_link(req.pid, f"map_files/{req.start:x}-{req.end:x}")]
+        if isinstance(req, P.OpenPidNs):
+            return P.Link(), [self._open_link(req.pid, "ns/pid")]
         if isinstance(req, P.SignalThread):
             self._signal_thread(req)
             return P.Ok(), []
@@ -505,8 +507,8 @@ class Broker:
         return P.Opened(req.files), fds
 
     def _open_link(self, pid: int, name: str) -> int:
-        """An O_PATH fd of what /proc/PID/<name> (fd/N or map_files/A-B, formatted here
-        from numbers) leads to, for a pid of ours. The kernel checks those magic links at
+        """An O_PATH fd of what /proc/PID/<name> (fd/N, map_files/A-B or ns/pid, formatted
+        here from numbers) leads to, for a pid of ours. The kernel checks those magic links at
         each lookup (ptrace access; CAP_SYS_ADMIN for map_files), so the supervisor
         proper cannot follow them through a directory fd: it gets the target itself.
         O_PATH opens nothing (a device mapping is not opened, a FIFO does not block); the
