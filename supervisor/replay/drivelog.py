@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import capnp
 import numpy as np
 
 from supervisor.ipc.receipt import Receipt
@@ -41,6 +42,11 @@ from .logfmt import (
     VideoWriter,
     read_entries,
 )
+
+# What decoding one hostile record can raise (json, numpy's dtype/reshape, capnp's
+# accessors of a malformed struct, text that is not UTF-8).
+_BAD_RECORD = (ValueError, TypeError, KeyError, UnicodeError, OverflowError,
+               capnp.KjException)
 
 
 @dataclass(frozen=True)
@@ -265,42 +271,62 @@ class DriveLog:
     def _read(self, path: Path, final: bool) -> None:
         seen_start = False
         for e in read_entries(path, self.loss, final=final):
-            which = e.which()
-            if which == "start":
-                seen_start = True
-                if e.start.writer == "recorder":
-                    self.info = json.loads(e.start.info or "{}")
-                    self.channels = list(e.start.channels)
-            elif which == "message":
-                m = e.message
-                arr = np.frombuffer(bytes(m.data), np.dtype(m.dtype)).reshape(tuple(m.shape))
-                rec = read_receipt(m.receipt) if m._has("receipt") else None
-                self.messages.setdefault(m.channel, []).append(Msg(
-                    m.channel, m.sequence, m.publishTsNs, m.writerPid,
-                    m.frameId if m.hasFrameId else None, m.captureTsNs, arr, rec, e.monoNs))
-            elif which == "frame":
-                f = e.frame
-                self.frames.setdefault(f.channel, []).append(FrameMsg(
-                    f.channel, f.sequence, f.publishTsNs, f.frameId, f.captureTsNs,
-                    None if f.exposureUs < 0 else f.exposureUs, f.width, f.height,
-                    str(f.pixelFormat), f.videoIndex, e.monoNs))
-            elif which == "drops":
-                d = e.drops
-                c = self.drops.setdefault(d.channel, DropCount())
-                c.dropped += d.dropped
-                c.rejected += d.rejected
-                c.leases_lost += d.leasesLost
-                c.skipped += d.skipped
-            elif which == "event":
-                try:
-                    self.events.append(json.loads(e.event))
-                except ValueError:
-                    self.loss.corrupt_records += 1
-            elif which == "stop" and path.name == MESSAGES:
-                self.summary = json.loads(e.stop or "{}")
+            try:
+                seen_start |= self._take(e, path)
+            except _BAD_RECORD:
+                # A log is input from someone's laptop: a record whose contents do not
+                # decode (not JSON, a dtype numpy will not read from bytes, a shape its
+                # data does not fill) is a corrupt record, counted as loss and skipped;
+                # never a traceback, nor an "internal error" (red team round 2).
+                self.loss.corrupt_records += 1
         if not seen_start and path.name == MESSAGES:
             raise LogError(f"{path}: no start entry (not a drive log, or its first record "
                            f"is lost)")
+
+    def _take(self, e: Any, path: Path) -> bool:
+        """Add one entry to the log; True for the recorder's start entry."""
+        which = e.which()
+        if which == "start":
+            if e.start.writer == "recorder":
+                info = json.loads(e.start.info or "{}")
+                if not isinstance(info, dict):
+                    raise ValueError("start info is not a JSON object")
+                self.info, self.channels = info, [str(c) for c in e.start.channels]
+            return True
+        if which == "message":
+            m = e.message
+            dt = np.dtype(m.dtype)
+            if dt.hasobject:
+                raise ValueError(f"dtype {m.dtype!r} holds objects")
+            arr = np.frombuffer(bytes(m.data), dt).reshape(tuple(m.shape))
+            rec = read_receipt(m.receipt) if m._has("receipt") else None
+            self.messages.setdefault(m.channel, []).append(Msg(
+                m.channel, m.sequence, m.publishTsNs, m.writerPid,
+                m.frameId if m.hasFrameId else None, m.captureTsNs, arr, rec, e.monoNs))
+        elif which == "frame":
+            f = e.frame
+            self.frames.setdefault(f.channel, []).append(FrameMsg(
+                f.channel, f.sequence, f.publishTsNs, f.frameId, f.captureTsNs,
+                None if f.exposureUs < 0 else f.exposureUs, f.width, f.height,
+                str(f.pixelFormat), f.videoIndex, e.monoNs))
+        elif which == "drops":
+            d = e.drops
+            c = self.drops.setdefault(d.channel, DropCount())
+            c.dropped += d.dropped
+            c.rejected += d.rejected
+            c.leases_lost += d.leasesLost
+            c.skipped += d.skipped
+        elif which == "event":
+            ev = json.loads(e.event)
+            if not isinstance(ev, dict):
+                raise ValueError("event is not a JSON object")
+            self.events.append(ev)
+        elif which == "stop" and path.name == MESSAGES:
+            summary = json.loads(e.stop or "{}")
+            if not isinstance(summary, dict):
+                raise ValueError("stop summary is not a JSON object")
+            self.summary = summary
+        return False
 
     def video(self, channel: str) -> VideoReader:
         r = VideoReader(self.path, channel)

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from supervisor.protocol import printable
+
 from .drivelog import DriveLog, Msg
 from .logfmt import MESSAGES, LogError
 
@@ -97,7 +99,9 @@ def render_info(d: dict[str, Any]) -> str:
         if c.get("recorder_drops"):
             lines.append(f"    recorder dropped {c['recorder_drops']}")
     lines.append(f"  loss: {d['loss']['text']}")
-    return "\n".join(lines) + "\n"
+    # Names and texts come from the log (someone's laptop): nothing in them may act on
+    # the developer's terminal (red team: a channel name set the window title).
+    return "\n".join(printable(ln) for ln in lines) + "\n"
 
 
 def rows(log: DriveLog, channel: str):
@@ -207,7 +211,7 @@ def cmd_log(args: argparse.Namespace) -> int:
             n = frames(log, args.channel, args.out, args.every)
             print(f"{n} frames written to {args.out}")
     except LogToolError as e:
-        print(f"supervisor log: {e}", file=sys.stderr)
+        print(printable(f"supervisor log: {e}"), file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:
         print(f"supervisor log: needs {e.name}, which is not installed: {REPLAY_EXTRA}",
