@@ -79,6 +79,7 @@ from supervisor.events import EventLog  # noqa: E402
 from supervisor.ipc import LeaseLost, Reader, Rejected  # noqa: E402
 from supervisor.ipc import layout as L  # noqa: E402
 from supervisor.lifecycle import Supervisor  # noqa: E402
+from workers.controlsd.law import SafeReason  # noqa: E402
 
 WORKERS = ("camerad", "modeld", "controlsd")
 # Reader indices: the workers' come first (readers_of order), then ours. No monitor runs
@@ -87,7 +88,7 @@ IDX = {"road_frames": {"follow": 1, "stall": 2, "fresh": 3},
        "model_out": {"follow": 1, "stall": 2, "fresh": 3},
        "control_cmd": {"follow": 0, "fresh": 1}}
 MAX_STEER = 0.3
-OK, VALID_REASONS = 0, set(range(0, 11))     # workers.controlsd.law.SafeReason
+OK, VALID_REASONS = 0, {int(r) for r in SafeReason}
 
 CONFIG = """
 [domains.control]

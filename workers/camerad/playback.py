@@ -170,9 +170,11 @@ def run(ctx, a: argparse.Namespace) -> int:
                     due = t0 + (f.capture_ts_ns - rec0) / 1e9
                 else:
                     due = t0 + published * period
-                while not stop and time.monotonic() < due:
+                while not stop and (left := due - time.monotonic()) > 0:
                     ping()
-                    time.sleep(min(due - time.monotonic(), PING_S) if due > time.monotonic() else 0)
+                    # `left` read once: two reads of the clock raced under load (the
+                    # second past `due` gave a negative sleep: ValueError).
+                    time.sleep(min(left, PING_S))
             if id_base:
                 f = Recorded(f.frame_id + id_base, f.capture_ts_ns, f.exposure_us, f.data)
             _publish(writer, f, w, h, a.sensor)
