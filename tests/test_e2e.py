@@ -4,7 +4,9 @@ in this process."""
 from __future__ import annotations
 
 import io
+import os
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -125,7 +127,23 @@ def test_camera_model_control_end_to_end():
             nursery.cancel_scope.cancel()
         return sup
 
-    sup = trio.run(main)
+    # The test's readers stand in for the car's consumers of lanes and steer, which run
+    # at priority: at nice 0 under two CPU hogs they fell 300 ms behind (steer: stale at
+    # 316 ms, max_age 100; lanes: the slot reused under the reader), which tests the
+    # machine, not the pipeline. The workers inherit it from this (spawning) thread.
+    tid = threading.get_native_id()
+    nice = os.getpriority(os.PRIO_PROCESS, tid)
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, -20)
+    except OSError:
+        pass                                   # unprivileged: as it is
+    try:
+        sup = trio.run(main)
+    finally:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError:
+            pass
     assert sup.exit_code == 0
     assert [e["worker"] for e in log.of("ready")] == ["camerad", "modeld", "controlsd"]
 
