@@ -517,13 +517,20 @@ class Reader:
                 # one preemption turned controlsd's rehearsal off for good).
                 self._rehearsing, self._rehearsal = False, None
                 self._rehearsal_error = "longer than the busy-poll window"
+        msg = self._watch_until(stop)
+        if msg is None:
+            cad.misses += 1
+        else:
+            cad.hits += 1
+        return msg
+
+    def _watch_until(self, stop: int) -> Message | None:
+        """Look at shared memory, without sleeping, until a message or ``stop`` (ns)."""
         try_receive = self.try_receive
         while _now() < stop:
             msg = try_receive()
             if msg is not None:
-                cad.hits += 1
                 return msg
-        cad.misses += 1
         return None
 
     def _spin(self, end: float | None) -> Message | None:
@@ -533,14 +540,12 @@ class Reader:
         stop = burst.until(None if end is None else int(end * 1e9))
         if stop <= _now():
             return None             # not in a burst, or its spin is over already
-        try_receive = self.try_receive
-        while _now() < stop:
-            msg = try_receive()
-            if msg is not None:
-                burst.hits += 1
-                return msg
-        burst.misses += 1
-        return None
+        msg = self._watch_until(stop)
+        if msg is None:
+            burst.misses += 1
+        else:
+            burst.hits += 1
+        return msg
 
     def rehearse(self, fn: Callable[[Message], object] | None) -> None:
         """Rehearse the worker's per-message work at the start of each busy-poll window.
