@@ -131,7 +131,8 @@ def rows(log: DriveLog, channel: str):
     raise LogToolError(f"{log.path}: no channel {channel!r} (channels: {have})")
 
 
-def cat(log: DriveLog, channel: str, fmt: str, out=sys.stdout) -> int:
+def cat(log: DriveLog, channel: str, fmt: str, out: Any = None) -> int:
+    out = out if out is not None else sys.stdout   # at call time: stdout may be replaced
     n = 0
     writer = None
     for head, r in rows(log, channel):
