@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_attacks import _of, attack_result
+
 pytestmark = pytest.mark.sandbox
 if shutil.which("bwrap") is None:
     pytest.skip("bubblewrap is not installed", allow_module_level=True)
@@ -205,17 +207,6 @@ def fleet(tmp_path_factory):
     finally:
         if f.proc.poll() is None:
             f.proc.kill()
-
-
-def _of(ev: list[dict], worker: str, event: str | None = None) -> list[dict]:
-    return [e for e in ev if e.get("worker") == worker and (event is None or e["event"] == event)]
-
-
-def attack_result(ev: list[dict], worker: str) -> dict | None:
-    for e in _of(ev, worker, "output"):
-        if e["line"].startswith("ATTACK "):
-            return json.loads(e["line"][7:])
-    return None
 
 
 def _display_width(text: str) -> int:

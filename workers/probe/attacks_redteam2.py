@@ -20,6 +20,7 @@ import time
 from typing import Callable
 
 from supervisor.worker import ENV_STATUS_FD, WorkerContext
+from workers.probe.attacks import _channel_fd
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -186,16 +187,6 @@ def signal_out(ctx: WorkerContext) -> dict:
             pass
     res["host_pids_answering"] = hits[:20]
     return {"denied": not hits, **res}
-
-
-def _channel_fd(ctx: WorkerContext) -> int:
-    from supervisor.ipc import ReaderHandle, env_name
-
-    for ch in ctx.channels:
-        h = json.loads(os.environ[env_name(ch)])
-        if h.get("role", "reader") != "writer":
-            return ReaderHandle.from_json(os.environ[env_name(ch)]).data_fd
-    raise LookupError("no channel to read")
 
 
 def channel_fd_ops(ctx: WorkerContext) -> dict:
