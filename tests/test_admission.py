@@ -5,6 +5,7 @@ Real files, real gcc-built shared objects, real subprocesses; no mocks.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -27,6 +28,7 @@ from supervisor.admission import (
     scan_pid,
     walk_module,
 )
+from supervisor.admission import check as admission_check
 from supervisor.admission.elf import ElfUnreadable
 
 REPO = Path(__file__).resolve().parents[1]
@@ -569,6 +571,68 @@ def test_guard_refuses_when_torch_already_loaded(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("refused: control-domain worker camerad already has forbidden code loaded")
     assert "module torch" in proc.stdout
+
+
+# ---------------------------------------------------------------------------
+# the cached walk: reused for a fleet of one module, never past a change
+
+
+def _rewrite_keeping_size_and_mtime(path: Path, text: str) -> None:
+    """Rewrite in place (same inode, same size, mtime put back): only ctime tells."""
+    before = path.stat()
+    assert len(text.encode()) == before.st_size
+    path.write_text(text)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def test_cache_one_walk_for_a_fleet_and_each_report_names_its_worker(tmp_path: Path) -> None:
+    make_tree(tmp_path, {"fleetw/__init__.py": "import json\nfrom fleetw import a\n",
+                         "fleetw/a.py": "import torch\n"})
+    before = dataclasses.replace(admission_check.CACHE_STATS)
+    reports = [control(tmp_path, "fleetw", name=f"w{i}") for i in range(5)]
+    assert admission_check.CACHE_STATS.walks == before.walks + 1
+    assert admission_check.CACHE_STATS.hits == before.hits + 4
+    for i, r in enumerate(reports):
+        [finding] = r.findings
+        assert finding.worker == f"w{i}" and f"worker w{i} imports torch" in finding.message
+        assert finding.chain == ["fleetw (fleetw/__init__.py:2)", "fleetw.a (fleetw/a.py:1)", "torch"]
+
+
+def test_cache_sees_a_module_rewritten_with_its_size_and_mtime(tmp_path: Path) -> None:
+    make_tree(tmp_path, {"editw/__init__.py": "from editw import b\n", "editw/b.py": "import array\n"})
+    assert control(tmp_path, "editw").ok
+    _rewrite_keeping_size_and_mtime(tmp_path / "editw/b.py", "import torch\n")
+    assert only_import_chains(control(tmp_path, "editw")) == [
+        "editw (editw/__init__.py:1) -> editw.b (editw/b.py:1) -> torch"]
+
+
+def test_cache_sees_a_module_that_appears_and_a_namespace_that_becomes_a_package(tmp_path: Path) -> None:
+    make_tree(tmp_path, {"appearw/__init__.py": "import later_mod\nimport nsp.clean\n",
+                         "nsp/clean.py": "import json\n"})
+    assert control(tmp_path, "appearw").ok  # later_mod missing: noted, not refused
+    make_tree(tmp_path, {"later_mod.py": "import torch\n"})
+    assert only_import_chains(control(tmp_path, "appearw")) == [
+        "appearw (appearw/__init__.py:1) -> later_mod (later_mod.py:1) -> torch"]
+    (tmp_path / "later_mod.py").unlink()
+    assert control(tmp_path, "appearw").ok
+    # nsp/ was a namespace portion; an __init__ appearing in it runs first
+    make_tree(tmp_path, {"nsp/__init__.py": "import torch\n"})
+    assert only_import_chains(control(tmp_path, "appearw")) == [
+        "appearw (appearw/__init__.py:2) -> nsp (nsp/__init__.py:1) -> torch"]
+
+
+@needs_gcc
+def test_cache_sees_a_native_file_replaced(fake_torch_libs: dict[str, Path], tmp_path: Path) -> None:
+    pkg = tmp_path / "swap_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from . import _ok\n")
+    ext = pkg / fake_torch_libs["ok_ext"].name
+    shutil.copy(fake_torch_libs["ok_ext"], ext)
+    assert control(tmp_path, "swap_pkg").ok
+    shutil.copy(fake_torch_libs["ext"], ext)  # same path and inode, now needs libtorch_cpu.so
+    [finding] = control(tmp_path, "swap_pkg").findings
+    assert finding.kind == "elf" and finding.chain[0] == str(ext)
+    assert finding.chain[-1].startswith("libtorch_cpu.so")
 
 
 # ---------------------------------------------------------------------------

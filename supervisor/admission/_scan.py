@@ -10,6 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from ._witness import FileId, id_of, saw
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,9 @@ class ImportSite:
 # Source scanning (cached per file version: a supervisor checks many workers
 # that share site-packages, and tinygrad alone is ~200 files)
 
-_SCAN_CACHE: dict[tuple[str, int, int, str, bool], tuple[tuple[ImportSite, ...], tuple[str, ...]]] = {}
+# (path, module, is_package) -> (the file's identity when read, its sites and notes);
+# one entry per file, replaced when the file changes.
+_SCAN_CACHE: dict[tuple[str, str, bool], tuple[FileId, tuple[tuple[ImportSite, ...], tuple[str, ...]]]] = {}
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -311,12 +314,15 @@ def scan_source(
 
 
 def _scan_file(path: str, module: str, is_package: bool) -> tuple[tuple[ImportSite, ...], tuple[str, ...]]:
-    st = os.stat(path)
-    key = (path, st.st_mtime_ns, st.st_size, module, is_package)
+    # The identity is taken before the read and recorded in the walk's witness: a
+    # file rewritten after this stat is a different file to the next admission.
+    ident = id_of(os.stat(path))
+    saw(path, ident)
+    key = (path, module, is_package)
     cached = _SCAN_CACHE.get(key)
-    if cached is None:
+    if cached is None or cached[0] != ident:
         with open(path, "rb") as f:
             data = f.read()
-        cached = scan_source(data, path, module, is_package)
+        cached = (ident, scan_source(data, path, module, is_package))
         _SCAN_CACHE[key] = cached
-    return cached
+    return cached[1]

@@ -7,7 +7,10 @@ import re
 import shutil
 import sys
 
-from .elf import ElfHit, LibraryResolver, check_elf_files, native_files_in
+from dataclasses import dataclass
+
+from ._witness import Witness, recording, see
+from .elf import ElfHit, ElfResult, LibraryResolver, check_elf_files, native_files_in
 from .imports import ImportHit, PathDisplay, WalkResult, walk_code, walk_module, walk_script
 from .maps import scan_pid
 from .report import AdmissionReport, Finding
@@ -108,25 +111,102 @@ def check_worker(
     if domain == "research":
         return report
 
+    static = _static_check(module, argv, sys_path, ld_library_path)
+    if static.exe_missing is not None:
+        # fail closed: what cannot be found cannot be shown torch-free
+        report.findings.append(
+            Finding("elf", name, domain, [static.exe_missing],
+                    f"control-domain worker {name}: executable {static.exe_missing!r} not found, cannot verify it")
+        )
+    report.notes.extend(static.notes)
+    for walk in static.walks:
+        display = walk.display
+        for import_hit in walk.hits:
+            _add_import_hit(report, import_hit, display)
+        report.notes.extend(walk.notes)
+    for elf_hit in static.elf.hits:
+        _add_elf_hit(report, elf_hit, static.package_roots)
+    report.notes.extend(static.elf.notes)
+
+    report.notes = list(dict.fromkeys(report.notes))
+    report.ok = not report.findings
+    return report
+
+
+@dataclass(frozen=True)
+class _Static:
+    """What a control worker's code reaches, whoever runs it: the walks, the native
+    files' DT_NEEDED closure. The report (named for one worker) is built from it."""
+
+    walks: tuple[WalkResult, ...]
+    package_roots: dict[str, list[str]]
+    elf: ElfResult
+    exe_missing: str | None  # argv[0] when it is not on PATH
+    notes: tuple[str, ...]
+
+
+# key -> (witness, result). A fleet of one module (the attack fleet: 62 workers) pays
+# for one walk; a hit is taken only while every file and directory the walk read is
+# what it was (see _witness), so a module edited between two admissions is walked again.
+_CACHE: dict[tuple, tuple[Witness, _Static]] = {}
+_CACHE_MAX = 64
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    walks: int = 0  # checks run from scratch (first sight, or something changed)
+
+
+CACHE_STATS = CacheStats()
+
+
+def _static_check(module: str | None, argv: list[str] | None, sys_path: list[str],
+                  ld_library_path: list[str] | None) -> _Static:
+    key = (module, tuple(argv or ()), tuple(sys_path), tuple(ld_library_path or ()),
+           os.getcwd(),  # relative sys.path entries ("" is the cwd)
+           os.environ.get("PATH", os.defpath) if argv else None)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0].still_holds():
+        CACHE_STATS.hits += 1
+        return hit[1]
+    CACHE_STATS.walks += 1
+    with recording() as witness:
+        static = _static_uncached(module, argv, sys_path, ld_library_path)
+    _CACHE.pop(key, None)
+    while len(_CACHE) >= _CACHE_MAX:
+        _CACHE.pop(next(iter(_CACHE)))
+    _CACHE[key] = (witness, static)
+    return static
+
+
+def clear_cache() -> None:
+    """Forget every cached walk (tests that count walks)."""
+    _CACHE.clear()
+
+
+def _static_uncached(module: str | None, argv: list[str] | None, sys_path: list[str],
+                     ld_library_path: list[str] | None) -> _Static:
     walks: list[WalkResult] = []
     executables: list[str] = []
+    notes: list[str] = []
+    exe_missing = None
     if module is not None:
         walks.append(walk_module(module, sys_path))
     if argv:
+        for d in os.environ.get("PATH", os.defpath).split(os.pathsep):
+            see(d or os.curdir)  # shutil.which's search: an executable added earlier wins
         exe = shutil.which(argv[0])
         if exe is None:
-            # fail closed: what cannot be found cannot be shown torch-free
-            report.findings.append(
-                Finding("elf", name, domain, [argv[0]],
-                        f"control-domain worker {name}: executable {argv[0]!r} not found, cannot verify it")
-            )
+            exe_missing = argv[0]
         else:
             exe = os.path.abspath(exe)
+            see(exe)
             executables.append(exe)
             if _is_python(exe):
                 target = _python_target(argv[1:])
                 if target is None:
-                    report.notes.append(f"{argv!r}: no module/script/code to walk (interactive or stdin)")
+                    notes.append(f"{argv!r}: no module/script/code to walk (interactive or stdin)")
                 elif target[0] == "module":
                     walks.append(walk_module(target[1], sys_path))
                 elif target[0] == "code":
@@ -138,22 +218,11 @@ def check_worker(
 
     package_roots: dict[str, list[str]] = {}
     for walk in walks:
-        display = walk.display
-        for import_hit in walk.hits:
-            _add_import_hit(report, import_hit, display)
-        report.notes.extend(walk.notes)
         for top, locs in walk.reached_package_roots().items():
             package_roots.setdefault(top, locs)
-
     roots = native_files_in([loc for locs in package_roots.values() for loc in locs]) + executables
     elf = check_elf_files(roots, resolver=LibraryResolver(ld_library_path))
-    for elf_hit in elf.hits:
-        _add_elf_hit(report, elf_hit, package_roots)
-    report.notes.extend(elf.notes)
-
-    report.notes = list(dict.fromkeys(report.notes))
-    report.ok = not report.findings
-    return report
+    return _Static(tuple(walks), package_roots, elf, exe_missing, tuple(notes))
 
 
 def _add_import_hit(report: AdmissionReport, hit: ImportHit, display: PathDisplay) -> None:

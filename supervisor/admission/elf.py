@@ -21,6 +21,7 @@ from typing import Any
 from elftools.elf.dynamic import DynamicSegment
 from elftools.elf.elffile import ELFFile
 
+from ._witness import FileId, file_id, id_of, saw, see, walk_dirs
 from .rules import forbidden_soname, is_torch_c_extension
 
 _ELF_MAGIC = b"\x7fELF"
@@ -125,6 +126,7 @@ def read_elf(path: str) -> ElfInfo:
         st = os.stat(path)
     except OSError as exc:
         raise ElfUnreadable(f"cannot stat: {exc}") from exc
+    saw(path, id_of(st))  # before the read: the witness of a cached check (see _witness)
     if not stat.S_ISREG(st.st_mode):
         raise ElfUnreadable("not a regular file")  # a FIFO named x.so would block open()
     try:
@@ -137,8 +139,17 @@ def read_elf(path: str) -> ElfInfo:
 # Resolving names the way ld.so does (close enough for a deny-list)
 
 
-@lru_cache(maxsize=1)
+_LD_SO_CACHE = "/etc/ld.so.cache"
+
+
 def _ldconfig_cache() -> dict[str, tuple[str, ...]]:
+    """soname -> paths from ``ldconfig -p``, read again when /etc/ld.so.cache changes."""
+    see(_LD_SO_CACHE)
+    return _ldconfig_table(file_id(_LD_SO_CACHE))
+
+
+@lru_cache(maxsize=1)
+def _ldconfig_table(_cache_id: FileId) -> dict[str, tuple[str, ...]]:
     """soname -> paths from ``ldconfig -p`` (empty when ldconfig is unavailable)."""
     exe = shutil.which("ldconfig") or next(
         (p for p in ("/sbin/ldconfig", "/usr/sbin/ldconfig") if os.path.exists(p)), None
@@ -212,6 +223,7 @@ class LibraryResolver:
             info = _compatible(name, requester)
             return (name, info) if info else None
         for d in self.search_dirs(requester, inherited_rpath):
+            see(d)  # a library added here would be found first next time
             cand = os.path.join(d, name)
             if os.path.isfile(cand):
                 info = _compatible(cand, requester)
@@ -223,6 +235,7 @@ class LibraryResolver:
                 if info:
                     return cand, info
         for d in DEFAULT_LIB_DIRS:
+            see(d)
             cand = os.path.join(d, name)
             if os.path.isfile(cand):
                 info = _compatible(cand, requester)
@@ -240,11 +253,11 @@ def native_files_in(roots: list[str]) -> list[str]:
     out: list[str] = []
     suffixes = tuple(EXTENSION_SUFFIXES)
     for root in roots:
+        see(root)
         if os.path.isfile(root):
             out.append(root)
             continue
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        for dirpath, filenames in walk_dirs(root, keep=lambda d: d != "__pycache__"):
             for fn in filenames:
                 if fn.endswith(suffixes) or fn.endswith(".so") or ".so." in fn:
                     out.append(os.path.join(dirpath, fn))

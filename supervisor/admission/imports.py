@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from importlib.machinery import EXTENSION_SUFFIXES, ExtensionFileLoader, PathFinder
 
 from ._scan import ImportSite, _scan_file, scan_source  # noqa: F401  (re-exported)
+from ._witness import see, walk_dirs
 from .rules import LazyImportWaiver, ModuleRule, find_waiver, forbidden_module_rule
 
 # Modules we never descend into: they ship with the interpreter, so they
@@ -188,6 +189,11 @@ class ImportWalker:
             locations = pnode.search_locations
         else:
             locations = self.sys_path
+        # The witness (see _witness): each directory searched, and the candidate in it
+        # (``loc/last`` as a directory: its __init__ coming or going changes the answer).
+        for loc in locations:
+            see(loc)
+            see(os.path.join(loc, last))
         try:
             spec = PathFinder.find_spec(name, locations)
         except Exception as exc:  # noqa: BLE001 - odd path entries, unreadable dirs: note, keep walking
@@ -202,6 +208,10 @@ class ImportWalker:
             return ModuleNode(name, "namespace", None, dirs)
         subs = list(spec.submodule_search_locations) if spec.submodule_search_locations is not None else None
         origin = spec.origin
+        if origin:
+            see(origin)
+        for d in subs or ():
+            see(d)
         if origin and not parent and _in_stdlib_dir(origin):
             return ModuleNode(name, "stdlib", origin)
         if isinstance(spec.loader, ExtensionFileLoader) or (
@@ -221,8 +231,7 @@ class ImportWalker:
         node = self.resolve(top)
         suffixes = (".py", *EXTENSION_SUFFIXES)
         for root in node.search_locations or []:
-            for dirpath, dirnames, filenames in os.walk(root):
-                dirnames[:] = [d for d in dirnames if d.isidentifier()]
+            for dirpath, filenames in walk_dirs(root, keep=str.isidentifier):
                 rel = os.path.relpath(dirpath, root)
                 prefix = top if rel == "." else f"{top}.{rel.replace(os.sep, '.')}"
                 out.append(prefix)

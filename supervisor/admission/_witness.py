@@ -1,0 +1,127 @@
+"""File identities, and the witness of a static check: every file and directory whose
+change could change its verdict.
+
+Admission walks the same code for every worker (the attack fleet: 62 workers of one
+module, ~0.3 s each warm), so a walk's result is reused, but only while nothing it
+read has changed. A walk records, *before* it reads each thing, the identity of:
+
+* every source file it parsed and every ELF file it read (a changed file: new verdict);
+* every directory it searched for a module or a library, and every candidate path it
+  probed there (a file added to or removed from a directory changes that directory's
+  mtime; ``p/foo/__init__.py`` added turns a namespace portion into a package, so the
+  candidate ``p/foo`` is recorded too);
+* every directory it listed (a package's modules for a computed import, its native
+  files).
+
+A reuse re-stats every recorded path and compares; one difference and the check runs
+again from scratch. Identity is (device, inode, type, size, mtime, ctime): ctime
+cannot be set from user space, so a file rewritten with its old size and mtime put
+back (``touch -d``) still differs. Recording before reading makes a change *during*
+a walk a miss next time, never a stale hit.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import errno
+import os
+import stat
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+# (st_dev, st_ino, S_IFMT, st_size, st_mtime_ns, st_ctime_ns); None: nothing there;
+# ("error", errno) for a path that could not be stat'ed for another reason.
+FileId = tuple[int, ...] | tuple[str, int] | None
+
+
+def file_id(path: str) -> FileId:
+    """What is at ``path`` now (symlinks followed: the file a reader would open)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    except NotADirectoryError:
+        return None
+    except OSError as exc:
+        return ("error", exc.errno or errno.EIO)
+    return id_of(st)
+
+
+def id_of(st: os.stat_result) -> FileId:
+    return (st.st_dev, st.st_ino, stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@dataclass
+class Witness:
+    """path -> identity when first seen by one check."""
+
+    ids: dict[str, FileId] = field(default_factory=dict)
+
+    def still_holds(self) -> bool:
+        """Every path is what it was: the recorded check would read the same things."""
+        return all(file_id(p) == i for p, i in self.ids.items())
+
+
+_ACTIVE: contextvars.ContextVar[tuple[Witness, ...]] = contextvars.ContextVar("admission_witness", default=())
+
+
+@contextmanager
+def recording() -> Iterator[Witness]:
+    """Record every path seen (``see``/``saw``) in this context into a new Witness.
+    Nested recordings each get the paths."""
+    w = Witness()
+    token = _ACTIVE.set(_ACTIVE.get() + (w,))
+    try:
+        yield w
+    finally:
+        _ACTIVE.reset(token)
+
+
+def see(path: str) -> None:
+    """Record ``path``'s identity now, before it is read (first sighting wins)."""
+    active = _ACTIVE.get()
+    if not active:
+        return
+    ident: FileId | bool = False
+    for w in active:
+        if path not in w.ids:
+            if ident is False:
+                ident = file_id(path)
+            w.ids[path] = ident  # type: ignore[assignment]
+
+
+def saw(path: str, ident: FileId) -> None:
+    """Record an identity already taken by the caller (its own stat, before reading)."""
+    for w in _ACTIVE.get():
+        w.ids.setdefault(path, ident)
+
+
+def walk_dirs(root: str, keep: Callable[[str], bool] = lambda d: True) -> Iterator[tuple[str, list[str]]]:
+    """(directory, file names) under ``root``, top-down, each directory recorded before it
+    is listed; sub-directories descended only where ``keep(name)``. As ``os.walk``: a
+    symlink to a directory counts as a directory and is not descended into; an
+    unreadable directory is skipped."""
+    stack = [root]
+    while stack:
+        d = stack.pop()
+        see(d)
+        try:
+            with os.scandir(d) as it:
+                entries = list(it)
+        except OSError:
+            continue
+        files: list[str] = []
+        subdirs: list[str] = []
+        for e in entries:
+            try:
+                is_dir = e.is_dir()
+                descend = is_dir and not e.is_symlink() and keep(e.name)
+            except OSError:
+                is_dir = descend = False
+            if descend:
+                subdirs.append(e.name)
+            elif not is_dir:
+                files.append(e.name)
+        yield d, files
+        stack.extend(os.path.join(d, s) for s in sorted(subdirs, reverse=True))
