@@ -70,6 +70,15 @@ def add_replay_args(s: argparse.ArgumentParser) -> None:
                    help="model time gate: never fail for less than this many ms over REF "
                         "(scheduler noise on a shared machine; 0 on a quiet one)")
     s.add_argument("--format", choices=("text", "markdown", "json"), default="text")
+    s.add_argument("--start", default=None, metavar="S",
+                   help="replay from here: seconds of log time (12.5) or a frame id (f120); "
+                        "the part is cut into RUN/input first")
+    s.add_argument("--end", default=None, metavar="S",
+                   help="replay up to here, not included (same units as --start)")
+    s.add_argument("--plot", action="append", default=[], metavar="CHANNEL.FIELD",
+                   help="a signal for plot.png and report.html (repeatable; e.g. "
+                        "control_cmd.steer_rad, model_out.latency_ms); default: latency and "
+                        "steer in plot.png, every command and model field in the report")
     s.add_argument("--report", default=None, metavar="FILE",
                    help="also write the run's report.html (self-contained: verdict, tables, "
                         "frames and signals; nothing fetched) to FILE, e.g. a CI artifact")
@@ -162,6 +171,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return _fail("replay", f"--jobs {args.jobs}: must be >= 1")
     if len(args.logs) > 1 or args.ray or args.jobs > 1 or not (
             Path(args.logs[0]) / MESSAGES).is_file() and Path(args.logs[0]).is_dir():
+        if args.start is not None or args.end is not None:
+            return _fail("replay", "--start/--end replay a part of one log, not a fleet "
+                                   "(cut each with `supervisor log cut`)")
         return _fleet(args)
     try:
         return _replay_one(args, tols)
@@ -177,7 +189,7 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
     from .run import DIFFERS, ReplayError, replay
 
     ref = None
-    if args.ref is not None:
+    if args.ref is not None and args.ref != "self":    # (self: the log that played, below)
         try:
             ref = _ref_log(args.ref, args.logs[0])
         except LogError as e:
@@ -185,11 +197,18 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
     try:
         res = replay(args.logs[0], out=args.out, config=args.config, realtime=args.realtime,
                      step_timeout_s=args.step_timeout, echo=sys.stderr if args.events else None,
-                     progress_out=None if args.no_progress else sys.stderr)
+                     progress_out=None if args.no_progress else sys.stderr,
+                     start=args.start, end=args.end, plot_signals=args.plot)
     except ReplayError as e:
         return _fail("replay", str(e))
     s = res.summary
     code = res.exit_code
+    if args.ref == "self":
+        ref = DriveLog.open(res.log)         # with --start/--end: the cut that played
+    elif ref is not None and s.get("range", {}).get("frames"):
+        from .cut import restrict
+
+        ref = restrict(ref, *s["range"]["frames"])   # frames outside it are not "removed"
     if s.get("error"):               # why it failed, in one line, where errors go
         _fail("replay", s["error"])
     if ref is not None and s.get("frames"):
@@ -203,7 +222,7 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
                          floor_ms=args.time_floor_ms,
                          gated=_gated(res.run_dir, args.gate), ignore=args.ignore)
         Path(res.run_dir, "diff.md").write_text(render_markdown(report))
-        _plot_with_ref(res.run_dir, plan, run, ref, args.logs[0])
+        _plot_with_ref(res.run_dir, plan, run, ref, res.log, res.signals)
         Path(res.run_dir, "diff.json").write_text(render_json(report))
         s["diff"] = {"ref": str(ref.path), "ok": report.ok,
                      "first_divergent_frame": report.first_divergent_frame}
@@ -238,10 +257,10 @@ def _write_report(res, args: argparse.Namespace, ref, report, code: int) -> None
     summary = {**res.summary, "exit_code": code}
     try:
         run = DriveLog.open(Path(res.run_dir) / "log")
-        src = DriveLog.open(args.logs[0])
+        src = DriveLog.open(res.log or args.logs[0])
         plan = plan_of(read_doc(os.path.join(res.run_dir, "replay.toml"))[0])
         page = collect(res.run_dir, src, run, ref, plan, summary, report,
-                       _payloads(res.run_dir))
+                       _payloads(res.run_dir), signals=res.signals)
     except Exception as e:           # a failed replay: what there is, and why not more
         page = Page(f"replay of {Path(args.logs[0]).name}", summary, report,
                     notes=[f"signals and frames not shown: {type(e).__name__}: {e}"])
@@ -252,13 +271,14 @@ def _write_report(res, args: argparse.Namespace, ref, report, code: int) -> None
             res.summary.setdefault("notes", []).append(f"{dest} not written: {e.strerror}")
 
 
-def _plot_with_ref(run_dir: str, plan, run, ref, log: str) -> None:
+def _plot_with_ref(run_dir: str, plan, run, ref, log: str, signals: list) -> None:
     """plot.png again, with REF overlaid (a missing picture never fails a replay)."""
     from .drivelog import DriveLog
     from .run import plot
 
     try:
-        plot(DriveLog.open(log), run, plan, Path(run_dir, "plot.png"), ref=ref)
+        plot(DriveLog.open(log), run, plan, Path(run_dir, "plot.png"), ref=ref,
+             signals=signals)
     except Exception:
         pass
 
@@ -310,6 +330,8 @@ def _fleet(args: argparse.Namespace) -> int:
         extra += ["--ignore", i]
     for g in args.gate:
         extra += ["--gate", g]
+    for p in args.plot:
+        extra += ["--plot", p]
     extra += ["--time-p99", str(args.time_p99), "--time-max", str(args.time_max),
               "--time-floor-ms", str(args.time_floor_ms), "--step-timeout",
               str(args.step_timeout)]

@@ -3,8 +3,10 @@
     supervisor log info LOG                       channels, counts, duration, losses, closed?
     supervisor log cat LOG CHANNEL [--format jsonl|csv]   one line per message
     supervisor log frames LOG --out DIR [--every N] [--channel C]   frames as PNG
+    supervisor log cut LOG [--start S] [--end S] OUT      a part as a new log (see `cut`)
 
-Reading only: nothing here starts a worker or writes into the log. Losses are reported
+Reading only: nothing here starts a worker or writes into the log (``cut`` writes a
+new one). Losses are reported
 as `DriveLog.full_loss` counts them (partial or corrupt records, a log never closed,
 frames without video).
 """
@@ -74,6 +76,7 @@ def info(log: DriveLog) -> dict[str, Any]:
         chans.setdefault(ch, {})["recorder_drops"] = d.total
     loss = log.full_loss()
     return {"log": str(log.path), "closed": log.closed, "recorder": log.info,
+            "cut": log.info.get("cut") if isinstance(log.info.get("cut"), dict) else None,
             "duration_s": round((max(times) - min(times)) / 1e9, 3) if len(times) > 1 else 0.0,
             "channels": chans, "lifecycle_events": len(log.events),
             "loss": {"text": loss.text(), "partial_records": loss.truncated_records,
@@ -85,6 +88,11 @@ def info(log: DriveLog) -> dict[str, Any]:
 def render_info(d: dict[str, Any]) -> str:
     lines = [f"log {d['log']}: {'closed' if d['closed'] else 'NOT closed'}, "
              f"{d['duration_s']:.2f} s, {d['lifecycle_events']} lifecycle events"]
+    c = d.get("cut")
+    if c:
+        fr = c.get("frames") or ["?", "?"]
+        lines.append(f"  cut from {c.get('from')}: frames f{fr[0]}..f{fr[1]} (--start "
+                     f"{c.get('start')} --end {c.get('end')})")
     for ch, c in d["channels"].items():
         if c.get("kind") == "frame":
             v = c.get("video") or {}
@@ -194,15 +202,29 @@ def add_log_args(s: argparse.ArgumentParser) -> None:
     f.add_argument("--out", required=True, metavar="DIR")
     f.add_argument("--channel", default=None, help="a frame channel (default: the first video)")
     f.add_argument("--every", type=int, default=1, help="every Nth frame")
+    k = sub.add_parser("cut", help="a part of the log as a new log (replay, info accept it)")
+    k.add_argument("log", metavar="LOG")
+    k.add_argument("out", metavar="OUT", help="new log directory (new or empty)")
+    k.add_argument("--start", default=None, metavar="S",
+                   help="first frame kept: seconds of log time (12.5) or a frame id (f120); "
+                        "default: the log's start")
+    k.add_argument("--end", default=None, metavar="S",
+                   help="first frame no longer kept (same units); default: the log's end")
 
 
 def cmd_log(args: argparse.Namespace) -> int:
     """Exit 0, or 2 with one line (no such log or channel, a missing extra)."""
     from .logfmt import REPLAY_EXTRA
 
+    from .cut import CutError, cut, parse_pos
+
     try:
         log = open_log(args.log)
-        if args.log_cmd == "info":
+        if args.log_cmd == "cut":
+            res = cut(log.path, args.out, parse_pos(args.start, "--start"),
+                      parse_pos(args.end, "--end"))
+            sys.stdout.write("".join(printable(ln) + "\n" for ln in res.text().splitlines()))
+        elif args.log_cmd == "info":
             d = info(log)
             sys.stdout.write(json.dumps(d, indent=2) + "\n" if args.format == "json"
                              else render_info(d))
@@ -211,7 +233,7 @@ def cmd_log(args: argparse.Namespace) -> int:
         else:
             n = frames(log, args.channel, args.out, args.every)
             print(f"{n} frames written to {args.out}")
-    except LogToolError as e:
+    except (LogToolError, CutError) as e:
         print(printable(f"supervisor log: {e}"), file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:

@@ -117,10 +117,31 @@ def signals_of(run, ref, channels: list[str], payloads: dict[str, str]) -> list[
     return out
 
 
+def chosen_signals(run, ref, sigs: list) -> list[Signal]:
+    """--plot's signals (`signals.Sig`) per frame id, for the run and REF."""
+    from .signals import value
+
+    out: list[Signal] = []
+    for sig in sigs:
+        s = Signal(sig.name)
+        for side, log in ((s.run, run), (s.ref, ref)):
+            if log is None:
+                continue
+            for fid, m in _first_per_frame(log.messages.get(sig.channel, [])).items():
+                v = value(m, sig)
+                if v is not None:
+                    side[fid] = v
+        out.append(s)
+    return out
+
+
 def collect(run_dir: str | Path, src, run, ref, plan, summary: dict[str, Any],
-            report: Report | None, payloads: dict[str, str]) -> Page:
+            report: Report | None, payloads: dict[str, str], signals: list | None = None
+            ) -> Page:
     """What the run left, as a page. A part that cannot be read (a video without its
-    decoder, a missing plot) is left out and named in the page's notes."""
+    decoder, a missing plot) is left out and named in the page's notes. ``signals``
+    (--plot's) replace the default ones: every field of the command and the model's
+    output."""
     run_dir = Path(run_dir)
     page = Page(f"replay of {Path(str(src.path)).name}", summary, report)
     png = run_dir / "plot.png"
@@ -138,8 +159,11 @@ def collect(run_dir: str | Path, src, run, ref, plan, summary: dict[str, Any],
         page.frame_ids = [f for f in ids if f in page.thumbs]
     except Exception as e:                       # the page still has everything else
         page.notes.append(f"frames not shown: {type(e).__name__}: {e}")
-    chans = [c for c in (plan.command, plan.model_out) if c]
-    page.signals = signals_of(run, ref, chans, payloads)
+    if signals:
+        page.signals = chosen_signals(run, ref, signals)
+    else:
+        chans = [c for c in (plan.command, plan.model_out) if c]
+        page.signals = signals_of(run, ref, chans, payloads)
     return page
 
 

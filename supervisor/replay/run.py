@@ -49,6 +49,8 @@ class ReplayResult:
     summary: dict[str, Any]
     outcome: RunOutcome | None = None
     notes: list[str] = field(default_factory=list)
+    log: str = ""                   # the log that played (RUN/input for --start/--end)
+    signals: list = field(default_factory=list)   # --plot's, resolved (signals.Sig)
 
 
 def _kv(text: str) -> dict[str, str]:
@@ -186,10 +188,10 @@ def _default_out(log: str) -> str:
     return os.path.abspath(f"{Path(log).name}.replay-{stamp}")
 
 
-def _recorded_config(log: str) -> dict[str, Any]:
-    """The config `record` saved beside the log. The log directory belongs to the
-    recorder's sandbox user, which can replace or delete any file in it: the config is
-    used only if this (replaying) user still owns it and nobody else may write it, and
+def trusted_source(log: str) -> bytes:
+    """The config `record` saved beside the log, as bytes. The log directory belongs to
+    the recorder's sandbox user, which can replace or delete any file in it: the config
+    is used only if this (replaying) user still owns it and nobody else may write it, and
     it is read from the descriptor that was checked. A missing one is refused too (never
     the embedded default in its place: a recorder that deleted it would choose what the
     replay runs, and a user would compare against a pipeline that was never recorded)."""
@@ -207,13 +209,25 @@ def _recorded_config(log: str) -> dict[str, Any]:
             raise ReplayError(f"{path}: owned by uid {st.st_uid} with mode "
                               f"{st.st_mode & 0o777:o}, not written by the recording supervisor "
                               "(the recorder's sandbox could have replaced it); pass --config")
-        return parse_doc(f.read(), path)
+        return f.read()
+
+
+def _recorded_config(log: str) -> dict[str, Any]:
+    return parse_doc(trusted_source(log), os.path.join(log, SOURCE))
 
 
 def replay(log: str, *, out: str | None = None, config: str | None = None,
            realtime: bool = False, step_timeout_s: float = 5.0, echo=None,
-           progress_out=sys.stderr) -> ReplayResult:
-    """Replay ``log`` into ``out`` and summarise it (no comparison: see `diff`)."""
+           progress_out=sys.stderr, start: str | None = None, end: str | None = None,
+           plot_signals: list[str] | None = None) -> ReplayResult:
+    """Replay ``log`` into ``out`` and summarise it (no comparison: see `diff`).
+    ``start``/``end`` (`cut` units: ``12.5`` seconds, ``f120`` a frame id) replay that
+    part of the log only: it is cut into RUN/input first and that cut is what plays;
+    ``plot_signals`` (CHANNEL.FIELD) choose plot.png's panels. Every bad argument is a
+    `ReplayError` before anything starts."""
+    from .cut import CutError, cut, parse_pos, resolve
+    from .signals import SignalError, parse_signals
+
     log = os.path.abspath(log)
     try:
         src = DriveLog.open(log)
@@ -223,9 +237,31 @@ def replay(log: str, *, out: str | None = None, config: str | None = None,
         doc = read_doc(config)[0] if config else _recorded_config(log)
     except DeriveError as e:
         raise ReplayError(str(e)) from None
+    try:
+        bounds = (parse_pos(start, "--start"), parse_pos(end, "--end"))
+        if start is not None or end is not None:
+            resolve(src, *bounds)           # a range with no frame: refused before anything
+    except CutError as e:
+        raise ReplayError(str(e)) from None
+    try:
+        signals = parse_signals(plot_signals or [], doc, plan_of(doc))
+    except (SignalError, DeriveError) as e:
+        raise ReplayError(str(e)) from None
     run_dir = os.path.abspath(out or _default_out(log))
     if os.path.exists(run_dir) and (not os.path.isdir(run_dir) or os.listdir(run_dir)):
         raise ReplayError(f"{out or run_dir}: exists and is not an empty directory")
+    source_log = log
+    if start is not None or end is not None:
+        # The part asked for becomes a log of its own (RUN/input) and is what plays, is
+        # compared with --ref self and is shown in the report.
+        try:
+            cut(log, os.path.join(run_dir, "input"), *bounds)
+        except CutError as e:
+            raise ReplayError(str(e)) from None
+        os.chmod(run_dir, 0o755)
+        os.chmod(os.path.join(run_dir, "input"), 0o755)
+        log = os.path.join(run_dir, "input")
+        src = DriveLog.open(log)
     run_log = os.path.join(run_dir, "log")
     try:
         derived, plan = replay_doc(doc, log, run_log, os.path.join(run_dir, "state"),
@@ -279,14 +315,17 @@ def replay(log: str, *, out: str | None = None, config: str | None = None,
         run = DriveLog.open(run_log)
     except LogError as e:
         code = WRITE_FAILED if fault else INCOMPLETE
-        summary = {"log": log, "run": run_dir, "exit_code": code,
+        summary = {"log": source_log, "run": run_dir, "exit_code": code,
                    "error": fault or failure_cause(outcome.events, outcome.exit_code),
                    "run_log": f"none: {e}"}
         _write_summary(run_dir, summary)
-        return ReplayResult(run_dir, code, summary, outcome)
+        return ReplayResult(run_dir, code, summary, outcome, log=log, signals=signals)
     summary = summarize(src, run, plan, cam, outcome, realtime=realtime, log_s=log_s,
                         total=total, input_loss=src.full_loss())
-    summary.update(log=log, run=run_dir)
+    summary.update(log=source_log, run=run_dir)
+    if log != source_log:
+        summary["range"] = {"start": start, "end": end, "input": log,
+                            "frames": src.info.get("cut", {}).get("frames")}
     code = 0
     if fault:
         code = WRITE_FAILED
@@ -301,12 +340,13 @@ def replay(log: str, *, out: str | None = None, config: str | None = None,
     summary["exit_code"] = code
     _write_summary(run_dir, summary)
     try:
-        plot(src, run, plan, Path(run_dir, "plot.png"))
+        plot(src, run, plan, Path(run_dir, "plot.png"), signals=signals)
     except Exception as e:                  # a missing picture never fails a replay
         Path(run_dir, "plot.png").unlink(missing_ok=True)     # (no half-written picture)
         summary.setdefault("notes", []).append(f"plot.png not drawn: {type(e).__name__}: {e}")
         _write_summary(run_dir, summary)
-    return ReplayResult(run_dir, summary["exit_code"], summary, outcome)
+    return ReplayResult(run_dir, summary["exit_code"], summary, outcome, log=log,
+                        signals=signals)
 
 
 def _write_summary(run_dir: str, summary: dict[str, Any]) -> None:
@@ -395,11 +435,14 @@ def commands_by_frame(msgs: list[Msg]) -> dict[int, Msg]:
     return out
 
 
-def plot(src: DriveLog, run: DriveLog, plan, path: Path, ref: DriveLog | None = None) -> None:
+def plot(src: DriveLog, run: DriveLog, plan, path: Path, ref: DriveLog | None = None,
+         signals: list | None = None) -> None:
     """Model latency over log time, and the replay's steering command against the
-    recorded one. Log time: the recorded capture time of each frame (the replay's
-    messages are placed by their frame id; a live recording's commands, which carry no
-    frame id, by their publish time on the recording's clock)."""
+    recorded one (and REF's); with ``signals`` (`signals.Sig`, from --plot) one panel
+    per signal instead, each with the recorded drive, the replay and REF overlaid. Log
+    time: the recorded capture time of each frame (the replay's messages are placed by
+    their frame id; a live recording's commands, which carry no frame id, by their
+    publish time on the recording's clock)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -414,6 +457,9 @@ def plot(src: DriveLog, run: DriveLog, plan, path: Path, ref: DriveLog | None = 
             t = m.publish_ts_ns          # live: same clock as the recorded captures
         return None if t is None else (t - t0) / 1e9
 
+    if signals:
+        _plot_signals(plt, src, run, ref, signals, path, at, t0, bool(times))
+        return
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     model = run.messages.get(plan.model_out or "", [])
     pts = [(at(m), m.receipt.latency_ns / 1e6) for m in model if m.receipt is not None]
@@ -454,6 +500,40 @@ def plot(src: DriveLog, run: DriveLog, plan, path: Path, ref: DriveLog | None = 
     ax2.set_ylabel("steer command (rad)")
     if ax2.get_legend_handles_labels()[0]:
         ax2.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def _plot_signals(plt, src: DriveLog, run: DriveLog, ref: DriveLog | None, signals: list,
+                  path: Path, at, t0: int, have_times: bool) -> None:
+    """One panel per --plot signal: recorded (solid), replay (dashed), REF (dotted)."""
+    from .signals import value
+
+    logs = [(src, "recorded", "-"), (run, "replay", "--")]
+    if ref is not None and ref.path != src.path:
+        logs.append((ref, "REF", ":"))
+    fig, axes = plt.subplots(len(signals), 1, figsize=(9, 1.2 + 2.0 * len(signals)),
+                             sharex=True, squeeze=False)
+    for ax, sig in zip(axes[:, 0], signals):
+        for log, label, style in logs:
+            def place(m: Msg) -> float | None:
+                # The car's own commands: where its law stepped (see the default plot).
+                if (log is src and m.frame_id is not None and m.capture_ts_ns
+                        and have_times and sig.index is not None):
+                    return (m.capture_ts_ns - t0) / 1e9
+                return at(m)
+
+            pts = [(place(m), value(m, sig)) for m in log.messages.get(sig.channel, [])]
+            pts = sorted(p for p in pts if p[0] is not None and p[1] is not None)
+            if pts:
+                ax.plot(*zip(*pts), style, lw=1, label=label)
+        ax.set_ylabel(sig.field, fontsize=8)
+        ax.set_title(sig.name, fontsize=9, loc="left")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="upper right", fontsize=7)
+    axes[-1, 0].set_xlabel("log time (s)")
+    fig.suptitle(f"replay of {src.path.name}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
