@@ -26,7 +26,7 @@ import numpy as np
 
 from supervisor.exits import Exit
 
-from .derive import DeriveError, parse_doc, read_doc, replay_doc, write_config
+from .derive import DeriveError, parse_doc, plan_of, read_doc, replay_doc, write_config
 from .drivelog import DriveLog, Msg
 from .embed import RunOutcome, give_to_recorder, run_supervised
 from .logfmt import MESSAGES, REC, LogError, Loss, open_regular, read_stream
