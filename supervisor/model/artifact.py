@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import cuda as _cuda
 from . import host as _host
 from .errors import (AbiMismatch, ArtifactError, HashMismatch, HostIncompatible, ManifestError,
                      MissingFile, RuntimeMismatch, UnlistedFile, UnsignedArtifact, WrongVersion)
@@ -136,6 +137,8 @@ class VerifiedArtifact:
     kernels: dict[str, bytes]          # C source -> compiled object
     kernel_names: dict[str, str]       # C source -> function name
     golden: tuple[bytes, bytes] | None = None
+    # A CUDA artifact's plan, weights and cubins (None: a CPU artifact).
+    cuda: _cuda.CudaPayload | None = None
     _closed: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -153,6 +156,11 @@ class VerifiedArtifact:
     @property
     def runtime(self) -> dict:
         return self.manifest["runtime"]
+
+    @property
+    def device(self) -> str:
+        """The runtime.device the artifact runs on: CPU or CUDA."""
+        return self.manifest["runtime"]["device"]
 
     @property
     def target(self) -> str:
@@ -241,7 +249,10 @@ def _check_files_section(m: dict) -> dict[str, dict]:
             raise ManifestError(f"{MANIFEST}: files.{name}.sha256 is not 64 lowercase hex digits")
         if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_FILE_BYTES:
             raise ManifestError(f"{MANIFEST}: files.{name}.size is not a byte count")
-    for required in (JIT_FILE, KERNELS_FILE):
+    is_cuda = isinstance(m.get("runtime"), dict) and m["runtime"].get("device") == _cuda.DEVICE
+    if is_cuda:
+        _cuda.check_code(m)
+    for required in _cuda.required_files(m) if is_cuda else (JIT_FILE, KERNELS_FILE):
         if required not in files:
             raise ManifestError(f"{MANIFEST}: files does not list {required!r}")
     return files
@@ -303,6 +314,15 @@ def _check_runtime(m: dict) -> None:
         raise ManifestError(f"{MANIFEST}: runtime.target {target!r} disagrees with "
                             f"device/renderer/host ({dev}:{ren}:{arch},{cpu})")
     _get(m, "runtime.cache_table", str)
+
+
+def _check_host_arch(m: dict) -> None:
+    """The host side of a CUDA artifact: its pointer size and byte order (the launch
+    arguments are 64-bit little-endian device pointers); CPU features do not matter."""
+    for key, have in (("host.arch", _host.machine()), ("host.byteorder", sys.byteorder)):
+        if _get(m, key, str) != have:
+            raise HostIncompatible(f"{MANIFEST}: {key} is {m['host'][key.split('.')[1]]!r}, "
+                                   f"this machine is {have!r}")
 
 
 def _check_host(m: dict) -> None:
@@ -550,8 +570,15 @@ def load_verified(path: str | os.PathLike, public_key: Any, *, expect_name: str 
                   expect_version: str | None = None,
                   expect_abi: dict | list[dict] | None = None,
                   min_version: str | None = None,
-                  tmp_root: str | os.PathLike | None = None) -> VerifiedArtifact:
+                  tmp_root: str | os.PathLike | None = None,
+                  device_arch: str | None = None,
+                  driver_version: str | None = None) -> VerifiedArtifact:
     """Verify the bundle at ``path`` against ``public_key`` (object, bytes or key file).
+
+    A CUDA artifact (runtime.device "CUDA", see `supervisor.model.cuda`): ``device_arch``
+    (the GPU's, e.g. "sm_90") picks the cubins handed on and refuses an artifact with
+    none for it; ``driver_version`` refuses a driver older than the manifest's minimum.
+    Without them (``supervisor check``, no GPU) every architecture's cubins are checked.
 
     Nothing from the bundle is unpickled, imported or mapped executable here; the
     returned object holds private, verified copies for the runtime to use.
@@ -601,14 +628,25 @@ def load_verified(path: str | os.PathLike, public_key: Any, *, expect_name: str 
 
         # 3. what, for which runtime and host, with which ABI
         _check_model(m, expect_name, expect_version, min_version)
-        _check_runtime(m)
-        _check_host(m)
+        payload = None
+        if _get(m, "runtime.device", str) == _cuda.DEVICE:
+            archs, arch = _cuda.check_runtime(m, device_arch=device_arch,
+                                              driver_version=driver_version)
+            _check_host_arch(m)
+        else:
+            _check_runtime(m)
+            _check_host(m)
         _check_abi_consistency(m)
         if expect_abi is not None:
             match_abi(expect_abi, m["abi"])
 
-        # 4. kernels.db holds exactly the listed objects (read-only, no tinygrad involved)
-        kernels, names = _read_kernels(copies[KERNELS_FILE], m)
+        # 4. the objects are exactly the listed ones (read-only, no tinygrad involved)
+        if m["runtime"]["device"] == _cuda.DEVICE:
+            payload = _cuda.read_payload(m, blobs, arch, archs)
+            _cuda.check_abi(payload.plan, input_abis(m["abi"]), m["abi"]["output"])
+            kernels, names = {}, {}
+        else:
+            kernels, names = _read_kernels(copies[KERNELS_FILE], m)
 
         golden = None
         g = m.get("golden")
@@ -625,8 +663,8 @@ def load_verified(path: str | os.PathLike, public_key: Any, *, expect_name: str 
         return VerifiedArtifact(
             source=src, workdir=workdir, manifest=m, manifest_bytes=mbytes,
             manifest_sha256=hashlib.sha256(mbytes).digest(), key_id=key_id(key),
-            files=copies, jit_bytes=blobs[JIT_FILE], kernels=kernels, kernel_names=names,
-            golden=golden)
+            files=copies, jit_bytes=blobs.get(JIT_FILE, b""), kernels=kernels,
+            kernel_names=names, golden=golden, cuda=payload)
     except BaseException:
         shutil.rmtree(workdir, ignore_errors=True)
         raise

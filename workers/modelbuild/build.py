@@ -51,6 +51,7 @@ from supervisor.model.runtime import PINNED_ENV, kernel_name, tinygrad_imported
 from workers.modeld.engine import (ABI_VERSION, ABI_VERSION_MULTI, ENGINE_ABIS, INPUT_TAKES,
                                    preprocess_spec, preprocess_y)
 
+from . import cuda as CU
 from .model import LaneNet, conv_weights, fit_head
 from .preprocess import Geometry, Preprocess
 from .synthetic import driver_class, road_class
@@ -213,6 +214,7 @@ def build(out: Path, key_path: Path, *, seed: int = 0, frames: int = 1600,
           row_stride: int | None = None, kind: str = "lane",
           cpu: str | None = None, name: str | None = None, version: str = DEFAULT_VERSION,
           pubkey_out: Path | None = None, force: bool = False, rehearse: bool = True,
+          device: str = "cpu", archs: tuple[str, ...] = (),
           lams: tuple[float, ...] = (0.1, 1.0, 10.0, 100.0, 1000.0), log=print) -> dict:
     t_start = time.monotonic()
     if kind not in KINDS:
@@ -242,6 +244,17 @@ def build(out: Path, key_path: Path, *, seed: int = 0, frames: int = 1600,
     if shutil.which(os.environ.get("CC", "clang")) is None:
         raise SystemExit("modelbuild: clang is needed to build (apt-get install -y clang)")
 
+    cuda = None
+    if device == "cuda":
+        nvrtc = CU.find_nvrtc()
+        if nvrtc is None:
+            raise SystemExit("modelbuild: --device cuda needs NVRTC: pip install "
+                             "'nvidia-cuda-nvrtc-cu12>=12.4,<13' (extra cuda-build) or set "
+                             "NVRTC_PATH to libnvrtc.so")
+        cuda = {"archs": list(archs) or ["sm_90"], "nvrtc": nvrtc,
+                "toolkit": CU.nvrtc_version(nvrtc)}
+    elif device != "cpu":
+        raise SystemExit(f"modelbuild: --device {device!r}: cpu or cuda")
     key, created = signing_key(key_path)
     pub = key.public_key()
     if created:
@@ -249,8 +262,15 @@ def build(out: Path, key_path: Path, *, seed: int = 0, frames: int = 1600,
     _prepare_out(out, force)
     tmp = Path(tempfile.mkdtemp(prefix="modelbuild-"))
     os.environ.update(PINNED_ENV, DEV=target, CACHEDB=str(tmp / "build-cache.db"))
+    if cuda is not None:
+        # The CPU build goes to a scratch bundle (its output is the CUDA golden's
+        # reference); the CUDA bundle is what lands in ``out``.
+        os.environ.update(DEV=CU.dev_string(target, cuda["archs"]), NVRTC_PATH=cuda["nvrtc"])
+        cuda["out"], out = out, tmp / "cpu-bundle"
+        out.mkdir()
+        rehearse = False
     try:
-        return _build(out, key, pub, tmp, target=target, arch_string=arch_string, level=level,
+        return _build(out, key, pub, tmp, cuda=cuda, target=target, arch_string=arch_string, level=level,
                       need_flags=need_flags, seed=seed, frames=frames, val_frames=val_frames,
                       width=width, height=height, row_stride=row_stride, kind=mk,
                       name=name, version=version,
@@ -260,7 +280,7 @@ def build(out: Path, key_path: Path, *, seed: int = 0, frames: int = 1600,
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _build(out, key, pub, tmp, *, target, arch_string, level, need_flags, seed, frames,
+def _build(out, key, pub, tmp, *, cuda=None, target, arch_string, level, need_flags, seed, frames,
            val_frames, width, height, row_stride, kind, name, version, pubkey_out, rehearse,
            lams, log, t_start):
     import tinygrad.helpers as TH
@@ -429,6 +449,27 @@ def _build(out, key, pub, tmp, *, target, arch_string, level, need_flags, seed, 
     gins = val_planes(0)
     gout = run_deployed(gins)
     (out / A.GOLDEN_FILE).write_bytes(b"".join(g.tobytes() for g in gins) + gout.tobytes())
+    if cuda is not None:
+        # The same function on NULL with the CUDA renderer: same weights, same
+        # preprocessing constants, captured into a launch plan (see modelbuild.cuda).
+        CU.keep_null_bytes()
+        cnet = LaneNet({k: v for k, v in weights.items()}, device="NULL")
+        cnet.clip01 = kind.probabilities
+        for k, v in (("head_w", Wh), ("head_b", bh),
+                     ("conf_e0", np.array([conf_e0], np.float32)),
+                     ("conf_k", np.array([conf_k], np.float32))):
+            cnet.t[k] = Tensor(np.ascontiguousarray(v), device="NULL").realize()
+        cpres = [Preprocess(g, sp, device="NULL") for g, sp in zip(geoms, specs)]
+        cin = [Tensor(np.ascontiguousarray(g), device="NULL").realize() for g in gins]
+        cc = CU.capture(lambda *ys: cnet.forward(*[p(y) for p, y in zip(cpres, ys)]).realize(),
+                        cin, int(gout.nbytes))
+        CU.compile_all(cc, cuda["archs"])
+        cuda["capture"] = cc
+        cuda["golden"] = (b"".join(g.tobytes() for g in gins) + gout.tobytes(),
+                          (int(sum(g.nbytes for g in gins)), int(gout.nbytes)))
+        log(f"modelbuild: CUDA: {len(cc.plan['calls'])} kernel calls, "
+            f"{len(cc.plan['buffers'])} buffers, cubins for {', '.join(cuda['archs'])} "
+            f"(NVRTC {cuda['toolkit']})")
     cap.free_intermediates()
     jit_bytes = pickle.dumps(CapturedJit(cap.ret, stripped, cap.expected_names,
                                          cap.expected_input_info), protocol=5)
@@ -551,6 +592,12 @@ def _build(out, key, pub, tmp, *, target, arch_string, level, need_flags, seed, 
     from workers.modeld.engine import check_output_payload
 
     check_output_payload(manifest["abi"]["output"])
+    if cuda is not None:
+        out = cuda["out"]
+        manifest = CU.write_bundle(out, cuda["capture"], cuda["archs"], cuda["toolkit"],
+                                   manifest, *cuda["golden"], CU.golden_tolerance())
+        rows = []
+        target = manifest["runtime"]["target"]
     mbytes = A.write_signed(out, manifest, key)
     pubkey_out.parent.mkdir(parents=True, exist_ok=True)
     pubkey_out.write_text(K.public_key_text(pub))
@@ -558,7 +605,8 @@ def _build(out, key, pub, tmp, *, target, arch_string, level, need_flags, seed, 
     summary = {
         "out": str(out), "pubkey": str(pubkey_out), "key_id": K.key_id(pub),
         "manifest_sha256": hashlib.sha256(mbytes).hexdigest(), "target": target,
-        "kernels": [r[2] for r in rows], "bytes": sum(f.stat().st_size for f in out.iterdir()),
+        "kernels": [r[2] for r in rows] or [k["name"] for k in manifest["kernels"]],
+        "bytes": sum(f.stat().st_size for f in out.iterdir()),
         f"val_rmse_{kind.targets[0]}": float(rmse[0]),
         f"val_rmse_{kind.targets[1]}": float(rmse[1]), "generator": road_name,
         "preprocess_checked_frames": int(len(Xva)),
@@ -636,13 +684,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ridge", type=float, action="append", default=None,
                    help="ridge strength candidates (repeatable; default 0.1 1 10 100 1000)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: cubins for --arch, built with NVRTC on this machine (no GPU "
+                        "needed); the CPU build is the golden's reference")
+    p.add_argument("--arch", default="sm_90",
+                   help="CUDA architectures, comma-separated (default sm_90)")
     p.add_argument("--no-rehearsal", action="store_true")
     a = p.parse_args(argv)
     summary = build(a.out, a.key or default_key_path(), seed=a.seed, frames=a.frames,
                     val_frames=a.val_frames, width=a.width, height=a.height,
                     row_stride=a.row_stride, kind=a.kind, cpu=a.cpu,
                     name=a.name, version=a.version, pubkey_out=a.pubkey_out, force=a.force,
-                    rehearse=not a.no_rehearsal,
+                    rehearse=not a.no_rehearsal, device=a.device,
+                    archs=tuple(CU.parse_archs(a.arch)) if a.device == "cuda" else (),
                     lams=tuple(a.ridge) if a.ridge else (0.1, 1.0, 10.0, 100.0, 1000.0),
                     log=lambda s: print(s, file=sys.stderr, flush=True))
     print(json.dumps(summary, sort_keys=True))
