@@ -635,6 +635,49 @@ def test_cache_sees_a_native_file_replaced(fake_torch_libs: dict[str, Path], tmp
     assert finding.chain[-1].startswith("libtorch_cpu.so")
 
 
+_ADMIT_ONCE = """
+import json, sys
+from supervisor.admission import check
+r = check.check_worker("w", "control", sys.argv[1], None, [sys.argv[2], *sys.path[1:]])
+print(json.dumps({"ok": r.ok, "walks": check.CACHE_STATS.walks, "hits": check.CACHE_STATS.hits,
+                  "chains": [" -> ".join(f.chain) for f in r.findings]}))
+"""
+
+
+def _admit_in_new_process(tmp_path: Path, module: str, cache: Path) -> dict:
+    env = dict(os.environ, TRIO_ADMISSION_CACHE=str(cache),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", _ADMIT_ONCE, module, str(tmp_path)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_disk_cache_serves_the_next_process_and_only_while_files_and_entry_are_sound(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    code = tmp_path / "code"
+    make_tree(code, {"diskw/__init__.py": "from diskw import m\n", "diskw/m.py": "import array\n"})
+    first = _admit_in_new_process(code, "diskw", cache)
+    assert (first["ok"], first["walks"], first["hits"]) == (True, 1, 0)
+    [entry] = cache.iterdir()
+    assert (cache.stat().st_mode & 0o777, entry.stat().st_mode & 0o777) == (0o700, 0o600)
+    second = _admit_in_new_process(code, "diskw", cache)
+    assert (second["ok"], second["walks"], second["hits"]) == (True, 0, 1)
+
+    _rewrite_keeping_size_and_mtime(code / "diskw/m.py", "import torch\n")
+    third = _admit_in_new_process(code, "diskw", cache)
+    assert (third["walks"], third["chains"]) == (1, ["diskw (diskw/__init__.py:1) -> diskw.m (diskw/m.py:1) -> torch"])
+    # an entry others could have written is not evidence: walked again, and replaced
+    [entry] = cache.iterdir()
+    entry.chmod(0o666)
+    assert _admit_in_new_process(code, "diskw", cache)["walks"] == 1
+    assert _admit_in_new_process(code, "diskw", cache)["hits"] == 1
+    # a corrupt entry is a miss, not an error
+    [entry] = cache.iterdir()
+    entry.write_text('{"version": "')
+    assert _admit_in_new_process(code, "diskw", cache)["walks"] == 1
+
+
 # ---------------------------------------------------------------------------
 # the real thing (optional research extra)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -9,8 +10,10 @@ import sys
 
 from dataclasses import dataclass
 
+from . import _store
+from ._store import Static
 from ._witness import Witness, recording, see
-from .elf import ElfHit, ElfResult, LibraryResolver, check_elf_files, native_files_in
+from .elf import ElfHit, LibraryResolver, check_elf_files, native_files_in
 from .imports import ImportHit, PathDisplay, WalkResult, walk_code, walk_module, walk_script
 from .maps import scan_pid
 from .report import AdmissionReport, Finding
@@ -133,22 +136,10 @@ def check_worker(
     return report
 
 
-@dataclass(frozen=True)
-class _Static:
-    """What a control worker's code reaches, whoever runs it: the walks, the native
-    files' DT_NEEDED closure. The report (named for one worker) is built from it."""
-
-    walks: tuple[WalkResult, ...]
-    package_roots: dict[str, list[str]]
-    elf: ElfResult
-    exe_missing: str | None  # argv[0] when it is not on PATH
-    notes: tuple[str, ...]
-
-
 # key -> (witness, result). A fleet of one module (the attack fleet: 62 workers) pays
 # for one walk; a hit is taken only while every file and directory the walk read is
 # what it was (see _witness), so a module edited between two admissions is walked again.
-_CACHE: dict[tuple, tuple[Witness, _Static]] = {}
+_CACHE: dict[str, tuple[Witness, Static]] = {}
 _CACHE_MAX = 64
 
 
@@ -162,22 +153,29 @@ CACHE_STATS = CacheStats()
 
 
 def _static_check(module: str | None, argv: list[str] | None, sys_path: list[str],
-                  ld_library_path: list[str] | None) -> _Static:
-    key = (module, tuple(argv or ()), tuple(sys_path), tuple(ld_library_path or ()),
+                  ld_library_path: list[str] | None) -> Static:
+    key = [module, list(argv or ()), list(sys_path), list(ld_library_path or ()),
            os.getcwd(),  # relative sys.path entries ("" is the cwd)
-           os.environ.get("PATH", os.defpath) if argv else None)
-    hit = _CACHE.get(key)
+           os.environ.get("PATH", os.defpath) if argv else None]
+    mkey = json.dumps(key)
+    hit = _CACHE.get(mkey) or _store.load(key)  # memory, else a previous process's
     if hit is not None and hit[0].still_holds():
         CACHE_STATS.hits += 1
+        _remember(mkey, hit)
         return hit[1]
     CACHE_STATS.walks += 1
     with recording() as witness:
         static = _static_uncached(module, argv, sys_path, ld_library_path)
-    _CACHE.pop(key, None)
+    _remember(mkey, (witness, static))
+    _store.save(key, witness, static)
+    return static
+
+
+def _remember(mkey: str, entry: tuple[Witness, Static]) -> None:
+    _CACHE.pop(mkey, None)
     while len(_CACHE) >= _CACHE_MAX:
         _CACHE.pop(next(iter(_CACHE)))
-    _CACHE[key] = (witness, static)
-    return static
+    _CACHE[mkey] = entry
 
 
 def clear_cache() -> None:
@@ -186,7 +184,7 @@ def clear_cache() -> None:
 
 
 def _static_uncached(module: str | None, argv: list[str] | None, sys_path: list[str],
-                     ld_library_path: list[str] | None) -> _Static:
+                     ld_library_path: list[str] | None) -> Static:
     walks: list[WalkResult] = []
     executables: list[str] = []
     notes: list[str] = []
@@ -222,7 +220,9 @@ def _static_uncached(module: str | None, argv: list[str] | None, sys_path: list[
             package_roots.setdefault(top, locs)
     roots = native_files_in([loc for locs in package_roots.values() for loc in locs]) + executables
     elf = check_elf_files(roots, resolver=LibraryResolver(ld_library_path))
-    return _Static(tuple(walks), package_roots, elf, exe_missing, tuple(notes))
+    # the module graph (thousands of nodes) has served: keep what the report reads
+    kept = tuple(WalkResult(w.entry, w.sys_path, w.hits, {}, w.notes) for w in walks)
+    return Static(kept, package_roots, elf, exe_missing, tuple(notes))
 
 
 def _add_import_hit(report: AdmissionReport, hit: ImportHit, display: PathDisplay) -> None:
