@@ -221,6 +221,68 @@ def test_two_replays_are_bit_identical_under_load_and_match_the_recorded_model_o
     assert (first_run / "plot.png").stat().st_size > 10_000
 
 
+def test_a_cut_of_the_drive_replays_its_part_with_the_chosen_signals(work, recorded, first_run):
+    """`log cut` writes a part of the drive as a log of its own (frames, their pixels
+    byte for byte, their outputs and commands, the recorded config) that `log info`
+    reads; `replay --start/--end` plays that part only (cut into RUN/input), compares
+    it with the whole drive's run on those frames, and plots and shows the --plot
+    signals. Bad ranges and unknown signals: one line, exit 2, before anything runs."""
+    src = DriveLog.open(recorded)
+    ids = [e.frame_id for e in src.video("road_frames").index]
+    a, b = ids[5], ids[15]                                # f<a> in, f<b> out: 10 frames
+    r = cli("log", "cut", str(recorded), str(work / "part"), "--start", f"f{a}", "--end",
+            f"f{b}", cwd=work)
+    assert r.returncode == 0, r.stderr
+    part = DriveLog.open(work / "part")
+    assert part.closed and not part.full_loss().any
+    assert [f.frame_id for f in part.frames["road_frames"]] == ids[5:15]
+    whole_px = dict(src.video("road_frames").frames())
+    for e, px in part.video("road_frames").frames():   # raw: the recorded bytes
+        assert px == next(v for k, v in whole_px.items() if k.frame_id == e.frame_id)
+    assert {m.frame_id for m in part.messages["model_out"]} <= set(ids[5:15])
+    assert (work / "part" / "source.toml").read_bytes() == (recorded / "source.toml").read_bytes()
+    r = cli("log", "info", str(work / "part"), cwd=work)
+    assert r.returncode == 0 and f"frames f{a}..f{b - 1}" in r.stdout, r.stdout + r.stderr
+    assert "road_frames: 10 frames" in r.stdout and "loss: nothing lost" in r.stdout
+
+    for args, needle in (((f"--start=f{b}", f"--end=f{a}"), "the start must come before"),
+                         (("--start", "99"), "no frame of"), (("--end", "1.x"), "'1.x'")):
+        r = cli("log", "cut", str(recorded), str(work / "bad"), *args, cwd=work)
+        assert r.returncode == 2 and needle in r.stderr, r.stderr
+        assert len(r.stderr.splitlines()) == 1 and not (work / "bad").exists()
+    for args, needle in ((("--start", "99"), "no frame of"),
+                         (("--plot", "nope.steer_rad"), "no channel 'nope'"),
+                         (("--plot", "control_cmd.nope"), "has no field 'nope' (fields: steer_rad")):
+        r = cli("replay", str(recorded), "--out", str(work / "bad"), *args, cwd=work)
+        assert r.returncode == 2 and needle in r.stderr, r.stderr
+        assert len(r.stderr.splitlines()) == 1 and not (work / "bad").exists()
+
+    # The whole drive's run (REF) seen on the part's frames only: nothing removed.
+    r = cli("replay", str(recorded), "--out", str(work / "run-part"), "--start", f"f{a}",
+            "--end", f"f{b}", "--ref", str(first_run), "--no-progress", "--format", "json",
+            "--plot", "control_cmd.steer_rad", "--plot", "model_out.latency_ms",
+            *SELF[2:], cwd=work)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    s = out["summary"]
+    assert s["frames"]["in_log"] == s["frames"]["replayed"] == 10
+    assert s["range"]["frames"] == [a, b - 1] and s["log"] == str(recorded)
+    by = {c["channel"]: c for c in out["diff"]["channels"]}
+    assert by["model_out"]["compared"] >= 9 and by["model_out"]["changed"] == []
+    assert by["model_out"]["removed"] == [], by["model_out"]
+    run = DriveLog.open(work / "run-part" / "log")
+    assert {m.frame_id for m in run.messages["model_out"]} == set(ids[5:15])
+    page = (work / "run-part" / "report.html").read_text()
+    assert f"<h1>replay of drive f{a}..f{b - 1}</h1>" in page       # the source, not input/
+    blob = json.loads(page.split('id="scrub-data">')[1].split("</script>")[0])
+    assert [x["name"] for x in blob["signals"]] == ["control_cmd.steer_rad",
+                                                    "model_out.latency_ms"]
+    assert blob["frames"] == ids[5:15]
+    png = (work / "run-part" / "plot.png").read_bytes()
+    # Two panels, one per --plot signal (9 x (1.2 + 2 x 2) inches at 80 dpi).
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[20:24], "big") == 416
+
+
 def test_a_different_model_version_gives_a_readable_diff_and_exit_6(work, recorded, first_run):
     if shutil.which("clang") is None:
         pytest.skip("building a second model needs clang (scripts/install.sh --dev)")

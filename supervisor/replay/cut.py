@@ -345,3 +345,13 @@ def info_of(log: DriveLog) -> dict[str, Any] | None:
     """A cut's provenance (from its start entry), None for a recorded log."""
     c = log.info.get("cut")
     return c if isinstance(c, dict) else None
+
+
+def title(log: DriveLog) -> str:
+    """A log's name for titles: a cut is named after its source and range
+    (``drive1 f142..f151``), not after its own directory (RUN/input)."""
+    c = info_of(log)
+    if c is None:
+        return Path(str(log.path)).name
+    fr = c.get("frames") or ["?", "?"]
+    return f"{Path(str(c.get('from', log.path))).name} f{fr[0]}..f{fr[1]}"

@@ -142,8 +142,10 @@ def collect(run_dir: str | Path, src, run, ref, plan, summary: dict[str, Any],
     decoder, a missing plot) is left out and named in the page's notes. ``signals``
     (--plot's) replace the default ones: every field of the command and the model's
     output."""
+    from .cut import title
+
     run_dir = Path(run_dir)
-    page = Page(f"replay of {Path(str(src.path)).name}", summary, report)
+    page = Page(f"replay of {title(src)}", summary, report)
     png = run_dir / "plot.png"
     if png.is_file():
         page.plot_png = png.read_bytes()

@@ -448,6 +448,8 @@ def plot(src: DriveLog, run: DriveLog, plan, path: Path, ref: DriveLog | None = 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .cut import title
+
     times = {e.frame_id: e.capture_ts_ns for e in src.video(plan.frames).index}
     t0 = min(times.values()) if times else 0
 
@@ -478,7 +480,7 @@ def plot(src: DriveLog, run: DriveLog, plan, path: Path, ref: DriveLog | None = 
     ax1.set_ylabel("ms")
     if pts:
         ax1.legend(loc="upper right", fontsize=8)
-    ax1.set_title(f"replay of {src.path.name}")
+    ax1.set_title(f"replay of {title(src)}")
     logs = [(src, "recorded", "-"), (run, "replay", "--")]
     if ref is not None and ref.path != src.path:
         logs.append((ref, "REF", ":"))
@@ -508,6 +510,7 @@ def plot(src: DriveLog, run: DriveLog, plan, path: Path, ref: DriveLog | None = 
 def _plot_signals(plt, src: DriveLog, run: DriveLog, ref: DriveLog | None, signals: list,
                   path: Path, at, t0: int, have_times: bool) -> None:
     """One panel per --plot signal: recorded (solid), replay (dashed), REF (dotted)."""
+    from .cut import title
     from .signals import value
 
     logs = [(src, "recorded", "-"), (run, "replay", "--")]
@@ -533,7 +536,7 @@ def _plot_signals(plt, src: DriveLog, run: DriveLog, ref: DriveLog | None, signa
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="upper right", fontsize=7)
     axes[-1, 0].set_xlabel("log time (s)")
-    fig.suptitle(f"replay of {src.path.name}", fontsize=10)
+    fig.suptitle(f"replay of {title(src)}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
