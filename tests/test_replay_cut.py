@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from supervisor.config import default_doc
+from supervisor.config import default_doc, dumps
 from supervisor.replay.cut import CutError, cut, parse_pos
 from supervisor.replay.derive import ReplayPlan, plan_of
 from supervisor.replay.drivelog import DriveLog
@@ -29,7 +29,7 @@ PLAN = ReplayPlan(camera="camerad", frames="road_frames", controls="controlsd",
 def raw(tmp_path_factory) -> Path:
     p = tmp_path_factory.mktemp("cut") / "drive"
     write_log(p, n=12)                          # frames 0..11, 50 ms apart
-    (p / "source.toml").write_text("# the recorded config\n")
+    (p / "source.toml").write_text(dumps(default_doc()))     # as `record` leaves it
     os.chmod(p / "source.toml", 0o644)
     return p
 
@@ -89,6 +89,22 @@ def test_a_bad_range_is_one_line_and_exit_2_and_writes_nothing(raw, tmp_path, ca
     assert not (tmp_path / "out").exists()
     with pytest.raises(CutError):
         cut(raw, raw, None, None)                          # never over its own source
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--start", "9"), "no frame of"),
+    (("--end", "f0"), "no frame of"),
+    (("--plot", "nope.steer_rad"), "no channel 'nope'"),
+    (("--plot", "control_cmd.nope"), "has no field 'nope' (fields: steer_rad"),
+])
+def test_replay_refuses_a_bad_range_or_signal_before_anything_starts(raw, tmp_path, capsys,
+                                                                     args, needle):
+    from supervisor.cli import main
+
+    assert main(["replay", str(raw), "--out", str(tmp_path / "run"), *args]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
 
 
 def test_plot_names_are_checked_against_the_config():
