@@ -1,0 +1,339 @@
+"""Red team, round 3: attacks no issue named, each run from inside a real sandbox
+(workers/probe/attacks_redteam3.py) under one real `Supervisor`, embedded here as
+tests/test_faults.py embeds it, so that the test holds a reader of each attacker's
+channel (reader index 1, the spare after the monitor's 0) and can watch the supervisor's
+own event loop. Every test asserts the secure behaviour; an attack that succeeds today
+is an `xfail(strict=True)` whose reason starts with BREAK and says where to fix it
+(docs/redteam3.md has the table).
+
+The fleet runs in phases the test drives (an attacker waits for the test's reader on its
+channel): the last-word attackers together, then the output flood, then the wake-up
+spam, each of those two alone so that its cost to the supervisor is measured against a
+quiet window of the same run.
+"""
+from __future__ import annotations
+
+import io
+import math
+import os
+import shutil
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from tests.test_attacks import _of, attack_result
+
+pytestmark = pytest.mark.sandbox
+if shutil.which("bwrap") is None:
+    pytest.skip("bubblewrap is not installed", allow_module_level=True)
+if os.geteuid() != 0:
+    pytest.skip("the supervisor's isolation (host uids, cgroups) needs root", allow_module_level=True)
+
+MODULE = "workers.probe.attacks_redteam3"
+TEST_READER = 1
+LASTWORD = {"c-rollback": "lastword_rollback", "c-unmagic": "lastword_unmagic",
+            "c-brick": "lastword_brick", "c-headless": "headless_writer"}
+CPU_ATTACKS = {"r-flood": "newline_flood", "r-spam": "wake_spam"}
+# How much of a CPU, and how much event-loop lag, one research worker may cost the
+# supervisor beyond what the same run cost it in the quiet window before.
+CPU_MARGIN = 0.25
+LAG_MARGIN_MS = 50.0
+
+
+def _ch(worker: str) -> str:
+    """The channel an attacker publishes on (channel names are [a-z0-9_])."""
+    return "ch_" + worker.replace("-", "_")
+
+
+def _toml() -> str:
+    out = [textwrap.dedent("""
+    [supervisor]
+    status_interval_s = 0.5
+    maps_scan_interval_s = 0.5
+    [domains.control]
+    failure_policy = "restart"
+    [domains.research]
+    """)]
+    for name in LASTWORD:
+        out.append(textwrap.dedent(f"""
+        [channels.{_ch(name)}]
+        slot_size = "4KiB"
+        dtype = "float32"
+        payload = "control_cmd"
+        slot_count = 8
+        max_readers = 2
+        max_age_ms = 5000
+        """))
+    for name in CPU_ATTACKS:
+        out.append(textwrap.dedent(f"""
+        [channels.{_ch(name)}]
+        slot_size = "4KiB"
+        dtype = "float32"
+        slot_count = 4
+        max_readers = 2
+        """))
+
+    def worker(name: str, domain: str, attack: str, channel: str | None, extra: str = "") -> str:
+        pub = f'publishes = ["{channel}"]' if channel else ""
+        args = ["--attack", attack] + (["--pub", channel] if channel else [])
+        argv = "[" + ", ".join(f'"{a}"' for a in args) + "]"
+        return textwrap.dedent(f"""
+        [workers.{name}]
+        domain = "{domain}"
+        module = "{MODULE}"
+        {pub}
+        args = {argv}
+        optional = true
+        ready_timeout_ms = 60000
+        memory_max = "256MiB"
+        pids_max = 32
+        """) + textwrap.dedent(extra or 'restart = "never"\n')
+
+    for name, attack in LASTWORD.items():
+        extra = ('restart = "on-failure"\nmax_restarts = 2\nbackoff_initial_ms = 50\n'
+                 if name == "c-brick" else "")
+        out.append(worker(name, "control", attack, _ch(name), extra))
+    for name, attack in CPU_ATTACKS.items():
+        out.append(worker(name, "research", attack, _ch(name), 'restart = "never"\ncpu_quota = 50\n'))
+    out.append(worker("c-fakesys", "control", "fake_signal_exit", None))
+    return "".join(out)
+
+
+def _run_fleet(tmp) -> dict:
+    """One embedded Supervisor with every attacker; returns what the test needs."""
+    import trio
+
+    from schemas.payloads import CONTROL_CMD
+    from supervisor.config import loads
+    from supervisor.events import EventLog
+    from supervisor.ipc import Reader, Rejected
+    from supervisor.lifecycle import Supervisor
+
+    cfg = loads(_toml(), str(tmp / "redteam3.toml"))
+    logf = open(tmp / "supervisor.log", "w")
+    log = EventLog(stream=logf, keep=True)
+    me = os.getpid()
+    seen: dict[str, list[tuple[int, int, int, dict]]] = {n: [] for n in LASTWORD}
+    lag: list[tuple[int, float]] = []            # (monotonic ns, ms late) of a 5 ms sleep
+    cpu: list[tuple[int, float]] = []            # (monotonic ns, process CPU s)
+
+    def result(worker: str) -> dict | None:
+        return attack_result(log.events, worker)
+
+    async def until(pred, timeout: float) -> bool:
+        with trio.move_on_after(timeout):
+            while not pred():
+                await trio.sleep(0.05)
+            return True
+        return False
+
+    async def receive(name: str, reader: Reader) -> None:
+        while True:
+            try:
+                m = await reader.receive_async()
+            except Rejected:
+                continue
+            with m:
+                seen[name].append((m.publish_ts_ns, m.sequence, m.stamp.writer_pid,
+                                   CONTROL_CMD.decode(np.array(m.array))))
+
+    async def probe_lag() -> None:
+        while True:
+            t = time.monotonic_ns()
+            await trio.sleep(0.005)
+            now = time.monotonic_ns()
+            lag.append((now, (now - t) / 1e6 - 5.0))
+            if not cpu or now - cpu[-1][0] > 100_000_000:
+                cpu.append((now, time.process_time()))
+
+    async def reader_of(channel: str) -> Reader:
+        h = sup.channels[channel].reader_handle(TEST_READER)
+        return await trio.to_thread.run_sync(lambda: Reader(h))
+
+    sup = Supervisor(cfg, log=log, status_out=io.StringIO())
+    windows: dict[str, tuple[int, int]] = {}
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            n.start_soon(probe_lag)
+            # Phase 1: the actuation writers, together (each dies once its reader took)
+            for name in LASTWORD:
+                n.start_soon(receive, name, await reader_of(_ch(name)))
+            await until(lambda: all(_of(log.events, w, "exit") for w in LASTWORD)
+                        and any('"restarted"' in e["line"]
+                                for e in _of(log.events, "c-brick", "output")), 120)
+            await trio.sleep(3.0)          # the last words, the brick's restarts
+            # Phases 2 and 3: each CPU attack alone, after a quiet window
+            for name in CPU_ATTACKS:
+                await trio.sleep(2.0)
+                await reader_of(_ch(name))
+                await until(lambda: result(name) is not None
+                            or _of(log.events, name, "exit"), 90)
+                res = result(name)
+                if res is not None and "window_ns" in res:
+                    windows[name] = tuple(res["window_ns"])
+            n.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        logf.close()
+    return {"events": log.events, "seen": seen, "lag": lag, "cpu": cpu,
+            "windows": windows, "me": me}
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    return _run_fleet(tmp_path_factory.mktemp("redteam3"))
+
+
+def _is_safe(cmd: dict) -> bool:
+    return cmd["engaged"] == 0.0 and cmd["reason"] == 10.0      # SafeReason.FAIL_SAFE
+
+
+# ---------------------------------------------------------------- the last word
+
+
+def _last_word_seen(fleet, worker: str) -> None:
+    ev, seen, me = fleet["events"], fleet["seen"][worker], fleet["me"]
+    poisoned = next((e for e in _of(ev, worker, "output") if '"poisoned"' in e["line"]), None)
+    assert poisoned is not None, _of(ev, worker)          # the attack ran
+    words = _of(ev, worker, "last_word")
+    print(f"\n{worker}: {poisoned['line']}\n  last_word: {words}\n  the test's reader "
+          f"took {len(seen)} messages, the last: {seen[-1:] if seen else None}")
+    assert words, _of(ev, worker)                         # the supervisor says it said it
+    assert seen and seen[-1][2] == me and _is_safe(seen[-1][3]), (
+        f"the reader's last message is not the supervisor's SAFE: {seen[-3:]}")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK: a dying actuation writer rolls the header's last_seq back to 0; "
+    "ipc.Writer._attach (via failsafe._writer) continues from that word, the SAFE is "
+    "sequence 1 and no in-order reader delivers it (fix: continue from the max of "
+    "last_seq, every slot's seq and every reader's OFF_TAKEN)"))
+def test_last_word_is_seen_after_a_last_seq_rollback(fleet):
+    _last_word_seen(fleet, "c-rollback")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK: a dying actuation writer zeroes the channel magic; ipc.Writer._attach then "
+    "treats the segment as fresh (sequence 1, generations 0, no plausibility check), "
+    "and no reader delivers the SAFE (fix in failsafe._writer: a segment that is not "
+    "MAGIC is repaired from the slots and the readers' OFF_TAKEN, never taken as new)"))
+def test_last_word_is_seen_after_the_magic_is_zeroed(fleet):
+    _last_word_seen(fleet, "c-unmagic")
+
+
+def test_last_word_after_a_last_seq_near_the_bound(fleet):
+    """last_seq = 2**62 - 1 is still plausible: the supervisor's SAFE lands (2**62)."""
+    _last_word_seen(fleet, "c-brick")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK: a dead writer left last_seq at 2**62 - 1; the supervisor's SAFE took it to "
+    "2**62 (readers deliver it), the next writer's attach then refused the channel "
+    "(BridgeError: beyond any a writer reaches), and at that run's death "
+    "failsafe._repair rolled last_seq back to the highest slot sequence: every later "
+    "SAFE and the next clean writer's commands are below what the readers took and are "
+    "never delivered (fix: _repair and Writer._attach continue from the max of the "
+    "readers' consumed sequences, kept in their lease tables, never below)"))
+def test_a_restarted_writer_is_heard_after_a_near_bound_poison(fleet):
+    """The poisoner dies; restarted (clean) runs of the writer must attach and their
+    commands must reach the reader that took the poisoner's."""
+    ev, seen, me = fleet["events"], fleet["seen"]["c-brick"], fleet["me"]
+    runs = [attack_result([e], "c-brick") for e in _of(ev, "c-brick", "output")
+            if e["line"].startswith("ATTACK ") and '"restarted"' in e["line"]]
+    after = [s for s in seen if s[2] != me and s[3]["steer_rad"] == 0.125]
+    print(f"\nc-brick restarted runs: {runs}\n  the reader took {len(after)} of their "
+          f"commands; its last: {seen[-1:]}")
+    assert runs, _of(ev, "c-brick")                  # it was restarted at all
+    assert runs[0]["attach"] == "ok", runs           # the first restart could write
+    assert after, "no command of a restarted writer reached the reader"
+
+
+def test_no_last_word_while_a_thread_of_the_writer_still_publishes(fleet):
+    """The writer's main thread exits (SYS_exit), another thread publishes engaged
+    commands 1.5 s more, then the process ends. The pidfd of a thread group is readable
+    only once every thread is gone: the supervisor says nothing before, SAFE after."""
+    ev, seen, me = fleet["events"], fleet["seen"]["c-headless"], fleet["me"]
+    res = attack_result(ev, "c-headless")
+    assert res is not None and res.get("published_headless", 0) > 10, _of(ev, "c-headless")
+    theirs = [s for s in seen if s[2] != me]
+    ours = [s for s in seen if s[2] == me]
+    print(f"\nc-headless: {res}; the reader took {len(theirs)} of the worker's, "
+          f"{len(ours)} of the supervisor's; last_word {_of(ev, 'c-headless', 'last_word')}")
+    assert ours and _is_safe(seen[-1][3]) and seen[-1][2] == me, seen[-3:]
+    first_safe = ours[0][0]
+    assert all(s[0] < first_safe for s in theirs), "the supervisor spoke while the writer could"
+    seqs = [s[1] for s in seen]
+    assert seqs == sorted(seqs), seqs
+
+
+# ---------------------------------------------------------------- the supervisor's CPU
+
+
+def _cost(fleet, worker: str) -> tuple[float, float, float, float]:
+    """(CPU/s during, CPU/s in the 2 s before, p99 event-loop lag during, before, ms)."""
+    t0, t1 = fleet["windows"][worker]
+
+    def cpu_share(a: int, b: int) -> float:
+        pts = [(t, c) for t, c in fleet["cpu"] if a <= t <= b]
+        if len(pts) < 2:
+            return math.nan
+        return (pts[-1][1] - pts[0][1]) / ((pts[-1][0] - pts[0][0]) / 1e9)
+
+    def p99(a: int, b: int) -> float:
+        xs = [x for t, x in fleet["lag"] if a <= t <= b]
+        return float(np.percentile(xs, 99)) if xs else math.nan
+
+    before = (t0 - 2_000_000_000, t0)
+    return cpu_share(t0, t1), cpu_share(*before), p99(t0, t1), p99(*before)
+
+
+def _assert_bounded(fleet, worker: str) -> None:
+    ev = fleet["events"]
+    res = attack_result(ev, worker)
+    assert res is not None and worker in fleet["windows"], _of(ev, worker)[-5:]
+    during, before, lag, lag0 = _cost(fleet, worker)
+    refused = _of(ev, worker, "refused")
+    print(f"\n{worker}: {res}\n  supervisor CPU {during:.2f}/s during, {before:.2f}/s "
+          f"before; event-loop lag p99 {lag:.1f} ms during, {lag0:.1f} ms before; "
+          f"refused: {refused}")
+    if refused:
+        return
+    assert during <= before + CPU_MARGIN, (during, before)
+    assert lag <= lag0 + LAG_MARGIN_MS, (lag, lag0)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK: newlines on stdout at pipe speed cost the supervisor's event loop ~70 ms of "
+    "CPU per 64 KiB read (output.LineLimiter.feed splits every line in Python before "
+    "the rate limit drops it); no refusal (fix: count and drop lines in bulk once the "
+    "bucket is empty, and refuse a sustained flood as protocol_flood, lifecycle/_io.py)"))
+def test_an_output_newline_flood_costs_the_supervisor_little(fleet):
+    _assert_bounded(fleet, "r-flood")
+
+
+def test_wake_up_spam_on_the_monitors_socket_costs_the_supervisor_little(fleet):
+    _assert_bounded(fleet, "r-spam")
+
+
+# ---------------------------------------------------------------- the log's word
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK: a worker's own exit_group(159) is logged as signal SIGSYS, 'killed by "
+    "seccomp: a forbidden system call' (lifecycle._supervisor._exit_cause trusts "
+    "bwrap's 128+N; the runner's 0..127 clamp does not bind os._exit). Fix: the launch "
+    "filter (sandbox/seccomp.py) kills exit/exit_group with a status >= 128, so that "
+    "such an exit is really a seccomp kill"))
+def test_a_worker_cannot_forge_a_seccomp_kill_in_the_log(fleet):
+    ev = fleet["events"]
+    res = attack_result(ev, "c-fakesys")
+    ex = _of(ev, "c-fakesys", "exit")
+    print(f"\nc-fakesys: {res}; exit: {ex}")
+    assert res is not None and ex, _of(ev, "c-fakesys")
+    assert ex[0]["signal"] != "SIGSYS" or "forged" in (ex[0].get("cause") or ""), ex[0]
