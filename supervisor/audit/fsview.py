@@ -88,7 +88,8 @@ def _parse(argv: list[str]) -> list[dict[str, Any]]:
 
 
 def view_of(cfg: Config, w: WorkerConfig) -> dict[str, Any]:
-    """{mounts, masked: [paths], whiteouts: {dir: [names]}, writable: [paths], error}."""
+    """{mounts, masked: [paths], whiteouts: {dir: [names]}, writable: [paths], device,
+    device_nodes: [paths], error}."""
     from supervisor.sandbox.bwrap import build_bwrap_argv
 
     from .promise import policy
@@ -111,6 +112,10 @@ def view_of(cfg: Config, w: WorkerConfig) -> dict[str, Any]:
         "whiteouts": {d: sorted(names) for d, names in sorted(hidden.items())},
         "writable": [m["path"] for m in mounts if m["access"] == "rw"
                      and m["what"] not in ("symlink",)],
+        # The accelerator view: what the worker declared and which GPU nodes it gets
+        # (policy.CUDA_DEVICE_NODES that exist on this machine).
+        "device": pol.device,
+        "device_nodes": list(pol.dev_binds),
         "error": None,
     }
 

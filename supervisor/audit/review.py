@@ -230,7 +230,19 @@ def md_filesystem(report: dict[str, Any]) -> list[str]:
                     f"{', '.join(v['masked'])}.", ""]
         for d, names_ in v["whiteouts"].items():
             out += [f"Whiteouts in {d} (absent inside): {', '.join(names_)}.", ""]
+        out += [_device_line(v), ""]
     return out
+
+
+def _device_line(v: dict[str, Any]) -> str:
+    """The accelerator a worker's sandbox opens: its declared device and GPU nodes."""
+    dev, nodes = v.get("device", "cpu"), v.get("device_nodes") or []
+    if dev == "cpu":
+        return ("Device: cpu (no GPU node: " + (f"device binds {', '.join(nodes)}"
+                                                if nodes else "nothing of /dev beyond "
+                                                "bwrap's standard nodes") + ").")
+    return (f"Device: {dev}: GPU nodes " + (", ".join(nodes) if nodes else
+                                            "none (none exist on this machine)") + ".")
 
 
 # --------------------------------------------------------------------------- syscalls
@@ -335,6 +347,8 @@ def text_sections(report: dict[str, Any]) -> list[str]:
                 out.append(f"    masked compilers: {', '.join(v['masked'])}")
             for d, names_ in (v.get("whiteouts") or {}).items():
                 out.append(f"    whiteouts in {d}: {', '.join(names_)}")
+            if not v.get("error"):
+                out.append(f"    {_device_line(v)}")
     sc = report.get("syscalls")
     if sc:
         out += ["", "Syscall policy per seccomp class:"]

@@ -115,6 +115,7 @@ _WORKER_KEYS: dict[str, Callable[[Any], Any]] = {
     "jit_kernels": _bool,
     "nofile": _int(16, 1 << 20),
     "model": _string,     # checked against the models table later
+    "device": _choice("cpu", "cuda"),
 }
 
 _SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ChannelSpec)}
@@ -267,6 +268,7 @@ class _Loader:
         _rules.check_cpu_weights(self.add, workers, domains)
         _rules.check_start_cpu(self.add, workers)
         _rules.check_realtime(self.add, workers, domains)
+        _rules.check_devices(self.add, workers, domains)
         _rules.check_busy_poll(self.add, workers, writers)
         _rules.check_optional(self.add, workers, writers)
         _rules.check_cycles(self.add, workers)

@@ -260,6 +260,10 @@ class WorkerConfig:
     # A [models.NAME] the worker loads: its artifact and public key are bound read-only
     # into the sandbox and the trust record is passed to it (protocol.ENV_MODEL).
     model: str | None = None
+    # The accelerator the worker may open: "cpu" (none) or "cuda" (the GPU's device nodes,
+    # /dev/nvidia0, nvidiactl, nvidia-uvm, bound into its sandbox; nothing else of /dev).
+    # A control worker needs a model to get one; research never gets more than control.
+    device: str = "cpu"
 
     def cpu_weight_in(self, profile: str) -> int:
         """Its cgroup cpu.weight in a domain of ``profile``: its own, or the profile's."""

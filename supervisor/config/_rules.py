@@ -103,6 +103,22 @@ def check_cpu_weights(add: Add, workers: dict[str, WorkerConfig],
                 "worker may never take CPU from control under contention")
 
 
+def check_devices(add: Add, workers: dict[str, WorkerConfig],
+                  domains: dict[str, DomainConfig]) -> None:
+    """device = "cuda": the GPU's nodes in the worker's sandbox. A control worker gets
+    them only to run a signed model (modeld): the nodes are an ioctl surface into the
+    kernel driver, worth opening for the model and for nothing else. Research may have
+    them, and gets the same nodes as control, never more (policy.CUDA_DEVICE_NODES)."""
+    for w in workers.values():
+        if w.device == "cpu":
+            continue
+        d = domains.get(w.domain)
+        if d is not None and d.profile == CONTROL and not w.model:
+            add(f"{_key('workers', w.name)}.device",
+                f"a control worker gets the GPU ({w.device}) only to run a signed model: "
+                f"give it model = NAME, or device = \"cpu\"")
+
+
 def check_realtime(add: Add, workers: dict[str, WorkerConfig],
                    domains: dict[str, DomainConfig]) -> None:
     """Only control workers run real-time (a research task in the RT class would

@@ -115,9 +115,13 @@ class CudaPayload:
     architectures: tuple[str, ...]
     plan: dict                         # launch.json, checked
     weights: bytes
-    cubins: dict[str, bytes]           # kernel name -> cubin for ``arch`` (empty: none chosen)
+    objects: dict[str, dict[str, bytes]]   # arch -> kernel name -> cubin (all checked)
     toolkit: str                       # e.g. "nvrtc 12.9"
     min_driver: str
+
+    def cubins(self, arch: str) -> dict[str, bytes]:
+        """Every kernel's cubin for ``arch`` (one of ``architectures``)."""
+        return self.objects[arch]
 
 
 def required_files(m: dict) -> tuple[str, ...]:
@@ -251,7 +255,7 @@ def read_payload(m: dict, blobs: dict[str, bytes], arch: str | None,
     listed = m.get("kernels")
     if not isinstance(listed, list) or not listed:
         raise ManifestError(f"{MANIFEST}: kernels must list the artifact's kernels")
-    cubins: dict[str, bytes] = {}
+    objects: dict[str, dict[str, bytes]] = {a: {} for a in archs}
     names: set[str] = set()
     for i, k in enumerate(listed):
         objs = k.get("objects") if isinstance(k, dict) else None
@@ -281,8 +285,7 @@ def read_payload(m: dict, blobs: dict[str, bytes], arch: str | None,
             if got != a:
                 raise HostIncompatible(f"{CUBIN_PREFIX}{a}: kernel {k['name']!r} is a cubin for "
                                        f"{got}, filed as {a}")
-            if a == arch:
-                cubins[k["name"]] = obj
+            objects[a][k["name"]] = obj
     try:
         plan = json.loads(blobs[LAUNCH_FILE].decode("ascii"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -290,7 +293,7 @@ def read_payload(m: dict, blobs: dict[str, bytes], arch: str | None,
     weights = blobs[WEIGHTS_FILE]
     _check_plan(plan, len(weights), names)
     rt = m["runtime"]
-    return CudaPayload(arch, tuple(archs), plan, weights, cubins,
+    return CudaPayload(arch, tuple(archs), plan, weights, objects,
                        f"{rt['toolkit']['name']} {rt['toolkit']['version']}", rt["min_driver"])
 
 

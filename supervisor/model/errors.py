@@ -67,3 +67,12 @@ class KernelNotInArtifact(ArtifactError):
 
 class GoldenMismatch(ArtifactError):
     """The power-on self-test output differs from the signed golden output on this host."""
+
+
+class DeviceUnavailable(ArtifactError):
+    """The artifact's device cannot be reached here (no libcuda, no GPU, a driver error)."""
+
+
+class CompilerVisible(ArtifactError):
+    """A device-code compiler (NVRTC, nvJitLink, ptxas, the driver's PTX JIT) is visible to
+    a control process that is about to run device code: it would be able to compile."""

@@ -284,6 +284,14 @@ class RunStats:
     bytes_out: int
     kernels_run: int
     device: str
+    # How completion was established: "hostVisible" = the output copy has returned
+    # (CPU: _copyout synchronises; CUDA: an event recorded after the device-to-host copy
+    # has completed). device_ms: the device's own time between its start and end events
+    # (CUDA only). fallbacks: kernels not run on the artifact's device (always 0: a
+    # fallback is refused, not counted).
+    completion: str = "hostVisible"
+    device_ms: float | None = None
+    fallbacks: int = 0
 
 
 class LoadedModel:
@@ -564,6 +572,12 @@ class LoadedModel:
                              GlobalCounters.kernel_count - k0, obuf.device)
 
 
-def load_model(verified: VerifiedArtifact, *, exclusive: bool = False) -> LoadedModel:
+def load_model(verified: VerifiedArtifact, *, exclusive: bool = False) -> Any:
+    """The runner of ``verified``: tinygrad for a CPU artifact, the CUDA driver alone for a
+    CUDA one (`supervisor.model.cuda_runtime`, no tinygrad imported)."""
+    if verified.cuda is not None:
+        from .cuda_runtime import CudaModel
+
+        return CudaModel(verified, refuse_compilers=exclusive)
     return LoadedModel(verified, exclusive=exclusive)
 

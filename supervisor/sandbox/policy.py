@@ -47,6 +47,26 @@ _ETC_NETWORK = (
     "/etc/ssl",
     "/etc/ca-certificates",
 )
+# The GPU's device nodes a worker with device = "cuda" gets (those that exist), the
+# same for control and research: the CUDA driver needs these three to run a kernel
+# (the control node, the GPU, unified memory). Never nvidia-modeset, nvidia-caps or
+# another GPU's node.
+CUDA_DEVICE_NODES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm")
+DEVICES = ("cpu", "cuda")
+
+# Device-code compilers as shared libraries (bwrap.py masks the executables: nvcc,
+# ptxas, cicc): NVRTC, nvJitLink, the PTX compiler library, and the driver's own PTX
+# JIT. A control worker loads cubin through the driver alone; none of these may be
+# openable there. Searched in the bound tree's library directories, the CUDA toolkit's
+# and pip's nvidia/* wheels' (a wheel with dist-info is hidden whole as a refused
+# distribution; these catch one copied in without it).
+CUDA_COMPILER_LIBS = ("libnvrtc.so*", "libnvrtc-builtins*.so*", "libnvrtc.alt.so*",
+                      "libnvJitLink.so*", "libnvptxcompiler*", "libnvidia-ptxjitcompiler.so*")
+_CUDA_LIB_DIRS = ("lib", "lib64", "lib/*-linux-gnu", "lib64/*-linux-gnu",
+                  "local/lib", "local/cuda*/lib64", "local/cuda*/targets/*/lib",
+                  "local/cuda*/nvvm/lib64", "lib/nvidia-cuda-toolkit/lib64")
+_SITE_CUDA_LIB_DIRS = ("nvidia/*/lib", "nvidia/cu*/lib")
+
 # Debian routes cc/c++ etc. through /etc/alternatives: research may compile
 # (e.g. torch.compile); control never gets it, so those links dangle there.
 _ETC_RESEARCH = ("/etc/alternatives",)
@@ -81,9 +101,12 @@ class SandboxPolicy:
     # root; a root caller always switches, see host_ids()).
     host_uid: int | None = None
     host_gid: int | None = None
-    # Paths below ro_binds that must not exist inside (refused distributions in a
-    # strict domain): their directory is rebuilt from every other entry.
+    # Paths below ro_binds that must not exist inside (refused distributions and
+    # device-code compiler libraries in a strict domain): whited out (staging) or their
+    # directory rebuilt from every other entry.
     hidden: list[str] = field(default_factory=list)
+    # "cuda": dev_binds holds the GPU nodes of CUDA_DEVICE_NODES that exist here.
+    device: str = "cpu"
     # Private /tmp is RAM; cap it so a worker cannot eat the host's memory.
     tmp_size_bytes: int | None = 64 * 1024 * 1024
 
@@ -193,6 +216,36 @@ def refused_paths(ro_binds: Iterable[str]) -> list[str]:
     return sorted(set(out))
 
 
+def cuda_compiler_paths(ro_binds: Iterable[str]) -> list[str]:
+    """Device-code compiler libraries (CUDA_COMPILER_LIBS) visible through ``ro_binds``:
+    every spelling found (a symlink and its target are both hidden: a whiteout hides a
+    name, not a file)."""
+    dirs: set[str] = set()
+    for r in ro_binds:
+        if not os.path.isdir(r):
+            continue
+        dirs.add(r)
+        for sub in _CUDA_LIB_DIRS:
+            dirs.update(glob.glob(os.path.join(r, sub)))
+        if os.path.basename(r) in ("site-packages", "dist-packages"):
+            sites = [r]
+        else:
+            sites = glob.glob(os.path.join(r, "lib", "python3*", "*-packages"))
+        for sp in sites:
+            for sub in _SITE_CUDA_LIB_DIRS:
+                dirs.update(glob.glob(os.path.join(sp, sub)))
+    out: set[str] = set()
+    for d in dirs:
+        for pat in CUDA_COMPILER_LIBS:
+            out.update(p for p in glob.glob(os.path.join(d, pat)) if os.path.lexists(p))
+    return sorted(out)
+
+
+def cuda_device_nodes() -> list[str]:
+    """The GPU nodes a device = "cuda" worker gets: CUDA_DEVICE_NODES that exist."""
+    return [n for n in CUDA_DEVICE_NODES if os.path.exists(n)]
+
+
 # Thread pools that size themselves from the machine's core count (OpenBLAS, OpenMP,
 # MKL, numexpr): set to the worker's CPU share instead.
 THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
@@ -228,6 +281,7 @@ def policy_for_domain(
     refuse_torch: bool | None = None,
     exec_after_start: bool | None = None,
     cpu_quota_pct: float | None = None,
+    device: str = "cpu",
 ) -> SandboxPolicy:
     """Build the policy for `domain` from its isolation fields (see
     `supervisor.config.DomainConfig`); a field left None takes the profile's value.
@@ -239,6 +293,8 @@ def policy_for_domain(
     strict = rules != RESEARCH
     if strict and network:
         raise ValueError(f"domain {domain!r} may never have network access")
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r} is not one of {', '.join(DEVICES)}")
     hide_compilers = strict if hide_compilers is None else hide_compilers or strict
     refuse_torch = strict if refuse_torch is None else refuse_torch or strict
     exec_after_start = (not strict) if exec_after_start is None else exec_after_start and not strict
@@ -289,14 +345,18 @@ def policy_for_domain(
         host_uid=host_uid,
         host_gid=host_gid,
         # Outermost only: a refused tree nested in another one is hidden with it.
-        hidden=minimize(refused_paths(ro)) if refuse_torch else [],
+        hidden=minimize([*(refused_paths(ro) if refuse_torch else ()),
+                         *(cuda_compiler_paths(ro) if hide_compilers else ())]),
         network=bool(network),
         hide_compilers=hide_compilers,
         seccomp_after_start=not exec_after_start,
         seccomp_at_launch=True,
         ro_binds=ro,
         rw_binds=[os.path.abspath(p) for p in extra_rw_binds],
-        dev_binds=[os.path.abspath(p) for p in extra_dev_binds],
+        # the GPU's nodes only for a worker that declares device = "cuda"
+        dev_binds=list(dict.fromkeys([os.path.abspath(p) for p in extra_dev_binds]
+                                     + (cuda_device_nodes() if device == "cuda" else []))),
+        device=device,
         env=env,
         python_path=python_path,
         hostname=domain,
@@ -315,4 +375,5 @@ def for_worker(config: "Config", w: "WorkerConfig") -> SandboxPolicy:
                              profile=d.profile, hide_compilers=d.hide_compilers,
                              refuse_torch=d.refuse_torch,
                              exec_after_start=d.exec_after_start,
-                             cpu_quota_pct=w.cpu_quota)
+                             cpu_quota_pct=w.cpu_quota,
+                             device=getattr(w, "device", "cpu"))

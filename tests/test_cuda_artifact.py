@@ -1,0 +1,213 @@
+"""CUDA artifacts, verified on a machine with no GPU: the format, the manifest checks and
+every refusal (PTX, a cubin of another architecture, no cubin for the GPU, a tampered
+cubin, an unknown toolkit or driver), each one line, before anything is loaded.
+
+The signed demo bundle models/demo/lane-offset-cuda was built here, without a GPU, by
+``python -m workers.modelbuild --device cuda --arch sm_90,sm_89,sm_80`` (docs/gpu.md).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from supervisor.model import artifact as A
+from supervisor.model import cuda as C
+from supervisor.model import keys as K
+from supervisor.model import load_verified
+from supervisor.model.errors import (HashMismatch, HostIncompatible, ManifestError,
+                                     RuntimeMismatch)
+from workers.modeld.engine import ENGINE_ABIS
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA_DEMO = ROOT / "models" / "demo" / "lane-offset-cuda"
+CPU_DEMO = ROOT / "models" / "demo" / "lane-offset"
+DEMO_PUB = ROOT / "models" / "demo" / "demo_ed25519.pub"
+
+
+@pytest.fixture(scope="module")
+def key(tmp_path_factory):
+    d = tmp_path_factory.mktemp("keys")
+    k = K.generate_private_key(d / "k.key")
+    (d / "k.pub").write_text(K.public_key_text(k.public_key()))
+    return k, d / "k.pub"
+
+
+def resign(bundle: Path, key, mutate=None) -> dict:
+    m = A.read_manifest_unverified(bundle)
+    m.pop("signing", None)
+    if mutate is not None:
+        mutate(m)
+    m = A.refresh_file_entries(bundle, m)
+    A.write_signed(bundle, m, key)
+    return m
+
+
+@pytest.fixture
+def bundle(tmp_path):
+    return Path(shutil.copytree(CUDA_DEMO, tmp_path / "b"))
+
+
+def refused(exc_type, match, b, pub, **kw):
+    with pytest.raises(exc_type, match=match) as ei:
+        load_verified(b, pub, **kw)
+    assert "\n" not in str(ei.value), str(ei.value)     # one line
+    return str(ei.value)
+
+
+def _replace_object(b: Path, arch: str, name: str, new: bytes, m: dict) -> None:
+    """Put ``new`` in place of kernel ``name``'s object in cubin.<arch> (end of file)."""
+    blob = (b / (C.CUBIN_PREFIX + arch)).read_bytes()
+    k = next(k for k in m["kernels"] if k["name"] == name)
+    k["objects"][arch] = {"offset": len(blob), "size": len(new),
+                          "sha256": hashlib.sha256(new).hexdigest()}
+    (b / (C.CUBIN_PREFIX + arch)).write_bytes(blob + new)
+
+
+# ------------------------------------------------------------------ the demo bundle
+
+def test_the_demo_cuda_bundle_verifies_with_no_gpu():
+    v = load_verified(CUDA_DEMO, DEMO_PUB, expect_abi=ENGINE_ABIS)
+    rt = v.manifest["runtime"]
+    assert v.device == "CUDA" and rt["code"] == "cubin" and rt["loader"] == "cuda-driver"
+    assert rt["toolkit"]["name"] == "nvrtc" and rt["min_driver"] == "525.60.13"
+    assert v.cuda.arch is None and set(v.cuda.architectures) == {"sm_90", "sm_89", "sm_80"}
+    for arch in v.cuda.architectures:             # every cubin is an ELF for its arch
+        objs = v.cuda.cubins(arch)
+        assert sorted(objs) == sorted(k["name"] for k in v.manifest["kernels"])
+        assert {C.cubin_arch(o) for o in objs.values()} == {arch}
+    plan = v.cuda.plan
+    roles = [b["role"] for b in plan["buffers"]]
+    assert roles.count("input") == 1 and roles.count("output") == 1
+    assert len(plan["calls"]) >= 3 and not v.kernels and v.jit_bytes == b""
+    v.close()
+
+
+def test_the_cuda_golden_is_the_cpu_artifacts_output():
+    """The CUDA build's golden output is the CPU build's for the same input: the two demo
+    bundles are one model (same seed, training and weights)."""
+    with load_verified(CUDA_DEMO, DEMO_PUB) as vc, load_verified(CPU_DEMO, DEMO_PUB) as vp:
+        assert vc.golden == vp.golden
+        assert vc.manifest["abi"] == vp.manifest["abi"]
+
+
+def test_the_gpu_picks_its_cubins():
+    with load_verified(CUDA_DEMO, DEMO_PUB, device_arch="sm_90", driver_version="580.65.06") as v:
+        assert v.cuda.arch == "sm_90"
+    with load_verified(CUDA_DEMO, DEMO_PUB, device_arch="sm_86") as v:
+        assert v.cuda.arch == "sm_80"             # same major, older minor: SASS runs
+    assert C.runs_on("sm_80", "sm_86") and not C.runs_on("sm_89", "sm_86")
+    assert not C.runs_on("sm_80", "sm_90") and C.pick_arch(["sm_80", "sm_89"], "sm_89") == "sm_89"
+
+
+def test_the_cpu_artifact_path_is_unchanged():
+    with load_verified(CPU_DEMO, DEMO_PUB, expect_abi=ENGINE_ABIS) as v:
+        assert v.cuda is None and v.device == "CPU" and v.kernels and v.jit_bytes
+
+
+# ------------------------------------------------------------------ refusals
+
+def test_ptx_only_is_refused(bundle, key):
+    k, pub = key
+
+    def ptx(m):
+        m["runtime"]["code"] = "ptx"
+    resign(bundle, k, ptx)
+    line = refused(RuntimeMismatch, "PTX would be compiled by the driver", bundle, pub)
+    assert "'ptx'" in line
+
+
+def test_ptx_in_place_of_a_cubin_is_refused(bundle, key):
+    k, pub = key
+    ptx = b"//\n// Generated by NVIDIA NVVM Compiler\n.version 8.5\n.target sm_90\n"
+
+    def swap(m):
+        _replace_object(bundle, "sm_90", m["kernels"][0]["name"], ptx, m)
+    resign(bundle, k, swap)
+    refused(RuntimeMismatch, r"is PTX \(text\), not a cubin", bundle, pub)
+
+
+def test_a_cubin_of_another_architecture_is_refused(bundle, key):
+    """cubin.sm_89 holding sm_90 code: the ELF says what it is, not the file name."""
+    k, pub = key
+    (bundle / "cubin.sm_89").write_bytes((bundle / "cubin.sm_90").read_bytes())
+
+    def relabel(m):
+        for kk in m["kernels"]:
+            kk["objects"]["sm_89"] = dict(kk["objects"]["sm_90"])
+    resign(bundle, k, relabel)
+    refused(HostIncompatible, "is a cubin for sm_90, filed as sm_89", bundle, pub)
+
+
+def test_no_cubin_for_the_gpus_architecture_is_refused():
+    refused(HostIncompatible, "this GPU is sm_75: no code for it", CUDA_DEMO, DEMO_PUB,
+            device_arch="sm_75")
+    refused(HostIncompatible, "this GPU is sm_100", CUDA_DEMO, DEMO_PUB, device_arch="sm_100")
+
+
+def test_a_tampered_cubin_is_refused(bundle, key):
+    k, pub = key
+    blob = bytearray((bundle / "cubin.sm_90").read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    (bundle / "cubin.sm_90").write_bytes(bytes(blob))
+    refused(HashMismatch, "cubin.sm_90: sha256", bundle, DEMO_PUB)   # the file's hash
+    resign(bundle, k)                                                  # file re-listed ...
+    refused(HashMismatch, "object sha256 differs", bundle, pub)      # ... the kernel's not
+
+
+@pytest.mark.parametrize("field,value,exc,match", [
+    ("name", "clang", RuntimeMismatch, "not a toolkit this loader knows"),
+    ("version", "14.1", RuntimeMismatch, "not a CUDA version this loader knows"),
+    ("version", "twelve", ManifestError, "is not a version"),
+])
+def test_an_unknown_toolkit_is_refused(bundle, key, field, value, exc, match):
+    k, pub = key
+
+    def tk(m):
+        m["runtime"]["toolkit"][field] = value
+    resign(bundle, k, tk)
+    refused(exc, match, bundle, pub)
+
+
+def test_an_unknown_or_too_old_driver_is_refused(bundle, key):
+    k, pub = key
+    refused(HostIncompatible, "needs NVIDIA driver >= 525.60.13, this machine has 470.1",
+            CUDA_DEMO, DEMO_PUB, driver_version="470.1")
+
+    def old(m):
+        m["runtime"]["min_driver"] = "450.80.02"
+    resign(bundle, k, old)
+    refused(RuntimeMismatch, "below 525.60.13", bundle, pub)
+
+
+def test_a_plan_naming_an_unlisted_kernel_or_buffer_is_refused(bundle, key):
+    k, pub = key
+    plan = json.loads((bundle / C.LAUNCH_FILE).read_bytes())
+    plan["calls"][0]["args"][0] = 10_000
+    (bundle / C.LAUNCH_FILE).write_bytes(json.dumps(plan).encode())
+    resign(bundle, k)
+    refused(ManifestError, r"calls\[0\].args must be buffer ids", bundle, pub)
+    plan["calls"][0]["args"][0] = 0
+    plan["calls"][0]["block"] = [1024, 2, 1]
+    (bundle / C.LAUNCH_FILE).write_bytes(json.dumps(plan).encode())
+    resign(bundle, k)
+    refused(ManifestError, "more than 1024 threads", bundle, pub)
+
+
+def test_cubin_arch_reads_both_elf_flag_layouts():
+    def elf(abiver: int, flags: int) -> bytes:
+        h = bytearray(64)
+        h[:4], h[4], h[5], h[7], h[8] = b"\x7fELF", 2, 1, C.ELFOSABI_CUDA, abiver
+        struct.pack_into("<H", h, 0x12, C.EM_CUDA)
+        struct.pack_into("<I", h, 0x30, flags)
+        return bytes(h)
+    assert C.cubin_arch(elf(7, 0x5A055A)) == "sm_90"        # NVRTC 12.9's own
+    assert C.cubin_arch(elf(8, 0x5900)) == "sm_89"
+    with pytest.raises(ValueError, match="not a CUDA cubin"):
+        C.cubin_arch(elf(7, 0x5A).replace(struct.pack("<H", C.EM_CUDA), b"\x3e\x00", 1))
+    with pytest.raises(ValueError, match="is PTX"):
+        C.cubin_arch(b".version 8.5\n.target sm_90\n")
