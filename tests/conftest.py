@@ -102,6 +102,17 @@ def _session_state_dir(tmp_path_factory):
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _admission_cache(tmp_path_factory):
+    """One admission cache for the session's supervisors (`supervisor.admission._store`):
+    each `supervisor run`/`check` the suite starts walked its workers' code cold (~640
+    files for a tinygrad worker, 6-16 s on 2 cores); the next one takes the walk while
+    every file it read is unchanged. Per session, so no run inherits another's."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRIO_ADMISSION_CACHE", str(tmp_path_factory.mktemp("admission") / "cache"))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _state_dir(tmp_path_factory, monkeypatch):
     """Each test latches its fail-safes in its own directory, never the machine's
