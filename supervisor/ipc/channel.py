@@ -122,12 +122,13 @@ class Channel:
         leases = [shm.create_segment(f"trio-bridge:{spec.name}:lease{i}", spec.lease_size)
                   for i in range(spec.max_readers)]
         # Wake-ups: one stream socketpair per reader. The writer writes a byte to its
-        # end (non-blocking, its own description); the reader drains its end.
+        # end (non-blocking, its own description); the reader's end blocks, so that the
+        # reader sleeps in one read that also drains it (Reader._wait).
         writer_ends, reader_ends = [], []
         for _ in range(spec.max_readers):
             a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            for s in (a, b):
-                s.setblocking(False)
+            a.setblocking(False)
+            b.setblocking(True)
             writer_ends.append(a.detach())
             reader_ends.append(b.detach())
         return cls(spec, data, leases, writer_ends, reader_ends)

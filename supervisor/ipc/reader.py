@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import select
+import socket
+import struct
 import time
 import zlib
 from collections import Counter
@@ -32,6 +34,16 @@ _now = time.monotonic_ns
 _cpu_ns = time.thread_time_ns      # CPU this thread spent: what the busy-poll bound counts
 _MAX_SLEEP_MS = 1000     # one sleep before a busy-poll window, at most (then look again)
 _FD_SETSIZE = 1024       # select() takes fds below this
+# A wait of at least this long blocks in one read of the wake-up socket (wake-up and
+# drain in one system call) instead of poll + read. SO_RCVTIMEO counts in jiffies
+# (HZ=250 here) on the timer wheel: asked for 1 ms it slept 10 ms here, for 20 ms
+# 24.6 ms. So the read's timeout is set short of the deadline (by _READ_MARGIN_MS,
+# in _READ_QUANTUM_MS steps, so a caller's fixed timeout sets it once) and the rest
+# of a wait that timed out goes to poll, which keeps its ms.
+_READ_MIN_MS = 30
+_READ_MARGIN_MS = 15
+_READ_QUANTUM_MS = 10
+_TIMEVAL = struct.Struct("@ll")
 _new_message = object.__new__
 _OFF_LAST_SEQ = L.OFF_LAST_SEQ
 _OFF_LAST_SLOT = L.OFF_LAST_SLOT
@@ -66,6 +78,26 @@ def _cut(w: tuple[int, int] | None, end_ns: int | None, now: int) -> tuple[int, 
     return None if now >= stop else (w[0], stop)
 
 
+def _wake_socket(fd: int) -> socket.socket | None:
+    """A socket object on a duplicate of wake-up fd ``fd``, if that is a socket in
+    blocking mode (Channel.create makes the reader's end so); else None: poll + read
+    (an eventfd or a pipe in tests, a non-blocking end). The mode is never changed here:
+    the open file description may be shared with whoever handed us the fd."""
+    if socket.getdefaulttimeout() is not None:
+        return None      # socket() would make the (shared) description non-blocking
+    try:
+        if not os.get_blocking(fd):
+            return None
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        return socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)                 # not a socket
+        return None
+
+
 @dataclass(frozen=True)
 class ReaderStats:
     received: int
@@ -78,6 +110,7 @@ class ReaderStats:
     rehearsal_error: str = ""  # why the worker's rehearsal was turned off, if it was
     spin_hits: int = 0        # messages taken by looking on before sleeping (spin_us)
     spin_misses: int = 0      # such spins that ended empty (then the reader slept)
+    skipped: int = 0          # older messages passed over by take_newest (by choice)
 
 
 class Reader:
@@ -135,6 +168,7 @@ class Reader:
         self._last_seq = max(self._latest_seq() - 1, 0)
         self._last_capture = 0
         self._received = self._dropped = self._lost = 0
+        self._skipped = 0      # older messages passed over by take_newest
         self._rejected: Counter[str] = Counter()
         geo = SlotGeometry(spec)
         self._count = spec.slot_count
@@ -150,6 +184,13 @@ class Reader:
         self._poller = select.poll()
         self._poller.register(self._efd, select.POLLIN)
         self._undrained = False   # the wake-up socket woke us and was not drained yet
+        # A blocking wake-up socket (Channel.create) is slept on in one read, which also
+        # drains it (_wait); the socket object is a duplicate fd of our end, for
+        # SO_RCVTIMEO and the non-blocking drain (MSG_DONTWAIT).
+        self._wake = _wake_socket(self._efd)
+        # The SO_RCVTIMEO this reader set last (ms, -1: none); None: not set yet (an
+        # earlier reader of this socket may have left one).
+        self._rcvtimeo_ms: int | None = None
         # Busy-poll around the predicted next message of a periodic stream (_cadence).
         self._cadence = Cadence(busy_poll_us * 1000) if busy_poll_us > 0 else None
         self._rehearsal: Callable[[Message], object] | None = None
@@ -436,24 +477,27 @@ class Reader:
             raise
         return self._message(slot, gen, k, layout, stamp, raw_h, receipt, capture_ts)
 
-    def receive(self, timeout: float | None = None) -> Message:
+    def receive(self, timeout: float | None = None, *, newest: bool = False) -> Message:
         """Block on the wake-up socket until a message arrives; with ``busy_poll_us``,
-        a regular stream's next message is busy-polled for instead (_busy_poll)."""
+        a regular stream's next message is busy-polled for instead (_busy_poll).
+        ``newest``: the newest message instead of the next (``take_newest``), at every
+        look, so one published while this reader was waking up skips the older ones."""
         end = None if timeout is None else time.monotonic() + timeout
+        take = self.take_newest if newest else self.try_receive
         while True:
             if self._undrained:
                 self._drain()
             # Always a look at shared memory after the last wake-up drain and before
             # sleeping again: no wake-up is lost.
-            msg = self.try_receive()
+            msg = take()
             if msg is not None:
                 return msg
             if self._burst is not None:
-                msg = self._spin(end)
+                msg = self._spin(end, take)
                 if msg is not None:
                     return msg
             if self._cadence is not None:
-                msg = self._busy_poll(end)
+                msg = self._busy_poll(end, take)
                 if msg is not None:
                     return msg
             wait_ms = -1
@@ -463,11 +507,34 @@ class Reader:
                     raise ChannelTimeout(f"channel {self.spec.name!r}: nothing within "
                                          f"{timeout:.3f}s")
                 wait_ms = max(1, int(left * 1000 + 0.999))
-            msg = self._block(wait_ms)
+            msg = self._block(wait_ms, None, take)
             if msg is not None:
                 return msg
 
-    def _busy_poll(self, end: float | None) -> Message | None:
+    def take_newest(self) -> Message | None:
+        """The newest message published, not the next: every older one not received yet
+        is skipped, and counted in ``stats.skipped`` (left by choice, not lost to the
+        writer: ``stats.dropped`` stays for those). None if there is nothing newer than
+        the message received last. For a consumer that wants the present, not a backlog:
+        modeld under overload, where a frame it cannot get to before the next one is of
+        no use. Raises what ``try_receive`` raises for that message (counted, consumed;
+        the older ones skipped all the same)."""
+        last = self._last_seq
+        latest = self._latest_seq()
+        if latest <= last + 1 or latest > _MAX_SEQ:
+            return self.try_receive()       # nothing to skip over
+        self._last_seq = latest - 1
+        try:
+            msg = self.try_receive()
+        finally:
+            if self._last_seq == latest - 1:
+                self._last_seq = last       # nothing consumed (raced, no lease): as before
+            else:
+                self._skipped += latest - 1 - last
+        return msg
+
+    def _busy_poll(self, end: float | None, take: Callable[[], Message | None]
+                   ) -> Message | None:
         """``receive``, on a stream regular enough to predict, or whose writer announced
         its next message (Writer.announce): sleep (on the wake-up socket, so an early
         message still wakes us) until the window before the next message opens, then
@@ -491,7 +558,7 @@ class Reader:
             if self._undrained:
                 self._drain()
             msg = self._block(min(-(-(start - now) // 1_000_000), _MAX_SLEEP_MS),
-                              precise_s=(start - now) / 1e9)
+                              (start - now) / 1e9, take)
             if msg is not None:
                 return msg
             # Woken without a message: perhaps by an announcement (the writer wakes
@@ -517,30 +584,31 @@ class Reader:
                 # one preemption turned controlsd's rehearsal off for good).
                 self._rehearsing, self._rehearsal = False, None
                 self._rehearsal_error = "longer than the busy-poll window"
-        msg = self._watch_until(stop)
+        msg = self._watch_until(stop, take)
         if msg is None:
             cad.misses += 1
         else:
             cad.hits += 1
         return msg
 
-    def _watch_until(self, stop: int) -> Message | None:
+    def _watch_until(self, stop: int, take: Callable[[], Message | None]
+                     ) -> Message | None:
         """Look at shared memory, without sleeping, until a message or ``stop`` (ns)."""
-        try_receive = self.try_receive
         while _now() < stop:
-            msg = try_receive()
+            msg = take()
             if msg is not None:
                 return msg
         return None
 
-    def _spin(self, end: float | None) -> Message | None:
+    def _spin(self, end: float | None, take: Callable[[], Message | None]
+              ) -> Message | None:
         """In a burst, look on until ``spin_us`` after the last message before sleeping
         (_burst): the awake flag stays up, so the writer sends no wake-up meanwhile."""
         burst = self._burst
         stop = burst.until(None if end is None else int(end * 1e9))
         if stop <= _now():
             return None             # not in a burst, or its spin is over already
-        msg = self._watch_until(stop)
+        msg = self._watch_until(stop, take)
         if msg is None:
             burst.misses += 1
         else:
@@ -617,12 +685,15 @@ class Reader:
         return L.U64.unpack_from(self._buf, L.OFF_NEXT_SEQ)[0], \
             L.U64.unpack_from(self._buf, L.OFF_NEXT_DUE)[0]
 
-    def _block(self, wait_ms: int, precise_s: float | None = None) -> Message | None:
+    def _block(self, wait_ms: int, precise_s: float | None = None,
+               take: Callable[[], Message | None] | None = None) -> Message | None:
         """One wait on the wake-up socket (the awake flag down meanwhile, native path);
         the message it woke us for, if any. ``precise_s``: wait that long instead, to
-        the microsecond (select; poll counts whole ms), where the fd allows it."""
+        the microsecond (select; poll counts whole ms), where the fd allows it.
+        ``take``: how to look (try_receive, or take_newest)."""
+        take = take or self.try_receive
         if self._lease_r is not None:
-            msg = self._sleeping()
+            msg = self._sleeping(take)
             if msg is not None:
                 return msg
             try:
@@ -632,19 +703,45 @@ class Reader:
         else:
             woke = self._wait(wait_ms, precise_s)
         if woke:
-            # Woken: take the message first and drain the socket on the next call
-            # (a system call fewer between the wake-up and the message).
-            self._undrained = True
-            return self.try_receive()
+            # Woken: take the message first (a socket only polled is drained on the
+            # next call: a system call fewer between the wake-up and the message).
+            return take()
         return None
 
     def _wait(self, wait_ms: int, precise_s: float | None) -> bool:
+        """Sleep until a wake-up byte (True) or ``wait_ms`` (-1: no limit) has passed.
+        A byte read here leaves the socket drained; one only polled for is drained
+        on the next receive (_undrained)."""
+        if precise_s is None and self._wake is not None and (
+                wait_ms < 0 or wait_ms >= _READ_MIN_MS):
+            return self._read_wait(wait_ms)
         if (precise_s is not None and self._efd < _FD_SETSIZE
                 and precise_s <= _MAX_SLEEP_MS / 1000):
-            return bool(select.select((self._efd,), (), (), precise_s)[0])
-        return bool(self._poller.poll(wait_ms))
+            woke = bool(select.select((self._efd,), (), (), precise_s)[0])
+        else:
+            woke = bool(self._poller.poll(wait_ms))
+        self._undrained |= woke
+        return woke
 
-    def _sleeping(self) -> Message | None:
+    def _read_wait(self, wait_ms: int) -> bool:
+        """One blocking read of the wake-up socket: the wake-up and the drain in one
+        system call (poll + read were two). Its timeout ends short of ``wait_ms`` (see
+        _READ_MIN_MS); False then, and the caller's next wait polls for the rest."""
+        ms = -1 if wait_ms < 0 else (
+            (wait_ms - _READ_MARGIN_MS) // _READ_QUANTUM_MS * _READ_QUANTUM_MS)
+        if ms != self._rcvtimeo_ms:
+            sec, ms_left = divmod(max(ms, 0), 1000)
+            self._wake.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                                  _TIMEVAL.pack(sec, ms_left * 1000))
+            self._rcvtimeo_ms = ms
+        try:
+            os.read(self._efd, 256)   # b"": the writer's end is closed (as POLLHUP)
+        except (BlockingIOError, InterruptedError):
+            return False              # SO_RCVTIMEO ran out
+        return True
+
+    def _sleeping(self, take: Callable[[], Message | None] | None = None
+                  ) -> Message | None:
         """Native path, before blocking on the wake-up socket: count the sleep (K0),
         say so (the writer then sends one wake-up for it), fence, look once more (K1-K3
         in _native.c). A message found means awake again; an exception leaves the flag
@@ -653,7 +750,7 @@ class Reader:
         self._lease_r.store_relaxed(L.OFF_SLEEPS, self._sleeps)        # K0
         self._lease_r.store(L.OFF_AWAKE, 0)                            # K1 (release)
         self._fence()
-        msg = self.try_receive()
+        msg = (take or self.try_receive)()
         if msg is not None:
             self._lease_r.store(L.OFF_AWAKE, L.READER_AWAKE)
         return msg
@@ -687,7 +784,11 @@ class Reader:
     def _drain(self) -> None:
         self._undrained = False
         try:
-            os.read(self._efd, 65536)     # every wake-up byte so far (a stream socket)
+            # Every wake-up byte so far (a stream socket), without blocking.
+            if self._wake is not None:
+                self._wake.recv(65536, socket.MSG_DONTWAIT)
+            else:
+                os.read(self._efd, 65536)
         except OSError:
             pass
 
@@ -697,9 +798,13 @@ class Reader:
         return ReaderStats(self._received, self._dropped, dict(self._rejected), self._lost,
                            cad.hits if cad else 0, cad.misses if cad else 0,
                            self._rehearsals, self._rehearsal_error,
-                           burst.hits if burst else 0, burst.misses if burst else 0)
+                           burst.hits if burst else 0, burst.misses if burst else 0,
+                           self._skipped)
 
     def close(self) -> None:
+        if self._wake is not None:
+            self._wake.close()            # our duplicate only; the handle's fd stays
+            self._wake = None
         if self._lease_r is not None:
             for off in self._lease_offsets:
                 self._lease_r.store(off + 8, 0)
