@@ -135,6 +135,65 @@ def lastword_brick(ctx: WorkerContext, w: Writer | None) -> dict:
     return _poison_and_die(ctx, w, poison)
 
 
+def lastword_skipped_seq(ctx: WorkerContext, w: Writer) -> dict:
+    """What the readers' lease tables record (OFF_TAKEN: the last sequence *delivered*)
+    is not what they consumed: a rejected message consumes its sequence too. The
+    writer re-stamps its last slot's control block with sequence N + 100000 (the
+    header inside still says N: MalformedHeader), wakes the readers, which reject it
+    and move on to N + 100000; then it puts every word back (slot and last_seq say N
+    again: no trace left in the segment or in OFF_TAKEN) and dies. The supervisor's
+    SAFE must still be delivered."""
+    pub = _engaged(w)
+    if not _await_reader(ctx, w, TEST_READER, took=True, publish=pub):
+        return {"denied": None, "error": "the test's reader never took a command"}
+    for _ in range(5):
+        pub()
+        ctx.watchdog()
+        time.sleep(0.02)
+    time.sleep(0.3)
+    buf = w._buf
+    last, slot = L.LAST.unpack_from(buf, L.OFF_LAST_SEQ)
+    cb = w._ctl[slot]
+    gen, seq = L.GEN_SEQ.unpack_from(buf, cb)
+    jump = last + 100_000
+    L.GEN_SEQ.pack_into(buf, cb, gen + 2, jump)        # a "new" message in that slot
+    L.U64.pack_into(buf, L.OFF_LAST_SEQ, jump)
+    for fd in w._events:                               # every reader: wake up
+        try:
+            os.write(fd, b"\1")
+        except OSError:
+            pass
+    for _ in range(20):                                # 1 s for the readers to reject it
+        ctx.watchdog()
+        time.sleep(0.05)
+    L.GEN_SEQ.pack_into(buf, cb, gen + 4, seq)         # the slot as it was (a rewrite)
+    L.U64.pack_into(buf, L.OFF_LAST_SEQ, last)
+    res = {"poison": f"seq {jump} rejected, then every word back to {last}",
+           "reader_took": _reader_state(w, TEST_READER)[1], "writer_last_seq": last}
+    print("ATTACK " + json.dumps({"attack": "poisoned", "denied": None, **res}), flush=True)
+    os._exit(1)
+
+
+def die_after_attach(ctx: WorkerContext, w: Writer) -> dict:
+    """An actuation writer that publishes engaged commands at 100 Hz and dies (exit 1)
+    1 s after the test's reader attached; it says when (CLOCK_MONOTONIC, the host's:
+    a sandbox has no time namespace). The test attaches while a research worker floods
+    the supervisor, or while nothing does: how long until SAFE, each way."""
+    pub = _engaged(w, 0.0625)
+    if not _await_reader(ctx, w, TEST_READER, took=False, publish=pub):
+        return {"denied": None, "error": "the test's reader never attached"}
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        pub()
+        ctx.watchdog()
+        time.sleep(0.01)
+    pub()
+    t = time.monotonic_ns()
+    print("ATTACK " + json.dumps({"attack": "die_after_attach", "denied": None,
+                                  "died_ns": t, "last_seq": w.last_sequence}), flush=True)
+    os._exit(1)
+
+
 def headless_writer(ctx: WorkerContext, w: Writer | None) -> dict:
     """The actuation writer's main thread exits (SYS_exit: the process lives on in its
     other thread) while a second thread goes on publishing engaged commands for 1.5 s,
@@ -236,7 +295,7 @@ def fake_signal_exit(ctx: WorkerContext, w: Writer | None) -> dict:
 
 ATTACKS: dict[str, Callable[[WorkerContext, Writer | None], dict]] = {
     f.__name__: f for f in (lastword_rollback, lastword_unmagic, lastword_brick,
-                            headless_writer, newline_flood, wake_spam, fake_signal_exit)
+                            lastword_skipped_seq, die_after_attach, headless_writer, newline_flood, wake_spam, fake_signal_exit)
 }
 
 
