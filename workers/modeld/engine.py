@@ -294,6 +294,6 @@ class Engine:
         # Positional, in Receipt's field order (named alongside): 14 keywords cost a
         # name match each in the dataclass __init__'s argument parsing.
         return Receipt(int(frame_id), int(capture_ts_ns), t0, t1,    # frame, capture, start, end
-                       st.device, bytes_in + st.bytes_in, st.bytes_out, "hostVisible",
+                       st.device, bytes_in + st.bytes_in, st.bytes_out, st.completion,
                        lat, self.worst_case_ns, self.deadline_ns,   # latency, worst, deadline
                        self.deadline_misses, self.artifact_sha256, st.kernels_run)

@@ -91,11 +91,17 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     except ArtifactError as exc:
         rep.update(error=type(exc).__name__, message=str(exc), compile=R.compile_stats())
         return rep
-    import tinygrad.helpers as TH
-
     rep["info"] = engine.info
-    rep["cachedb"] = TH.CACHEDB
-    rep["cachedb_is_verified_copy"] = TH.CACHEDB == str(verified.kernels_db)
+    cuda = verified.cuda is not None
+    if cuda:
+        # the driver loader: no tinygrad, no compiler module in this process
+        rep["tinygrad_imported_after_load"] = R.tinygrad_imported()
+        rep["golden_max_abs"] = engine.model.golden_max_abs
+    else:
+        import tinygrad.helpers as TH
+
+        rep["cachedb"] = TH.CACHEDB
+        rep["cachedb_is_verified_copy"] = TH.CACHEDB == str(verified.kernels_db)
     if a.lock_down:
         from supervisor.sandbox.seccomp import installed_domains, lock_down
 
@@ -127,9 +133,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     # tinygrad only read the verified cache copy: unchanged, no journal/WAL beside it
     import hashlib
 
-    kdb = verified.kernels_db
-    rep["kernels_db_unchanged"] = (hashlib.sha256(kdb.read_bytes()).hexdigest()
-                                   == verified.manifest["files"]["kernels.db"]["sha256"])
+    if not cuda:
+        kdb = verified.kernels_db
+        rep["kernels_db_unchanged"] = (hashlib.sha256(kdb.read_bytes()).hexdigest()
+                                       == verified.manifest["files"]["kernels.db"]["sha256"])
     rep["workdir_files"] = sorted(os.listdir(verified.workdir))
     lat_ms = sorted(v / 1e6 for v in lat)
     rep.update(
