@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from supervisor.admission import (
     walk_module,
 )
 from supervisor.admission import check as admission_check
+from supervisor.admission._witness import RACY_NS
 from supervisor.admission.elf import ElfUnreadable
 
 REPO = Path(__file__).resolve().parents[1]
@@ -585,9 +587,16 @@ def _rewrite_keeping_size_and_mtime(path: Path, text: str) -> None:
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
 
 
+def _past_racy() -> None:
+    """Files written this instant may share a timestamp with a later change: a walk that
+    read them is not kept until they are older than RACY_NS (see _witness)."""
+    time.sleep(RACY_NS / 1e9 + 0.05)
+
+
 def test_cache_one_walk_for_a_fleet_and_each_report_names_its_worker(tmp_path: Path) -> None:
     make_tree(tmp_path, {"fleetw/__init__.py": "import json\nfrom fleetw import a\n",
                          "fleetw/a.py": "import torch\n"})
+    _past_racy()
     before = dataclasses.replace(admission_check.CACHE_STATS)
     reports = [control(tmp_path, "fleetw", name=f"w{i}") for i in range(5)]
     assert admission_check.CACHE_STATS.walks == before.walks + 1
@@ -598,8 +607,20 @@ def test_cache_one_walk_for_a_fleet_and_each_report_names_its_worker(tmp_path: P
         assert finding.chain == ["fleetw (fleetw/__init__.py:2)", "fleetw.a (fleetw/a.py:1)", "torch"]
 
 
+def test_cache_keeps_no_walk_of_files_changed_just_before_it(tmp_path: Path) -> None:
+    make_tree(tmp_path, {"racyw/__init__.py": "import json\n"})
+    before = dataclasses.replace(admission_check.CACHE_STATS)
+    assert control(tmp_path, "racyw").ok and control(tmp_path, "racyw").ok
+    assert admission_check.CACHE_STATS.walks == before.walks + 2  # the first was not kept
+    _past_racy()
+    assert control(tmp_path, "racyw").ok and control(tmp_path, "racyw").ok
+    assert admission_check.CACHE_STATS.walks == before.walks + 3
+    assert admission_check.CACHE_STATS.hits == before.hits + 1
+
+
 def test_cache_sees_a_module_rewritten_with_its_size_and_mtime(tmp_path: Path) -> None:
     make_tree(tmp_path, {"editw/__init__.py": "from editw import b\n", "editw/b.py": "import array\n"})
+    _past_racy()
     assert control(tmp_path, "editw").ok
     _rewrite_keeping_size_and_mtime(tmp_path / "editw/b.py", "import torch\n")
     assert only_import_chains(control(tmp_path, "editw")) == [
@@ -609,12 +630,15 @@ def test_cache_sees_a_module_rewritten_with_its_size_and_mtime(tmp_path: Path) -
 def test_cache_sees_a_module_that_appears_and_a_namespace_that_becomes_a_package(tmp_path: Path) -> None:
     make_tree(tmp_path, {"appearw/__init__.py": "import later_mod\nimport nsp.clean\n",
                          "nsp/clean.py": "import json\n"})
+    _past_racy()
     assert control(tmp_path, "appearw").ok  # later_mod missing: noted, not refused
     make_tree(tmp_path, {"later_mod.py": "import torch\n"})
     assert only_import_chains(control(tmp_path, "appearw")) == [
         "appearw (appearw/__init__.py:1) -> later_mod (later_mod.py:1) -> torch"]
+    _past_racy()
     (tmp_path / "later_mod.py").unlink()
     assert control(tmp_path, "appearw").ok
+    _past_racy()
     # nsp/ was a namespace portion; an __init__ appearing in it runs first
     make_tree(tmp_path, {"nsp/__init__.py": "import torch\n"})
     assert only_import_chains(control(tmp_path, "appearw")) == [
@@ -628,6 +652,7 @@ def test_cache_sees_a_native_file_replaced(fake_torch_libs: dict[str, Path], tmp
     (pkg / "__init__.py").write_text("from . import _ok\n")
     ext = pkg / fake_torch_libs["ok_ext"].name
     shutil.copy(fake_torch_libs["ok_ext"], ext)
+    _past_racy()
     assert control(tmp_path, "swap_pkg").ok
     shutil.copy(fake_torch_libs["ext"], ext)  # same path and inode, now needs libtorch_cpu.so
     [finding] = control(tmp_path, "swap_pkg").findings
@@ -657,6 +682,7 @@ def test_disk_cache_serves_the_next_process_and_only_while_files_and_entry_are_s
     cache = tmp_path / "cache"
     code = tmp_path / "code"
     make_tree(code, {"diskw/__init__.py": "from diskw import m\n", "diskw/m.py": "import array\n"})
+    _past_racy()
     first = _admit_in_new_process(code, "diskw", cache)
     assert (first["ok"], first["walks"], first["hits"]) == (True, 1, 0)
     [entry] = cache.iterdir()

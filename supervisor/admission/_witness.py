@@ -17,7 +17,8 @@ A reuse re-stats every recorded path and compares; one difference and the check 
 again from scratch. Identity is (device, inode, type, size, mtime, ctime): ctime
 cannot be set from user space, so a file rewritten with its old size and mtime put
 back (``touch -d``) still differs. Recording before reading makes a change *during*
-a walk a miss next time, never a stale hit.
+a walk a miss next time, never a stale hit; a walk that saw a path changed within
+``RACY_NS`` of its start is not kept at all (``Witness.settled_before``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+# A change this close to a walk's start may share its timestamp with one the walk
+# recorded (timestamps come from a clock that advances by ticks of 1-10 ms).
+RACY_NS = 100_000_000
 
 # (st_dev, st_ino, S_IFMT, st_size, st_mtime_ns, st_ctime_ns); None: nothing there;
 # ("error", errno) for a path that could not be stat'ed for another reason.
@@ -61,6 +66,15 @@ class Witness:
     def still_holds(self) -> bool:
         """Every path is what it was: the recorded check would read the same things."""
         return all(file_id(p) == i for p, i in self.ids.items())
+
+    def settled_before(self, t_ns: int) -> bool:
+        """No path recorded had changed (ctime) at or after ``t_ns`` (wall clock).
+
+        The kernel stamps a change with a coarse clock (one tick, 1-10 ms): a file
+        changed just after it was recorded, in the same tick, keeps the identity that
+        was recorded, and a cached verdict would outlive the change ("racy git"). A
+        check whose witness holds anything that recent is used once and not kept."""
+        return all(i is None or isinstance(i[0], str) or i[5] < t_ns for i in self.ids.values())
 
 
 _ACTIVE: contextvars.ContextVar[tuple[Witness, ...]] = contextvars.ContextVar("admission_witness", default=())

@@ -7,12 +7,13 @@ import os
 import re
 import shutil
 import sys
+import time
 
 from dataclasses import dataclass
 
 from . import _store
 from ._store import Static
-from ._witness import Witness, recording, see
+from ._witness import RACY_NS, Witness, recording, see
 from .elf import ElfHit, LibraryResolver, check_elf_files, native_files_in
 from .imports import ImportHit, PathDisplay, WalkResult, walk_code, walk_module, walk_script
 from .maps import scan_pid
@@ -164,10 +165,14 @@ def _static_check(module: str | None, argv: list[str] | None, sys_path: list[str
         _remember(mkey, hit)
         return hit[1]
     CACHE_STATS.walks += 1
+    started_ns = time.time_ns()
     with recording() as witness:
         static = _static_uncached(module, argv, sys_path, ld_library_path)
-    _remember(mkey, (witness, static))
-    _store.save(key, witness, static)
+    if witness.settled_before(started_ns - RACY_NS):
+        _remember(mkey, (witness, static))
+        _store.save(key, witness, static)
+    else:
+        _CACHE.pop(mkey, None)  # something it read was just changed: walk again next time
     return static
 
 
