@@ -108,7 +108,8 @@ def _admission_cache(tmp_path_factory):
     each `supervisor run`/`check` the suite starts walked its workers' code cold (~640
     files for a tinygrad worker, 6-16 s on 2 cores); the next one takes the walk while
     every file it read is unchanged. Per session, so no run inherits another's; one set
-    outside is kept (empty: no disk cache, to measure the suite without it)."""
+    outside is kept ("off": every admission walks, as before the cache, to measure it;
+    a directory: kept across runs)."""
     if "TRIO_ADMISSION_CACHE" in os.environ:
         yield
         return

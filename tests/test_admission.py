@@ -704,6 +704,16 @@ def test_disk_cache_serves_the_next_process_and_only_while_files_and_entry_are_s
     assert _admit_in_new_process(code, "diskw", cache)["walks"] == 1
 
 
+def test_cache_off_walks_every_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRIO_ADMISSION_CACHE=off: what the suite measures the cache against."""
+    make_tree(tmp_path, {"offw/__init__.py": "import json\n"})
+    _past_racy()
+    monkeypatch.setenv("TRIO_ADMISSION_CACHE", "off")
+    before = dataclasses.replace(admission_check.CACHE_STATS)
+    assert control(tmp_path, "offw").ok and control(tmp_path, "offw").ok
+    assert (admission_check.CACHE_STATS.walks, admission_check.CACHE_STATS.hits) == (before.walks + 2, before.hits)
+
+
 # ---------------------------------------------------------------------------
 # the real thing (optional research extra)
 

@@ -8,7 +8,9 @@ _witness). The entry is a verdict about torch, so it is trusted only as the supe
 trusts its own state: DIR and each entry owned by this uid and writable by no one
 else; JSON, never pickle (reading it runs no code); an entry names the admission
 code that wrote it (a hash of this package's sources) and its key, and anything
-unexpected in it is a miss, never an error. Without the variable nothing is written.
+unexpected in it is a miss, never an error. Without the variable nothing is written;
+``TRIO_ADMISSION_CACHE=off`` walks every worker afresh, in memory too (to measure
+what the cache saves, or to rule it out).
 """
 
 from __future__ import annotations
@@ -120,9 +122,13 @@ def _own_private(st: os.stat_result) -> bool:
     return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
+def disabled() -> bool:
+    return os.environ.get(ENV) == "off"
+
+
 def _dir() -> str | None:
     d = os.environ.get(ENV)
-    if not d:
+    if not d or d == "off":
         return None
     try:
         os.makedirs(d, mode=0o700, exist_ok=True)

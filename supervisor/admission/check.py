@@ -158,6 +158,9 @@ def _static_check(module: str | None, argv: list[str] | None, sys_path: list[str
     key = [module, list(argv or ()), list(sys_path), list(ld_library_path or ()),
            os.getcwd(),  # relative sys.path entries ("" is the cwd)
            os.environ.get("PATH", os.defpath) if argv else None]
+    if _store.disabled():
+        CACHE_STATS.walks += 1
+        return _static_uncached(module, argv, sys_path, ld_library_path)
     mkey = json.dumps(key)
     hit = _CACHE.get(mkey) or _store.load(key)  # memory, else a previous process's
     if hit is not None and hit[0].still_holds():
