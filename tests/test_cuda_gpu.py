@@ -105,9 +105,20 @@ def test_loads_through_the_driver_and_passes_its_golden(cuda_engine):
     maps = Path("/proc/self/maps").read_text()
     mapped = sorted({line.split()[-1] for line in maps.splitlines()
                      if any(s in line for s in ("nvrtc", "nvJitLink", "ptxjitcompiler"))})
+    # What the driver maps, for the exec watch and the maps scan to declare: device
+    # files, executable mappings that are not a file, anything writable and executable.
+    rows = [line.split(maxsplit=5) for line in maps.splitlines()]
+    driver_maps = {
+        "device_files": sorted({r[5] for r in rows if len(r) > 5 and r[5].startswith("/dev/")}),
+        "anon_exec": [" ".join(r) for r in rows if "x" in r[1] and (len(r) < 6 or
+                                                                     not r[5].startswith("/"))],
+        "write_exec": [" ".join(r) for r in rows if "w" in r[1] and "x" in r[1]],
+        "nvidia_libs": sorted({r[5] for r in rows if len(r) > 5 and "nvidia" in r[5]
+                               or len(r) > 5 and "libcuda" in r[5]}),
+    }
     _out("load.json", {"runtime_info": info, "golden_max_abs": m.golden_max_abs,
-                       "compiler_libraries_mapped": mapped, "manifest_runtime":
-                       cuda_engine.verified.manifest["runtime"]})
+                       "compiler_libraries_mapped": mapped, "driver_maps": driver_maps,
+                       "manifest_runtime": cuda_engine.verified.manifest["runtime"]})
     assert not [p for p in mapped if "nvrtc" in p or "nvJitLink" in p], mapped
 
 
