@@ -251,6 +251,31 @@ def newline_flood(ctx: WorkerContext, w: Writer | None) -> dict:
             "own_cpu_s": round(time.process_time() - cpu0, 3)}
 
 
+def status_escape_flood(ctx: WorkerContext, w: Writer) -> dict:
+    """STATUS lines of 4,088 control characters (4 KiB with the key and newline: one
+    read each), as fast as the pipe takes them, for 3 s. Each is well under the flood
+    limit's 1,000 lines/s, but the supervisor makes the whole line printable (a Python
+    escape per character, ~2 ms a line) before it keeps the first 512 characters."""
+    from supervisor.worker import ENV_STATUS_FD
+
+    if not _await_reader(ctx, w, TEST_READER, took=False):
+        return {"denied": None, "error": "the test's reader never attached"}
+    fd = int(os.environ[ENV_STATUS_FD])
+    line = b"STATUS=" + b"\x01" * (4096 - len("STATUS=") - 1) + b"\n"
+    t0, cpu0, sent = time.monotonic_ns(), time.process_time(), 0
+    end = t0 + 3_000_000_000
+    while time.monotonic_ns() < end:
+        try:
+            os.write(fd, line)
+        except OSError as e:
+            return {"denied": True, "lines": sent, "error": str(e)}
+        sent += 1
+    t1 = time.monotonic_ns()
+    ctx.watchdog()
+    return {"denied": None, "lines": sent, "lines_per_s": round(sent / ((t1 - t0) / 1e9)),
+            "window_ns": [t0, t1], "own_cpu_s": round(time.process_time() - cpu0, 3)}
+
+
 def wake_spam(ctx: WorkerContext, w: Writer | None) -> dict:
     """A research writer holds the writer's end of every reader's wake-up socket of its
     channel, the supervisor's own monitor among them (the spare reader index, read on
@@ -295,7 +320,8 @@ def fake_signal_exit(ctx: WorkerContext, w: Writer | None) -> dict:
 
 ATTACKS: dict[str, Callable[[WorkerContext, Writer | None], dict]] = {
     f.__name__: f for f in (lastword_rollback, lastword_unmagic, lastword_brick,
-                            lastword_skipped_seq, die_after_attach, headless_writer, newline_flood, wake_spam, fake_signal_exit)
+                            lastword_skipped_seq, die_after_attach, headless_writer, newline_flood, wake_spam,
+                            status_escape_flood, fake_signal_exit)
 }
 
 
