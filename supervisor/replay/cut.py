@@ -206,18 +206,16 @@ def _copy_video(src: Path, out: Path, ch: str, keep: set[int]) -> dict[int, int]
         remap: dict[int, int] = {}          # frame id -> its position in the new video
         data = bytearray()
         index = bytearray()
-        fd = os.open(v.path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            for e in v.index:
-                if e.frame_id not in keep:
-                    continue
-                chunk = os.pread(fd, e.size, e.offset)
-                index += _vix(e.frame_id, e.capture_ts_ns, len(data), len(chunk),
-                              1 if e.keyframe else 0)
-                remap[e.frame_id] = len(remap)
-                data += chunk
-        finally:
-            os.close(fd)
+        # The reader's own descriptor (opened as a regular file, never through a link
+        # planted in the log): the path is not opened a second time.
+        for e in v.index:
+            if e.frame_id not in keep:
+                continue
+            chunk = os.pread(v._fd, e.size, e.offset)
+            index += _vix(e.frame_id, e.capture_ts_ns, len(data), len(chunk),
+                          1 if e.keyframe else 0)
+            remap[e.frame_id] = len(remap)
+            data += chunk
         assert len(index) == VIX_SIZE * len(remap)
         (out / f"{ch}{ext}").write_bytes(bytes(data))
         (out / f"{ch}.vidx").write_bytes(bytes(index))
