@@ -18,6 +18,7 @@ from .errors import BridgeError
 from .receipt import Receipt
 
 _LAST_SEQ_WORD = L.OFF_LAST_SEQ // 8
+_OFF_LAST_SLOT, _OFF_LAST_SEQ = L.OFF_LAST_SLOT, L.OFF_LAST_SEQ
 # Above this a sequence or generation was not reached by counting (2**62 messages at a
 # million a second: 146,000 years); the supervisor's fail-safe repair uses the same bound.
 PLAUSIBLE = 1 << 62
@@ -83,6 +84,10 @@ class Writer:
         # faster than an array from a buffer).
         self._array_cache: dict[tuple, tuple] = {}
         self._array_views: list[dict[tuple, np.ndarray]] = [{} for _ in self._payloads]
+        # (layout key, no frame, layout bytes, header plan) of the description published
+        # last without a receipt on a channel without CRC: the next publish of it needs
+        # no lookup (_publish_native).
+        self._fast: tuple | None = None
         if nat is not None:
             self._seg = nat.Region(self._mm, True)
             self._lease_regions = tuple(nat.Region(mm) for mm in self._leases)
@@ -349,8 +354,16 @@ class Writer:
         last) is not written again; everything else goes through ``_encode``."""
         slot = loan.slot
         plan = crc = extra = None
-        raw_layout = self._layout_cache.get(loan._lkey)
-        if raw_layout is not None:
+        fast = self._fast
+        if (fast is not None and fast[0] is loan._lkey and receipt is None
+                and (frame_id is None) is fast[1]):
+            # The description published last, again (a stream): its layout bytes and
+            # header plan by the identity of its cached key, without hashing it or
+            # looking up a plan. Between the publish stamp and the wake-up every object
+            # touched is a cache miss when the writer ran cold (a frame copied just
+            # before evicts them): here ~6 of ~18 us cold, 1.8 us warm, at 64 B.
+            raw_layout, plan = fast[2], fast[3]
+        elif (raw_layout := self._layout_cache.get(loan._lkey)) is not None:
             if self.spec.crc:
                 lo, hi = loan._span          # tensor_span of loan._desc, from the loan
                 crc = zlib.crc32(loan._payload[lo:hi])
@@ -366,6 +379,9 @@ class Writer:
                     self._discard(loan)  # nothing was published: the slot goes back
                     raise
         if plan is not None and plan.native is not None:
+            if fast is None or fast[0] is not loan._lkey:
+                if receipt is None and crc is None and not self.spec.crc:
+                    self._fast = (loan._lkey, frame_id is None, raw_layout, plan)
             seq = self._last_seq + 1
             gen = self._gen[slot] + 1
             base = self._geo.header[slot]
@@ -394,12 +410,16 @@ class Writer:
             slot, seq, gen, base, size, ts_off, nl = self._encode(
                 loan, frame_id, capture_ts_ns, exposure_us, gain, publish_ts_ns, receipt)
             self._slot_layout[slot] = None
-        self._gen[slot], self._seq[slot], self._last_seq = gen, seq, seq
-        self._loaned.discard(slot)
-        self._published += 1
-        self._npublish(self._seg, self._ctl[slot], seq, gen, publish_ts_ns, base + ts_off,
-                       size, nl, L.OFF_LAST_SLOT, L.OFF_LAST_SEQ, slot, self._events,
-                       self._lease_regions, self._sent)
+        try:
+            self._npublish(self._seg, self._ctl[slot], seq, gen, publish_ts_ns,
+                           base + ts_off, size, nl, _OFF_LAST_SLOT, _OFF_LAST_SEQ, slot,
+                           self._events, self._lease_regions, self._sent)
+        finally:
+            # The writer's own bookkeeping after the wake-up, not before it: readers
+            # never see it, and cold it is a few us of the publish -> reader latency.
+            self._gen[slot], self._seq[slot], self._last_seq = gen, seq, seq
+            self._loaned.discard(slot)
+            self._published += 1
         return seq
 
     def _publish(self, loan: Loan, frame_id, capture_ts_ns, exposure_us, gain,
