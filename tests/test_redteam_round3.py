@@ -40,7 +40,7 @@ LASTWORD = {"c-rollback": "lastword_rollback", "c-unmagic": "lastword_unmagic",
 # moment, once while r-flood floods the supervisor.
 VICTIMS = {"c-vquiet": "die_after_attach", "c-vflood": "die_after_attach"}
 # How much later SAFE may come after a death while research floods than when it does not
-SAFE_MARGIN_MS = 20.0
+SAFE_MARGIN_MS = 30.0
 CPU_ATTACKS = {"r-flood": "newline_flood", "r-spam": "wake_spam",
                "r-escape": "status_escape_flood"}
 # How much of a CPU, and how much event-loop lag, one research worker may cost the
