@@ -12,7 +12,9 @@ Without --before/--before-json the "before" column is the issue's own figures (i
 22, measured at cf2cb0a), said so in the table's header.
 
 Faults (each on the sandboxed control pipeline camerad -> modeld -> controlsd of the
-embedded default config, research dropped, `failure_policy = "restart"` and a large
+one-camera config (supervisor/configs/minimal.toml: the car's road camera, model and
+controls; the figures in bench/RESULTS.md before the car became the default were taken
+on the same pipeline), research dropped, `failure_policy = "restart"` and a large
 restart budget so that every kill is measured rather than ending the run):
 
   refusals   kill -9 round-robin over the control workers (the worker process, or its
@@ -22,8 +24,8 @@ restart budget so that every kill is measured rather than ending the run):
              command is engaged=1: time from the kill to the publication of the first
              engaged=0 command on control_cmd after it (the supervisor's SAFE as writer
              of last resort, or the new writer's own first disengaged command). Three
-             rows: the default config quiet, the same with `--load` busy loops beside
-             it, and controlsd in SCHED_FIFO as car.toml runs it (realtime_priority 50,
+             rows: the one-camera pipeline quiet, the same with `--load` busy loops beside
+             it, and controlsd in SCHED_FIFO as the default (the car) runs it (realtime_priority 50,
              budget 10 %, no busy-polling): a dying real-time process is not preempted
              by normal ones while the kernel tears it down.
   second     kill -9 of a worker, then 50-200 ms later a kill -9 of whatever took over
@@ -78,7 +80,7 @@ import numpy as np  # noqa: E402
 import trio  # noqa: E402
 
 from schemas.payloads import CONTROL_CMD  # noqa: E402
-from supervisor.config import default_doc, derive, dumps, loads  # noqa: E402
+from supervisor.config import derive, dumps, loads, minimal_doc  # noqa: E402
 from supervisor.events import EventLog  # noqa: E402
 from supervisor.ipc import LeaseLost, Reader, Rejected  # noqa: E402
 from supervisor.lifecycle import Supervisor  # noqa: E402
@@ -95,13 +97,13 @@ def pct(xs: list[float], q: float) -> float | None:
 
 
 def _config(**extra):
-    """The vehicle pipeline (default config without research), restarting freely."""
-    return loads(dumps(derive(default_doc(), drop=("workers.research", "channels.shadow_out"),
+    """The vehicle pipeline (the one-camera config without research), restarting freely."""
+    return loads(dumps(derive(minimal_doc(), drop=("workers.research", "channels.shadow_out"),
                               set={"domains.control.failure_policy": "restart",
                                    **{f"workers.{w}.{k}": v for w in PIPE for k, v in (
                                        ("restart", "always"), ("max_restarts", 10000),
                                        ("backoff_initial_ms", 20))},
-                                   **extra})), "faults (default pipeline)")
+                                   **extra})), "faults (one-camera pipeline)")
 
 
 def _worker_pid(sup: Supervisor, w: str) -> int:
@@ -247,7 +249,7 @@ def _kinds(log: EventLog) -> dict[str, int]:
 
 # ---------------------------------------------------------------- death -> SAFE
 
-# controlsd as car.toml runs it (the vehicle's config): SCHED_FIFO from READY.
+# controlsd as the default config (the car) runs it: SCHED_FIFO from READY.
 REALTIME = {"workers.controlsd.realtime_priority": 50,
             "workers.controlsd.realtime_budget_pct": 10,
             "workers.controlsd.busy_poll_us": 0}
@@ -573,7 +575,7 @@ def rows(res: dict) -> dict[str, tuple[str, str]]:
                 f"; other refusals: {other}" if other else ""))
     for key, label in (("safe", "kill -9 controlsd: death → SAFE on control_cmd p50 / p99"),
                        ("safe_loaded", "… with {load} busy loops beside it"),
-                       ("safe_rt", "… controlsd in SCHED_FIFO (as car.toml)")):
+                       ("safe_rt", "… controlsd in SCHED_FIFO (as the car default)")):
         if key in res:
             s = res[key]
             never = f", {s['never_safe']} never SAFE in 15 s" if s["never_safe"] else ""

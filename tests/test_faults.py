@@ -20,7 +20,7 @@ import pytest
 import trio
 
 from schemas.payloads import CONTROL_CMD
-from supervisor.config import default_doc, derive, dumps, loads
+from supervisor.config import derive, dumps, loads, minimal_doc
 from supervisor.events import EventLog
 from supervisor.ipc import Reader, Rejected
 from supervisor.lifecycle import Supervisor
@@ -136,8 +136,10 @@ def test_the_ready_deadline_stops_at_the_ready_line():
 # ---------------------------------------------------------------- SAFE at once
 
 def _pipeline() -> str:
+    # The one-camera pipeline (the car's road camera, model and controls): the last word
+    # is the mechanism under test, not the car's load.
     pipe = ("camerad", "modeld", "controlsd")
-    return dumps(derive(default_doc(), drop=("workers.research", "channels.shadow_out"), set={
+    return dumps(derive(minimal_doc(), drop=("workers.research", "channels.shadow_out"), set={
         "domains.control.failure_policy": "restart",
         **{f"workers.{w}.max_restarts": 20 for w in pipe},
         "channels.control_cmd.slot_count": 64,

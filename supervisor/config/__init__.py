@@ -41,7 +41,7 @@ and `_runtime` (`check_runtime`).
 from supervisor.ipc.errors import ConfigError
 from supervisor.ipc.spec import DTYPES, KINDS, PIXEL_FORMATS, ChannelSpec
 
-from ._derive import default_doc, derive, dumps
+from ._derive import default_doc, derive, dumps, minimal_doc
 from ._loader import load, loads
 from ._model import (CONTROL, DEFAULT_SHM_BUDGET, DEFAULT_SOURCE, MIN_WORKER_MEMORY,
                      PROFILE_LIMITS, PROFILES, PROJECT_ROOT, RESEARCH, SIMULATION, VEHICLE, ChannelConfig, Config, ConfigFileError,
@@ -55,5 +55,5 @@ __all__ = [
     "PIXEL_FORMATS", "PROFILE_LIMITS", "PROFILES", "PROJECT_ROOT", "RESEARCH", "SIMULATION", "VEHICLE", "ChannelConfig", "ChannelSpec",
     "Config", "ConfigError", "ConfigFileError", "DomainConfig", "ModelConfig", "Problem", "SupervisorConfig",
     "WorkerConfig", "channel_shm_bytes", "check_runtime", "default_doc", "derive", "dumps", "format_size", "load", "loads",
-    "parse_size",
+    "minimal_doc", "parse_size",
 ]

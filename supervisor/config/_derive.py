@@ -1,6 +1,7 @@
-"""Configs derived from another config: the embedded default as a dict, dotted-key
-edits, and TOML out again. Tests, benchmarks and replays start from the vehicle's own
-config and say only what they change, instead of keeping copies of it."""
+"""Configs derived from another config: the embedded default (or the minimal one-camera
+pipeline) as a dict, dotted-key edits, and TOML out again. Tests, benchmarks and replays
+start from the vehicle's own config and say only what they change, instead of keeping
+copies of it."""
 from __future__ import annotations
 
 import copy
@@ -12,10 +13,25 @@ from typing import Any
 from supervisor.ipc.errors import ConfigError
 
 
+MINIMAL = "configs/minimal.toml"       # under the supervisor package
+
+
 def default_doc() -> dict[str, Any]:
-    """The embedded ``supervisor/default.toml`` as a plain dict (a fresh copy)."""
-    return tomllib.loads(resources.files("supervisor").joinpath("default.toml")
-                         .read_text("utf-8"))
+    """The embedded ``supervisor/default.toml`` (the car: three cameras, two models,
+    100 Hz control) as a plain dict (a fresh copy)."""
+    return _doc("default.toml")
+
+
+def minimal_doc() -> dict[str, Any]:
+    """``supervisor/configs/minimal.toml`` as a plain dict (a fresh copy): the car's
+    control pipeline with one camera and one model (camerad -> modeld -> controlsd, and
+    research). For tests and benchmarks of the supervisor's mechanics, which need a real
+    pipeline but not the car's load on two shared cores."""
+    return _doc(MINIMAL)
+
+
+def _doc(name: str) -> dict[str, Any]:
+    return tomllib.loads(resources.files("supervisor").joinpath(name).read_text("utf-8"))
 
 
 def derive(doc: dict[str, Any], *, drop: tuple[str, ...] | list[str] = (),
