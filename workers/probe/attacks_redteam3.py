@@ -135,6 +135,23 @@ def lastword_brick(ctx: WorkerContext, w: Writer | None) -> dict:
     return _poison_and_die(ctx, w, poison)
 
 
+def lastword_seal(ctx: WorkerContext, w: Writer) -> dict:
+    """The writer holds its segment's fd read-write, and the supervisor made it with
+    MFD_ALLOW_SEALING (a writer may seal its own future writes): F_SEAL_FUTURE_WRITE |
+    F_SEAL_SEAL, then death. No new writable mapping of the segment can ever be made,
+    root's included: not the supervisor's for SAFE, not the next writer's."""
+    import fcntl
+
+    def poison(w: Writer) -> dict:
+        seals = 0x0010 | 0x0001                       # F_SEAL_FUTURE_WRITE | F_SEAL_SEAL
+        fcntl.fcntl(w._handle.data_fd, fcntl.F_ADD_SEALS, seals)
+        return {"poison": "F_SEAL_FUTURE_WRITE|F_SEAL_SEAL",
+                "seals": fcntl.fcntl(w._handle.data_fd, fcntl.F_GET_SEALS)}
+    if _reader_state(w, TEST_READER)[1]:              # a restarted run that attached
+        return {"denied": True, "run": "restarted", "attach": "ok"}
+    return _poison_and_die(ctx, w, poison)
+
+
 def lastword_skipped_seq(ctx: WorkerContext, w: Writer) -> dict:
     """What the readers' lease tables record (OFF_TAKEN: the last sequence *delivered*)
     is not what they consumed: a rejected message consumes its sequence too. The
@@ -320,7 +337,7 @@ def fake_signal_exit(ctx: WorkerContext, w: Writer | None) -> dict:
 
 ATTACKS: dict[str, Callable[[WorkerContext, Writer | None], dict]] = {
     f.__name__: f for f in (lastword_rollback, lastword_unmagic, lastword_brick,
-                            lastword_skipped_seq, die_after_attach, headless_writer, newline_flood, wake_spam,
+                            lastword_skipped_seq, lastword_seal, die_after_attach, headless_writer, newline_flood, wake_spam,
                             status_escape_flood, fake_signal_exit)
 }
 
