@@ -138,10 +138,34 @@ def cmd_run(args: argparse.Namespace) -> int:
     sup = Supervisor(cfg, log=log, sandboxed=not args.no_sandbox, grace_s=args.grace,
                      # stdout is the status line; workers' output arrives as events
                      status_out=None if args.quiet else sys.stdout)
+    split = None
+    if args.privsep or args.broker:
+        # The supervisor proper unprivileged, the broker doing what needs root
+        # (docs/broker.md). Set up before anything reads a worker's output.
+        from supervisor.lifecycle import BrokerLauncher, PrivsepError, connect_broker, start_privsep
+
+        if args.no_sandbox:
+            print("supervisor run: --privsep/--broker start sandboxes; not with --no-sandbox",
+                  file=sys.stderr)
+            return int(Exit.CONFIG)
+        try:
+            split = (connect_broker(cfg, args.broker) if args.broker
+                     else start_privsep(cfg, args.config, before_drop=sup.judge_admission))
+        except PrivsepError as e:
+            print(f"supervisor run: {e}", file=sys.stderr)
+            return int(Exit.ERROR)
+        sup.launcher, sup.latch = BrokerLauncher(split.client), split.latch
+        st = split.status
+        log.emit("privsep", broker=args.broker or "spawned", uid=int(st["Uid"].split()[0]),
+                 gid=int(st["Gid"].split()[0]), cap_eff=st["CapEff"], cap_bnd=st["CapBnd"],
+                 no_new_privs=st.get("NoNewPrivs") == "1")
     try:
         return int(trio.run(sup.run))
     except Exception as e:   # a bug (config mistakes are refused before start, exit 2)
         return _internal_error("supervisor run", e)
+    finally:
+        if split is not None:
+            split.close()
 
 
 def cmd_clear_fail_safe(args: argparse.Namespace) -> int:
@@ -198,6 +222,13 @@ def main(argv: list[str] | None = None) -> int:
                            help="seconds between SIGTERM and SIGKILL on shutdown")
             s.add_argument("--quiet", action="store_true",
                            help="no live status line on stdout (events still go to stderr)")
+            g = s.add_mutually_exclusive_group()
+            g.add_argument("--privsep", action="store_true",
+                           help="as root: start the privileged broker, then run as an "
+                           "unprivileged user with no capabilities (docs/broker.md)")
+            g.add_argument("--broker", metavar="SOCKET", default=None,
+                           help="use the running broker listening on SOCKET "
+                           "(trio-broker.socket); this process must not be root")
             s.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                            default="info", help="the least level of event written to stderr "
                            "(every event is kept in the journal's priority either way)")

@@ -218,6 +218,19 @@ class Endpoint:
     busy_poll_us: int = 0                        # its readers' (ipc/_cadence.py)
 
 
+def endpoint_for(cfg: Any, w: Any, sandboxed: bool = True) -> Endpoint:
+    """What worker `w` of config `cfg` (a supervisor.config Config and WorkerConfig) is
+    told at start: one derivation for the supervisor's own launches and the broker's,
+    so the two can never tell a worker different things (STYLE 2.3)."""
+    d = cfg.domain_of(w.name)
+    m = cfg.models.get(w.model or "")
+    return Endpoint(name=w.name, domain=w.domain, profile=d.profile, isolation=d.isolation(),
+                    network=d.network, sandboxed=sandboxed, roles=w.roles,
+                    writable=d.extra_rw_binds,
+                    model=dataclasses.asdict(m) if m else None, mode=cfg.supervisor.mode,
+                    busy_poll_us=w.busy_poll_us)
+
+
 def worker_env(ep: Endpoint, status_fd: int | None,
                handles: dict[str, object]) -> tuple[dict[str, str], list[int]]:
     """The environment and the fds to pass for `ep`; `handles` maps each channel name

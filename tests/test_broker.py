@@ -307,7 +307,7 @@ def test_start_request_latency_and_broker_cpu(broker, capsys):
     today (launch.spawn): the difference is what the broker costs a start."""
     from supervisor.sandbox import launch
     from supervisor.sandbox.policy import for_worker
-    from supervisor.broker._server import worker_argv
+    from supervisor.sandbox.launch import worker_argv
 
     c = broker.client
 

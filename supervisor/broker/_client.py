@@ -94,8 +94,11 @@ class BrokerClient:
         full = dict(os.environ if env is None else env)
         full["PYTHONPATH"] = os.pathsep.join(filter(None, [root, full.get("PYTHONPATH")]))
         try:
+            # Its own session: a terminal's Ctrl-C reaches the supervisor proper only,
+            # which stops the workers in order and then closes the socket (the broker's
+            # end of stream: it kills what is left and exits).
             proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                                    stderr=stderr, env=full, cwd="/")
+                                    stderr=stderr, env=full, cwd="/", start_new_session=True)
         finally:
             theirs.close()
         return cls(ours, proc)

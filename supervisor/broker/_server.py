@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import dataclasses
 import errno
 import os
 import platform
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field
 
 from supervisor.config import Config, WorkerConfig
 from supervisor.events import EventLog
-from supervisor.protocol import ENV_EXECWATCH_FD, ENV_STANDBY_FD, Endpoint, worker_env
+from supervisor.protocol import ENV_EXECWATCH_FD, ENV_STANDBY_FD, endpoint_for, worker_env
 
 from . import _protocol as P
 from ._checks import StateDir, check_channel_fds, check_plan
@@ -86,24 +85,6 @@ def tgkill(pid: int, tid: int, sig: int) -> bool:
     raise OSError(err, f"tgkill({pid}, {tid}, {sig})")
 
 
-def endpoint_for(cfg: Config, w: WorkerConfig) -> Endpoint:
-    """What a sandboxed worker of `cfg` is told at start (the same fields as
-    lifecycle's Supervisor._endpoint; one home for both is a phase-2 refactor)."""
-    d = cfg.domains[w.domain]
-    m = cfg.models.get(w.model or "")
-    return Endpoint(name=w.name, domain=w.domain, profile=d.profile, isolation=d.isolation(),
-                    network=d.network, sandboxed=True, roles=w.roles,
-                    writable=d.extra_rw_binds,
-                    model=dataclasses.asdict(m) if m else None, mode=cfg.supervisor.mode,
-                    busy_poll_us=w.busy_poll_us)
-
-
-def worker_argv(w: WorkerConfig, python: str) -> list[str]:
-    if w.module:
-        return [python, "-m", "supervisor.runner", w.module, *w.args]
-    return [*w.command, *w.args]
-
-
 @dataclass
 class Broker:
     config: Config
@@ -114,6 +95,8 @@ class Broker:
     cgroups: object | None = None                 # sandbox.cgroups.CgroupTree
     live: dict[tuple[str, int], _Incarnation] = field(default_factory=dict)
     last_incarnation: dict[str, int] = field(default_factory=dict)
+    # Incarnations reaped lately (bounded): `pids` of one is empty, not a refusal.
+    reaped: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
     refusals: collections.Counter = field(default_factory=collections.Counter)
     served: int = 0
     _leaf_seq: int = 0
@@ -234,6 +217,10 @@ class Broker:
         if isinstance(req, P.Reap):
             return self._reap(self._incarnation(req.worker, req.incarnation)), []
         if isinstance(req, P.Pids):
+            if (req.worker, req.incarnation) in self.reaped:
+                # Reaped: what was left was killed and its cgroup removed. The
+                # supervisor's last-word thread may ask once more after the loop's reap.
+                return P.PidList(()), []
             inc = self._incarnation(req.worker, req.incarnation)
             return P.PidList(tuple(sorted(inc.pids()))), []
         if isinstance(req, P.OpenProc):
@@ -373,7 +360,8 @@ class Broker:
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
             mine.append(out_r)
             theirs.append(out_w)
-            env, child_fds = worker_env(endpoint_for(self.config, w), status_w, handles)
+            env, child_fds = worker_env(endpoint_for(self.config, w, sandboxed=True), status_w,
+                                         handles)
             child_fds.append(status_w)
             watch = ctl = None
             if not domain.exec_memory_after_ready:
@@ -399,11 +387,10 @@ class Broker:
                                               cpu_weight=self.config.cpu_weight_of(w.name)))
                 join_fds = cg.open_join_fds()
                 theirs += join_fds
-            proc = launch.spawn(pol, worker_argv(w, self.python), child_fds, env_extra=env,
-                                stdin=subprocess.DEVNULL, stdout=out_w, stderr=out_w,
-                                start_new_session=True,
-                                rlimits={"nofile": w.nofile} if w.nofile else {},
-                                cgroup_fds=join_fds)
+            proc = launch.spawn(pol, launch.worker_argv(w, self.python), child_fds,
+                                env_extra=env, stdin=subprocess.DEVNULL, stdout=out_w,
+                                stderr=out_w, start_new_session=True,
+                                rlimits=launch.worker_rlimits(w), cgroup_fds=join_fds)
             pidfd = os.pidfd_open(proc.pid)
         except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
             P.close_fds(mine)
@@ -480,6 +467,7 @@ class Broker:
                 pass
         self._release(inc)
         del self.live[(inc.worker, inc.number)]
+        self.reaped.append((inc.worker, inc.number))
         self.log.emit("broker_reaped", source="broker", worker=inc.worker,
                       incarnation=inc.number, pid=inc.proc.pid, code=code, oom_kills=oom)
         return P.Reaped(exited=True, code=code, oom_kills=oom)

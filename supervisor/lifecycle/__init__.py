@@ -18,13 +18,20 @@ restart policy, watchdog, fail-safe, shutdown, the main loop), `_lastword` (the 
 last resort: a thread blocked on the actuation writers' pidfds says SAFE), `_io`
 (status and output pipes; when READY was said), `_exec` (READY verification and the exec
 watch), `_standby` (warm standbys, two deep), `_procstate` (is a process dying or dead,
-from /proc) and `_run` (WorkerRun, the exceptions).
+from /proc), `_run` (WorkerRun: one worker's policy state, the exceptions),
+`_incarnation` (one process of a worker; started in-process or by the privileged
+broker) and `_privsep` (`run --privsep`/`--broker`: the supervisor proper unprivileged).
 """
 from supervisor.exits import Exit
 from supervisor.failsafe import FailSafeLatch
 
+from ._incarnation import (BrokerIncarnation, BrokerLauncher, DirectLauncher, Incarnation,
+                           PopenIncarnation)
+from ._privsep import BrokerLatch, PrivsepError, connect_broker, start_privsep
 from ._run import FailSafe, StartFailed, WorkerRun
 from ._supervisor import Supervisor, run_config
 
-__all__ = ["Exit", "FailSafe", "FailSafeLatch", "StartFailed", "Supervisor", "WorkerRun",
-           "run_config"]
+__all__ = ["BrokerIncarnation", "BrokerLatch", "BrokerLauncher", "DirectLauncher", "Exit",
+           "FailSafe", "FailSafeLatch", "Incarnation", "PopenIncarnation", "PrivsepError",
+           "StartFailed", "Supervisor", "WorkerRun", "connect_broker", "run_config",
+           "start_privsep"]

@@ -18,14 +18,14 @@ class _ExecWindow:
     """READY verification and the exec watch of each run (mixed into `Supervisor`)."""
 
     def _strict(self, run: WorkerRun) -> bool:
-        return self.sandboxed and run.watch_sock is not None
+        return self.sandboxed and run.current is not None and run.current.watch_sock is not None
 
     def _set_ready(self, run: WorkerRun, now: int, **fields) -> None:
         run.ready_ns = now
         run.ready.set()
         self.log.emit("ready", worker=run.cfg.name, pid=run.pid,
                       start_to_ready_ms=round((now - run.started_ns) / 1e6, 3),
-                      exec_mappings_admitted=run.exec_allowed, **fields)
+                      exec_mappings_admitted=run.current.exec_allowed, **fields)
         self._make_realtime(run)
 
     async def _verify_wx(self, run: WorkerRun, pid: int) -> dict | None:
@@ -36,13 +36,14 @@ class _ExecWindow:
         holds) are reported, nothing more."""
         from supervisor.sandbox import wx
 
+        inc = run.current
         said = wx.parse_line(run.status or "")
-        baseline = getattr(run.watch, "filters_at_listener", None)
+        baseline = getattr(inc.watch, "filters_at_listener", None)
         try:
-            got = await trio.to_thread.run_sync(functools.partial(wx.verify, pid,
-                                                                  baseline=baseline))
+            got = await trio.to_thread.run_sync(functools.partial(
+                wx.verify, pid, baseline=baseline, opener=inc.opener))
         except OSError as e:
-            if not task_exited(pid):           # gone: its exit is reported, with its cause
+            if not task_exited(pid, opener=inc.opener):           # gone: its exit is reported, with its cause
                 self._refuse(run, "wx_lock", f"READY, but its W^X lock cannot be checked: {e}")
             return None
         if not got.ok:
@@ -51,9 +52,9 @@ class _ExecWindow:
             return None
         out = {"wx_lock": got.how, "wx_check_ms": round(got.ms, 3),
                "mdwe": said.get("mdwe"), "mdwe_kernel": _kernel_has_mdwe()}
-        if run.watch is not None:       # what judging its start-up cost (issue 21)
-            out["exec_judged_ms"] = round(getattr(run.watch, "busy_s", 0.0) * 1e3, 1)
-            out["exec_stops"] = getattr(run.watch, "stops", 0)
+        if inc.watch is not None:       # what judging its start-up cost (issue 21)
+            out["exec_judged_ms"] = round(getattr(inc.watch, "busy_s", 0.0) * 1e3, 1)
+            out["exec_stops"] = getattr(inc.watch, "stops", 0)
         if got.reason:             # why the filter was only counted, not read back
             out["wx_note"] = got.reason
         return out
@@ -61,12 +62,13 @@ class _ExecWindow:
     def _close_exec_window(self, run: WorkerRun) -> bool:
         """READY ends start-up. For a control-grade worker the supervisor, not the
         worker, makes it true: from this moment every new executable mapping is refused."""
-        if run.watch is None:
+        inc = run.current
+        if inc.watch is None:
             self._take_listener(run)
-        if run.watch is None:
+        if inc.watch is None:
             self._refuse(run, "exec_watch", "READY before the exec watch was installed")
             return False
-        run.watch.ready = True
+        inc.watch.ready = True
         return True
 
     async def _verify_ready(self, run: WorkerRun, now: int) -> None:
@@ -74,18 +76,20 @@ class _ExecWindow:
         change (writable, shared, memfd, deleted, on a writable mount) or be torch."""
         from supervisor.admission import maps
 
+        inc = run.current
+        opener = inc.opener
         pid = self._worker_pid(run)
         # A worker that died right after READY (a control worker killed by seccomp, CI:
         # refusing it overwrote its SIGSYS with our SIGKILL) takes its sandbox with it:
         # wait for either, so that its own exit is what is reported.
         deadline = trio.current_time() + _FIND_WORKER_S
         while self.sandboxed and pid == run.pid and trio.current_time() < deadline:
-            if task_exited(run.pid):
+            if task_exited(run.pid, opener=opener):
                 return                        # its exit is reported, with its cause
             await trio.sleep(0.01)
             pid = self._worker_pid(run)
         if self.sandboxed and pid == run.pid:
-            if task_exited(run.pid):
+            if task_exited(run.pid, opener=opener):
                 return
             # The sandbox lives on without a pid 2, or this /proc shows no NSpid.
             self._refuse(run, "protocol", "READY, but no worker process (pid 2 of the "
@@ -95,7 +99,8 @@ class _ExecWindow:
         if wx_fields is None:
             return
         try:
-            snap = await trio.to_thread.run_sync(maps.exec_snapshot, pid)
+            snap = await trio.to_thread.run_sync(functools.partial(
+                maps.exec_snapshot, pid, opener=opener))
         except (maps.ProcessGone, OSError):   # gone between READY and now: its exit is reported
             return
         if snap.hits:
@@ -109,7 +114,8 @@ class _ExecWindow:
         # look shortly after, not only at the next periodic scan.
         await trio.sleep(0.1)
         try:
-            late = await trio.to_thread.run_sync(functools.partial(maps.scan_pid, pid, snapshot=snap))
+            late = await trio.to_thread.run_sync(functools.partial(
+                maps.scan_pid, pid, snapshot=snap, opener=opener))
         except (maps.ProcessGone, OSError, ValueError):
             return
         if late:
@@ -120,8 +126,9 @@ class _ExecWindow:
         """Non-blocking: the exec-watch listener fd, if the runner has sent it."""
         from supervisor.sandbox.execwatch import ExecWatch
 
-        sock = run.watch_sock
-        if sock is None or run.watch is not None:
+        inc = run.current
+        sock = inc.watch_sock
+        if sock is None or inc.watch is not None:
             return
         try:
             msg, fds, _, _ = socket.recv_fds(sock, 16, 1, socket.MSG_DONTWAIT)
@@ -131,13 +138,13 @@ class _ExecWindow:
             return
         if not fds:
             return
-        run.watch = ExecWatch(fds[0], allow_anonymous_exec=run.cfg.jit_kernels)
+        inc.watch = ExecWatch(fds[0], allow_anonymous_exec=run.cfg.jit_kernels, opener=inc.opener)
         # The filters the worker holds now (launch, runtime, exec watch): at READY the
         # W^X filter must be among those added after these (_verify_wx).
         pid = self._worker_pid(run)
         if pid != run.pid or not self.sandboxed:
             try:
-                run.watch.filters_at_listener = filter_count(pid)
+                inc.watch.filters_at_listener = filter_count(pid, opener=inc.opener)
             except (OSError, ValueError):
                 pass
 
@@ -145,15 +152,16 @@ class _ExecWindow:
         """Judge every executable mapping the control worker asks for (seccomp user
         notification): allowed before READY only from read-only files (and, for a worker
         declared jit_kernels, anonymous memory); refused always after READY."""
-        sock = run.watch_sock
+        inc = run.current
+        sock = inc.watch_sock
         if sock is None:
             return
-        while run.watch is None:
+        while inc.watch is None:
             await trio.lowlevel.wait_readable(sock.fileno())
             self._take_listener(run)
-            if run.watch is None:
+            if inc.watch is None:
                 await trio.sleep(0.005)   # hang-up without a listener: the exit follows
-        watch = run.watch
+        watch = inc.watch
         while True:
             await trio.lowlevel.wait_readable(watch.fileno())
             self._poll_status(run)
@@ -174,7 +182,7 @@ class _ExecWindow:
                 continue
             for v in verdicts:
                 if v.allowed:
-                    run.exec_allowed += 1
+                    inc.exec_allowed += 1
                     continue
                 rq = v.request
                 self._refuse(run, "exec_memory", f"{rq.syscall}: {v.reason}",

@@ -30,8 +30,9 @@ class _WorkerIO:
 
     async def _read_status(self, run: WorkerRun) -> None:
         """READY=1 / WATCHDOG=1 / STATUS=... lines from the worker's status pipe."""
-        while run.status_r is not None:
-            await trio.lowlevel.wait_readable(run.status_r)
+        inc = run.current
+        while inc.status_r is not None:
+            await trio.lowlevel.wait_readable(inc.status_r)
             if not self._poll_status(run):
                 self._log_status(run, final=True)   # no more will come: log what is held
                 return
@@ -46,37 +47,38 @@ class _WorkerIO:
 
         Also called before judging an exec-watch request: a READY written before the
         syscall must be seen first, so that READY means the same for both."""
-        if run.status_r is None:
+        inc = run.current
+        if inc is None or inc.status_r is None:
             return False
         try:
-            chunk = os.read(run.status_r, 4096)
+            chunk = os.read(inc.status_r, 4096)
         except BlockingIOError:
             return True
         if not chunk:
             return False
-        *lines, rest = (run.status_buf + chunk).split(b"\n")
+        *lines, rest = (inc.status_buf + chunk).split(b"\n")
         cost = len(lines)
-        if run.status_skip:
+        if inc.status_skip:
             # The rest of a line already dropped as over-long, up to its newline: never
             # a line of its own (red team: 8 KiB relayed through ctx.status() ending in
             # "REFUSED=forged" had its tail parsed as a line and the worker refused).
             if lines:
-                lines, run.status_skip = lines[1:], False
+                lines, inc.status_skip = lines[1:], False
             else:
                 rest, cost = b"", 1       # each newline-free read costs a line
         if len(rest) > 4096:              # a worker may not grow our memory endlessly
             self.log.emit("protocol_error", worker=run.cfg.name,
                           reason="status line over 4096 bytes; dropped")
-            rest, run.status_skip, cost = b"", True, cost + 1
-        run.status_buf = rest
+            rest, inc.status_skip, cost = b"", True, cost + 1
+        inc.status_buf = rest
         now = time.monotonic()
-        run.status_tokens = min(self.STATUS_LINES_PER_S,
-                                run.status_tokens + (now - run.status_ts) * self.STATUS_LINES_PER_S)
-        run.status_ts = now
+        inc.status_tokens = min(self.STATUS_LINES_PER_S,
+                                inc.status_tokens + (now - inc.status_ts) * self.STATUS_LINES_PER_S)
+        inc.status_ts = now
         # Counted as lines, so that newline-free bytes at pipe speed (one protocol_error
         # per 8 KiB read before, thousands a second into journald) end in protocol_flood.
-        run.status_tokens -= cost
-        if run.status_tokens < -self.STATUS_LINES_PER_S:
+        inc.status_tokens -= cost
+        if inc.status_tokens < -self.STATUS_LINES_PER_S:
             self._refuse(run, "protocol_flood", f"more than {self.STATUS_LINES_PER_S:g} "
                          f"status lines per second")
             return False
@@ -155,14 +157,14 @@ class _WorkerIO:
 
     async def _read_output(self, run: WorkerRun) -> None:
         """The worker's stdout/stderr as `output` events naming it (bounded, rate limited)."""
-        fd = run.out_r
+        fd = run.current.out_r
         reported = 0
         while True:
             await trio.lowlevel.wait_readable(fd)
             if not self._drain_output(run, max_reads=1):
                 return
             await trio.sleep(0)
-            lim = run.output
+            lim = run.current.output
             if lim.dropped > reported and time.monotonic() - getattr(run, "_drop_ts", 0) > 1:
                 run._drop_ts = time.monotonic()
                 self.log.emit("output_dropped", worker=run.cfg.name, lines=lim.dropped - reported,
@@ -171,14 +173,15 @@ class _WorkerIO:
 
     def _drain_output(self, run: WorkerRun, max_reads: int = 64) -> bool:
         """Read what is there (at most `max_reads` chunks); False at end of stream."""
+        inc = run.current
         for _ in range(max_reads):
             try:
-                chunk = os.read(run.out_r, 65536)
+                chunk = os.read(inc.out_r, 65536)
             except BlockingIOError:
                 return True
             except OSError:
                 return False
-            lines = run.output.feed(chunk) if chunk else run.output.flush()
+            lines = inc.output.feed(chunk) if chunk else inc.output.flush()
             for line in lines:
                 self._emit_output(run, line)
             if not chunk:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 import select
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ import trio
 
 from supervisor.config import WorkerConfig
 
+from ._incarnation import Incarnation
 from ._procstate import nspid_depth, process_dead
 from ._run import WorkerRun
 
@@ -70,7 +70,7 @@ class _Watch:
     pid: int                        # bwrap (run.pid) of this process's sandbox
     worker_fd: int                  # the thread's own dup of the worker's pidfd
     sandbox_fd: int | None          # pidfd of bwrap
-    cgroup: object | None           # the run's cgroup when the watch began
+    inc: Incarnation                # the run's process when the watch began
     finished: trio.Event = field(default_factory=trio.Event)   # set from the thread
     dying: bool = False             # worker or bwrap exited: waiting for the rest
     blind: bool = False             # a process left without a pidfd: look again soon
@@ -112,7 +112,7 @@ class LastWordThread:
             sandbox_fd = os.pidfd_open(run.pid)
         except OSError:             # bwrap already gone: the worker's pidfd is enough
             sandbox_fd = None
-        w = _Watch(run, run.pid, os.dup(worker_pidfd), sandbox_fd, run.cgroup)
+        w = _Watch(run, run.pid, os.dup(worker_pidfd), sandbox_fd, run.current)
         with self._lock:
             old = self._watches.pop(id(run), None)
             self._watches[id(run)] = w
@@ -198,8 +198,7 @@ class LastWordThread:
                 return                     # forgotten meanwhile
         if not w.dying:
             w.dying, w.since_ns = True, time.monotonic_ns()
-        left = self.sup._writer_left(w.run, worker_fd=w.worker_fd, cgroup=w.cgroup,
-                                     sandbox_pid=w.pid)
+        left = self.sup._writer_left(w.run, worker_fd=w.worker_fd, inc=w.inc)
         if not left:
             self._close_wait(w)
             said = self.sup._say_last_word(w.run, since_ns=w.since_ns, by="thread")
@@ -215,12 +214,7 @@ class LastWordThread:
             # What is left of a sandbox whose bwrap or worker died is dying anyway (its
             # pid namespace goes): SIGKILL now saves the chain bwrap -> init -> worker.
             w.killed = True
-            if -1 in left:
-                try:
-                    signal.pidfd_send_signal(w.worker_fd, signal.SIGKILL)
-                except OSError:
-                    pass
-            self.sup._kill_rest(w.run, [p for p in left if p > 0], cgroup=w.cgroup)
+            w.inc.kill_rest([p for p in left if p > 0], w.worker_fd if -1 in left else None)
         # Wait on what is left, each by pidfd (readable once dead), not by polling /proc.
         self._close_wait(w)
         w.blind = False
@@ -335,7 +329,7 @@ class _LastResort:
 
     async def _open_worker_pidfd(self, run: WorkerRun) -> int | None:
         """A pidfd of the run's worker process, once its sandbox shows one."""
-        while run.proc is not None and run.proc.poll() is None:
+        while run.alive:
             pid = self._worker_pid(run)
             if pid != run.pid:
                 try:
@@ -344,40 +338,33 @@ class _LastResort:
                     fd = None
                 if fd is not None:
                     if pid in self.worker_pids(run):   # still ours, not a recycled pid
-                        run.worker_pidfd = fd
+                        run.current.worker_pidfd = fd
                         return fd
                     os.close(fd)
             await trio.sleep(0.01)
         return None
 
     def _writer_left(self, run: WorkerRun, *, worker_fd: int | None = None,
-                     cgroup: object | None = None, sandbox_pid: int | None = None) -> list[int]:
+                     inc: Incarnation | None = None) -> list[int]:
         """The processes of the run's sandbox that could still write a channel: the
         worker until it is dead (its pidfd readable; -1 here), and every other process
         of the sandbox but bwrap's own two (the outer bwrap and its init, pid 1 inside),
         which never map a segment. A process inside do_exit() is not dead enough (see
         _procstate.process_dead). Empty: the writer is gone. Called from the
-        last-word thread too (with its own fds and the cgroup the watch began with)."""
-        bwrap = run.pid if sandbox_pid is None else sandbox_pid
+        last-word thread too (with its own fds and the incarnation the watch began with)."""
+        inc = run.current if inc is None else inc
         if worker_fd is None:
-            worker_fd = run.worker_pidfd
+            worker_fd = inc.worker_pidfd if inc is not None else None
+        if inc is None:
+            return []
         if not self.sandboxed:
-            return [] if run.proc is None or run.proc.poll() is not None else [run.pid]
-        cg = run.cgroup if cgroup is None else cgroup
-        if cg is not None:
-            try:
-                pids = set(cg.pids())             # all of the sandbox, bwrap gone or not
-            except OSError:                       # removed: only an empty one can be
-                pids = set()
-        elif sandbox_pid is None:
-            pids = set(self.worker_pids(run))     # (empty once bwrap is gone)
-        else:                                     # the thread: no Popen.poll() there
-            from supervisor.sandbox import descendant_pids
-
-            pids = set(descendant_pids(bwrap))
+            return [inc.pid] if inc.alive else []
+        # Its cgroup's members (bwrap gone or not), else bwrap's descendants; through the
+        # broker, its `pids` request (empty once reaped: the reap killed what was left).
+        pids = inc.members()
         inner = len(nspid_depth(os.getpid()) or (0,)) + 1   # the sandbox's level
         left = []
-        for pid in pids - {bwrap}:
+        for pid in pids - {inc.pid}:
             ns = nspid_depth(pid)
             if ns is not None and len(ns) == inner and ns[-1] == 1:
                 continue                          # bwrap's init in the sandbox
@@ -386,23 +373,6 @@ class _LastResort:
         if worker_fd is not None and not _readable(worker_fd):
             left.append(-1)
         return left
-
-    def _kill_rest(self, run: WorkerRun, pids: list[int], *, cgroup: object | None = None) -> None:
-        """SIGKILL what is left of a dead writer's sandbox (by pidfd, re-checked as still
-        in its cgroup after opening it: never a recycled pid). bwrap's own processes are
-        not among them: they report the worker's own exit status, its cause."""
-        cg = run.cgroup if cgroup is None else cgroup
-        if cg is None or not pids:
-            return
-        from supervisor.sandbox.cgroups import kill_listed
-
-        def listed() -> set[int]:
-            try:
-                return set(cg.pids())
-            except OSError:
-                return set()
-
-        kill_listed(pids, listed)
 
     async def _last_word(self, run: WorkerRun) -> None:
         """Publish SAFE on each actuation channel `run` writes, once its writer is dead
@@ -423,8 +393,8 @@ class _LastResort:
         died_ns = time.monotonic_ns()
         deadline = died_ns + int(self.grace_s * 1e9)
         left = self._writer_left(run)
-        if left and (run.proc is None or run.proc.poll() is not None or -1 not in left):
-            self._kill_rest(run, [p for p in left if p > 0])
+        if left and run.current is not None and (not run.alive or -1 not in left):
+            run.current.kill_rest([p for p in left if p > 0], None)
         while self._writer_left(run):
             if time.monotonic_ns() > deadline:
                 self.log.emit("last_word_error", worker=run.cfg.name, pid=run.pid,

@@ -41,7 +41,7 @@ class _Realtime:
     def _make_realtime(self, run: WorkerRun) -> None:
         """SCHED_FIFO for the worker's main thread, once READY; a refusal is an event,
         not a failure (the worker runs on in the normal class)."""
-        from supervisor.sandbox.sched import RT_PERIOD_US, RealtimeUnavailable, make_fifo
+        from supervisor.sandbox.sched import RT_PERIOD_US, RealtimeUnavailable
 
         rt = run.cfg.realtime()
         if rt is None:
@@ -52,16 +52,15 @@ class _Realtime:
             if not self.sandboxed:
                 # Its own rlimits and capabilities would be the supervisor's.
                 raise RealtimeUnavailable("not sandboxed: the worker could raise it itself")
-            if self.rt_grouped and run.cgroup is not None:
-                run.cgroup.grant_rt(rt.runtime_us, RT_PERIOD_US)
+            grouped = self.rt_grouped and run.cgroup is not None
+            if grouped:
                 bound = f"{rt.budget_pct} % of a CPU per {RT_PERIOD_US // 1000} ms (cgroup)"
             else:
                 # Nothing bounds a runaway but the kernel's 95 % of each CPU: one CPU at
                 # least stays outside the real-time class, the supervisor's included.
                 cpus = len(os.sched_getaffinity(0))
                 held = [r.cfg.name for r in self.runs.values()
-                        if r is not run and r.realtime_pid and r.proc is not None
-                        and r.proc.poll() is None]
+                        if r is not run and r.realtime_pid and r.alive]
                 if len(held) + 1 >= cpus:
                     raise RealtimeUnavailable(
                         f"no per-cgroup RT budget here and {len(held)} real-time worker(s) "
@@ -70,7 +69,10 @@ class _Realtime:
             pid = self._worker_pid(run)
             if self.sandboxed and pid == run.pid:
                 raise RealtimeUnavailable("no worker process in the sandbox")
-            make_fifo(pid, rt.priority, lambda: pid == self._worker_pid(run))
+            # Through the incarnation: this process (its cgroup's RT budget, then
+            # sched_setscheduler) or the broker's `realtime` request.
+            run.current.make_fifo(pid, rt.priority, rt.runtime_us if grouped else None,
+                                  lambda: pid == self._worker_pid(run))
         except (RealtimeUnavailable, OSError) as e:
             self.log.emit("realtime_unavailable", worker=name, reason=str(e))
             return

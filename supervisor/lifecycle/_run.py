@@ -1,9 +1,7 @@
-"""One run of a worker (its process, pipes, cgroup, standby) and the lifecycle's exceptions."""
+"""One worker's run (its policy state and its current Incarnation) and the lifecycle's exceptions."""
 from __future__ import annotations
 
 import signal
-import socket
-import subprocess
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -11,39 +9,34 @@ from dataclasses import dataclass, field
 import trio
 
 from supervisor.config import WorkerConfig
-from supervisor.output import LineLimiter
+
+from ._incarnation import Incarnation
 
 
 @dataclass
 class WorkerRun:
+    """One worker's policy state: its config, restart budget and standbys, and
+    `current`, the Incarnation (one process: sandbox, pipes, cgroup, exec watch, status
+    counters) it runs now. A new process is a new Incarnation, made by the launcher in
+    `Supervisor._spawn`; adopting a standby is `run.current = sb.current`. The fields
+    below `current` describe the current process in this run's role and are reset
+    together by `begin()` (a standby's warm-up is not its READY as the active run)."""
+
     cfg: WorkerConfig
-    proc: subprocess.Popen | None = None
-    status_r: int | None = None
-    pid: int = 0                  # bwrap (or the worker itself when unsandboxed)
+    current: Incarnation | None = None       # its process now (None before the first)
+    restarts: deque = field(default_factory=deque)
+    refused: str | None = None               # set once: a refused run is never restarted
+    status: str = ""
+    exit_reason: str = ""                    # why its last process ended (audit --live)
     started_ns: int = 0
     ready_ns: int = 0
     last_ping_ns: int = 0
     ready: trio.Event = field(default_factory=trio.Event)
-    restarts: deque = field(default_factory=deque)
-    refused: str | None = None
-    status: str = ""
-    exit_reason: str = ""
-    status_buf: bytes = b""                  # an incomplete status line
-    status_skip: bool = False                # inside an over-long line: drop to its newline
-    status_tokens: float = 1000.0            # status-line rate limit (token bucket)
-    status_ts: float = 0.0
     status_logged: str = ""                  # the last status text that became an event
     status_ev_tokens: float = 0.0            # status-event bucket (filled at first use:
     status_ev_ts: float = 0.0                # the refill since ts 0 tops it up)
     status_held: int = 0                     # changes not logged since (rate limit)
     status_logged_at: float = float("-inf")  # when (monotonic s) it was logged
-    out_r: int | None = None                 # the worker's stdout+stderr (a pipe)
-    output: LineLimiter = field(default_factory=LineLimiter)
-    cgroup: object | None = None             # sandbox.cgroups.WorkerCgroup of this run
-    oom_before: int = 0
-    watch_sock: socket.socket | None = None  # receives the exec-watch listener (control)
-    watch: object | None = None              # sandbox.execwatch.ExecWatch of this run
-    exec_allowed: int = 0                    # executable mappings admitted before READY
     exec_snapshot: object | None = None      # maps.ExecSnapshot taken at READY
     kill_reason: str = ""                    # why the supervisor killed it, if it did
     ready_claimed: bool = False              # the worker said READY=1 (this run)
@@ -52,9 +45,6 @@ class WorkerRun:
     ready_said_ns: int = 0
     ready_said: trio.Event = field(default_factory=trio.Event)
     realtime_pid: int = 0                    # the thread made SCHED_FIFO at READY
-    # The worker process itself (pid 2 of its sandbox) as a pidfd: readable the moment
-    # it is dead, before bwrap has noticed (the writer of last resort waits on it).
-    worker_pidfd: int | None = None
     last_word_said: bool = False             # SAFE published after this process died
     # Held while checking and setting last_word_said: the last-word thread and the event
     # loop may both come to say it (lifecycle/_lastword.py).
@@ -64,7 +54,6 @@ class WorkerRun:
     is_standby: bool = False
     # (active run) its standbys, oldest first; at most _WarmStandby.STANDBY_DEPTH
     standbys: list["WorkerRun"] = field(default_factory=list)
-    ctl_sock: socket.socket | None = None    # (standby) the supervisor's end of hand-over
     adopted: bool = False
     warm: bool = False                       # (standby) said STANDBY=1: start-up done
     warmed: trio.Event = field(default_factory=trio.Event)   # (standby) set with `warm`
@@ -72,6 +61,27 @@ class WorkerRun:
     scope: trio.CancelScope | None = None
     handed_over: trio.Event = field(default_factory=trio.Event)
     nursery: trio.Nursery | None = None      # the run's own tasks (status, exec watch...)
+
+    # Read-only views of the current process, for readers outside the lifecycle (audit,
+    # benches, tests): the Incarnation is the one place these live.
+    @property
+    def pid(self) -> int:
+        """bwrap's host pid (the worker itself when unsandboxed); 0 before the first."""
+        return self.current.pid if self.current is not None else 0
+
+    @property
+    def proc(self) -> Incarnation | None:
+        """The current process, Popen-like (poll, wait, pid, returncode)."""
+        return self.current
+
+    @property
+    def alive(self) -> bool:
+        """Its current process runs (bwrap not exited): the one liveness test."""
+        return self.current is not None and self.current.alive
+
+    @property
+    def cgroup(self) -> object | None:
+        return getattr(self.current, "cgroup", None)
 
     @property
     def standby(self) -> "WorkerRun | None":
@@ -94,6 +104,7 @@ class WorkerRun:
         self.realtime_pid = 0       # granted again at this run's READY
         self.last_word_said = False
         self.exit_logged = False
+        self.exit_reason = ""
 
 
 def _signame(sig: int) -> str:

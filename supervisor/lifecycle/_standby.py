@@ -33,9 +33,9 @@ class _WarmStandby:
         """Start one more standby of `run` if it has fewer than the depth and none is
         starting (the next starts when this one is warm)."""
         if (not run.cfg.warm_standby or not self.sandboxed or self._nursery is None
-                or self._stopping or run.proc is None or run.proc.poll() is not None):
+                or self._stopping or not run.alive):
             return
-        live = [sb for sb in run.standbys if sb.proc is None or sb.proc.poll() is None]
+        live = [sb for sb in run.standbys if sb.current is None or sb.alive]
         if len(live) >= self.STANDBY_DEPTH or any(not sb.warm for sb in live):
             return
         self._nursery.start_soon(self._keep_standby, run)
@@ -47,7 +47,7 @@ class _WarmStandby:
         sb = WorkerRun(run.cfg, is_standby=True)
         run.standbys.append(sb)         # counted at once: no second start beside it
         try:
-            self._spawn(sb)
+            await self._spawn(sb)
         except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
             run.standbys.remove(sb)
             self.log.emit("standby_failed", worker=run.cfg.name, error=f"{type(e).__name__}: {e}")
@@ -89,17 +89,17 @@ class _WarmStandby:
             if sb is None:
                 return False
             run.standbys.remove(sb)
-            if (sb.proc is not None and sb.proc.poll() is None and not sb.refused
-                    and sb.ctl_sock is not None
-                    and (sb.watch is not None or not self._strict(sb))):
+            if (sb.alive and not sb.refused and sb.current.ctl_sock is not None
+                    and (sb.current.watch is not None or not self._strict(sb))):
                 break
-            if sb.proc is not None and sb.proc.poll() is None:   # unfit: the next one
+            if sb.alive:                        # unfit: the next one
                 self._kill(sb)
         handles = self._handles(run.cfg)
         chans = {ch: h.to_json() for ch, h in handles.items()}
         fds = [fd for h in handles.values() for fd in h.fds()]
         try:
-            socket.send_fds(sb.ctl_sock, [json.dumps({"channels": chans, "fds": fds}).encode()], fds)
+            socket.send_fds(sb.current.ctl_sock,
+                            [json.dumps({"channels": chans, "fds": fds}).encode()], fds)
         except OSError as e:
             self.log.emit("standby_failed", worker=run.cfg.name, error=f"hand-over: {e}")
             self._kill(sb)
@@ -107,11 +107,7 @@ class _WarmStandby:
         sb.adopted = True
         sb.scope.cancel()               # its tasks stop; ours take over its pipes
         await sb.handed_over.wait()
-        for f in ("proc", "pid", "status_r", "status_buf", "status_skip", "status_tokens",
-                  "status_ts",
-                  "out_r", "output", "cgroup", "oom_before", "watch_sock", "watch",
-                  "exec_allowed", "ctl_sock"):
-            setattr(run, f, getattr(sb, f))
+        run.current = sb.current        # its process, pipes, cgroup and watch: ours now
         run.begin(time.monotonic_ns())
         self.log.emit("standby_adopted", worker=run.cfg.name, pid=run.pid,
                       waited_ms=round((run.started_ns - sb.started_ns) / 1e6, 1))

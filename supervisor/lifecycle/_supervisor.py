@@ -2,12 +2,10 @@
 domain's failure policy, the monitor and the ordered shutdown (see the package doc)."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,11 +20,10 @@ from supervisor.exits import Exit
 from supervisor.failsafe import FailSafeLatch
 from supervisor.ipc import Channel
 from supervisor.notify import Notifier
-from supervisor.output import LineLimiter
-from supervisor.protocol import ENV_EXECWATCH_FD, ENV_STANDBY_FD, Endpoint, worker_env
 from supervisor.sandbox.policy import RESEARCH
 
 from ._exec import _ExecWindow
+from ._incarnation import BrokerLauncher, DirectLauncher
 from ._io import _WorkerIO
 from ._lastword import _LastResort
 from ._procstate import process_exiting
@@ -40,18 +37,24 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                  notifier: Notifier | None = None, sandboxed: bool = True,
                  grace_s: float = 3.0, python: str = sys.executable,
                  status_out=None,
-                 status_interval_s: float | None = None) -> None:
+                 status_interval_s: float | None = None,
+                 launcher: DirectLauncher | BrokerLauncher | None = None,
+                 latch: FailSafeLatch | None = None) -> None:
         self.config = config
         self.log = log or EventLog(fmt=config.supervisor.log_format)
         self.notify = notifier or Notifier()
         self.sandboxed = sandboxed
         self.grace_s = grace_s
         self.python = python
-        self.cgroups = None              # sandbox.cgroups.CgroupTree while running
+        # Who starts, signals and reaps the sandboxes: this process (root, the default)
+        # or the privileged broker (`run --privsep` / `--broker`: this process is then
+        # unprivileged, and every privileged act is a checked broker request).
+        self.launcher = launcher or DirectLauncher(config, python, sandboxed)
         self.rt_grouped = False          # its leaves take RT budgets (v1 RT groups)
-        self.latch = FailSafeLatch.for_config(config)
+        self.latch = latch or FailSafeLatch.for_config(config)
         self._nursery: trio.Nursery | None = None
-        self._leaf_seq = 0
+        self._numbers: dict[str, int] = {}  # the last incarnation number per worker
+        self._admission: dict[str, object] | None = None   # reports by worker (judged once)
         self.runs: dict[str, WorkerRun] = {}
         self.channels: dict[str, Channel] = {}
         self._reader_index: dict[tuple[str, str], int] = {}
@@ -63,14 +66,27 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
 
     # ---------------------------------------------------------------- admission
 
-    def admit(self) -> list[str]:
-        """Static admission of every worker; returns the names refused."""
-        refused = []
+    def judge_admission(self) -> None:
+        """Static admission of every worker, judged once per Supervisor. `run --privsep`
+        judges before it drops root: the walk reads the installed code (root's, not a
+        sandbox's output) with root's admission cache, where the unprivileged supervisor
+        proper could reach neither (/root is 0700 here) and would walk cold (~30 s)."""
+        if self._admission is not None:
+            return
+        self._admission = {}
         for name, w in self.config.workers.items():
             argv = None if w.module else list(w.command or ())
             # Admission judges by the domain's profile: what rules it runs under.
-            report = check_worker(name, self.config.profile_of(name), w.module, argv, sys.path)
+            self._admission[name] = check_worker(name, self.config.profile_of(name), w.module,
+                                                 argv, sys.path)
+
+    def admit(self) -> list[str]:
+        """Static admission of every worker; returns the names refused."""
+        self.judge_admission()
+        refused = []
+        for name, report in self._admission.items():
             if not report.ok:
+                w = self.config.workers[name]
                 refused.append(name)
                 self.log.emit("refused", worker=name, domain=w.domain, optional=w.optional,
                               reason=report.format(),
@@ -99,161 +115,63 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
             out[ch] = self.channels[ch].reader_handle(self._reader_index[(ch, w.name)])
         return out
 
-    def _endpoint(self, w: WorkerConfig) -> Endpoint:
-        d = self.config.domains[w.domain]
-        m = self.config.models.get(w.model or "")
-        return Endpoint(name=w.name, domain=w.domain, profile=d.profile,
-                        isolation=d.isolation(), network=d.network, sandboxed=self.sandboxed,
-                        roles=w.roles, writable=d.extra_rw_binds,
-                        model=dataclasses.asdict(m) if m else None, mode=self.config.supervisor.mode,
-                        busy_poll_us=w.busy_poll_us)
+    @property
+    def cgroups(self):
+        """sandbox.cgroups.CgroupTree while running (ours: direct launches as root)."""
+        return self.launcher.cgroups
 
-    # ---------------------------------------------------------------- processes
+    @cgroups.setter
+    def cgroups(self, tree) -> None:
+        self.launcher.cgroups = tree
 
-    def _argv(self, w: WorkerConfig) -> list[str]:
-        if w.module:
-            return [self.python, "-m", "supervisor.runner", w.module, *w.args]
-        return [*w.command, *w.args]
+    @property
+    def via_broker(self) -> bool:
+        return isinstance(self.launcher, BrokerLauncher)
 
-    def _rlimits(self, w: WorkerConfig) -> dict[str, int]:
-        """rlimits of the sandbox: open fds. No RLIMIT_DATA stand-in for a memory_max
-        the cgroups cannot enforce: it counts address space reserved, not memory used (a
-        numpy import with 16 OpenBLAS threads hung under 512 MiB on a GPU machine), and
-        misses shared memory and tmpfs; the limit is reported off instead (one
-        `limits_not_enforced` event, see sandbox.cgroups.LimitsOff)."""
-        limits = {}
-        if w.nofile:
-            limits["nofile"] = w.nofile
-        return limits
-
-    def _cgroup_for(self, run: WorkerRun) -> list[int]:
-        """A fresh cgroup for this run of the worker; returns the fds bwrap joins with."""
-        if self.cgroups is None:
-            return []
-        from supervisor.sandbox.cgroups import Limits
-
+    async def _spawn(self, run: WorkerRun) -> None:
+        """A new process of `run`'s worker (a new Incarnation, from the launcher). A
+        standby gets no channel at all until it is activated (one writer per channel)."""
         w = run.cfg
-        # Never reuse a leaf name: leaf() kills whatever a same-named leaf still holds,
-        # and an adopted standby lives on in the leaf it was started in.
-        self._leaf_seq += 1
-        leaf = f"{w.name}-{'s' if run.is_standby else 'r'}{self._leaf_seq}"
-        run.cgroup = cg = self.cgroups.leaf(leaf, Limits(
-            memory_max=w.memory_max, pids_max=w.pids_max, cpu_quota_pct=w.cpu_quota,
-            cpu_weight=self.config.cpu_weight_of(w.name)))
-        run.oom_before = cg.oom_kills()
-        return cg.open_join_fds()
-
-    def _policy(self, w: WorkerConfig):
-        from supervisor.sandbox.policy import for_worker
-
-        return for_worker(self.config, w)    # one derivation for run, check and audit
-
-    def _spawn(self, run: WorkerRun) -> None:
-        w = run.cfg
-        domain = self.config.domains[w.domain]
-        # A standby gets no channel at all until it is activated (one writer per channel).
-        r, wfd = os.pipe2(os.O_CLOEXEC)
-        os.set_blocking(r, False)
-        # stdout+stderr: a pipe we read, never the supervisor's own streams or a tty.
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        os.set_blocking(out_r, False)
-        env, fds = worker_env(self._endpoint(w), wfd, {} if run.is_standby else self._handles(w))
-        child_fds = [*fds, wfd]
-        ours, theirs = None, None
-        ctl_ours = ctl_theirs = None
-        if run.is_standby:
-            ctl_ours, ctl_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            env[ENV_STANDBY_FD] = str(ctl_theirs.fileno())
-            child_fds.append(ctl_theirs.fileno())
-        join_fds: list[int] = []
-        ok = False
-        try:
-            if self.sandboxed:
-                from supervisor.sandbox import launch
-
-                pol = self._policy(w)
-                if not domain.exec_memory_after_ready:
-                    # The runner hands us its exec-watch listener through this socket
-                    # before the worker's own code runs.
-                    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-                    env[ENV_EXECWATCH_FD] = str(theirs.fileno())
-                    child_fds.append(theirs.fileno())
-                join_fds = self._cgroup_for(run)
-                # Own session: a terminal's Ctrl-C reaches the supervisor only, which
-                # then stops the workers in order.
-                run.proc = launch.spawn(pol, self._argv(w), child_fds, env_extra=env,
-                                        stdin=subprocess.DEVNULL, stdout=out_w, stderr=out_w,
-                                        start_new_session=True, rlimits=self._rlimits(w),
-                                        cgroup_fds=join_fds)
-            else:
-                full = dict(os.environ, **env)
-                run.proc = subprocess.Popen(self._argv(w), pass_fds=child_fds, env=full,
-                                            stdin=subprocess.DEVNULL, stdout=out_w,
-                                            stderr=out_w, start_new_session=True)
-            ok = True
-        finally:
-            for fd in (wfd, out_w, *join_fds):
-                os.close(fd)
-            for sock in (theirs, ctl_theirs):
-                if sock is not None:
-                    sock.close()
-            if not ok:
-                os.close(r)
-                os.close(out_r)
-                for sock in (ours, ctl_ours):
-                    if sock is not None:
-                        sock.close()
-        run.ctl_sock = ctl_ours
-        run.status_r = r
-        run.status_buf, run.status_skip = b"", False
-        run.status_tokens, run.status_ts = self.STATUS_LINES_PER_S, time.monotonic()
-        run.out_r = out_r
-        run.output = LineLimiter()
-        run.watch_sock, run.watch, run.exec_allowed = ours, None, 0
-        run.pid = run.proc.pid
+        number = self._numbers[w.name] = self._numbers.get(w.name, 0) + 1
+        inc = await self.launcher.start(w, number, standby=run.is_standby,
+                                        handles={} if run.is_standby else self._handles(w))
+        inc.status_tokens, inc.status_ts = self.STATUS_LINES_PER_S, time.monotonic()
+        run.current = inc
         run.begin(time.monotonic_ns())
         self.log.emit("standby_start" if run.is_standby else "start", worker=w.name,
-                      domain=w.domain, pid=run.pid, sandboxed=self.sandboxed)
+                      domain=w.domain, pid=run.pid, sandboxed=self.sandboxed,
+                      **({"broker": True} if self.via_broker else {}))
 
     def worker_pids(self, run: WorkerRun) -> list[int]:
-        """Host pids of the worker's processes (inside its sandbox)."""
-        if run.proc is None or run.proc.poll() is not None:
+        """Host pids of the worker's processes (inside its sandbox), bwrap not included;
+        empty once bwrap has exited."""
+        inc = run.current
+        if inc is None or not inc.alive:
             return []
-        if not self.sandboxed:
-            return [run.pid]
-        if run.cgroup is not None:
-            # The sandbox's own cgroup lists exactly its processes (every one was cloned
-            # into it, and none can leave): a read of one file per hierarchy, where
-            # walking all of /proc took 13 ms on a loaded 2-core machine, on the event
-            # loop, for every run at every scan.
-            try:
-                return [p for p in run.cgroup.pids() if p != run.pid]
-            except OSError:
-                pass
-        from supervisor.sandbox import descendant_pids
-
-        return descendant_pids(run.pid)
+        return sorted(inc.members() - {inc.pid}) if self.sandboxed else [inc.pid]
 
     def _kill(self, run: WorkerRun, sig: int = signal.SIGKILL) -> None:
         """SIGKILL goes to the outer bwrap (the whole sandbox dies with it); other
         signals to the worker itself, since bwrap does not forward them."""
-        if run.proc is None or run.proc.poll() is not None:
+        inc = run.current
+        if inc is None or not inc.alive:
             return                  # already reaped: its pid may belong to someone else now
         if sig == signal.SIGKILL or not self.sandboxed:
-            run.proc.send_signal(sig)
+            inc.kill(sig)
             return
         try:
-            os.kill(self._worker_pid(run), sig)     # bwrap itself when there is no worker
+            inc.signal(self._worker_pid(run), sig)   # bwrap itself when there is no worker
         except ProcessLookupError:
             pass
 
     async def _wait_exit(self, run: WorkerRun) -> int:
-        pidfd = os.pidfd_open(run.pid)
+        inc = run.current
+        pidfd = os.pidfd_open(inc.pid)
         try:
             await trio.lowlevel.wait_readable(pidfd)
         finally:
             os.close(pidfd)
-        return run.proc.wait()
+        return inc.wait()
 
     def _refuse(self, run: WorkerRun, kind: str, reason: str, **fields) -> None:
         """A runtime refusal: log it naming the worker, kill the sandbox. The exit that
@@ -295,9 +213,10 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         while not self._stopping:
             try:
                 if not await self._adopt_standby(run):
-                    self._spawn(run)
+                    await self._spawn(run)
             except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
-                # bwrap/prlimit missing, seccomp unavailable, fork failing: a failed start,
+                # bwrap/prlimit missing, seccomp unavailable, fork failing, the broker
+                # refusing: a failed start,
                 # handled by the restart policy like a crash, never a supervisor crash.
                 self.log.emit("start_failed", worker=w.name, error=f"{type(e).__name__}: {e}")
                 code, why = -1, f"start failed: {e}"
@@ -332,7 +251,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
             if run.ready_ns and time.monotonic_ns() - run.ready_ns > w.backoff_max_ms * 4e6:
                 attempt = 0
             delay = min(w.backoff_initial_ms * 2 ** attempt, w.backoff_max_ms) / 1000
-            if any(sb.proc is not None and sb.proc.poll() is None for sb in run.standbys):
+            if any(sb.alive for sb in run.standbys):
                 # A ready-made instance is waiting: the backoff (which protects the
                 # machine from cold-start storms) has nothing to protect here.
                 delay = 0.0
@@ -347,16 +266,8 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
     def _close_run_fds(self, run: WorkerRun) -> None:
         if self._lastword is not None and not run.is_standby:
             self._lastword.forget(run)        # its process is done with: no word now
-        for name in ("status_r", "out_r", "worker_pidfd"):
-            fd = getattr(run, name)
-            if fd is not None:
-                os.close(fd)
-                setattr(run, name, None)
-        for name in ("watch", "watch_sock", "ctl_sock"):
-            obj = getattr(run, name)
-            if obj is not None:
-                obj.close()
-                setattr(run, name, None)
+        if run.current is not None:
+            run.current.close()
 
     def _all_runs(self) -> list[WorkerRun]:
         """Active runs and their standbys: every sandbox the supervisor has."""
@@ -368,13 +279,9 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
 
     def _release_cgroup(self, run: WorkerRun) -> None:
         """Nothing of a finished run survives it: leftovers are killed, the cgroup removed."""
-        cg, run.cgroup = run.cgroup, None
-        if cg is not None:
-            try:
-                cg.kill_all()
-                cg.remove()
-            except OSError as e:
-                self.log.emit("cgroup_error", worker=run.cfg.name, error=str(e))
+        if run.current is not None:
+            run.current.release(functools.partial(self.log.emit, "cgroup_error",
+                                                  worker=run.cfg.name))
 
     async def _give_up(self, run: WorkerRun, task_status, started: bool, why: str) -> None:
         w = run.cfg
@@ -397,12 +304,12 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
             await self._last_word(run)
             return result
         finally:
-            if run.out_r is not None:
+            if run.current is not None and run.current.out_r is not None:
                 self._drain_output(run)     # its last words, then the pipe goes
             # Left while it still runs (the supervisor is stopping: cancelled, SIGINT):
             # its pipes stay open until _shutdown_workers has stopped it. Closed here, a
             # worker writing on its way out died of it (exit code 120 for a clean stop).
-            if run.proc is None or run.proc.poll() is not None:
+            if not run.alive:
                 self._close_run_fds(run)
 
     def _worker_pid(self, run: WorkerRun) -> int:
@@ -421,12 +328,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         as exit code 128+N (the runner never exits above 127 itself)."""
         sig = -code if code < 0 else (code - 128 if self.sandboxed and 128 < code <= 192 else 0)
         cause = run.kill_reason
-        oom = 0
-        if run.cgroup is not None:
-            try:
-                oom = run.cgroup.oom_kills() - run.oom_before
-            except OSError:
-                pass
+        oom = run.current.oom_kills() if run.current is not None else 0
         if oom > 0:
             cause = f"out of memory: killed by the kernel at the cgroup limit " \
                     f"memory_max={run.cfg.memory_max}"
@@ -463,7 +365,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                 for _ in range(64):
                     if run.ready_said.is_set() or not self._poll_status(run):
                         break
-                if run.ready_said.is_set() or run.refused or run.proc.poll() is not None:
+                if run.ready_said.is_set() or run.refused or not run.alive:
                     return
                 why = f"not ready within {w.ready_timeout_ms} ms"
                 run.kill_reason = "ready timeout"
@@ -520,7 +422,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
 
     def _run_over(self, run: WorkerRun) -> bool:
         """The run is refused already, or its sandbox (bwrap) has exited."""
-        return bool(run.refused) or run.proc is None or run.proc.poll() is not None
+        return bool(run.refused) or not run.alive
 
     async def _scan_run(self, run: WorkerRun) -> None:
         """One scan of every process of one run's sandbox; refuses the run on a finding,
@@ -537,7 +439,8 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                 # change either.
                 hits = await trio.to_thread.run_sync(functools.partial(
                     maps.scan_pid, pid, snapshot=snap if own else None,
-                    immutable_code=snap is not None and not own))
+                    immutable_code=snap is not None and not own,
+                    opener=self.launcher.opener))
             except maps.ProcessGone:   # went away between listing and reading
                 continue
             except Exception as exc:
@@ -571,7 +474,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         while True:
             for run in self._all_runs():
                 self._log_status(run)          # a held status change, now allowed
-            up = sum(1 for r in self.runs.values() if r.proc and r.proc.poll() is None)
+            up = sum(1 for r in self.runs.values() if r.alive)
             text = f"{up}/{len(self.runs)} workers running"
             self.notify.send(watchdog=1, status=text) if self.notify.watchdog_s else \
                 self.notify.status(text)
@@ -590,26 +493,27 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         order = [n for n in reversed(self.config.start_order()) if n in self.runs]
         for name in order:
             run = self.runs[name]
-            if run.proc is None:
+            inc = run.current
+            if inc is None:
                 continue
-            stopped = run.proc.poll() is None
+            stopped = inc.alive
             if stopped:
                 self._kill(run, signal.SIGTERM)
                 with trio.move_on_after(self.grace_s):
-                    while run.proc.poll() is None:
+                    while inc.alive:
                         await trio.sleep(0.01)
-                if run.proc.poll() is None:
+                if inc.alive:
                     self._kill(run)
-                    run.proc.wait()
+                    inc.wait()
             self._poll_status(run)              # its last lines, then its last word
             self._log_status(run, final=True)
-            if run.out_r is not None:
+            if run.current is not None and run.current.out_r is not None:
                 self._drain_output(run)
             await self._last_word(run)          # a stopped commander says SAFE too
             if stopped:
-                self.log.emit("stopped", worker=name, pid=run.pid, code=run.proc.returncode)
+                self.log.emit("stopped", worker=name, pid=run.pid, code=inc.returncode)
             elif not run.exit_logged:
-                self._log_exit(run, run.proc.returncode, "exited while the supervisor stopped")
+                self._log_exit(run, inc.returncode, "exited while the supervisor stopped")
             self._close_run_fds(run)
             self._release_cgroup(run)
 
@@ -617,9 +521,9 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         """A standby holds no channel: killed at once, and logged as `stopped` (it was
         not a crash), never as an exit."""
         sb.stopped = True
-        if sb.proc is not None and sb.proc.poll() is None:
+        if sb.alive:
             self._kill(sb)
-            sb.proc.wait()
+            sb.current.wait()
             self.log.emit("stopped", worker=run.cfg.name, standby=True, pid=sb.pid)
         self._release_cgroup(sb)
 
@@ -627,6 +531,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         """The `exit` event of the run's current process (once per process)."""
         sig, cause = self._exit_cause(run, code)
         run.exit_logged = True
+        run.exit_reason = f"{why} ({cause})" if cause else why
         self.log.emit("exit", worker=run.cfg.name, pid=run.pid, code=code, signal=sig,
                       cause=cause or None, reason=why,
                       uptime_ms=round((time.monotonic_ns() - run.started_ns) / 1e6, 3))
@@ -718,7 +623,10 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         from supervisor.config import check_runtime
 
         problems = [p for p in check_runtime(self.config, sandboxed=self.sandboxed)
-                    if not any(p.key.startswith(f"workers.{n}.") for n in refused)]
+                    if not any(p.key.startswith(f"workers.{n}.") for n in refused)
+                    # through the broker the state dir is the broker's (it opened it
+                    # as root at its start), never written by this unprivileged process
+                    and not (self.via_broker and p.key == "supervisor.state_dir")]
         for p in problems:
             self.log.emit("config_problem", problem=str(p))
         if not problems:
@@ -733,14 +641,16 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                                 "(or --no-sandbox for development)")
         from supervisor.sandbox.policy import host_ids
 
-        for name, d in self.config.domains.items():
+        # Through the broker the domain users are its to check (it refuses a plan
+        # without one); here, unprivileged, host_ids would say "none" for each.
+        for name, d in ([] if self.via_broker else self.config.domains.items()):
             try:
                 uid, gid = host_ids(d.profile, d.user)
             except LookupError as e:
                 return Exit.CONFIG, str(e)
             self.log.emit("domain_user", domain=name, host_uid=uid, host_gid=gid,
                           user=d.user or None)
-        if os.geteuid() == 0:
+        if os.geteuid() == 0 and not self.via_broker:   # (the broker holds its own)
             from supervisor.sandbox.cgroups import CgroupTree, CgroupUnavailable, limits_off
 
             try:
@@ -797,25 +707,25 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
             self.monitor.fail_safe = why
             self.monitor.print_line()
         try:
-            self.latch.set(why)
+            await trio.to_thread.run_sync(self.latch.set, why)
         except OSError as e:
             self.log.emit("fail_safe_latch_error", path=str(self.latch.path), error=str(e))
         doomed = [r for r in self._all_runs()
                   if self.config.profile_of(r.cfg.name) != RESEARCH]
         for run in doomed:
-            if run.proc is not None and run.proc.poll() is None and not run.kill_reason:
+            if run.alive and not run.kill_reason:
                 run.kill_reason = "fail-safe"
             self._kill(run)
         with trio.move_on_after(self.grace_s):
             for run in doomed:
-                while run.proc is not None and run.proc.poll() is None:
+                while run.alive:
                     await trio.sleep(0.002)
         # bwrap gone is not everything gone: processes of the sandbox outlive it for
         # ~10-50 ms. The safe word is written only once every cgroup is empty.
         for run in doomed:
-            if run.cgroup is not None:
+            if run.current is not None:
                 try:
-                    await trio.to_thread.run_sync(run.cgroup.kill_all)
+                    await trio.to_thread.run_sync(run.current.kill_all)
                 except (OSError, TimeoutError) as e:
                     self.log.emit("fail_safe_error", worker=run.cfg.name,
                                   reason=f"cgroup not empty: {e}; not writing")
@@ -826,7 +736,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
             if not ch.actuation or name not in self.channels:
                 continue
             writer = self.runs.get(self.config.writer_of(name))
-            if writer is not None and writer.proc is not None and writer.proc.poll() is None:
+            if writer is not None and writer.alive:
                 self.log.emit("fail_safe_error", channel=name,
                               reason=f"writer {writer.cfg.name} still alive; not writing")
                 continue

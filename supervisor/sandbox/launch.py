@@ -182,6 +182,23 @@ def on_stable_thread(fn: Callable[[], T]) -> T:
     return _spawner.call(fn)
 
 
+def worker_argv(w: Any, python: str) -> list[str]:
+    """The argv of worker `w` (a config WorkerConfig): a module through the runner, or
+    its command. One home for the supervisor's launches and the broker's."""
+    if w.module:
+        return [python, "-m", "supervisor.runner", w.module, *w.args]
+    return [*w.command, *w.args]
+
+
+def worker_rlimits(w: Any) -> dict[str, int]:
+    """rlimits of worker `w`'s sandbox: open fds. No RLIMIT_DATA stand-in for a
+    memory_max the cgroups cannot enforce: it counts address space reserved, not memory
+    used (a numpy import with 16 OpenBLAS threads hung under 512 MiB on a GPU machine),
+    and misses shared memory and tmpfs; the limit is reported off instead (one
+    `limits_not_enforced` event, see sandbox.cgroups.LimitsOff)."""
+    return {"nofile": w.nofile} if w.nofile else {}
+
+
 def spawn(
     policy: SandboxPolicy,
     argv: list[str],

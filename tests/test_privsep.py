@@ -1,0 +1,202 @@
+"""The split supervisor live (issue 27, phase 2): `supervisor run --privsep` starts the
+privileged broker and runs on as an unprivileged user with no capabilities; every
+sandbox is the broker's; a fault-injected supervisor proper is refused by the broker."""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import trio
+
+from supervisor.broker import BrokerClient
+from supervisor.broker import _protocol as P
+from supervisor.config import load
+from supervisor.events import EventLog
+from supervisor.lifecycle import BrokerLatch, BrokerLauncher, Exit, Supervisor
+from tests.conftest import Run
+from tests.test_lifecycle import CONTROL, PIPELINE
+
+pytestmark = pytest.mark.sandbox
+if shutil.which("bwrap") is None:
+    pytest.skip("bubblewrap is not installed", allow_module_level=True)
+if os.geteuid() != 0:
+    pytest.skip("--privsep starts the broker as root", allow_module_level=True)
+
+# Probes a -> b -> c in the control domain (fail_safe); b may be restarted once.
+TOML = CONTROL.format(policy="fail_safe") + PIPELINE.format(a_args="", a_extra="") \
+    .replace('args = ["--read", "a_out", "--publish", "b_out"]',
+             'args = ["--read", "a_out", "--publish", "b_out"]\n'
+             'max_restarts = 1\nrestart_window_s = 120\nbackoff_initial_ms = 10')
+
+
+class PrivsepRun(Run):
+    """`supervisor run --privsep` as a child process (conftest.Run's event reading)."""
+
+    def __init__(self, tmp_path: Path, toml: str) -> None:
+        self.path = tmp_path / "sup.toml"
+        self.path.write_text(textwrap.dedent(toml))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.cli", "run", "--privsep", "--quiet",
+             "--config", str(self.path)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.events, self.lines = [], []
+        self.admitted_at = None
+        self._lines = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+
+def _status(pid: int) -> dict[str, str]:
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        k, _, v = line.partition(":")
+        out[k] = v.strip()
+    return out
+
+
+def _ppid(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_bytes()
+    return int(stat[stat.rindex(b")") + 2:].split()[1])
+
+
+def test_privsep_run_holds_no_privilege_restarts_and_latches_through_the_broker(tmp_path):
+    """While the pipeline runs the supervisor proper is not uid 0 and holds no
+    capability in any set; its workers are the broker's children; a worker killed -9
+    is restarted; killed again (budget spent) the control domain fails safe and the
+    latch is written by the broker, which the next --privsep run reads: exit 4."""
+    state = Path(os.environ["TRIO_STATE_DIR"])
+    r = PrivsepRun(tmp_path, TOML)
+    try:
+        r.wait_for("all_ready", timeout=90)
+        proper = r.wait_for("supervisor_start")[0]["pid"]
+        broker = r.wait_for("broker_start")[0]
+        st = _status(proper)
+        assert "0" not in st["Uid"].split() and "0" not in st["Gid"].split(), st
+        for cap in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+            assert int(st[cap], 16) == 0, (cap, st[cap])
+        assert st["NoNewPrivs"] == "1" and st["Groups"] == ""
+        assert broker["uid"] == 0 and _ppid(broker["pid"]) == proper
+        starts = {e["worker"]: e for e in r.events if e["event"] == "start"}
+        assert set(starts) == {"a", "b", "c"} and all(e["broker"] for e in starts.values())
+        for e in starts.values():                 # bwrap is the broker's child, not ours
+            assert _ppid(e["pid"]) == broker["pid"]
+        os.kill(starts["b"]["pid"], signal.SIGKILL)
+        r.wait_for("ready", count=2, worker="b", timeout=60)
+        again = [e for e in r.events if e["event"] == "start" and e["worker"] == "b"][-1]
+        assert again["pid"] != starts["b"]["pid"]
+        os.kill(again["pid"], signal.SIGKILL)
+        assert r.finish(timeout=60) == Exit.FAIL_SAFE
+    finally:
+        r.stop()
+    latch = [e for e in r.events if e["event"] == "broker_latch"]
+    assert latch and latch[0]["action"] == "set" and latch[0]["source"] == "broker"
+    assert json.loads((state / "failsafe.latch").read_text())["by"] == "broker"
+    assert r.events[-1]["event"] == "broker_exit"        # it outlived the proper, then went
+    for e in r.events:
+        if e["event"] == "start":
+            assert not os.path.exists(f"/proc/{e['pid']}")
+    # The next run reads the latch through its broker and starts nothing.
+    r2 = PrivsepRun(tmp_path, TOML)
+    try:
+        assert r2.finish(timeout=60) == Exit.FAIL_SAFE
+    finally:
+        r2.stop()
+    assert not [e for e in r2.events if e["event"] == "start"]
+    assert "fail-safe latched" in [e for e in r2.events if e["event"] == "supervisor_exit"][0]["reason"]
+    (state / "failsafe.latch").unlink()
+
+
+class FaultInjected(BrokerLauncher):
+    """A supervisor proper whose parser was subverted: before its first start it asks the
+    broker for what root could do. Each ask is refused (and logged by the broker); the
+    run then goes on as usual."""
+
+    tried: dict | None = None
+
+    async def start(self, w, number, *, standby, handles):
+        if self.tried is None:
+            self.tried = await trio.to_thread.run_sync(self._attacks)
+        return await super().start(w, number, standby=standby, handles=handles)
+
+    def _attacks(self) -> dict:
+        c, out = self.client, {}
+        for name, ask in {
+            # uid 0 or a bind of /: a start names a worker of the broker's config and
+            # its incarnation, nothing else; the nearest asks are a worker that is not
+            # in the config and a "channel" fd that is the root directory.
+            "start_root": lambda: c.call(P.Start("root", 1)),
+            "bind_root": lambda: self._start_with_root_dir(),
+            "kill_pid_1": lambda: c.signal(1, signal.SIGKILL),
+            "proc_of_pid_1": lambda: c.open_proc(1, ("maps",)),
+            # The latch request carries a reason, never a path: a path-like reason is
+            # a reason; one with control characters is malformed.
+            "latch_escape": lambda: c.set_latch("x\n../../../etc/cron.d/own"),
+        }.items():
+            try:
+                ask()
+                out[name] = "allowed"
+            except Exception as e:                     # the broker's typed refusal
+                out[name] = getattr(e, "code", type(e).__name__)
+        return out
+
+    def _start_with_root_dir(self) -> None:
+        fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            self.client.call(P.Start("a", 10_000, False, (P.Grant("a_out", "writer", 1),)),
+                             [fd])
+        finally:
+            os.close(fd)
+
+
+def test_a_fault_injected_supervisor_proper_is_refused_by_the_broker(tmp_path):
+    cfg_path = tmp_path / "fault.toml"
+    cfg_path.write_text(textwrap.dedent(TOML))
+    cfg = load(cfg_path)
+    # No uid, argv, bind or path in the start request: the vocabulary cannot say them.
+    assert [f.name for f in dataclasses.fields(P.Start)] == [
+        "worker", "incarnation", "standby", "channels"]
+    assert [f.name for f in dataclasses.fields(P.SetLatch)] == ["reason"]
+    err = tmp_path / "broker.err"
+    state = Path(os.environ["TRIO_STATE_DIR"])
+    with open(err, "w") as f:
+        client = BrokerClient.spawn(state_dir=state, config=cfg_path, stderr=f)
+    launcher = FaultInjected(client)
+    log = EventLog(stream=io.StringIO())
+    sup = Supervisor(cfg, log=log, launcher=launcher,
+                     latch=BrokerLatch(client, state / "failsafe.latch"))
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            n.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        code = client.close()
+    assert code == 0
+    assert launcher.tried == {"start_root": "unknownWorker", "bind_root": "badFds",
+                              "kill_pid_1": "notOurs", "proc_of_pid_1": "notOurs",
+                              "latch_escape": "malformed"}, launcher.tried
+    events = [json.loads(ln) for ln in err.read_text().splitlines() if ln.startswith("{")]
+    refused = [(e["request"], e["code"]) for e in events if e["event"] == "broker_refused"]
+    assert refused == [("start", "unknownWorker"), ("start", "badFds"),
+                       ("signal", "notOurs"), ("openProc", "notOurs"),
+                       ("?", "malformed")], refused
+    assert not (state / "failsafe.latch").exists()
+    assert not Path("/etc/cron.d/own").exists()
+    # The run itself went on: every worker READY, started by the broker, stopped.
+    assert [e["worker"] for e in log.of("ready")] == ["a", "b", "c"]
+    assert sup.exit_code == Exit.SHUTDOWN
+    assert {e["worker"] for e in events if e["event"] == "broker_started"} == {"a", "b", "c"}
