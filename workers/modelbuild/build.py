@@ -464,12 +464,14 @@ def _build(out, key, pub, tmp, *, cuda=None, target, arch_string, level, need_fl
         cc = CU.capture(lambda *ys: cnet.forward(*[p(y) for p, y in zip(cpres, ys)]).realize(),
                         cin, int(gout.nbytes))
         CU.compile_all(cc, cuda["archs"])
+        cuda["emulated"] = CU.emulate_check(cc, gins, gout, CU.golden_tolerance())
         cuda["capture"] = cc
         cuda["golden"] = (b"".join(g.tobytes() for g in gins) + gout.tobytes(),
                           (int(sum(g.nbytes for g in gins)), int(gout.nbytes)))
         log(f"modelbuild: CUDA: {len(cc.plan['calls'])} kernel calls, "
             f"{len(cc.plan['buffers'])} buffers, cubins for {', '.join(cuda['archs'])} "
-            f"(NVRTC {cuda['toolkit']})")
+            f"(NVRTC {cuda['toolkit']}); the plan emulated on the CPU matches the CPU "
+            f"build within {cuda['emulated']['max_abs']:.3g}")
     cap.free_intermediates()
     jit_bytes = pickle.dumps(CapturedJit(cap.ret, stripped, cap.expected_names,
                                          cap.expected_input_info), protocol=5)
@@ -595,7 +597,8 @@ def _build(out, key, pub, tmp, *, cuda=None, target, arch_string, level, need_fl
     if cuda is not None:
         out = cuda["out"]
         manifest = CU.write_bundle(out, cuda["capture"], cuda["archs"], cuda["toolkit"],
-                                   manifest, *cuda["golden"], CU.golden_tolerance())
+                                   manifest, *cuda["golden"], CU.golden_tolerance(),
+                                   emulated=cuda["emulated"])
         rows = []
         target = manifest["runtime"]["target"]
     mbytes = A.write_signed(out, manifest, key)

@@ -220,7 +220,7 @@ def compile_all(cc: CudaCapture, archs: list[str]) -> None:
 
 def write_bundle(out: Path, cc: CudaCapture, archs: list[str], toolkit_version: str,
                  base_manifest: dict, golden: bytes, golden_sizes: tuple[int, int],
-                 tolerance: float) -> dict:
+                 tolerance: float, emulated: dict | None = None) -> dict:
     """Write launch.json, weights.bin, cubin.<arch>, golden.bin; return the manifest
     (unsigned; the caller signs it)."""
     from supervisor.model import artifact as A
@@ -264,6 +264,8 @@ def write_bundle(out: Path, cc: CudaCapture, archs: list[str], toolkit_version: 
            for a in archs},
     }
     m["kernels"] = kernels
+    if emulated is not None:
+        m["checks"] = {"launch_plan_emulated": emulated}
     gi, go = golden_sizes
     m["golden"] = {"file": A.GOLDEN_FILE, "input_bytes": gi, "output_bytes": go,
                    "tolerance": {"max_abs": tolerance,
@@ -275,6 +277,27 @@ def write_bundle(out: Path, cc: CudaCapture, archs: list[str], toolkit_version: 
 
 def golden_tolerance() -> float:
     return 1e-3
+
+
+def emulate_check(cc: CudaCapture, inputs: list[np.ndarray], expected: np.ndarray,
+                  tolerance: float) -> dict:
+    """Run the launch plan as written on the CPU (`cuda_emulate`: the CUDA sources as C++)
+    on ``inputs``; its output must be ``expected`` (the CPU build's) within
+    ``tolerance``, else the build stops: a plan that computes something else is never
+    signed."""
+    from . import cuda_emulate as EM
+
+    raw = EM.run_plan(cc.plan, cc.weights, cc.sources, inputs)
+    out = raw.view(expected.dtype).reshape(expected.shape)
+    diff = float(np.abs(out.astype(np.float64) - expected.astype(np.float64)).max())
+    if not np.isfinite(out).all() or diff > tolerance:
+        raise SystemExit(f"modelbuild: the CUDA launch plan, emulated on the CPU, gives "
+                         f"{out.tolist()}, the CPU build {expected.tolist()} (max |diff| "
+                         f"{diff:g} > {tolerance:g}): not signed")
+    return {"max_abs": diff, "tolerance": tolerance,
+            "how": "launch.json run on the CPU: the kernels' CUDA C compiled as C++ by "
+                   "clang++, blocks in order, a block's threads at a barrier; checks the "
+                   "plan (buffers, argument order, grid/block, weights), not NVRTC's code"}
 
 
 def np_bytes(a: np.ndarray) -> bytes:
