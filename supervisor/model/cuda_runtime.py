@@ -142,7 +142,9 @@ class DeviceInfo:
     cuda_api: int               # cuDriverGetVersion, e.g. 13000
 
     def label(self) -> str:
-        return f"CUDA:{self.ordinal} {self.name} {self.uuid}"
+        """Where a run happened, as the receipt's device: ordinal, name, UUID, driver."""
+        return (f"CUDA:{self.ordinal} {self.name} {self.uuid} "
+                f"driver {self.driver or 'unknown'}")
 
 
 def _uuid(raw: bytes) -> str:
@@ -245,7 +247,7 @@ class CudaModel:
         drv("cuEventCreate", ctypes.byref(self.ev_done), 0)
         self.kernels_in_program = len(self._calls)
         # The receipt's device: where it ran, not a label the artifact gave itself.
-        self._label = self.device.label()[:120]
+        self._label = self.device.label()[:160]
         self.runtime_info = {
             "device": f"CUDA:{ordinal}", "device_class": "cuda-driver",
             "program_class": "cuModuleLoadData(cubin)", "renderer": "CUDA (build side)",
