@@ -178,14 +178,14 @@ def _run_fleet(tmp) -> dict:
             await until(lambda: all(_of(log.events, w, "exit") for w in LASTWORD)
                         and any('"restarted"' in e["line"]
                                 for e in _of(log.events, "c-brick", "output")), 120)
-            await trio.sleep(3.0)          # the last words, the brick's restarts
+            await trio.sleep(1.0)          # the last words
             # Phase 2: an actuation writer's death in a quiet moment
             n.start_soon(receive, "c-vquiet", await reader_of(_ch("c-vquiet")))
             await until(lambda: _of(log.events, "c-vquiet", "last_word"), 30)
             # Phases 3 and 4: each CPU attack alone, after a quiet window; during the
             # flood, the second actuation writer's death
             for name in CPU_ATTACKS:
-                await trio.sleep(2.0)
+                await trio.sleep(1.5)
                 await reader_of(_ch(name))
                 if name == "r-flood":
                     await trio.sleep(0.5)
@@ -344,7 +344,7 @@ def test_last_word_is_seen_after_a_rejected_sequence_jump(fleet):
 
 
 def _cost(fleet, worker: str) -> tuple[float, float, float, float]:
-    """(CPU/s during, CPU/s in the 2 s before, p99 event-loop lag during, before, ms)."""
+    """(CPU/s during, CPU/s in the 1.5 s before, p99 event-loop lag during, before, ms)."""
     t0, t1 = fleet["windows"][worker]
 
     def cpu_share(a: int, b: int) -> float:
@@ -357,7 +357,7 @@ def _cost(fleet, worker: str) -> tuple[float, float, float, float]:
         xs = [x for t, x in fleet["lag"] if a <= t <= b]
         return float(np.percentile(xs, 99)) if xs else math.nan
 
-    before = (t0 - 2_000_000_000, t0)
+    before = (t0 - 1_500_000_000, t0)
     return cpu_share(t0, t1), cpu_share(*before), p99(t0, t1), p99(*before)
 
 

@@ -270,7 +270,7 @@ def newline_flood(ctx: WorkerContext, w: Writer | None) -> dict:
 
 def status_escape_flood(ctx: WorkerContext, w: Writer) -> dict:
     """STATUS lines of 4,088 control characters (4 KiB with the key and newline: one
-    read each), as fast as the pipe takes them, for 3 s. Each is well under the flood
+    read each), as fast as the pipe takes them, for 2 s. Each is well under the flood
     limit's 1,000 lines/s, but the supervisor makes the whole line printable (a Python
     escape per character, ~2 ms a line) before it keeps the first 512 characters."""
     from supervisor.worker import ENV_STATUS_FD
@@ -280,7 +280,7 @@ def status_escape_flood(ctx: WorkerContext, w: Writer) -> dict:
     fd = int(os.environ[ENV_STATUS_FD])
     line = b"STATUS=" + b"\x01" * (4096 - len("STATUS=") - 1) + b"\n"
     t0, cpu0, sent = time.monotonic_ns(), time.process_time(), 0
-    end = t0 + 3_000_000_000
+    end = t0 + 2_000_000_000
     while time.monotonic_ns() < end:
         try:
             os.write(fd, line)
@@ -296,7 +296,7 @@ def status_escape_flood(ctx: WorkerContext, w: Writer) -> dict:
 def wake_spam(ctx: WorkerContext, w: Writer | None) -> dict:
     """A research writer holds the writer's end of every reader's wake-up socket of its
     channel, the supervisor's own monitor among them (the spare reader index, read on
-    the supervisor's event loop). One byte per loop for 3 s, never a message: each
+    the supervisor's event loop). One byte per loop for 2 s, never a message: each
     byte wakes the monitor's reader, which drains, finds nothing and sleeps again."""
     w.publish_array(np.zeros(w.spec.slot_size // 4, np.float32)[:4])
     if not _await_reader(ctx, w, TEST_READER, took=False):
@@ -306,7 +306,7 @@ def wake_spam(ctx: WorkerContext, w: Writer | None) -> dict:
     for fd in fds:
         os.set_blocking(fd, False)
     t0, cpu0, sent, full = time.monotonic_ns(), time.process_time(), 0, 0
-    end = t0 + 3_000_000_000
+    end = t0 + 2_000_000_000
     while time.monotonic_ns() < end:
         for fd in fds:
             try:
