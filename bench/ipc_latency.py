@@ -168,8 +168,14 @@ def main(argv: list[str] | None = None) -> int:
                          "'none', or 'auto' (bridge and iox2 if selected; default)")
     ap.add_argument("--syscalls-only", action="store_true",
                     help="only the system-call pass (no cost, no matrix)")
+    ap.add_argument("--breakdown", type=int, metavar="N", nargs="?", const=2000,
+                    help="only split each woken message's latency (bridge and iceoryx2 "
+                         "event, N paced messages per size, default 2000) at the writer's "
+                         "return from send and the reader's return from its wait")
     ap.add_argument("-v", "--verbose", action="store_true", help="print child tracebacks")
     args = ap.parse_args(argv)
+    if args.breakdown:
+        return breakdown(args.breakdown, args.sizes)
 
     keys = [k.strip() for k in args.transports.split(",") if k.strip()]
     unknown = [k for k in keys if k not in TRANSPORTS]
@@ -367,6 +373,196 @@ def _syscall_pass(keys: list[str], labels: dict[str, str], sizes, modes, args,
     return {"summary": summary,
             "runs": [{k: r.get(k) for k in ("transport", "size", "mode", "syscalls",
                                               "error")} for r in runs]}
+
+
+# --------------------------------------------------------------------------------------
+# --breakdown: where a woken message's latency goes
+# --------------------------------------------------------------------------------------
+
+_BD_WARMUP = 50
+
+
+def breakdown(count: int, sizes_arg: str) -> int:
+    """Bridge and iceoryx2 (event), paced (one message in flight, the reader asleep for
+    each), every message split into: stamp -> the writer's send returns; stamp -> the
+    reader's blocking wait returns (the wake-up: the writer's part, the kernel's and the
+    scheduler's); wait returns -> the reader holds a view (the reader's part). Sizes
+    alternate the transports' order. Children write their clock readings into shared
+    memory; nothing is printed until both are gone."""
+    sizes = [b for _, b in SIZES] if sizes_arg == "all" else [
+        NV12_FRAME if x.strip() in ("frame", "nv12") else int(x) for x in sizes_arg.split(",")]
+    print(f"ipc_latency --breakdown: {count} paced messages per case, p50 / p99 us; "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print(f"{'size':>9} {'transport':9} {'total':>15} {'writer part':>15} "
+          f"{'stamp->woken':>15} {'reader part':>15}")
+    for n, nbytes in enumerate(sizes):
+        period = 2e-3 if nbytes >= NV12_FRAME else 1e-3 if nbytes >= 1 << 20 else 5e-4
+        for kind in (("bridge", "iox2") if n % 2 == 0 else ("iox2", "bridge")):
+            st, sent, woke, got = _bd_case(kind, nbytes, count, period)
+            ok = woke > 0
+            cells = []
+            for a, b in ((st, got), (st, sent), (st[ok], woke[ok]), (woke[ok], got[ok])):
+                d = (b - a) / 1e3
+                cells.append(f"{np.percentile(d, 50):7.1f}/{np.percentile(d, 99):<7.1f}")
+            print(f"{nbytes:>9} {kind:9} " + " ".join(cells)
+                  + (f"  (woken {ok.mean():.2f})" if ok.mean() < 0.99 else ""), flush=True)
+    iox2_cleanup()
+    return 0
+
+
+def _bd_case(kind: str, nbytes: int, count: int, period_s: float) -> np.ndarray:
+    """One case in two fork()ed children; rows: stamp, sent, woken (0: not asleep), got."""
+    import mmap
+    from ipcbench.iox2 import Iox2Transport
+    from ipcbench.transport import read_stamp, stamp, u8_view
+    now = time.monotonic_ns
+    shm = mmap.mmap(-1, 8 * (4 * count + 3))
+    ctrl = np.frombuffer(shm, dtype=np.int64)
+    ctrl[:] = 0
+    ctrl[0] = -1                           # sequence taken last (the writer's credit)
+    rows = ctrl[3:].reshape(4, count)      # ctrl[1]: receiver ready, ctrl[2]: done
+    t = BridgeTransport() if kind == "bridge" else Iox2Transport()
+    t.setup(nbytes, f"bd-{os.getpid()}-{nbytes}")
+    src = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
+    total = count + _BD_WARMUP
+
+    def writer() -> None:
+        if kind == "bridge":
+            from supervisor.ipc import Writer
+            w = Writer(t.wh)
+
+            def send(i: int) -> int:
+                with w.loan() as slot:
+                    a = slot.array((nbytes,), "uint8")
+                    np.copyto(a, src)
+                    ts = stamp(a, i)
+                    del a
+                    slot.publish(publish_ts_ns=ts)
+                return ts
+        else:
+            end = now() + 15_000_000_000
+            while not ctrl[1] and now() < end:
+                time.sleep(1e-3)     # the reader creates the services
+            import iceoryx2 as iox2
+            node = t._node()
+            pub = (t._pubsub_builder(node).open().publisher_builder()
+                   .initial_max_slice_len(nbytes).max_loaned_samples(2).create())
+            notifier = (node.service_builder(iox2.ServiceName.new(t.service)).event()
+                        .open().notifier_builder().create())
+            pub.update_connections()
+
+            def send(i: int) -> int:
+                sample = pub.loan_slice_uninit(nbytes)
+                buf = u8_view(sample.payload_ptr, nbytes)
+                np.copyto(buf, src)
+                sample = sample.assume_init()
+                ts = stamp(buf, i)
+                del buf
+                sample.send()
+                notifier.notify()
+                return ts
+        end = now() + 15_000_000_000
+        while not ctrl[1]:
+            if now() > end:
+                raise TimeoutError("the reader never became ready")
+            time.sleep(1e-3)
+        for i in range(total):
+            time.sleep(period_s)
+            end = now() + 2_000_000_000
+            while ctrl[0] < i - 1 and now() < end:
+                pass                       # never before the previous one was taken
+            ts = send(i)
+            t_sent = now()
+            if i >= _BD_WARMUP:
+                rows[0, i - _BD_WARMUP], rows[1, i - _BD_WARMUP] = ts, t_sent
+        end = now() + 5_000_000_000
+        while not ctrl[2] and now() < end:
+            time.sleep(1e-3)
+
+    def reader() -> None:
+        if kind == "bridge":
+            from supervisor.ipc import Reader
+            r = Reader(t.rh)
+            wait, woke = r._wait, [0]
+
+            def timed_wait(*a):            # the reader's blocking wait, clocked
+                x = wait(*a)
+                woke[0] = now()
+                return x
+            r._wait = timed_wait
+            ctrl[1] = 1
+
+            def recv() -> tuple[int, int, int]:
+                woke[0] = 0
+                m = r.try_receive()
+                if m is None:
+                    m = r.receive(timeout=5.0)
+                arr = m.array
+                t_got = now()
+                seq = read_stamp(arr)[1]
+                del arr
+                m.release()
+                return seq, woke[0], t_got
+        else:
+            import iceoryx2 as iox2
+            node = t._node()
+            sub = t._pubsub_builder(node).create().subscriber_builder().create()
+            listener = (node.service_builder(iox2.ServiceName.new(t.service)).event()
+                        .create().listener_builder().create())
+            wait_for = iox2.Duration.from_nanos(50_000_000)
+            ctrl[1] = 1
+
+            def recv() -> tuple[int, int, int]:
+                t_woke, end = 0, now() + 5_000_000_000
+                while (sample := sub.receive()) is None:
+                    if now() > end:
+                        raise TimeoutError("no message within 5 s")
+                    listener.timed_wait(wait_for)
+                    t_woke = now()
+                p = sample.payload()
+                arr = u8_view(p.data_ptr, p.number_of_elements)
+                t_got = now()
+                seq = read_stamp(arr)[1]
+                del arr, p
+                sample.delete()
+                return seq, t_woke, t_got
+        for _ in range(total):
+            seq, t_woke, t_got = recv()
+            if seq >= _BD_WARMUP:
+                rows[2, seq - _BD_WARMUP], rows[3, seq - _BD_WARMUP] = t_woke, t_got
+            ctrl[0] = seq
+        ctrl[2] = 1
+
+    pids = []
+    for role in ((writer, reader) if kind == "bridge" else (reader, writer)):
+        pid = os.fork()
+        if pid == 0:
+            import gc
+            gc.disable()
+            code = 0
+            try:
+                role()
+            except BaseException:  # noqa: BLE001 - a child reports and exits
+                import traceback
+                traceback.print_exc()
+                code = 1
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    end = time.monotonic() + 30 + total * (period_s + 0.01)
+    for pid in pids:
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > end:          # a child hung: stop both
+                for other in pids:
+                    try:
+                        os.kill(other, 9)
+                    except ProcessLookupError:
+                        pass
+            time.sleep(0.01)
+    t.teardown()
+    if not rows[3].all():
+        raise SystemExit(f"--breakdown: {kind} at {nbytes} B lost messages or failed")
+    return rows.copy()
 
 
 def _versions() -> dict:
