@@ -9,10 +9,10 @@ import base64
 import io
 import json
 import os
+import select
 import shutil
 import subprocess
 import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -65,6 +65,9 @@ class Browser:
         os.write(self._to, json.dumps(msg).encode() + b"\0")
         while True:
             while b"\0" not in self._buf:
+                # A browser that hangs fails the test in one line, never hangs the suite.
+                if not select.select([self._from], [], [], 60)[0]:
+                    raise RuntimeError(f"{method}: no reply from chromium in 60 s")
                 chunk = os.read(self._from, 1 << 20)
                 if not chunk:
                     raise RuntimeError("chromium closed the pipe: "
