@@ -1,0 +1,28 @@
+"""bench/ipc_latency.py --breakdown: a short real run (two forked children per
+transport, real sockets, real iceoryx2) prints one row per transport whose parts are
+ordered in time (the writer returns and the reader wakes after the stamp)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("iceoryx2")
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                     "bench", "ipc_latency.py")
+ROW = re.compile(r"^\s+64 (bridge|iox2)\s+" + r"\s+".join([r"([\d.]+)/([\d.]+)"] * 4))
+
+
+def test_breakdown_prints_a_row_per_transport():
+    out = subprocess.run([sys.executable, BENCH, "--breakdown", "60", "--sizes", "64"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {m.group(1): [float(x) for x in m.groups()[1:]]
+            for line in out.stdout.splitlines() if (m := ROW.match(line))}
+    assert set(rows) == {"bridge", "iox2"}, out.stdout
+    for total50, _, writer50, _, woken50, _, reader50, _ in rows.values():
+        assert 0 < writer50 < total50 and 0 < woken50 < total50 and 0 < reader50 < total50
