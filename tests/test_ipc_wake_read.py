@@ -142,3 +142,25 @@ def test_close_leaves_the_handle_fd_open(make_channel):
         assert int(m.array[0]) == 9
     r2.close()
     w.close()
+
+
+def test_a_reset_wake_up_socket_is_a_timeout_not_an_oserror(make_channel):
+    """A wake-up socket whose other end closed with bytes unread in it (ECONNRESET on
+    the reader's next read: here the reader wrote them itself) wakes the reader like
+    POLLERR did; receive ends in ChannelTimeout, never ConnectionResetError."""
+    from supervisor.ipc.channel import ReaderHandle
+
+    ch = make_channel(slot_count=4, max_readers=1, max_leases=1)
+    w = Writer(ch.writer_handle())
+    rh = ch.reader_handle(0)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.setblocking(False)
+    r = Reader(ReaderHandle(rh.spec, rh.index, rh.data_fd, rh.lease_fd, b.fileno()))
+    assert r._wake is not None
+    b.send(b"x")              # lands in a's receive queue, never read
+    a.close()
+    with pytest.raises(ChannelTimeout):
+        r.receive(timeout=0.1)
+    r.close()
+    b.close()
+    w.close()

@@ -738,6 +738,8 @@ class Reader:
             os.read(self._efd, 256)   # b"": the writer's end is closed (as POLLHUP)
         except (BlockingIOError, InterruptedError):
             return False              # SO_RCVTIMEO ran out
+        except OSError:
+            pass     # a socket error (ECONNRESET) wakes us, as POLLERR would; not raised
         return True
 
     def _sleeping(self, take: Callable[[], Message | None] | None = None
