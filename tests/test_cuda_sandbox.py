@@ -58,6 +58,17 @@ def test_device_rules():
     assert any(p.key == "workers.model.device" for p in ps), ps
 
 
+def test_check_matches_the_models_device_with_the_workers():
+    from supervisor.model.trust import verify_models
+
+    trusted, probs = verify_models(load_doc(_cfg(model="cuda")))
+    assert [t.name for t in trusted] == ["lane-offset-demo"] and probs == [], probs
+    _, probs = verify_models(load_doc(_cfg()))
+    assert probs == [("workers.model.device", "model 'lane' is a CUDA artifact "
+                      "(CUDA:sm_90,sm_89,sm_80): the worker needs device = \"cuda\" "
+                      "(it has 'cpu')")], probs
+
+
 # ------------------------------------------------------------------ the plan
 
 def test_only_a_cuda_worker_gets_the_gpu_nodes_and_research_no_more(monkeypatch):

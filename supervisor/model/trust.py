@@ -44,11 +44,28 @@ def verify_models(cfg) -> tuple[list[Trusted], list[tuple[str, str]]]:
                 trusted.append(Trusted(name, v.name, v.version, m.min_version, v.key_id,
                                        v.manifest_sha256.hex(), users))
                 problems += _unbound_inputs(cfg, name, v, users)
+                problems += _device_mismatch(cfg, name, v, users)
         except ArtifactError as e:
             problems.append((f"models.{name}", f"refused: {type(e).__name__}: {e}"))
         except OSError as e:
             problems.append((f"models.{name}", f"cannot read: {e.strerror or e}"))
     return trusted, problems
+
+
+def _device_mismatch(cfg, name: str, v, users: tuple[str, ...]) -> list[tuple[str, str]]:
+    """A CUDA artifact runs only in a worker that declares device = "cuda" (else its
+    sandbox has no GPU node and modeld refuses at every start); a CPU artifact in one that
+    does would hold GPU nodes it never uses."""
+    out: list[tuple[str, str]] = []
+    for w in users:
+        have = getattr(cfg.workers[w], "device", "cpu")
+        if v.device == "CUDA" and have != "cuda":
+            out.append((f"workers.{w}.device", f"model {name!r} is a CUDA artifact "
+                        f"({v.target}): the worker needs device = \"cuda\" (it has {have!r})"))
+        elif v.device != "CUDA" and have == "cuda":
+            out.append((f"workers.{w}.device", f"model {name!r} runs on the CPU: device = "
+                        f"\"cuda\" would give the worker GPU nodes it never uses"))
+    return out
 
 
 def _unbound_inputs(cfg, name: str, v, users: tuple[str, ...]) -> list[tuple[str, str]]:
