@@ -6,6 +6,8 @@
 #
 # PY: a Python with the project's dependencies (numpy, cryptography, tinygrad 0.14,
 # pytest; the GPU kit's clean venv, see ../shared/gpu-machine-kit). Never DEV=NV there.
+# WHEELS=dir: where pytest's wheels are (pytest, pluggy, iniconfig, packaging; all
+# py3-none-any) if PY lacks pytest: installed from there, never from the network.
 # Steps, each under its own timeout, never past TOTAL_S (default 540 s):
 #   info     GPU, driver, toolkit, what is installed
 #   verify   the signed CUDA demo verified for this GPU (its architecture, its driver)
@@ -89,6 +91,14 @@ with load_verified("models/demo/lane-offset-cuda", "models/demo/demo_ed25519.pub
     print("manifest runtime:", json.dumps(v.manifest["runtime"], sort_keys=True))
 EOF
 }
+
+if ! "$PY" -c "import pytest" 2>/dev/null; then
+    if [ -n "${WHEELS:-}" ]; then
+        say "pytest missing: installing it from $WHEELS (no index)"
+        "$PY" -m pip install --no-index --find-links "$WHEELS" pytest 2>&1 | tail -2 | tee -a "$LOG"
+    fi
+    "$PY" -c "import pytest" 2>/dev/null || { say "gpu_suite: $PY has no pytest (set WHEELS=dir with its wheels)"; exit 2; }
+fi
 
 step info 60 -- info
 step verify 60 -- verify
