@@ -125,7 +125,8 @@ class CudaPayload:
 
 
 def required_files(m: dict) -> tuple[str, ...]:
-    archs = m.get("runtime", {}).get("architectures") or []
+    archs = m.get("runtime", {}).get("architectures")
+    archs = archs if isinstance(archs, list) else []     # check_runtime says what is wrong
     return (LAUNCH_FILE, WEIGHTS_FILE,
             *(CUBIN_PREFIX + a for a in archs if isinstance(a, str)))
 
