@@ -196,6 +196,11 @@ def test_a_plan_naming_an_unlisted_kernel_or_buffer_is_refused(bundle, key):
     (bundle / C.LAUNCH_FILE).write_bytes(json.dumps(plan).encode())
     resign(bundle, k)
     refused(ManifestError, "more than 1024 threads", bundle, pub)
+    plan["calls"][0]["block"] = [32, 1, 1]
+    next(b for b in plan["buffers"] if b["role"] == "input")["input"] = "zero"
+    (bundle / C.LAUNCH_FILE).write_bytes(json.dumps(plan).encode())
+    resign(bundle, k)
+    refused(ManifestError, r"\(input\) needs its input number", bundle, pub)
 
 
 def test_cubin_arch_reads_both_elf_flag_layouts():

@@ -219,7 +219,11 @@ def _check_plan(plan: Any, weights_len: int, names: set[str]) -> dict:
                 raise ManifestError(f"{LAUNCH_FILE}: buffers[{i}] (weight) lies outside "
                                     f"{WEIGHTS_FILE} ({weights_len} bytes)")
         elif b["role"] == "input":
-            inputs.append(b.get("input"))
+            k = b.get("input")
+            if not isinstance(k, int) or isinstance(k, bool):
+                raise ManifestError(f"{LAUNCH_FILE}: buffers[{i}] (input) needs its input "
+                                    f"number")
+            inputs.append(k)
         elif b["role"] == "output":
             outputs += 1
     if sorted(inputs) != list(range(len(inputs))) or not inputs or outputs != 1:
