@@ -216,3 +216,36 @@ def test_cubin_arch_reads_both_elf_flag_layouts():
         C.cubin_arch(elf(7, 0x5A).replace(struct.pack("<H", C.EM_CUDA), b"\x3e\x00", 1))
     with pytest.raises(ValueError, match="is PTX"):
         C.cubin_arch(b".version 8.5\n.target sm_90\n")
+
+
+def test_hostile_launch_plans_are_refused_in_one_line_never_a_traceback(bundle, key):
+    """Random fields of launch.json replaced by values of other types or out of range,
+    signed by the trusted key: each is verified or refused with an ArtifactError, one line."""
+    import random
+
+    from supervisor.model.errors import ArtifactError
+
+    k, pub = key
+    base = json.loads((bundle / C.LAUNCH_FILE).read_bytes())
+    rng = random.Random(28)
+    junk = [None, -1, 0, 2**40, "x", [], {}, [1, 2], True, 1.5, {"id": 0}]
+    refused_n = 0
+    for _ in range(60):
+        plan = json.loads(json.dumps(base))
+        for _ in range(rng.randint(1, 3)):
+            if rng.random() < 0.5:
+                b = rng.choice(plan["buffers"])
+                b[rng.choice(["id", "role", "nbytes", "offset", "input"])] = rng.choice(junk)
+            else:
+                c = rng.choice(plan["calls"])
+                c[rng.choice(["kernel", "grid", "block", "args", "vals"])] = rng.choice(junk)
+        if rng.random() < 0.1:
+            plan = rng.choice(junk)
+        (bundle / C.LAUNCH_FILE).write_bytes(json.dumps(plan).encode())
+        resign(bundle, k)
+        try:
+            load_verified(bundle, pub).close()
+        except ArtifactError as e:
+            assert "\n" not in str(e), str(e)
+            refused_n += 1
+    assert refused_n >= 50
