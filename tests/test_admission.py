@@ -579,12 +579,16 @@ def test_guard_refuses_when_torch_already_loaded(tmp_path: Path) -> None:
 # the cached walk: reused for a fleet of one module, never past a change
 
 
-def _rewrite_keeping_size_and_mtime(path: Path, text: str) -> None:
+def _rewrite_keeping_size_and_mtime(path: Path, content: str | bytes) -> None:
     """Rewrite in place (same inode, same size, mtime put back): only ctime tells."""
+    data = content.encode() if isinstance(content, str) else content
     before = path.stat()
-    assert len(text.encode()) == before.st_size
-    path.write_text(text)
+    assert len(data) == before.st_size
+    with open(path, "r+b") as f:
+        f.write(data)
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
 
 
 def _past_racy() -> None:
@@ -646,15 +650,19 @@ def test_cache_sees_a_module_that_appears_and_a_namespace_that_becomes_a_package
 
 
 @needs_gcc
-def test_cache_sees_a_native_file_replaced(fake_torch_libs: dict[str, Path], tmp_path: Path) -> None:
+def test_cache_sees_a_native_file_rewritten_with_its_size_and_mtime(fake_torch_libs: dict[str, Path],
+                                                                    tmp_path: Path) -> None:
     pkg = tmp_path / "swap_pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("from . import _ok\n")
     ext = pkg / fake_torch_libs["ok_ext"].name
-    shutil.copy(fake_torch_libs["ok_ext"], ext)
+    clean, linked = fake_torch_libs["ok_ext"].read_bytes(), fake_torch_libs["ext"].read_bytes()
+    size = max(len(clean), len(linked))   # padded alike: the loader ignores bytes past the end
+    ext.write_bytes(clean.ljust(size, b"\0"))
     _past_racy()
     assert control(tmp_path, "swap_pkg").ok
-    shutil.copy(fake_torch_libs["ext"], ext)  # same path and inode, now needs libtorch_cpu.so
+    # same path, inode, size and mtime; now it needs libtorch_cpu.so
+    _rewrite_keeping_size_and_mtime(ext, linked.ljust(size, b"\0"))
     [finding] = control(tmp_path, "swap_pkg").findings
     assert finding.kind == "elf" and finding.chain[0] == str(ext)
     assert finding.chain[-1].startswith("libtorch_cpu.so")

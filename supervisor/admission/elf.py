@@ -84,7 +84,9 @@ def _split_path_list(value: str) -> tuple[str, ...]:
 
 
 @lru_cache(maxsize=4096)
-def _read_elf_cached(path: str, mtime_ns: int, size: int) -> ElfInfo:
+def _read_elf_cached(path: str, _ident: FileId) -> ElfInfo:
+    # keyed on the whole identity (inode, ctime too): a library rewritten with its size
+    # and mtime put back is read again, as the cached walk's witness expects
     with open(path, "rb") as f:
         if f.read(4) != _ELF_MAGIC:
             raise ElfUnreadable("not an ELF file")
@@ -126,11 +128,12 @@ def read_elf(path: str) -> ElfInfo:
         st = os.stat(path)
     except OSError as exc:
         raise ElfUnreadable(f"cannot stat: {exc}") from exc
-    saw(path, id_of(st))  # before the read: the witness of a cached check (see _witness)
+    ident = id_of(st)
+    saw(path, ident)  # before the read: the witness of a cached check (see _witness)
     if not stat.S_ISREG(st.st_mode):
         raise ElfUnreadable("not a regular file")  # a FIFO named x.so would block open()
     try:
-        return _read_elf_cached(path, st.st_mtime_ns, st.st_size)
+        return _read_elf_cached(path, ident)
     except OSError as exc:
         raise ElfUnreadable(f"cannot read: {exc}") from exc
 
