@@ -37,11 +37,15 @@ LASTWORD = {"c-rollback": "lastword_rollback", "c-unmagic": "lastword_unmagic",
             "c-brick": "lastword_brick", "c-skipseq": "lastword_skipped_seq",
             "c-seal": "lastword_seal",
             "c-headless": "headless_writer"}
+# The brick on a channel that is not actuation (no payload: model_out's kind): the
+# supervisor never writes it, so nothing repairs it.
+PLAIN = {"c-brick-plain": "plain_brick"}
 # Actuation writers that die 1 s after the test's reader attached: once in a quiet
 # moment, once while r-flood floods the supervisor.
 VICTIMS = {"c-vquiet": "die_after_attach", "c-vflood": "die_after_attach"}
-# How much later SAFE may come after a death while research floods than when it does not
-SAFE_MARGIN_MS = 30.0
+# How much longer the last-word thread may take, from seeing a death to SAFE published,
+# while research floods the supervisor than when it does not
+SAFE_MARGIN_MS = 20.0
 CPU_ATTACKS = {"r-flood": "newline_flood", "r-spam": "wake_spam",
                "r-escape": "status_escape_flood"}
 # How much of a CPU, and how much event-loop lag, one research worker may cost the
@@ -74,7 +78,7 @@ def _toml() -> str:
         max_readers = 2
         max_age_ms = 5000
         """))
-    for name in CPU_ATTACKS:
+    for name in (*CPU_ATTACKS, *PLAIN):
         out.append(textwrap.dedent(f"""
         [channels.{_ch(name)}]
         slot_size = "4KiB"
@@ -105,6 +109,9 @@ def _toml() -> str:
         out.append(worker(name, "control", attack, _ch(name), extra))
     for name, attack in VICTIMS.items():
         out.append(worker(name, "control", attack, _ch(name)))
+    for name, attack in PLAIN.items():
+        out.append(worker(name, "control", attack, _ch(name),
+                          'restart = "on-failure"\nmax_restarts = 2\nbackoff_initial_ms = 50\n'))
     for name, attack in CPU_ATTACKS.items():
         out.append(worker(name, "research", attack, _ch(name), 'restart = "never"\ncpu_quota = 50\n'))
     out.append(worker("c-fakesys", "control", "fake_signal_exit", None))
@@ -125,7 +132,8 @@ def _run_fleet(tmp) -> dict:
     logf = open(tmp / "supervisor.log", "w")
     log = EventLog(stream=logf, keep=True)
     me = os.getpid()
-    seen: dict[str, list[tuple[int, int, int, dict]]] = {n: [] for n in (*LASTWORD, *VICTIMS)}
+    seen: dict[str, list[tuple[int, int, int, dict]]] = {
+        n: [] for n in (*LASTWORD, *VICTIMS, *PLAIN)}
     lag: list[tuple[int, float]] = []            # (monotonic ns, ms late) of a 5 ms sleep
     cpu: list[tuple[int, float]] = []            # (monotonic ns, process CPU s)
 
@@ -173,11 +181,11 @@ def _run_fleet(tmp) -> dict:
             await n.start(sup.run)
             n.start_soon(probe_lag)
             # Phase 1: the actuation writers, together (each dies once its reader took)
-            for name in LASTWORD:
+            for name in (*LASTWORD, *PLAIN):
                 n.start_soon(receive, name, await reader_of(_ch(name)))
             await until(lambda: all(_of(log.events, w, "exit") for w in LASTWORD)
-                        and any('"restarted"' in e["line"]
-                                for e in _of(log.events, "c-brick", "output")), 120)
+                        and all(any('"restarted"' in e["line"] for e in _of(log.events, w, "output"))
+                                for w in ("c-brick", *PLAIN)), 120)
             await trio.sleep(1.0)          # the last words
             # Phase 2: an actuation writer's death in a quiet moment
             n.start_soon(receive, "c-vquiet", await reader_of(_ch("c-vquiet")))
@@ -214,7 +222,7 @@ def test_every_attack_ran(fleet):
     """Not an xfail: the strict xfails below would pass on a fleet that never ran its
     attacks (a setup error is an xfail too). Each attacker left its evidence."""
     ev = fleet["events"]
-    for worker in (*LASTWORD, *VICTIMS, *CPU_ATTACKS, "c-fakesys"):
+    for worker in (*LASTWORD, *VICTIMS, *CPU_ATTACKS, *PLAIN, "c-fakesys"):
         assert attack_result(ev, worker) is not None, (worker, _of(ev, worker)[-5:])
     for worker in ("c-rollback", "c-unmagic", "c-brick", "c-skipseq", "c-seal"):
         assert fleet["seen"][worker], worker          # the test's reader took its commands
@@ -311,6 +319,21 @@ def test_a_last_word_not_said_is_an_error_in_the_log(fleet):
     assert all(e["level"] == "error" for e in errors), errors
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK: on a channel that is not actuation (model_out's kind) nothing repairs what a "
+    "dead writer left: last_seq at 2**62 and every restarted (clean) writer's attach "
+    "raises BridgeError for the supervisor's life (fix: Writer._attach, for every "
+    "restarted writer, continues from what the readers consumed when the words are "
+    "implausible, as the supervisor's own writer must; see docs/redteam3.md)"))
+def test_a_restarted_writer_of_a_plain_channel_can_attach_after_a_near_bound_poison(fleet):
+    ev = fleet["events"]
+    runs = [attack_result([e], "c-brick-plain") for e in _of(ev, "c-brick-plain", "output")
+            if e["line"].startswith("ATTACK ") and '"restarted"' in e["line"]]
+    print(f"\nc-brick-plain restarted runs: {runs}")
+    assert runs, _of(ev, "c-brick-plain")
+    assert runs[0]["attach"] == "ok", runs
+
+
 def test_no_last_word_while_a_thread_of_the_writer_still_publishes(fleet):
     """The writer's main thread exits (SYS_exit), another thread publishes engaged
     commands 1.5 s more, then the process ends. The pidfd of a thread group is readable
@@ -399,17 +422,24 @@ def _death_to_safe_ms(fleet, worker: str) -> float:
 
 def test_death_to_safe_is_not_delayed_by_a_research_flood(fleet):
     """An actuation writer dies while a research worker floods the supervisor's output
-    pipe: the last-word thread is the supervisor's, and it needs the GIL the event loop
-    holds while it splits lines. SAFE must come about as soon as when nothing floods."""
+    pipe: the last-word thread is the supervisor's, and it needs the GIL that the event
+    loop holds while it splits lines (each of the thread's system calls gives the GIL
+    up and waits up to the 5 ms switch interval to get it back). Judged on the thread's
+    own share (`last_word` waited_ms: from seeing the death to SAFE published): death ->
+    SAFE end to end is printed, not judged, since on this loaded machine the dying
+    worker's own teardown swung it from 11 to 115 ms in either phase."""
+    ev = fleet["events"]
     quiet, flood = _death_to_safe_ms(fleet, "c-vquiet"), _death_to_safe_ms(fleet, "c-vflood")
     t0, t1 = fleet["windows"].get("r-flood", (0, 0))
-    died = attack_result(fleet["events"], "c-vflood")["died_ns"]
+    died = attack_result(ev, "c-vflood")["died_ns"]
+    wq = [e["waited_ms"] for e in _of(ev, "c-vquiet", "last_word")]
+    wf = [e["waited_ms"] for e in _of(ev, "c-vflood", "last_word")]
     print(f"\ndeath -> SAFE: {quiet:.1f} ms quiet, {flood:.1f} ms during the flood "
           f"(died {(died - t0) / 1e6:.0f} ms into a {(t1 - t0) / 1e6:.0f} ms flood); "
-          f"last_word waited_ms: {[e['waited_ms'] for e in _of(fleet['events'], 'c-vquiet', 'last_word')]}"
-          f" / {[e['waited_ms'] for e in _of(fleet['events'], 'c-vflood', 'last_word')]}")
+          f"the last-word thread's share (waited_ms): {wq} quiet, {wf} during the flood")
     assert t0 < died < t1, "the writer did not die during the flood"
-    assert flood <= quiet + SAFE_MARGIN_MS, (flood, quiet)
+    assert wq and wf, (wq, wf)
+    assert wf[0] <= wq[0] + SAFE_MARGIN_MS, (wf, wq)
 
 
 @pytest.mark.xfail(strict=True, reason=(

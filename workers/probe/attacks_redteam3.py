@@ -135,6 +135,24 @@ def lastword_brick(ctx: WorkerContext, w: Writer | None) -> dict:
     return _poison_and_die(ctx, w, poison)
 
 
+def plain_brick(ctx: WorkerContext, w: Writer) -> dict:
+    """On a channel the supervisor never writes (not actuation: model_out's kind), the
+    dead writer leaves last_seq at 2**62, past the plausibility bound: every restarted
+    writer's attach refuses the channel ('the supervisor must re-create or repair the
+    channel'), and nothing does."""
+    if _reader_state(w, TEST_READER)[1]:              # a restarted run that attached
+        for _ in range(25):
+            _engaged(w, 0.125)()
+            ctx.watchdog()
+            time.sleep(0.02)
+        return {"denied": True, "run": "restarted", "attach": "ok"}
+
+    def poison(w: Writer) -> dict:
+        L.U64.pack_into(w._buf, L.OFF_LAST_SEQ, 1 << 62)
+        return {"poison": f"last_seq={1 << 62:#x}"}
+    return _poison_and_die(ctx, w, poison)
+
+
 def lastword_seal(ctx: WorkerContext, w: Writer) -> dict:
     """The writer holds its segment's fd read-write, and the supervisor made it with
     MFD_ALLOW_SEALING (a writer may seal its own future writes): F_SEAL_FUTURE_WRITE |
@@ -337,7 +355,7 @@ def fake_signal_exit(ctx: WorkerContext, w: Writer | None) -> dict:
 
 ATTACKS: dict[str, Callable[[WorkerContext, Writer | None], dict]] = {
     f.__name__: f for f in (lastword_rollback, lastword_unmagic, lastword_brick,
-                            lastword_skipped_seq, lastword_seal, die_after_attach, headless_writer, newline_flood, wake_spam,
+                            lastword_skipped_seq, lastword_seal, plain_brick, die_after_attach, headless_writer, newline_flood, wake_spam,
                             status_escape_flood, fake_signal_exit)
 }
 
