@@ -81,14 +81,23 @@ if [ $system -eq 1 ]; then
     [ -x "$PREFIX/bin/python3" ] || $sudo "$base" -m venv "$PREFIX"
     # A real install, not a link into this checkout: the car runs what was installed.
     $sudo "$PREFIX/bin/python3" -m pip install -q --upgrade "$(pwd)[research]"
+    # The supervisor proper of the split units (issue 27): no home, no shell, no
+    # capabilities; it reaches root only through the broker's socket.
+    if ! getent passwd trio-supervisor >/dev/null; then
+        $sudo useradd --system --no-create-home --home-dir /nonexistent \
+            --shell /usr/sbin/nologin --user-group trio-supervisor
+    fi
     $sudo install -d -m 0700 -o root -g root /var/lib/trio-supervisor
     $sudo install -d -m 0755 "$UNIT_DIR"
     $sudo "$PREFIX/bin/supervisor" units --prefix "$PREFIX" --out "$UNIT_DIR" >/dev/null
     if command -v systemd-analyze >/dev/null; then
-        $sudo systemd-analyze verify "$UNIT_DIR/trio-supervisor.service"
+        $sudo systemd-analyze verify "$UNIT_DIR/trio-supervisor.service" \
+            "$UNIT_DIR/trio-broker.socket" "$UNIT_DIR/trio-broker.service" \
+            "$UNIT_DIR/trio-supervisor-proper.service"
     fi
-    echo "installed: $PREFIX (venv), $UNIT_DIR/trio-supervisor.service (verified)"
+    echo "installed: $PREFIX (venv), $UNIT_DIR/trio-supervisor.service and the split units (verified)"
     echo "enable:    systemctl daemon-reload && systemctl enable --now trio-supervisor"
+    echo "   or, split (root only in the broker): systemctl enable --now trio-broker.socket trio-supervisor-proper"
     echo "remove:    systemctl disable --now trio-supervisor; rm $UNIT_DIR/trio-supervisor.service; rm -r $PREFIX"
 elif [ $dev -eq 1 ]; then
     python -m pip install -q -e '.[dev,research,replay,fleet]'

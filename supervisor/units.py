@@ -374,7 +374,7 @@ def render_proper(cfg: Config, *, config_path: str | None, python: str | None = 
         "[Service]",
         "Type=notify",
         "NotifyAccess=main",
-        "# Phase 2 of issue 27 gives `run` the broker's socket (docs/broker.md).",
+        "# The broker's socket: every privileged act is its request (docs/broker.md).",
         f"ExecStart={py} -m supervisor.cli run --quiet --broker {BROKER_SOCKET}{conf}",
         "Environment=PYTHONDONTWRITEBYTECODE=1",
         "WatchdogSec=2s",
@@ -433,8 +433,7 @@ def render_proper(cfg: Config, *, config_path: str | None, python: str | None = 
 def write_split_units(cfg: Config, out: Path, *, config_path: str | None,
                       python: str | None = None, prefix: str | None = None) -> list[Path]:
     """The three units of the split (socket, broker, supervisor proper), beside the one
-    unit of today (`write_units`); `supervisor units` writes them once phase 2 wires the
-    broker into `run`."""
+    unit of today (`write_units`); `supervisor units` writes both."""
     out.mkdir(parents=True, exist_ok=True)
     kw = dict(config_path=config_path, python=python, prefix=prefix)
     texts = {BROKER_SOCKET_UNIT: render_broker_socket(), BROKER_UNIT: render_broker(cfg, **kw),

@@ -84,6 +84,11 @@ class WorkerRun:
         return getattr(self.current, "cgroup", None)
 
     @property
+    def watch(self) -> object | None:
+        """The exec watch of the current process (audit --live reads it)."""
+        return self.current.watch if self.current is not None else None
+
+    @property
     def standby(self) -> "WorkerRun | None":
         """The standby an adoption takes now: the oldest warm one, else the oldest."""
         return next((sb for sb in self.standbys if sb.warm),
