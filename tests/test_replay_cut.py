@@ -144,3 +144,12 @@ def test_plot_png_draws_the_chosen_signals_with_ref_overlaid(tmp_path):
     rows = np.abs(a.astype(int) - b.astype(int)).sum(axis=(1, 2))
     third = a.shape[0] // 3
     assert rows[:third].sum() > 0 and rows[third:2 * third].sum() > 0
+
+
+def test_a_fleet_refuses_start_and_end_in_one_line(raw, capsys):
+    from supervisor.cli import main
+
+    assert main(["replay", str(raw), str(raw), "--start", "f2"]) == 2
+    err = capsys.readouterr().err
+    assert "--start/--end replay a part of one log, not a fleet" in err
+    assert len(err.splitlines()) == 1
