@@ -314,9 +314,11 @@ def test_last_word_is_said_after_the_writer_sealed_its_segment(fleet):
     "so --log-level warning and journald's priority filters hide it (fix: "
     "supervisor/events.py _LEVELS['last_word_error'] = Level.ERROR)"))
 def test_a_last_word_not_said_is_an_error_in_the_log(fleet):
-    errors = _of(fleet["events"], "c-seal", "last_word_error")
-    assert errors, _of(fleet["events"], "c-seal")[-5:]      # the seal made one
+    from supervisor.events import Level, level_of
+
+    errors = _of(fleet["events"], "c-seal", "last_word_error")   # (none once the seal is fixed)
     assert all(e["level"] == "error" for e in errors), errors
+    assert level_of("last_word_error", {"worker": "c-seal"}) == Level.ERROR
 
 
 @pytest.mark.xfail(strict=True, reason=(
@@ -471,18 +473,21 @@ def test_a_status_line_of_control_characters_costs_the_supervisor_little(fleet):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "BREAK: a worker's own exit_group(159) is logged as signal SIGSYS, 'killed by "
-    "seccomp: a forbidden system call' (lifecycle._supervisor._exit_cause trusts "
-    "bwrap's 128+N; the runner's 0..127 clamp does not bind os._exit). Fix: the launch "
-    "filter (sandbox/seccomp.py) kills exit/exit_group with a status >= 128, so that "
-    "such an exit is really a seccomp kill"))
-def test_a_worker_cannot_forge_a_seccomp_kill_in_the_log(fleet):
+    "BREAK: a worker's own exit_group(137) is logged as signal SIGKILL, 'killed by "
+    "SIGKILL' (159: 'killed by seccomp: a forbidden system call'): "
+    "lifecycle._supervisor._exit_cause trusts bwrap's 128+N, and the runner's 0..127 "
+    "clamp does not bind os._exit. Fix: the launch filter (sandbox/seccomp.py) kills "
+    "exit/exit_group with a status >= 128, so that such an exit really is a seccomp kill "
+    "(then this test passes: the log says SIGSYS, which is true), or _exit_cause says "
+    "'signal N or exit status 128+N' where it cannot tell"))
+def test_a_worker_cannot_forge_a_kill_in_the_log(fleet):
+    """Nobody killed c-fakesys: no cgroup limit, no watchdog, no refusal."""
     ev = fleet["events"]
     res = attack_result(ev, "c-fakesys")
     ex = _of(ev, "c-fakesys", "exit")
     print(f"\nc-fakesys: {res}; exit: {ex}")
     assert res is not None and ex, _of(ev, "c-fakesys")
-    assert ex[0]["signal"] != "SIGSYS" or "forged" in (ex[0].get("cause") or ""), ex[0]
+    assert ex[0]["signal"] != "SIGKILL" and "SIGKILL" not in (ex[0].get("cause") or ""), ex[0]
 
 
 # ---------------------------------------------------------------- hostile drive logs

@@ -88,7 +88,10 @@ def _poison_and_die(ctx: WorkerContext, w: Writer, poison: Callable[[Writer], di
         time.sleep(0.02)
     time.sleep(0.3)                          # let the reader take them
     before = _reader_state(w, TEST_READER)[1]
-    res = poison(w)
+    try:
+        res = poison(w)
+    except OSError as e:                     # refused (a fixed product): die all the same
+        res = {"poison": "refused", "error": f"{type(e).__name__}: {e}"}
     res.update(reader_took=before, writer_last_seq=w.last_sequence)
     print("ATTACK " + json.dumps({"attack": "poisoned", "denied": None, **res}), flush=True)
     sys.stdout.flush()
@@ -344,13 +347,13 @@ def wake_spam(ctx: WorkerContext, w: Writer | None) -> dict:
 
 
 def fake_signal_exit(ctx: WorkerContext, w: Writer | None) -> dict:
-    """exit_group(128 + SIGSYS) straight from the worker's code (os._exit: the runner's
-    0..127 clamp never runs). bwrap reports it as it reports a death by SIGSYS; the
-    supervisor's exit event says 'killed by seccomp: a forbidden system call' for a
-    worker that made no forbidden call at all."""
+    """exit_group(128 + SIGKILL) straight from the worker's code (os._exit: the runner's
+    0..127 clamp never runs). bwrap reports it as it reports a death by SIGKILL; the
+    supervisor's exit event says 'killed by SIGKILL' for a worker nobody killed (the
+    same with 159: 'killed by seccomp: a forbidden system call')."""
     print("ATTACK " + json.dumps({"attack": "fake_signal_exit", "denied": None,
-                                  "exit_code": 128 + 31}), flush=True)
-    os._exit(128 + 31)
+                                  "exit_code": 128 + 9}), flush=True)
+    os._exit(128 + 9)
 
 
 ATTACKS: dict[str, Callable[[WorkerContext, Writer | None], dict]] = {
