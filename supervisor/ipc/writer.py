@@ -361,7 +361,8 @@ class Writer:
             # header plan by the identity of its cached key, without hashing it or
             # looking up a plan. Between the publish stamp and the wake-up every object
             # touched is a cache miss when the writer ran cold (a frame copied just
-            # before evicts them): here ~6 of ~18 us cold, 1.8 us warm, at 64 B.
+            # before evicts them): with 16 MB touched between publishes, publish() ->
+            # the native call took 14.7 us at 64 B before this path, 12.2 after (1.5 warm).
             raw_layout, plan = fast[2], fast[3]
         elif (raw_layout := self._layout_cache.get(loan._lkey)) is not None:
             if self.spec.crc:
