@@ -203,6 +203,26 @@ def test_a_plan_naming_an_unlisted_kernel_or_buffer_is_refused(bundle, key):
     refused(ManifestError, r"\(input\) needs its input number", bundle, pub)
 
 
+def test_a_buffer_smaller_than_its_kernel_parameter_is_refused(bundle, key):
+    """The manifest lists each kernel's buffer parameters (from its source); a plan giving
+    a kernel a smaller buffer, or another number of them, is refused."""
+    k, pub = key
+    plan = json.loads((bundle / C.LAUNCH_FILE).read_bytes())
+    m = A.read_manifest_unverified(bundle)
+    c0 = plan["calls"][0]
+    p0 = next(kk for kk in m["kernels"] if kk["name"] == c0["kernel"])["params"]
+    assert len(p0) == len(c0["args"]) and all(p["nbytes"] > 0 for p in p0)
+    plan["buffers"][c0["args"][0]]["nbytes"] = p0[0]["nbytes"] - 4
+    (bundle / C.LAUNCH_FILE).write_bytes(json.dumps(plan).encode())
+    resign(bundle, k)
+    refused(ManifestError, r"calls\[0\].args\[0\]: buffer .* kernel .* spans", bundle, pub)
+    plan["buffers"][c0["args"][0]]["nbytes"] += 4
+    c0["args"] = c0["args"][:-1]
+    (bundle / C.LAUNCH_FILE).write_bytes(json.dumps(plan).encode())
+    resign(bundle, k)
+    refused(ManifestError, "which takes", bundle, pub)
+
+
 def test_cubin_arch_reads_both_elf_flag_layouts():
     def elf(abiver: int, flags: int) -> bytes:
         h = bytearray(64)

@@ -46,7 +46,12 @@ _SCRIPT = textwrap.dedent("""
     want = np.maximum(((x.astype(np.float32) - 128) / 64) @ w + b, 0).sum(axis=0)
     weights = [bb for bb in cc.plan["buffers"] if bb["role"] == "weight"]
     blobs = sorted(cc.weights[bb["offset"]:bb["offset"] + bb["nbytes"]] for bb in weights)
+    # every call's buffers are the sizes the kernel's parameters span
+    fits = all(cc.plan["buffers"][a]["nbytes"] == p["nbytes"]
+               for c in cc.plan["calls"]
+               for a, p in zip(c["args"], CU.kernel_params(cc.sources[c["kernel"]], c["kernel"])))
     print(json.dumps({
+        "fits": fits,
         "max_abs": float(np.abs(got - want).max()),
         "roles": sorted(bb["role"] for bb in cc.plan["buffers"]),
         "weights_are_ours": blobs == sorted([w.tobytes(), b.tobytes()]),
@@ -67,7 +72,7 @@ def test_capture_compile_and_emulate_a_small_function(tmp_path):
                        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(r.stdout.strip().splitlines()[-1])
-    assert rep["max_abs"] < 1e-3, rep
+    assert rep["max_abs"] < 1e-3 and rep["fits"], rep
     assert rep["weights_are_ours"], rep           # read back from NULL, as given
     assert rep["roles"].count("input") == 1 and rep["roles"].count("output") == 1, rep
     assert rep["arches"] == {"sm_90": ["sm_90"], "sm_86": ["sm_86"]}, rep

@@ -194,8 +194,10 @@ def check_runtime(m: dict, *, device_arch: str | None = None,
     return archs, chosen
 
 
-def _check_plan(plan: Any, weights_len: int, names: set[str]) -> dict:
-    """launch.json: buffers with sizes and roles, calls naming listed kernels and buffers."""
+def _check_plan(plan: Any, weights_len: int, params: dict[str, list[dict]]) -> dict:
+    """launch.json: buffers with sizes and roles, calls naming listed kernels and buffers,
+    each buffer at least as large as the kernel's parameter (the manifest's ``params``)."""
+    names = set(params)
     if not isinstance(plan, dict):
         raise ManifestError(f"{LAUNCH_FILE}: not an object")
     bufs, calls = plan.get("buffers"), plan.get("calls")
@@ -250,6 +252,14 @@ def _check_plan(plan: Any, weights_len: int, names: set[str]) -> dict:
         if not isinstance(vals, list) or not all(
                 isinstance(v, int) and not isinstance(v, bool) and -2**31 <= v < 2**31 for v in vals):
             raise ManifestError(f"{where}.vals must be int32 values")
+        ps = params[c["kernel"]]
+        if len(args) != len(ps) or vals:
+            raise ManifestError(f"{where}: {len(args)} buffers and {len(vals)} values for "
+                                f"kernel {c['kernel']!r}, which takes {len(ps)} buffers")
+        for j, (a, p) in enumerate(zip(args, ps)):
+            if bufs[a]["nbytes"] < p["nbytes"]:
+                raise ManifestError(f"{where}.args[{j}]: buffer {a} has {bufs[a]['nbytes']} "
+                                    f"bytes, kernel {c['kernel']!r} spans {p['nbytes']}")
     return plan
 
 
@@ -262,6 +272,7 @@ def read_payload(m: dict, blobs: dict[str, bytes], arch: str | None,
         raise ManifestError(f"{MANIFEST}: kernels must list the artifact's kernels")
     objects: dict[str, dict[str, bytes]] = {a: {} for a in archs}
     names: set[str] = set()
+    params: dict[str, list[dict]] = {}
     for i, k in enumerate(listed):
         objs = k.get("objects") if isinstance(k, dict) else None
         if (not isinstance(k, dict) or not isinstance(k.get("name"), str)
@@ -271,6 +282,13 @@ def read_payload(m: dict, blobs: dict[str, bytes], arch: str | None,
             raise ManifestError(f"{MANIFEST}: kernels[{i}] needs a distinct name, "
                                 f"source_sha256 and objects for each of {archs}")
         names.add(k["name"])
+        ps = k.get("params")
+        if not isinstance(ps, list) or not all(
+                isinstance(p, dict) and isinstance(p.get("nbytes"), int)
+                and not isinstance(p.get("nbytes"), bool) and p["nbytes"] > 0 for p in ps):
+            raise ManifestError(f"{MANIFEST}: kernels[{i}].params must list each buffer "
+                                f"parameter's nbytes")
+        params[k["name"]] = ps
         for a in archs:
             o, blob = objs[a], blobs[CUBIN_PREFIX + a]
             off, size = (o.get("offset"), o.get("size")) if isinstance(o, dict) else (None, None)
@@ -296,7 +314,7 @@ def read_payload(m: dict, blobs: dict[str, bytes], arch: str | None,
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ManifestError(f"{LAUNCH_FILE}: not ASCII JSON: {e}") from None
     weights = blobs[WEIGHTS_FILE]
-    _check_plan(plan, len(weights), names)
+    _check_plan(plan, len(weights), params)
     rt = m["runtime"]
     return CudaPayload(arch, tuple(archs), plan, weights, objects,
                        f"{rt['toolkit']['name']} {rt['toolkit']['version']}", rt["min_driver"])

@@ -27,6 +27,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -202,6 +203,33 @@ def capture(fn, inputs: list, out_nbytes: int) -> CudaCapture:
     return CudaCapture(plan, b"".join(blobs), cap_sources, {})
 
 
+# Element sizes of the C types tinygrad's CUDA renderer gives buffer parameters.
+_CTYPE_BYTES = {"float": 4, "double": 8, "int": 4, "unsigned int": 4, "uint": 4,
+                "unsigned char": 1, "signed char": 1, "char": 1, "bool": 1, "half": 2,
+                "nv_bfloat16": 2, "short": 2, "unsigned short": 2, "long": 8,
+                "unsigned long": 8, "long long": 8, "unsigned long long": 8}
+_PARAM_RE = re.compile(r"^(?:const\s+)?([A-Za-z_][A-Za-z0-9_ ]*?)\s*\*\s*(?:__restrict__\s*)?"
+                       r"data\d+_(\d+)$")
+
+
+def kernel_params(src: str, name: str) -> list[dict]:
+    """The kernel's parameters from its CUDA source: each a buffer (tinygrad names them
+    data<i>_<elements>) with its element type and the bytes it spans. The manifest lists
+    them; verification checks every call's buffers are at least that large."""
+    m = re.search(rf"\b{re.escape(name)}\(([^)]*)\)", src)
+    if m is None:
+        raise SystemExit(f"modelbuild: kernel {name}: no parameter list in its source")
+    out = []
+    for p in (x.strip() for x in m.group(1).split(",") if x.strip()):
+        pm = _PARAM_RE.match(p)
+        if pm is None or pm.group(1).strip() not in _CTYPE_BYTES:
+            raise SystemExit(f"modelbuild: kernel {name}: parameter {p!r} is not a buffer of "
+                             f"a known type (runtime values are not supported)")
+        n, t = int(pm.group(2)), pm.group(1).strip()
+        out.append({"ctype": t, "elements": n, "nbytes": n * _CTYPE_BYTES[t]})
+    return out
+
+
 def compile_all(cc: CudaCapture, archs: list[str]) -> None:
     """Every kernel's CUDA source to cubin for every architecture (NVRTC, never PTX)."""
     from tinygrad.runtime.support.compiler_cuda import NVRTCCompiler
@@ -229,7 +257,8 @@ def write_bundle(out: Path, cc: CudaCapture, archs: list[str], toolkit_version: 
     (out / C.WEIGHTS_FILE).write_bytes(cc.weights)
     (out / A.GOLDEN_FILE).write_bytes(golden)
     kernels = [{"name": n, "source_sha256": hashlib.sha256(s.encode()).hexdigest(),
-                "objects": {}} for n, s in sorted(cc.sources.items())]
+                "params": kernel_params(s, n), "objects": {}}
+               for n, s in sorted(cc.sources.items())]
     for a in archs:
         blob = bytearray()
         for k in kernels:
