@@ -16,7 +16,9 @@ with three peers:
                 on the native module (supervisor/ipc/_native.c)
 
 Opt-in extras: ``iox2-waitset`` (receiver blocks in an iceoryx2 WaitSet instead of
-on the Listener directly) and ``bridge-poll`` (``Reader.receive(timeout=0)`` spin).
+on the Listener directly), ``bridge-poll`` (``Reader.receive(timeout=0)`` spin) and
+``bridge-cadence`` (the reader's ``busy_poll_us``: a window around the predicted next
+message, defined in this file).
 
 Latency: the sender writes ``time.monotonic_ns()`` (CLOCK_MONOTONIC, system-wide)
 into the payload's first 8 bytes immediately before send/publish; the receiver
@@ -73,6 +75,24 @@ from ipcbench.cost import per_message_cost, print_cost  # noqa: E402
 from ipcbench.harness import iox2_cleanup, run_case  # noqa: E402
 from ipcbench.report import aggregate, fmt, print_syscalls, print_tables  # noqa: E402
 from ipcbench.syscalls import available as strace_available  # noqa: E402
+
+
+
+class BridgeCadenceTransport(BridgeTransport):
+    """Opt-in: the bridge's reader with ``busy_poll_us`` (supervisor/ipc/_cadence.py):
+    it learns a regular stream's period, sleeps until just before the next message is
+    due and watches shared memory from there (at most 2 x busy_poll_us of CPU a
+    message; controlsd reads so). Its counterpart is iceoryx2 (busy-poll), not (event)."""
+    key = "bridge-cadence"
+    label = "trio-bridge (cadence 100us)"
+    note = "reader busy-polls a 2 x 100 us window around the predicted next message"
+    busy_poll_us = 100
+
+    def _reader_kw(self) -> dict:
+        return {**super()._reader_kw(), "busy_poll_us": self.busy_poll_us}
+
+
+TRANSPORTS.setdefault(BridgeCadenceTransport.key, BridgeCadenceTransport)
 
 NV12_FRAME = 1928 * 1208 * 3 // 2  # 3,493,536 bytes
 SIZES: list[tuple[str, int]] = [
