@@ -29,7 +29,8 @@ pytestmark = pytest.mark.sandbox
 if shutil.which("bwrap") is None:
     pytest.skip("bubblewrap is not installed", allow_module_level=True)
 if os.geteuid() != 0:
-    pytest.skip("the supervisor's isolation (host uids, cgroups) needs root", allow_module_level=True)
+    pytest.skip("the supervisor's isolation (host uids, cgroups) needs root",
+                allow_module_level=True)
 
 MODULE = "workers.probe.attacks_redteam3"
 TEST_READER = 1
@@ -113,7 +114,8 @@ def _toml() -> str:
         out.append(worker(name, "control", attack, _ch(name),
                           'restart = "on-failure"\nmax_restarts = 2\nbackoff_initial_ms = 50\n'))
     for name, attack in CPU_ATTACKS.items():
-        out.append(worker(name, "research", attack, _ch(name), 'restart = "never"\ncpu_quota = 50\n'))
+        out.append(worker(name, "research", attack, _ch(name),
+                          'restart = "never"\ncpu_quota = 50\n'))
     out.append(worker("c-fakesys", "control", "fake_signal_exit", None))
     return "".join(out)
 
@@ -184,7 +186,8 @@ def _run_fleet(tmp) -> dict:
             for name in (*LASTWORD, *PLAIN):
                 n.start_soon(receive, name, await reader_of(_ch(name)))
             await until(lambda: all(_of(log.events, w, "exit") for w in LASTWORD)
-                        and all(any('"restarted"' in e["line"] for e in _of(log.events, w, "output"))
+                        and all(any('"restarted"' in e["line"]
+                                    for e in _of(log.events, w, "output"))
                                 for w in ("c-brick", *PLAIN)), 120)
             await trio.sleep(1.0)          # the last words
             # Phase 2: an actuation writer's death in a quiet moment
@@ -222,11 +225,16 @@ def test_every_attack_ran(fleet):
     """Not an xfail: the strict xfails below would pass on a fleet that never ran its
     attacks (a setup error is an xfail too). Each attacker left its evidence."""
     ev = fleet["events"]
-    for worker in (*LASTWORD, *VICTIMS, *CPU_ATTACKS, *PLAIN, "c-fakesys"):
+    for worker in (*LASTWORD, *VICTIMS, *PLAIN, "c-fakesys"):
         assert attack_result(ev, worker) is not None, (worker, _of(ev, worker)[-5:])
     for worker in ("c-rollback", "c-unmagic", "c-brick", "c-skipseq", "c-seal"):
         assert fleet["seen"][worker], worker          # the test's reader took its commands
-    assert set(fleet["windows"]) == set(CPU_ATTACKS), fleet["windows"]
+    for worker in CPU_ATTACKS:                        # measured, or refused for it
+        assert worker in fleet["windows"] or _refused(fleet, worker), _of(ev, worker)[-5:]
+
+
+def _refused(fleet, worker: str) -> list[dict]:
+    return _of(fleet["events"], worker, "refused")
 
 
 def _is_safe(cmd: dict) -> bool:
@@ -303,8 +311,9 @@ def test_a_restarted_writer_is_heard_after_a_near_bound_poison(fleet):
     "mapping of every actuation segment in the supervisor from creation, for SAFE"))
 def test_last_word_is_said_after_the_writer_sealed_its_segment(fleet):
     ev = fleet["events"]
+    again = [e["line"] for e in _of(ev, "c-seal", "output") if "restarted" in e["line"]]
     print(f"\nc-seal: last_word_error {_of(ev, 'c-seal', 'last_word_error')[:1]}; "
-          f"restarted: {[e['line'] for e in _of(ev, 'c-seal', 'output') if 'restarted' in e['line']]}")
+          f"restarted: {again}")
     _last_word_seen(fleet, "c-seal")
 
 
@@ -388,15 +397,15 @@ def _cost(fleet, worker: str) -> tuple[float, float, float, float]:
 
 def _assert_bounded(fleet, worker: str) -> None:
     ev = fleet["events"]
+    refused = _refused(fleet, worker)
+    if refused:                    # the supervisor ended it: the claim holds that way
+        print(f"\n{worker}: refused: {refused[0].get('reason')}")
+        return
     res = attack_result(ev, worker)
     assert res is not None and worker in fleet["windows"], _of(ev, worker)[-5:]
     during, before, lag, lag0 = _cost(fleet, worker)
-    refused = _of(ev, worker, "refused")
     print(f"\n{worker}: {res}\n  supervisor CPU {during:.2f}/s during, {before:.2f}/s "
-          f"before; event-loop lag p99 {lag:.1f} ms during, {lag0:.1f} ms before; "
-          f"refused: {refused}")
-    if refused:
-        return
+          f"before; event-loop lag p99 {lag:.1f} ms during, {lag0:.1f} ms before")
     assert during <= before + CPU_MARGIN, (during, before)
     assert lag <= lag0 + LAG_MARGIN_MS, (lag, lag0)
 
@@ -439,6 +448,8 @@ def test_death_to_safe_is_not_delayed_by_a_research_flood(fleet):
     print(f"\ndeath -> SAFE: {quiet:.1f} ms quiet, {flood:.1f} ms during the flood "
           f"(died {(died - t0) / 1e6:.0f} ms into a {(t1 - t0) / 1e6:.0f} ms flood); "
           f"the last-word thread's share (waited_ms): {wq} quiet, {wf} during the flood")
+    if _refused(fleet, "r-flood"):
+        return                     # no flood to be delayed by
     assert t0 < died < t1, "the writer did not die during the flood"
     assert wq and wf, (wq, wf)
     assert wf[0] <= wq[0] + SAFE_MARGIN_MS, (wf, wq)
@@ -455,6 +466,8 @@ def test_a_status_line_of_control_characters_costs_the_supervisor_little(fleet):
     CPU the supervisor gets, not what a line costs it): an honest status line costs it
     tens of microseconds; a bound of 100 us per line leaves room for a loaded cache."""
     ev = fleet["events"]
+    if _refused(fleet, "r-escape"):
+        return
     res = attack_result(ev, "r-escape")
     assert res is not None and "r-escape" in fleet["windows"], _of(ev, "r-escape")[-5:]
     during, before, lag, lag0 = _cost(fleet, "r-escape")
@@ -464,8 +477,6 @@ def test_a_status_line_of_control_characters_costs_the_supervisor_little(fleet):
     print(f"\nr-escape: {res}\n  supervisor CPU {during:.2f}/s during, {before:.2f}/s "
           f"before: {per_line_us:.0f} us of supervisor CPU per line ({extra_s:.2f} s for "
           f"the worker's {res['own_cpu_s']:.3f} s); lag p99 {lag:.1f} ms ({lag0:.1f} before)")
-    if _of(ev, "r-escape", "refused"):
-        return
     assert per_line_us <= 100.0, per_line_us
 
 

@@ -358,8 +358,9 @@ def fake_signal_exit(ctx: WorkerContext, w: Writer | None) -> dict:
 
 ATTACKS: dict[str, Callable[[WorkerContext, Writer | None], dict]] = {
     f.__name__: f for f in (lastword_rollback, lastword_unmagic, lastword_brick,
-                            lastword_skipped_seq, lastword_seal, plain_brick, die_after_attach, headless_writer, newline_flood, wake_spam,
-                            status_escape_flood, fake_signal_exit)
+                            lastword_skipped_seq, lastword_seal, plain_brick, die_after_attach,
+                            headless_writer, newline_flood, wake_spam, status_escape_flood,
+                            fake_signal_exit)
 }
 
 
