@@ -150,7 +150,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             return int(Exit.CONFIG)
         try:
             split = (connect_broker(cfg, args.broker) if args.broker
-                     else start_privsep(cfg, args.config, before_drop=sup.judge_admission))
+                     else start_privsep(cfg, args.config, before_drop=sup.judge_before_start))
         except PrivsepError as e:
             print(f"supervisor run: {e}", file=sys.stderr)
             return int(Exit.ERROR)

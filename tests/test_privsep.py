@@ -200,3 +200,78 @@ def test_a_fault_injected_supervisor_proper_is_refused_by_the_broker(tmp_path):
     assert [e["worker"] for e in log.of("ready")] == ["a", "b", "c"]
     assert sup.exit_code == Exit.SHUTDOWN
     assert {e["worker"] for e in events if e["event"] == "broker_started"} == {"a", "b", "c"}
+
+
+# ---------------------------------------------------------------- the hostile fleet
+
+# A subset of tests/test_attacks.py's ATTACKERS, one supervisor --privsep for all: a
+# kernel knob, a forbidden syscall, the W^X lock after READY, the exec watch before READY
+# (its /proc reads and thread stops through the broker), a memory hog (its OOM cause
+# from the broker's reap), a status flood (the unprivileged proper's parser).
+FLEET = ("c-core", "c-ptrace", "c-mprotect", "c-dlopen", "c-hog", "r-flood")
+
+
+@pytest.fixture(scope="module")
+def privsep_fleet(tmp_path_factory):
+    import tests.test_attacks as A
+
+    class PrivsepFleet(A.Fleet):
+        """test_attacks.Fleet's supervisor, started with --privsep."""
+
+        def __init__(self, tmp: Path) -> None:
+            real = subprocess.Popen
+
+            def with_privsep(argv, *a, **kw):
+                if argv[:4] == [sys.executable, "-m", "supervisor.cli", "run"]:
+                    argv = [*argv[:4], "--privsep", *argv[4:]]
+                return real(argv, *a, **kw)
+
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(A.subprocess, "Popen", with_privsep)
+                super().__init__(tmp)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(A, "ATTACKERS", {k: A.ATTACKERS[k] for k in FLEET})
+        f = PrivsepFleet(tmp_path_factory.mktemp("privsep-hostile"))
+        try:
+            running = f.settle(stall_s=90, admission_s=300, cap_s=400)
+            yield {"events": f.stop(), "running": running}
+        finally:
+            if f.proc.poll() is None:
+                f.proc.kill()
+
+
+def test_the_hostile_fleet_gets_the_same_verdicts_through_the_broker(privsep_fleet):
+    import tests.test_attacks as A
+
+    ev, running = privsep_fleet["events"], privsep_fleet["running"]
+    privsep = [e for e in ev if e["event"] == "privsep"]
+    assert privsep and privsep[0]["uid"] != 0 and privsep[0]["cap_eff"] == "0" * 16, ev[:5]
+    assert all(e.get("broker") for e in ev if e["event"] == "start"), \
+        [e for e in ev if e["event"] == "start" and not e.get("broker")]
+    res = A.assert_denied(ev, "c-core")
+    assert res["error"] in ("EROFS", "EACCES", "ENOENT"), res
+    for w in ("c-ptrace", "c-mprotect"):              # seccomp, then the W^X lock
+        assert A.attack_result(ev, w) is None, A.attack_result(ev, w)
+        ex = A.killed_by(ev, w)
+        assert ex["signal"] == "SIGSYS" and "seccomp" in ex["cause"], ex
+    ref = A._of(ev, "c-dlopen", "refused")          # the exec watch, judged unprivileged
+    assert ref and ref[0]["syscall"] == "mmap" and "/tmp/libharmless.so" in str(ref[0]["target"]), \
+        A._of(ev, "c-dlopen")
+    ex = A.killed_by(ev, "c-hog")                   # the OOM count, from the broker's reap
+    assert ex["signal"] == "SIGKILL" and "out of memory" in ex["cause"], ex
+    ref = A._of(ev, "r-flood", "refused")
+    assert ref and ref[0]["kind"] == "protocol_flood", A._of(ev, "r-flood")[-3:]
+    for w in ("src", "sink"):                        # control ran on, untouched
+        assert len(A._of(running, w, "start")) == 1 and A._of(running, w, "ready")
+        assert not A._of(ev, w, "watchdog_missed")
+    assert [e for e in ev if e["event"] == "supervisor_exit"][-1]["code"] == 0
+    # No broker_error, and the proper asked for nothing outside the vocabulary's checks:
+    # what the broker refused were /proc views of processes that had just died (a
+    # worker killed by seccomp while its exec watch or the maps scan looked at it:
+    # notOurs once it left its cgroup, failed with the kernel's ENOENT for a mapping).
+    assert not [e for e in ev if e["event"] == "broker_error"]
+    refused = {(e["request"], e["code"]) for e in ev if e["event"] == "broker_refused"}
+    assert {c for _, c in refused} <= {"notOurs", "failed"}, refused
+    assert {r for r, _ in refused} <= {"openProc", "openFd", "openMapFile", "openPidNs",
+                                       "signalThread", "signal", "pids"}, refused

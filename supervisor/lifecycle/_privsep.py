@@ -249,7 +249,7 @@ def start_privsep(cfg: Any, config_path: str | None,
                   before_drop: Callable[[], None] | None = None) -> Privsep:
     """As root: start the broker, then become the unprivileged supervisor proper.
     `before_drop`: what must still run as root (the static admission's walk of the
-    installed code, see Supervisor.judge_admission)."""
+    installed code and the runtime checks, see Supervisor.judge_before_start)."""
     if os.geteuid() != 0:
         raise PrivsepError("--privsep starts the broker as root: run it as root (as a "
                            "user, plain `supervisor run` runs unprivileged already)")

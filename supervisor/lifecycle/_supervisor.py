@@ -55,6 +55,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         self._nursery: trio.Nursery | None = None
         self._numbers: dict[str, int] = {}  # the last incarnation number per worker
         self._admission: dict[str, object] | None = None   # reports by worker (judged once)
+        self._runtime_problems: list = []                  # check_runtime's (with it)
         self.runs: dict[str, WorkerRun] = {}
         self.channels: dict[str, Channel] = {}
         self._reader_index: dict[tuple[str, str], int] = {}
@@ -66,13 +67,18 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
 
     # ---------------------------------------------------------------- admission
 
-    def judge_admission(self) -> None:
-        """Static admission of every worker, judged once per Supervisor. `run --privsep`
-        judges before it drops root: the walk reads the installed code (root's, not a
-        sandbox's output) with root's admission cache, where the unprivileged supervisor
-        proper could reach neither (/root is 0700 here) and would walk cold (~30 s)."""
+    def judge_before_start(self) -> None:
+        """Static admission of every worker and the machine's runtime checks
+        (config.check_runtime), judged once per Supervisor. `run --privsep` judges them
+        before it drops root: both read the installed code and the config's paths
+        (root's, never a sandbox's output) as the broker will see them; the unprivileged
+        supervisor proper could reach neither (/root is 0700 here; a bind under a 0700
+        directory) and would walk the code cold (~30 s) without root's admission cache."""
+        from supervisor.config import check_runtime
+
         if self._admission is not None:
             return
+        self._runtime_problems = check_runtime(self.config, sandboxed=self.sandboxed)
         self._admission = {}
         for name, w in self.config.workers.items():
             argv = None if w.module else list(w.command or ())
@@ -82,7 +88,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
 
     def admit(self) -> list[str]:
         """Static admission of every worker; returns the names refused."""
-        self.judge_admission()
+        self.judge_before_start()
         refused = []
         for name, report in self._admission.items():
             if not report.ok:
@@ -620,9 +626,8 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         """What `supervisor check` knows before start (modules, paths, users, memory):
         one event per problem and exit 2, never six tracebacks and a fail-safe. An
         optional worker admission refused is skipped: nothing about it can fail."""
-        from supervisor.config import check_runtime
-
-        problems = [p for p in check_runtime(self.config, sandboxed=self.sandboxed)
+        self.judge_before_start()
+        problems = [p for p in self._runtime_problems
                     if not any(p.key.startswith(f"workers.{n}.") for n in refused)
                     # through the broker the state dir is the broker's (it opened it
                     # as root at its start), never written by this unprivileged process
