@@ -33,13 +33,32 @@ sys.path.insert(0, str(ROOT))
 PIPE = ("camerad", "modeld", "controlsd")
 
 
-def bench_config(w: int, h: int, slot: int, research: bool = False) -> str:
+def model_for(work: Path, w: int, h: int) -> dict[str, str]:
+    """The demo model built and signed for WxH frames (a test key): the shipped
+    artifact takes the car's 1928x1208 Y plane only and refuses smaller frames
+    (`too_small`), so a bench at another size would replay a pipeline whose model
+    never ran. Config keys to set."""
+    out = work / "model"
+    env = {k: v for k, v in os.environ.items() if k not in ("CACHEDB", "DEV", "PARALLEL")}
+    subprocess.run([sys.executable, "-m", "workers.modelbuild", "--out", str(out / "m"),
+                    "--key", str(out / "k.key"), "--seed", "0", "--frames", "40",
+                    "--val-frames", "8", "--width", str(w), "--height", str(h)],
+                   check=True, cwd=ROOT, env=env, capture_output=True)
+    name = json.loads((out / "m" / "manifest.json").read_text())["model"]["name"]
+    return {"models.lane-offset.artifact": str(out / "m"),
+            "models.lane-offset.public_key": str(out / "k.pub"),
+            "models.lane-offset.expect_name": name}
+
+
+def bench_config(w: int, h: int, slot: int, research: bool = False,
+                 model: dict[str, str] | None = None) -> str:
     """The vehicle's own pipeline (the embedded default, without research unless asked)
     at WxH, no standbys: what a developer replays."""
     from supervisor.config import default_doc, derive, dumps
 
     drop = () if research else ("workers.research", "channels.shadow_out")
     return dumps(derive(default_doc(), drop=drop, set={
+        **(model or {}),
         "workers.camerad.args": ["--width", str(w), "--height", str(h), "--fps", "20"],
         "channels.road_frames.slot_size": slot,
         "channels.model_out.slot_count": 8,
@@ -90,7 +109,7 @@ def main() -> int:
     ap.add_argument("--logs", type=int, default=20, help="0: replay speed only, no fleet")
     ap.add_argument("--seconds", type=float, default=3.0)
     # The demo model's kernels take the car's 1928x1208 Y plane as it is (input ABI 2):
-    # smaller frames are rejected, so the log is recorded at that size.
+    # at another size the demo model is built for it first (`model_for`, ~1 min).
     ap.add_argument("--width", type=int, default=1928)
     ap.add_argument("--height", type=int, default=1208)
     ap.add_argument("--skip-ray", action="store_true")
@@ -104,7 +123,8 @@ def main() -> int:
     work = Path(a.out or tempfile.mkdtemp(prefix="replay-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     slot = max(256 << 10, a.width * a.height * 3 // 2 + 4096)
-    (work / "bench.toml").write_text(bench_config(a.width, a.height, slot, a.research))
+    model = None if (a.width, a.height) == (1928, 1208) else model_for(work, a.width, a.height)
+    (work / "bench.toml").write_text(bench_config(a.width, a.height, slot, a.research, model))
     rec = work / "rec"
     code, out, wall = cli("record", str(rec), "--config", str(work / "bench.toml"),
                           "--seconds", str(a.seconds), "--quiet", "--video", "raw", cwd=work)
@@ -116,8 +136,12 @@ def main() -> int:
 
     log = DriveLog.open(rec)
     nframes = len(log.video("road_frames"))
+    outputs = len(log.messages.get("model_out", []))
     print(f"recorded log: {nframes} frames of {a.width}x{a.height}, "
-          f"{a.seconds:g} s at 20 fps")
+          f"{a.seconds:g} s at 20 fps, {outputs} model outputs")
+    if outputs == 0:        # a replay without a model is not what a developer replays
+        print("no model output was recorded (the model refused the frames?): not measured")
+        return 1
 
     # Replay speed, deterministic mode, and bit-identity of two replays.
     runs = []
@@ -126,7 +150,8 @@ def main() -> int:
                               "--no-progress", cwd=work)
         s = json.loads((work / f"one{k}" / "summary.json").read_text())
         runs.append(s)
-        print(f"replay {k + 1}: exit {code}, {s['frames']['replayed']} frames in "
+        print(f"replay {k + 1}: exit {code}, {s['frames']['replayed']} frames "
+              f"({s['frames']['model_outputs']} model outputs) in "
               f"{s['wall_s']:.2f} s (pipeline start included) -> {s['frames_per_s']} "
               f"frames/s = {s['speed_vs_realtime']}x real time")
     code, out, _ = cli("replay", str(rec), "--out", str(work / "one2"), "--ref",
