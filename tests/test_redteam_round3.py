@@ -226,11 +226,13 @@ def test_every_attack_ran(fleet):
     attacks (a setup error is an xfail too). Each attacker left its evidence."""
     ev = fleet["events"]
     for worker in (*LASTWORD, *VICTIMS, *PLAIN, "c-fakesys"):
-        assert attack_result(ev, worker) is not None, (worker, _of(ev, worker)[-5:])
+        res = attack_result(ev, worker)
+        assert res is not None and "crashed" not in res, (worker, _of(ev, worker)[-5:])
     for worker in ("c-rollback", "c-unmagic", "c-brick", "c-skipseq", "c-seal"):
         assert fleet["seen"][worker], worker          # the test's reader took its commands
     for worker in CPU_ATTACKS:                        # measured, or refused for it
         assert worker in fleet["windows"] or _refused(fleet, worker), _of(ev, worker)[-5:]
+        assert "crashed" not in (attack_result(ev, worker) or {}), attack_result(ev, worker)
 
 
 def _refused(fleet, worker: str) -> list[dict]:

@@ -385,8 +385,10 @@ def main(ctx: WorkerContext) -> int:
     ctx.ready(status=f"redteam3 pid {os.getpid()}")
     try:
         res = ATTACKS[a.attack](ctx, w)
-    except Exception as e:           # an attack that crashed is reported, not hidden
+    except Exception as e:           # an attack that crashed is reported, not hidden,
         res = {"denied": None, "crashed": f"{type(e).__name__}: {e}"}
+        print("ATTACK " + json.dumps({"attack": a.attack, **res}), flush=True)
+        return 2                     # and ends: the test waits for the poisoners' exits
     print("ATTACK " + json.dumps({"attack": a.attack, **res}), flush=True)
     while True:
         ctx.watchdog()
