@@ -26,6 +26,7 @@ import secrets
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,43 +92,33 @@ class FailSafeLatch:
         self.path.unlink(missing_ok=True)
 
 
-# Sequence and generation words above this are a dead writer's sabotage, not history.
-_PLAUSIBLE = 1 << 62
-
-
 def _repair(channel: Channel) -> None:
-    """Make the segment's header and seqlock words the supervisor's again: the dead
-    writer may have left a header that does not match the spec, or sequence and
-    generation words near 2**64. Readers keep their order: last_seq continues from the
-    highest plausible slot sequence."""
-    from supervisor.ipc import _geometry as G
+    """Make the segment's header the supervisor's again: the dead writer may have left
+    one that does not match the spec (the Writer refuses that: a worker's writer must
+    not take over a segment of another shape). Its sequence and generation words are
+    the Writer's to judge (Writer._attach): it keeps what counting could reach."""
     from supervisor.ipc import layout as L
 
     spec = channel.spec
     with mmap.mmap(channel.writer_handle().data_fd, spec.segment_size) as buf:
-        last = 0
-        for i in range(spec.slot_count):
-            off = G.control_offset(i)
-            gen, seq = L.GEN_SEQ.unpack_from(buf, off)
-            if gen >= _PLAUSIBLE or seq >= _PLAUSIBLE:
-                L.GEN_SEQ.pack_into(buf, off, 0, 0)      # an empty slot
-            else:
-                last = max(last, seq)
         L.CHANNEL_HDR.pack_into(buf, 0, L.MAGIC, L.LAYOUT_VERSION, spec.slot_count,
                                 spec.slot_size, spec.slot_stride, spec.control_size,
-                                spec.channel_id, os.getpid(), last, 0, 0)
+                                spec.channel_id, os.getpid(), 0, 0, 0)
 
 
-def _writer(channel: Channel) -> Writer:
+def _writer(channel: Channel, readers: tuple[int, ...]) -> Writer:
+    """The supervisor's writer of a dead writer's channel. Its sequence continues above
+    the segment's plausible words and above every position ``readers`` consumed (their
+    lease tables: the dead writer could not touch them), so no reader has gone past the
+    last word already, whatever the dead writer rolled back (red team round 3)."""
     try:
-        w = Writer(channel.writer_handle(), domain="supervisor", seal=False)
-        if w.last_sequence < _PLAUSIBLE:
-            return w
-        w.close()
+        return Writer(channel.writer_handle(), domain="supervisor", seal=False,
+                      above_readers=readers)
     except Exception:    # a header the dead writer poisoned: take the segment back
         pass
     _repair(channel)
-    return Writer(channel.writer_handle(), domain="supervisor", seal=False)
+    return Writer(channel.writer_handle(), domain="supervisor", seal=False,
+                  above_readers=readers)
 
 
 # One Writer of a channel at a time inside the supervisor too: the last-word thread and
@@ -148,16 +139,35 @@ def prepare() -> None:
     from supervisor.ipc import _geometry, layout  # noqa: F401
 
 
-def publish_safe(channel: Channel, payload_name: str) -> dict[str, float]:
+def trusted_readers(config, channel: str) -> tuple[int, ...]:
+    """The reader indexes of ``channel`` whose position the last word continues above:
+    its control-domain readers and the supervisor's own monitor (the spare index). A
+    research reader's is left out: it could claim a position near the limit, and a last
+    word numbered above it would be past every honest reader's reach. Indexes as the
+    lifecycle gives them (readers_of() fills 0..n-1, the monitor takes n)."""
+    from supervisor.config import CONTROL
+
+    readers = config.readers_of(channel)
+    return tuple(i for i, w in enumerate(readers) if config.profile_of(w) == CONTROL) \
+        + (len(readers),)
+
+
+def publish_safe(channel: Channel, payload_name: str,
+                 readers: Iterable[int] | None = None) -> dict[str, float]:
     """Publish the payload's safe value on `channel` (its worker must be dead), whatever
-    state the dead writer left the segment in. Thread-safe per channel."""
+    state the dead writer left the segment in. It is numbered above the position of
+    every reader in ``readers`` (default: all): the caller leaves out readers it does
+    not trust to say where they are (another domain's: a hostile reader that claimed a
+    position near the limit would push the last word past every honest reader's reach).
+    Thread-safe per channel."""
     from schemas.payloads import PAYLOADS
 
     payload = PAYLOADS[payload_name]
     if payload.safe is None:
         raise ValueError(f"payload {payload_name} has no safe value")
     with _channel_lock(channel):
-        w = _writer(channel)
+        w = _writer(channel, tuple(range(channel.spec.max_readers)) if readers is None
+                    else tuple(readers))
         try:
             with w.loan() as loan:
                 payload.encode(loan.array(payload.shape, np.dtype(payload.dtype)),

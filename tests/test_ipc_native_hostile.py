@@ -535,11 +535,13 @@ L.U64.pack_into(w._buf, L.OFF_LAST_SEQ, U64 - 1)
 a, b = drain(rn), drain(rp)
 print("native:", a)
 print("python:", b)
-# The message itself is refused alike (its header says another sequence) ...
-assert a[0] == b[0] == ["rej", "MalformedHeader"], (a, b)
-# ... but then the pure-Python reader waits (nothing newer than 2**64 - 1 can come),
-# while the native reader raises OverflowError from every later receive.
+# The message itself is refused alike: a number no honest writer reaches, refused
+# without moving the reader (layout SEQ_HONEST; red team round 3) ...
+assert a[0] == b[0] == ["rej", "SequenceJump"], (a, b)
+# ... and then both wait: the same message is not refused (nor counted) again, and the
+# native reader never raised OverflowError from a later receive (the regression).
 assert b[1:] == [["none"]], b
+assert rn.stats.rejected == rp.stats.rejected == {"sequence_jump": 1}, (rn.stats, rp.stats)
 try:
     rn.receive(timeout=0.05)
 except BridgeError as e:

@@ -18,7 +18,7 @@ from ._types import FrameFormat, Layout, PlaneInfo, Stamp
 from .channel import Channel, ReaderHandle, WriterHandle, env_name
 from .errors import (BoundsError, BridgeError, ChannelTimeout, ConfigError, CrcMismatch,
                      DTypeMismatch, FormatError, FutureTimestamp, LeaseLost, MalformedHeader,
-                     Rejected, SequenceError, StaleMessage, TornRead)
+                     Rejected, SequenceError, SequenceJump, StaleMessage, TornRead)
 from .reader import FUTURE_TOLERANCE_NS, Reader, ReaderStats
 from .receipt import Receipt
 from .spec import ChannelSpec
@@ -29,6 +29,6 @@ __all__ = [
     "ChannelTimeout", "ConfigError", "CrcMismatch", "DTypeMismatch", "FormatError",
     "FrameFormat", "FrameInfo", "FutureTimestamp", "Layout", "LeaseLost", "Loan",
     "MalformedHeader", "Message", "NextLoan", "PlaneInfo", "Reader", "ReaderHandle",
-    "ReaderStats", "Receipt", "Rejected", "SequenceError", "Stamp", "StaleMessage",
+    "ReaderStats", "Receipt", "Rejected", "SequenceError", "SequenceJump", "Stamp", "StaleMessage",
     "TornRead", "Writer", "WriterHandle", "WriterStats", "env_name",
 ]

@@ -48,6 +48,14 @@ class SequenceError(Rejected):
     reason = "sequence_not_increasing"
 
 
+class SequenceJump(Rejected):
+    """A sequence number no honest writer reaches from the reader's position (layout
+    SEQ_HONEST): refused without moving the reader, so the supervisor's last word,
+    which continues above every reader's position, still comes after it."""
+
+    reason = "sequence_jump"
+
+
 class StaleMessage(Rejected):
     reason = "stale"
 

@@ -72,13 +72,29 @@ READER_POLLS = 1
 # to sleep, stored before the flag; the writer sends one wake-up byte per sleep, not
 # one per message (K6 in _native.c). 0: a reader that does not count (always woken).
 OFF_SLEEPS = 32
-# In the lease header: the sequence number this reader delivered last. A slot whose
+# In the lease header: the sequence number this reader consumed last (see below). A slot whose
 # message every reader has taken is the writer's first choice to reuse (the newest
 # such: still in the caches), before the oldest (Writer.loan; loan in _native.c).
 # 0: nothing (a reader that does not say: C++, or one just attached). A table without
 # LEASE_MAGIC (no reader ever attached: the config's spare index) does not count.
 OFF_TAKEN = 40
 LEASE_STRIDE = 32
+
+# Sequence numbers. An honest writer counts from 1, at most ~10 million a second: it
+# never reaches SEQ_HONEST (2**61: 7,000 centuries). A reader refuses a message at or
+# above it unless it is close behind the reader's own position (within 2 rings: a
+# hostile writer walks readers up one ring at a time, never to overflow), so there is
+# always room above every reader for the supervisor's last word. What a dead writer left
+# at or above PLAUSIBLE (2**62) in its header or control blocks was not reached by
+# counting: the next writer empties those words instead of continuing them.
+#
+# OFF_TAKEN is also each reader's *position*: the highest sequence it consumed,
+# delivered or rejected (a rejected message's number is used up too), stored at attach
+# and at every step. It lives in the reader's own table, which no writer can write: the
+# supervisor's last word continues above it whatever the dead writer did to its own
+# segment (failsafe.publish_safe; red team round 3).
+SEQ_HONEST = 1 << 61
+PLAUSIBLE = 1 << 62
 
 U64 = struct.Struct("<Q")
 U32 = struct.Struct("<I")

@@ -19,7 +19,8 @@ from ._message import UNREAD as _UNREAD, Message
 from ._types import Layout
 from .channel import ReaderHandle
 from .errors import (BridgeError, ChannelTimeout, CrcMismatch, FutureTimestamp,
-                     MalformedHeader, Rejected, SequenceError, StaleMessage, TornRead)
+                     MalformedHeader, Rejected, SequenceError, SequenceJump, StaleMessage,
+                     TornRead)
 
 # Hot-path names, bound once.
 _gen_of = L.U64.unpack_from
@@ -50,6 +51,7 @@ _OFF_LAST_SLOT = L.OFF_LAST_SLOT
 _OFF_TAKEN = L.OFF_TAKEN
 _u64_pack = L.U64.pack_into
 _MAX_SEQ = 2**64 - 1
+_SEQ_HONEST = L.SEQ_HONEST
 
 # How far a publish, frame capture or receipt capture timestamp may lie ahead of the
 # reader's clock before the message is rejected as FutureTimestamp. Every timestamp on
@@ -164,8 +166,18 @@ class Reader:
         self._last_layout: Layout | None = None
         # What the native take needs of it: (bytes, payload span lo, hi).
         self._last_take: tuple[bytes, int, int] | None = None
-        # Start at the newest message already published (if any): fresh, not history.
-        self._last_seq = max(self._latest_seq() - 1, 0)
+        # Start at the newest message already published (if any): fresh, not history;
+        # from nothing if the header's number is one no honest writer reaches.
+        start = self._latest_seq()
+        self._last_seq = max(start - 1, 0) if start < _SEQ_HONEST else 0
+        # The highest sequence consumed (delivered or rejected), told to the supervisor
+        # in the lease table (layout OFF_TAKEN); _last_seq moves below it only for a
+        # rehearsal. _jumped: the (slot, gen) refused last as a SequenceJump, not counted
+        # again each time it is the only candidate.
+        self._pos = 0
+        self._jumped: tuple[int, int] | None = None
+        self._jump_max = 2 * spec.slot_count
+        self._moved(self._last_seq)
         self._last_capture = 0
         self._received = self._dropped = self._lost = 0
         self._skipped = 0      # older messages passed over by take_newest
@@ -241,6 +253,28 @@ class Reader:
                 s.control_size, s.channel_id):
             raise BridgeError(f"channel {s.name!r}: segment header does not match the spec")
 
+    def _moved(self, seq: int) -> None:
+        """The reader has consumed ``seq``: its position, in its own lease table."""
+        if seq > self._pos:
+            self._pos = seq
+            if self._lease_r is not None:
+                self._lease_r.store_relaxed(_OFF_TAKEN, seq)
+            else:
+                _u64_pack(self._lease_mm, _OFF_TAKEN, seq)
+
+    def _refuse_jump(self, slot: int, gen: int, seq: int, k: int) -> None:
+        """A message numbered past any an honest writer reaches from our position: its
+        lease is returned and the reader does not move (see SequenceJump). None, not
+        counted, when that very message was refused already."""
+        self._drop_lease(k)
+        if self._jumped == (slot, gen):
+            return None
+        self._jumped = (slot, gen)
+        e = SequenceJump(self.spec.name, f"sequence {seq:#x} is past any an honest "
+                         f"writer reaches from {self._pos}", seq)
+        self._rejected[e.reason] += 1
+        raise e
+
     def _latest_seq(self) -> int:
         if self._seg is not None:
             return self._seg.load(L.OFF_LAST_SEQ)      # acquire (R1)
@@ -285,7 +319,7 @@ class Reader:
             if not inline and raw_l == self._last_layout_raw:
                 stamp = self._naccept(raw_h, self._compiled, self._actx, seq, gen, _now(),
                                       self._last_capture)
-            if stamp is None:
+            if stamp is None or seq >= _SEQ_HONEST:
                 return self._accept(slot, gen, seq, k, raw_h, raw_l)
             if self._received or self._rejected:
                 self._dropped += seq - self._last_seq - 1
@@ -325,10 +359,12 @@ class Reader:
             self._burst.took(_now())
         # Taken: the writer may reuse this message's slot first once every reader has
         # (layout OFF_TAKEN). The lease keeps it meanwhile.
-        if self._lease_r is not None:
-            self._lease_r.store_relaxed(_OFF_TAKEN, stamp[0])
-        else:
-            _u64_pack(self._lease_mm, _OFF_TAKEN, stamp[0])
+        if stamp[0] > self._pos:        # not for a rehearsal's second take
+            self._pos = stamp[0]
+            if self._lease_r is not None:
+                self._lease_r.store_relaxed(_OFF_TAKEN, stamp[0])
+            else:
+                _u64_pack(self._lease_mm, _OFF_TAKEN, stamp[0])
         self._received += 1
         self._delivered = (stamp[0], slot, gen)
         msg = _new_message(Message)
@@ -408,11 +444,14 @@ class Reader:
             raise
 
     def _accept(self, slot: int, gen: int, seq: int, k: int, raw_h: bytes,
-                raw_l: bytes) -> Message:
+                raw_l: bytes) -> Message | None:
         spec = self.spec
+        if seq >= _SEQ_HONEST and seq - self._pos > self._jump_max:
+            return self._refuse_jump(slot, gen, seq, k)
         if self._received or self._rejected:
             self._dropped += seq - self._last_seq - 1
         self._last_seq = seq   # accepted or rejected, this sequence is consumed
+        self._moved(seq)       # ... and said so before a check can refuse it
         try:
             # A stream repeats one layout: compare with the last bytes first (a memcmp),
             # then the cache of validated layouts keyed by their exact bytes.

@@ -6,6 +6,7 @@ import os
 import struct
 import time
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,9 +20,8 @@ from .receipt import Receipt
 
 _LAST_SEQ_WORD = L.OFF_LAST_SEQ // 8
 _OFF_LAST_SLOT, _OFF_LAST_SEQ = L.OFF_LAST_SLOT, L.OFF_LAST_SEQ
-# Above this a sequence or generation was not reached by counting (2**62 messages at a
-# million a second: 146,000 years); the supervisor's fail-safe repair uses the same bound.
-PLAUSIBLE = 1 << 62
+# Above this a sequence or generation was not reached by counting (layout.PLAUSIBLE).
+PLAUSIBLE = L.PLAUSIBLE
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,11 @@ class Writer:
     """The one process allowed to write a channel's segment."""
 
     def __init__(self, handle: WriterHandle, *, domain: str = "unknown",
-                 seal: bool = True, native: bool | None = None) -> None:
+                 seal: bool = True, native: bool | None = None,
+                 above_readers: Iterable[int] = ()) -> None:
+        """``above_readers``: reader indexes whose position (layout OFF_TAKEN) the
+        sequence continues above, whatever the segment says: the supervisor's last word
+        after a writer it cannot trust died (failsafe.publish_safe)."""
         self.spec = spec = handle.spec
         # The memory-ordering path (see _atomics): refuses to start where none is correct.
         self._native = nat = _atomics.select(native)
@@ -104,7 +108,7 @@ class Writer:
             self.loan = self._loan_native
             self._publish = self._publish_native
             self._discard = self._discard_native
-        self._attach()
+        self._attach(tuple(above_readers))
 
     @property
     def native(self) -> bool:
@@ -113,39 +117,54 @@ class Writer:
 
     # A restarted writer continues the sequence and generations it finds, so readers
     # never see a sequence go backwards.
-    def _attach(self) -> None:
+    def _attach(self, above_readers: tuple[int, ...] = ()) -> None:
         spec, buf = self.spec, self._buf
         magic, version, count, size, stride, ctl, *_ = L.CHANNEL_HDR.unpack_from(buf, 0)
-        if magic == L.MAGIC:
-            if (version, count, size, stride, ctl) != (L.LAYOUT_VERSION, spec.slot_count,
-                                                       spec.slot_size, spec.slot_stride,
-                                                       spec.control_size):
-                raise BridgeError(f"channel {spec.name!r}: segment layout does not match spec")
-            self._last_seq = L.U64.unpack_from(buf, L.OFF_LAST_SEQ)[0]
-            # What a previous (perhaps compromised) writer left is continued only if a
-            # writer could have reached it: near 2**64 the next increments would
-            # overflow every 8-byte word they go to.
-            words = [self._last_seq, *(L.GEN_SEQ.unpack_from(buf, cb)[0] for cb in self._ctl)]
-            if max(words) >= PLAUSIBLE:
-                raise BridgeError(f"channel {spec.name!r}: the segment holds sequence or "
-                                  f"generation {max(words):#x} from a previous writer, beyond "
-                                  f"any a writer reaches; the supervisor must re-create or "
-                                  f"repair the channel")
-            for i, cb in enumerate(self._ctl):
-                gen, seq = L.GEN_SEQ.unpack_from(buf, cb)
-                self._gen[i] = gen + (gen & 1)    # an interrupted write is abandoned
-                self._seq[i] = seq if not gen & 1 else 0
-                # An abandoned slot (a loan held at exit: NextLoan always holds one) is
-                # left invalid, seq 0 stored while still odd, as _discard leaves it
-                # (review: its old seq made a lagging reader read a half-written header).
-                if self._seg is not None:
-                    if gen & 1:
-                        self._seg.store(cb + L.OFF_SEQ, 0)
-                    self._seg.store(cb, self._gen[i])
-                else:
-                    if gen & 1:
-                        self._words[cb // 8 + 1] = 0
-                    self._words[cb // 8] = self._gen[i]
+        if magic == L.MAGIC and (version, count, size, stride, ctl) != (
+                L.LAYOUT_VERSION, spec.slot_count, spec.slot_size, spec.slot_stride,
+                spec.control_size):
+            raise BridgeError(f"channel {spec.name!r}: segment layout does not match spec")
+        # What a previous (perhaps compromised) writer left is continued only where a
+        # writer could have reached it by counting: a word at or above PLAUSIBLE is
+        # emptied, never continued (near 2**64 the next increments would overflow), and
+        # a header without the magic (zeroed by the dead writer) does not make the slots
+        # new: their generations go on, so no reader's lease or seqlock goes backwards.
+        # The segment's own words are continued only below SEQ_HONEST: readers refuse a
+        # far jump above it, so continuing from there would leave this writer unheard
+        # (red team round 3: a dead writer left last_seq at 2**62 - 1).
+        bound = L.SEQ_HONEST
+        last = L.U64.unpack_from(buf, L.OFF_LAST_SEQ)[0] if magic == L.MAGIC else 0
+        last = last if last < bound else 0
+        for i, cb in enumerate(self._ctl):
+            gen, seq = L.GEN_SEQ.unpack_from(buf, cb)
+            empty = gen & 1 or gen >= PLAUSIBLE or seq >= PLAUSIBLE
+            self._gen[i] = 0 if gen >= PLAUSIBLE else gen + (gen & 1)
+            self._seq[i] = 0 if empty else seq
+            if self._seq[i] < bound:
+                last = max(last, self._seq[i])
+            # An abandoned slot (a loan held at exit: NextLoan always holds one), or one
+            # with words no writer reached, is left invalid: seq 0 stored first, then an
+            # even generation (review: its old seq made a lagging reader read a
+            # half-written header).
+            if self._seg is not None:
+                if empty:
+                    self._seg.store(cb + L.OFF_SEQ, 0)
+                self._seg.store(cb, self._gen[i])
+            else:
+                if empty:
+                    self._words[cb // 8 + 1] = 0
+                self._words[cb // 8] = self._gen[i]
+        # Above every named reader's position (its own table: the dead writer could not
+        # touch it): a reader that consumed a number the segment no longer shows (rolled
+        # back, or a rejected message's) must still receive what comes next.
+        for k in above_readers:
+            if 0 <= k < len(self._leases):
+                mm = self._leases[k]
+                if L.U64.unpack_from(mm, 0)[0] == L.LEASE_MAGIC:
+                    pos = L.U64.unpack_from(mm, L.OFF_TAKEN)[0]
+                    if pos < PLAUSIBLE:
+                        last = max(last, pos)
+        self._last_seq = last
         if self._seg is None:
             L.CHANNEL_HDR.pack_into(buf, 0, L.MAGIC, L.LAYOUT_VERSION, spec.slot_count,
                                     spec.slot_size, spec.slot_stride, spec.control_size,

@@ -408,7 +408,7 @@ class _LastResort:
         """Publish SAFE on the run's actuation channels (its writer is dead: the caller
         checked), once per process; from the loop or the thread. The events are the
         loop's: from the thread they are queued to it, ahead of the thread's `finished`."""
-        from supervisor.failsafe import publish_safe
+        from supervisor.failsafe import publish_safe, trusted_readers
 
         with run.last_word_lock:
             if run.last_word_said:     # the other path said it meanwhile
@@ -418,7 +418,8 @@ class _LastResort:
             for name in self._actuation_of(run.cfg):
                 payload = self.config.channels[name].payload
                 try:
-                    values = publish_safe(self.channels[name], payload)
+                    values = publish_safe(self.channels[name], payload,
+                                          trusted_readers(self.config, name))
                 except Exception as e:   # logged: the reader-side max age still guards it
                     events.append(("last_word_error", dict(
                         worker=run.cfg.name, channel=name, reason=f"{type(e).__name__}: {e}")))

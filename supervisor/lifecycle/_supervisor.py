@@ -735,7 +735,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                     self.log.emit("fail_safe_error", worker=run.cfg.name,
                                   reason=f"cgroup not empty: {e}; not writing")
                     return
-        from supervisor.failsafe import publish_safe
+        from supervisor.failsafe import publish_safe, trusted_readers
 
         for name, ch in self.config.channels.items():
             if not ch.actuation or name not in self.channels:
@@ -746,7 +746,8 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                               reason=f"writer {writer.cfg.name} still alive; not writing")
                 continue
             try:
-                values = publish_safe(self.channels[name], ch.payload)
+                values = publish_safe(self.channels[name], ch.payload,
+                                      trusted_readers(self.config, name))
             except Exception as e:   # logged: the reader-side max age still guards it
                 self.log.emit("fail_safe_error", channel=name, reason=f"{type(e).__name__}: {e}")
             else:
