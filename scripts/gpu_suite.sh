@@ -11,6 +11,7 @@
 # Steps, each under its own timeout, never past TOTAL_S (default 540 s):
 #   info     GPU, driver, toolkit, what is installed
 #   verify   the signed CUDA demo verified for this GPU (its architecture, its driver)
+#   selftest modeld's self-test on it outside a sandbox: refused if NVRTC is visible
 #   gpu      pytest -m gpu tests/test_cuda_gpu.py: load through the driver alone, golden,
 #            outputs vs the CPU artifact, receipts, refusal with NVRTC visible, a control
 #            sandbox with and without the GPU's nodes, CPU vs CUDA p50/p99, a build here
@@ -102,7 +103,11 @@ fi
 
 step info 60 -- info
 step verify 60 -- verify
-step gpu 420 -- "$PY" -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_cuda_gpu.py
+# modeld's own self-test, as the worker loads (refuse_compilers: a control process): with
+# the toolkit's NVRTC visible and no sandbox it must refuse in one line (CompilerVisible).
+step selftest 60 -- "$PY" -m workers.modeld.selftest --artifact models/demo/lane-offset-cuda \
+    --pubkey models/demo/demo_ed25519.pub --frames 2 --width 1928 --height 1208
+step gpu 400 -- "$PY" -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_cuda_gpu.py
 step cpu 90 -- "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_cuda_artifact.py tests/test_cuda_runtime.py
 
 {
