@@ -100,3 +100,23 @@ def test_receive_newest_waits_then_takes_the_newest(make_channel):
     assert st.received + st.skipped == 6 and st.dropped == 0
     r.close()
     w.close()
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_a_latest_no_honest_writer_reaches_is_not_skipped_to(make_channel, native):
+    """A writer that says its last message is numbered 2**62 (past layout.SEQ_HONEST)
+    does not make take_newest jump there: the honest messages before it come in order."""
+    from supervisor.ipc import layout as L
+
+    ch = make_channel(slot_count=8, max_readers=1, max_leases=1)
+    w = Writer(ch.writer_handle(), native=native)
+    r = Reader(ch.reader_handle(0), native=native)
+    _publish(w, [1, 2, 3])
+    hint = L.LAST.unpack_from(w._buf, L.OFF_LAST_SEQ)[1]
+    L.LAST.pack_into(w._buf, L.OFF_LAST_SEQ, 1 << 62, hint)
+    got = []
+    while (m := r.take_newest()) is not None:
+        got.append(_value(m))
+    assert got == [1, 2, 3] and r.stats.skipped == 0
+    r.close()
+    w.close()
