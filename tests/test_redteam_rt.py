@@ -109,19 +109,9 @@ _BASE = """
 READY = "ready_timeout_ms = 60000"
 
 
-@pytest.mark.sandbox
-@needs_sandbox
-def test_a_control_worker_cannot_leave_orphans_to_take_its_realtime_grant(tmp_path, sup):
-    """Red team (was a hole): before READY the worker churned the host pid counter past
-    pid_max with threads and left double-forked orphans with bwrap's init, one of which
-    then had a lower host pid than the worker; the grant (and the READY snapshot, the
-    audit, SIGTERM) went to the first child in host-pid order. Closed twice: the grant
-    goes to pid 2 of the sandbox's pid namespace, which only the worker can be
-    (tests/test_sandbox.py::test_the_worker_is_found_by_its_sandbox_pid_not_host_order),
-    and a control worker cannot fork at all once the runner locked it down (EPERM): no
-    orphan exists, and the main thread is the one granted."""
-    os.chmod(tmp_path, 0o755)
-    run = sup(_BASE + """
+# Both grant tests' workers run under one supervisor (one start-up, one src, the two
+# waits overlapping): each test judges only its own worker's events.
+_WRAP = """
     [workers.c-rtwrap]
     domain = "control"
     module = "workers.probe"
@@ -133,10 +123,63 @@ def test_a_control_worker_cannot_leave_orphans_to_take_its_realtime_grant(tmp_pa
     realtime_priority = 40
     realtime_budget_pct = 10
     pids_max = 64
-    """ + READY)
-    ev = run.wait_until(lambda ev: len(_output(ev, "c-rtwrap", "ATTACK ")) >= 2
-                        or any(e["event"] == "exit" and e.get("worker") == "c-rtwrap"
-                               for e in ev), 120)
+    """ + READY
+_LOOP = """
+    [workers.c-rtloop]
+    domain = "control"
+    module = "workers.probe"
+    subscribes = ["frames"]
+    args = ["--read", "frames", "--ping-ms", "20", "--exit-after-ms", "150",
+            "--exit-code", "3"]
+    restart = "always"
+    optional = true
+    realtime_priority = 30
+    realtime_budget_pct = 20
+    """ + READY
+
+
+def _wrap_done(ev: list[dict]) -> bool:
+    return len(_output(ev, "c-rtwrap", "ATTACK ")) >= 2 or any(
+        e["event"] == "exit" and e.get("worker") == "c-rtwrap" for e in ev)
+
+
+def _loop_readies(ev: list[dict]) -> list[dict]:
+    return [e for e in ev if e.get("worker") == "c-rtloop" and e["event"] == "ready"]
+
+
+@pytest.fixture(scope="module")
+def grants(tmp_path_factory):
+    """The run until c-rtwrap's attack is over and c-rtloop was READY five times (or the
+    deadline: each test then says what its own worker did), and whether it was alive."""
+    if shutil.which("bwrap") is None or os.geteuid() != 0:
+        pytest.skip("needs bubblewrap and root")
+    from tests.conftest import Run
+
+    tmp = tmp_path_factory.mktemp("rt-grants")
+    os.chmod(tmp, 0o755)
+    run = Run(tmp, _BASE + _WRAP + _LOOP)
+    try:
+        try:
+            run.wait_until(lambda ev: _wrap_done(ev) and len(_loop_readies(ev)) >= 5, 180)
+        except AssertionError:
+            pass
+        yield run.events, run.proc.poll() is None
+    finally:
+        run.stop()
+
+
+@pytest.mark.sandbox
+@needs_sandbox
+def test_a_control_worker_cannot_leave_orphans_to_take_its_realtime_grant(grants):
+    """Red team (was a hole): before READY the worker churned the host pid counter past
+    pid_max with threads and left double-forked orphans with bwrap's init, one of which
+    then had a lower host pid than the worker; the grant (and the READY snapshot, the
+    audit, SIGTERM) went to the first child in host-pid order. Closed twice: the grant
+    goes to pid 2 of the sandbox's pid namespace, which only the worker can be
+    (tests/test_sandbox.py::test_the_worker_is_found_by_its_sandbox_pid_not_host_order),
+    and a control worker cannot fork at all once the runner locked it down (EPERM): no
+    orphan exists, and the main thread is the one granted."""
+    ev, _ = grants
     mine = [e for e in ev if e.get("worker") == "c-rtwrap"]
     results = {r["attack"]: r for r in _output(ev, "c-rtwrap", "ATTACK ")}
     grant = [e for e in mine if e["event"] in ("realtime", "realtime_unavailable")]
@@ -149,34 +192,18 @@ def test_a_control_worker_cannot_leave_orphans_to_take_its_realtime_grant(tmp_pa
 
 @pytest.mark.sandbox
 @needs_sandbox
-def test_a_crash_looping_realtime_worker_gets_a_grant_or_an_event_each_run(tmp_path, sup):
+def test_a_crash_looping_realtime_worker_gets_a_grant_or_an_event_each_run(grants):
     """A SCHED_FIFO control worker that exits 150 ms after READY, five times in a row
     (restart = always, no backoff to speak of): each run is granted again or an event
     says why not (the previous run's cgroup with its rt_runtime_us may still exist);
     the supervisor never crashes and keeps src running."""
-    os.chmod(tmp_path, 0o755)
-    run = sup(_BASE + """
-    [workers.c-rtloop]
-    domain = "control"
-    module = "workers.probe"
-    subscribes = ["frames"]
-    args = ["--read", "frames", "--ping-ms", "20", "--exit-after-ms", "150",
-            "--exit-code", "3"]
-    restart = "always"
-    optional = true
-    realtime_priority = 30
-    realtime_budget_pct = 20
-    """ + READY)
-
-    def readies(ev):
-        return [e for e in ev if e.get("worker") == "c-rtloop" and e["event"] == "ready"]
-    ev = run.wait_until(lambda ev: len(readies(ev)) >= 5, 180)
-    alive = run.proc.poll() is None
+    ev, alive = grants
+    readies = _loop_readies(ev)
     mine = [e for e in ev if e.get("worker") == "c-rtloop"]
-    grants = [e for e in mine if e["event"] in ("realtime", "realtime_unavailable")]
-    print(f"\nreadies {len(readies(ev))}, grants {[(g['event'], g.get('reason')) for g in grants]}")
+    got = [e for e in mine if e["event"] in ("realtime", "realtime_unavailable")]
+    print(f"\nreadies {len(readies)}, grants {[(g['event'], g.get('reason')) for g in got]}")
     assert alive, "the supervisor died"
-    assert len(readies(ev)) >= 5, [e["event"] for e in mine][-10:]
-    assert len(grants) >= len(readies(ev)) - 1, grants   # the last may not be read yet
+    assert len(readies) >= 5, [e["event"] for e in mine][-10:]
+    assert len(got) >= len(readies) - 1, got   # the last may not be read yet
     assert not [e for e in ev if e.get("worker") == "src" and e["event"] == "exit"
                 and e.get("code") not in (0, None, -15, 143)]
