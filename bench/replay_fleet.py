@@ -148,6 +148,9 @@ def main() -> int:
     for k in range(2):
         code, out, wall = cli("replay", str(rec), "--out", str(work / f"one{k}"),
                               "--no-progress", cwd=work)
+        if not (work / f"one{k}" / "summary.json").is_file():
+            print(f"replay {k + 1}: exit {code}, no summary (its error is above): stopped")
+            return 1
         s = json.loads((work / f"one{k}" / "summary.json").read_text())
         runs.append(s)
         print(f"replay {k + 1}: exit {code}, {s['frames']['replayed']} frames "

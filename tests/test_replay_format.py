@@ -526,3 +526,28 @@ def test_a_clip_absent_inside_a_sandbox_says_it_is_not_visible_there(tmp_path, m
     monkeypatch.setenv("TRIO_SANDBOXED", "0")  # outside a sandbox: the plain truth
     with pytest.raises(SourceError, match="not a playable video"):
         VideoFileSource(clip)
+
+
+def test_an_internal_error_inside_a_nursery_names_the_exception_not_the_group(capsys):
+    """trio wraps a failure in an ExceptionGroup ('Exceptions from Trio nursery'): the
+    one line names what failed inside it and where, and a full disk inside one is
+    still exit 8."""
+    import errno
+
+    from supervisor.replay.commands import _internal
+
+    def fail(exc: BaseException) -> BaseException:
+        try:
+            raise exc
+        except BaseException as x:
+            try:
+                raise ExceptionGroup("Exceptions from Trio nursery", [x])
+            except ExceptionGroup as g:
+                return g
+
+    assert _internal("replay", fail(KeyError("camerad"))) == 1
+    err = capsys.readouterr().err
+    assert "internal error: KeyError: 'camerad' (" in err and "ExceptionGroup" not in err
+    full = OSError(errno.ENOSPC, "No space left on device", "/runs/x/log/messages.tlog")
+    assert _internal("replay", fail(full)) == 8
+    assert "disk full: /runs/x/log/messages.tlog" in capsys.readouterr().err

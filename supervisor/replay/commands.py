@@ -102,6 +102,10 @@ def _internal(prog: str, e: BaseException) -> int:
     from .logfmt import REPLAY_EXTRA, is_no_space
     from .record import WRITE_FAILED
 
+    # A trio nursery wraps what failed in an ExceptionGroup whose own line names only
+    # trio's internals: judge and name the first exception inside it, where it was raised.
+    while isinstance(e, BaseExceptionGroup) and e.exceptions:
+        e = e.exceptions[0]
     if isinstance(e, ModuleNotFoundError) and e.name in ("av", "matplotlib"):
         return _fail(prog, f"needs {e.name}, which is not installed: {REPLAY_EXTRA}")
     if is_no_space(e):
