@@ -26,6 +26,7 @@ class Level(IntEnum):
 # is INFO too: it comes at status_interval_s (news at once), not per frame.
 _LEVELS: dict[str, Level] = {
     "fail_safe": Level.ERROR, "fail_safe_error": Level.ERROR,
+    "last_word_error": Level.ERROR,      # SAFE not said: the readers' max age is all left
     "fail_safe_latch_error": Level.ERROR, "fail_safe_command": Level.WARNING,
     "start_failed_required": Level.ERROR, "gave_up": Level.ERROR,
     "refused": Level.WARNING, "ready_timeout": Level.WARNING, "watchdog_missed": Level.WARNING,

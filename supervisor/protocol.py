@@ -125,6 +125,7 @@ class StatusLine:
 
 _KINDS = ("READY", "WATCHDOG", "STATUS", "REFUSED", "STANDBY")
 STATUS_MAX = 512
+_LINE_MAX = STATUS_MAX + 64        # what parse_line reads of one line
 
 
 def format_line(kind: str, text: str = "") -> str:
@@ -153,8 +154,12 @@ def parse_line(line: str) -> list[StatusLine]:
     ("READY=1 STATUS=fps=20"); STATUS and REFUSED take the rest of the line, made
     `printable`."""
     out: list[StatusLine] = []
-    rest = printable(line)
-    while rest:
+    # Cut before escaping: printable() costs a Python step per character, and a worker
+    # may send lines of control characters (red team round 3: 4 KiB lines cost ~0.8 ms
+    # each). No honest line is longer than a STATUS= of STATUS_MAX after a few flags,
+    # nor carries more assignments than there are kinds.
+    rest = printable(line[:_LINE_MAX])
+    while rest and len(out) < len(_KINDS):
         key, eq, value = rest.partition("=")
         if not eq or key not in _KINDS:
             out.append(StatusLine("UNKNOWN", rest[:STATUS_MAX]))

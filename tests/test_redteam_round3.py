@@ -254,24 +254,21 @@ def _last_word_seen(fleet, worker: str) -> None:
     print(f"\n{worker}: {poisoned['line']}\n  last_word: {words}\n  the test's reader "
           f"took {len(seen)} messages, the last: {seen[-1:] if seen else None}")
     assert words, _of(ev, worker)                         # the supervisor says it said it
-    assert seen and seen[-1][2] == me and _is_safe(seen[-1][3]), (
-        f"the reader's last message is not the supervisor's SAFE: {seen[-3:]}")
+    # The reader took the supervisor's SAFE after the poisoner's last command (a
+    # restarted run's commands, steer 0.125, may follow it: they must be heard too).
+    ours = [i for i, s in enumerate(seen) if s[2] == me]
+    assert ours and _is_safe(seen[ours[0]][3]), (
+        f"the reader never took the supervisor's SAFE: {seen[-3:]}")
+    assert not [s for s in seen[ours[0]:] if s[2] != me and s[3]["steer_rad"] != 0.125], (
+        f"the poisoner's commands came after the SAFE: {seen[ours[0]:][:3]}")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: a dying actuation writer rolls the header's last_seq back to 0; "
-    "ipc.Writer._attach (via failsafe._writer) continues from that word, the SAFE is "
-    "sequence 1 and no in-order reader delivers it (fix: continue from the max of "
-    "last_seq, every slot's seq and every reader's OFF_TAKEN)"))
+# Was a strict xfail (BREAK), fixed: see docs/redteam3.md.
 def test_last_word_is_seen_after_a_last_seq_rollback(fleet):
     _last_word_seen(fleet, "c-rollback")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: a dying actuation writer zeroes the channel magic; ipc.Writer._attach then "
-    "treats the segment as fresh (sequence 1, generations 0, no plausibility check), "
-    "and no reader delivers the SAFE (fix in failsafe._writer: a segment that is not "
-    "MAGIC is repaired from the slots and the readers' OFF_TAKEN, never taken as new)"))
+# Was a strict xfail (BREAK), fixed: see docs/redteam3.md.
 def test_last_word_is_seen_after_the_magic_is_zeroed(fleet):
     _last_word_seen(fleet, "c-unmagic")
 
@@ -281,14 +278,7 @@ def test_last_word_after_a_last_seq_near_the_bound(fleet):
     _last_word_seen(fleet, "c-brick")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: a dead writer left last_seq at 2**62 - 1; the supervisor's SAFE took it to "
-    "2**62 (readers deliver it), the next writer's attach then refused the channel "
-    "(BridgeError: beyond any a writer reaches), and at that run's death "
-    "failsafe._repair rolled last_seq back to the highest slot sequence: every later "
-    "SAFE and the next clean writer's commands are below what the readers took and are "
-    "never delivered (fix: _repair and Writer._attach continue from the max of the "
-    "readers' consumed sequences, kept in their lease tables, never below)"))
+# Was a strict xfail (BREAK), fixed: see docs/redteam3.md.
 def test_a_restarted_writer_is_heard_after_a_near_bound_poison(fleet):
     """The poisoner dies; restarted (clean) runs of the writer must attach and their
     commands must reach the reader that took the poisoner's."""
@@ -303,14 +293,7 @@ def test_a_restarted_writer_is_heard_after_a_near_bound_poison(fleet):
     assert after, "no command of a restarted writer reached the reader"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: the actuation writer seals its segment (F_SEAL_FUTURE_WRITE | F_SEAL_SEAL on "
-    "its read-write fd; shm.create_segment allows sealing) and dies: the supervisor's "
-    "SAFE cannot map the segment (last_word_error), nor can any restarted writer "
-    "(BridgeError), for the supervisor's whole life (shm's doc says it re-creates a "
-    "sealed channel; nothing does). Fix: seal F_SEAL_SEAL at create (no writer may add "
-    "seals; Writer(seal=True) is then never used in a sandbox), or keep a writable "
-    "mapping of every actuation segment in the supervisor from creation, for SAFE"))
+# Was a strict xfail (BREAK), fixed: see docs/redteam3.md.
 def test_last_word_is_said_after_the_writer_sealed_its_segment(fleet):
     ev = fleet["events"]
     again = [e["line"] for e in _of(ev, "c-seal", "output") if "restarted" in e["line"]]
@@ -319,11 +302,7 @@ def test_last_word_is_said_after_the_writer_sealed_its_segment(fleet):
     _last_word_seen(fleet, "c-seal")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: `last_word_error` (no SAFE on an actuation channel after its writer died) is "
-    "logged at level info: events._LEVELS has fail_safe_error but not last_word_error, "
-    "so --log-level warning and journald's priority filters hide it (fix: "
-    "supervisor/events.py _LEVELS['last_word_error'] = Level.ERROR)"))
+# Was a strict xfail (BREAK), fixed: see docs/redteam3.md.
 def test_a_last_word_not_said_is_an_error_in_the_log(fleet):
     from supervisor.events import Level, level_of
 
@@ -332,12 +311,7 @@ def test_a_last_word_not_said_is_an_error_in_the_log(fleet):
     assert level_of("last_word_error", {"worker": "c-seal"}) == Level.ERROR
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: on a channel that is not actuation (model_out's kind) nothing repairs what a "
-    "dead writer left: last_seq at 2**62 and every restarted (clean) writer's attach "
-    "raises BridgeError for the supervisor's life (fix: Writer._attach, for every "
-    "restarted writer, continues from what the readers consumed when the words are "
-    "implausible, as the supervisor's own writer must; see docs/redteam3.md)"))
+# Was a strict xfail (BREAK), fixed: see docs/redteam3.md.
 def test_a_restarted_writer_of_a_plain_channel_can_attach_after_a_near_bound_poison(fleet):
     ev = fleet["events"]
     runs = [attack_result([e], "c-brick-plain") for e in _of(ev, "c-brick-plain", "output")
@@ -365,13 +339,7 @@ def test_no_last_word_while_a_thread_of_the_writer_still_publishes(fleet):
     assert seqs == sorted(seqs), seqs
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: a rejected message consumes its sequence but the reader's lease table "
-    "records only what it delivered (OFF_TAKEN); the writer re-stamped a slot N+100000, "
-    "readers rejected it and moved on, then every word was put back to N: the "
-    "supervisor's SAFE is N+1 and never delivered (fix: the reader stores its consumed "
-    "_last_seq in its lease table, Reader._accept/_try_receive_native, and the "
-    "supervisor's writer continues above the highest of them)"))
+# Was a strict xfail (BREAK), fixed: see docs/redteam3.md.
 def test_last_word_is_seen_after_a_rejected_sequence_jump(fleet):
     _last_word_seen(fleet, "c-skipseq")
 
@@ -412,11 +380,7 @@ def _assert_bounded(fleet, worker: str) -> None:
     assert lag <= lag0 + LAG_MARGIN_MS, (lag, lag0)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: newlines on stdout at pipe speed cost the supervisor's event loop ~70 ms of "
-    "CPU per 64 KiB read (output.LineLimiter.feed splits every line in Python before "
-    "the rate limit drops it); no refusal (fix: count and drop lines in bulk once the "
-    "bucket is empty, and refuse a sustained flood as protocol_flood, lifecycle/_io.py)"))
+# Was a strict xfail (BREAK), fixed: see docs/redteam3.md.
 def test_an_output_newline_flood_costs_the_supervisor_little(fleet):
     _assert_bounded(fleet, "r-flood")
 
@@ -457,12 +421,7 @@ def test_death_to_safe_is_not_delayed_by_a_research_flood(fleet):
     assert wf[0] <= wq[0] + SAFE_MARGIN_MS, (wf, wq)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: STATUS lines of 4 KiB of control characters, under the 1,000 lines/s flood "
-    "limit, each cost the supervisor ~2 ms: protocol.parse_line runs printable() (a "
-    "Python escape per character) over the whole line before cutting it to STATUS_MAX "
-    "(fix: cut the raw line to a bound first, e.g. line[:STATUS_MAX + 64], then escape; "
-    "or count a line's cost in the bucket by its length)"))
+# Was a strict xfail (BREAK), fixed: see docs/redteam3.md.
 def test_a_status_line_of_control_characters_costs_the_supervisor_little(fleet):
     """Per line, in CPU time (not wall time: the machine's load changes how much of a
     CPU the supervisor gets, not what a line costs it): an honest status line costs it
@@ -485,14 +444,7 @@ def test_a_status_line_of_control_characters_costs_the_supervisor_little(fleet):
 # ---------------------------------------------------------------- the log's word
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: a worker's own exit_group(137) is logged as signal SIGKILL, 'killed by "
-    "SIGKILL' (159: 'killed by seccomp: a forbidden system call'): "
-    "lifecycle._supervisor._exit_cause trusts bwrap's 128+N, and the runner's 0..127 "
-    "clamp does not bind os._exit. Fix: the launch filter (sandbox/seccomp.py) kills "
-    "exit/exit_group with a status >= 128, so that such an exit really is a seccomp kill "
-    "(then this test passes: the log says SIGSYS, which is true), or _exit_cause says "
-    "'signal N or exit status 128+N' where it cannot tell"))
+# Was a strict xfail (BREAK), fixed: see docs/redteam3.md.
 def test_a_worker_cannot_forge_a_kill_in_the_log(fleet):
     """Nobody killed c-fakesys: no cgroup limit, no watchdog, no refusal."""
     ev = fleet["events"]

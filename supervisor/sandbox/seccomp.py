@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import platform
 import socket
@@ -203,6 +204,16 @@ def build_filter(domain: str, *, stage: str, network: bool = False, lib: Any = N
     # clone3 takes a struct pointer seccomp cannot inspect; ENOSYS makes
     # glibc fall back to clone(), whose flags we can check (as Docker does).
     _add(sc, flt, sc.ERRNO(errno.ENOSYS), "clone3")
+    # Channel segments allow sealing (the bridge's own Writer may seal), so a worker
+    # could seal its actuation segment against new writable mappings and the
+    # supervisor's last word could not be written (red team round 3). No worker seals.
+    _add(sc, flt, sc.ERRNO(errno.EPERM), "fcntl", sc.Arg(1, sc.EQ, fcntl.F_ADD_SEALS))
+    # The runner exits 0..127 and a sandbox's init reports a signal as 128+N: a worker
+    # exiting with a status of 128 or more would forge a kill in the log (red team
+    # round 3: "killed by SIGKILL" for a worker nobody killed). Such an exit is a
+    # forbidden call here: killed by seccomp, which is then what the log says.
+    for name in ("exit", "exit_group"):
+        _add(sc, flt, kill, name, sc.Arg(0, sc.MASKED_EQ, 0x80, 0x80))
     for name in FILE_META_DENY:
         _add(sc, flt, kill if strict or name in FILE_META_FD else sc.ERRNO(errno.EPERM), name)
 
