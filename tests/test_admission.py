@@ -712,6 +712,18 @@ def test_disk_cache_serves_the_next_process_and_only_while_files_and_entry_are_s
     assert _admit_in_new_process(code, "diskw", cache)["walks"] == 1
 
 
+def test_disk_cache_keeps_the_newest_entries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from supervisor.admission import _store
+
+    make_tree(tmp_path / "code", {f"prunew{i}/__init__.py": "import json\n" for i in range(4)})
+    _past_racy()
+    monkeypatch.setenv("TRIO_ADMISSION_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(_store, "MAX_ENTRIES", 2)
+    for i in range(4):
+        assert control(tmp_path / "code", f"prunew{i}").ok
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
 def test_cache_off_walks_every_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """TRIO_ADMISSION_CACHE=off: what the suite measures the cache against."""
     make_tree(tmp_path, {"offw/__init__.py": "import json\n"})

@@ -178,5 +178,25 @@ def save(key: list[Any], witness: Witness, s: Static) -> None:
         except BaseException:
             os.unlink(tmp)
             raise
+        _prune(d)
     except (OSError, ValueError, TypeError):
         return  # a full disk costs the next process a walk, nothing more
+
+
+MAX_ENTRIES = 64  # ~0.3 MB each; entries of older admission code are never read again
+
+
+def _prune(d: str) -> None:
+    """Keep the MAX_ENTRIES most recently written entries."""
+    entries = []
+    for e in os.scandir(d):
+        if e.name.endswith(".json"):
+            try:
+                entries.append((e.stat(follow_symlinks=False).st_mtime_ns, e.path))
+            except OSError:
+                continue
+    for _, path in sorted(entries)[:-MAX_ENTRIES]:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
