@@ -5,6 +5,11 @@ Four layers, each catching what the previous cannot:
   elf     -- DT_NEEDED closure of native extensions / executables
   guard   -- in-process sys.meta_path finder + audit hook (runtime imports, ctypes)
   maps    -- /proc/PID/maps scan of the running worker
+
+The static layers (imports, elf) run once per (module or argv, sys.path): the result is
+reused for every worker of that code while nothing the walk read has changed
+(_witness: each file and directory's identity, taken before it was read), and, with
+TRIO_ADMISSION_CACHE=DIR, by the next supervisor process too (_store).
 """
 
 from __future__ import annotations
