@@ -415,3 +415,48 @@ def test_the_recorded_kernel_calls_equal_the_captured_jit(engine):
             assert r.kernels_run == r2.kernels_run == len(MODEL_KERNELS)
     finally:
         assert model._plan is not None
+
+
+@pytest.mark.parametrize("mode", ["vehicle", SIMULATION])
+def test_on_the_car_modeld_takes_the_newest_frame_in_a_simulation_every_one(engine, reference,
+                                                                           mode):
+    """Behind by four frames: on the car modeld skips to the newest (the backlog is of no
+    use; counted as skipped in its status, not as dropped); a simulation (replay) takes
+    every frame in order, which equal-twice replays rely on."""
+    import argparse
+    from types import SimpleNamespace
+
+    from workers.modeld import Modeld
+
+    road_ch = Channel.create(ChannelSpec(name="road_frames", kind="frame", slot_size=W * H * 3,
+                                         slot_count=6, pixel_formats=("nv12",)))
+    out_ch = Channel.create(ChannelSpec(name="model_out", dtype="float32", slot_size=4096,
+                                        slot_count=8))
+    camera = Writer(road_ch.writer_handle(), domain="control", seal=False)
+    readers = {"frames": Reader(road_ch.reader_handle(0))}
+    writers = {"model": Writer(out_ch.writer_handle(), domain="control", seal=False)}
+    ctx = SimpleNamespace(mode=mode, reader=readers.__getitem__, writer=writers.__getitem__)
+    results = Reader(out_ch.reader_handle(0))
+    try:
+        m = Modeld(ctx, argparse.Namespace(pair_wait_ms=0), engine)
+        road = SyntheticRoad(W, H, seed=SEED)
+        for fid in range(1, 5):
+            with camera.loan() as loan:
+                y, uv = loan.frame("nv12", W, H, row_stride=STRIDE)
+                road.render_into(fid, y, uv)
+                loan.publish(frame_id=fid, capture_ts_ns=time.monotonic_ns())
+        assert m.step(timeout=5)
+        with results.receive(timeout=5) as msg:
+            took = msg.stamp.frame_id
+        status = m.status_text()
+        if mode == SIMULATION:
+            assert took == 1 and "skipped=0" in status, (took, status)
+        else:
+            assert took == 4 and "skipped=3" in status, (took, status)
+            assert readers["frames"].stats.dropped == 0
+        assert results.try_receive() is None        # one frame, one output
+    finally:
+        for x in (camera, *readers.values(), *writers.values(), results):
+            x.close()
+        road_ch.close()
+        out_ch.close()

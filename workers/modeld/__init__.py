@@ -60,6 +60,7 @@ import numpy as np
 
 from supervisor.ipc import BridgeError, ChannelTimeout, LeaseLost, NextLoan, Rejected
 from supervisor.model import ArtifactError, load_verified
+from supervisor.protocol import SIMULATION, VEHICLE
 
 from .engine import ENGINE_ABI, ENGINE_ABIS, Engine, FrameRejected
 
@@ -192,6 +193,10 @@ def _rehearse_frame(msg: Any) -> None:
 class Modeld:
     def __init__(self, ctx: Any, a: argparse.Namespace, engine: Engine) -> None:
         self.ctx, self.a, self.engine = ctx, a, engine
+        # On the car, a frame modeld could not get to before the next one is of no use:
+        # take the newest, skipping a backlog (counted as skipped, not dropped). A
+        # simulation replays every frame in order: equal twice, in lockstep.
+        self.newest = getattr(ctx, "mode", VEHICLE) != SIMULATION
         self.reader = ctx.reader("frames")
         # Busy-poll windows begin with the frame path up to the planes (read-only views),
         # run on the frame taken last, so that the next frame's runs warm (Reader.rehearse).
@@ -218,7 +223,7 @@ class Modeld:
         """Handle at most one frame; False if none arrived within ``timeout``."""
         eng = self.engine
         try:
-            msg = self.reader.receive(timeout=timeout)
+            msg = self.reader.receive(timeout=timeout, newest=self.newest)
         except ChannelTimeout:
             return False
         except Rejected as exc:            # counted by the reader too
@@ -311,7 +316,8 @@ class Modeld:
             errors.update({f"{p.inp.role}:{k}": v for k, v in p.errors.items()})
         rej = ",".join(f"{k}={v}" for k, v in sorted(errors.items())) or "none"
         text = (f"frames={self.published} worst_ms={e.worst_case_ns / 1e6:.2f} "
-                f"deadline_misses={e.deadline_misses} rejected={rej}")
+                f"deadline_misses={e.deadline_misses} rejected={rej} "
+                f"skipped={self.reader.stats.skipped}")
         if self.pairers:
             text += " unpaired=" + (",".join(f"{k}={v}" for k, v in
                                              sorted(self.unpaired.items())) or "0")
