@@ -2,10 +2,16 @@
 side by side in one run.
 
     python bench/recovery.py [--kills 5] [--workers camerad,modeld,controlsd] [--json]
+                             [--privsep]
 
 The real pipeline (camerad -> modeld -> controlsd, sandboxed) runs in this process's
 supervisor; each kill is SIGKILL of the worker's sandbox; the clock stops at the first
 message its output channel carries afterwards (road_frames / model_out / control_cmd).
+
+--privsep: the same, once more with every sandbox started, signalled, listed and reaped
+by the privileged broker (issue 27; `BrokerClient.spawn` and the lifecycle's
+BrokerLauncher, as `supervisor run --privsep` does; this bench process keeps root, the
+requests and their round trips are the same), before/after in one run.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,16 +39,19 @@ from supervisor.lifecycle import Supervisor  # noqa: E402
 PIPE = ("camerad", "modeld", "controlsd")
 
 
-def _config(warm: bool):
+def _config_text(warm: bool) -> str:
     """The vehicle's own control pipeline (the embedded default without research),
     each worker restarting freely so repeated kills are measured, not capped; the
     standby on (as on the vehicle) or off (the cold path)."""
-    return loads(dumps(derive(default_doc(), drop=("workers.research", "channels.shadow_out"),
-                              set={"domains.control.failure_policy": "restart",
-                                   **{f"workers.{w}.{k}": v for w in PIPE for k, v in (
-                                       ("restart", "always"), ("max_restarts", 100),
-                                       ("backoff_initial_ms", 100), ("warm_standby", warm))}})),
-                 f"recovery ({'warm' if warm else 'cold'}, default config)")
+    return dumps(derive(default_doc(), drop=("workers.research", "channels.shadow_out"),
+                        set={"domains.control.failure_policy": "restart",
+                             **{f"workers.{w}.{k}": v for w in PIPE for k, v in (
+                                 ("restart", "always"), ("max_restarts", 100),
+                                 ("backoff_initial_ms", 100), ("warm_standby", warm))}}))
+
+
+def _config(warm: bool):
+    return loads(_config_text(warm), f"recovery ({'warm' if warm else 'cold'}, default config)")
 OUT = {"camerad": "road_frames", "modeld": "model_out", "controlsd": "control_cmd"}
 
 
@@ -76,11 +86,34 @@ async def _arrival(r: Reader) -> None:
         return
 
 
-async def _measure(warm: bool, workers: list[str], kills: int) -> dict[str, list[float]]:
+async def _measure(warm: bool, workers: list[str], kills: int,
+                   privsep: bool = False) -> dict[str, list[float]]:
     cfg = _config(warm)
     log = EventLog(stream=io.StringIO())
-    sup = Supervisor(cfg, log=log)
+    client = None
+    if privsep:
+        from supervisor.broker import BrokerClient
+        from supervisor.lifecycle import BrokerLatch, BrokerLauncher
+
+        path = Path(tempfile.mkdtemp(prefix="recovery-")) / "recovery.toml"
+        path.write_text(_config_text(warm))
+        state = Path(os.environ["TRIO_STATE_DIR"])
+        client = BrokerClient.spawn(state_dir=state, config=path, stderr=subprocess.DEVNULL)
+        sup = Supervisor(cfg, log=log, launcher=BrokerLauncher(client),
+                         latch=BrokerLatch(client, state / "failsafe.latch"))
+    else:
+        sup = Supervisor(cfg, log=log)
     res: dict[str, list[float]] = {w: [] for w in workers}
+    try:
+        await _kills(sup, cfg, warm, workers, kills, res)
+    finally:
+        if client is not None:
+            client.close()
+    return res
+
+
+async def _kills(sup, cfg, warm: bool, workers: list[str], kills: int,
+                 res: dict[str, list[float]]) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(sup.run)
         readers = {ch: Reader(sup.channels[ch].reader_handle(len(cfg.readers_of(ch))))
@@ -106,7 +139,6 @@ async def _measure(warm: bool, workers: list[str], kills: int) -> dict[str, list
                             break
                 res[w].append((time.monotonic() - t0) * 1000)
         nursery.cancel_scope.cancel()
-    return res
 
 
 def main() -> int:
@@ -114,22 +146,29 @@ def main() -> int:
     ap.add_argument("--kills", type=int, default=5)
     ap.add_argument("--workers", default="camerad,modeld,controlsd")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--privsep", action="store_true",
+                    help="also through the broker (before/after in one run)")
     a = ap.parse_args()
     os.environ.setdefault("TRIO_STATE_DIR", tempfile.mkdtemp(prefix="trio-state-"))
     workers = a.workers.split(",")
     out = {}
-    for mode in ("cold", "warm"):
-        out[mode] = trio.run(_measure, mode == "warm", workers, a.kills)
+    for via in (("direct", "privsep") if a.privsep else ("direct",)):
+        for mode in ("cold", "warm"):
+            key = mode if via == "direct" else f"{mode} privsep"
+            out[key] = trio.run(_measure, mode == "warm", workers, a.kills, via == "privsep")
     if a.json:
         print(json.dumps(out))
         return 0
     print("| worker | cold p50 / max (ms) | warm standby p50 / max (ms) | p50 ratio |")
     print("|---|---:|---:|---:|")
     for w in workers:
-        c, h = out["cold"][w], out["warm"][w]
-        print(f"| {w} | {statistics.median(c):.0f} / {max(c):.0f} | "
-              f"{statistics.median(h):.0f} / {max(h):.0f} | "
-              f"{statistics.median(c) / statistics.median(h):.1f}x |")
+        for via in ("", " privsep"):
+            if f"cold{via}" not in out:
+                continue
+            c, h = out[f"cold{via}"][w], out[f"warm{via}"][w]
+            print(f"| {w}{via} | {statistics.median(c):.0f} / {max(c):.0f} | "
+                  f"{statistics.median(h):.0f} / {max(h):.0f} | "
+                  f"{statistics.median(c) / statistics.median(h):.1f}x |")
     return 0
 
 

@@ -712,7 +712,9 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
             self.monitor.fail_safe = why
             self.monitor.print_line()
         try:
-            await trio.to_thread.run_sync(self.latch.set, why)
+            # On the loop, as before: latched before anything is killed (through the
+            # broker one round trip, ~1-2 ms loaded).
+            self.latch.set(why)
         except OSError as e:
             self.log.emit("fail_safe_latch_error", path=str(self.latch.path), error=str(e))
         doomed = [r for r in self._all_runs()
