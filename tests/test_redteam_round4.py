@@ -1,0 +1,91 @@
+"""Red team, round 4: attacks on what landed on the last day (the admission cache, the
+privileged split, the last word's reader positions, take_newest, CUDA launch plans).
+
+Each test asserts the claim the way it should hold. An attack that succeeds today is an
+``xfail(strict=True)`` whose reason starts with BREAK and says where to fix it (the
+table is docs/redteam4.md). The attacker runs with the privileges it would have: a
+file writer for admission, a reader process holding its own lease table (real shared
+memory, the real Reader/Writer/publish_safe), a holder of a signing key whose plan the
+loader must still refuse when it is inconsistent, a config author.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from supervisor.admission import check as admission_check
+from supervisor.admission._witness import RACY_NS
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------ admission cache
+
+_FRESH_WALK = """
+import json, sys
+from supervisor.admission import check
+r = check.check_worker("w", "control", sys.argv[1], None, [sys.argv[2], *sys.path[1:]])
+print(json.dumps({"ok": r.ok, "chains": [" -> ".join(f.chain) for f in r.findings]}))
+"""
+
+
+def _fresh_walk(code: Path, module: str) -> dict:
+    """The verdict of a walk with nothing cached: a new process, TRIO_ADMISSION_CACHE=off."""
+    env = dict(os.environ, TRIO_ADMISSION_CACHE="off",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    p = subprocess.run([sys.executable, "-c", _FRESH_WALK, module, str(code)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK: a module changed through a shared writable mapping keeps its (dev, inode, size, "
+    "mtime, ctime): the kernel stamps mtime/ctime only at the first write fault of a clean "
+    "page, and the page stays dirty (no new fault) until writeback (up to 30 s on ext4, "
+    "never on tmpfs), so the witness still holds and the cached verdict admits "
+    "'import torch'. fix: supervisor/admission/_witness.py (and _scan._scan_file, "
+    "elf._read_elf_cached, which key on the same identity): record a content hash "
+    "(blake2b of the bytes read) beside the identity and compare it in still_holds, or "
+    "re-hash files whose ctime is within vm.dirty_expire_centisecs of now"))
+def test_a_cached_admission_never_admits_a_module_changed_through_a_mapping(tmp_path: Path) -> None:
+    code = tmp_path / "code"
+    pkg = code / "rt4mmap"
+    pkg.mkdir(parents=True)
+    init = pkg / "__init__.py"
+    init.write_bytes(b"import json\n" + b"#" * 4084 + b"\n")      # one page, clean
+    fd = os.open(init, os.O_RDWR)
+    try:
+        m = mmap.mmap(fd, 4096)
+        m[0:1] = b"i"                       # the one write fault: mtime/ctime now, page dirty
+        time.sleep(RACY_NS / 1e9 + 0.1)     # older than RACY_NS: the walk is kept
+        first = admission_check.check_worker("w", "control", "rt4mmap", None,
+                                             [str(code), *sys.path[1:]])
+        assert first.ok, first.format()
+        before = os.stat(init)
+        m[0:12] = b"import torch"           # the same dirty page: no fault, no new stamp
+
+        after = os.stat(init)
+        same_id = (before.st_ino, before.st_size, before.st_mtime_ns, before.st_ctime_ns) == \
+            (after.st_ino, after.st_size, after.st_mtime_ns, after.st_ctime_ns)
+        second = admission_check.check_worker("w", "control", "rt4mmap", None,
+                                              [str(code), *sys.path[1:]])
+        m.close()
+    finally:
+        os.close(fd)
+    assert init.read_bytes().startswith(b"import torch")
+    fresh = _fresh_walk(code, "rt4mmap")
+    assert not fresh["ok"] and fresh["chains"] == ["rt4mmap (rt4mmap/__init__.py:1) -> torch"], fresh
+    # the claim: a cached verdict is the verdict a walk would give now
+    assert not second.ok, (f"cached verdict admitted it (identity unchanged: {same_id}); "
+                           f"a fresh walk refuses: {fresh['chains']}")
