@@ -89,3 +89,93 @@ def test_a_cached_admission_never_admits_a_module_changed_through_a_mapping(tmp_
     # the claim: a cached verdict is the verdict a walk would give now
     assert not second.ok, (f"cached verdict admitted it (identity unchanged: {same_id}); "
                            f"a fresh walk refuses: {fresh['chains']}")
+
+
+# ------------------------------------------------------------------ the last word
+
+_LASTWORD_TOML = '''
+[domains.control]
+profile = "control"
+[domains.research]
+profile = "research"
+[channels.control_cmd]
+kind = "tensor"
+dtype = "float32"
+slot_size = "4KiB"
+payload = "control_cmd"
+[workers.controlsd]
+domain = "control"
+module = "workers.controlsd"
+publishes = ["control_cmd"]
+[workers.actuator]
+domain = "control"
+module = "workers.recorder"
+subscribes = ["control_cmd"]
+[workers.logger]
+domain = "control"
+module = "workers.recorder"
+subscribes = ["control_cmd"]
+'''
+
+
+def _drain(r) -> list[tuple[int, object]]:
+    from schemas.payloads import CONTROL_CMD
+    from supervisor.ipc.errors import Rejected
+
+    out: list[tuple[int, object]] = []
+    while True:
+        try:
+            m = r.try_receive()
+        except Rejected as e:
+            out.append((e.sequence or -1, e.reason))
+            continue
+        if m is None:
+            return out
+        with m:
+            out.append((m.stamp[0], CONTROL_CMD.decode(np.array(m.array))))
+
+
+def _safe_last(seen) -> bool:
+    return bool(seen) and isinstance(seen[-1][1], dict) and seen[-1][1]["engaged"] == 0.0
+
+
+@pytest.mark.parametrize("claimed", ["honest_limit", "plausible"])
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK: a control-domain reader of an actuation channel is 'trusted': it writes a "
+    "position at or above SEQ_HONEST in its own lease table (OFF_TAKEN), publish_safe "
+    "numbers SAFE above it, and every other control reader refuses SAFE as a "
+    "sequence_jump: after the writer's death the honest actuator never hears SAFE. fix: "
+    "supervisor/failsafe.py publish_safe/trusted_readers (or writer._attach's "
+    "above_readers loop): ignore a position a reader cannot have reached honestly, e.g. "
+    "count only positions below SEQ_HONEST and within 2 rings (2*slot_count) of the "
+    "supervisor's own monitor reader's position (the reader's jump rule accepts that "
+    "span); or give SAFE to each reader below the claimed one as the reader accepts"))
+def test_a_control_reader_cannot_hide_the_last_word_from_another(make_channel, claimed) -> None:
+    from schemas.payloads import CONTROL_CMD
+    from supervisor.config import loads
+    from supervisor.failsafe import publish_safe, trusted_readers
+    from supervisor.ipc import Reader, Writer
+    from supervisor.ipc import layout as L
+
+    cfg = loads(_LASTWORD_TOML, "rt4-lastword.toml")
+    trusted = trusted_readers(cfg, "control_cmd")
+    honest_i = cfg.readers_of("control_cmd").index("actuator")
+    hostile_i = cfg.readers_of("control_cmd").index("logger")
+    assert {honest_i, hostile_i} <= set(trusted)
+    ch = make_channel(name="control_cmd", slot_size=4096, dtype="float32",
+                      max_readers=len(cfg.readers_of("control_cmd")) + 1, slot_count=8)
+    w = Writer(ch.writer_handle(), domain="control", seal=False)
+    honest = Reader(ch.reader_handle(honest_i))
+    hostile = Reader(ch.reader_handle(hostile_i))
+    for _ in range(4):
+        w.publish_array(CONTROL_CMD.encode(steer_rad=0.1, engaged=1.0))
+    assert len(_drain(honest)) == 4
+    _drain(hostile)
+    w.close()                                           # the writer dies
+    # The hostile control reader's own table: a position no honest reader reaches.
+    pos = L.SEQ_HONEST if claimed == "honest_limit" else L.PLAUSIBLE - 2
+    struct.pack_into("<Q", hostile._lease_mm, L.OFF_TAKEN, pos)
+    publish_safe(ch, "control_cmd", trusted)
+    seen = _drain(honest)
+    assert _safe_last(seen), f"honest control reader after SAFE: {seen}, " \
+        f"rejected {honest.stats.rejected}"
