@@ -179,3 +179,53 @@ def test_a_control_reader_cannot_hide_the_last_word_from_another(make_channel, c
     seen = _drain(honest)
     assert _safe_last(seen), f"honest control reader after SAFE: {seen}, " \
         f"rejected {honest.stats.rejected}"
+
+
+# ------------------------------------------------------------------ CUDA launch plans
+
+CUDA_DEMO = REPO / "models" / "demo" / "lane-offset-cuda"
+
+
+@pytest.fixture(scope="module")
+def signing_key(tmp_path_factory):
+    from supervisor.model import keys as K
+
+    d = tmp_path_factory.mktemp("rt4keys")
+    k = K.generate_private_key(d / "k.key")
+    (d / "k.pub").write_text(K.public_key_text(k.public_key()))
+    return k, d / "k.pub"
+
+
+@pytest.mark.parametrize("dim", ["grid", "block"])
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK: launch.json's grid and block are bounded only by CUDA's limits, not by the "
+    "kernel's own launch size: the demo's E_725_2_16_4 writes data0[grid*block*4] "
+    "(params: 92800 elements = 2*725*16*4) with no bounds check, so a plan signed with "
+    "grid [2,1450,1] (or block [32,1,1]) passes verification and writes past its "
+    "371200-byte buffer on the GPU. fix: workers/modelbuild/cuda.py records each kernel's "
+    "global and local size (tinygrad's Program.global_size/local_size) in the manifest's "
+    "kernels[i]; supervisor/model/cuda.py _check_plan refuses a call whose grid/block "
+    "differ from its kernel's"))
+def test_a_plan_launching_more_threads_than_its_kernel_was_built_for_is_refused(
+        tmp_path, signing_key, dim) -> None:
+    from supervisor.model import artifact as A
+    from supervisor.model import cuda as C
+    from supervisor.model import load_verified
+    from supervisor.model.errors import ArtifactError
+    from workers.modeld.engine import ENGINE_ABIS
+
+    k, pub = signing_key
+    b = Path(shutil.copytree(CUDA_DEMO, tmp_path / "b"))
+    plan = json.loads((b / C.LAUNCH_FILE).read_bytes())
+    c0 = plan["calls"][0]
+    assert (c0["kernel"], c0["grid"], c0["block"]) == ("E_725_2_16_4", [2, 725, 1], [16, 1, 1])
+    if dim == "grid":
+        c0["grid"] = [2, 1450, 1]
+    else:
+        c0["block"] = [32, 1, 1]
+    (b / C.LAUNCH_FILE).write_bytes(json.dumps(plan).encode())
+    m = A.read_manifest_unverified(b)
+    m.pop("signing", None)
+    A.write_signed(b, A.refresh_file_entries(b, m), k)
+    with pytest.raises(ArtifactError):
+        load_verified(b, pub, expect_abi=ENGINE_ABIS).close()
