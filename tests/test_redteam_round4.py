@@ -229,3 +229,120 @@ def test_a_plan_launching_more_threads_than_its_kernel_was_built_for_is_refused(
     A.write_signed(b, A.refresh_file_entries(b, m), k)
     with pytest.raises(ArtifactError):
         load_verified(b, pub, expect_abi=ENGINE_ABIS).close()
+
+
+# ------------------------------------------------------------------ the privileged split
+
+_BROKER_TOML = """
+[domains.control]
+failure_policy = "fail_safe"
+actuates = true
+[channels.a_out]
+slot_size = "4KiB"
+dtype = "float32"
+[workers.a]
+domain = "control"
+module = "workers.probe"
+publishes = ["a_out"]
+args = ["--publish", "a_out"]
+"""
+
+# The compromised supervisor proper: started as root only because /root (the
+# interpreter) is 0700 here; it imports what it needs, then drops to nobody as
+# `run --privsep` does, and only then speaks to the broker on the socket it holds.
+_PROPER = r"""
+import json, os, signal, socket, sys
+from supervisor.broker import BrokerClient
+from supervisor.config import load
+from supervisor.ipc.channel import Channel
+fd, cfg_path, broker_pid, state_dir = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+cfg = load(cfg_path)
+os.setgroups([]); os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)
+assert os.getresuid() == (65534, 65534, 65534)
+c = BrokerClient(socket.socket(fileno=fd))
+out = {}
+def attempt(name, fn):
+    try:
+        r = fn()
+        out[name] = "allowed" if r is None else r
+    except Exception as e:
+        out[name] = getattr(e, "code", type(e).__name__)
+out["latched_before"] = bool(c.read_latch())
+ch = Channel.create(cfg.channel_specs()["a_out"])
+def start():
+    s = c.start("a", 1, handles={"a_out": ch.writer_handle()})
+    c.kill_sandbox("a", 1)
+    return "started"
+attempt("start_while_latched", start)
+attempt("clear_latch", c.clear_latch)
+out["latched_after"] = bool(c.read_latch())
+# Reaching the broker itself: signals, its /proc, its state dir.
+attempt("signal_broker", lambda: os.kill(broker_pid, signal.SIGSTOP))
+attempt("broker_environ", lambda: len(open(f"/proc/{broker_pid}/environ", "rb").read()) and "read")
+attempt("broker_fds", lambda: os.listdir(f"/proc/{broker_pid}/fd") and "listed")
+attempt("state_dir", lambda: os.listdir(state_dir) is not None and "listed")
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def proper_attacks(tmp_path_factory) -> dict:
+    """One broker (root, as `run --privsep` starts it) with the fail-safe latched by an
+    honest run; a supervisor proper dropped to nobody then asks it for what it may not."""
+    if shutil.which("bwrap") is None or os.geteuid() != 0:
+        pytest.skip("the broker starts sandboxes as root with bubblewrap")
+    from supervisor.broker import BrokerClient
+
+    d = tmp_path_factory.mktemp("rt4broker")
+    cfg = d / "broker.toml"
+    cfg.write_text(_BROKER_TOML)
+    state = d / "state"
+    state.mkdir(mode=0o700)
+    err = open(d / "broker.err", "w")
+    client = BrokerClient.spawn(state_dir=state, config=cfg, stderr=err)
+    try:
+        client.set_latch("an honest run failed safe: driver fault")   # as the broker does
+        assert client.read_latch()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        p = subprocess.run([sys.executable, "-c", _PROPER, str(client.sock.fileno()), str(cfg),
+                            str(client.proc.pid), str(state)],
+                           pass_fds=[client.sock.fileno()], env=env, cwd="/",
+                           capture_output=True, text=True, timeout=60, check=False)
+        assert p.returncode == 0, p.stderr[-2000:]
+        got = json.loads(p.stdout.strip().splitlines()[-1])
+        got["broker_alive"] = client.proc.poll() is None
+    finally:
+        code = client.close()
+        err.close()
+    got["broker_exit"] = code
+    return got
+
+
+def test_the_unprivileged_supervisor_proper_cannot_reach_the_broker_itself(proper_attacks):
+    assert proper_attacks["latched_before"]
+    for k in ("signal_broker", "broker_environ", "broker_fds", "state_dir"):
+        assert proper_attacks[k] == "PermissionError", (k, proper_attacks)
+    assert proper_attacks["broker_alive"] and proper_attacks["broker_exit"] == 0
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK: the broker starts any worker of its config while the fail-safe is latched: "
+    "the latch moved to root's 0700 state dir so that only root decides, yet only the "
+    "unprivileged supervisor proper reads it before starting; a compromised proper "
+    "starts the actuating control domain after a latched fault. fix: "
+    "supervisor/broker/_server.py Broker._start: refuse (Refused 'latched: <reason>') "
+    "while self.state.read_latch() is not empty"))
+def test_the_broker_starts_nothing_while_the_fail_safe_is_latched(proper_attacks):
+    assert proper_attacks["start_while_latched"] != "started", proper_attacks
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK: clearLatch is served to the unprivileged supervisor proper, which never "
+    "needs it (an honest proper only sets and reads; `supervisor clear-fail-safe` is "
+    "root's command on the file): a compromised proper unlatches a fault root latched. "
+    "fix: supervisor/broker/_server.py Broker._handle: refuse ClearLatch (drop it from "
+    "_protocol's vocabulary and BrokerLatch.clear), leaving clear-fail-safe to root's CLI"))
+def test_the_unprivileged_supervisor_proper_cannot_clear_the_latch(proper_attacks):
+    assert proper_attacks["clear_latch"] != "allowed" and proper_attacks["latched_after"], \
+        proper_attacks
