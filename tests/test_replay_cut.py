@@ -153,3 +153,15 @@ def test_a_fleet_refuses_start_and_end_in_one_line(raw, capsys):
     err = capsys.readouterr().err
     assert "--start/--end replay a part of one log, not a fleet" in err
     assert len(err.splitlines()) == 1
+
+
+def test_a_replays_summary_names_its_range_and_the_cuts_notes(capsys):
+    from supervisor.replay.commands import print_summary
+
+    note = "H.264: the cut starts at keyframe f199, 8 frame(s) before f207 (...)"
+    print_summary({"mode": "lockstep", "frames": {"replayed": 28, "in_log": 28},
+                   "range": {"start": "1.5", "end": "2.5", "frames": [199, 226],
+                             "input": "run/input", "notes": [note]}, "run": "run"})
+    out = capsys.readouterr().out
+    assert "range: --start 1.5 --end 2.5: frames f199..f226 (played from run/input)" in out
+    assert f"  note: {note}" in out

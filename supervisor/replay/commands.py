@@ -302,6 +302,13 @@ def print_summary(s: dict) -> None:
           f"{s.get('deadline_misses', 0)} deadline misses; {s.get('frames_per_s')} frames/s "
           f"= {s.get('speed_vs_realtime')}x real time (after {s.get('pipeline_start_s')} s "
           f"of pipeline start-up)")
+    rng = s.get("range")
+    if rng:
+        fr = rng.get("frames") or ["?", "?"]
+        print(f"range: --start {rng.get('start')} --end {rng.get('end')}: frames "
+              f"f{fr[0]}..f{fr[1]} (played from {rng.get('input')})")
+        for n in rng.get("notes") or []:
+            print(f"  note: {n}")
     loss = (s.get("input_log_loss") or {}).get("text")
     if loss and loss != "nothing lost":
         print(f"input log: {loss}")

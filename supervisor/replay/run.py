@@ -251,11 +251,12 @@ def replay(log: str, *, out: str | None = None, config: str | None = None,
     if os.path.exists(run_dir) and (not os.path.isdir(run_dir) or os.listdir(run_dir)):
         raise ReplayError(f"{out or run_dir}: exists and is not an empty directory")
     source_log = log
+    cut_notes: list[str] = []
     if start is not None or end is not None:
         # The part asked for becomes a log of its own (RUN/input) and is what plays, is
         # compared with --ref self and is shown in the report.
         try:
-            cut(log, os.path.join(run_dir, "input"), *bounds)
+            cut_notes = cut(log, os.path.join(run_dir, "input"), *bounds).notes
         except CutError as e:
             raise ReplayError(str(e)) from None
         os.chmod(run_dir, 0o755)
@@ -325,7 +326,8 @@ def replay(log: str, *, out: str | None = None, config: str | None = None,
     summary.update(log=source_log, run=run_dir)
     if log != source_log:
         summary["range"] = {"start": start, "end": end, "input": log,
-                            "frames": src.info.get("cut", {}).get("frames")}
+                            "frames": src.info.get("cut", {}).get("frames"),
+                            "notes": cut_notes}     # e.g. an H.264 cut's earlier keyframe
     code = 0
     if fault:
         code = WRITE_FAILED
