@@ -551,3 +551,38 @@ def test_an_internal_error_inside_a_nursery_names_the_exception_not_the_group(ca
     full = OSError(errno.ENOSPC, "No space left on device", "/runs/x/log/messages.tlog")
     assert _internal("replay", fail(full)) == 8
     assert "disk full: /runs/x/log/messages.tlog" in capsys.readouterr().err
+
+
+def test_a_video_index_or_description_that_lies_is_loss_never_a_traceback(tmp_path):
+    """A log's video index and description are the log's word: an index record naming
+    bytes already indexed (one record repeated: it would make a cut copy one frame many
+    times), a raw frame that is not one frame of the described size, a size that is a
+    string or negative: skipped and counted, or one LogError line."""
+    from supervisor.replay.cut import cut
+    from supervisor.replay.logfmt import VideoReader
+
+    write_log(tmp_path / "log", n=4)
+    vidx = tmp_path / "log" / "road_frames.vidx"
+    raw = vidx.read_bytes()
+    vidx.write_bytes(raw + raw[:40] * 50)             # frame 0's record, CRC and all, again
+    v = VideoReader(tmp_path / "log", "road_frames")
+    assert [e.frame_id for e in v.index] == [0, 1, 2, 3]
+    assert v.loss.corrupt_records == 50 and "overlap an earlier frame's" in v.loss.problems[0]
+    v.close()
+    cut(tmp_path / "log", tmp_path / "cut", None, None)
+    src_size = (tmp_path / "log" / "road_frames.nv12").stat().st_size
+    assert (tmp_path / "cut" / "road_frames.nv12").stat().st_size == src_size
+    assert len(DriveLog.open(tmp_path / "cut").video("road_frames")) == 4
+
+    desc = tmp_path / "log" / "road_frames.video"
+    good = json.loads(desc.read_text())
+    for bad, needle in (({"width": "160"}, "width '160'"), ({"width": -160}, "width -160"),
+                        ({"height": 121}, "height 121"), ({"codec": "av1"}, "codec 'av1'"),
+                        ({"fps": 0}, "fps 0")):
+        desc.write_text(json.dumps({**good, **bad}))
+        with pytest.raises(LogError, match=f"no usable video description .*{needle}"):
+            VideoReader(tmp_path / "log", "road_frames")
+    desc.write_text(json.dumps({**good, "width": 80, "height": 60}))   # smaller than stored
+    v = VideoReader(tmp_path / "log", "road_frames")
+    assert v.index == [] and "not one 80x60 NV12 frame" in v.loss.problems[0]
+    v.close()

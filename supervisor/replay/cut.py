@@ -40,7 +40,6 @@ from .drivelog import DriveLog
 from .logfmt import (
     LIFECYCLE,
     MESSAGES,
-    VIX_SIZE,
     Entry,
     LogError,
     StreamWriter,
@@ -208,15 +207,18 @@ def _copy_video(src: Path, out: Path, ch: str, keep: set[int]) -> dict[int, int]
         index = bytearray()
         # The reader's own descriptor (opened as a regular file, never through a link
         # planted in the log): the path is not opened a second time.
+        # (The reader has skipped records whose bytes overlap: each frame's bytes are
+        # copied once at most. A frame id indexed twice keeps its first position.)
+        count = 0
         for e in v.index:
             if e.frame_id not in keep:
                 continue
             chunk = os.pread(v._fd, e.size, e.offset)
             index += _vix(e.frame_id, e.capture_ts_ns, len(data), len(chunk),
                           1 if e.keyframe else 0)
-            remap[e.frame_id] = len(remap)
+            remap.setdefault(e.frame_id, count)
+            count += 1
             data += chunk
-        assert len(index) == VIX_SIZE * len(remap)
         (out / f"{ch}{ext}").write_bytes(bytes(data))
         (out / f"{ch}.vidx").write_bytes(bytes(index))
         return remap
@@ -282,8 +284,7 @@ def cut(src_dir: str | os.PathLike, out_dir: str | os.PathLike, start: Pos | Non
                     if f.videoIndex >= 0:
                         # Pixels the source's video never got stay counted as such (a
                         # position past the new video's end), not as skipped (-1).
-                        r = remap.get(f.channel, {})
-                        b.frame.videoIndex = r.get(f.frameId, len(r))
+                        b.frame.videoIndex = remap.get(f.channel, {}).get(f.frameId, 1 << 40)
                     frames[f.channel] = frames.get(f.channel, 0) + 1
                 elif which == "message":
                     m = e.message

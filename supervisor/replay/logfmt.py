@@ -391,16 +391,35 @@ class VideoWriter:
         self._data = self._index = -1
 
 
+def _bad_info(info: VideoInfo) -> str | None:
+    """Why a video description read from a log cannot be used (None: it can)."""
+    for name in ("width", "height"):
+        v = getattr(info, name)
+        if type(v) is not int or v <= 0 or v % 2 or v > 1 << 15:
+            return f"{name} {v!r}: a positive even whole number of pixels"
+    if info.codec not in CODECS:
+        return f"codec {info.codec!r}: one of {', '.join(CODECS)}"
+    if info.pixel_format != "nv12":
+        return f"pixel format {info.pixel_format!r}: only nv12 is recorded"
+    if type(info.fps) not in (int, float) or not 0 < info.fps < 1e4:
+        return f"fps {info.fps!r}: a positive number"
+    return None
+
+
 class VideoReader:
     """A channel's video, read through its index (timestamps from the index)."""
 
     def __init__(self, directory: str | os.PathLike, channel: str) -> None:
+        self._fd = -1                       # (for __del__ when the description is refused)
         d = Path(directory)
         meta = d / f"{channel}.video"
         try:
             self.info = VideoInfo(**json.loads(read_regular(meta)))
         except (OSError, ValueError, TypeError) as e:
             raise LogError(f"{meta}: no usable video description ({e})") from None
+        bad = _bad_info(self.info)
+        if bad:             # the log chose these: a size that is a string, negative, odd
+            raise LogError(f"{meta}: no usable video description ({bad})")
         self.path = d / f"{channel}.{'h264' if self.info.codec == 'h264' else 'nv12'}"
         self._fd = -1
         self.loss = Loss()
@@ -441,6 +460,22 @@ class VideoReader:
                 self.loss.corrupt_records += 1
                 self.loss.corrupt_bytes += VIX_SIZE
                 self.loss.problems.append(f"{path}: index record {k} corrupt, skipped")
+                continue
+            # Each record's CRC is its own: a whole record may still lie. A writer
+            # appends frames back to back, so a record whose bytes begin before the
+            # previous frame's end names bytes already indexed (red team round 4: one
+            # record repeated 200 times made a cut copy one frame 200 times), and a raw
+            # frame is exactly one NV12 frame of the described size.
+            why = None
+            if off < end_used:
+                why = f"its bytes ({off}..{off + n}) overlap an earlier frame's"
+            elif self.info.codec == "raw" and n != self.info.frame_size:
+                why = f"{n} bytes, not one {self.info.width}x{self.info.height} NV12 frame"
+            if why:
+                self.loss.corrupt_records += 1
+                self.loss.corrupt_bytes += VIX_SIZE
+                self.loss.problems.append(f"{path}: index record {k} (frame {fid}): {why}, "
+                                          f"skipped")
                 continue
             if off + n > size:      # its bytes are counted below, with the unindexed tail
                 self.loss.truncated_records += 1
@@ -485,6 +520,11 @@ class VideoReader:
             if e.n < start:
                 continue
             for fr in got:
+                if (fr.width, fr.height) != (w, h):     # the stream lies about its size
+                    self.loss.corrupt_records += 1
+                    self.loss.problems.append(f"{self.path}: frame {e.frame_id} decodes to "
+                                              f"{fr.width}x{fr.height}, described {w}x{h}")
+                    continue
                 yield e, nv12_bytes(fr, w, h)
 
 
