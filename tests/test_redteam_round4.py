@@ -350,17 +350,11 @@ def test_the_unprivileged_supervisor_proper_cannot_clear_the_latch(proper_attack
 
 # ------------------------------------------------------------------ log cut
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: a video index may name one frame's bytes any number of times (each record's "
-    "CRC is its own: duplicate frame ids and overlapping ranges pass "
-    "VideoReader._read_index). `supervisor log cut` on a recorder's log with 200 copies "
-    "of one index record copies the frame 200 times into memory, then dies on an assert "
-    "with a traceback (cut.py _copy_video: len(index) == VIX_SIZE * len(remap)); under "
-    "python -O the assert is gone and the cut's video is written 50x its source's. fix: "
-    "supervisor/replay/logfmt.py VideoReader._read_index: count as corrupt and skip a "
-    "record whose frame id was indexed already or whose bytes overlap an earlier "
-    "record's; cut.py: no assert on log data"))
 def test_a_hostile_video_index_is_one_line_and_never_amplifies_a_cut(tmp_path) -> None:
+    """A recorder's log whose index repeats one frame's record (its own valid CRC) 200
+    times: the cut is one line or a log with each frame once, never a traceback or 200
+    copies. Broken until df404dd (the cut copied the frame 200 times into memory, then
+    died on an assert; python -O would have written them all)."""
     from tests.test_replay_format import write_log
 
     src = tmp_path / "drive"
@@ -375,3 +369,105 @@ def test_a_hostile_video_index_is_one_line_and_never_amplifies_a_cut(tmp_path) -
     assert "Traceback" not in p.stderr, p.stderr[-600:]
     after = sum(f.stat().st_size for f in out.glob("road_frames.nv12"))
     assert after <= before, (before, after, p.returncode, p.stderr[-300:])
+
+
+# ------------------------------------------------------------------ from inside sandboxes
+
+RT4_MODULE = "workers.probe.attacks_redteam4"
+RT4_FLEET = {"c-rt4-victim": ("lastword_victim", "--pub"),
+             "c-rt4-honest": ("honest_reader", "--sub"),
+             "c-rt4-hostile": ("claim_position", "--sub")}
+
+
+def _rt4_toml() -> str:
+    out = ['''
+[supervisor]
+status_interval_s = 0.5
+[domains.control]
+failure_policy = "restart"
+[channels.ch_rt4]
+slot_size = "4KiB"
+dtype = "float32"
+payload = "control_cmd"
+slot_count = 8
+max_readers = 3
+max_age_ms = 5000
+''']
+    for name, (attack, flag) in RT4_FLEET.items():
+        bind = "publishes" if flag == "--pub" else "subscribes"
+        out.append(f'''
+[workers.{name}]
+domain = "control"
+module = "{RT4_MODULE}"
+{bind} = ["ch_rt4"]
+args = ["--attack", "{attack}", "{flag}", "ch_rt4"]
+optional = true
+restart = "never"
+ready_timeout_ms = 60000
+memory_max = "256MiB"
+pids_max = 32
+''')
+    return "".join(out)
+
+
+@pytest.fixture(scope="module")
+def rt4_fleet(tmp_path_factory) -> list[dict]:
+    """One embedded Supervisor with the three last-word workers, until the honest reader
+    has said what it got (or 90 s)."""
+    if shutil.which("bwrap") is None or os.geteuid() != 0:
+        pytest.skip("sandboxes with host uids need root and bubblewrap")
+    import io
+
+    import trio
+
+    from supervisor.config import loads
+    from supervisor.events import EventLog
+    from supervisor.lifecycle import Supervisor
+    from tests.test_attacks import attack_result
+
+    tmp = tmp_path_factory.mktemp("rt4fleet")
+    cfg = loads(_rt4_toml(), str(tmp / "rt4.toml"))
+    logf = open(tmp / "supervisor.log", "w")
+    log = EventLog(stream=logf, keep=True)
+    sup = Supervisor(cfg, log=log, status_out=io.StringIO())
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            with trio.move_on_after(90):
+                while attack_result(log.events, "c-rt4-honest") is None and not any(
+                        "crashed" in (attack_result(log.events, w) or {}) for w in RT4_FLEET):
+                    await trio.sleep(0.1)
+            n.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        logf.close()
+    return log.events
+
+
+def test_the_sandboxed_last_word_attack_ran(rt4_fleet) -> None:
+    """Not an xfail: the strict xfail below would pass on a fleet that never attacked."""
+    from tests.test_attacks import _of, attack_result
+
+    for worker in RT4_FLEET:
+        res = attack_result(rt4_fleet, worker)
+        assert res is not None and "crashed" not in res, (worker, _of(rt4_fleet, worker)[-6:])
+    assert attack_result(rt4_fleet, "c-rt4-victim")["claimed_seen"]
+    assert _of(rt4_fleet, "c-rt4-victim", "last_word"), _of(rt4_fleet, "c-rt4-victim")[-6:]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK (end to end, real sandboxes): the hostile control reader's claimed position "
+    "(SEQ_HONEST in its own lease table) numbers the supervisor's SAFE past the honest "
+    "control reader, which refuses it as sequence_jump and never hears SAFE after its "
+    "writer died. fix: as test_a_control_reader_cannot_hide_the_last_word_from_another "
+    "(supervisor/failsafe.py publish_safe/trusted_readers)"))
+def test_a_sandboxed_control_reader_cannot_hide_the_last_word(rt4_fleet) -> None:
+    from tests.test_attacks import _of, attack_result
+
+    res = attack_result(rt4_fleet, "c-rt4-honest")
+    assert res is not None and res.get("saw_safe"), (
+        res, [e["line"] for e in _of(rt4_fleet, "c-rt4-honest", "output")][-4:],
+        _of(rt4_fleet, "c-rt4-victim", "last_word"))
