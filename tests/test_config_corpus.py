@@ -52,8 +52,9 @@ SMALL: dict[str, Any] = {
 
 
 def _pipeline() -> dict[str, Any]:
-    """The embedded default config (camerad -> modeld -> controlsd, research), as a dict."""
-    return tomllib.loads((ROOT / "supervisor" / "default.toml").read_text("utf-8"))
+    """The one-camera pipeline (configs/minimal.toml: camerad -> modeld -> controlsd,
+    research; the car's tables without its extra cameras), as a dict."""
+    return tomllib.loads((ROOT / "supervisor" / "configs" / "minimal.toml").read_text("utf-8"))
 
 
 @dataclasses.dataclass(frozen=True)
