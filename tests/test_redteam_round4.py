@@ -471,3 +471,34 @@ def test_a_sandboxed_control_reader_cannot_hide_the_last_word(rt4_fleet) -> None
     assert res is not None and res.get("saw_safe"), (
         res, [e["line"] for e in _of(rt4_fleet, "c-rt4-honest", "output")][-4:],
         _of(rt4_fleet, "c-rt4-victim", "last_word"))
+
+
+# ------------------------------------------------------------------ users
+
+@pytest.mark.parametrize("domain", ["control", "research"])
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK (hardening): a domain may name the supervisor proper's user as its sandboxes' "
+    "host user (nobody, which `run --privsep` drops to when trio-supervisor does not "
+    "exist, as here; or trio-supervisor): the workers then share a uid with the "
+    "unprivileged supervisor proper (one RLIMIT_NPROC count, one user keyring, each "
+    "other's files, signals wherever a pid is visible), against the rule that distinct "
+    "principals use distinct users. fix: supervisor/config/_rules.py check_users: refuse "
+    "'nobody', 'trio-supervisor' and uid 65534 for any domain; supervisor/broker/_checks.py "
+    "check_plan: refuse policy.host_uid equal to the peer's uid (SO_PEERCRED at accept, "
+    "or the uid --privsep drops to)"))
+def test_no_domain_runs_as_the_supervisor_propers_user(domain) -> None:
+    from supervisor.config import ConfigError, loads
+
+    toml = f'''
+[domains.{domain}]
+user = "nobody"
+[channels.x]
+slot_size = "4KiB"
+dtype = "float32"
+[workers.w]
+domain = "{domain}"
+module = "workers.probe"
+publishes = ["x"]
+'''
+    with pytest.raises(ConfigError, match="user"):
+        loads(toml, "rt4-users.toml")
