@@ -168,9 +168,6 @@ _WORKER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="admission (supervisor/admission/rules.py) refuses "
-                   "torch & co. only: a control worker importing nvidia.cuda_nvrtc (NVRTC) "
-                   "is admitted; the sandbox's whiteouts are what stop it today")
 def test_admission_refuses_a_control_worker_importing_nvrtc(tmp_path):
     from supervisor.admission import check_worker
 
@@ -180,6 +177,7 @@ def test_admission_refuses_a_control_worker_importing_nvrtc(tmp_path):
     (site / "nvidia" / "cuda_nvrtc" / "__init__.py").write_text("")
     rep = check_worker("nv", "control", "nvrtc_worker", None, [str(tmp_path), str(site)])
     assert not rep.ok, rep
+    assert "nvidia.cuda_nvrtc" in rep.format() and "NVRTC" in rep.format(), rep.format()
 
 
 # ------------------------------------------------------------------ audit

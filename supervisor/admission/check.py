@@ -245,7 +245,7 @@ def _add_import_hit(report: AdmissionReport, hit: ImportHit, display: PathDispla
         Finding(
             "import", report.worker, report.domain, chain,
             f"control-domain worker {report.worker} imports {hit.forbidden} "
-            f"(forbidden: {hit.rule.name}): {text}",
+            f"(forbidden: {hit.rule.name}, {hit.rule.reason}): {text}",
         )
     )
 

@@ -36,7 +36,7 @@ class AdmissionReport:
         else:
             n = len(self.findings)
             plural = "s" if n != 1 else ""
-            lines = [f"refused: {self.domain}-domain worker {self.worker} reaches torch ({n} finding{plural})"]
+            lines = [f"refused: {self.domain}-domain worker {self.worker} reaches forbidden code ({n} finding{plural})"]
             lines += [f"  [{f.kind}] {f.message}" for f in self.findings]
         if with_notes and self.notes:
             lines.append("  notes:")

@@ -50,6 +50,11 @@ MODULE_RULES: tuple[ModuleRule, ...] = (
         allowed_importer="tinygrad",
     ),
     ModuleRule("extra.torch_backend", "tinygrad's torch backend (imports torch)"),
+    # CUDA's compilers as pip wheels: control loads cubin through the driver alone and
+    # never compiles (issue 28; the sandbox also whites out their libraries).
+    ModuleRule("nvidia.cuda_nvrtc", "NVRTC, CUDA's runtime compiler"),
+    ModuleRule("nvidia.nvjitlink", "nvJitLink, CUDA's JIT linker (compiles PTX)"),
+    ModuleRule("nvidia.cuda_nvcc", "nvcc/ptxas, CUDA's compilers"),
 )
 
 @dataclass(frozen=True)
@@ -98,7 +103,9 @@ def find_waiver(importer: str, scope: str, target: str) -> LazyImportWaiver | No
 # Shell-style patterns on the file name (soname) of a shared object.
 # libtorch_python* is already covered by libtorch*; it is listed so the policy
 # reads the same as the design document.
-SONAME_PATTERNS: tuple[str, ...] = ("libtorch*", "libc10*", "libtorch_python*")
+SONAME_PATTERNS: tuple[str, ...] = ("libtorch*", "libc10*", "libtorch_python*",
+                                    # CUDA's compilers (see MODULE_RULES)
+                                    "libnvrtc*", "libnvJitLink*", "libnvptxcompiler*")
 
 
 @dataclass(frozen=True)
