@@ -502,3 +502,38 @@ publishes = ["x"]
 '''
     with pytest.raises(ConfigError, match="user"):
         loads(toml, "rt4-users.toml")
+
+
+# ------------------------------------------------------------------ take_newest
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK: take_newest trusts the header's last_seq: a writer whose header claims a "
+    "sequence (below SEQ_HONEST) that no slot holds makes every take_newest jump to it, "
+    "find nothing and return None, forever, while its real frames are in the ring (an "
+    "in-order reader of the same channel gets every one): modeld on the car "
+    "(receive(newest=True)) starves with no drop, skip or rejection counted, and the "
+    "supervisor's monitor sees frames flowing. fix: supervisor/ipc/reader.py "
+    "Reader.take_newest: when nothing is found at the claimed latest, fall back to the "
+    "newest valid slot above _last_seq (or to try_receive), and count the claim "
+    "(rejected 'sequence_jump' / a header_lie counter)"))
+def test_a_lying_header_cannot_starve_take_newest(make_channel, native) -> None:
+    from supervisor.ipc import Reader, Writer
+    from supervisor.ipc import layout as L
+
+    ch = make_channel(name="road_frames", slot_size=4096, dtype="float32", max_readers=2,
+                      slot_count=8)
+    w = Writer(ch.writer_handle(), domain="control", seal=False)
+    newest = Reader(ch.reader_handle(0), native=native)
+    in_order = Reader(ch.reader_handle(1), native=native)
+    took_newest, took_in_order = [], []
+    for k in range(1, 7):
+        w.publish_array(np.full(4, k, np.float32))
+        L.U64.pack_into(w._buf, L.OFF_LAST_SEQ, 1000)     # the header claims a newer one
+        for r, out in ((newest, took_newest), (in_order, took_in_order)):
+            m = r.take_newest() if r is newest else r.try_receive()
+            if m is not None:
+                with m:
+                    out.append(m.sequence)
+    assert took_in_order == [1, 2, 3, 4, 5, 6]
+    assert took_newest, (took_newest, newest.stats)
