@@ -537,3 +537,49 @@ def test_a_lying_header_cannot_starve_take_newest(make_channel, native) -> None:
                     out.append(m.sequence)
     assert took_in_order == [1, 2, 3, 4, 5, 6]
     assert took_newest, (took_newest, newest.stats)
+
+
+# ------------------------------------------------------------------ a restarted writer
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK: a writer that counts from just below SEQ_HONEST (a plausible number, accepted) "
+    "on past it one message at a time walks its readers above SEQ_HONEST (the jump rule "
+    "allows 2 rings); after it dies, SAFE still reaches them (above every position), but "
+    "the restarted honest writer's Writer._attach drops every word at or above SEQ_HONEST "
+    "and counts from 5: the readers, at SEQ_HONEST+5, never hear it again (nothing counted "
+    "as rejected). fix: supervisor/ipc/writer.py Writer._attach: continue above the "
+    "trusted readers' positions (below PLAUSIBLE) as publish_safe does (the lifecycle "
+    "passes failsafe.trusted_readers in the worker's handle), or have readers accept a "
+    "new writer epoch the supervisor stamps at each start"))
+def test_a_restarted_writer_is_heard_after_its_predecessor_walked_the_readers_up(
+        make_channel) -> None:
+    from schemas.payloads import CONTROL_CMD
+    from supervisor.failsafe import publish_safe
+    from supervisor.ipc import Reader, Writer
+    from supervisor.ipc import layout as L
+
+    ch = make_channel(name="control_cmd", slot_size=4096, dtype="float32", max_readers=2,
+                      slot_count=8)
+    w = Writer(ch.writer_handle(), domain="control", seal=False)
+    r = Reader(ch.reader_handle(0))
+
+    def pub(writer, steer: float) -> None:
+        writer.publish_array(CONTROL_CMD.encode(steer_rad=steer, engaged=1.0))
+
+    pub(w, 0.1)
+    assert [s for s, _ in _drain(r)] == [1]
+    w._last_seq = L.SEQ_HONEST - 3          # the hostile predecessor's own counter
+    for _ in range(6):
+        pub(w, 0.1)
+        _drain(r)
+    assert r._last_seq > L.SEQ_HONEST       # walked up, message by message
+    w.close()
+    publish_safe(ch, "control_cmd")
+    assert _safe_last(_drain(r))            # the last word still reaches it
+    w2 = Writer(ch.writer_handle(), domain="control", seal=False)    # restarted, honest
+    for _ in range(5):
+        pub(w2, 0.2)
+    got = _drain(r)
+    w2.close()
+    assert [c["steer_rad"] for _, c in got if isinstance(c, dict)] == [
+        pytest.approx(0.2)] * 5, (got, r.stats.rejected, w2.last_sequence)
