@@ -321,12 +321,17 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
     def _worker_pid(self, run: WorkerRun) -> int:
         """Host pid of the worker itself (in a sandbox: pid 2 of its pid namespace, see
         sandbox_main_pid); ``run.pid`` (bwrap) when there is none (yet, or any more)."""
+        inc = run.current
+        if inc is not None and inc.main_pid and inc.alive:
+            return inc.main_pid
         pids = self.worker_pids(run)
         if not self.sandboxed:
             return pids[0] if pids else run.pid
         from supervisor.sandbox import sandbox_main_pid
 
         found = sandbox_main_pid(pids)
+        if found is not None and inc is not None and inc.KEEPS_MAIN_PID:
+            inc.main_pid = found
         return run.pid if found is None else found
 
     def _exit_cause(self, run: WorkerRun, code: int) -> tuple[str | None, str]:
