@@ -626,3 +626,51 @@ def test_a_restarted_writer_is_heard_after_its_predecessor_walked_the_readers_up
     w2.close()
     assert [c["steer_rad"] for _, c in got if isinstance(c, dict)] == [
         pytest.approx(0.2)] * 5, (got, r.stats.rejected, w2.last_sequence)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK: a control reader's claimed position just BELOW SEQ_HONEST (SEQ_HONEST-10: no "
+    "jump rule applies) numbers SAFE at SEQ_HONEST-9, which every reader takes; the "
+    "restarted writer continues from there and crosses SEQ_HONEST after 9 messages (the "
+    "readers follow: 2-ring rule); the writer after the next restart drops those words and "
+    "counts from the last plausible one: unheard by every reader, nothing counted. A "
+    "reader alone bricks the channel for restarted writers. fix: as row 2 "
+    "(failsafe.publish_safe: a position counts only within 2 rings of the supervisor's own "
+    "monitor reader's) and row 8 (Writer._attach continues above the trusted readers)"))
+def test_a_control_reader_cannot_make_a_later_restarted_writer_unheard(make_channel) -> None:
+    from schemas.payloads import CONTROL_CMD
+    from supervisor.config import loads
+    from supervisor.failsafe import publish_safe, trusted_readers
+    from supervisor.ipc import Reader, Writer
+    from supervisor.ipc import layout as L
+
+    cfg = loads(_LASTWORD_TOML, "rt4-lastword.toml")
+    trusted = trusted_readers(cfg, "control_cmd")
+    honest_i = cfg.readers_of("control_cmd").index("actuator")
+    hostile_i = cfg.readers_of("control_cmd").index("logger")
+    ch = make_channel(name="control_cmd", slot_size=4096, dtype="float32",
+                      max_readers=len(cfg.readers_of("control_cmd")) + 1, slot_count=8)
+    first = Writer(ch.writer_handle(), domain="control", seal=False)
+    honest = Reader(ch.reader_handle(honest_i))
+    hostile = Reader(ch.reader_handle(hostile_i))
+
+    def run(w, steer: float, n: int) -> None:
+        for _ in range(n):
+            w.publish_array(CONTROL_CMD.encode(steer_rad=steer, engaged=1.0))
+            _drain(honest)
+        w.close()
+
+    run(first, 0.1, 3)
+    _drain(hostile)
+    struct.pack_into("<Q", hostile._lease_mm, L.OFF_TAKEN, L.SEQ_HONEST - 10)
+    publish_safe(ch, "control_cmd", trusted)      # the first writer died
+    assert _safe_last(_drain(honest))
+    run(Writer(ch.writer_handle(), domain="control", seal=False), 0.2, 12)   # restarted: heard
+    assert honest._last_seq > L.SEQ_HONEST
+    w = Writer(ch.writer_handle(), domain="control", seal=False)      # restarted again
+    for _ in range(3):
+        w.publish_array(CONTROL_CMD.encode(steer_rad=0.3, engaged=1.0))
+    got = _drain(honest)
+    w.close()
+    assert [c["steer_rad"] for _, c in got if isinstance(c, dict)] == [
+        pytest.approx(0.3)] * 3, (got, honest.stats.rejected, w.last_sequence)
