@@ -169,10 +169,17 @@ def publish_safe(channel: Channel, payload_name: str,
         w = _writer(channel, tuple(range(channel.spec.max_readers)) if readers is None
                     else tuple(readers))
         try:
-            with w.loan() as loan:
-                payload.encode(loan.array(payload.shape, np.dtype(payload.dtype)),
-                               **payload.safe)
-                loan.publish()
+            # Once just above what the segment holds, and once above each reader that
+            # is further on: every reader's next message is a SAFE, whatever the dead
+            # writer made it consume, and a reader lying about its position (its own
+            # table) only gets a SAFE of its own, above everyone's (red team round 4).
+            base = w.segment_sequence
+            for at in sorted({base, *(p for p in w.reader_positions if p > base)}):
+                w.continue_from(at)
+                with w.loan() as loan:
+                    payload.encode(loan.array(payload.shape, np.dtype(payload.dtype)),
+                                   **payload.safe)
+                    loan.publish()
         finally:
             w.close()
     return dict(payload.safe)

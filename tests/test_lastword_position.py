@@ -135,10 +135,13 @@ def test_a_message_past_any_honest_writer_is_refused_without_moving_the_reader(
     assert _safe_last(_drain(r))
 
 
-def test_a_research_reader_cannot_push_the_last_word_out_of_reach(make_channel):
-    """A research reader of the actuation channel writes a position near the limit in
-    its own lease table. Counted, it would number SAFE past every honest reader's
-    reach; the supervisor counts only its control readers and its own monitor."""
+@pytest.mark.parametrize("claim", [L.SEQ_HONEST - 1, L.SEQ_HONEST, L.PLAUSIBLE - 2])
+def test_a_reader_lying_about_its_position_cannot_hide_the_last_word(make_channel, claim):
+    """A reader of the actuation channel (research, or a compromised control reader:
+    red team round 4) writes a position near the limit in its own lease table. SAFE is
+    published once above the segment and once above each position further on, so the
+    honest reader's next message is a SAFE whatever the liar claims, and a restarted
+    writer is heard by it afterwards."""
     cfg = _config()
     trusted = trusted_readers(cfg, "control_cmd")
     research = cfg.readers_of("control_cmd").index("shadow")
@@ -147,22 +150,24 @@ def test_a_research_reader_cannot_push_the_last_word_out_of_reach(make_channel):
                       max_readers=len(cfg.readers_of("control_cmd")) + 1, slot_count=8)
     w = Writer(ch.writer_handle(), domain="control", seal=False)
     honest = Reader(ch.reader_handle(0))
-    hostile = Reader(ch.reader_handle(research))
+    liar = Reader(ch.reader_handle(research))
     _commands(w, 4)
     _drain(honest)
-    _drain(hostile)
+    _drain(liar)
     w.close()
-    struct.pack_into("<Q", hostile._lease_mm, L.OFF_TAKEN, L.PLAUSIBLE - 2)   # its own table
-    publish_safe(ch, "control_cmd", trusted)
-    assert _safe_last(_drain(honest))
-    # Counting every reader (no trust) is what the attack needs: SAFE out of reach.
-    w = Writer(ch.writer_handle(), domain="control", seal=False)
-    _commands(w, 1)
-    _drain(honest)
-    w.close()
+    struct.pack_into("<Q", liar._lease_mm, L.OFF_TAKEN, claim)          # its own table
+    # Every reader counted (as if the liar were a control reader): still heard.
     publish_safe(ch, "control_cmd", range(ch.spec.max_readers))
-    assert not _safe_last(_drain(honest))
-    assert honest.stats.rejected.get("sequence_jump") == 1
+    got = _drain(honest)
+    assert got and isinstance(got[0][1], dict) and _safe_last(got[:1]), got
+    assert all(isinstance(x, dict) and x["engaged"] == 0.0 for _, x in got
+               if isinstance(x, dict)), got
+    # A restarted (clean) writer is heard after it.
+    w = Writer(ch.writer_handle(), domain="control", seal=False)
+    _commands(w, 2)
+    w.close()
+    after = [x for _, x in _drain(honest) if isinstance(x, dict)]
+    assert len(after) == 2 and all(x["engaged"] == 1.0 for x in after), after
 
 
 def _config():

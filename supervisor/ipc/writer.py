@@ -37,9 +37,11 @@ class Writer:
     def __init__(self, handle: WriterHandle, *, domain: str = "unknown",
                  seal: bool = True, native: bool | None = None,
                  above_readers: Iterable[int] = ()) -> None:
-        """``above_readers``: reader indexes whose position (layout OFF_TAKEN) the
-        sequence continues above, whatever the segment says: the supervisor's last word
-        after a writer it cannot trust died (failsafe.publish_safe)."""
+        """``above_readers``: reader indexes whose positions (layout OFF_TAKEN) are
+        read at attach into ``reader_positions``, for
+        the supervisor's last word after a writer it cannot trust died: it publishes
+        above each (``continue_from``; failsafe.publish_safe). ``segment_sequence`` is
+        what the segment's own words gave, where the next publish continues."""
         self.spec = spec = handle.spec
         # The memory-ordering path (see _atomics): refuses to start where none is correct.
         self._native = nat = _atomics.select(native)
@@ -110,6 +112,12 @@ class Writer:
             self._discard = self._discard_native
         self._attach(tuple(above_readers))
 
+    def continue_from(self, seq: int) -> None:
+        """Number the next publish ``seq + 1`` (never backwards): the supervisor's last
+        word, published once above each reader's position (failsafe.publish_safe)."""
+        if seq > self._last_seq:
+            self._last_seq = seq
+
     @property
     def native(self) -> bool:
         """True when this writer runs on the native atomics (supervisor.ipc._native)."""
@@ -137,7 +145,10 @@ class Writer:
         last = last if last < bound else 0
         for i, cb in enumerate(self._ctl):
             gen, seq = L.GEN_SEQ.unpack_from(buf, cb)
-            empty = gen & 1 or gen >= PLAUSIBLE or seq >= PLAUSIBLE
+            # The supervisor's last word also empties what no honest writer numbered:
+            # a reader close below it would take such a message after the SAFE.
+            empty = gen & 1 or gen >= PLAUSIBLE or seq >= (
+                L.SEQ_HONEST if above_readers else PLAUSIBLE)
             self._gen[i] = 0 if gen >= PLAUSIBLE else gen + (gen & 1)
             self._seq[i] = 0 if empty else seq
             if self._seq[i] < bound:
@@ -157,14 +168,17 @@ class Writer:
         # Above every named reader's position (its own table: the dead writer could not
         # touch it): a reader that consumed a number the segment no longer shows (rolled
         # back, or a rejected message's) must still receive what comes next.
+        self.segment_sequence = last
+        positions = []
         for k in above_readers:
             if 0 <= k < len(self._leases):
                 mm = self._leases[k]
                 if L.U64.unpack_from(mm, 0)[0] == L.LEASE_MAGIC:
                     pos = L.U64.unpack_from(mm, L.OFF_TAKEN)[0]
                     if pos < PLAUSIBLE:
-                        last = max(last, pos)
-        self._last_seq = last
+                        positions.append(pos)
+        self.reader_positions: tuple[int, ...] = tuple(sorted(positions))
+        self._last_seq = last       # the caller numbers above the positions it trusts
         if self._seg is None:
             L.CHANNEL_HDR.pack_into(buf, 0, L.MAGIC, L.LAYOUT_VERSION, spec.slot_count,
                                     spec.slot_size, spec.slot_stride, spec.control_size,
