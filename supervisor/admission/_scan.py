@@ -316,7 +316,7 @@ def scan_source(
 def _scan_file(path: str, module: str, is_package: bool) -> tuple[tuple[ImportSite, ...], tuple[str, ...]]:
     # The identity is taken before the read and recorded in the walk's witness: a
     # file rewritten after this stat is a different file to the next admission.
-    ident = id_of(os.stat(path))
+    ident = id_of(os.stat(path), path)
     saw(path, ident)
     key = (path, module, is_package)
     cached = _SCAN_CACHE.get(key)

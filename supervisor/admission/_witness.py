@@ -14,9 +14,11 @@ read has changed. A walk records, *before* it reads each thing, the identity of:
   files).
 
 A reuse re-stats every recorded path and compares; one difference and the check runs
-again from scratch. Identity is (device, inode, type, size, mtime, ctime): ctime
-cannot be set from user space, so a file rewritten with its old size and mtime put
-back (``touch -d``) still differs. Recording before reading makes a change *during*
+again from scratch. Identity is (device, inode, type, size, mtime, ctime) and, for a
+regular file, a digest of its bytes: ctime cannot be set from user space, so a file
+rewritten with its old size and mtime put back (``touch -d``) still differs, and a file
+written through a shared mapping, which keeps its mtime and ctime (they are stamped
+only at the first write fault of a clean page: red team round 4), differs by content. Recording before reading makes a change *during*
 a walk a miss next time, never a stale hit; a walk that saw a path changed within
 ``RACY_NS`` of its start is not kept at all (``Witness.settled_before``).
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import contextvars
 import errno
+import hashlib
 import os
 import stat
 from collections.abc import Callable, Iterator
@@ -35,8 +38,9 @@ from dataclasses import dataclass, field
 # recorded (timestamps come from a clock that advances by ticks of 1-10 ms).
 RACY_NS = 100_000_000
 
-# (st_dev, st_ino, S_IFMT, st_size, st_mtime_ns, st_ctime_ns); None: nothing there;
-# ("error", errno) for a path that could not be stat'ed for another reason.
+# (st_dev, st_ino, S_IFMT, st_size, st_mtime_ns, st_ctime_ns[, sha256 of a regular
+# file's bytes]); None: nothing there; ("error", errno) for a path that could not be
+# stat'ed for another reason.
 FileId = tuple[int, ...] | tuple[str, int] | None
 
 
@@ -50,11 +54,25 @@ def file_id(path: str) -> FileId:
         return None
     except OSError as exc:
         return ("error", exc.errno or errno.EIO)
-    return id_of(st)
+    return id_of(st, path)
 
 
-def id_of(st: os.stat_result) -> FileId:
-    return (st.st_dev, st.st_ino, stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+def id_of(st: os.stat_result, path: str | None = None) -> FileId:
+    """The identity of what ``st`` describes; with ``path``, a regular file's digest too
+    (never a FIFO's or a device's: opening one could block or have effects)."""
+    base = (st.st_dev, st.st_ino, stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns,
+            st.st_ctime_ns)
+    if path is None or not stat.S_ISREG(st.st_mode):
+        return base
+    return (*base, _digest(path))
+
+
+def _digest(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as exc:
+        return f"unreadable:{exc.errno}"
 
 
 @dataclass

@@ -128,7 +128,7 @@ def read_elf(path: str) -> ElfInfo:
         st = os.stat(path)
     except OSError as exc:
         raise ElfUnreadable(f"cannot stat: {exc}") from exc
-    ident = id_of(st)
+    ident = id_of(st, path)
     saw(path, ident)  # before the read: the witness of a cached check (see _witness)
     if not stat.S_ISREG(st.st_mode):
         raise ElfUnreadable("not a regular file")  # a FIFO named x.so would block open()
