@@ -664,3 +664,30 @@ def test_a_control_reader_cannot_make_a_later_restarted_writer_unheard(make_chan
     w.close()
     assert [c["steer_rad"] for _, c in got if isinstance(c, dict)] == [
         pytest.approx(0.3)] * 3, (got, honest.stats.rejected, w.last_sequence)
+
+
+@pytest.mark.parametrize("case", ["dangling_symlink", "under_a_file"])
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK (robustness): `supervisor log cut LOG OUT` with OUT a dangling symlink, or a "
+    "path under a regular file, ends in a Python traceback (FileExistsError / "
+    "NotADirectoryError from Path.mkdir in cut.cut), not one line; nothing is written "
+    "through the link (held). fix: supervisor/replay/cut.py cut(): wrap out.mkdir/tmp.mkdir "
+    "in `except OSError as e: raise CutError(f'{out}: {e.strerror}')`, and refuse an OUT "
+    "that is a symlink (os.path.islink) in one line"))
+def test_log_cut_refuses_a_bad_out_in_one_line(tmp_path, case) -> None:
+    from tests.test_replay_format import write_log
+
+    src = tmp_path / "drive"
+    write_log(src, n=4)
+    target = tmp_path / "elsewhere" / "x"
+    if case == "dangling_symlink":
+        out = tmp_path / "out"
+        out.symlink_to(target)
+    else:
+        (tmp_path / "afile").write_text("")
+        out = tmp_path / "afile" / "sub"
+    p = subprocess.run([sys.executable, "-m", "supervisor.cli", "log", "cut", str(src), str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert not target.exists() and not target.parent.exists()      # nothing written through
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-400:]
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
