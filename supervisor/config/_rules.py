@@ -23,6 +23,20 @@ Add = Callable[[str, str], None]
 """Reports one problem: ``add(key path, reason)``."""
 
 
+# The users `run --privsep` drops the supervisor proper to (lifecycle/_privsep.py
+# PROPER_USER, NOBODY; tests/test_privsep_users.py holds them equal), by name -> uid.
+SUPERVISOR_USERS: dict[str, int | None] = {"trio-supervisor": None, "nobody": 65534}
+
+
+def _uid_of(user: str) -> int | None:
+    import pwd
+
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        return None
+
+
 def check_users(add: Add, domains: dict[str, DomainConfig]) -> None:
     from supervisor.sandbox.policy import default_user
 
@@ -31,6 +45,12 @@ def check_users(add: Add, domains: dict[str, DomainConfig]) -> None:
         user = d.user or default_user(d.profile)
         if user == "root":
             add(f"{_key('domains', name)}.user", "sandboxes never run as root")
+        elif user in SUPERVISOR_USERS or _uid_of(user) == SUPERVISOR_USERS["nobody"]:
+            # red team round 4: under `run --privsep` the supervisor proper drops to
+            # one of these; a sandbox sharing its host uid could signal or trace it.
+            add(f"{_key('domains', name)}.user",
+                f"user {user!r} is the unprivileged supervisor's own (run --privsep runs "
+                f"it as trio-supervisor, else nobody); sandboxes need users of their own")
         rules = "research" if d.profile == RESEARCH else "strict"
         other = seen.setdefault(user, f"{name}:{rules}")
         # Strict domains may share the control user; research never shares with them.
