@@ -361,6 +361,9 @@ class DirectLauncher:
     sandboxed: bool = True
     cgroups: Any = None                       # sandbox.cgroups.CgroupTree while running
     opener: ProcOpener = DIRECT
+    # The sandbox of a worker (sandbox.policy.for_worker unless told otherwise: the
+    # Supervisor passes its `_policy`, the seam tests use to break one property).
+    policy: Callable[[Any], Any] | None = None
     _leaf_seq: int = 0
 
     async def start(self, w: Any, number: int, *, standby: bool,
@@ -389,7 +392,7 @@ class DirectLauncher:
         ok = False
         try:
             if self.sandboxed:
-                pol = launch.for_worker(self.config, w)
+                pol = self.policy(w) if self.policy else launch.for_worker(self.config, w)
                 if not domain.exec_memory_after_ready:
                     # The runner hands us its exec-watch listener through this socket
                     # before the worker's own code runs.

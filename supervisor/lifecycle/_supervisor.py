@@ -49,7 +49,8 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         # Who starts, signals and reaps the sandboxes: this process (root, the default)
         # or the privileged broker (`run --privsep` / `--broker`: this process is then
         # unprivileged, and every privileged act is a checked broker request).
-        self.launcher = launcher or DirectLauncher(config, python, sandboxed)
+        self.launcher = launcher or DirectLauncher(config, python, sandboxed,
+                                                   policy=self._policy)
         self.rt_grouped = False          # its leaves take RT budgets (v1 RT groups)
         self.latch = latch or FailSafeLatch.for_config(config)
         self._nursery: trio.Nursery | None = None
@@ -133,6 +134,14 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
     @property
     def via_broker(self) -> bool:
         return isinstance(self.launcher, BrokerLauncher)
+
+    def _policy(self, w: WorkerConfig):
+        """The sandbox of `w` for an in-process launch: one derivation for run, check and
+        audit (sandbox.policy.for_worker); a method so that a test can break one
+        property of one worker (tests/test_audit.py). The broker derives its own."""
+        from supervisor.sandbox.policy import for_worker
+
+        return for_worker(self.config, w)
 
     async def _spawn(self, run: WorkerRun) -> None:
         """A new process of `run`'s worker (a new Incarnation, from the launcher). A
