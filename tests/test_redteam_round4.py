@@ -17,6 +17,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -333,7 +334,11 @@ def proper_attacks(tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("rt4broker")
     cfg = d / "broker.toml"
     cfg.write_text(_BROKER_TOML)
-    state = d / "state"
+    # The state dir root's 0700, under a directory anyone may traverse (pytest's own
+    # tmp dirs are 0700 root: a refusal must come from the state dir, not its parents).
+    base = Path(tempfile.mkdtemp(prefix="rt4-broker-"))
+    base.chmod(0o755)
+    state = base / "state"
     state.mkdir(mode=0o700)
     err = open(d / "broker.err", "w")
     client = BrokerClient.spawn(state_dir=state, config=cfg, stderr=err)
@@ -352,6 +357,7 @@ def proper_attacks(tmp_path_factory) -> dict:
     finally:
         code = client.close()
         err.close()
+        shutil.rmtree(base, ignore_errors=True)
     got["broker_exit"] = code
     return got
 
@@ -509,17 +515,9 @@ def test_a_sandboxed_control_reader_cannot_hide_the_last_word(rt4_fleet) -> None
 # ------------------------------------------------------------------ users
 
 @pytest.mark.parametrize("domain", ["control", "research"])
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK (hardening): a domain may name the supervisor proper's user as its sandboxes' "
-    "host user (nobody, which `run --privsep` drops to when trio-supervisor does not "
-    "exist, as here; or trio-supervisor): the workers then share a uid with the "
-    "unprivileged supervisor proper (one RLIMIT_NPROC count, one user keyring, each "
-    "other's files, signals wherever a pid is visible), against the rule that distinct "
-    "principals use distinct users. fix: supervisor/config/_rules.py check_users: refuse "
-    "'nobody', 'trio-supervisor' and uid 65534 for any domain; supervisor/broker/_checks.py "
-    "check_plan: refuse policy.host_uid equal to the peer's uid (SO_PEERCRED at accept, "
-    "or the uid --privsep drops to)"))
 def test_no_domain_runs_as_the_supervisor_propers_user(domain) -> None:
+    """No sandbox shares a uid with the unprivileged supervisor proper (nobody, where
+    trio-supervisor does not exist, as here). Broken until 80cbb77."""
     from supervisor.config import ConfigError, loads
 
     toml = f'''
@@ -691,3 +689,43 @@ def test_log_cut_refuses_a_bad_out_in_one_line(tmp_path, case) -> None:
     assert not target.exists() and not target.parent.exists()      # nothing written through
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-400:]
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK (hardening): the broker takes a state dir it does not own privately (here "
+    "nobody's, mode 0777: a leftover of an unprivileged run, or a misinstall) and writes "
+    "the latch there; the unprivileged supervisor proper (nobody) then unlinks the latch "
+    "root wrote. The latch's promise (root's 0700 dir, only the broker writes it) is not "
+    "checked. fix: supervisor/broker/_checks.py StateDir.open: after O_NOFOLLOW open, "
+    "fstat the dir fd and refuse (Refused, exit 2) unless st_uid == geteuid() and "
+    "not (st_mode & 0o022), as admission/_store._own_private does"))
+def test_the_broker_refuses_a_state_dir_others_can_write(tmp_path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the broker's state dir is root's")
+    from supervisor.broker import BrokerClient
+
+    cfg = tmp_path / "broker.toml"
+    cfg.write_text(_BROKER_TOML)
+    # Under a directory nobody can traverse (pytest's tmp_path is under a 0700 root dir)
+    base = Path(tempfile.mkdtemp(prefix="rt4-state-"))
+    base.chmod(0o755)
+    state = base / "state"
+    state.mkdir()
+    os.chown(state, 65534, 65534)
+    state.chmod(0o777)
+    client = BrokerClient.spawn(state_dir=state, config=cfg, stderr=subprocess.DEVNULL)
+    removed = "broker refused the state dir"
+    try:
+        client.set_latch("root latched this")
+        p = subprocess.run([sys.executable, "-c",
+                            "import os, sys; os.setgroups([]); os.setresgid(65534, 65534, 65534);"
+                            " os.setresuid(65534, 65534, 65534); os.unlink(sys.argv[1])",
+                            str(state / "failsafe.latch")],
+                           capture_output=True, text=True, timeout=60, check=False)
+        removed = "removed by nobody" if p.returncode == 0 else p.stderr.strip()[-120:]
+    except Exception as e:            # the broker refused to start, or refused the latch
+        removed = f"refused: {type(e).__name__}: {e}"
+    finally:
+        client.close()
+        shutil.rmtree(base, ignore_errors=True)
+    assert removed != "removed by nobody", removed
