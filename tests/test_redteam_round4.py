@@ -538,17 +538,10 @@ publishes = ["x"]
 # ------------------------------------------------------------------ take_newest
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: take_newest trusts the header's last_seq: a writer whose header claims a "
-    "sequence (below SEQ_HONEST) that no slot holds makes every take_newest jump to it, "
-    "find nothing and return None, forever, while its real frames are in the ring (an "
-    "in-order reader of the same channel gets every one): modeld on the car "
-    "(receive(newest=True)) starves with no drop, skip or rejection counted, and the "
-    "supervisor's monitor sees frames flowing. fix: supervisor/ipc/reader.py "
-    "Reader.take_newest: when nothing is found at the claimed latest, fall back to the "
-    "newest valid slot above _last_seq (or to try_receive), and count the claim "
-    "(rejected 'sequence_jump' / a header_lie counter)"))
 def test_a_lying_header_cannot_starve_take_newest(make_channel, native) -> None:
+    """A writer's header claims a sequence (below SEQ_HONEST) no slot holds, while its
+    slots hold the real frames: take_newest still delivers them, as an in-order reader
+    gets them. Broken until 41c6f58 (None at every look, forever, nothing counted)."""
     from supervisor.ipc import Reader, Writer
     from supervisor.ipc import layout as L
 
