@@ -745,3 +745,57 @@ def test_a_deeply_nested_json_entry_is_a_corrupt_record_not_a_traceback(tmp_path
     p = subprocess.run([sys.executable, "-m", "supervisor.cli", "log", "info", str(src)],
                        cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert "Traceback" not in p.stderr, p.stderr[-300:]
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    out = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:"):
+                out.add(link)
+    except OSError:
+        pass
+    return out
+
+
+def test_no_sandbox_holds_the_brokers_socket(tmp_path) -> None:
+    """Every process of a sandbox the broker started (bwrap, its init, the worker) holds
+    no descriptor of the broker's own socket: a worker cannot talk to the broker."""
+    if shutil.which("bwrap") is None or os.geteuid() != 0:
+        pytest.skip("the broker starts sandboxes as root with bubblewrap")
+    from supervisor.broker import BrokerClient
+    from supervisor.config import load
+    from supervisor.ipc.channel import Channel
+
+    cfg_path = tmp_path / "broker.toml"
+    cfg_path.write_text(_BROKER_TOML)
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    client = BrokerClient.spawn(state_dir=state, config=cfg_path, stderr=subprocess.DEVNULL)
+    ch = Channel.create(load(cfg_path).channel_specs()["a_out"])
+    try:
+        client.ping()
+        argv = Path(f"/proc/{client.proc.pid}/cmdline").read_bytes().split(b"\0")
+        assert b"--socket-fd" in argv, argv
+        theirs = int(argv[argv.index(b"--socket-fd") + 1])
+        broker_sock = os.readlink(f"/proc/{client.proc.pid}/fd/{theirs}")
+        assert broker_sock.startswith("socket:")
+        s = client.start("a", 1, handles={"a_out": ch.writer_handle()})
+        pids: list[int] = []
+        end = time.monotonic() + 60
+        while time.monotonic() < end and len(pids) < 3:    # bwrap, its init, the worker
+            pids = client.pids("a", 1)
+            time.sleep(0.1)
+        held = {p: _socket_inodes(p) for p in pids}
+        client.kill_sandbox("a", 1)
+        for fd in (s.pidfd, s.status_r, s.out_r):
+            os.close(fd)
+    finally:
+        client.close()
+        ch.close()
+    assert len(pids) >= 3, pids
+    assert not [p for p, socks in held.items() if broker_sock in socks], (broker_sock, held)
