@@ -31,7 +31,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from supervisor.config import default_doc, derive, dumps, loads  # noqa: E402
+from supervisor.config import derive, dumps, loads, minimal_doc  # noqa: E402
 from supervisor.events import EventLog  # noqa: E402
 from supervisor.ipc import LeaseLost, Reader, Rejected  # noqa: E402
 from supervisor.lifecycle import Supervisor  # noqa: E402
@@ -40,10 +40,10 @@ PIPE = ("camerad", "modeld", "controlsd")
 
 
 def _config_text(warm: bool) -> str:
-    """The vehicle's own control pipeline (the embedded default without research),
+    """The vehicle's own control pipeline (the one-camera config without research),
     each worker restarting freely so repeated kills are measured, not capped; the
     standby on (as on the vehicle) or off (the cold path)."""
-    return dumps(derive(default_doc(), drop=("workers.research", "channels.shadow_out"),
+    return dumps(derive(minimal_doc(), drop=("workers.research", "channels.shadow_out"),
                         set={"domains.control.failure_policy": "restart",
                              **{f"workers.{w}.{k}": v for w in PIPE for k, v in (
                                  ("restart", "always"), ("max_restarts", 100),
@@ -51,7 +51,7 @@ def _config_text(warm: bool) -> str:
 
 
 def _config(warm: bool):
-    return loads(_config_text(warm), f"recovery ({'warm' if warm else 'cold'}, default config)")
+    return loads(_config_text(warm), f"recovery ({'warm' if warm else 'cold'}, one-camera config)")
 OUT = {"camerad": "road_frames", "modeld": "model_out", "controlsd": "control_cmd"}
 
 

@@ -52,12 +52,12 @@ def model_for(work: Path, w: int, h: int) -> dict[str, str]:
 
 def bench_config(w: int, h: int, slot: int, research: bool = False,
                  model: dict[str, str] | None = None) -> str:
-    """The vehicle's own pipeline (the embedded default, without research unless asked)
+    """The vehicle's own pipeline (the one-camera config, without research unless asked)
     at WxH, no standbys: what a developer replays."""
-    from supervisor.config import default_doc, derive, dumps
+    from supervisor.config import derive, dumps, minimal_doc
 
     drop = () if research else ("workers.research", "channels.shadow_out")
-    return dumps(derive(default_doc(), drop=drop, set={
+    return dumps(derive(minimal_doc(), drop=drop, set={
         **(model or {}),
         "workers.camerad.args": ["--width", str(w), "--height", str(h), "--fps", "20"],
         "channels.road_frames.slot_size": slot,

@@ -1,7 +1,8 @@
 """The car-shaped pipeline under the real supervisor, for N seconds: what it holds.
 
-    python bench/vehicle_load.py [--config supervisor/car.toml] [--seconds 60]
-                                 [--warmup 5] [--json FILE]
+    python bench/vehicle_load.py [--config FILE] [--seconds 60] [--warmup 5] [--json FILE]
+
+Without --config: the embedded default (supervisor/default.toml), which is the car.
 
 Runs the config with `supervisor.lifecycle.Supervisor` (the class `supervisor run` uses:
 sandboxes, cgroups, admission, standbys), waits for every worker to be READY, lets it
@@ -469,7 +470,7 @@ def render(cfg, res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "supervisor" / "car.toml"))
+    ap.add_argument("--config", default=None, help="TOML config (default: the embedded one, the car)")
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--warmup", type=float, default=5.0)
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
@@ -479,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     # Its own state dir: a bench run must never latch (or be stopped by) the vehicle's
     # fail-safe latch in the shared one.
     os.environ.setdefault("TRIO_STATE_DIR", tempfile.mkdtemp(prefix="vehicle-load-state-"))
-    res: dict = {"config": a.config, "warmup": a.warmup}
+    res: dict = {"config": cfg.source, "warmup": a.warmup}
     trio.run(_run, cfg, a, res)
     res["verdict"] = verdict(cfg, res)
     print(render(cfg, res))

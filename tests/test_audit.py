@@ -67,7 +67,7 @@ CLEAN = textwrap.dedent("""
 
 
 def _demo_key_id() -> str:
-    """The key id of the public key the default config trusts for its model."""
+    """The key id of the public key the default config trusts for its driving model."""
     from supervisor.model.keys import key_id, load_public_key
 
     cfg = load()
@@ -85,8 +85,9 @@ def test_default_config_promises(default_report):
     assert r["mode"] == "config" and r["result"] == "promise" and r["exit_code"] == 0
     assert r["differences"] == []
     rows = {w["worker"]: w for w in r["workers"]}
-    assert list(rows) == ["camerad", "modeld", "controlsd", "research"]
-    for name in ("camerad", "modeld", "controlsd"):
+    control = ["camerad", "camerad_wide", "camerad_driver", "modeld", "dmonitoringd", "controlsd"]
+    assert list(rows) == [*control, "research"]          # the car, in start order
+    for name in control:
         w = rows[name]
         assert w["profile"] == "control" and w["host"]["user"] == "trio-control"
         assert w["namespaces"] == {ns: "private" for ns in
@@ -101,20 +102,21 @@ def test_default_config_promises(default_report):
             "checked": True, "admitted": True, "chains": []}
         assert all(v == [] for v in w["capabilities"].values())
     assert rows["modeld"]["jit_kernels"] and not rows["camerad"]["jit_kernels"]
-    (model,) = rows["modeld"]["models"]
-    assert model["name"] == "lane-offset-demo" and model["version"] == "1.0.0"
-    assert model["signature"] == "verified"
-    assert model["key_id"] == _demo_key_id()
-    assert model["artifact"].endswith("models/demo/lane-offset")
-    named = getattr(load().workers["modeld"], "model", None)
-    if named:   # the trust record comes from the config's [models.NAME]
+    assert rows["dmonitoringd"]["jit_kernels"]
+    for worker, named in (("modeld", "lane-offset-wide"), ("dmonitoringd", "driver-monitor")):
+        (model,) = rows[worker]["models"]
+        assert model["name"] == f"{named}-demo" and model["version"] == "1.0.0"
+        assert model["signature"] == "verified"
+        assert model["key_id"] == _demo_key_id()
+        assert model["artifact"].endswith(f"models/demo/{named}")
+        # the trust record comes from the config's [models.NAME]
         trusted = load().models[named]
         assert model["model"] == named and model["min_version"] == trusted.min_version
         assert model["expect_name"] == trusted.expect_name == model["name"]
+    read = {"shadow": False, "log_only": False, "access": "read-only"}
     assert rows["controlsd"]["channels"] == {
         "writes": [{"channel": "control_cmd", "access": "read-write"}],
-        "reads": [{"channel": "model_out", "shadow": False, "log_only": False,
-                   "access": "read-only"}]}
+        "reads": [{"channel": "model_out", **read}, {"channel": "driver_state", **read}]}
     res = rows["research"]
     assert res["host"]["user"] == "trio-research" and res["torch"] == "allowed"
     assert res["compilers_visible"] and res["exec_after_start"]
@@ -127,12 +129,14 @@ def test_default_config_promises(default_report):
     assert chans["control_cmd"]["actuation"] and chans["control_cmd"]["crc"]
     assert chans["control_cmd"]["max_age_ms"] == 50
     assert chans["shadow_out"]["shadow"] and chans["shadow_out"]["research_data"]
-    assert chans["road_frames"]["feeds_actuation"] == ["control_cmd"]
+    for cam in ("road_frames", "wide_frames", "driver_frames"):
+        assert chans[cam]["feeds_actuation"] == ["control_cmd"]
     assert [x["worker"] for x in chans["road_frames"]["readers"]] == ["modeld", "research"]
     t = r["trust"]
     assert t["holds"] and t["actuating_domains"] == ["control"]
     (path,) = t["actuation_paths"]
-    assert path["workers"] == ["controlsd", "modeld", "camerad"]
+    assert path["workers"] == ["controlsd", "modeld", "dmonitoringd", "camerad_driver",
+                               "camerad", "camerad_wide"]
     assert path["research_data_upstream"] == [] and "shadow_out" in t["research_data"]
     assert any("shadow_subscribes" in rule for rule in t["rules"])
 
@@ -145,7 +149,8 @@ def test_formats(default_report):
     assert "| camerad (control) |" in md and "## Channels" in md and "## Trust rules" in md
     # narrow enough to read: no table wider than 6 columns
     assert max(line.count("|") - 1 for line in md.splitlines() if line.startswith("|")) <= 6
-    assert f"lane-offset-demo 1.0.0 key {_demo_key_id()[:16]}" in md
+    assert f"lane-offset-wide-demo 1.0.0 key {_demo_key_id()[:16]}" in md
+    assert f"driver-monitor-demo 1.0.0 key {_demo_key_id()[:16]}" in md
     txt = render(default_report, "text")
     assert "research  [research]" in txt and "exec after start" in txt
     with pytest.raises(ValueError):
@@ -160,11 +165,12 @@ def test_reviewer_sections_of_the_default_config(default_report):
     prov = r["provenance"]
     assert prov["time_utc"].endswith("Z") and prov["kernel"].startswith("Linux")
     assert len(prov["config"]["sha256"]) == 64 and prov["git"]["commit"]
-    (art,) = prov["artifacts"]
-    assert art["key_id"] == _demo_key_id() and len(art["manifest_sha256"]) == 64
-    assert art["files_match_manifest"] is True and "jit.pkl" in art["files"]
+    assert [a["name"] for a in prov["artifacts"]] == ["lane-offset-wide-demo", "driver-monitor-demo"]
+    for art in prov["artifacts"]:
+        assert art["key_id"] == _demo_key_id() and len(art["manifest_sha256"]) == 64
+        assert art["files_match_manifest"] is True and "jit.pkl" in art["files"]
     v = r["verdict"]
-    assert v["holds"] and v["counts"]["workers"] == 4
+    assert v["holds"] and v["counts"]["workers"] == 7
     into = {p["id"]: p for p in v["into_actuating"]}
     assert "road_frames.lease.research" in into and "lease_ms (100 ms)" in \
         into["road_frames.lease.research"]["bound"]

@@ -103,10 +103,16 @@ def one_problem(doc_or_text, key: str) -> str:
 # ------------------------------------------------------------------ the default
 
 def test_default_loads_with_start_order():
+    """The embedded default is the car: three cameras, the driving model on road + wide,
+    the driver monitor, controls (tests/test_vehicle_config.py checks the car's wiring)."""
     cfg = load()
     order = cfg.start_order()
-    assert sorted(order) == sorted(cfg.workers) == ["camerad", "controlsd", "modeld", "research"]
+    assert sorted(order) == sorted(cfg.workers) == [
+        "camerad", "camerad_driver", "camerad_wide", "controlsd", "dmonitoringd", "modeld",
+        "research"]
     assert order.index("camerad") < order.index("modeld") < order.index("controlsd")
+    assert order.index("camerad_wide") < order.index("modeld")
+    assert order.index("camerad_driver") < order.index("dmonitoringd") < order.index("controlsd")
     assert order.index("camerad") < order.index("research")
     assert cfg.domains["control"].failure_policy == "fail_safe"
     assert cfg.domains["control"].actuates and not cfg.domains["control"].network
@@ -115,25 +121,42 @@ def test_default_loads_with_start_order():
     assert cfg.workers["modeld"].watchdog_ms == 500
     assert cfg.workers["controlsd"].watchdog_ms == 200
     assert cfg.workers["modeld"].argv("py") == ["py", "-m", "workers.modeld"]
+    assert cfg.workers["dmonitoringd"].argv("py") == ["py", "-m", "workers.modeld"]
     assert cfg.supervisor.maps_scan_interval_s == 1.0 and cfg.supervisor.log_format == "json"
 
 
 def test_default_channels():
     cfg = load()
     specs = cfg.channel_specs()
-    assert sorted(specs) == ["control_cmd", "model_out", "road_frames", "shadow_out"]
-    frames = specs["road_frames"]
-    assert frames.kind == "frame" and frames.pixel_formats == ("nv12",)
-    assert frames.dtype == "uint8" and frames.slot_count == 6 and frames.max_age_ms == 100
-    assert frames.slot_size >= 1928 * 1208 * 3 // 2
-    assert frames.slot_size == parse_size("3.5MiB")
-    assert frames.max_readers == 3                       # modeld + research + 1 spare
+    cameras = ["driver_frames", "road_frames", "wide_frames"]
+    assert sorted(specs) == sorted(["control_cmd", "driver_state", "model_out", "shadow_out",
+                                    *cameras])
+    for name in cameras:
+        frames = specs[name]
+        assert frames.kind == "frame" and frames.pixel_formats == ("nv12",)
+        assert frames.dtype == "uint8" and frames.slot_count == 6 and frames.max_age_ms == 100
+        assert frames.slot_size >= 1928 * 1208 * 3 // 2
+        assert frames.slot_size == parse_size("3.5MiB")
+    assert specs["road_frames"].max_readers == 3            # modeld + research + 1 spare
     assert cfg.readers_of("road_frames") == ["modeld", "research"]
+    assert cfg.readers_of("wide_frames") == ["modeld"]
+    assert cfg.readers_of("driver_frames") == ["dmonitoringd"]
     assert cfg.writer_of("road_frames") == "camerad"
+    assert cfg.writer_of("driver_state") == "dmonitoringd"
     assert cfg.channels["shadow_out"].shadow and not cfg.channels["model_out"].shadow
-    assert all(specs[n].dtype == "float32" for n in ("model_out", "control_cmd", "shadow_out"))
+    assert all(specs[n].dtype == "float32"
+               for n in ("model_out", "driver_state", "control_cmd", "shadow_out"))
     # channel ids: sorted names, 1-based
-    assert [specs[n].channel_id for n in sorted(specs)] == [1, 2, 3, 4]
+    assert [specs[n].channel_id for n in sorted(specs)] == list(range(1, 8))
+
+
+def test_minimal_config_is_the_one_camera_pipeline():
+    """configs/minimal.toml (`minimal_doc()`): what tests of the mechanics run."""
+    cfg = loads(config.dumps(config.minimal_doc()), "minimal.toml")
+    assert cfg.start_order() == ["camerad", "modeld", "controlsd", "research"]
+    assert sorted(cfg.channels) == ["control_cmd", "model_out", "road_frames", "shadow_out"]
+    assert cfg.workers["modeld"].model == "lane-offset"
+    assert dict(cfg.workers["controlsd"].roles) == {"model": "model_out", "command": "control_cmd"}
 
 
 def test_load_path_and_default_agree(tmp_path):
@@ -343,9 +366,9 @@ def test_shm_budget_key():
 
 
 def test_default_channels_fit_the_budget_with_room():
-    cfg = load()
+    cfg = load()           # three cameras of 6 slots of 3.5 MiB: ~64 MiB of the 2 GiB
     total = sum(config.channel_shm_bytes(c.spec) for c in cfg.channels.values())
-    assert 20 * 2**20 < total < 64 * 2**20 < cfg.supervisor.shm_budget
+    assert 60 * 2**20 < total < 80 * 2**20 < cfg.supervisor.shm_budget
 
 
 def test_channels_over_shm_budget_name_the_biggest():

@@ -25,8 +25,8 @@ from supervisor.protocol import ENV_MODE, SIMULATION, VEHICLE
 from tests.test_model_artifact import DEMO, copy_bundle, resign
 from supervisor.model import keys as K
 
-DEFAULT = resources.files("supervisor").joinpath("default.toml").read_text("utf-8")
-MODELD = 'module = "workers.modeld"\nmodel = "lane-offset"\n'
+DEFAULT = resources.files("supervisor").joinpath("default.toml").read_text("utf-8")   # the car
+MODELD = 'module = "workers.modeld"\nmodel = "lane-offset-wide"\n'
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def _with_modeld(rogue: tuple[Path, Path], how: str = "args", mode: str = VEHICL
         worker = MODELD + f'args = ["--artifact", "{art}", "--pubkey", "{pub}"]\n'
     else:     # a command worker running the same module through the runner
         worker = (f'command = ["{sys.executable}", "-m", "supervisor.runner", "workers.modeld", '
-                  f'"--artifact={art}", "--pubkey", "{pub}"]\nmodel = "lane-offset"\n')
+                  f'"--artifact={art}", "--pubkey", "{pub}"]\nmodel = "lane-offset-wide"\n')
     text = DEFAULT.replace(MODELD, worker)
     assert text != DEFAULT
     return text.replace('mode = "vehicle"', f'mode = "{mode}"')

@@ -226,7 +226,8 @@ def test_renaming_every_channel_of_the_default_config_needs_nothing_else():
     from supervisor.config import check_runtime
 
     text = resources.files("supervisor").joinpath("default.toml").read_text("utf-8")
-    new = {"road_frames": "cam0", "model_out": "lanes", "control_cmd": "steer",
+    new = {"road_frames": "cam0", "wide_frames": "cam1", "driver_frames": "cam2",
+           "model_out": "lanes", "driver_state": "eyes", "control_cmd": "steer",
            "shadow_out": "lab"}
     lines = []
     for line in text.splitlines():
@@ -236,6 +237,9 @@ def test_renaming_every_channel_of_the_default_config_needs_nothing_else():
         lines.append(line)
     cfg = loads("\n".join(lines), "renamed.toml")
     assert sorted(cfg.channels) == sorted(new.values())
-    assert dict(cfg.workers["modeld"].roles) == {"frames": "cam0", "model": "lanes"}
-    assert dict(cfg.workers["controlsd"].roles) == {"model": "lanes", "command": "steer"}
+    assert dict(cfg.workers["modeld"].roles) == {"frames": "cam0", "wide": "cam1",
+                                                 "model": "lanes"}
+    assert dict(cfg.workers["dmonitoringd"].roles) == {"frames": "cam2", "model": "eyes"}
+    assert dict(cfg.workers["controlsd"].roles) == {"model": "lanes", "driver": "eyes",
+                                                    "command": "steer"}
     assert not [p for p in check_runtime(cfg, sandboxed=False) if "role" in p.reason]

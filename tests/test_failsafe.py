@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from schemas.payloads import CONTROL_CMD
-from supervisor.config import default_doc, derive, dumps, loads
+from supervisor.config import derive, dumps, loads, minimal_doc
 from supervisor.events import EventLog
 from supervisor.ipc import Reader, Rejected
 from supervisor.lifecycle import Exit, Supervisor
@@ -29,11 +29,12 @@ if shutil.which("bwrap") is None:
     pytest.skip("bubblewrap is not installed", allow_module_level=True)
 
 def _vehicle_pipeline() -> str:
-    """The vehicle's own control pipeline (the embedded default config without the
-    research worker), with no restart budget and no warm standby, so one kill -9
-    exhausts a worker; a deep command ring so the test reader misses nothing."""
+    """The vehicle's own control pipeline (the one-camera config, configs/minimal.toml:
+    the car's road camera, model and controls, without the research worker), with no
+    restart budget and no warm standby, so one kill -9 exhausts a worker; a deep command
+    ring so the test reader misses nothing."""
     pipe = ("camerad", "modeld", "controlsd")
-    return dumps(derive(default_doc(), drop=("workers.research", "channels.shadow_out"), set={
+    return dumps(derive(minimal_doc(), drop=("workers.research", "channels.shadow_out"), set={
         **{f"workers.{w}.max_restarts": 0 for w in pipe},
         **{f"workers.{w}.warm_standby": False for w in pipe},
         "channels.control_cmd.slot_count": 64,

@@ -8,7 +8,10 @@ from importlib import resources
 
 from supervisor.config import ConfigFileError, load, loads
 
-DEFAULT = resources.files("supervisor").joinpath("default.toml").read_text("utf-8")
+# The one-camera pipeline's text (one model, one [models] table): what each check edits. The
+# car's own trust (two models) is checked by test_default_config_trusts_..., and its
+# `check` output by tests/test_vehicle_config.py.
+DEFAULT = resources.files("supervisor").joinpath("configs/minimal.toml").read_text("utf-8")
 
 
 def check(tmp_path, text: str) -> subprocess.CompletedProcess:
@@ -18,11 +21,16 @@ def check(tmp_path, text: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=180)
 
 
-def test_default_config_trusts_the_demo_model_and_binds_it_to_modeld():
-    cfg = load()
-    m = cfg.models["lane-offset"]
-    assert m.artifact.endswith("models/demo/lane-offset") and m.min_version == "1.0.0"
-    assert cfg.workers["modeld"].model == "lane-offset"
+def test_default_config_trusts_the_demo_models_and_binds_them():
+    cfg = load()                        # the car: the driving model and the driver monitor
+    assert sorted(cfg.models) == ["driver-monitor", "lane-offset-wide"]
+    for name, worker in (("lane-offset-wide", "modeld"), ("driver-monitor", "dmonitoringd")):
+        m = cfg.models[name]
+        assert m.artifact.endswith(f"models/demo/{name}") and m.min_version == "1.0.0"
+        assert cfg.workers[worker].model == name
+    one = loads(DEFAULT, "minimal.toml")
+    assert one.models["lane-offset"].artifact.endswith("models/demo/lane-offset")
+    assert one.workers["modeld"].model == "lane-offset"
 
 
 def test_check_prints_what_it_trusts(tmp_path):

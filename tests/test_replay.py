@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from supervisor.config import default_doc, derive, dumps
+from supervisor.config import derive, dumps, minimal_doc
 from supervisor.replay.drivelog import DriveLog
 from supervisor.replay.logfmt import MESSAGES
 
@@ -54,11 +54,11 @@ def small_demo() -> dict[str, str]:
 
 def config(path: Path, *, camera_args=("--width", str(W), "--height", str(H), "--fps", "20"),
            control_binds: tuple[str, ...] = (), mode: str = "vehicle", **model) -> Path:
-    """The vehicle's own pipeline (the embedded default without research), small frames
+    """The vehicle's own pipeline (the one-camera config without research), small frames
     and the demo model built for them (`small_demo`), no standbys; `model` overrides the
     trusted artifact, key and name."""
     m = {**(model if "artifact" in model else small_demo()), **model}
-    path.write_text(dumps(derive(default_doc(), drop=("workers.research", "channels.shadow_out"),
+    path.write_text(dumps(derive(minimal_doc(), drop=("workers.research", "channels.shadow_out"),
                                  set={"workers.camerad.args": list(camera_args),
                                       "channels.road_frames.slot_size": "256KiB",
                                       "channels.model_out.slot_count": 8,

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from supervisor.config import default_doc, dumps
+from supervisor.config import dumps, minimal_doc
 from supervisor.replay.cut import CutError, cut, parse_pos
 from supervisor.replay.derive import ReplayPlan, plan_of
 from supervisor.replay.drivelog import DriveLog
@@ -29,7 +29,9 @@ PLAN = ReplayPlan(camera="camerad", frames="road_frames", controls="controlsd",
 def raw(tmp_path_factory) -> Path:
     p = tmp_path_factory.mktemp("cut") / "drive"
     write_log(p, n=12)                          # frames 0..11, 50 ms apart
-    (p / "source.toml").write_text(dumps(default_doc()))     # as `record` leaves it
+    # as `record` of the one-camera pipeline leaves it (a replay plays one camera: one of
+    # the default, the car, is refused: tests/test_vehicle_config.py)
+    (p / "source.toml").write_text(dumps(minimal_doc()))
     os.chmod(p / "source.toml", 0o644)
     return p
 
@@ -108,7 +110,7 @@ def test_replay_refuses_a_bad_range_or_signal_before_anything_starts(raw, tmp_pa
 
 
 def test_plot_names_are_checked_against_the_config():
-    doc = default_doc()
+    doc = minimal_doc()
     plan = plan_of(doc)
     sigs = parse_signals(["control_cmd.steer_rad", "model_out.latency_ms",
                           "control_cmd.steer_rad"], doc, plan)
@@ -133,7 +135,7 @@ def test_plot_png_draws_the_chosen_signals_with_ref_overlaid(tmp_path):
     write_log(tmp_path / "ref", n=12, offset=lambda k: 0.05 * k)     # model B
     src, run, ref = (DriveLog.open(tmp_path / n) for n in ("drive", "run", "ref"))
     sigs = parse_signals(["model_out.offset_m", "control_cmd.steer_rad",
-                          "model_out.latency_ms"], default_doc(), PLAN)
+                          "model_out.latency_ms"], minimal_doc(), PLAN)
     plot(src, run, PLAN, tmp_path / "a.png", signals=sigs)
     plot(src, run, PLAN, tmp_path / "b.png", ref=ref, signals=sigs)
     a = np.asarray(Image.open(io.BytesIO((tmp_path / "a.png").read_bytes())).convert("RGB"))

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from schemas.payloads import CONTROL_CMD, MODEL_OUT
+from supervisor.config import minimal_doc
 from supervisor.ipc.receipt import Receipt
 from supervisor.replay import derive
 from supervisor.replay.diff import (
@@ -302,7 +303,9 @@ def test_report_html_is_self_contained_with_the_verdict_the_channels_and_a_scrub
 
 
 def test_the_default_verdict_leaves_research_and_shadow_channels_out(tmp_path):
-    doc, _ = derive.read_doc(None)
+    # the one-camera pipeline: a replay plays one camera (a replay of the default, the
+    # car, is refused in one line: tests/test_vehicle_config.py)
+    doc = minimal_doc()
     rdoc, _ = derive.replay_doc(doc, str(tmp_path / "log"), str(tmp_path / "run"),
                                 str(tmp_path / "state"))
     cfg, _ = derive.write_config(rdoc, tmp_path, "p.toml")
@@ -318,7 +321,9 @@ def test_bad_tolerance_is_refused(spec):
 
 
 def test_derived_configs_load_with_the_normal_loader(tmp_path):
-    doc, _ = derive.read_doc(None)
+    # the one-camera pipeline: a replay plays one camera (a replay of the default, the
+    # car, is refused in one line: tests/test_vehicle_config.py)
+    doc = minimal_doc()
     cfg, _ = derive.write_config(derive.record_doc(doc, str(tmp_path / "out")), tmp_path, "r.toml")
     rec = cfg.workers["recorder"]
     assert cfg.profile_of("recorder") == "research"
@@ -349,7 +354,9 @@ def test_replay_knobs_are_refused_in_a_vehicle_config(tmp_path):
     config as a vehicle config is refused naming each argument."""
     from supervisor.config import check_runtime, dumps, loads
 
-    doc, _ = derive.read_doc(None)
+    # the one-camera pipeline: a replay plays one camera (a replay of the default, the
+    # car, is refused in one line: tests/test_vehicle_config.py)
+    doc = minimal_doc()
     rdoc, plan = derive.replay_doc(doc, str(tmp_path / "log"), str(tmp_path / "run"),
                                    str(tmp_path / "state"))
     cfg, _ = derive.write_config(rdoc, tmp_path, "p.toml")
@@ -431,10 +438,10 @@ runpy.run_module("supervisor.cli", run_name="__main__")
 @pytest.mark.parametrize("args", [["replay", "{log}", "--out", "{tmp}/run"],
                                   ["record", "{tmp}/new", "--seconds", "1"]])
 def test_without_the_replay_extra_is_one_line_naming_it(tmp_path, args):
-    from supervisor.config import default_doc, dumps
+    from supervisor.config import dumps, minimal_doc
 
     write_log(tmp_path / "log", n=2, video="h264")
-    (tmp_path / "log" / "source.toml").write_text(dumps(default_doc()))
+    (tmp_path / "log" / "source.toml").write_text(dumps(minimal_doc()))
     (tmp_path / "empty").mkdir()
     fill = {"tmp": str(tmp_path / "empty"), "log": str(tmp_path / "log")}
     r = subprocess.run([sys.executable, "-c", _NO_AV, *[a.format(**fill) for a in args]],

@@ -96,6 +96,20 @@ def _need(doc: dict[str, Any], module: str, what: str) -> tuple[str, dict[str, A
     return found
 
 
+def _the_camera(doc: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The one camera a replay or a clip plays into. A config of several cameras (the
+    default, the car: road, wide, driver) is refused in one line: a log or a clip feeds
+    one camera, the others would keep rendering live, and a model that pairs the road
+    camera with the wide one by frame id would pair nothing."""
+    cams = [n for n, w in (doc.get("workers") or {}).items()
+            if isinstance(w, dict) and w.get("module") == CAMERA]
+    if len(cams) > 1:
+        raise DeriveError(f"the config has {len(cams)} camera workers ({', '.join(cams)}): "
+                          "a replay or a clip plays into one camera; use a one-camera config "
+                          "(e.g. --config supervisor/configs/minimal.toml)")
+    return _need(doc, CAMERA, "camera")
+
+
 def _bump_readers(doc: dict[str, Any], channels: list[str], by: int = 1) -> None:
     # A channel whose max_readers is explicit needs room for the new readers; a default
     # one is sized from its subscribers (the new ones included) by the loader.
@@ -163,7 +177,7 @@ def clip_doc(doc: dict[str, Any], clip: str, out_dir: str, *, video: str = "h264
     recording that is on), not into start-up."""
     doc = copy.deepcopy(doc)
     clip = os.path.abspath(clip)
-    name, cam = _need(doc, CAMERA, "camera")
+    name, cam = _the_camera(doc)
     doc.setdefault("supervisor", {})["mode"] = SIMULATION   # a clip never drives a car
     for w in (doc.get("workers") or {}).values():
         # As a replay: a simulation on a developer's (loaded) machine judges what the
@@ -219,7 +233,7 @@ class ReplayPlan:
 
 
 def plan_of(doc: dict[str, Any]) -> ReplayPlan:
-    cam, cw = _need(doc, CAMERA, "camera")
+    cam, cw = _the_camera(doc)
     pubs = channel_names(cw.get("publishes"))
     if len(pubs) != 1:
         raise DeriveError(f"camera worker {cam!r} must publish exactly one frame channel")
