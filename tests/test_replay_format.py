@@ -593,3 +593,18 @@ def test_a_video_index_or_description_that_lies_is_loss_never_a_traceback(tmp_pa
     v = VideoReader(tmp_path / "log", "road_frames")
     assert v.index == [] and "not one 80x60 NV12 frame" in v.loss.problems[0]
     v.close()
+
+
+def test_record_without_a_config_derives_from_the_one_camera_pipeline():
+    """The embedded default is the car (three cameras), which a replay cannot play yet:
+    `record` (live or --clip) without --config uses the one-camera pipeline, and says so
+    in the source name; the car itself is refused in one line naming its cameras."""
+    from supervisor.config import default_doc
+    from supervisor.replay.derive import (MINIMAL_SOURCE, DeriveError, plan_of, read_doc,
+                                          record_doc)
+
+    doc, source = read_doc(None)
+    assert source == MINIMAL_SOURCE
+    assert plan_of(record_doc(doc, "/tmp/x")).camera == "camerad"
+    with pytest.raises(DeriveError, match="camera workers"):
+        plan_of(default_doc())

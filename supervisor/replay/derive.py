@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.config import DEFAULT_SOURCE, SIMULATION, ConfigError, default_doc, dumps, load
+from supervisor.config import SIMULATION, ConfigError, dumps, load, minimal_doc
 
 RECORDER_DOMAIN = "recorder"
 RECORDER = "recorder"
@@ -30,10 +30,16 @@ class DeriveError(ConfigError):
     """The user's config does not have what record/replay needs (one line)."""
 
 
+# What `record` (live or --clip) derives from without --config: the vehicle's default is
+# the car, whose three cameras a replay cannot play yet (_the_camera); the one-camera
+# pipeline has the car's supervisor, domains and channel settings (test_vehicle_config).
+MINIMAL_SOURCE = "<embedded supervisor/configs/minimal.toml>"
+
+
 def read_doc(path: str | os.PathLike | None) -> tuple[dict[str, Any], str]:
-    """The user's config as a dict, and its name."""
+    """The user's config as a dict, and its name (no path: the one-camera pipeline)."""
     if path is None:
-        return default_doc(), DEFAULT_SOURCE
+        return minimal_doc(), MINIMAL_SOURCE
     try:
         return parse_doc(Path(path).read_bytes(), str(path)), str(path)
     except OSError as e:
