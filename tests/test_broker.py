@@ -616,8 +616,14 @@ def test_the_latch_is_written_only_inside_the_state_dir(broker, tmp_path):
     from supervisor.failsafe import FailSafeLatch
 
     assert FailSafeLatch(latch).read()["reason"] == "controlsd failed: test"  # same format
-    c.clear_latch()
-    assert c.read_latch() is None and not latch.exists() and victim.read_text() == "untouched"
+    # Latched: nothing starts, and only the operator clears it (never through the broker).
+    with pytest.raises(Refused, match="latched"):
+        c.start("a", 99)
+    with pytest.raises(Refused, match="operator"):
+        c.clear_latch()
+    assert latch.exists() and victim.read_text() == "untouched"
+    latch.unlink()                        # the operator (root, on the file)
+    assert c.read_latch() is None
 
 
 # ---------------------------------------------------------------- fuzz

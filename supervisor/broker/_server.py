@@ -25,7 +25,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from supervisor.config import Config, WorkerConfig
+from supervisor.config import CONTROL, Config, WorkerConfig
 from supervisor.events import EventLog
 from supervisor.protocol import ENV_EXECWATCH_FD, ENV_STANDBY_FD, endpoint_for, worker_env
 
@@ -258,9 +258,11 @@ class Broker:
             self.log.emit("broker_latch", source="broker", action="set", reason=req.reason)
             return P.Ok(), []
         if isinstance(req, P.ClearLatch):
-            self.state.clear_latch()
-            self.log.emit("broker_latch", source="broker", action="clear")
-            return P.Ok(), []
+            # The operator's acknowledgement (`supervisor clear-fail-safe`, root, on the
+            # file), never the unprivileged supervisor's: a compromised one would clear
+            # it and start control again (red team round 4).
+            raise Refused("the fail-safe latch is cleared by the operator "
+                          "(supervisor clear-fail-safe), not through the broker")
         if isinstance(req, P.ReadLatch):
             return P.Latch(self.state.read_latch()), []
         if isinstance(req, P.Realtime):
@@ -320,6 +322,11 @@ class Broker:
         w = self.config.workers.get(req.worker)
         if w is None:
             raise UnknownWorker(f"no worker {req.worker!r} in the broker's config")
+        # The latch holds whatever the supervisor proper believes (red team round 4: a
+        # compromised one started workers while the fail-safe was latched).
+        if self.config.profile_of(w.name) == CONTROL and self.state.read_latch():
+            raise Refused(f"{w.name}: the fail-safe is latched: no control worker starts "
+                          f"until the operator clears it (supervisor clear-fail-safe)")
         if req.incarnation <= self.last_incarnation.get(w.name, 0):
             raise Refused(f"{w.name} incarnation {req.incarnation} already used "
                           f"(next must be > {self.last_incarnation.get(w.name, 0)})")
