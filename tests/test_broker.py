@@ -931,3 +931,20 @@ def test_the_audit_says_what_runs_as_root_and_why(broker, tmp_path):
     md = "\n".join(pv.md_lines({"privilege": split}))
     assert "## What runs as root" in md and "| broker | trio-broker.service | root |" in md
     assert "| supervisor proper | trio-supervisor-proper.service | trio-supervisor | none |" in md
+
+
+def test_gpu_nodes_pass_the_plan_check_only_for_a_cuda_worker():
+    """A device = "cuda" worker's policy binds the GPU nodes (issue 28): the broker's
+    plan check takes them only when the worker's config says cuda (_start passes
+    CUDA_DEVICE_NODES then), and refuses them for any other."""
+    from types import SimpleNamespace
+
+    from supervisor.broker._checks import check_plan
+    from supervisor.sandbox.policy import CUDA_DEVICE_NODES
+
+    pol = SimpleNamespace(domain="control", host_uid=1000, host_gid=1000, ro_binds=[],
+                          rw_binds=[], dev_binds=list(CUDA_DEVICE_NODES))
+    check_plan(pol, domain_rw=(), domain_dev=CUDA_DEVICE_NODES, state_dir="/var/lib/x",
+               root=True)
+    with pytest.raises(Refused, match="device binds not named"):
+        check_plan(pol, domain_rw=(), domain_dev=(), state_dir="/var/lib/x", root=True)

@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass, field
 
 from supervisor.config import CONTROL, Config, WorkerConfig
+from supervisor.sandbox.policy import CUDA_DEVICE_NODES
 from supervisor.events import EventLog
 from supervisor.protocol import ENV_EXECWATCH_FD, ENV_STANDBY_FD, endpoint_for, worker_env
 
@@ -344,8 +345,11 @@ class Broker:
         except (LookupError, ValueError) as e:
             raise Refused(f"{w.name}: {e}") from None
         d = self.config.domains[w.domain]
+        # Device nodes: the domain's own, and the GPU's for a worker whose config says
+        # device = "cuda" (issue 28), never more.
+        gpu = CUDA_DEVICE_NODES if getattr(w, "device", "cpu") == "cuda" else ()
         check_plan(pol, domain_rw=tuple(d.extra_rw_binds),
-                   domain_dev=tuple(getattr(d, "extra_dev_binds", ()) or ()),
+                   domain_dev=(*(getattr(d, "extra_dev_binds", ()) or ()), *gpu),
                    state_dir=self.state.path, root=os.geteuid() == 0)
         self.last_incarnation[w.name] = req.incarnation
         return self._launch(w, req, pol, handles)
