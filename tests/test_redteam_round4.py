@@ -445,24 +445,15 @@ def test_the_unprivileged_supervisor_proper_cannot_reach_the_broker_itself(prope
     assert proper_attacks["broker_alive"] and proper_attacks["broker_exit"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: the broker starts any worker of its config while the fail-safe is latched: "
-    "the latch moved to root's 0700 state dir so that only root decides, yet only the "
-    "unprivileged supervisor proper reads it before starting; a compromised proper "
-    "starts the actuating control domain after a latched fault. fix: "
-    "supervisor/broker/_server.py Broker._start: refuse (Refused 'latched: <reason>') "
-    "while self.state.read_latch() is not empty"))
 def test_the_broker_starts_nothing_while_the_fail_safe_is_latched(proper_attacks):
+    """While root's latch is set, the broker starts no control worker for the
+    unprivileged supervisor proper. Broken until 69b0570 (started)."""
     assert proper_attacks["start_while_latched"] != "started", proper_attacks
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: clearLatch is served to the unprivileged supervisor proper, which never "
-    "needs it (an honest proper only sets and reads; `supervisor clear-fail-safe` is "
-    "root's command on the file): a compromised proper unlatches a fault root latched. "
-    "fix: supervisor/broker/_server.py Broker._handle: refuse ClearLatch (drop it from "
-    "_protocol's vocabulary and BrokerLatch.clear), leaving clear-fail-safe to root's CLI"))
 def test_the_unprivileged_supervisor_proper_cannot_clear_the_latch(proper_attacks):
+    """Only root clears the latch (supervisor clear-fail-safe): clearLatch from the
+    supervisor proper is refused. Broken until 69b0570 (served)."""
     assert proper_attacks["clear_latch"] != "allowed" and proper_attacks["latched_after"], \
         proper_attacks
 
