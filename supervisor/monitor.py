@@ -88,7 +88,9 @@ class Monitor:
                 await trio.sleep(0.5)
         while True:
             try:
-                msg = await v.reader.receive_async()
+                # At most 500 looks a second when woken for nothing: the status line
+                # needs no more, and a writer must not buy the supervisor's CPU.
+                msg = await v.reader.receive_async(min_wake_s=0.002)
             except (Rejected, BridgeError):
                 v.errors += 1
                 continue
