@@ -159,16 +159,7 @@ while active and ctl[4095] == 0:
 """
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: the witness's digest and the walk's parse read a file separately "
-    "(_witness.id_of -> _digest opens and hashes it, then _scan._scan_file opens and reads "
-    "it again; elf.read_elf the same): a module flipped between 'import torch' and "
-    "'import json ' through a shared mapping (no new stamps) is hashed as one and parsed "
-    "as the other; the kept walk says 'admit' with the torch version's digest, and once "
-    "the flipping stops at torch every later admission is a hit that admits it (here 9 of "
-    "60 walks, 0.7 s). fix: supervisor/admission/_scan.py _scan_file and elf._read_elf: "
-    "read the bytes once, take the digest of exactly those bytes and parse them (pass "
-    "the digest to saw()); never re-open the path for the digest"))
+# Was a strict xfail (BREAK), fixed: see docs/redteam4.md.
 def test_a_module_changing_during_its_walk_is_never_a_stale_hit(tmp_path: Path) -> None:
     code = tmp_path / "code"
     n = 600                  # found within 1-241 walks in four runs (loaded)
@@ -725,13 +716,7 @@ def test_a_control_reader_cannot_make_a_later_restarted_writer_unheard(make_chan
 
 
 @pytest.mark.parametrize("case", ["dangling_symlink", "under_a_file"])
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK (robustness): `supervisor log cut LOG OUT` with OUT a dangling symlink, or a "
-    "path under a regular file, ends in a Python traceback (FileExistsError / "
-    "NotADirectoryError from Path.mkdir in cut.cut), not one line; nothing is written "
-    "through the link (held). fix: supervisor/replay/cut.py cut(): wrap out.mkdir/tmp.mkdir "
-    "in `except OSError as e: raise CutError(f'{out}: {e.strerror}')`, and refuse an OUT "
-    "that is a symlink (os.path.islink) in one line"))
+# Was a strict xfail (BREAK), fixed: see docs/redteam4.md.
 def test_log_cut_refuses_a_bad_out_in_one_line(tmp_path, case) -> None:
     from tests.test_replay_format import write_log
 
@@ -751,14 +736,7 @@ def test_log_cut_refuses_a_bad_out_in_one_line(tmp_path, case) -> None:
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK (hardening): the broker takes a state dir it does not own privately (here "
-    "nobody's, mode 0777: a leftover of an unprivileged run, or a misinstall) and writes "
-    "the latch there; the unprivileged supervisor proper (nobody) then unlinks the latch "
-    "root wrote. The latch's promise (root's 0700 dir, only the broker writes it) is not "
-    "checked. fix: supervisor/broker/_checks.py StateDir.open: after O_NOFOLLOW open, "
-    "fstat the dir fd and refuse (Refused, exit 2) unless st_uid == geteuid() and "
-    "not (st_mode & 0o022), as admission/_store._own_private does"))
+# Was a strict xfail (BREAK), fixed: see docs/redteam4.md.
 def test_the_broker_refuses_a_state_dir_others_can_write(tmp_path) -> None:
     if os.geteuid() != 0:
         pytest.skip("the broker's state dir is root's")
@@ -791,13 +769,7 @@ def test_the_broker_refuses_a_state_dir_others_can_write(tmp_path) -> None:
     assert removed != "removed by nobody", removed
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: a recorder's log with one event entry of deeply nested JSON ('[' x 100,000) "
-    "makes DriveLog.open raise RecursionError, which DriveLog._read's _BAD_RECORD "
-    "(ValueError, TypeError, ...) does not count as a corrupt record: `supervisor log "
-    "info` (and log cut, replay: every command that opens the log) ends in a traceback. "
-    "fix: supervisor/replay/drivelog.py: add RecursionError to _BAD_RECORD (and the same in "
-    "cut.py's json.loads of start.info, which then never sees such a record)"))
+# Was a strict xfail (BREAK), fixed: see docs/redteam4.md.
 def test_a_deeply_nested_json_entry_is_a_corrupt_record_not_a_traceback(tmp_path) -> None:
     from supervisor.replay.logfmt import MESSAGES, Entry, StreamWriter
     from tests.test_replay_format import write_log

@@ -6,11 +6,11 @@ computed names with a literal part. Cached per file version."""
 from __future__ import annotations
 
 import ast
-import os
+import errno
 import re
 from dataclasses import dataclass
 
-from ._witness import FileId, id_of, saw
+from ._witness import FileId, read_identified, saw
 
 
 @dataclass(frozen=True)
@@ -316,13 +316,14 @@ def scan_source(
 def _scan_file(path: str, module: str, is_package: bool) -> tuple[tuple[ImportSite, ...], tuple[str, ...]]:
     # The identity is taken before the read and recorded in the walk's witness: a
     # file rewritten after this stat is a different file to the next admission.
-    ident = id_of(os.stat(path), path)
+    ident, data = read_identified(path)
+    if data is None:
+        raise OSError(errno.EINVAL, "not a readable regular file", path)
     saw(path, ident)
     key = (path, module, is_package)
     cached = _SCAN_CACHE.get(key)
     if cached is None or cached[0] != ident:
-        with open(path, "rb") as f:
-            data = f.read()
+        # the very bytes the identity's digest was taken of
         cached = (ident, scan_source(data, path, module, is_package))
         _SCAN_CACHE[key] = cached
     return cached[1]

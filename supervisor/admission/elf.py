@@ -8,6 +8,7 @@ followed transitively, resolving names roughly the way ld.so does.
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import stat
@@ -21,7 +22,7 @@ from typing import Any
 from elftools.elf.dynamic import DynamicSegment
 from elftools.elf.elffile import ELFFile
 
-from ._witness import FileId, file_id, id_of, saw, see, walk_dirs
+from ._witness import FileId, file_id, id_of, read_identified, saw, see, walk_dirs
 from .rules import forbidden_soname, is_torch_c_extension
 
 _ELF_MAGIC = b"\x7fELF"
@@ -83,11 +84,23 @@ def _split_path_list(value: str) -> tuple[str, ...]:
     return tuple(p for p in value.split(":") if p)
 
 
-@lru_cache(maxsize=4096)
-def _read_elf_cached(path: str, _ident: FileId) -> ElfInfo:
-    # keyed on the whole identity (inode, ctime too): a library rewritten with its size
-    # and mtime put back is read again, as the cached walk's witness expects
-    with open(path, "rb") as f:
+_ELF_CACHE: dict[tuple[str, FileId], ElfInfo] = {}
+
+
+def _read_elf_cached(path: str, ident: FileId, data: bytes) -> ElfInfo:
+    # keyed on the whole identity (inode, ctime, the digest of ``data``): what is parsed
+    # is the bytes the identity was taken of, as the cached walk's witness expects
+    key = (path, ident)
+    got = _ELF_CACHE.get(key)
+    if got is None:
+        if len(_ELF_CACHE) >= 4096:
+            _ELF_CACHE.clear()
+        got = _ELF_CACHE[key] = _parse_elf(path, data)
+    return got
+
+
+def _parse_elf(path: str, data: bytes) -> ElfInfo:
+    with io.BytesIO(data) as f:
         if f.read(4) != _ELF_MAGIC:
             raise ElfUnreadable("not an ELF file")
         f.seek(0)
@@ -128,14 +141,15 @@ def read_elf(path: str) -> ElfInfo:
         st = os.stat(path)
     except OSError as exc:
         raise ElfUnreadable(f"cannot stat: {exc}") from exc
-    ident = id_of(st, path)
-    saw(path, ident)  # before the read: the witness of a cached check (see _witness)
     if not stat.S_ISREG(st.st_mode):
+        saw(path, id_of(st))
         raise ElfUnreadable("not a regular file")  # a FIFO named x.so would block open()
-    try:
-        return _read_elf_cached(path, ident)
-    except OSError as exc:
-        raise ElfUnreadable(f"cannot read: {exc}") from exc
+    ident, data = read_identified(path)
+    saw(path, ident)  # the witness of a cached check (see _witness)
+    if data is None:
+        raise ElfUnreadable(f"cannot read (errno {ident[1]})" if ident and isinstance(ident[0], str)
+                            else "not a regular file")
+    return _read_elf_cached(path, ident, data)
 
 
 # --------------------------------------------------------------------------

@@ -132,6 +132,14 @@ class StateDir:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as e:
             raise Refused(f"state dir {path}: {e.strerror}") from None
+        # Only the broker's own, written by no one else: another owner, or a group or
+        # world that may write it, could replace or remove the latch (red team round 4).
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            os.close(fd)
+            raise Refused(f"state dir {path}: owned by uid {st.st_uid} with mode "
+                          f"{st.st_mode & 0o777:o}; it must be the broker's own "
+                          f"(uid {os.geteuid()}) and writable by no one else")
         return cls(path, fd)
 
     def close(self) -> None:

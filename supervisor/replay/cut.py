@@ -239,6 +239,9 @@ def cut(src_dir: str | os.PathLike, out_dir: str | os.PathLike, start: Pos | Non
         log = DriveLog.open(src)
     except LogError as e:
         raise CutError(str(e)) from None
+    if out.is_symlink():
+        # written through, the cut would land wherever the link points (red team round 4)
+        raise CutError(f"{out}: is a symbolic link; give a directory")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CutError(f"{out}: exists and is not an empty directory")
     if out.resolve() == src.resolve():
@@ -246,11 +249,14 @@ def cut(src_dir: str | os.PathLike, out_dir: str | os.PathLike, start: Pos | Non
     rng = resolve(log, start, end)
     notes = list(rng.notes)
     mono_lo, mono_hi = _mono_span(src, rng)
-    out.mkdir(parents=True, exist_ok=True)
-    # The cut is built in a hidden directory inside OUT and moved into place, its
-    # messages last: an interrupted cut leaves no half log that reads as whole.
-    tmp = out / f".cut-{os.getpid()}"
-    tmp.mkdir()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        # The cut is built in a hidden directory inside OUT and moved into place, its
+        # messages last: an interrupted cut leaves no half log that reads as whole.
+        tmp = out / f".cut-{os.getpid()}"
+        tmp.mkdir()
+    except OSError as e:
+        raise CutError(f"{out}: cannot make the directory: {e.strerror}") from None
     try:
         remap: dict[str, dict[int, int]] = {}
         for ch in log.video_channels():

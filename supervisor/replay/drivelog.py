@@ -46,6 +46,7 @@ from .logfmt import (
 # What decoding one hostile record can raise (json, numpy's dtype/reshape, capnp's
 # accessors of a malformed struct, text that is not UTF-8).
 _BAD_RECORD = (ValueError, TypeError, KeyError, UnicodeError, OverflowError,
+               RecursionError,        # JSON nested 100,000 deep (red team round 4)
                capnp.KjException)
 
 
