@@ -140,10 +140,10 @@ def prepare() -> None:
 
 
 def trusted_readers(config, channel: str) -> tuple[int, ...]:
-    """The reader indexes of ``channel`` whose position the last word continues above:
-    its control-domain readers and the supervisor's own monitor (the spare index). A
-    research reader's is left out: it could claim a position near the limit, and a last
-    word numbered above it would be past every honest reader's reach. Indexes as the
+    """The reader indexes of ``channel`` that get a SAFE of their own above their
+    position: its control-domain readers and the supervisor's own monitor (the spare
+    index). A research reader's claim is not read (its outputs are shadow-only, and a
+    copy above a lying position would only push the sequence up). Indexes as the
     lifecycle gives them (readers_of() fills 0..n-1, the monitor takes n)."""
     from supervisor.config import CONTROL
 
@@ -155,10 +155,9 @@ def trusted_readers(config, channel: str) -> tuple[int, ...]:
 def publish_safe(channel: Channel, payload_name: str,
                  readers: Iterable[int] | None = None) -> dict[str, float]:
     """Publish the payload's safe value on `channel` (its worker must be dead), whatever
-    state the dead writer left the segment in. It is numbered above the position of
-    every reader in ``readers`` (default: all): the caller leaves out readers it does
-    not trust to say where they are (another domain's: a hostile reader that claimed a
-    position near the limit would push the last word past every honest reader's reach).
+    state the dead writer left the segment in: once above what the segment holds, and
+    once above the position of each reader in ``readers`` (default: all) that is
+    further on, so each reader's next message is a SAFE (trusted_readers says which).
     Thread-safe per channel."""
     from schemas.payloads import PAYLOADS
 
