@@ -239,9 +239,12 @@ _MOUNTS = textwrap.dedent("""
     mkdir -p /run/trio-staging                       # RuntimeDirectory=
     # A checkout under /tmp (a CI clone) stands in for the install under /opt that a
     # vehicle has: keep it visible through the private /tmp.
+    # So is a virtual environment under /tmp (KEEP2: the interpreter's prefix).
     if [ -n "$KEEP" ]; then mkdir -p /run/unit-sim-keep; mount --bind "$KEEP" /run/unit-sim-keep; fi
+    if [ -n "$KEEP2" ]; then mkdir -p /run/unit-sim-keep2; mount --bind "$KEEP2" /run/unit-sim-keep2; fi
     mount -t tmpfs -o mode=1777 tmpfs /tmp           # PrivateTmp=yes
     if [ -n "$KEEP" ]; then mkdir -p "$KEEP"; mount --bind /run/unit-sim-keep "$KEEP"; fi
+    if [ -n "$KEEP2" ]; then mkdir -p "$KEEP2"; mount --bind /run/unit-sim-keep2 "$KEEP2"; fi
     mount -o remount,bind,ro /                       # ProtectSystem=strict (the root fs)
     # Delegate=yes, ProtectControlGroups=yes, ReadWritePaths=<the unit's cgroup>: the
     # supervisor's own cgroup stays writable (root-owned, 0755, as systemd makes it),
@@ -334,7 +337,8 @@ def test_supervisor_works_under_the_units_restrictions():
     simcg = f"trio-unit-sim-{os.getpid()}"
     env = dict(os.environ, CAPS="-all," + ",".join(f"+{c}" for c in caps),
                PYTHONPATH=str(ROOT), SIMCG=simcg,
-               KEEP=str(ROOT) if str(ROOT).startswith("/tmp/") else "")
+               KEEP=str(ROOT) if str(ROOT).startswith("/tmp/") else "",
+               KEEP2=sys.prefix if sys.prefix.startswith("/tmp/") else "")
     try:
         p = subprocess.run(
             ["unshare", "--mount", "--propagation", "private", "sh", "-c", _MOUNTS, "sh",
