@@ -144,12 +144,11 @@ def trusted_readers(config, channel: str) -> tuple[int, ...]:
     position: its control-domain readers and the supervisor's own monitor (the spare
     index). A research reader's claim is not read (its outputs are shadow-only, and a
     copy above a lying position would only push the sequence up). Indexes as the
-    lifecycle gives them (readers_of() fills 0..n-1, the monitor takes n)."""
+    config gives them (Config.reader_index, Config.monitor_index)."""
     from supervisor.config import CONTROL
 
-    readers = config.readers_of(channel)
-    return tuple(i for i, w in enumerate(readers) if config.profile_of(w) == CONTROL) \
-        + (len(readers),)
+    return tuple(config.reader_index(channel, w) for w in config.readers_of(channel)
+                 if config.profile_of(w) == CONTROL) + (config.monitor_index(channel),)
 
 
 def publish_safe(channel: Channel, payload_name: str,

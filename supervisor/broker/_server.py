@@ -385,7 +385,7 @@ class Broker:
                 out[g.channel] = WriterHandle(spec, mine[0], tuple(mine[1:1 + n]),
                                               tuple(mine[1 + n:]))
             else:
-                index = self.config.readers_of(g.channel).index(w.name)
+                index = self.config.reader_index(g.channel, w.name)
                 out[g.channel] = ReaderHandle(spec, index, *mine)
         return out
 

@@ -345,6 +345,14 @@ class Config:
             raise KeyError(channel)
         return [w.name for w in self.workers.values() if channel in w.reads]
 
+    def reader_index(self, channel: str, worker: str) -> int:
+        """The reader slot ``worker`` holds on ``channel``: its place in readers_of()."""
+        return self.readers_of(channel).index(worker)
+
+    def monitor_index(self, channel: str) -> int:
+        """The supervisor's own reader slot on ``channel``: the spare after the workers'."""
+        return len(self.readers_of(channel))
+
     def profile_of(self, worker: str) -> str:
         """The profile (control or research) of a worker's domain: what its sandbox is."""
         return self.domains[self.workers[worker].domain].profile

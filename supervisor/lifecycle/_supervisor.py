@@ -105,8 +105,8 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
     def _make_channels(self) -> None:
         for name, spec in self.config.channel_specs().items():
             self.channels[name] = Channel.create(spec)
-            for i, reader in enumerate(self.config.readers_of(name)):
-                self._reader_index[(name, reader)] = i
+            for reader in self.config.readers_of(name):
+                self._reader_index[(name, reader)] = self.config.reader_index(name, reader)
         self.log.emit("channels_created", channels=sorted(self.channels))
 
     def _close_channels(self) -> None:
@@ -699,8 +699,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
     async def _run_monitor(self) -> None:
         from supervisor.monitor import Monitor
 
-        # The spare reader index of each channel (readers_of() fills 0..n-1).
-        spare = {name: len(self.config.readers_of(name)) for name in self.channels}
+        spare = {name: self.config.monitor_index(name) for name in self.channels}
         self.monitor = Monitor(self.channels, spare, out=self.status_out,
                                interval_s=(self.status_interval_s
                                            or self.config.supervisor.status_interval_s),
