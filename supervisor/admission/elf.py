@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import os
 import shutil
-import stat
 import subprocess
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from typing import Any
 from elftools.elf.dynamic import DynamicSegment
 from elftools.elf.elffile import ELFFile
 
-from ._witness import FileId, file_id, id_of, read_identified, saw, see, walk_dirs
+from ._witness import FileId, file_id, read_identified, saw, see, walk_dirs
 from .rules import forbidden_soname, is_torch_c_extension
 
 _ELF_MAGIC = b"\x7fELF"
@@ -137,18 +136,14 @@ def _parse_elf(path: str, data: bytes) -> ElfInfo:
 
 def read_elf(path: str) -> ElfInfo:
     """DT_NEEDED/DT_SONAME/RPATH/RUNPATH of one file; ElfUnreadable if it is not a sane ELF."""
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise ElfUnreadable(f"cannot stat: {exc}") from exc
-    if not stat.S_ISREG(st.st_mode):
-        saw(path, id_of(st))
-        raise ElfUnreadable("not a regular file")  # a FIFO named x.so would block open()
-    ident, data = read_identified(path)
+    ident, data = read_identified(path)   # never opens a FIFO named x.so (it would block)
     saw(path, ident)  # the witness of a cached check (see _witness)
     if data is None:
-        raise ElfUnreadable(f"cannot read (errno {ident[1]})" if ident and isinstance(ident[0], str)
-                            else "not a regular file")
+        if ident is None:
+            raise ElfUnreadable("cannot stat: no such file")
+        if isinstance(ident[0], str):
+            raise ElfUnreadable(f"cannot read: {os.strerror(ident[1])}")
+        raise ElfUnreadable("not a regular file")
     return _read_elf_cached(path, ident, data)
 
 
