@@ -269,3 +269,48 @@ def test_hostile_launch_plans_are_refused_in_one_line_never_a_traceback(bundle, 
             assert "\n" not in str(e), str(e)
             refused_n += 1
     assert refused_n >= 50
+
+
+# ------------------------------------------------------------------ launch sizes (round 4, #3)
+
+def test_every_call_launches_its_kernel_as_it_was_built():
+    """The manifest signs each kernel's launch size (tinygrad's global/local size); the
+    demo's plan launches each kernel with exactly that, and verifies."""
+    with load_verified(CUDA_DEMO, DEMO_PUB, expect_abi=ENGINE_ABIS) as v:
+        size = {k["name"]: (k["grid"], k["block"]) for k in v.manifest["kernels"]}
+        assert all((c["grid"], c["block"]) == size[c["kernel"]] for c in v.cuda.plan["calls"])
+    # the round-4 case: E_725_2_16_4 writes data0[grid*block*4] with no bound check
+    assert size["E_725_2_16_4"] == ([2, 725, 1], [16, 1, 1])
+
+
+@pytest.mark.parametrize("field", ["grid", "block"])
+def test_a_call_launched_otherwise_than_its_kernel_is_refused(bundle, key, field):
+    """Smaller is refused as well as larger: the kernel covers its outputs only at its
+    own size (a smaller launch leaves part of a buffer unwritten)."""
+    k, pub = key
+    plan = json.loads((bundle / C.LAUNCH_FILE).read_bytes())
+    c = plan["calls"][-1]
+    c[field] = [c[field][0] // 2 if c[field][0] > 1 else 2, *c[field][1:]]   # within CUDA's limits
+    (bundle / C.LAUNCH_FILE).write_bytes(json.dumps(plan).encode())
+    resign(bundle, k)
+    line = refused(ManifestError, rf"calls\[{len(plan['calls']) - 1}\]: kernel '{c['kernel']}' "
+                   r"launched with grid \[.*\] block \[.*\], it was built for grid", bundle, pub)
+    assert str(c[field]) in line, line
+
+
+@pytest.mark.parametrize("how", ["stripped", "junk"])
+def test_a_kernel_without_its_launch_size_is_refused(bundle, key, how):
+    """An artifact built before launch sizes were signed (or with them taken out) has
+    nothing bounding its calls: refused, not trusted; one line naming the kernel."""
+    k, pub = key
+
+    def strip(m):
+        k0 = m["kernels"][0]
+        if how == "stripped":
+            k0.pop("grid"), k0.pop("block")
+        else:
+            k0["block"] = [2048, 1, 1]
+    resign(bundle, k, strip)
+    name = A.read_manifest_unverified(bundle)["kernels"][0]["name"]
+    refused(ManifestError, rf"kernels\[0\] \('{name}'\) has no valid grid/block .*rebuild",
+            bundle, pub)

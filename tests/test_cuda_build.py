@@ -50,7 +50,22 @@ _SCRIPT = textwrap.dedent("""
     fits = all(cc.plan["buffers"][a]["nbytes"] == p["nbytes"]
                for c in cc.plan["calls"]
                for a, p in zip(c["args"], CU.kernel_params(cc.sources[c["kernel"]], c["kernel"])))
+    # each kernel's launch size is recorded, is every call's, and the verifier's check of
+    # the plan passes with exactly those sizes (and refuses the plan once one call differs)
+    specs = {n: C.KernelSpec(CU.kernel_params(s, n), cc.launch[n]["grid"], cc.launch[n]["block"])
+             for n, s in cc.sources.items()}
+    sized = all(cc.launch[c["kernel"]] == {"grid": c["grid"], "block": c["block"]}
+                for c in cc.plan["calls"])
+    C._check_plan(cc.plan, len(cc.weights), specs)
+    bad = json.loads(json.dumps(cc.plan))
+    bad["calls"][0]["grid"] = [bad["calls"][0]["grid"][0] + 1, *bad["calls"][0]["grid"][1:]]
+    try:
+        C._check_plan(bad, len(cc.weights), specs)
+        grown = "verified"
+    except Exception as e:
+        grown = str(e)
     print(json.dumps({
+        "sized": sized, "grown": grown,
         "fits": fits,
         "max_abs": float(np.abs(got - want).max()),
         "roles": sorted(bb["role"] for bb in cc.plan["buffers"]),
@@ -73,6 +88,7 @@ def test_capture_compile_and_emulate_a_small_function(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(r.stdout.strip().splitlines()[-1])
     assert rep["max_abs"] < 1e-3 and rep["fits"], rep
+    assert rep["sized"] and "it was built for grid" in rep["grown"], rep
     assert rep["weights_are_ours"], rep           # read back from NULL, as given
     assert rep["roles"].count("input") == 1 and rep["roles"].count("output") == 1, rep
     assert rep["arches"] == {"sm_90": ["sm_90"], "sm_86": ["sm_86"]}, rep

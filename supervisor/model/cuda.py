@@ -194,10 +194,34 @@ def check_runtime(m: dict, *, device_arch: str | None = None,
     return archs, chosen
 
 
-def _check_plan(plan: Any, weights_len: int, params: dict[str, list[dict]]) -> dict:
+# CUDA's own launch limits: grid x up to 2^31-1, y and z up to 65535; block x, y up to
+# 1024, z up to 64, at most 1024 threads in all.
+GRID_LIMIT = (2**31 - 1, 65535, 65535)
+BLOCK_LIMIT = (1024, 1024, 64)
+
+
+def _dims(v: Any, lim: tuple[int, int, int]) -> bool:
+    return isinstance(v, list) and len(v) == 3 and all(
+        isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= m for x, m in zip(v, lim))
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What the signed manifest says of one kernel: its buffer parameters and the launch
+    it was rendered for (tinygrad's global_size = grid, local_size = block). The kernel's
+    indexing is computed from blockIdx/threadIdx with no bounds check, so the launch size
+    is part of its memory safety, not a tuning knob."""
+
+    params: list[dict]
+    grid: list[int]
+    block: list[int]
+
+
+def _check_plan(plan: Any, weights_len: int, kernels: dict[str, KernelSpec]) -> dict:
     """launch.json: buffers with sizes and roles, calls naming listed kernels and buffers,
-    each buffer at least as large as the kernel's parameter (the manifest's ``params``)."""
-    names = set(params)
+    each call launched with exactly its kernel's grid and block, each buffer at least as
+    large as the kernel's parameter (the manifest's ``params``)."""
+    names = set(kernels)
     if not isinstance(plan, dict):
         raise ManifestError(f"{LAUNCH_FILE}: not an object")
     bufs, calls = plan.get("buffers"), plan.get("calls")
@@ -236,14 +260,17 @@ def _check_plan(plan: Any, weights_len: int, params: dict[str, list[dict]]) -> d
         if not isinstance(c, dict) or c.get("kernel") not in names:
             raise ManifestError(f"{where}: kernel {c.get('kernel') if isinstance(c, dict) else c!r} "
                                 f"is not one the manifest lists")
-        for key, lim in (("grid", (2**31 - 1, 65535, 65535)), ("block", (1024, 1024, 64))):
-            v = c.get(key)
-            if (not isinstance(v, list) or len(v) != 3 or not all(
-                    isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= m
-                    for x, m in zip(v, lim))):
+        for key, lim in (("grid", GRID_LIMIT), ("block", BLOCK_LIMIT)):
+            if not _dims(c.get(key), lim):
                 raise ManifestError(f"{where}.{key} must be 3 positive ints within {list(lim)}")
         if c["block"][0] * c["block"][1] * c["block"][2] > 1024:
             raise ManifestError(f"{where}.block has more than 1024 threads")
+        ks = kernels[c["kernel"]]
+        if c["grid"] != ks.grid or c["block"] != ks.block:
+            raise ManifestError(f"{where}: kernel {c['kernel']!r} launched with grid "
+                                f"{c['grid']} block {c['block']}, it was built for grid "
+                                f"{ks.grid} block {ks.block}: its indexing has no bounds "
+                                f"check, another launch reads or writes past its buffers")
         args = c.get("args")
         if not isinstance(args, list) or not all(
                 isinstance(a, int) and not isinstance(a, bool) and 0 <= a < len(bufs) for a in args):
@@ -252,7 +279,7 @@ def _check_plan(plan: Any, weights_len: int, params: dict[str, list[dict]]) -> d
         if not isinstance(vals, list) or not all(
                 isinstance(v, int) and not isinstance(v, bool) and -2**31 <= v < 2**31 for v in vals):
             raise ManifestError(f"{where}.vals must be int32 values")
-        ps = params[c["kernel"]]
+        ps = ks.params
         if len(args) != len(ps) or vals:
             raise ManifestError(f"{where}: {len(args)} buffers and {len(vals)} values for "
                                 f"kernel {c['kernel']!r}, which takes {len(ps)} buffers")
@@ -272,7 +299,7 @@ def read_payload(m: dict, blobs: dict[str, bytes], arch: str | None,
         raise ManifestError(f"{MANIFEST}: kernels must list the artifact's kernels")
     objects: dict[str, dict[str, bytes]] = {a: {} for a in archs}
     names: set[str] = set()
-    params: dict[str, list[dict]] = {}
+    specs: dict[str, KernelSpec] = {}
     for i, k in enumerate(listed):
         objs = k.get("objects") if isinstance(k, dict) else None
         if (not isinstance(k, dict) or not isinstance(k.get("name"), str)
@@ -288,7 +315,15 @@ def read_payload(m: dict, blobs: dict[str, bytes], arch: str | None,
                 and not isinstance(p.get("nbytes"), bool) and p["nbytes"] > 0 for p in ps):
             raise ManifestError(f"{MANIFEST}: kernels[{i}].params must list each buffer "
                                 f"parameter's nbytes")
-        params[k["name"]] = ps
+        grid, block = k.get("grid"), k.get("block")
+        if not _dims(grid, GRID_LIMIT) or not _dims(block, BLOCK_LIMIT) \
+                or block[0] * block[1] * block[2] > 1024:
+            # An artifact built before launch sizes were signed (or with them stripped):
+            # nothing bounds its calls' grid/block, so it is refused, not trusted.
+            raise ManifestError(f"{MANIFEST}: kernels[{i}] ({k['name']!r}) has no valid "
+                                f"grid/block (its launch size, signed at build: got grid "
+                                f"{grid!r} block {block!r}); rebuild the artifact")
+        specs[k["name"]] = KernelSpec(ps, grid, block)
         for a in archs:
             o, blob = objs[a], blobs[CUBIN_PREFIX + a]
             off, size = (o.get("offset"), o.get("size")) if isinstance(o, dict) else (None, None)
@@ -314,7 +349,7 @@ def read_payload(m: dict, blobs: dict[str, bytes], arch: str | None,
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ManifestError(f"{LAUNCH_FILE}: not ASCII JSON: {e}") from None
     weights = blobs[WEIGHTS_FILE]
-    _check_plan(plan, len(weights), params)
+    _check_plan(plan, len(weights), specs)
     rt = m["runtime"]
     return CudaPayload(arch, tuple(archs), plan, weights, objects,
                        f"{rt['toolkit']['name']} {rt['toolkit']['version']}", rt["min_driver"])

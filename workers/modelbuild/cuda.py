@@ -108,6 +108,11 @@ class CudaCapture:
     weights: bytes
     sources: dict[str, str] = field(default_factory=dict)       # kernel name -> CUDA C
     objects: dict[str, dict[str, bytes]] = field(default_factory=dict)  # arch -> name -> cubin
+    # kernel name -> {"grid": [x,y,z], "block": [x,y,z]}: tinygrad's Program.global_size and
+    # local_size, the launch the kernel was rendered for. Its indexing has no bounds checks
+    # (it writes data0[f(blockIdx, threadIdx)]), so any other launch reads or writes past a
+    # buffer; the manifest signs these and verification refuses a call that differs.
+    launch: dict[str, dict[str, list[int]]] = field(default_factory=dict)
 
 
 def capture(fn, inputs: list, out_nbytes: int) -> CudaCapture:
@@ -133,6 +138,7 @@ def capture(fn, inputs: list, out_nbytes: int) -> CudaCapture:
     calls: list[dict] = []
     cap_sources: dict[str, str] = {}
     cubins: dict[str, bytes] = {}
+    launch: dict[str, dict[str, list[int]]] = {}
 
     def buf_id(u: Any, writes: bool) -> int:
         nonlocal woff
@@ -190,8 +196,12 @@ def capture(fn, inputs: list, out_nbytes: int) -> CudaCapture:
             raise SystemExit(f"modelbuild: two kernels named {name} differ")
         cap_sources[name] = src
         cubins[name] = lib
-        calls.append({"kernel": name, "grid": [int(x) for x in info.global_size],
-                      "block": [int(x) for x in info.local_size], "args": args, "vals": []})
+        size = {"grid": [int(x) for x in info.global_size],
+                "block": [int(x) for x in info.local_size]}
+        if launch.setdefault(name, size) != size:
+            raise SystemExit(f"modelbuild: kernel {name} is called with grid/block {size} and "
+                             f"{launch[name]}: one kernel, one launch size")
+        calls.append({"kernel": name, **size, "args": args, "vals": []})
     outs = [b for b in buffers if b["role"] == "output"]
     if len(outs) != 1 or outs[0]["nbytes"] != out_nbytes:
         raise SystemExit(f"modelbuild: the CUDA capture's output is {outs}, expected one of "
@@ -200,7 +210,7 @@ def capture(fn, inputs: list, out_nbytes: int) -> CudaCapture:
             "meaning": "calls run in order on one stream; args are buffer ids (64-bit "
                        "device pointers, in kernel parameter order); grid/block as "
                        "cuLaunchKernel takes them"}
-    return CudaCapture(plan, b"".join(blobs), cap_sources, {})
+    return CudaCapture(plan, b"".join(blobs), cap_sources, {}, launch)
 
 
 # Element sizes of the C types tinygrad's CUDA renderer gives buffer parameters.
@@ -256,8 +266,12 @@ def write_bundle(out: Path, cc: CudaCapture, archs: list[str], toolkit_version: 
     (out / C.LAUNCH_FILE).write_bytes(json.dumps(cc.plan, sort_keys=True, indent=1).encode("ascii"))
     (out / C.WEIGHTS_FILE).write_bytes(cc.weights)
     (out / A.GOLDEN_FILE).write_bytes(golden)
+    missing = sorted(set(cc.sources) - set(cc.launch))
+    if missing:
+        raise SystemExit(f"modelbuild: no launch size recorded for kernel(s) {missing}")
     kernels = [{"name": n, "source_sha256": hashlib.sha256(s.encode()).hexdigest(),
-                "params": kernel_params(s, n), "objects": {}}
+                "params": kernel_params(s, n), "objects": {},
+                "grid": cc.launch[n]["grid"], "block": cc.launch[n]["block"]}
                for n, s in sorted(cc.sources.items())]
     for a in archs:
         blob = bytearray()
