@@ -302,15 +302,6 @@ def signing_key(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dim", ["grid", "block"])
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: launch.json's grid and block are bounded only by CUDA's limits, not by the "
-    "kernel's own launch size: the demo's E_725_2_16_4 writes data0[grid*block*4] "
-    "(params: 92800 elements = 2*725*16*4) with no bounds check, so a plan signed with "
-    "grid [2,1450,1] (or block [32,1,1]) passes verification and writes past its "
-    "371200-byte buffer on the GPU. fix: workers/modelbuild/cuda.py records each kernel's "
-    "global and local size (tinygrad's Program.global_size/local_size) in the manifest's "
-    "kernels[i]; supervisor/model/cuda.py _check_plan refuses a call whose grid/block "
-    "differ from its kernel's"))
 def test_a_plan_launching_more_threads_than_its_kernel_was_built_for_is_refused(
         tmp_path, signing_key, dim) -> None:
     from supervisor.model import artifact as A
