@@ -13,7 +13,9 @@ every file hashed), with other files::
 What runs in control is the CUDA driver alone (`supervisor.model.cuda_runtime`): no
 tinygrad, no NVRTC, no PTX. Refused here, each with one line, before a byte of code is
 given to the driver: PTX instead of cubin (the driver would compile it in control), a
-cubin whose ELF says another architecture than the file it is filed under, no cubin for
+cubin whose ELF says another architecture than the file it is filed under, a call
+launched with another grid or block than its kernel's signed launch size (or a kernel
+without one: tinygrad's kernels index with no bounds check), no cubin for
 the GPU's architecture (``device_arch``), a toolkit or driver version this loader does
 not know, a driver older than the manifest's minimum.
 """

@@ -12,7 +12,9 @@ allocator keeps no bytes, so for the build only it is given one that does (weigh
 read back from it). The capture runs with ``JIT=2`` (no graph runner: plain kernel
 calls) and ``NO_MEMORY_PLANNER=1`` (one buffer per intermediate, no views into an
 arena), then becomes a launch plan: buffers (input, output, weight, scratch) and each
-call's function, grid, block and buffer arguments, in order. Each further architecture
+call's function, grid, block and buffer arguments, in order; each kernel's own launch size
+(tinygrad's global/local size) goes into the signed manifest, and verification refuses a
+call launched otherwise (the kernels have no bounds checks). Each further architecture
 compiles the same CUDA source (TC=0: no tensor cores, so the source does not depend on
 the architecture).
 
