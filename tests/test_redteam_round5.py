@@ -1,0 +1,273 @@
+"""Red team, round 5: attacks no issue named, on what changed in the last two rounds
+(the privileged broker, the replay tools' output directories, `supervisor units`).
+
+Each test asserts the claim the way it should hold. An attack that succeeds today is an
+``xfail(strict=True)`` whose reason starts with BREAK and says where to fix it (the
+table is docs/redteam5.md). Every attacker runs with the privileges it would have: a
+supervisor proper dropped to nobody on the broker's socket (as `run --privsep` leaves
+it), another local user (nobody) who owns a directory root is told to write into, the
+real CLI as root.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+NOBODY = 65534
+
+
+def _need_root_and_bwrap() -> None:
+    if shutil.which("bwrap") is None or os.geteuid() != 0:
+        pytest.skip("the broker starts sandboxes as root with bubblewrap")
+
+
+@pytest.fixture()
+def public_tmp():
+    """A directory anyone may traverse (pytest's tmp_path is under a 0700 root dir, so
+    another user could not even reach it: an attack must fail for its own reason)."""
+    base = Path(tempfile.mkdtemp(prefix="rt5-"))
+    base.chmod(0o755)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _as_nobody(code: str, *args: str, timeout: float = 60) -> subprocess.Popen:
+    """A process of another local user (nobody), started by root only because the
+    interpreter lives under /root (0700): it drops before doing anything else."""
+    prelude = ("import os, sys; os.setgroups([]); os.setresgid(65534, 65534, 65534); "
+               "os.setresuid(65534, 65534, 65534)\n")
+    return subprocess.Popen([sys.executable, "-c", prelude + code, *args], cwd="/",
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+# ------------------------------------------------------------------ the broker
+
+_BROKER_TOML = """
+[domains.control]
+failure_policy = "fail_safe"
+actuates = true
+[channels.a_out]
+slot_size = "4KiB"
+dtype = "float32"
+[workers.a]
+domain = "control"
+module = "workers.probe"
+publishes = ["a_out"]
+args = ["--publish", "a_out"]
+"""
+
+# The compromised supervisor proper: imports as root (the interpreter is under /root,
+# 0700), drops to nobody as `run --privsep` does, then asks the broker for the /proc
+# views it hands the exec watch and the maps scan (maps, pagemap, mem) of its own
+# sandbox's processes, and looks at what they give.
+_PROPER = r"""
+import errno, json, os, socket, struct, sys, time
+from supervisor.broker import BrokerClient
+from supervisor.config import load
+from supervisor.ipc.channel import Channel
+fd, cfg_path = int(sys.argv[1]), sys.argv[2]
+cfg = load(cfg_path)
+os.setgroups([]); os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)
+assert os.getresuid() == (65534, 65534, 65534)
+c = BrokerClient(socket.socket(fileno=fd))
+ch = Channel.create(cfg.channel_specs()["a_out"])
+s = c.start("a", 1, handles={"a_out": ch.writer_handle()})
+pids, end = [], time.monotonic() + 60
+while time.monotonic() < end and len(pids) < 3:          # bwrap, its init, the worker
+    pids = c.pids("a", 1)
+    time.sleep(0.1)
+time.sleep(0.5)                                           # the worker's pages touched
+out = {"pids": len(pids), "present": 0, "with_pfn": 0, "mem_write": "not tried"}
+for pid in pids:
+    if pid == s.pid:
+        continue
+    try:
+        v = c.open_proc(pid, ("maps", "pagemap", "mem"))
+    except Exception as e:
+        out.setdefault("refused", []).append(f"{pid}: {getattr(e, 'code', type(e).__name__)}")
+        continue
+    maps = b""
+    while True:
+        b = os.read(v.files["maps"], 65536)
+        if not b:
+            break
+        maps += b
+    for line in maps.decode().splitlines():
+        a, b = (int(x, 16) for x in line.split()[0].split("-"))
+        n = min((b - a) // 4096, 256)
+        try:
+            raw = os.pread(v.files["pagemap"], 8 * n, (a // 4096) * 8)
+        except OSError:
+            continue
+        for (e,) in struct.iter_unpack("<Q", raw):
+            if e >> 63:
+                out["present"] += 1
+                out["with_pfn"] += bool(e & ((1 << 55) - 1))
+        if out["mem_write"] == "not tried" and "rw-p" in line:
+            try:
+                os.pwrite(v.files["mem"], b"\0", a)
+                out["mem_write"] = "written"
+            except OSError as e:
+                out["mem_write"] = errno.errorcode.get(e.errno, str(e.errno))
+c.kill_sandbox("a", 1)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def proper_views(tmp_path_factory) -> dict:
+    """One broker (root, as `run --privsep` spawns it); the supervisor proper, dropped
+    to nobody, starts one control sandbox through it and reads the /proc views the
+    broker hands it."""
+    _need_root_and_bwrap()
+    from supervisor.broker import BrokerClient
+
+    d = tmp_path_factory.mktemp("rt5broker")
+    cfg = d / "broker.toml"
+    cfg.write_text(_BROKER_TOML)
+    state = d / "state"
+    state.mkdir(mode=0o700)
+    err = open(d / "broker.err", "w")
+    client = BrokerClient.spawn(state_dir=state, config=cfg, stderr=err)
+    try:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        p = subprocess.run([sys.executable, "-c", _PROPER, str(client.sock.fileno()), str(cfg)],
+                           pass_fds=[client.sock.fileno()], env=env, cwd="/",
+                           capture_output=True, text=True, timeout=90, check=False)
+        assert p.returncode == 0, p.stderr[-2000:]
+        got = json.loads(p.stdout.strip().splitlines()[-1])
+    finally:
+        code = client.close()
+        err.close()
+    got["broker_exit"] = code
+    return got
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK: the pagemap fd the broker opens as root and hands to the unprivileged "
+    "supervisor proper shows physical frame numbers (the kernel decides at open, from "
+    "the opener's CAP_SYS_ADMIN): nobody reads the PFN of every present page of the "
+    "sandbox (rowhammer / side-channel aid that the kernel zeroes for it). fix: "
+    "supervisor/broker/_server.py Broker._open_proc: open 'pagemap' with CAP_SYS_ADMIN "
+    "dropped from the effective set (capset around the open; CAP_SYS_PTRACE still "
+    "passes the access check), or hand over the entries with the PFN bits cleared"))
+def test_the_unprivileged_proper_never_sees_physical_addresses(proper_views) -> None:
+    """What the broker hands the supervisor proper is what an unprivileged reader gets:
+    pagemap entries say present/soft-dirty/exclusive, never a PFN (0 for
+    non-CAP_SYS_ADMIN openers since Linux 4.2)."""
+    assert proper_views["pids"] >= 3 and proper_views["present"] > 0, proper_views
+    assert proper_views["with_pfn"] == 0, proper_views
+
+
+def test_the_mem_view_the_broker_hands_over_is_read_only(proper_views) -> None:
+    """The /proc/PID/mem fd (opened by root for the maps scan) cannot write the
+    sandbox's memory from the unprivileged side (opened O_RDONLY: EBADF)."""
+    assert proper_views["mem_write"] == "EBADF", proper_views
+    assert proper_views["broker_exit"] == 0, proper_views
+
+
+# ------------------------------------------------------------------ supervisor units
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK: `supervisor units --out DIR` (run as root by the operator / install.sh "
+    "--system) writes into a DIR another user owns and through the symlinks planted "
+    "there: nobody's link trio-broker.socket -> a root file made root overwrite that file "
+    "with the unit's text, and the root units it leaves can be swapped by DIR's owner "
+    "before they are installed. fix: supervisor/units.py write_units/write_split_units: "
+    "refuse an OUT not owned by the caller or writable by group/others (as "
+    "broker/_checks.StateDir.open does), and write each unit through a dir fd with "
+    "O_CREAT|O_EXCL|O_NOFOLLOW to a temp name, then rename"))
+def test_units_never_write_through_a_link_in_a_dir_others_own(public_tmp: Path) -> None:
+    victim = public_tmp / "victim"
+    victim.write_text("precious\n")
+    out = public_tmp / "units"
+    out.mkdir()
+    os.chown(out, NOBODY, NOBODY)
+    p = _as_nobody("os.symlink(sys.argv[1], sys.argv[2])", str(victim),
+                   str(out / "trio-broker.socket"))
+    assert p.wait(30) == 0, p.stderr.read()
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "units", "--out", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+    assert victim.read_text() == "precious\n", (r.returncode, r.stderr[-300:])
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-300:]
+
+
+# ------------------------------------------------------------------ replay --out RUN
+
+def _config_the_loader_refuses(d: Path) -> Path:
+    """The one-camera pipeline with research as nobody: derived and written to RUN like
+    any config, then refused by the loader (exit 2). The replay stops right after its
+    writes into RUN, before any pipeline starts: the attack costs under a second."""
+    text = (REPO / "supervisor/configs/minimal.toml").read_text()
+    assert 'user = "trio-research"' in text
+    p = d / "loader-refuses.toml"
+    p.write_text(text.replace('user = "trio-research"', 'user = "nobody"', 1))
+    return p
+
+
+@pytest.mark.parametrize("case", ["run_owned_by_nobody", "run_is_nobodys_link"])
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK: `supervisor replay LOG --out RUN` (root) writes into a RUN another user "
+    "controls: an empty RUN of nobody's is accepted (replay.toml written there and loaded "
+    "back by path, RUN/log chowned to the recorder; at the end summary.json and "
+    "report.html written by path: nobody's links summary.json/report.html -> a root file "
+    "made root overwrite it with the report, seen in a full run); a RUN that is nobody's "
+    "symlink to an empty root dir is followed: root chmods that dir 0755 and fills it. "
+    "fix: supervisor/replay/run.py replay(): lstat RUN (refuse a symlink others own), refuse a RUN, "
+    "or the parent of a new one, not owned by the caller or writable by group/others (as "
+    "log cut's OUT and the broker's state dir), then work through a dir fd; "
+    "commands.py: write summary/diff/report with O_NOFOLLOW"))
+def test_replay_never_writes_where_another_user_points_it(public_tmp: Path, case: str) -> None:
+    from tests.test_replay_format import write_log
+
+    src = public_tmp / "drive"
+    write_log(src, n=4)
+    private = public_tmp / "private"            # root's, 0700, empty
+    private.mkdir(mode=0o700)
+    if case == "run_owned_by_nobody":
+        run = public_tmp / "run"
+        run.mkdir()
+        os.chown(run, NOBODY, NOBODY)
+    else:
+        att = public_tmp / "att"
+        att.mkdir()
+        os.chown(att, NOBODY, NOBODY)
+        run = att / "run"
+        p = _as_nobody("os.symlink(sys.argv[1], sys.argv[2])", str(private), str(run))
+        assert p.wait(30) == 0, p.stderr.read()
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "replay", str(src),
+                        "--config", str(_config_the_loader_refuses(public_tmp)),
+                        "--out", str(run), "--no-progress"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-300:]
+    assert private.stat().st_mode & 0o777 == 0o700 and not list(private.iterdir()), \
+        (oct(private.stat().st_mode), sorted(x.name for x in private.iterdir()))
+    if case == "run_owned_by_nobody":
+        assert not list(run.iterdir()), (sorted(x.name for x in run.iterdir()), r.stderr)
+
+
+# ------------------------------------------------------------------ --plot
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK (robustness): --plot CH.² on a channel without a payload passes "
+    "str.isdigit() and then int() raises a plain ValueError: 'internal error', exit 1, "
+    "instead of the one line naming the --plot (exit 2). fix: "
+    "supervisor/replay/signals.py parse_signals: f.isdecimal() and f.isascii() (or int() "
+    "in a try that raises SignalError)"))
+def test_a_plot_field_of_unicode_digits_is_a_signal_error() -> None:
+    from supervisor.replay.derive import plan_of, read_doc
+    from supervisor.replay.signals import SignalError, parse_signals
+
+    doc = read_doc(str(REPO / "supervisor/configs/minimal.toml"))[0]
+    doc["channels"]["model_out"].pop("payload", None)
+    with pytest.raises(SignalError):
+        parse_signals(["model_out.\u00b2"], doc, plan_of(doc))
