@@ -271,3 +271,39 @@ def test_a_plot_field_of_unicode_digits_is_a_signal_error() -> None:
     doc["channels"]["model_out"].pop("payload", None)
     with pytest.raises(SignalError):
         parse_signals(["model_out.\u00b2"], doc, plan_of(doc))
+
+
+# ------------------------------------------------------------------ report.html
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK (latent): report.html's scrubber script builds its values table with "
+    "innerHTML from each signal's name, unescaped, and the page's CSP allows inline "
+    "script, so inline handlers run: a name carrying <img onerror=...> rewrote the "
+    "page's verdict in headless Chromium. Names come from the config's channel names "
+    "today (loader: [a-z0-9_]), but the report reads them back from RUN/replay.toml by "
+    "path (see the RUN break) and render() says every value is escaped. fix: "
+    "supervisor/replay/report.py _JS show(): build the rows with createElement and "
+    "textContent (never innerHTML); optionally a CSP script hash instead of "
+    "'unsafe-inline'"))
+def test_a_signal_name_never_becomes_markup_in_the_report(public_tmp: Path) -> None:
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("chromium is not installed (.ci/run installs it)")
+    import numpy as np
+
+    from supervisor.replay.report import Page, Signal, png_grey, write
+
+    grey = png_grey(np.zeros((4, 4), np.uint8))
+    name = ("control_cmd.x<img src=x onerror=\"document.getElementById('verdict')"
+            ".textContent='INJECTED'\">")
+    page = Page("replay of drive", {"exit_code": 6}, frame_ids=[1, 2],
+                thumbs={1: grey, 2: grey},
+                signals=[Signal(name, {1: 1.0, 2: 2.0}, {1: 1.0, 2: 2.0})])
+    html = public_tmp / "report.html"
+    write(html, page)
+    r = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu",
+                        "--no-first-run", f"--user-data-dir={public_tmp / 'profile'}",
+                        "--virtual-time-budget=2000", "--dump-dom", html.as_uri()],
+                       capture_output=True, text=True, timeout=90, check=False)
+    assert 'id="verdict"' in r.stdout, r.stderr[-500:]
+    assert "INJECTED" not in r.stdout.split('id="verdict"', 1)[1].split("<", 1)[0]
