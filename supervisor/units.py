@@ -173,6 +173,34 @@ def unit_cgroup(unit: str = UNIT_NAME) -> str:
     return f"{CGROUP_MOUNT}/{SLICE}/{unit}"
 
 
+def exec_word(arg: str, *, command: bool = False) -> str:
+    """One argument of ExecStart= as systemd reads it back: `%` starts a specifier even
+    inside quotes (doubled), and so does `$` a variable in the arguments after the
+    command (doubled there; systemd leaves the command's own `$$` as two); a space, a
+    quote, a backslash or `;` needs double quotes with C escapes. An install prefix or
+    config path with a space in it (`/opt/trio sup`) otherwise became ExecStart=/opt/trio,
+    "not executable"."""
+    arg = arg.replace("%", "%%")
+    return _quoted(arg if command else arg.replace("$", "$$"))
+
+
+def path_word(path: str) -> str:
+    """One entry of a path-list setting (ReadWritePaths=, with its `-` prefix inside):
+    specifiers expand there too, variables do not."""
+    return _quoted(path.replace("%", "%%"))
+
+
+def _quoted(word: str) -> str:
+    if word and not any(c in word for c in " \t\n\"'\\;"):
+        return word
+    return '"' + word.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def _text(value: str) -> str:
+    """Free text (Description=): only specifiers are special."""
+    return value.replace("%", "%%")
+
+
 def _under(path: str, roots: tuple[str, ...]) -> bool:
     return any(path == r or path.startswith(r + "/") for r in roots)
 
@@ -199,7 +227,7 @@ def _render_host(cfg: Config, *, config_path: str | None, python: str | None = N
 
     py = target_python(python, prefix)
     conf_file = str(Path(config_path).resolve()) if config_path else None
-    conf = f" --config {conf_file}" if conf_file else ""
+    conf = f" --config {exec_word(conf_file)}" if conf_file else ""
     memory = sum(w.memory_max or 0 for w in cfg.workers.values())
     needs_net = any(d.network for d in cfg.domains.values())
     nofile = max((w.nofile or 0 for w in cfg.workers.values()), default=0)
@@ -212,14 +240,14 @@ def _render_host(cfg: Config, *, config_path: str | None, python: str | None = N
     if state.startswith("/var/lib/") and "/" not in state[len("/var/lib/"):]:
         state_lines = [f"StateDirectory={state[len('/var/lib/'):]}", "StateDirectoryMode=0700"]
     else:
-        state_lines = [f"ReadWritePaths=-{state}"]
+        state_lines = [f"ReadWritePaths={path_word('-' + state)}"]
     staging = ([f"RuntimeDirectory={STAGING[len('/run/'):]}", "RuntimeDirectoryMode=0755"]
                if STAGING.startswith("/run/") else [f"ReadWritePaths=-{STAGING}"])
     if broker:
         head = [
             "[Unit]",
             f"Description=trio broker: the privileged part of the supervisor, sandboxes of "
-            f"{len(cfg.workers)} workers from {cfg.source}",
+            f"{len(cfg.workers)} workers from {_text(cfg.source)}",
             f"Requires={BROKER_SOCKET_UNIT}",
             f"After=local-fs.target {BROKER_SOCKET_UNIT}",
             "",
@@ -227,7 +255,8 @@ def _render_host(cfg: Config, *, config_path: str | None, python: str | None = N
             "Type=simple",
             "# fd 3: the listening socket of the .socket unit; the broker accepts one",
             "# connection, from the supervisor proper's user only (SO_PEERCRED).",
-            f"ExecStart={py} -m supervisor.broker{conf} --state-dir {cfg.supervisor.state_dir}"
+            f"ExecStart={exec_word(py, command=True)} -m supervisor.broker{conf} --state-dir "
+            f"{exec_word(cfg.supervisor.state_dir)}"
             f" --listen-fd 3 --peer-user {SUPERVISOR_USER}",
             "Environment=PYTHONDONTWRITEBYTECODE=1",
             "Restart=on-failure",
@@ -238,14 +267,14 @@ def _render_host(cfg: Config, *, config_path: str | None, python: str | None = N
     else:
         head = [
             "[Unit]",
-            f"Description=trio supervisor: {len(cfg.workers)} sandboxed workers from {cfg.source}",
+            f"Description=trio supervisor: {len(cfg.workers)} sandboxed workers from {_text(cfg.source)}",
             "After=local-fs.target",
             "",
             "[Service]",
             "Type=notify",
             "NotifyAccess=main",
             "# --quiet: the journal has every event; a status line per second would flood it.",
-            f"ExecStart={py} -m supervisor.cli run --quiet{conf}",
+            f"ExecStart={exec_word(py, command=True)} -m supervisor.cli run --quiet{conf}",
             "Environment=PYTHONDONTWRITEBYTECODE=1",
             "WatchdogSec=2s",
             "Restart=on-failure",
@@ -361,12 +390,12 @@ def render_proper(cfg: Config, *, config_path: str | None, python: str | None = 
     privileged goes through the broker's socket."""
     py = target_python(python, prefix)
     conf_file = str(Path(config_path).resolve()) if config_path else None
-    conf = f" --config {conf_file}" if conf_file else ""
+    conf = f" --config {exec_word(conf_file)}" if conf_file else ""
     home = any(_under(p, _HOMES) for p in (py, conf_file or ""))
     return "\n".join([
         "# Generated by `supervisor units` from the config; regenerate, do not edit.",
         "[Unit]",
-        f"Description=trio supervisor proper: {len(cfg.workers)} workers from {cfg.source}, "
+        f"Description=trio supervisor proper: {len(cfg.workers)} workers from {_text(cfg.source)}, "
         "unprivileged",
         f"Requires={BROKER_SOCKET_UNIT}",
         f"After=local-fs.target {BROKER_SOCKET_UNIT}",
@@ -375,7 +404,7 @@ def render_proper(cfg: Config, *, config_path: str | None, python: str | None = 
         "Type=notify",
         "NotifyAccess=main",
         "# The broker's socket: every privileged act is its request (docs/broker.md).",
-        f"ExecStart={py} -m supervisor.cli run --quiet --broker {BROKER_SOCKET}{conf}",
+        f"ExecStart={exec_word(py, command=True)} -m supervisor.cli run --quiet --broker {BROKER_SOCKET}{conf}",
         "Environment=PYTHONDONTWRITEBYTECODE=1",
         "WatchdogSec=2s",
         "Restart=on-failure",

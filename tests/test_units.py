@@ -104,6 +104,39 @@ def test_a_simulation_config_gets_no_vehicle_unit(tmp_path):
     assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "u").exists()
 
 
+
+def _systemd_argv(exec_start: str) -> list[str]:
+    """ExecStart= split as systemd splits it (double quotes, C escapes), then `%%` (and,
+    after the command, `$$`) undone: what the service's argv would be."""
+    import shlex
+
+    words = [w.replace("%%", "%") for w in shlex.split(exec_start)]
+    return words[:1] + [w.replace("$$", "$") for w in words[1:]]
+
+
+def test_an_install_path_with_spaces_and_percent_survives_the_units(tmp_path):
+    """A prefix or config path with a space, `%` or non-ASCII in it used to go into
+    ExecStart= bare: systemd ran `/opt/trio` ("not executable"). Every unit quotes it."""
+    prefix = tmp_path / "opt x %h $HOME é"
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / "bin" / "python3").symlink_to(sys.executable)
+    conf = tmp_path / "car 1 %i.toml"
+    conf.write_text(dumps(minimal_doc()))
+    units = [*write_units(_plain(), tmp_path / "u", config_path=str(conf), prefix=str(prefix)),
+             *write_split_units(_plain(), tmp_path / "u", config_path=str(conf),
+                                prefix=str(prefix))]
+    starts = [_directives(u.read_text()).get("ExecStart") for u in units]
+    for (start,) in [x for x in starts if x]:
+        argv = _systemd_argv(start)
+        assert argv[0] == str(prefix / "bin" / "python3"), start
+        assert argv[argv.index("--config") + 1] == str(conf), start
+    assert len([x for x in starts if x]) == 3
+    if ANALYZE is not None:        # systemd itself finds the interpreter at that path
+        v = subprocess.run([ANALYZE, "verify", *(str(u) for u in units)],
+                           capture_output=True, text=True)
+        assert v.returncode == 0 and "not executable" not in v.stdout + v.stderr, \
+            v.stdout + v.stderr
+
 @needs_analyze
 def test_unit_verifies_and_is_hardened(tmp_path):
     (unit,) = write_units(_plain(), tmp_path, config_path=None,
