@@ -307,3 +307,30 @@ def test_a_signal_name_never_becomes_markup_in_the_report(public_tmp: Path) -> N
                        capture_output=True, text=True, timeout=90, check=False)
     assert 'id="verdict"' in r.stdout, r.stderr[-500:]
     assert "INJECTED" not in r.stdout.split('id="verdict"', 1)[1].split("<", 1)[0]
+
+
+# ------------------------------------------------------------------ log cat
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK: `supervisor log cat LOG FRAMES --format csv` writes a frame's pixel_format "
+    "from the log raw to the terminal: a hostile log's ESC ]0;...BEL ESC[2J (window "
+    "title, screen clear; OSC 52 would set the clipboard) reaches it, while log info "
+    "and the jsonl format escape it (logtool.render_info's own rule: nothing from a log "
+    "may act on the developer's terminal). fix: supervisor/replay/logtool.py rows(): "
+    "printable() every string from the log (or drivelog: a pixel_format outside the "
+    "known formats is a corrupt record)"))
+def test_log_cat_csv_never_writes_a_logs_control_characters(tmp_path: Path) -> None:
+    import numpy as np
+
+    from supervisor.replay.drivelog import LogWriter
+
+    w, h = 64, 48
+    log = LogWriter(tmp_path / "drive", ["road_frames"], video_codec="raw")
+    log.frame("road_frames", 1, 1, 11, 0, 0, 9000, w, h, "nv12\x1b]0;PWNED\x07\x1b[2J", "road",
+              (np.zeros((h, w), np.uint8), np.zeros((h // 2, w), np.uint8)))
+    log.close({})
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "log", "cat",
+                        str(tmp_path / "drive"), "road_frames", "--format", "csv"],
+                       cwd=REPO, capture_output=True, timeout=60, check=False)
+    assert r.returncode == 0 and b"PWNED" in r.stdout, (r.returncode, r.stderr[-300:])
+    assert not any(c < 0x20 and c not in b"\r\n" for c in r.stdout + r.stderr), r.stdout
