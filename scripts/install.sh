@@ -12,6 +12,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
+# Every sandbox runs as a domain user, a stranger to root's files: what this install
+# writes (the venv, the native module, pip's files) must be readable by others, whatever
+# the caller's umask (with 077 no worker could start).
+umask 022
 dev=0
 system=0
 case "${1:-}" in
@@ -21,6 +25,26 @@ case "${1:-}" in
     *) echo "install.sh: unknown option ${1} (use --dev or --system)" >&2; exit 2 ;;
 esac
 PREFIX="${TRIO_PREFIX:-/opt/trio-supervisor}"
+
+# The interpreter the package goes into (not --system, which makes its own venv): PYTHON
+# if given, else the active venv's, else `python`, else `python3` (Debian has no `python`).
+py="${PYTHON:-}"
+if [ -z "$py" ] && [ -n "${VIRTUAL_ENV:-}" ] && [ -x "$VIRTUAL_ENV/bin/python" ]; then
+    py="$VIRTUAL_ENV/bin/python"
+fi
+[ -z "$py" ] && py="$(command -v python || command -v python3 || true)"
+if [ $system -eq 0 ]; then
+    if [ -z "$py" ]; then
+        echo "install.sh: no python or python3 on PATH: apt-get install python3 python3-venv, make a venv (python3 -m venv DIR; . DIR/bin/activate) and run this again" >&2
+        exit 2
+    fi
+    # Debian's own interpreter refuses pip (PEP 668, "externally-managed-environment"):
+    # say so before installing anything, with what to do instead.
+    if "$py" -c 'import os, sys, sysconfig; sys.exit(sys.prefix == sys.base_prefix and os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")))'; then :; else
+        echo "install.sh: $py is the system's Python (externally managed): pip may not install into it; make a venv and run this in it: apt-get install python3-venv; python3 -m venv /opt/trio-dev; . /opt/trio-dev/bin/activate; bash scripts/install.sh (or the vehicle install: bash scripts/install.sh --system)" >&2
+        exit 2
+    fi
+fi
 UNIT_DIR="${TRIO_UNIT_DIR:-/etc/systemd/system}"
 
 sudo=""
@@ -32,8 +56,10 @@ command -v unshare >/dev/null || need+=(util-linux)   # staging mount namespace
 ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2' || need+=(libseccomp2)
 # The bridge's native module (memory ordering, hot path) is compiled at install.
 command -v gcc >/dev/null || need+=(gcc)
-python -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
-    2>/dev/null || need+=(python3-dev)
+if [ $system -eq 0 ]; then
+    "$py" -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+        2>/dev/null || need+=(python3-dev)
+fi
 [ -e /usr/include/zlib.h ] || need+=(zlib1g-dev)      # its CRC-32 (crc32_z)
 if [ $dev -eq 1 ]; then
     command -v systemd-analyze >/dev/null || need+=(systemd)
@@ -81,6 +107,7 @@ if [ $system -eq 1 ]; then
     [ -x "$PREFIX/bin/python3" ] || $sudo "$base" -m venv "$PREFIX"
     # A real install, not a link into this checkout: the car runs what was installed.
     $sudo "$PREFIX/bin/python3" -m pip install -q --upgrade "$(pwd)[research]"
+    (cd / && "$PREFIX/bin/python3" -m supervisor.startcheck --installed) || exit 2
     # The supervisor proper of the split units (issue 27): no home, no shell, no
     # capabilities; it reaches root only through the broker's socket.
     if ! getent passwd trio-supervisor >/dev/null; then
@@ -98,9 +125,20 @@ if [ $system -eq 1 ]; then
     echo "installed: $PREFIX (venv), $UNIT_DIR/trio-supervisor.service and the split units (verified)"
     echo "enable:    systemctl daemon-reload && systemctl enable --now trio-supervisor"
     echo "   or, split (root only in the broker): systemctl enable --now trio-broker.socket trio-supervisor-proper"
-    echo "remove:    systemctl disable --now trio-supervisor; rm $UNIT_DIR/trio-supervisor.service; rm -r $PREFIX"
-elif [ $dev -eq 1 ]; then
-    python -m pip install -q -e '.[dev,research,replay,fleet]'
+    echo "remove:    systemctl disable --now trio-supervisor trio-broker.socket trio-supervisor-proper; (cd $UNIT_DIR && rm trio-supervisor.service trio-broker.socket trio-broker.service trio-supervisor-proper.service); systemctl daemon-reload; rm -r $PREFIX /var/lib/trio-supervisor; userdel trio-supervisor; userdel trio-control; userdel trio-research"
 else
-    python -m pip install -q -e '.[research,replay]'
+    if [ $dev -eq 1 ]; then
+        "$py" -m pip install -q -e '.[dev,research,replay,fleet]'
+    else
+        "$py" -m pip install -q -e '.[research,replay]'
+    fi
+    # The install as the sandboxes will see it: readable by the domain users, schemas
+    # loadable from this path, `supervisor` imported from this checkout. One line each.
+    here="$(pwd)"
+    (cd / && "$py" -m supervisor.startcheck --installed --checkout "$here") || exit 2
+    bin="$("$py" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')/supervisor"
+    echo "installed: $(pwd) (editable) into $("$py" -c 'import sys; print(sys.prefix)')"
+    if ! command -v supervisor >/dev/null; then
+        echo "note:      \`supervisor\` is not on this PATH: run $bin, or activate its venv" >&2
+    fi
 fi

@@ -217,3 +217,126 @@ def start_check(cfg: Config, *, timeout_s: float | None = None,
     for ev in log.of("limits_not_enforced"):
         lines.append(f"limits: {ev.get('reason') or ev.get('detail') or ev}")
     return code, lines
+
+
+# --- The installation as the sandboxes see it (`python -m supervisor.startcheck
+# --installed`, the last step of scripts/install.sh). Each sandbox runs as a domain user
+# (trio-control, trio-research): to the kernel a stranger to root's files. A checkout, a
+# venv or a pip install made under umask 077 is mode 0700/0600, which `supervisor check`
+# reports per worker as "bwrap: execvp ...: Permission denied" and `run` as a worker that
+# never starts; here it is one line per tree, with the command that fixes it.
+
+# Walking a tree stops after this many entries (a full venv with torch is ~20k files):
+# a umask mistake shows on the tree's first entries.
+_WALK_LIMIT = 50_000
+
+
+def stranger_cannot_read(root: str) -> str | None:
+    """The first path under `root` (itself included) that a user with only the 'other'
+    permission bits cannot read (a file) or list and enter (a directory); None if all
+    can be. Symlinks are not followed (their targets are checked where they live)."""
+    seen = 0
+    for top, dirs, files in os.walk(root, onerror=None):
+        dirs[:] = [d for d in dirs if d not in ("__pycache__", ".git")]
+        try:
+            if os.stat(top).st_mode & 0o005 != 0o005:
+                return top
+        except OSError:
+            continue
+        for f in files:
+            p = os.path.join(top, f)
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            if not os.path.islink(p) and st.st_mode & 0o004 == 0:
+                return p
+        seen += len(files) + 1
+        if seen > _WALK_LIMIT:
+            break
+    return None
+
+
+def _mode(path: str) -> str:
+    try:
+        return f"{os.stat(path).st_mode & 0o777:04o}"
+    except OSError:
+        return "?"
+
+
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def install_problems(checkout: str | None = None) -> list[str]:
+    """What would keep every sandbox from starting although the install succeeded, one
+    line each, saying what to do: a tree the domain users cannot read, schemas the
+    package cannot load here, a `supervisor` imported from somewhere other than
+    `checkout` (an editable install: another checkout or interpreter won)."""
+    import subprocess
+    import sys
+
+    from supervisor.sandbox.policy import project_packages, python_dirs
+
+    problems: list[str] = []
+    import supervisor
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(supervisor.__file__)))
+    if checkout is not None and os.path.realpath(root) != os.path.realpath(checkout):
+        problems.append(f"{sys.executable} imports supervisor from {root}, not from "
+                        f"{checkout}: run the install with the interpreter you will run "
+                        f"(activate the venv first)")
+    # Whole trees: the project's packages (the fix: the checkout), and the venv when
+    # there is one (its site-packages is what pip just wrote). The base interpreter's
+    # tree is not walked (large, not written by this install): its prefix directories
+    # and executable are looked at alone. One line per tree to fix, its first path.
+    groups: list[tuple[str, str | None]] = [
+        (root, next((b for b in map(stranger_cannot_read, project_packages(root)) if b), None))]
+    if sys.prefix != sys.base_prefix:
+        groups.append((sys.prefix, stranger_cannot_read(sys.prefix)))
+    for top in [*python_dirs(), os.path.realpath(sys.executable)]:
+        if not any(_within(top, g) for g, _ in groups):
+            groups.append((top, top if os.stat(top).st_mode & 0o005 != 0o005 else None))
+    for tree, path in groups:
+        if path is not None:
+            problems.append(f"{path} is mode {_mode(path)}: the sandboxes' users "
+                            f"(trio-control, trio-research) cannot read it, so no worker "
+                            f"starts (made under umask 077?): chmod -R go+rX {tree}")
+    # Load every schema in a child: pycapnp aborts the whole process (C++ terminate, no
+    # Python exception) when an import directory is not ASCII (2.2.4 cuts the path by
+    # its extra UTF-8 bytes), which would otherwise first show as `supervisor check`
+    # dying with SIGABRT.
+    probe = ("import schemas, pathlib\n"
+             "for p in sorted(schemas.SCHEMA_DIR.glob('*.capnp')): schemas.load(p.stem)\n"
+             "import supervisor.replay.logfmt\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                       errors="replace", cwd="/")
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        hint = ("; its path is not ASCII, which pycapnp 2.2.4 cannot import from: use a "
+                "checkout path of ASCII characters" if not root.isascii() else "")
+        problems.append(f"the package cannot load its Cap'n Proto schemas from {root} "
+                        f"(exit {r.returncode}: {last}){hint}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m supervisor.startcheck --installed [--checkout DIR]``: the install's
+    last step. Exit 0, or 2 with one line per problem on stderr."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m supervisor.startcheck")
+    p.add_argument("--installed", action="store_true", required=True,
+                   help="check the installation as the sandboxes will see it")
+    p.add_argument("--checkout", default=None,
+                   help="the checkout an editable install must import from")
+    args = p.parse_args(argv)
+    problems = install_problems(args.checkout)
+    for line in problems:
+        print(f"install: {line}", file=sys.stderr)
+    return int(Exit.CONFIG) if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
