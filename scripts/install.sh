@@ -123,6 +123,7 @@ if [ $system -eq 1 ]; then
             "$UNIT_DIR/trio-supervisor-proper.service"
     fi
     echo "installed: $PREFIX (venv), $UNIT_DIR/trio-supervisor.service and the split units (verified)"
+    echo "check:     $PREFIX/bin/supervisor check --start   (the installed copy: every worker READY, stopped)"
     echo "enable:    systemctl daemon-reload && systemctl enable --now trio-supervisor"
     echo "   or, split (root only in the broker): systemctl enable --now trio-broker.socket trio-supervisor-proper"
     echo "remove:    systemctl disable --now trio-supervisor trio-broker.socket trio-supervisor-proper; (cd $UNIT_DIR && rm trio-supervisor.service trio-broker.socket trio-broker.service trio-supervisor-proper.service); systemctl daemon-reload; rm -r $PREFIX /var/lib/trio-supervisor; userdel trio-supervisor; userdel trio-control; userdel trio-research"
