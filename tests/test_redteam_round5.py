@@ -256,6 +256,36 @@ def test_replay_never_writes_where_another_user_points_it(public_tmp: Path, case
         assert not list(run.iterdir()), (sorted(x.name for x in run.iterdir()), r.stderr)
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK: `supervisor record OUT` (root) follows an OUT that is another user's "
+    "symlink to an empty root directory: prepare_out() chmods it 0755 and chowns it to "
+    "the recorder's host user (trio-research: every research sandbox's uid) and writes "
+    "source.toml in it; an empty root dir on root's PATH (/usr/local/sbin on Debian) "
+    "handed to research this way is root code execution for a hostile research worker. "
+    "fix: supervisor/replay/record.py prepare_out(): lstat OUT (refuse a symlink others "
+    "own), refuse an existing OUT, or the parent of a new one, not owned by the caller or "
+    "writable by group/others; chmod/chown by the fd of the directory it made "
+    "(O_NOFOLLOW|O_DIRECTORY)"))
+def test_record_never_gives_the_recorder_a_dir_another_user_points_it_to(
+        public_tmp: Path) -> None:
+    private = public_tmp / "private"            # root's, 0700, empty
+    private.mkdir(mode=0o700)
+    att = public_tmp / "att"
+    att.mkdir()
+    os.chown(att, NOBODY, NOBODY)
+    out = att / "drive"
+    p = _as_nobody("os.symlink(sys.argv[1], sys.argv[2])", str(private), str(out))
+    assert p.wait(30) == 0, p.stderr.read()
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "record", str(out),
+                        "--config", str(_config_the_loader_refuses(public_tmp)),
+                        "--seconds", "1"], cwd=REPO, capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-300:]
+    st = private.stat()
+    assert (st.st_uid, st.st_mode & 0o777) == (0, 0o700) and not list(private.iterdir()), \
+        (st.st_uid, oct(st.st_mode), sorted(x.name for x in private.iterdir()))
+
+
 # ------------------------------------------------------------------ --plot
 
 @pytest.mark.xfail(strict=True, reason=(
