@@ -111,6 +111,7 @@ class _Watch:
         self.all_ready = False
         self.exit: dict | None = None
         self.failed = False
+        self.interrupted = ""          # SIGTERM/SIGINT seen: the check was stopped, not passed
         self._seen = 0
 
     def update(self, events: list[dict]) -> None:
@@ -124,6 +125,8 @@ class _Watch:
             self.all_ready = True
         elif kind == "supervisor_exit":
             self.exit = ev
+        elif kind == "signal" and not self.interrupted:
+            self.interrupted = str(ev.get("signal") or "a signal")
         w = self.workers.get(name or "")
         if w is None:
             return
@@ -189,6 +192,17 @@ async def _drive(cfg: Config, log: EventLog, watch: _Watch, timeout_s: float,
     return Exit.SHUTDOWN
 
 
+def _bug_line(e: BaseException) -> str:
+    """The innermost exception of a (trio) exception group, where it was raised."""
+    import traceback
+
+    while isinstance(e, BaseExceptionGroup) and e.exceptions:
+        e = e.exceptions[0]
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" ({tb[-1].filename}:{tb[-1].lineno})" if tb else ""
+    return f"{type(e).__name__}: {e}{where}"
+
+
 def start_check(cfg: Config, *, timeout_s: float | None = None,
                 progress: TextIO | None = None) -> tuple[Exit, list[str]]:
     """Start `cfg` as `run` would, stop it, and return (exit code, one line per worker
@@ -202,15 +216,29 @@ def start_check(cfg: Config, *, timeout_s: float | None = None,
         try:
             log = EventLog(stream=devnull, keep=True)
             watch = _Watch(cfg)
-            code = trio.run(_drive, cfg, log, watch, timeout_s, progress)
+            try:
+                code = trio.run(_drive, cfg, log, watch, timeout_s, progress)
+            except Exception as e:     # a bug in the start or the stop: a line, not a traceback
+                code, crash = Exit.ERROR, _bug_line(e)
+            else:
+                crash = ""
         finally:
             if old is None:
                 os.environ.pop("TRIO_STATE_DIR", None)
             else:
                 os.environ["TRIO_STATE_DIR"] = old
+    watch.update(log.events)
     lines = [w.line() for w in watch.workers.values()]
     ex = watch.exit or {}
-    if code != Exit.SHUTDOWN and not any(w.failure for w in watch.workers.values()):
+    if watch.interrupted:
+        # systemd's or the operator's stop (the ordered stop ran): not a pass.
+        lines.append(f"supervisor: stopped by {watch.interrupted} before the check ended")
+        if code == Exit.SHUTDOWN:
+            code = Exit.START_FAILED
+    if crash:
+        lines.append(f"supervisor: internal error: {crash}")
+    elif (code != Exit.SHUTDOWN and not watch.interrupted
+          and not any(w.failure for w in watch.workers.values())):
         lines.append(f"supervisor: {ex.get('reason', 'stopped')} (exit {int(code)})")
     for ev in log.of("config_problem"):
         lines.append(f"config: {ev.get('problem')}")

@@ -1,0 +1,57 @@
+"""`supervisor check --start` stopped the way systemd or an operator stops it (SIGTERM,
+then a second one): the ordered stop runs, the check does not pass, and what the operator
+sees is one line per worker plus who stopped it, never a traceback. (Seen: SIGTERM during
+the start ended in a 40-line ExceptionGroup traceback from the stop.)"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.sandbox
+if shutil.which("bwrap") is None or os.geteuid() != 0:
+    pytest.skip("starting sandboxes needs bubblewrap and root", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[1]
+# One worker that says READY late: the check is still waiting when the signal comes.
+CONFIG = """
+[domains.control]
+failure_policy = "restart"
+[workers.slow]
+domain = "control"
+module = "workers.probe"
+args = ["--ready-delay-ms", "60000"]
+ready_timeout_ms = 60000
+restart = "never"
+"""
+
+
+def test_sigterm_twice_stops_the_check_in_order_and_it_does_not_pass(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG)
+    env = {**os.environ, "TRIO_STATE_DIR": str(tmp_path / "vehicle-state")}
+    p = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "check", "--start",
+                          "--config", str(cfg)], cwd=ROOT, env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        # `check` prints its static verdict before --start begins
+        while "all admitted" not in (line := p.stdout.readline()):
+            assert line, "check ended before --start began"
+        time.sleep(1.0)
+        p.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert "Traceback" not in err, err
+    assert p.returncode == 5, out + err                    # Exit.START_FAILED: not a pass
+    assert "stopped by SIGTERM before the check ended" in err, err
+    assert "all 1 workers READY" not in out
+    assert not (tmp_path / "vehicle-state").exists()
