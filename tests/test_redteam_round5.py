@@ -63,7 +63,15 @@ domain = "control"
 module = "workers.probe"
 publishes = ["a_out"]
 args = ["--publish", "a_out"]
+[domains.research]
+user = "trio-research"
+extra_rw_binds = ["{rw}"]
+[workers.r]
+domain = "research"
+module = "workers.probe.attacks_redteam5"
+args = ["--attack", "sparse_log", "--path", "{rw}/messages.tlog", "--size", "{size}"]
 """
+SPARSE = 4 << 30          # the recorder's messages file, made sparse from its sandbox
 
 # The compromised supervisor proper: imports as root (the interpreter is under /root,
 # 0700), drops to nobody as `run --privsep` does, then asks the broker for the /proc
@@ -119,21 +127,46 @@ for pid in pids:
             except OSError as e:
                 out["mem_write"] = errno.errorcode.get(e.errno, str(e.errno))
 c.kill_sandbox("a", 1)
+# The recorder-like research worker: it truncates its own log's messages file. Its
+# ATTACK line comes on the output pipe the broker handed over.
+r = c.start("r", 1, handles={})
+buf, end = b"", time.monotonic() + 60
+while time.monotonic() < end and b"ATTACK " not in buf:
+    try:
+        buf += os.read(r.out_r, 65536)
+    except BlockingIOError:
+        time.sleep(0.05)
+line = next((ln for ln in buf.decode("utf-8", "replace").splitlines() if ln.startswith("ATTACK ")), "")
+out["sparse"] = json.loads(line[7:]) if line else {"missing": buf.decode("utf-8", "replace")[-500:]}
+c.kill_sandbox("r", 1)
 print(json.dumps(out))
 """
 
 
 @pytest.fixture(scope="module")
-def proper_views(tmp_path_factory) -> dict:
+def proper_views(tmp_path_factory):
     """One broker (root, as `run --privsep` spawns it); the supervisor proper, dropped
     to nobody, starts one control sandbox through it and reads the /proc views the
     broker hands it."""
     _need_root_and_bwrap()
     from supervisor.broker import BrokerClient
 
+    import pwd
+
+    from tests.test_replay_format import write_log
+
     d = tmp_path_factory.mktemp("rt5broker")
+    # The recorder's log directory: research's own (an rw bind), under a directory its
+    # user can reach (pytest's tmp dirs are 0700 root).
+    pub = Path(tempfile.mkdtemp(prefix="rt5-broker-"))
+    pub.chmod(0o755)
+    rw = pub / "log"
+    write_log(rw, n=2)
+    research = pwd.getpwnam("trio-research")
+    for f in (rw, *rw.iterdir()):
+        os.chown(f, research.pw_uid, research.pw_gid)
     cfg = d / "broker.toml"
-    cfg.write_text(_BROKER_TOML)
+    cfg.write_text(_BROKER_TOML.replace("{rw}", str(rw)).replace("{size}", str(SPARSE)))
     state = d / "state"
     state.mkdir(mode=0o700)
     err = open(d / "broker.err", "w")
@@ -150,7 +183,9 @@ def proper_views(tmp_path_factory) -> dict:
         code = client.close()
         err.close()
     got["broker_exit"] = code
-    return got
+    got["log"] = str(rw)
+    yield got
+    shutil.rmtree(pub, ignore_errors=True)
 
 
 @pytest.mark.xfail(strict=True, reason=(
@@ -289,29 +324,26 @@ def test_record_never_gives_the_recorder_a_dir_another_user_points_it_to(
 @pytest.mark.xfail(strict=True, reason=(
     "BREAK: a log file's apparent size decides how much memory its reader takes: "
     "logfmt.read_regular reads the whole file (read_stream, read_entries, every "
-    "DriveLog.open): a sparse messages.tlog of 4 GiB (76 KiB on disk) made `supervisor "
-    "log info` allocate it all (under a 1 GiB address-space limit: a MemoryError "
-    "traceback; without one, 4 GiB of zeros in memory). The recorder (a research "
-    "sandbox, rw on RUN/log) can ftruncate its messages file so, and the root replay "
-    "reads RUN/log after the run: host memory outside research's cgroup. fix: "
-    "supervisor/replay/logfmt.py read_stream: read in bounded chunks (or mmap), and "
-    "open_regular: refuse a file whose st_blocks*512 is far below st_size (holes are "
-    "not records) or above a size cap, as a LogError in one line"))
-def test_a_sparse_log_file_never_becomes_memory(tmp_path: Path) -> None:
+    "DriveLog.open). A research worker in a real sandbox (the recorder's place: its "
+    "log directory is its rw bind) ftruncated its messages.tlog to 4 GiB (no new blocks "
+    "on disk); `supervisor log info` of it, as root, allocated it all (under a 1 GiB "
+    "address-space limit: a MemoryError traceback; without one, 4 GiB of zeros). The "
+    "root replay and record read RUN/log after the run the same way: host memory "
+    "outside research's cgroup. fix: supervisor/replay/logfmt.py read_stream: read in "
+    "bounded chunks (or mmap), and open_regular: refuse a file far sparser than its "
+    "size (st_blocks*512 << st_size) or above a cap, as a LogError in one line"))
+def test_a_recorders_sparse_log_never_becomes_the_readers_memory(proper_views) -> None:
     import resource
 
-    from tests.test_replay_format import write_log
-
-    log = tmp_path / "drive"
-    write_log(log, n=2)
-    os.truncate(log / "messages.tlog", 4 << 30)          # holes: nothing on disk
+    sparse = proper_views["sparse"]
+    assert sparse.get("size") == SPARSE, sparse             # done from inside the sandbox
 
     def limit() -> None:                                  # never more than 1 GiB here
         resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
 
-    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "log", "info", str(log)],
-                       cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
-                       preexec_fn=limit)
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "log", "info",
+                        proper_views["log"]], cwd=REPO, capture_output=True, text=True,
+                       timeout=120, check=False, preexec_fn=limit)
     assert "MemoryError" not in r.stdout + r.stderr and "Traceback" not in r.stderr, \
         (r.returncode, r.stderr[-300:])
     assert r.returncode in (0, 2), (r.returncode, r.stderr[-300:])
