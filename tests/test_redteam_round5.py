@@ -136,8 +136,9 @@ while time.monotonic() < end and b"ATTACK " not in buf:
         buf += os.read(r.out_r, 65536)
     except BlockingIOError:
         time.sleep(0.05)
-line = next((ln for ln in buf.decode("utf-8", "replace").splitlines() if ln.startswith("ATTACK ")), "")
-out["sparse"] = json.loads(line[7:]) if line else {"missing": buf.decode("utf-8", "replace")[-500:]}
+text = buf.decode("utf-8", "replace")
+line = next((ln for ln in text.splitlines() if ln.startswith("ATTACK ")), "")
+out["sparse"] = json.loads(line[7:]) if line else {"missing": text[-500:]}
 c.kill_sandbox("r", 1)
 print(json.dumps(out))
 """
@@ -258,7 +259,8 @@ def _config_the_loader_refuses(d: Path) -> Path:
     "report.html written by path: nobody's links summary.json/report.html -> a root file "
     "made root overwrite it with the report, seen in a full run); a RUN that is nobody's "
     "symlink to an empty root dir is followed: root chmods that dir 0755 and fills it. "
-    "fix: supervisor/replay/run.py replay(): lstat RUN (refuse a symlink others own), refuse a RUN, "
+    "fix: supervisor/replay/run.py replay(): lstat RUN (refuse a symlink others own), "
+    "refuse a RUN, "
     "or the parent of a new one, not owned by the caller or writable by group/others (as "
     "log cut's OUT and the broker's state dir), then work through a dir fd; "
     "commands.py: write summary/diff/report with O_NOFOLLOW"))
