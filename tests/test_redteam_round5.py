@@ -212,6 +212,110 @@ def test_the_mem_view_the_broker_hands_over_is_read_only(proper_views) -> None:
     assert proper_views["broker_exit"] == 0, proper_views
 
 
+# An impostor: a local user (nobody, not root) listening where `run --broker SOCKET`
+# is told to connect. It answers ping, and keeps whatever fds a start request brings.
+_IMPOSTOR = r"""
+import json, mmap, os, socket, sys
+from supervisor.broker import _protocol as P
+path = sys.argv[1]
+os.setgroups([]); os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)
+os.umask(0)
+ls = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+ls.bind(path)
+ls.listen(1)
+print("listening", flush=True)
+ls.settimeout(60)
+conn, _ = ls.accept()
+out = {"requests": [], "fds": 0, "segment_written": False}
+while True:
+    got = P.recv(conn)
+    if got is None:
+        break
+    data, fds = got
+    rid, req = P.decode_request(data)
+    out["requests"].append(P.kind_of(req))
+    out["fds"] += len(fds)
+    if fds and not out["segment_written"]:
+        try:                              # the channel's segment: map it and write
+            m = mmap.mmap(fds[0], os.fstat(fds[0]).st_size)
+            m[64:72] = b"IMPOSTOR"
+            out["segment_written"] = True
+        except (OSError, ValueError) as e:
+            out["segment_error"] = str(e)
+    reply = P.Ok() if P.kind_of(req) == "ping" else P.Error("refused", "impostor")
+    P.send(conn, P.encode_reply(rid, reply))
+print(json.dumps(out), flush=True)
+"""
+
+# The supervisor proper of the split units: `run --broker SOCKET` as the unprivileged
+# user (imports first: the interpreter is under /root, 0700), then what the lifecycle
+# does first, a worker's start with its channel handles.
+_BROKER_PROPER = r"""
+import json, os, sys
+from supervisor.config import load
+from supervisor.ipc.channel import Channel
+from supervisor.lifecycle._privsep import (PrivsepError, connect_broker, drop_privileges,
+                                           proper_ids)
+path, cfg_path = sys.argv[1], sys.argv[2]
+cfg = load(cfg_path)
+ch = Channel.create(cfg.channel_specs()["a_out"])
+uid, gid, _ = proper_ids()
+drop_privileges(uid, gid)              # as the unit leaves it: no capability in any set
+out = {}
+try:
+    p = connect_broker(cfg, path)
+    out["connected"] = True
+    try:
+        p.client.start("a", 1, handles={"a_out": ch.writer_handle()})
+    except Exception as e:
+        out["start"] = getattr(e, "code", type(e).__name__)
+    p.client.close()
+except PrivsepError as e:
+    out["connected"] = False
+    out["refused"] = str(e)
+print(json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK: `run --broker SOCKET` never asks who is listening: connect_broker() pings "
+    "whatever answers, and the first start hands it the worker's channel fds. An "
+    "impostor running as nobody (not root) was taken for the broker and got the "
+    "actuation channel's read-write segment, mapped it and wrote into it. Only a socket "
+    "path another user can bind is exposed (the unit's /run/trio-broker is root's), but "
+    "the broker authenticates its peer by SO_PEERCRED and the proper does not. fix: "
+    "supervisor/lifecycle/_privsep.py connect_broker: SO_PEERCRED of the connected "
+    "socket must be uid 0 (the broker's), else PrivsepError in one line"))
+def test_the_proper_never_hands_its_channels_to_a_broker_that_is_not_root(
+        public_tmp: Path) -> None:
+    _need_root_and_bwrap()
+    cfg = public_tmp / "broker.toml"
+    cfg.write_text(_BROKER_TOML.split("[domains.research]")[0])
+    cfg.chmod(0o644)
+    run_dir = public_tmp / "run"              # where the impostor may bind
+    run_dir.mkdir()
+    os.chown(run_dir, NOBODY, NOBODY)
+    sock = run_dir / "broker.sock"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    imp = subprocess.Popen([sys.executable, "-c", _IMPOSTOR, str(sock)], cwd="/", env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert imp.stdout.readline().strip() == "listening", imp.stderr.read()[-500:]
+        p = subprocess.run([sys.executable, "-c", _BROKER_PROPER, str(sock), str(cfg)],
+                           cwd="/", env=env, capture_output=True, text=True, timeout=60,
+                           check=False)
+        assert p.returncode == 0, p.stderr[-1000:]
+        proper = json.loads(p.stdout.strip().splitlines()[-1])
+        got = json.loads(imp.communicate(timeout=30)[0].strip().splitlines()[-1])
+    finally:
+        if imp.poll() is None:
+            imp.kill()
+            imp.wait()
+    assert not proper["connected"] and got["fds"] == 0 and not got["segment_written"], \
+        (proper, got)
+
+
 # ------------------------------------------------------------------ supervisor units
 
 @pytest.mark.xfail(strict=True, reason=(
