@@ -85,3 +85,32 @@ def test_install_on_debians_own_python_says_make_a_venv_before_touching_anything
     assert p.stdout == ""
     (line,) = p.stderr.strip().splitlines()
     assert "externally managed" in line and "python3 -m venv" in line, line
+
+
+CONTROL_ONLY = """
+[domains.control]
+failure_policy = "restart"
+[workers.one]
+domain = "control"
+module = "workers.probe"
+"""
+
+
+@pytest.mark.sandbox
+@pytest.mark.skipif(shutil.which("bwrap") is None or os.geteuid() != 0,
+                    reason="starting sandboxes needs bubblewrap and root")
+@pytest.mark.xfail(strict=True, reason="supervisor/sandbox/staging.py makes the filtered "
+                   "site-packages view under the caller's umask (fix: 'umask 022' first in "
+                   "Staging.create's script); remove this mark with that fix")
+def test_check_start_from_a_shell_with_umask_077(tmp_path):
+    """An operator's root shell with umask 077: `supervisor check` said every sandbox was
+    ok, then `check --start` and `run` failed every control worker with 'seccomp
+    unavailable: need ... pyseccomp' (installed): the overlay that hides refused
+    distributions took its root's mode, 0700, from the caller's umask."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONTROL_ONLY)
+    p = subprocess.run(["sh", "-c", 'umask 077; exec "$0" -m supervisor.cli check --start '
+                        '--config "$1"', sys.executable, str(cfg)], cwd="/", timeout=120,
+                       capture_output=True, text=True,
+                       env={**os.environ, "TRIO_STATE_DIR": str(tmp_path / "state")})
+    assert p.returncode == 0, p.stdout + p.stderr
