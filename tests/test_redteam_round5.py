@@ -18,6 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -316,6 +317,56 @@ def test_the_proper_never_hands_its_channels_to_a_broker_that_is_not_root(
         (proper, got)
 
 
+# ------------------------------------------------------------------ the last word
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK: the dead actuation writer leaves its header's last_seq at SEQ_HONEST-1 "
+    "(below the bound, so Writer._attach continues it): the supervisor's SAFE is "
+    "numbered SEQ_HONEST, far above every honest reader (at 4), which refuses it as "
+    "sequence_jump; no reader is 'further on' than the segment, so no second SAFE: the "
+    "actuator never hears SAFE. fix: supervisor/ipc/writer.py Writer._attach: with "
+    "above_readers (the last word), continue the segment's words only below "
+    "SEQ_HONEST-1 (bound = SEQ_HONEST - 1), so the SAFE is at most SEQ_HONEST-1 and "
+    "taken by every reader; or failsafe.publish_safe: when base+1 >= SEQ_HONEST, number "
+    "the SAFE from the highest trusted position instead"))
+def test_the_last_word_is_heard_after_a_last_seq_at_the_honest_bound(make_channel) -> None:
+    """Real shared memory, the real Writer, Reader and publish_safe (round 4's row 2
+    pattern); the writer's own header is the only thing the attacker touches."""
+    from schemas.payloads import CONTROL_CMD
+    from supervisor.failsafe import publish_safe
+    from supervisor.ipc import Reader, Writer
+    from supervisor.ipc import layout as L
+    from supervisor.ipc.errors import Rejected
+
+    ch = make_channel(name="control_cmd", slot_size=4096, dtype="float32", max_readers=2,
+                      slot_count=8)
+    w = Writer(ch.writer_handle(), domain="control", seal=False)
+    r = Reader(ch.reader_handle(0))
+
+    def drain() -> list[object]:
+        out: list[object] = []
+        while True:
+            try:
+                m = r.try_receive()
+            except Rejected as e:
+                out.append(e.reason)
+                continue
+            if m is None:
+                return out
+            with m:
+                out.append(CONTROL_CMD.decode(np.array(m.array)))
+
+    for _ in range(4):
+        w.publish_array(CONTROL_CMD.encode(steer_rad=0.1, engaged=1.0))
+    assert len(drain()) == 4
+    L.U64.pack_into(w._buf, L.OFF_LAST_SEQ, L.SEQ_HONEST - 1)   # the dying writer's word
+    w.close()
+    publish_safe(ch, "control_cmd", (0, 1))        # the control reader and the monitor
+    seen = drain()
+    assert seen and isinstance(seen[-1], dict) and seen[-1]["engaged"] == 0.0, \
+        (seen, dict(r.stats.rejected))
+
+
 # ------------------------------------------------------------------ supervisor units
 
 @pytest.mark.xfail(strict=True, reason=(
@@ -489,8 +540,6 @@ def test_a_signal_name_never_becomes_markup_in_the_report(public_tmp: Path) -> N
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         pytest.skip("chromium is not installed (.ci/run installs it)")
-    import numpy as np
-
     from supervisor.replay.report import Page, Signal, png_grey, write
 
     grey = png_grey(np.zeros((4, 4), np.uint8))
@@ -520,8 +569,6 @@ def test_a_signal_name_never_becomes_markup_in_the_report(public_tmp: Path) -> N
     "printable() every string from the log (or drivelog: a pixel_format outside the "
     "known formats is a corrupt record)"))
 def test_log_cat_csv_never_writes_a_logs_control_characters(tmp_path: Path) -> None:
-    import numpy as np
-
     from supervisor.replay.drivelog import LogWriter
 
     w, h = 64, 48
