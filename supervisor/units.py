@@ -75,6 +75,7 @@ AF_UNIX only: 0.2 (`PROPER_EXPOSURE` names the three items left).
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from supervisor.config import Config
@@ -161,10 +162,12 @@ _DEFAULT_NOFILE_HARD = 524288     # systemd's default hard RLIMIT_NOFILE for ser
 
 
 def target_python(python: str | None = None, prefix: str | None = None) -> str:
-    """The install target's interpreter: ``python`` as given, else PREFIX/bin/python3."""
+    """The install target's interpreter: ``python`` as given, else PREFIX/bin/python3.
+    A relative path is made absolute (systemd refuses `ExecStart=venv/bin/python3`:
+    "Neither a valid executable name nor an absolute path"); a bare name stays one."""
     if python:
-        return python
-    return str(Path(prefix or DEFAULT_PREFIX) / "bin" / "python3")
+        return os.path.abspath(python) if "/" in python else python
+    return os.path.join(os.path.abspath(prefix or DEFAULT_PREFIX), "bin", "python3")
 
 
 def unit_cgroup(unit: str = UNIT_NAME) -> str:

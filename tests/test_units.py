@@ -76,6 +76,9 @@ def test_renders_for_the_install_target():
     assert d2["ExecStart"] == ["/usr/bin/python3 -m supervisor.cli run --quiet"]
     d3 = _directives(render(load(), config_path=None, prefix="/opt/venv"))
     assert d3["ExecStart"] == ["/opt/venv/bin/python3 -m supervisor.cli run --quiet"]
+    # systemd takes no relative ExecStart: --prefix venv is the venv here, absolute
+    rel = _directives(render(load(), config_path=None, prefix="venv"))
+    assert rel["ExecStart"] == [f"{os.getcwd()}/venv/bin/python3 -m supervisor.cli run --quiet"]
     # an interpreter under /root (development) keeps home directories readable
     d4 = _directives(render(load(), config_path=None, python="/root/.pyenv/bin/python"))
     assert d4["ProtectHome"] == ["read-only"]
