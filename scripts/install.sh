@@ -9,6 +9,7 @@
 #                                    # outside any home, the domain users, the state dir,
 #                                    # and the systemd unit written and verified
 #                                    # (docs/vehicle.md: enable, remove)
+# Not --system: into PYTHON if set, else the active venv, else `python`, else `python3`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -40,8 +41,14 @@ if [ $system -eq 0 ]; then
     fi
     # Debian's own interpreter refuses pip (PEP 668, "externally-managed-environment"):
     # say so before installing anything, with what to do instead.
-    if "$py" -c 'import os, sys, sysconfig; sys.exit(sys.prefix == sys.base_prefix and os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")))'; then :; else
+    rc=0
+    "$py" -c 'import os, sys, sysconfig; sys.exit(sys.prefix == sys.base_prefix and os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")))' \
+        2>/dev/null || rc=$?
+    if [ $rc -eq 1 ]; then
         echo "install.sh: $py is the system's Python (externally managed): pip may not install into it; make a venv and run this in it: apt-get install python3-venv; python3 -m venv /opt/trio-dev; . /opt/trio-dev/bin/activate; bash scripts/install.sh (or the vehicle install: bash scripts/install.sh --system)" >&2
+        exit 2
+    elif [ $rc -ne 0 ]; then
+        echo "install.sh: $py does not run (exit $rc): set PYTHON to a Python 3.11 or 3.12, or activate its venv" >&2
         exit 2
     fi
 fi
