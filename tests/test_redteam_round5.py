@@ -367,6 +367,102 @@ def test_the_last_word_is_heard_after_a_last_seq_at_the_honest_bound(make_channe
         (seen, dict(r.stats.rejected))
 
 
+RT5_TOML = """
+[supervisor]
+status_interval_s = 0.5
+[domains.control]
+failure_policy = "restart"
+[channels.ch_rt5]
+slot_size = "4KiB"
+dtype = "float32"
+payload = "control_cmd"
+slot_count = 8
+max_readers = 2
+max_age_ms = 5000
+[workers.c-rt5-victim]
+domain = "control"
+module = "workers.probe.attacks_redteam5"
+publishes = ["ch_rt5"]
+args = ["--attack", "lastword_bound", "--pub", "ch_rt5"]
+optional = true
+restart = "never"
+ready_timeout_ms = 60000
+memory_max = "256MiB"
+pids_max = 32
+[workers.c-rt5-honest]
+domain = "control"
+module = "workers.probe.attacks_redteam4"
+subscribes = ["ch_rt5"]
+args = ["--attack", "honest_reader", "--sub", "ch_rt5"]
+optional = true
+restart = "never"
+ready_timeout_ms = 60000
+memory_max = "256MiB"
+pids_max = 32
+"""
+
+
+@pytest.fixture(scope="module")
+def rt5_fleet(tmp_path_factory) -> list[dict]:
+    """One embedded Supervisor: the hostile actuation writer and an honest control
+    reader, each in its own sandbox, until the reader has said what it got (or 90 s)."""
+    if shutil.which("bwrap") is None or os.geteuid() != 0:
+        pytest.skip("sandboxes with host uids need root and bubblewrap")
+    import io
+
+    import trio
+
+    from supervisor.config import loads
+    from supervisor.events import EventLog
+    from supervisor.lifecycle import Supervisor
+    from tests.test_attacks import attack_result
+
+    tmp = tmp_path_factory.mktemp("rt5fleet")
+    cfg = loads(RT5_TOML, str(tmp / "rt5.toml"))
+    logf = open(tmp / "supervisor.log", "w")
+    log = EventLog(stream=logf, keep=True)
+    sup = Supervisor(cfg, log=log, status_out=io.StringIO())
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            with trio.move_on_after(90):
+                while attack_result(log.events, "c-rt5-honest") is None and "crashed" not in (
+                        attack_result(log.events, "c-rt5-victim") or {}):
+                    await trio.sleep(0.1)
+            n.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        logf.close()
+    return log.events
+
+
+def test_the_sandboxed_bound_attack_ran(rt5_fleet) -> None:
+    """Not an xfail: the strict xfail below would pass on a fleet that never attacked."""
+    from tests.test_attacks import _of, attack_result
+
+    res = attack_result(rt5_fleet, "c-rt5-victim")
+    assert res is not None and res.get("taken"), _of(rt5_fleet, "c-rt5-victim")[-6:]
+    assert _of(rt5_fleet, "c-rt5-victim", "last_word"), _of(rt5_fleet, "c-rt5-victim")[-6:]
+    assert attack_result(rt5_fleet, "c-rt5-honest") is not None
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BREAK (end to end, real sandboxes): the same attack by a control worker on its own "
+    "actuation channel: last_word published, the honest control reader (its own "
+    "sandbox) refused the SAFE as sequence_jump and never heard it. fix: as "
+    "test_the_last_word_is_heard_after_a_last_seq_at_the_honest_bound"))
+def test_a_sandboxed_writer_cannot_make_its_last_word_unheard(rt5_fleet) -> None:
+    from tests.test_attacks import _of, attack_result
+
+    res = attack_result(rt5_fleet, "c-rt5-honest")
+    assert res is not None and res.get("saw_safe"), (
+        res, [e["line"] for e in _of(rt5_fleet, "c-rt5-honest", "output")][-4:],
+        _of(rt5_fleet, "c-rt5-victim", "last_word"))
+
+
 # ------------------------------------------------------------------ supervisor units
 
 @pytest.mark.xfail(strict=True, reason=(
