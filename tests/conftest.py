@@ -312,6 +312,11 @@ def sup(tmp_path):
 # A file: each leftover is also appended there as one JSON line (the summary prints them).
 LEFTOVERS_ENV = "TRIO_TEST_LEFTOVERS"
 LEFTOVER_GRACE_S = 2.0        # a killed process or a thread at EOF gets this long to go
+# Daemon threads that live as long as the process by design, never a test's leftover:
+# launch._SpawnerThread forks every sandbox from one stable thread (PDEATHSIG follows
+# the forking thread), and trio's thread cache keeps an idle worker ~10 s for reuse.
+_SHARED_THREADS = ("sandbox-spawner",)
+_IDLE_TRIO = os.sep + os.path.join("trio", "_core", "_thread_cache.py")
 _OWN_CODE = (str(REPO / "supervisor") + os.sep, str(REPO / "workers") + os.sep)
 
 
@@ -325,14 +330,19 @@ class _Proc:
 
 def _bwraps() -> dict[tuple[int, int], _Proc]:
     """Every live bubblewrap process on the machine (zombies left out): one read of
-    /proc/PID/stat each, ~1 ms for the ~100 processes here."""
+    /proc/PID/stat each, ~1-2 ms for the ~100 processes here."""
     found: dict[tuple[int, int], _Proc] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
+            fd = os.open(f"/proc/{name}/stat", os.O_RDONLY)
+            try:
+                stat = os.read(fd, 4096)
+            finally:
+                os.close(fd)
+            if b"(bwrap) " not in stat:
+                continue
             uid = os.stat(f"/proc/{name}").st_uid
         except OSError:
             continue                     # gone meanwhile
@@ -377,6 +387,16 @@ def _where(t: threading.Thread) -> str:
     return f"{path}:{frame.f_lineno} {frame.f_code.co_name}"
 
 
+def _shared(t: threading.Thread) -> bool:
+    if not t.daemon:
+        return False
+    if t.name in _SHARED_THREADS:
+        return True
+    frame = sys._current_frames().get(t.ident or -1)      # innermost: idle in trio's cache
+    return frame is not None and frame.f_code.co_filename.endswith(_IDLE_TRIO) \
+        and not _runs_own_code(t)
+
+
 def _runs_own_code(t: threading.Thread) -> bool:
     frame = sys._current_frames().get(t.ident or -1)
     while frame is not None:
@@ -397,7 +417,7 @@ class Leftovers:
 
     A thread counts when it is not a daemon or runs supervisor/ or workers/ code; any other
     daemon thread is listed as `daemon` (e.g. a `Run` reader whose pipe someone still
-    holds). A bwrap counts when it was first seen as this session's descendant or as an
+    holds), except those that live as long as the process by design (`_shared`). A bwrap counts when it was first seen as this session's descendant or as an
     orphan (PPID 1): another engineer's fleet on the same machine is neither."""
     module: object = None
     threads: dict[threading.Thread, str] = field(default_factory=dict)   # -> nodeid first seen
@@ -425,13 +445,14 @@ class Leftovers:
     def end_module(self) -> None:
         deadline = time.monotonic() + LEFTOVER_GRACE_S
         for t in list(self.threads):
-            t.join(max(0.0, deadline - time.monotonic()))
+            if not _shared(t):           # an idle cache thread would cost the whole grace
+                t.join(max(0.0, deadline - time.monotonic()))
         while self.procs and time.monotonic() < deadline:
             if not set(self.procs) & set(_bwraps()):
                 break
             time.sleep(0.05)
         for t, nodeid in self.threads.items():
-            if not t.is_alive():
+            if not t.is_alive() or _shared(t):
                 continue
             kind = ("bridge" if _runs_own_code(t) else "daemon") if t.daemon else "non-daemon"
             self._add(dict(test=nodeid, what="thread", kind=kind, name=t.name, where=_where(t)))
