@@ -129,11 +129,14 @@ if [ $system -eq 1 ]; then
             "$UNIT_DIR/trio-broker.socket" "$UNIT_DIR/trio-broker.service" \
             "$UNIT_DIR/trio-supervisor-proper.service"
     fi
+    # Paths in the commands below are shell-quoted: a prefix with a space in it made
+    # the printed `rm -r` remove two other paths.
+    qp=$(printf '%q' "$PREFIX"); qu=$(printf '%q' "$UNIT_DIR")
     echo "installed: $PREFIX (venv), $UNIT_DIR/trio-supervisor.service and the split units (verified)"
-    echo "check:     $PREFIX/bin/supervisor check --start   (the installed copy: every worker READY, stopped)"
+    echo "check:     $qp/bin/supervisor check --start   (the installed copy: every worker READY, stopped)"
     echo "enable:    systemctl daemon-reload && systemctl enable --now trio-supervisor"
     echo "   or, split (root only in the broker): systemctl enable --now trio-broker.socket trio-supervisor-proper"
-    echo "remove:    systemctl disable --now trio-supervisor trio-broker.socket trio-supervisor-proper; (cd $UNIT_DIR && rm trio-supervisor.service trio-broker.socket trio-broker.service trio-supervisor-proper.service); systemctl daemon-reload; rm -r $PREFIX /var/lib/trio-supervisor; userdel trio-supervisor; userdel trio-control; userdel trio-research"
+    echo "remove:    systemctl disable --now trio-supervisor trio-broker.socket trio-supervisor-proper; (cd $qu && rm trio-supervisor.service trio-broker.socket trio-broker.service trio-supervisor-proper.service); systemctl daemon-reload; rm -r $qp /var/lib/trio-supervisor; userdel trio-supervisor; userdel trio-control; userdel trio-research"
 else
     if [ $dev -eq 1 ]; then
         "$py" -m pip install -q -e '.[dev,research,replay,fleet]'
