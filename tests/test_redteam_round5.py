@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
 import subprocess
 import sys
@@ -149,48 +150,47 @@ print(json.dumps(out))
 def proper_views(tmp_path_factory):
     """One broker (root, as `run --privsep` spawns it); the supervisor proper, dropped
     to nobody, starts one control sandbox through it and reads the /proc views the
-    broker hands it."""
+    broker hands it, then a recorder-like research sandbox that attacks its own log."""
     _need_root_and_bwrap()
     from supervisor.broker import BrokerClient
-
-    import pwd
-
     from tests.test_replay_format import write_log
 
-    d = tmp_path_factory.mktemp("rt5broker")
-    # The recorder's log directory: research's own (an rw bind), under a directory its
-    # user can reach (pytest's tmp dirs are 0700 root).
-    pub = Path(tempfile.mkdtemp(prefix="rt5-broker-"))
-    pub.chmod(0o755)
-    rw = pub / "log"
-    write_log(rw, n=2)
     try:
         research = pwd.getpwnam("trio-research")
     except KeyError:
         pytest.skip("no trio-research user (scripts/install.sh --dev makes it)")
-    for f in (rw, *rw.iterdir()):
-        os.chown(f, research.pw_uid, research.pw_gid)
-    cfg = d / "broker.toml"
-    cfg.write_text(_BROKER_TOML.replace("{rw}", str(rw)).replace("{size}", str(SPARSE)))
-    state = d / "state"
-    state.mkdir(mode=0o700)
-    err = open(d / "broker.err", "w")
-    client = BrokerClient.spawn(state_dir=state, config=cfg, stderr=err)
+    d = tmp_path_factory.mktemp("rt5broker")
+    # The recorder's log directory: research's own (an rw bind), under a directory its
+    # user can reach (pytest's tmp dirs are 0700 root).
+    pub = Path(tempfile.mkdtemp(prefix="rt5-broker-"))
     try:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-        p = subprocess.run([sys.executable, "-c", _PROPER, str(client.sock.fileno()), str(cfg)],
-                           pass_fds=[client.sock.fileno()], env=env, cwd="/",
-                           capture_output=True, text=True, timeout=90, check=False)
-        assert p.returncode == 0, p.stderr[-2000:]
-        got = json.loads(p.stdout.strip().splitlines()[-1])
+        pub.chmod(0o755)
+        rw = pub / "log"
+        write_log(rw, n=2)
+        for f in (rw, *rw.iterdir()):
+            os.chown(f, research.pw_uid, research.pw_gid)
+        cfg = d / "broker.toml"
+        cfg.write_text(_BROKER_TOML.replace("{rw}", str(rw)).replace("{size}", str(SPARSE)))
+        state = d / "state"
+        state.mkdir(mode=0o700)
+        err = open(d / "broker.err", "w")
+        client = BrokerClient.spawn(state_dir=state, config=cfg, stderr=err)
+        try:
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+                filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+            p = subprocess.run([sys.executable, "-c", _PROPER, str(client.sock.fileno()),
+                                str(cfg)], pass_fds=[client.sock.fileno()], env=env, cwd="/",
+                               capture_output=True, text=True, timeout=90, check=False)
+            assert p.returncode == 0, p.stderr[-2000:]
+            got = json.loads(p.stdout.strip().splitlines()[-1])
+        finally:
+            code = client.close()
+            err.close()
+        got["broker_exit"] = code
+        got["log"] = str(rw)
+        yield got
     finally:
-        code = client.close()
-        err.close()
-    got["broker_exit"] = code
-    got["log"] = str(rw)
-    yield got
-    shutil.rmtree(pub, ignore_errors=True)
+        shutil.rmtree(pub, ignore_errors=True)
 
 
 @pytest.mark.xfail(strict=True, reason=(
@@ -685,8 +685,6 @@ def test_log_cat_csv_never_writes_a_logs_control_characters(tmp_path: Path) -> N
 # ------------------------------------------------------------------ the proper's uid
 
 def _proper_user_missing() -> bool:
-    import pwd
-
     from supervisor.lifecycle._privsep import PROPER_USER
 
     try:
