@@ -1,12 +1,16 @@
 """Red team, round 5: attacks no issue named, on what changed in the last two rounds
-(the privileged broker, the replay tools' output directories, `supervisor units`).
+(the privileged broker, the last word at the sequence bound, the replay and log tools'
+output directories and hostile logs, report.html, `supervisor units`).
 
 Each test asserts the claim the way it should hold. An attack that succeeds today is an
 ``xfail(strict=True)`` whose reason starts with BREAK and says where to fix it (the
 table is docs/redteam5.md). Every attacker runs with the privileges it would have: a
-supervisor proper dropped to nobody on the broker's socket (as `run --privsep` leaves
-it), another local user (nobody) who owns a directory root is told to write into, the
-real CLI as root.
+worker in a real sandbox (workers/probe/attacks_redteam5.py: the actuation writer
+under an embedded Supervisor, a recorder-like research worker started by a real
+broker), a supervisor proper dropped to nobody on the broker's socket (as `run
+--privsep` leaves it), an impostor listening where `run --broker` connects, another
+local user (nobody) who owns or links a directory root is told to write into, a hostile
+log through the real CLI as root.
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ def public_tmp():
     shutil.rmtree(base, ignore_errors=True)
 
 
-def _as_nobody(code: str, *args: str, timeout: float = 60) -> subprocess.Popen:
+def _as_nobody(code: str, *args: str) -> subprocess.Popen:
     """A process of another local user (nobody), started by root only because the
     interpreter lives under /root (0700): it drops before doing anything else (and so
     can import nothing more: ``code`` uses os and sys only)."""
