@@ -330,7 +330,11 @@ def test_a_second_kill_right_after_a_takeover_still_finds_a_warm_worker():
             got["second_s"] = await first_output(sup, reader, second)
             n.cancel_scope.cancel()
 
-    trio.run(main)
+    try:
+        trio.run(main)
+    except BaseException:
+        print(log.stream.getvalue()[-20000:])
+        raise
     adopted = log.of("standby_adopted", "src")
     cold = [e for e in log.of("start", "src")]
     assert len(adopted) == 2 and len(cold) == 1, (adopted, cold)     # no cold start

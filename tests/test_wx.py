@@ -198,3 +198,75 @@ def test_threads_are_let_go_after_the_check():
 def test_count_fallback_needs_a_baseline():
     got = wx._by_count(os.getpid(), None, time.monotonic(), "no ptrace")
     assert not got.ok and "no filter count" in got.reason
+
+
+@needs_root
+def test_threads_exiting_during_the_check_are_not_a_refusal():
+    """A locked worker whose threads come and go (a hand-over thread that ends right at
+    READY): a thread that exits while it is seized is gone, not unverifiable. Seen in CI:
+    an adopted standby refused "[Errno 3] PTRACE_SECCOMP_GET_FILTER" and the control
+    worker given up after an ordinary kill."""
+    def body() -> bytes:
+        wx.lock()
+
+        def churn() -> None:
+            while True:
+                t = threading.Thread(target=lambda: None)
+                t.start()
+                t.join()
+        threading.Thread(target=churn, daemon=True).start()
+        return b"ok"
+    pid, r = _child(body)
+    try:
+        os.read(r, 8)
+        refusals = [got.reason for got in (wx.verify(pid, baseline=None) for _ in range(300))
+                    if not got.ok]
+        assert not refusals, refusals[:3]
+    finally:
+        _reap(pid)
+
+
+@needs_root
+def test_a_worker_killed_during_the_check_is_gone_not_unverifiable():
+    """The kill that makes a standby take over can land while its READY is being
+    checked (CI: ESRCH from the filter read-back of a seized, stopped thread, so the
+    standby was refused and the control worker given up). Killed mid-check, a worker
+    is either verified (killed after) or reported gone (ProcessLookupError), never
+    "cannot be checked" nor "without the lock"."""
+    import random
+
+    outcomes: dict[str, int] = {}
+    for _ in range(60):
+        def body() -> bytes:
+            wx.lock()
+            for _ in range(3):
+                threading.Thread(target=lambda: time.sleep(30), daemon=True).start()
+            return b"ok"
+        pid, r = _child(body)
+        os.read(r, 8)
+        killer = threading.Timer(random.uniform(0, 0.002), os.kill, (pid, signal.SIGKILL))
+        killer.start()
+        try:
+            got = wx.verify(pid, baseline=None)
+            key = "ok" if got.ok else f"refused: {got.reason}"
+        except ProcessLookupError:
+            key = "gone"
+        except OSError as e:
+            key = f"error: {e}"
+        finally:
+            killer.join()
+            os.close(r)
+        # Its death is not held up by the check (a thread seized as it died stays a
+        # traced zombie until its tracer collects it; the process's exit waits for it).
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    break
+            except ChildProcessError:       # the check, as its tracer, collected it
+                break
+            time.sleep(0.001)
+        else:
+            key = "exit held up"
+        outcomes[key] = outcomes.get(key, 0) + 1
+    assert set(outcomes) <= {"ok", "gone"}, outcomes

@@ -43,7 +43,13 @@ class _ExecWindow:
             got = await trio.to_thread.run_sync(functools.partial(
                 wx.verify, pid, baseline=baseline, opener=inc.opener))
         except OSError as e:
-            if not task_exited(pid, opener=inc.opener):           # gone: its exit is reported, with its cause
+            # Killed meanwhile (a kill at its adoption, CI): dying is not refusal, and a
+            # refused control worker is not restarted. Its exit, with its own cause, is
+            # what gets reported; a SIGKILLed process is gone within milliseconds.
+            with trio.move_on_after(_DYING_S):
+                while not task_exited(pid, opener=inc.opener):
+                    await trio.sleep(0.005)
+            if not task_exited(pid, opener=inc.opener):
                 self._refuse(run, "wx_lock", f"READY, but its W^X lock cannot be checked: {e}")
             return None
         if not got.ok:
@@ -196,3 +202,4 @@ def _kernel_has_mdwe() -> bool:
 
 
 _FIND_WORKER_S = 0.5   # how long a sandbox may show no worker before READY is refused
+_DYING_S = 1.0        # how long a worker that could not be checked may take to be gone

@@ -165,7 +165,10 @@ def filter_count(pid: int, tid: int | None = None, opener: ProcOpener = DIRECT) 
 
 
 def _tids(pid: int, opener: ProcOpener = DIRECT) -> list[int]:
-    return sorted(int(t) for t in opener.listdir(pid, "task"))
+    try:
+        return sorted(int(t) for t in opener.listdir(pid, "task"))
+    except FileNotFoundError:
+        raise ProcessLookupError(errno.ESRCH, f"process {pid} is gone") from None
 
 
 def _filters_of(tid: int, first: int, count: int, want: bytes) -> bool:
@@ -185,16 +188,25 @@ def _filters_of(tid: int, first: int, count: int, want: bytes) -> bool:
     return False
 
 
-def _wait_stopped(tid: int, deadline: float) -> bool:
+def _wait_stopped(pid: int, tid: int, deadline: float,
+                  opener: ProcOpener = DIRECT) -> bool | None:
+    """True once the seized thread is in its stop; None once it is gone or dying (the
+    tracer is told of a traced thread's death too, and a killed group leader reports
+    nothing until its other threads are collected: waiting for it would last until
+    the deadline); False at the deadline."""
+    polls = 0
     while True:
         try:
-            got, _status = os.waitpid(tid, os.WNOHANG | _WALL)
+            got, status = os.waitpid(tid, os.WNOHANG | _WALL)
         except ChildProcessError:
-            return False          # gone
+            return None
         if got == tid:
-            return True
+            return True if os.WIFSTOPPED(status) else None
         if time.monotonic() > deadline:
             return False
+        polls += 1
+        if polls % 25 == 0 and _killed(pid, tid, opener):
+            return None
         time.sleep(0.0002)
 
 
@@ -205,6 +217,8 @@ def verify(pid: int, *, baseline: int | None, wall_s: float = VERIFY_WALL_S,
     filters counted when the exec watch arrived (None: unknown, refused). Run in one OS
     thread (ptrace requests must come from the thread that seized). Threads are stopped
     only for the read and let go after; a thread that is exiting is not asked.
+    ProcessLookupError: the process was killed or exited during the check (its exit,
+    with its own cause, is what the caller reports).
     `opener` reaches /proc (sandbox/procfs.py). The ptrace read-back is this process's
     own: an unprivileged supervisor gets EPERM and falls back to the count (a broker
     readFilters request is issue 27's next step, docs/broker.md)."""
@@ -227,6 +241,9 @@ def verify(pid: int, *, baseline: int | None, wall_s: float = VERIFY_WALL_S,
             fresh = [t for t in _tids(pid, opener) if t not in seized
                      and not _gone(pid, t, opener)]
             if not fresh:
+                if not checked:         # every thread exited: nothing was verified
+                    raise ProcessLookupError(errno.ESRCH, f"process {pid} exited during "
+                                             "the check")
                 return result(True)
             for tid in fresh:
                 if _libc.ptrace(_PTRACE_SEIZE, tid, None, None) == 0:
@@ -242,7 +259,13 @@ def verify(pid: int, *, baseline: int | None, wall_s: float = VERIFY_WALL_S,
             for tid in seized:
                 if tid in checked:
                     continue
-                if not _wait_stopped(tid, deadline):
+                stopped = _wait_stopped(pid, tid, deadline, opener)
+                if stopped is None:              # gone meanwhile
+                    if _dying(pid, opener):      # killed: its exit is reported
+                        raise ProcessLookupError(errno.ESRCH, f"process {pid} was "
+                                                 "killed during the check")
+                    continue                     # a thread that ended on its own
+                if not stopped:
                     if _gone(pid, tid, opener):
                         continue
                     return result(False, f"thread {tid} did not stop within {wall_s * 1e3:g} "
@@ -255,6 +278,12 @@ def verify(pid: int, *, baseline: int | None, wall_s: float = VERIFY_WALL_S,
                 except OSError as e:
                     if not checked and e.errno in (errno.EINVAL, errno.EACCES, errno.EIO):
                         return _by_count(pid, baseline, t0, f"no filter read-back: {e}", opener)
+                    # A seized thread leaves its stop only for a fatal signal: ESRCH from
+                    # a stopped thread means it is dying (CI: a standby killed right at
+                    # its adoption was refused "cannot be checked", then given up).
+                    if e.errno == errno.ESRCH and _dying(pid, opener):
+                        raise ProcessLookupError(errno.ESRCH, f"process {pid} was killed "
+                                                 "during the check") from None
                     if _gone(pid, tid, opener):
                         continue
                     raise
@@ -264,8 +293,56 @@ def verify(pid: int, *, baseline: int | None, wall_s: float = VERIFY_WALL_S,
                 checked.add(tid)
         return result(False, f"threads kept appearing ({len(seized)} seized)")
     finally:
-        for tid in seized:
-            _libc.ptrace(_PTRACE_DETACH, tid, None, None)
+        for tid in reversed(seized):     # the group leader (seized first) last
+            _let_go(tid)
+
+
+def _let_go(tid: int, wall_s: float = 1.0) -> None:
+    """Detach a seized thread. One that is not in its stop is dying (or about to stop):
+    its death is reported to us, its tracer, and until we collect it the process's exit
+    waits too (a killed worker's exit would wait for this thread, cached by trio)."""
+    deadline = time.monotonic() + wall_s
+    while _libc.ptrace(_PTRACE_DETACH, tid, None, None) != 0:
+        try:
+            got, status = os.waitpid(tid, os.WNOHANG | _WALL)
+        except ChildProcessError:
+            return
+        if got == tid and not os.WIFSTOPPED(status):
+            return                        # collected: gone
+        if time.monotonic() > deadline:
+            return
+        if got != tid:
+            time.sleep(0.0005)
+
+
+_PF_EXITING = 0x4      # task flags (/proc/.../stat field 9): the thread is in do_exit
+
+
+def _killed(pid: int, tid: int, opener: ProcOpener = DIRECT) -> bool:
+    """The thread is dying: a SIGKILL pending for it or its process, or exiting.
+    False for a thread that is gone (exited on its own, perhaps)."""
+    try:
+        with os.fdopen(opener.open(pid, f"task/{tid}/status")) as f:
+            pending = [int(ln.split()[1], 16) for ln in f
+                       if ln.startswith(("SigPnd:", "ShdPnd:"))]
+        with os.fdopen(opener.open(pid, f"task/{tid}/stat"), "rb") as f:
+            data = f.read()
+        flags = int(data[data.rindex(b")") + 2:].split()[6])
+    except (OSError, ValueError, IndexError):
+        return False
+    return bool(flags & _PF_EXITING) or any(p & (1 << (9 - 1)) for p in pending)
+
+
+def _dying(pid: int, opener: ProcOpener = DIRECT) -> bool:
+    """The process is being killed or has exited: gone, a zombie, or a thread of it
+    dying (a kill reaches every thread; a thread exiting on its own is not this)."""
+    try:
+        tids = opener.listdir(pid, "task")
+    except OSError:
+        return True
+    if _gone(pid, pid, opener) and len(tids) <= 1:
+        return True
+    return any(_killed(pid, int(t), opener) for t in tids)
 
 
 def _gone(pid: int, tid: int, opener: ProcOpener = DIRECT) -> bool:
