@@ -334,10 +334,11 @@ def test_the_proper_never_hands_its_channels_to_a_broker_that_is_not_root(
     "numbered SEQ_HONEST, far above every honest reader (at 4), which refuses it as "
     "sequence_jump; no reader is 'further on' than the segment, so no second SAFE: the "
     "actuator never hears SAFE. fix: supervisor/ipc/writer.py Writer._attach: with "
-    "above_readers (the last word), continue the segment's words only below "
-    "SEQ_HONEST-1 (bound = SEQ_HONEST - 1), so the SAFE is at most SEQ_HONEST-1 and "
-    "taken by every reader; or failsafe.publish_safe: when base+1 >= SEQ_HONEST, number "
-    "the SAFE from the highest trusted position instead"))
+    "above_readers (the last word), empty every header and slot word at or above "
+    "SEQ_HONEST-1 and continue below it, so the first SAFE is at most SEQ_HONEST-1 "
+    "(taken by every reader: any number below SEQ_HONEST is) and the SAFEs above trusted "
+    "positions still follow; or failsafe.publish_safe: when base+1 >= SEQ_HONEST, "
+    "number the SAFE from the highest trusted position instead"))
 def test_the_last_word_is_heard_after_a_last_seq_at_the_honest_bound(make_channel) -> None:
     """Real shared memory, the real Writer, Reader and publish_safe (round 4's row 2
     pattern); the writer's own header is the only thing the attacker touches."""
