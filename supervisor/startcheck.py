@@ -58,8 +58,12 @@ class WorkerCheck:
     def line(self) -> str:
         if self.ready_ms is not None and not self.failure:
             return f"{self.name} ({self.domain}): READY in {self.ready_ms:.0f} ms"
+        if not self.failure and self.started_ns:
+            waited = (time.monotonic_ns() - self.started_ns) / 1e6
+            return (f"{self.name} ({self.domain}): started, not READY {waited:.0f} ms later "
+                    f"when the check stopped")
         if not self.failure:
-            return f"{self.name} ({self.domain}): not started (an earlier failure stopped the check)"
+            return f"{self.name} ({self.domain}): not started (the check stopped first)"
         out = f"{self.name} ({self.domain}): FAILED: {self.failure}"
         if self.last_output:
             out += f"; last output: {self.last_output[:200]}"
