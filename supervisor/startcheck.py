@@ -196,6 +196,31 @@ async def _drive(cfg: Config, log: EventLog, watch: _Watch, timeout_s: float,
     return Exit.SHUTDOWN
 
 
+def other_supervisors(me: int | None = None) -> list[tuple[int, str]]:
+    """Other supervisors running on this machine, from /proc: (pid, command line) of each
+    `supervisor run`, `supervisor check --start` and broker. A check started beside a live
+    one runs a second pipeline next to it (its cameras, CPU, the real-time slot): worth a
+    line. Found by command line: a process that hides its name is not found."""
+    me = os.getpid() if me is None else me
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        for i, a in enumerate(argv[:6]):
+            rest = argv[i + 1:]
+            if a == "supervisor.broker" or (
+                    (a == "supervisor.cli" or os.path.basename(a) == "supervisor") and rest
+                    and (rest[0] == "run" or rest[0] == "check" and "--start" in rest)):
+                found.append((int(entry), " ".join(x for x in argv if x)[:120]))
+                break
+    return found
+
+
 def _bug_line(e: BaseException) -> str:
     """The innermost exception of a (trio) exception group, where it was raised."""
     import traceback
@@ -213,6 +238,8 @@ def start_check(cfg: Config, *, timeout_s: float | None = None,
     plus the supervisor's own reason when it stopped before starting workers)."""
     if timeout_s is None:
         timeout_s = 30.0 + sum(w.ready_timeout_ms for w in cfg.workers.values()) / 1000
+    beside = [f"note: another supervisor runs here (pid {pid}: {cmd}); this check ran a "
+              f"second pipeline beside it" for pid, cmd in other_supervisors()]
     with tempfile.TemporaryDirectory(prefix="trio-check-start-") as state, \
             open(os.devnull, "w") as devnull:
         old = os.environ.get("TRIO_STATE_DIR")
@@ -248,7 +275,7 @@ def start_check(cfg: Config, *, timeout_s: float | None = None,
         lines.append(f"config: {ev.get('problem')}")
     for ev in log.of("limits_not_enforced"):
         lines.append(f"limits: {ev.get('reason') or ev.get('detail') or ev}")
-    return code, lines
+    return code, beside + lines
 
 
 # --- The installation as the sandboxes see it (`python -m supervisor.startcheck

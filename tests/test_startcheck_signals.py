@@ -64,7 +64,30 @@ def test_sigterm_twice_stops_the_check_in_order_and_it_does_not_pass(tmp_path):
         p.kill()
     assert "Traceback" not in err, err
     assert p.returncode == 5, out + err                    # Exit.START_FAILED: not a pass
-    lines = err.strip().splitlines()
+    # (a supervisor of another test on this machine adds a "note:" line: not ours)
+    lines = [x for x in err.strip().splitlines() if not x.startswith("note: ")]
     assert lines[-1] == "supervisor: stopped by SIGTERM before the check ended", err
     assert len(lines) == 2 and lines[0].startswith("slow (control): "), err
     assert not (tmp_path / "vehicle-state").exists()
+
+
+def test_another_supervisor_running_here_is_named():
+    """`check --start` beside a live `supervisor run` (the car's unit) starts a second
+    pipeline next to it: the check's lines name the other one."""
+    from supervisor.startcheck import other_supervisors
+
+    # a process whose command line is a supervisor's: `python ... -m supervisor.cli run`
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "-m",
+                          "supervisor.cli", "run", "--quiet"])
+    try:
+        for _ in range(50):                # until its command line is readable
+            found = dict(other_supervisors())
+            if p.pid in found:
+                break
+            time.sleep(0.02)
+        assert "supervisor.cli run --quiet" in found.get(p.pid, ""), found
+        assert os.getpid() not in dict(other_supervisors(me=os.getpid()))
+    finally:
+        p.kill()
+        p.wait()
+    assert p.pid not in dict(other_supervisors())
