@@ -102,7 +102,10 @@ struct Request {
     openMapFile @13 :OpenMapFile;
     signalThread @14 :SignalThread;
     openPidNs @15 :Int32;     # the pid: an O_PATH fd of its /proc/PID/ns/pid (the exec
-  }                           # watch asks whether a worker's parent is its sandbox's init)
+                              # watch asks whether a worker's parent is its sandbox's init)
+    readFilters @16 :Int32;   # the pid: every thread seized, its seccomp programs read
+                              # back (PTRACE_SECCOMP_GET_FILTER) and matched against the
+  }                           # W^X program only (sandbox/wx.py), let go: `filters`
 }
 
 enum ErrorCode {
@@ -135,6 +138,16 @@ struct Reaped {
   oomKills @2 :UInt32;
 }
 
+# What readFilters found: the exact W^X program on every thread (ptrace true), or that the
+# broker could not read filters back here (ptrace false: the caller counts instead).
+struct Filters {
+  ptrace @0 :Bool;
+  ok @1 :Bool;
+  reason @2 :Text;            # why not, naming the thread
+  threads @3 :UInt32;
+  micros @4 :UInt32;          # the check's wall time in the broker
+}
+
 struct Reply {
   id @0 :UInt32;
   union {
@@ -146,5 +159,6 @@ struct Reply {
     latch @6 :Text;              # "" when not latched
     error @7 :Error;
     link @8 :Void;               # fds: one O_PATH fd (openFd, openMapFile, openPidNs)
+    filters @9 :Filters;         # readFilters
   }
 }

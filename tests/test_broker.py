@@ -639,7 +639,8 @@ _VALID = [P.encode_request(1, r) for r in (
     P.Ping(), P.Start("a", 3, False, (P.Grant("a_out", "writer", 5),)),
     P.SignalPid(123, "term"), P.OpenProc(5, ("maps", "mem")), P.SetLatch("why"),
     P.Reap("r", 2), P.ReadLatch(), P.OpenFd(5, 3), P.OpenMapFile(5, 0x1000, 0x3000),
-    P.SignalThread(5, 6, True), P.OpenProc(5, ("pagemap",)), P.OpenPidNs(5))]
+    P.SignalThread(5, 6, True), P.OpenProc(5, ("pagemap",)), P.OpenPidNs(5),
+    P.ReadFilters(5))]
 
 
 @st.composite
@@ -698,8 +699,11 @@ def test_links_and_thread_signals_of_pids_not_its_own_are_refused(broker):
                 c.signal_thread(pid, pid, stop=True)
             with pytest.raises(NotOurs):
                 c.open_pid_ns(pid)
+            with pytest.raises(NotOurs):           # nothing is seized
+                c.read_filters(pid)
         got = b.events("broker_refused")[n:]
-        assert [e["code"] for e in got] == ["notOurs"] * 16, got
+        assert [e["code"] for e in got] == ["notOurs"] * 20, got
+        assert "TracerPid:\t0" in Path(f"/proc/{stranger.pid}/status").read_text()
         assert _state(stranger.pid) not in ("T", "t")         # nothing was stopped
         for bad in (P.OpenFd(stranger.pid, -1), P.OpenFd(stranger.pid, P.MAX_FD),
                     P.OpenMapFile(stranger.pid, 0x1000, 0x1000),      # empty
@@ -826,7 +830,8 @@ def test_exec_watch_and_maps_scan_as_nobody_through_the_broker_see_what_root_see
                 "wx_maps": execwatch.writable_executable_mappings(worker, op),
                 "exec_vmas": [list(v) for v in execwatch.vmas_between(
                     worker, 0, 1 << 47, exec_only=True, opener=op)],
-                "wx": wx.verify(worker, baseline=0, opener=op).ok,
+                "wx": [wx.verify(worker, baseline=0, opener=op).ok,
+                       wx.verify(worker, baseline=0, opener=op).how],
                 "init": execwatch._sandbox_init(worker, op)}
 
     def as_nobody() -> dict:
@@ -849,7 +854,9 @@ def test_exec_watch_and_maps_scan_as_nobody_through_the_broker_see_what_root_see
         assert nobody.pop("direct") == "EACCES"
         assert (nobody.pop("stopped"), nobody.pop("resumed")[0]) in (("T", "S"), ("T", "R"))
         assert nobody == json.loads(json.dumps(root)), (nobody, root)
-        assert root["snapshot"] and root["exec_vmas"] and root["wx"]
+        assert root["snapshot"] and root["exec_vmas"]
+        # Nobody's W^X check is the broker's read-back (readFilters), not a count.
+        assert root["wx"] == [True, "ptrace"]
         assert root["init"] is not None           # bwrap's init, found through ns/pid
     finally:
         c.kill_sandbox("a", n)
@@ -896,11 +903,27 @@ def test_links_and_thread_signals_inside_a_sandbox_are_checked(broker):
             time.sleep(0.01)
         assert _state(worker) == "T"
         c.signal_thread(worker, worker, stop=False)
+        # readFilters reads back what is there: a research worker takes no W^X lock.
+        got = c.read_filters(worker)
+        assert got.ptrace and not got.ok and "none of them the W^X filter" in got.reason
+        assert got.threads >= 1
+        assert "TracerPid:\t0" in Path(f"/proc/{worker}/status").read_text()   # let go
     finally:
         c.kill_sandbox("lone", n)
         _wait_exit(s.pidfd)
         c.reap("lone", n)
         s.close()
+    # The sandbox is gone: its pid is no longer the broker's, and the W^X check through
+    # the broker's opener says gone (ProcessLookupError), as verify's own does.
+    from supervisor.broker import BrokerProcOpener
+    from supervisor.sandbox import wx
+
+    before = len(broker.events("broker_refused"))
+    with pytest.raises(NotOurs):
+        c.read_filters(worker)
+    with pytest.raises(ProcessLookupError):
+        wx.verify(worker, baseline=0, opener=BrokerProcOpener(c))
+    assert [e["code"] for e in broker.events("broker_refused")[before:]] == ["notOurs"] * 2
 
 
 def test_the_audit_says_what_runs_as_root_and_why(broker, tmp_path):

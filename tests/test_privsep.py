@@ -222,7 +222,9 @@ def test_a_fault_injected_supervisor_proper_is_refused_by_the_broker(tmp_path):
 # kernel knob, a forbidden syscall, the W^X lock after READY, the exec watch before READY
 # (its /proc reads and thread stops through the broker), a memory hog (its OOM cause
 # from the broker's reap), a status flood (the unprivileged proper's parser).
-FLEET = ("c-core", "c-ptrace", "c-mprotect", "c-dlopen", "c-hog", "r-flood")
+# c-fakewx: a decoy filter grows the count as the W^X lock would: only the broker's
+# read-back of the programs (readFilters) refuses it.
+FLEET = ("c-core", "c-ptrace", "c-mprotect", "c-dlopen", "c-hog", "r-flood", "c-fakewx")
 
 
 @pytest.fixture(scope="module")
@@ -279,6 +281,12 @@ def test_the_hostile_fleet_gets_the_same_verdicts_through_the_broker(privsep_fle
     for w in ("src", "sink"):                        # control ran on, untouched
         assert len(A._of(running, w, "start")) == 1 and A._of(running, w, "ready")
         assert not A._of(ev, w, "watchdog_missed")
+        # W^X read back by the broker (readFilters), not counted by the proper.
+        assert A._of(running, w, "ready")[0]["wx_lock"] == "ptrace", A._of(running, w, "ready")
+    ref = A._of(ev, "c-fakewx", "refused")
+    assert ref and ref[0]["kind"] == "wx_lock" and "none of them the W^X filter" in \
+        ref[0]["reason"], A._of(ev, "c-fakewx")
+    assert not A._of(ev, "c-fakewx", "ready")
     assert [e for e in ev if e["event"] == "supervisor_exit"][-1]["code"] == 0
     # No broker_error, and the proper asked for nothing outside the vocabulary's checks:
     # what the broker refused were /proc views of processes that had just died (a
@@ -287,8 +295,10 @@ def test_the_hostile_fleet_gets_the_same_verdicts_through_the_broker(privsep_fle
     assert not [e for e in ev if e["event"] == "broker_error"]
     refused = {(e["request"], e["code"]) for e in ev if e["event"] == "broker_refused"}
     assert {c for _, c in refused} <= {"notOurs", "failed"}, refused
+    # (readFilters: c-ptrace/c-mprotect die of their attack right after READY, while
+    # the broker reads their filters back.)
     assert {r for r, _ in refused} <= {"openProc", "openFd", "openMapFile", "openPidNs",
-                                       "signalThread", "signal", "pids"}, refused
+                                       "signalThread", "signal", "pids", "readFilters"}, refused
 
 
 def test_run_broker_refuses_root_and_privsep_refuses_no_sandbox(tmp_path):

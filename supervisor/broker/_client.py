@@ -223,6 +223,11 @@ class BrokerClient:
     def signal_thread(self, pid: int, tid: int, *, stop: bool) -> None:
         self.call(P.SignalThread(pid, tid, stop))
 
+    def read_filters(self, pid: int) -> P.Filters:
+        """The broker's W^X read-back of every thread of `pid` (sandbox/wx.py)."""
+        rep, _ = self.call(P.ReadFilters(pid))
+        return _expect(rep, P.Filters)
+
 
 class BrokerProcOpener:
     """sandbox.procfs.ProcOpener over the broker, for the supervisor proper (no root,
@@ -289,6 +294,25 @@ class BrokerProcOpener:
             self.client.signal_thread(pid, tid, stop=sig == signal.SIGSTOP)
         except NotOurs:
             pass               # gone (as ESRCH is for tgkill); a stranger is refused and logged
+
+    def check_wx(self, pid: int):
+        """wx.verify's privileged part done by the broker (readFilters): a
+        `wx.Verified` with how "ptrace", or None where the broker cannot read filters
+        back either (verify then counts). A process gone or killed during the check is
+        ProcessLookupError, as verify's own."""
+        import time
+
+        from supervisor.sandbox.wx import Verified
+
+        t0 = time.monotonic()
+        try:
+            got = self.client.read_filters(pid)
+        except BrokerError as e:
+            raise self._os_error(e) from None
+        if not got.ptrace:
+            return None
+        return Verified(got.ok, "ptrace", got.reason, got.threads,
+                        (time.monotonic() - t0) * 1e3)
 
     def kill(self, pid: int, sig: int) -> None:
         try:

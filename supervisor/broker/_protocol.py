@@ -123,6 +123,11 @@ class OpenPidNs:
 
 
 @dataclass(frozen=True)
+class ReadFilters:
+    pid: int
+
+
+@dataclass(frozen=True)
 class SetLatch:
     reason: str
 
@@ -145,14 +150,14 @@ class Realtime:
 
 Request = Union[Ping, Start, SignalPid, KillSandbox, Reap, Pids, OpenProc, SetLatch,
                 ClearLatch, ReadLatch, Realtime, OpenFd, OpenMapFile, SignalThread,
-                OpenPidNs]
+                OpenPidNs, ReadFilters]
 _SANDBOX_REQUESTS = {"killSandbox": KillSandbox, "reap": Reap, "pids": Pids,
                      "realtime": Realtime}
 _KIND = {Ping: "ping", Start: "start", SignalPid: "signal", KillSandbox: "killSandbox",
          Reap: "reap", Pids: "pids", OpenProc: "openProc", SetLatch: "setLatch",
          ClearLatch: "clearLatch", ReadLatch: "readLatch", Realtime: "realtime",
          OpenFd: "openFd", OpenMapFile: "openMapFile", SignalThread: "signalThread",
-         OpenPidNs: "openPidNs"}
+         OpenPidNs: "openPidNs", ReadFilters: "readFilters"}
 
 
 def kind_of(req: Request) -> str:
@@ -199,6 +204,18 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Filters:
+    """readFilters: the W^X program found on every thread (sandbox/wx.py `verify`, run by
+    the broker); ptrace False: the broker could not read filters back either."""
+
+    ptrace: bool
+    ok: bool
+    reason: str = ""
+    threads: int = 0
+    micros: int = 0
+
+
+@dataclass(frozen=True)
 class Latch:
     text: str            # "" when not latched
 
@@ -213,7 +230,7 @@ class Error:
         return ERRORS.get(self.code, ERRORS["failed"])(self.reason, self.errno)
 
 
-Reply = Union[Ok, Started, Reaped, PidList, Opened, Link, Latch, Error]
+Reply = Union[Ok, Started, Reaped, PidList, Opened, Link, Latch, Error, Filters]
 
 
 def reply_fd_count(rep: Reply) -> int:
@@ -263,6 +280,8 @@ def encode_request(rid: int, req: Request) -> bytes:
         s.pid, s.tid, s.stop = req.pid, req.tid, req.stop
     elif isinstance(req, OpenPidNs):
         m.openPidNs = req.pid
+    elif isinstance(req, ReadFilters):
+        m.readFilters = req.pid
     elif isinstance(req, SetLatch):
         m.setLatch = req.reason
     elif isinstance(req, ClearLatch):
@@ -298,6 +317,11 @@ def encode_reply(rid: int, rep: Reply) -> bytes:
         m.link = None
     elif isinstance(rep, Latch):
         m.latch = rep.text
+    elif isinstance(rep, Filters):
+        f = m.init("filters")
+        f.ptrace, f.ok, f.reason = rep.ptrace, rep.ok, rep.reason[:MAX_REASON]
+        f.threads = min(rep.threads, 2**32 - 1)
+        f.micros = min(max(rep.micros, 0), 2**32 - 1)
     elif isinstance(rep, Error):
         e = m.init("error")
         e.code, e.reason, e.errno = rep.code, rep.reason[:MAX_REASON], rep.errno
@@ -377,6 +401,8 @@ def _body(m) -> Request:
         return SignalThread(_pid(int(s.pid)), _pid(int(s.tid)), bool(s.stop))
     if which == "openPidNs":
         return OpenPidNs(_pid(int(m.openPidNs)))
+    if which == "readFilters":
+        return ReadFilters(_pid(int(m.readFilters)))
     if which == "setLatch":
         reason = str(m.setLatch)
         if len(reason) > MAX_REASON or not reason.isprintable():
@@ -433,6 +459,10 @@ def decode_reply(data: bytes) -> tuple[int, Reply]:
                 return rid, Link()
             if which == "latch":
                 return rid, Latch(str(m.latch))
+            if which == "filters":
+                f = m.filters
+                return rid, Filters(bool(f.ptrace), bool(f.ok), str(f.reason)[:MAX_REASON],
+                                    int(f.threads), int(f.micros))
             if which == "error":
                 return rid, Error(str(m.error.code), str(m.error.reason), int(m.error.errno))
             raise Malformed(f"unknown reply {which[:32]!r}")

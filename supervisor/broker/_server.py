@@ -254,6 +254,8 @@ class Broker:
         if isinstance(req, P.SignalThread):
             self._signal_thread(req)
             return P.Ok(), []
+        if isinstance(req, P.ReadFilters):
+            return self._read_filters(req.pid), []
         if isinstance(req, P.SetLatch):
             self.state.set_latch(req.reason)
             self.log.emit("broker_latch", source="broker", action="set", reason=req.reason)
@@ -587,6 +589,29 @@ class Broker:
                 raise NotOurs(f"thread {req.tid} of pid {req.pid} is gone")
         finally:
             os.close(pidfd)
+
+    def _read_filters(self, pid: int) -> P.Filters:
+        """The W^X check's privileged part for a process of ours (sandbox/wx.py `verify`,
+        as root: every thread seized, its seccomp programs read back with
+        PTRACE_SECCOMP_GET_FILTER, let go). The only judgement here is the exact match
+        against the W^X program this code builds; the verdict's use (READY or refused)
+        stays the supervisor proper's. Runs on this thread: ptrace requests must come
+        from the thread that seized. A process killed during the check is `failed` with
+        ESRCH (its exit, with its own cause, is what the proper reports)."""
+        from supervisor.sandbox import wx
+
+        pidfd, _ = self._pinned(pid)
+        try:
+            got = wx.verify(pid, baseline=None)
+        except ProcessLookupError as e:
+            raise Failed(f"pid {pid}: {e.strerror or e}", errno.ESRCH) from None
+        except OSError as e:
+            raise Failed(f"pid {pid}: filter read-back: {e.strerror or e}", e.errno or 0) \
+                from None
+        finally:
+            os.close(pidfd)
+        return P.Filters(ptrace=got.how == "ptrace", ok=got.ok and got.how == "ptrace",
+                         reason=got.reason, threads=got.threads, micros=int(got.ms * 1e3))
 
     def _realtime(self, inc: _Incarnation) -> None:
         """SCHED_FIFO at the config's priority for the sandbox's worker (pid 2 of its

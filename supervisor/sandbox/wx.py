@@ -219,9 +219,13 @@ def verify(pid: int, *, baseline: int | None, wall_s: float = VERIFY_WALL_S,
     only for the read and let go after; a thread that is exiting is not asked.
     ProcessLookupError: the process was killed or exited during the check (its exit,
     with its own cause, is what the caller reports).
-    `opener` reaches /proc (sandbox/procfs.py). The ptrace read-back is this process's
-    own: an unprivileged supervisor gets EPERM and falls back to the count (a broker
-    readFilters request is issue 27's next step, docs/broker.md)."""
+    `opener` reaches /proc (sandbox/procfs.py). An opener whose holder cannot ptrace
+    (the unprivileged supervisor proper) has the read-back done by the broker
+    (`opener.check_wx`: readFilters, this same function run as root there); where that
+    cannot read filters back either, the count below."""
+    remote = opener.check_wx(pid) if hasattr(opener, "check_wx") else None
+    if remote is not None:
+        return remote
     t0 = time.monotonic()
     want = program()
     seized: list[int] = []
