@@ -194,3 +194,50 @@ domain = "research"
 module = "workers.research"
 shadow_subscribes = ["control_cmd"]
 ''', "lastword.toml")
+
+
+# ---------------------------------------------------------------- a restarted writer
+
+H, SPAN = L.SEQ_HONEST, 16
+
+
+@pytest.mark.parametrize("segment, positions, anchor, want", [
+    (7, [5, 9], None, 9),                       # honest numbers: above everyone
+    (7, [5, 9], 9, 9),
+    (3, [H + 4], None, H + 4),                  # walked up, the only reader: followed
+    (3, [H + 4, H + 2], None, H + 4),           # two readers walked up together
+    (3, [H + 4, 5], H + 3, H + 4),              # the monitor walked up with them
+    (3, [H + 10**9, 5], None, 5),               # one reader's lie, not corroborated
+    (3, [H + 10**9, 5], 5, 5),                  # ... nor by the monitor
+    (3, [H + 10**9, H + 4], H + 4, H + 4),      # the monitor decides
+    (3, [H - 10, 2], None, H - 10),             # below SEQ_HONEST: every reader hears it
+    (3, [H - 1, 6], None, 6),                   # ... but not from just below it
+    (3, [H - 1, 6], 6, 6),
+    (3, [L.PLAUSIBLE + 5], None, 3),            # never reached by counting
+])
+def test_resume_point(segment, positions, anchor, want):
+    assert L.resume_point(segment, positions, anchor, SPAN) == want
+
+
+@NATIVE
+def test_a_lying_control_reader_cannot_number_a_restarted_writer_out_of_reach(
+        make_channel, native):
+    """A control reader claims a position far past SEQ_HONEST; the writer restarts: it
+    numbers within reach of the honest reader and the supervisor's monitor (the anchor),
+    who hear it; a writer that followed the lie would be unheard by both (SequenceJump)."""
+    ch = _channel(make_channel, readers=3)
+    ch.trust((0, 1, 2), anchor=2)
+    first = Writer(ch.writer_handle(), domain="control", seal=False, native=native)
+    honest, liar, monitor = (Reader(ch.reader_handle(k), native=native) for k in range(3))
+    _commands(first, 3)
+    for r in (honest, liar, monitor):
+        _drain(r)
+    struct.pack_into("<Q", liar._lease_mm, L.OFF_TAKEN, L.SEQ_HONEST + 10**9)
+    first.close()
+    again = Writer(ch.writer_handle(), domain="control", seal=False, native=native)
+    _commands(again, 2)
+    assert again.last_sequence < L.SEQ_HONEST
+    for r in (honest, monitor):
+        got = _drain(r)
+        assert [s for s, _ in got] == [4, 5], (got, r.stats.rejected)
+    again.close()

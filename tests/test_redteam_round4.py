@@ -614,16 +614,7 @@ def test_a_lying_header_cannot_starve_take_newest(make_channel, native) -> None:
 
 # ------------------------------------------------------------------ a restarted writer
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: a writer that counts from just below SEQ_HONEST (a plausible number, accepted) "
-    "on past it one message at a time walks its readers above SEQ_HONEST (the jump rule "
-    "allows 2 rings); after it dies, SAFE still reaches them (above every position), but "
-    "the restarted honest writer's Writer._attach drops every word at or above SEQ_HONEST "
-    "and counts from 5: the readers, at SEQ_HONEST+5, never hear it again (nothing counted "
-    "as rejected). fix: supervisor/ipc/writer.py Writer._attach: continue above the "
-    "trusted readers' positions (below PLAUSIBLE) as publish_safe does (the lifecycle "
-    "passes failsafe.trusted_readers in the worker's handle), or have readers accept a "
-    "new writer epoch the supervisor stamps at each start"))
+# Was a strict xfail (BREAK), fixed: see docs/redteam4.md (layout.resume_point).
 def test_a_restarted_writer_is_heard_after_its_predecessor_walked_the_readers_up(
         make_channel) -> None:
     from schemas.payloads import CONTROL_CMD
@@ -658,15 +649,7 @@ def test_a_restarted_writer_is_heard_after_its_predecessor_walked_the_readers_up
         pytest.approx(0.2)] * 5, (got, r.stats.rejected, w2.last_sequence)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: a control reader's claimed position just BELOW SEQ_HONEST (SEQ_HONEST-10: no "
-    "jump rule applies) numbers SAFE at SEQ_HONEST-9, which every reader takes; the "
-    "restarted writer continues from there and crosses SEQ_HONEST after 9 messages (the "
-    "readers follow: 2-ring rule); the writer after the next restart drops those words and "
-    "counts from the last plausible one: unheard by every reader, nothing counted. A "
-    "reader alone bricks the channel for restarted writers. fix: as row 2 "
-    "(failsafe.publish_safe: a position counts only within 2 rings of the supervisor's own "
-    "monitor reader's) and row 8 (Writer._attach continues above the trusted readers)"))
+# Was a strict xfail (BREAK), fixed: see docs/redteam4.md (layout.resume_point).
 def test_a_control_reader_cannot_make_a_later_restarted_writer_unheard(make_channel) -> None:
     from schemas.payloads import CONTROL_CMD
     from supervisor.config import loads

@@ -34,6 +34,10 @@ class WriterHandle:
     data_fd: int
     lease_fds: tuple[int, ...]
     event_fds: tuple[int, ...]
+    # Whose positions a (re)started writer numbers above (layout.resume_point): the
+    # readers the supervisor trusts on this channel, and its own monitor's index.
+    resume_above: tuple[int, ...] = ()
+    anchor: int | None = None
 
     def fds(self) -> list[int]:
         return [self.data_fd, *self.lease_fds, *self.event_fds]
@@ -41,13 +45,16 @@ class WriterHandle:
     def to_json(self) -> str:
         return json.dumps({"role": "writer", "spec": _spec_dict(self.spec),
                            "data_fd": self.data_fd, "lease_fds": list(self.lease_fds),
-                           "event_fds": list(self.event_fds)})
+                           "event_fds": list(self.event_fds),
+                           "resume_above": list(self.resume_above), "anchor": self.anchor})
 
     @classmethod
     def from_json(cls, text: str) -> WriterHandle:
         d = _load(text, "writer")
+        anchor = d.get("anchor")
         return cls(_spec_from(d["spec"]), d["data_fd"], tuple(d["lease_fds"]),
-                   tuple(d["event_fds"]))
+                   tuple(d["event_fds"]), tuple(int(i) for i in d.get("resume_above", ())),
+                   None if anchor is None else int(anchor))
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,17 @@ class Channel:
         # filling it) can make the writer block.
         self._reader_event_fds = reader_event_fds if reader_event_fds is not None else event_fds
         self._closed = False
+        # Whose positions a restarted writer numbers above: every reader and no monitor
+        # until the supervisor says which it trusts (trust()).
+        self._resume_above: tuple[int, ...] = tuple(range(spec.max_readers))
+        self._anchor: int | None = None
+
+    def trust(self, readers: tuple[int, ...], anchor: int | None) -> None:
+        """The reader indexes whose positions a (re)started writer continues above, and
+        the supervisor's own monitor's (failsafe.trusted_readers, Config.monitor_index)."""
+        self._resume_above = tuple(i for i in readers if 0 <= i < self.spec.max_readers)
+        self._anchor = anchor if anchor is not None and 0 <= anchor < self.spec.max_readers \
+            else None
 
     @classmethod
     def create(cls, spec: ChannelSpec) -> Channel:
@@ -135,7 +153,7 @@ class Channel:
 
     def writer_handle(self) -> WriterHandle:
         return WriterHandle(self.spec, self._data_fd, tuple(self._lease_ro),
-                            tuple(self._event_fds))
+                            tuple(self._event_fds), self._resume_above, self._anchor)
 
     def reader_handle(self, index: int) -> ReaderHandle:
         if not 0 <= index < self.spec.max_readers:

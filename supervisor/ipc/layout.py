@@ -22,6 +22,7 @@ stores while the generation is odd (CONTROL_TAIL) may go through ``struct``.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 
 from ._geometry import (CONTROL_SIZE, HEADER_MAX, LAYOUT_MAX, LAYOUT_OFFSET,  # noqa: F401
                         control_offset)
@@ -95,6 +96,30 @@ LEASE_STRIDE = 32
 # segment (failsafe.publish_safe; red team round 3).
 SEQ_HONEST = 1 << 61
 PLAUSIBLE = 1 << 62
+
+
+def resume_point(segment: int, positions: Sequence[int], anchor: int | None,
+                 span: int) -> int:
+    """Where a (re)started writer numbers from: above the segment's words it continued
+    (``segment``, below SEQ_HONEST) and above a trusted reader's position where readers
+    then hear it: readers a hostile predecessor walked up past SEQ_HONEST (red team
+    round 4) must hear the next writer. A reader at q hears x + 1 if it is below
+    SEQ_HONEST or within ``span`` of q (the readers' jump rule: 2 rings), and then
+    follows. A position is taken only if the supervisor's own monitor reader (``anchor``)
+    would hear the writer numbered from it, or, with no monitor attached, if most of the
+    trusted readers would: one lying reader cannot number the writer out of the others'
+    reach."""
+    ps = [p for p in positions if p < PLAUSIBLE]
+
+    def heard(x: int, q: int) -> bool:
+        return x + 1 < SEQ_HONEST or abs(x + 1 - q) <= span
+
+    if anchor is not None and anchor < PLAUSIBLE:
+        ok = [p for p in (*ps, anchor) if heard(p, anchor)]
+    else:
+        ok = [p for p in ps if 2 * sum(heard(p, q) for q in ps) > len(ps)]
+    return max((segment, *ok))
+
 
 U64 = struct.Struct("<Q")
 U32 = struct.Struct("<I")

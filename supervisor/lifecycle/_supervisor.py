@@ -17,7 +17,7 @@ from supervisor.admission import check_worker
 from supervisor.config import Config, WorkerConfig
 from supervisor.events import EventLog
 from supervisor.exits import Exit
-from supervisor.failsafe import FailSafeLatch
+from supervisor.failsafe import FailSafeLatch, trusted_readers
 from supervisor.ipc import Channel
 from supervisor.notify import Notifier
 from supervisor.sandbox.policy import RESEARCH
@@ -104,7 +104,9 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
 
     def _make_channels(self) -> None:
         for name, spec in self.config.channel_specs().items():
-            self.channels[name] = Channel.create(spec)
+            self.channels[name] = ch = Channel.create(spec)
+            # A restarted writer numbers above these readers' positions (layout.resume_point).
+            ch.trust(trusted_readers(self.config, name), self.config.monitor_index(name))
             for reader in self.config.readers_of(name):
                 self._reader_index[(name, reader)] = self.config.reader_index(name, reader)
         self.log.emit("channels_created", channels=sorted(self.channels))
@@ -750,7 +752,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                     self.log.emit("fail_safe_error", worker=run.cfg.name,
                                   reason=f"cgroup not empty: {e}; not writing")
                     return
-        from supervisor.failsafe import publish_safe, trusted_readers
+        from supervisor.failsafe import publish_safe
 
         for name, ch in self.config.channels.items():
             if not ch.actuation or name not in self.channels:
