@@ -328,17 +328,7 @@ def test_the_proper_never_hands_its_channels_to_a_broker_that_is_not_root(
 
 # ------------------------------------------------------------------ the last word
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: the dead actuation writer leaves its header's last_seq at SEQ_HONEST-1 "
-    "(below the bound, so Writer._attach continues it): the supervisor's SAFE is "
-    "numbered SEQ_HONEST, far above every honest reader (at 4), which refuses it as "
-    "sequence_jump; no reader is 'further on' than the segment, so no second SAFE: the "
-    "actuator never hears SAFE. fix: supervisor/ipc/writer.py Writer._attach: with "
-    "above_readers (the last word), empty every header and slot word at or above "
-    "SEQ_HONEST-1 and continue below it, so the first SAFE is at most SEQ_HONEST-1 "
-    "(taken by every reader: any number below SEQ_HONEST is) and the SAFEs above trusted "
-    "positions still follow; or failsafe.publish_safe: when base+1 >= SEQ_HONEST, "
-    "number the SAFE from the highest trusted position instead"))
+# Was a strict xfail (BREAK), fixed: Writer._attach continues words below SEQ_HONEST - 1 only.
 def test_the_last_word_is_heard_after_a_last_seq_at_the_honest_bound(make_channel) -> None:
     """Real shared memory, the real Writer, Reader and publish_safe (round 4's row 2
     pattern); the writer's own header is the only thing the attacker touches."""
@@ -459,11 +449,7 @@ def test_the_sandboxed_bound_attack_ran(rt5_fleet) -> None:
     assert attack_result(rt5_fleet, "c-rt5-honest") is not None
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK (end to end, real sandboxes): the same attack by a control worker on its own "
-    "actuation channel: last_word published, the honest control reader (its own "
-    "sandbox) refused the SAFE as sequence_jump and never heard it. fix: as "
-    "test_the_last_word_is_heard_after_a_last_seq_at_the_honest_bound"))
+# Was a strict xfail (BREAK), fixed: Writer._attach continues words below SEQ_HONEST - 1 only.
 def test_a_sandboxed_writer_cannot_make_its_last_word_unheard(rt5_fleet) -> None:
     from tests.test_attacks import _of, attack_result
 

@@ -137,10 +137,14 @@ class Writer:
         # emptied, never continued (near 2**64 the next increments would overflow), and
         # a header without the magic (zeroed by the dead writer) does not make the slots
         # new: their generations go on, so no reader's lease or seqlock goes backwards.
-        # The segment's own words are continued only below SEQ_HONEST: readers refuse a
-        # far jump above it, so continuing from there would leave this writer unheard
-        # (red team round 3: a dead writer left last_seq at 2**62 - 1).
-        bound = L.SEQ_HONEST
+        # The segment's own words are continued only below SEQ_HONEST - 1, so that the
+        # next number is one every reader takes (any below SEQ_HONEST): readers refuse a
+        # far jump above it, and continuing from there would leave this writer unheard
+        # (red team round 3: a dead writer left last_seq at 2**62 - 1; round 5: at
+        # SEQ_HONEST - 1, which numbered the SAFE SEQ_HONEST, refused by every reader).
+        # Readers that did consume such a number get their own SAFE (publish_safe) or
+        # are continued above (resume_point).
+        bound = L.SEQ_HONEST - 1
         last = L.U64.unpack_from(buf, L.OFF_LAST_SEQ)[0] if magic == L.MAGIC else 0
         last = last if last < bound else 0
         for i, cb in enumerate(self._ctl):
@@ -148,7 +152,7 @@ class Writer:
             # The supervisor's last word also empties what no honest writer numbered:
             # a reader close below it would take such a message after the SAFE.
             empty = gen & 1 or gen >= PLAUSIBLE or seq >= (
-                L.SEQ_HONEST if above_readers else PLAUSIBLE)
+                bound if above_readers else PLAUSIBLE)
             self._gen[i] = 0 if gen >= PLAUSIBLE else gen + (gen & 1)
             self._seq[i] = 0 if empty else seq
             if self._seq[i] < bound:
