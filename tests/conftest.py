@@ -444,9 +444,18 @@ class Leftovers:
 
     def end_module(self) -> None:
         deadline = time.monotonic() + LEFTOVER_GRACE_S
+        # Still at work when the module ended, gone within the grace: it ran on into the
+        # next module's first test (a leak test counting allocations would see it).
+        late = {t: (_where(t), "non-daemon" if not t.daemon else "bridge")
+                for t in self.threads if t.is_alive() and not _shared(t)
+                and (not t.daemon or _runs_own_code(t))}
         for t in list(self.threads):
             if not _shared(t):           # an idle cache thread would cost the whole grace
                 t.join(max(0.0, deadline - time.monotonic()))
+        for t, (where, kind) in late.items():
+            if not t.is_alive():
+                self._add(dict(test=self.threads[t], what="thread", kind=kind + " (ended late)",
+                               name=t.name, where=where))
         while self.procs and time.monotonic() < deadline:
             if not set(self.procs) & set(_bwraps()):
                 break
