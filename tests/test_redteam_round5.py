@@ -669,12 +669,7 @@ def test_the_admission_cache_never_writes_or_prunes_outside_its_directory(
 
 # ------------------------------------------------------------------ --plot
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK (robustness): --plot CH.² on a channel without a payload passes "
-    "str.isdigit() and then int() raises a plain ValueError: 'internal error', exit 1, "
-    "instead of the one line naming the --plot (exit 2). fix: "
-    "supervisor/replay/signals.py parse_signals: f.isdecimal() and f.isascii() (or int() "
-    "in a try that raises SignalError)"))
+# Was a strict xfail (BREAK), fixed: parse_signals: a position is f.isdecimal() and f.isascii().
 def test_a_plot_field_of_unicode_digits_is_a_signal_error() -> None:
     from supervisor.replay.derive import plan_of, read_doc
     from supervisor.replay.signals import SignalError, parse_signals
@@ -687,16 +682,7 @@ def test_a_plot_field_of_unicode_digits_is_a_signal_error() -> None:
 
 # ------------------------------------------------------------------ report.html
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK (latent): report.html's scrubber script builds its values table with "
-    "innerHTML from each signal's name, unescaped, and the page's CSP allows inline "
-    "script, so inline handlers run: a name carrying <img onerror=...> rewrote the "
-    "page's verdict in headless Chromium. Names come from the config's channel names "
-    "today (loader: [a-z0-9_]), but the report reads them back from RUN/replay.toml by "
-    "path (see the RUN break) and render() says every value is escaped. fix: "
-    "supervisor/replay/report.py _JS show(): build the rows with createElement and "
-    "textContent (never innerHTML); optionally a CSP script hash instead of "
-    "'unsafe-inline'"))
+# Was a strict xfail (BREAK), fixed: _JS builds rows by createElement/textContent; CSP: its hash.
 def test_a_signal_name_never_becomes_markup_in_the_report(public_tmp: Path) -> None:
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
@@ -721,14 +707,7 @@ def test_a_signal_name_never_becomes_markup_in_the_report(public_tmp: Path) -> N
 
 # ------------------------------------------------------------------ log cat
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: `supervisor log cat LOG FRAMES --format csv` writes a frame's pixel_format "
-    "from the log raw to the terminal: a hostile log's ESC ]0;...BEL ESC[2J (window "
-    "title, screen clear; OSC 52 would set the clipboard) reaches it, while log info "
-    "and the jsonl format escape it (logtool.render_info's own rule: nothing from a log "
-    "may act on the developer's terminal). fix: supervisor/replay/logtool.py rows(): "
-    "printable() every string from the log (or drivelog: a pixel_format outside the "
-    "known formats is a corrupt record)"))
+# Was a strict xfail (BREAK), fixed: logtool.cat: printable() every csv string from the log.
 def test_log_cat_csv_never_writes_a_logs_control_characters(tmp_path: Path) -> None:
     from supervisor.replay.drivelog import LogWriter
 

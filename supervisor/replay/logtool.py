@@ -145,6 +145,11 @@ def cat(log: DriveLog, channel: str, fmt: str, out: Any = None) -> int:
     writer = None
     for head, r in rows(log, channel):
         if fmt == "csv":
+            # csv quotes, it does not escape: every string from the log (a frame's
+            # pixel_format, a payload's field names) goes through printable() as in
+            # `log info` (red team round 5: ESC ]0;...BEL set the window title).
+            head = [printable(h) for h in head]
+            r = {printable(k): printable(v) if isinstance(v, str) else v for k, v in r.items()}
             if writer is None:
                 writer = csv.DictWriter(out, fieldnames=head, extrasaction="ignore")
                 writer.writeheader()

@@ -14,6 +14,7 @@ every signal (the run's, REF's dashed), with the values at that frame.
 from __future__ import annotations
 
 import base64
+import hashlib
 import html
 import json
 import math
@@ -197,15 +198,34 @@ function show(i){
     const x = l.dataset.x0 * 1 + (l.dataset.w * 1) * (D.n > 1 ? i / (D.n - 1) : 0);
     l.setAttribute('x1', x); l.setAttribute('x2', x);
   });
-  const rows = D.signals.map(s => '<tr><td><code>' + s.name + '</code></td><td>' +
-    fmt(s.run[fid]) + '</td><td>' + fmt(s.ref[fid]) + '</td></tr>');
-  document.getElementById('values').innerHTML =
-    '<tr><th>signal</th><th>run</th><th>REF</th></tr>' + rows.join('');
+  // Built node by node, text by textContent: a signal's name is data, never markup.
+  const tbody = document.getElementById('values');
+  const head = document.createElement('tr');
+  ['signal', 'run', 'REF'].forEach(t => {
+    const th = document.createElement('th'); th.textContent = t; head.appendChild(th);
+  });
+  const rows = [head];
+  D.signals.forEach(s => {
+    const tr = document.createElement('tr');
+    const td = document.createElement('td');
+    const code = document.createElement('code');
+    code.textContent = s.name;
+    td.appendChild(code); tr.appendChild(td);
+    [s.run[fid], s.ref[fid]].forEach(v => {
+      const c = document.createElement('td'); c.textContent = fmt(v); tr.appendChild(c);
+    });
+    rows.push(tr);
+  });
+  tbody.replaceChildren(...rows);
 }
 function fmt(v){ return v === undefined || v === null ? '-' : Number(v).toPrecision(6); }
 slider.addEventListener('input', e => show(e.target.value * 1));
 show(0);
 """
+
+# The only script the page may run is this one, by hash (CSP): no inline handler, no
+# injected <script>, runs even if a value ever escaped its escaping (red team round 5).
+_JS_HASH = "sha256-" + base64.b64encode(hashlib.sha256(_JS.encode()).digest()).decode()
 
 _CHART_W, _CHART_H, _PAD = 640, 70, 4
 
@@ -335,7 +355,8 @@ def render(page: Page) -> str:
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
              # Nothing may be fetched: no network from a CI artifact, ever.
              '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; '
-             'img-src data:; style-src \'unsafe-inline\'; script-src \'unsafe-inline\'">',
+             'img-src data:; style-src \'unsafe-inline\'; '
+             f'script-src \'{_JS_HASH}\'">',
              f"<title>{_esc(page.title)}</title><style>{_CSS}</style></head><body>",
              f"<h1>{_esc(page.title)}</h1>",
              f'<p id="verdict" class="verdict {cls}">{_esc(text)}</p>',

@@ -67,7 +67,7 @@ def parse_signals(specs: list[str], doc: dict[str, Any], plan) -> list[Sig]:
             sig = Sig(ch, f, None)
         elif f in names:
             sig = Sig(ch, f, names.index(f))
-        elif not names and f.isdigit():
+        elif not names and f.isdecimal() and f.isascii():   # never '²' (int() refuses it)
             sig = Sig(ch, f, int(f))
         else:
             have = ", ".join(with_latency) or "none named: give a position, e.g. 0"
