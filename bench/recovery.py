@@ -8,6 +8,11 @@ The real pipeline (camerad -> modeld -> controlsd, sandboxed) runs in this proce
 supervisor; each kill is SIGKILL of the worker's sandbox; the clock stops at the first
 message its output channel carries afterwards (road_frames / model_out / control_cmd).
 
+--trace: for each warm kill, a timeline (ms after the kill) of the supervisor's events
+and, under --privsep, of every broker request (from the call to its reply, with the
+time spent waiting for the client's lock), printed to stderr: where the recovery's
+milliseconds go.
+
 --privsep: the same, once more with every sandbox started, signalled, listed and reaped
 by the privileged broker (issue 27; `BrokerClient.spawn` and the lifecycle's
 BrokerLauncher, as `supervisor run --privsep` does; this bench process keeps root, the
@@ -86,10 +91,65 @@ async def _arrival(r: Reader) -> None:
         return
 
 
+class _Trace:
+    """Timestamps (time.monotonic) of broker calls and supervisor events around kills."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, float, float, str, str]] = []
+        self.kills: list[tuple[str, float, float]] = []     # worker, t0, t_arrival
+
+    def wrap(self, client) -> None:
+        import threading
+
+        from supervisor.broker import _protocol as P
+
+        real, lock = client.call, client._lock
+
+        class TimedLock:
+            """The client's lock, noting how long each acquire waited."""
+
+            def __enter__(self_) -> None:
+                t = time.monotonic()
+                lock.acquire()
+                threading.current_thread()._trace_wait = time.monotonic() - t
+
+            def __exit__(self_, *a) -> None:
+                lock.release()
+
+        client._lock = TimedLock()
+
+        def call(req, fds=()):
+            t = time.monotonic()
+            try:
+                return real(req, fds)
+            finally:
+                th = threading.current_thread()
+                where = "loop" if th is threading.main_thread() else "thread"
+                self.calls.append((t, time.monotonic(), getattr(th, "_trace_wait", 0.0),
+                                   P.kind_of(req), where))
+
+        client.call = call
+
+    def report(self, log_text: str, mode: str) -> None:
+        events = [json.loads(ln) for ln in log_text.splitlines() if ln.startswith("{")]
+        for w, t0, t1 in self.kills:
+            print(f"--- {mode}: {w} killed, first output at {(t1 - t0) * 1e3:.1f} ms",
+                  file=sys.stderr)
+            rows = [((e["mono_ns"] / 1e9 - t0) * 1e3, f"event {e['event']} "
+                     f"{e.get('worker', '')}") for e in events
+                    if t0 - 0.001 <= e["mono_ns"] / 1e9 <= t1 + 0.02]
+            rows += [((a - t0) * 1e3, f"broker {k:<12} {(b - a) * 1e3:6.1f} ms "
+                      f"(lock wait {wait * 1e3:.1f}) [{where}]")
+                     for a, b, wait, k, where in self.calls if t0 <= a <= t1 + 0.02]
+            for at, what in sorted(rows):
+                print(f"  {at:7.1f}  {what}", file=sys.stderr)
+
+
 async def _measure(warm: bool, workers: list[str], kills: int,
-                   privsep: bool = False) -> dict[str, list[float]]:
+                   privsep: bool = False, trace: bool = False) -> dict[str, list[float]]:
     cfg = _config(warm)
     log = EventLog(stream=io.StringIO())
+    tr = _Trace() if trace and warm else None
     client = None
     if privsep:
         from supervisor.broker import BrokerClient
@@ -99,21 +159,26 @@ async def _measure(warm: bool, workers: list[str], kills: int,
         path.write_text(_config_text(warm))
         state = Path(os.environ["TRIO_STATE_DIR"])
         client = BrokerClient.spawn(state_dir=state, config=path, stderr=subprocess.DEVNULL)
+        if tr is not None:
+            tr.wrap(client)
         sup = Supervisor(cfg, log=log, launcher=BrokerLauncher(client),
                          latch=BrokerLatch(client, state / "failsafe.latch"))
     else:
         sup = Supervisor(cfg, log=log)
     res: dict[str, list[float]] = {w: [] for w in workers}
     try:
-        await _kills(sup, cfg, warm, workers, kills, res)
+        await _kills(sup, cfg, warm, workers, kills, res, tr)
     finally:
         if client is not None:
             client.close()
+    if tr is not None:
+        tr.report(log.stream.getvalue() if hasattr(log, "stream") else "",
+                  "privsep" if privsep else "direct")
     return res
 
 
 async def _kills(sup, cfg, warm: bool, workers: list[str], kills: int,
-                 res: dict[str, list[float]]) -> None:
+                 res: dict[str, list[float]], tr: _Trace | None = None) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(sup.run)
         readers = {ch: Reader(sup.channels[ch].reader_handle(len(cfg.readers_of(ch))))
@@ -131,13 +196,21 @@ async def _kills(sup, cfg, warm: bool, workers: list[str], kills: int,
                 _drain(r)
                 pid = sup.runs[w].pid
                 t0 = time.monotonic()
-                os.kill(pid, signal.SIGKILL)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    # The run died on its own meanwhile: what the supervisor said, then out.
+                    text = sup.log.stream.getvalue().splitlines()[-25:]
+                    raise SystemExit(f"{w} (pid {pid}) was gone before the kill; last "
+                                     "events:\n" + "\n".join(text)) from None
                 with trio.fail_after(60):
                     while True:
                         await _arrival(r)
                         if sup.runs[w].pid != pid:
                             break
                 res[w].append((time.monotonic() - t0) * 1000)
+                if tr is not None:
+                    tr.kills.append((w, t0, t0 + res[w][-1] / 1000))
         nursery.cancel_scope.cancel()
 
 
@@ -148,14 +221,18 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--privsep", action="store_true",
                     help="also through the broker (before/after in one run)")
+    ap.add_argument("--modes", default="cold,warm", help="cold,warm or one of them")
+    ap.add_argument("--trace", action="store_true",
+                    help="a timeline of each warm kill on stderr (events, broker calls)")
     a = ap.parse_args()
     os.environ.setdefault("TRIO_STATE_DIR", tempfile.mkdtemp(prefix="trio-state-"))
     workers = a.workers.split(",")
     out = {}
     for via in (("direct", "privsep") if a.privsep else ("direct",)):
-        for mode in ("cold", "warm"):
+        for mode in a.modes.split(","):
             key = mode if via == "direct" else f"{mode} privsep"
-            out[key] = trio.run(_measure, mode == "warm", workers, a.kills, via == "privsep")
+            out[key] = trio.run(_measure, mode == "warm", workers, a.kills, via == "privsep",
+                                a.trace)
     if a.json:
         print(json.dumps(out))
         return 0
@@ -163,12 +240,13 @@ def main() -> int:
     print("|---|---:|---:|---:|")
     for w in workers:
         for via in ("", " privsep"):
-            if f"cold{via}" not in out:
+            c, h = out.get(f"cold{via}", {}).get(w), out.get(f"warm{via}", {}).get(w)
+            if not c and not h:
                 continue
-            c, h = out[f"cold{via}"][w], out[f"warm{via}"][w]
-            print(f"| {w}{via} | {statistics.median(c):.0f} / {max(c):.0f} | "
-                  f"{statistics.median(h):.0f} / {max(h):.0f} | "
-                  f"{statistics.median(c) / statistics.median(h):.1f}x |")
+            cs = f"{statistics.median(c):.0f} / {max(c):.0f}" if c else "-"
+            hs = f"{statistics.median(h):.0f} / {max(h):.0f}" if h else "-"
+            ratio = f"{statistics.median(c) / statistics.median(h):.1f}x" if c and h else "-"
+            print(f"| {w}{via} | {cs} | {hs} | {ratio} |")
     return 0
 
 
