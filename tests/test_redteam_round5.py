@@ -499,18 +499,7 @@ def _config_the_loader_refuses(d: Path) -> Path:
 
 
 @pytest.mark.parametrize("case", ["run_owned_by_nobody", "run_is_nobodys_link"])
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: `supervisor replay LOG --out RUN` (root) writes into a RUN another user "
-    "controls: an empty RUN of nobody's is accepted (replay.toml written there and loaded "
-    "back by path, RUN/log chowned to the recorder; at the end summary.json and "
-    "report.html written by path: nobody's links summary.json/report.html -> a root file "
-    "made root overwrite it with the report, seen in a full run); a RUN that is nobody's "
-    "symlink to an empty root dir is followed: root chmods that dir 0755 and fills it. "
-    "fix: supervisor/replay/run.py replay(): lstat RUN (refuse a symlink others own), "
-    "refuse a RUN, "
-    "or the parent of a new one, not owned by the caller or writable by group/others (as "
-    "log cut's OUT and the broker's state dir), then work through a dir fd; "
-    "commands.py: write summary/diff/report with O_NOFOLLOW"))
+# Was a strict xfail (BREAK), fixed: replay() opens RUN by supervisor.outdir (chain, fd).
 def test_replay_never_writes_where_another_user_points_it(public_tmp: Path, case: str) -> None:
     from tests.test_replay_format import write_log
 
@@ -540,16 +529,7 @@ def test_replay_never_writes_where_another_user_points_it(public_tmp: Path, case
         assert not list(run.iterdir()), (sorted(x.name for x in run.iterdir()), r.stderr)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: `supervisor record OUT` (root) follows an OUT that is another user's "
-    "symlink to an empty root directory: prepare_out() chmods it 0755 and chowns it to "
-    "the recorder's host user (trio-research: every research sandbox's uid) and writes "
-    "source.toml in it; an empty root dir on root's PATH (/usr/local/sbin on Debian) "
-    "handed to research this way is root code execution for a hostile research worker. "
-    "fix: supervisor/replay/record.py prepare_out(): lstat OUT (refuse a symlink others "
-    "own), refuse an existing OUT, or the parent of a new one, not owned by the caller or "
-    "writable by group/others; chmod/chown by the fd of the directory it made "
-    "(O_NOFOLLOW|O_DIRECTORY)"))
+# Was a strict xfail (BREAK), fixed: prepare_out: OutDir, fchmod/fchown.
 def test_record_never_gives_the_recorder_a_dir_another_user_points_it_to(
         public_tmp: Path) -> None:
     private = public_tmp / "private"            # root's, 0700, empty
@@ -620,16 +600,7 @@ if os.path.islink(os.path.join(par, "cache")):
 """
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: TRIO_ADMISSION_CACHE whose parent another user can write (a developer's "
-    "~/.cache under sudo -E): _store._dir() lstats the directory once, then save() works "
-    "by path (mkstemp, os.replace, _prune's scandir and unlinks). Flipping the cache "
-    "dir and a symlink with RENAME_EXCHANGE while root saved: root wrote its entries into "
-    "the link's target and _prune deleted that directory's oldest .json files (seen: 32 "
-    "of 70 deleted, 128 written in 3.5 s). fix: supervisor/admission/_store.py: open the "
-    "cache dir once (O_DIRECTORY|O_NOFOLLOW), check it by fstat, then only dir_fd= "
-    "calls (openat, renameat, unlinkat, os.scandir(fd)); refuse a cache whose parent is "
-    "writable by others (the sticky /tmp aside)"))
+# Was a strict xfail (BREAK), fixed: _store opens the cache by supervisor.outdir, dir_fd only.
 def test_the_admission_cache_never_writes_or_prunes_outside_its_directory(
         public_tmp: Path, monkeypatch) -> None:
     if platform.machine() not in ("x86_64", "aarch64"):

@@ -20,9 +20,10 @@ import json
 import os
 import stat
 import sys
-import tempfile
 from dataclasses import dataclass
 from typing import Any
+
+from supervisor.outdir import OutDir, OutDirError
 
 from ._witness import FileId, Witness
 from .elf import ElfHit, ElfResult
@@ -126,32 +127,44 @@ def disabled() -> bool:
     return os.environ.get(ENV) == "off"
 
 
-def _dir() -> str | None:
+def _open_dir() -> OutDir | None:
+    """The cache directory, opened once per use (``O_DIRECTORY|O_NOFOLLOW``) and judged
+    by `supervisor.outdir`'s rule with no sudo user trusted: every directory on its way
+    root's or ours and writable by no one else (a sticky /tmp aside), itself ours and
+    private. Everything after goes through its fd: a user who can rename the cache or
+    its parent cannot make root write or prune elsewhere (red team round 5 row 12).
+    Anything else is a miss, never an error."""
     d = os.environ.get(ENV)
     if not d or d == "off":
         return None
     try:
-        os.makedirs(d, mode=0o700, exist_ok=True)
-        st = os.lstat(d)
-    except OSError:
+        out = OutDir.open(d, what=ENV, empty=False, mode=0o700, invoker=False, parents=True)
+    except (OSError, OutDirError):
         return None
-    return d if stat.S_ISDIR(st.st_mode) and _own_private(st) else None
+    st = os.fstat(out.fd)
+    if not _own_private(st):
+        out.close()
+        return None
+    return out
 
 
-def _path(d: str, key: list[Any]) -> str:
+def _name(key: list[Any]) -> str:
     name = hashlib.sha256(json.dumps([code_version(), key]).encode()).hexdigest()[:32]
-    return os.path.join(d, f"{name}.json")
+    return f"{name}.json"
 
 
 def load(key: list[Any]) -> tuple[Witness, Static] | None:
     """The entry for ``key`` written by this admission code, or None."""
-    d = _dir()
+    d = _open_dir()
     if d is None:
         return None
     try:
-        fd = os.open(_path(d, key), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(_name(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                     dir_fd=d.fd)
     except OSError:
+        d.close()
         return None
+    d.close()
     try:
         with os.fdopen(fd, "rb") as f:
             if not (stat.S_ISREG(os.fstat(f.fileno()).st_mode) and _own_private(os.fstat(f.fileno()))):
@@ -166,37 +179,35 @@ def load(key: list[Any]) -> tuple[Witness, Static] | None:
 
 def save(key: list[Any], witness: Witness, s: Static) -> None:
     """Write the entry atomically (a reader sees the old one or the new one)."""
-    d = _dir()
+    d = _open_dir()
     if d is None:
         return
-    try:
-        fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")  # mode 0600
+    with d:
         try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(encode(key, witness, s), f)
-            os.replace(tmp, _path(d, key))
-        except BaseException:
-            os.unlink(tmp)
-            raise
-        _prune(d)
-    except (OSError, ValueError, TypeError):
-        return  # a full disk costs the next process a walk, nothing more
+            # A fresh name (O_EXCL|O_NOFOLLOW, 0600 as the entry) renamed into place,
+            # all relative to the directory's fd.
+            d.write_text(_name(key), json.dumps(encode(key, witness, s)), 0o600)
+            _prune(d.fd)
+        except (OSError, ValueError, TypeError):
+            return  # a full disk costs the next process a walk, nothing more
 
 
 MAX_ENTRIES = 64  # ~0.3 MB each; entries of older admission code are never read again
 
 
-def _prune(d: str) -> None:
-    """Keep the MAX_ENTRIES most recently written entries."""
+def _prune(dfd: int) -> None:
+    """Keep the MAX_ENTRIES most recently written entries (by the directory's fd: never
+    a path that could have been swapped for another directory)."""
     entries = []
-    for e in os.scandir(d):
-        if e.name.endswith(".json"):
-            try:
-                entries.append((e.stat(follow_symlinks=False).st_mtime_ns, e.path))
-            except OSError:
-                continue
-    for _, path in sorted(entries)[:-MAX_ENTRIES]:
+    with os.scandir(dfd) as it:
+        for e in it:
+            if e.name.endswith(".json"):
+                try:
+                    entries.append((e.stat(follow_symlinks=False).st_mtime_ns, e.name))
+                except OSError:
+                    continue
+    for _, name in sorted(entries)[:-MAX_ENTRIES]:
         try:
-            os.unlink(path)
+            os.unlink(name, dir_fd=dfd)
         except OSError:
             pass

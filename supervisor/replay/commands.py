@@ -190,7 +190,7 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
     from .diff import compare, render_json, render_markdown, render_text
     from .drivelog import DriveLog
     from .logfmt import LogError
-    from .run import DIFFERS, ReplayError, replay
+    from .run import DIFFERS, ReplayError, replay, write_run_file
 
     ref = None
     if args.ref is not None and args.ref != "self":    # (self: the log that played, below)
@@ -225,14 +225,14 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
                          p99_ratio=args.time_p99, max_ratio=args.time_max,
                          floor_ms=args.time_floor_ms,
                          gated=_gated(res.run_dir, args.gate), ignore=args.ignore)
-        Path(res.run_dir, "diff.md").write_text(render_markdown(report))
+        write_run_file(res.run_dir, "diff.md", render_markdown(report))
         _plot_with_ref(res.run_dir, plan, run, ref, res.log, res.signals)
-        Path(res.run_dir, "diff.json").write_text(render_json(report))
+        write_run_file(res.run_dir, "diff.json", render_json(report))
         s["diff"] = {"ref": str(ref.path), "ok": report.ok,
                      "first_divergent_frame": report.first_divergent_frame}
         if code == 0 and not report.ok:
             code = DIFFERS
-        Path(res.run_dir, "summary.json").write_text(json.dumps(s, indent=2))
+        write_run_file(res.run_dir, "summary.json", json.dumps(s, indent=2))
         _write_report(res, args, ref, report, code)
         if args.format == "json":       # one JSON document on stdout, nothing else
             print(json.dumps({"summary": s, "diff": report.as_dict(), "exit_code": code},
@@ -256,6 +256,8 @@ def _write_report(res, args: argparse.Namespace, ref, report, code: int) -> None
     (summary.json's notes say why)."""
     from .derive import plan_of, read_doc
     from .drivelog import DriveLog
+    from supervisor.outdir import OutDirError
+
     from .report import Page, collect, write
 
     summary = {**res.summary, "exit_code": code}
@@ -271,8 +273,9 @@ def _write_report(res, args: argparse.Namespace, ref, report, code: int) -> None
     for dest in [Path(res.run_dir, "report.html"), *([Path(args.report)] if args.report else [])]:
         try:
             write(dest, page)
-        except OSError as e:
-            res.summary.setdefault("notes", []).append(f"{dest} not written: {e.strerror}")
+        except (OSError, OutDirError) as e:
+            why = e.strerror if isinstance(e, OSError) else str(e)
+            res.summary.setdefault("notes", []).append(f"{dest} not written: {why}")
 
 
 def _plot_with_ref(run_dir: str, plan, run, ref, log: str, signals: list) -> None:

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from supervisor.outdir import OutDir, OutDirError
+
 from .drivelog import DriveLog
 from .logfmt import (
     LIFECYCLE,
@@ -249,12 +251,17 @@ def cut(src_dir: str | os.PathLike, out_dir: str | os.PathLike, start: Pos | Non
     rng = resolve(log, start, end)
     notes = list(rng.notes)
     mono_lo, mono_hi = _mono_span(src, rng)
+    # OUT, and every directory on its way, only root's or yours and writable by no one
+    # else (supervisor.outdir): then the paths below name what was checked, and no one
+    # can swap OUT or OUT/.cut-PID for a link during the cut (red team round 5).
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        # The cut is built in a hidden directory inside OUT and moved into place, its
-        # messages last: an interrupted cut leaves no half log that reads as whole.
+        with OutDir.open(str(out), what="log cut OUT", mode=0o755) as d:
+            # The cut is built in a hidden directory inside OUT and moved into place, its
+            # messages last: an interrupted cut leaves no half log that reads as whole.
+            d.subdir(f".cut-{os.getpid()}", 0o755).close()
         tmp = out / f".cut-{os.getpid()}"
-        tmp.mkdir()
+    except OutDirError as e:
+        raise CutError(str(e)) from None
     except OSError as e:
         raise CutError(f"{out}: cannot make the directory: {e.strerror}") from None
     try:

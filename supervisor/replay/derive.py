@@ -337,9 +337,16 @@ def replay_doc(doc: dict[str, Any], log_dir: str, run_log: str, state_dir: str, 
 
 
 def write_config(doc: dict[str, Any], directory: str | os.PathLike, name: str):
-    """Write the derived config and load it with the normal loader."""
-    path = Path(directory) / name
-    path.write_text(dumps(doc))
+    """Write the derived config and load it with the normal loader. ``directory``: a
+    path (a private temporary directory) or an `OutDir` (written through its fd)."""
+    from supervisor.outdir import OutDir
+
+    if isinstance(directory, OutDir):
+        directory.write_text(name, dumps(doc))
+        path = Path(directory.join(name))
+    else:
+        path = Path(directory) / name
+        path.write_text(dumps(doc))
     return load(path), path
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import trio
 
 from supervisor.events import EventLog
+from supervisor.outdir import OutDir
 
 from .drivelog import LogWriter
 
@@ -78,11 +79,13 @@ def host_user_of_research() -> tuple[int, int] | None:
     return None if uid is None else (uid, gid)
 
 
-def give_to_recorder(path: str) -> None:
-    """The recorder runs as the research host user: its output directory is its own."""
+def give_to_recorder(d: OutDir) -> None:
+    """The recorder runs as the research host user: its output directory is its own.
+    By the fd of the directory that was made or checked (`supervisor.outdir`): never a
+    path another user could have pointed elsewhere (red team round 5 row 4)."""
     ids = host_user_of_research()
     if ids is not None:
-        os.chown(path, *ids)
+        d.chown(*ids)
 
 
 def run_supervised(cfg, lifecycle_dir: str | None, *, until: Callable[[EventLog], bool] | None,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.exits import Exit
+from supervisor.outdir import OutDir, OutDirError
 
 from .derive import (ACK, RECORDER, DeriveError, clip_doc, dumps, plan_of, read_doc, record_doc,
                      write_config)
@@ -72,19 +73,22 @@ class Recorded:
                 + ("" if self.loss == "nothing lost" else f"; lost: {self.loss}"))
 
 
-def prepare_out(out: str) -> str:
-    path = os.path.abspath(out)
-    if os.path.exists(path):
-        if not os.path.isdir(path) or os.listdir(path):
-            raise RecordError(f"{out}: exists and is not an empty directory")
-    else:
-        parent = os.path.dirname(path)
-        if not os.path.isdir(parent):
-            raise RecordError(f"{out}: its parent directory {parent} does not exist")
-        os.mkdir(path)
-    os.chmod(path, 0o755)           # readable by a replay's control sandbox
-    give_to_recorder(path)
-    return path
+def prepare_out(out: str) -> OutDir:
+    """OUT made (or an empty one taken) by `supervisor.outdir`'s rule, 0755 (readable by
+    a replay's control sandbox) and given to the recorder's host user, all through the
+    directory's fd: an OUT another user owns or links is refused (red team round 5 row
+    4: a link to an empty root directory on root's PATH was chowned to research)."""
+    try:
+        d = OutDir.open(out, what="record OUT", mode=0o755)
+    except OutDirError as e:
+        raise RecordError(str(e)) from None
+    try:
+        d.chmod(0o755)
+        give_to_recorder(d)
+    except OSError as e:
+        d.close()
+        raise RecordError(f"{d.path}: {e.strerror}") from None
+    return d
 
 
 def derived_source(derived: dict, orig_cam: dict | None = None) -> dict:
@@ -212,17 +216,17 @@ def record(out: str, *, config: str | None = None, seconds: float | None = None,
         derived["workers"][RECORDER]["args"] += list(recorder_args or [])
     except DeriveError as e:
         raise RecordError(str(e)) from None
-    existed = os.path.exists(out)
-    path = prepare_out(out)
-    try:
-        Path(path, SOURCE).write_text(dumps(doc))
-        os.chmod(Path(path, SOURCE), 0o644)   # ours alone to write: replay checks that
-    except OSError as e:
-        Path(path, SOURCE).unlink(missing_ok=True)
-        if not existed:
-            os.rmdir(path)                    # nothing left behind of a record never begun
-        raise RecordError(f"{path}/{SOURCE}: {e.strerror}; nothing recorded",
-                          WRITE_FAILED) from None
+    out_dir = prepare_out(out)
+    path = out_dir.path
+    with out_dir:
+        try:
+            out_dir.write_text(SOURCE, dumps(doc), 0o644)   # ours alone to write: replay checks
+        except OSError as e:
+            out_dir.unlink(SOURCE)
+            if out_dir.created:
+                os.rmdir(path)                # nothing left behind of a record never begun
+            raise RecordError(f"{path}/{SOURCE}: {e.strerror}; nothing recorded",
+                              WRITE_FAILED) from None
     with tempfile.TemporaryDirectory(prefix="trio-record-") as tmp:
         try:
             cfg, _ = write_config(derived, tmp, "record.toml")

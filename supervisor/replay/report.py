@@ -18,6 +18,7 @@ import hashlib
 import html
 import json
 import math
+import os
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -393,4 +394,11 @@ def render(page: Page) -> str:
 
 
 def write(path: str | Path, page: Page) -> None:
-    Path(path).write_text(render(page), encoding="utf-8")
+    """The page at ``path``, through its directory's fd (`supervisor.outdir`: a
+    directory another user could swap is refused, a link planted under the name is
+    replaced, never written through). OSError or OutDirError is the caller's."""
+    from supervisor.outdir import OutDir
+
+    path = os.path.abspath(path)
+    with OutDir.open(os.path.dirname(path), what="report", create=False, empty=False) as d:
+        d.write_text(os.path.basename(path), render(page))

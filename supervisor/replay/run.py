@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from supervisor.exits import Exit
+from supervisor.outdir import OutDir, OutDirError
 
 from .derive import DeriveError, parse_doc, plan_of, read_doc, replay_doc, write_config
 from .drivelog import DriveLog, Msg
@@ -252,15 +253,28 @@ def replay(log: str, *, out: str | None = None, config: str | None = None,
         raise ReplayError(f"{out or run_dir}: exists and is not an empty directory")
     source_log = log
     cut_notes: list[str] = []
+    run_out: OutDir | None = None
+
+    def open_run() -> OutDir:
+        """RUN by `supervisor.outdir`'s rule, made when first needed: one another user
+        owns or links is refused, and what the replay writes in it goes through its fd
+        (red team round 5 row 3)."""
+        nonlocal run_out
+        if run_out is None:
+            try:
+                run_out = OutDir.open(run_dir, what="replay --out", mode=0o755)
+            except OutDirError as e:
+                raise ReplayError(str(e)) from None
+        return run_out
+
     if start is not None or end is not None:
         # The part asked for becomes a log of its own (RUN/input) and is what plays, is
         # compared with --ref self and is shown in the report.
+        open_run()
         try:
             cut_notes = cut(log, os.path.join(run_dir, "input"), *bounds).notes
         except CutError as e:
             raise ReplayError(str(e)) from None
-        os.chmod(run_dir, 0o755)
-        os.chmod(os.path.join(run_dir, "input"), 0o755)
         log = os.path.join(run_dir, "input")
         src = DriveLog.open(log)
     run_log = os.path.join(run_dir, "log")
@@ -279,15 +293,17 @@ def replay(log: str, *, out: str | None = None, config: str | None = None,
     total = len(video)
     if total == 0:
         raise ReplayError(f"{log}: the video of {plan.frames!r} has no whole frame")
-    os.makedirs(run_log, exist_ok=True)
-    os.makedirs(os.path.join(run_dir, "state"), exist_ok=True)
-    os.chmod(run_dir, 0o755)
-    os.chmod(run_log, 0o755)
-    give_to_recorder(run_log)
-    try:
-        cfg, _ = write_config(derived, run_dir, "replay.toml")
-    except Exception as e:                  # the loader's ConfigError, one line per problem
-        raise ReplayError(f"derived replay config: {_one_line(e)}") from None
+    with open_run() as d:
+        try:
+            d.subdir("state", 0o755).close()
+            with d.subdir("log", 0o755) as log_dir:
+                give_to_recorder(log_dir)
+        except (OSError, OutDirError) as e:
+            raise ReplayError(f"{run_dir}: {getattr(e, 'strerror', None) or e}") from None
+        try:
+            cfg, _ = write_config(derived, d, "replay.toml")
+        except Exception as e:              # the loader's ConfigError, one line per problem
+            raise ReplayError(f"derived replay config: {_one_line(e)}") from None
 
     def camera_status(events) -> str:
         done = camera_done(events, plan.camera)
@@ -351,13 +367,25 @@ def replay(log: str, *, out: str | None = None, config: str | None = None,
                         signals=signals)
 
 
+def write_run_file(run_dir: str, name: str, text: str) -> None:
+    """RUN/``name`` through RUN's fd (`supervisor.outdir`): never through a link planted
+    under the name, never into a RUN another user could swap. OSError or OutDirError."""
+    with OutDir.open(run_dir, what="replay --out", create=False, empty=False) as d:
+        d.write_text(name, text)
+
+
 def _write_summary(run_dir: str, summary: dict[str, Any]) -> None:
-    """summary.json; on a full disk the replay still reports (exit `WRITE_FAILED`)."""
+    """summary.json; on a full disk the replay still reports (exit `WRITE_FAILED`).
+    Through RUN's fd, never through a link planted under the name (`supervisor.outdir`)."""
     try:
-        Path(run_dir, "summary.json").write_text(json.dumps(summary, indent=2))
-    except OSError as e:
-        Path(run_dir, "summary.json").unlink(missing_ok=True)
-        summary.setdefault("notes", []).append(f"summary.json not written: {e.strerror}")
+        with OutDir.open(run_dir, what="replay --out", create=False, empty=False) as d:
+            try:
+                d.write_text("summary.json", json.dumps(summary, indent=2))
+            except OSError as e:
+                d.unlink("summary.json")           # no stale summary beside the run
+                raise OutDirError(e.strerror) from None
+    except OutDirError as e:
+        summary.setdefault("notes", []).append(f"summary.json not written: {e}")
         if summary.get("exit_code") in (0, None):
             summary["exit_code"] = WRITE_FAILED
 
