@@ -76,6 +76,18 @@ struct OpenMapFile {
   end @2 :UInt64;
 }
 
+# Many mapped objects of one process at once (the maps scan identifies every executable
+# mapping each second: one request per scan, not one per mapping).
+struct MapRange {
+  start @0 :UInt64;           # page-aligned, start < end
+  end @1 :UInt64;
+}
+
+struct OpenMapFiles {
+  pid @0 :Int32;
+  ranges @1 :List(MapRange);  # 1..64 (the fds of one reply)
+}
+
 # SIGSTOP or SIGCONT to one thread (tgkill) of a process of the broker's sandboxes: the
 # exec watch stops the worker while it judges one of its requests.
 struct SignalThread {
@@ -105,7 +117,9 @@ struct Request {
                               # watch asks whether a worker's parent is its sandbox's init)
     readFilters @16 :Int32;   # the pid: every thread seized, its seccomp programs read
                               # back (PTRACE_SECCOMP_GET_FILTER) and matched against the
-  }                           # W^X program only (sandbox/wx.py), let go: `filters`
+                              # W^X program only (sandbox/wx.py), let go: `filters`
+    openMapFiles @17 :OpenMapFiles;   # `links`
+  }
 }
 
 enum ErrorCode {
@@ -160,5 +174,6 @@ struct Reply {
     error @7 :Error;
     link @8 :Void;               # fds: one O_PATH fd (openFd, openMapFile, openPidNs)
     filters @9 :Filters;         # readFilters
-  }
+    links @10 :List(Bool);       # openMapFiles: per range, whether it is mapped; fds:
+  }                              # one O_PATH fd per true, in order
 }

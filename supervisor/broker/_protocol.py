@@ -111,6 +111,12 @@ class OpenMapFile:
 
 
 @dataclass(frozen=True)
+class OpenMapFiles:
+    pid: int
+    ranges: tuple[tuple[int, int], ...]     # (start, end), page-aligned, 1..MAX_FDS
+
+
+@dataclass(frozen=True)
 class SignalThread:
     pid: int
     tid: int
@@ -150,14 +156,15 @@ class Realtime:
 
 Request = Union[Ping, Start, SignalPid, KillSandbox, Reap, Pids, OpenProc, SetLatch,
                 ClearLatch, ReadLatch, Realtime, OpenFd, OpenMapFile, SignalThread,
-                OpenPidNs, ReadFilters]
+                OpenPidNs, ReadFilters, OpenMapFiles]
 _SANDBOX_REQUESTS = {"killSandbox": KillSandbox, "reap": Reap, "pids": Pids,
                      "realtime": Realtime}
 _KIND = {Ping: "ping", Start: "start", SignalPid: "signal", KillSandbox: "killSandbox",
          Reap: "reap", Pids: "pids", OpenProc: "openProc", SetLatch: "setLatch",
          ClearLatch: "clearLatch", ReadLatch: "readLatch", Realtime: "realtime",
          OpenFd: "openFd", OpenMapFile: "openMapFile", SignalThread: "signalThread",
-         OpenPidNs: "openPidNs", ReadFilters: "readFilters"}
+         OpenPidNs: "openPidNs", ReadFilters: "readFilters",
+         OpenMapFiles: "openMapFiles"}
 
 
 def kind_of(req: Request) -> str:
@@ -216,6 +223,13 @@ class Filters:
 
 
 @dataclass(frozen=True)
+class Links:
+    """openMapFiles: per range, whether it was mapped (one O_PATH fd per True, in order)."""
+
+    found: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
 class Latch:
     text: str            # "" when not latched
 
@@ -230,7 +244,7 @@ class Error:
         return ERRORS.get(self.code, ERRORS["failed"])(self.reason, self.errno)
 
 
-Reply = Union[Ok, Started, Reaped, PidList, Opened, Link, Latch, Error, Filters]
+Reply = Union[Ok, Started, Reaped, PidList, Opened, Link, Latch, Error, Filters, Links]
 
 
 def reply_fd_count(rep: Reply) -> int:
@@ -241,6 +255,8 @@ def reply_fd_count(rep: Reply) -> int:
         return 1 + len(rep.files)
     if isinstance(rep, Link):
         return 1
+    if isinstance(rep, Links):
+        return sum(rep.found)
     return 0
 
 
@@ -282,6 +298,12 @@ def encode_request(rid: int, req: Request) -> bytes:
         m.openPidNs = req.pid
     elif isinstance(req, ReadFilters):
         m.readFilters = req.pid
+    elif isinstance(req, OpenMapFiles):
+        s = m.init("openMapFiles")
+        s.pid = req.pid
+        rl = s.init("ranges", len(req.ranges))
+        for i, (start, end) in enumerate(req.ranges):
+            rl[i].start, rl[i].end = start, end
     elif isinstance(req, SetLatch):
         m.setLatch = req.reason
     elif isinstance(req, ClearLatch):
@@ -317,6 +339,10 @@ def encode_reply(rid: int, rep: Reply) -> bytes:
         m.link = None
     elif isinstance(rep, Latch):
         m.latch = rep.text
+    elif isinstance(rep, Links):
+        fl = m.init("links", len(rep.found))
+        for i, f in enumerate(rep.found):
+            fl[i] = f
     elif isinstance(rep, Filters):
         f = m.init("filters")
         f.ptrace, f.ok, f.reason = rep.ptrace, rep.ok, rep.reason[:MAX_REASON]
@@ -360,6 +386,12 @@ def _enum(v: object, allowed: tuple[str, ...] | dict, what: str) -> str:
     return s
 
 
+def _range(start: int, end: int, what: str) -> tuple[int, int]:
+    if start % PAGE or end % PAGE or not start < end:
+        raise Malformed(f"{what}: {start:#x}-{end:#x} is not a page-aligned range")
+    return start, end
+
+
 def _body(m) -> Request:
     which = str(m.which())
     if which == "ping":
@@ -392,10 +424,14 @@ def _body(m) -> Request:
         return OpenFd(_pid(int(m.openFd.pid)), fd)
     if which == "openMapFile":
         s = m.openMapFile
-        start, end = int(s.start), int(s.end)
-        if start % PAGE or end % PAGE or not start < end:
-            raise Malformed(f"openMapFile: {start:#x}-{end:#x} is not a page-aligned range")
-        return OpenMapFile(_pid(int(s.pid)), start, end)
+        return OpenMapFile(_pid(int(s.pid)), *_range(int(s.start), int(s.end), which))
+    if which == "openMapFiles":
+        s = m.openMapFiles
+        ranges = list(s.ranges)
+        if not 0 < len(ranges) <= MAX_FDS:
+            raise Malformed(f"openMapFiles: {len(ranges)} ranges (1..{MAX_FDS})")
+        return OpenMapFiles(_pid(int(s.pid)), tuple(_range(int(r.start), int(r.end), which)
+                                                    for r in ranges))
     if which == "signalThread":
         s = m.signalThread
         return SignalThread(_pid(int(s.pid)), _pid(int(s.tid)), bool(s.stop))
@@ -459,6 +495,11 @@ def decode_reply(data: bytes) -> tuple[int, Reply]:
                 return rid, Link()
             if which == "latch":
                 return rid, Latch(str(m.latch))
+            if which == "links":
+                found = tuple(bool(f) for f in m.links)
+                if len(found) > MAX_FDS:
+                    raise Malformed(f"{len(found)} links")
+                return rid, Links(found)
             if which == "filters":
                 f = m.filters
                 return rid, Filters(bool(f.ptrace), bool(f.ok), str(f.reason)[:MAX_REASON],

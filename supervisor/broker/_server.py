@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 
 from supervisor.config import CONTROL, Config, WorkerConfig
@@ -120,6 +121,9 @@ class Broker:
     refusals: collections.Counter = field(default_factory=collections.Counter)
     served: int = 0
     _leaf_seq: int = 0
+    # Cgroups of reaped sandboxes being killed empty and removed off the main thread
+    # (`_reap`): joined before the tree is closed.
+    _releasing: list = field(default_factory=list)
 
     # ------------------------------------------------------------ start and end
 
@@ -169,6 +173,9 @@ class Broker:
 
     def stop_all(self) -> None:
         """Kill every sandbox still held, then the cgroup tree (nothing outlives us)."""
+        for t in self._releasing:
+            t.join()
+        self._releasing.clear()
         for inc in list(self.live.values()):
             try:
                 self._kill_incarnation(inc)
@@ -249,6 +256,8 @@ class Broker:
             return P.Link(), [self._open_link(req.pid, f"fd/{req.fd}")]
         if isinstance(req, P.OpenMapFile):
             return P.Link(), [self._open_link(req.pid, f"map_files/{req.start:x}-{req.end:x}")]
+        if isinstance(req, P.OpenMapFiles):
+            return self._open_map_files(req)
         if isinstance(req, P.OpenPidNs):
             return P.Link(), [self._open_link(req.pid, "ns/pid")]
         if isinstance(req, P.SignalThread):
@@ -500,8 +509,13 @@ class Broker:
                 self.log.emit("cgroup_error", source="broker", worker=inc.worker, error=str(e))
 
     def _reap(self, inc: _Incarnation) -> P.Reaped:
-        """Whether bwrap has exited (never blocks); once it has, what is left of the
-        sandbox is killed, its cgroup removed, and the incarnation forgotten."""
+        """Whether bwrap has exited (never blocks); once it has, the incarnation is
+        forgotten (its pids are no longer ours: nothing in it can be signalled or opened
+        through us) and what is left of the sandbox is killed and its cgroup removed on
+        a thread of its own. That takes 20-130 ms (v1: waiting for the dying tasks to
+        leave, then an rmdir per hierarchy); done before the reply it held the
+        supervisor proper's loop, and the warm standby's adoption behind it, as long
+        (bench/recovery.py --trace)."""
         code = inc.proc.poll()
         if code is None:
             return P.Reaped(exited=False)
@@ -511,7 +525,11 @@ class Broker:
                 oom = max(0, inc.cgroup.oom_kills() - inc.oom_before)
             except OSError:
                 pass
-        self._release(inc)
+            self._releasing = [t for t in self._releasing if t.is_alive()]
+            t = threading.Thread(target=self._release, args=(inc,), daemon=True,
+                                 name=f"release-{inc.worker}-{inc.number}")
+            t.start()
+            self._releasing.append(t)
         del self.live[(inc.worker, inc.number)]
         self.reaped.append((inc.worker, inc.number))
         self.log.emit("broker_reaped", source="broker", worker=inc.worker,
@@ -555,6 +573,28 @@ class Broker:
             raise Failed(f"/proc/{pid}/{name.split('/')[0]}: {e.strerror}", e.errno or 0) from None
         finally:
             os.close(dfd)
+
+    def _open_map_files(self, req: P.OpenMapFiles) -> tuple[P.Reply, list[int]]:
+        """`_open_link` of map_files/A-B for many ranges of one process of ours, the
+        directory opened and checked once: a range not mapped (any more) is False, as
+        ENOENT is for one."""
+        dfd, _ = self._proc_dir(req.pid)
+        found: list[bool] = []
+        fds: list[int] = []
+        try:
+            for start, end in req.ranges:
+                try:
+                    fds.append(os.open(f"map_files/{start:x}-{end:x}",
+                                       os.O_PATH | os.O_CLOEXEC, dir_fd=dfd))
+                    found.append(True)
+                except FileNotFoundError:
+                    found.append(False)
+        except OSError as e:
+            P.close_fds(fds)
+            raise Failed(f"/proc/{req.pid}/map_files: {e.strerror}", e.errno or 0) from None
+        finally:
+            os.close(dfd)
+        return P.Links(tuple(found)), fds
 
     def _proc_dir(self, pid: int) -> tuple[int, _Incarnation]:
         """/proc/PID opened for a pid of ours, re-checked after the open (the directory
