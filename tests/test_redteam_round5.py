@@ -550,17 +550,7 @@ def test_record_never_gives_the_recorder_a_dir_another_user_points_it_to(
         (st.st_uid, oct(st.st_mode), sorted(x.name for x in private.iterdir()))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: a log file's apparent size decides how much memory its reader takes: "
-    "logfmt.read_regular reads the whole file (read_stream, read_entries, every "
-    "DriveLog.open). A research worker in a real sandbox (the recorder's place: its "
-    "log directory is its rw bind) ftruncated its messages.tlog to 4 GiB (no new blocks "
-    "on disk); `supervisor log info` of it, as root, allocated it all (under a 1 GiB "
-    "address-space limit: a MemoryError traceback; without one, 4 GiB of zeros). The "
-    "root replay and record read RUN/log after the run the same way: host memory "
-    "outside research's cgroup. fix: supervisor/replay/logfmt.py read_stream: read in "
-    "bounded chunks (or mmap), and open_regular: refuse a file far sparser than its "
-    "size (st_blocks*512 << st_size) or above a cap, as a LogError in one line"))
+# Was a strict xfail (BREAK), fixed: logfmt reads in chunks; open_regular refuses holes.
 def test_a_recorders_sparse_log_never_becomes_the_readers_memory(proper_views) -> None:
     import resource
 

@@ -271,15 +271,21 @@ class DriveLog:
 
     def _read(self, path: Path, final: bool) -> None:
         seen_start = False
-        for e in read_entries(path, self.loss, final=final):
-            try:
-                seen_start |= self._take(e, path)
-            except _BAD_RECORD:
-                # A log is input from someone's laptop: a record whose contents do not
-                # decode (not JSON, a dtype numpy will not read from bytes, a shape its
-                # data does not fill) is a corrupt record, counted as loss and skipped;
-                # never a traceback, nor an "internal error" (red team round 2).
-                self.loss.corrupt_records += 1
+        try:
+            for e in read_entries(path, self.loss, final=final):
+                try:
+                    seen_start |= self._take(e, path)
+                except _BAD_RECORD:
+                    # A log is input from someone's laptop: a record whose contents do
+                    # not decode (not JSON, a dtype numpy will not read from bytes, a
+                    # shape its data does not fill) is a corrupt record, counted as loss
+                    # and skipped; never a traceback, nor an "internal error" (red team
+                    # round 2).
+                    self.loss.corrupt_records += 1
+        except OSError as e:
+            # open_regular's refusals (a link, a file of holes, one above the cap) and
+            # read errors: one line naming the file (red team round 5 row 5).
+            raise LogError(f"{path}: {e.strerror or e}") from None
         if not seen_start and path.name == MESSAGES:
             raise LogError(f"{path}: no start entry (not a drive log, or its first record "
                            f"is lost)")
