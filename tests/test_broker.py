@@ -62,6 +62,11 @@ module = "workers.probe"
 [workers.w]
 domain = "wide"
 module = "workers.probe"
+[workers.rt]
+domain = "control"
+module = "workers.probe"
+realtime_priority = 10
+realtime_budget_pct = 5
 """
 
 
@@ -987,6 +992,41 @@ def test_links_and_thread_signals_inside_a_sandbox_are_checked(broker):
     assert [e["code"] for e in broker.events("broker_refused")[before:]] == ["notOurs"] * 2
 
 
+@pytest.mark.sandbox
+@needs_bwrap
+def test_realtime_through_the_broker_gets_the_trees_rt_bandwidth(broker):
+    """On cgroup v1 with RT group scheduling a leaf's RT runtime must fit in its tree's:
+    the broker reserves the tree's as the in-process supervisor does, so a `realtime`
+    request makes the worker SCHED_FIFO (before: EINVAL, and the proper said
+    'realtime_unavailable ... [Errno 0]')."""
+    from supervisor.sandbox import sandbox_main_pid
+
+    rt_file = Path("/sys/fs/cgroup/cpu/cpu.rt_runtime_us")
+    c = broker.client
+    n = _next() + 3000
+    s = c.start("rt", n)
+    served = ExecWatchServer(s.watch_sock)
+    try:
+        _status_until_ready(s.status_r)
+        assert not broker.events("realtime_unavailable"), broker.events("realtime_unavailable")
+        c.realtime("rt", n)
+        worker = sandbox_main_pid(sorted(set(c.pids("rt", n)) - {s.pid}))
+        assert os.sched_getscheduler(worker) & 0xFF == os.SCHED_FIFO
+        if rt_file.exists():              # v1 RT groups: the leaf holds the budget
+            leaf = [ln.split(":", 2)[2] for ln in
+                    Path(f"/proc/{worker}/cgroup").read_text().splitlines()
+                    if ln.split(":")[1].split(",").count("cpu")][0]
+            got = int((Path("/sys/fs/cgroup/cpu") / leaf.lstrip("/") /
+                       "cpu.rt_runtime_us").read_text())
+            assert got == 5 * 1_000, got       # 5 % of the 100 ms period
+    finally:
+        served.close()
+        c.kill_sandbox("rt", n)
+        _wait_exit(s.pidfd)
+        c.reap("rt", n)
+        s.close()
+
+
 def test_the_audit_says_what_runs_as_root_and_why(broker, tmp_path):
     """supervisor/audit/privilege.py: one root supervisor that also reads hostile input
     until the split is in use; then the broker alone is root (reads no hostile input)
@@ -994,7 +1034,10 @@ def test_the_audit_says_what_runs_as_root_and_why(broker, tmp_path):
     from supervisor import units
     from supervisor.audit import privilege as pv
 
-    cfg = broker.config
+    # The module's config without its real-time worker (that one adds CAP_SYS_NICE).
+    path = tmp_path / "no-rt.toml"
+    path.write_text(CONFIG.split("[workers.rt]")[0].format(rw=tmp_path))
+    cfg = load(path)
     one = pv.privilege(cfg, unit_dir=tmp_path)
     assert not one["split"] and "no trio-broker.service" in one["found"]
     [sup] = one["processes"]

@@ -124,6 +124,8 @@ class Broker:
     # Cgroups of reaped sandboxes being killed empty and removed off the main thread
     # (`_reap`): joined before the tree is closed.
     _releasing: list = field(default_factory=list)
+    rt_reserved: int | None = None     # % of a CPU reserved for the tree's RT leaves (v1)
+    rt_error: str = ""                 # why none could be reserved
 
     # ------------------------------------------------------------ start and end
 
@@ -143,6 +145,35 @@ class Broker:
         off = limits_off(self.cgroups)
         if off is not None:
             self.log.emit("limits_not_enforced", source="broker", **off.event())
+        self._reserve_rt()
+
+    def _reserve_rt(self) -> None:
+        """The tree's RT bandwidth, as the in-process supervisor reserves it
+        (lifecycle/_realtime.py): every RT worker's budget plus the largest once more (an
+        adopted standby may be READY before the dead run's leaf is gone), else exactly
+        the budgets. On cgroup v1 with RT group scheduling a leaf's cpu.rt_runtime_us
+        must fit in its parent's, which is 0 for a new tree: without this every
+        `realtime` request failed (EINVAL) and controlsd ran in the normal class."""
+        from supervisor.sandbox.sched import RT_PERIOD_US
+
+        budgets = [w.realtime().budget_pct for w in self.config.workers.values()
+                   if w.realtime_priority is not None]
+        self.rt_reserved = None
+        if not budgets or self.cgroups is None:
+            return
+        err: OSError | None = None
+        for pct in dict.fromkeys((min(sum(budgets) + max(budgets), 90), sum(budgets))):
+            try:
+                grouped = self.cgroups.reserve_rt(pct * RT_PERIOD_US // 100, RT_PERIOD_US)
+            except OSError as e:
+                err = e
+                continue
+            self.rt_reserved = pct if grouped else None
+            return
+        self.rt_error = (f"reserving {sum(budgets)} % of a CPU for RT workers: {err} (the "
+                         "broker's own cgroup has less RT runtime: give it cpu.rt_runtime_us)")
+        self.log.emit("realtime_unavailable", source="broker", worker=None,
+                      reason=self.rt_error)
 
     def serve(self) -> int:
         self.log.emit("broker_start", source="broker", pid=os.getpid(), uid=os.geteuid(),
@@ -668,7 +699,12 @@ class Broker:
             raise Failed(f"{inc.worker}: no worker process in the sandbox")
         try:
             if inc.cgroup is not None:
-                inc.cgroup.grant_rt(rt.runtime_us, RT_PERIOD_US)
+                try:
+                    inc.cgroup.grant_rt(rt.runtime_us, RT_PERIOD_US)
+                except OSError as e:
+                    why = self.rt_error or f"{rt.budget_pct} % of a CPU for its cgroup: " \
+                                           f"{e.strerror or e}"
+                    raise Failed(f"{inc.worker}: no RT budget: {why}", e.errno or 0) from None
             make_fifo(pid, rt.priority, lambda: pid in inc.pids())
         except (RealtimeUnavailable, OSError) as e:
-            raise Failed(f"{inc.worker}: {e}") from None
+            raise Failed(f"{inc.worker}: {e}", getattr(e, "errno", 0) or 0) from None

@@ -35,6 +35,14 @@ from supervisor.protocol import ENV_EXECWATCH_FD, ENV_STANDBY_FD, endpoint_for, 
 from supervisor.sandbox.procfs import DIRECT, ProcOpener
 
 
+def _os_error(e: Exception) -> OSError:
+    """A broker refusal as an OSError whose text is the broker's reason: with its errno
+    where the kernel gave one, else none (OSError(0, reason) read "[Errno 0] ...")."""
+    errno_ = getattr(e, "errno", 0)
+    reason = getattr(e, "reason", str(e))
+    return OSError(errno_, reason) if errno_ else OSError(reason)
+
+
 def _readable(fd: int) -> bool:
     p = select.poll()
     p.register(fd, select.POLLIN)
@@ -323,7 +331,7 @@ class BrokerIncarnation(Incarnation):
         except NotOurs:
             pass                              # reaped: nothing of it is left
         except Failed as e:
-            raise OSError(e.errno or 0, e.reason) from None
+            raise _os_error(e) from None
 
     def release(self, log: Callable[..., None]) -> None:
         if not self.reaped:
@@ -339,7 +347,7 @@ class BrokerIncarnation(Incarnation):
         try:
             self.client.realtime(self.worker, self.number)
         except BrokerError as e:
-            raise OSError(e.errno or 0, e.reason) from None
+            raise _os_error(e) from None
 
     def close(self) -> None:
         super().close()
