@@ -52,10 +52,12 @@ def _why_untrusted(st: os.stat_result, uids: frozenset[int], *, sticky_ok: bool)
     return None
 
 
-def check_chain(path: str, *, what: str, uids: frozenset[int]) -> None:
+def check_chain(path: str, *, what: str, uids: frozenset[int], shown: str | None = None) -> None:
     """Refuse ``path`` (a directory that exists) when another user could change what
-    it names: an ancestor or a symlink on the way that is not trusted (module doc)."""
+    it names: an ancestor or a symlink on the way that is not trusted (module doc).
+    ``shown``: the path the refusal names (the OUT inside ``path``)."""
     path = os.path.abspath(path)
+    name = shown or path
     dirs: set[str] = set()
     parts = [p for p in path.split("/") if p]
     for i in range(len(parts) + 1):
@@ -63,11 +65,11 @@ def check_chain(path: str, *, what: str, uids: frozenset[int]) -> None:
         try:
             st = os.lstat(prefix)
         except OSError as e:
-            raise OutDirError(f"{what} {path}: {prefix}: {e.strerror}") from None
+            raise OutDirError(f"{what} {name}: {prefix}: {e.strerror}") from None
         if stat.S_ISLNK(st.st_mode):
             why = _why_untrusted(st, uids, sticky_ok=True)
             if why is not None:
-                raise OutDirError(f"{what} {path}: {prefix} is a symlink {why}: another "
+                raise OutDirError(f"{what} {name}: {prefix} is a symlink {why}: another "
                                   "user chooses where it points; give a directory of your own")
         # Whatever this prefix resolves through, and where it ends, must be trusted.
         real = os.path.realpath(prefix)
@@ -80,10 +82,10 @@ def check_chain(path: str, *, what: str, uids: frozenset[int]) -> None:
         try:
             st = os.stat(d)
         except OSError as e:
-            raise OutDirError(f"{what} {path}: {d}: {e.strerror}") from None
+            raise OutDirError(f"{what} {name}: {d}: {e.strerror}") from None
         why = _why_untrusted(st, uids, sticky_ok=True)
         if why is not None:
-            raise OutDirError(f"{what} {path}: {d} is {why}: that user could swap what is "
+            raise OutDirError(f"{what} {name}: {d} is {why}: that user could swap what is "
                               "written there; use a directory only you (or root) can write")
 
 
@@ -113,7 +115,7 @@ class OutDir:
             cls.open(parent, what=what, empty=False, invoker=invoker, parents=True).close()
         if not os.path.isdir(parent):
             raise OutDirError(f"{what} {path}: its parent directory {parent} does not exist")
-        check_chain(parent, what=what, uids=uids)
+        check_chain(parent, what=what, uids=uids, shown=path)
         try:
             pfd = os.open(parent, _DIR_FLAGS & ~os.O_NOFOLLOW)   # the chain is trusted
         except OSError as e:

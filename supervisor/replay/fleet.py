@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from supervisor.outdir import OutDir, OutDirError
+
 from .logfmt import MESSAGES
 from .progress import FleetProgress
 from .run import DIFFERS
@@ -249,18 +251,24 @@ def replay_fleet(paths: list[str], out: str, *, jobs: int = 1, ray: str | None =
     out = os.path.abspath(out)
     if os.path.exists(out) and os.listdir(out):
         raise FleetError(f"{out}: exists and is not empty")
-    os.makedirs(out, exist_ok=True)
-    os.chmod(out, 0o755)
-    t0 = time.monotonic()
-    bar = FleetProgress(len(logs), progress_out)
+    # OUT by supervisor.outdir's rule (each run's RUN inside it is checked again by its
+    # replay): another user's OUT, or one they could swap, is refused (red team round 5).
     try:
-        if ray is not None:
-            res = run_ray(logs, out, ray, extra or [], timeout_s, progress=bar)
-        else:
-            res = run_local(logs, out, jobs, extra or [], timeout_s, progress=bar)
-    finally:
-        bar.close()
-    rep = FleetReport(out, f"ray {ray}" if ray else f"jobs {jobs}", time.monotonic() - t0, res)
-    Path(out, "fleet.json").write_text(json.dumps(rep.as_dict(), indent=2))
-    Path(out, "fleet.md").write_text(rep.markdown())
+        out_dir = OutDir.open(out, what="replay --out (fleet)", mode=0o755, parents=True)
+    except OutDirError as e:
+        raise FleetError(str(e)) from None
+    with out_dir:
+        t0 = time.monotonic()
+        bar = FleetProgress(len(logs), progress_out)
+        try:
+            if ray is not None:
+                res = run_ray(logs, out, ray, extra or [], timeout_s, progress=bar)
+            else:
+                res = run_local(logs, out, jobs, extra or [], timeout_s, progress=bar)
+        finally:
+            bar.close()
+        rep = FleetReport(out, f"ray {ray}" if ray else f"jobs {jobs}",
+                          time.monotonic() - t0, res)
+        out_dir.write_text("fleet.json", json.dumps(rep.as_dict(), indent=2))
+        out_dir.write_text("fleet.md", rep.markdown())
     return rep
