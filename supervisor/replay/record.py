@@ -20,7 +20,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from supervisor.exits import Exit
 from supervisor.outdir import OutDir, OutDirError
