@@ -99,9 +99,7 @@ module = "workers.probe"
 @pytest.mark.sandbox
 @pytest.mark.skipif(shutil.which("bwrap") is None or os.geteuid() != 0,
                     reason="starting sandboxes needs bubblewrap and root")
-@pytest.mark.xfail(strict=True, reason="supervisor/sandbox/staging.py makes the filtered "
-                   "site-packages view under the caller's umask (fix: 'umask 022' first in "
-                   "Staging.create's script); remove this mark with that fix")
+# Was a strict xfail: fixed by 'umask 022' first in Staging.create's script.
 def test_check_start_from_a_shell_with_umask_077(tmp_path):
     """An operator's root shell with umask 077: `supervisor check` said every sandbox was
     ok, then `check --start` and `run` failed every control worker with 'seccomp

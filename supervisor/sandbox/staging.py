@@ -70,7 +70,10 @@ class Staging:
         if not srcs and not st.hide:
             return st
         os.makedirs(BASE, mode=0o755, exist_ok=True)
-        script = ["set -e", f"mount -t tmpfs -o mode=0755,size=64k,nosuid,nodev trio-staging {BASE}"]
+        # umask 022: the views' directories are traversed by the domains' users (a
+        # root shell's umask 077 made every control worker fail to import).
+        script = ["set -e", "umask 022",
+                  f"mount -t tmpfs -o mode=0755,size=64k,nosuid,nodev trio-staging {BASE}"]
         for i, s in enumerate(srcs):
             d = f"{BASE}/{i}"
             st._index[s] = d
