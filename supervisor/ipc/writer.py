@@ -98,6 +98,9 @@ class Writer:
             self._seg = nat.Region(self._mm, True)
             self._lease_regions = tuple(nat.Region(mm) for mm in self._leases)
             self._nloan, self._npublish, self._npack = nat.loan, nat.publish, nat.pack_header
+            # publish_hot's constants, one tuple: a stream's repeat publish touches this
+            # one object for them between the stamp and the wake-up (_publish_native).
+            self._nhot = nat.publish_hot
             self._fence = nat.fence_full
             # Per reader, the sleep it was last sent a wake-up for (K6 in _native.c):
             # the writer's own memory, one 8-byte word each.
@@ -106,6 +109,8 @@ class Writer:
             # The SlotLayout bytes object each slot holds (as this writer wrote it last).
             self._slot_layout: list[bytes | None] = [None] * spec.slot_count
             self._slot_layout_gen = [0] * spec.slot_count
+            self._hot = (self._seg, self._ctl, geo.header, geo.layout, self._events,
+                         self._lease_regions, self._sent, _OFF_LAST_SLOT, _OFF_LAST_SEQ)
             # Instance attributes: the native hot path replaces the pure-Python one.
             self.loan = self._loan_native
             self._publish = self._publish_native
@@ -378,6 +383,14 @@ class Writer:
             raise
         return slot, seq, gen, base, size, ts_off, nl
 
+    def _hot_done(self, slot: int, seq: int, gen: int, raw_layout: bytes) -> None:
+        """The writer's bookkeeping after ``Loan.publish``'s one-call publish
+        (``_native.publish_hot``), once the wake-ups are sent: readers never see it."""
+        self._slot_layout[slot], self._slot_layout_gen[slot] = raw_layout, gen
+        self._gen[slot], self._seq[slot], self._last_seq = gen, seq, seq
+        self._loaned.discard(slot)
+        self._published += 1
+
     def _publish_native(self, loan: Loan, frame_id, capture_ts_ns, exposure_us, gain,
                         publish_ts_ns, receipt: Receipt | None = None) -> int:
         """Publish on the native atomics: control block, time stamp, the release stores
@@ -415,7 +428,8 @@ class Writer:
         if plan is not None and plan.native is not None:
             if fast is None or fast[0] is not loan._lkey:
                 if receipt is None and crc is None and not self.spec.crc:
-                    self._fast = (loan._lkey, frame_id is None, raw_layout, plan)
+                    self._fast = (loan._lkey, frame_id is None, raw_layout, plan,
+                                  (plan.template, plan.native, plan.ts_pos, raw_layout))
             seq = self._last_seq + 1
             gen = self._gen[slot] + 1
             base = self._geo.header[slot]
