@@ -137,11 +137,12 @@ class Loan:
             try:
                 ts = w._nhot(w._hot, fast[4], slot, seq, gen, publish_ts_ns, frame_id,
                              capture_ts_ns, exposure_us, gain, raw_layout if fresh else None)
+                if ts is not False:
+                    w._hot_done(slot, seq, gen, raw_layout)   # after the wake-ups
             except BaseException:
-                w._discard(self)     # nothing was published: the slot goes back, invalid
+                w._hot_failed(self, seq, gen, raw_layout)  # published: kept; else back
                 raise
             if ts is not False:
-                w._hot_done(slot, seq, gen, raw_layout)
                 return seq
             return w._publish(self, frame_id, capture_ts_ns, exposure_us, gain,
                               publish_ts_ns, receipt)

@@ -499,6 +499,24 @@ static inline uint64_t monotonic_ns(void) {
 #define AWAKE_OFF 16
 #define READER_AWAKE 1
 #define SLEEPS_OFF 32
+/* The wake-up fds: a tuple of ints in range, or -1 with an exception set. */
+static int check_events(PyObject *events) {
+    if (!PyTuple_Check(events)) {
+        PyErr_SetString(PyExc_TypeError, "publish(): events and leases must be tuples");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(events); i++) {
+        long fd = PyLong_AsLong(PyTuple_GET_ITEM(events, i));
+        if (fd == -1 && PyErr_Occurred())
+            return -1;
+        if (fd < 0 || fd > INT32_MAX) {
+            PyErr_SetString(PyExc_ValueError, "publish(): a wake-up fd out of range");
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* W3's tail, W4, W5 and the wake-ups (K4-K6) for a slot whose header and layout are
  * written: the body of `publish` and of `publish_hot`. 0, or -1 with an exception set
  * (nothing stored then). `*ts`: the stamp given (have_ts) or the clock's, as stored. */
@@ -523,6 +541,10 @@ static int publish_core(Region *seg, Py_ssize_t cb, uint64_t seq, uint64_t gen,
         PyErr_SetString(PyExc_ValueError, "publish(): offsets outside the segment");
         return -1;
     }
+    /* Every reader's fd read before the first store: an error after W4 would leave a
+     * published message the caller takes for a failed one. */
+    if (check_events(events) < 0)
+        return -1;
     char *b = seg->base;
     /* Control tail while gen is still odd: seq, ts (below), header_len, layout_len. */
     __atomic_store_n((uint64_t *)(b + cb + 8), seq, RELAXED);
@@ -556,9 +578,7 @@ static int publish_core(Region *seg, Py_ssize_t cb, uint64_t seq, uint64_t gen,
                 }
             }
         }
-        long fd = PyLong_AsLong(PyTuple_GET_ITEM(events, i));
-        if (fd == -1 && PyErr_Occurred())
-            return -1;
+        long fd = PyLong_AsLong(PyTuple_GET_ITEM(events, i));   /* checked above */
         if (send((int)fd, &one, 1, MSG_DONTWAIT | MSG_NOSIGNAL) < 0 && errno == ENOTSOCK) {
             ssize_t unused = write((int)fd, &one, 1);   /* an eventfd or pipe (tests) */
             (void)unused;
@@ -1405,6 +1425,31 @@ static PyObject *w_publish_hot(PyObject *m, PyObject *const *a, Py_ssize_t n) {
         PyErr_SetString(PyExc_TypeError, "publish_hot(): bad plan");
         return NULL;
     }
+    Py_ssize_t hlen = PyBytes_GET_SIZE(tmpl), nl = PyBytes_GET_SIZE(raw_l);
+    /* Everything checked before the first byte is written (the header below). */
+    if (check_events(PyTuple_GET_ITEM(hot, 4)) < 0)
+        return NULL;
+    if (layout != Py_None && (PyBytes_GET_SIZE(layout) != nl || !seg->writable
+                              || !in_bounds(seg, lpos, nl))) {
+        PyErr_SetString(PyExc_ValueError, "publish_hot(): layout outside the segment");
+        return NULL;
+    }
+    if (ts_pos < 0 || ts_pos + 8 > hlen || !in_bounds(seg, base, hlen)
+            || !in_bounds(seg, cb, 32) || cb % 8 || !in_bounds(seg, last_slot_off, 4)
+            || !in_bounds(seg, last_seq_off, 8) || last_slot_off % 4 || last_seq_off % 8) {
+        PyErr_SetString(PyExc_ValueError, "publish_hot(): offsets outside the segment");
+        return NULL;
+    }
+    if (!PyTuple_Check(PyTuple_GET_ITEM(hot, 5))) {
+        PyErr_SetString(PyExc_TypeError, "publish(): events and leases must be tuples");
+        return NULL;
+    }
+    if (sent != NULL && (!sent->writable
+                         || sent->len < 8 * PyTuple_GET_SIZE(PyTuple_GET_ITEM(hot, 4)))) {
+        PyErr_SetString(PyExc_ValueError,
+                        "publish(): sent must be writable, 8 bytes per reader");
+        return NULL;
+    }
     /* The header's publishTsNs is written by publish_core below (0 until then). */
     PyObject *v[8] = {a[3], a[4], a[5] == Py_None ? PyLong_FromLong(0) : a[5], Py_None,
                       a[6], a[7], a[8], a[9]};
@@ -1417,18 +1462,8 @@ static PyObject *w_publish_hot(PyObject *m, PyObject *const *a, Py_ssize_t n) {
         return NULL;
     if (res)
         Py_RETURN_FALSE;
-    Py_ssize_t hlen = PyBytes_GET_SIZE(tmpl), nl = PyBytes_GET_SIZE(raw_l);
-    if (layout != Py_None) {
-        if (PyBytes_GET_SIZE(layout) != nl || !seg->writable || !in_bounds(seg, lpos, nl)) {
-            PyErr_SetString(PyExc_ValueError, "publish_hot(): layout outside the segment");
-            return NULL;
-        }
+    if (layout != Py_None)
         memcpy(seg->base + lpos, PyBytes_AS_STRING(layout), nl);
-    }
-    if (ts_pos < 0 || ts_pos + 8 > hlen) {
-        PyErr_SetString(PyExc_ValueError, "publish_hot(): stamp outside the header");
-        return NULL;
-    }
     if (publish_core(seg, cb, seq, gen, a[5] != Py_None, &ts, base + ts_pos,
                      (uint64_t)hlen, (uint64_t)nl, last_slot_off, last_seq_off, slot,
                      PyTuple_GET_ITEM(hot, 4), PyTuple_GET_ITEM(hot, 5), sent) < 0)

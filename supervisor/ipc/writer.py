@@ -388,8 +388,19 @@ class Writer:
         (``_native.publish_hot``), once the wake-ups are sent: readers never see it."""
         self._slot_layout[slot], self._slot_layout_gen[slot] = raw_layout, gen
         self._gen[slot], self._seq[slot], self._last_seq = gen, seq, seq
-        self._loaned.discard(slot)
-        self._published += 1
+        if slot in self._loaned:      # once, if an exception cut this short (_hot_failed)
+            self._loaned.discard(slot)
+            self._published += 1
+
+    def _hot_failed(self, loan: Loan, seq: int, gen: int, raw_layout: bytes) -> None:
+        """``Loan.publish``'s one call, or the bookkeeping after it, raised (a signal can
+        land between the two): a message the segment shows published (W4 stored its
+        generation) is kept and booked; one that is not goes back, invalid."""
+        slot = loan.slot
+        if self._seg.load(self._ctl[slot]) == gen:
+            self._hot_done(slot, seq, gen, raw_layout)
+        elif slot in self._loaned:
+            self._discard(loan)
 
     def _publish_native(self, loan: Loan, frame_id, capture_ts_ns, exposure_us, gain,
                         publish_ts_ns, receipt: Receipt | None = None) -> int:
