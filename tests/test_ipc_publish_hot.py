@@ -135,26 +135,34 @@ def test_bad_arguments_are_refused_before_any_store(make_channel):
     w = Writer(ch.writer_handle())
     w.publish_array(np.zeros(4, np.uint8))
     w.publish_array(np.zeros(4, np.uint8))
-    plan = w._fast[4]
-    before = bytes(w._buf)
-    hot = w._hot
+    plan, hot = w._fast[4], w._hot
+    loan = w.loan()
+    slot, other = loan.slot, (loan.slot + 1) % 4
+    before, tables = bytes(w._buf), repr((w._gen, w._seq, w._loaned, w._slot_layout_gen))
+
+    def hot_with(i, v):
+        return hot[:i] + (v,) + hot[i + 1:]
     bad = [
-        ((hot[:8], plan, 0, 9, 3, None, None, None, None, None, None), TypeError),
-        ((hot, plan[:3], 0, 9, 3, None, None, None, None, None, None), TypeError),
-        ((hot, plan, 4, 9, 3, None, None, None, None, None, None), ValueError),
-        ((hot, plan, -1, 9, 3, None, None, None, None, None, None), ValueError),
-        ((hot, plan, 0, 9, 3, None, None, None, None, None, b"x"), ValueError),
-        ((hot, plan, 0, 9, 3, None, None, None, None, None, "layout"), TypeError),
-        ((hot[:4] + (("x",),) + hot[5:], plan, 0, 9, 3, None, None, None, None, None,
-          None), TypeError),
-        ((hot[:4] + ((-1,),) + hot[5:], plan, 0, 9, 3, None, None, None, None, None,
+        ((hot[:13], plan, slot, 9, None, None, None, None, None), TypeError),
+        ((hot, plan[:3], slot, 9, None, None, None, None, None), TypeError),
+        ((hot, plan, 4, 9, None, None, None, None, None), ValueError),
+        ((hot, plan, -1, 9, None, None, None, None, None), ValueError),
+        ((hot, plan, other, 9, None, None, None, None, None), ValueError),   # not on loan
+        ((hot, plan, slot, -9, None, None, None, None, None), OverflowError),
+        ((hot_with(4, ("x",)), plan, slot, 9, None, None, None, None, None), TypeError),
+        ((hot_with(4, (-1,)), plan, slot, 9, None, None, None, None, None), ValueError),
+        ((hot_with(9, tuple(w._gen)), plan, slot, 9, None, None, None, None, None),
+         TypeError),
+        ((hot_with(8, 7), plan, slot, 9, None, None, None, None, None), ValueError),
+        ((hot, (plan[0], plan[1], 10 ** 6, plan[3]), slot, 9, None, None, None, None,
           None), ValueError),
-        ((hot, plan, 0, -9, 3, None, None, None, None, None, None), OverflowError),
     ]
     for args, exc in bad:
         with pytest.raises(exc):
             publish_hot(*args)
         assert bytes(w._buf) == before, args
+        assert repr((w._gen, w._seq, w._loaned, w._slot_layout_gen)) == tables
     with pytest.raises(TypeError):
         publish_hot(hot, plan)
+    loan.discard()
     w.close()

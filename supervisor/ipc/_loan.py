@@ -120,30 +120,24 @@ class Loan:
                 and (frame_id is None) is fast[1] and not self._done):
             # A stream's repeat publish on the native path: the description the writer
             # published last (its cached key, by identity: array() checked it), no CRC,
-            # no receipt. Header, layout (unless the slot holds these very bytes from the
-            # writer's last publish of it, untouched since: the generation moved by
-            # exactly this loan), stamp, release stores and wake-ups in one native call,
-            # from here: between the publish stamp and the wake-up, cold, every Python
-            # frame and attribute is a cache miss (bench/ipc_latency.py --breakdown;
+            # no receipt. Header, layout (unless the slot holds these very bytes),
+            # stamp, release stores, wake-ups and the writer's slot bookkeeping in one
+            # native call, from here: between the publish stamp and the wake-up, cold,
+            # every Python frame and attribute is a cache miss (ipc_latency --cold,
             # docs/ipc-wakeups.md). False: a value outside its field; the general path
             # below judges it (and raises, or encodes).
             self._done = True
-            slot = self.slot
             seq = w._last_seq + 1
-            gen = w._gen[slot] + 1
-            raw_layout = fast[2]
-            fresh = (w._slot_layout[slot] is not raw_layout
-                     or w._slot_layout_gen[slot] != gen - 2)
             try:
-                ts = w._nhot(w._hot, fast[4], slot, seq, gen, publish_ts_ns, frame_id,
-                             capture_ts_ns, exposure_us, gain, raw_layout if fresh else None)
+                ts = w._nhot(w._hot, fast[4], self.slot, seq, publish_ts_ns, frame_id,
+                             capture_ts_ns, exposure_us, gain)
                 if ts is not False:
-                    w._hot_done(slot, seq, gen, raw_layout)   # after the wake-ups
+                    w._last_seq = seq
+                    w._published += 1
+                    return seq
             except BaseException:
-                w._hot_failed(self, seq, gen, raw_layout)  # published: kept; else back
+                w._hot_failed(self, seq)   # went out: counted; else the slot goes back
                 raise
-            if ts is not False:
-                return seq
             return w._publish(self, frame_id, capture_ts_ns, exposure_us, gain,
                               publish_ts_ns, receipt)
         if self._done:

@@ -1370,67 +1370,107 @@ static PyObject *h_pack(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     Py_RETURN_TRUE;
 }
 
-/* publish_hot(hot, plan, slot, seq, gen, ts, frame_id, capture, exposure, gain, layout)
- *     -> ts, or False
+/* publish_hot(hot, plan, slot, seq, ts, frame_id, capture, exposure, gain) -> ts, False
  * A stream's repeat publish in one call: `pack_header` (no CRC, no receipt), the
- * SlotLayout when `layout` is not None (None: the slot holds these bytes already), then
- * `publish`. hot = (seg, ctl, hdr, lay, events, leases, sent, last_slot_off,
- * last_seq_off): the writer's constants, one tuple so the call touches one object
- * for them; plan = (template, table, ts_pos, layout bytes). The Python path checked the
- * description (Loan.array) and chose the plan; this only writes. False: a value does
- * not fit its field, nothing is published (the slot is still odd) and the caller
- * takes the path that raises. Between the publish stamp and the wake-up the writer
- * otherwise ran two calls and the lookups around them in Python, cold (a frame copied
- * just before evicts them): that was the bridge's writer part beyond iceoryx2's. */
+ * SlotLayout unless the slot holds these very bytes from this writer's last publish of
+ * it, untouched since (the generation moved by exactly this loan), then `publish`, then
+ * the writer's slot bookkeeping. hot = (seg, ctl, hdr, lay, events, leases, sent,
+ * last_slot_off, last_seq_off, gens, seqs, loaned, slot_layout, slot_layout_gen): the
+ * writer's constants and its own lists (the same objects its Python code uses), one
+ * tuple so the call touches one object for them; plan = (template, table, ts_pos,
+ * layout bytes). The generation is gens[slot] + 1 (the loan made it odd). The Python
+ * path checked the description (Loan.array) and chose the plan; this only writes.
+ * Every argument is checked before the first byte is written. False: a value does not
+ * fit its field, nothing is published (the slot is still odd, still on loan) and the
+ * caller takes the path that raises. After the stores nothing can fail: gens[slot],
+ * seqs[slot], slot_layout[slot], slot_layout_gen[slot] are set and the slot leaves
+ * `loaned` (the caller's last_seq and count follow; a slot no longer on loan says the
+ * message went out). Between the publish stamp and the wake-up the writer otherwise
+ * ran two calls and the lookups around them in Python, cold (a frame copied just
+ * before evicts them): that was the bridge's writer part beyond iceoryx2's. */
+enum { HOT_SEG, HOT_CTL, HOT_HDR, HOT_LAY, HOT_EVENTS, HOT_LEASES, HOT_SENT, HOT_LAST_SLOT,
+       HOT_LAST_SEQ, HOT_GENS, HOT_SEQS, HOT_LOANED, HOT_SLOT_LAYOUT, HOT_SLOT_LAYOUT_GEN,
+       HOT_LEN };
 static PyObject *w_publish_hot(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-    if (n != 11) {
-        PyErr_SetString(PyExc_TypeError, "publish_hot() takes 11 arguments");
+    if (n != 9) {
+        PyErr_SetString(PyExc_TypeError, "publish_hot() takes 9 arguments");
         return NULL;
     }
-    PyObject *hot = a[0], *plan = a[1], *layout = a[10];
-    if (!PyTuple_Check(hot) || PyTuple_GET_SIZE(hot) != 9 || !PyTuple_Check(plan)
-            || PyTuple_GET_SIZE(plan) != 4
-            || (layout != Py_None && !PyBytes_Check(layout))) {
+    PyObject *hot = a[0], *plan = a[1];
+    if (!PyTuple_Check(hot) || PyTuple_GET_SIZE(hot) != HOT_LEN || !PyTuple_Check(plan)
+            || PyTuple_GET_SIZE(plan) != 4) {
         PyErr_SetString(PyExc_TypeError, "publish_hot(): bad argument types");
         return NULL;
     }
-    Region *seg = as_region(PyTuple_GET_ITEM(hot, 0), "segment");
+    Region *seg = as_region(PyTuple_GET_ITEM(hot, HOT_SEG), "segment");
     if (seg == NULL)
         return NULL;
-    PyObject *ctl = PyTuple_GET_ITEM(hot, 1), *hdr = PyTuple_GET_ITEM(hot, 2),
-             *lay = PyTuple_GET_ITEM(hot, 3), *sent_o = PyTuple_GET_ITEM(hot, 6);
+    PyObject *ctl = PyTuple_GET_ITEM(hot, HOT_CTL), *hdr = PyTuple_GET_ITEM(hot, HOT_HDR),
+             *lay = PyTuple_GET_ITEM(hot, HOT_LAY), *sent_o = PyTuple_GET_ITEM(hot, HOT_SENT),
+             *events = PyTuple_GET_ITEM(hot, HOT_EVENTS),
+             *leases = PyTuple_GET_ITEM(hot, HOT_LEASES),
+             *gens = PyTuple_GET_ITEM(hot, HOT_GENS), *seqs = PyTuple_GET_ITEM(hot, HOT_SEQS),
+             *loaned = PyTuple_GET_ITEM(hot, HOT_LOANED),
+             *slay = PyTuple_GET_ITEM(hot, HOT_SLOT_LAYOUT),
+             *slay_gen = PyTuple_GET_ITEM(hot, HOT_SLOT_LAYOUT_GEN);
+    if (!PyTuple_Check(ctl) || !PyTuple_Check(hdr) || !PyTuple_Check(lay)
+            || !PyTuple_Check(leases) || !PyList_Check(gens) || !PyList_Check(seqs)
+            || !PySet_Check(loaned) || !PyList_Check(slay) || !PyList_Check(slay_gen)) {
+        PyErr_SetString(PyExc_TypeError, "publish_hot(): bad writer tables");
+        return NULL;
+    }
     Region *sent = NULL;
     if (sent_o != Py_None && (sent = as_region(sent_o, "sent")) == NULL)
         return NULL;
     Py_ssize_t slot, cb, base, lpos, ts_pos, last_slot_off, last_seq_off;
-    uint64_t seq, gen, ts = 0;
-    if (get_ssize(a[2], &slot) < 0 || get_u64(a[3], &seq) < 0 || get_u64(a[4], &gen) < 0
-            || (a[5] != Py_None && get_u64(a[5], &ts) < 0)
+    uint64_t seq, gen, ts = 0, slay_g;
+    if (get_ssize(a[2], &slot) < 0 || get_u64(a[3], &seq) < 0
+            || (a[4] != Py_None && get_u64(a[4], &ts) < 0)
             || get_ssize(PyTuple_GET_ITEM(plan, 2), &ts_pos) < 0
-            || get_ssize(PyTuple_GET_ITEM(hot, 7), &last_slot_off) < 0
-            || get_ssize(PyTuple_GET_ITEM(hot, 8), &last_seq_off) < 0)
+            || get_ssize(PyTuple_GET_ITEM(hot, HOT_LAST_SLOT), &last_slot_off) < 0
+            || get_ssize(PyTuple_GET_ITEM(hot, HOT_LAST_SEQ), &last_seq_off) < 0)
         return NULL;
-    if (!PyTuple_Check(ctl) || !PyTuple_Check(hdr) || !PyTuple_Check(lay)
-            || slot < 0 || slot >= PyTuple_GET_SIZE(ctl) || slot >= PyTuple_GET_SIZE(hdr)
-            || slot >= PyTuple_GET_SIZE(lay)) {
+    if (slot < 0 || slot >= PyTuple_GET_SIZE(ctl) || slot >= PyTuple_GET_SIZE(hdr)
+            || slot >= PyTuple_GET_SIZE(lay) || slot >= PyList_GET_SIZE(gens)
+            || slot >= PyList_GET_SIZE(seqs) || slot >= PyList_GET_SIZE(slay)
+            || slot >= PyList_GET_SIZE(slay_gen)) {
         PyErr_SetString(PyExc_ValueError, "publish_hot(): slot outside the tables");
+        return NULL;
+    }
+    int on_loan = PySet_Contains(loaned, a[2]);
+    if (on_loan < 0)
+        return NULL;
+    if (!on_loan) {
+        PyErr_SetString(PyExc_ValueError, "publish_hot(): slot not on loan");
         return NULL;
     }
     if (get_ssize(PyTuple_GET_ITEM(ctl, slot), &cb) < 0
             || get_ssize(PyTuple_GET_ITEM(hdr, slot), &base) < 0
-            || get_ssize(PyTuple_GET_ITEM(lay, slot), &lpos) < 0)
+            || get_ssize(PyTuple_GET_ITEM(lay, slot), &lpos) < 0
+            || get_u64(PyList_GET_ITEM(gens, slot), &gen) < 0)
         return NULL;
+    if (!(gen & 1) || gen == UINT64_MAX) {
+        PyErr_SetString(PyExc_ValueError, "publish_hot(): slot generation is not odd");
+        return NULL;
+    }
+    gen += 1;
     PyObject *tmpl = PyTuple_GET_ITEM(plan, 0), *raw_l = PyTuple_GET_ITEM(plan, 3);
     if (!PyBytes_Check(tmpl) || !PyBytes_Check(raw_l)) {
         PyErr_SetString(PyExc_TypeError, "publish_hot(): bad plan");
         return NULL;
     }
+    PyObject *sg = PyList_GET_ITEM(slay_gen, slot);
+    int fresh = PyList_GET_ITEM(slay, slot) != raw_l || !PyLong_Check(sg);
+    if (!fresh) {
+        slay_g = PyLong_AsUnsignedLongLong(sg);
+        if (slay_g == (uint64_t)-1 && PyErr_Occurred())
+            PyErr_Clear();
+        fresh = slay_g != gen - 2;
+    }
     Py_ssize_t hlen = PyBytes_GET_SIZE(tmpl), nl = PyBytes_GET_SIZE(raw_l);
-    /* Everything checked before the first byte is written (the header below). */
-    if (check_events(PyTuple_GET_ITEM(hot, 4)) < 0)
+    if (check_events(events) < 0)
         return NULL;
-    if (layout != Py_None && (PyBytes_GET_SIZE(layout) != nl || !seg->writable
-                              || !in_bounds(seg, lpos, nl))) {
+    if (fresh && (!seg->writable || !in_bounds(seg, lpos, nl))) {
         PyErr_SetString(PyExc_ValueError, "publish_hot(): layout outside the segment");
         return NULL;
     }
@@ -1440,35 +1480,50 @@ static PyObject *w_publish_hot(PyObject *m, PyObject *const *a, Py_ssize_t n) {
         PyErr_SetString(PyExc_ValueError, "publish_hot(): offsets outside the segment");
         return NULL;
     }
-    if (!PyTuple_Check(PyTuple_GET_ITEM(hot, 5))) {
-        PyErr_SetString(PyExc_TypeError, "publish(): events and leases must be tuples");
-        return NULL;
-    }
-    if (sent != NULL && (!sent->writable
-                         || sent->len < 8 * PyTuple_GET_SIZE(PyTuple_GET_ITEM(hot, 4)))) {
+    if (sent != NULL && (!sent->writable || sent->len < 8 * PyTuple_GET_SIZE(events))) {
         PyErr_SetString(PyExc_ValueError,
                         "publish(): sent must be writable, 8 bytes per reader");
         return NULL;
     }
+    /* The objects the bookkeeping stores, made before the first store. */
+    PyObject *gen_o = PyLong_FromUnsignedLongLong(gen);
+    PyObject *zero = PyLong_FromLong(0);
+    if (gen_o == NULL || zero == NULL) {
+        Py_XDECREF(gen_o);
+        Py_XDECREF(zero);
+        return NULL;
+    }
     /* The header's publishTsNs is written by publish_core below (0 until then). */
-    PyObject *v[8] = {a[3], a[4], a[5] == Py_None ? PyLong_FromLong(0) : a[5], Py_None,
-                      a[6], a[7], a[8], a[9]};
-    if (v[2] == NULL)
-        return NULL;
+    PyObject *v[8] = {a[3], gen_o, a[4] == Py_None ? zero : a[4], Py_None,
+                      a[5], a[6], a[7], a[8]};
     int res = pack_core(seg, base, tmpl, PyTuple_GET_ITEM(plan, 1), v, Py_None);
-    if (a[5] == Py_None)
-        Py_DECREF(v[2]);
-    if (res < 0)
-        return NULL;
-    if (res)
+    Py_DECREF(zero);
+    if (res != 0) {
+        Py_DECREF(gen_o);
+        if (res < 0)
+            return NULL;
         Py_RETURN_FALSE;
-    if (layout != Py_None)
-        memcpy(seg->base + lpos, PyBytes_AS_STRING(layout), nl);
-    if (publish_core(seg, cb, seq, gen, a[5] != Py_None, &ts, base + ts_pos,
+    }
+    if (fresh)
+        memcpy(seg->base + lpos, PyBytes_AS_STRING(raw_l), nl);
+    if (publish_core(seg, cb, seq, gen, a[4] != Py_None, &ts, base + ts_pos,
                      (uint64_t)hlen, (uint64_t)nl, last_slot_off, last_seq_off, slot,
-                     PyTuple_GET_ITEM(hot, 4), PyTuple_GET_ITEM(hot, 5), sent) < 0)
+                     events, leases, sent) < 0) {
+        Py_DECREF(gen_o);
         return NULL;
-    return PyLong_FromUnsignedLongLong(ts);
+    }
+    PyObject *out = PyLong_FromUnsignedLongLong(ts);
+    /* Published: the writer's lists (nothing here can fail but the result's int). */
+    Py_INCREF(gen_o);
+    PyList_SetItem(gens, slot, gen_o);                  /* steal */
+    PyList_SetItem(slay_gen, slot, gen_o);              /* steal the second reference */
+    Py_INCREF(a[3]);
+    PyList_SetItem(seqs, slot, a[3]);
+    Py_INCREF(raw_l);
+    PyList_SetItem(slay, slot, raw_l);
+    if (PySet_Discard(loaned, a[2]) < 0)
+        PyErr_Clear();                                  /* an int: cannot fail */
+    return out;
 }
 
 static PyObject *h_accept(PyObject *m, PyObject *const *a, Py_ssize_t n) {

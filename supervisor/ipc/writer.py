@@ -98,9 +98,10 @@ class Writer:
             self._seg = nat.Region(self._mm, True)
             self._lease_regions = tuple(nat.Region(mm) for mm in self._leases)
             self._nloan, self._npublish, self._npack = nat.loan, nat.publish, nat.pack_header
-            # publish_hot's constants, one tuple: a stream's repeat publish touches this
-            # one object for them between the stamp and the wake-up (_publish_native).
+            # A stream's repeat publish in one call (Loan.publish; self._hot is made
+            # with self._fast in _publish_native).
             self._nhot = nat.publish_hot
+            self._hot: tuple | None = None
             self._fence = nat.fence_full
             # Per reader, the sleep it was last sent a wake-up for (K6 in _native.c):
             # the writer's own memory, one 8-byte word each.
@@ -109,8 +110,6 @@ class Writer:
             # The SlotLayout bytes object each slot holds (as this writer wrote it last).
             self._slot_layout: list[bytes | None] = [None] * spec.slot_count
             self._slot_layout_gen = [0] * spec.slot_count
-            self._hot = (self._seg, self._ctl, geo.header, geo.layout, self._events,
-                         self._lease_regions, self._sent, _OFF_LAST_SLOT, _OFF_LAST_SEQ)
             # Instance attributes: the native hot path replaces the pure-Python one.
             self.loan = self._loan_native
             self._publish = self._publish_native
@@ -383,24 +382,16 @@ class Writer:
             raise
         return slot, seq, gen, base, size, ts_off, nl
 
-    def _hot_done(self, slot: int, seq: int, gen: int, raw_layout: bytes) -> None:
-        """The writer's bookkeeping after ``Loan.publish``'s one-call publish
-        (``_native.publish_hot``), once the wake-ups are sent: readers never see it."""
-        self._slot_layout[slot], self._slot_layout_gen[slot] = raw_layout, gen
-        self._gen[slot], self._seq[slot], self._last_seq = gen, seq, seq
-        if slot in self._loaned:      # once, if an exception cut this short (_hot_failed)
-            self._loaned.discard(slot)
-            self._published += 1
-
-    def _hot_failed(self, loan: Loan, seq: int, gen: int, raw_layout: bytes) -> None:
-        """``Loan.publish``'s one call, or the bookkeeping after it, raised (a signal can
-        land between the two): a message the segment shows published (W4 stored its
-        generation) is kept and booked; one that is not goes back, invalid."""
-        slot = loan.slot
-        if self._seg.load(self._ctl[slot]) == gen:
-            self._hot_done(slot, seq, gen, raw_layout)
-        elif slot in self._loaned:
+    def _hot_failed(self, loan: Loan, seq: int) -> None:
+        """``Loan.publish``'s one call (``_native.publish_hot``) raised, or something
+        raised right after it (a signal lands between two calls): a slot no longer on
+        loan went out (the call books it last, once every store is done): its sequence
+        is counted here; one still on loan was not published and goes back, invalid."""
+        if loan.slot in self._loaned:
             self._discard(loan)
+        elif self._last_seq < seq:
+            self._last_seq = seq
+            self._published += 1
 
     def _publish_native(self, loan: Loan, frame_id, capture_ts_ns, exposure_us, gain,
                         publish_ts_ns, receipt: Receipt | None = None) -> int:
@@ -441,6 +432,13 @@ class Writer:
                 if receipt is None and crc is None and not self.spec.crc:
                     self._fast = (loan._lkey, frame_id is None, raw_layout, plan,
                                   (plan.template, plan.native, plan.ts_pos, raw_layout))
+                    # publish_hot's constants and the writer's own lists (it books the
+                    # slot once the wake-ups are sent), one tuple; made here, after
+                    # _attach, so that it holds the lists the writer holds now.
+                    self._hot = (self._seg, self._ctl, self._geo.header, self._geo.layout,
+                                 self._events, self._lease_regions, self._sent,
+                                 _OFF_LAST_SLOT, _OFF_LAST_SEQ, self._gen, self._seq,
+                                 self._loaned, self._slot_layout, self._slot_layout_gen)
             seq = self._last_seq + 1
             gen = self._gen[slot] + 1
             base = self._geo.header[slot]
