@@ -609,7 +609,7 @@ def cold(count: int, sizes_arg: str) -> int:
     touched before each timed part, so every object either touches is a cache miss, as
     in a paced stream between processes (--breakdown). No scheduling in it: the part of
     the latency the transport's own code decides."""
-    import ctypes
+    import select
 
     from ipcbench.transport import read_stamp, stamp, u8_view
 
@@ -642,6 +642,8 @@ def cold(count: int, sizes_arg: str) -> int:
                 t0 = pc()
                 loan.publish(publish_ts_ns=t)
                 t1 = pc()
+            if not select.select((r._efd,), (), (), 2.0)[0]:
+                raise RuntimeError("--cold: the bridge sent no wake-up for a sleeping reader")
             os.read(r._efd, 256)
             r._lease_r.store(L.OFF_AWAKE, L.READER_AWAKE)
             np.add(touch, 1, out=touch)
