@@ -192,10 +192,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="only split each woken message's latency (bridge and iceoryx2 "
                          "event, N paced messages per size, default 2000) at the writer's "
                          "return from send and the reader's return from its wait")
+    ap.add_argument("--cold", type=int, metavar="N", nargs="?", const=200,
+                    help="only the in-process cold costs (bridge and iceoryx2 event, "
+                         "batches of N messages alternating, 16 MB touched before each "
+                         "timed part): the writer's stamp -> send returns (a wake-up "
+                         "sent every message) and the reader's take -> view held")
     ap.add_argument("-v", "--verbose", action="store_true", help="print child tracebacks")
     args = ap.parse_args(argv)
     if args.breakdown:
         return breakdown(args.breakdown, args.sizes)
+    if args.cold:
+        return cold(args.cold, args.sizes)
 
     keys = [k.strip() for k in args.transports.split(",") if k.strip()]
     unknown = [k for k in keys if k not in TRANSPORTS]
@@ -583,6 +590,153 @@ def _bd_case(kind: str, nbytes: int, count: int, period_s: float) -> np.ndarray:
     if not rows[3].all():
         raise SystemExit(f"--breakdown: {kind} at {nbytes} B lost messages or failed")
     return rows.copy()
+
+
+# --------------------------------------------------------------------------------------
+# --cold: the constant parts of a woken message, in one process, caches cold
+# --------------------------------------------------------------------------------------
+
+_COLD_BATCHES = 8
+_COLD_TOUCH = 16 << 20     # bytes touched before each timed part: a paced stream's writer
+                           # and reader run cold (a frame copied, other work in between)
+
+
+def cold(count: int, sizes_arg: str) -> int:
+    """Bridge and iceoryx2 (event) in one process, alternating in batches of ``count``:
+    the writer's stamp -> its send returns, with the wake-up sent every message (the
+    bridge's reader flag held down, as a sleeping reader's; iceoryx2 notifies every
+    message), and the reader's take -> a numpy view of the payload held. 16 MB are
+    touched before each timed part, so every object either touches is a cache miss, as
+    in a paced stream between processes (--breakdown). No scheduling in it: the part of
+    the latency the transport's own code decides."""
+    import select
+
+    from ipcbench.transport import read_stamp, stamp, u8_view
+
+    import supervisor.ipc as bridge
+    from supervisor.ipc import layout as L
+    sizes = [b for _, b in SIZES] if sizes_arg == "all" else [
+        NV12_FRAME if x.strip() in ("frame", "nv12") else int(x) for x in sizes_arg.split(",")]
+    touch = np.zeros(_COLD_TOUCH, np.uint8)
+    pc = time.perf_counter_ns
+
+    def bridge_case(nbytes: int):
+        spec = bridge.ChannelSpec(name=f"cold_{os.getpid()}_{nbytes}", slot_size=nbytes,
+                                  slot_count=8, dtype="uint8", max_readers=1, max_leases=1)
+        ch = bridge.Channel.create(spec)
+        w, r = bridge.Writer(ch.writer_handle()), bridge.Reader(ch.reader_handle(0))
+        src = np.random.default_rng(0).integers(0, 256, nbytes, np.uint8)
+        sleeps = [1 << 40]
+
+        def one(i: int) -> tuple[int, int]:
+            # Asleep, a new sleep: the writer sends this message's wake-up byte (K5, K6).
+            r._lease_r.store(L.OFF_SLEEPS, sleeps[0])
+            r._lease_r.store(L.OFF_AWAKE, 0)
+            sleeps[0] += 1
+            np.add(touch, 1, out=touch)
+            with w.loan() as loan:
+                a = loan.array((nbytes,), "uint8")
+                np.copyto(a, src)
+                t = stamp(a, i)
+                del a
+                t0 = pc()
+                loan.publish(publish_ts_ns=t)
+                t1 = pc()
+            if not select.select((r._efd,), (), (), 2.0)[0]:
+                raise RuntimeError("--cold: the bridge sent no wake-up for a sleeping reader")
+            os.read(r._efd, 256)
+            r._lease_r.store(L.OFF_AWAKE, L.READER_AWAKE)
+            np.add(touch, 1, out=touch)
+            t2 = pc()
+            m = r.try_receive()
+            arr = m.array
+            t3 = pc()
+            read_stamp(arr)
+            del arr
+            m.release()
+            return t1 - t0, t3 - t2
+
+        def close() -> None:
+            r.close()
+            w.close()
+            ch.close()
+        return one, close
+
+    def iox2_case(nbytes: int):
+        import iceoryx2 as iox2
+        from ipcbench.iox2 import Iox2Transport
+        t = Iox2Transport()
+        t.setup(nbytes, f"cold-{os.getpid()}-{nbytes}")
+        node = t._node()
+        svc = t._pubsub_builder(node).create()
+        sub = svc.subscriber_builder().create()
+        ev = node.service_builder(iox2.ServiceName.new(t.service)).event().create()
+        listener = ev.listener_builder().create()
+        notifier = ev.notifier_builder().create()
+        pub = (svc.publisher_builder().initial_max_slice_len(nbytes)
+               .max_loaned_samples(2).create())
+        pub.update_connections()
+        src = np.random.default_rng(0).integers(0, 256, nbytes, np.uint8)
+        keep = [node, svc, ev]
+
+        def one(i: int) -> tuple[int, int]:
+            np.add(touch, 1, out=touch)
+            sample = pub.loan_slice_uninit(nbytes)
+            buf = u8_view(sample.payload_ptr, nbytes)
+            np.copyto(buf, src)
+            sample = sample.assume_init()
+            stamp(buf, i)
+            del buf
+            t0 = pc()
+            sample.send()
+            notifier.notify()
+            t1 = pc()
+            listener.try_wait()
+            np.add(touch, 1, out=touch)
+            t2 = pc()
+            got = sub.receive()
+            p = got.payload()
+            arr = u8_view(p.data_ptr, p.number_of_elements)
+            t3 = pc()
+            read_stamp(arr)
+            del arr, p
+            got.delete()
+            return t1 - t0, t3 - t2
+
+        def close() -> None:
+            for port in (notifier, listener, pub, sub):
+                port.delete()
+            keep.clear()
+        return one, close
+
+    import gc
+    print(f"ipc_latency --cold: {_COLD_BATCHES} batches x {count} messages per transport "
+          f"and size, alternating; 16 MB touched before each part; p50 / p90 us; load "
+          f"average {os.getloadavg()[0]:.2f}")
+    print(f"{'size':>9} {'transport':9} {'stamp -> send returns':>22} {'take -> view held':>18}")
+    for nbytes in sizes:
+        cases = {"bridge": bridge_case(nbytes), "iox2": iox2_case(nbytes)}
+        got: dict[str, list] = {k: [] for k in cases}
+        gc.collect()
+        gc.disable()
+        try:
+            for k, (one, _) in cases.items():
+                for i in range(20):
+                    one(i)
+            for b in range(_COLD_BATCHES):
+                for k, (one, _) in cases.items():
+                    got[k] += [one(20 + b * count + i) for i in range(count)]
+        finally:
+            gc.enable()
+            for _, close in cases.values():
+                close()
+        for k, rows in got.items():
+            d = np.array(rows) / 1e3
+            cells = [f"{np.percentile(d[:, j], 50):7.2f} / {np.percentile(d[:, j], 90):<7.2f}"
+                     for j in (0, 1)]
+            print(f"{nbytes:>9} {k:9} {cells[0]:>22} {cells[1]:>18}", flush=True)
+    iox2_cleanup()
+    return 0
 
 
 def _versions() -> dict:

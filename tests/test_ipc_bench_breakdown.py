@@ -26,3 +26,19 @@ def test_breakdown_prints_a_row_per_transport():
     assert set(rows) == {"bridge", "iox2"}, out.stdout
     for total50, _, writer50, _, woken50, _, reader50, _ in rows.values():
         assert 0 < writer50 < total50 and 0 < woken50 < total50 and 0 < reader50 < total50
+
+
+COLD = re.compile(r"^\s+64 (bridge|iox2)\s+([\d.]+) / ([\d.]+)\s+([\d.]+) / ([\d.]+)\s*$")
+
+
+def test_cold_prints_a_row_per_transport():
+    """--cold: one process, both transports, every message woken (the bridge's reader
+    flag held down): a row each, with positive times."""
+    out = subprocess.run([sys.executable, BENCH, "--cold", "5", "--sizes", "64"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {m.group(1): [float(x) for x in m.groups()[1:]]
+            for line in out.stdout.splitlines() if (m := COLD.match(line))}
+    assert set(rows) == {"bridge", "iox2"}, out.stdout
+    for send50, send90, take50, take90 in rows.values():
+        assert 0 < send50 <= send90 and 0 < take50 <= take90

@@ -114,6 +114,32 @@ class Loan:
                 publish_ts_ns: int | None = None, receipt: Receipt | None = None) -> int:
         """Make the slot visible to readers and wake them. Returns the sequence number.
         ``receipt``: the execution receipt of the inference that produced this output."""
+        w = self._w
+        fast = w._fast
+        if (fast is not None and fast[0] is self._lkey and receipt is None
+                and (frame_id is None) is fast[1] and not self._done):
+            # A stream's repeat publish on the native path: the description the writer
+            # published last (its cached key, by identity: array() checked it), no CRC,
+            # no receipt. Header, layout (unless the slot holds these very bytes),
+            # stamp, release stores, wake-ups and the writer's slot bookkeeping in one
+            # native call, from here: between the publish stamp and the wake-up, cold,
+            # every Python frame and attribute is a cache miss (ipc_latency --cold,
+            # docs/ipc-wakeups.md). False: a value outside its field; the general path
+            # below judges it (and raises, or encodes).
+            self._done = True
+            seq = w._last_seq + 1
+            try:
+                ts = w._nhot(w._hot, fast[4], self.slot, seq, publish_ts_ns, frame_id,
+                             capture_ts_ns, exposure_us, gain)
+                if ts is not False:
+                    w._last_seq = seq
+                    w._published += 1
+                    return seq
+            except BaseException:
+                w._hot_failed(self, seq)   # went out: counted; else the slot goes back
+                raise
+            return w._publish(self, frame_id, capture_ts_ns, exposure_us, gain,
+                              publish_ts_ns, receipt)
         if self._done:
             raise BridgeError("loan already published or discarded")
         if self._desc is None:

@@ -499,56 +499,62 @@ static inline uint64_t monotonic_ns(void) {
 #define AWAKE_OFF 16
 #define READER_AWAKE 1
 #define SLEEPS_OFF 32
-static PyObject *w_publish(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-    if (n != 13 && n != 14) {
-        PyErr_SetString(PyExc_TypeError, "publish() takes 13 or 14 arguments");
-        return NULL;
+/* The wake-up fds: a tuple of ints in range, or -1 with an exception set. */
+static int check_events(PyObject *events) {
+    if (!PyTuple_Check(events)) {
+        PyErr_SetString(PyExc_TypeError, "publish(): events and leases must be tuples");
+        return -1;
     }
-    Region *seg = as_region(a[0], "segment");
-    if (seg == NULL)
-        return NULL;
-    Py_ssize_t cb, ts_pos, last_slot_off, last_seq_off, slot;
-    uint64_t seq, gen, ts = 0, hlen, llen;
-    if (get_ssize(a[1], &cb) < 0 || get_u64(a[2], &seq) < 0 || get_u64(a[3], &gen) < 0
-            || (a[4] != Py_None && get_u64(a[4], &ts) < 0) || get_ssize(a[5], &ts_pos) < 0
-            || get_u64(a[6], &hlen) < 0 || get_u64(a[7], &llen) < 0
-            || get_ssize(a[8], &last_slot_off) < 0 || get_ssize(a[9], &last_seq_off) < 0
-            || get_ssize(a[10], &slot) < 0)
-        return NULL;
-    PyObject *events = a[11], *leases = a[12];
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(events); i++) {
+        long fd = PyLong_AsLong(PyTuple_GET_ITEM(events, i));
+        if (fd == -1 && PyErr_Occurred())
+            return -1;
+        if (fd < 0 || fd > INT32_MAX) {
+            PyErr_SetString(PyExc_ValueError, "publish(): a wake-up fd out of range");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* W3's tail, W4, W5 and the wake-ups (K4-K6) for a slot whose header and layout are
+ * written: the body of `publish` and of `publish_hot`. 0, or -1 with an exception set
+ * (nothing stored then). `*ts`: the stamp given (have_ts) or the clock's, as stored. */
+static int publish_core(Region *seg, Py_ssize_t cb, uint64_t seq, uint64_t gen,
+                        int have_ts, uint64_t *ts, Py_ssize_t ts_pos, uint64_t hlen,
+                        uint64_t llen, Py_ssize_t last_slot_off, Py_ssize_t last_seq_off,
+                        Py_ssize_t slot, PyObject *events, PyObject *leases, Region *sent) {
     if (!PyTuple_Check(events) || !PyTuple_Check(leases)) {
         PyErr_SetString(PyExc_TypeError, "publish(): events and leases must be tuples");
-        return NULL;
+        return -1;
     }
-    Region *sent = NULL;              /* K6: the count each reader was last woken for */
-    if (n == 14 && a[13] != Py_None) {
-        sent = as_region(a[13], "sent");
-        if (sent == NULL)
-            return NULL;
-        if (!sent->writable
-                || sent->len < 8 * (Py_ssize_t)PyTuple_GET_SIZE(events)) {
-            PyErr_SetString(PyExc_ValueError,
-                            "publish(): sent must be writable, 8 bytes per reader");
-            return NULL;
-        }
+    if (sent != NULL && (!sent->writable
+                         || sent->len < 8 * (Py_ssize_t)PyTuple_GET_SIZE(events))) {
+        PyErr_SetString(PyExc_ValueError,
+                        "publish(): sent must be writable, 8 bytes per reader");
+        return -1;
     }
     if (!seg->writable || !in_bounds(seg, cb, 32) || cb % 8 || !in_bounds(seg, ts_pos, 8)
             || !in_bounds(seg, last_slot_off, 4) || last_slot_off % 4
             || !in_bounds(seg, last_seq_off, 8) || last_seq_off % 8
             || hlen > 0xFFFFFFFFu || llen > 0xFFFFFFFFu || slot < 0 || slot > 0xFFFFFFFF) {
         PyErr_SetString(PyExc_ValueError, "publish(): offsets outside the segment");
-        return NULL;
+        return -1;
     }
+    /* Every reader's fd read before the first store: an error after W4 would leave a
+     * published message the caller takes for a failed one. */
+    if (check_events(events) < 0)
+        return -1;
     char *b = seg->base;
     /* Control tail while gen is still odd: seq, ts (below), header_len, layout_len. */
     __atomic_store_n((uint64_t *)(b + cb + 8), seq, RELAXED);
     __atomic_store_n((uint32_t *)(b + cb + 24), (uint32_t)hlen, RELAXED);
     __atomic_store_n((uint32_t *)(b + cb + 28), (uint32_t)llen, RELAXED);
     __atomic_store_n((uint32_t *)(b + last_slot_off), (uint32_t)slot, RELAXED);
-    if (a[4] == Py_None)
-        ts = monotonic_ns();
-    memcpy(b + ts_pos, &ts, 8);                          /* SlotHeader.publishTsNs */
-    __atomic_store_n((uint64_t *)(b + cb + 16), ts, RELAXED);
+    if (!have_ts)
+        *ts = monotonic_ns();
+    memcpy(b + ts_pos, ts, 8);                           /* SlotHeader.publishTsNs */
+    __atomic_store_n((uint64_t *)(b + cb + 16), *ts, RELAXED);
     __atomic_store_n((uint64_t *)(b + cb), gen, RELEASE);          /* W4 */
     __atomic_store_n((uint64_t *)(b + last_seq_off), seq, RELEASE); /* W5 */
     static const char one = 1;
@@ -572,9 +578,7 @@ static PyObject *w_publish(PyObject *m, PyObject *const *a, Py_ssize_t n) {
                 }
             }
         }
-        long fd = PyLong_AsLong(PyTuple_GET_ITEM(events, i));
-        if (fd == -1 && PyErr_Occurred())
-            return NULL;
+        long fd = PyLong_AsLong(PyTuple_GET_ITEM(events, i));   /* checked above */
         if (send((int)fd, &one, 1, MSG_DONTWAIT | MSG_NOSIGNAL) < 0 && errno == ENOTSOCK) {
             ssize_t unused = write((int)fd, &one, 1);   /* an eventfd or pipe (tests) */
             (void)unused;
@@ -585,6 +589,34 @@ static PyObject *w_publish(PyObject *m, PyObject *const *a, Py_ssize_t n) {
             ((uint64_t *)sent->base)[i] = sleeps;
         /* EAGAIN: full (that reader is asleep or gone: it will see it); EPIPE: closed. */
     }
+    return 0;
+}
+
+static PyObject *w_publish(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    if (n != 13 && n != 14) {
+        PyErr_SetString(PyExc_TypeError, "publish() takes 13 or 14 arguments");
+        return NULL;
+    }
+    Region *seg = as_region(a[0], "segment");
+    if (seg == NULL)
+        return NULL;
+    Py_ssize_t cb, ts_pos, last_slot_off, last_seq_off, slot;
+    uint64_t seq, gen, ts = 0, hlen, llen;
+    if (get_ssize(a[1], &cb) < 0 || get_u64(a[2], &seq) < 0 || get_u64(a[3], &gen) < 0
+            || (a[4] != Py_None && get_u64(a[4], &ts) < 0) || get_ssize(a[5], &ts_pos) < 0
+            || get_u64(a[6], &hlen) < 0 || get_u64(a[7], &llen) < 0
+            || get_ssize(a[8], &last_slot_off) < 0 || get_ssize(a[9], &last_seq_off) < 0
+            || get_ssize(a[10], &slot) < 0)
+        return NULL;
+    Region *sent = NULL;              /* K6: the count each reader was last woken for */
+    if (n == 14 && a[13] != Py_None) {
+        sent = as_region(a[13], "sent");
+        if (sent == NULL)
+            return NULL;
+    }
+    if (publish_core(seg, cb, seq, gen, a[4] != Py_None, &ts, ts_pos, hlen, llen,
+                     last_slot_off, last_seq_off, slot, a[11], a[12], sent) < 0)
+        return NULL;
     return PyLong_FromUnsignedLongLong(ts);
 }
 
@@ -1227,6 +1259,90 @@ static int put_scalar(unsigned char *dst, int c, PyObject *o) {
     return 0;
 }
 
+#define MAX_EXTRA 24
+/* The body of `pack_header` and of `publish_hot`: v = (seq, gen, ts, crc, frame_id,
+ * capture, exposure, gain). 0: written; 1: a value outside its field (nothing promised
+ * about the bytes written: the slot is still odd); -1: an exception set. */
+static int pack_core(Region *seg, Py_ssize_t base, PyObject *tmpl, PyObject *table,
+                     PyObject *const *v, PyObject *extra) {
+    if (extra != Py_None && (!PyTuple_Check(extra) || PyTuple_GET_SIZE(extra) > MAX_EXTRA)) {
+        PyErr_SetString(PyExc_TypeError, "pack_header(): extra must be a short tuple");
+        return -1;
+    }
+    if (!PyBytes_Check(tmpl) || !PyTuple_Check(table) || PyTuple_GET_SIZE(table) < 6) {
+        PyErr_SetString(PyExc_TypeError, "pack_header(): bad argument types");
+        return -1;
+    }
+    Py_ssize_t tlen = PyBytes_GET_SIZE(tmpl);
+    if (!seg->writable || !in_bounds(seg, base, tlen)) {
+        PyErr_SetString(PyExc_ValueError, "pack_header(): header outside the segment");
+        return -1;
+    }
+    uint64_t t[6];
+    for (int i = 0; i < 6; i++)
+        if (get_u64(PyTuple_GET_ITEM(table, i), &t[i]) < 0)
+            return -1;
+    int has_crc = (int)t[0], has_frame = (int)t[1];
+    Py_ssize_t n_extra = extra == Py_None ? 0 : PyTuple_GET_SIZE(extra);
+    if (PyTuple_GET_SIZE(table) != 6 + 2 * (3 + (has_crc != 0) + 6 * (has_frame != 0) + n_extra)) {
+        PyErr_SetString(PyExc_ValueError, "pack_header(): table does not match the plan");
+        return -1;
+    }
+    PyObject *vals[10 + MAX_EXTRA];     /* 3 + crc + 6 frame fields, then the extra */
+    int nv = 0, res = -1;
+    vals[nv++] = v[0];                 /* sequence */
+    vals[nv++] = v[1];                 /* generation */
+    vals[nv++] = v[2];                 /* publishTsNs */
+    PyObject *exp_which = NULL, *gain_which = NULL, *zero = NULL, *zerof = NULL;
+    if (has_crc)
+        vals[nv++] = v[3];
+    if (has_frame) {
+        zero = PyLong_FromLong(0);
+        zerof = PyFloat_FromDouble(0.0);
+        exp_which = PyLong_FromUnsignedLongLong(v[6] == Py_None ? t[2] : t[3]);
+        gain_which = PyLong_FromUnsignedLongLong(v[7] == Py_None ? t[4] : t[5]);
+        if (!zero || !zerof || !exp_which || !gain_which)
+            goto done;
+        vals[nv++] = v[4];                                   /* frameId */
+        vals[nv++] = v[5] == Py_None ? zero : v[5];          /* captureTsNs or 0 */
+        vals[nv++] = exp_which;
+        vals[nv++] = v[6] == Py_None ? zero : v[6];
+        vals[nv++] = gain_which;
+        vals[nv++] = v[7] == Py_None ? zerof : v[7];
+    }
+    if (extra != Py_None)
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(extra); i++)
+            vals[nv++] = PyTuple_GET_ITEM(extra, i);
+    if (PyTuple_GET_SIZE(table) != 6 + 2 * nv) {
+        PyErr_SetString(PyExc_ValueError, "pack_header(): table does not match the plan");
+        goto done;
+    }
+    unsigned char *dst = (unsigned char *)seg->base + base;
+    memcpy(dst, PyBytes_AS_STRING(tmpl), tlen);
+    res = 0;
+    for (int i = 0; i < nv && res == 0; i++) {
+        Py_ssize_t pos, code;
+        if (get_ssize(PyTuple_GET_ITEM(table, 6 + 2 * i), &pos) < 0
+                || get_ssize(PyTuple_GET_ITEM(table, 7 + 2 * i), &code) < 0) {
+            res = -1;
+            break;
+        }
+        int sz = scalar_size((int)code);
+        if (sz == 0 || pos < 0 || pos + sz > tlen) {
+            PyErr_SetString(PyExc_ValueError, "pack_header(): field outside the template");
+            res = -1;
+            break;
+        }
+        res = put_scalar(dst + pos, (int)code, vals[i]);
+    }
+done:
+    Py_XDECREF(zero);
+    Py_XDECREF(zerof);
+    Py_XDECREF(exp_which);
+    Py_XDECREF(gain_which);
+    return res;
+}
+
 /* pack_header(seg, base, template, table, seq, gen, ts, crc, frame_id, capture,
  *             exposure, gain[, extra]) -> bool
  * A compiled HeaderPlan's SlotHeader (pycapnp's template with the per-message fields
@@ -1235,15 +1351,9 @@ static int put_scalar(unsigned char *dst, int c, PyObject *o) {
  * order); extra: a tuple of values patched after those (a Receipt's scalars, in the
  * plan's order). False: a value does not fit its field, nothing is promised about the
  * bytes written (the slot is still odd) and the caller lets the Python plan raise. */
-#define MAX_EXTRA 24
 static PyObject *h_pack(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     if (n != 12 && n != 13) {
         PyErr_SetString(PyExc_TypeError, "pack_header() takes 12 or 13 arguments");
-        return NULL;
-    }
-    PyObject *extra = n == 13 ? a[12] : Py_None;
-    if (extra != Py_None && (!PyTuple_Check(extra) || PyTuple_GET_SIZE(extra) > MAX_EXTRA)) {
-        PyErr_SetString(PyExc_TypeError, "pack_header(): extra must be a short tuple");
         return NULL;
     }
     Region *seg = as_region(a[0], "segment");
@@ -1252,85 +1362,168 @@ static PyObject *h_pack(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     Py_ssize_t base;
     if (get_ssize(a[1], &base) < 0)
         return NULL;
-    PyObject *tmpl = a[2], *table = a[3];
-    if (!PyBytes_Check(tmpl) || !PyTuple_Check(table) || PyTuple_GET_SIZE(table) < 6) {
-        PyErr_SetString(PyExc_TypeError, "pack_header(): bad argument types");
+    int res = pack_core(seg, base, a[2], a[3], a + 4, n == 13 ? a[12] : Py_None);
+    if (res < 0)
         return NULL;
-    }
-    Py_ssize_t tlen = PyBytes_GET_SIZE(tmpl);
-    if (!seg->writable || !in_bounds(seg, base, tlen)) {
-        PyErr_SetString(PyExc_ValueError, "pack_header(): header outside the segment");
-        return NULL;
-    }
-    uint64_t t[6];
-    for (int i = 0; i < 6; i++)
-        if (get_u64(PyTuple_GET_ITEM(table, i), &t[i]) < 0)
-            return NULL;
-    int has_crc = (int)t[0], has_frame = (int)t[1];
-    Py_ssize_t n_extra = extra == Py_None ? 0 : PyTuple_GET_SIZE(extra);
-    if (PyTuple_GET_SIZE(table) != 6 + 2 * (3 + (has_crc != 0) + 6 * (has_frame != 0) + n_extra)) {
-        PyErr_SetString(PyExc_ValueError, "pack_header(): table does not match the plan");
-        return NULL;
-    }
-    PyObject *vals[10 + MAX_EXTRA];     /* 3 + crc + 6 frame fields, then the extra */
-    int nv = 0;
-    vals[nv++] = a[4];                 /* sequence */
-    vals[nv++] = a[5];                 /* generation */
-    vals[nv++] = a[6];                 /* publishTsNs */
-    PyObject *exp_which = NULL, *gain_which = NULL, *zero = NULL, *zerof = NULL;
-    if (has_crc)
-        vals[nv++] = a[7];
-    if (has_frame) {
-        zero = PyLong_FromLong(0);
-        zerof = PyFloat_FromDouble(0.0);
-        exp_which = PyLong_FromUnsignedLongLong(a[10] == Py_None ? t[2] : t[3]);
-        gain_which = PyLong_FromUnsignedLongLong(a[11] == Py_None ? t[4] : t[5]);
-        if (!zero || !zerof || !exp_which || !gain_which)
-            goto fail;
-        vals[nv++] = a[8];                                   /* frameId */
-        vals[nv++] = a[9] == Py_None ? zero : a[9];          /* captureTsNs or 0 */
-        vals[nv++] = exp_which;
-        vals[nv++] = a[10] == Py_None ? zero : a[10];
-        vals[nv++] = gain_which;
-        vals[nv++] = a[11] == Py_None ? zerof : a[11];
-    }
-    if (extra != Py_None)
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(extra); i++)
-            vals[nv++] = PyTuple_GET_ITEM(extra, i);
-    if (PyTuple_GET_SIZE(table) != 6 + 2 * nv) {
-        PyErr_SetString(PyExc_ValueError, "pack_header(): table does not match the plan");
-        goto fail;
-    }
-    unsigned char *dst = (unsigned char *)seg->base + base;
-    memcpy(dst, PyBytes_AS_STRING(tmpl), tlen);
-    int res = 0;
-    for (int i = 0; i < nv && res == 0; i++) {
-        Py_ssize_t pos, code;
-        if (get_ssize(PyTuple_GET_ITEM(table, 6 + 2 * i), &pos) < 0
-                || get_ssize(PyTuple_GET_ITEM(table, 7 + 2 * i), &code) < 0)
-            goto fail;
-        int sz = scalar_size((int)code);
-        if (sz == 0 || pos < 0 || pos + sz > tlen) {
-            PyErr_SetString(PyExc_ValueError, "pack_header(): field outside the template");
-            goto fail;
-        }
-        res = put_scalar(dst + pos, (int)code, vals[i]);
-        if (res < 0)
-            goto fail;
-    }
-    Py_XDECREF(zero);
-    Py_XDECREF(zerof);
-    Py_XDECREF(exp_which);
-    Py_XDECREF(gain_which);
     if (res)
         Py_RETURN_FALSE;
     Py_RETURN_TRUE;
-fail:
-    Py_XDECREF(zero);
-    Py_XDECREF(zerof);
-    Py_XDECREF(exp_which);
-    Py_XDECREF(gain_which);
-    return NULL;
+}
+
+/* publish_hot(hot, plan, slot, seq, ts, frame_id, capture, exposure, gain) -> ts, False
+ * A stream's repeat publish in one call: `pack_header` (no CRC, no receipt), the
+ * SlotLayout unless the slot holds these very bytes from this writer's last publish of
+ * it, untouched since (the generation moved by exactly this loan), then `publish`, then
+ * the writer's slot bookkeeping. hot = (seg, ctl, hdr, lay, events, leases, sent,
+ * last_slot_off, last_seq_off, gens, seqs, loaned, slot_layout, slot_layout_gen): the
+ * writer's constants and its own lists (the same objects its Python code uses), one
+ * tuple so the call touches one object for them; plan = (template, table, ts_pos,
+ * layout bytes). The generation is gens[slot] + 1 (the loan made it odd). The Python
+ * path checked the description (Loan.array) and chose the plan; this only writes.
+ * Every argument is checked before the first byte is written. False: a value does not
+ * fit its field, nothing is published (the slot is still odd, still on loan) and the
+ * caller takes the path that raises. After the stores nothing can fail: gens[slot],
+ * seqs[slot], slot_layout[slot], slot_layout_gen[slot] are set and the slot leaves
+ * `loaned` (the caller's last_seq and count follow; a slot no longer on loan says the
+ * message went out). Between the publish stamp and the wake-up the writer otherwise
+ * ran two calls and the lookups around them in Python, cold (a frame copied just
+ * before evicts them): that was the bridge's writer part beyond iceoryx2's. */
+enum { HOT_SEG, HOT_CTL, HOT_HDR, HOT_LAY, HOT_EVENTS, HOT_LEASES, HOT_SENT, HOT_LAST_SLOT,
+       HOT_LAST_SEQ, HOT_GENS, HOT_SEQS, HOT_LOANED, HOT_SLOT_LAYOUT, HOT_SLOT_LAYOUT_GEN,
+       HOT_LEN };
+static PyObject *w_publish_hot(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    if (n != 9) {
+        PyErr_SetString(PyExc_TypeError, "publish_hot() takes 9 arguments");
+        return NULL;
+    }
+    PyObject *hot = a[0], *plan = a[1];
+    if (!PyTuple_Check(hot) || PyTuple_GET_SIZE(hot) != HOT_LEN || !PyTuple_Check(plan)
+            || PyTuple_GET_SIZE(plan) != 4) {
+        PyErr_SetString(PyExc_TypeError, "publish_hot(): bad argument types");
+        return NULL;
+    }
+    Region *seg = as_region(PyTuple_GET_ITEM(hot, HOT_SEG), "segment");
+    if (seg == NULL)
+        return NULL;
+    PyObject *ctl = PyTuple_GET_ITEM(hot, HOT_CTL), *hdr = PyTuple_GET_ITEM(hot, HOT_HDR),
+             *lay = PyTuple_GET_ITEM(hot, HOT_LAY), *sent_o = PyTuple_GET_ITEM(hot, HOT_SENT),
+             *events = PyTuple_GET_ITEM(hot, HOT_EVENTS),
+             *leases = PyTuple_GET_ITEM(hot, HOT_LEASES),
+             *gens = PyTuple_GET_ITEM(hot, HOT_GENS), *seqs = PyTuple_GET_ITEM(hot, HOT_SEQS),
+             *loaned = PyTuple_GET_ITEM(hot, HOT_LOANED),
+             *slay = PyTuple_GET_ITEM(hot, HOT_SLOT_LAYOUT),
+             *slay_gen = PyTuple_GET_ITEM(hot, HOT_SLOT_LAYOUT_GEN);
+    if (!PyTuple_Check(ctl) || !PyTuple_Check(hdr) || !PyTuple_Check(lay)
+            || !PyTuple_Check(leases) || !PyList_Check(gens) || !PyList_Check(seqs)
+            || !PySet_Check(loaned) || !PyList_Check(slay) || !PyList_Check(slay_gen)) {
+        PyErr_SetString(PyExc_TypeError, "publish_hot(): bad writer tables");
+        return NULL;
+    }
+    Region *sent = NULL;
+    if (sent_o != Py_None && (sent = as_region(sent_o, "sent")) == NULL)
+        return NULL;
+    Py_ssize_t slot, cb, base, lpos, ts_pos, last_slot_off, last_seq_off;
+    uint64_t seq, gen, ts = 0, slay_g;
+    if (get_ssize(a[2], &slot) < 0 || get_u64(a[3], &seq) < 0
+            || (a[4] != Py_None && get_u64(a[4], &ts) < 0)
+            || get_ssize(PyTuple_GET_ITEM(plan, 2), &ts_pos) < 0
+            || get_ssize(PyTuple_GET_ITEM(hot, HOT_LAST_SLOT), &last_slot_off) < 0
+            || get_ssize(PyTuple_GET_ITEM(hot, HOT_LAST_SEQ), &last_seq_off) < 0)
+        return NULL;
+    if (slot < 0 || slot >= PyTuple_GET_SIZE(ctl) || slot >= PyTuple_GET_SIZE(hdr)
+            || slot >= PyTuple_GET_SIZE(lay) || slot >= PyList_GET_SIZE(gens)
+            || slot >= PyList_GET_SIZE(seqs) || slot >= PyList_GET_SIZE(slay)
+            || slot >= PyList_GET_SIZE(slay_gen)) {
+        PyErr_SetString(PyExc_ValueError, "publish_hot(): slot outside the tables");
+        return NULL;
+    }
+    int on_loan = PySet_Contains(loaned, a[2]);
+    if (on_loan < 0)
+        return NULL;
+    if (!on_loan) {
+        PyErr_SetString(PyExc_ValueError, "publish_hot(): slot not on loan");
+        return NULL;
+    }
+    if (get_ssize(PyTuple_GET_ITEM(ctl, slot), &cb) < 0
+            || get_ssize(PyTuple_GET_ITEM(hdr, slot), &base) < 0
+            || get_ssize(PyTuple_GET_ITEM(lay, slot), &lpos) < 0
+            || get_u64(PyList_GET_ITEM(gens, slot), &gen) < 0)
+        return NULL;
+    if (!(gen & 1) || gen == UINT64_MAX) {
+        PyErr_SetString(PyExc_ValueError, "publish_hot(): slot generation is not odd");
+        return NULL;
+    }
+    gen += 1;
+    PyObject *tmpl = PyTuple_GET_ITEM(plan, 0), *raw_l = PyTuple_GET_ITEM(plan, 3);
+    if (!PyBytes_Check(tmpl) || !PyBytes_Check(raw_l)) {
+        PyErr_SetString(PyExc_TypeError, "publish_hot(): bad plan");
+        return NULL;
+    }
+    PyObject *sg = PyList_GET_ITEM(slay_gen, slot);
+    int fresh = PyList_GET_ITEM(slay, slot) != raw_l || !PyLong_Check(sg);
+    if (!fresh) {
+        slay_g = PyLong_AsUnsignedLongLong(sg);
+        if (slay_g == (uint64_t)-1 && PyErr_Occurred())
+            PyErr_Clear();
+        fresh = slay_g != gen - 2;
+    }
+    Py_ssize_t hlen = PyBytes_GET_SIZE(tmpl), nl = PyBytes_GET_SIZE(raw_l);
+    if (check_events(events) < 0)
+        return NULL;
+    if (fresh && (!seg->writable || !in_bounds(seg, lpos, nl))) {
+        PyErr_SetString(PyExc_ValueError, "publish_hot(): layout outside the segment");
+        return NULL;
+    }
+    if (ts_pos < 0 || ts_pos + 8 > hlen || !in_bounds(seg, base, hlen)
+            || !in_bounds(seg, cb, 32) || cb % 8 || !in_bounds(seg, last_slot_off, 4)
+            || !in_bounds(seg, last_seq_off, 8) || last_slot_off % 4 || last_seq_off % 8) {
+        PyErr_SetString(PyExc_ValueError, "publish_hot(): offsets outside the segment");
+        return NULL;
+    }
+    if (sent != NULL && (!sent->writable || sent->len < 8 * PyTuple_GET_SIZE(events))) {
+        PyErr_SetString(PyExc_ValueError,
+                        "publish(): sent must be writable, 8 bytes per reader");
+        return NULL;
+    }
+    /* The objects the bookkeeping stores, made before the first store. */
+    PyObject *gen_o = PyLong_FromUnsignedLongLong(gen);
+    PyObject *zero = PyLong_FromLong(0);
+    if (gen_o == NULL || zero == NULL) {
+        Py_XDECREF(gen_o);
+        Py_XDECREF(zero);
+        return NULL;
+    }
+    /* The header's publishTsNs is written by publish_core below (0 until then). */
+    PyObject *v[8] = {a[3], gen_o, a[4] == Py_None ? zero : a[4], Py_None,
+                      a[5], a[6], a[7], a[8]};
+    int res = pack_core(seg, base, tmpl, PyTuple_GET_ITEM(plan, 1), v, Py_None);
+    Py_DECREF(zero);
+    if (res != 0) {
+        Py_DECREF(gen_o);
+        if (res < 0)
+            return NULL;
+        Py_RETURN_FALSE;
+    }
+    if (fresh)
+        memcpy(seg->base + lpos, PyBytes_AS_STRING(raw_l), nl);
+    if (publish_core(seg, cb, seq, gen, a[4] != Py_None, &ts, base + ts_pos,
+                     (uint64_t)hlen, (uint64_t)nl, last_slot_off, last_seq_off, slot,
+                     events, leases, sent) < 0) {
+        Py_DECREF(gen_o);
+        return NULL;
+    }
+    PyObject *out = PyLong_FromUnsignedLongLong(ts);
+    /* Published: the writer's lists (nothing here can fail but the result's int). */
+    Py_INCREF(gen_o);
+    PyList_SetItem(gens, slot, gen_o);                  /* steal */
+    PyList_SetItem(slay_gen, slot, gen_o);              /* steal the second reference */
+    Py_INCREF(a[3]);
+    PyList_SetItem(seqs, slot, a[3]);
+    Py_INCREF(raw_l);
+    PyList_SetItem(slay, slot, raw_l);
+    if (PySet_Discard(loaned, a[2]) < 0)
+        PyErr_Clear();                                  /* an int: cannot fail */
+    return out;
 }
 
 static PyObject *h_accept(PyObject *m, PyObject *const *a, Py_ssize_t n) {
@@ -1357,6 +1550,8 @@ static PyMethodDef module_methods[] = {
      "the writer's publish: control block, stamp, generation, last_seq, wake-ups"},
     {"take", (PyCFunction)(void (*)(void))r_take, METH_FASTCALL,
      "the reader's seqlock read of the next slot, with its lease"},
+    {"publish_hot", (PyCFunction)(void (*)(void))w_publish_hot, METH_FASTCALL,
+     "a stream's repeat publish in one call: header plan, layout, publish, wake-ups"},
     {"pack_header", (PyCFunction)(void (*)(void))h_pack, METH_FASTCALL,
      "a compiled SlotHeader plan written into the segment (False: let Python raise)"},
     {"receipt", (PyCFunction)(void (*)(void))h_receipt, METH_FASTCALL,

@@ -98,6 +98,10 @@ class Writer:
             self._seg = nat.Region(self._mm, True)
             self._lease_regions = tuple(nat.Region(mm) for mm in self._leases)
             self._nloan, self._npublish, self._npack = nat.loan, nat.publish, nat.pack_header
+            # A stream's repeat publish in one call (Loan.publish; self._hot is made
+            # with self._fast in _publish_native).
+            self._nhot = nat.publish_hot
+            self._hot: tuple | None = None
             self._fence = nat.fence_full
             # Per reader, the sleep it was last sent a wake-up for (K6 in _native.c):
             # the writer's own memory, one 8-byte word each.
@@ -396,6 +400,17 @@ class Writer:
             raise
         return slot, seq, gen, base, size, ts_off, nl
 
+    def _hot_failed(self, loan: Loan, seq: int) -> None:
+        """``Loan.publish``'s one call (``_native.publish_hot``) raised, or something
+        raised right after it (a signal lands between two calls): a slot no longer on
+        loan went out (the call books it last, once every store is done): its sequence
+        is counted here; one still on loan was not published and goes back, invalid."""
+        if loan.slot in self._loaned:
+            self._discard(loan)
+        elif self._last_seq < seq:
+            self._last_seq = seq
+            self._published += 1
+
     def _publish_native(self, loan: Loan, frame_id, capture_ts_ns, exposure_us, gain,
                         publish_ts_ns, receipt: Receipt | None = None) -> int:
         """Publish on the native atomics: control block, time stamp, the release stores
@@ -433,7 +448,15 @@ class Writer:
         if plan is not None and plan.native is not None:
             if fast is None or fast[0] is not loan._lkey:
                 if receipt is None and crc is None and not self.spec.crc:
-                    self._fast = (loan._lkey, frame_id is None, raw_layout, plan)
+                    self._fast = (loan._lkey, frame_id is None, raw_layout, plan,
+                                  (plan.template, plan.native, plan.ts_pos, raw_layout))
+                    # publish_hot's constants and the writer's own lists (it books the
+                    # slot once the wake-ups are sent), one tuple; made here, after
+                    # _attach, so that it holds the lists the writer holds now.
+                    self._hot = (self._seg, self._ctl, self._geo.header, self._geo.layout,
+                                 self._events, self._lease_regions, self._sent,
+                                 _OFF_LAST_SLOT, _OFF_LAST_SEQ, self._gen, self._seq,
+                                 self._loaned, self._slot_layout, self._slot_layout_gen)
             seq = self._last_seq + 1
             gen = self._gen[slot] + 1
             base = self._geo.header[slot]
