@@ -608,3 +608,41 @@ def test_record_without_a_config_derives_from_the_one_camera_pipeline():
     assert plan_of(record_doc(doc, "/tmp/x")).camera == "camerad"
     with pytest.raises(DeriveError, match="camera workers"):
         plan_of(default_doc())
+
+
+def test_a_log_is_read_in_chunks_with_the_same_records_and_loss(tmp_path, monkeypatch):
+    """read_stream's memory is a chunk plus one record, never the file (red team round
+    5 row 5): with 7-byte chunks every record, offset and loss count is the same as with
+    the whole file in one read, across a corrupt run, a bad CRC and a cut last record."""
+    from supervisor.replay import logfmt
+
+    write_log(tmp_path / "log", n=3)
+    p = tmp_path / "log" / logfmt.MESSAGES
+    good = p.read_bytes()
+    first = logfmt.REC.size + logfmt.REC.unpack_from(good, 0)[1]
+    bad = bytearray(good)
+    bad[first + logfmt.REC.size + 2] ^= 0xFF                  # the second record's CRC
+    p.write_bytes(good[:first] + b"\0" * 37 + bytes(bad[first:]) + good[:first][:-3])
+
+    def read(chunk: int):
+        monkeypatch.setattr(logfmt, "READ_CHUNK", chunk)
+        loss = logfmt.Loss()
+        recs = list(logfmt.read_stream(p, loss=loss))
+        return recs, (loss.corrupt_records, loss.corrupt_bytes, loss.truncated_records,
+                      loss.truncated_bytes, loss.problems)
+
+    whole = read(1 << 30)
+    assert whole[1][0] == 2 and whole[1][2] == 1, whole[1]    # the run and the CRC; the cut
+    assert read(7) == whole
+
+
+def test_a_log_file_of_holes_is_one_line(tmp_path):
+    """A recorder can ftruncate its files to any size without writing a block: such a
+    file is refused before anything reads it (exit 2, one line), whatever its size."""
+    write_log(tmp_path / "log", n=2)
+    os.truncate(tmp_path / "log" / "messages.tlog", 256 << 20)
+    with pytest.raises(LogError, match="a file of holes"):
+        DriveLog.open(tmp_path / "log")
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "log", "info",
+                        str(tmp_path / "log")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
