@@ -52,6 +52,14 @@ def test_a_new_dir_is_made_exactly_and_written_through_its_fd(base: Path) -> Non
         assert d.names() == ["summary.json"]                   # no temp file left
 
 
+def test_missing_parents_are_made_by_the_same_rule(base: Path) -> None:
+    with OutDir.open(str(base / "x" / "y" / "z"), parents=True) as d:
+        assert d.created and (base / "x" / "y").stat().st_mode & 0o777 == 0o755
+    with pytest.raises(OutDirError, match="owned by uid 65534"):
+        OutDir.open(str(_nobodys(base / "att") / "p" / "q"), parents=True)
+    assert not (base / "att" / "p").exists()
+
+
 def test_a_sticky_world_writable_parent_is_fine_for_a_new_private_dir(base: Path) -> None:
     tmp = base / "tmp"
     tmp.mkdir()

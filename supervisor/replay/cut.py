@@ -255,7 +255,7 @@ def cut(src_dir: str | os.PathLike, out_dir: str | os.PathLike, start: Pos | Non
     # else (supervisor.outdir): then the paths below name what was checked, and no one
     # can swap OUT or OUT/.cut-PID for a link during the cut (red team round 5).
     try:
-        with OutDir.open(str(out), what="log cut OUT", mode=0o755) as d:
+        with OutDir.open(str(out), what="log cut OUT", mode=0o755, parents=True) as d:
             # The cut is built in a hidden directory inside OUT and moved into place, its
             # messages last: an interrupted cut leaves no half log that reads as whole.
             d.subdir(f".cut-{os.getpid()}", 0o755).close()

@@ -262,7 +262,7 @@ def replay(log: str, *, out: str | None = None, config: str | None = None,
         nonlocal run_out
         if run_out is None:
             try:
-                run_out = OutDir.open(run_dir, what="replay --out", mode=0o755)
+                run_out = OutDir.open(run_dir, what="replay --out", mode=0o755, parents=True)
             except OutDirError as e:
                 raise ReplayError(str(e)) from None
         return run_out
