@@ -119,6 +119,7 @@ class Broker:
     # Incarnations reaped lately (bounded): `pids` of one is empty, not a refusal.
     reaped: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
     refusals: collections.Counter = field(default_factory=collections.Counter)
+    by_request: collections.Counter = field(default_factory=collections.Counter)
     served: int = 0
     _leaf_seq: int = 0
     # Cgroups of reaped sandboxes being killed empty and removed off the main thread
@@ -199,6 +200,7 @@ class Broker:
             self.stop_all()
             self.state.close()
         self.log.emit("broker_exit", source="broker", served=self.served,
+                      by_request=dict(self.by_request.most_common()),
                       refusals=dict(self.refusals))
         return 0
 
@@ -243,6 +245,7 @@ class Broker:
         try:
             rid, req = P.decode_request(data)
             kind = P.kind_of(req)
+            self.by_request[kind] += 1
             if fds and not isinstance(req, P.Start):
                 raise BadFds(f"{len(fds)} fds with a {kind} request, which takes none")
             rep, out = self._handle(req, fds)
