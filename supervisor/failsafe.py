@@ -73,6 +73,10 @@ class FailSafeLatch:
             return json.loads(self.path.read_text())
         except FileNotFoundError:
             return None
+        except PermissionError:             # not ours to read: still latched, said so
+            return {"unreadable": True, "reason": (
+                f"cannot read {self.path}: permission denied; the state dir is root's: "
+                "run as root, or give a developer run its own with TRIO_STATE_DIR")}
         except (OSError, ValueError) as e:   # unreadable latch: still latched
             return {"reason": f"unreadable latch file: {e}"}
 

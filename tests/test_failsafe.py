@@ -203,3 +203,27 @@ def test_safe_word_lands_whatever_the_dead_writer_left(make_channel, poison):
         with m:
             seen.append(CONTROL_CMD.decode(np.array(m.array)))
     assert seen[-1]["engaged"] == 0.0 and seen[-1]["reason"] == float(SafeReason.FAIL_SAFE), seen
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reads root's state dir as another user")
+def test_a_latch_another_user_cannot_read_stays_latched_and_says_why(tmp_path):
+    """A developer's non-root `run` against the vehicle's state dir (root's, 0700): the
+    latch cannot be read, so it counts as latched (fail closed), and the line says it
+    is a permission problem and what to do, not "latched at ?"."""
+    from supervisor.failsafe import FailSafeLatch
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    latch = FailSafeLatch(state / "failsafe.latch")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        os.setresuid(65534, 65534, 65534)
+        os.write(w, json.dumps(latch.read()).encode())
+        os._exit(0)
+    os.close(w)
+    got = json.loads(os.read(r, 4096))
+    os.waitpid(pid, 0)
+    os.close(r)
+    assert got and got.get("unreadable") and "TRIO_STATE_DIR" in got["reason"], got

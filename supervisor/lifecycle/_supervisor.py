@@ -628,6 +628,8 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         latched = self.latch.read()
         if latched is None:
             return None
+        if latched.get("unreadable"):
+            return Exit.FAIL_SAFE, f"fail-safe latch unknown: {latched['reason']}"
         return Exit.FAIL_SAFE, (
             f"fail-safe latched at {latched.get('time', '?')} ({latched.get('reason', '?')}); "
             f"an operator clears it with `supervisor clear-fail-safe` ({self.latch.path})")
