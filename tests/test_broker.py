@@ -969,6 +969,24 @@ def test_links_and_thread_signals_inside_a_sandbox_are_checked(broker):
             [h.describe() for h in maps.scan_pid(worker, immutable_code=True)]
         assert kinds.count("openMapFile") <= 2 and kinds.count("openMapFiles") >= 1, kinds
         assert len(kinds) < len(ranges), kinds
+        # A batch serves one burst of links: any other use of the opener in between
+        # (the exec watch reads status, maps, signals between judgements) drops it, so a
+        # link after that is the broker's answer of now, never one fetched earlier.
+        op = BrokerProcOpener(c)
+        names = [f"map_files/{a_:x}-{z_:x}" for a_, z_ in ranges[:3]]
+        kinds.clear()
+        c.call = counting
+        try:
+            for name in names[:2]:
+                with op.link(worker, name):
+                    pass
+            os.close(op.open(worker, "status"))
+            with op.link(worker, names[2]):
+                pass
+        finally:
+            del c.call
+        assert kinds == ["openMapFile", "openProc", "openMapFiles", "openProc",
+                         "openMapFile"], kinds
         # readFilters reads back what is there: a research worker takes no W^X lock.
         got = c.read_filters(worker)
         assert got.ptrace and not got.ok and "none of them the W^X filter" in got.reason

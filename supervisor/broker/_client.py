@@ -289,7 +289,12 @@ class BrokerProcOpener:
         car, one per mapping per scan): the second link of one process within BATCH_S
         in this thread fetches all of that process's executable file mappings, from its
         maps as the broker opens it, in one openMapFiles per 64; the first link, and a
-        lone one (the exec watch judging one request), stays a single openMapFile."""
+        lone one (the exec watch judging one request), stays a single openMapFile.
+        A batch serves one burst of links only: any other use of this opener by the
+        thread drops it (`_drop_batch`). The exec watch judges with the worker held in
+        its syscall (and its other threads stopped), so a burst within one judgement
+        cannot see a mapping replaced; a batch kept across judgements could (an O_PATH
+        fd of the file mapped there before, taken for the one mapped there now)."""
         b = getattr(self._local, "batch", None)
         if b is None or not b.fresh(pid):
             if b is not None:
@@ -310,7 +315,14 @@ class BrokerProcOpener:
             return ProcessLookupError(errno.ESRCH, e.reason)
         return OSError(e.errno or errno.EIO, e.reason)
 
+    def _drop_batch(self) -> None:
+        b = getattr(self._local, "batch", None)
+        if b is not None:
+            b.close()
+            self._local.batch = None
+
     def open(self, pid: int, name: str, flags: int = os.O_RDONLY) -> int:
+        self._drop_batch()
         if name not in P.PROC_FILES:
             return os.open(f"/proc/{pid}/{name}", flags | os.O_CLOEXEC)
         if flags & (os.O_WRONLY | os.O_RDWR):
@@ -325,6 +337,8 @@ class BrokerProcOpener:
     @contextlib.contextmanager
     def link(self, pid: int, name: str) -> Iterator[str]:
         kind, _, arg = name.partition("/")
+        if kind != "map_files":
+            self._drop_batch()
         try:
             if kind == "fd":
                 fd = self.client.open_fd(pid, int(arg))
@@ -346,11 +360,13 @@ class BrokerProcOpener:
             os.close(fd)
 
     def listdir(self, pid: int, name: str) -> list[str]:
+        self._drop_batch()
         if name != "task":
             raise PermissionError(errno.EPERM, f"/proc/{pid}/{name}: not listed through the broker")
         return os.listdir(f"/proc/{pid}/task")
 
     def tgkill(self, pid: int, tid: int, sig: int) -> None:
+        self._drop_batch()
         if sig not in (signal.SIGSTOP, signal.SIGCONT):
             raise ValueError(f"signal {sig} to one thread is not in the broker's vocabulary")
         try:
@@ -367,6 +383,7 @@ class BrokerProcOpener:
 
         from supervisor.sandbox.wx import Verified
 
+        self._drop_batch()
         t0 = time.monotonic()
         try:
             got = self.client.read_filters(pid)
@@ -378,6 +395,7 @@ class BrokerProcOpener:
                         (time.monotonic() - t0) * 1e3)
 
     def kill(self, pid: int, sig: int) -> None:
+        self._drop_batch()
         try:
             if sig == signal.SIGCONT:      # to any thread, it continues the whole group
                 self.client.signal_thread(pid, pid, stop=False)
