@@ -987,6 +987,17 @@ def test_links_and_thread_signals_inside_a_sandbox_are_checked(broker):
             del c.call
         assert kinds == ["openMapFile", "openProc", "openMapFiles", "openProc",
                          "openMapFile"], kinds
+        # After the opener's own open of maps the batch reads that (no openProc).
+        kinds.clear()
+        c.call = counting
+        try:
+            os.close(op.open(worker, "maps"))
+            for name in names[:2]:
+                with op.link(worker, name):
+                    pass
+        finally:
+            del c.call
+        assert kinds == ["openProc", "openMapFile", "openMapFiles"], kinds
         # readFilters reads back what is there: a research worker takes no W^X lock.
         got = c.read_filters(worker)
         assert got.ptrace and not got.ok and "none of them the W^X filter" in got.reason

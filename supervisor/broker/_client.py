@@ -270,6 +270,19 @@ class _Batch:
     __del__ = close
 
 
+class _Fd:
+    """One fd of a process's /proc file, closed with the holder."""
+
+    def __init__(self, pid: int, fd: int) -> None:
+        self.pid, self.fd, self.at = pid, fd, time.monotonic()
+
+    def __del__(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
 class BrokerProcOpener:
     """sandbox.procfs.ProcOpener over the broker, for the supervisor proper (no root,
     no capabilities). What needs privilege goes to the broker: the files of PROC_FILES
@@ -305,7 +318,7 @@ class BrokerProcOpener:
         if b.fds is None:
             b.at = time.monotonic()
             b.fds = {f"map_files/{a:x}-{z:x}": fd for (a, z), fd in
-                     self.client.open_map_files(pid, _exec_ranges(self.client, pid)).items()}
+                     self.client.open_map_files(pid, self._exec_ranges(pid)).items()}
         fd = b.fds.pop(name, None)
         return fd if fd is not None else self.client.open_map_file(pid, start, end)
 
@@ -314,6 +327,12 @@ class BrokerProcOpener:
         if isinstance(e, NotOurs):
             return ProcessLookupError(errno.ESRCH, e.reason)
         return OSError(e.errno or errno.EIO, e.reason)
+
+    def _exec_ranges(self, pid: int) -> list[tuple[int, int]]:
+        kept = getattr(self._local, "maps", None)
+        if kept is not None and kept.pid == pid and time.monotonic() - kept.at < BATCH_S:
+            return _exec_ranges_of(_pread_all(kept.fd))
+        return _exec_ranges(self.client, pid)
 
     def _drop_batch(self) -> None:
         b = getattr(self._local, "batch", None)
@@ -332,6 +351,10 @@ class BrokerProcOpener:
         except BrokerError as e:
             raise self._os_error(e) from None
         os.close(view.dir_fd)
+        if name == "maps":
+            # Kept for this thread's next map_files batch of `pid`: read there at offset
+            # 0, it is the maps of then (no openProc of its own per scan).
+            self._local.maps = _Fd(pid, os.dup(view.files[name]))
         return view.files[name]
 
     @contextlib.contextmanager
@@ -410,14 +433,22 @@ def _exec_ranges(client: BrokerClient, pid: int) -> list[tuple[int, int]]:
     map_files lists), from its maps as the broker opens it."""
     view = client.open_proc(pid, ("maps",))
     try:
-        chunks, at = [], 0
-        while chunk := os.pread(view.files["maps"], 1 << 16, at):
-            chunks.append(chunk)
-            at += len(chunk)
+        return _exec_ranges_of(_pread_all(view.files["maps"]))
     finally:
         view.close()
+
+
+def _pread_all(fd: int) -> bytes:
+    chunks, at = [], 0
+    while chunk := os.pread(fd, 1 << 16, at):
+        chunks.append(chunk)
+        at += len(chunk)
+    return b"".join(chunks)
+
+
+def _exec_ranges_of(text: bytes) -> list[tuple[int, int]]:
     out = []
-    for line in b"".join(chunks).splitlines():
+    for line in text.splitlines():
         f = line.split(maxsplit=5)
         if len(f) >= 5 and f[1][2:3] == b"x" and f[4] != b"0":
             a, _, z = f[0].partition(b"-")
