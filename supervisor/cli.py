@@ -196,9 +196,19 @@ def cmd_units(args: argparse.Namespace) -> int:
     # The one root unit of today and the split of issue 27 (trio-broker.socket,
     # trio-broker.service, trio-supervisor-proper.service: `run --broker`); the
     # operator enables one or the other (docs/broker.md, docs/vehicle.md).
+    from supervisor.outdir import OutDirError
+
     kw = dict(config_path=args.config, python=args.python, prefix=args.prefix)
-    for path in [*write_units(cfg, Path(args.out), **kw),
-                 *write_split_units(cfg, Path(args.out), **kw)]:
+    try:
+        paths = [*write_units(cfg, Path(args.out), **kw),
+                 *write_split_units(cfg, Path(args.out), **kw)]
+    except OutDirError as e:             # another user's OUT: one line, nothing written
+        print(f"supervisor units: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"supervisor units: {args.out}: {e.strerror}", file=sys.stderr)
+        return 2
+    for path in paths:
         print(path)
     return 0
 

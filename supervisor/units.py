@@ -466,20 +466,28 @@ def write_split_units(cfg: Config, out: Path, *, config_path: str | None,
                       python: str | None = None, prefix: str | None = None) -> list[Path]:
     """The three units of the split (socket, broker, supervisor proper), beside the one
     unit of today (`write_units`); `supervisor units` writes both."""
-    out.mkdir(parents=True, exist_ok=True)
     kw = dict(config_path=config_path, python=python, prefix=prefix)
     texts = {BROKER_SOCKET_UNIT: render_broker_socket(), BROKER_UNIT: render_broker(cfg, **kw),
              PROPER_UNIT: render_proper(cfg, **kw)}
-    paths = []
-    for name in SPLIT_UNITS:
-        (out / name).write_text(texts[name])
-        paths.append(out / name)
-    return paths
+    return _write_unit_files(out, {name: texts[name] for name in SPLIT_UNITS})
+
+
+def _write_unit_files(out: Path, texts: dict[str, str]) -> list[Path]:
+    """Root units, written only where no one else can change them before `install`
+    copies them (`supervisor.outdir`: OUT and every directory on its way root's or the
+    caller's and writable by no one else, or sticky; each unit through OUT's fd, a fresh
+    O_EXCL|O_NOFOLLOW temp name renamed over the unit's: a link planted under the name
+    is replaced, never written through; red team round 5 row 2). OutDirError: one line."""
+    from supervisor.outdir import OutDir
+
+    with OutDir.open(str(out), what="units --out", empty=False, mode=0o755,
+                     parents=True) as d:
+        for name, text in texts.items():
+            d.write_text(name, text, 0o644)
+        return [Path(d.path) / name for name in texts]
 
 
 def write_units(cfg: Config, out: Path, *, config_path: str | None, python: str | None = None,
                 prefix: str | None = None) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / UNIT_NAME
-    path.write_text(render(cfg, config_path=config_path, python=python, prefix=prefix))
-    return [path]
+    return _write_unit_files(out, {UNIT_NAME: render(cfg, config_path=config_path,
+                                                     python=python, prefix=prefix)})

@@ -461,15 +461,7 @@ def test_a_sandboxed_writer_cannot_make_its_last_word_unheard(rt5_fleet) -> None
 
 # ------------------------------------------------------------------ supervisor units
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: `supervisor units --out DIR` (run as root by the operator / install.sh "
-    "--system) writes into a DIR another user owns and through the symlinks planted "
-    "there: nobody's link trio-broker.socket -> a root file made root overwrite that file "
-    "with the unit's text, and the root units it leaves can be swapped by DIR's owner "
-    "before they are installed. fix: supervisor/units.py write_units/write_split_units: "
-    "refuse an OUT not owned by the caller or writable by group/others (as "
-    "broker/_checks.StateDir.open does), and write each unit through a dir fd with "
-    "O_CREAT|O_EXCL|O_NOFOLLOW to a temp name, then rename"))
+# Was a strict xfail (BREAK), fixed: units written by supervisor.outdir (chain, fd).
 def test_units_never_write_through_a_link_in_a_dir_others_own(public_tmp: Path) -> None:
     victim = public_tmp / "victim"
     victim.write_text("precious\n")
