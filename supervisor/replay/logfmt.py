@@ -37,7 +37,7 @@ from typing import Any
 
 import capnp
 
-from schemas import SCHEMA_DIR
+from schemas import SCHEMA_DIR, import_dir
 
 MAGIC = b"TRL1"
 REC = struct.Struct("<4sII")
@@ -58,7 +58,7 @@ LIFECYCLE = "lifecycle.tlog"
 KEYFRAME = 1
 CODECS = ("h264", "raw")
 
-_schema = capnp.load(str(Path(__file__).with_name("drivelog.capnp")), imports=[str(SCHEMA_DIR)])
+_schema = capnp.load(str(Path(__file__).with_name("drivelog.capnp")), imports=[import_dir(SCHEMA_DIR)])
 Entry = _schema.Entry
 
 
