@@ -351,19 +351,23 @@ def test_start_request_latency_and_broker_cpu(broker, capsys):
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          start_new_session=True)
         direct.append(time.perf_counter() - t0)
-        # bwrap's own children too: killed with the outer one only by its
-        # --die-with-parent, which a kill right after the fork can outrun (an orphan
-        # research bwrap, PPID 1, was left after this test in a full run).
+        # bwrap's own children first: killed with the outer one only by their
+        # --die-with-parent, which a kill right after the fork can outrun (orphan
+        # research bwraps, PPID 1, were left after this test).
         from supervisor.sandbox import descendant_pids
 
-        inner = descendant_pids(p.pid)
-        p.kill()
-        p.wait()
+        inner: list[int] = []
+        deadline = time.monotonic() + 5
+        while not inner and p.poll() is None and time.monotonic() < deadline:
+            inner = descendant_pids(p.pid)      # its children, once forked
+            time.sleep(0.005)
         for pid in inner:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        p.kill()
+        p.wait()
     t0 = time.perf_counter()
     for _ in range(200):
         c.ping()
