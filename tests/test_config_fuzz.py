@@ -201,6 +201,13 @@ def _refuse_to_start(self) -> None:
     raise _Started()
 
 
+def _admitted(name: str, domain: str, *args, **kw):
+    """check_worker's verdict without the walk: every worker admitted, as `admit` says."""
+    from supervisor.admission.report import AdmissionReport
+
+    return AdmissionReport(worker=name, domain=domain, ok=True)
+
+
 def _one_line(problems) -> list[str]:
     lines = [str(p) for p in problems]
     for ln in lines:
@@ -312,7 +319,7 @@ def _kernel_inputs(cfg) -> None:
 @given(doc=mutated())
 def test_bounds_nuls_and_bad_utf8_in_check_and_run(doc, tmp_path_factory):
     from supervisor.config import check_runtime
-    from supervisor.lifecycle import Supervisor
+    from supervisor.lifecycle import Supervisor, _supervisor
 
     path = tmp_path_factory.mktemp("fuzz") / "fuzz.toml"
     data = render_bytes(doc)
@@ -326,13 +333,16 @@ def test_bounds_nuls_and_bad_utf8_in_check_and_run(doc, tmp_path_factory):
             continue
         # run's own pre-start checks are check_runtime(sandboxed=False) when unsandboxed
         problems = _one_line(check_runtime(cfg, sandboxed=False))
-        saved = Supervisor._make_channels, Supervisor.admit
+        # Admission skipped where run judges it (judge_before_start, with the runtime
+        # checks), not only in `admit`: else each example's workers were walked.
+        saved = Supervisor._make_channels, Supervisor.admit, _supervisor.check_worker
         Supervisor._make_channels = _refuse_to_start
         Supervisor.admit = lambda self: []
+        _supervisor.check_worker = _admitted
         try:
             started, exit_event = _run_config_part(cfg)
         finally:
-            Supervisor._make_channels, Supervisor.admit = saved
+            Supervisor._make_channels, Supervisor.admit, _supervisor.check_worker = saved
         assert started == (not problems), (problems, exit_event)
         if started:
             _kernel_inputs(cfg)
