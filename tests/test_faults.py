@@ -293,6 +293,27 @@ warm_standby = true
 """
 
 
+def _dump_stopped_and_threads() -> None:
+    """On a failure: this process's threads, and every task traced by it or stopped."""
+    import faulthandler
+    import sys
+
+    faulthandler.dump_traceback(file=sys.stdout, all_threads=True)
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                st = open(f"/proc/{pid}/task/{tid}/status").read()
+                f = dict(ln.split(":\t", 1) for ln in st.splitlines() if ":\t" in ln)
+                if f.get("TracerPid", "0").strip() != "0" or f.get("State", "")[:1] in "tT":
+                    wchan = open(f"/proc/{pid}/task/{tid}/wchan").read()
+                    print("stopped/traced:", pid, tid, f.get("Name"), f.get("State"),
+                          "tracer", f.get("TracerPid"), "wchan", wchan)
+        except OSError:
+            continue
+
+
 @sandbox
 def test_a_second_kill_right_after_a_takeover_still_finds_a_warm_worker():
     cfg = loads(DEPTH_CFG, "depth.toml")
@@ -334,6 +355,7 @@ def test_a_second_kill_right_after_a_takeover_still_finds_a_warm_worker():
         trio.run(main)
     except BaseException:
         print(log.stream.getvalue()[-20000:])
+        _dump_stopped_and_threads()
         raise
     adopted = log.of("standby_adopted", "src")
     cold = [e for e in log.of("start", "src")]

@@ -115,8 +115,13 @@ class _WorkerIO:
                 if not self._strict(run):
                     self._set_ready(run, now)
                 elif self._close_exec_window(run):
-                    # The snapshot reads the worker's maps off the event loop.
-                    run.nursery.start_soon(self._verify_ready, run, now)
+                    # The snapshot reads the worker's maps off the event loop. A READY
+                    # read once the run's tasks are over (its last lines, drained while
+                    # stopping: a SIGTERM during start-up) is not checked: the run ends.
+                    try:
+                        run.nursery.start_soon(self._verify_ready, run, now)
+                    except RuntimeError:
+                        pass
         elif msg.kind == "WATCHDOG":
             run.last_ping_ns = now
         elif msg.kind == "STATUS":
