@@ -490,12 +490,13 @@ _leftovers = Leftovers()
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    if _leftovers.module is not item.module:
-        _leftovers.module = item.module
+    module = getattr(item, "module", None)        # a non-Python item counts as its own
+    if _leftovers.module is not module or module is None:
+        _leftovers.module = module
         _leftovers.begin()
     yield
     _leftovers.after_test(item.nodeid)
-    if nextitem is None or nextitem.module is not item.module:
+    if nextitem is None or module is None or getattr(nextitem, "module", None) is not module:
         _leftovers.end_module()
 
 
