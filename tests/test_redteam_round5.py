@@ -199,14 +199,7 @@ def proper_views(tmp_path_factory):
         shutil.rmtree(pub, ignore_errors=True)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: the pagemap fd the broker opens as root and hands to the unprivileged "
-    "supervisor proper shows physical frame numbers (the kernel decides at open, from "
-    "the opener's CAP_SYS_ADMIN): nobody reads the PFN of every present page of the "
-    "sandbox (rowhammer / side-channel aid that the kernel zeroes for it). fix: "
-    "supervisor/broker/_server.py Broker._open_proc: open 'pagemap' with CAP_SYS_ADMIN "
-    "dropped from the effective set (capset around the open; CAP_SYS_PTRACE still "
-    "passes the access check), or hand over the entries with the PFN bits cleared"))
+# Was a strict xfail (BREAK), fixed: the broker opens pagemap without CAP_SYS_ADMIN.
 def test_the_unprivileged_proper_never_sees_physical_addresses(proper_views) -> None:
     """What the broker hands the supervisor proper is what an unprivileged reader gets:
     pagemap entries say present/soft-dirty/exclusive, never a PFN (0 for
@@ -287,15 +280,7 @@ print(json.dumps(out), flush=True)
 """
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BREAK: `run --broker SOCKET` never asks who is listening: connect_broker() pings "
-    "whatever answers, and the first start hands it the worker's channel fds. An "
-    "impostor running as nobody (not root) was taken for the broker and got the "
-    "actuation channel's read-write segment, mapped it and wrote into it. Only a socket "
-    "path another user can bind is exposed (the unit's /run/trio-broker is root's), but "
-    "the broker authenticates its peer by SO_PEERCRED and the proper does not. fix: "
-    "supervisor/lifecycle/_privsep.py connect_broker: SO_PEERCRED of the connected "
-    "socket must be uid 0 (the broker's), else PrivsepError in one line"))
+# Was a strict xfail (BREAK), fixed: connect_broker requires the peer (SO_PEERCRED) to be root.
 def test_the_proper_never_hands_its_channels_to_a_broker_that_is_not_root(
         public_tmp: Path) -> None:
     _need_root_and_bwrap()
@@ -716,6 +701,7 @@ def test_no_other_host_process_can_signal_the_supervisor_proper() -> None:
         proper.kill()
         proper.wait()
     stopped = "stopped" in out or state == "T"
-    if int(uid) == NOBODY and stopped:
-        pytest.xfail(PROPER_AS_NOBODY)
+    # Was a BREAK (PROPER_AS_NOBODY) where trio-supervisor did not exist: fixed, the
+    # proper then runs as a private uid of its own (_privsep.proper_ids).
+    assert int(uid) != NOBODY, uid
     assert not stopped and "PermissionError" in err, (uid, out, err[-200:], state)

@@ -402,6 +402,7 @@ class Broker:
     def _handles(self, w: WorkerConfig, req: P.Start, fds: list[int]) -> dict[str, object]:
         """The worker's channel handles over the received fds, each judged against the
         broker's own spec of the channel (names, roles, reader index, fd kinds, sizes)."""
+        from supervisor.failsafe import trusted_readers
         from supervisor.ipc.channel import ReaderHandle, WriterHandle
 
         if req.standby:
@@ -427,8 +428,12 @@ class Broker:
             check_channel_fds(g.channel, spec, g.role, mine)
             if g.role == "writer":
                 n = spec.max_readers
+                # Whose positions a restarted writer numbers above: the broker's own
+                # config says, as Channel.trust does in the supervisor (layout.resume_point).
                 out[g.channel] = WriterHandle(spec, mine[0], tuple(mine[1:1 + n]),
-                                              tuple(mine[1 + n:]))
+                                              tuple(mine[1 + n:]),
+                                              trusted_readers(self.config, g.channel),
+                                              self.config.monitor_index(g.channel))
             else:
                 index = self.config.reader_index(g.channel, w.name)
                 out[g.channel] = ReaderHandle(spec, index, *mine)
@@ -583,7 +588,10 @@ class Broker:
             if self._owner(req.pid) is None:
                 raise NotOurs(f"pid {req.pid} left the broker's sandboxes")
             for name in req.files:
-                fds.append(os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dfd))
+                if name == "pagemap":       # physical frame numbers only for CAP_SYS_ADMIN
+                    fds.append(_open_without_sys_admin(name, dfd))
+                else:
+                    fds.append(os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dfd))
         except BrokerError:
             P.close_fds(fds)
             raise
@@ -711,3 +719,31 @@ class Broker:
             make_fifo(pid, rt.priority, lambda: pid in inc.pids())
         except (RealtimeUnavailable, OSError) as e:
             raise Failed(f"{inc.worker}: {e}", getattr(e, "errno", 0) or 0) from None
+
+
+# capget/capset(2) on x86-64 and aarch64, and the v3 header (two 32-bit words per set).
+_NR_CAPGET = {"x86_64": 125, "aarch64": 90}.get(platform.machine(), -1)
+_NR_CAPSET = {"x86_64": 126, "aarch64": 91}.get(platform.machine(), -1)
+_CAP_V3, _CAP_SYS_ADMIN = 0x20080522, 21
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _open_without_sys_admin(name: str, dfd: int) -> int:
+    """Open /proc/PID/<name> with CAP_SYS_ADMIN out of this thread's effective set:
+    pagemap decides at open, from the opener's CAP_SYS_ADMIN, whether reads show
+    physical frame numbers (red team round 5: the unprivileged proper read 3,528 of
+    them). CAP_SYS_PTRACE still passes the access check. The set is restored after."""
+    hdr = (ctypes.c_uint32 * 2)(_CAP_V3, 0)
+    data = (ctypes.c_uint32 * 6)()           # (effective, permitted, inheritable) x 2
+    if _libc.syscall(_NR_CAPGET, hdr, data) != 0:
+        raise Failed(f"capget: {os.strerror(ctypes.get_errno())}", ctypes.get_errno())
+    saved = (ctypes.c_uint32 * 6)(*data)
+    data[0] &= ~(1 << _CAP_SYS_ADMIN)
+    if _libc.syscall(_NR_CAPSET, hdr, data) != 0:
+        raise Failed(f"capset: {os.strerror(ctypes.get_errno())}", ctypes.get_errno())
+    try:
+        return os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dfd)
+    finally:
+        hdr[1] = 0
+        if _libc.syscall(_NR_CAPSET, hdr, saved) != 0:      # never left without it
+            os._exit(70)

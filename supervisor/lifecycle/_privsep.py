@@ -31,6 +31,7 @@ import json
 import os
 import pwd
 import socket
+import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,13 +87,41 @@ def _prctl(option: int, arg: int = 0, arg3: int = 0) -> None:
         raise PrivsepError(f"prctl({option}, {arg}): {os.strerror(e)}")
 
 
+# Where trio-supervisor does not exist: a uid of this run's own, from systemd's dynamic
+# range, that no passwd or group entry names and no process runs as. Never nobody: other
+# daemons share it and could signal (SIGSTOP) the proper (red team round 5).
+_PRIVATE_IDS = range(61184, 65520)
+
+
+def _private_id() -> int:
+    import grp
+
+    taken = {pw.pw_uid for pw in pwd.getpwall()} | {g.gr_gid for g in grp.getgrall()}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    taken.update(int(ln.split()[1]) for ln in f if ln.startswith("Uid:"))
+            except (OSError, ValueError, IndexError):
+                continue
+    n = len(_PRIVATE_IDS)
+    start = os.getpid() % n                 # two runs starting together differ
+    for k in range(n):
+        uid = _PRIVATE_IDS[(start + k) % n]
+        if uid not in taken:
+            return uid
+    raise PrivsepError("no free private uid for the supervisor proper: make its user "
+                       f"with `scripts/install.sh --system` ({PROPER_USER})")
+
+
 def proper_ids() -> tuple[int, int, str]:
     """(uid, gid, name) the supervisor proper runs as: trio-supervisor (made by
-    scripts/install.sh --system), else nobody."""
+    scripts/install.sh --system), else a private uid of this run's own."""
     try:
         pw = pwd.getpwnam(PROPER_USER)
     except KeyError:
-        return NOBODY, NOBODY, "nobody"
+        uid = _private_id()
+        return uid, uid, f"private uid {uid}"
     if pw.pw_uid == 0 or pw.pw_gid == 0:
         raise PrivsepError(f"user {PROPER_USER!r} is root: the supervisor proper never is")
     return pw.pw_uid, pw.pw_gid, PROPER_USER
@@ -289,6 +318,14 @@ def connect_broker(cfg: Any, path: str) -> Privsep:
     except OSError as e:
         sock.close()
         raise PrivsepError(f"--broker {path}: {e.strerror or e}") from None
+    # Only root's broker gets the channels: whoever could bind the path (a developer's
+    # --broker /tmp/..., a socket unit not up yet) got them read-write (red team round 5).
+    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(
+        socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if uid != 0:
+        sock.close()
+        raise PrivsepError(f"--broker {path}: the process listening there runs as uid "
+                           f"{uid}, not root: not a broker (nothing was sent to it)")
     client = BrokerClient(sock)
     try:
         client.ping()
