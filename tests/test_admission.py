@@ -768,3 +768,21 @@ def test_real_torch_extension_elf_chain() -> None:
     assert not report.ok
     kinds = {f.kind for f in report.findings}
     assert kinds == {"import"}  # refused at the import; torch's package is never walked into
+
+
+def test_the_walk_reads_the_workers_from_outside_the_checkout(tmp_path):
+    """`supervisor check`/`run` from another directory with the editable install (a
+    meta-path hook, not a directory on sys.path): the walk found no entry module and
+    admitted every control worker unwalked ("all admitted"). Now it walks the workers'
+    own path (policy.worker_sys_path), and a module it cannot find is refused."""
+    code = ("from supervisor.admission import check_worker\n"
+            "from supervisor.sandbox.policy import worker_sys_path\n"
+            "r = check_worker('p', 'control', 'workers.probe', None, worker_sys_path())\n"
+            "print(r.ok, r.notes)\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300, check=False,
+                       env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert p.returncode == 0, p.stderr[-800:]
+    assert p.stdout.startswith("True") and "not found" not in p.stdout, p.stdout
+    rep = check_worker("w", "control", "workers.nosuch", None, [str(tmp_path)])
+    assert not rep.ok and "not found" in rep.findings[0].message, rep

@@ -122,6 +122,13 @@ def check_worker(
             Finding("elf", name, domain, [static.exe_missing],
                     f"control-domain worker {name}: executable {static.exe_missing!r} not found, cannot verify it")
         )
+    if module is not None and any(n.startswith(f"entry module {module} not found")
+                                  for w in static.walks for n in w.notes):
+        # fail closed: a module the walk cannot find is code no one has read
+        report.findings.append(
+            Finding("import", name, domain, [module],
+                    f"control-domain worker {name}: module {module!r} not found on its "
+                    f"sys.path, cannot verify it"))
     report.notes.extend(static.notes)
     for walk in static.walks:
         display = walk.display

@@ -20,7 +20,7 @@ from supervisor.exits import Exit
 from supervisor.failsafe import FailSafeLatch, trusted_readers
 from supervisor.ipc import Channel
 from supervisor.notify import Notifier
-from supervisor.sandbox.policy import RESEARCH
+from supervisor.sandbox.policy import RESEARCH, worker_sys_path
 
 from ._exec import _ExecWindow
 from ._incarnation import BrokerLauncher, DirectLauncher
@@ -85,7 +85,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
             argv = None if w.module else list(w.command or ())
             # Admission judges by the domain's profile: what rules it runs under.
             self._admission[name] = check_worker(name, self.config.profile_of(name), w.module,
-                                                 argv, sys.path)
+                                                 argv, worker_sys_path())
 
     def admit(self) -> list[str]:
         """Static admission of every worker; returns the names refused."""

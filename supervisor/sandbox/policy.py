@@ -123,6 +123,24 @@ class SandboxPolicy:
         return self.rules != RESEARCH
 
 
+def project_python_path() -> list[str]:
+    """The workers' PYTHONPATH: the project root, unless it is installed inside
+    site-packages already."""
+    return [] if any(_under(PROJECT_ROOT, p) for p in python_dirs()) else [PROJECT_ROOT]
+
+
+def worker_sys_path() -> list[str]:
+    """Where a sandboxed worker's imports are looked up, for admission to walk the same
+    files: the workers' PYTHONPATH first, then this interpreter's own path without the
+    current directory (PYTHONSAFEPATH). An editable install finds `workers` through a
+    meta-path hook, not a directory: from outside the checkout the walk found no entry
+    module and admitted a control worker unwalked."""
+    own = list(sys.path)
+    if own and (own[0] in ("", ".") or os.path.abspath(own[0]) == os.getcwd()):
+        own = own[1:]                   # `python -m`/`-c` put the cwd first
+    return list(dict.fromkeys([*project_python_path(), *(p for p in own if p)]))
+
+
 def python_dirs() -> list[str]:
     """Interpreter prefix + site-packages, as the parent sees them."""
     cands: list[str] = [
@@ -324,7 +342,7 @@ def policy_for_domain(
     py = python_dirs()
     # Importable project code: its packages bound read-only and the root put
     # on PYTHONPATH, unless it is installed inside site-packages already.
-    python_path = [] if any(_under(PROJECT_ROOT, p) for p in py) else [PROJECT_ROOT]
+    python_path = project_python_path()
     project = project_packages() if python_path else []
 
     ro = [p for p in (*_SYSTEM_DIRS, *etc) if os.path.lexists(p)]
