@@ -162,12 +162,14 @@ CACHE_STATS = CacheStats()
 
 def _static_check(module: str | None, argv: list[str] | None, sys_path: list[str],
                   ld_library_path: list[str] | None) -> Static:
+    relative = any(not os.path.isabs(p) for p in (*sys_path, *(ld_library_path or ())))
     key = [module, list(argv or ()), list(sys_path), list(ld_library_path or ()),
-           os.getcwd(),  # relative sys.path entries ("" is the cwd)
+           os.getcwd() if relative else None,  # relative entries ("" is the cwd)
            os.environ.get("PATH", os.defpath) if argv else None]
     if _store.disabled():
         CACHE_STATS.walks += 1
-        return _static_uncached(module, argv, sys_path, ld_library_path)
+        with recording():           # its memo: each file read once per walk
+            return _static_uncached(module, argv, sys_path, ld_library_path)
     mkey = json.dumps(key)
     hit = _CACHE.get(mkey) or _store.load(key)  # memory, else a previous process's
     if hit is not None and hit[0].still_holds():

@@ -21,7 +21,7 @@ from typing import Any
 from elftools.elf.dynamic import DynamicSegment
 from elftools.elf.elffile import ELFFile
 
-from ._witness import FileId, file_id, read_identified, saw, see, walk_dirs
+from ._witness import FileId, check_reads, file_id, read_identified, saw, see, walk_dirs
 from .rules import forbidden_soname, is_torch_c_extension
 
 _ELF_MAGIC = b"\x7fELF"
@@ -135,7 +135,23 @@ def _parse_elf(path: str, data: bytes) -> ElfInfo:
 
 
 def read_elf(path: str) -> ElfInfo:
-    """DT_NEEDED/DT_SONAME/RPATH/RUNPATH of one file; ElfUnreadable if it is not a sane ELF."""
+    """DT_NEEDED/DT_SONAME/RPATH/RUNPATH of one file; ElfUnreadable if it is not a sane ELF.
+    Within one check each path is read once (_witness.check_reads)."""
+    memo = check_reads()
+    if memo is not None:
+        got = memo.get(("elf", path))
+        if got is None:
+            try:
+                got = memo[("elf", path)] = _read_elf(path)
+            except ElfUnreadable as e:
+                got = memo[("elf", path)] = e
+        if isinstance(got, ElfUnreadable):
+            raise got
+        return got
+    return _read_elf(path)
+
+
+def _read_elf(path: str) -> ElfInfo:
     ident, data = read_identified(path)   # never opens a FIFO named x.so (it would block)
     saw(path, ident)  # the witness of a cached check (see _witness)
     if data is None:
