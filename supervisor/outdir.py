@@ -44,11 +44,36 @@ def trusted_uids(invoker: bool = True) -> frozenset[int]:
     return frozenset(uids)
 
 
+def _private_group(gid: int, uids: frozenset[int]) -> bool:
+    """``gid`` is a trusted user's own group and no one else's (a umask 002 login:
+    private user groups make a user's directories 775)."""
+    import grp
+    import pwd
+
+    try:
+        g = grp.getgrgid(gid)
+    except KeyError:
+        return False
+    owners = []
+    for uid in uids:
+        try:
+            owners.append(pwd.getpwuid(uid))
+        except KeyError:
+            continue
+    names = {pw.pw_name for pw in owners}
+    return any(pw.pw_gid == gid for pw in owners) and set(g.gr_mem) <= names
+
+
 def _why_untrusted(st: os.stat_result, uids: frozenset[int], *, sticky_ok: bool) -> str | None:
     if st.st_uid not in uids:
         return f"owned by uid {st.st_uid}"
-    if st.st_mode & 0o022 and not (sticky_ok and st.st_mode & stat.S_ISVTX):
-        return f"writable by group/others (mode {stat.S_IMODE(st.st_mode):o})"
+    if stat.S_ISLNK(st.st_mode):
+        return None          # a link's mode is always 777: who owns it decides
+    if st.st_mode & 0o002 and not (sticky_ok and st.st_mode & stat.S_ISVTX):
+        return f"writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    if st.st_mode & 0o020 and not (sticky_ok and st.st_mode & stat.S_ISVTX) \
+            and not _private_group(st.st_gid, uids):
+        return f"writable by group {st.st_gid} (mode {stat.S_IMODE(st.st_mode):o})"
     return None
 
 
@@ -72,7 +97,10 @@ def check_chain(path: str, *, what: str, uids: frozenset[int], shown: str | None
                 raise OutDirError(f"{what} {name}: {prefix} is a symlink {why}: another "
                                   "user chooses where it points; give a directory of your own")
         # Whatever this prefix resolves through, and where it ends, must be trusted.
-        real = os.path.realpath(prefix)
+        try:
+            real = os.path.realpath(prefix, strict=True)
+        except OSError as e:         # a loop, or a link to nothing
+            raise OutDirError(f"{what} {name}: {prefix}: {e.strerror or e}") from None
         while True:
             dirs.add(real)
             if real == "/":
@@ -133,7 +161,13 @@ class OutDir:
                                       "real directory")
                 os.close(pfd)
                 pfd = -1
-                return cls.open(os.path.realpath(path), what=what, create=create,
+                try:
+                    real = os.path.realpath(path, strict=True)
+                except OSError as e:     # a loop, or a link to nothing
+                    raise OutDirError(f"{what} {path}: {e.strerror or e}") from None
+                if real == path:
+                    raise OutDirError(f"{what} {path}: a symlink that resolves to itself")
+                return cls.open(real, what=what, create=create,
                                 empty=empty, mode=mode, invoker=invoker, parents=parents)
             if st is None:
                 if not create:
@@ -198,7 +232,11 @@ class OutDir:
             created = True
         except FileExistsError:
             pass
-        fd = os.open(name, _DIR_FLAGS, dir_fd=self.fd)
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=self.fd)
+        except OSError as e:         # a link or a file planted under its name
+            raise OutDirError(f"{self.join(name)}: {e.strerror} (a symlink or a file "
+                              "where a directory was to be)") from None
         sub = OutDir(self.join(name), fd, created)
         try:
             st = os.fstat(fd)

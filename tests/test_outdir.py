@@ -87,12 +87,14 @@ def test_what_another_user_could_swap_is_refused_in_one_line(base: Path, case: s
     elif case == "ancestor_group_writable":
         (base / "a").mkdir()
         (base / "a").chmod(0o775)
+        os.chown(base / "a", 0, 65534)          # a group that is not root's own
         (base / "a" / "b").mkdir()
         out = base / "a" / "b" / "out"
     else:
         out = base / "out"
         out.mkdir()
         out.chmod(0o777)
+        os.chown(out, 0, 65534)
     with pytest.raises(OutDirError) as e:
         OutDir.open(str(out))
     assert str(out) in str(e.value) and "\n" not in str(e.value), e.value
@@ -138,3 +140,18 @@ def test_the_fleets_out_is_refused_the_same_way(base: Path) -> None:
     with pytest.raises(FleetError, match="owned by uid 65534"):
         replay_fleet([str(base / "drive")], str(out))
     assert not out.exists()
+
+
+def test_a_users_own_group_writable_dirs_and_trusted_links_are_accepted(base: Path) -> None:
+    """A umask 002 login (private user groups: the user's directories are 775 and their
+    group is theirs alone) and a symlink the user owns (a link's mode is always 777):
+    accepted (review: both were refused, and a link loop recursed)."""
+    own = base / "own"
+    own.mkdir()
+    own.chmod(0o775)                            # root's group: root's alone
+    os.symlink(own, base / "link")
+    OutDir.open(str(base / "link" / "out")).close()
+    assert (own / "out").is_dir()
+    os.symlink("loop", base / "loop")
+    with pytest.raises(OutDirError):
+        OutDir.open(str(base / "loop"))

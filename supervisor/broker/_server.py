@@ -562,8 +562,13 @@ class Broker:
         if inc.cgroup is not None:
             try:
                 oom = max(0, inc.cgroup.oom_kills() - inc.oom_before)
-            except OSError:
-                pass
+                # Before the reply: nothing left of it runs again (a process that
+                # outlived bwrap could still write its channels while a standby takes
+                # over: one writer per byte); the wait and the rmdirs go on a thread.
+                inc.cgroup.kill_now()
+            except OSError as e:
+                self.log.emit("cgroup_error", source="broker", worker=inc.worker,
+                              error=str(e))
             self._releasing = [t for t in self._releasing if t.is_alive()]
             t = threading.Thread(target=self._release, args=(inc,), daemon=True,
                                  name=f"release-{inc.worker}-{inc.number}")

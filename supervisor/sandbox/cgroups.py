@@ -197,6 +197,16 @@ def _kill_members(tops: list[str]) -> None:
     kill_listed(_members(tops), lambda: _members(tops))
 
 
+def _kill_once(tops: list[str], version: int) -> None:
+    """One round of _kill_tree's signals, no wait."""
+    for top in tops:
+        kill = os.path.join(top, "cgroup.kill")
+        if version == 2 and os.path.exists(kill):
+            _write(kill, "1")
+        else:
+            _kill_members([top])
+
+
 def _kill_tree(tops: list[str], version: int, timeout: float = _KILL_TIMEOUT) -> None:
     """Kill everything under tops and wait until no process is listed (zombies are not)."""
     deadline = time.monotonic() + timeout
@@ -415,6 +425,13 @@ class WorkerCgroup:
         """SIGKILL every task and wait until none is listed (TimeoutError if one resists)."""
         if self._is_current():
             _kill_tree(list(self.paths), self.version)
+
+    def kill_now(self) -> None:
+        """SIGKILL every task listed now, without waiting for them to leave: none of
+        them runs a user instruction again (kill_all, later, waits and repeats for a
+        task forked meanwhile)."""
+        if self._is_current():
+            _kill_once(list(self.paths), self.version)
 
     def oom_kills(self) -> int:
         self._require_current()
