@@ -202,6 +202,7 @@ def _kill_once(tops: list[str], version: int) -> None:
     for top in tops:
         kill = os.path.join(top, "cgroup.kill")
         if version == 2 and os.path.exists(kill):
+            # Kernel-side kill of the whole subtree: no fork race, no pid reuse race.
             _write(kill, "1")
         else:
             _kill_members([top])
@@ -217,14 +218,7 @@ def _kill_tree(tops: list[str], version: int, timeout: float = _KILL_TIMEOUT) ->
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"processes {sorted(left)} survived SIGKILL in {tops}")
-        for top in tops:
-            kill = os.path.join(top, "cgroup.kill")
-            if version == 2 and os.path.exists(kill):
-                # Kernel-side kill of the whole subtree: no fork race, no pid reuse race.
-                _write(kill, "1")
-            else:
-                # v1 (or old v2): repeat every round, a task may fork while we signal.
-                _kill_members([top])
+        _kill_once(tops, version)     # v1: every round, a task may fork while we signal
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
 
