@@ -322,9 +322,9 @@ def _let_go(tid: int, wall_s: float = 1.0) -> None:
 _PF_EXITING = 0x4      # task flags (/proc/.../stat field 9): the thread is in do_exit
 
 
-def _killed(pid: int, tid: int, opener: ProcOpener = DIRECT) -> bool:
-    """The thread is dying: a SIGKILL pending for it or its process, or exiting.
-    False for a thread that is gone (exited on its own, perhaps)."""
+def _kill_state(pid: int, tid: int, opener: ProcOpener = DIRECT) -> tuple[bool, bool] | None:
+    """(SIGKILL pending for the thread or its process, the thread is exiting), None for
+    a thread that is gone."""
     try:
         with os.fdopen(opener.open(pid, f"task/{tid}/status")) as f:
             pending = [int(ln.split()[1], 16) for ln in f
@@ -333,20 +333,29 @@ def _killed(pid: int, tid: int, opener: ProcOpener = DIRECT) -> bool:
             data = f.read()
         flags = int(data[data.rindex(b")") + 2:].split()[6])
     except (OSError, ValueError, IndexError):
-        return False
-    return bool(flags & _PF_EXITING) or any(p & (1 << (9 - 1)) for p in pending)
+        return None
+    return any(p & (1 << (9 - 1)) for p in pending), bool(flags & _PF_EXITING)
+
+
+def _killed(pid: int, tid: int, opener: ProcOpener = DIRECT) -> bool:
+    """The thread is dying (killed, or exiting on its own); False once it is gone."""
+    st = _kill_state(pid, tid, opener)
+    return st is not None and any(st)
 
 
 def _dying(pid: int, opener: ProcOpener = DIRECT) -> bool:
-    """The process is being killed or has exited: gone, a zombie, or a thread of it
-    dying (a kill reaches every thread; a thread exiting on its own is not this)."""
+    """The process is being killed or has exited: gone, a zombie, a SIGKILL pending on
+    a thread, or every thread exiting. One thread ending on its own (exiting, while the
+    others run) is not this: that is thread churn, never a reason to refuse."""
     try:
         tids = opener.listdir(pid, "task")
     except OSError:
         return True
-    if _gone(pid, pid, opener) and len(tids) <= 1:
+    states = [st for t in tids if (st := _kill_state(pid, int(t), opener)) is not None
+              and not _gone(pid, int(t), opener)]
+    if not states:
         return True
-    return any(_killed(pid, int(t), opener) for t in tids)
+    return any(k for k, _ in states) or all(x for _, x in states)
 
 
 def _gone(pid: int, tid: int, opener: ProcOpener = DIRECT) -> bool:
