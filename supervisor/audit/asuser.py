@@ -65,17 +65,46 @@ def can_read_any_proc() -> bool:
     return bool(effective_capabilities() >> CAP_SYS_PTRACE & 1)
 
 
-def _raise_effective(caps: tuple[int, ...]) -> None:
-    """Make ``caps`` effective again in this thread, those of them still permitted."""
+def _caps() -> tuple[Any, tuple[int, ...]]:
+    """(capget header, (eff0, perm0, inh0, eff1, perm1, inh1)) of this thread."""
     hdr = ctypes.create_string_buffer(struct.pack("Ii", _CAP_V3, 0))
     data = ctypes.create_string_buffer(24)
     _syscall("capget", hdr, data)
-    eff0, perm0, inh0, eff1, perm1, inh1 = struct.unpack("6I", data.raw)
-    want = sum(1 << c for c in caps)
-    eff = ((eff1 << 32) | eff0 | want) & ((perm1 << 32) | perm0)
-    data = ctypes.create_string_buffer(struct.pack(
-        "6I", eff & 0xFFFFFFFF, perm0, inh0, eff >> 32, perm1, inh1))
-    _syscall("capset", hdr, data)
+    return hdr, struct.unpack("6I", data.raw)
+
+
+def _set_effective(hdr: Any, words: tuple[int, ...], eff: int) -> None:
+    """This thread's effective set to ``eff`` (within its permitted set, unchanged)."""
+    _eff0, perm0, inh0, _eff1, perm1, inh1 = words
+    eff &= (perm1 << 32) | perm0
+    _syscall("capset", hdr, ctypes.create_string_buffer(struct.pack(
+        "6I", eff & 0xFFFFFFFF, perm0, inh0, eff >> 32, perm1, inh1)))
+
+
+def _raise_effective(caps: tuple[int, ...]) -> None:
+    """Make ``caps`` effective again in this thread, those of them still permitted."""
+    hdr, words = _caps()
+    _set_effective(hdr, words, (words[3] << 32) | words[0] | sum(1 << c for c in caps))
+
+
+class CapsNotRestored(OSError):
+    """without_effective could not give the thread its effective set back."""
+
+
+def without_effective(caps: tuple[int, ...], fn: Callable[[], T]) -> T:
+    """``fn()`` with ``caps`` out of this thread's effective set, then the set as it was
+    (a capability the kernel reads from the opener at open, as pagemap's CAP_SYS_ADMIN).
+    CapsNotRestored if the set cannot be given back."""
+    hdr, words = _caps()
+    old = (words[3] << 32) | words[0]
+    _set_effective(hdr, words, old & ~sum(1 << c for c in caps))
+    try:
+        return fn()
+    finally:
+        try:
+            _set_effective(hdr, words, old)
+        except OSError as e:
+            raise CapsNotRestored(e.errno, f"capset back: {e.strerror}") from None
 
 
 def as_host_user(uid: int, gid: int, fn: Callable[..., T], *args: Any,

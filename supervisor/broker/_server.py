@@ -726,11 +726,7 @@ class Broker:
             raise Failed(f"{inc.worker}: {e}", getattr(e, "errno", 0) or 0) from None
 
 
-# capget/capset(2) on x86-64 and aarch64, and the v3 header (two 32-bit words per set).
-_NR_CAPGET = {"x86_64": 125, "aarch64": 90}.get(platform.machine(), -1)
-_NR_CAPSET = {"x86_64": 126, "aarch64": 91}.get(platform.machine(), -1)
-_CAP_V3, _CAP_SYS_ADMIN = 0x20080522, 21
-_libc = ctypes.CDLL(None, use_errno=True)
+_CAP_SYS_ADMIN = 21
 
 
 def _open_without_sys_admin(name: str, dfd: int) -> int:
@@ -738,17 +734,10 @@ def _open_without_sys_admin(name: str, dfd: int) -> int:
     pagemap decides at open, from the opener's CAP_SYS_ADMIN, whether reads show
     physical frame numbers (red team round 5: the unprivileged proper read 3,528 of
     them). CAP_SYS_PTRACE still passes the access check. The set is restored after."""
-    hdr = (ctypes.c_uint32 * 2)(_CAP_V3, 0)
-    data = (ctypes.c_uint32 * 6)()           # (effective, permitted, inheritable) x 2
-    if _libc.syscall(_NR_CAPGET, hdr, data) != 0:
-        raise Failed(f"capget: {os.strerror(ctypes.get_errno())}", ctypes.get_errno())
-    saved = (ctypes.c_uint32 * 6)(*data)
-    data[0] &= ~(1 << _CAP_SYS_ADMIN)
-    if _libc.syscall(_NR_CAPSET, hdr, data) != 0:
-        raise Failed(f"capset: {os.strerror(ctypes.get_errno())}", ctypes.get_errno())
+    from supervisor.audit.asuser import CapsNotRestored, without_effective
+
     try:
-        return os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dfd)
-    finally:
-        hdr[1] = 0
-        if _libc.syscall(_NR_CAPSET, hdr, saved) != 0:      # never left without it
-            os._exit(70)
+        return without_effective((_CAP_SYS_ADMIN,), lambda: os.open(
+            name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dfd))
+    except CapsNotRestored:
+        os._exit(70)                    # never left without it
