@@ -70,7 +70,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     # A module the config check already named as missing is refused by admission too
     # (fail closed: code no one has read); the config line says it, once.
     unknown = {n for n in refused
-               if any(f"workers.{n}.module: no module named" in str(p) for p in problems)}
+               if any(p.key == f"workers.{n}.module" and p.reason.startswith("no module named")
+                      for p in problems)}
     refused = [n for n in refused if n not in unknown]
     for e in log.of("refused"):
         if e.get("worker") not in unknown:
