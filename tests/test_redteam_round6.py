@@ -1,0 +1,132 @@
+"""Red team, round 6: attacks no issue and no earlier round named.
+
+Each test asserts the claim the way it should hold. An attack that succeeds today is an
+``xfail(strict=True)`` whose reason starts with "round 6 row N" and says where the fix
+belongs (the table is docs/redteam6.md). Every attacker runs with the privileges it
+would have: a worker in a real sandbox under an embedded Supervisor
+(workers/probe/attacks_redteam6.py), a hostile drive log through the real CLI.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MODULE = "workers.probe.attacks_redteam6"
+
+
+def _need_root_and_bwrap() -> None:
+    if shutil.which("bwrap") is None or os.geteuid() != 0:
+        pytest.skip("the fleet starts real sandboxes as root with bubblewrap")
+
+
+def _of(ev: list[dict], worker: str, event: str) -> list[dict]:
+    return [e for e in ev if e.get("worker") == worker and e.get("event") == event]
+
+
+def _line(ev: list[dict], worker: str, prefix: str) -> dict | None:
+    for e in _of(ev, worker, "output"):
+        if e["line"].startswith(prefix):
+            return json.loads(e["line"][len(prefix):])
+    return None
+
+
+# ------------------------------------------------------------------ the fleet
+# One embedded Supervisor: the actuation writer `c` (control, fail_safe, a plain probe
+# publishing commands) and the research attacker `r`. The test reads the supervisor's
+# events and whatever trio.run raised.
+
+_FLEET_TOML = """
+[supervisor]
+status_interval_s = 0.5
+[domains.control]
+failure_policy = "fail_safe"
+actuates = true
+[domains.research]
+[channels.cmd]
+slot_size = "4KiB"
+dtype = "float32"
+payload = "control_cmd"
+[workers.c]
+domain = "control"
+module = "workers.probe"
+publishes = ["cmd"]
+args = ["--publish", "cmd"]
+ready_timeout_ms = 60000
+[workers.r]
+domain = "research"
+module = "{module}"
+args = ["--attack", "deep_log", "--delay-s", "0.3"]
+optional = true
+restart = "never"
+ready_timeout_ms = 60000
+"""
+
+
+@pytest.fixture(scope="module")
+def rt6_fleet(tmp_path_factory) -> dict:
+    _need_root_and_bwrap()
+    import trio
+
+    from supervisor.config import loads
+    from supervisor.events import EventLog
+    from supervisor.lifecycle import Supervisor
+
+    tmp = tmp_path_factory.mktemp("redteam6")
+    cfg = loads(_FLEET_TOML.format(module=MODULE), str(tmp / "redteam6.toml"))
+    logf = open(tmp / "supervisor.log", "w")
+    log = EventLog(stream=logf, keep=True)
+    sup = Supervisor(cfg, log=log, status_out=io.StringIO())
+    out: dict = {"crash": None, "stopped_ns": None}
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            with trio.move_on_after(60):
+                while _line(log.events, "r", "DONE ") is None:
+                    await trio.sleep(0.1)
+            await trio.sleep(1.0)      # what the supervisor does with the last lines
+            out["stopped_ns"] = time.monotonic_ns()
+            n.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    except BaseException as e:          # what escaped the supervisor: the finding
+        out["crash"] = repr(e)[:500]
+    finally:
+        logf.close()
+    out["events"] = log.events
+    return out
+
+
+def test_the_deep_log_attack_ran(rt6_fleet) -> None:
+    """Not an xfail: the strict xfail below would pass on a fleet that never ran."""
+    ev = rt6_fleet["events"]
+    assert _of(ev, "c", "ready"), "the control worker never became ready"
+    res = _line(ev, "r", "ATTACK ")
+    assert res is not None and res["attack"] == "deep_log", _of(ev, "r", "output")[:3]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "round 6 row 1: a research worker's stdout line {\"log\":..,\"data\":<lists ~950-990 "
+    "deep>} parses (output.parse_log_record) but its rendering (events.render: json.dumps) "
+    "raises RecursionError out of _WorkerIO._emit_output: the supervisor's nursery ends, "
+    "every control worker is stopped, supervisor_exit says code 0 'shutdown'. Fix: "
+    "output.parse_log_record bounds data's depth (or emit renders with a fallback)"))
+def test_a_research_workers_output_never_ends_the_supervisor(rt6_fleet) -> None:
+    ev = rt6_fleet["events"]
+    assert rt6_fleet["crash"] is None, rt6_fleet["crash"]
+    early = [e for e in ev if e["event"] == "supervisor_exit"
+             and e["mono_ns"] < rt6_fleet["stopped_ns"]]
+    assert not early, early
+    stopped = [e for e in _of(ev, "c", "exit") if e["mono_ns"] < rt6_fleet["stopped_ns"]]
+    assert not stopped, f"the control worker was stopped by a research line: {stopped}"

@@ -1,0 +1,62 @@
+"""Red team, round 6: the attacks whose attacker is a worker, run from inside a real
+sandbox (``module = "workers.probe.attacks_redteam6"``, args ``--attack NAME``).
+tests/test_redteam_round6.py starts them under an embedded Supervisor.
+
+* ``deep_log`` (research): prints lines shaped as ``WorkerContext.log`` records
+  (``{"log": ..., "data": ...}``) whose ``data`` nests lists ``--lo``..``--hi`` deep,
+  each line under the 2 KiB output limit. The supervisor parses such a line
+  (`output.parse_log_record`, which survives a RecursionError in ``json.loads``) and
+  re-emits it as a ``log`` event, whose rendering (`events.render`: ``json.dumps``)
+  needs a little more stack than the parse did: at one depth in that band the parse
+  succeeds and the rendering raises RecursionError inside the supervisor's own task.
+
+Each attack prints one line ``ATTACK {json}`` (before the hostile lines, so that the
+test knows it ran even if the supervisor does not survive what follows).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Callable
+
+from supervisor.worker import WorkerContext
+
+
+def deep_log(ctx: WorkerContext, a: argparse.Namespace) -> dict:
+    print("ATTACK " + json.dumps({"attack": "deep_log", "lo": a.lo, "hi": a.hi}), flush=True)
+    time.sleep(a.delay_s)        # the test's reader and the control worker settle first
+    for n in range(a.lo, a.hi):
+        line = '{"log":"deep","data":{"a":' + "[" * n + "]" * n + "}}"
+        os.write(1, line.encode() + b"\n")
+        time.sleep(0.01)         # well under the 50 lines/s bucket's burst of 200
+    return {"denied": False, "sent": a.hi - a.lo}
+
+
+ATTACKS: dict[str, Callable[[WorkerContext, argparse.Namespace], dict]] = {
+    f.__name__: f for f in (deep_log,)
+}
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="workers.probe.attacks_redteam6")
+    p.add_argument("--attack", required=True, choices=sorted(ATTACKS))
+    p.add_argument("--lo", type=int, default=900)
+    p.add_argument("--hi", type=int, default=1000)
+    p.add_argument("--delay-s", type=float, default=1.0)
+    return p.parse_args(argv)
+
+
+def main(ctx: WorkerContext) -> int:
+    a = _args(sys.argv[1:])
+    ctx.ready(status=f"redteam6 pid {os.getpid()}")
+    try:
+        res = ATTACKS[a.attack](ctx, a)
+    except Exception as e:           # an attack that failed is reported, not hidden
+        res = {"denied": True, "error": f"{type(e).__name__}: {e}"}
+    print("DONE " + json.dumps({"attack": a.attack, **res}), flush=True)
+    while True:
+        ctx.watchdog()
+        time.sleep(0.05)
