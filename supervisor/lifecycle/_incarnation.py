@@ -102,8 +102,13 @@ class Incarnation:
 
     # ---------------------------------------------------------------- signals
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Signal the sandbox's outer process (bwrap): SIGKILL takes the whole sandbox.
-        Nothing once it has exited: its pid may be someone else's now."""
+        """Signal the sandbox's outer process (bwrap): SIGKILL takes the whole sandbox,
+        at any point of its start. Once set up, its init dies with bwrap
+        (--die-with-parent); killed in its first milliseconds, before the init arms that,
+        bwrap leaves the init to the process that spawned it (a child subreaper), which
+        kills it as it sees bwrap's exit (`launch.SandboxPopen`: our `wait`/`poll`, the
+        broker's reap), cgroup or none (tests/test_orphans.py). Unsandboxed: the worker
+        only. Nothing once it has exited: its pid may be someone else's now."""
         raise NotImplementedError
 
     def signal(self, pid: int, sig: int) -> None:

@@ -8,8 +8,9 @@ Design notes:
 * No --as-pid-1: bwrap's tiny init stays pid 1 and reaps zombies; the worker
   is pid 2 and gets normal signal semantics (pid 1 ignores unhandled signals).
   Killing the outer bwrap (Popen.pid) takes the whole sandbox down through
-  --die-with-parent; there is no signal forwarding, so graceful shutdown
-  must go through the worker's IPC channel.
+  --die-with-parent once bwrap's init has armed it (after the mounts; before that
+  launch.SandboxPopen's orphan sweep does it, see launch "Orphans"); there is no
+  signal forwarding, so graceful shutdown must go through the worker's IPC channel.
 * bwrap itself sets PR_SET_NO_NEW_PRIVS in the sandbox (tests assert it).
 * Inherited fds keep their numbers: bwrap does not close them.
 """

@@ -10,15 +10,21 @@ main thread or from one long-lived daemon spawner thread. From trio, call
 (it hops to the spawner thread), and wait with os.pidfd_open(p.pid) +
 trio.lowlevel.wait_readable. If you use open_process yourself with
 `prepare()`, do it from the main thread.
+
+Start-up trap: --die-with-parent does not cover a sandbox's first milliseconds (see
+"Orphans" below): a process that spawns sandboxes becomes a child subreaper and kills
+what a dead bwrap leaves behind (`SandboxPopen`, `reap_orphans`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import glob
 import os
 import queue
 import resource
+import signal
 import subprocess
 import sys
 import threading
@@ -218,7 +224,10 @@ def spawn(
     cgroup.procs files (cgroups.WorkerCgroup.open_join_fds) that bwrap joins before
     exec, so no process of the sandbox ever runs outside its cgroup.
 
-    Popen.pid is bwrap outside the sandbox; kill it to kill the sandbox.
+    Popen.pid is bwrap outside the sandbox; SIGKILL it to kill the sandbox: the sandbox's
+    init dies with it (--die-with-parent) once set up, and is killed when this Popen sees
+    bwrap's exit if bwrap died before that (see "Orphans"). The caller must poll() or
+    wait() it, as for any child.
     `json_status_fd`: bwrap writes {"child-pid": ...} / {"exit-code": ...} there.
     Extra keyword args (stdin/stdout/stderr/text/...) go to Popen.
     """
@@ -230,13 +239,160 @@ def spawn(
         raise ValueError(f"unknown rlimit(s) {sorted(unknown)}; known: {sorted(_RLIMITS)}")
     spec = prepare(policy, argv, pass_fds, cwd, env_extra, json_status_fd=json_status_fd)
     setup = spec.child_setup(rlimits, cgroup_fds)
+    become_subreaper()
+    reap_orphans()                        # any left by a bwrap reaped without SandboxPopen
     try:
         return on_stable_thread(
-            lambda: subprocess.Popen(spec.argv, pass_fds=spec.pass_fds, env=spec.env, close_fds=True,
-                                     cwd="/", preexec_fn=setup, **popen_kwargs)
+            lambda: SandboxPopen(spec.argv, pass_fds=spec.pass_fds, env=spec.env, close_fds=True,
+                                 cwd="/", preexec_fn=setup, **popen_kwargs)
         )
     finally:
         spec.close()  # the child holds its own copy of the seccomp memfd
+
+
+# --- Orphans: no sandbox outlives its bwrap -----------------------------------------
+#
+# Why a sandbox could: bwrap clones the sandbox's init (pid 1 of its new pid namespace)
+# and that init arms PR_SET_PDEATHSIG (--die-with-parent) only in do_init, after all the
+# mounts, the pivot_root and the fork of the worker. A SIGKILL of the outer bwrap in
+# that window (the first milliseconds) reparents the init and it runs the worker
+# unsupervised; /tmp/h3/orphan_launch.py left 5-8 of 10 so, PPID 1. (prctl after the
+# parent is gone arms it against the new parent, which is why it never fires then.)
+#
+# What closes it, on every cgroup layout: the spawning process (supervisor, broker) is
+# a child subreaper, so that init is reparented to *us*, not to pid 1, and a child of
+# ours in a pid namespace below our own can only be such an orphan (we never clone into
+# a new pid namespace ourselves; bwrap's own child is bwrap's while bwrap lives).
+# `SandboxPopen` kills and reaps those when it sees bwrap's exit (poll/wait: the
+# supervisor's pidfd wait and the broker's reap both go through it); the kill of a
+# namespace's init takes everything in it. As a side effect an init orphaned this way
+# arms its PDEATHSIG against us, so it also dies with the supervisor.
+#
+# Rejected: (1) the cgroup alone: bwrap already joins the worker's cgroup before exec
+# (`_child_setup`), so where there is one the cgroup kill covers the window, but a
+# machine with limits_not_enforced (no cgroup of ours, e.g. v2 with only memory
+# delegated) has nothing. (2) --block-fd/--sync-fd handshakes: bwrap reads --block-fd
+# in the init *before* do_init arms PDEATHSIG and proceeds on EOF, so the window stays
+# open and a dead holder releases it. (3) Our own pid namespace around bwrap: bwrap's
+# CLONE_NEWPID fails with EINVAL after unshare(CLONE_NEWPID).
+# Not covered here: the supervisor itself killed in a sandbox's first milliseconds (its
+# bwrap dies by PDEATHSIG, the init goes to the next subreaper up or pid 1): the cgroup
+# covers that where there is one, and the systemd unit's cgroup (KillMode=mixed) always.
+
+_PR_SET_CHILD_SUBREAPER = 36
+_orphan_lock = threading.Lock()
+
+
+def become_subreaper() -> None:
+    """Make this process the reaper of its descendants' orphans (a process attribute,
+    not inherited across fork: called at every spawn)."""
+    if _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(err)}")
+
+
+def _ns_depth(status: bytes) -> int:
+    """How many pid namespaces deep a process is (NSpid: one pid per level)."""
+    for line in status.splitlines():
+        if line.startswith(b"NSpid:"):
+            return len(line.split()) - 1
+    return 1
+
+
+def _own_children() -> set[int]:
+    """Host pids of this process's children, all threads' (an orphan is reparented to
+    one live thread of ours). Falls back to a /proc walk without CONFIG_PROC_CHILDREN."""
+    files = glob.glob("/proc/self/task/*/children")
+    if not files:
+        me = os.getpid()
+        return {p for p in descendant_pids(me) if _parent_of(p) == me}
+    kids: set[int] = set()
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                kids.update(int(x) for x in fh.read().split())
+        except OSError:
+            continue                      # that thread exited: its children moved on
+    return kids
+
+
+def _parent_of(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return 0
+    return int(stat[stat.rindex(b")") + 2:].split()[1])
+
+
+def reap_orphans(timeout: float = 0.0) -> list[int]:
+    """SIGKILL every child of ours that is the init of a pid namespace below our own (a
+    sandbox whose bwrap died before its init armed --die-with-parent), reap those that
+    are dead, and return their pids. `timeout` > 0: wait up to that long for the killed
+    ones to be reaped too (a namespace's init exits once all of its members have).
+    Cheap: one read per thread and one per child."""
+    with _orphan_lock:                    # only we reap these pids: they cannot be reused
+        try:
+            with open("/proc/self/status", "rb") as f:
+                mine = _ns_depth(f.read())
+        except OSError:
+            return []
+        found: list[int] = []
+        me = os.getpid()
+        for pid in sorted(_own_children()):
+            try:
+                with open(f"/proc/{pid}/status", "rb") as f:
+                    status = f.read()
+            except OSError:
+                continue
+            ppid = next((int(ln.split()[1]) for ln in status.splitlines()
+                         if ln.startswith(b"PPid:")), 0)
+            if ppid != me or _ns_depth(status) <= mine:
+                continue                  # our own child (bwrap, broker, a tool): not ours to reap
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            found.append(pid)
+        deadline = time.monotonic() + timeout
+        pending = list(found)
+        while pending:
+            for pid in list(pending):
+                try:
+                    got, _ = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    got = pid
+                if got == pid:
+                    pending.remove(pid)
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(0.002)
+        return found
+
+
+class SandboxPopen(subprocess.Popen):
+    """bwrap's Popen: once bwrap is seen to have exited (poll/wait), what it left behind
+    is killed and reaped (`reap_orphans`) before the caller hears of the exit."""
+
+    orphans_killed: tuple[int, ...] = ()   # what the sweep at bwrap's exit found
+
+    _swept = False
+
+    def poll(self) -> int | None:
+        code = super().poll()
+        if code is not None:
+            self._sweep()
+        return code
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = super().wait(timeout)
+        self._sweep()
+        return code
+
+    def _sweep(self) -> None:
+        if not self._swept:
+            self._swept = True
+            self.orphans_killed = tuple(reap_orphans())
 
 
 def run(
