@@ -12,6 +12,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -62,10 +63,17 @@ module = "workers.probe"
 publishes = ["cmd"]
 args = ["--publish", "cmd"]
 ready_timeout_ms = 60000
+[workers.spoof]
+domain = "research"
+module = "{module}"
+args = ["--attack", "spoof_channel", "--name", "cmd"]
+optional = true
+restart = "never"
+ready_timeout_ms = 60000
 [workers.r]
 domain = "research"
 module = "{module}"
-args = ["--attack", "deep_log", "--delay-s", "0.3"]
+args = ["--attack", "deep_log", "--wait-signal"]
 optional = true
 restart = "never"
 ready_timeout_ms = 60000
@@ -86,11 +94,32 @@ def rt6_fleet(tmp_path_factory) -> dict:
     logf = open(tmp / "supervisor.log", "w")
     log = EventLog(stream=logf, keep=True)
     sup = Supervisor(cfg, log=log, status_out=io.StringIO())
-    out: dict = {"crash": None, "stopped_ns": None}
+    out: dict = {"crash": None, "stopped_ns": None, "audit": None}
+
+    def live_audit() -> tuple[list[dict], list[dict]]:
+        """What `audit --live` reads and concludes, on this running supervisor."""
+        from supervisor.audit import _observed
+        from supervisor.audit import live as lv
+        from supervisor.audit import promise as pr
+
+        promised = [pr.worker_row(cfg, w) for w in cfg.workers.values()]
+        got = {"outcome": "started", "events": [], "host": lv.host_namespaces(),
+               **lv.collect(sup, {p["worker"]: p for p in promised})}
+        return _observed(promised, got)
 
     async def main() -> None:
         async with trio.open_nursery() as n:
             await n.start(sup.run)
+            # 1. the spoofed channel mapping, then the live audit of this system
+            with trio.move_on_after(60):
+                while _line(log.events, "spoof", "DONE ") is None:
+                    await trio.sleep(0.1)
+            try:
+                out["audit"] = await trio.to_thread.run_sync(live_audit)
+            except Exception as e:           # reported by the test that needs it
+                out["audit_error"] = f"{type(e).__name__}: {e}"
+            # 2. the deep log records (last: they may end the supervisor)
+            os.kill(sup._worker_pid(sup.runs["r"]), signal.SIGUSR1)
             with trio.move_on_after(60):
                 while _line(log.events, "r", "DONE ") is None:
                     await trio.sleep(0.1)
@@ -106,6 +135,32 @@ def rt6_fleet(tmp_path_factory) -> dict:
         logf.close()
     out["events"] = log.events
     return out
+
+
+def _row(rt6_fleet, worker: str) -> dict:
+    assert rt6_fleet["audit"] is not None, rt6_fleet.get("audit_error")
+    rows, _diffs = rt6_fleet["audit"]
+    return next(r for r in rows if r["worker"] == worker)
+
+
+def test_the_live_audit_sees_the_real_writer_of_the_channel(rt6_fleet) -> None:
+    """The baseline: the control worker given `cmd` read-write is seen writing it."""
+    writes = [c["channel"] for c in _row(rt6_fleet, "c")["channels"]["writes"]]
+    assert "cmd" in writes, _row(rt6_fleet, "c")["channels"]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "round 6 row 5: a research worker's own memfd named trio-bridge:cmd, mapped rw, is "
+    "reported by the live audit as research writing control's actuation channel cmd "
+    "(audit/evidence.channel_mappings matches /proc/PID/maps by name): the worker writes "
+    "what the signed audit says. Fix: channel_mappings identifies a segment by its "
+    "inode (dev:ino of the supervisor's segments, or of the worker's handle fds), never "
+    "by the name a worker can choose"))
+def test_a_worker_never_chooses_which_channels_the_live_audit_says_it_writes(
+        rt6_fleet) -> None:
+    assert _line(rt6_fleet["events"], "spoof", "DONE ") is not None
+    ch = _row(rt6_fleet, "spoof")["channels"]
+    assert not ch["writes"] and not ch["reads"], ch
 
 
 def test_the_deep_log_attack_ran(rt6_fleet) -> None:

@@ -10,6 +10,12 @@ tests/test_redteam_round6.py starts them under an embedded Supervisor.
   needs a little more stack than the parse did: at one depth in that band the parse
   succeeds and the rendering raises RecursionError inside the supervisor's own task.
 
+* ``spoof_channel`` (research): a memfd of its own named like a channel's segment
+  (``trio-bridge:--name``), mapped read-write and held. `audit --live` reads which
+  channels a sandbox maps from /proc/PID/maps by that name alone
+  (`audit/evidence.channel_mappings`): the worker chooses what the signed audit says it
+  writes.
+
 Each attack prints one line ``ATTACK {json}`` (before the hostile lines, so that the
 test knows it ran even if the supervisor does not survive what follows).
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from typing import Callable
@@ -27,7 +34,10 @@ from supervisor.worker import WorkerContext
 
 def deep_log(ctx: WorkerContext, a: argparse.Namespace) -> dict:
     print("ATTACK " + json.dumps({"attack": "deep_log", "lo": a.lo, "hi": a.hi}), flush=True)
-    time.sleep(a.delay_s)        # the test's reader and the control worker settle first
+    if a.wait_signal:            # the test says when (its other checks first)
+        signal.sigtimedwait([signal.SIGUSR1], 60.0)
+    else:
+        time.sleep(a.delay_s)    # the control worker settles first
     for n in range(a.lo, a.hi):
         line = '{"log":"deep","data":{"a":' + "[" * n + "]" * n + "}}"
         os.write(1, line.encode() + b"\n")
@@ -35,8 +45,22 @@ def deep_log(ctx: WorkerContext, a: argparse.Namespace) -> dict:
     return {"denied": False, "sent": a.hi - a.lo}
 
 
+def spoof_channel(ctx: WorkerContext, a: argparse.Namespace) -> dict:
+    import mmap
+
+    fd = os.memfd_create(f"trio-bridge:{a.name}", 0)
+    os.ftruncate(fd, 4096)
+    m = mmap.mmap(fd, 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    m[:4] = b"spof"
+    _HELD.append((fd, m))            # held for the audit to see
+    return {"denied": False, "name": f"trio-bridge:{a.name}"}
+
+
+_HELD: list = []
+
+
 ATTACKS: dict[str, Callable[[WorkerContext, argparse.Namespace], dict]] = {
-    f.__name__: f for f in (deep_log,)
+    f.__name__: f for f in (deep_log, spoof_channel)
 }
 
 
@@ -46,11 +70,15 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lo", type=int, default=900)
     p.add_argument("--hi", type=int, default=1000)
     p.add_argument("--delay-s", type=float, default=1.0)
+    p.add_argument("--name", default="cmd")
+    p.add_argument("--wait-signal", action="store_true")
     return p.parse_args(argv)
 
 
 def main(ctx: WorkerContext) -> int:
     a = _args(sys.argv[1:])
+    if a.wait_signal:            # blocked before READY: a signal sent after it waits
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
     ctx.ready(status=f"redteam6 pid {os.getpid()}")
     try:
         res = ATTACKS[a.attack](ctx, a)
