@@ -16,6 +16,11 @@ tests/test_redteam_round6.py starts them under an embedded Supervisor.
   (`audit/evidence.channel_mappings`): the worker chooses what the signed audit says it
   writes.
 
+* ``nan_log`` (research): a ``WorkerContext.log``-shaped line whose data holds NaN and
+  Infinity (Python's json reads them): re-emitted, the supervisor's event line is no
+  longer JSON (RFC 8259 has neither), and a strict reader of the event stream (jq,
+  journald's JSON consumers) stops at it.
+
 Each attack prints one line ``ATTACK {json}`` (before the hostile lines, so that the
 test knows it ran even if the supervisor does not survive what follows).
 """
@@ -59,14 +64,19 @@ def spoof_channel(ctx: WorkerContext, a: argparse.Namespace) -> dict:
 _HELD: list = []
 
 
+def nan_log(ctx: WorkerContext, a: argparse.Namespace) -> dict:
+    print('{"log":"nan","data":{"x":NaN,"y":Infinity,"z":-Infinity}}', flush=True)
+    return {"denied": False}
+
+
 ATTACKS: dict[str, Callable[[WorkerContext, argparse.Namespace], dict]] = {
-    f.__name__: f for f in (deep_log, spoof_channel)
+    f.__name__: f for f in (deep_log, spoof_channel, nan_log)
 }
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="workers.probe.attacks_redteam6")
-    p.add_argument("--attack", required=True, choices=sorted(ATTACKS))
+    p.add_argument("--attack", required=True, action="append", choices=sorted(ATTACKS))
     p.add_argument("--lo", type=int, default=900)
     p.add_argument("--hi", type=int, default=1000)
     p.add_argument("--delay-s", type=float, default=1.0)
@@ -80,11 +90,13 @@ def main(ctx: WorkerContext) -> int:
     if a.wait_signal:            # blocked before READY: a signal sent after it waits
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
     ctx.ready(status=f"redteam6 pid {os.getpid()}")
-    try:
-        res = ATTACKS[a.attack](ctx, a)
-    except Exception as e:           # an attack that failed is reported, not hidden
-        res = {"denied": True, "error": f"{type(e).__name__}: {e}"}
-    print("DONE " + json.dumps({"attack": a.attack, **res}), flush=True)
+    for name in a.attack:
+        try:
+            res = ATTACKS[name](ctx, a)
+        except Exception as e:       # an attack that failed is reported, not hidden
+            res = {"denied": True, "error": f"{type(e).__name__}: {e}"}
+        print(f"RESULT {name} " + json.dumps(res), flush=True)
+    print("DONE " + json.dumps({"attack": a.attack}), flush=True)
     while True:
         ctx.watchdog()
         time.sleep(0.05)
