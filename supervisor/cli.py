@@ -140,6 +140,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from supervisor.events import LEVEL_NAMES
 
     cfg = _config(args.config)
+    # One supervisor per state dir, held before anything else is touched (statelock.py;
+    # under --broker the state dir is the broker's to hold).
+    from supervisor.statelock import hold_for_run
+
+    refusal = None if args.broker else hold_for_run(cfg)
+    if refusal is not None:
+        print(refusal.line, file=sys.stderr)
+        return int(refusal.code)
     log = EventLog(fmt=args.log_format or cfg.supervisor.log_format, keep=False,
                    min_level=LEVEL_NAMES[args.log_level])
     sup = Supervisor(cfg, log=log, sandboxed=not args.no_sandbox, grace_s=args.grace,

@@ -16,6 +16,7 @@ class Exit(enum.IntEnum):
     REFUSED = 3           # admission refused a required worker
     FAIL_SAFE = 4         # the control domain failed safe, or the fail-safe is latched
     START_FAILED = 5      # a required worker never became ready
+    LOCKED = 9            # another supervisor holds the state dir (statelock.py)
     # Of the checking commands (`audit`, `replay --ref`), never of `run`:
     DIFFERS = 6           # the evidence differs from the promise / the reference
     INCOMPLETE = 7        # a replay did not get through its log
