@@ -337,3 +337,23 @@ def test_a_reference_log_of_strings_is_one_line_not_an_internal_error(tmp_path) 
                 model_channel=None)
     except ValueError as e:
         pytest.fail(f"compare raised on a hostile REF: {e}")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "round 6 row 7: `supervisor log cat LOG control_cmd` on a log whose messages are "
+    "strings: a Python traceback (ValueError in replay/logtool.rows, float(v)), exit 1. "
+    "Fix: replay/drivelog.DriveLog._take counts a non-numeric dtype as a corrupt record"))
+def test_log_cat_answers_a_log_of_strings_in_one_line(tmp_path) -> None:
+    import numpy as np
+
+    from supervisor.replay.drivelog import LogWriter
+
+    w = LogWriter(tmp_path / "drive", ["control_cmd"], video_codec="raw")
+    for k in range(3):
+        w.message("control_cmd", k + 1, k * 50_000_000 + 3, 13, k, k * 50_000_000,
+                  np.array(["abcd"] * 6))
+    w.close({"frames": 3})
+    p = subprocess.run([sys.executable, "-m", "supervisor.cli", "log", "cat",
+                        str(tmp_path / "drive"), "control_cmd"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert "Traceback" not in p.stderr and p.returncode == 2, (p.returncode, p.stderr[-300:])
