@@ -21,6 +21,13 @@ tests/test_redteam_round6.py starts them under an embedded Supervisor.
   longer JSON (RFC 8259 has neither), and a strict reader of the event stream (jq,
   journald's JSON consumers) stops at it.
 
+* ``shadow_model`` (research): publishes model outputs of its own (offset 1.5 m, heading
+  0.2 rad, confidence 0.99) on ``--pub``, a channel some control worker reads through
+  ``shadow_subscribes`` ("read for logging only, never for actuation"). Roles are
+  roles: a branch's config that binds controlsd's ``model`` role there passes the trust
+  rule (`config/_rules.check_trust` looks at ``subscribes`` only) and controlsd steers
+  on research's numbers.
+
 Each attack prints one line ``ATTACK {json}`` (before the hostile lines, so that the
 test knows it ran even if the supervisor does not survive what follows).
 """
@@ -64,13 +71,27 @@ def spoof_channel(ctx: WorkerContext, a: argparse.Namespace) -> dict:
 _HELD: list = []
 
 
+def shadow_model(ctx: WorkerContext, a: argparse.Namespace) -> dict:
+    from schemas.payloads import MODEL_OUT
+
+    w = ctx.writer(a.pub)
+    end = time.monotonic() + a.seconds
+    n = 0
+    while time.monotonic() < end:
+        ctx.watchdog()
+        w.publish_array(MODEL_OUT.encode(offset_m=1.5, heading_rad=0.2, confidence=0.99))
+        n += 1
+        time.sleep(0.05)
+    return {"denied": False, "published": n}
+
+
 def nan_log(ctx: WorkerContext, a: argparse.Namespace) -> dict:
     print('{"log":"nan","data":{"x":NaN,"y":Infinity,"z":-Infinity}}', flush=True)
     return {"denied": False}
 
 
 ATTACKS: dict[str, Callable[[WorkerContext, argparse.Namespace], dict]] = {
-    f.__name__: f for f in (deep_log, spoof_channel, nan_log)
+    f.__name__: f for f in (deep_log, spoof_channel, nan_log, shadow_model)
 }
 
 
@@ -82,6 +103,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--delay-s", type=float, default=1.0)
     p.add_argument("--name", default="cmd")
     p.add_argument("--wait-signal", action="store_true")
+    p.add_argument("--pub", default="")
+    p.add_argument("--seconds", type=float, default=3.0)
     return p.parse_args(argv)
 
 
@@ -89,6 +112,8 @@ def main(ctx: WorkerContext) -> int:
     a = _args(sys.argv[1:])
     if a.wait_signal:            # blocked before READY: a signal sent after it waits
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
+    if a.pub:                        # mapped before READY
+        ctx.writer(a.pub)
     ctx.ready(status=f"redteam6 pid {os.getpid()}")
     for name in a.attack:
         try:
