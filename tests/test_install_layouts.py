@@ -112,3 +112,92 @@ def test_check_start_from_a_shell_with_umask_077(tmp_path):
                        capture_output=True, text=True,
                        env={**os.environ, "TRIO_STATE_DIR": str(tmp_path / "state")})
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+# --- A non-editable install (the vehicle's `install.sh --system`, or `pip install .`):
+# the package as a wheel, run from elsewhere, the checkout out of reach. Found missing:
+# models/demo/lane-offset-cuda (docs/gpu.md's modeld on the GPU), so its config said
+# "artifact .../site-packages/models/demo/lane-offset-cuda is not a directory" on an
+# installed copy and passed from a checkout.
+
+PACKAGES = ("supervisor", "schemas", "workers", "models")
+TEST_ONLY = ("models/demo/reference/",)      # the tests' old-ABI artifact, not shipped
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel `pip install .` would install, built once from a copy of this tree (a
+    build writes build/ and *.egg-info next to its sources): ~3 s with the native module."""
+    src = tmp_path_factory.mktemp("src")
+    for f in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(ROOT / f, src / f)
+    skip = shutil.ignore_patterns("__pycache__", "*.so", "*.egg-info")
+    for pkg in PACKAGES:
+        shutil.copytree(ROOT / pkg, src / pkg, ignore=skip)
+    out = tmp_path_factory.mktemp("wheel")
+    p = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                        "--no-build-isolation", "-w", str(out), str(src)],
+                       capture_output=True, text=True, timeout=300, cwd=src,
+                       env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    (whl,) = out.glob("*.whl")
+    return whl
+
+
+def _shipped(whl: Path) -> set[str]:
+    import zipfile
+
+    with zipfile.ZipFile(whl) as z:
+        return {n for n in z.namelist() if ".dist-info/" not in n}
+
+
+def test_the_wheel_holds_every_file_the_package_reads(wheel):
+    """Every non-Python file of the packages (schemas, default.toml, configs, the signed
+    demo artifacts, the drive log schema) and the compiled bridge module."""
+    names = _shipped(wheel)
+    missing = []
+    for pkg in PACKAGES:
+        for f in (ROOT / pkg).rglob("*"):
+            rel = f.relative_to(ROOT).as_posix()
+            if (f.is_file() and "__pycache__" not in rel and f.suffix not in (".pyc", ".so")
+                    and not rel.startswith(TEST_ONLY) and rel not in names):
+                missing.append(rel)
+    assert missing == [], f"not in {wheel.name} (pyproject.toml [tool.setuptools.package-data])"
+    assert any(n.startswith("supervisor/ipc/_native.") and n.endswith(".so") for n in names)
+
+
+def test_the_installed_wheel_verifies_every_shipped_model_from_elsewhere(wheel, tmp_path):
+    """Unpacked as pip would put it, imported from / with the checkout not on the path:
+    the embedded car config, the one-camera config and docs/gpu.md's CUDA modeld verify
+    their signed artifacts from the installed copy, and every schema loads there."""
+    import zipfile
+
+    site = tmp_path / "site-packages"
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(site)
+    probe = f"""
+import supervisor, schemas
+from supervisor.config import load, loads
+from supervisor.model.trust import verify_models
+assert supervisor.__file__.startswith({str(site)!r}), supervisor.__file__
+for p in sorted(schemas.SCHEMA_DIR.glob('*.capnp')): schemas.load(p.stem)
+import supervisor.replay.logfmt, supervisor.ipc._native
+minimal = (supervisor.config.PROJECT_ROOT + '/supervisor/configs/minimal.toml')
+text = open(minimal).read()
+gpu = (text.replace('"models/demo/lane-offset"', '"models/demo/lane-offset-cuda"')
+           .replace('model = "lane-offset"\\n', 'model = "lane-offset"\\ndevice = "cuda"\\n'))
+assert gpu.count('device = "cuda"') == 1 and 'lane-offset-cuda' in gpu
+for name, cfg in (("default", load(None)), ("minimal", load(minimal)), ("gpu", loads(gpu))):
+    trusted, problems = verify_models(cfg)
+    assert trusted and not problems, (name, problems)
+    print(name, *sorted(f"{{t.name}}:{{t.manifest_sha256[:12]}}" for t in trusted))
+"""
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                       timeout=120, cwd="/",
+                       env={**os.environ, "PYTHONPATH": str(site), "PYTHONDONTWRITEBYTECODE": "1"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    runs = [line.split() for line in p.stdout.splitlines()]
+    assert [[w.split(":")[0] for w in r] for r in runs] == [
+        ["default", "driver-monitor-demo", "lane-offset-wide-demo"],
+        ["minimal", "lane-offset-demo"], ["gpu", "lane-offset-demo"]]
+    assert runs[1][1] != runs[2][1], "the GPU config verified the CPU artifact"
