@@ -258,6 +258,7 @@ class BrokerIncarnation(Incarnation):
     client: Any = None                       # supervisor.broker.BrokerClient
     worker: str = ""
     pidfd: int | None = None
+    in_cgroup: bool = False                  # the broker put it in a leaf of its tree
     oom: int = 0                             # from the broker's reap
     reaped: bool = False
 
@@ -496,4 +497,5 @@ class BrokerLauncher:
         return BrokerIncarnation(number=number, pid=got.pid, status_r=got.status_r,
                                  out_r=got.out_r, watch_sock=got.watch_sock,
                                  ctl_sock=got.ctl_sock, opener=self.opener,
-                                 client=self.client, worker=w.name, pidfd=got.pidfd)
+                                 client=self.client, worker=w.name, pidfd=got.pidfd,
+                                 in_cgroup=got.cgroup)

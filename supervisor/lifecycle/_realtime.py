@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 
+from supervisor.sandbox.cgroups import rt_budget_of
+
+from ._incarnation import BrokerIncarnation
 from ._run import WorkerRun
 
 
@@ -52,10 +55,17 @@ class _Realtime:
             if not self.sandboxed:
                 # Its own rlimits and capabilities would be the supervisor's.
                 raise RealtimeUnavailable("not sandboxed: the worker could raise it itself")
+            pid = self._worker_pid(run)
+            if pid == run.pid:
+                raise RealtimeUnavailable("no worker process in the sandbox")
             grouped = self.rt_grouped and run.cgroup is not None
-            if grouped:
-                bound = f"{rt.budget_pct} % of a CPU per {RT_PERIOD_US // 1000} ms (cgroup)"
-            else:
+            if not grouped and isinstance(run.current, BrokerIncarnation) \
+                    and run.current.in_cgroup:
+                # Through the broker, which holds the tree (self.cgroups is None here):
+                # its `realtime` grants the leaf's budget where the kernel has RT group
+                # scheduling for the worker's cpu cgroup, which we can read.
+                grouped = rt_budget_of(pid) is not None
+            if not grouped:
                 # Nothing bounds a runaway but the kernel's 95 % of each CPU: one CPU at
                 # least stays outside the real-time class, the supervisor's included.
                 cpus = len(os.sched_getaffinity(0))
@@ -66,9 +76,6 @@ class _Realtime:
                         f"no per-cgroup RT budget here and {len(held)} real-time worker(s) "
                         f"({', '.join(held) or 'none'}) on {cpus} CPU(s): one CPU always "
                         "stays outside the real-time class")
-            pid = self._worker_pid(run)
-            if self.sandboxed and pid == run.pid:
-                raise RealtimeUnavailable("no worker process in the sandbox")
             # Through the incarnation: this process (its cgroup's RT budget, then
             # sched_setscheduler) or the broker's `realtime` request.
             run.current.make_fifo(pid, rt.priority, rt.runtime_us if grouped else None,
@@ -76,6 +83,12 @@ class _Realtime:
         except (RealtimeUnavailable, OSError) as e:
             self.log.emit("realtime_unavailable", worker=name, reason=str(e))
             return
+        if grouped:
+            # The budget as the kernel has it now (whoever granted it), else as asked.
+            got = rt_budget_of(pid)
+            runtime, period = got if got and got[0] > 0 and got[1] > 0 \
+                else (rt.runtime_us, RT_PERIOD_US)
+            bound = f"{runtime * 100 // period} % of a CPU per {period // 1000} ms (cgroup)"
         run.realtime_pid = pid
         self.log.emit("realtime", worker=name, pid=pid, policy="fifo",
                       priority=rt.priority, reset_on_fork=True, bound=bound)

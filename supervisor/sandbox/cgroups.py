@@ -148,6 +148,40 @@ def _set_rt(cpu_dir: str | None, runtime_us: int, period_us: int) -> bool:
     return True
 
 
+def rt_budget_of(pid: int) -> tuple[int, int] | None:
+    """(cpu.rt_runtime_us, cpu.rt_period_us) of `pid`'s v1 cpu cgroup as the kernel has
+    them; None where it has none (cgroup v2, no RT group scheduling, cpu not mounted) or
+    they cannot be read (the process gone). For whoever did not make the cgroup: the
+    supervisor proper, whose sandboxes' leaves are the broker's. Both files and
+    /proc/PID/cgroup are world-readable."""
+    try:
+        proc_cgroup = _read(f"/proc/{pid}/cgroup")
+        mountinfo = _read("/proc/self/mountinfo")
+    except OSError:
+        return None
+    path = next((ln.split(":", 2)[2] for ln in proc_cgroup.splitlines()
+                 if ln.count(":") >= 2 and "cpu" in ln.split(":", 2)[1].split(",")), None)
+    if path is None:
+        return None
+    for ln in mountinfo.splitlines():
+        pre, _, post = ln.partition(" - ")
+        f, fs = pre.split(), post.split()
+        if len(f) >= 5 and len(fs) >= 3 and fs[0] == "cgroup" and "cpu" in fs[2].split(","):
+            mountpoint, mroot = _unescape(f[4]), _unescape(f[3])
+            break
+    else:
+        return None
+    if mroot != "/":                    # a container's view of a sub-tree
+        if path != mroot and not path.startswith(mroot + "/"):
+            return None
+        path = path[len(mroot):]
+    d = os.path.normpath(f"{mountpoint}/{path}")
+    try:
+        return int(_read(f"{d}/cpu.rt_runtime_us")), int(_read(f"{d}/cpu.rt_period_us"))
+    except (OSError, ValueError):
+        return None
+
+
 def _procs(directory: str) -> list[int]:
     try:
         return [int(x) for x in _read(os.path.join(directory, "cgroup.procs")).split()]
