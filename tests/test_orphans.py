@@ -6,8 +6,9 @@ Why it could: bwrap's init arms --die-with-parent (PR_SET_PDEATHSIG) only after 
 mounts, so a kill before that left it running the worker with PPID 1 (5-8 of 10 with
 /tmp/h3/orphan_launch.py before the fix). No cgroup here (as on a machine with
 limits_not_enforced): the subreaper sweep in `launch.SandboxPopen` is all that catches
-it. Real bwrap, real kills; each round asserts the attack landed in the window at least
-once, so a run that never hit it cannot pass for a fixed one.
+it. Real bwrap, real kills; the attack is shown to land in the window at least once
+in a second test that leaves the sweep out, so a run that never hits the window
+cannot pass for a fixed one.
 """
 from __future__ import annotations
 
@@ -59,38 +60,69 @@ def _spawn(marker: str) -> subprocess.Popen:
                         stderr=subprocess.DEVNULL, start_new_session=True)
 
 
+def _kill_early(marker: str, rounds: int, seed: int) -> None:
+    """Spawn and SIGKILL bwrap at once or within 4 ms, `rounds` times; half through
+    the lifecycle's way (Incarnation.kill, then the exit seen through wait)."""
+    rng = random.Random(seed)
+    for i in range(rounds):
+        p = _spawn(marker)
+        delay = rng.choice([0.0, 0.0, rng.uniform(0, 0.004)])
+        if delay:
+            time.sleep(delay)
+        if i % 2:
+            inc = PopenIncarnation(number=i, pid=p.pid, popen=p)
+            inc.kill()
+            inc.wait()
+        else:
+            p.kill()
+            p.wait()
+
+
+def _settle(marker: str, wait_s: float = 5.0) -> list[int]:
+    """Reap what the kills left (the dying take a moment); the live ones left after."""
+    deadline = time.monotonic() + wait_s
+    while _alive_with(marker.encode()) and time.monotonic() < deadline:
+        launch.reap_orphans(timeout=0.2)
+    return _alive_with(marker.encode())
+
+
+def _cleanup(marker: str) -> None:
+    for pid in _alive_with(marker.encode()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    launch.reap_orphans(timeout=1.0)
+
+
 def test_kill_of_bwrap_in_its_first_milliseconds_leaves_no_sandbox() -> None:
     marker = f"orphan-{uuid.uuid4().hex}"
-    rng = random.Random(0x0F1)
-    caught = 0
     try:
-        for i in range(ROUNDS):
-            p = _spawn(marker)
-            delay = rng.choice([0.0, 0.0, rng.uniform(0, 0.004)])
-            if delay:
-                time.sleep(delay)
-            if i % 2:
-                # The lifecycle's way: Incarnation.kill, then the exit seen through wait.
-                inc = PopenIncarnation(number=i, pid=p.pid, popen=p)
-                inc.kill()
-                inc.wait()
-            else:
-                p.kill()
-                p.wait()
-            caught += bool(p.orphans_killed)
-        deadline = time.monotonic() + 5.0
-        while _alive_with(marker.encode()) and time.monotonic() < deadline:
-            launch.reap_orphans(timeout=0.2)
-        left = _alive_with(marker.encode())
+        _kill_early(marker, ROUNDS, seed=0x0F1)
+        left = _settle(marker)
         assert left == [], f"{len(left)} sandbox processes outlived their bwrap: {left}"
-        assert caught > 0, f"no kill of {ROUNDS} landed before bwrap's init armed PDEATHSIG"
     finally:
-        for pid in _alive_with(marker.encode()):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        launch.reap_orphans(timeout=1.0)
+        _cleanup(marker)
+
+
+def test_the_attack_lands_in_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The witness that the test above attacks something: with the sweep at bwrap's
+    exit left out, early kills leave sandbox inits alive 0.5 s after their bwrap is gone
+    (before the fix they ran on with PPID 1; here they are ours, as a subreaper's) and
+    a late sweep still kills every one."""
+    marker = f"orphan-{uuid.uuid4().hex}"
+    monkeypatch.setattr(launch.SandboxPopen, "_sweep", lambda self: None)
+    monkeypatch.setattr(launch, "reap_orphans", lambda timeout=0.0: [])   # spawn's too
+    try:
+        _kill_early(marker, ROUNDS // 2, seed=0x0F2)
+        time.sleep(0.5)
+        survivors = _alive_with(marker.encode())
+        assert survivors, f"no kill of {ROUNDS // 2} landed before bwrap's init armed PDEATHSIG"
+        monkeypatch.undo()
+        assert _settle(marker) == []
+    finally:
+        monkeypatch.undo()
+        _cleanup(marker)
 
 
 def test_the_sweep_leaves_our_own_children_alone() -> None:
