@@ -42,9 +42,12 @@ def _line(ev: list[dict], worker: str, prefix: str) -> dict | None:
 
 
 # ------------------------------------------------------------------ the fleet
-# One embedded Supervisor: the actuation writer `c` (control, fail_safe, a plain probe
-# publishing commands) and the research attacker `r`. The test reads the supervisor's
-# events and whatever trio.run raised.
+# One embedded Supervisor: the actuation writer `steer` (controlsd in the fail-safe
+# control domain, its model role bound through shadow_subscribes to `m`), and the
+# research attackers: `shadow` (writes `m`), `spoof` (a channel look-alike, NaN records),
+# `r` (deep log records, signalled last: they may end the supervisor). The tests read
+# the supervisor's events, the commands controlsd sent, a live audit of the running
+# system and whatever trio.run raised.
 
 _FLEET_TOML = """
 [supervisor]
@@ -53,22 +56,12 @@ status_interval_s = 0.5
 failure_policy = "fail_safe"
 actuates = true
 [domains.research]
-[channels.cmd]
-slot_size = "4KiB"
-dtype = "float32"
-payload = "control_cmd"
-[workers.c]
-domain = "control"
-module = "workers.probe"
-publishes = ["cmd"]
-args = ["--publish", "cmd"]
-ready_timeout_ms = 60000
 [channels.m]
 slot_size = "4KiB"
 dtype = "float32"
 payload = "model_out"
 max_readers = 2
-[channels.cmd2]
+[channels.cmd]
 slot_size = "4KiB"
 dtype = "float32"
 payload = "control_cmd"
@@ -85,7 +78,7 @@ ready_timeout_ms = 60000
 domain = "control"
 module = "workers.controlsd"
 shadow_subscribes = {{ model = "m" }}
-publishes = {{ command = "cmd2" }}
+publishes = {{ command = "cmd" }}
 optional = true
 ready_timeout_ms = 60000
 [workers.spoof]
@@ -155,7 +148,9 @@ def rt6_fleet(tmp_path_factory) -> dict:
 
     async def main() -> None:
         async with trio.open_nursery() as n:
+            t0 = time.monotonic()
             await n.start(sup.run)
+            out["phases"] = {"start": time.monotonic() - t0}
             # 1. the spoofed channel mapping, then the live audit of this system
             with trio.move_on_after(60):
                 while _line(log.events, "spoof", "DONE ") is None:
@@ -164,16 +159,18 @@ def rt6_fleet(tmp_path_factory) -> dict:
                 out["audit"] = await trio.to_thread.run_sync(live_audit)
             except Exception as e:           # reported by the test that needs it
                 out["audit_error"] = f"{type(e).__name__}: {e}"
+            out["phases"]["audit"] = time.monotonic() - t0
             # 2. what controlsd, its model role bound through shadow_subscribes to a
             #    research channel, sends the car
             if "steer" in sup.runs:
-                await commands_of("cmd2", 2.0)
+                await commands_of("cmd", 1.0)
+            out["phases"]["commands"] = time.monotonic() - t0
             # 3. the deep log records (last: they may end the supervisor)
             os.kill(sup._worker_pid(sup.runs["r"]), signal.SIGUSR1)
             with trio.move_on_after(60):
                 while _line(log.events, "r", "DONE ") is None:
                     await trio.sleep(0.1)
-            await trio.sleep(1.0)      # what the supervisor does with the last lines
+            await trio.sleep(0.5)      # what the supervisor does with the last lines
             out["stopped_ns"] = time.monotonic_ns()
             n.cancel_scope.cancel()
 
@@ -196,8 +193,8 @@ def _row(rt6_fleet, worker: str) -> dict:
 
 def test_the_live_audit_sees_the_real_writer_of_the_channel(rt6_fleet) -> None:
     """The baseline: the control worker given `cmd` read-write is seen writing it."""
-    writes = [c["channel"] for c in _row(rt6_fleet, "c")["channels"]["writes"]]
-    assert "cmd" in writes, _row(rt6_fleet, "c")["channels"]
+    writes = [c["channel"] for c in _row(rt6_fleet, "steer")["channels"]["writes"]]
+    assert "cmd" in writes, _row(rt6_fleet, "steer")["channels"]
 
 
 @pytest.mark.xfail(strict=True, reason=(
@@ -249,7 +246,7 @@ def test_the_shadow_attack_ran(rt6_fleet) -> None:
     "round 6 row 0: `shadow_subscribes = { model = \"m\" }` binds controlsd's model role "
     "to a research channel; config/_rules.check_trust looks at subscribes only and roles "
     "do not say which list bound them: controlsd sent the car engaged commands steering "
-    "on research's numbers (120 engaged commands in 2 s, steer -0.175 rad). Fix: config/_loader.Loader.worker or "
+    "on research's numbers (120 engaged commands in 2 s, steer -0.175 rad; 1 s read now). Fix: config/_loader.Loader.worker or "
     "_rules.check_trust: a shadow_subscribes channel of a protected worker may be bound "
     "only to a role its module declares log-only (or the runner refuses ctx.reader on a "
     "shadow role for actuation: Endpoint marks shadow roles)"))
@@ -261,7 +258,7 @@ def test_research_numbers_never_reach_a_command_through_a_shadow_binding(rt6_fle
 def test_the_deep_log_attack_ran(rt6_fleet) -> None:
     """Not an xfail: the strict xfail below would pass on a fleet that never ran."""
     ev = rt6_fleet["events"]
-    assert _of(ev, "c", "ready"), "the control worker never became ready"
+    assert _of(ev, "steer", "ready"), "the control worker never became ready"
     res = _line(ev, "r", "ATTACK ")
     assert res is not None and res["attack"] == "deep_log", _of(ev, "r", "output")[:3]
 
@@ -278,7 +275,7 @@ def test_a_research_workers_output_never_ends_the_supervisor(rt6_fleet) -> None:
     early = [e for e in ev if e["event"] == "supervisor_exit"
              and e["mono_ns"] < rt6_fleet["stopped_ns"]]
     assert not early, early
-    stopped = [e for e in _of(ev, "c", "exit") if e["mono_ns"] < rt6_fleet["stopped_ns"]]
+    stopped = [e for e in _of(ev, "steer", "exit") if e["mono_ns"] < rt6_fleet["stopped_ns"]]
     assert not stopped, f"the control worker was stopped by a research line: {stopped}"
 
 

@@ -53,7 +53,7 @@ def deep_log(ctx: WorkerContext, a: argparse.Namespace) -> dict:
     for n in range(a.lo, a.hi):
         line = '{"log":"deep","data":{"a":' + "[" * n + "]" * n + "}}"
         os.write(1, line.encode() + b"\n")
-        time.sleep(0.01)         # well under the 50 lines/s bucket's burst of 200
+        time.sleep(0.005)        # 100 lines: under the output bucket's burst of 200
     return {"denied": False, "sent": a.hi - a.lo}
 
 
