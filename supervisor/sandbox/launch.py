@@ -374,7 +374,9 @@ class SandboxPopen(subprocess.Popen):
     """bwrap's Popen: once bwrap is seen to have exited (poll/wait), what it left behind
     is killed and reaped (`reap_orphans`) before the caller hears of the exit."""
 
-    orphans_killed: tuple[int, ...] = ()   # what the sweep at bwrap's exit found
+    # The inits the sweep at bwrap's exit found: left behind, or (the usual case, as we
+    # are their subreaper) already dying of their PDEATHSIG.
+    orphans_killed: tuple[int, ...] = ()
 
     _swept = False
 
