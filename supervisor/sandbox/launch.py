@@ -277,7 +277,8 @@ def spawn(
 # CLONE_NEWPID fails with EINVAL after unshare(CLONE_NEWPID).
 # Not covered here: the supervisor itself killed in a sandbox's first milliseconds (its
 # bwrap dies by PDEATHSIG, the init goes to the next subreaper up or pid 1): the cgroup
-# covers that where there is one, and the systemd unit's cgroup (KillMode=mixed) always.
+# covers that where there is one, and under systemd the unit's own cgroup, whose leftovers
+# are killed when its main process ends (KillMode=mixed).
 
 _PR_SET_CHILD_SUBREAPER = 36
 _orphan_lock = threading.Lock()
