@@ -113,7 +113,15 @@ if [ $system -eq 1 ]; then
     fi
     [ -x "$PREFIX/bin/python3" ] || $sudo "$base" -m venv "$PREFIX"
     # A real install, not a link into this checkout: the car runs what was installed.
-    $sudo "$PREFIX/bin/python3" -m pip install -q --upgrade "$(pwd)[research]"
+    # Built from a private copy of the package's sources: setuptools writes build/ and
+    # *.egg-info beside them, so a read-only checkout failed inside pip (15 lines ending
+    # "could not create 'supervisor.egg-info': Read-only file system"), and a writable
+    # one kept a build/ whose leftovers a later build could ship.
+    stage="$(mktemp -d -t trio-install.XXXXXX)"
+    trap 'rm -rf "$stage"' EXIT
+    tar -cf - --exclude=__pycache__ --exclude='*.so' --exclude='*.pyc' \
+        pyproject.toml setup.py README.md supervisor schemas workers models | tar -xf - -C "$stage"
+    $sudo "$PREFIX/bin/python3" -m pip install -q --upgrade "$stage[research]"
     (cd / && "$PREFIX/bin/python3" -m supervisor.startcheck --installed) || exit 2
     # The supervisor proper of the split units (issue 27): no home, no shell, no
     # capabilities; it reaches root only through the broker's socket.

@@ -201,3 +201,71 @@ for name, cfg in (("default", load(None)), ("minimal", load(minimal)), ("gpu", l
         ["default", "driver-monitor-demo", "lane-offset-wide-demo"],
         ["minimal", "lane-offset-demo"], ["gpu", "lane-offset-demo"]]
     assert runs[1][1] != runs[2][1], "the GPU config verified the CPU artifact"
+
+
+def _system_install_would_touch_the_machine() -> str:
+    """Why the --system install's steps before pip would install or create something
+    here (apt-get, useradd), or '' when they only look."""
+    import pwd
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return "needs root and unshare (a private read-only mount)"
+    for tool in ("bwrap", "gcc", "systemd-analyze"):
+        if shutil.which(tool) is None:
+            return f"no {tool}: the install would apt-get it"
+    for user in ("trio-control", "trio-research"):
+        try:
+            pwd.getpwnam(user)
+        except KeyError:
+            return f"no user {user}: the install would create it"
+    py = subprocess.run([SYSTEM_PY, "-c", "import ensurepip, sysconfig, os, sys; sys.exit(not "
+                         "os.path.exists(os.path.join(sysconfig.get_paths()['include'], "
+                         "'Python.h')))"], capture_output=True)
+    if py.returncode != 0 or not os.path.exists("/usr/include/zlib.h"):
+        return "the system Python's venv/headers or zlib's are missing: the install would apt-get"
+    return ""
+
+
+@pytest.mark.skipif(bool(_system_install_would_touch_the_machine()),
+                    reason=_system_install_would_touch_the_machine() or "runs")
+def test_system_install_builds_from_a_read_only_checkout(tmp_path):
+    """`install.sh --system` ran `pip install CHECKOUT[research]`, which builds in the
+    checkout (build/, supervisor.egg-info): from a read-only checkout it died inside pip
+    with 15 lines ending "could not create 'supervisor.egg-info': Read-only file system".
+    It now builds a private copy. Here the venv's python3 is a stand-in that builds the
+    wheel pip would build (the real build, ~3 s) and stops the install there (exit 3),
+    before users, state dir and units."""
+    co = tmp_path / "checkout"
+    co.mkdir()
+    for f in ("pyproject.toml", "setup.py", "README.md", "scripts/install.sh"):
+        (co / f).parent.mkdir(exist_ok=True)
+        shutil.copy(ROOT / f, co / f)
+    for pkg in PACKAGES:
+        shutil.copytree(ROOT / pkg, co / pkg,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.egg-info"))
+    prefix, out = tmp_path / "prefix", tmp_path / "wheels"
+    (prefix / "bin").mkdir(parents=True)
+    stub = prefix / "bin" / "python3"
+    stub.write_text(f"""#!/bin/sh
+[ "$1 $2 $3" = "-m pip install" ] || exit 4
+for a; do src=$a; done
+echo "$src" > {tmp_path}/built-from
+{sys.executable} -m pip wheel -q --no-deps --no-build-isolation -w {out} "${{src%\\[*\\]}}" \\
+    && exit 3
+""")
+    stub.chmod(0o755)
+    script = (f'mount --make-rprivate / && mount --bind "$0" "$0" && '
+              f'mount -o remount,bind,ro "$0" && cd "$0" && '
+              f'bash scripts/install.sh --system; echo "install exit $?"; echo "after: $(ls)"')
+    p = subprocess.run(["unshare", "-m", "sh", "-c", script, str(co)], capture_output=True,
+                       text=True, timeout=120, cwd="/",
+                       env={**os.environ, "TRIO_PREFIX": str(prefix),
+                            "TRIO_UNIT_DIR": str(tmp_path / "units"),
+                            "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    assert "Read-only file system" not in p.stderr, p.stderr
+    assert "install exit 3" in p.stdout, p.stdout + p.stderr   # set -e: the stub's exit
+    built_from = (tmp_path / "built-from").read_text().strip()
+    assert not built_from.startswith(str(co)), built_from
+    assert len(list(out.glob("supervisor-*.whl"))) == 1, p.stderr
+    assert not os.path.exists(built_from.split("[")[0]), "the private copy was left behind"
+    assert not (tmp_path / "units").exists()
