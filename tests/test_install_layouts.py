@@ -269,3 +269,48 @@ echo "$src" > {tmp_path}/built-from
     assert len(list(out.glob("supervisor-*.whl"))) == 1, p.stderr
     assert not os.path.exists(built_from.split("[")[0]), "the private copy was left behind"
     assert not (tmp_path / "units").exists()
+
+
+def _latin1_locale(base: Path) -> dict[str, str] | None:
+    """LOCPATH/LANG of an ISO-8859-1 locale compiled into `base` (Debian ships only C and
+    C.UTF-8 compiled), or None where localedef or its sources are missing."""
+    if shutil.which("localedef") is None:
+        return None
+    out = base / "en_US.ISO-8859-1"
+    p = subprocess.run(["localedef", "-i", "en_US", "-f", "ISO-8859-1", str(out)],
+                       capture_output=True, timeout=60)
+    if p.returncode not in (0, 1) or not out.is_dir():     # 1: warnings only
+        return None
+    return {"LOCPATH": str(base), "LANG": "en_US.ISO-8859-1"}
+
+
+@pytest.mark.sandbox
+@pytest.mark.skipif(shutil.which("bwrap") is None or os.geteuid() != 0,
+                    reason="starting sandboxes needs bubblewrap and root")
+def test_the_units_start_workers_whatever_the_machines_locale(tmp_path):
+    """Under a latin-1 locale (LC_ALL unset, LANG=en_US.ISO-8859-1) a worker whose args
+    hold a character latin-1 lacks never started: 'start_failed: UnicodeEncodeError:
+    'latin-1' codec can't encode characters' (its argv is encoded in the locale's
+    charset). The units now set PYTHONUTF8=1: the same worker starts and reaches its own
+    code (here argparse refuses the made-up option, naming it intact)."""
+    from supervisor.config import load
+    from supervisor.units import render
+
+    env_line = next(x for x in render(load(), config_path=None, prefix="/opt/t").splitlines()
+                    if x.startswith("Environment="))
+    unit_env = dict(kv.split("=", 1) for kv in env_line.removeprefix("Environment=").split())
+    assert unit_env.get("PYTHONUTF8") == "1", env_line
+    locale_env = _latin1_locale(tmp_path)
+    if locale_env is None:
+        pytest.skip("no localedef / en_US locale source to make a latin-1 locale")
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONTROL_ONLY + 'args = ["--made-up-\u2713"]\n', encoding="utf-8")
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("LC_", "LANG", "PYTHONUTF8"))}
+    base.update(locale_env, TRIO_STATE_DIR=str(tmp_path / "state"))
+    p = subprocess.run([sys.executable, "-m", "supervisor.cli", "check", "--start", "--config",
+                        str(cfg)], cwd="/", timeout=120, capture_output=True,
+                       env={**base, **unit_env})
+    out = (p.stdout + p.stderr).decode("utf-8", "replace")
+    assert p.returncode == 5, out
+    assert "UnicodeEncodeError" not in out, out
+    assert "unrecognized arguments: --made-up-\u2713" in out, out
