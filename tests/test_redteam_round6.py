@@ -88,6 +88,27 @@ args = ["--attack", "spoof_channel", "--name", "cmd", "--attack", "nan_log"]
 optional = true
 restart = "never"
 ready_timeout_ms = 60000
+[channels.act]
+slot_size = "4KiB"
+dtype = "float32"
+payload = "control_cmd"
+max_readers = 3
+[workers.handoff]
+domain = "control"
+module = "{module}"
+publishes = ["act"]
+args = ["--attack", "fd_handoff", "--pub", "act"]
+optional = true
+restart = "never"
+ready_timeout_ms = 60000
+[workers.catch]
+domain = "research"
+module = "{module}"
+subscribes = ["act"]
+args = ["--attack", "fd_catch", "--sub", "act", "--delay-s", "1.0", "--seconds", "30"]
+optional = true
+restart = "never"
+ready_timeout_ms = 60000
 [workers.r]
 domain = "research"
 module = "{module}"
@@ -112,7 +133,8 @@ def rt6_fleet(tmp_path_factory) -> dict:
     logf = open(tmp / "supervisor.log", "w")
     log = EventLog(stream=logf, keep=True)
     sup = Supervisor(cfg, log=log, status_out=io.StringIO())
-    out: dict = {"crash": None, "stopped_ns": None, "audit": None, "commands": []}
+    out: dict = {"crash": None, "stopped_ns": None, "audit": None, "commands": [],
+                 "act": []}
 
     async def commands_of(channel: str, seconds: float) -> None:
         """What the car would get on ``channel``: every command for ``seconds``."""
@@ -121,7 +143,8 @@ def rt6_fleet(tmp_path_factory) -> dict:
         from schemas.payloads import CONTROL_CMD
         from supervisor.ipc import LeaseLost, Reader, Rejected
 
-        h = sup.channels[channel].reader_handle(1)
+        index, into = (2, out["act"]) if channel == "act" else (1, out["commands"])
+        h = sup.channels[channel].reader_handle(index)
         r = await trio.to_thread.run_sync(lambda: Reader(h))
         with trio.move_on_after(seconds):
             while True:
@@ -131,7 +154,8 @@ def rt6_fleet(tmp_path_factory) -> dict:
                     continue
                 try:
                     with m:
-                        out["commands"].append(CONTROL_CMD.decode(np.array(m.array)))
+                        cmd = CONTROL_CMD.decode(np.array(m.array))
+                    into.append(dict(cmd, at_ns=time.monotonic_ns(), seq=m.sequence))
                 except LeaseLost:
                     continue
 
@@ -151,6 +175,7 @@ def rt6_fleet(tmp_path_factory) -> dict:
             t0 = time.monotonic()
             await n.start(sup.run)
             out["phases"] = {"start": time.monotonic() - t0}
+            n.start_soon(commands_of, "act", 30.0)   # the handed-off writer's channel
             # 1. the spoofed channel mapping, then the live audit of this system
             with trio.move_on_after(60):
                 while _line(log.events, "spoof", "DONE ") is None:
@@ -165,6 +190,10 @@ def rt6_fleet(tmp_path_factory) -> dict:
             if "steer" in sup.runs:
                 await commands_of("cmd", 1.0)
             out["phases"]["commands"] = time.monotonic() - t0
+            with trio.move_on_after(30):     # the research holder of control's fd is done
+                while _line(log.events, "catch", "DONE ") is None:
+                    await trio.sleep(0.1)
+            out["phases"]["handoff"] = time.monotonic() - t0
             # 3. the deep log records (last: they may end the supervisor)
             os.kill(sup._worker_pid(sup.runs["r"]), signal.SIGUSR1)
             with trio.move_on_after(60):
@@ -253,6 +282,36 @@ def test_the_shadow_attack_ran(rt6_fleet) -> None:
 def test_research_numbers_never_reach_a_command_through_a_shadow_binding(rt6_fleet) -> None:
     engaged = [c for c in rt6_fleet["commands"] if c.get("engaged")]
     assert not engaged, f"{len(engaged)} engaged commands, e.g. {engaged[:2]}"
+
+
+def _last_word_ns(rt6_fleet, worker: str) -> int:
+    lw = _of(rt6_fleet["events"], worker, "last_word")
+    assert lw, f"no last word for {worker}: {_of(rt6_fleet['events'], worker, 'exit')}"
+    return lw[0]["mono_ns"]
+
+
+def test_the_handoff_writers_death_is_followed_by_safe(rt6_fleet) -> None:
+    """The baseline: the dead actuation writer's last word reached the honest reader."""
+    t = _last_word_ns(rt6_fleet, "handoff")
+    after = [c for c in rt6_fleet["act"] if c["at_ns"] > t]
+    assert after and not after[0]["engaged"], after[:2]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "round 6 row 0b: the control actuation writer sends its read-write segment fd (and "
+    "lease tables, wake-up ends) over a research reader's wake-up socket (SCM_RIGHTS) "
+    "and dies; after the supervisor's SAFE the research worker publishes engaged "
+    "commands on control's actuation channel (89 in 1 s, steer 0.3) and the honest "
+    "reader delivers them: the ring's last word is not SAFE. Fix: sandbox/seccomp.py "
+    "kills sendmsg/sendmmsg in control (nothing there sends fds), and ipc/channel.py "
+    "wakes readers over pipes, which carry no fds, not unix sockets"))
+def test_no_engaged_command_after_the_last_word_of_a_writer_that_handed_off_its_fd(
+        rt6_fleet) -> None:
+    t = _last_word_ns(rt6_fleet, "handoff")
+    caught = _line(rt6_fleet["events"], "catch", "RESULT fd_catch ")
+    engaged = [c for c in rt6_fleet["act"] if c["at_ns"] > t and c["engaged"]]
+    assert not engaged, (f"{len(engaged)} engaged commands after the last word, e.g. "
+                         f"{engaged[:2]}; research: {caught}")
 
 
 def test_the_deep_log_attack_ran(rt6_fleet) -> None:

@@ -28,6 +28,14 @@ tests/test_redteam_round6.py starts them under an embedded Supervisor.
   rule (`config/_rules.check_trust` looks at ``subscribes`` only) and controlsd steers
   on research's numbers.
 
+* ``fd_handoff`` (control, the actuation writer of ``--pub``) and ``fd_catch`` (research,
+  a reader of the same channel, ``--sub``): the writer holds its end of every reader's
+  wake-up socket; it sends its own read-write segment fd, lease tables and wake-up ends
+  over the research reader's socket (SCM_RIGHTS), then dies. The supervisor says SAFE
+  once everything left of the writer's sandbox is gone; the research worker, which now
+  holds a write description of the actuation segment, publishes engaged commands after
+  it ("the ring's last word is always SAFE").
+
 Each attack prints one line ``ATTACK {json}`` (before the hostile lines, so that the
 test knows it ran even if the supervisor does not survive what follows).
 """
@@ -85,13 +93,89 @@ def shadow_model(ctx: WorkerContext, a: argparse.Namespace) -> dict:
     return {"denied": False, "published": n}
 
 
+_FRAME = b"RT6"
+
+
+def fd_handoff(ctx: WorkerContext, a: argparse.Namespace) -> dict:
+    import array
+    import socket
+
+    from schemas.payloads import CONTROL_CMD
+
+    w = ctx.writer(a.pub)
+    h = json.loads(ctx._handle_json(a.pub))
+    fds = [h["data_fd"], *h["lease_fds"], *h["event_fds"]]
+    for _ in range(20):
+        w.publish_array(CONTROL_CMD.encode(steer_rad=0.1, engaged=1.0, reason=0.0,
+                                           model_age_ms=5.0))
+        time.sleep(0.01)
+    sent, errors = 0, []
+    for efd in h["event_fds"]:
+        s = socket.socket(fileno=os.dup(efd))
+        try:
+            s.setblocking(True)
+            s.sendmsg([_FRAME + json.dumps(h).encode() + b"\n"],
+                      [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+            sent += 1
+        except OSError as e:
+            errors.append(f"{type(e).__name__}: {e}")
+        finally:
+            s.close()
+    print("RESULT fd_handoff " + json.dumps({"sent": sent, "errors": errors[:3]}), flush=True)
+    time.sleep(0.2)
+    os._exit(1)                  # the writer dies: the supervisor's SAFE follows
+
+
+def fd_catch(ctx: WorkerContext, a: argparse.Namespace) -> dict:
+    import array
+    import socket
+
+    from schemas.payloads import CONTROL_CMD
+    from supervisor.ipc import Writer
+    from supervisor.ipc.channel import WriterHandle
+
+    h = json.loads(ctx._handle_json(a.sub))
+    s = socket.socket(fileno=os.dup(h["event_fd"]))
+    s.settimeout(1.0)
+    buf, fds = b"", []
+    end = time.monotonic() + a.seconds
+    while time.monotonic() < end and not (fds and b"\n" in buf[buf.find(_FRAME):]):
+        ctx.watchdog()
+        try:
+            data, anc, _flags, _addr = s.recvmsg(65536, socket.CMSG_SPACE(64 * 4))
+        except socket.timeout:
+            continue
+        buf += data
+        for level, kind, raw in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                got = array.array("i")
+                got.frombytes(raw[:len(raw) - len(raw) % 4])
+                fds += list(got)
+    if not fds or _FRAME not in buf:
+        return {"denied": True, "error": "no descriptors came"}
+    text = buf[buf.find(_FRAME) + len(_FRAME):].split(b"\n", 1)[0]
+    wh = json.loads(text)            # the writer's handle; its fds in the order sent
+    nl = len(wh["lease_fds"])
+    wh.update(data_fd=fds[0], lease_fds=fds[1:1 + nl], event_fds=fds[1 + nl:])
+    time.sleep(a.delay_s)            # the writer is dead by now and SAFE said
+    w = Writer(WriterHandle.from_json(json.dumps(wh)), domain="control", seal=False)
+    n = 0
+    stop = time.monotonic() + 1.0
+    while time.monotonic() < stop:
+        w.publish_array(CONTROL_CMD.encode(steer_rad=0.3, engaged=1.0, reason=0.0,
+                                           model_age_ms=5.0))
+        n += 1
+        time.sleep(0.01)
+    return {"denied": False, "fds": len(fds), "published": n}
+
+
 def nan_log(ctx: WorkerContext, a: argparse.Namespace) -> dict:
     print('{"log":"nan","data":{"x":NaN,"y":Infinity,"z":-Infinity}}', flush=True)
     return {"denied": False}
 
 
 ATTACKS: dict[str, Callable[[WorkerContext, argparse.Namespace], dict]] = {
-    f.__name__: f for f in (deep_log, spoof_channel, nan_log, shadow_model)
+    f.__name__: f for f in (deep_log, spoof_channel, nan_log, shadow_model, fd_handoff, fd_catch)
 }
 
 
@@ -104,6 +188,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--name", default="cmd")
     p.add_argument("--wait-signal", action="store_true")
     p.add_argument("--pub", default="")
+    p.add_argument("--sub", default="")
     p.add_argument("--seconds", type=float, default=3.0)
     return p.parse_args(argv)
 
