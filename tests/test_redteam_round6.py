@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -275,8 +274,8 @@ def test_the_shadow_attack_ran(rt6_fleet) -> None:
     "round 6 row 0: `shadow_subscribes = { model = \"m\" }` binds controlsd's model role "
     "to a research channel; config/_rules.check_trust looks at subscribes only and roles "
     "do not say which list bound them: controlsd sent the car engaged commands steering "
-    "on research's numbers (120 engaged commands in 2 s, steer -0.175 rad; 1 s read now). Fix: config/_loader.Loader.worker or "
-    "_rules.check_trust: a shadow_subscribes channel of a protected worker may be bound "
+    "on research's numbers (120 engaged in 2 s, steer -0.175 rad). Fix: "
+    "config/_loader.Loader.worker or _rules.check_trust: a shadow_subscribes channel of a protected worker may be bound "
     "only to a role its module declares log-only (or the runner refuses ctx.reader on a "
     "shadow role for actuation: Endpoint marks shadow roles)"))
 def test_research_numbers_never_reach_a_command_through_a_shadow_binding(rt6_fleet) -> None:
