@@ -786,3 +786,31 @@ def test_the_walk_reads_the_workers_from_outside_the_checkout(tmp_path):
     assert p.stdout.startswith("True") and "not found" not in p.stdout, p.stdout
     rep = check_worker("w", "control", "workers.nosuch", None, [str(tmp_path)])
     assert not rep.ok and "not found" in rep.findings[0].message, rep
+
+
+def test_the_walk_follows_the_sandbox_path_not_the_operators(tmp_path):
+    """An operator's PYTHONPATH (which the sandbox clears) put a shadowing `workers` first
+    on the walk's path: admission walked the operator's file while the worker imported the
+    project's. The walk's path is now the one a real sandbox's interpreter prints."""
+    shadow = tmp_path / "workers"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("")
+    (shadow / "probe.py").write_text("x = 1\n")          # admits trivially if walked
+    code = ("import json\nfrom supervisor.sandbox.policy import worker_sys_path\n"
+            "print(json.dumps(worker_sys_path()))\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60, check=True, env=env)
+    walked = json.loads(p.stdout)
+    from supervisor.sandbox import launch
+    from supervisor.sandbox.policy import policy_for_domain
+
+    pol = policy_for_domain("control", profile="control")
+    inside = launch.spawn(pol, [sys.executable, "-c",
+                                "import json, sys; print(json.dumps(sys.path))"],
+                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE)
+    out, err = inside.communicate(timeout=60)
+    assert inside.returncode == 0, err[-500:]
+    assert str(tmp_path) not in walked
+    assert walked == json.loads(out), (walked, out)

@@ -202,17 +202,27 @@ def test_every_problem_reported_at_once(tmp_path):
 
 
 def test_admission_refusal_wins_over_config_problem(tmp_path):
-    """A package importing torch is refused (exit 3) even when it is also no worker;
-    the config problem is still printed."""
-    pkg = tmp_path / "badpkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("from . import model\n")
-    (pkg / "model.py").write_text("import torch.nn as nn\n")
-    path = config(tmp_path, 'module = "badpkg"')
-    p = check(tmp_path, path, env={"PYTHONPATH": str(tmp_path)})
+    """A control worker importing torch is refused (exit 3) even when the config also
+    has problems; the config problems are still printed."""
+    path = config(tmp_path, 'module = "workers.research"',
+                  domain='extra_ro_binds = ["/nonexistent-bind"]')
+    p = check(tmp_path, path)
     assert p.returncode == 3, p.stderr
-    assert f"{path}: workers.w.module: badpkg is not a worker" in p.stderr
-    assert "torch" in p.stderr
+    assert f"{path}: domains.control.extra_ro_binds[0]: /nonexistent-bind" in p.stderr
+    assert "control-domain worker w imports torch" in p.stderr, p.stderr
+
+
+def test_a_package_only_the_operators_pythonpath_finds_is_no_module(tmp_path):
+    """The sandbox clears PYTHONPATH: a package found only through the operator's is one
+    the worker cannot import, so check says so (it said "is not a worker" and walked the
+    operator's file)."""
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("def main(ctx):\n    pass\n")
+    path = config(tmp_path, 'module = "mypkg"')
+    p = check(tmp_path, path, env={"PYTHONPATH": str(tmp_path)})
+    assert p.returncode == 2, p.stderr
+    assert f"{path}: workers.w.module: no module named 'mypkg'" in p.stderr, p.stderr
 
 
 # ------------------------------------------------------------------ check_runtime directly
@@ -228,6 +238,16 @@ def package(tmp_path: Path, monkeypatch, name: str, init: str | None, **files: s
         (pkg / "__init__.py").write_text(textwrap.dedent(init))
     for f, body in files.items():
         (pkg / f"{f}.py").write_text(textwrap.dedent(body))
+    # On the workers' own path (what a sandboxed worker's interpreter searches), as an
+    # installed package would be: these tests are about the shape of a module, not where.
+    from supervisor.sandbox import policy
+
+    search = policy.worker_sys_path
+
+    def workers_path(sandboxed: bool = True, python_path=()) -> list[str]:
+        return [str(tmp_path), *search(sandboxed, python_path)]
+
+    monkeypatch.setattr(policy, "worker_sys_path", workers_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     return name
 
@@ -315,3 +335,30 @@ def test_shm_bytes_counts_segment_and_lease_tables():
     spec = load().channels["road_frames"].spec
     assert channel_shm_bytes(spec) == spec.segment_size + spec.max_readers * spec.lease_size
     assert MIN_WORKER_MEMORY == 64 * 2**20
+
+
+def test_a_domains_python_path_is_where_its_workers_and_admission_look(tmp_path):
+    """`python_path` in a domain: the one way to run a worker package that lives outside
+    the project and site-packages. The sandbox imports it from there (bound read-only,
+    on PYTHONPATH), check finds it there, and admission walks it there: its torch
+    import is refused naming the chain."""
+    from supervisor.sandbox import launch
+    from supervisor.sandbox.policy import for_worker
+
+    lib = tmp_path / "lib"
+    (lib / "mypkg").mkdir(parents=True)
+    (lib / "mypkg" / "__init__.py").write_text("def main(ctx):\n    from . import model\n")
+    (lib / "mypkg" / "model.py").write_text("import torch\n")
+    path = config(tmp_path, 'module = "mypkg"', domain=f'python_path = ["{lib}"]')
+    cfg = load(path)
+    assert not [p for p in check_runtime(cfg) if p.key.startswith("workers.w.")]
+    inside = launch.spawn(for_worker(cfg, cfg.workers["w"]),
+                          [sys.executable, "-c", "import mypkg; print(mypkg.__file__)"],
+                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE)
+    out, err = inside.communicate(timeout=60)
+    assert inside.returncode == 0, err
+    assert out.decode().strip() == str(lib / "mypkg" / "__init__.py")
+    p = check(tmp_path, path)
+    assert p.returncode == 3, p.stderr
+    assert "mypkg.model" in p.stderr and "imports torch" in p.stderr, p.stderr

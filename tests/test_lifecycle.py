@@ -135,7 +135,9 @@ def test_torch_import_refused_statically(sup, tmp_path):
     pkg.mkdir()
     (pkg / "__init__.py").write_text("from . import model\n")
     (pkg / "model.py").write_text("import numpy\nimport torch.nn as nn\n")
-    cfg = CONTROL.format(policy="fail_safe") + """
+    # The package's directory on the domain's path: the sandbox clears PYTHONPATH, so
+    # the operator's (env below) finds nothing for a sandboxed worker.
+    cfg = CONTROL.format(policy="fail_safe") + f'python_path = ["{tmp_path}"]\n' + """
         [channels.x]
         slot_size = "4KiB"
         [workers.bad]
@@ -213,7 +215,9 @@ def test_optional_refused_worker_is_skipped_and_the_rest_runs(sup, tmp_path):
     pkg = tmp_path / "shadowpkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("import torch\n")
-    cfg = CONTROL.format(policy="fail_safe") + PIPELINE.format(a_args="", a_extra="") + """
+    # The package's directory on the domain's path: the sandbox clears PYTHONPATH.
+    cfg = (CONTROL.format(policy="fail_safe") + f'python_path = ["{tmp_path}"]\n'
+           + PIPELINE.format(a_args="", a_extra="")) + """
         [channels.s_out]
         slot_size = "4KiB"
         [workers.extra]

@@ -69,6 +69,7 @@ _DOMAIN_KEYS: dict[str, Callable[[Any], Any]] = {
     "failure_policy": _choice("restart", "fail_safe"),
     "actuates": _bool,
     "extra_ro_binds": _str_list(_abs_path),
+    "python_path": _str_list(_abs_path),
     "extra_rw_binds": _str_list(_abs_path),
     "user": _user,
     "hide_compilers": _bool,

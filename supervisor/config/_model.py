@@ -130,6 +130,11 @@ class DomainConfig:
     # Its outputs may reach actuators (control profile only).
     actuates: bool = False
     extra_ro_binds: tuple[str, ...] = ()
+    # Directories of the domain's own worker packages (outside the project and the
+    # interpreter's site-packages): each bound read-only and put on the sandbox's
+    # PYTHONPATH after the project root. Admission walks the same path. The operator's
+    # PYTHONPATH never reaches a sandbox.
+    python_path: tuple[str, ...] = ()
     # Directories bound read-write (e.g. a recorder's output); Landlock allows writes
     # below them. Never for the control profile: control writes only shared memory.
     extra_rw_binds: tuple[str, ...] = ()

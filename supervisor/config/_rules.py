@@ -83,7 +83,8 @@ def check_binds(add: Add, domains: dict[str, DomainConfig], models: dict,
     def _overlap(a: str, b: str) -> bool:
         return _nested(a, b) if resolve is None else _nested(resolve(a), resolve(b))
 
-    ro = [(f"domains.{n}", p) for n, d in domains.items() for p in d.extra_ro_binds]
+    ro = [(f"domains.{n}", p) for n, d in domains.items()
+          for p in (*d.extra_ro_binds, *d.python_path)]
     ro += [(f"models.{n}", p) for n, m in models.items()
            for p in (getattr(m, "artifact", ""), getattr(m, "public_key", "")) if p.startswith("/")]
     for name, d in domains.items():

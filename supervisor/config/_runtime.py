@@ -4,7 +4,6 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.machinery
-import importlib.util
 import os
 import pkgutil
 import re
@@ -28,8 +27,8 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
     before anything starts; every problem found, as `Problem` lines (``FILE: KEY:
     REASON``). Never imports a worker module (nor its parent packages).
 
-    * each worker ``module`` exists on the workers' path (the project root plus
-      ``sys.path``) and is a worker: its source defines a top-level ``main(ctx)``;
+    * each worker ``module`` exists on the workers' path (`policy.worker_sys_path`: the
+      path the worker's own interpreter will search) and is a worker: its source defines a top-level ``main(ctx)``;
     * in a vehicle config (``[supervisor] mode``), no worker has an argument its module
       declares simulation-only (``SIMULATION_ONLY``: recorded data or time into control,
       a model no ``[models]`` table trusts), given as ``args`` or through a ``command``
@@ -47,15 +46,20 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
     def add(key: str, reason: str) -> None:
         problems.append(Problem(cfg.source, key, reason))
 
-    search = _module_search_path()
-    verdicts: dict[str, str | None] = {}
+    from supervisor.sandbox.policy import worker_sys_path
+
+    verdicts: dict[tuple[str, tuple[str, ...]], str | None] = {}
     for w in cfg.workers.values():
         path = _key("workers", w.name)
+        extra = cfg.domains[w.domain].python_path
+        search = worker_sys_path(sandboxed, extra)
+        verdict = None
         if w.module:
-            if w.module not in verdicts:
-                verdicts[w.module] = _module_problem(w.module, search)
-            if verdicts[w.module]:
-                add(f"{path}.module", verdicts[w.module])
+            if (w.module, extra) not in verdicts:
+                verdicts[w.module, extra] = _module_problem(w.module, search)
+            verdict = verdicts[w.module, extra]
+            if verdict:
+                add(f"{path}.module", verdict)
             else:
                 for key, reason in _role_problems(w, search):
                     add(f"{path}.{key}", reason)
@@ -66,7 +70,7 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
         # What the worker's module declares about its arguments, also for a `command`
         # worker that runs a worker module (python -m [supervisor.runner] MODULE): the
         # one door for models and recorded data must not have a side entrance.
-        if not (w.module and verdicts[w.module]):
+        if not verdict:
             for key, reason in _model_problems(w, cfg, search):
                 add(f"{path}.{key}", reason)
             if cfg.supervisor.mode == VEHICLE:
@@ -97,11 +101,12 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
 
         for name, d in cfg.domains.items():
             path = _key("domains", name)
-            for i, bind in enumerate(d.extra_ro_binds):
-                try:
-                    os.stat(bind)
-                except OSError as e:
-                    add(f"{path}.extra_ro_binds[{i}]", f"{bind}: {_strerror(e)}")
+            for key in ("extra_ro_binds", "python_path"):
+                for i, bind in enumerate(getattr(d, key)):
+                    try:
+                        os.stat(bind)
+                    except OSError as e:
+                        add(f"{path}.{key}[{i}]", f"{bind}: {_strerror(e)}")
             try:
                 host_ids(d.profile, d.user)
             except LookupError as e:
@@ -151,14 +156,6 @@ def _executable_problem(prog: str) -> str | None:
 # -- worker modules, located without importing anything
 
 
-def _module_search_path() -> list[str]:
-    out = [PROJECT_ROOT]
-    for p in sys.path:
-        if p not in out:
-            out.append(p)
-    return out
-
-
 def _locate(name: str, search: list[str]) -> tuple[Any, str]:
     """(spec, "") for a dotted module name, or (None, why not). Each package along the
     way is looked up by path, never imported (find_spec of a submodule would import
@@ -173,15 +170,26 @@ def _locate(name: str, search: list[str]) -> tuple[Any, str]:
         try:
             spec = importlib.machinery.PathFinder.find_spec(full, list(locations))
             if spec is None and i == 0:
-                # builtin, frozen, or an import hook (editable installs); for a
-                # top-level name this imports nothing
-                spec = importlib.util.find_spec(full)
+                spec = _hooked(full)
         except (ImportError, ValueError, OSError):
             spec = None
         if spec is None:
             return None, f"no module named {full!r}"
         locations = spec.submodule_search_locations
     return spec, ""
+
+
+def _hooked(name: str) -> Any:
+    """A top-level name found by a builtin, frozen or import-hook finder (editable
+    installs), never by this process's PathFinder: its sys.path holds the operator's
+    PYTHONPATH, which a sandboxed worker's does not. Imports nothing."""
+    for finder in sys.meta_path:
+        if finder is importlib.machinery.PathFinder or not hasattr(finder, "find_spec"):
+            continue
+        spec = finder.find_spec(name, None)
+        if spec is not None:
+            return spec
+    return None
 
 
 def _worker_modules(search: list[str]) -> list[str]:

@@ -85,7 +85,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
             argv = None if w.module else list(w.command or ())
             # Admission judges by the domain's profile: what rules it runs under.
             self._admission[name] = check_worker(name, self.config.profile_of(name), w.module,
-                                                 argv, worker_sys_path())
+                                                 argv, worker_sys_path(self.sandboxed, self.config.domains[w.domain].python_path))
 
     def admit(self) -> list[str]:
         """Static admission of every worker; returns the names refused."""

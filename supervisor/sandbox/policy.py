@@ -129,16 +129,66 @@ def project_python_path() -> list[str]:
     return [] if any(_under(PROJECT_ROOT, p) for p in python_dirs()) else [PROJECT_ROOT]
 
 
-def worker_sys_path() -> list[str]:
-    """Where a sandboxed worker's imports are looked up, for admission to walk the same
-    files: the workers' PYTHONPATH first, then this interpreter's own path without the
-    current directory (PYTHONSAFEPATH). An editable install finds `workers` through a
-    meta-path hook, not a directory: from outside the checkout the walk found no entry
-    module and admitted a control worker unwalked."""
+def worker_sys_path(sandboxed: bool = True, python_path: Iterable[str] = ()) -> list[str]:
+    """Where a worker's imports are looked up, for admission and the config check to
+    find the same files. Sandboxed: this interpreter's sys.path as it starts under the
+    sandbox's environment (`base_env`: the project root and the domain's `python_path`
+    on PYTHONPATH, no user site, no cwd),
+    asked of the interpreter itself, so the operator's PYTHONPATH and ~/.local, which the
+    sandbox clears, never point the walk at a file the worker will not import.
+    Unsandboxed, a worker inherits this process's environment: its path, less the cwd.
+    An editable install finds `workers` through a meta-path hook, not a directory, which
+    is why the project root is on the workers' PYTHONPATH: without it, from outside the
+    checkout, the walk found no entry module and admitted a control worker unwalked."""
+    if sandboxed:
+        return list(_sandbox_sys_path(tuple(python_path)))
     own = list(sys.path)
     if own and (own[0] in ("", ".") or os.path.abspath(own[0]) == os.getcwd()):
         own = own[1:]                   # `python -m`/`-c` put the cwd first
     return list(dict.fromkeys([*project_python_path(), *(p for p in own if p)]))
+
+
+@functools.lru_cache(maxsize=8)
+def _sandbox_sys_path(python_path: tuple[str, ...]) -> tuple[str, ...]:
+    import json
+    import subprocess
+
+    probe = "import json, sys; print(json.dumps(sys.path))"
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], env=base_env(python_path), cwd="/",
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        path = [p for p in json.loads(out) if isinstance(p, str) and p]
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        # Towards walking more, never less: this process's own path.
+        print(f"admission: cannot ask {sys.executable} for the workers' sys.path ({e}); "
+              "using this process's", file=sys.stderr)
+        return (*python_path, *worker_sys_path(sandboxed=False))
+    return tuple(dict.fromkeys(path))
+
+
+def base_env(python_path: Iterable[str] = ()) -> dict[str, str]:
+    """The environment every sandboxed worker starts with (bwrap --clearenv, then this),
+    before its domain's thread counts: the one home for it, shared by the launch and by
+    admission's `worker_sys_path`."""
+    env = {
+        "PATH": ":".join(
+            dict.fromkeys([os.path.dirname(sys.executable), "/usr/local/bin", "/usr/bin", "/bin"])
+        ),
+        "HOME": "/tmp",
+        # getpass.getuser() reads these first; without them glibc's getpwuid tries
+        # nscd's socket, and connect() kills a control worker.
+        "USER": "worker",
+        "LOGNAME": "worker",
+        "TMPDIR": "/tmp",
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",  # tree is read-only anyway; avoid EROFS noise
+        "PYTHONNOUSERSITE": "1",
+        "PYTHONSAFEPATH": "1",  # don't put cwd/script dir first on sys.path
+    }
+    pp = ":".join(dict.fromkeys([*project_python_path(), *python_path]))
+    if pp:
+        env["PYTHONPATH"] = pp
+    return env
 
 
 def python_dirs() -> list[str]:
@@ -307,6 +357,7 @@ def policy_for_domain(
     network: bool = False,
     extra_ro_binds: Iterable[str] = (),
     *,
+    python_path: Iterable[str] = (),
     extra_rw_binds: Iterable[str] = (),
     extra_dev_binds: Iterable[str] = (),
     user: str | None = None,
@@ -342,32 +393,16 @@ def policy_for_domain(
     py = python_dirs()
     # Importable project code: its packages bound read-only and the root put
     # on PYTHONPATH, unless it is installed inside site-packages already.
-    python_path = project_python_path()
-    project = project_packages() if python_path else []
+    project_path = project_python_path()
+    project = project_packages() if project_path else []
 
     ro = [p for p in (*_SYSTEM_DIRS, *etc) if os.path.lexists(p)]
-    ro += minimize([*py, *project, *(os.path.abspath(p) for p in extra_ro_binds)])
+    ro += minimize([*py, *project,
+                    *(os.path.abspath(p) for p in (*extra_ro_binds, *python_path))])
     # Python dirs living under /usr are covered by the /usr bind already.
     ro = [p for p in ro if p in _SYSTEM_DIRS or not _under(p, "/usr")]
 
-    pp = ":".join(python_path)
-    env = {
-        "PATH": ":".join(
-            dict.fromkeys([os.path.dirname(sys.executable), "/usr/local/bin", "/usr/bin", "/bin"])
-        ),
-        "HOME": "/tmp",
-        # getpass.getuser() reads these first; without them glibc's getpwuid tries
-        # nscd's socket, and connect() kills a control worker.
-        "USER": "worker",
-        "LOGNAME": "worker",
-        "TMPDIR": "/tmp",
-        "LANG": "C.UTF-8",
-        "PYTHONDONTWRITEBYTECODE": "1",  # tree is read-only anyway; avoid EROFS noise
-        "PYTHONNOUSERSITE": "1",
-        "PYTHONSAFEPATH": "1",  # don't put cwd/script dir first on sys.path
-    }
-    if pp:
-        env["PYTHONPATH"] = pp
+    env = base_env(python_path)
     threads = thread_count(cpu_quota_pct, strict)
     if threads is not None:
         env.update(dict.fromkeys(THREAD_ENV, str(threads)))
@@ -392,7 +427,7 @@ def policy_for_domain(
                                      + (cuda_device_nodes() if device == "cuda" else []))),
         device=device,
         env=env,
-        python_path=python_path,
+        python_path=list(dict.fromkeys([*project_path, *python_path])),
         hostname=domain,
     )
 
@@ -405,6 +440,7 @@ def for_worker(config: "Config", w: "WorkerConfig") -> SandboxPolicy:
     m = config.models.get(w.model or "")
     ro = (*d.extra_ro_binds, *((m.artifact, m.public_key) if m else ()))
     return policy_for_domain(w.domain, network=d.network, extra_ro_binds=ro,
+                             python_path=d.python_path,
                              extra_rw_binds=d.extra_rw_binds, user=d.user,
                              profile=d.profile, hide_compilers=d.hide_compilers,
                              refuse_torch=d.refuse_torch,
