@@ -1110,3 +1110,90 @@ def test_gpu_nodes_pass_the_plan_check_only_for_a_cuda_worker():
                root=True)
     with pytest.raises(Refused, match="device binds not named"):
         check_plan(pol, domain_rw=(), domain_dev=(), state_dir="/var/lib/x", root=True)
+
+
+def test_a_slow_read_back_holds_no_other_request():
+    """readFilters (the W^X read-back, up to wx.VERIFY_WALL_S on a thread that will not
+    stop) is answered from a broker thread of its own, so the client matches replies by
+    id: a dying control writer's `pids` (the SAFE path) and a kill go through while one
+    is outstanding. Here the broker's side is scripted on a real socket: it holds the
+    readFilters reply until two later requests are answered, and cuts one (id 0)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    c = BrokerClient(ours)
+    got: dict[str, object] = {}
+    slow = threading.Thread(target=lambda: got.update(filters=c.read_filters(42)))
+    slow.start()
+    rid_f, req = P.decode_request(P.recv(theirs)[0])
+    assert isinstance(req, P.ReadFilters) and req.pid == 42
+    fast = threading.Thread(target=lambda: got.update(pids=c.pids("w", 1)))
+    fast.start()
+    rid_p, req = P.decode_request(P.recv(theirs)[0])
+    assert isinstance(req, P.Pids)
+    P.send(theirs, P.encode_reply(rid_p, P.PidList((7, 8))))
+    fast.join(5)
+    assert got.get("pids") == [7, 8] and "filters" not in got and slow.is_alive()
+    # A request the kernel cut comes back with id 0: it is the oldest one answered in
+    # order, never the outstanding readFilters.
+    errs: list[BaseException] = []
+
+    def ping() -> None:
+        try:
+            c.ping()
+        except BaseException as e:        # noqa: BLE001 - what the caller saw
+            errs.append(e)
+
+    cut = threading.Thread(target=ping)
+    cut.start()
+    P.decode_request(P.recv(theirs)[0])
+    P.send(theirs, P.encode_reply(0, P.Error("tooLarge", "cut by the kernel")))
+    cut.join(5)
+    assert len(errs) == 1 and isinstance(errs[0], TooLarge) and slow.is_alive()
+    P.send(theirs, P.encode_reply(rid_f, P.Filters(True, True, "", 3, 1200)))
+    slow.join(5)
+    assert got["filters"] == P.Filters(True, True, "", 3, 1200)
+    theirs.close()
+    with pytest.raises(ConnectionError):
+        c.ping()
+    ours.close()
+
+
+@pytest.mark.sandbox
+@needs_bwrap
+def test_read_backs_and_other_requests_at_once_each_get_their_own_reply(broker):
+    """The real broker: read-backs on one thread while another asks pids and pings;
+    every reply is its own request's."""
+    c = broker.client
+    n = _next() + 3000
+    s = c.start("lone", n)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    try:
+        _status_until_ready(s.status_r)
+        worker = c.pids("lone", n)[-1]
+
+        def backs() -> None:
+            try:
+                while not stop.is_set():
+                    got = c.read_filters(worker)
+                    assert got.ptrace and got.threads >= 1, got
+            except BaseException as e:    # noqa: BLE001
+                errors.append(e)
+
+        t = threading.Thread(target=backs)
+        t.start()
+        counted = 0
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            assert worker in c.pids("lone", n)
+            c.ping()
+            counted += 1
+        stop.set()
+        t.join(10)
+        assert not errors, errors
+        assert counted > 10
+    finally:
+        stop.set()
+        c.kill_sandbox("lone", n)
+        _wait_exit(s.pidfd)
+        c.reap("lone", n)
+        s.close()

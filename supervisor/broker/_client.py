@@ -1,5 +1,7 @@
-"""The supervisor proper's side of the broker: typed calls, one request and one reply
-at a time (a lock makes it safe from trio.to_thread), fds received as the reply says.
+"""The supervisor proper's side of the broker: typed calls from any thread, each reply
+matched to its request by id (the broker answers readFilters from a thread of its own,
+so a slow W^X read-back never holds a kill or a dying writer's `pids`), fds received as
+the reply says.
 
 A refusal comes back as the broker's exception class (supervisor.broker.Refused,
 NotOurs, ...), one line. Received fds belong to the caller (`StartedSandbox.close`,
@@ -79,7 +81,15 @@ class BrokerClient:
         self.sock = sock
         self.proc = proc
         self._id = 0
-        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        # Replies are read by one caller at a time (`_reader`), who files each under its
+        # request's id for its caller; `_sent` holds the ids still unanswered, in order.
+        self._cond = threading.Condition()
+        self._reader = False
+        self._sent: list[int] = []
+        self._async: set[int] = set()        # readFilters: answered out of order
+        self._replies: dict[int, tuple[bytes, list[int]]] = {}
+        self._closed = False
 
     @classmethod
     def spawn(cls, *, state_dir: str | os.PathLike, config: str | os.PathLike | None = None,
@@ -119,14 +129,77 @@ class BrokerClient:
 
     def call(self, req: P.Request, fds: list[int] = ()) -> tuple[P.Reply, list[int]]:
         """Send one request, return (reply, fds); raises the broker's error as its class."""
-        with self._lock:
-            self._id = (self._id + 1) & 0xFFFFFFFF
+        with self._send_lock:
+            self._id = self._id % 0xFFFFFFFF + 1         # never 0: the broker's "no id"
             rid = self._id
-            P.send(self.sock, P.encode_request(rid, req), fds)
-            got = P.recv(self.sock)
-        if got is None:
-            raise ConnectionError("the broker closed its socket")
-        data, rfds = got
+            with self._cond:
+                self._sent.append(rid)
+                if isinstance(req, P.ReadFilters):
+                    self._async.add(rid)
+            try:
+                P.send(self.sock, P.encode_request(rid, req), fds)
+            except BaseException:
+                self._forget(rid)
+                raise
+        try:
+            return self._await(rid)
+        finally:
+            self._forget(rid)
+
+    def _forget(self, rid: int) -> None:
+        with self._cond:
+            if rid in self._sent:
+                self._sent.remove(rid)
+            self._async.discard(rid)
+
+    def _await(self, rid: int) -> tuple[P.Reply, list[int]]:
+        """The reply to `rid`: filed by whoever reads, or read here when no one is."""
+        with self._cond:
+            while rid not in self._replies:
+                if self._closed:
+                    raise ConnectionError("the broker closed its socket")
+                if not self._reader:
+                    self._reader = True
+                    break
+                self._cond.wait()
+            else:
+                return self._decode(rid, *self._replies.pop(rid))
+        try:
+            while True:
+                got = P.recv(self.sock)
+                with self._cond:
+                    if got is None:
+                        self._closed = True
+                        raise ConnectionError("the broker closed its socket")
+                    data, rfds = got
+                    self._file(data, rfds)
+                    self._cond.notify_all()
+                    if rid in self._replies:
+                        return self._decode(rid, *self._replies.pop(rid))
+        finally:
+            with self._cond:
+                self._reader = False
+                self._cond.notify_all()
+
+    def _file(self, data: bytes, rfds: list[int]) -> None:
+        """File one reply under its request's id (under `_cond`). An Error with id 0 is
+        the broker's answer to a request the kernel cut (it could not read the id): the
+        oldest unanswered request it answers in order. A reply to nothing asked is
+        dropped with its fds."""
+        try:
+            got_id, _ = P.decode_reply(data)
+        except BrokerError:
+            got_id = 0
+        if got_id == 0:
+            got_id = next((r for r in self._sent
+                           if r not in self._async and r not in self._replies), 0)
+        if got_id == 0 or got_id not in self._sent or got_id in self._replies:
+            P.close_fds(rfds)
+            return
+        self._replies[got_id] = (data, rfds)
+
+    @staticmethod
+    def _decode(rid: int, data: bytes, rfds: list[int]) -> tuple[P.Reply, list[int]]:
         try:
             got_id, rep = P.decode_reply(data)
             if got_id != rid and not (isinstance(rep, P.Error) and got_id == 0):

@@ -125,6 +125,10 @@ class Broker:
     # Cgroups of reaped sandboxes being killed empty and removed off the main thread
     # (`_reap`): joined before the tree is closed.
     _releasing: list = field(default_factory=list)
+    # readFilters requests being answered on threads of their own (`_one`): joined
+    # before the sandboxes are stopped. Replies leave under `_send_lock`.
+    _verifying: list = field(default_factory=list)
+    _send_lock: threading.Lock = field(default_factory=threading.Lock)
     rt_reserved: int | None = None     # % of a CPU reserved for the tree's RT leaves (v1)
     rt_error: str = ""                 # why none could be reserved
 
@@ -206,6 +210,9 @@ class Broker:
 
     def stop_all(self) -> None:
         """Kill every sandbox still held, then the cgroup tree (nothing outlives us)."""
+        for t in self._verifying:
+            t.join()
+        self._verifying.clear()
         for t in self._releasing:
             t.join()
         self._releasing.clear()
@@ -226,7 +233,8 @@ class Broker:
 
     def _send(self, rid: int, rep: P.Reply, fds: list[int] = ()) -> None:
         try:
-            P.send(self.sock, P.encode_reply(rid, rep), fds)
+            with self._send_lock:
+                P.send(self.sock, P.encode_reply(rid, rep), fds)
         except OSError as e:
             self.log.emit("broker_error", source="broker", error=f"send: {e}")
 
@@ -240,12 +248,35 @@ class Broker:
         the request is done (a started sandbox holds its own copies); the fds of the
         reply are ours and closed once sent."""
         self.served += 1
-        rid, kind = 0, "?"
-        out: list[int] = []
+        rid, kind, req = 0, "?", None
         try:
             rid, req = P.decode_request(data)
             kind = P.kind_of(req)
             self.by_request[kind] += 1
+        except Exception as e:           # answered as any other refusal or bug, below
+            self._answer(rid, kind, None, fds, undecodable=e)
+            return
+        if isinstance(req, P.ReadFilters):
+            # The W^X read-back seizes every thread of a process and may take up to
+            # wx.VERIFY_WALL_S (a thread that will not stop): on this thread it held
+            # every other request, a dying control writer's `pids` (the supervisor's
+            # SAFE path) among them. Its own thread (ptrace requests come from the
+            # seizing thread, and it seizes and lets go within the one call); the
+            # proper's client matches replies by id.
+            self._verifying = [t for t in self._verifying if t.is_alive()]
+            t = threading.Thread(target=self._answer, args=(rid, kind, req, fds),
+                                 daemon=True, name="broker-readFilters")
+            self._verifying.append(t)
+            t.start()
+            return
+        self._answer(rid, kind, req, fds)
+
+    def _answer(self, rid: int, kind: str, req: P.Request | None, fds: list[int],
+                undecodable: Exception | None = None) -> None:
+        out: list[int] = []
+        try:
+            if undecodable is not None:
+                raise undecodable
             if fds and not isinstance(req, P.Start):
                 raise BadFds(f"{len(fds)} fds with a {kind} request, which takes none")
             rep, out = self._handle(req, fds)
@@ -334,12 +365,13 @@ class Broker:
         members in every hierarchy per request cost the broker ~2 ms of CPU a request
         (27 % of a core at steady state on the default config, loaded: the maps scan
         asks for each executable mapping each second)."""
-        for inc in self.live.values():
+        live = list(self.live.values())     # readFilters asks from its own thread
+        for inc in live:
             if pid == inc.proc.pid and inc.alive:
                 return inc
-        where = _cgroup_paths(pid) if any(i.cgroup is not None for i in self.live.values()) \
+        where = _cgroup_paths(pid) if any(i.cgroup is not None for i in live) \
             else set()
-        for inc in self.live.values():
+        for inc in live:
             if inc.cgroup is not None:
                 if any(f"{p}/".find(f"{leaf}/") >= 0 for p in where for leaf in inc.leaves):
                     return inc
