@@ -105,9 +105,21 @@ def fd_handoff(ctx: WorkerContext, a: argparse.Namespace) -> dict:
     w = ctx.writer(a.pub)
     h = json.loads(ctx._handle_json(a.pub))
     fds = [h["data_fd"], *h["lease_fds"], *h["event_fds"]]
-    for _ in range(20):
+    from supervisor.ipc import layout as L
+
+    def taken(i: int) -> bool:     # reader i has consumed a command (its lease table)
+        mm = w._leases[i] if i < len(w._leases) else None
+        return (mm is not None and L.U64.unpack_from(mm, 0)[0] == L.LEASE_MAGIC
+                and L.U64.unpack_from(mm, L.OFF_TAKEN)[0] > 0)
+
+    end = time.monotonic() + 60.0
+    n = 0
+    while n < 20 or (a.wait_reader >= 0 and not taken(a.wait_reader)
+                     and time.monotonic() < end):
+        ctx.watchdog()
         w.publish_array(CONTROL_CMD.encode(steer_rad=0.1, engaged=1.0, reason=0.0,
                                            model_age_ms=5.0))
+        n += 1
         time.sleep(0.01)
     sent, errors = 0, []
     for efd in h["event_fds"]:
@@ -189,6 +201,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--wait-signal", action="store_true")
     p.add_argument("--pub", default="")
     p.add_argument("--sub", default="")
+    p.add_argument("--wait-reader", type=int, default=-1)
     p.add_argument("--seconds", type=float, default=3.0)
     return p.parse_args(argv)
 
