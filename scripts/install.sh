@@ -51,6 +51,12 @@ if [ $system -eq 0 ]; then
         echo "install.sh: $py does not run (exit $rc): set PYTHON to a Python 3.11 or 3.12, or activate its venv" >&2
         exit 2
     fi
+    # The development install links this checkout and writes into it (supervisor.egg-info,
+    # the native module): from a read-only one pip failed with 15 lines, after apt.
+    if [ ! -w . ]; then
+        echo "install.sh: $(pwd) is read-only: the development install writes into the checkout (supervisor.egg-info, the native module); use a writable clone, or install a copy: bash scripts/install.sh --system" >&2
+        exit 2
+    fi
 fi
 UNIT_DIR="${TRIO_UNIT_DIR:-/etc/systemd/system}"
 

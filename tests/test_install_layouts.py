@@ -271,6 +271,33 @@ exit 3
     assert not (tmp_path / "units").exists()
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare (a private read-only mount)")
+def test_a_development_install_from_a_read_only_checkout_says_so_first(tmp_path):
+    """`install.sh` (editable) from a read-only checkout ran apt's checks, then died in
+    pip with 15 lines ("Getting requirements to build editable did not run
+    successfully"). It now stops first, in one line, naming the checkout and the install
+    that copies it. PYTHON is this interpreter behind a stand-in that refuses pip, so
+    nothing is installed whatever the script does."""
+    co = tmp_path / "checkout"
+    (co / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "install.sh", co / "scripts" / "install.sh")
+    py = tmp_path / "python"
+    py.write_text(f"""#!/bin/sh
+case " $* " in *" pip "*) touch {tmp_path}/pip-ran; exit 7 ;; esac
+exec {sys.executable} "$@"
+""")
+    py.chmod(0o755)
+    script = ('mount --make-rprivate / && mount --bind "$0" "$0" && '
+              'mount -o remount,bind,ro "$0" && exec bash "$0/scripts/install.sh"')
+    p = subprocess.run(["unshare", "-m", "sh", "-c", script, str(co)], capture_output=True,
+                       text=True, timeout=60, cwd="/", env={**os.environ, "PYTHON": str(py)})
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert not (tmp_path / "pip-ran").exists()
+    (line,) = p.stderr.strip().splitlines()
+    assert f"{co} is read-only" in line and "install.sh --system" in line, line
+
+
 def _latin1_locale(base: Path) -> dict[str, str] | None:
     """LOCPATH/LANG of an ISO-8859-1 locale compiled into `base` (Debian ships only C and
     C.UTF-8 compiled), or None where localedef or its sources are missing."""
