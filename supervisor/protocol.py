@@ -34,6 +34,10 @@ ENV_SANDBOXED = "TRIO_SANDBOXED"
 # The worker's roles bound to channels by the config: "frames=road_frames,model=model_out".
 # A worker asks for a role (ctx.reader("frames")), never for a channel's name.
 ENV_ROLES = "TRIO_ROLES"
+# The roles bound through shadow_subscribes (log only): `WorkerContext.reader` refuses
+# them, `shadow_reader` hands them out, so a config that binds an actuation input there
+# (red team round 6 row 0) stops the worker instead of feeding it research's numbers.
+ENV_SHADOW_ROLES = "TRIO_SHADOW_ROLES"
 
 
 def encode_roles(roles: tuple[tuple[str, str], ...] | list[tuple[str, str]]) -> str:
@@ -217,6 +221,7 @@ class Endpoint:
     network: bool = False
     sandboxed: bool = False
     roles: tuple[tuple[str, str], ...] = ()
+    shadow_roles: tuple[str, ...] = ()           # roles bound through shadow_subscribes
     writable: tuple[str, ...] = ()
     model: dict[str, str | None] | None = None   # the trust record of [models.NAME]
     mode: str = VEHICLE                          # [supervisor] mode
@@ -231,6 +236,7 @@ def endpoint_for(cfg: Any, w: Any, sandboxed: bool = True) -> Endpoint:
     m = cfg.models.get(w.model or "")
     return Endpoint(name=w.name, domain=w.domain, profile=d.profile, isolation=d.isolation(),
                     network=d.network, sandboxed=sandboxed, roles=w.roles,
+                    shadow_roles=tuple(r for r, ch in w.roles if ch in w.shadow_subscribes),
                     writable=d.extra_rw_binds,
                     model=dataclasses.asdict(m) if m else None, mode=cfg.supervisor.mode,
                     busy_poll_us=w.busy_poll_us)
@@ -246,7 +252,8 @@ def worker_env(ep: Endpoint, status_fd: int | None,
     env = {ENV_NAME: ep.name, ENV_DOMAIN: ep.domain, ENV_PROFILE: ep.profile or ep.domain,
            ENV_NETWORK: "1" if ep.network else "0", ENV_SANDBOXED: "1" if ep.sandboxed else "0",
            ENV_ISOLATION: iso.encode(), ENV_WRITABLE: ":".join(ep.writable),
-           ENV_ROLES: encode_roles(ep.roles), ENV_CHANNELS: ",".join(handles),
+           ENV_ROLES: encode_roles(ep.roles), ENV_SHADOW_ROLES: ",".join(ep.shadow_roles),
+           ENV_CHANNELS: ",".join(handles),
            ENV_MODE: ep.mode, ENV_BUSY_POLL: str(ep.busy_poll_us)}
     if status_fd is not None:
         env[ENV_STATUS_FD] = str(status_fd)

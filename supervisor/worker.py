@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from supervisor.ipc import Reader, ReaderHandle, Writer, WriterHandle, env_name
 
 from supervisor.protocol import (ENV_BUSY_POLL, ENV_CHANNELS, ENV_DOMAIN, ENV_MODE,
-                                 ENV_MODEL, ENV_NAME, ENV_NETWORK, ENV_PROFILE, ENV_ROLES, ENV_STANDBY_FD,
+                                 ENV_MODEL, ENV_NAME, ENV_NETWORK, ENV_PROFILE, ENV_ROLES, ENV_SHADOW_ROLES, ENV_STANDBY_FD,
                                  ENV_STATUS_FD, SIMULATION, VEHICLE, Isolation, decode_roles,
                                  format_line, simulation_only)
 
@@ -52,6 +52,8 @@ class WorkerContext:
     network: bool = False
     profile: str = ""          # the domain's profile; empty: the domain's name
     roles: dict[str, str] = field(default_factory=dict)    # role -> channel (the config's)
+    # Roles bound through shadow_subscribes: log only, read with `shadow_reader`.
+    shadow_roles: frozenset[str] = frozenset()
     isolation: Isolation = field(default_factory=Isolation)
     # The [models.NAME] trust record the config gives this worker (None: no model).
     model: dict | None = None
@@ -70,6 +72,8 @@ class WorkerContext:
                    channels=tuple(c for c in env.get(ENV_CHANNELS, "").split(",") if c),
                    status_fd=int(fd) if fd else None, network=env.get(ENV_NETWORK) == "1",
                    profile=env.get(ENV_PROFILE, ""), roles=decode_roles(env.get(ENV_ROLES)),
+                   shadow_roles=frozenset(r for r in env.get(ENV_SHADOW_ROLES, "").split(",")
+                                          if r),
                    isolation=Isolation.from_env(env), model=_model_of(env),
                    mode=env.get(ENV_MODE, VEHICLE), busy_poll_us=_busy_poll_of(env))
 
@@ -143,7 +147,25 @@ class WorkerContext:
         return self._writers[channel]
 
     def reader(self, role: str) -> Reader:
-        """A read-only reader of the channel bound to `role` in the config."""
+        """A read-only reader of the channel bound to `role` in the config (subscribes).
+        A role the config binds through shadow_subscribes is refused here: its data is
+        for logging, and a worker that asks `reader` for it means to act on it."""
+        if role in self.shadow_roles or self.channel_of(role) in {
+                self.channel_of(r) for r in self.shadow_roles}:
+            raise KeyError(f"worker {self.name!r}: role {role!r} is bound through "
+                           "shadow_subscribes (log only, never an input it acts on); bind "
+                           f"it in [workers.{self.name}] subscribes, or read it with "
+                           "shadow_reader")
+        return self._reader(role)
+
+    def shadow_reader(self, role: str) -> Reader:
+        """A read-only reader of a role bound through shadow_subscribes (log only)."""
+        if role not in self.shadow_roles:
+            raise KeyError(f"worker {self.name!r}: role {role!r} is not bound through "
+                           "shadow_subscribes")
+        return self._reader(role)
+
+    def _reader(self, role: str) -> Reader:
         channel = self.channel_of(role)
         if channel not in self._readers:
             self._readers[channel] = Reader(ReaderHandle.from_json(self._handle_json(role)),

@@ -42,8 +42,9 @@ def _line(ev: list[dict], worker: str, prefix: str) -> dict | None:
 
 # ------------------------------------------------------------------ the fleet
 # One embedded Supervisor: the actuation writer `steer` (controlsd in the fail-safe
-# control domain, its model role bound through shadow_subscribes to `m`), and the
-# research attackers: `shadow` (writes `m`), `spoof` (a channel look-alike, NaN records),
+# control domain, its model role fed `m` by `shadow`, a control worker since row 0's
+# config, research feeding it through shadow_subscribes, is refused before start: see
+# its own tests), and the research attackers: `spoof` (a channel look-alike, NaN records),
 # `r` (deep log records, signalled last: they may end the supervisor). The tests read
 # the supervisor's events, the commands controlsd sent, a live audit of the running
 # system and whatever trio.run raised.
@@ -66,7 +67,7 @@ dtype = "float32"
 payload = "control_cmd"
 max_readers = 2
 [workers.shadow]
-domain = "research"
+domain = "control"
 module = "{module}"
 publishes = ["m"]
 args = ["--attack", "shadow_model", "--pub", "m", "--seconds", "60"]
@@ -76,7 +77,7 @@ ready_timeout_ms = 60000
 [workers.steer]
 domain = "control"
 module = "workers.controlsd"
-shadow_subscribes = {{ model = "m" }}
+subscribes = {{ model = "m" }}
 publishes = {{ command = "cmd" }}
 optional = true
 ready_timeout_ms = 60000
@@ -184,8 +185,7 @@ def rt6_fleet(tmp_path_factory) -> dict:
             except Exception as e:           # reported by the test that needs it
                 out["audit_error"] = f"{type(e).__name__}: {e}"
             out["phases"]["audit"] = time.monotonic() - t0
-            # 2. what controlsd, its model role bound through shadow_subscribes to a
-            #    research channel, sends the car
+            # 2. what controlsd sends the car (the baseline: it runs and commands)
             if "steer" in sup.runs:
                 await commands_of("cmd", 1.0)
             out["phases"]["commands"] = time.monotonic() - t0
@@ -225,13 +225,6 @@ def test_the_live_audit_sees_the_real_writer_of_the_channel(rt6_fleet) -> None:
     assert "cmd" in writes, _row(rt6_fleet, "steer")["channels"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "round 6 row 5: a research worker's own memfd named trio-bridge:cmd, mapped rw, is "
-    "reported by the live audit as research writing control's actuation channel cmd "
-    "(audit/evidence.channel_mappings matches /proc/PID/maps by name): the worker writes "
-    "what the signed audit says. Fix: channel_mappings identifies a segment by its "
-    "inode (dev:ino of the supervisor's segments, or of the worker's handle fds), never "
-    "by the name a worker can choose"))
 def test_a_worker_never_chooses_which_channels_the_live_audit_says_it_writes(
         rt6_fleet) -> None:
     assert _line(rt6_fleet["events"], "spoof", "DONE ") is not None
@@ -246,12 +239,6 @@ def _strict_json(line: str) -> object:
     return json.loads(line, parse_constant=refuse)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "round 6 row 6: a worker's log record {\"log\":..,\"data\":{\"x\":NaN}} is "
-    "re-emitted with NaN/Infinity: the supervisor's event line is not JSON and a strict "
-    "reader (jq, a journald JSON consumer) stops there. Fix: output.parse_log_record "
-    "reads with parse_constant refusing NaN/Infinity (or events.render with "
-    "allow_nan=False and a fallback)"))
 def test_every_event_line_is_json_whatever_a_worker_prints(rt6_fleet) -> None:
     assert any(e.get("msg") == "nan" for e in _of(rt6_fleet["events"], "spoof", "log"))
     bad = []
@@ -270,17 +257,76 @@ def test_the_shadow_attack_ran(rt6_fleet) -> None:
     assert rt6_fleet["commands"], "no command read from controlsd"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "round 6 row 0: `shadow_subscribes = { model = \"m\" }` binds controlsd's model role "
-    "to a research channel; config/_rules.check_trust looks at subscribes only and roles "
-    "do not say which list bound them: controlsd sent the car engaged commands steering "
-    "on research's numbers (120 engaged in 2 s, steer -0.175 rad). Fix: "
-    "config/_loader.Loader.worker or _rules.check_trust: a shadow_subscribes channel of a protected worker may be bound "
-    "only to a role its module declares log-only (or the runner refuses ctx.reader on a "
-    "shadow role for actuation: Endpoint marks shadow roles)"))
-def test_research_numbers_never_reach_a_command_through_a_shadow_binding(rt6_fleet) -> None:
-    engaged = [c for c in rt6_fleet["commands"] if c.get("engaged")]
-    assert not engaged, f"{len(engaged)} engaged commands, e.g. {engaged[:2]}"
+_ROW0 = """
+[domains.control]
+failure_policy = "fail_safe"
+actuates = true
+[domains.research]
+[channels.m]
+slot_size = "4KiB"
+dtype = "float32"
+payload = "model_out"
+[channels.cmd]
+slot_size = "4KiB"
+dtype = "float32"
+payload = "control_cmd"
+[workers.shadow]
+domain = "research"
+module = "{module}"
+publishes = ["m"]
+args = ["--attack", "shadow_model", "--pub", "m"]
+[workers.steer]
+domain = "control"
+module = "workers.controlsd"
+shadow_subscribes = {{ model = "m" }}
+publishes = {{ command = "cmd" }}
+"""
+
+
+def test_research_numbers_never_reach_a_command_through_a_shadow_binding(tmp_path) -> None:
+    """Row 0 (fixed): `shadow_subscribes = { model = "m" }` bound controlsd's model role
+    to a research channel; the config loaded, check said "all admitted", and controlsd
+    sent 120 engaged commands in 2 s steering on research's numbers. Now check and run
+    refuse the config before anything starts, naming the key."""
+    path = tmp_path / "row0.toml"
+    path.write_text(_ROW0.format(module=MODULE))
+    for cmd in ("check", "run"):
+        p = subprocess.run([sys.executable, "-m", "supervisor.cli", cmd, "--config",
+                            str(path)], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "TRIO_STATE_DIR": str(tmp_path / "state")})
+        assert p.returncode == 2, (cmd, p.returncode, p.stderr[-1500:])
+        assert "workers.steer.shadow_subscribes: workers.controlsd's input role 'model' " \
+            "is bound through shadow_subscribes, which is log only" in p.stderr, p.stderr
+        assert "Traceback" not in p.stderr
+
+
+def test_a_worker_never_reads_a_shadow_role_as_an_input(tmp_path, monkeypatch) -> None:
+    """Row 0's second wall, where the data is read: a worker told its model role is a
+    shadow binding (however the config got past check) gets no reader for it from
+    `WorkerContext.reader`; `shadow_reader` (the recorder's) is the only way to it."""
+    from supervisor.config import loads
+    from supervisor.ipc import Channel, Writer, env_name
+    from supervisor.protocol import endpoint_for, worker_env
+    from supervisor.worker import WorkerContext
+
+    cfg = loads(_ROW0.format(module=MODULE), str(tmp_path / "row0.toml"))
+    ch = Channel.create(cfg.channel_specs()["m"])
+    try:
+        env, _ = worker_env(endpoint_for(cfg, cfg.workers["steer"]), None,
+                            {"m": ch.reader_handle(0)})
+        ctx = WorkerContext.from_env(env)
+        with pytest.raises(KeyError, match="role 'model' is bound through shadow_subscribes"):
+            ctx.reader("model")
+        with pytest.raises(KeyError, match="shadow_subscribes"):
+            ctx.reader("m")                       # nor by the channel's own name
+        monkeypatch.setenv(env_name("m"), env[env_name("m")])
+        w = Writer(ch.writer_handle())
+        r = ctx.shadow_reader("model")
+        assert r is not None
+        r.close()
+        w.close()
+    finally:
+        ch.close()
 
 
 def _last_word_ns(rt6_fleet, worker: str) -> int:
@@ -321,12 +367,6 @@ def test_the_deep_log_attack_ran(rt6_fleet) -> None:
     assert res is not None and res["attack"] == "deep_log", _of(ev, "r", "output")[:3]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "round 6 row 1: a research worker's stdout line {\"log\":..,\"data\":<lists ~950-990 "
-    "deep>} parses (output.parse_log_record) but its rendering (events.render: json.dumps) "
-    "raises RecursionError out of _WorkerIO._emit_output: the supervisor's nursery ends, "
-    "every control worker is stopped, supervisor_exit says code 0 'shutdown'. Fix: "
-    "output.parse_log_record bounds data's depth (or emit renders with a fallback)"))
 def test_a_research_workers_output_never_ends_the_supervisor(rt6_fleet) -> None:
     ev = rt6_fleet["events"]
     assert rt6_fleet["crash"] is None, rt6_fleet["crash"]
@@ -379,11 +419,6 @@ def test_the_gate_sees_a_changed_command_and_a_changed_heading(tmp_path) -> None
                      tolerances={"model_out.added": 2}).ok
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "round 6 row 2: one extra output one value wide for a frame REF lacks (tolerated as "
-    "added, as docs/replay.md's CI line does) sets the width every message of the channel "
-    "is compared over: heading_rad x50 passes. Fix: replay/diff.compare_channel compares "
-    "each common pair over its own size (fields named for the payload's width)"))
 def test_one_narrow_output_never_hides_the_other_fields_from_the_gate(tmp_path) -> None:
     ref = _gate_log(tmp_path, "ref")
     run = _gate_log(tmp_path, "run", heading=0.05, warmup=True)
@@ -391,11 +426,6 @@ def test_one_narrow_output_never_hides_the_other_fields_from_the_gate(tmp_path) 
     assert not rep.ok, [(c.channel, c.changed, c.added) for c in rep.channels]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "round 6 row 3: a run whose control_cmd messages carry no frame id has the gated "
-    "channel 'not compared' and the verdict 'within tolerance' (exit 0) with every steer "
-    "0.1 -> 0.9. Fix: replay/diff.compare: a gated channel not compared makes the "
-    "verdict not ok (exit 7 incomplete, or 6) unless --ignore names it"))
 def test_a_gated_channel_that_cannot_be_compared_never_passes_the_gate(tmp_path) -> None:
     ref = _gate_log(tmp_path, "ref")
     run = _gate_log(tmp_path, "run", cmd_frame_ids=False, steer=0.9)
@@ -422,24 +452,12 @@ def test_the_time_gate_sees_a_tenfold_latency(tmp_path) -> None:
     assert not _gate(_timed_log(tmp_path, "slow", latency_ms=50.0), ref).gate.ok
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "round 6 row 4: a run whose model outputs carry no execution receipt (the model "
-    "ten times slower) passes the time gate: 'no receipts on one side: not gated', "
-    "ok=True. Fix: replay/diff.time_gate: REF with receipts and a run without them is "
-    "a failed (or incomplete) gate, never a pass"))
 def test_a_run_without_receipts_never_passes_the_time_gate(tmp_path) -> None:
     ref = _timed_log(tmp_path, "ref", latency_ms=5.0)
     rep = _gate(_timed_log(tmp_path, "run", latency_ms=50.0, receipts=False), ref)
     assert not (rep.gate.ok and rep.ok), rep.gate.why
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "round 6 row 7: a REF log whose control_cmd messages are strings (dtype <U4; "
-    "DriveLog refuses only object dtypes) makes replay.diff.compare_channel raise "
-    "ValueError at astype(float64): `replay --ref` ends after the whole replay in "
-    "'internal error' exit 1, not one line naming the log. Fix: replay/drivelog.DriveLog."
-    "_take counts a message of a non-numeric dtype (kind not in 'biuf') as a corrupt "
-    "record"))
 def test_a_reference_log_of_strings_is_one_line_not_an_internal_error(tmp_path) -> None:
     import numpy as np
 
@@ -464,10 +482,6 @@ def test_a_reference_log_of_strings_is_one_line_not_an_internal_error(tmp_path) 
         pytest.fail(f"compare raised on a hostile REF: {e}")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "round 6 row 7: `supervisor log cat LOG control_cmd` on a log whose messages are "
-    "strings: a Python traceback (ValueError in replay/logtool.rows, float(v)), exit 1. "
-    "Fix: replay/drivelog.DriveLog._take counts a non-numeric dtype as a corrupt record"))
 def test_log_cat_answers_a_log_of_strings_in_one_line(tmp_path) -> None:
     import numpy as np
 

@@ -496,7 +496,8 @@ def _script_module(script: str) -> str | None:
 
 def _role_problems(w: WorkerConfig, search: list[str]) -> list[tuple[str, str]]:
     """Roles the worker's code asks for that the config does not bind (on the right
-    side: an input role among subscribes, an output role among publishes)."""
+    side: an input role among subscribes, never shadow_subscribes, an output role
+    among publishes)."""
     declared = _declared_roles(w.module or "", search)
     if not declared:
         return []
@@ -505,7 +506,15 @@ def _role_problems(w: WorkerConfig, search: list[str]) -> list[tuple[str, str]]:
     for kind, key in (("in", "subscribes"), ("out", "publishes")):
         for role in declared.get(kind, ()):
             ch = roles.get(role)
-            side = w.publishes if kind == "out" else (*w.subscribes, *w.shadow_subscribes)
+            if kind == "in" and ch in w.shadow_subscribes:
+                # Log only: the worker acts on its input roles (`WorkerContext.reader`
+                # refuses this one at start). Red team round 6 row 0: controlsd's model
+                # role bound here steered on a research worker's numbers.
+                out.append(("shadow_subscribes", f"{w.module}'s input role {role!r} is "
+                            "bound through shadow_subscribes, which is log only: bind it in "
+                            "subscribes"))
+                continue
+            side = w.publishes if kind == "out" else w.subscribes
             if ch is None or ch not in side:
                 what = "input" if kind == "in" else "output"
                 out.append((key, f"{w.module} needs {what} role {role!r}: bind it to a "

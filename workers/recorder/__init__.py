@@ -184,7 +184,8 @@ def main(ctx: WorkerContext) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     names = [c for c in a.channels.split(",") if c] or list(ctx.channels)
     try:
-        taps = [Tap(n, ctx.reader(n), video=a.video != "none") for n in names]
+        taps = [Tap(n, ctx.shadow_reader(n) if n in ctx.shadow_roles else ctx.reader(n),
+                    video=a.video != "none") for n in names]
         ack = Ack(ctx.writer(a.ack), a.ack_on) if a.ack else None
         if ack is not None:
             ack.others = [t for t in taps if t.name != a.ack_on]
