@@ -72,10 +72,35 @@ def _text(v: Any) -> str:
     return json.dumps(s)
 
 
+# How deep a value of an event may nest as written; deeper is cut to a marker.
+MAX_DEPTH = 32
+
+
+def _plain(v: Any, depth: int = 0) -> Any:
+    """`v` as strict JSON can carry it: non-finite floats as strings, anything nested
+    deeper than MAX_DEPTH as "...", keys as strings. Only for an event json.dumps
+    refused: the common case never walks."""
+    if isinstance(v, float):
+        return v if v == v and v not in (float("inf"), float("-inf")) else str(v)
+    if isinstance(v, (str, int, bool)) or v is None:
+        return v
+    if depth >= MAX_DEPTH:
+        return "..."
+    if isinstance(v, dict):
+        return {str(k): _plain(x, depth + 1) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x, depth + 1) for x in v]
+    return str(v)
+
+
 def render(rec: dict[str, Any], fmt: str = "json") -> str:
-    """One event as a line: compact JSON, or text for a terminal."""
+    """One event as a line: strict JSON (RFC 8259: no NaN, bounded depth, whatever a
+    worker's record held: red team round 6 rows 1 and 6), or text for a terminal."""
     if fmt == "json":
-        return json.dumps(rec, default=str, separators=(",", ":"))
+        try:
+            return json.dumps(rec, default=str, separators=(",", ":"), allow_nan=False)
+        except (ValueError, RecursionError):
+            return json.dumps(_plain(rec), default=str, separators=(",", ":"))
     ts = rec.get("ts", 0.0)
     clock = time.strftime("%H:%M:%S", time.localtime(ts)) + f".{int(ts * 1000) % 1000:03d}"
     # Values are quoted when they could pass for more keys or a new line (a worker's

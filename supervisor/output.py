@@ -13,6 +13,8 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from supervisor.events import MAX_DEPTH
+
 
 @dataclass
 class LineLimiter:
@@ -104,16 +106,33 @@ class LineLimiter:
         return False
 
 
+def _deeper_than(obj: object, limit: int) -> bool:
+    """Whether `obj` nests lists/dicts more than `limit` deep (iterative: no stack)."""
+    todo = [(obj, 0)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            if d >= limit:
+                return True
+            todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
 def parse_log_record(line: str) -> dict | None:
     """A `WorkerContext.log` record ({"log": msg, "data": {...}}) as event fields
     (``msg``, ``data``), or None for any other line. Only those two keys are taken:
-    the worker cannot set the event's source, name, time or worker."""
+    the worker cannot set the event's source, name, time or worker. A record nesting
+    deeper than MAX_DEPTH stays an `output` line (red team round 6 row 1: rendering it
+    ended the supervisor); NaN and Infinity are kept, and written as strings
+    (`events.render`: every event line is strict JSON)."""
     if not line.startswith('{"log":'):
         return None
     try:
         obj = json.loads(line)
     except (ValueError, RecursionError):   # a deeply nested record must not end us
         return None
+    if _deeper_than(obj, MAX_DEPTH):
+        return None                        # stays an `output` line: its text, not its tree
     if not isinstance(obj, dict) or not isinstance(obj.get("log"), str):
         return None
     out: dict = {"msg": obj["log"]}
