@@ -79,7 +79,10 @@ class ChannelDiff:
     removed: list[int] = field(default_factory=list)
     changed: list[int] = field(default_factory=list)
     fields: list[FieldDiff] = field(default_factory=list)
-    note: str = ""                   # why it was not compared (then it does not fail)
+    # Why it was not compared. A gated channel that could not be compared fails the
+    # verdict (red team round 6 row 3: a run whose commands lost their frame ids passed):
+    # --ignore CHANNEL leaves it out on purpose.
+    note: str = ""
     gated: bool = True               # decides the verdict (else: reported only)
     added_tol: int = 0               # presence tolerances (--tol CHANNEL.added=N)
     removed_tol: int = 0
@@ -87,8 +90,8 @@ class ChannelDiff:
 
     @property
     def ok(self) -> bool:
-        return (len(self.added) <= self.added_tol and len(self.removed) <= self.removed_tol
-                and not self.changed)
+        return (not self.note and len(self.added) <= self.added_tol
+                and len(self.removed) <= self.removed_tol and not self.changed)
 
     @property
     def first(self) -> int | None:
@@ -163,7 +166,9 @@ def compare_channel(channel: str, run: list[Msg], ref: list[Msg], tols: dict[str
     cd.removed = sorted(set(b) - set(a))
     common = sorted(set(a) & set(b))
     cd.compared = len(common)
-    width = next((m.array.size for m in (*a.values(), *b.values())), 0)
+    # Named over the widest message: one narrow message (an added output one value
+    # wide) once set the width every pair was compared over (red team round 6 row 2).
+    width = max((m.array.size for m in (*a.values(), *b.values())), default=0)
     names = _fields(channel, payloads, width)
     fds = [FieldDiff(n, tols.get(f"{channel}.{n}", tols.get(channel, default_tol)))
            for n in names]
@@ -205,9 +210,14 @@ def time_gate(run: DriveLog, ref: DriveLog, channel: str | None, *, p99_ratio: f
               max_ratio: float, floor_ms: float) -> TimeGate:
     lat, _ = receipt_latencies(run.messages.get(channel or "", []))
     rlat, _ = receipt_latencies(ref.messages.get(channel or "", []))
-    if not lat or not rlat:
+    if not rlat:
         return TimeGate(None, None, None, None, p99_ratio, max_ratio, floor_ms, True,
-                        "no receipts on one side: not gated")
+                        "REF's model outputs carry no receipts: not gated")
+    if not lat:
+        # REF says how long the model took and the run does not: never a pass (red
+        # team round 6 row 4: a model ten times slower, its receipts gone, passed).
+        return TimeGate(None, None, None, None, p99_ratio, max_ratio, floor_ms, False,
+                        f"the run's {channel} carries no receipts where REF's do")
     p99, rp99 = float(np.percentile(lat, 99)), float(np.percentile(rlat, 99))
     mx, rmx = max(lat), max(rlat)
     why = []
@@ -263,7 +273,9 @@ def render_text(r: Report) -> str:
     for c in r.channels:
         tag = "" if c.gated else " (not gated: reported only)"
         if c.note:
-            lines.append(f"{c.channel}{tag}: {c.note}")
+            lines.append(f"{c.channel}{tag}: {c.note}" + (
+                f"; gated, so the verdict fails (--ignore {c.channel} to leave it out)"
+                if c.gated else ""))
             continue
         lines.append(f"{c.channel}{tag}: {c.compared} compared, {len(c.added)} added, "
                      f"{len(c.removed)} removed, {len(c.changed)} changed"
@@ -286,7 +298,7 @@ def render_text(r: Report) -> str:
         lines.append(f"ignored channels: {', '.join(r.ignored)}")
     g = r.gate
     if g.p99_ms is None:
-        lines.append(f"model time: {g.why}")
+        lines.append(f"model time: {g.why}" + ("" if g.ok else ": FAILED"))
     else:
         lines.append(f"model time: p99 {g.p99_ms:.2f} ms (REF {g.ref_p99_ms:.2f}), max "
                      f"{g.max_ms:.2f} ms (REF {g.ref_max_ms:.2f}): "

@@ -303,8 +303,10 @@ class DriveLog:
         if which == "message":
             m = e.message
             dt = np.dtype(m.dtype)
-            if dt.hasobject:
-                raise ValueError(f"dtype {m.dtype!r} holds objects")
+            # Tensors only: the bridge carries numbers (a string dtype made `log cat`
+            # and the replay gate end in a traceback: red team round 6 row 7).
+            if dt.hasobject or dt.kind not in "biuf" or dt.subdtype is not None:
+                raise ValueError(f"dtype {m.dtype!r} is not a number type")
             arr = np.frombuffer(bytes(m.data), dt).reshape(tuple(m.shape))
             rec = read_receipt(m.receipt) if m._has("receipt") else None
             self.messages.setdefault(m.channel, []).append(Msg(
