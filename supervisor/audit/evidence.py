@@ -115,12 +115,43 @@ def nofile(pid: int) -> tuple[int | None, int | None]:
 
 
 def maps(pid: int) -> list[tuple[str, str, str, str]]:
-    """(address, perms, inode, path) of every mapping; path "" for anonymous memory."""
+    """(address, perms, "DEV INODE", path) of every mapping (DEV as maps writes it,
+    "00:01"); path "" for anonymous memory."""
     out = []
     for line in _read(f"/proc/{pid}/maps").splitlines():
         f = line.split(None, 5)
         if len(f) >= 5:
-            out.append((f[0], f[1], f[4], f[5].strip() if len(f) > 5 else ""))
+            out.append((f[0], f[1], f"{f[3]} {f[4]}", f[5].strip() if len(f) > 5 else ""))
+    return out
+
+
+# A channel segment is told by its file, (DEV INODE) as /proc/PID/maps writes it,
+# never by the memfd's name, which any process chooses (red team round 6 row 5: a
+# research worker's own memfd named trio-bridge:cmd made the live audit say it wrote
+# control's actuation channel).
+Segments = dict[str, tuple[str, str | None]]      # "DEV INODE" -> (channel, lease index)
+
+
+def _file_id(st: os.stat_result) -> str:
+    return f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x} {st.st_ino}"
+
+
+def segments_of(pid: int | str) -> Segments:
+    """The channel segments the supervisor process `pid` holds open (it created every
+    one, so its names are the channels'): file id -> (channel, lease index or None)."""
+    out: Segments = {}
+    base = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(base)
+    except (FileNotFoundError, ProcessLookupError) as e:
+        raise Gone(pid) from e
+    for fd in fds:
+        try:
+            m = _CHANNEL_MEMFD.match(os.readlink(f"{base}/{fd}").removesuffix(" (deleted)"))
+            if m:
+                out[_file_id(os.stat(f"{base}/{fd}"))] = (m.group(1), m.group(2))
+        except OSError:
+            continue
     return out
 
 
@@ -152,20 +183,21 @@ def exec_mappings(entries: list[tuple[str, str, str, str]]) -> list[dict[str, An
     return sorted(seen.values(), key=lambda e: (e["backing"] != "file", e["path"], e["perms"]))
 
 
-def channel_mappings(entries: list[tuple[str, str, str, str]]) -> dict[str, dict[str, Any]]:
+def channel_mappings(entries: list[tuple[str, str, str, str]], known: Segments
+                     ) -> dict[str, dict[str, Any]]:
     """channel -> {"data": sorted perms of its segment's mappings, "leases": {index:
-    perms}} for every channel memfd (``trio-bridge:NAME[:leaseI]``) mapped."""
+    perms}} for every channel segment (`segments_of` the supervisor) mapped."""
     out: dict[str, dict[str, Any]] = {}
-    for _addr, perms, _inode, path in entries:
-        m = _CHANNEL_MEMFD.match(path.removesuffix(" (deleted)"))
-        if not m:
+    for _addr, perms, file_id, _path in entries:
+        seg = known.get(file_id)
+        if seg is None:
             continue
-        ch = out.setdefault(m.group(1), {"data": [], "leases": {}})
-        if m.group(2) is None:
+        ch = out.setdefault(seg[0], {"data": [], "leases": {}})
+        if seg[1] is None:
             if perms not in ch["data"]:
                 ch["data"].append(perms)
         else:
-            lst = ch["leases"].setdefault(m.group(2), [])
+            lst = ch["leases"].setdefault(seg[1], [])
             if perms not in lst:
                 lst.append(perms)
     for ch in out.values():
@@ -175,9 +207,10 @@ def channel_mappings(entries: list[tuple[str, str, str, str]]) -> dict[str, dict
     return out
 
 
-def channel_fds(pid: int) -> dict[str, dict[str, Any]]:
+def channel_fds(pid: int, known: Segments) -> dict[str, dict[str, Any]]:
     """channel -> {"data": access modes of the fds open on its segment, "leases": ...}
-    (``O_RDONLY``/``O_WRONLY``/``O_RDWR`` from /proc/PID/fdinfo)."""
+    (``O_RDONLY``/``O_WRONLY``/``O_RDWR`` from /proc/PID/fdinfo), segments told by file
+    (`segments_of`)."""
     out: dict[str, dict[str, Any]] = {}
     base = f"/proc/{pid}/fd"
     try:
@@ -186,23 +219,22 @@ def channel_fds(pid: int) -> dict[str, dict[str, Any]]:
         raise Gone(pid) from e
     for fd in fds:
         try:
-            target = os.readlink(f"{base}/{fd}")
+            seg = known.get(_file_id(os.stat(f"{base}/{fd}")))
+            if seg is None:
+                continue
             info = _read(f"/proc/{pid}/fdinfo/{fd}")
         except (OSError, Gone):
-            continue
-        m = _CHANNEL_MEMFD.match(target.removesuffix(" (deleted)"))
-        if not m:
             continue
         flags = next((int(line.split()[1], 8) for line in info.splitlines()
                       if line.startswith("flags:")), 0)
         mode = {os.O_RDONLY: "O_RDONLY", os.O_WRONLY: "O_WRONLY",
                 os.O_RDWR: "O_RDWR"}.get(flags & os.O_ACCMODE, "?")
-        ch = out.setdefault(m.group(1), {"data": [], "leases": {}})
-        if m.group(2) is None:
+        ch = out.setdefault(seg[0], {"data": [], "leases": {}})
+        if seg[1] is None:
             if mode not in ch["data"]:
                 ch["data"].append(mode)
         else:
-            lst = ch["leases"].setdefault(m.group(2), [])
+            lst = ch["leases"].setdefault(seg[1], [])
             if mode not in lst:
                 lst.append(mode)
     return out

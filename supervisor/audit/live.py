@@ -233,6 +233,7 @@ def _worker_evidence(sup, run, promise: dict[str, Any], candidates: list[str]) -
         raise ev.Gone(pid) from e
     st = ev.status(pid)
     entries = ev.maps(pid)
+    known = ev.segments_of("self")      # this process is the supervisor: its segments
     out: dict[str, Any] = {
         "running": True,
         "pid": pid,
@@ -246,8 +247,8 @@ def _worker_evidence(sup, run, promise: dict[str, Any], candidates: list[str]) -
         "nofile": list(ev.nofile(pid)),
         "scheduling": ev.scheduling(pid),
         "exec_mappings": ev.exec_mappings(entries),
-        "channel_mappings": ev.channel_mappings(entries),
-        "channel_fds": ev.channel_fds(pid),
+        "channel_mappings": ev.channel_mappings(entries, known),
+        "channel_fds": ev.channel_fds(pid, known),
         "compilers": ev.compiler_probe(pid, candidates),
         "exec_watch": {"listener_held": run.watch is not None,
                        "closed_at_ready": bool(run.watch is not None and run.watch.ready),

@@ -256,7 +256,7 @@ def _handles(env: dict[str, str]) -> dict[str, dict[str, Any]]:
 
 
 def sandbox_evidence(sb: Sandbox, promise: dict[str, Any], candidates: list[str],
-                     inherited: int) -> dict[str, Any]:
+                     inherited: int, known: ev.Segments) -> dict[str, Any]:
     """The same evidence `live._worker_evidence` reads through a Supervisor object,
     read here from /proc alone."""
     from supervisor.admission import maps
@@ -284,8 +284,8 @@ def sandbox_evidence(sb: Sandbox, promise: dict[str, Any], candidates: list[str]
         "namespaces": ev.namespaces(pid), "interfaces": ev.interfaces(pid),
         "nofile": list(ev.nofile(pid)), "scheduling": ev.scheduling(pid),
         "exec_mappings": ev.exec_mappings(entries),
-        "channel_mappings": ev.channel_mappings(entries),
-        "channel_fds": ev.channel_fds(pid),
+        "channel_mappings": ev.channel_mappings(entries, known),
+        "channel_fds": ev.channel_fds(pid, known),
         "compilers": ev.compiler_probe(pid, candidates),
         # Inferred: the exec watch is the third stacked filter and its listener went to
         # the supervisor (a worker holding it could approve its own requests). Whether
@@ -340,6 +340,7 @@ def collect(rs: RunningSupervisor, promises: dict[str, dict[str, Any]],
     candidates = ev.compiler_candidates()
     sup_status = ev.status(rs.pid)
     inherited = int(sup_status.get("Seccomp_filters") or 0)
+    known = ev.segments_of(rs.pid)      # the channels' segments, told by file
     workers: dict[str, Any] = {}
     for sb in rs.sandboxes:
         progress(f"reading {sb.worker}{' (standby)' if sb.standby else ''}, sandbox "
@@ -348,7 +349,7 @@ def collect(rs: RunningSupervisor, promises: dict[str, dict[str, Any]],
         for _attempt in range(3):
             try:
                 e = _read_as_owner(sandbox_evidence, sb, promises.get(sb.worker, {}),
-                                   candidates, inherited)
+                                   candidates, inherited, known)
                 break
             except ev.Gone:
                 e = {"running": False, "why": "exited while being read"}
@@ -367,7 +368,7 @@ def collect(rs: RunningSupervisor, promises: dict[str, dict[str, Any]],
             "compiler_candidates": candidates, "inherited_seccomp_filters": inherited,
             "supervisor_pid": rs.pid,
             "supervisor_fds": _fd_targets(rs.pid),
-            "supervisor_channel_mappings": ev.channel_mappings(ev.maps(rs.pid)),
+            "supervisor_channel_mappings": ev.channel_mappings(ev.maps(rs.pid), known),
             "supervisor_nofile": list(ev.nofile(rs.pid))}
 
 
