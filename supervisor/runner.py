@@ -33,12 +33,9 @@ def _secure_start(name: str) -> None:
         from supervisor.admission import guard
 
         guard.install(name)
-    if not iso.exec_after_start:
-        from supervisor.sandbox.seccomp import lock_down
-
-        # No exec from here on, not even during the worker's own start-up: nothing it
-        # imports can start a process that escapes the guard or the seccomp filter.
-        lock_down(iso.seccomp, network=os.environ.get(ENV_NETWORK) == "1")
+    # The exec watch's listener goes to the supervisor before the lock-down: a strict
+    # domain's runtime filter kills sendmsg, the one way a descriptor leaves (seccomp.
+    # FD_SEND_DENY). No worker code has run yet either way.
     sock_fd = os.environ.pop(ENV_EXECWATCH_FD, None)
     if not iso.exec_memory_after_ready and sock_fd is not None:
         from supervisor.sandbox.seccomp import install_exec_watch
@@ -50,6 +47,12 @@ def _secure_start(name: str) -> None:
         finally:
             os.close(listener)   # only the supervisor may answer for this process
             sock.close()
+    if not iso.exec_after_start:
+        from supervisor.sandbox.seccomp import lock_down
+
+        # No exec from here on, not even during the worker's own start-up: nothing it
+        # imports can start a process that escapes the guard or the seccomp filter.
+        lock_down(iso.seccomp, network=os.environ.get(ENV_NETWORK) == "1")
 
 
 def main(argv: list[str]) -> int:

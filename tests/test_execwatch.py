@@ -59,10 +59,10 @@ def late_thread():
 t_late = threading.Thread(target=late_thread); t_late.start()
 
 from supervisor.sandbox import seccomp
-seccomp.lock_down("control")
-lfd = seccomp.install_exec_watch()
-socket.send_fds(sock, [b"L"], [lfd])
+lfd = seccomp.install_exec_watch()      # the runner's order: the listener leaves before
+socket.send_fds(sock, [b"L"], [lfd])    # the lock-down, which kills sendmsg
 os.close(lfd)  # the worker must not keep a way to answer its own requests
+seccomp.lock_down("control")
 
 r = {}
 # Start-up under the watch: extension modules are file mmaps from read-only binds.
@@ -271,10 +271,10 @@ def mprotect(addr, size, prot):
     return "ok" if libc.mprotect(addr, size, prot) == 0 else f"errno:{ctypes.get_errno()}"
 
 from supervisor.sandbox import seccomp
-seccomp.lock_down("control")
 lfd = seccomp.install_exec_watch()
 socket.send_fds(sock, [b"L"], [lfd])
 os.close(lfd)
+seccomp.lock_down("control")
 lib = os.path.realpath(glob.glob("/usr/lib/*-linux-gnu/libexpat.so.1")[0])
 lib_fd = os.open(lib, os.O_RDONLY)
 pad = None

@@ -105,7 +105,7 @@ ready_timeout_ms = 60000
 domain = "research"
 module = "{module}"
 subscribes = ["act"]
-args = ["--attack", "fd_catch", "--sub", "act", "--delay-s", "1.0", "--seconds", "30"]
+args = ["--attack", "fd_catch", "--sub", "act", "--delay-s", "1.0", "--seconds", "8"]
 optional = true
 restart = "never"
 ready_timeout_ms = 60000
@@ -335,28 +335,37 @@ def _last_word_ns(rt6_fleet, worker: str) -> int:
     return lw[0]["mono_ns"]
 
 
+def _safe_seq(rt6_fleet) -> int:
+    """The sequence of the last word on `act`: the first command not engaged, in
+    sequence order, among those the reader took after the supervisor said it (one
+    published before the death may still be read after it)."""
+    t = _last_word_ns(rt6_fleet, "handoff")
+    after = sorted((c for c in rt6_fleet["act"] if c["at_ns"] > t), key=lambda c: c["seq"])
+    safe = next((c for c in after if not c["engaged"]), None)
+    assert safe is not None, after[:3]
+    return safe["seq"]
+
+
 def test_the_handoff_writers_death_is_followed_by_safe(rt6_fleet) -> None:
     """The baseline: the dead actuation writer's last word reached the honest reader."""
-    t = _last_word_ns(rt6_fleet, "handoff")
-    after = [c for c in rt6_fleet["act"] if c["at_ns"] > t]
-    assert after and not after[0]["engaged"], after[:2]
+    assert _safe_seq(rt6_fleet) > 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "round 6 row 0b: the control actuation writer sends its read-write segment fd (and "
-    "lease tables, wake-up ends) over a research reader's wake-up socket (SCM_RIGHTS) "
-    "and dies; after the supervisor's SAFE the research worker publishes engaged "
-    "commands on control's actuation channel (89 in 1 s, steer 0.3) and the honest "
-    "reader delivers them: the ring's last word is not SAFE. Fix: sandbox/seccomp.py "
-    "kills sendmsg/sendmmsg in control (nothing there sends fds), and ipc/channel.py "
-    "wakes readers over pipes, which carry no fds, not unix sockets"))
 def test_no_engaged_command_after_the_last_word_of_a_writer_that_handed_off_its_fd(
         rt6_fleet) -> None:
-    t = _last_word_ns(rt6_fleet, "handoff")
+    """Row 0b (fixed: a strict domain's runtime filter kills sendmsg/sendmmsg, the
+    calls that carry SCM_RIGHTS): the writer's hand-off of its read-write segment to a
+    research reader over the reader's wake-up socket used to let research publish 89
+    engaged commands after the SAFE. Now the writer dies at the sendmsg, and no engaged
+    command follows the last word."""
+    safe = _safe_seq(rt6_fleet)
     caught = _line(rt6_fleet["events"], "catch", "RESULT fd_catch ")
-    engaged = [c for c in rt6_fleet["act"] if c["at_ns"] > t and c["engaged"]]
+    engaged = [c for c in rt6_fleet["act"] if c["seq"] > safe and c["engaged"]]
     assert not engaged, (f"{len(engaged)} engaged commands after the last word, e.g. "
                          f"{engaged[:2]}; research: {caught}")
+    assert caught is not None and caught.get("error") == "no descriptors came", caught
+    died = _of(rt6_fleet["events"], "handoff", "exit")
+    assert died and died[0].get("signal") == "SIGSYS", died
 
 
 def test_the_deep_log_attack_ran(rt6_fleet) -> None:

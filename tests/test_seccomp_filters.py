@@ -124,6 +124,12 @@ def control_cases() -> tuple[list, dict[str, str]]:
     case("fork:after-lock_down", "fork", [], no_process, lock="control")
     case("vfork:after-lock_down", "vfork", [], no_process, lock="control")
     case("clone:process:before-lock_down", "clone", [SIGCHLD, 0, 0, 0, 0], "errno:0")
+    # No descriptor leaves a started control worker (round 6 row 0b: SCM_RIGHTS rides
+    # only on sendmsg/sendmmsg); research keeps them, and so does start-up.
+    case("sendmsg:after-lock_down", "sendmsg", [-1, 0, 0], SIGSYS, lock="control")
+    case("sendmmsg:after-lock_down", "sendmmsg", [-1, 0, 0, 0], SIGSYS, lock="control")
+    case("sendmsg:before-lock_down", "sendmsg", [-1, 0, 0], f"errno:{errno.EBADF}")
+    case("sendmsg:research", "sendmsg", [-1, 0, 0], f"errno:{errno.EBADF}", lock="research")
     if platform.machine() == "x86_64":
         # bad-arch action, from a second thread: the whole process must die
         case("x32-abi", X32_GETPID, [], SIGSYS, "", True)

@@ -94,6 +94,8 @@ EXEC_DENY = ("execve", "execveat")
 # there would end a worker for logging its platform; red team).
 PROCESS_DENY = ("fork", "vfork")
 _CLONE_THREAD = 0x00010000
+# Strict domains, runtime: the calls that can carry a descriptor out (SCM_RIGHTS).
+FD_SEND_DENY = ("sendmsg", "sendmmsg")
 # Strict domains only: remap_file_pages is deprecated and only reshuffles pages
 # inside an existing mapping; nothing we run needs it.
 STRICT_DENY = ("remap_file_pages",)
@@ -251,6 +253,17 @@ def build_filter(domain: str, *, stage: str, network: bool = False, lib: Any = N
         for name in PROCESS_DENY:
             _add(sc, flt, no_process, name)
         _add(sc, flt, no_process, "clone", sc.Arg(0, sc.MASKED_EQ, _CLONE_THREAD, 0))
+        if strict:
+            # No descriptor leaves a strict worker: SCM_RIGHTS rides only on sendmsg
+            # and sendmmsg (io_uring and pidfd_getfd are denied above), whose msghdr
+            # seccomp cannot read, and nothing of ours sends with them once started
+            # (the runner hands the exec watch's listener over before this filter;
+            # the bridge wakes readers with send/write). Red team round 6 row 0b: a
+            # control writer sent its read-write segment over a research reader's
+            # wake-up socket and died; research then wrote control's actuation
+            # channel after the SAFE (89 engaged commands).
+            for name in FD_SEND_DENY:
+                _add(sc, flt, kill, name)
     return flt
 
 
