@@ -1,13 +1,35 @@
 """``supervisor`` command line: run, check, units, clear-fail-safe, audit, record, replay, log."""
 from __future__ import annotations
 
-# First of all: a Ctrl-C or SIGTERM from now on is recorded, never a traceback.
-from supervisor import signals as _signals
+import os
+import sys
+
+
+def _std_fds() -> None:
+    """fds 0-2 exist and have Python streams: a unit or a script may start us with one
+    closed (`2>&-`), and the event log's first write ended the run (AttributeError on
+    a None stderr), or a file opened later landed on fd 2 and became a child's stderr."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)            # the lowest free fd: this one
+    if sys.stdout is None:
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+    if sys.stderr is None:
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+
+
+# First of all, before anything opens a descriptor (the signal pipe took a closed fd 2,
+# and stderr then wrote into it).
+_std_fds()
+
+# Then: a Ctrl-C or SIGTERM from now on is recorded, never a traceback.
+from supervisor import signals as _signals  # noqa: E402
 
 _signals.install()
 
 import argparse  # noqa: E402
-import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from supervisor.config import ConfigError, load  # noqa: E402

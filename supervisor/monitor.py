@@ -190,8 +190,8 @@ class Monitor:
             # (journald, a file) one whole line per update.
             live = self._live()
             width = _columns(self.out) - 1 if live else None
-            self.out.write(("\r\x1b[2K" if live else "") + self.line(width)
-                           + ("" if live else "\n"))
+            line = _encodable(self.line(width), getattr(self.out, "encoding", None))
+            self.out.write(("\r\x1b[2K" if live else "") + line + ("" if live else "\n"))
             self.out.flush()
         except (OSError, ValueError):
             pass
@@ -206,6 +206,16 @@ class Monitor:
             except (OSError, ValueError):
                 pass
             self.lines = 0
+
+
+def _encodable(line: str, encoding: str | None) -> str:
+    """`line` as the stream's encoding can write it, same width: on a latin-1 terminal
+    a row ending in an ellipsis raised UnicodeEncodeError and was never drawn."""
+    try:
+        line.encode(encoding or "utf-8")
+        return line
+    except (UnicodeEncodeError, LookupError):
+        return line.replace("\u2026", "~").encode("ascii", "replace").decode("ascii")
 
 
 SEP = " | "

@@ -110,3 +110,35 @@ def test_the_live_line_fits_80_and_160_columns_and_ends_with_a_newline(tmp_path)
         assert exit_row.startswith("EXIT=0"), rows    # on its own row, and a clean exit
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+def test_a_row_is_drawn_on_a_terminal_that_cannot_write_an_ellipsis():
+    """A latin-1 terminal (LANG=en_US.ISO-8859-1): a row shortened with "…" raised
+    UnicodeEncodeError inside print_line, which swallowed it: the row was never drawn.
+    Now the row is written in what the stream can encode, same width."""
+    import io
+
+    from supervisor.monitor import Monitor
+
+    raw = io.BytesIO()
+    out = io.TextIOWrapper(raw, encoding="latin-1", write_through=True)
+    m = Monitor({}, {}, out=out)
+    m.line = lambda width=None: "ENGAGED | road_frames 20/s | model CPU p50 7.1 ms …"
+    m.print_line()
+    assert raw.getvalue().decode("latin-1").endswith("model CPU p50 7.1 ms ~\n")
+
+
+def test_a_run_started_with_its_stderr_closed_still_runs(tmp_path):
+    """`supervisor run 2>&-` (a unit or a script closing it) ended at once with
+    AttributeError: 'NoneType' object has no attribute 'write' from the event log, and
+    the signal pipe took the free fd 2. The CLI opens what is missing of fds 0-2 on
+    /dev/null before anything else; the real `check` then runs to its end."""
+    code = ("import os, sys\n"
+            "import supervisor.cli as cli\n"
+            "print(os.readlink('/proc/self/fd/2'), sys.stderr is not None)\n"
+            "raise SystemExit(cli.main(['check']))\n")
+    p = subprocess.run(["sh", "-c", f"exec {sys.executable} -c \"$0\" 2>&-", code],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, (p.returncode, p.stdout[-800:])
+    first, *rest = p.stdout.splitlines()
+    assert first == f"{os.devnull} True" and "all admitted" in rest[-1], p.stdout

@@ -265,8 +265,10 @@ def host_ids(domain: str, user: str | None = None) -> tuple[int | None, int | No
     try:
         pw = pwd.getpwnam(name)
     except KeyError:
-        raise LookupError(f"no system user {name!r} for domain {domain!r}: "
-                          f"run scripts/install.sh (it creates trio-control and trio-research)")
+        # A wheel has no scripts/install.sh: the command itself.
+        raise LookupError(f"no system user {name!r} for domain {domain!r}: create it "
+                          f"(useradd --system --no-create-home --shell /usr/sbin/nologin "
+                          f"{name}), as scripts/install.sh does")
     if pw.pw_uid == 0 or pw.pw_gid == 0:
         raise LookupError(f"user {name!r} for domain {domain!r} is root; sandboxes never run as root")
     return pw.pw_uid, pw.pw_gid
