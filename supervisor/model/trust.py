@@ -7,6 +7,8 @@ naming the model and what was wrong; nothing is unpickled or executed here.
 """
 from __future__ import annotations
 
+import errno
+import tempfile
 from dataclasses import dataclass
 
 from .artifact import load_verified
@@ -48,7 +50,12 @@ def verify_models(cfg) -> tuple[list[Trusted], list[tuple[str, str]]]:
         except ArtifactError as e:
             problems.append((f"models.{name}", f"refused: {type(e).__name__}: {e}"))
         except OSError as e:
-            problems.append((f"models.{name}", f"cannot read: {e.strerror or e}"))
+            # Verifying writes a private copy under the temporary directory: a full or
+            # read-only one is not the artifact's fault (a 1 MiB /tmp said "cannot read").
+            where = (f" (the verified copy is written under {tempfile.gettempdir()!r}: "
+                     "TMPDIR)" if e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
+                     else "")
+            problems.append((f"models.{name}", f"cannot verify: {e.strerror or e}{where}"))
     return trusted, problems
 
 

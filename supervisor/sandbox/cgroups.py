@@ -614,7 +614,9 @@ class CgroupTree:
                 if others:
                     raise CgroupUnavailable(
                         f"cgroup v2: {own_dir} still holds processes {others} besides the supervisor "
-                        f"(moved to {sup}); controllers cannot be enabled below it")
+                        f"(moved to {sup}); controllers cannot be enabled below it: start it "
+                        f"in a cgroup of its own (its systemd unit, or systemd-run --scope -p "
+                        f"Delegate=yes supervisor run)")
             enable = " ".join(f"+{c}" for c in controllers)
             if enable:
                 _write(f"{own_dir}/cgroup.subtree_control", enable)
