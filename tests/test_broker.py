@@ -489,6 +489,23 @@ def test_a_listening_broker_serves_only_its_peer_user(tmp_path):
                             stdin=subprocess.DEVNULL, stderr=err)
     lsock.close()
     try:
+        # A standalone broker holds its state dir (statelock): a second one on the same
+        # dir stops at once with one line and exit 9.
+        from supervisor import statelock
+
+        deadline = time.monotonic() + 30
+        while statelock.holder(tmp_path / "state") != proc.pid:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.02)
+        other = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        second = subprocess.run([sys.executable, "-m", "supervisor.broker", "--state-dir",
+                                 str(tmp_path / "state"), "--listen-fd",
+                                 str(other.fileno()), "--peer-user", "nobody"],
+                                pass_fds=[other.fileno()], cwd=ROOT, capture_output=True,
+                                text=True, timeout=60)
+        other.close()
+        assert second.returncode == 9, second.stderr
+        assert f"another supervisor (pid {proc.pid}) holds" in second.stderr
         root = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         root.connect(addr)
         P.send(root, P.encode_request(1, P.Ping()))

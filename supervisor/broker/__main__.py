@@ -6,7 +6,8 @@ the tests). --listen-fd: a listening SOCK_SEQPACKET socket systemd passes
 (trio-broker.socket); the broker accepts one connection, and only from --peer-user's
 uid (SO_PEERCRED), refusing any other peer in one line.
 
-Exit codes: 0 the client closed (every sandbox stopped), 2 config or state dir refused.
+Exit codes: 0 the client closed (every sandbox stopped), 2 config or state dir refused,
+9 another supervisor or broker holds the state dir (standalone only).
 """
 from __future__ import annotations
 
@@ -62,6 +63,20 @@ def main(argv: list[str] | None = None) -> int:
     except BrokerError as e:
         print(f"broker: {e}", file=sys.stderr)
         return 2
+    if args.listen_fd is not None:
+        # Standalone (systemd's socket): the one process of this state dir, so the one
+        # to hold its lock (statelock.py). Spawned by `run --privsep`, that run holds it.
+        from supervisor import statelock
+        from supervisor.exits import Exit
+
+        try:
+            statelock.hold(args.state_dir)
+        except statelock.Held as e:
+            print(f"broker: {e}", file=sys.stderr)
+            return int(Exit.LOCKED)
+        except OSError as e:
+            print(f"broker: state dir lock: {e.strerror or e}", file=sys.stderr)
+            return 2
     try:
         if args.socket_fd is not None:
             sock = socket.socket(fileno=args.socket_fd)
