@@ -24,6 +24,7 @@ from supervisor.broker import _protocol as P
 from supervisor.config import load
 from supervisor.events import EventLog
 from supervisor.lifecycle import BrokerLatch, BrokerLauncher, Exit, Supervisor
+from supervisor.sandbox.cgroups import rt_budget_of
 from tests.conftest import Run
 from tests.test_lifecycle import CONTROL, PIPELINE
 
@@ -33,11 +34,14 @@ if shutil.which("bwrap") is None:
 if os.geteuid() != 0:
     pytest.skip("--privsep starts the broker as root", allow_module_level=True)
 
-# Probes a -> b -> c in the control domain (fail_safe); b may be restarted once.
+# Probes a -> b -> c in the control domain (fail_safe); b may be restarted once; c runs
+# SCHED_FIFO within a 5 % budget the broker grants its leaf.
 TOML = CONTROL.format(policy="fail_safe") + PIPELINE.format(a_args="", a_extra="") \
     .replace('args = ["--read", "a_out", "--publish", "b_out"]',
              'args = ["--read", "a_out", "--publish", "b_out"]\n'
-             'max_restarts = 1\nrestart_window_s = 120\nbackoff_initial_ms = 10')
+             'max_restarts = 1\nrestart_window_s = 120\nbackoff_initial_ms = 10') \
+    .replace('args = ["--read", "b_out"]',
+             'args = ["--read", "b_out"]\nrealtime_priority = 10\nrealtime_budget_pct = 5')
 
 
 class PrivsepRun(Run):
@@ -91,6 +95,13 @@ def test_privsep_run_holds_no_privilege_restarts_and_latches_through_the_broker(
         assert set(starts) == {"a", "b", "c"} and all(e["broker"] for e in starts.values())
         for e in starts.values():                 # bwrap is the broker's child, not ours
             assert _ppid(e["pid"]) == broker["pid"]
+        # The `realtime` event says what the kernel bounds c by: the broker's grant to
+        # its leaf, not "global sched_rt_runtime_us only" (the proper holds no tree).
+        (grant,) = r.wait_for("realtime", worker="c", timeout=60)
+        kernel = rt_budget_of(grant["pid"])
+        if kernel is not None:                    # RT group scheduling on this kernel
+            assert kernel == (5_000, 100_000), kernel
+            assert grant["bound"] == "5 % of a CPU per 100 ms (cgroup)", grant
         os.kill(starts["b"]["pid"], signal.SIGKILL)
         r.wait_for("ready", count=2, worker="b", timeout=60)
         again = [e for e in r.events if e["event"] == "start" and e["worker"] == "b"][-1]
