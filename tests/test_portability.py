@@ -326,6 +326,26 @@ def test_cgroup_v1_with_one_controller_unusable_keeps_the_others(tmp_path):
     assert res["memory_max"] == 256 << 20 and res["pids_max"] == 16, res
 
 
+def test_plain_check_says_which_limits_are_off(tmp_path):
+    """`supervisor check` (no --start) on a machine whose cpu hierarchy is read-only: it
+    said "all admitted" and nothing of the limits `run` would not enforce. (Its last
+    line, `cli._limits_line`, in the private mount namespace: the whole check is a
+    minute here under load.)"""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1)")
+    if not os.path.isdir("/sys/fs/cgroup/cpu") or os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+        pytest.skip("no cgroup v1 cpu hierarchy here")
+    script = 'set -e; mount -o remount,bind,ro /sys/fs/cgroup/cpu; exec "$0" -c "$1"'
+    code = "from supervisor.cli import _limits_line; print(_limits_line())"
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script,
+                        sys.executable, code], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = r.stdout.strip()
+    assert line.startswith("supervisor check: limits not enforced: cpu_quota, cpu_weight ("), line
+    assert "read-only" in line and line.endswith("workers run without them"), line
+
+
 def test_no_cgroups_at_all_is_one_report_of_every_limit():
     off = cgroups.limits_off(None, "cgroup v2: no '0::' line in /proc/self/cgroup")
     ev = off.event()
