@@ -192,3 +192,60 @@ exit 3
     links = (tmp_path / "links").read_text() if (tmp_path / "links").exists() else ""
     assert links == "", f"root's pip was given: {links.strip()}"
     assert not (tmp_path / "units").exists()
+
+
+# ------------------------------------------------------------------ row 0
+# A domain's read-only binds (extra_ro_binds, and the new python_path) are bound after the
+# sandbox's own /proc and /dev: naming /proc or /dev there puts the host's in their place.
+# load() refuses only "/"; check says "all admitted".
+
+_VIEW_CONFIG = """
+[domains.control]
+actuates = true
+[domains.research]
+python_path = ["/proc"]
+extra_ro_binds = ["/dev"]
+[channels.x]
+slot_size = "4KiB"
+[workers.w]
+domain = "control"
+publishes = ["x"]
+module = "workers.probe"
+[workers.r]
+domain = "research"
+module = "workers.probe"
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="round 7 row 0: python_path/extra_ro_binds = /proc or "
+                   "/dev replace the sandbox's own /proc (its pid namespace's view) and /dev "
+                   "with the host's: a research sandbox lists every host process and opens "
+                   "host device nodes (the GPU's, without device = \"cuda\") (fix: "
+                   "config/_values._abs_path or _rules.check_binds refuses a read-only bind "
+                   "of, in or over /proc, /dev, /sys, /run and the state dir; "
+                   "sandbox/policy binds a domain's paths before --proc/--dev)")
+def test_a_domains_read_only_binds_never_replace_the_sandbox_proc_and_dev(tmp_path):
+    _need_root("bwrap")
+    from supervisor.config import ConfigError, check_runtime, load
+    from supervisor.sandbox import launch
+    from supervisor.sandbox.policy import for_worker
+
+    path = tmp_path / "cars.toml"
+    path.write_text(_VIEW_CONFIG)
+    try:
+        cfg = load(path)
+    except ConfigError:
+        return                                         # refused before start: holds
+    if any(p.key.startswith("domains.research.") for p in check_runtime(cfg)):
+        return
+    me = os.getpid()                                   # a host pid: not in its namespace
+    p = launch.spawn(for_worker(cfg, cfg.workers["r"]),
+                     ["/bin/sh", "-c", f"echo procs $(ls /proc | grep -c '^[0-9]'); "
+                      f"test -e /proc/{me}/cmdline && echo sees-host-pid; "
+                      "test -e /dev/kmsg && echo host-dev"],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode in (0, 1), err
+    seen = out.decode().split("\n")
+    assert "sees-host-pid" not in seen and "host-dev" not in seen, (
+        f"admitted; the research sandbox: {out.decode().strip()!r}")
