@@ -828,6 +828,32 @@ bad_offsets:
     return NULL;
 }
 
+/* take_hot(consts, want, k, deadline, last_capture, last): `take` with the reader's
+ * constant arguments in one tuple, made once per Reader: consts = (seg, lease, ctl,
+ * hdr, lay, hdr_max, lay_max, last_seq_off, last_slot_off, retries, compiled, ctx,
+ * pay). The same checks and the same result as take(); a stream's receive passes 6
+ * arguments instead of 18 (~13 attribute loads fewer per message in Python). */
+static PyObject *r_take_hot(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    if (n != 6 || !PyTuple_Check(a[0]) || PyTuple_GET_SIZE(a[0]) != 13) {
+        PyErr_SetString(PyExc_TypeError,
+                        "take_hot() takes (consts: 13-tuple, want, k, deadline, "
+                        "last_capture, last)");
+        return NULL;
+    }
+    PyObject *c = a[0];
+#define C_(i) PyTuple_GET_ITEM(c, i)
+    PyObject *args[18] = {
+        C_(0), C_(1), C_(2), C_(3), C_(4),          /* seg, lease, ctl, hdr, lay */
+        a[1], a[2], a[3],                           /* want, k, deadline */
+        C_(5), C_(6), C_(7), C_(8), C_(9),          /* hdr_max .. retries */
+        C_(10), C_(11),                             /* compiled, ctx */
+        a[4], a[5],                                 /* last_capture, last */
+        C_(12),                                     /* pay */
+    };
+#undef C_
+    return r_take(m, args, 18);
+}
+
 /* ------------------------------------------------------------- header check */
 
 /* Read the scalar with struct code `c` at raw[pos] (little-endian, as capnp is). */
@@ -1550,6 +1576,8 @@ static PyMethodDef module_methods[] = {
      "the writer's publish: control block, stamp, generation, last_seq, wake-ups"},
     {"take", (PyCFunction)(void (*)(void))r_take, METH_FASTCALL,
      "the reader's seqlock read of the next slot, with its lease"},
+    {"take_hot", (PyCFunction)(void (*)(void))r_take_hot, METH_FASTCALL,
+     "take() with the reader's constant arguments in one tuple"},
     {"publish_hot", (PyCFunction)(void (*)(void))w_publish_hot, METH_FASTCALL,
      "a stream's repeat publish in one call: header plan, layout, publish, wake-ups"},
     {"pack_header", (PyCFunction)(void (*)(void))h_pack, METH_FASTCALL,

@@ -140,7 +140,10 @@ class Reader:
             # Loads from the read-only mapping, stores into our own lease table.
             self._seg = nat.Region(self._mm)
             self._lease_r = nat.Region(self._lease_mm, True)
-            self._ntake = nat.take
+            # take() with the constant arguments in one tuple (_take_consts, made
+            # below once everything in it exists): 6 arguments a message, not 18.
+            self._ntake = nat.take_hot
+            self._nat_accept = nat.accept
             # The native header check. take() runs it itself; a replaced one (tests
             # count its verdicts) is called from here instead, on the same bytes.
             self._naccept = nat.accept
@@ -222,6 +225,10 @@ class Reader:
             self._actx = codec.native_ctx(spec, _UNREAD, FUTURE_TOLERANCE_NS,
                                           self._max_age_ns)
             self._pay_at = geo.payload
+            self._take_consts = (self._seg, self._lease_r, self._ctl, self._hdr_at,
+                                 self._lay_at, HEADER_MAX, LAYOUT_MAX, _OFF_LAST_SEQ,
+                                 _OFF_LAST_SLOT, _RETRIES, self._compiled, self._actx,
+                                 self._pay_at)
 
     @property
     def native(self) -> bool:
@@ -302,12 +309,9 @@ class Reader:
                              # the pure-Python path, which compares before it looks
         free = self._free_leases
         k = free[-1] if free else -1
-        inline = self._naccept is self._native.accept
-        got = self._ntake(self._seg, self._lease_r, self._ctl, self._hdr_at, self._lay_at,
-                          self._last_seq + 1, k, _now() + self._lease_ns, HEADER_MAX,
-                          LAYOUT_MAX, _OFF_LAST_SEQ, _OFF_LAST_SLOT, _RETRIES,
-                          self._compiled, self._actx, self._last_capture,
-                          self._last_take if inline else None, self._pay_at)
+        inline = self._naccept is self._nat_accept
+        got = self._ntake(self._take_consts, self._last_seq + 1, k, _now() + self._lease_ns,
+                          self._last_capture, self._last_take if inline else None)
         if got is None:
             return None
         if got is False:
