@@ -228,7 +228,7 @@ class Reader:
             self._take_consts = (self._seg, self._lease_r, self._ctl, self._hdr_at,
                                  self._lay_at, HEADER_MAX, LAYOUT_MAX, _OFF_LAST_SEQ,
                                  _OFF_LAST_SLOT, _RETRIES, self._compiled, self._actx,
-                                 self._pay_at)
+                                 self._pay_at, self._lease_ns)
 
     @property
     def native(self) -> bool:
@@ -310,8 +310,9 @@ class Reader:
         free = self._free_leases
         k = free[-1] if free else -1
         inline = self._naccept is self._nat_accept
-        got = self._ntake(self._take_consts, self._last_seq + 1, k, _now() + self._lease_ns,
-                          self._last_capture, self._last_take if inline else None)
+        # The lease deadline (now + lease_ms) is read by take_hot itself.
+        got = self._ntake(self._take_consts, self._last_seq + 1, k, self._last_capture,
+                          self._last_take if inline else None)
         if got is None:
             return None
         if got is False:
@@ -325,7 +326,7 @@ class Reader:
                                       self._last_capture)
             if stamp is None or seq >= _SEQ_HONEST:
                 return self._accept(slot, gen, seq, k, raw_h, raw_l)
-            if self._received or self._rejected:
+            if seq != self._last_seq + 1 and (self._received or self._rejected):
                 self._dropped += seq - self._last_seq - 1
             self._last_seq = seq
             layout = self._last_layout
