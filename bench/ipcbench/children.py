@@ -70,19 +70,21 @@ _credit_sleeps = [0]
 
 
 def _wait_credit(ctrl: np.ndarray, seq: int, window: int, timeout_s: float,
-                 spin: bool = False) -> bool:
-    """Block until fewer than ``window`` messages are in flight before ``seq``;
-    ``spin``: never sleep (a traced run: no system call of the harness's own)."""
+                 spin: bool = False, spin_ns: int = credit.SPIN_NS_PACED) -> bool:
+    """Block until fewer than ``window`` messages are in flight before ``seq``: look
+    for ``spin_ns``, then sleep until the receiver moves (credit.py); ``spin``: never
+    sleep (a traced run: no system call of the harness's own)."""
     if seq - ctrl[C_LAST_SEQ] <= window:
         return True
-    t_end = time.monotonic() + timeout_s
-    spins = 0
+    now = time.monotonic_ns
+    t_spin = now() + spin_ns
+    t_end = t_spin - spin_ns + int(timeout_s * 1e9)
     addr = credit.word_address(ctrl, C_LAST_SEQ)
     while seq - ctrl[C_LAST_SEQ] > window:
         if ctrl[C_ABORT]:
             raise RuntimeError("aborted by parent")
-        spins += 1
-        if spins > 200:                # ~20-40 us of spinning, then let others run
+        t = now()
+        if t > t_spin:
             if not spin:
                 # Asleep until the receiver moves (it wakes us: credit.py), not on a
                 # timer: the flag first, then one more look, then the futex, which
@@ -93,7 +95,7 @@ def _wait_credit(ctrl: np.ndarray, seq: int, window: int, timeout_s: float,
                     _credit_sleeps[0] += 1
                     credit.wait(addr, seen)
                 ctrl[C_TX_WAITING] = 0
-            if time.monotonic() > t_end:
+            if t > t_end:
                 return False           # message lost (lossy transport): move on
     return True
 
@@ -176,7 +178,7 @@ def sender_main(transport: Transport, mode: str, p: dict, ctrl: np.ndarray, conn
             window = p["window"]
             stop = now_ns() + int(p["duration_s"] * 1e9)
             while True:
-                if not _wait_credit(ctrl, seq, window, 0.5, trace):
+                if not _wait_credit(ctrl, seq, window, 0.5, trace, credit.SPIN_NS_STREAM):
                     stalls += 1
                 tx.send(seq, src, fill)
                 seq += 1

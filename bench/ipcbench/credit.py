@@ -12,6 +12,14 @@ transport. Now the sender raises ``C_TX_WAITING`` and sleeps on a futex on the l
 half of ``C_LAST_SEQ``; a receiver that sees the flag after storing its progress wakes
 it (one load a message on every transport; a FUTEX_WAKE only when the sender sleeps).
 A wake-up lost to store/load reordering costs at most ``WAIT_NS`` (the wait's timeout).
+
+How long the sender looks before it sleeps: a sleeping sender is woken by a receiver
+that then drains the window (4 x ~6 us at 64 B) and sleeps on an empty ring before the
+sender is back (a VM's wake-up of an idle vCPU: 50-200 us), and that cycle, once begun,
+repeats every window. A streaming sender therefore looks for SPIN_NS_STREAM (longer
+than such a wake-up) before sleeping: while the receiver is awake, credit comes within
+one message's time and the sender never sleeps. Paced sends (latency, warm-up) keep
+the short look they had (~30 us, then sleep). Same for every transport.
 """
 from __future__ import annotations
 
@@ -25,6 +33,8 @@ import numpy as np
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1      # shared (not _PRIVATE): the block is MAP_SHARED
 WAIT_NS = 200_000                    # a lost wake-up costs at most this
+SPIN_NS_STREAM = 300_000             # throughput: look this long before sleeping
+SPIN_NS_PACED = 30_000               # latency and warm-up (was 200 looks, ~20-40 us)
 
 
 class _Timespec(ctypes.Structure):
