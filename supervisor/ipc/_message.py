@@ -187,6 +187,17 @@ class Message:
         # check()'s test in line (a call frame less a message); a slot found reused goes
         # through check() itself, which gives the lease back and raises (a generation
         # never moves back, so it finds the same).
+        give = r._give_back
+        if give is not None:
+            # Native: the seqlock check and, if it holds, the lease entry emptied, in
+            # one call (_native.give_back); nothing stored if it does not hold.
+            if self._lost or not give(r._seg, r._ctl[self._slot], self._gen, r._lease_r,
+                                      self._lease):
+                self.check()
+            self._released = True
+            self._array = None
+            r._free_leases.append(self._lease)
+            return
         if self._lost or not r._stable(r._ctl[self._slot], self._gen):
             self.check()
         self._released = True

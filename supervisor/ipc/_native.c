@@ -845,6 +845,39 @@ bad_offsets:
     return NULL;
 }
 
+/* give_back(seg, cb, gen, lease, k) -> bool: Message.release's two steps in one call.
+ * R4 + R5 as Region.check on the slot's control word cb: if it still holds gen, lease
+ * entry k's generation word goes to 0 with a release store (L4, as Reader._drop_lease)
+ * and True; if not, nothing is stored and False (the caller's check() gives the lease
+ * back and raises LeaseLost, as before). */
+static PyObject *r_give_back(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    if (n != 5) {
+        PyErr_SetString(PyExc_TypeError, "give_back(seg, cb, gen, lease, k)");
+        return NULL;
+    }
+    Region *seg = as_region(a[0], "segment");
+    Region *lease = seg ? as_region(a[3], "lease table") : NULL;
+    if (lease == NULL)
+        return NULL;
+    Py_ssize_t cb, k;
+    uint64_t gen;
+    if (get_ssize(a[1], &cb) < 0 || get_u64(a[2], &gen) < 0 || get_ssize(a[4], &k) < 0)
+        return NULL;
+    uint64_t *w = word_at(seg, cb, 0);
+    if (w == NULL)
+        return NULL;
+    Py_ssize_t off = LEASE_BASE + LEASE_STRIDE * k;
+    if (k < 0 || !lease->writable || !in_bounds(lease, off, LEASE_STRIDE)) {
+        PyErr_SetString(PyExc_ValueError, "give_back(): lease entry outside the table");
+        return NULL;
+    }
+    __atomic_thread_fence(ACQUIRE);                                           /* R4 */
+    if (__atomic_load_n(w, RELAXED) != gen)                                   /* R5 */
+        Py_RETURN_FALSE;
+    __atomic_store_n((uint64_t *)(lease->base + off + 8), 0, RELEASE);         /* L4 */
+    Py_RETURN_TRUE;
+}
+
 /* take_hot(consts, want, k, last_capture, last): `take` with the reader's constant
  * arguments in one tuple, made once per Reader: consts = (seg, lease, ctl, hdr, lay,
  * hdr_max, lay_max, last_seq_off, last_slot_off, retries, compiled, ctx, pay,
@@ -1602,6 +1635,8 @@ static PyMethodDef module_methods[] = {
      "the writer's publish: control block, stamp, generation, last_seq, wake-ups"},
     {"take", (PyCFunction)(void (*)(void))r_take, METH_FASTCALL,
      "the reader's seqlock read of the next slot, with its lease"},
+    {"give_back", (PyCFunction)(void (*)(void))r_give_back, METH_FASTCALL,
+     "Message.release: the seqlock check and, if it holds, the lease given back"},
     {"take_hot", (PyCFunction)(void (*)(void))r_take_hot, METH_FASTCALL,
      "take() with the reader's constant arguments in one tuple"},
     {"publish_hot", (PyCFunction)(void (*)(void))w_publish_hot, METH_FASTCALL,

@@ -136,7 +136,11 @@ class Reader:
         self._lease_mm = shm.map_segment(handle.lease_fd, spec.lease_size, writable=True)
         self._efd = handle.event_fd
         self._seg = self._lease_r = None
+        # Message.release's native step (check + lease back in one call); None: the
+        # pure-Python path (_stable, then _drop_lease).
+        self._give_back = None
         if nat is not None:
+            self._give_back = nat.give_back
             # Loads from the read-only mapping, stores into our own lease table.
             self._seg = nat.Region(self._mm)
             self._lease_r = nat.Region(self._lease_mm, True)
