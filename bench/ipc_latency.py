@@ -30,7 +30,12 @@ shared-memory side channel) so the figure is latency, not queueing.
 
 Throughput: unpaced streaming for a fixed time with at most ``--window``
 messages in flight (same side-channel credit for every transport, so the receiver
-keeps up and lossy rings never overwrite unread slots).
+keeps up and lossy rings never overwrite unread slots: iceoryx2's subscriber buffer
+and the bridge's ring are both 8 deep and both overwrite the oldest when full, so
+neither drops at window 4). A sender out of credit looks for 300 us, then sleeps on a
+futex its receiver wakes (ipcbench/credit.py), never on a timer. Both loan-based
+senders copy the whole payload into shared memory (``--fill copy``) and both
+receivers read the 16-byte stamp of a view of it, then give the buffer back.
 
 Each (transport, size, mode) runs in two fresh fork()ed children; the parent
 only supervises (timeouts, kill, cleanup) so one broken transport yields an error

@@ -25,7 +25,11 @@ def test_breakdown_prints_a_row_per_transport():
             for line in out.stdout.splitlines() if (m := ROW.match(line))}
     assert set(rows) == {"bridge", "iox2"}, out.stdout
     for total50, _, writer50, _, woken50, _, reader50, _ in rows.values():
-        assert 0 < writer50 < total50 and 0 < woken50 < total50 and 0 < reader50 < total50
+        # Per message the reader wakes after the stamp and holds the view after it woke,
+        # so those medians are below the total's; the writer's return from send is not
+        # ordered against the reader (preempted after its wake-up write, it returns
+        # later: 55.6 us against a 28.9 us total at p50, loaded): only positive.
+        assert 0 < writer50 and 0 < woken50 <= total50 and 0 < reader50 <= total50
 
 
 COLD = re.compile(r"^\s+64 (bridge|iox2)\s+([\d.]+) / ([\d.]+)\s+([\d.]+) / ([\d.]+)\s*$")

@@ -63,7 +63,13 @@ def _same(fast, slow) -> None:
     """Accepted: the same Stamp. Rejected: the same typed rejection (pycapnp words a
     malformed message differently from the fixed-offset reader)."""
     assert fast[0] == slow[0]
-    if slow[0] != "MalformedHeader":
+    if slow[0] == "ok" and isinstance(slow[1], tuple) and isinstance(fast[1], tuple):
+        # A mutated float field (gain) can decode to a NaN, which never equals itself
+        # (hypothesis found one): NaN on both sides is the same value.
+        assert len(fast[1]) == len(slow[1]), (fast, slow)
+        for x, y in zip(fast[1], slow[1]):
+            assert x == y or (x != x and y != y), (fast, slow)
+    elif slow[0] != "MalformedHeader":
         assert fast == slow
 
 
@@ -326,7 +332,7 @@ def test_mutations_behind_a_compiled_structure(data, frame):
                                                # rejects" (or the reverse) fails here
         native = native_verdict(raw, s)
         if native is not None:
-            assert ("ok", native) == slow
+            _same(("ok", native), slow)
 
 
 def test_compiled_cache_is_bounded():

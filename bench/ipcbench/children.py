@@ -14,6 +14,7 @@ import traceback
 
 import numpy as np
 
+from . import credit
 from .transport import Transport, now_ns
 
 # Indices into the int64 control block shared by parent, sender and receiver.
@@ -32,6 +33,7 @@ C_TX_READY = 6   # sender endpoint open
 C_TRACE = 7
 C_TX_ARMED = 8
 C_RX_END = 9
+C_TX_WAITING = 10  # the sender sleeps on a futex on C_LAST_SEQ for credit (credit.py)
 C_WORDS = 16
 TRACE_GO = 1
 TRACE_STOPPED = 2
@@ -63,22 +65,37 @@ def _pin(cpu: int | None) -> None:
         os.sched_setaffinity(0, {cpu % ncpu})
 
 
+# Sleeps the sender took waiting for credit (the harness's own, not the transport's).
+_credit_sleeps = [0]
+
+
 def _wait_credit(ctrl: np.ndarray, seq: int, window: int, timeout_s: float,
-                 spin: bool = False) -> bool:
-    """Block until fewer than ``window`` messages are in flight before ``seq``;
-    ``spin``: never sleep (a traced run: no system call of the harness's own)."""
+                 spin: bool = False, spin_ns: int = credit.SPIN_NS_PACED) -> bool:
+    """Block until fewer than ``window`` messages are in flight before ``seq``: look
+    for ``spin_ns``, then sleep until the receiver moves (credit.py); ``spin``: never
+    sleep (a traced run: no system call of the harness's own)."""
     if seq - ctrl[C_LAST_SEQ] <= window:
         return True
-    t_end = time.monotonic() + timeout_s
-    spins = 0
+    now = time.monotonic_ns
+    t_spin = now() + spin_ns
+    t_end = t_spin - spin_ns + int(timeout_s * 1e9)
+    addr = credit.word_address(ctrl, C_LAST_SEQ)
     while seq - ctrl[C_LAST_SEQ] > window:
         if ctrl[C_ABORT]:
             raise RuntimeError("aborted by parent")
-        spins += 1
-        if spins > 200:                # ~20-40 us of spinning, then let others run
+        t = now()
+        if t > t_spin:
             if not spin:
-                time.sleep(20e-6)
-            if time.monotonic() > t_end:
+                # Asleep until the receiver moves (it wakes us: credit.py), not on a
+                # timer: the flag first, then one more look, then the futex, which
+                # returns at once if the word moved since that look.
+                seen = int(ctrl[C_LAST_SEQ])
+                ctrl[C_TX_WAITING] = 1
+                if seq - seen > window:
+                    _credit_sleeps[0] += 1
+                    credit.wait(addr, seen)
+                ctrl[C_TX_WAITING] = 0
+            if t > t_end:
                 return False           # message lost (lossy transport): move on
     return True
 
@@ -131,6 +148,7 @@ def sender_main(transport: Transport, mode: str, p: dict, ctrl: np.ndarray, conn
             ctrl[C_TX_ARMED] = 1
             _spin_until(ctrl, C_TRACE, TRACE_GO, 30.0)
         sw0 = _switches()
+        cpu0, _credit_sleeps[0] = cpu_self(), 0
         if mode == "latency":
             period_ns = int(p["period_s"] * 1e9)
             nxt = now_ns() + period_ns
@@ -160,7 +178,7 @@ def sender_main(transport: Transport, mode: str, p: dict, ctrl: np.ndarray, conn
             window = p["window"]
             stop = now_ns() + int(p["duration_s"] * 1e9)
             while True:
-                if not _wait_credit(ctrl, seq, window, 0.5, trace):
+                if not _wait_credit(ctrl, seq, window, 0.5, trace, credit.SPIN_NS_STREAM):
                     stalls += 1
                 tx.send(seq, src, fill)
                 seq += 1
@@ -168,6 +186,8 @@ def sender_main(transport: Transport, mode: str, p: dict, ctrl: np.ndarray, conn
                     break
         sw1 = _switches()
         out["switches"] = (sw1[0] - sw0[0], sw1[1] - sw0[1])
+        out["cpu_measured_s"] = cpu_self() - cpu0
+        out["credit_sleeps"] = _credit_sleeps[0]
         gc.enable()
         ctrl[C_TX_LAST] = seq - 1
         ctrl[C_TX_DONE] = 1
@@ -229,6 +249,7 @@ def receiver_main(transport: Transport, mode: str, p: dict, ctrl: np.ndarray, co
         _pin(p["pin_rx"])
         rx = transport.open_receiver()
         nbytes = transport.nbytes
+        credit_addr = credit.word_address(ctrl, C_LAST_SEQ)
         warmup = p["warmup"]
         cap = p["count"] if mode == "latency" else p["max_msgs"]
         lat = np.empty(cap, dtype=np.int64)
@@ -247,7 +268,7 @@ def receiver_main(transport: Transport, mode: str, p: dict, ctrl: np.ndarray, co
         while True:
             # Sleeps counted from the first measured message (traced: from the go).
             if sw0 is None and (ctrl[C_TRACE] >= TRACE_GO if trace else last >= warmup - 1):
-                sw0 = _switches()
+                sw0, cpu0 = _switches(), cpu_self()
             got = rx.recv(0.05)
             if got is None:
                 if ctrl[C_ABORT]:
@@ -273,6 +294,9 @@ def receiver_main(transport: Transport, mode: str, p: dict, ctrl: np.ndarray, co
                 continue
             last = seq
             ctrl[C_LAST_SEQ] = seq
+            if ctrl[C_TX_WAITING]:             # the sender sleeps for credit: wake it
+                ctrl[C_TX_WAITING] = 0
+                credit.wake(credit_addr)
             if seq >= warmup:
                 if n == 0:
                     t_first = t
@@ -287,6 +311,7 @@ def receiver_main(transport: Transport, mode: str, p: dict, ctrl: np.ndarray, co
         sw1 = _switches()
         if sw0 is not None:
             out["switches"] = (sw1[0] - sw0[0], sw1[1] - sw0[1])
+            out["cpu_measured_s"] = cpu_self() - cpu0
         if trace:
             ctrl[C_RX_END] = 1    # the tracer is still attached: no system call until
             _spin_until(ctrl, C_TRACE, TRACE_STOPPED, 60.0)   # it is gone

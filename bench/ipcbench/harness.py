@@ -153,6 +153,12 @@ def run_case(tcls: type[Transport], mode: str, size_label: str, nbytes: int,
         for role, r, n in (("tx", tx, n_tx), ("rx", rx, n_rx)):
             if "switches" in r and n:
                 row[f"sleeps_per_msg_{role}"] = round(r["switches"][0] / n, 3)
+            if "cpu_measured_s" in r and n:
+                # CPU of that end per message, measured phase (user + system).
+                row[f"cpu_us_per_msg_{role}"] = round(r["cpu_measured_s"] / n * 1e6, 2)
+        if "credit_sleeps" in tx and n_tx:
+            # The harness's own waits for credit (window full), per message sent.
+            row["credit_sleeps_per_msg"] = round(tx["credit_sleeps"] / n_tx, 3)
         if trace and not errs:
             if set(traced) != {"sender", "receiver"}:
                 errs.append("syscall count: the tracer never attached to both children")
