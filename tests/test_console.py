@@ -128,6 +128,9 @@ def test_a_row_is_drawn_on_a_terminal_that_cannot_write_an_ellipsis():
     assert raw.getvalue().decode("latin-1").endswith("model CPU p50 7.1 ms ~\n")
 
 
+MINIMAL = str(Path(__file__).resolve().parents[1] / "supervisor" / "configs" / "minimal.toml")
+
+
 def test_a_run_started_with_its_stderr_closed_still_runs(tmp_path):
     """`supervisor run 2>&-` (a unit or a script closing it) ended at once with
     AttributeError: 'NoneType' object has no attribute 'write' from the event log, and
@@ -136,7 +139,7 @@ def test_a_run_started_with_its_stderr_closed_still_runs(tmp_path):
     code = ("import os, sys\n"
             "import supervisor.cli as cli\n"
             "print(os.readlink('/proc/self/fd/2'), sys.stderr is not None)\n"
-            "raise SystemExit(cli.main(['check']))\n")
+            f"raise SystemExit(cli.main(['check', '--config', {MINIMAL!r}]))\n")
     p = subprocess.run(["sh", "-c", f"exec {sys.executable} -c \"$0\" 2>&-", code],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert p.returncode == 0, (p.returncode, p.stdout[-800:])
