@@ -144,6 +144,8 @@ def measure_one(attack: bool) -> dict:
             p.send_signal(signal.SIGINT)
             try: p.wait(20)
             except subprocess.TimeoutExpired: p.kill(); p.wait()
+        import shutil
+        shutil.rmtree(d, ignore_errors=True)
 
 def _drive(p, q, evs, attack):
     def until(pred, t=90):
