@@ -127,6 +127,15 @@ if [ $system -eq 1 ]; then
     trap 'rm -rf "$stage"' EXIT
     tar -cf - --exclude=__pycache__ --exclude='*.so' --exclude='*.pyc' \
         pyproject.toml setup.py README.md supervisor schemas workers models | tar -xf - -C "$stage"
+    # Regular files only: a symbolic link left in a checkout (configs/x.toml ->
+    # /etc/shadow) was followed by root's build into the installed package (red team
+    # round 7 row 3), and a FIFO or a device would hang it.
+    odd="$(find "$stage" ! -type f ! -type d -print -quit)"
+    if [ -n "$odd" ]; then
+        echo "install.sh --system: ${odd#"$stage"/} is a symbolic link or a special file:" \
+             "the vehicle install copies regular files only (remove it from the checkout)" >&2
+        exit 2
+    fi
     $sudo "$PREFIX/bin/python3" -m pip install -q --upgrade "$stage[research]"
     (cd / && "$PREFIX/bin/python3" -m supervisor.startcheck --installed) || exit 2
     # The supervisor proper of the split units (issue 27): no home, no shell, no

@@ -79,9 +79,12 @@ def acquire(state_dir: str | os.PathLike) -> StateLock:
     d = Path(state_dir)
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = d / LOCK_NAME
-    # 0644: the pid inside is for anyone to read who is told who holds the dir.
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    # 0600, and made so if it was not: anyone who can open the file can flock it, and
+    # held by another user it kept the car from starting ("another supervisor holds",
+    # exit 9; red team round 7 row 2: a state dir others could cross, the file 0644).
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
+        os.fchmod(fd, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)

@@ -362,3 +362,50 @@ def test_a_domains_python_path_is_where_its_workers_and_admission_look(tmp_path)
     p = check(tmp_path, path)
     assert p.returncode == 3, p.stderr
     assert "mypkg.model" in p.stderr and "imports torch" in p.stderr, p.stderr
+
+
+_HOOK = """
+import os
+if os.fork() == 0:                       # runs before the runner's lock-down
+    import time
+    time.sleep(30)
+    os._exit(0)
+"""
+
+
+def test_a_start_up_hook_in_a_python_path_is_refused_at_check_and_at_ready(tmp_path,
+                                                                           monkeypatch):
+    """A sitecustomize.py in a domain's python_path runs in every worker at interpreter
+    start-up, before the guard, the exec watch and the seccomp lock-down, walked by
+    nothing: here it forks a child that keeps the worker's channel fds under the
+    start-up filter only. check refuses the directory; and were that bypassed, the
+    supervisor refuses the control worker at READY for the process beside it."""
+    import io
+
+    import trio
+
+    from supervisor.config import _runtime
+    from supervisor.events import EventLog
+    from supervisor.lifecycle import Supervisor
+
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "sitecustomize.py").write_text(_HOOK)
+    path = config(tmp_path, 'module = "workers.probe"\nargs = ["--publish", "x"]',
+                  domain=f'python_path = ["{lib}"]')
+    got = [p for p in check_runtime(load(path)) if "python_path" in p.key]
+    assert got and "sitecustomize.py would run in every sandbox" in got[0].reason, got
+    # Bypassed (a check that missed it): the READY check still sees the child.
+    monkeypatch.setattr(_runtime, "code_dir_problem", lambda *a, **k: None)
+    log = EventLog(stream=io.StringIO(), keep=True)
+    sup = Supervisor(load(path), log=log, status_out=io.StringIO())
+
+    async def main() -> None:
+        with trio.move_on_after(120):
+            await sup.run()
+
+    trio.run(main)
+    refused = log.of("refused", "w")
+    assert refused and refused[0]["kind"] == "extra_process", log.events[-5:]
+    assert "READY with a process besides the worker" in refused[0]["reason"]
+    assert not log.of("ready", "w")

@@ -67,11 +67,6 @@ module = "rt7pkg"
 """
 
 
-@pytest.mark.xfail(strict=True, reason="round 7 row 1: a control domain's python_path that "
-                   "an unprivileged user can write is admitted; that user's code runs in "
-                   "control at every start (fix: config/_runtime.check_runtime refuses a "
-                   "python_path, or any parent of it, not owned by root or writable by "
-                   "group/other)")
 def test_a_control_python_path_is_writable_by_no_one_but_root(public_dir):
     _need_root("bwrap")
     from supervisor.config import check_runtime, load
@@ -110,11 +105,6 @@ def _flocked(ino: int) -> bool:
         return any(f":{ino} " in line for line in f)
 
 
-@pytest.mark.xfail(strict=True, reason="round 7 row 2: any local user who can cross the "
-                   "state dir opens supervisor.lock (0644) read-only and flocks it: the car's "
-                   "`supervisor run` then exits 9 naming the last run's pid (fix: "
-                   "statelock.acquire creates the file 0600 and fchmods an old one; "
-                   "check_runtime refuses a state dir other users can cross)")
 def test_an_unprivileged_user_never_holds_the_state_dir_lock(public_dir):
     _need_root("flock")
     from supervisor import statelock
@@ -152,11 +142,6 @@ def test_an_unprivileged_user_never_holds_the_state_dir_lock(public_dir):
 # names into the car's venv. Whoever could leave a file in a checkout (a shared build
 # machine's clone, an untracked leftover) chooses what root reads and installs.
 
-@pytest.mark.xfail(strict=True, reason="round 7 row 3: install.sh --system hands root's pip "
-                   "a stage holding the checkout's symbolic links (and untracked files): "
-                   "a link to /etc/shadow is built into the car's package (fix: "
-                   "scripts/install.sh stages `git ls-files` / `git archive HEAD`, or refuses "
-                   "a symbolic link under the packages in one line before pip)")
 def test_the_vehicle_install_never_hands_pip_a_symbolic_link(tmp_path):
     _need_root()
     from tests.test_install_layouts import _system_install_would_touch_the_machine
@@ -192,6 +177,9 @@ exit 3
     links = (tmp_path / "links").read_text() if (tmp_path / "links").exists() else ""
     assert links == "", f"root's pip was given: {links.strip()}"
     assert not (tmp_path / "units").exists()
+    # Refused before pip, in one line naming the link.
+    assert "install exit 2" in p.stdout, p.stdout + p.stderr
+    assert "supervisor/configs/zz-rt7.toml is a symbolic link or a special file" in p.stderr
 
 
 # ------------------------------------------------------------------ row 0
@@ -217,13 +205,6 @@ module = "workers.probe"
 """
 
 
-@pytest.mark.xfail(strict=True, reason="round 7 row 0: python_path/extra_ro_binds = /proc or "
-                   "/dev replace the sandbox's own /proc (its pid namespace's view) and /dev "
-                   "with the host's: a research sandbox lists every host process and opens "
-                   "host device nodes (the GPU's, without device = \"cuda\") (fix: "
-                   "config/_values._abs_path or _rules.check_binds refuses a read-only bind "
-                   "of, in or over /proc, /dev, /sys, /run and the state dir; "
-                   "sandbox/policy binds a domain's paths before --proc/--dev)")
 def test_a_domains_read_only_binds_never_replace_the_sandbox_proc_and_dev(tmp_path):
     _need_root("bwrap")
     from supervisor.config import ConfigError, check_runtime, load

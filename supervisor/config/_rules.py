@@ -10,6 +10,7 @@ users per domain, and the shared-memory budget. Machine-dependent checks are in
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable
 
 from supervisor.ipc.spec import ChannelSpec
@@ -63,6 +64,10 @@ def check_users(add: Add, domains: dict[str, DomainConfig]) -> None:
 # Host trees no domain may write into: the OS, the kernel's views, runtime state.
 _NEVER_WRITABLE = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib64", "/boot", "/proc", "/sys",
                    "/dev", "/run", "/var/lib/trio-supervisor")
+# The sandbox's own /proc, /dev (bwrap's) and what it never sees of the host: a bind
+# there comes after bwrap's and replaces it (red team round 7 row 0: python_path =
+# ["/proc"] showed research the host's processes, extra_ro_binds = ["/dev"] its devices).
+_NEVER_BOUND = ("/proc", "/dev", "/sys", "/run")
 
 
 def _nested(a: str, b: str) -> bool:
@@ -88,6 +93,15 @@ def check_binds(add: Add, domains: dict[str, DomainConfig], models: dict,
     ro += [(f"models.{n}", p) for n, m in models.items()
            for p in (getattr(m, "artifact", ""), getattr(m, "public_key", "")) if p.startswith("/")]
     for name, d in domains.items():
+        for list_name in ("extra_ro_binds", "python_path"):
+            for i, p in enumerate(getattr(d, list_name)):
+                real = os.path.normpath(p) if resolve is None else resolve(p)
+                top = next((t for t in _NEVER_BOUND
+                            if real == t or real.startswith(t + "/")), None)
+                if top is not None:
+                    add(f"{_key('domains', name)}.{list_name}[{i}]",
+                        f"{p} {'is' if real == top else 'is under'} {top}: the sandbox has "
+                        f"its own {top}, never the host's")
         for i, rw in enumerate(d.extra_rw_binds):
             key = f"{_key('domains', name)}.extra_rw_binds[{i}]"
             bad = [p for p in (*_NEVER_WRITABLE, state_dir, project_root) if _overlap(rw, p)]

@@ -9,6 +9,7 @@ import pkgutil
 import re
 import shlex
 import shutil
+import stat
 import sys
 import tempfile
 import tokenize
@@ -16,7 +17,7 @@ from typing import Any
 
 from supervisor.protocol import simulation_only
 
-from ._model import (ENV_STATE_DIR, PROJECT_ROOT, SIMULATION, VEHICLE, Config, Problem,
+from ._model import (ENV_STATE_DIR, PROJECT_ROOT, RESEARCH, SIMULATION, VEHICLE, Config, Problem,
                      SupervisorConfig, WorkerConfig)
 from ._rules import _approx_size, _shm_overview, channel_shm_bytes, check_binds
 from ._values import _MODULE, _key, _suggest
@@ -107,6 +108,11 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
                         os.stat(bind)
                     except OSError as e:
                         add(f"{path}.{key}[{i}]", f"{bind}: {_strerror(e)}")
+                        continue
+                    if key == "python_path":
+                        why = code_dir_problem(bind, owners=d.profile != RESEARCH)
+                        if why:
+                            add(f"{path}.{key}[{i}]", why)
             try:
                 host_ids(d.profile, d.user)
             except LookupError as e:
@@ -150,6 +156,78 @@ def _executable_problem(prog: str) -> str | None:
         return f"{prog}: {_strerror(e)}"
     if not os.path.isfile(prog) or not st.st_mode & 0o111:
         return f"{prog}: not an executable file"
+    return None
+
+
+# -- code directories: what a sandbox imports must be what admission walked
+
+
+# Imported by the interpreter's own start-up (site.py) from any sys.path entry, before
+# the runner installs the guard, the exec watch and the seccomp lock-down, and walked by
+# nothing (review of python_path: a sitecustomize.py there forked a child that kept
+# the worker's channel fds under the start-up filter only).
+_STARTUP_HOOKS = ("sitecustomize", "usercustomize")
+_TREE_MAX = 20_000            # entries of a python_path checked, at most
+
+
+def _hook_in(d: str) -> str | None:
+    for hook in _STARTUP_HOOKS:
+        for name in (f"{hook}.py", hook):
+            if os.path.lexists(os.path.join(d, name)):
+                return os.path.join(d, name)
+        try:
+            if any(n.startswith(hook + ".") and n.endswith(".so") for n in os.listdir(d)):
+                return os.path.join(d, hook + ".*.so")
+        except OSError:
+            pass
+    return None
+
+
+def code_dir_problem(path: str, *, owners: bool = True) -> str | None:
+    """Why `path` (a domain's python_path) may not hold worker code, or None: no
+    start-up hook (sitecustomize, usercustomize) in it; and (`owners`: a control-grade
+    domain, whose code admission vouches for) it, every directory above it and
+    everything in it owned by root (or this supervisor's user) and writable by no one
+    else, as sshd's StrictModes (red team round 7 row 1: a directory nobody could write
+    was checked, then nobody's code was what the control sandbox imported at its next
+    start). A sticky directory above (/tmp) is allowed: no one else can rename in it."""
+    hook = _hook_in(path)
+    if hook:
+        return (f"{hook} would run in every sandbox before its rules are in place "
+                "(the interpreter imports it at start-up): never in a python_path")
+    if not owners:
+        return None
+    me = os.geteuid()
+
+    def bad(p: str, st: os.stat_result, parent: bool) -> str | None:
+        if st.st_uid not in (0, me):
+            return f"{p} is owned by uid {st.st_uid}"
+        writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        if writable and not (parent and stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX):
+            return f"{p} is writable by {'others' if st.st_mode & stat.S_IWOTH else 'its group'}"
+        return None
+
+    real = os.path.realpath(path)
+    parts = real.split("/")
+    for n in range(1, len(parts)):
+        above = "/".join(parts[:n]) or "/"
+        why = bad(above, os.stat(above), parent=True)
+        if why:
+            return f"{path}: {why}: only root may change what control imports"
+    seen = 0
+    for top, dirs, files in os.walk(real):
+        for name in ((top,) if top == real else ()) + tuple(
+                os.path.join(top, f) for f in (*dirs, *files)):
+            seen += 1
+            if seen > _TREE_MAX:
+                return f"{path}: more than {_TREE_MAX} entries to check"
+            try:
+                st = os.stat(name)
+            except OSError as e:
+                return f"{name}: {_strerror(e)}"
+            why = bad(name, st, parent=False)
+            if why:
+                return f"{path}: {why}: only root may change what control imports"
     return None
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
 from fractions import Fraction
 from typing import Any, Callable
@@ -246,7 +247,7 @@ def _abs_path(s: str) -> None:
         raise ValueError(why)
     if not s.startswith("/") or ".." in s.split("/"):
         raise ValueError(f"{s!r} must be an absolute path without '..'")
-    if s.rstrip("/") == "":
+    if os.path.normpath(s) in ("/", "//"):      # "/.", "//" and "/./" are "/" too
         raise ValueError("binding '/' would expose the whole host file system")
 
 

@@ -4,13 +4,16 @@ executable mappings (admission.maps), and from then on nothing new may execute."
 from __future__ import annotations
 
 import functools
+import os
 import socket
 
 import trio
 
 from supervisor.admission.maps import task_exited
+from supervisor.config import RESEARCH
 from supervisor.sandbox.wx import filter_count, kernel_has_mdwe
 
+from ._procstate import nspid_depth, process_dead
 from ._run import WorkerRun
 
 
@@ -101,6 +104,12 @@ class _ExecWindow:
             self._refuse(run, "protocol", "READY, but no worker process (pid 2 of the "
                          "sandbox's pid namespace) to check")
             return
+        if self.sandboxed and self.config.profile_of(run.cfg.name) != RESEARCH:
+            extra = await trio.to_thread.run_sync(self._others_in_sandbox, run, pid)
+            if extra:
+                self._refuse(run, "extra_process", "READY with a process besides the worker "
+                             f"in its sandbox: {', '.join(extra)}")
+                return
         wx_fields = await self._verify_wx(run, pid)
         if wx_fields is None:
             return
@@ -128,6 +137,27 @@ class _ExecWindow:
             self._refuse(run, late[0].kind, f"just after READY: {late[0].describe()}",
                          mappings=[h.describe() for h in late])
 
+    def _others_in_sandbox(self, run: WorkerRun, pid: int) -> list[str]:
+        """Live processes of a control-grade sandbox besides its init and the worker.
+        None may exist at READY: the runner's lock-down makes fork and clone fail before
+        any worker code runs, so one that does was started by code that ran before it
+        (a start-up hook the interpreter imported: review of python_path), under the
+        start-up filter only and holding the worker's channel fds."""
+        inner = len(nspid_depth(os.getpid()) or (0,)) + 1      # the sandbox's level
+        out = []
+        for other in set(self.worker_pids(run)) - {pid}:
+            ns = nspid_depth(other)
+            if ns is not None and len(ns) == inner and ns[-1] == 1:
+                continue                                   # bwrap's init in the sandbox
+            if not process_dead(other):
+                try:
+                    with open(f"/proc/{other}/comm") as f:
+                        comm = f.read().strip()
+                except OSError:
+                    comm = "?"
+                out.append(f"pid {other} ({comm})")
+        return sorted(out)
+
     def _take_listener(self, run: WorkerRun) -> None:
         """Non-blocking: the exec-watch listener fd, if the runner has sent it."""
         from supervisor.sandbox.execwatch import ExecWatch
@@ -145,8 +175,9 @@ class _ExecWindow:
         if not fds:
             return
         inc.watch = ExecWatch(fds[0], allow_anonymous_exec=run.cfg.jit_kernels, opener=inc.opener)
-        # The filters the worker holds now (launch, runtime, exec watch): at READY the
-        # W^X filter must be among those added after these (_verify_wx).
+        # The filters the worker holds now (launch, exec watch; the runtime filter comes
+        # right after): at READY the W^X filter must be among those added after these
+        # (_verify_wx).
         pid = self._worker_pid(run)
         if pid != run.pid or not self.sandboxed:
             try:
