@@ -366,6 +366,10 @@ def test_a_domains_python_path_is_where_its_workers_and_admission_look(tmp_path)
 
 _HOOK = """
 import os
+try:                                     # visible only outside a sandbox
+    open({marker!r}, "w").close()
+except OSError:
+    pass
 if os.fork() == 0:                       # runs before the runner's lock-down
     import time
     time.sleep(30)
@@ -390,11 +394,14 @@ def test_a_start_up_hook_in_a_python_path_is_refused_at_check_and_at_ready(tmp_p
 
     lib = tmp_path / "lib"
     lib.mkdir()
-    (lib / "sitecustomize.py").write_text(_HOOK)
+    marker = tmp_path / "ran-outside-a-sandbox"
+    (lib / "sitecustomize.py").write_text(_HOOK.format(marker=str(marker)))
     path = config(tmp_path, 'module = "workers.probe"\nargs = ["--publish", "x"]',
                   domain=f'python_path = ["{lib}"]')
     got = [p for p in check_runtime(load(path)) if "python_path" in p.key]
     assert got and "sitecustomize.py would run in every sandbox" in got[0].reason, got
+    # Learning the workers' sys.path ran none of it (a probe interpreter, as root).
+    assert not marker.exists()
     # Bypassed (a check that missed it): the READY check still sees the child.
     monkeypatch.setattr(_runtime, "code_dir_problem", lambda *a, **k: None)
     log = EventLog(stream=io.StringIO(), keep=True)

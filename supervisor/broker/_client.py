@@ -144,7 +144,7 @@ class BrokerClient:
         try:
             return self._await(rid)
         finally:
-            self._forget(rid)
+            self._forget(rid)              # sent or not, answered or not: not ours now
 
     def _forget(self, rid: int) -> None:
         with self._cond:
@@ -163,7 +163,7 @@ class BrokerClient:
                     break
                 self._cond.wait()
             else:
-                return self._decode(rid, *self._replies.pop(rid))
+                return self._decode(rid, *self._take(rid))
         try:
             while True:
                 got = P.recv(self.sock)
@@ -175,11 +175,19 @@ class BrokerClient:
                     self._file(data, rfds)
                     self._cond.notify_all()
                     if rid in self._replies:
-                        return self._decode(rid, *self._replies.pop(rid))
+                        return self._decode(rid, *self._take(rid))
         finally:
             with self._cond:
                 self._reader = False
                 self._cond.notify_all()
+
+    def _take(self, rid: int) -> tuple[bytes, list[int]]:
+        """Our reply, and our id out of the unanswered ones in the same breath (under
+        `_cond`): an id-0 error arriving after could be filed to an answered request,
+        and the cut one's caller would wait for ever (review)."""
+        self._sent.remove(rid)
+        self._async.discard(rid)
+        return self._replies.pop(rid)
 
     def _file(self, data: bytes, rfds: list[int]) -> None:
         """File one reply under its request's id (under `_cond`). An Error with id 0 is

@@ -210,17 +210,23 @@ class Broker:
 
     def stop_all(self) -> None:
         """Kill every sandbox still held, then the cgroup tree (nothing outlives us)."""
-        for t in self._verifying:
-            t.join()
-        self._verifying.clear()
         for t in self._releasing:
             t.join()
         self._releasing.clear()
         for inc in list(self.live.values()):
             try:
                 self._kill_incarnation(inc)
+            except Failed as e:                  # the next one all the same
+                self.log.emit("cgroup_error", source="broker", worker=inc.worker, error=str(e))
+        # Killed first: a read-back of one of them (up to wx.VERIFY_WALL_S on a thread
+        # that will not stop) ends with its process, instead of holding the kills.
+        for t in self._verifying:
+            t.join()
+        self._verifying.clear()
+        for inc in list(self.live.values()):
+            try:
                 inc.proc.wait(5)
-            except (Failed, subprocess.TimeoutExpired) as e:   # the next one all the same
+            except subprocess.TimeoutExpired as e:
                 self.log.emit("cgroup_error", source="broker", worker=inc.worker, error=str(e))
             self._release(inc)
         self.live.clear()

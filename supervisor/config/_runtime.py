@@ -53,7 +53,11 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
     for w in cfg.workers.values():
         path = _key("workers", w.name)
         extra = cfg.domains[w.domain].python_path
-        search = worker_sys_path(sandboxed, extra)
+        try:
+            search = worker_sys_path(sandboxed, extra)
+        except OSError as e:
+            add(f"domains.{w.domain}.python_path", str(e))
+            continue
         verdict = None
         if w.module:
             if (w.module, extra) not in verdicts:

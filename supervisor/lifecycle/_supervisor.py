@@ -83,9 +83,13 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         self._admission = {}
         for name, w in self.config.workers.items():
             argv = None if w.module else list(w.command or ())
+            try:
+                path = worker_sys_path(self.sandboxed, self.config.domains[w.domain].python_path)
+            except OSError:
+                path = []          # nothing found: a control worker is refused (fail closed)
             # Admission judges by the domain's profile: what rules it runs under.
             self._admission[name] = check_worker(name, self.config.profile_of(name), w.module,
-                                                 argv, worker_sys_path(self.sandboxed, self.config.domains[w.domain].python_path))
+                                                 argv, path)
 
     def admit(self) -> list[str]:
         """Static admission of every worker; returns the names refused."""

@@ -141,28 +141,44 @@ def worker_sys_path(sandboxed: bool = True, python_path: Iterable[str] = ()) -> 
     is why the project root is on the workers' PYTHONPATH: without it, from outside the
     checkout, the walk found no entry module and admitted a control worker unwalked."""
     if sandboxed:
-        return list(_sandbox_sys_path(tuple(python_path)))
+        key = tuple(python_path)
+        if key not in _SANDBOX_PATHS:
+            path = _sandbox_sys_path(key)
+            if path is None:         # not cached: the next admission asks again
+                raise OSError(f"cannot learn a sandboxed worker's sys.path from "
+                              f"{sys.executable}: admission cannot tell what it imports")
+            _SANDBOX_PATHS[key] = path
+        return list(_SANDBOX_PATHS[key])
     own = list(sys.path)
     if own and (own[0] in ("", ".") or os.path.abspath(own[0]) == os.getcwd()):
         own = own[1:]                   # `python -m`/`-c` put the cwd first
     return list(dict.fromkeys([*project_python_path(), *(p for p in own if p)]))
 
 
-@functools.lru_cache(maxsize=8)
-def _sandbox_sys_path(python_path: tuple[str, ...]) -> tuple[str, ...]:
+_SANDBOX_PATHS: dict[tuple[str, ...], tuple[str, ...]] = {}
+
+
+def _sandbox_sys_path(python_path: tuple[str, ...]) -> tuple[str, ...] | None:
     import json
     import subprocess
 
-    probe = "import json, sys; print(json.dumps(sys.path))"
+    # site.main() without its start-up hooks (-S, then the same steps by hand): the
+    # probe runs as root outside any sandbox, and a sitecustomize in a python_path
+    # would be code of the config's choosing run right here (review).
+    probe = ("import json, site, sys\n"
+             "known = site.removeduppaths()\n"
+             "site.abs_paths()\n"
+             "site.addsitepackages(site.venv(known))\n"
+             "print(json.dumps(sys.path))\n")
     try:
-        out = subprocess.run([sys.executable, "-c", probe], env=base_env(python_path), cwd="/",
+        out = subprocess.run([sys.executable, "-S", "-c", probe], env=base_env(python_path),
+                             cwd="/",
                              capture_output=True, text=True, timeout=30, check=True).stdout
         path = [p for p in json.loads(out) if isinstance(p, str) and p]
-    except (OSError, subprocess.SubprocessError, ValueError) as e:
-        # Towards walking more, never less: this process's own path.
-        print(f"admission: cannot ask {sys.executable} for the workers' sys.path ({e}); "
-              "using this process's", file=sys.stderr)
-        return (*python_path, *worker_sys_path(sandboxed=False))
+    except (OSError, subprocess.SubprocessError, ValueError):
+        # No guess: this process's path holds the operator's PYTHONPATH in another
+        # order, the very files admission must not walk instead (review).
+        return None
     return tuple(dict.fromkeys(path))
 
 
