@@ -126,6 +126,13 @@ class Refusal:
     code: Exit
 
 
+def held_fds() -> list[int]:
+    """The fds of the locks this process holds: a broker we start gets them too, so
+    the state dir stays held until it is gone as well (a SIGKILLed proper's broker
+    still ran its sandboxes for ~1 s with the lock free: review)."""
+    return [lock.fd for lock in _held if lock.fd >= 0]
+
+
 def hold_for_run(cfg: Any) -> Refusal | None:
     """For `supervisor run` of config `cfg`: hold its state dir's lock (vehicle mode; see
     the module doc for what is not locked), or say in one line why the run must stop."""

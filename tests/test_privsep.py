@@ -91,6 +91,12 @@ def test_privsep_run_holds_no_privilege_restarts_and_latches_through_the_broker(
             assert int(st[cap], 16) == 0, (cap, st[cap])
         assert st["NoNewPrivs"] == "1" and st["Groups"] == ""
         assert broker["uid"] == 0 and _ppid(broker["pid"]) == proper
+        # The state dir's lock is the broker's too: held until both are gone (review: a
+        # SIGKILLed proper left its broker's sandboxes running with the lock free).
+        lock = str(state / "supervisor.lock")
+        for pid in (proper, broker["pid"]):
+            assert lock in {os.path.realpath(f"/proc/{pid}/fd/{fd}")
+                            for fd in os.listdir(f"/proc/{pid}/fd")}, pid
         starts = {e["worker"]: e for e in r.events if e["event"] == "start"}
         assert set(starts) == {"a", "b", "c"} and all(e["broker"] for e in starts.values())
         for e in starts.values():                 # bwrap is the broker's child, not ours

@@ -505,3 +505,19 @@ def test_log_cat_answers_a_log_of_strings_in_one_line(tmp_path) -> None:
                         str(tmp_path / "drive"), "control_cmd"], cwd=REPO,
                        capture_output=True, text=True, timeout=120, check=False)
     assert "Traceback" not in p.stderr and p.returncode == 2, (p.returncode, p.stderr[-300:])
+
+
+def test_a_command_worker_gets_no_shadow_input_either(tmp_path) -> None:
+    """Row 0 through a `command` (review): controlsd run as `python -m supervisor.runner
+    workers.controlsd` with its model role bound through shadow_subscribes is refused by
+    check as the module form is."""
+    cmd = (_ROW0.format(module=MODULE)
+           .replace('module = "workers.controlsd"',
+                    f'command = ["{sys.executable}", "-m", "supervisor.runner", '
+                    '"workers.controlsd"]'))
+    from supervisor.config import check_runtime, loads
+
+    got = [p for p in check_runtime(loads(cmd, str(tmp_path / "c.toml")))
+           if p.key == "workers.steer.shadow_subscribes"]
+    assert got and "workers.controlsd's input role 'model' is bound through " \
+        "shadow_subscribes" in got[0].reason, got

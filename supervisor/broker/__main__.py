@@ -37,6 +37,18 @@ def _accept(listen_fd: int, peer_user: str, log: EventLog) -> socket.socket:
         conn.close()
 
 
+def _no_inheritance(keep: set[int]) -> None:
+    """Every fd we were handed besides stdio and our socket (the run's state-dir lock:
+    statelock.held_fds) is ours alone: nothing we start may keep it."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd not in keep:
+            try:
+                os.set_inheritable(fd, False)
+            except OSError:
+                pass                       # the listing's own fd, closed meanwhile
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m supervisor.broker")
     p.add_argument("--config", default=None)
@@ -46,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--listen-fd", type=int)
     p.add_argument("--peer-user", default="trio-supervisor")
     args = p.parse_args(argv)
+    _no_inheritance({fd for fd in (args.socket_fd, args.listen_fd) if fd is not None})
     log = EventLog()
     from supervisor.config import ConfigError, load
 

@@ -93,9 +93,11 @@ class BrokerClient:
 
     @classmethod
     def spawn(cls, *, state_dir: str | os.PathLike, config: str | os.PathLike | None = None,
-              python: str = sys.executable, stderr=None, env: dict | None = None) -> BrokerClient:
+              python: str = sys.executable, stderr=None, env: dict | None = None,
+              keep_fds: tuple[int, ...] = ()) -> BrokerClient:
         """Start `python -m supervisor.broker` as a child holding the other end of a
-        socketpair (what a developer's `supervisor run` as root would do)."""
+        socketpair (what a developer's `supervisor run` as root would do). `keep_fds`
+        stay open in it (the run's state-dir lock: statelock.held_fds)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         argv = [python, "-m", "supervisor.broker", "--state-dir", str(state_dir),
                 "--socket-fd", str(theirs.fileno())]
@@ -108,7 +110,8 @@ class BrokerClient:
             # Its own session: a terminal's Ctrl-C reaches the supervisor proper only,
             # which stops the workers in order and then closes the socket (the broker's
             # end of stream: it kills what is left and exits).
-            proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(argv, pass_fds=[theirs.fileno(), *keep_fds],
+                                    stdin=subprocess.DEVNULL,
                                     stderr=stderr, env=full, cwd="/", start_new_session=True)
         finally:
             theirs.close()

@@ -72,6 +72,11 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
             reason = _executable_problem(w.command[0])
             if reason:
                 add(f"{path}.command[0]", reason)
+            runs = runs_module(w)          # a worker module behind a command (review)
+            if runs is not None:
+                for key, reason in _role_problems(w, search, module=runs[0],
+                                                  shadow_only=True):
+                    add(f"{path}.{key}", reason)
         # What the worker's module declares about its arguments, also for a `command`
         # worker that runs a worker module (python -m [supervisor.runner] MODULE): the
         # one door for models and recorded data must not have a side entrance.
@@ -576,11 +581,15 @@ def _script_module(script: str) -> str | None:
     return name if parts and _MODULE.match(name) else None
 
 
-def _role_problems(w: WorkerConfig, search: list[str]) -> list[tuple[str, str]]:
+def _role_problems(w: WorkerConfig, search: list[str], *, module: str | None = None,
+                   shadow_only: bool = False) -> list[tuple[str, str]]:
     """Roles the worker's code asks for that the config does not bind (on the right
     side: an input role among subscribes, never shadow_subscribes, an output role
-    among publishes)."""
-    declared = _declared_roles(w.module or "", search)
+    among publishes). ``module``: the one a `command` runs; ``shadow_only``: only an
+    input role bound through shadow_subscribes (what a command's argv may bind
+    otherwise is its own business)."""
+    name = module or w.module or ""
+    declared = _declared_roles(name, search)
     if not declared:
         return []
     roles = dict(w.roles)
@@ -592,12 +601,12 @@ def _role_problems(w: WorkerConfig, search: list[str]) -> list[tuple[str, str]]:
                 # Log only: the worker acts on its input roles (`WorkerContext.reader`
                 # refuses this one at start). Red team round 6 row 0: controlsd's model
                 # role bound here steered on a research worker's numbers.
-                out.append(("shadow_subscribes", f"{w.module}'s input role {role!r} is "
+                out.append(("shadow_subscribes", f"{name}'s input role {role!r} is "
                             "bound through shadow_subscribes, which is log only: bind it in "
                             "subscribes"))
                 continue
             side = w.publishes if kind == "out" else w.subscribes
-            if ch is None or ch not in side:
+            if not shadow_only and (ch is None or ch not in side):
                 what = "input" if kind == "in" else "output"
                 out.append((key, f"{w.module} needs {what} role {role!r}: bind it to a "
                             f"channel, e.g. {key} = {{ {role} = \"CHANNEL\" }}"))

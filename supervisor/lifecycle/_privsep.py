@@ -285,7 +285,10 @@ def start_privsep(cfg: Any, config_path: str | None,
     from supervisor.broker import BrokerClient, BrokerError
 
     uid, gid, _name = proper_ids()
-    client = BrokerClient.spawn(state_dir=broker_state_dir(cfg), config=config_path)
+    from supervisor.statelock import held_fds
+
+    client = BrokerClient.spawn(state_dir=broker_state_dir(cfg), config=config_path,
+                                keep_fds=tuple(held_fds()))
     try:
         try:
             client.ping()                # it loaded the config and holds the state dir
