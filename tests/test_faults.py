@@ -359,7 +359,12 @@ def test_a_second_kill_right_after_a_takeover_still_finds_a_warm_worker():
         raise
     adopted = log.of("standby_adopted", "src")
     cold = [e for e in log.of("start", "src")]
-    assert len(adopted) == 2 and len(cold) == 1, (adopted, cold)     # no cold start
+    # On a failure, what happened to src (a loaded run once showed two cold starts
+    # before the first kill: which exits caused them is the question).
+    why = [{k: e.get(k) for k in ("event", "pid", "code", "cause", "reason", "mono_ns")}
+           for e in log.events if e.get("worker") == "src"
+           and e["event"] not in ("status", "output", "log")]
+    assert len(adopted) == 2 and len(cold) == 1, why     # no cold start
     assert got["second_s"] < 1.0, got       # a takeover, not a cold start (seconds)
 
 
