@@ -116,6 +116,32 @@ def is_supervisor_run(argv: list[str]) -> bool:
         os.path.basename(a) == "supervisor" for a in argv[:2]))
 
 
+def _segments(pid: int) -> ev.Segments:
+    """The channel segments of the supervisor `pid` stands for: its own, and, when it is
+    a broker (which hands the segments on and keeps none), those of the `supervisor
+    run` processes of this host's pid namespace (its --privsep parent, or the split
+    units' proper): under --privsep the live audit saw no channel at all (review)."""
+    known = ev.segments_of(pid)
+    if known:
+        return known
+    here = os.readlink("/proc/self/ns/pid")
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == pid:
+            continue
+        try:
+            if os.readlink(f"/proc/{name}/ns/pid") != here:
+                continue                       # inside a sandbox: never a supervisor
+        except OSError:
+            continue
+        argv = _cmdline(int(name))
+        if argv and is_supervisor_run(argv):
+            try:
+                known.update(ev.segments_of(int(name)))
+            except ev.Gone:
+                continue
+    return known
+
+
 def find_supervisors() -> list[RunningSupervisor]:
     """Every running supervisor: the parents of sandboxes, and ``supervisor run``
     processes that have none (yet)."""
@@ -340,7 +366,7 @@ def collect(rs: RunningSupervisor, promises: dict[str, dict[str, Any]],
     candidates = ev.compiler_candidates()
     sup_status = ev.status(rs.pid)
     inherited = int(sup_status.get("Seccomp_filters") or 0)
-    known = ev.segments_of(rs.pid)      # the channels' segments, told by file
+    known = _segments(rs.pid)           # the channels' segments, told by file
     workers: dict[str, Any] = {}
     for sb in rs.sandboxes:
         progress(f"reading {sb.worker}{' (standby)' if sb.standby else ''}, sandbox "
