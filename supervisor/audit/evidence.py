@@ -136,16 +136,20 @@ def _file_id(st: os.stat_result) -> str:
     return f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x} {st.st_ino}"
 
 
+def _fds(pid: int | str) -> list[str]:
+    """The fd numbers `pid` holds (names in /proc/PID/fd); Gone once it has exited."""
+    try:
+        return os.listdir(f"/proc/{pid}/fd")
+    except (FileNotFoundError, ProcessLookupError) as e:
+        raise Gone(pid) from e
+
+
 def segments_of(pid: int | str) -> Segments:
     """The channel segments the supervisor process `pid` holds open (it created every
     one, so its names are the channels'): file id -> (channel, lease index or None)."""
     out: Segments = {}
     base = f"/proc/{pid}/fd"
-    try:
-        fds = os.listdir(base)
-    except (FileNotFoundError, ProcessLookupError) as e:
-        raise Gone(pid) from e
-    for fd in fds:
+    for fd in _fds(pid):
         try:
             m = _CHANNEL_MEMFD.match(os.readlink(f"{base}/{fd}").removesuffix(" (deleted)"))
             if m:
@@ -213,11 +217,7 @@ def channel_fds(pid: int, known: Segments) -> dict[str, dict[str, Any]]:
     (`segments_of`)."""
     out: dict[str, dict[str, Any]] = {}
     base = f"/proc/{pid}/fd"
-    try:
-        fds = os.listdir(base)
-    except (FileNotFoundError, ProcessLookupError) as e:
-        raise Gone(pid) from e
-    for fd in fds:
+    for fd in _fds(pid):
         try:
             seg = known.get(_file_id(os.stat(f"{base}/{fd}")))
             if seg is None:
