@@ -52,10 +52,10 @@ WORKER = r"""
 import json, os, socket, sys, time
 sock = socket.socket(fileno=int(sys.argv[1]))
 from supervisor.sandbox import seccomp
-seccomp.lock_down("control")
-lfd = seccomp.install_exec_watch()
-socket.send_fds(sock, [b"L"], [lfd])
+lfd = seccomp.install_exec_watch()     # the runner's order: the listener leaves first,
+socket.send_fds(sock, [b"L"], [lfd])   # the lock-down (which kills sendmsg) follows
 os.close(lfd)
+seccomp.lock_down("control")
 rfile = sock.makefile("r")
 def say(**kw):
     sock.sendall((json.dumps(kw) + "\n").encode())

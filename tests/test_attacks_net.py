@@ -42,14 +42,16 @@ ATTACKERS = {
     "r-inet": ("research", "inet", "socket"),
     "r-sendto": ("research", "sendto_address", "sendto"),
     "r-sendmsg": ("research", "sendmsg_address", "socketpair-dgram"),
-    "c-sendmsg": ("control", "sendmsg_address", "socketpair-dgram"),
+    # A started control worker may not call sendmsg at all (round 6 row 0b: the only
+    # call that carries a descriptor out): killed at the first one.
+    "c-sendmsg": ("control", "sendmsg_address", "sendmsg"),
     "r-abstract": ("research", "abstract_unix", "connect"),
 }
 # Not attacks: what must keep working under the rule. Run by workers that exist anyway
-# (each worker costs a serial start): socketpairs (channels) in research by the torch
-# importer, in control before c-ustream's fatal connect.
+# (each worker costs a serial start): socketpairs passing an fd, in research by the
+# torch importer (a started control worker passes no fd: c-sendmsg).
 TORCH = "r-torch"     # a research worker importing torch under the same rule
-PAIRS = {"r-pair": TORCH, "c-pair": "c-ustream"}
+PAIRS = {"r-pair": TORCH}
 
 
 def _toml(sock_dir: Path) -> str:
@@ -235,7 +237,7 @@ def test_reaching_outside_kills_the_worker_at_the_call_and_is_logged(fleet, work
     assert ex[0]["signal"] == "SIGSYS" and "seccomp" in ex[0]["cause"], ex[0]
 
 
-@pytest.mark.parametrize("worker", ["r-sendmsg", "c-sendmsg"])
+@pytest.mark.parametrize("worker", ["r-sendmsg"])
 def test_sockets_that_may_exist_ignore_or_refuse_a_sendmsg_address(fleet, worker):
     """Seccomp cannot read sendmsg's msghdr, so the address rule rests on the kinds of
     socket a sandbox may hold: stream refuses an address, seqpacket ignores it."""
@@ -251,7 +253,7 @@ def test_sockets_that_may_exist_ignore_or_refuse_a_sendmsg_address(fleet, worker
 
 @pytest.mark.parametrize("check", PAIRS)
 def test_socketpairs_still_work_for_channels(fleet, check):
-    """Stream and seqpacket pairs passing an fd, in research and control alike."""
+    """Stream and seqpacket pairs passing an fd, in research."""
     worker = PAIRS[check]
     ev = fleet["running"]
     res = [json.loads(x) for x in _lines(ev, worker, "ATTACK ")]
