@@ -26,23 +26,6 @@ try:
 except ImportError:          # not built (a source checkout without `pip install -e`)
     NATIVE = None
 
-# What the Python side calls in the native module. One built from an older _native.c
-# (new source merged, the extension not rebuilt) lacks some of them: it is not used,
-# and STALE says why wherever the bridge refuses to start for want of it.
-_NEEDS = ("take_hot", "give_back")
-
-
-def stale(mod: object) -> str:
-    """Why native module ``mod`` is too old for this source ("" if it is not)."""
-    missing = [f for f in _NEEDS if not hasattr(mod, f)]
-    return (f"supervisor.ipc._native is older than _native.c (no {', '.join(missing)}): "
-            f"rebuild it (pip install -e .)") if missing else ""
-
-
-STALE = stale(NATIVE) if NATIVE is not None else ""
-if STALE:
-    NATIVE = None
-
 ENV = "TRIO_BRIDGE_NATIVE"
 # Machines whose hardware ordering (TSO) makes the pure-Python path correct.
 TSO_MACHINES = frozenset({"x86_64", "amd64", "AMD64", "x86-64"})
@@ -73,16 +56,13 @@ def select(native: bool | None = None, *, machine: str | None = None,
     arch = machine or platform.machine()
     want = _wanted(native)
     if want is True and mod is None:
-        raise BridgeError(f"{ENV}=1 / native=True, but "
-                          + (STALE if STALE and module is _UNSET else
-                             "supervisor.ipc._native is not built (reinstall with a C "
-                             "compiler: pip install -e .)"))
+        raise BridgeError(f"{ENV}=1 / native=True, but supervisor.ipc._native is not built "
+                          f"(reinstall with a C compiler: pip install -e .)")
     if want is not False and mod is not None:
         return mod
     if arch in TSO_MACHINES:
         return None
     why = ("native=False / TRIO_BRIDGE_NATIVE=0" if mod is not None
-           else STALE if STALE and module is _UNSET
            else "supervisor.ipc._native is not built")
     raise BridgeError(f"IPC bridge refuses to run on {arch} without memory barriers ({why}); "
                       f"the pure-Python path is correct only on x86-64: reinstall with a C "

@@ -99,20 +99,10 @@ class Message:
     def array(self) -> np.ndarray:
         """Read-only zero-copy view with the published shape, dtype and strides."""
         a = self._array
-        if a is not None:
+        if a is None:
+            a = self._array = self._kept_array().view()
+        else:
             self._kept_array()          # the same seqlock check as the first time
-            return a
-        # The first view: _kept_array's steps in line (a call frame less a message).
-        r, slot = self._reader, self._slot
-        seg = r._seg
-        if (self._released or self._lost
-                or (_gen_of(r._buf, r._ctl[slot])[0] if seg is None
-                    else seg.load(r._ctl[slot])) != self._gen):   # acquire (R2)
-            self.check()
-        kept = r._views[slot]
-        if kept is None or kept[0] is not self._layout:
-            kept = self._keep(r, slot)
-        a = self._array = kept[1].view()
         return a
 
     def tolist(self) -> list:
@@ -129,19 +119,15 @@ class Message:
                 or (_gen_of(r._buf, r._ctl[slot])[0] if seg is None
                     else seg.load(r._ctl[slot])) != self._gen):   # acquire (R2)
             self.check()
-        kept = r._views[slot]
-        if kept is None or kept[0] is not self._layout:
-            kept = self._keep(r, slot)
-        return kept[1]
-
-    def _keep(self, r, slot: int) -> tuple:
-        """Kept per slot and layout: a view of an array is built much faster than an
-        array from a buffer. The cache holds the Layout itself: identity is exact."""
         lay = self._layout
-        kept = r._views[slot] = (lay, np.ndarray(
-            lay.shape, lay.dtype, buffer=r._payloads[slot], offset=lay.offset,
-            strides=lay.strides))
-        return kept
+        # Kept per slot and layout: a view of an array is built much faster than an
+        # array from a buffer. The cache holds the Layout itself: identity is exact.
+        kept = r._views[slot]
+        if kept is None or kept[0] is not lay:
+            kept = r._views[slot] = (lay, np.ndarray(
+                lay.shape, lay.dtype, buffer=r._payloads[slot], offset=lay.offset,
+                strides=lay.strides))
+        return kept[1]
 
     def planes(self) -> tuple[np.ndarray, ...]:
         """Read-only per-plane views of a frame (NV12: Y (h,w), UV (h/2,w/2,2))."""
@@ -179,30 +165,12 @@ class Message:
 
     def release(self) -> None:
         """Give the lease back; raises LeaseLost if the data changed while held."""
-        r = self._reader
-        if self._released:
-            if not self._lost:
-                return
-            self.check()                 # lost: raises LeaseLost (again)
-        # check()'s test in line (a call frame less a message); a slot found reused goes
-        # through check() itself, which gives the lease back and raises (a generation
-        # never moves back, so it finds the same).
-        give = r._give_back
-        if give is not None:
-            # Native: the seqlock check and, if it holds, the lease entry emptied, in
-            # one call (_native.give_back); nothing stored if it does not hold.
-            if self._lost or not give(r._seg, r._ctl[self._slot], self._gen, r._lease_r,
-                                      self._lease):
-                self.check()
-            self._released = True
-            self._array = None
-            r._free_leases.append(self._lease)
+        if self._released and not self._lost:
             return
-        if self._lost or not r._stable(r._ctl[self._slot], self._gen):
-            self.check()
+        self.check()
         self._released = True
         self._array = None
-        r._drop_lease(self._lease)
+        self._reader._drop_lease(self._lease)
 
     def __enter__(self) -> Message:
         return self

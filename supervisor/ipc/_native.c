@@ -819,98 +819,13 @@ static PyObject *r_take(PyObject *m, PyObject *const *a, Py_ssize_t n) {
         }
         if (receipt == NULL)
             receipt = Py_NewRef(slow);
-        /* (slot, gen, seq, raw_h, raw_l, stamp, receipt, crc_ok): built directly, not
-         * through Py_BuildValue's format parsing (a stream's every message). */
-        PyObject *items[8] = {PyLong_FromSsize_t(slot),
-                              PyLong_FromUnsignedLongLong((unsigned long long)g1),
-                              PyLong_FromUnsignedLongLong((unsigned long long)seq),
-                              raw_h, raw_l, stamp, receipt, PyLong_FromLong(crc_ok)};
-        PyObject *out = PyTuple_New(8);
-        int ok = out != NULL;
-        for (int i = 0; i < 8; i++)
-            ok &= items[i] != NULL;
-        if (!ok) {
-            Py_XDECREF(out);
-            for (int i = 0; i < 8; i++)
-                Py_XDECREF(items[i]);
-            return NULL;
-        }
-        for (int i = 0; i < 8; i++)
-            PyTuple_SET_ITEM(out, i, items[i]);
-        return out;
+        return Py_BuildValue("(nKKNNNNi)", slot, (unsigned long long)g1,
+                             (unsigned long long)seq, raw_h, raw_l, stamp, receipt, crc_ok);
     }
     return Py_NewRef(Py_None);
 bad_offsets:
     PyErr_SetString(PyExc_ValueError, "take(): slot offsets outside the segment");
     return NULL;
-}
-
-/* give_back(seg, cb, gen, lease, k) -> bool: Message.release's two steps in one call.
- * R4 + R5 as Region.check on the slot's control word cb: if it still holds gen, lease
- * entry k's generation word goes to 0 with a release store (L4, as Reader._drop_lease)
- * and True; if not, nothing is stored and False (the caller's check() gives the lease
- * back and raises LeaseLost, as before). */
-static PyObject *r_give_back(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-    if (n != 5) {
-        PyErr_SetString(PyExc_TypeError, "give_back(seg, cb, gen, lease, k)");
-        return NULL;
-    }
-    Region *seg = as_region(a[0], "segment");
-    Region *lease = seg ? as_region(a[3], "lease table") : NULL;
-    if (lease == NULL)
-        return NULL;
-    Py_ssize_t cb, k;
-    uint64_t gen;
-    if (get_ssize(a[1], &cb) < 0 || get_u64(a[2], &gen) < 0 || get_ssize(a[4], &k) < 0)
-        return NULL;
-    uint64_t *w = word_at(seg, cb, 0);
-    if (w == NULL)
-        return NULL;
-    Py_ssize_t off = LEASE_BASE + LEASE_STRIDE * k;
-    if (k < 0 || !lease->writable || !in_bounds(lease, off, LEASE_STRIDE)) {
-        PyErr_SetString(PyExc_ValueError, "give_back(): lease entry outside the table");
-        return NULL;
-    }
-    __atomic_thread_fence(ACQUIRE);                                           /* R4 */
-    if (__atomic_load_n(w, RELAXED) != gen)                                   /* R5 */
-        Py_RETURN_FALSE;
-    __atomic_store_n((uint64_t *)(lease->base + off + 8), 0, RELEASE);         /* L4 */
-    Py_RETURN_TRUE;
-}
-
-/* take_hot(consts, want, k, last_capture, last): `take` with the reader's constant
- * arguments in one tuple, made once per Reader: consts = (seg, lease, ctl, hdr, lay,
- * hdr_max, lay_max, last_seq_off, last_slot_off, retries, compiled, ctx, pay,
- * lease_ns); the lease deadline is CLOCK_MONOTONIC now + lease_ns, read here (as the
- * Python caller of take() reads it just before the call). The same checks and the same
- * result as take(); a stream's receive passes 5 arguments instead of 18. */
-static PyObject *r_take_hot(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-    if (n != 5 || !PyTuple_Check(a[0]) || PyTuple_GET_SIZE(a[0]) != 14) {
-        PyErr_SetString(PyExc_TypeError,
-                        "take_hot() takes (consts: 14-tuple, want, k, last_capture, last)");
-        return NULL;
-    }
-    PyObject *c = a[0];
-    uint64_t lease_ns;
-    if (get_u64(PyTuple_GET_ITEM(c, 13), &lease_ns) < 0)
-        return NULL;
-    PyObject *deadline = PyLong_FromUnsignedLongLong(
-        (unsigned long long)(monotonic_ns() + lease_ns));
-    if (deadline == NULL)
-        return NULL;
-#define C_(i) PyTuple_GET_ITEM(c, i)
-    PyObject *args[18] = {
-        C_(0), C_(1), C_(2), C_(3), C_(4),          /* seg, lease, ctl, hdr, lay */
-        a[1], a[2], deadline,                       /* want, k, deadline */
-        C_(5), C_(6), C_(7), C_(8), C_(9),          /* hdr_max .. retries */
-        C_(10), C_(11),                             /* compiled, ctx */
-        a[3], a[4],                                 /* last_capture, last */
-        C_(12),                                     /* pay */
-    };
-#undef C_
-    PyObject *got = r_take(m, args, 18);
-    Py_DECREF(deadline);
-    return got;
 }
 
 /* ------------------------------------------------------------- header check */
@@ -1635,10 +1550,6 @@ static PyMethodDef module_methods[] = {
      "the writer's publish: control block, stamp, generation, last_seq, wake-ups"},
     {"take", (PyCFunction)(void (*)(void))r_take, METH_FASTCALL,
      "the reader's seqlock read of the next slot, with its lease"},
-    {"give_back", (PyCFunction)(void (*)(void))r_give_back, METH_FASTCALL,
-     "Message.release: the seqlock check and, if it holds, the lease given back"},
-    {"take_hot", (PyCFunction)(void (*)(void))r_take_hot, METH_FASTCALL,
-     "take() with the reader's constant arguments in one tuple"},
     {"publish_hot", (PyCFunction)(void (*)(void))w_publish_hot, METH_FASTCALL,
      "a stream's repeat publish in one call: header plan, layout, publish, wake-ups"},
     {"pack_header", (PyCFunction)(void (*)(void))h_pack, METH_FASTCALL,

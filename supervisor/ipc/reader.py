@@ -136,18 +136,11 @@ class Reader:
         self._lease_mm = shm.map_segment(handle.lease_fd, spec.lease_size, writable=True)
         self._efd = handle.event_fd
         self._seg = self._lease_r = None
-        # Message.release's native step (check + lease back in one call); None: the
-        # pure-Python path (_stable, then _drop_lease).
-        self._give_back = None
         if nat is not None:
-            self._give_back = nat.give_back
             # Loads from the read-only mapping, stores into our own lease table.
             self._seg = nat.Region(self._mm)
             self._lease_r = nat.Region(self._lease_mm, True)
-            # take() with the constant arguments in one tuple (_take_consts, made
-            # below once everything in it exists): 6 arguments a message, not 18.
-            self._ntake = nat.take_hot
-            self._nat_accept = nat.accept
+            self._ntake = nat.take
             # The native header check. take() runs it itself; a replaced one (tests
             # count its verdicts) is called from here instead, on the same bytes.
             self._naccept = nat.accept
@@ -229,10 +222,6 @@ class Reader:
             self._actx = codec.native_ctx(spec, _UNREAD, FUTURE_TOLERANCE_NS,
                                           self._max_age_ns)
             self._pay_at = geo.payload
-            self._take_consts = (self._seg, self._lease_r, self._ctl, self._hdr_at,
-                                 self._lay_at, HEADER_MAX, LAYOUT_MAX, _OFF_LAST_SEQ,
-                                 _OFF_LAST_SLOT, _RETRIES, self._compiled, self._actx,
-                                 self._pay_at, self._lease_ns)
 
     @property
     def native(self) -> bool:
@@ -313,10 +302,12 @@ class Reader:
                              # the pure-Python path, which compares before it looks
         free = self._free_leases
         k = free[-1] if free else -1
-        inline = self._naccept is self._nat_accept
-        # The lease deadline (now + lease_ms) is read by take_hot itself.
-        got = self._ntake(self._take_consts, self._last_seq + 1, k, self._last_capture,
-                          self._last_take if inline else None)
+        inline = self._naccept is self._native.accept
+        got = self._ntake(self._seg, self._lease_r, self._ctl, self._hdr_at, self._lay_at,
+                          self._last_seq + 1, k, _now() + self._lease_ns, HEADER_MAX,
+                          LAYOUT_MAX, _OFF_LAST_SEQ, _OFF_LAST_SLOT, _RETRIES,
+                          self._compiled, self._actx, self._last_capture,
+                          self._last_take if inline else None, self._pay_at)
         if got is None:
             return None
         if got is False:
@@ -330,7 +321,7 @@ class Reader:
                                       self._last_capture)
             if stamp is None or seq >= _SEQ_HONEST:
                 return self._accept(slot, gen, seq, k, raw_h, raw_l)
-            if seq != self._last_seq + 1 and (self._received or self._rejected):
+            if self._received or self._rejected:
                 self._dropped += seq - self._last_seq - 1
             self._last_seq = seq
             layout = self._last_layout
