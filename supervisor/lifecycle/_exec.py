@@ -4,7 +4,6 @@ executable mappings (admission.maps), and from then on nothing new may execute."
 from __future__ import annotations
 
 import functools
-import os
 import socket
 
 import trio
@@ -13,7 +12,7 @@ from supervisor.admission.maps import task_exited
 from supervisor.config import RESEARCH
 from supervisor.sandbox.wx import filter_count, kernel_has_mdwe
 
-from ._procstate import nspid_depth, process_dead
+from ._procstate import live_in_sandbox
 from ._run import WorkerRun
 
 
@@ -143,19 +142,14 @@ class _ExecWindow:
         any worker code runs, so one that does was started by code that ran before it
         (a start-up hook the interpreter imported: review of python_path), under the
         start-up filter only and holding the worker's channel fds."""
-        inner = len(nspid_depth(os.getpid()) or (0,)) + 1      # the sandbox's level
         out = []
-        for other in set(self.worker_pids(run)) - {pid}:
-            ns = nspid_depth(other)
-            if ns is not None and len(ns) == inner and ns[-1] == 1:
-                continue                                   # bwrap's init in the sandbox
-            if not process_dead(other):
-                try:
-                    with open(f"/proc/{other}/comm") as f:
-                        comm = f.read().strip()
-                except OSError:
-                    comm = "?"
-                out.append(f"pid {other} ({comm})")
+        for other in live_in_sandbox(set(self.worker_pids(run)) - {pid}):
+            try:
+                with open(f"/proc/{other}/comm") as f:
+                    comm = f.read().strip()
+            except OSError:
+                comm = "?"
+            out.append(f"pid {other} ({comm})")
         return sorted(out)
 
     def _take_listener(self, run: WorkerRun) -> None:

@@ -39,7 +39,7 @@ import trio
 from supervisor.config import WorkerConfig
 
 from ._incarnation import Incarnation
-from ._procstate import nspid_depth, process_dead
+from ._procstate import live_in_sandbox
 from ._run import WorkerRun
 
 # While a sandbox dies the thread waits on the pidfd of each process left; it looks again
@@ -361,15 +361,7 @@ class _LastResort:
             return [inc.pid] if inc.alive else []
         # Its cgroup's members (bwrap gone or not), else bwrap's descendants; through the
         # broker, its `pids` request (empty once reaped: the reap killed what was left).
-        pids = inc.members()
-        inner = len(nspid_depth(os.getpid()) or (0,)) + 1   # the sandbox's level
-        left = []
-        for pid in pids - {inc.pid}:
-            ns = nspid_depth(pid)
-            if ns is not None and len(ns) == inner and ns[-1] == 1:
-                continue                          # bwrap's init in the sandbox
-            if not process_dead(pid):
-                left.append(pid)
+        left = live_in_sandbox(inc.members() - {inc.pid})
         if worker_fd is not None and not _readable(worker_fd):
             left.append(-1)
         return left

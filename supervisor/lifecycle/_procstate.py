@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+from collections.abc import Iterable
 
 PF_EXITING = 0x00000004            # include/linux/sched.h
 _SIGKILL_MASK = 1 << (signal.SIGKILL - 1)
@@ -102,3 +103,20 @@ def nspid_depth(pid: int) -> tuple[int, ...] | None:
     except (OSError, ValueError):
         return None
     return None
+
+
+def live_in_sandbox(pids: Iterable[int]) -> list[int]:
+    """The processes among ``pids`` (a sandbox's, its bwrap left out) that are not dead
+    (`process_dead`), less bwrap's own init in the sandbox (pid 1 of its pid namespace,
+    one level below ours), which never maps a segment nor runs worker code. The one rule
+    for "what of a sandbox still lives": the last word's and READY's."""
+    inner = len(nspid_depth(os.getpid()) or (0,)) + 1      # the sandbox's level
+    out = []
+    for pid in pids:
+        ns = nspid_depth(pid)
+        if ns is not None and len(ns) == inner and ns[-1] == 1:
+            continue                                       # bwrap's init in the sandbox
+        if not process_dead(pid):
+            out.append(pid)
+    return out
+
