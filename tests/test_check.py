@@ -416,3 +416,44 @@ def test_a_start_up_hook_in_a_python_path_is_refused_at_check_and_at_ready(tmp_p
     assert refused and refused[0]["kind"] == "extra_process", log.events[-5:]
     assert "READY with a process besides the worker" in refused[0]["reason"]
     assert not log.of("ready", "w")
+
+
+def test_a_pth_file_in_a_python_path_runs_nothing_in_the_sandbox(tmp_path):
+    """An attacker who can only add files beside a domain's worker package tries the
+    other start-up door: a .pth file, whose `import` lines site.py executes in a site
+    directory. A python_path is put on PYTHONPATH, not made a site directory: inside a
+    real control sandbox the line never runs, and the package still imports."""
+    from supervisor.sandbox import launch
+    from supervisor.sandbox.policy import for_worker
+
+    lib = tmp_path / "lib"
+    (lib / "mypkg").mkdir(parents=True)
+    (lib / "mypkg" / "__init__.py").write_text("def main(ctx):\n    pass\n")
+    (lib / "evil.pth").write_text("import sys; print('PTH RAN', flush=True)\n")
+    path = config(tmp_path, 'module = "mypkg"', domain=f'python_path = ["{lib}"]')
+    cfg = load(path)
+    inside = launch.spawn(for_worker(cfg, cfg.workers["w"]),
+                          [sys.executable, "-c", "import mypkg; print('imported')"],
+                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE)
+    out, err = inside.communicate(timeout=60)
+    assert inside.returncode == 0, err
+    assert out.decode().split() == ["imported"], out
+
+
+def test_a_link_in_a_control_python_path_is_judged_by_where_it_leads(tmp_path):
+    """A root-owned python_path whose package is a symbolic link to a directory another
+    user owns: what the sandbox imports is that user's. The ownership rule follows the
+    link (os.stat), so check refuses it."""
+    if os.geteuid() != 0:
+        pytest.skip("giving a directory to another user needs root")
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "__init__.py").write_text("def main(ctx):\n    pass\n")
+    os.chown(theirs, 65534, 65534)
+    (lib / "mypkg").symlink_to(theirs)
+    path = config(tmp_path, 'module = "mypkg"', domain=f'python_path = ["{lib}"]')
+    got = [p for p in check_runtime(load(path)) if p.key == "domains.control.python_path[0]"]
+    assert got and "is owned by uid 65534" in got[0].reason, got
