@@ -213,6 +213,10 @@ def test_a_fault_injected_supervisor_proper_is_refused_by_the_broker(tmp_path):
 
     try:
         trio.run(main)
+    except BaseException:
+        print(log.stream.getvalue()[-6000:])       # why the run ended before READY
+        print(err.read_text()[-3000:])
+        raise
     finally:
         code = client.close()
     assert code == 0
