@@ -625,19 +625,26 @@ def test_channel_fds_must_be_the_channels_own(broker, channel, tmp_path):
 
 def test_malformed_and_oversized_messages_are_refused(broker):
     b = broker
-    cases = [(b"\x00" * 7, "malformed"), (os.urandom(64), "malformed"),
-             (b"\xff" * 64, "malformed"),
-             (P.encode_reply(1, P.Error("refused", "x" * 200)), None),   # another schema
-             (b"\x00" * (P.MAX_MESSAGE + 8), "tooLarge"),
-             (P.encode_request(3, P.SetLatch("x" * (P.MAX_REASON + 1))), "malformed"),
-             (P.encode_request(3, P.SetLatch("a\nb")), "malformed")]
-    for data, code in cases:
+    # (datagram, the refusal, the id it answers: 0 where no id could be read)
+    cases = [(b"\x00" * 7, "malformed", 0), (os.urandom(64), "malformed", 0),
+             (b"\xff" * 64, "malformed", 0),
+             (P.encode_reply(1, P.Error("refused", "x" * 200)), None, 0),  # another schema
+             (b"\x00" * (P.MAX_MESSAGE + 8), "tooLarge", 0),
+             (P.encode_request(3, P.SetLatch("x" * (P.MAX_REASON + 1))), "malformed", 3),
+             (P.encode_request(7, P.SetLatch("a\nb")), "malformed", 7)]
+    for data, code, want_id in cases:
         n = len(b.events("broker_refused"))
-        rep = b.raw(data)
+        P.send(b.client.sock, data)
+        got = P.recv(b.client.sock)
+        assert got is not None, "the broker closed its socket"
+        rid, rep = P.decode_reply(got[0])
         if code is None:                   # may decode as some request: never a crash
             b.client.ping()
             continue
         assert isinstance(rep, P.Error) and rep.code == code, (data[:32], rep)
+        # A refusal answers its request by id where the id could be read (a malformed
+        # body); id 0, which the client files to its oldest request, only when not.
+        assert rid == want_id, (data[:32], rid)
         _refused(b, n, code)
     # the client's own checks say the same in a typed error
     with pytest.raises(Malformed):

@@ -11,6 +11,7 @@ class BrokerError(Exception):
     """A request the broker did not carry out. str() is one line."""
 
     code = "failed"
+    rid = 0          # the request it answers, where its id could be read (0: not)
 
     def __init__(self, reason: str, errno: int = 0) -> None:
         # One line whatever the cause said: a reason may quote hostile bytes.

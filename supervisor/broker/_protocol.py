@@ -458,12 +458,17 @@ def decode_request(data: bytes) -> tuple[int, Request]:
         raise TooLarge(f"{len(data)} bytes (at most {MAX_MESSAGE})")
     if not data or len(data) % 8:
         raise Malformed(f"{len(data)} bytes: not a whole number of capnp words")
+    rid = 0
     try:
         with _S.Request.from_bytes(data, traversal_limit_in_words=_TRAVERSAL_WORDS,
                                    nesting_limit=_NESTING) as m:
             rid = int(m.id)
             return rid, _body(m)
-    except BrokerError:
+    except BrokerError as e:
+        # The id was readable: the refusal answers that request by id. Id 0 (answered
+        # in order by the client) is then left to datagrams the kernel cut, so a
+        # malformed request never takes the place of another thread's reply.
+        e.rid = rid
         raise
     except _READ_ERRORS as e:
         raise Malformed(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") \

@@ -260,7 +260,7 @@ class Broker:
             kind = P.kind_of(req)
             self.by_request[kind] += 1
         except Exception as e:           # answered as any other refusal or bug, below
-            self._answer(rid, kind, None, fds, undecodable=e)
+            self._answer(getattr(e, "rid", 0), kind, None, fds, undecodable=e)
             return
         if isinstance(req, P.ReadFilters):
             # The W^X read-back seizes every thread of a process and may take up to
