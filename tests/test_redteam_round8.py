@@ -98,6 +98,11 @@ def _toml(pp: Path) -> str:
     dtype = "float32"
     payload = "control_cmd"
     max_age_ms = 50
+    [channels.cmd3]
+    slot_size = "4KiB"
+    dtype = "float32"
+    payload = "control_cmd"
+    max_age_ms = 50
     [channels.cmd2]
     slot_size = "4KiB"
     dtype = "float32"
@@ -125,6 +130,15 @@ def _toml(pp: Path) -> str:
     module = "rt8w"
     args = ["go_quiet"]
     watchdog_ms = {WATCHDOG_MS}
+    restart = "never"
+    optional = true
+    ready_timeout_ms = {READY_TIMEOUT_MS}
+    [workers.c-victim]
+    domain = "control"
+    module = "workers.probe"
+    publishes = ["cmd3"]
+    args = ["--publish", "cmd3", "--period-ms", "10", "--ping-ms", "20"]
+    watchdog_ms = 1000
     restart = "never"
     optional = true
     ready_timeout_ms = {READY_TIMEOUT_MS}
@@ -170,6 +184,7 @@ class Fleet:
         self.log = open(self.log_path, "w")
         self.master, self.slave = pty.openpty()
         self._drained = 0
+        self.victim_killed_ns = 0       # row 6: when the test killed c-victim (stalled)
         self._drain_stop = False
         # The console is read all the time (a person watching it), except when the test
         # stops its output as Ctrl-S would.
@@ -328,7 +343,13 @@ def test_a_stopped_console_never_stops_the_watchdog(fleet):
     t_off = time.monotonic()
     try:
         fleet.trigger("go-quiet")
-        time.sleep(STALL_S)
+        time.sleep(1.0)
+        # Row 6 rides on this stall: an actuation writer killed while the loop is held.
+        started = fleet.of("start", "c-victim")
+        if started and fleet.proc.poll() is None:
+            fleet.victim_killed_ns = time.monotonic_ns()
+            os.kill(started[-1]["pid"], signal.SIGKILL)      # its bwrap: the sandbox dies
+        time.sleep(STALL_S - 1.0)
     finally:
         termios.tcflow(fleet.slave, termios.TCOON)
     t_on = time.monotonic()
@@ -338,6 +359,24 @@ def test_a_stopped_console_never_stops_the_watchdog(fleet):
     print(f"console stopped {t_on - t_off:.1f} s; c-quiet silent "
           f"{missed[0]['silent_ms']} ms when the watchdog fired (limit {WATCHDOG_MS} ms)")
     assert missed[0]["silent_ms"] <= WATCHDOG_MS + WATCHDOG_SLACK_MS, missed[0]
+
+
+# ------------------------------------------------------------------ row 6 (held)
+def test_a_writer_killed_while_the_loop_is_held_still_gets_its_last_word_at_once(fleet):
+    """During row 3's stall the test kills the sandbox of the actuation writer
+    c-victim. The last-word thread, not the loop, says SAFE: it must be published
+    within milliseconds of the death, though its event is written only once the
+    console runs again."""
+    if not fleet.victim_killed_ns:
+        pytest.skip("needs row 3's stall (run the module, not this test alone)")
+    said = fleet.wait_for(lambda e: e.get("event") == "last_word"
+                          and e.get("worker") == "c-victim", 10)
+    assert said, "no last word for c-victim:\n" + fleet.tail()
+    logged_after_ms = (said[0]["mono_ns"] - fleet.victim_killed_ns) / 1e6
+    print(f"c-victim: SAFE {said[0]['waited_ms']} ms after its death was seen (by "
+          f"{said[0]['by']}); the event written {logged_after_ms:.0f} ms after the kill")
+    assert said[0]["by"] == "thread" and said[0]["waited_ms"] < 200, said[0]
+    assert said[0]["engaged"] == 0.0
 
 
 # ------------------------------------------------------------------ row 5 (BREAK)
