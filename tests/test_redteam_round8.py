@@ -55,8 +55,61 @@ def _go(name):
     return os.path.exists(os.path.join(HERE, name))
 
 
+def _exec_requests(n, done=lambda: False):
+    """Map this (read-only, admitted) file executable n times: before READY each is a
+    request the supervisor's exec watch judges, the worker stopped meanwhile."""
+    import ctypes
+    import mmap
+    # Through ctypes: the GIL is released while the call waits for its judgement (a
+    # mapping made by the mmap module holds it, and the worker's other thread with it).
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    with open(__file__, "rb") as f:
+        for _ in range(n):
+            if done():
+                return
+            at = libc.mmap(None, 4096, mmap.PROT_READ | mmap.PROT_EXEC, mmap.MAP_PRIVATE,
+                           f.fileno(), 0)
+            if at in (None, ctypes.c_void_p(-1).value):
+                return
+            libc.munmap(at, 4096)
+            time.sleep(0.001)
+
+
+def handover(ctx):
+    """A warm standby of an actuation writer that, once the test says so, keeps the
+    exec watch judging (lazy loading before its channels come: allowed); once it has
+    the channels it publishes engaged commands (steer 0.3, engaged 1) at 100 Hz."""
+    import threading
+    have = threading.Event()
+    if os.environ.get("TRIO_STANDBY_FD"):
+        def lazy():
+            while not _go("go-exec"):
+                time.sleep(0.01)
+            # Until its channels come (the flag: a mapping holds the GIL while judged).
+            _exec_requests(300, have.is_set)
+        threading.Thread(target=lazy, daemon=True).start()
+    w = ctx.writer("cmd")             # a standby blocks here until it is handed the channels
+    have.set()
+    n = 0
+    while True:
+        w.publish_array(np.array([0.3, 1.0, 0.0, 1.0], w.spec.np_dtype))
+        n += 1
+        if n == 1:                     # READY after its first command: the order does not
+            ctx.ready(status="rt8 handover")   # matter to the readers, only to the test
+        ctx.watchdog()
+        time.sleep(0.01)
+
+
 def main(ctx):
     attack = sys.argv[1]
+    if attack == "handover":
+        return handover(ctx)
+    if attack == "deaf":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)     # stops only at the grace's SIGKILL
     w = ctx.writer("cmd2") if attack == "stop_self" else None
     ctx.ready(status="rt8 " + attack)
     print("rt8 %s: ready" % attack, flush=True)
@@ -419,3 +472,163 @@ def test_sighup_never_ends_the_supervisor_without_an_ordered_stop(fleet):
           + "\n".join(json.dumps(e)[:200] for e in ev[-3:]))
     assert any(e["event"] == "supervisor_exit" for e in ev), f"returncode {code}, no supervisor_exit"
     assert any(e["event"] == "last_word" and e.get("worker") == "c" for e in ev)
+
+
+# ------------------------------------------------------------------ row 7 (BREAK)
+# Its own embedded Supervisor (the test holds a reader of the actuation channel that
+# outlives the supervisor's stop, and chooses the moment of the stop signal).
+_HANDOVER_TOML = """
+[domains.control]
+actuates = true
+python_path = ["{pp}"]
+[channels.cmd]
+slot_size = "4KiB"
+dtype = "float32"
+payload = "control_cmd"
+max_age_ms = 50
+max_readers = 2
+[workers.w]
+domain = "control"
+module = "rt8w"
+publishes = ["cmd"]
+args = ["handover"]
+warm_standby = true
+restart = "always"
+watchdog_ms = 1000
+ready_timeout_ms = {ready}
+[workers.deaf]
+domain = "control"
+module = "rt8w"
+args = ["deaf"]
+restart = "never"
+optional = true
+ready_timeout_ms = {ready}
+"""
+TEST_READER = 1                # the monitor's spare is index 0 (no subscriber)
+
+
+@pytest.mark.xfail(strict=True, reason="redteam8 row 7: a stop signal (or a fail-safe) "
+                   "delivered while _adopt_standby waits for handed_over leaves the "
+                   "standby that was just sent the channels in no list: never stopped, "
+                   "no last word; it publishes engaged commands after the SAFE")
+def test_a_stop_during_a_standby_hand_over_never_leaves_a_writer_after_the_last_word():
+    """The actuation writer w (warm standbys) is killed; SAFE is said; the supervisor
+    hands the channels to a standby, and a SIGTERM comes while it waits for the
+    standby's tasks to hand over (widened here: the standby's exec watch is busy
+    judging, as a standby still loading code is). The ordered stop must end with SAFE
+    as the channel's last word: no engaged command after it."""
+    import numpy as np
+    import trio
+
+    from schemas.payloads import CONTROL_CMD
+    from supervisor.config import loads
+    from supervisor.events import EventLog
+    from supervisor.ipc import LeaseLost, Reader, Rejected
+    from supervisor.lifecycle import Supervisor
+
+    tmp = Path(tempfile.mkdtemp(prefix="rt8-", dir="/tmp"))
+    tmp.chmod(0o755)
+    pp = tmp / "lib"
+    (pp / "rt8w").mkdir(parents=True)
+    for d in (pp, pp / "rt8w"):
+        d.chmod(0o755)
+    (pp / "rt8w" / "__init__.py").write_text(_RT8W)
+    (pp / "rt8w" / "__init__.py").chmod(0o644)
+    cfg = loads(_HANDOVER_TOML.format(pp=pp, ready=READY_TIMEOUT_MS), str(tmp / "h.toml"))
+    me = os.getpid()
+    logf = open(tmp / "supervisor.log", "w")
+    log = EventLog(stream=logf, keep=True)
+    sup = Supervisor(cfg, log=log, grace_s=1.5)
+    seen: list[tuple[int, int, float]] = []        # (sequence, writer pid, engaged)
+
+    def drain(reader: Reader) -> None:
+        while True:
+            try:
+                m = reader.try_receive()
+            except Rejected:
+                continue
+            if m is None:
+                return
+            try:
+                with m:
+                    cmd = CONTROL_CMD.decode(np.array(m.array))
+                    seen.append((m.sequence, m.stamp.writer_pid, float(cmd["engaged"])))
+            except LeaseLost:
+                continue
+
+    def of(event: str, worker: str = "w") -> list[dict]:
+        return [e for e in log.events if e["event"] == event and e.get("worker") == worker]
+
+    async def until(pred, timeout: float) -> bool:
+        with trio.move_on_after(timeout):
+            while not pred():
+                await trio.sleep(0.02)
+            return True
+        return False
+
+    reader_box: list[Reader] = []
+    hit: list[int] = []                  # the standby's sandbox pid, when the signal came
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            h = sup.channels["cmd"].reader_handle(TEST_READER)
+            reader = await trio.to_thread.run_sync(lambda: Reader(h))
+            reader_box.append(reader)
+
+            async def poll() -> None:
+                while True:
+                    drain(reader)
+                    await trio.sleep(0.001)
+
+            n.start_soon(poll)
+            if not await until(lambda: len(of("standby_warm")) >= 2, 90):
+                pytest.fail("no two warm standbys:\n" + "\n".join(map(str, log.events[-20:])))
+            await until(lambda: len(seen) > 5, 10)
+            (pp / "go-exec").write_text("go")
+            await trio.sleep(0.3)                    # their exec watches are busy now
+            # The active w's sandbox dies; the moment the supervisor has sent a standby
+            # the channels and waits for it to be handed over, a stop signal comes (an
+            # operator's, systemd's; or a fail-safe raised by another worker, the same
+            # cancellation). The test only picks the instant: it reads, never changes.
+            run = sup.runs["w"]
+            known = list(run.standbys)
+            os.kill(of("start")[-1]["pid"], signal.SIGKILL)
+            with trio.move_on_after(20):
+                while not hit:
+                    known += [sb for sb in run.standbys if sb not in known]
+                    taking = [sb for sb in known if sb.adopted]
+                    if taking and run.current is not taking[0].current:
+                        os.kill(me, signal.SIGTERM)
+                        hit.append(taking[0].pid)
+                    elif taking:
+                        break                    # handed over before we looked: no race
+                    await trio.sleep(0)
+            await until(lambda: sup.exit_code is not None and any(
+                e["event"] == "supervisor_exit" for e in log.events), 60)
+            n.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        logf.close()
+    if reader_box:
+        drain(reader_box[0])                        # what was published to the end
+    ev = log.events
+    safe_at = next((i for i, x in enumerate(seen) if x[2] == 0.0), None)
+    shutil.rmtree(tmp, ignore_errors=True)
+    assert safe_at is not None, f"no SAFE seen; last events: {ev[-10:]}"
+    after = seen[safe_at + 1:]
+    adopted = of("standby_adopted")
+    print(f"hand-over race: {len(seen)} commands read; SAFE at #{safe_at} "
+          f"(seq {seen[safe_at][0]}); after it {len(after)} commands, "
+          f"{sum(1 for x in after if x[2] != 0.0)} engaged, writer pids "
+          f"{sorted({x[1] for x in after})}; standby_adopted {len(adopted)}; "
+          f"last {seen[-1]}")
+    t0 = next((e["mono_ns"] for e in ev if e["event"] == "restart" and e.get("worker") == "w"), 0)
+    print("events from w's restart (ms): " + ", ".join(
+        f"{e['event']}:{e.get('worker', '')}@{(e['mono_ns'] - t0) / 1e6:.1f}" for e in ev
+        if t0 and e["mono_ns"] >= t0 - 50e6 and e["event"] not in ("output", "status"))[:1500])
+    if not hit:
+        pytest.skip("the hand-over was over before the test could look (no race this time)")
+    assert seen[-1][2] == 0.0, f"the channel's last word is engaged: {seen[-1]}"
