@@ -632,3 +632,53 @@ def test_a_stop_during_a_standby_hand_over_never_leaves_a_writer_after_the_last_
     if not hit:
         pytest.skip("the hand-over was over before the test could look (no race this time)")
     assert seen[-1][2] == 0.0, f"the channel's last word is engaged: {seen[-1]}"
+
+
+# ------------------------------------------------------------------ row 8 (BREAK)
+_LATCH_PROBE = """
+import json, os, sys
+from supervisor.config import check_runtime, load
+from supervisor.failsafe import FailSafeLatch
+d = sys.argv[1]
+cfg = load(sys.argv[2])
+problems = [str(p) for p in check_runtime(cfg, sandboxed=False) if "state_dir" in p.key]
+latch = FailSafeLatch.for_config(cfg)
+try:
+    latch.set("control lost (redteam8 row 8)")
+    err = None
+except OSError as e:
+    err = f"{type(e).__name__}: {e}"
+print(json.dumps({"problems": problems, "set_error": err, "latched": latch.read(),
+                  "left": sorted(os.listdir(d))}))
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="redteam8 row 8: on a full state-dir file system "
+                   "check_runtime's probe (an empty file) passes, the latch write fails "
+                   "with ENOSPC and nothing is latched: the next start runs as if the car "
+                   "had never failed safe")
+def test_a_full_state_dir_never_loses_the_fail_safe_latch():
+    """The state dir's file system is full (the recorder's logs, a journal, anything
+    sharing /var/lib): a real tmpfs of one page, filled, in a private mount namespace.
+    Either `check`/`run` refuse that state dir up front (it cannot hold the latch), or
+    a fail-safe still leaves the car latched."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux)")
+    d = Path(tempfile.mkdtemp(prefix="rt8-full-", dir="/tmp"))
+    try:
+        state = d / "state"
+        state.mkdir(mode=0o700)
+        script = (f"mount -t tmpfs -o size=4k,mode=0700 rt8full {state} && "
+                  f"dd if=/dev/zero of={state}/fill bs=4096 count=4 2>/dev/null; "
+                  f"exec {sys.executable} -c \"$PROBE\" {state} "
+                  f"{REPO / 'supervisor' / 'configs' / 'minimal.toml'}")
+        got = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                             capture_output=True, text=True, timeout=60, cwd=REPO,
+                             env=dict(os.environ, PROBE=_LATCH_PROBE, TRIO_STATE_DIR=str(state)))
+        assert got.returncode == 0 and got.stdout.strip(), got.stderr[-2000:]
+        res = json.loads(got.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    print(f"full state dir: check problems {res['problems']}; latch set: "
+          f"{res['set_error'] or 'ok'}; latched after: {res['latched']}; files {res['left']}")
+    assert res["problems"] or res["latched"] is not None, res
