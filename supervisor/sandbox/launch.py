@@ -24,6 +24,7 @@ import glob
 import os
 import queue
 import resource
+import select
 import signal
 import subprocess
 import sys
@@ -368,7 +369,55 @@ def reap_orphans(timeout: float = 0.0) -> list[int]:
             if not pending or time.monotonic() >= deadline:
                 break
             time.sleep(0.002)
+        if pending:
+            _reap_when_dead(pending)
         return found
+
+
+# How long the reaper thread waits for a killed init to finish dying (it exits once every
+# process of its namespace has: a worker freeing a large address space takes ms to s).
+_REAP_WITHIN_S = 30.0
+
+
+def _reap_when_dead(pids: list[int]) -> None:
+    """Reap, on a thread, killed inits that were still dying (called under _orphan_lock).
+
+    The usual case, not a corner: bwrap SIGKILLed (a watchdog, a fail-safe) leaves its
+    init to us, already dying of its PDEATHSIG but still waiting for its namespace to
+    empty, so one WNOHANG at bwrap's exit misses it and it stayed a zombie child of the
+    supervisor until the next sweep (`audit --live` saw its pid as a survivor of the
+    stop). A pidfd names the process, not the number, so the thread can never reap a
+    newcomer that was given the pid (it is taken while the pid is still ours, unreaped)."""
+    fds: dict[int, int] = {}
+    for pid in pids:
+        try:
+            fds[os.pidfd_open(pid)] = pid
+        except OSError:                   # gone already, or no pidfd (kernel < 5.3):
+            continue                      # the next sweep reaps it as before
+    if not fds:
+        return
+
+    def reap() -> None:
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        deadline = time.monotonic() + _REAP_WITHIN_S
+        try:
+            while fds and time.monotonic() < deadline:
+                for fd, _ in poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+                    with _orphan_lock:
+                        try:
+                            os.waitid(os.P_PIDFD, fd, os.WEXITED)
+                        except ChildProcessError:      # a sweep reaped it first
+                            pass
+                    poller.unregister(fd)
+                    os.close(fd)
+                    del fds[fd]
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    threading.Thread(target=reap, daemon=True, name="orphan-reaper").start()
 
 
 class SandboxPopen(subprocess.Popen):
