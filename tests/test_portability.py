@@ -439,6 +439,15 @@ def test_a_venv_under_a_fresh_0700_home(tmp_path):
     venv = home / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
                     str(venv)], check=True, timeout=120)
+    if sys.prefix != sys.base_prefix:
+        # The suite itself runs from a venv (README's development set-up; the Python 3.13
+        # run): --system-site-packages reaches the base interpreter's site-packages, not
+        # this venv's, which holds the dependencies ('seccomp unavailable: ... No module
+        # named pyseccomp'). Chain this venv's in, as a .pth line.
+        import site
+        pth = (venv / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+               / "site-packages" / "outer-venv.pth")
+        pth.write_text("".join(f"{d}\n" for d in site.getsitepackages()))
     code = ("import sys; from supervisor.sandbox import launch, policy; "
             "c = launch.rehearse(policy.policy_for_domain('control'), 'w'); "
             "print(c.line()); sys.exit(0 if c.ok else 1)")
