@@ -11,6 +11,10 @@ run time into a root-owned ``python_path`` directory (``rt8w``, below): its work
 when the test creates a trigger file beside them (the directory is bound read-only into
 the control sandboxes, so the host's new file is visible inside at once), so each test,
 not a guessed delay, says when its attack starts.
+
+Row 7 has a supervisor of its own, embedded (the test holds a reader of the actuation
+channel that outlives the stop, and picks the instant of the stop signal by reading the
+supervisor's state); row 8 needs none (a real full tmpfs in a private mount namespace).
 """
 from __future__ import annotations
 
@@ -470,7 +474,8 @@ def test_sighup_never_ends_the_supervisor_without_an_ordered_stop(fleet):
     ev = fleet.events()
     print(f"supervisor run after SIGHUP: returncode {code}; last events:\n"
           + "\n".join(json.dumps(e)[:200] for e in ev[-3:]))
-    assert any(e["event"] == "supervisor_exit" for e in ev), f"returncode {code}, no supervisor_exit"
+    assert any(e["event"] == "supervisor_exit" for e in ev), \
+        f"returncode {code}, no supervisor_exit"
     assert any(e["event"] == "last_word" and e.get("worker") == "c" for e in ev)
 
 
