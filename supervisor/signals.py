@@ -1,4 +1,4 @@
-"""SIGINT/SIGTERM as bytes on a pipe, from the first instruction to the last.
+"""Signals as bytes on a pipe, from the first instruction to the last.
 
 trio's signal receiver restores the default handlers when it closes and re-delivers
 what was pending, so a second signal during the ordered stop (or a Ctrl-C before trio
@@ -12,7 +12,18 @@ import os
 import signal
 import threading
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# An ordered stop: Ctrl-C, systemd's stop, a hang-up of the terminal or session it
+# was started from (an ssh session dropped), Ctrl-\ (SIGQUIT). By their default
+# actions they ended the process at once: no worker stopped in order, no SAFE as the
+# actuation writer's last word, no `supervisor_exit` (red team 8 row 4: SIGHUP).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+# Every other signal whose default action ends the process means nothing to us: it is
+# recorded and logged (`signal_ignored`), never obeyed. A handler, not SIG_IGN: a
+# handled signal is reset to its default in every worker at exec, an ignored one would
+# stay ignored there. (SIGPIPE is Python's own: ignored, and reset for children.)
+IGNORED_SIGNALS = tuple(getattr(signal, n) for n in (
+    "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGVTALRM", "SIGPROF", "SIGIO", "SIGPWR",
+    "SIGXFSZ", "SIGXCPU", "SIGSTKFLT") if hasattr(signal, n))
 
 
 class SignalPipe:
@@ -50,7 +61,7 @@ def install() -> SignalPipe | None:
         return _pipe
     if _pipe is None:
         _pipe = SignalPipe()
-        for s in STOP_SIGNALS:
+        for s in (*STOP_SIGNALS, *IGNORED_SIGNALS):
             _previous[s] = signal.signal(s, _pipe._handler)
     return _pipe
 

@@ -144,18 +144,25 @@ args = ["--read", "x"]
 """
 
 
+# Every stop signal is an ordered stop: Ctrl-C, systemd's SIGTERM, a terminal's hang-up
+# (an ssh session dropped), Ctrl-\ (red team 8 row 4: SIGHUP ended the supervisor).
+_PAIRS = [(signal.SIGINT, signal.SIGTERM), (signal.SIGHUP, signal.SIGTERM),
+          (signal.SIGQUIT, signal.SIGINT), (signal.SIGTERM, signal.SIGHUP)]
+
+
 @pytest.mark.parametrize("trial", range(8))
 def test_two_signals_at_any_moment_still_stop_in_order(tmp_path, trial):
-    """SIGINT then SIGTERM ~1 ms apart, at a random moment from start-up on: exit 0, the
+    """Two stop signals ~1 ms apart, at a random moment from start-up on: exit 0, the
     ordered stop logged to its end, never a traceback."""
     cfg = tmp_path / "small.toml"
     cfg.write_text(textwrap.dedent(SMALL))
     p = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config", str(cfg),
                           "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     time.sleep(random.Random(trial).uniform(0.0, 2.5))
-    p.send_signal(signal.SIGINT)
+    first, second = _PAIRS[trial % len(_PAIRS)]
+    p.send_signal(first)
     time.sleep(0.001)
-    p.send_signal(signal.SIGTERM)
+    p.send_signal(second)
     _, err = p.communicate(timeout=60)
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
     events = [json.loads(x) for x in err.splitlines() if x.startswith("{")]
@@ -165,6 +172,48 @@ def test_two_signals_at_any_moment_still_stop_in_order(tmp_path, trial):
     stopped = {e["worker"] for e in events if e["event"] == "stopped"}
     assert started == stopped or started - stopped <= {
         e["worker"] for e in events if e["event"] == "exit"}
+
+
+def test_other_signals_are_logged_and_ignored_and_a_hang_up_stops_in_order(tmp_path):
+    """SIGUSR1, SIGUSR2, SIGALRM, SIGPROF, SIGXFSZ (whose default actions end a process)
+    change nothing once it runs: each is one `signal_ignored` event; the workers stay
+    up. Then SIGHUP: the ordered stop, exit 0, its `signal` event naming SIGHUP."""
+    cfg = tmp_path / "small.toml"
+    cfg.write_text(textwrap.dedent(SMALL))
+    p = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--config", str(cfg),
+                          "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        for line in p.stderr:
+            lines.append(line)
+            if '"all_ready"' in line:
+                break
+        others = [signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM, signal.SIGPROF,
+                  signal.SIGXFSZ]
+        for s in others:
+            p.send_signal(s)
+        ignored = 0
+        for line in p.stderr:
+            lines.append(line)
+            ignored += '"signal_ignored"' in line
+            if ignored == len(others):
+                break
+        assert p.poll() is None
+        p.send_signal(signal.SIGHUP)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    err = "".join(lines) + err
+    events = [json.loads(x) for x in err.splitlines() if x.startswith("{")]
+    assert p.returncode == 0, err[-2000:]
+    assert sorted(e["signal"] for e in events if e["event"] == "signal_ignored") == sorted(
+        s.name for s in others)
+    assert not [e for e in events if e["event"] in ("exit", "fail_safe", "restart")], err
+    assert [e["signal"] for e in events if e["event"] == "signal"] == ["SIGHUP"]
+    assert events[-1]["event"] == "supervisor_exit" and events[-1]["reason"] == "shutdown"
+    assert {e["worker"] for e in events if e["event"] == "stopped"} == {"a", "b"}
 
 
 @pytest.mark.parametrize("poison", ["layout", "last_seq", "generation"])

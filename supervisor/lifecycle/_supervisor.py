@@ -780,9 +780,14 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         while True:
             await trio.lowlevel.wait_readable(pipe.r)
             got = pipe.drain()
-            if got:
-                self.log.emit("signal", signal=_signame(got[0]),
-                              **({"also": [_signame(x) for x in got[1:]]} if got[1:] else {}))
+            stops = [x for x in got if x in signals.STOP_SIGNALS]
+            for x in got:
+                if x not in signals.STOP_SIGNALS:
+                    self.log.emit("signal_ignored", signal=_signame(x))
+            if stops:
+                self.log.emit("signal", signal=_signame(stops[0]),
+                              **({"also": [_signame(x) for x in stops[1:]]}
+                                 if stops[1:] else {}))
                 self.notify.stopping()
                 scope.cancel()
                 return
