@@ -453,11 +453,7 @@ def test_the_supervisors_own_stall_is_never_charged_to_a_worker_as_a_flood(fleet
     assert not ex, ex[0]
 
 
-# ------------------------------------------------------------------ row 4 (BREAK)
-@pytest.mark.xfail(strict=True, reason="redteam8 row 4: SIGHUP (a terminal hang-up, "
-                   "kill -HUP) ends `supervisor run` at once: no ordered stop, no last "
-                   "word, no supervisor_exit, and systemd's Restart=on-failure counts "
-                   "SIGHUP as clean")
+# ------------------------------------------------------------------ row 4 (fixed: f287629)
 def test_sighup_never_ends_the_supervisor_without_an_ordered_stop(fleet):
     """SIGHUP either changes nothing or stops in order (the actuation writer stopped,
     SAFE said as its last word, supervisor_exit logged), as SIGTERM does. Last in the
