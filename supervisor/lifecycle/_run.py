@@ -55,6 +55,9 @@ class WorkerRun:
     # (active run) its standbys, oldest first; at most _WarmStandby.STANDBY_DEPTH
     standbys: list["WorkerRun"] = field(default_factory=list)
     adopted: bool = False
+    # (active run) the standby being handed the channels: between the send of its fds
+    # and `current = its process`, it is listed by _all_runs() through this.
+    adopting: "WorkerRun | None" = None
     warm: bool = False                       # (standby) said STANDBY=1: start-up done
     warmed: trio.Event = field(default_factory=trio.Event)   # (standby) set with `warm`
     stopped: bool = False                    # (standby) stopped by the supervisor

@@ -296,6 +296,8 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         for r in list(self.runs.values()):
             out.append(r)
             out.extend(r.standbys)
+            if r.adopting is not None:
+                out.append(r.adopting)
         return out
 
     def _release_cgroup(self, run: WorkerRun) -> None:
