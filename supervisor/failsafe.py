@@ -35,6 +35,12 @@ import numpy as np
 from supervisor.ipc import Channel, Writer
 
 LATCH_NAME = "failsafe.latch"
+# Written at a vehicle run's start: the blocks a latch needs, already allocated. A state
+# dir on a full file system (the recorder's logs, anything sharing it) could not take
+# the latch's text when it mattered (ENOSPC: no latch, the next start ran as if nothing
+# had happened; red team 8 row 8); the reserve is overwritten in place and renamed.
+RESERVE_NAME = LATCH_NAME + ".reserve"
+LATCH_BYTES = 4096         # a latch's text is at most this (the reason is cut to fit)
 # The vehicle's state directory (config/_model.py SupervisorConfig.state_dir's default):
 # a simulation run never latches in it, whatever its config or environment says.
 VEHICLE_STATE_DIR = "/var/lib/trio-supervisor"
@@ -70,7 +76,10 @@ class FailSafeLatch:
 
     def read(self) -> dict | None:
         try:
-            return json.loads(self.path.read_text())
+            text = self.path.read_text()
+            if not text.strip():            # made, but no room for its text: latched
+                return {"reason": "empty latch file (its text could not be written)"}
+            return json.loads(text)
         except FileNotFoundError:
             return None
         except PermissionError:             # not ours to read: still latched, said so
@@ -87,13 +96,125 @@ class FailSafeLatch:
             self.per_run_base = None                # made: a second set() reuses it
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                   "reason": reason, "pid": os.getpid()}))
-        os.replace(tmp, self.path)    # atomic: a crash leaves the old or the new latch
+        with _dir_fd(self.path.parent) as d:
+            write_latch(d, latch_text(reason))
+
+    def reserve(self) -> None:
+        """A vehicle run's start (simulation latches are made when they latch): the
+        latch's blocks, allocated now. OSError: the state dir cannot hold a latch."""
+        if self.per_run_base is not None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with _dir_fd(self.path.parent) as d:
+            reserve_latch(d)
 
     def clear(self) -> None:
         self.path.unlink(missing_ok=True)
+
+
+class _dir_fd:
+    """A directory held open by fd for the `*_latch` calls below (relative to it, never
+    through a symlink planted under the latch's names)."""
+
+    def __init__(self, path: Path) -> None:
+        self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def __enter__(self) -> int:
+        return self.fd
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+
+
+def latch_text(reason: str, **extra: object) -> bytes:
+    """The latch's JSON: when, why, by which process; at most LATCH_BYTES."""
+    body = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "reason": reason[:2048],
+            "pid": os.getpid(), **extra}
+    return json.dumps(body).encode()[:LATCH_BYTES]
+
+
+def _open_new(dir_fd: int, name: str) -> int:
+    """`name` created afresh in the directory: whatever was planted under it (a
+    symlink, a FIFO) is removed first, never followed or opened."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                   0o600, dir_fd=dir_fd)
+
+
+def write_latch(dir_fd: int, text: bytes) -> None:
+    """Latch: `text` into a fresh file, fsynced, renamed over the latch's name (atomic: a
+    crash leaves the old latch or the new; a rename replaces a symlink, never writes
+    through it). Where the file system has no room for the text, the reserve's blocks
+    take it; failing that the file is renamed into place empty (read() takes an empty
+    latch for a latch) and OSError says so. The latch exists whenever a file could be
+    made or renamed at all."""
+    tmp = LATCH_NAME + ".tmp"
+    try:
+        fd = _open_new(dir_fd, tmp)
+    except OSError:
+        if _into_reserve(dir_fd, text):
+            return
+        raise
+    try:
+        os.write(fd, text)
+        os.fsync(fd)
+    except OSError as e:
+        os.close(fd)
+        if _into_reserve(dir_fd, text):
+            os.unlink(tmp, dir_fd=dir_fd)
+            return
+        os.rename(tmp, LATCH_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        raise OSError(e.errno, f"{e.strerror}: latched with an empty latch file "
+                               "(no room for its text, no reserve)") from None
+    os.close(fd)
+    os.rename(tmp, LATCH_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+def _into_reserve(dir_fd: int, text: bytes) -> bool:
+    """The text over the reserve's first bytes (JSON whitespace after it), fsynced, and
+    the reserve renamed to be the latch: no block is allocated. False: none, or no use."""
+    try:
+        fd = os.open(RESERVE_NAME, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return False
+    try:
+        if os.fstat(fd).st_size != LATCH_BYTES:
+            return False
+        os.pwrite(fd, text.ljust(LATCH_BYTES, b" "), 0)
+        os.fsync(fd)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    try:
+        os.rename(RESERVE_NAME, LATCH_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except OSError:
+        return False
+    return True
+
+
+def reserve_latch(dir_fd: int) -> None:
+    """Make the reserve (LATCH_BYTES written and fsynced), unless a whole one is there."""
+    try:
+        st = os.stat(RESERVE_NAME, dir_fd=dir_fd, follow_symlinks=False)
+        if st.st_size == LATCH_BYTES and st.st_blocks * 512 >= LATCH_BYTES:
+            return
+    except FileNotFoundError:
+        pass
+    tmp = RESERVE_NAME + ".tmp"
+    fd = _open_new(dir_fd, tmp)
+    try:
+        os.write(fd, b" " * LATCH_BYTES)
+        os.fsync(fd)
+    except OSError:
+        os.close(fd)
+        os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    os.close(fd)
+    os.rename(tmp, RESERVE_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
 def _repair(channel: Channel) -> None:

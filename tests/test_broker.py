@@ -903,6 +903,11 @@ def test_exec_watch_and_maps_scan_as_nobody_through_the_broker_see_what_root_see
         except PermissionError:
             got["direct"] = "EACCES"
         frozen = execwatch._Frozen.stop(worker, time.monotonic() + 5, None, opener)
+        # `worker` is the caller here, whose stop _Frozen never waits for (a real one is
+        # held in its seccomp wait): its own SIGSTOP lands a moment later under load.
+        until = time.monotonic() + 2
+        while _state(worker) != "T" and time.monotonic() < until:
+            time.sleep(0.005)
         got["stopped"] = _state(worker)
         frozen.resume()
         time.sleep(0.05)

@@ -276,3 +276,46 @@ def test_a_latch_another_user_cannot_read_stays_latched_and_says_why(tmp_path):
     os.waitpid(pid, 0)
     os.close(r)
     assert got and got.get("unreadable") and "TRIO_STATE_DIR" in got["reason"], got
+
+
+_FULL = """
+import json, os, sys
+from pathlib import Path
+from supervisor.failsafe import LATCH_NAME, FailSafeLatch
+d = sys.argv[1]
+latch = FailSafeLatch(Path(d) / LATCH_NAME)
+latch.reserve()                                   # what `run` does at its start
+fd = os.open(os.path.join(d, "fill"), os.O_WRONLY | os.O_CREAT)   # then the disk fills
+try:
+    while True:
+        os.write(fd, b"x" * 4096)
+except OSError:
+    os.close(fd)
+try:
+    latch.set("controlsd failed: the disk is full")
+    err = None
+except OSError as e:
+    err = str(e)
+print(json.dumps({"set_error": err, "latched": latch.read(), "left": sorted(os.listdir(d))}))
+"""
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
+                    reason="needs root and unshare (a tmpfs in a private mount namespace)")
+def test_a_full_state_dir_still_latches_with_its_reason(tmp_path):
+    """The state dir's file system filled up after `run` started (red team 8 row 8: the
+    latch's write failed with ENOSPC and nothing was latched). The blocks reserved at the
+    start take the latch's text; the reserve becomes the latch."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    script = (f"mount -t tmpfs -o size=64k,mode=0700 full {state} && "
+              f"exec {sys.executable} -c \"$PROBE\" {state}")
+    got = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                         capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         env=dict(os.environ, PROBE=_FULL))
+    assert got.returncode == 0, got.stderr[-2000:]
+    res = json.loads(got.stdout.strip().splitlines()[-1])
+    assert res["set_error"] is None, res
+    assert res["latched"]["reason"] == "controlsd failed: the disk is full", res
+    assert res["left"] == ["failsafe.latch", "fill"], res

@@ -19,10 +19,9 @@ import json
 import os
 import socket
 import stat
-import time
 from dataclasses import dataclass
 
-from supervisor.failsafe import LATCH_NAME
+from supervisor.failsafe import LATCH_NAME, latch_text, reserve_latch, write_latch
 
 from ._errors import BadFds, Failed, Refused
 
@@ -140,6 +139,12 @@ class StateDir:
             raise Refused(f"state dir {path}: owned by uid {st.st_uid} with mode "
                           f"{st.st_mode & 0o777:o}; it must be the broker's own "
                           f"(uid {os.geteuid()}) and writable by no one else")
+        try:
+            reserve_latch(fd)        # the latch's blocks, before anything can fail safe
+        except OSError as e:
+            os.close(fd)
+            raise Refused(f"state dir {path}: cannot hold the fail-safe latch: "
+                          f"{e.strerror}") from None
         return cls(path, fd)
 
     def close(self) -> None:
@@ -148,25 +153,10 @@ class StateDir:
             self.fd = -1
 
     def set_latch(self, reason: str) -> None:
-        """Write the latch atomically: a fresh tmp file (O_EXCL|O_NOFOLLOW: whatever
-        was planted under its name is removed first, never followed), then renamed over
-        the latch's name (rename replaces a symlink, it does not write through it)."""
-        tmp = LATCH_NAME + ".tmp"
-        body = json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "reason": reason,
-                           "pid": os.getpid(), "by": "broker"}).encode()
+        """failsafe.write_latch in the held directory (fresh tmp file, fsync, rename;
+        the reserve's blocks on a full file system)."""
         try:
-            try:
-                os.unlink(tmp, dir_fd=self.fd)
-            except FileNotFoundError:
-                pass
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                         | os.O_CLOEXEC, 0o600, dir_fd=self.fd)
-            try:
-                os.write(fd, body)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, LATCH_NAME, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+            write_latch(self.fd, latch_text(reason, by="broker"))
         except OSError as e:
             raise Failed(f"latch in {self.path}: {e.strerror}") from None
 

@@ -451,9 +451,10 @@ def state_dir_in_use(cfg: Config) -> str:
 
 def _state_dir_problem(state: str) -> str | None:
     """Why the fail-safe latch could not be written in ``state`` (created if missing,
-    parents too, as the latch does), or None. Probed by creating a temporary file in it,
-    or a temporary directory in its nearest existing parent, and removing it again:
-    check leaves nothing behind."""
+    parents too, as the latch does), or None. Probed by writing a latch's worth of bytes
+    (fsynced: an empty file needs no block, so a full file system passed) to a temporary
+    file in it, or by a temporary directory in its nearest existing parent, and removing
+    it again: check leaves nothing behind."""
     try:
         path = os.path.abspath(state)
         existing = path
@@ -462,9 +463,15 @@ def _state_dir_problem(state: str) -> str | None:
         if not os.path.isdir(existing):
             return f"{state}: {existing} is not a directory; the fail-safe latch lives here"
         if existing == path:
+            from supervisor.failsafe import LATCH_BYTES
+
             fd, probe = tempfile.mkstemp(prefix=".trio-check-", dir=path)
-            os.close(fd)
-            os.unlink(probe)
+            try:
+                os.write(fd, b" " * LATCH_BYTES)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                os.unlink(probe)
         else:
             os.rmdir(tempfile.mkdtemp(prefix=".trio-check-", dir=existing))
     except OSError as e:

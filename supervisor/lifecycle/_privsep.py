@@ -230,6 +230,9 @@ class BrokerLatch:
             return {"reason": f"unreadable latch file: {e}"}
         return got if isinstance(got, dict) else {"reason": "unreadable latch file"}
 
+    def reserve(self) -> None:
+        """The broker reserved the latch's blocks when it opened the state dir."""
+
     def set(self, reason: str) -> None:
         from supervisor.protocol import printable
 

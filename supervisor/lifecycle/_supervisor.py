@@ -571,7 +571,8 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         self.log.emit("supervisor_start", config=cfg.source, pid=os.getpid(),
                       sandboxed=self.sandboxed, mode=cfg.supervisor.mode)
         refused: set[str] = set()
-        stop = self._latched() or (self._sandbox_preflight() if self.sandboxed else None)
+        stop = (self._latched() or self._reserve_latch()
+                or (self._sandbox_preflight() if self.sandboxed else None))
         if stop is None:
             refused = set(self.admit())
             stop = self._refused_required(refused) or self._config_problems(refused)
@@ -639,6 +640,17 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         return Exit.FAIL_SAFE, (
             f"fail-safe latched at {latched.get('time', '?')} ({latched.get('reason', '?')}); "
             f"an operator clears it with `supervisor clear-fail-safe` ({self.latch.path})")
+
+    def _reserve_latch(self) -> tuple[Exit, str] | None:
+        """The latch's blocks, allocated before anything can fail safe: a state dir with
+        no room for them is a config problem now, not a lost latch later."""
+        try:
+            self.latch.reserve()
+        except OSError as e:
+            why = f"{self.latch.path.parent}: cannot hold the fail-safe latch: {e.strerror}"
+            self.log.emit("config_problem", problem=f"supervisor.state_dir: {why}")
+            return Exit.CONFIG, why
+        return None
 
     def _refused_required(self, refused: set[str]) -> tuple[Exit, str] | None:
         hard = [n for n in refused if not self.config.workers[n].optional]
