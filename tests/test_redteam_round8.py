@@ -108,8 +108,24 @@ def handover(ctx):
         time.sleep(0.01)
 
 
+def deny_exit(ctx):
+    """Anonymous executable memory before READY (refused: no jit_kernels), then exit 0
+    at once, before the supervisor could say anything about it."""
+    import ctypes
+    import mmap
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long)
+    libc.mmap(None, 4096, mmap.PROT_READ | mmap.PROT_EXEC,
+              mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    os._exit(0)
+
+
 def main(ctx):
     attack = sys.argv[1]
+    if attack == "deny_exit":
+        return deny_exit(ctx)
     if attack == "handover":
         return handover(ctx)
     if attack == "deaf":
@@ -218,6 +234,13 @@ def _toml(pp: Path) -> str:
     module = "workers.probe"
     args = ["--ping-ms", "2", "--period-ms", "2"]
     watchdog_ms = 1000
+    restart = "never"
+    optional = true
+    ready_timeout_ms = {READY_TIMEOUT_MS}
+    [workers.c-deny]
+    domain = "control"
+    module = "rt8w"
+    args = ["deny_exit"]
     restart = "never"
     optional = true
     ready_timeout_ms = {READY_TIMEOUT_MS}
@@ -402,6 +425,19 @@ def test_a_research_worker_killed_by_oom_never_trips_the_fail_safe(fleet):
     assert not fleet.of("fail_safe")
     assert not fleet.of("exit", "c"), "the control writer was affected"
     assert fleet.proc.poll() is None
+
+
+# ------------------------------------------------------------------ row 12 (held)
+def test_a_denied_exec_request_is_refused_even_if_the_worker_exits_at_once(fleet):
+    """c-deny asks for anonymous executable memory before READY (denied: it is not
+    declared jit_kernels) and exits 0 at once. The denial must still be a `refused`
+    event naming it (every denial is visible), not an ordinary exit: the verdict is
+    reported before the exit's cancellation can drop it (_exec._watch_exec)."""
+    ex = fleet.wait_for(lambda e: e.get("event") == "exit" and e.get("worker") == "c-deny", 20)
+    assert ex, "c-deny never exited:\n" + fleet.tail()
+    refused = [e for e in fleet.of("refused", "c-deny") if e.get("kind") == "exec_memory"]
+    assert refused, f"an exit without the refusal: {ex[0]}"
+    assert "mmap" in refused[0].get("reason", "") or refused[0].get("syscall") == "mmap"
 
 
 # ------------------------------------------------------------------ row 3 (BREAK)
@@ -679,7 +715,7 @@ def test_a_stop_during_a_standby_hand_over_never_leaves_a_writer_after_the_last_
     assert seen[-1][2] == 0.0, f"the channel's last word is engaged: {seen[-1]}"
 
 
-# ------------------------------------------------------------------ row 8 (BREAK)
+# ------------------------------------------------------------------ row 8 (fixed: 60c1cea)
 _LATCH_PROBE = """
 import json, os, sys
 from supervisor.config import check_runtime, load
@@ -698,10 +734,6 @@ print(json.dumps({"problems": problems, "set_error": err, "latched": latch.read(
 """
 
 
-@pytest.mark.xfail(strict=True, reason="redteam8 row 8: on a full state-dir file system "
-                   "check_runtime's probe (an empty file) passes, the latch write fails "
-                   "with ENOSPC and nothing is latched: the next start runs as if the car "
-                   "had never failed safe")
 def test_a_full_state_dir_never_loses_the_fail_safe_latch():
     """The state dir's file system is full (the recorder's logs, a journal, anything
     sharing /var/lib): a real tmpfs of one page, filled, in a private mount namespace.
