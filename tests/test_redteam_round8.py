@@ -759,3 +759,57 @@ def test_a_full_state_dir_never_loses_the_fail_safe_latch():
     print(f"full state dir: check problems {res['problems']}; latch set: "
           f"{res['set_error'] or 'ok'}; latched after: {res['latched']}; files {res['left']}")
     assert res["problems"] or res["latched"] is not None, res
+
+
+# ------------------------------------------------------------------ row 13 (BREAK)
+_RESERVED_PROBE = """
+import json, os, subprocess, sys
+from supervisor.config import check_runtime, load
+from supervisor.failsafe import FailSafeLatch
+d, cfg = sys.argv[1], load(sys.argv[2])
+latch = FailSafeLatch.for_config(cfg)
+latch.reserve()                        # what the last vehicle start left in place
+subprocess.run(["dd", "if=/dev/zero", f"of={d}/fill", "bs=4096", "count=8"],
+               capture_output=True)   # then the disk fills up (the recorder's logs)
+problems = [str(p) for p in check_runtime(cfg, sandboxed=False) if "state_dir" in p.key]
+try:
+    latch.set("control lost (redteam8 row 13)")
+    err = None
+except OSError as e:
+    err = f"{type(e).__name__}: {e}"
+print(json.dumps({"problems": problems, "set_error": err, "latched": latch.read(),
+                  "left": sorted(os.listdir(d))}))
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="redteam8 row 13: with the latch's reserve in place "
+                   "a full state-dir file system can still latch, but check_runtime's "
+                   "probe writes a new 4 KiB file and calls it a config problem: run "
+                   "exits 2 and the car does not start")
+def test_a_full_disk_with_the_latch_reserved_never_keeps_the_car_from_starting():
+    """After row 8's fix a vehicle start reserves the latch's blocks. The file system
+    fills later (the recorder's logs). The next start must not be refused for want of
+    room the reserve already holds: the latch can still be written."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux)")
+    from supervisor import failsafe
+    if not hasattr(failsafe.FailSafeLatch, "reserve"):
+        pytest.skip("no latch reserve in this tree (row 8's fix)")
+    d = Path(tempfile.mkdtemp(prefix="rt8-full-", dir="/tmp"))
+    try:
+        state = d / "state"
+        state.mkdir(mode=0o700)
+        script = (f"mount -t tmpfs -o size=16k,mode=0700 rt8full {state} && "
+                  f"exec {sys.executable} -c \"$PROBE\" {state} "
+                  f"{REPO / 'supervisor' / 'configs' / 'minimal.toml'}")
+        got = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                             capture_output=True, text=True, timeout=60, cwd=REPO,
+                             env=dict(os.environ, PROBE=_RESERVED_PROBE, TRIO_STATE_DIR=str(state)))
+        assert got.returncode == 0 and got.stdout.strip(), got.stderr[-2000:]
+        res = json.loads(got.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    print(f"full disk, reserve in place: check problems {res['problems']}; latch set: "
+          f"{res['set_error'] or 'ok'}; latched after: {res['latched']}; files {res['left']}")
+    assert res["latched"] is not None, res       # the reserve does its job
+    assert not res["problems"], res["problems"]  # so the start must not be refused
