@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install what the supervisor needs on a fresh Debian 12 + Python 3.11 machine.
+# Install what the supervisor needs on a fresh Debian 12 + Python 3.11 machine (Python 3.12
+# and 3.13, Debian 13's, work too: docs/deploy-layouts.md).
 #   bash scripts/install.sh          # runtime: bubblewrap, libseccomp, the package with
 #                                    # its research extra (the default config's torch
 #                                    # shadow worker; torch==2.13.0 CPU wheel on disk)
@@ -48,7 +49,7 @@ if [ $system -eq 0 ]; then
         echo "install.sh: $py is the system's Python (externally managed): pip may not install into it; make a venv and run this in it: apt-get install python3-venv; python3 -m venv /opt/trio-dev; . /opt/trio-dev/bin/activate; bash scripts/install.sh (or the vehicle install: bash scripts/install.sh --system)" >&2
         exit 2
     elif [ $rc -ne 0 ]; then
-        echo "install.sh: $py does not run (exit $rc): set PYTHON to a Python 3.11 or 3.12, or activate its venv" >&2
+        echo "install.sh: $py does not run (exit $rc): set PYTHON to a Python 3.11, 3.12 or 3.13, or activate its venv" >&2
         exit 2
     fi
     # The development install links this checkout and writes into it (supervisor.egg-info,
@@ -113,8 +114,9 @@ done
 
 if [ $system -eq 1 ]; then
     base=/usr/bin/python3
-    if ! "$base" -c 'import sys; sys.exit(not ((3, 11) <= sys.version_info[:2] < (3, 13)))'; then
-        echo "install.sh --system: $base is not Python 3.11 or 3.12 (the package needs one)" >&2
+    # The same range as pyproject.toml's requires-python (tests/test_install_layouts.py).
+    if ! "$base" -c 'import sys; sys.exit(not ((3, 11) <= sys.version_info[:2] < (3, 14)))'; then
+        echo "install.sh --system: $base is not Python 3.11, 3.12 or 3.13 (the package needs one)" >&2
         exit 2
     fi
     [ -x "$PREFIX/bin/python3" ] || $sudo "$base" -m venv "$PREFIX"

@@ -344,3 +344,25 @@ def test_the_units_start_workers_whatever_the_machines_locale(tmp_path):
     assert p.returncode == 5, out
     assert "UnicodeEncodeError" not in out, out
     assert "unrecognized arguments: --made-up-\u2713" in out, out
+
+
+def test_the_vehicle_install_accepts_the_pythons_the_package_does():
+    """install.sh --system checks /usr/bin/python3's version itself, before apt and pip,
+    with its own copy of requires-python's range. Widened to take Python 3.13 (Debian
+    13's, Fedora's), the two must move together: a pin wider than the script refused
+    3.13 in the vehicle install only; a narrower one let pip refuse it after apt ran.
+    The message names every version the range takes."""
+    import re
+    import tomllib
+
+    req = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    pin = re.fullmatch(r">=3\.(\d+),<3\.(\d+)", req.replace(" ", ""))
+    assert pin, f"requires-python {req!r}: not of the form '>=3.A,<3.B' this test reads"
+    script = (ROOT / "scripts" / "install.sh").read_text()
+    check = re.search(r"\(3, (\d+)\) <= sys\.version_info\[:2\] < \(3, (\d+)\)", script)
+    assert check, "install.sh --system's version check not found"
+    assert check.groups() == pin.groups(), (req, check.group(0))
+    minors = [f"3.{m}" for m in range(int(pin[1]), int(pin[2]))]
+    said = re.search(r"--system: \$base is not Python ([^(]*) \(", script)
+    assert said and re.findall(r"3\.\d+", said[1]) == minors, (said and said[1], minors)
+    assert f"{sys.version_info[0]}.{sys.version_info[1]}" in minors   # this very run
