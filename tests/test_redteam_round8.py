@@ -813,3 +813,85 @@ def test_a_full_disk_with_the_latch_reserved_never_keeps_the_car_from_starting()
           f"{res['set_error'] or 'ok'}; latched after: {res['latched']}; files {res['left']}")
     assert res["latched"] is not None, res       # the reserve does its job
     assert not res["problems"], res["problems"]  # so the start must not be refused
+
+
+# ------------------------------------------------------------------ row 11, second part
+_TTOU_PROBE = r"""
+import os, pty, signal, sys, termios, time
+sys.path.insert(0, sys.argv[1])
+pid, master = pty.fork()
+if pid == 0:                       # a session whose terminal is the pty, `stty tostop`
+    a = termios.tcgetattr(1)
+    a[3] |= termios.TOSTOP
+    termios.tcsetattr(1, termios.TCSANOW, a)
+    r, w = os.pipe()
+    c = os.fork()
+    if c == 0:                     # `supervisor run &`: a background job of it
+        os.close(r)
+        os.setpgid(0, 0)
+        from supervisor import signals
+        signals.install()          # the supervisor's own dispositions, from its CLI
+        class Late(Exception):
+            pass
+        def late(*_):
+            raise Late()
+        signal.signal(signal.SIGALRM, late)     # (SIGALRM is the supervisor's too: ours here)
+        signal.setitimer(signal.ITIMER_REAL, 1.0)
+        try:
+            os.write(1, b"ENGAGED +0.000 rad | ...\n")
+            res = "wrote"
+        except Late:
+            res = "still in write() after 1 s"
+        except OSError as e:
+            res = f"write failed: {e.strerror}"
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        os.write(w, res.encode())
+        os._exit(0)
+    os.close(w)
+    deadline = time.monotonic() + 5
+    res = b""
+    while time.monotonic() < deadline:
+        got, status = os.waitpid(c, os.WUNTRACED | os.WNOHANG)
+        if got and os.WIFSTOPPED(status):
+            res = f"stopped by {signal.Signals(os.WSTOPSIG(status)).name}".encode()
+            os.kill(c, signal.SIGKILL)
+            os.waitpid(c, 0)
+            break
+        if got:
+            res = os.read(r, 200)
+            break
+        time.sleep(0.01)
+    else:
+        os.kill(c, signal.SIGKILL)
+        res = b"no answer in 5 s"
+    os.write(2, b"RESULT " + res + b"\n")
+    os._exit(0)
+out = b""
+while True:
+    try:
+        chunk = os.read(master, 4096)
+    except OSError:
+        break
+    if not chunk:
+        break
+    out += chunk
+os.waitpid(pid, 0)
+sys.stdout.write(out.decode(errors="replace"))
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="redteam8 row 11: SIGTTOU keeps its default action "
+                   "(a background supervisor writing its live line to a tostop terminal is "
+                   "stopped); a Python handler instead would loop in write(); SIG_IGN is "
+                   "what lets the write through")
+def test_a_background_supervisor_writing_to_its_terminal_neither_stops_nor_spins():
+    """`supervisor run &` in a terminal with `stty tostop`: its live line is a background
+    write. With the dispositions the supervisor installs (supervisor.signals.install,
+    as its CLI does at import), that write must go through: not stop the process
+    (every thread, the last-word thread too) nor loop in the kernel's SIGTTOU retry."""
+    got = subprocess.run([sys.executable, "-c", _TTOU_PROBE, str(REPO)], capture_output=True,
+                         text=True, timeout=30, cwd=REPO)
+    line = next((x for x in got.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, (got.stdout[-1000:], got.stderr[-1000:])
+    print(f"background write to a tostop terminal: {line[7:]}")
+    assert line == "RESULT wrote", line
