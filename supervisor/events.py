@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, TextIO
 
+from supervisor import outstream
+
 
 class Level(IntEnum):
     """An event's level; the values are journald's (syslog) priorities, so a lower
@@ -131,6 +133,10 @@ class EventLog:
     events: list[dict[str, Any]] = field(default_factory=list)
     min_level: Level = Level.DEBUG
     journal: bool | None = None      # None: detect from $JOURNAL_STREAM
+    # Lines go out through a thread of their own (supervisor/outstream.py): a blocked
+    # console or journald never holds the caller. None: written here (no fd: StringIO).
+    _writer: outstream.StreamWriter | None = field(default=None, init=False, repr=False)
+    _writer_made: bool = field(default=False, init=False, repr=False)
 
     def emit(self, event: str, *, source: str = "supervisor", **fields: Any) -> dict[str, Any]:
         level = level_of(event, fields)
@@ -140,15 +146,37 @@ class EventLog:
             self.events.append(rec)
         if level > self.min_level:
             return rec
+        self._write(rec, level)
+        return rec
+
+    def _write(self, rec: dict[str, Any], level: Level) -> None:
         if self.journal is None:
             self.journal = _journal_stream(self.stream)
+        if not self._writer_made:
+            self._writer_made = True
+            self._writer = outstream.writer_for(self.stream, self._dropped_line)
+        prefix = f"<{int(level)}>" if self.journal else ""
+        line = prefix + render(rec, self.fmt) + "\n"
+        if self._writer is not None:
+            self._writer.put(line)
+            return
         try:
-            prefix = f"<{int(level)}>" if self.journal else ""
-            self.stream.write(prefix + render(rec, self.fmt) + "\n")
+            self.stream.write(line)
             self.stream.flush()
         except (OSError, ValueError):
             pass  # a closed log stream must not take the supervisor down
-        return rec
+
+    def _dropped_line(self, n: int) -> str:
+        """Said in place of the lines a blocked stream could not take (queue full)."""
+        rec = {"ts": round(time.time(), 6), "mono_ns": time.monotonic_ns(),
+               "source": "supervisor", "event": "log_dropped", "level": "warning",
+               "lines": n, "reason": "the log stream was blocked (a stopped console, a "
+               "stalled pipe or journald); the events are still counted and kept"}
+        return (f"<{int(Level.WARNING)}>" if self.journal else "") + render(rec, self.fmt) + "\n"
+
+    def drain(self, timeout: float = outstream.DRAIN_AT_EXIT_S) -> bool:
+        """Every line emitted so far, written (False: the stream stayed blocked)."""
+        return self._writer.drain(timeout) if self._writer is not None else True
 
     def of(self, event: str, worker: str | None = None) -> list[dict[str, Any]]:
         return [e for e in self.events

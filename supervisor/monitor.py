@@ -16,6 +16,7 @@ import numpy as np
 import trio
 from wcwidth import wcwidth
 
+from supervisor import outstream
 from supervisor.ipc import BridgeError, Channel, LeaseLost, Reader, Rejected
 from supervisor.protocol import printable
 
@@ -78,6 +79,9 @@ class Monitor:
         self.out = out or sys.stdout
         self.interval_s = interval_s
         self.lines = 0
+        # Written from a thread of its own (supervisor/outstream.py): a stopped console
+        # (Ctrl-S) held the event loop, and the watchdog with it (red team 8 row 3).
+        self._writer = outstream.writer_for(self.out, lambda n: "")
 
     async def _follow(self, v: ChannelView) -> None:
         # A channel whose writer has not started (or was skipped) is attached later.
@@ -191,20 +195,28 @@ class Monitor:
             live = self._live()
             width = _columns(self.out) - 1 if live else None
             line = _encodable(self.line(width), getattr(self.out, "encoding", None))
-            self.out.write(("\r\x1b[2K" if live else "") + line + ("" if live else "\n"))
+        except (OSError, ValueError):
+            return
+        if live:                           # only its newest version matters
+            self._put("\r\x1b[2K" + line, latest=True)
+        else:
+            self._put(line + "\n")
+        self.lines += 1
+
+    def _put(self, text: str, latest: bool = False) -> None:
+        if self._writer is not None:
+            (self._writer.put_latest if latest else self._writer.put)(text)
+            return
+        try:
+            self.out.write(text)
             self.out.flush()
         except (OSError, ValueError):
             pass
-        self.lines += 1
 
     def finish(self) -> None:
         """End the live line with a newline, so what follows starts on its own row."""
         if self.lines and self._live():
-            try:
-                self.out.write("\n")
-                self.out.flush()
-            except (OSError, ValueError):
-                pass
+            self._put("\n")
             self.lines = 0
 
 

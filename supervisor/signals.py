@@ -17,13 +17,18 @@ import threading
 # actions they ended the process at once: no worker stopped in order, no SAFE as the
 # actuation writer's last word, no `supervisor_exit` (red team 8 row 4: SIGHUP).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
-# Every other signal whose default action ends the process means nothing to us: it is
-# recorded and logged (`signal_ignored`), never obeyed. A handler, not SIG_IGN: a
-# handled signal is reset to its default in every worker at exec, an ignored one would
-# stay ignored there. (SIGPIPE is Python's own: ignored, and reset for children.)
+# Every other signal whose default action ends or stops the process means nothing to
+# us: it is recorded and logged (`signal_ignored`), never obeyed. A handler, not
+# SIG_IGN: a handled signal is reset to its default in every worker at exec, an ignored
+# one would stay ignored there. (SIGPIPE is Python's own: ignored, reset for children.)
+# Ctrl-Z (SIGTSTP) and a background job's terminal I/O (SIGTTIN, SIGTTOU under `stty
+# tostop`) stopped every thread, the last-word thread too, while the workers (sessions
+# of their own) ran on unsupervised (red team 8 row 11). Handled, a background write
+# to the terminal fails with EIO instead, which the output thread swallows.
 IGNORED_SIGNALS = tuple(getattr(signal, n) for n in (
     "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGVTALRM", "SIGPROF", "SIGIO", "SIGPWR",
-    "SIGXFSZ", "SIGXCPU", "SIGSTKFLT") if hasattr(signal, n))
+    "SIGXFSZ", "SIGXCPU", "SIGSTKFLT", "SIGTSTP", "SIGTTIN", "SIGTTOU")
+    if hasattr(signal, n))
 
 
 class SignalPipe:

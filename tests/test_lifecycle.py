@@ -103,7 +103,11 @@ def test_crash_is_restarted_with_backoff(sup):
     restarts = r.wait_for("restart", count=3, worker="a")
     assert [e["delay_ms"] for e in restarts[:3]] == [50.0, 100.0, 200.0]
     exits = [e for e in r.events if e["event"] == "exit" and e["worker"] == "a"]
-    assert exits[0]["code"] == 3 and exits[0]["reason"] == "exited"
+    # Each exits with its code 3; on a loaded machine a start-up can miss the 400 ms
+    # watchdog first (seen in a loaded run: -9, cause watchdog), which is a restart too.
+    assert any(e["code"] == 3 and e["reason"] == "exited" for e in exits), exits
+    assert all((e["code"], e["reason"]) == (3, "exited") or e.get("cause") == "watchdog"
+               for e in exits), exits
     assert len(r.wait_for("ready", count=3, worker="a")) >= 3   # it came back each time
 
 

@@ -66,6 +66,7 @@ class Incarnation:
     status_skip: bool = False                # inside an over-long line: drop to its newline
     status_tokens: float = 1000.0            # status-line rate limit (token bucket)
     status_ts: float = 0.0
+    status_depth: float = 0.0                # its depth (0: not yet read from the pipe)
     output: LineLimiter = field(default_factory=LineLimiter)
     watch: Any = None                        # sandbox.execwatch.ExecWatch of this process
     exec_allowed: int = 0                    # executable mappings admitted before READY

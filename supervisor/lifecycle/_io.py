@@ -3,6 +3,7 @@ READY, WATCHDOG, STATUS, REFUSED, STANDBY; rate limited, a flood is a refusal) a
 stdout+stderr (re-emitted as events whose source is the worker)."""
 from __future__ import annotations
 
+import fcntl
 import os
 import time
 
@@ -12,6 +13,8 @@ from supervisor.output import parse_log_record
 from supervisor.protocol import StatusLine, parse_line
 
 from ._run import WorkerRun
+
+_F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
 
 
 class _WorkerIO:
@@ -72,7 +75,9 @@ class _WorkerIO:
             rest, inc.status_skip, cost = b"", True, cost + 1
         inc.status_buf = rest
         now = time.monotonic()
-        inc.status_tokens = min(self.STATUS_LINES_PER_S,
+        if not inc.status_depth:
+            inc.status_depth = self._status_depth(inc.status_r)
+        inc.status_tokens = min(inc.status_depth,
                                 inc.status_tokens + (now - inc.status_ts) * self.STATUS_LINES_PER_S)
         inc.status_ts = now
         # Counted as lines, so that newline-free bytes at pipe speed (one protocol_error
@@ -85,6 +90,20 @@ class _WorkerIO:
         for line in lines:
             self._on_status(run, line.decode(errors="replace"))
         return True
+
+    def _status_depth(self, fd: int) -> float:
+        """The bucket's depth: a second at the rate, or what the pipe can hold in
+        shortest honest lines (WATCHDOG=1), whichever is more. A stall of ours (a loaded
+        machine, a slow fail-safe) leaves at most a pipeful to be read in one burst:
+        charged to a one-second bucket, an honest worker's backlog after a 6 s stall was
+        `protocol_flood`, and a required control worker refused fails the car safe (red
+        team 8 row 5). A worker can queue no more than a pipeful however long it waits,
+        so the depth still bounds a flood; the rate is unchanged."""
+        try:
+            pipe = fcntl.fcntl(fd, _F_GETPIPE_SZ)
+        except OSError:
+            pipe = 65536
+        return max(self.STATUS_LINES_PER_S, pipe / len(b"WATCHDOG=1\n"))
 
     def _on_status(self, run: WorkerRun, line: str) -> None:
         for msg in parse_line(line):

@@ -629,6 +629,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                           reason=self.exit_code.name.lower())
             if embedded:
                 signals.uninstall()
+        self.log.drain()              # everything is stopped: the log may take its time
         return self.exit_code
 
     def _latched(self) -> tuple[Exit, str] | None:
