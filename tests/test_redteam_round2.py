@@ -176,7 +176,13 @@ class Fleet:
                     if e["event"] in ("exit", "refused", "gave_up")
                     or (e["event"] == "output" and e["line"].startswith("ATTACK "))}
             if set(ATTACKERS) <= done:
-                time.sleep(2.0)     # r-wide's 3 s of rows; socket_pin holds for 3 s
+                # r-wide's 3 s of rows and socket_pin's 3 s hold end before their ATTACK
+                # line (or their exit): 2 s more after the later of those, which is long
+                # past when another attacker ended last (c-maps holds 6 s, after them).
+                ends = [e["ts"] for e in ev if e.get("worker") in ("r-wide", "r-pin", "c-pin")
+                        and "ts" in e and (e["event"] in ("exit", "refused", "gave_up") or (
+                            e["event"] == "output" and e["line"].startswith("ATTACK ")))]
+                time.sleep(max(0.0, 2.0 - (time.time() - max(ends, default=0.0))))
                 return self.events()
             if self.proc.poll() is not None:
                 break
