@@ -440,11 +440,7 @@ def test_a_denied_exec_request_is_refused_even_if_the_worker_exits_at_once(fleet
     assert "mmap" in refused[0].get("reason", "") or refused[0].get("syscall") == "mmap"
 
 
-# ------------------------------------------------------------------ row 3 (BREAK)
-@pytest.mark.xfail(strict=True, reason="redteam8 row 3: the live status line and the "
-                   "event log are written with blocking writes on the event loop; a "
-                   "stopped console (Ctrl-S, a stalled pipe or journald) stops the "
-                   "watchdog, restarts and the fail-safe")
+# ------------------------------------------------------------------ row 3 (fixed: 0142b51)
 def test_a_stopped_console_never_stops_the_watchdog(fleet):
     """The operator presses Ctrl-S on the console `supervisor run` writes to (here:
     TCOOFF on a real pseudo-terminal, the kernel's own flow control) while a control
@@ -489,11 +485,7 @@ def test_a_writer_killed_while_the_loop_is_held_still_gets_its_last_word_at_once
     assert said[0]["engaged"] == 0.0
 
 
-# ------------------------------------------------------------------ row 5 (BREAK)
-@pytest.mark.xfail(strict=True, reason="redteam8 row 5: status lines are charged to the "
-                   "flood bucket when the supervisor reads them, its burst capped at 1 s "
-                   "of the rate: after a stall of the supervisor's own loop an honest "
-                   "worker's backlog of pings is refused as protocol_flood")
+# ------------------------------------------------------------------ row 5 (fixed: 0142b51)
 def test_the_supervisors_own_stall_is_never_charged_to_a_worker_as_a_flood(fleet):
     """c-fast pings every 2 ms (~500 lines/s, half the 1000/s limit) through row 3's
     stall. The pings it wrote while the supervisor could not read are its own honest
@@ -506,11 +498,7 @@ def test_the_supervisors_own_stall_is_never_charged_to_a_worker_as_a_flood(fleet
     assert not ex, ex[0]
 
 
-# ------------------------------------------------------------------ row 11 (BREAK)
-@pytest.mark.xfail(strict=True, reason="redteam8 row 11: SIGTSTP (Ctrl-Z on the console) "
-                   "keeps its default action and stops the whole supervisor, the "
-                   "last-word thread included, while the workers (their own sessions) "
-                   "run on unsupervised: a writer that dies meanwhile gets no SAFE")
+# ------------------------------------------------------------------ row 11 (Ctrl-Z fixed: 0142b51)
 def test_ctrl_z_on_the_console_never_holds_the_last_word(fleet):
     """The operator presses Ctrl-Z where `supervisor run` runs (SIGTSTP to its job);
     the actuation writer c-tstp (cmd4) dies 0.3 s later. SAFE must still be its last
