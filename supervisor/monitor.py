@@ -238,10 +238,18 @@ def _rate(r: float) -> str:
 
 
 def _columns(out) -> int:
+    """The terminal's width; 80 when it does not say (a pty whose size was never set,
+    e.g. a serial console or `script`, reports 0 columns: the row was drawn empty)."""
     try:
-        return os.get_terminal_size(out.fileno()).columns
+        cols = os.get_terminal_size(out.fileno()).columns
     except (OSError, ValueError, AttributeError):
-        return 80
+        cols = 0
+    if cols <= 0:
+        try:
+            cols = int(os.environ.get("COLUMNS", ""))
+        except ValueError:
+            cols = 0
+    return cols if cols > 0 else 80
 
 
 def _cols(text: str) -> int:

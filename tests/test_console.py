@@ -142,3 +142,27 @@ def test_a_run_started_with_its_stderr_closed_still_runs(tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert p.returncode == 2, (p.returncode, p.stdout[-800:])
     assert p.stdout.splitlines()[0] == f"{os.devnull} True", p.stdout
+
+
+def test_a_terminal_that_does_not_say_its_width_gets_an_80_column_row():
+    """A pty whose size was never set (a serial console, `script`, some CI runners)
+    reports 0 columns: the row was drawn as an empty line. It is 80 columns now, and it
+    goes out through the monitor's writer thread (a stopped console holds no loop)."""
+    import os
+    import pty
+
+    from supervisor.monitor import Monitor
+
+    master, slave = pty.openpty()
+    out = open(slave, "w", encoding="utf-8", closefd=True)
+    try:
+        assert os.get_terminal_size(slave).columns == 0
+        m = Monitor({}, {}, out=out)
+        m.line = lambda width=None: "ENGAGED " + "x" * ((width or 200) - 8)
+        m.print_line()
+        assert m._writer is not None and m._writer.drain(5)
+        row = os.read(master, 4096).decode()
+        assert row.startswith("\r\x1b[2KENGAGED x") and len(row) - len("\r\x1b[2K") == 79, row
+    finally:
+        out.close()
+        os.close(master)
