@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import select
 import shutil
 import signal
 import subprocess
@@ -883,3 +884,55 @@ def test_a_background_supervisor_writing_to_its_terminal_neither_stops_nor_spins
     assert line is not None, (got.stdout[-1000:], got.stderr[-1000:])
     print(f"background write to a tostop terminal: {line[7:]}")
     assert line == "RESULT wrote", line
+
+
+# ------------------------------------------------------------------ row 14 (BREAK)
+@pytest.mark.xfail(strict=True, reason="redteam8 row 14: outstream drops the newest lines "
+                   "when its queue is full, whatever their level: after 10,000 queued "
+                   "lines during a stall, the fail_safe event itself is dropped (only "
+                   "counted)")
+def test_a_full_output_queue_never_drops_the_fail_safe_event():
+    """The console is stopped (a real pty, TCOOFF) while events keep coming: output
+    lines of a chatty worker, protocol errors of a research worker writing newline-free
+    status bytes (up to the flood bucket's depth, ~6000, then 1000/s), status events.
+    Then control fails safe. Lines may be dropped, but the `fail_safe` event (error
+    level) must reach the console once it runs again: it is what the operator reads."""
+    from supervisor import outstream
+    from supervisor.events import EventLog
+
+    master, slave = pty.openpty()
+    got = bytearray()
+    stream = open(slave, "w", buffering=1, closefd=False)
+    try:
+        termios.tcflow(slave, termios.TCOOFF)
+        log = EventLog(stream=stream, keep=False, fmt="json")
+        # The writer thread holds the batch it is blocked writing, the queue up to
+        # MAX_PENDING more: twice that is sure to overflow the queue.
+        n = 2 * getattr(outstream, "MAX_PENDING", 10_000) + 100
+        for i in range(n):
+            log.emit("output", source="r-chatty", worker="r-chatty", domain="research",
+                     line=f"line {i}")
+        log.emit("fail_safe", reason="control worker c gave up (redteam8 row 14)")
+        termios.tcflow(slave, termios.TCOON)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            r, _, _ = select.select([master], [], [], 0.2)
+            if r:
+                got += os.read(master, 65536)
+            elif b'"log_dropped"' in got or b'"fail_safe"' in got:
+                if not select.select([master], [], [], 0.5)[0]:
+                    break
+    finally:
+        try:
+            termios.tcflow(slave, termios.TCOON)
+        except OSError:
+            pass
+        stream.close()
+        os.close(slave)
+        os.close(master)
+    text = got.decode(errors="replace")
+    dropped = [ln for ln in text.splitlines() if '"log_dropped"' in ln]
+    said = '"fail_safe"' in text
+    print(f"{n} lines queued while stopped; console got {text.count(chr(10))} lines; "
+          f"log_dropped: {dropped[:1]}; fail_safe there: {said}")
+    assert said, "the fail_safe event never reached the console"
