@@ -123,8 +123,30 @@ def deny_exit(ctx):
     os._exit(0)
 
 
+def perr(ctx):
+    """Research: once told, status lines of 9000 bytes (over the 4096-byte bound, so
+    each one is a `protocol_error` the supervisor logs) at ~400/s for 2 s."""
+    ctx.ready(status="rt8 perr")
+    while not _go("go-perr"):
+        ctx.watchdog()
+        time.sleep(0.02)
+    line = b"x" * 9000 + b"\\n"
+    t0 = time.monotonic()
+    n = 0
+    while time.monotonic() - t0 < 2.0:
+        os.write(ctx.status_fd, line)
+        n += 1
+        time.sleep(0.0025)
+    print("rt8 perr: sent %d over-long status lines" % n, flush=True)
+    while True:
+        ctx.watchdog()
+        time.sleep(0.05)
+
+
 def main(ctx):
     attack = sys.argv[1]
+    if attack == "perr":
+        return perr(ctx)
     if attack == "deny_exit":
         return deny_exit(ctx)
     if attack == "handover":
@@ -155,7 +177,7 @@ READY_TIMEOUT_MS = 30_000
 # How late a watchdog may fire on this loaded 2-core machine and still be "on time":
 # the limit itself plus a second of scheduling (test_attacks' CONTROL_WATCHDOG_MS reasoning).
 WATCHDOG_SLACK_MS = 1000
-STALL_S = 8.0
+STALL_S = 6.0
 
 
 def _toml(pp: Path) -> str:
@@ -167,6 +189,7 @@ def _toml(pp: Path) -> str:
     actuates = true
     python_path = ["{pp}"]
     [domains.research]
+    python_path = ["{pp}"]
     [channels.cmd]
     slot_size = "4KiB"
     dtype = "float32"
@@ -242,6 +265,13 @@ def _toml(pp: Path) -> str:
     domain = "control"
     module = "rt8w"
     args = ["deny_exit"]
+    restart = "never"
+    optional = true
+    ready_timeout_ms = {READY_TIMEOUT_MS}
+    [workers.r-perr]
+    domain = "research"
+    module = "rt8w"
+    args = ["perr"]
     restart = "never"
     optional = true
     ready_timeout_ms = {READY_TIMEOUT_MS}
@@ -439,6 +469,33 @@ def test_a_denied_exec_request_is_refused_even_if_the_worker_exits_at_once(fleet
     refused = [e for e in fleet.of("refused", "c-deny") if e.get("kind") == "exec_memory"]
     assert refused, f"an exit without the refusal: {ex[0]}"
     assert "mmap" in refused[0].get("reason", "") or refused[0].get("syscall") == "mmap"
+
+
+# ------------------------------------------------------------------ row 15 (BREAK)
+PERR_EVENTS_PER_S = 10      # what a worker's protocol errors may cost the log, at most
+
+
+@pytest.mark.xfail(strict=True, reason="redteam8 row 15: every over-long status line is a "
+                   "protocol_error warning: a research worker makes the supervisor log "
+                   "hundreds a second (never refused), past journald's default rate "
+                   "limit, which then drops the supervisor's own fail_safe too")
+def test_a_research_worker_cannot_flood_the_supervisors_log_with_protocol_errors(fleet):
+    """r-perr writes 9000-byte status lines at ~400/s for 2 s (under the flood limit's
+    cost per line). What that costs the supervisor's log must be bounded like its
+    output (`output_dropped`, once a second): journald's default limit is 10,000
+    messages per 30 s per unit, and past it journald drops the unit's own lines."""
+    t0 = time.monotonic_ns()
+    fleet.trigger("go-perr")
+    done = fleet.wait_for(lambda e: e.get("event") == "output" and e.get("worker") == "r-perr"
+                          and "sent" in e.get("line", ""), 15)
+    time.sleep(0.3)
+    perr = [e for e in fleet.of("protocol_error", "r-perr") if e["mono_ns"] >= t0]
+    span_s = max((perr[-1]["mono_ns"] - perr[0]["mono_ns"]) / 1e9, 1.0) if perr else 1.0
+    print(f"r-perr: {done[0]['line'] if done else '?'}; {len(perr)} protocol_error events "
+          f"in {span_s:.1f} s ({len(perr) / span_s:.0f}/s); refused: "
+          f"{bool(fleet.of('refused', 'r-perr'))}")
+    assert done, "r-perr never flooded:\n" + fleet.tail()
+    assert len(perr) <= PERR_EVENTS_PER_S * (span_s + 1), f"{len(perr)} in {span_s:.1f} s"
 
 
 # ------------------------------------------------------------------ row 3 (fixed: 0142b51)
