@@ -38,14 +38,18 @@ PIPE = ("camerad", "modeld", "controlsd")
 def small_demo() -> dict[str, str]:
     """The demo model built for this module's small frames, once per test process: the
     shipped artifact's kernels take a 1928x1208 Y plane as it is (input ABI 2) and reject
-    a 320x240 frame (`too_small`), as a car's model should. Signed with a test key."""
+    a 320x240 frame (`too_small`), as a car's model should. Signed with a test key.
+    No build-time rehearsal (a fresh process loading the bundle, golden compared: what
+    modeld does at every start of it in this module's sandboxes, and what
+    test_model_artifact checks of the build tool)."""
     if shutil.which("clang") is None:
         pytest.skip("building the small demo model needs clang (scripts/install.sh --dev)")
     out = Path(tempfile.mkdtemp(prefix="small-demo-"))
     env = {k: v for k, v in os.environ.items() if k not in ("CACHEDB", "DEV", "PARALLEL")}
     b = subprocess.run([sys.executable, "-m", "workers.modelbuild", "--out", str(out / "m"),
                         "--key", str(out / "k.key"), "--seed", "0", "--frames", "40",
-                        "--val-frames", "8", "--width", str(W), "--height", str(H)],
+                        "--val-frames", "8", "--width", str(W), "--height", str(H),
+                        "--no-rehearsal"],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert b.returncode == 0, b.stderr[-3000:]
     name = json.loads((out / "m" / "manifest.json").read_text())["model"]["name"]
@@ -280,7 +284,8 @@ def test_a_different_model_version_gives_a_readable_diff_and_exit_6(work, record
     b = subprocess.run([sys.executable, "-m", "workers.modelbuild", "--out",
                         str(work / "model2"), "--key", str(work / "keys" / "m2.key"),
                         "--seed", "3", "--frames", "40", "--val-frames", "8", "--width",
-                        str(W), "--height", str(H), "--version", "2.0.0"],
+                        str(W), "--height", str(H), "--version", "2.0.0",
+                        "--no-rehearsal"],                 # (as small_demo: modeld loads it)
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert b.returncode == 0, b.stderr[-3000:]
     name = json.loads((work / "model2" / "manifest.json").read_text())["model"]["name"]
