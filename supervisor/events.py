@@ -158,7 +158,7 @@ class EventLog:
         prefix = f"<{int(level)}>" if self.journal else ""
         line = prefix + render(rec, self.fmt) + "\n"
         if self._writer is not None:
-            self._writer.put(line)
+            self._writer.put(line, urgent=level <= Level.WARNING)
             return
         try:
             self.stream.write(line)

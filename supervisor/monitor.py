@@ -81,7 +81,7 @@ class Monitor:
         self.lines = 0
         # Written from a thread of its own (supervisor/outstream.py): a stopped console
         # (Ctrl-S) held the event loop, and the watchdog with it (red team 8 row 3).
-        self._writer = outstream.writer_for(self.out, lambda n: "")
+        self._writer = outstream.writer_for(self.out)
 
     async def _follow(self, v: ChannelView) -> None:
         # A channel whose writer has not started (or was skipped) is attached later.
@@ -216,7 +216,10 @@ class Monitor:
     def finish(self) -> None:
         """End the live line with a newline, so what follows starts on its own row."""
         if self.lines and self._live():
-            self._put("\n")
+            if self._writer is not None:
+                self._writer.end_latest()
+            else:
+                self._put("\n")
             self.lines = 0
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import io
+import os
 import threading
 import weakref
 from collections import deque
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 MAX_PENDING = 10_000          # lines queued while a stream is blocked; then dropped
+MAX_URGENT = 2_000            # places beyond that for urgent lines (warnings, errors)
 DRAIN_AT_EXIT_S = 2.0         # per stream: a console stopped for good cannot hold exit
 IDLE_S = 0.5                  # a writer thread with nothing to write for this long ends
 
@@ -36,27 +38,38 @@ class StreamWriter:
         self.stream = stream
         self._dropped_text = dropped
         self._lines: deque[str] = deque()
-        self._latest: str | None = None        # the live line's newest version
+        self._latest: str | None = None        # the live row's newest version
+        self._shown: str | None = None         # the live row on screen (writer thread's)
+        self._end = False                      # end the live row with a newline
         self._dropped = 0
         self._busy = False
         self._cond = threading.Condition()
         self._running = False                  # a thread is serving (under _cond)
 
-    def put(self, text: str) -> None:
+    def put(self, text: str, urgent: bool = False) -> None:
+        """Queue a line. When the queue is full it is dropped (and counted), unless it
+        is `urgent` (an event an operator must read: a fail-safe, an exit), which has
+        MAX_URGENT places more (red team 8 row 14: the fail_safe event was dropped
+        behind 10,000 lines of a chatty worker while the console was stopped)."""
         with self._cond:
-            if self._latest is not None:       # it came first: it goes first
-                self._lines.append(self._latest)
-                self._latest = None
-            if len(self._lines) >= MAX_PENDING:
+            if len(self._lines) >= MAX_PENDING + (MAX_URGENT if urgent else 0):
                 self._dropped += 1
                 return
             self._lines.append(text)
             self._wake()
 
     def put_latest(self, text: str) -> None:
-        """Text that supersedes its own earlier versions not yet written."""
+        """A live row (it starts with "\\r\\x1b[2K"): it supersedes its own earlier
+        versions not yet written, and lines put meanwhile are written above it (the
+        row is cleared, the lines written, the row drawn again)."""
         with self._cond:
             self._latest = text
+            self._wake()
+
+    def end_latest(self) -> None:
+        """The live row stays as it is, and what follows starts on a row of its own."""
+        with self._cond:
+            self._end = True
             self._wake()
 
     def _wake(self) -> None:
@@ -72,30 +85,26 @@ class StreamWriter:
         """Wait until everything queued is written; False if `timeout` ran out."""
         with self._cond:
             return self._cond.wait_for(
-                lambda: not self._lines and self._latest is None and not self._busy,
-                timeout)
+                lambda: not self._lines and self._latest is None and not self._end
+                and not self._busy, timeout)
 
     def _run(self) -> None:
         while True:
             with self._cond:
                 # Idle for a while: the thread goes (a new one starts at the next line),
                 # so a quiet stream holds no thread.
-                if not self._cond.wait_for(lambda: self._lines or self._latest is not None,
-                                           IDLE_S):
+                if not self._cond.wait_for(
+                        lambda: self._lines or self._latest is not None or self._end, IDLE_S):
                     self._running = False
                     return
                 batch = list(self._lines)
                 self._lines.clear()
                 latest, self._latest = self._latest, None
+                end, self._end = self._end, False
                 dropped, self._dropped = self._dropped, 0
                 self._busy = True
             try:
-                if dropped:
-                    batch.insert(0, self._dropped_text(dropped))
-                for text in batch:
-                    self.stream.write(text)
-                if latest is not None:
-                    self.stream.write(latest)
+                self.stream.write(self._compose(batch, latest, end, dropped))
                 self.stream.flush()
             except (OSError, ValueError):
                 pass             # a closed stream must not take the supervisor down
@@ -103,6 +112,23 @@ class StreamWriter:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+
+    def _compose(self, batch: list[str], latest: str | None, end: bool, dropped: int) -> str:
+        if dropped:
+            batch.insert(0, self._dropped_text(dropped))
+        out = []
+        if batch:
+            if self._shown is not None:
+                out.append("\r\x1b[2K")         # the live row makes way for the lines
+            out += batch
+        row = latest if latest is not None else (self._shown if batch else None)
+        if row is not None:
+            out.append(row)
+            self._shown = row
+        if end and self._shown is not None:
+            out.append("\n")
+            self._shown = None
+        return "".join(out)
 
 
 _all: "weakref.WeakSet[StreamWriter]" = weakref.WeakSet()   # for the drain at exit
@@ -117,12 +143,33 @@ def _fd(stream: object) -> int | None:
         return None
 
 
-def writer_for(stream: TextIO, dropped: Callable[[int], str]) -> StreamWriter | None:
+_terminals: "weakref.WeakValueDictionary[int, StreamWriter]" = weakref.WeakValueDictionary()
+
+
+def writer_for(stream: TextIO, dropped: Callable[[int], str] | None = None
+               ) -> StreamWriter | None:
     """A writer for `stream`, or None for a stream without a file descriptor (written
-    directly: it cannot block). One per owner (the event log, the monitor)."""
-    if _fd(stream) is None:
+    directly: it cannot block). One per owner (the event log, the monitor), except on a
+    terminal: the event log (stderr) and the live row (stdout) on one terminal share
+    one writer, so that events are written above the row instead of through it.
+    `dropped`: the text said for n dropped lines (None: an empty string)."""
+    fd = _fd(stream)
+    if fd is None:
         return None
-    w = StreamWriter(stream, dropped)
+    say = dropped or (lambda n: "")
+    try:
+        tty = os.isatty(fd)
+        key = os.fstat(fd).st_rdev if tty else 0
+    except OSError:
+        tty = False
+    if not tty:
+        w = StreamWriter(stream, say)
+    else:
+        w = _terminals.get(key)
+        if w is None or getattr(w.stream, "closed", False):   # (a new pty with its number)
+            w = _terminals[key] = StreamWriter(stream, say)
+        elif dropped is not None:
+            w._dropped_text = dropped
     _all.add(w)
     return w
 

@@ -23,12 +23,15 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 # one would stay ignored there. (SIGPIPE is Python's own: ignored, reset for children.)
 # Ctrl-Z (SIGTSTP) and a background job's terminal I/O (SIGTTIN, SIGTTOU under `stty
 # tostop`) stopped every thread, the last-word thread too, while the workers (sessions
-# of their own) ran on unsupervised (red team 8 row 11). Handled, a background write
-# to the terminal fails with EIO instead, which the output thread swallows.
+# of their own) ran on unsupervised (red team 8 row 11).
 IGNORED_SIGNALS = tuple(getattr(signal, n) for n in (
     "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGVTALRM", "SIGPROF", "SIGIO", "SIGPWR",
-    "SIGXFSZ", "SIGXCPU", "SIGSTKFLT", "SIGTSTP", "SIGTTIN", "SIGTTOU")
+    "SIGXFSZ", "SIGXCPU", "SIGSTKFLT", "SIGTSTP", "SIGTTIN")
     if hasattr(signal, n))
+# SIGTTOU alone is SIG_IGN: a handled one makes the kernel restart the background write
+# and signal again, for ever (the output thread spinning); ignored, the write goes
+# through. (Inherited by the workers at exec: their output is a pipe, never a tty.)
+SIG_IGNORED = tuple(getattr(signal, n) for n in ("SIGTTOU",) if hasattr(signal, n))
 
 
 class SignalPipe:
@@ -68,6 +71,8 @@ def install() -> SignalPipe | None:
         _pipe = SignalPipe()
         for s in (*STOP_SIGNALS, *IGNORED_SIGNALS):
             _previous[s] = signal.signal(s, _pipe._handler)
+        for s in SIG_IGNORED:
+            _previous[s] = signal.signal(s, signal.SIG_IGN)
     return _pipe
 
 

@@ -144,11 +144,22 @@ def test_a_run_started_with_its_stderr_closed_still_runs(tmp_path):
     assert p.stdout.splitlines()[0] == f"{os.devnull} True", p.stdout
 
 
+def _read_pty(master: int, done, timeout: float = 5.0) -> str:
+    """What the terminal got, once `done(text)` (a pty hands bytes on from a kernel
+    worker: one read right after the write may see part of them)."""
+    import select
+
+    text, until = "", time.monotonic() + timeout
+    while not done(text) and time.monotonic() < until:
+        if select.select([master], [], [], 0.1)[0]:
+            text += os.read(master, 65536).decode()
+    return text
+
+
 def test_a_terminal_that_does_not_say_its_width_gets_an_80_column_row():
     """A pty whose size was never set (a serial console, `script`, some CI runners)
     reports 0 columns: the row was drawn as an empty line. It is 80 columns now, and it
     goes out through the monitor's writer thread (a stopped console holds no loop)."""
-    import os
     import pty
 
     from supervisor.monitor import Monitor
@@ -161,8 +172,44 @@ def test_a_terminal_that_does_not_say_its_width_gets_an_80_column_row():
         m.line = lambda width=None: "ENGAGED " + "x" * ((width or 200) - 8)
         m.print_line()
         assert m._writer is not None and m._writer.drain(5)
-        row = os.read(master, 4096).decode()
+        row = _read_pty(master, lambda t: len(t) >= 79 + len("\r\x1b[2K"))
         assert row.startswith("\r\x1b[2KENGAGED x") and len(row) - len("\r\x1b[2K") == 79, row
     finally:
         out.close()
+        os.close(master)
+
+
+def test_events_on_the_same_terminal_are_written_above_the_live_row():
+    """stderr's events and stdout's live row on one terminal (the README's plain
+    `supervisor run`): one writer for both, so an event clears the row, is written on a
+    row of its own, and the row is drawn again under it; never "ENGAGED ...{"ts":...}"
+    on one row. Ctrl-C ends the row with a newline."""
+    import pty
+
+    from supervisor import outstream
+    from supervisor.events import EventLog
+    from supervisor.monitor import Monitor
+
+    master, slave = pty.openpty()
+    out = open(slave, "w", encoding="utf-8", closefd=True)
+    err = open(os.dup(slave), "w", encoding="utf-8", closefd=True)
+    try:
+        m = Monitor({}, {}, out=out)
+        log = EventLog(stream=err, fmt="text")
+        m.line = lambda width=None: "ENGAGED +0.010 rad"
+        m.print_line()
+        assert m._writer.drain(5)
+        log.emit("restart", worker="camerad", attempt=1)
+        assert log._writer is m._writer and log.drain(5)
+        m.finish()
+        assert m._writer.drain(5)
+        row = "\r\x1b[2KENGAGED +0.010 rad"
+        screen = _read_pty(master, lambda t: t.endswith(row + "\r\n"))
+        head, event, tail = screen.partition("restart")
+        assert head.startswith(row + "\r\x1b[2K") and "camerad" in tail, screen
+        assert tail.endswith(row + "\r\n"), screen          # redrawn, then ended
+        assert outstream.writer_for(out) is m._writer
+    finally:
+        out.close()
+        err.close()
         os.close(master)
