@@ -41,10 +41,24 @@ Each (transport, size, mode) runs in two fresh fork()ed children; the parent
 only supervises (timeouts, kill, cleanup) so one broken transport yields an error
 row, not an aborted table.
 
+Samples and the verdict: by default 6000 paced messages per transport at 64 B and 64 KiB
+and 4000 at 1 MiB and NV12 (the same count and pacing for every transport), in 4 passes
+over the matrix; each pass runs every size's transports back to back, their order
+rotated, so both sides of a ratio meet the same neighbours. A p99 of 1000 samples is the
+10th-worst message and moved 0.46x-1.41x between quiet runs; at 4000-6000 it rests on
+40-60. Latency percentiles pool the passes; throughput is the median pass. Last, the
+issue 26 block: bridge / iceoryx2 (event) throughput and latency p50/p99 at 64 B, 64 KiB
+and NV12, each latency ratio with a 90 % interval (bootstrap over 50-message blocks, so
+a burst of foreign load counts as one draw) and each throughput ratio with the lowest
+and highest of the passes paired in time; "within noise" where that spread straddles 1x.
+
     python bench/ipc_latency.py [--quick] [--json out.json] [--transports pipe,zmq,...]
 
 Before the matrix, the bridge's per-message CPU cost on both paths, in-process
 (``--cost N`` messages per path and size, 0: skip; see ipcbench/cost.py).
+
+Per case the minor page faults per message at each end are printed (getrusage, measured
+phase): a transport that maps or first-touches pages per message shows it there.
 
 After the matrix, system calls per message (``--syscalls``; default: the bridge and
 iceoryx2 (event) when strace is installed): each case once more with ``strace -f -c``
@@ -78,7 +92,8 @@ from ipcbench import (DEFAULT_TRANSPORTS, TRANSPORTS, BridgePollTransport,  # no
                       BridgeTransport, Skip)
 from ipcbench.cost import per_message_cost, print_cost  # noqa: E402
 from ipcbench.harness import iox2_cleanup, run_case  # noqa: E402
-from ipcbench.report import aggregate, fmt, print_syscalls, print_tables  # noqa: E402
+from ipcbench.report import (aggregate, fmt, print_syscalls, print_tables,  # noqa: E402
+                             target_verdict)
 from ipcbench.syscalls import available as strace_available  # noqa: E402
 
 
@@ -120,9 +135,11 @@ def params_for(nbytes: int, quick: bool, repeats: int, args) -> dict:
         warmup = 10 if big else 20
         duration = 0.4
     else:
-        total = 1000 if frame else 2000
+        # A p99 of n samples is the n/100-th worst: at 1000 it moved 0.46x-1.41x between
+        # quiet runs (NV12). 4000-6000 put 40-60 samples above it.
+        total = 4000 if big else 6000
         warmup = 20 if big else 50
-        duration = 1.5
+        duration = 2.0
     if args.count:
         total = args.count
     if args.duration:
@@ -159,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="latency,throughput")
     ap.add_argument("--repeat", type=int,
                     help="passes over the whole matrix, interleaved in time; latency "
-                         "samples are pooled, throughput is the median (default: 2, "
+                         "samples are pooled, throughput is the median (default: 4, "
                          "--quick: 1). Counts and durations are split over the passes.")
     ap.add_argument("--count", type=int, help="latency messages per case, all repeats (override)")
     ap.add_argument("--period-us", type=float, help="latency pacing period (override)")
@@ -178,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="re-runs allowed per disturbed case (default: %(default)s)")
     ap.add_argument("--budget", type=float, metavar="S",
                     help="no more re-runs once they would push the whole run past S "
-                         "seconds (default: 170, --quick: 55)")
+                         "seconds (default: 300, --quick: 55)")
     ap.add_argument("--pin", action="store_true", help="pin sender to CPU0, receiver to CPU1")
     ap.add_argument("--bridge-module", default="supervisor.ipc",
                     help="module providing ChannelSpec/Channel/Writer/Reader")
@@ -279,9 +296,9 @@ def main(argv: list[str] | None = None) -> int:
                                           module=args.bridge_module)
         print_cost(cost, args.fill)
 
-    repeats = args.repeat or (1 if args.quick else 2)
+    repeats = args.repeat or (1 if args.quick else 4)
     runs: list[dict] = []
-    budget = args.budget or (55.0 if args.quick else 170.0)
+    budget = args.budget or (55.0 if args.quick else 300.0)
     n_cases = repeats * len(sizes) * len(modes) * len([k for k in keys if k not in skipped])
     done = 0
     t_start = time.monotonic()
@@ -333,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
                                  if mode == "throughput" else "")
                               + (f"  sleeps/msg rx {row['sleeps_per_msg_rx']:.2f}"
                                  if row.get("sleeps_per_msg_rx") is not None else "")
+                              + (f"  faults/msg tx {row['faults_per_msg_tx']:.2f} rx "
+                                 f"{row['faults_per_msg_rx']:.2f}"
+                                 if row.get("faults_per_msg_rx") is not None else "")
                               + (f"  drops={row['drops']}" if row.get("drops") else ""))
                            + f"  [{row['wall_s']:.1f}s"
                            + (f", other procs {row['foreign_cpu_pct']:.0f}% CPU"
@@ -347,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = aggregate(runs, args.raw)
     elapsed = time.monotonic() - t_start
     ratios = print_tables(rows, keys, labels, sizes, args.max_foreign)
+    verdict = target_verdict(rows, sizes)
+    for r in rows:
+        r.pop("_raws", None)           # the samples stay in memory (and --raw), not JSON
     if cost:
         print_cost(cost, args.fill)           # again, next to the tables
     sc = _syscall_pass(traced_keys, labels, sizes, modes, args, rows) if traced_keys else None
@@ -367,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "results": rows,
             "ratios": ratios,
+            "target": verdict,
             "per_message_cost_us": cost,
             "syscalls": sc,
             "runs": [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs],
@@ -425,34 +449,60 @@ def breakdown(count: int, sizes_arg: str) -> int:
         NV12_FRAME if x.strip() in ("frame", "nv12") else int(x) for x in sizes_arg.split(",")]
     print(f"ipc_latency --breakdown: {count} paced messages per case, p50 / p99 us; "
           f"load average {os.getloadavg()[0]:.2f}")
+    print("  tail: the messages at or above the case's p99 total, median of each part; "
+          "same CPU: share of messages whose reader ran on the CPU the writer sent from "
+          "(all / in the tail)")
     print(f"{'size':>9} {'transport':9} {'total':>15} {'writer part':>15} "
-          f"{'stamp->woken':>15} {'reader part':>15}")
+          f"{'stamp->woken':>15} {'reader part':>15}   {'tail: writer/woken/reader':>26} "
+          f"{'same CPU':>11}  total p50 by the reader's CPU (20 messages or more)")
     for n, nbytes in enumerate(sizes):
         period = 2e-3 if nbytes >= NV12_FRAME else 1e-3 if nbytes >= 1 << 20 else 5e-4
         for kind in (("bridge", "iox2") if n % 2 == 0 else ("iox2", "bridge")):
-            st, sent, woke, got = _bd_case(kind, nbytes, count, period)
+            st, sent, woke, got, cpu_tx, cpu_rx = _bd_case(kind, nbytes, count, period)
             ok = woke > 0
             cells = []
             for a, b in ((st, got), (st, sent), (st[ok], woke[ok]), (woke[ok], got[ok])):
                 d = (b - a) / 1e3
                 cells.append(f"{np.percentile(d, 50):7.1f}/{np.percentile(d, 99):<7.1f}")
+            total = got - st
+            tail = ok & (total >= np.percentile(total, 99))
+            parts = [np.median((b[tail] - a[tail]) / 1e3) if tail.any() else float("nan")
+                     for a, b in ((st, sent), (st, woke), (woke, got))]
+            same = cpu_tx == cpu_rx
             print(f"{nbytes:>9} {kind:9} " + " ".join(cells)
+                  + f"   {parts[0]:8.1f}/{parts[1]:7.1f}/{parts[2]:7.1f}"
+                  + f"   {same.mean():.2f}/{same[tail].mean() if tail.any() else 0:.2f}"
+                  + "".join(f"  {lab} CPU p50 {np.median(total[m]) / 1e3:.1f}"
+                            for lab, m in (("same", same), ("other", ~same)) if m.sum() >= 20)
                   + (f"  (woken {ok.mean():.2f})" if ok.mean() < 0.99 else ""), flush=True)
     iox2_cleanup()
     return 0
 
 
+def _getcpu():
+    """sched_getcpu() through libc (the vDSO/rseq: no system call), or a constant -1."""
+    import ctypes
+    try:
+        f = ctypes.CDLL(None, use_errno=True).sched_getcpu
+    except (OSError, AttributeError):
+        return lambda: -1
+    f.restype = ctypes.c_int
+    return f
+
+
 def _bd_case(kind: str, nbytes: int, count: int, period_s: float) -> np.ndarray:
-    """One case in two fork()ed children; rows: stamp, sent, woken (0: not asleep), got."""
+    """One case in two fork()ed children; rows: stamp, sent, woken (0: not asleep), got,
+    the writer's CPU at send and the reader's once it holds the view."""
     import mmap
     from ipcbench.iox2 import Iox2Transport
     from ipcbench.transport import read_stamp, stamp, u8_view
     now = time.monotonic_ns
-    shm = mmap.mmap(-1, 8 * (4 * count + 3))
+    shm = mmap.mmap(-1, 8 * (6 * count + 3))
     ctrl = np.frombuffer(shm, dtype=np.int64)
     ctrl[:] = 0
     ctrl[0] = -1                           # sequence taken last (the writer's credit)
-    rows = ctrl[3:].reshape(4, count)      # ctrl[1]: receiver ready, ctrl[2]: done
+    rows = ctrl[3:].reshape(6, count)      # ctrl[1]: receiver ready, ctrl[2]: done
+    getcpu = _getcpu()
     t = BridgeTransport() if kind == "bridge" else Iox2Transport()
     t.setup(nbytes, f"bd-{os.getpid()}-{nbytes}")
     src = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
@@ -507,6 +557,7 @@ def _bd_case(kind: str, nbytes: int, count: int, period_s: float) -> np.ndarray:
             t_sent = now()
             if i >= _BD_WARMUP:
                 rows[0, i - _BD_WARMUP], rows[1, i - _BD_WARMUP] = ts, t_sent
+                rows[4, i - _BD_WARMUP] = getcpu()
         end = now() + 5_000_000_000
         while not ctrl[2] and now() < end:
             time.sleep(1e-3)
@@ -562,6 +613,7 @@ def _bd_case(kind: str, nbytes: int, count: int, period_s: float) -> np.ndarray:
             seq, t_woke, t_got = recv()
             if seq >= _BD_WARMUP:
                 rows[2, seq - _BD_WARMUP], rows[3, seq - _BD_WARMUP] = t_woke, t_got
+                rows[5, seq - _BD_WARMUP] = getcpu()
             ctrl[0] = seq
         ctrl[2] = 1
 

@@ -110,11 +110,12 @@ def _spin_until(ctrl: np.ndarray, word: int, value: int, timeout_s: float) -> No
             raise RuntimeError(f"tracer handshake: word {word} never reached {value}")
 
 
-def _switches() -> tuple[int, int]:
-    """(voluntary, involuntary) context switches of this process so far: a voluntary
-    one is a sleep (a blocking wait that blocked)."""
+def _switches() -> tuple[int, int, int, int]:
+    """(voluntary, involuntary) context switches of this process so far (a voluntary
+    one is a sleep: a blocking wait that blocked), then its (minor, major) page faults
+    (a transport that maps or touches fresh pages per message pays them here)."""
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_nvcsw, ru.ru_nivcsw
+    return ru.ru_nvcsw, ru.ru_nivcsw, ru.ru_minflt, ru.ru_majflt
 
 
 def sender_main(transport: Transport, mode: str, p: dict, ctrl: np.ndarray, conn) -> None:
@@ -185,7 +186,7 @@ def sender_main(transport: Transport, mode: str, p: dict, ctrl: np.ndarray, conn
                 if not seq & 15 and (now_ns() > stop or ctrl[C_ABORT]):
                     break
         sw1 = _switches()
-        out["switches"] = (sw1[0] - sw0[0], sw1[1] - sw0[1])
+        out["switches"] = tuple(b - a for a, b in zip(sw0, sw1))
         out["cpu_measured_s"] = cpu_self() - cpu0
         out["credit_sleeps"] = _credit_sleeps[0]
         gc.enable()
@@ -310,7 +311,7 @@ def receiver_main(transport: Transport, mode: str, p: dict, ctrl: np.ndarray, co
                 break
         sw1 = _switches()
         if sw0 is not None:
-            out["switches"] = (sw1[0] - sw0[0], sw1[1] - sw0[1])
+            out["switches"] = tuple(b - a for a, b in zip(sw0, sw1))
             out["cpu_measured_s"] = cpu_self() - cpu0
         if trace:
             ctrl[C_RX_END] = 1    # the tracer is still attached: no system call until

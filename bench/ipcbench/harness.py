@@ -153,6 +153,8 @@ def run_case(tcls: type[Transport], mode: str, size_label: str, nbytes: int,
         for role, r, n in (("tx", tx, n_tx), ("rx", rx, n_rx)):
             if "switches" in r and n:
                 row[f"sleeps_per_msg_{role}"] = round(r["switches"][0] / n, 3)
+                if len(r["switches"]) > 2:     # minor page faults of that end
+                    row[f"faults_per_msg_{role}"] = round(r["switches"][2] / n, 3)
             if "cpu_measured_s" in r and n:
                 # CPU of that end per message, measured phase (user + system).
                 row[f"cpu_us_per_msg_{role}"] = round(r["cpu_measured_s"] / n * 1e6, 2)

@@ -56,6 +56,7 @@ def aggregate(runs: list[dict], raw_dir: str | None) -> list[dict]:
             if raws:
                 pooled = np.concatenate(raws)
                 row["latency"] = stats_us(pooled)
+                row["_raws"] = raws       # arrival order per repeat: the verdict's CI
                 row["latency_per_repeat"] = [r.get("latency") for r in good]
                 if raw_dir:
                     os.makedirs(raw_dir, exist_ok=True)
@@ -278,3 +279,99 @@ def print_syscalls(rows: list[dict], keys: list[str], labels: dict[str, str],
             print(f"{size:<15} {mode:<10} {a:.2f} / {b:.2f} = {_ratio(a, b) if a else '0x'}")
     print()
     return {"per_message": out, "bridge_over_iox2": ratios}
+
+
+# The sizes issue 26's target names, and how the verdict resamples (target_verdict).
+TARGET_SIZES = (64, 64 * 1024, 1928 * 1208 * 3 // 2)
+BLOCK = 50          # consecutive samples kept together: a burst of load stays one block
+RESAMPLES = 1000
+CI = (5.0, 95.0)    # a 90 % interval
+
+
+def block_bootstrap(raws: list[np.ndarray], q, rng: np.random.Generator,
+                    resamples: int = RESAMPLES, block: int = BLOCK) -> np.ndarray:
+    """``resamples`` percentile-``q`` estimates (``q`` a number or a sequence: then one
+    row per percentile) of latency samples ``raws`` (one array per repeat, arrival
+    order), each from blocks of ``block`` consecutive samples drawn with replacement.
+    Blocks, not single samples: neighbouring messages share a burst of foreign load, and
+    resampling them apart would call such a run's p99 more certain than it is."""
+    blocks = [r[i:i + block] for r in raws for i in range(0, len(r) - block + 1, block)]
+    if not blocks:
+        return np.full(np.shape(q) + (resamples,), np.nan)
+    arr = np.stack(blocks)
+    pick = rng.integers(0, len(arr), (resamples, len(arr)))
+    return np.percentile(arr[pick].reshape(resamples, -1), q, axis=1)
+
+
+def target_verdict(rows: list[dict], sizes: list[tuple[str, int]], a: str = "bridge",
+                   b: str = "iox2", seed: int = 0) -> dict:
+    """Issue 26's target, from this run: ``a``'s throughput >= ``b``'s and its latency
+    p99 <= ``b``'s at 64 B, 64 KiB and NV12. Beside each ratio (the run's pooled samples
+    and median rate, as the tables above) its spread: for latency a 90 % block-bootstrap
+    interval of the ratio, for throughput the lowest and highest ratio of the repeats
+    paired in the order they ran. A ratio whose interval straddles 1 is not shown either
+    way by this run ("within noise"). Prints the block and returns it (JSON)."""
+    rng = np.random.default_rng(seed)
+    by = {(r["transport"], r["nbytes"], r["mode"]): r for r in rows}
+    out: dict = {}
+    wanted = [(lab, n) for lab, n in sizes if n in TARGET_SIZES]
+    if not wanted or not any((a, n, m) in by and (b, n, m) in by
+                             for _, n in wanted for m in ("latency", "throughput")):
+        return out
+    print(f"Issue 26 target ({a} / {b}: throughput >= 1x and latency p99 <= 1x at "
+          f"64 B, 64 KiB and NV12); [90 % interval: latency {BLOCK}-message block "
+          f"bootstrap, throughput lowest-highest paired repeat]")
+    verdicts = []
+    for lab, n in wanted:
+        cell: dict = {}
+        la, lb = by.get((a, n, "latency"), {}), by.get((b, n, "latency"), {})
+        if la.get("_raws") and lb.get("_raws"):
+            qa = block_bootstrap(la["_raws"], (50, 99), rng)
+            qb = block_bootstrap(lb["_raws"], (50, 99), rng)
+            for j, name in enumerate(("p50", "p99")):
+                ratio = la["latency"][name] / lb["latency"][name]
+                lo, hi = np.nanpercentile(qa[j] / qb[j], CI)
+                cell[name] = {"ratio": ratio, "ci": [float(lo), float(hi)]}
+        ta, tb = by.get((a, n, "throughput"), {}), by.get((b, n, "throughput"), {})
+        if ta.get("msgs_per_s") and tb.get("msgs_per_s"):
+            pa = ta.get("msgs_per_s_per_repeat") or []
+            pb = tb.get("msgs_per_s_per_repeat") or []
+            paired = [x / y for x, y in zip(pa, pb) if y]
+            cell["throughput"] = {"ratio": ta["msgs_per_s"] / tb["msgs_per_s"],
+                                  "repeats": paired}
+        parts, ok, clear = [], True, True
+        if "throughput" in cell:
+            t = cell["throughput"]
+            ok &= t["ratio"] >= 1.0
+            clear &= bool(t["repeats"]) and (min(t["repeats"]) >= 1.0
+                                             or max(t["repeats"]) < 1.0)
+            rng_s = (f" [{min(t['repeats']):.2f}-{max(t['repeats']):.2f}]"
+                     if t["repeats"] else "")
+            parts.append(f"throughput {t['ratio']:.2f}x{rng_s}")
+        else:
+            ok = clear = False
+            parts.append("throughput -")
+        for name in ("p50", "p99"):
+            if name in cell:
+                c = cell[name]
+                if name == "p99":
+                    ok &= c["ratio"] <= 1.0
+                    clear &= c["ci"][1] <= 1.0 or c["ci"][0] > 1.0
+                parts.append(f"{name} {c['ratio']:.2f}x [{c['ci'][0]:.2f}-{c['ci'][1]:.2f}]")
+            else:
+                ok &= name != "p99"
+                clear &= name != "p99"
+                parts.append(f"{name} -")
+        cell["met"], cell["clear"] = ok, clear
+        verdicts.append((ok, clear))
+        print(f"  {lab:<15} " + "   ".join(parts)
+              + f"   -> {'met' if ok else 'NOT met'}{'' if clear else ' (within noise)'}")
+        out[lab] = cell
+    met = all(v[0] for v in verdicts) and len(verdicts) == len(TARGET_SIZES)
+    clear = all(v[1] for v in verdicts)
+    print(f"  target in this run: {'MET' if met else 'NOT MET'}"
+          + ("" if clear else "; at least one ratio's interval straddles 1x: this run "
+             "does not decide it"))
+    print()
+    out["met"], out["clear"] = met, clear
+    return out

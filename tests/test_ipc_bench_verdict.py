@@ -1,0 +1,75 @@
+"""bench/ipcbench/report.py target_verdict: issue 26's block at the end of
+``ipc_latency.py``. Pure arithmetic on synthetic rows (no processes): a clear lead is
+called met and clear, two draws of one distribution are called within noise, and a
+burst inside one pass widens the p99 interval (blocks, not single samples, are drawn)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+if BENCH not in sys.path:
+    sys.path.insert(0, BENCH)
+from ipcbench.children import stats_us  # noqa: E402
+from ipcbench.report import TARGET_SIZES, block_bootstrap, target_verdict  # noqa: E402
+
+SIZES = [("64 B", TARGET_SIZES[0]), ("64 KiB", TARGET_SIZES[1]),
+         ("NV12 1928x1208", TARGET_SIZES[2])]
+
+
+def _rows(scale: dict[str, float], rates: dict[str, list[float]], seed: int) -> list[dict]:
+    """Latency and throughput rows as aggregate() leaves them: 4 passes of 1000 samples
+    (ns, lognormal around 40 us times ``scale``), per-pass rates."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for key, s in scale.items():
+        for label, n in SIZES:
+            raws = [(rng.lognormal(np.log(40_000), 0.35, 1000) * s).astype(np.int64)
+                    for _ in range(4)]
+            rows.append({"transport": key, "nbytes": n, "size": label, "mode": "latency",
+                         "latency": stats_us(np.concatenate(raws)), "_raws": raws})
+            per = rates[key]
+            rows.append({"transport": key, "nbytes": n, "size": label,
+                         "mode": "throughput", "msgs_per_s": float(np.median(per)),
+                         "msgs_per_s_per_repeat": per})
+    return rows
+
+
+def test_a_clear_lead_is_met_and_clear(capsys):
+    rows = _rows({"bridge": 0.8, "iox2": 1.0},
+                 {"bridge": [110.0, 112, 108, 111], "iox2": [100.0, 99, 101, 100]}, 1)
+    v = target_verdict(rows, SIZES)
+    assert v["met"] and v["clear"]
+    for label, _ in SIZES:
+        lo, hi = v[label]["p99"]["ci"]
+        assert lo <= v[label]["p99"]["ratio"] <= hi < 1.0
+    assert "target in this run: MET" in capsys.readouterr().out
+
+
+def test_one_distribution_twice_is_within_noise(capsys):
+    rows = _rows({"bridge": 1.0, "iox2": 1.0},
+                 {"bridge": [100.0, 103, 97, 101], "iox2": [101.0, 98, 102, 100]}, 2)
+    v = target_verdict(rows, SIZES)
+    assert not v["clear"]
+    assert all(v[label]["p99"]["ci"][0] < 1.0 < v[label]["p99"]["ci"][1]
+               for label, _ in SIZES)
+    assert "does not decide it" in capsys.readouterr().out
+
+
+def test_a_behind_throughput_is_not_met():
+    rows = _rows({"bridge": 0.8, "iox2": 1.0},
+                 {"bridge": [90.0, 91, 89, 90], "iox2": [100.0, 99, 101, 100]}, 3)
+    v = target_verdict(rows, SIZES)
+    assert not v["met"] and v["clear"]       # clearly behind is decided too
+
+
+def test_a_burst_widens_the_interval_more_in_blocks_than_alone():
+    rng = np.random.default_rng(4)
+    raws = [rng.normal(40_000, 2000, 2000) for _ in range(2)]
+    raws[0][700:760] += 400_000          # one burst of foreign load: 60 slow messages
+    wide = block_bootstrap(raws, 99, np.random.default_rng(5))
+    alone = block_bootstrap(raws, 99, np.random.default_rng(5), block=1)
+    spread = lambda x: np.subtract(*np.percentile(x, [95, 5]))  # noqa: E731
+    assert spread(wide) > 1.5 * spread(alone)
