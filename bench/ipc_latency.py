@@ -92,6 +92,7 @@ from ipcbench import (DEFAULT_TRANSPORTS, TRANSPORTS, BridgePollTransport,  # no
                       BridgeTransport, Skip)
 from ipcbench.cost import per_message_cost, print_cost  # noqa: E402
 from ipcbench.harness import iox2_cleanup, run_case  # noqa: E402
+from ipcbench.paired import run_paired  # noqa: E402
 from ipcbench.report import (aggregate, fmt, print_syscalls, print_tables,  # noqa: E402
                              target_verdict)
 from ipcbench.syscalls import available as strace_available  # noqa: E402
@@ -222,6 +223,12 @@ def main(argv: list[str] | None = None) -> int:
                          "batches of N messages alternating, 16 MB touched before each "
                          "timed part): the writer's stamp -> send returns (a wake-up "
                          "sent every message) and the reader's take -> view held")
+    ap.add_argument("--paired", choices=("auto", "off"), default="auto",
+                    help="after the matrix, the bridge and iceoryx2 (event) once more in "
+                         "the same two children, message by message (ipcbench/paired.py), "
+                         "latency only, each with the matrix's count and pacing; the issue "
+                         "26 verdict judges latency on it. auto (default): when both are "
+                         "selected and latency is measured")
     ap.add_argument("-v", "--verbose", action="store_true", help="print child tracebacks")
     args = ap.parse_args(argv)
     if args.breakdown:
@@ -368,10 +375,11 @@ def main(argv: list[str] | None = None) -> int:
                             print(tb)
     if iox2_killed or any(k.startswith("iox2") and k not in skipped for k in keys):
         iox2_cleanup()
+    paired = _paired_pass(keys, skipped, sizes, modes, args)
     rows = aggregate(runs, args.raw)
     elapsed = time.monotonic() - t_start
     ratios = print_tables(rows, keys, labels, sizes, args.max_foreign)
-    verdict = target_verdict(rows, sizes)
+    verdict = target_verdict(rows, sizes, paired=paired)
     for r in rows:
         r.pop("_raws", None)           # the samples stay in memory (and --raw), not JSON
     if cost:
@@ -403,6 +411,31 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(doc, f, indent=1, default=str)
         print(f"wrote {args.json}")
     return 0
+
+
+def _paired_pass(keys: list[str], skipped: dict, sizes, modes, args) -> dict:
+    """The bridge and iceoryx2 (event) in the same two children, message by message
+    (ipcbench/paired.py), at every size: {size label: {key: latencies in ns}}."""
+    pair = ("iox2", "bridge")
+    if (args.paired == "off" or "latency" not in modes
+            or any(k not in keys or k in skipped for k in pair)):
+        return {}
+    print(f"-- paired: {' and '.join(pair)} in the same two children, message by message "
+          f"(A B B A ...), latency p50 / p99 us")
+    out: dict = {}
+    for size, nbytes in sizes:
+        p = params_for(nbytes, args.quick, 1, args)
+        got = run_paired([TRANSPORTS[k] for k in pair], nbytes, p)
+        if "error" in got:
+            print(f"  {size:<15} paired ERROR {got['error']}  [{got['wall_s']:.1f}s]")
+            continue
+        out[size] = got["lat"]
+        cells = "   ".join(f"{k} {np.percentile(v, 50) / 1e3:.1f} / "
+                           f"{np.percentile(v, 99) / 1e3:.1f}" for k, v in got["lat"].items())
+        print(f"  {size:<15} {cells}   n {p['count']} each  [{got['wall_s']:.1f}s, all "
+              f"processes {got.get('busy_cpu_pct', 0):.0f}% CPU]", flush=True)
+    iox2_cleanup()
+    return out
 
 
 def _syscall_pass(keys: list[str], labels: dict[str, str], sizes, modes, args,

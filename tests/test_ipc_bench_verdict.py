@@ -73,3 +73,20 @@ def test_a_burst_widens_the_interval_more_in_blocks_than_alone():
     alone = block_bootstrap(raws, 99, np.random.default_rng(5), block=1)
     spread = lambda x: np.subtract(*np.percentile(x, [95, 5]))  # noqa: E731
     assert spread(wide) > 1.5 * spread(alone)
+
+
+def test_paired_blocks_keep_a_shared_burst_together():
+    """A burst both transports met (same positions) moves both p99s together: the
+    paired interval of the ratio stays narrow; drawn apart (matrix style) it widens."""
+    from ipcbench.report import paired_bootstrap
+    rng = np.random.default_rng(6)
+    a = rng.normal(40_000, 1500, 4000)
+    b = rng.normal(44_000, 1500, 4000)
+    for lo in (500, 2100, 3300):         # three bursts, 40 messages each, on both
+        a[lo:lo + 40] += 300_000
+        b[lo:lo + 40] += 300_000
+    together = paired_bootstrap(a, b, 99, np.random.default_rng(7))
+    apart = (block_bootstrap([a], 99, np.random.default_rng(7))
+             / block_bootstrap([b], 99, np.random.default_rng(8)))
+    spread = lambda x: np.subtract(*np.percentile(x, [95, 5]))  # noqa: E731
+    assert spread(together) < spread(apart)

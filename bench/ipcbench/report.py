@@ -303,14 +303,33 @@ def block_bootstrap(raws: list[np.ndarray], q, rng: np.random.Generator,
     return np.percentile(arr[pick].reshape(resamples, -1), q, axis=1)
 
 
+def paired_bootstrap(a: np.ndarray, b: np.ndarray, q, rng: np.random.Generator,
+                     resamples: int = RESAMPLES, block: int = BLOCK) -> np.ndarray:
+    """Ratios of percentile(s) ``q`` of ``a`` over ``b``, ``resamples`` times, for
+    samples taken in pairs (paired.py: a[i] and b[i] sent within a period of each
+    other): the same blocks of ``block`` consecutive pairs are drawn for both, so a
+    burst both met stays in both or in neither."""
+    nb = min(len(a), len(b)) // block
+    if nb == 0:
+        return np.full(np.shape(q) + (resamples,), np.nan)
+    pa = a[:nb * block].reshape(nb, block)
+    pb = b[:nb * block].reshape(nb, block)
+    pick = rng.integers(0, nb, (resamples, nb))
+    return (np.percentile(pa[pick].reshape(resamples, -1), q, axis=1)
+            / np.percentile(pb[pick].reshape(resamples, -1), q, axis=1))
+
+
 def target_verdict(rows: list[dict], sizes: list[tuple[str, int]], a: str = "bridge",
-                   b: str = "iox2", seed: int = 0) -> dict:
+                   b: str = "iox2", seed: int = 0, paired: dict | None = None) -> dict:
     """Issue 26's target, from this run: ``a``'s throughput >= ``b``'s and its latency
     p99 <= ``b``'s at 64 B, 64 KiB and NV12. Beside each ratio (the run's pooled samples
     and median rate, as the tables above) its spread: for latency a 90 % block-bootstrap
     interval of the ratio, for throughput the lowest and highest ratio of the repeats
     paired in the order they ran. A ratio whose interval straddles 1 is not shown either
-    way by this run ("within noise"). Prints the block and returns it (JSON)."""
+    way by this run ("within noise"). With ``paired`` ({size label: {key: latencies
+    in ns}}, paired.py), latency is judged on those samples (both transports message by
+    message in the same children) and the interval drawn from the same blocks for both;
+    else on the matrix's. Prints the block and returns it (JSON)."""
     rng = np.random.default_rng(seed)
     by = {(r["transport"], r["nbytes"], r["mode"]): r for r in rows}
     out: dict = {}
@@ -318,14 +337,25 @@ def target_verdict(rows: list[dict], sizes: list[tuple[str, int]], a: str = "bri
     if not wanted or not any((a, n, m) in by and (b, n, m) in by
                              for _, n in wanted for m in ("latency", "throughput")):
         return out
+    src = "paired run" if paired else "matrix"
     print(f"Issue 26 target ({a} / {b}: throughput >= 1x and latency p99 <= 1x at "
-          f"64 B, 64 KiB and NV12); [90 % interval: latency {BLOCK}-message block "
-          f"bootstrap, throughput lowest-highest paired repeat]")
+          f"64 B, 64 KiB and NV12); latency from the {src}; [90 % interval: latency "
+          f"{BLOCK}-message block bootstrap, throughput lowest-highest paired repeat]")
     verdicts = []
     for lab, n in wanted:
         cell: dict = {}
         la, lb = by.get((a, n, "latency"), {}), by.get((b, n, "latency"), {})
-        if la.get("_raws") and lb.get("_raws"):
+        pa = (paired or {}).get(lab, {}).get(a)
+        pb = (paired or {}).get(lab, {}).get(b)
+        if pa is not None and pb is not None:
+            rs = paired_bootstrap(pa, pb, (50, 99), rng)
+            for j, (q, name) in enumerate(((50, "p50"), (99, "p99"))):
+                lo, hi = np.nanpercentile(rs[j], CI)
+                cell[name] = {"ratio": float(np.percentile(pa, q) / np.percentile(pb, q)),
+                              "ci": [float(lo), float(hi)], "source": "paired",
+                              a: float(np.percentile(pa, q) / 1e3),
+                              b: float(np.percentile(pb, q) / 1e3)}
+        elif la.get("_raws") and lb.get("_raws"):
             qa = block_bootstrap(la["_raws"], (50, 99), rng)
             qb = block_bootstrap(lb["_raws"], (50, 99), rng)
             for j, name in enumerate(("p50", "p99")):
@@ -334,11 +364,10 @@ def target_verdict(rows: list[dict], sizes: list[tuple[str, int]], a: str = "bri
                 cell[name] = {"ratio": ratio, "ci": [float(lo), float(hi)]}
         ta, tb = by.get((a, n, "throughput"), {}), by.get((b, n, "throughput"), {})
         if ta.get("msgs_per_s") and tb.get("msgs_per_s"):
-            pa = ta.get("msgs_per_s_per_repeat") or []
-            pb = tb.get("msgs_per_s_per_repeat") or []
-            paired = [x / y for x, y in zip(pa, pb) if y]
+            ra = ta.get("msgs_per_s_per_repeat") or []
+            rb = tb.get("msgs_per_s_per_repeat") or []
             cell["throughput"] = {"ratio": ta["msgs_per_s"] / tb["msgs_per_s"],
-                                  "repeats": paired}
+                                  "repeats": [x / y for x, y in zip(ra, rb) if y]}
         parts, ok, clear = [], True, True
         if "throughput" in cell:
             t = cell["throughput"]
@@ -369,7 +398,9 @@ def target_verdict(rows: list[dict], sizes: list[tuple[str, int]], a: str = "bri
         out[lab] = cell
     met = all(v[0] for v in verdicts) and len(verdicts) == len(TARGET_SIZES)
     clear = all(v[1] for v in verdicts)
+    missing = [f"{n} B" for n in TARGET_SIZES if n not in {m for _, m in wanted}]
     print(f"  target in this run: {'MET' if met else 'NOT MET'}"
+          + (f" (not measured: {', '.join(missing)})" if missing else "")
           + ("" if clear else "; at least one ratio's interval straddles 1x: this run "
              "does not decide it"))
     print()
