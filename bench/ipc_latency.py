@@ -46,11 +46,20 @@ and 4000 at 1 MiB and NV12 (the same count and pacing for every transport), in 4
 over the matrix; each pass runs every size's transports back to back, their order
 rotated, so both sides of a ratio meet the same neighbours. A p99 of 1000 samples is the
 10th-worst message and moved 0.46x-1.41x between quiet runs; at 4000-6000 it rests on
-40-60. Latency percentiles pool the passes; throughput is the median pass. Last, the
-issue 26 block: bridge / iceoryx2 (event) throughput and latency p50/p99 at 64 B, 64 KiB
-and NV12, each latency ratio with a 90 % interval (bootstrap over 50-message blocks, so
-a burst of foreign load counts as one draw) and each throughput ratio with the lowest
-and highest of the passes paired in time; "within noise" where that spread straddles 1x.
+40-60. Latency percentiles pool the passes; throughput is the median pass.
+
+Paired latency (``--paired``, on when both are selected): after the matrix, the bridge
+and iceoryx2 (event) once more in the same two children, message by message (A B B A,
+each with the matrix's count and pacing, each through its own send/recv:
+ipcbench/paired.py). A neighbour's burst then lands on both, within a period of each
+other, where the matrix gives it to whichever case ran then. Last, the issue 26 block:
+bridge / iceoryx2 throughput (the matrix's) and latency p50/p99 (the paired run's) at
+64 B, 64 KiB and NV12, each latency ratio with a 90 % interval (bootstrap over blocks
+of 50 consecutive pairs, the same blocks for both, so a burst counts as one draw) and
+each throughput ratio with the lowest and highest of the passes paired in time;
+"within noise" where that spread straddles 1x, and a note where both p99s sit at the
+pacing period (loaded: a reader woken while a neighbour held its CPU ran only at the
+sender's next pacing wake-up; such a p99 measures the neighbours).
 
     python bench/ipc_latency.py [--quick] [--json out.json] [--transports pipe,zmq,...]
 

@@ -19,7 +19,8 @@ SIZES = [("64 B", TARGET_SIZES[0]), ("64 KiB", TARGET_SIZES[1]),
          ("NV12 1928x1208", TARGET_SIZES[2])]
 
 
-def _rows(scale: dict[str, float], rates: dict[str, list[float]], seed: int) -> list[dict]:
+def _rows(scale: dict[str, float], rates: dict[str, list[float]], seed: int,
+          period_s: float = 5e-4) -> list[dict]:
     """Latency and throughput rows as aggregate() leaves them: 4 passes of 1000 samples
     (ns, lognormal around 40 us times ``scale``), per-pass rates."""
     rng = np.random.default_rng(seed)
@@ -29,7 +30,8 @@ def _rows(scale: dict[str, float], rates: dict[str, list[float]], seed: int) -> 
             raws = [(rng.lognormal(np.log(40_000), 0.35, 1000) * s).astype(np.int64)
                     for _ in range(4)]
             rows.append({"transport": key, "nbytes": n, "size": label, "mode": "latency",
-                         "latency": stats_us(np.concatenate(raws)), "_raws": raws})
+                         "latency": stats_us(np.concatenate(raws)), "_raws": raws,
+                         "params": {"period_s": period_s}})
             per = rates[key]
             rows.append({"transport": key, "nbytes": n, "size": label,
                          "mode": "throughput", "msgs_per_s": float(np.median(per)),
@@ -90,3 +92,14 @@ def test_paired_blocks_keep_a_shared_burst_together():
              / block_bootstrap([b], 99, np.random.default_rng(8)))
     spread = lambda x: np.subtract(*np.percentile(x, [95, 5]))  # noqa: E731
     assert spread(together) < spread(apart)
+
+
+def test_p99s_at_the_pacing_period_decide_nothing(capsys):
+    """Loaded, both p99s sit at the pacing period (the reader ran at the sender's next
+    wake-up): the verdict says so and does not call the run clear."""
+    rows = _rows({"bridge": 0.8, "iox2": 1.0},
+                 {"bridge": [110.0, 112, 108, 111], "iox2": [100.0, 99, 101, 100]}, 1,
+                 period_s=60e-6)
+    v = target_verdict(rows, SIZES)
+    assert v["64 B"]["p99_at_period"] and not v["clear"]
+    assert "pacing period" in capsys.readouterr().out

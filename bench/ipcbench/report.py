@@ -391,10 +391,20 @@ def target_verdict(rows: list[dict], sizes: list[tuple[str, int]], a: str = "bri
                 ok &= name != "p99"
                 clear &= name != "p99"
                 parts.append(f"{name} -")
-        cell["met"], cell["clear"] = ok, clear
-        verdicts.append((ok, clear))
+        # Loaded, a reader woken while a neighbour held its CPU ran at the sender's
+        # next pacing wake-up: both p99s sit at the period (0.5 ms -> ~498 us, 0.7 ms
+        # -> ~696 us here). Such a p99 measures the neighbours and the pacing.
+        period_us = (la.get("params") or {}).get("period_s", 0) * 1e6
+        p99s = ([cell["p99"][a], cell["p99"][b]] if cell.get("p99", {}).get("source")
+                else [x.get("latency", {}).get("p99", 0) for x in (la, lb)])
+        pinned = period_us > 0 and min(p99s) >= 0.85 * period_us
+        cell["p99_at_period"] = pinned
+        cell["met"], cell["clear"] = ok, clear and not pinned
+        verdicts.append((ok, clear and not pinned))
         print(f"  {lab:<15} " + "   ".join(parts)
-              + f"   -> {'met' if ok else 'NOT met'}{'' if clear else ' (within noise)'}")
+              + f"   -> {'met' if ok else 'NOT met'}{'' if clear else ' (within noise)'}"
+              + (f" (both p99 at the {period_us:.0f} us pacing period: neighbours held "
+                 f"the reader's CPU)" if pinned else ""))
         out[lab] = cell
     met = all(v[0] for v in verdicts) and len(verdicts) == len(TARGET_SIZES)
     clear = all(v[1] for v in verdicts)
