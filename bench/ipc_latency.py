@@ -441,8 +441,10 @@ def _paired_pass(keys: list[str], skipped: dict, sizes, modes, args) -> dict:
         out[size] = got["lat"]
         cells = "   ".join(f"{k} {np.percentile(v, 50) / 1e3:.1f} / "
                            f"{np.percentile(v, 99) / 1e3:.1f}" for k, v in got["lat"].items())
-        print(f"  {size:<15} {cells}   n {p['count']} each  [{got['wall_s']:.1f}s, all "
-              f"processes {got.get('busy_cpu_pct', 0):.0f}% CPU]", flush=True)
+        same = " / ".join(f"{v:.2f}" for v in got.get("same_cpu", {}).values())
+        print(f"  {size:<15} {cells}   n {p['count']} each, woken on the sender's CPU "
+              f"{same}  [{got['wall_s']:.1f}s, all processes "
+              f"{got.get('busy_cpu_pct', 0):.0f}% CPU]", flush=True)
     iox2_cleanup()
     return out
 

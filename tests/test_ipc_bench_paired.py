@@ -34,3 +34,5 @@ def test_both_transports_deliver_every_message_in_one_pair_of_children():
     for lat in got["lat"].values():
         assert lat.shape == (120,) and (lat > 0).all()
         assert np.median(lat) < 50_000_000     # ns: a wake-up, not a timeout
+    assert set(got["same_cpu"]) == {"iox2", "bridge"}
+    assert all(0.0 <= v <= 1.0 for v in got["same_cpu"].values())

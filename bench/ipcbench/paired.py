@@ -58,7 +58,18 @@ def _wait_word(ctrl: np.ndarray, word: int, timeout_s: float, what: str) -> None
         time.sleep(1e-3)
 
 
-def _sender(ts: list[Transport], ctrl: np.ndarray, p: dict) -> None:
+def _getcpu():
+    """sched_getcpu() through libc (vDSO/rseq: no system call), else a constant -1."""
+    import ctypes
+    try:
+        f = ctypes.CDLL(None).sched_getcpu
+    except (OSError, AttributeError):
+        return lambda: -1
+    f.restype = ctypes.c_int
+    return f
+
+
+def _sender(ts: list[Transport], ctrl: np.ndarray, rec: np.ndarray, p: dict) -> None:
     _wait_word(ctrl, P_RX_FIRST, 15, "the first receivers")
     ends = [t.open_sender() for t in ts]
     ctrl[P_TX_OPEN] = 1
@@ -68,6 +79,7 @@ def _sender(ts: list[Transport], ctrl: np.ndarray, p: dict) -> None:
     per = [0] * k
     period_ns = int(p["period_s"] * 1e9)
     total = k * (p["warmup"] + p["count"])
+    getcpu = _getcpu()
     gc.collect()
     gc.disable()
     nxt = now_ns() + period_ns
@@ -78,6 +90,8 @@ def _sender(ts: list[Transport], ctrl: np.ndarray, p: dict) -> None:
         _wait_credit(ctrl, g, 1, 0.5)
         j = order(g, k)
         ends[j].send(per[j], src, p["fill"])
+        if 0 <= per[j] - p["warmup"] < p["count"]:
+            rec[1, j, per[j] - p["warmup"]] = getcpu()
         per[j] += 1
         nxt = max(nxt + period_ns, now_ns())
         if ctrl[C_ABORT]:
@@ -88,8 +102,10 @@ def _sender(ts: list[Transport], ctrl: np.ndarray, p: dict) -> None:
         e.close()
 
 
-def _receiver(ts: list[Transport], ctrl: np.ndarray, lat: np.ndarray, p: dict) -> None:
+def _receiver(ts: list[Transport], ctrl: np.ndarray, rec: np.ndarray, p: dict) -> None:
     k = len(ts)
+    lat = rec[0]
+    getcpu = _getcpu()
     rx: list = [None] * k
     for j, t in enumerate(ts):          # those that create their service first
         if t.open_first == "receiver":
@@ -116,6 +132,7 @@ def _receiver(ts: list[Transport], ctrl: np.ndarray, lat: np.ndarray, p: dict) -
         i = seq - warmup
         if 0 <= i < count:
             lat[j, i] = t_got - t_send
+            rec[2, j, i] = getcpu()
         ctrl[C_LAST_SEQ] = g
         if ctrl[C_TX_WAITING]:
             ctrl[C_TX_WAITING] = 0
@@ -147,9 +164,12 @@ def run_paired(tclasses: list[type[Transport]], nbytes: int, p: dict) -> dict:
     {"error": one line}."""
     ts = [c() for c in tclasses]
     k, count = len(ts), p["count"]
-    shm = mmap.mmap(-1, 8 * (C_WORDS + k * count))
+    shm = mmap.mmap(-1, 8 * (C_WORDS + 3 * k * count))
     ctrl = np.frombuffer(shm, dtype=np.int64, count=C_WORDS)
-    lat = np.frombuffer(shm, dtype=np.int64, offset=8 * C_WORDS).reshape(k, count)
+    # Per transport and message: latency (ns), the sender's CPU after its send returned,
+    # the receiver's once it held the message.
+    rec = np.frombuffer(shm, dtype=np.int64, offset=8 * C_WORDS).reshape(3, k, count)
+    lat = rec[0]
     ctrl[:] = 0
     ctrl[C_LAST_SEQ] = -1
     lat[:] = -1
@@ -160,7 +180,7 @@ def run_paired(tclasses: list[type[Transport]], nbytes: int, p: dict) -> dict:
     try:
         for t in ts:
             t.setup(nbytes, run_id)
-        pids = [_fork(_receiver, ts, ctrl, lat, p), _fork(_sender, ts, ctrl, p)]
+        pids = [_fork(_receiver, ts, ctrl, rec, p), _fork(_sender, ts, ctrl, rec, p)]
         limit = t0 + 30 + k * (p["warmup"] + count) * (p["period_s"] + 0.005)
         codes = {}
         while len(codes) < len(pids):
@@ -185,13 +205,17 @@ def run_paired(tclasses: list[type[Transport]], nbytes: int, p: dict) -> dict:
                 out["error"] = f"{int((lat < 0).sum())} messages without a latency"
             else:
                 out["lat"] = {t.key: lat[j].copy() for j, t in enumerate(ts)}
+                # Woken on the CPU the sender sent from (a sync wake-up's placement):
+                # one receiver process for both, so both share its CPU history.
+                out["same_cpu"] = {t.key: float((rec[1, j] == rec[2, j]).mean())
+                                   for j, t in enumerate(ts)}
     finally:
         for t in ts:
             try:
                 t.teardown()
             except Exception:  # noqa: BLE001 - best-effort cleanup
                 pass
-        del ctrl, lat
+        del ctrl, lat, rec
         shm.close()
     wall = time.monotonic() - t0
     out["wall_s"] = round(wall, 2)
