@@ -35,7 +35,10 @@ and the bridge's ring are both 8 deep and both overwrite the oldest when full, s
 neither drops at window 4). A sender out of credit looks for 300 us, then sleeps on a
 futex its receiver wakes (ipcbench/credit.py), never on a timer. Both loan-based
 senders copy the whole payload into shared memory (``--fill copy``) and both
-receivers read the 16-byte stamp of a view of it, then give the buffer back.
+receivers read the 16-byte stamp of a view of it, then give the buffer back. Before a
+stream is measured, 64 messages are streamed the same way (children.warmup_of), so a
+fresh segment's first touch of its buffers (~850 page faults a 3.5 MB slot) falls
+mostly outside it.
 
 Each (transport, size, mode) runs in two fresh fork()ed children; the parent
 only supervises (timeouts, kill, cleanup) so one broken transport yields an error
@@ -52,7 +55,10 @@ Paired latency (``--paired``, on when both are selected): after the matrix, the 
 and iceoryx2 (event) once more in the same two children, message by message (A B B A,
 each with the matrix's count and pacing, each through its own send/recv:
 ipcbench/paired.py). A neighbour's burst then lands on both, within a period of each
-other, where the matrix gives it to whichever case ran then. Last, the issue 26 block:
+other, where the matrix gives it to whichever case ran then; and one receiver process
+serves both, so where the scheduler wakes it (on the sender's CPU or the other: 12-25
+us of p50 at NV12, loaded) is the same for both (printed per size). Last, the issue
+26 block:
 bridge / iceoryx2 throughput (the matrix's) and latency p50/p99 (the paired run's) at
 64 B, 64 KiB and NV12, each latency ratio with a 90 % interval (bootstrap over blocks
 of 50 consecutive pairs, the same blocks for both, so a burst counts as one draw) and
