@@ -51,21 +51,23 @@ rotated, so both sides of a ratio meet the same neighbours. A p99 of 1000 sample
 10th-worst message and moved 0.46x-1.41x between quiet runs; at 4000-6000 it rests on
 40-60. Latency percentiles pool the passes; throughput is the median pass.
 
-Paired latency (``--paired``, on when both are selected): after the matrix, the bridge
-and iceoryx2 (event) once more in the same two children, message by message (A B B A,
-each with the matrix's count and pacing, each through its own send/recv:
-ipcbench/paired.py). A neighbour's burst then lands on both, within a period of each
-other, where the matrix gives it to whichever case ran then; and one receiver process
-serves both, so where the scheduler wakes it (on the sender's CPU or the other: 12-25
-us of p50 at NV12, loaded) is the same for both (printed per size). Last, the issue
-26 block:
-bridge / iceoryx2 throughput (the matrix's) and latency p50/p99 (the paired run's) at
-64 B, 64 KiB and NV12, each latency ratio with a 90 % interval (bootstrap over blocks
-of 50 consecutive pairs, the same blocks for both, so a burst counts as one draw) and
-each throughput ratio with the lowest and highest of the passes paired in time;
-"within noise" where that spread straddles 1x, and a note where both p99s sit at the
-pacing period (loaded: a reader woken while a neighbour held its CPU ran only at the
-sender's next pacing wake-up; such a p99 measures the neighbours).
+Paired (``--paired``, on when both are selected): after the matrix, the bridge and
+iceoryx2 (event) once more in the same two children, each through its own send/recv
+(ipcbench/paired.py): latency message by message (A B B A ..., each with the matrix's
+count and pacing), throughput in bursts (16 rounds of a burst each, A B then B A, of
+2000 messages, 300 at 1 MiB and above, at window 4, each burst begun once the one
+before is drained; a transport's rate is its median burst's). A neighbour's burst of
+load then lands on both, within a period (a burst) of each other, where the matrix
+gives it to whichever case ran then; and one receiver process serves both, so where
+the scheduler wakes it (on the sender's CPU or the other: 12-25 us of p50 at NV12,
+loaded) is the same for both (printed per size). Last, the issue 26 block: bridge /
+iceoryx2 throughput and latency p50/p99 at 64 B, 64 KiB and NV12 from the paired run
+(from the matrix with ``--paired off``), each ratio with a 90 % interval (latency:
+bootstrap over blocks of 50 consecutive pairs, the same blocks for both, so a burst of
+load counts as one draw; throughput: rounds resampled); "within noise" where the
+interval straddles 1x, and a note where both p99s sit at the pacing period (loaded: a
+reader woken while a neighbour held its CPU ran only at the sender's next pacing
+wake-up; such a p99 measures the neighbours).
 
     python bench/ipc_latency.py [--quick] [--json out.json] [--transports pipe,zmq,...]
 
@@ -108,8 +110,8 @@ from ipcbench import (DEFAULT_TRANSPORTS, TRANSPORTS, BridgePollTransport,  # no
 from ipcbench.cost import per_message_cost, print_cost  # noqa: E402
 from ipcbench.harness import iox2_cleanup, run_case  # noqa: E402
 from ipcbench.paired import run_paired  # noqa: E402
-from ipcbench.report import (aggregate, fmt, print_syscalls, print_tables,  # noqa: E402
-                             target_verdict)
+from ipcbench.report import (aggregate, burst_rate, fmt, print_syscalls,  # noqa: E402
+                             print_tables, target_verdict)
 from ipcbench.syscalls import available as strace_available  # noqa: E402
 
 
@@ -240,10 +242,10 @@ def main(argv: list[str] | None = None) -> int:
                          "sent every message) and the reader's take -> view held")
     ap.add_argument("--paired", choices=("auto", "off"), default="auto",
                     help="after the matrix, the bridge and iceoryx2 (event) once more in "
-                         "the same two children, message by message (ipcbench/paired.py), "
-                         "latency only, each with the matrix's count and pacing; the issue "
-                         "26 verdict judges latency on it. auto (default): when both are "
-                         "selected and latency is measured")
+                         "the same two children (ipcbench/paired.py): latency message by "
+                         "message with the matrix's count and pacing, throughput in "
+                         "alternating bursts; the issue 26 verdict judges on them. auto "
+                         "(default): when both are selected")
     ap.add_argument("-v", "--verbose", action="store_true", help="print child tracebacks")
     args = ap.parse_args(argv)
     if args.breakdown:
@@ -428,29 +430,51 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# Paired throughput: messages a burst (about 20-100 ms of streaming here) and rounds.
+PAIRED_BURST_SMALL, PAIRED_BURST_BIG, PAIRED_ROUNDS = 2000, 300, 16
+
+
 def _paired_pass(keys: list[str], skipped: dict, sizes, modes, args) -> dict:
-    """The bridge and iceoryx2 (event) in the same two children, message by message
-    (ipcbench/paired.py), at every size: {size label: {key: latencies in ns}}."""
+    """The bridge and iceoryx2 (event) in the same two children (ipcbench/paired.py), at
+    every size: latency message by message, throughput in alternating bursts.
+    {"latency": {size label: {key: latencies in ns}}, "throughput": {size label: {key:
+    [(messages - 1, ns), ...] per burst, in round order}}}."""
     pair = ("iox2", "bridge")
-    if (args.paired == "off" or "latency" not in modes
-            or any(k not in keys or k in skipped for k in pair)):
+    if args.paired == "off" or any(k not in keys or k in skipped for k in pair):
         return {}
-    print(f"-- paired: {' and '.join(pair)} in the same two children, message by message "
-          f"(A B B A ...), latency p50 / p99 us")
-    out: dict = {}
+    out: dict = {"latency": {}, "throughput": {}}
+    print(f"-- paired: {' and '.join(pair)} in the same two children; latency message by "
+          f"message (A B B A ...), p50 / p99 us; throughput in bursts (A B B A ...), the "
+          f"median burst's msg/s")
     for size, nbytes in sizes:
         p = params_for(nbytes, args.quick, 1, args)
-        got = run_paired([TRANSPORTS[k] for k in pair], nbytes, p)
-        if "error" in got:
-            print(f"  {size:<15} paired ERROR {got['error']}  [{got['wall_s']:.1f}s]")
-            continue
-        out[size] = got["lat"]
-        cells = "   ".join(f"{k} {np.percentile(v, 50) / 1e3:.1f} / "
-                           f"{np.percentile(v, 99) / 1e3:.1f}" for k, v in got["lat"].items())
-        same = " / ".join(f"{v:.2f}" for v in got.get("same_cpu", {}).values())
-        print(f"  {size:<15} {cells}   n {p['count']} each, woken on the sender's CPU "
-              f"{same}  [{got['wall_s']:.1f}s, all processes "
-              f"{got.get('busy_cpu_pct', 0):.0f}% CPU]", flush=True)
+        if "latency" in modes:
+            got = run_paired([TRANSPORTS[k] for k in pair], nbytes, p)
+            if "error" in got:
+                print(f"  {size:<15} latency    ERROR {got['error']}  [{got['wall_s']:.1f}s]")
+            else:
+                out["latency"][size] = got["lat"]
+                cells = "   ".join(f"{k} {np.percentile(v, 50) / 1e3:.1f} / "
+                                   f"{np.percentile(v, 99) / 1e3:.1f}"
+                                   for k, v in got["lat"].items())
+                same = " / ".join(f"{v:.2f}" for v in got.get("same_cpu", {}).values())
+                print(f"  {size:<15} latency    {cells}   n {p['count']} each, woken on "
+                      f"the sender's CPU {same}  [{got['wall_s']:.1f}s, all processes "
+                      f"{got.get('busy_cpu_pct', 0):.0f}% CPU]", flush=True)
+        if "throughput" in modes:
+            big = nbytes >= 1 << 20
+            p = {**p, "burst": PAIRED_BURST_BIG if big else PAIRED_BURST_SMALL,
+                 "rounds": 4 if args.quick else PAIRED_ROUNDS}
+            got = run_paired([TRANSPORTS[k] for k in pair], nbytes, p, mode="throughput")
+            if "error" in got:
+                print(f"  {size:<15} throughput ERROR {got['error']}  [{got['wall_s']:.1f}s]")
+            else:
+                out["throughput"][size] = got["bursts"]
+                cells = "   ".join(f"{k} {fmt(burst_rate(v), 0)}/s"
+                                   for k, v in got["bursts"].items())
+                print(f"  {size:<15} throughput {cells}   {p['rounds']} bursts of "
+                      f"{p['burst']} each  [{got['wall_s']:.1f}s, all processes "
+                      f"{got.get('busy_cpu_pct', 0):.0f}% CPU]", flush=True)
     iox2_cleanup()
     return out
 

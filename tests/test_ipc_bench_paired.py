@@ -36,3 +36,18 @@ def test_both_transports_deliver_every_message_in_one_pair_of_children():
         assert np.median(lat) < 50_000_000     # ns: a wake-up, not a timeout
     assert set(got["same_cpu"]) == {"iox2", "bridge"}
     assert all(0.0 <= v <= 1.0 for v in got["same_cpu"].values())
+
+
+def test_bursts_alternate_and_each_is_timed():
+    """Throughput mode: every burst of both transports arrives whole (no sequence gaps
+    at window 4 in an 8-deep ring), in rounds A B, B A, each with a positive duration."""
+    got = run_paired([Iox2Transport, BridgeTransport], 4096,
+                     {"rounds": 3, "burst": 60, "window": 4, "warmup": 5,
+                      "warmup_stream": 16, "period_s": 5e-4, "fill": True},
+                     mode="throughput")
+    iox2_cleanup()
+    assert "error" not in got, got
+    assert got["gaps"] == 0
+    for bursts in got["bursts"].values():
+        assert len(bursts) == 3
+        assert all(n == 59 and 0 < ns < 5_000_000_000 for n, ns in bursts)

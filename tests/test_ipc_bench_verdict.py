@@ -103,3 +103,26 @@ def test_p99s_at_the_pacing_period_decide_nothing(capsys):
     v = target_verdict(rows, SIZES)
     assert v["64 B"]["p99_at_period"] and not v["clear"]
     assert "pacing period" in capsys.readouterr().out
+
+
+def test_paired_bursts_decide_throughput():
+    """With paired bursts the throughput ratio is their median rates' and its interval
+    comes from resampled rounds: a steady 20 % lead is met and clear, an alternating
+    lead and lag is within noise."""
+    from ipcbench.report import burst_rate
+    rows = _rows({"bridge": 0.8, "iox2": 1.0},
+                 {"bridge": [90.0, 91, 89, 90], "iox2": [100.0, 99, 101, 100]}, 9)
+    rng = np.random.default_rng(10)
+    fast = {lab: {"bridge": [(1999, int(1e7 / 1.2 * (1 + 0.02 * rng.random())))
+                             for _ in range(16)],
+                  "iox2": [(1999, int(1e7 * (1 + 0.02 * rng.random()))) for _ in range(16)]}
+            for lab, _ in SIZES}
+    v = target_verdict(rows, SIZES, paired={"throughput": fast})
+    t = v["64 B"]["throughput"]
+    assert t["source"] == "paired" and 1.15 < t["ratio"] < 1.25 and t["ci"][0] > 1.0
+    assert v["met"] and v["clear"]          # the matrix's 0.9x rates are not used
+    assert burst_rate(fast["64 B"]["bridge"]) > burst_rate(fast["64 B"]["iox2"])
+    mixed = {lab: {"bridge": [(1999, int(1e7 * (0.7 if i % 2 else 1.3))) for i in range(16)],
+                   "iox2": [(1999, int(1e7)) for _ in range(16)]} for lab, _ in SIZES}
+    v = target_verdict(rows, SIZES, paired={"throughput": mixed})
+    assert not v["clear"]

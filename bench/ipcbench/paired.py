@@ -1,4 +1,5 @@
-"""Paired latency: two transports in the same two children, message by message.
+"""Paired runs: two transports in the same two children, latency message by message,
+throughput in alternating bursts (run_paired's ``mode``).
 
 The matrix runs each transport in its own pair of children, one after the other, so a
 neighbour's burst of load lands on one transport's case and not on the other's; on this
@@ -14,6 +15,12 @@ within a period.
 
 The receiver knows which transport the next message comes on, so it blocks on that
 one's own wait (a socket read, an iceoryx2 Listener), as in the matrix.
+
+Throughput: bursts of ``burst`` messages, each on one transport (rounds A B, B A, ...),
+streamed at ``window`` in flight as the matrix streams, each begun once the one before
+is drained (the bursts never overlap); after a warm-up of each transport (paced, then
+streamed: children.warmup_of). The receiver times each burst from its first message
+taken to its last.
 """
 from __future__ import annotations
 
@@ -69,11 +76,49 @@ def _getcpu():
     return f
 
 
-def _sender(ts: list[Transport], ctrl: np.ndarray, rec: np.ndarray, p: dict) -> None:
+def _open_senders(ts: list[Transport], ctrl: np.ndarray) -> list:
     _wait_word(ctrl, P_RX_FIRST, 15, "the first receivers")
     ends = [t.open_sender() for t in ts]
     ctrl[P_TX_OPEN] = 1
     _wait_word(ctrl, P_RX_OPEN, 15, "every receiver")
+    return ends
+
+
+def _open_receivers(ts: list[Transport], ctrl: np.ndarray) -> list:
+    rx: list = [None] * len(ts)
+    for j, t in enumerate(ts):          # those that create their service first
+        if t.open_first == "receiver":
+            rx[j] = t.open_receiver()
+    ctrl[P_RX_FIRST] = 1
+    _wait_word(ctrl, P_TX_OPEN, 15, "every sender")
+    for j, t in enumerate(ts):          # then those that attach to a live sender
+        if rx[j] is None:
+            rx[j] = t.open_receiver()
+    ctrl[P_RX_OPEN] = 1
+    return rx
+
+
+def _take(rx, ts: list[Transport], j: int, g: int, ctrl: np.ndarray):
+    """Message ``g``, expected on transport ``j``; fails rather than hangs."""
+    end = time.monotonic() + LOST_S
+    while (got := rx[j].recv(0.05)) is None:
+        if ctrl[C_ABORT]:
+            raise RuntimeError("aborted")
+        if time.monotonic() > end:
+            raise TimeoutError(f"paired: message {g} never came on {ts[j].key}")
+    return got
+
+
+def _taken(ctrl: np.ndarray, g: int, addr: int) -> None:
+    """Message ``g`` taken: the sender's credit, and its wake-up if it sleeps for it."""
+    ctrl[C_LAST_SEQ] = g
+    if ctrl[C_TX_WAITING]:
+        ctrl[C_TX_WAITING] = 0
+        credit.wake(addr)
+
+
+def _sender(ts: list[Transport], ctrl: np.ndarray, rec: np.ndarray, p: dict) -> None:
+    ends = _open_senders(ts, ctrl)
     k = len(ts)
     src = np.random.default_rng(1).integers(0, 256, ts[0].nbytes, dtype=np.uint8)
     per = [0] * k
@@ -106,37 +151,95 @@ def _receiver(ts: list[Transport], ctrl: np.ndarray, rec: np.ndarray, p: dict) -
     k = len(ts)
     lat = rec[0]
     getcpu = _getcpu()
-    rx: list = [None] * k
-    for j, t in enumerate(ts):          # those that create their service first
-        if t.open_first == "receiver":
-            rx[j] = t.open_receiver()
-    ctrl[P_RX_FIRST] = 1
-    _wait_word(ctrl, P_TX_OPEN, 15, "every sender")
-    for j, t in enumerate(ts):          # then those that attach to a live sender
-        if rx[j] is None:
-            rx[j] = t.open_receiver()
-    ctrl[P_RX_OPEN] = 1
+    rx = _open_receivers(ts, ctrl)
     warmup, count = p["warmup"], p["count"]
     addr = credit.word_address(ctrl, C_LAST_SEQ)
     gc.collect()
     gc.disable()
     for g in range(k * (warmup + count)):
         j = order(g, k)
-        end = time.monotonic() + LOST_S
-        while (got := rx[j].recv(0.05)) is None:
-            if ctrl[C_ABORT]:
-                raise RuntimeError("aborted")
-            if time.monotonic() > end:
-                raise TimeoutError(f"paired: message {g} never came on {ts[j].key}")
-        t_send, seq, t_got, _ = got
+        t_send, seq, t_got, _ = _take(rx, ts, j, g, ctrl)
         i = seq - warmup
         if 0 <= i < count:
             lat[j, i] = t_got - t_send
             rec[2, j, i] = getcpu()
-        ctrl[C_LAST_SEQ] = g
-        if ctrl[C_TX_WAITING]:
-            ctrl[C_TX_WAITING] = 0
-            credit.wake(addr)
+        _taken(ctrl, g, addr)
+    gc.enable()
+    ctrl[P_DONE] = 1
+    for r in rx:
+        r.close()
+
+
+def _warm(ends, rx, ts, ctrl, p: dict, addr: int | None) -> tuple[int, list[int]]:
+    """Both sides of a stream's warm-up, each transport in turn: ``p["warmup"]``
+    messages one in flight, then ``p["warmup_stream"]`` streamed (as children.warmup_of).
+    ``ends`` for the sender, ``rx`` for the receiver. Returns (next g, next seq each)."""
+    g, per = 0, [0] * len(ts)
+    src = (np.random.default_rng(1).integers(0, 256, ts[0].nbytes, dtype=np.uint8)
+           if ends is not None else None)
+    for j in range(len(ts)):
+        for i in range(p["warmup"] + p["warmup_stream"]):
+            if ends is not None:
+                paced = i < p["warmup"]
+                _wait_credit(ctrl, g, 1 if paced else p["window"], 0.5, False,
+                             credit.SPIN_NS_PACED if paced else credit.SPIN_NS_STREAM)
+                ends[j].send(per[j], src, p["fill"])
+                if paced:
+                    time.sleep(p["period_s"])
+            else:
+                _take(rx, ts, j, g, ctrl)
+                _taken(ctrl, g, addr)
+            per[j] += 1
+            g += 1
+    return g, per
+
+
+def _stream_sender(ts: list[Transport], ctrl: np.ndarray, bursts: np.ndarray,
+                   p: dict) -> None:
+    ends = _open_senders(ts, ctrl)
+    k, m, window = len(ts), p["burst"], p["window"]
+    src = np.random.default_rng(1).integers(0, 256, ts[0].nbytes, dtype=np.uint8)
+    gc.collect()
+    gc.disable()
+    g, per = _warm(ends, None, ts, ctrl, p, None)
+    for b in range(len(bursts)):
+        j = order(b, k)
+        for i in range(m):
+            # A burst starts once the last one is drained: bursts never overlap.
+            _wait_credit(ctrl, g, 1 if i == 0 else window, 0.5, False,
+                         credit.SPIN_NS_STREAM)
+            ends[j].send(per[j], src, p["fill"])
+            per[j] += 1
+            g += 1
+        if ctrl[C_ABORT]:
+            raise RuntimeError("aborted")
+    gc.enable()
+    _wait_word(ctrl, P_DONE, 30, "the receiver's end")
+    for e in ends:
+        e.close()
+
+
+def _stream_receiver(ts: list[Transport], ctrl: np.ndarray, bursts: np.ndarray,
+                     p: dict) -> None:
+    rx = _open_receivers(ts, ctrl)
+    k, m = len(ts), p["burst"]
+    addr = credit.word_address(ctrl, C_LAST_SEQ)
+    gc.collect()
+    gc.disable()
+    g, per = _warm(None, rx, ts, ctrl, p, addr)
+    for b in range(len(bursts)):
+        j = order(b, k)
+        t_first = gaps = 0
+        for i in range(m):
+            _, seq, t_got, _ = _take(rx, ts, j, g, ctrl)
+            if seq != per[j]:
+                gaps += 1
+            per[j] = seq + 1
+            if i == 0:
+                t_first = t_got
+            _taken(ctrl, g, addr)
+            g += 1
+        bursts[b] = (j, m - 1, t_got - t_first, gaps)
     gc.enable()
     ctrl[P_DONE] = 1
     for r in rx:
@@ -158,10 +261,18 @@ def _fork(fn, *args) -> int:
     return pid
 
 
-def run_paired(tclasses: list[type[Transport]], nbytes: int, p: dict) -> dict:
-    """``p``: count (per transport), warmup (per transport), period_s, fill. Returns
-    {"lat": {key: latencies in ns, in sending order}, "foreign_cpu_pct", "wall_s"} or
+def run_paired(tclasses: list[type[Transport]], nbytes: int, p: dict,
+               mode: str = "latency") -> dict:
+    """``mode`` "latency": ``p`` count (per transport), warmup (per transport),
+    period_s, fill; returns {"lat": {key: latencies in ns, in sending order},
+    "same_cpu": {key: share}, "busy_cpu_pct", "wall_s"}. "throughput": p rounds,
+    burst (messages a burst), window, warmup, warmup_stream, period_s, fill: bursts of
+    ``burst`` messages streamed on one transport at a time (rounds A B, B A, ...), each
+    started once the one before is drained; returns {"bursts": {key: [(messages - 1,
+    ns from the first message taken to the last), ...] in round order}, ...}. Or
     {"error": one line}."""
+    if mode == "throughput":
+        return _run_stream(tclasses, nbytes, p)
     ts = [c() for c in tclasses]
     k, count = len(ts), p["count"]
     shm = mmap.mmap(-1, 8 * (C_WORDS + 3 * k * count))
@@ -169,58 +280,91 @@ def run_paired(tclasses: list[type[Transport]], nbytes: int, p: dict) -> dict:
     # Per transport and message: latency (ns), the sender's CPU after its send returned,
     # the receiver's once it held the message.
     rec = np.frombuffer(shm, dtype=np.int64, offset=8 * C_WORDS).reshape(3, k, count)
-    lat = rec[0]
     ctrl[:] = 0
     ctrl[C_LAST_SEQ] = -1
-    lat[:] = -1
+    rec[0] = -1
+    out = _supervise(ts, nbytes, ctrl, _receiver, _sender, rec, p,
+                     limit_s=30 + k * (p["warmup"] + count) * (p["period_s"] + 0.005))
+    if "error" not in out:
+        if (rec[0] < 0).any():
+            out["error"] = f"{int((rec[0] < 0).sum())} messages without a latency"
+        else:
+            out["lat"] = {t.key: rec[0, j].copy() for j, t in enumerate(ts)}
+            # Woken on the CPU the sender sent from (a sync wake-up's placement): one
+            # receiver process for both, so both share its CPU history.
+            out["same_cpu"] = {t.key: float((rec[1, j] == rec[2, j]).mean())
+                               for j, t in enumerate(ts)}
+    del ctrl, rec
+    shm.close()
+    return out
+
+
+def _run_stream(tclasses: list[type[Transport]], nbytes: int, p: dict) -> dict:
+    ts = [c() for c in tclasses]
+    k = len(ts)
+    nb = k * p["rounds"]
+    shm = mmap.mmap(-1, 8 * (C_WORDS + 4 * nb))
+    ctrl = np.frombuffer(shm, dtype=np.int64, count=C_WORDS)
+    # Per burst: transport index, messages - 1, ns first -> last taken, sequence gaps.
+    bursts = np.frombuffer(shm, dtype=np.int64, offset=8 * C_WORDS).reshape(nb, 4)
+    ctrl[:] = 0
+    ctrl[C_LAST_SEQ] = -1
+    bursts[:] = -1
+    out = _supervise(ts, nbytes, ctrl, _stream_receiver, _stream_sender, bursts, p,
+                     limit_s=30 + nb * p["burst"] * 0.01
+                     + k * (p["warmup"] + p["warmup_stream"]) * (p["period_s"] + 0.01))
+    if "error" not in out:
+        if (bursts[:, 2] <= 0).any():
+            out["error"] = "a burst without a duration"
+        else:
+            out["bursts"] = {t.key: [(int(b[1]), int(b[2])) for b in bursts if b[0] == j]
+                             for j, t in enumerate(ts)}
+            out["gaps"] = int(bursts[:, 3].sum())
+    del ctrl, bursts
+    shm.close()
+    return out
+
+
+def _supervise(ts: list[Transport], nbytes: int, ctrl: np.ndarray, receiver, sender,
+               shared: np.ndarray, p: dict, limit_s: float) -> dict:
+    """Set up, fork the two children, wait for them (kill both past ``limit_s`` or
+    once one fails), tear down. {"wall_s", "busy_cpu_pct"} and "error" if any."""
     run_id = f"{os.getpid()}-{uuid.uuid4().hex[:10]}"
     t0, busy0 = time.monotonic(), busy_cpu_s()
-    pids: list[int] = []
     out: dict = {}
     try:
         for t in ts:
             t.setup(nbytes, run_id)
-        pids = [_fork(_receiver, ts, ctrl, rec, p), _fork(_sender, ts, ctrl, rec, p)]
-        limit = t0 + 30 + k * (p["warmup"] + count) * (p["period_s"] + 0.005)
-        codes = {}
+        pids = [_fork(receiver, ts, ctrl, shared, p), _fork(sender, ts, ctrl, shared, p)]
+        codes: dict[int, int] = {}
         while len(codes) < len(pids):
             for pid in pids:
                 if pid not in codes:
                     done, status = os.waitpid(pid, os.WNOHANG)
                     if done:
                         codes[pid] = os.waitstatus_to_exitcode(status)
-            if any(c != 0 for c in codes.values()) or time.monotonic() > limit:
+            late = time.monotonic() > t0 + limit_s
+            if any(c != 0 for c in codes.values()) or late:
                 ctrl[C_ABORT] = 1
                 time.sleep(0.5)
                 for pid in pids:
                     if pid not in codes:
                         os.kill(pid, signal.SIGKILL)
                         codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-                out["error"] = ("paired run took too long" if time.monotonic() > limit
+                out["error"] = ("paired run took too long" if late
                                 else f"a child failed (exit codes {sorted(codes.values())})")
                 break
             time.sleep(0.2)   # the parent only watches: rarely awake beside the two
-        if "error" not in out:
-            if (lat < 0).any():
-                out["error"] = f"{int((lat < 0).sum())} messages without a latency"
-            else:
-                out["lat"] = {t.key: lat[j].copy() for j, t in enumerate(ts)}
-                # Woken on the CPU the sender sent from (a sync wake-up's placement):
-                # one receiver process for both, so both share its CPU history.
-                out["same_cpu"] = {t.key: float((rec[1, j] == rec[2, j]).mean())
-                                   for j, t in enumerate(ts)}
     finally:
         for t in ts:
             try:
                 t.teardown()
             except Exception:  # noqa: BLE001 - best-effort cleanup
                 pass
-        del ctrl, lat, rec
-        shm.close()
     wall = time.monotonic() - t0
     out["wall_s"] = round(wall, 2)
     busy1 = busy_cpu_s()
     if busy0 is not None and busy1 is not None and wall > 0.2:
-        # Everything that ran meanwhile, ours included (2 children ~ their latency work).
+        # Everything that ran meanwhile, ours included (2 children ~ their work).
         out["busy_cpu_pct"] = round((busy1 - busy0) / (wall * (os.cpu_count() or 1)) * 100, 1)
     return out
