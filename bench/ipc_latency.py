@@ -286,6 +286,18 @@ def main(argv: list[str] | None = None) -> int:
             skipped[k] = str(e)
             print(f"  note: skipping {labels[k]}: {e}")
 
+    if "bridge" in keys and "bridge" not in skipped:
+        # The plain "bridge" runs whichever path the module picks; on x86-64 that is the
+        # pure-Python one, silently, when the native module is not built (or is stale).
+        try:
+            nat = importlib.import_module(args.bridge_module + "._atomics").select(None)
+        except Exception as e:  # noqa: BLE001 - reported, the case itself will fail
+            print(f"  note: cannot tell which path {labels['bridge']} runs: {e}")
+        else:
+            if nat is None:
+                print(f"  WARNING: {labels['bridge']} runs the pure-Python path here (the "
+                      f"native module is not built, or TRIO_BRIDGE_NATIVE=0): rebuild "
+                      f"(python setup.py build_ext --inplace) before comparing")
     if args.syscalls == "none":
         traced_keys: list[str] = []
     elif args.syscalls == "auto":
