@@ -42,7 +42,7 @@ def _rows(scale: dict[str, float], rates: dict[str, list[float]], seed: int,
 def test_a_clear_lead_is_met_and_clear(capsys):
     rows = _rows({"bridge": 0.8, "iox2": 1.0},
                  {"bridge": [110.0, 112, 108, 111], "iox2": [100.0, 99, 101, 100]}, 1)
-    v = target_verdict(rows, SIZES)
+    v = target_verdict(rows, SIZES, resamples=300)
     assert v["met"] and v["clear"]
     for label, _ in SIZES:
         lo, hi = v[label]["p99"]["ci"]
@@ -53,7 +53,7 @@ def test_a_clear_lead_is_met_and_clear(capsys):
 def test_one_distribution_twice_is_within_noise(capsys):
     rows = _rows({"bridge": 1.0, "iox2": 1.0},
                  {"bridge": [100.0, 103, 97, 101], "iox2": [101.0, 98, 102, 100]}, 2)
-    v = target_verdict(rows, SIZES)
+    v = target_verdict(rows, SIZES, resamples=300)
     assert not v["clear"]
     assert all(v[label]["p99"]["ci"][0] < 1.0 < v[label]["p99"]["ci"][1]
                for label, _ in SIZES)
@@ -63,7 +63,7 @@ def test_one_distribution_twice_is_within_noise(capsys):
 def test_a_behind_throughput_is_not_met():
     rows = _rows({"bridge": 0.8, "iox2": 1.0},
                  {"bridge": [90.0, 91, 89, 90], "iox2": [100.0, 99, 101, 100]}, 3)
-    v = target_verdict(rows, SIZES)
+    v = target_verdict(rows, SIZES, resamples=300)
     assert not v["met"] and v["clear"]       # clearly behind is decided too
 
 
@@ -100,7 +100,7 @@ def test_p99s_at_the_pacing_period_decide_nothing(capsys):
     rows = _rows({"bridge": 0.8, "iox2": 1.0},
                  {"bridge": [110.0, 112, 108, 111], "iox2": [100.0, 99, 101, 100]}, 1,
                  period_s=60e-6)
-    v = target_verdict(rows, SIZES)
+    v = target_verdict(rows, SIZES, resamples=300)
     assert v["64 B"]["p99_at_period"] and not v["clear"]
     assert "pacing period" in capsys.readouterr().out
 
@@ -117,12 +117,12 @@ def test_paired_bursts_decide_throughput():
                              for _ in range(16)],
                   "iox2": [(1999, int(1e7 * (1 + 0.02 * rng.random()))) for _ in range(16)]}
             for lab, _ in SIZES}
-    v = target_verdict(rows, SIZES, paired={"throughput": fast})
+    v = target_verdict(rows, SIZES, paired={"throughput": fast}, resamples=300)
     t = v["64 B"]["throughput"]
     assert t["source"] == "paired" and 1.15 < t["ratio"] < 1.25 and t["ci"][0] > 1.0
     assert v["met"] and v["clear"]          # the matrix's 0.9x rates are not used
     assert burst_rate(fast["64 B"]["bridge"]) > burst_rate(fast["64 B"]["iox2"])
     mixed = {lab: {"bridge": [(1999, int(1e7 * (0.7 if i % 2 else 1.3))) for i in range(16)],
                    "iox2": [(1999, int(1e7)) for _ in range(16)]} for lab, _ in SIZES}
-    v = target_verdict(rows, SIZES, paired={"throughput": mixed})
+    v = target_verdict(rows, SIZES, paired={"throughput": mixed}, resamples=300)
     assert not v["clear"]

@@ -341,7 +341,8 @@ def burst_ratio_ci(a: list[tuple[int, int]], b: list[tuple[int, int]],
 
 
 def target_verdict(rows: list[dict], sizes: list[tuple[str, int]], a: str = "bridge",
-                   b: str = "iox2", seed: int = 0, paired: dict | None = None) -> dict:
+                   b: str = "iox2", seed: int = 0, paired: dict | None = None,
+                   resamples: int = RESAMPLES) -> dict:
     """Issue 26's target, from this run: ``a``'s throughput >= ``b``'s and its latency
     p99 <= ``b``'s at 64 B, 64 KiB and NV12. Beside each ratio (the run's pooled samples
     and median rate, as the tables above) its spread: for latency a 90 % block-bootstrap
@@ -372,7 +373,7 @@ def target_verdict(rows: list[dict], sizes: list[tuple[str, int]], a: str = "bri
         pl = (paired or {}).get("latency", {}).get(lab, {})
         pa, pb = pl.get(a), pl.get(b)
         if pa is not None and pb is not None:
-            rs = paired_bootstrap(pa, pb, (50, 99), rng)
+            rs = paired_bootstrap(pa, pb, (50, 99), rng, resamples)
             for j, (q, name) in enumerate(((50, "p50"), (99, "p99"))):
                 lo, hi = np.nanpercentile(rs[j], CI)
                 cell[name] = {"ratio": float(np.percentile(pa, q) / np.percentile(pb, q)),
@@ -380,8 +381,8 @@ def target_verdict(rows: list[dict], sizes: list[tuple[str, int]], a: str = "bri
                               a: float(np.percentile(pa, q) / 1e3),
                               b: float(np.percentile(pb, q) / 1e3)}
         elif la.get("_raws") and lb.get("_raws"):
-            qa = block_bootstrap(la["_raws"], (50, 99), rng)
-            qb = block_bootstrap(lb["_raws"], (50, 99), rng)
+            qa = block_bootstrap(la["_raws"], (50, 99), rng, resamples)
+            qb = block_bootstrap(lb["_raws"], (50, 99), rng, resamples)
             for j, name in enumerate(("p50", "p99")):
                 ratio = la["latency"][name] / lb["latency"][name]
                 lo, hi = np.nanpercentile(qa[j] / qb[j], CI)
@@ -390,7 +391,7 @@ def target_verdict(rows: list[dict], sizes: list[tuple[str, int]], a: str = "bri
         pt = (paired or {}).get("throughput", {}).get(lab, {})
         if pt.get(a) and pt.get(b):
             cell["throughput"] = {"ratio": burst_rate(pt[a]) / burst_rate(pt[b]),
-                                  "ci": burst_ratio_ci(pt[a], pt[b], rng),
+                                  "ci": burst_ratio_ci(pt[a], pt[b], rng, resamples),
                                   "source": "paired", a: burst_rate(pt[a]),
                                   b: burst_rate(pt[b])}
         elif ta.get("msgs_per_s") and tb.get("msgs_per_s"):
