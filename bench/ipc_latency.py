@@ -35,16 +35,47 @@ and the bridge's ring are both 8 deep and both overwrite the oldest when full, s
 neither drops at window 4). A sender out of credit looks for 300 us, then sleeps on a
 futex its receiver wakes (ipcbench/credit.py), never on a timer. Both loan-based
 senders copy the whole payload into shared memory (``--fill copy``) and both
-receivers read the 16-byte stamp of a view of it, then give the buffer back.
+receivers read the 16-byte stamp of a view of it, then give the buffer back. Before a
+stream is measured, 64 messages are streamed the same way (children.warmup_of), so a
+fresh segment's first touch of its buffers (~850 page faults a 3.5 MB slot) falls
+mostly outside it.
 
 Each (transport, size, mode) runs in two fresh fork()ed children; the parent
 only supervises (timeouts, kill, cleanup) so one broken transport yields an error
 row, not an aborted table.
 
+Samples and the verdict: by default 6000 paced messages per transport at 64 B and 64 KiB
+and 4000 at 1 MiB and NV12 (the same count and pacing for every transport), in 4 passes
+over the matrix; each pass runs every size's transports back to back, their order
+rotated, so both sides of a ratio meet the same neighbours. A p99 of 1000 samples is the
+10th-worst message and moved 0.46x-1.41x between quiet runs; at 4000-6000 it rests on
+40-60. Latency percentiles pool the passes; throughput is the median pass.
+
+Paired (``--paired``, on when both are selected): after the matrix, the bridge and
+iceoryx2 (event) once more in the same two children, each through its own send/recv
+(ipcbench/paired.py): latency message by message (A B B A ..., each with the matrix's
+count and pacing), throughput in bursts (16 rounds of a burst each, A B then B A, of
+2000 messages, 300 at 1 MiB and above, at window 4, each burst begun once the one
+before is drained; a transport's rate is its median burst's). A neighbour's burst of
+load then lands on both, within a period (a burst) of each other, where the matrix
+gives it to whichever case ran then; and one receiver process serves both, so where
+the scheduler wakes it (on the sender's CPU or the other: 12-25 us of p50 at NV12,
+loaded) is the same for both (printed per size). Last, the issue 26 block: bridge /
+iceoryx2 throughput and latency p50/p99 at 64 B, 64 KiB and NV12 from the paired run
+(from the matrix with ``--paired off``), each ratio with a 90 % interval (latency:
+bootstrap over blocks of 50 consecutive pairs, the same blocks for both, so a burst of
+load counts as one draw; throughput: rounds resampled); "within noise" where the
+interval straddles 1x, and a note where both p99s sit at the pacing period (loaded: a
+reader woken while a neighbour held its CPU ran only at the sender's next pacing
+wake-up; such a p99 measures the neighbours).
+
     python bench/ipc_latency.py [--quick] [--json out.json] [--transports pipe,zmq,...]
 
 Before the matrix, the bridge's per-message CPU cost on both paths, in-process
 (``--cost N`` messages per path and size, 0: skip; see ipcbench/cost.py).
+
+Per case the minor page faults per message at each end are printed (getrusage, measured
+phase): a transport that maps or first-touches pages per message shows it there.
 
 After the matrix, system calls per message (``--syscalls``; default: the bridge and
 iceoryx2 (event) when strace is installed): each case once more with ``strace -f -c``
@@ -78,7 +109,9 @@ from ipcbench import (DEFAULT_TRANSPORTS, TRANSPORTS, BridgePollTransport,  # no
                       BridgeTransport, Skip)
 from ipcbench.cost import per_message_cost, print_cost  # noqa: E402
 from ipcbench.harness import iox2_cleanup, run_case  # noqa: E402
-from ipcbench.report import aggregate, fmt, print_syscalls, print_tables  # noqa: E402
+from ipcbench.paired import run_paired  # noqa: E402
+from ipcbench.report import (aggregate, burst_rate, fmt, print_syscalls,  # noqa: E402
+                             print_tables, target_verdict)
 from ipcbench.syscalls import available as strace_available  # noqa: E402
 
 
@@ -120,9 +153,11 @@ def params_for(nbytes: int, quick: bool, repeats: int, args) -> dict:
         warmup = 10 if big else 20
         duration = 0.4
     else:
-        total = 1000 if frame else 2000
+        # A p99 of n samples is the n/100-th worst: at 1000 it moved 0.46x-1.41x between
+        # quiet runs (NV12). 4000-6000 put 40-60 samples above it.
+        total = 4000 if big else 6000
         warmup = 20 if big else 50
-        duration = 1.5
+        duration = 2.0
     if args.count:
         total = args.count
     if args.duration:
@@ -135,6 +170,9 @@ def params_for(nbytes: int, quick: bool, repeats: int, args) -> dict:
     est = warmup * period + count * (period + 0.02)
     return {
         "count": count, "warmup": warmup, "period_s": period,
+        # Streamed before a stream is measured (children.warmup_of): 8 slots (bridge)
+        # or ~11 chunks (iceoryx2) touched at window 4.
+        "warmup_stream": 64,
         "duration_s": duration, "window": args.window, "fill": args.fill == "copy",
         "max_msgs": 2_000_000,
         # receiver hard deadline: generous, only there to catch a hung transport
@@ -159,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="latency,throughput")
     ap.add_argument("--repeat", type=int,
                     help="passes over the whole matrix, interleaved in time; latency "
-                         "samples are pooled, throughput is the median (default: 2, "
+                         "samples are pooled, throughput is the median (default: 4, "
                          "--quick: 1). Counts and durations are split over the passes.")
     ap.add_argument("--count", type=int, help="latency messages per case, all repeats (override)")
     ap.add_argument("--period-us", type=float, help="latency pacing period (override)")
@@ -178,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="re-runs allowed per disturbed case (default: %(default)s)")
     ap.add_argument("--budget", type=float, metavar="S",
                     help="no more re-runs once they would push the whole run past S "
-                         "seconds (default: 170, --quick: 55)")
+                         "seconds (default: 300, --quick: 55)")
     ap.add_argument("--pin", action="store_true", help="pin sender to CPU0, receiver to CPU1")
     ap.add_argument("--bridge-module", default="supervisor.ipc",
                     help="module providing ChannelSpec/Channel/Writer/Reader")
@@ -202,6 +240,12 @@ def main(argv: list[str] | None = None) -> int:
                          "batches of N messages alternating, 16 MB touched before each "
                          "timed part): the writer's stamp -> send returns (a wake-up "
                          "sent every message) and the reader's take -> view held")
+    ap.add_argument("--paired", choices=("auto", "off"), default="auto",
+                    help="after the matrix, the bridge and iceoryx2 (event) once more in "
+                         "the same two children (ipcbench/paired.py): latency message by "
+                         "message with the matrix's count and pacing, throughput in "
+                         "alternating bursts; the issue 26 verdict judges on them. auto "
+                         "(default): when both are selected")
     ap.add_argument("-v", "--verbose", action="store_true", help="print child tracebacks")
     args = ap.parse_args(argv)
     if args.breakdown:
@@ -242,6 +286,18 @@ def main(argv: list[str] | None = None) -> int:
             skipped[k] = str(e)
             print(f"  note: skipping {labels[k]}: {e}")
 
+    if "bridge" in keys and "bridge" not in skipped:
+        # The plain "bridge" runs whichever path the module picks; on x86-64 that is the
+        # pure-Python one, silently, when the native module is not built (or is stale).
+        try:
+            nat = importlib.import_module(args.bridge_module + "._atomics").select(None)
+        except Exception as e:  # noqa: BLE001 - reported, the case itself will fail
+            print(f"  note: cannot tell which path {labels['bridge']} runs: {e}")
+        else:
+            if nat is None:
+                print(f"  WARNING: {labels['bridge']} runs the pure-Python path here (the "
+                      f"native module is not built, or TRIO_BRIDGE_NATIVE=0): rebuild "
+                      f"(python setup.py build_ext --inplace) before comparing")
     if args.syscalls == "none":
         traced_keys: list[str] = []
     elif args.syscalls == "auto":
@@ -279,9 +335,9 @@ def main(argv: list[str] | None = None) -> int:
                                           module=args.bridge_module)
         print_cost(cost, args.fill)
 
-    repeats = args.repeat or (1 if args.quick else 2)
+    repeats = args.repeat or (1 if args.quick else 4)
     runs: list[dict] = []
-    budget = args.budget or (55.0 if args.quick else 170.0)
+    budget = args.budget or (55.0 if args.quick else 300.0)
     n_cases = repeats * len(sizes) * len(modes) * len([k for k in keys if k not in skipped])
     done = 0
     t_start = time.monotonic()
@@ -319,8 +375,9 @@ def main(argv: list[str] | None = None) -> int:
                             row = again
                         row["retried"] = row.get("retried", 0) + 1
                     row["repeat"] = rep
-                    row["params"] = {kk: p[kk] for kk in ("count", "warmup", "period_s",
-                                                           "duration_s", "window", "fill")}
+                    row["params"] = {kk: p[kk] for kk in ("count", "warmup", "warmup_stream",
+                                                           "period_s", "duration_s", "window",
+                                                           "fill")}
                     runs.append(row)
                     iox2_killed |= row.get("killed", False) and k.startswith("iox2")
                     lat = row.get("latency", {})
@@ -333,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
                                  if mode == "throughput" else "")
                               + (f"  sleeps/msg rx {row['sleeps_per_msg_rx']:.2f}"
                                  if row.get("sleeps_per_msg_rx") is not None else "")
+                              + (f"  faults/msg tx {row['faults_per_msg_tx']:.2f} rx "
+                                 f"{row['faults_per_msg_rx']:.2f}"
+                                 if row.get("faults_per_msg_rx") is not None else "")
                               + (f"  drops={row['drops']}" if row.get("drops") else ""))
                            + f"  [{row['wall_s']:.1f}s"
                            + (f", other procs {row['foreign_cpu_pct']:.0f}% CPU"
@@ -344,9 +404,13 @@ def main(argv: list[str] | None = None) -> int:
                             print(tb)
     if iox2_killed or any(k.startswith("iox2") and k not in skipped for k in keys):
         iox2_cleanup()
+    paired = _paired_pass(keys, skipped, sizes, modes, args)
     rows = aggregate(runs, args.raw)
     elapsed = time.monotonic() - t_start
     ratios = print_tables(rows, keys, labels, sizes, args.max_foreign)
+    verdict = target_verdict(rows, sizes, paired=paired)
+    for r in rows:
+        r.pop("_raws", None)           # the samples stay in memory (and --raw), not JSON
     if cost:
         print_cost(cost, args.fill)           # again, next to the tables
     sc = _syscall_pass(traced_keys, labels, sizes, modes, args, rows) if traced_keys else None
@@ -367,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "results": rows,
             "ratios": ratios,
+            "target": verdict,
             "per_message_cost_us": cost,
             "syscalls": sc,
             "runs": [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs],
@@ -375,6 +440,55 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(doc, f, indent=1, default=str)
         print(f"wrote {args.json}")
     return 0
+
+
+# Paired throughput: messages a burst (about 20-100 ms of streaming here) and rounds.
+PAIRED_BURST_SMALL, PAIRED_BURST_BIG, PAIRED_ROUNDS = 2000, 300, 16
+
+
+def _paired_pass(keys: list[str], skipped: dict, sizes, modes, args) -> dict:
+    """The bridge and iceoryx2 (event) in the same two children (ipcbench/paired.py), at
+    every size: latency message by message, throughput in alternating bursts.
+    {"latency": {size label: {key: latencies in ns}}, "throughput": {size label: {key:
+    [(messages - 1, ns), ...] per burst, in round order}}}."""
+    pair = ("iox2", "bridge")
+    if args.paired == "off" or any(k not in keys or k in skipped for k in pair):
+        return {}
+    out: dict = {"latency": {}, "throughput": {}}
+    print(f"-- paired: {' and '.join(pair)} in the same two children; latency message by "
+          f"message (A B B A ...), p50 / p99 us; throughput in bursts (A B B A ...), the "
+          f"median burst's msg/s")
+    for size, nbytes in sizes:
+        p = params_for(nbytes, args.quick, 1, args)
+        if "latency" in modes:
+            got = run_paired([TRANSPORTS[k] for k in pair], nbytes, p)
+            if "error" in got:
+                print(f"  {size:<15} latency    ERROR {got['error']}  [{got['wall_s']:.1f}s]")
+            else:
+                out["latency"][size] = got["lat"]
+                cells = "   ".join(f"{k} {np.percentile(v, 50) / 1e3:.1f} / "
+                                   f"{np.percentile(v, 99) / 1e3:.1f}"
+                                   for k, v in got["lat"].items())
+                same = " / ".join(f"{v:.2f}" for v in got.get("same_cpu", {}).values())
+                print(f"  {size:<15} latency    {cells}   n {p['count']} each, woken on "
+                      f"the sender's CPU {same}  [{got['wall_s']:.1f}s, all processes "
+                      f"{got.get('busy_cpu_pct', 0):.0f}% CPU]", flush=True)
+        if "throughput" in modes:
+            big = nbytes >= 1 << 20
+            p = {**p, "burst": PAIRED_BURST_BIG if big else PAIRED_BURST_SMALL,
+                 "rounds": 4 if args.quick else PAIRED_ROUNDS}
+            got = run_paired([TRANSPORTS[k] for k in pair], nbytes, p, mode="throughput")
+            if "error" in got:
+                print(f"  {size:<15} throughput ERROR {got['error']}  [{got['wall_s']:.1f}s]")
+            else:
+                out["throughput"][size] = got["bursts"]
+                cells = "   ".join(f"{k} {fmt(burst_rate(v), 0)}/s"
+                                   for k, v in got["bursts"].items())
+                print(f"  {size:<15} throughput {cells}   {p['rounds']} bursts of "
+                      f"{p['burst']} each  [{got['wall_s']:.1f}s, all processes "
+                      f"{got.get('busy_cpu_pct', 0):.0f}% CPU]", flush=True)
+    iox2_cleanup()
+    return out
 
 
 def _syscall_pass(keys: list[str], labels: dict[str, str], sizes, modes, args,
@@ -425,34 +539,60 @@ def breakdown(count: int, sizes_arg: str) -> int:
         NV12_FRAME if x.strip() in ("frame", "nv12") else int(x) for x in sizes_arg.split(",")]
     print(f"ipc_latency --breakdown: {count} paced messages per case, p50 / p99 us; "
           f"load average {os.getloadavg()[0]:.2f}")
+    print("  tail: the messages at or above the case's p99 total, median of each part; "
+          "same CPU: share of messages whose reader ran on the CPU the writer sent from "
+          "(all / in the tail)")
     print(f"{'size':>9} {'transport':9} {'total':>15} {'writer part':>15} "
-          f"{'stamp->woken':>15} {'reader part':>15}")
+          f"{'stamp->woken':>15} {'reader part':>15}   {'tail: writer/woken/reader':>26} "
+          f"{'same CPU':>11}  total p50 by the reader's CPU (20 messages or more)")
     for n, nbytes in enumerate(sizes):
         period = 2e-3 if nbytes >= NV12_FRAME else 1e-3 if nbytes >= 1 << 20 else 5e-4
         for kind in (("bridge", "iox2") if n % 2 == 0 else ("iox2", "bridge")):
-            st, sent, woke, got = _bd_case(kind, nbytes, count, period)
+            st, sent, woke, got, cpu_tx, cpu_rx = _bd_case(kind, nbytes, count, period)
             ok = woke > 0
             cells = []
             for a, b in ((st, got), (st, sent), (st[ok], woke[ok]), (woke[ok], got[ok])):
                 d = (b - a) / 1e3
                 cells.append(f"{np.percentile(d, 50):7.1f}/{np.percentile(d, 99):<7.1f}")
+            total = got - st
+            tail = ok & (total >= np.percentile(total, 99))
+            parts = [np.median((b[tail] - a[tail]) / 1e3) if tail.any() else float("nan")
+                     for a, b in ((st, sent), (st, woke), (woke, got))]
+            same = cpu_tx == cpu_rx
             print(f"{nbytes:>9} {kind:9} " + " ".join(cells)
+                  + f"   {parts[0]:8.1f}/{parts[1]:7.1f}/{parts[2]:7.1f}"
+                  + f"   {same.mean():.2f}/{same[tail].mean() if tail.any() else 0:.2f}"
+                  + "".join(f"  {lab} CPU p50 {np.median(total[m]) / 1e3:.1f}"
+                            for lab, m in (("same", same), ("other", ~same)) if m.sum() >= 20)
                   + (f"  (woken {ok.mean():.2f})" if ok.mean() < 0.99 else ""), flush=True)
     iox2_cleanup()
     return 0
 
 
+def _getcpu():
+    """sched_getcpu() through libc (the vDSO/rseq: no system call), or a constant -1."""
+    import ctypes
+    try:
+        f = ctypes.CDLL(None, use_errno=True).sched_getcpu
+    except (OSError, AttributeError):
+        return lambda: -1
+    f.restype = ctypes.c_int
+    return f
+
+
 def _bd_case(kind: str, nbytes: int, count: int, period_s: float) -> np.ndarray:
-    """One case in two fork()ed children; rows: stamp, sent, woken (0: not asleep), got."""
+    """One case in two fork()ed children; rows: stamp, sent, woken (0: not asleep), got,
+    the writer's CPU at send and the reader's once it holds the view."""
     import mmap
     from ipcbench.iox2 import Iox2Transport
     from ipcbench.transport import read_stamp, stamp, u8_view
     now = time.monotonic_ns
-    shm = mmap.mmap(-1, 8 * (4 * count + 3))
+    shm = mmap.mmap(-1, 8 * (6 * count + 3))
     ctrl = np.frombuffer(shm, dtype=np.int64)
     ctrl[:] = 0
     ctrl[0] = -1                           # sequence taken last (the writer's credit)
-    rows = ctrl[3:].reshape(4, count)      # ctrl[1]: receiver ready, ctrl[2]: done
+    rows = ctrl[3:].reshape(6, count)      # ctrl[1]: receiver ready, ctrl[2]: done
+    getcpu = _getcpu()
     t = BridgeTransport() if kind == "bridge" else Iox2Transport()
     t.setup(nbytes, f"bd-{os.getpid()}-{nbytes}")
     src = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
@@ -507,6 +647,7 @@ def _bd_case(kind: str, nbytes: int, count: int, period_s: float) -> np.ndarray:
             t_sent = now()
             if i >= _BD_WARMUP:
                 rows[0, i - _BD_WARMUP], rows[1, i - _BD_WARMUP] = ts, t_sent
+                rows[4, i - _BD_WARMUP] = getcpu()
         end = now() + 5_000_000_000
         while not ctrl[2] and now() < end:
             time.sleep(1e-3)
@@ -562,6 +703,7 @@ def _bd_case(kind: str, nbytes: int, count: int, period_s: float) -> np.ndarray:
             seq, t_woke, t_got = recv()
             if seq >= _BD_WARMUP:
                 rows[2, seq - _BD_WARMUP], rows[3, seq - _BD_WARMUP] = t_woke, t_got
+                rows[5, seq - _BD_WARMUP] = getcpu()
             ctrl[0] = seq
         ctrl[2] = 1
 

@@ -110,11 +110,21 @@ def _spin_until(ctrl: np.ndarray, word: int, value: int, timeout_s: float) -> No
             raise RuntimeError(f"tracer handshake: word {word} never reached {value}")
 
 
-def _switches() -> tuple[int, int]:
-    """(voluntary, involuntary) context switches of this process so far: a voluntary
-    one is a sleep (a blocking wait that blocked)."""
+def _switches() -> tuple[int, int, int, int]:
+    """(voluntary, involuntary) context switches of this process so far (a voluntary
+    one is a sleep: a blocking wait that blocked), then its (minor, major) page faults
+    (a transport that maps or touches fresh pages per message pays them here)."""
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_nvcsw, ru.ru_nivcsw
+    return ru.ru_nvcsw, ru.ru_nivcsw, ru.ru_minflt, ru.ru_majflt
+
+
+def warmup_of(p: dict, mode: str) -> int:
+    """Messages sent before the measured phase: ``p["warmup"]`` paced ones (one in
+    flight: a connecting transport may lose the first), then, before a stream,
+    ``p["warmup_stream"]`` streamed as the measured phase streams them. Those touch the
+    buffers a stream cycles through (a fresh segment's first touch of a 3.5 MB slot is
+    ~850 page faults) so that the rate measured is the steady one, for every transport."""
+    return p["warmup"] + (p.get("warmup_stream", 0) if mode == "throughput" else 0)
 
 
 def sender_main(transport: Transport, mode: str, p: dict, ctrl: np.ndarray, conn) -> None:
@@ -142,6 +152,12 @@ def sender_main(transport: Transport, mode: str, p: dict, ctrl: np.ndarray, conn
                 stalls += 1
             tx.send(seq, src, fill)
             time.sleep(p["period_s"])
+        # ... then, before a stream, streamed (warmup_of).
+        for seq in range(warmup, warmup_of(p, mode)):
+            if not _wait_credit(ctrl, seq, p["window"], 0.5, False, credit.SPIN_NS_STREAM):
+                stalls += 1
+            tx.send(seq, src, fill)
+        warmup = warmup_of(p, mode)
         seq = warmup
         trace = bool(p.get("trace"))
         if trace:
@@ -185,7 +201,7 @@ def sender_main(transport: Transport, mode: str, p: dict, ctrl: np.ndarray, conn
                 if not seq & 15 and (now_ns() > stop or ctrl[C_ABORT]):
                     break
         sw1 = _switches()
-        out["switches"] = (sw1[0] - sw0[0], sw1[1] - sw0[1])
+        out["switches"] = tuple(b - a for a, b in zip(sw0, sw1))
         out["cpu_measured_s"] = cpu_self() - cpu0
         out["credit_sleeps"] = _credit_sleeps[0]
         gc.enable()
@@ -250,7 +266,7 @@ def receiver_main(transport: Transport, mode: str, p: dict, ctrl: np.ndarray, co
         rx = transport.open_receiver()
         nbytes = transport.nbytes
         credit_addr = credit.word_address(ctrl, C_LAST_SEQ)
-        warmup = p["warmup"]
+        warmup = warmup_of(p, mode)
         cap = p["count"] if mode == "latency" else p["max_msgs"]
         lat = np.empty(cap, dtype=np.int64)
         trecv = np.empty(cap if mode == "throughput" else 0, dtype=np.int64)
@@ -310,7 +326,7 @@ def receiver_main(transport: Transport, mode: str, p: dict, ctrl: np.ndarray, co
                 break
         sw1 = _switches()
         if sw0 is not None:
-            out["switches"] = (sw1[0] - sw0[0], sw1[1] - sw0[1])
+            out["switches"] = tuple(b - a for a, b in zip(sw0, sw1))
             out["cpu_measured_s"] = cpu_self() - cpu0
         if trace:
             ctrl[C_RX_END] = 1    # the tracer is still attached: no system call until

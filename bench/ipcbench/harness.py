@@ -18,7 +18,7 @@ import numpy as np
 from . import syscalls
 from .children import (C_ABORT, C_LAST_SEQ, C_RX_DONE, C_RX_END, C_RX_READY, C_TRACE,
                        C_TX_ARMED, C_TX_DONE, C_TX_READY, C_WORDS, TRACE_GO, TRACE_STOPPED,
-                       busy_cpu_s, cpu_self, receiver_main, sender_main)
+                       busy_cpu_s, cpu_self, receiver_main, sender_main, warmup_of)
 from .transport import Skip, Transport
 
 
@@ -149,10 +149,12 @@ def run_case(tcls: type[Transport], mode: str, size_label: str, nbytes: int,
             if k in tx:
                 row[k] = tx[k]
         # Sleeps (voluntary context switches) per message at each end, measured phase.
-        n_tx, n_rx = max(0, tx.get("sent", 0) - p["warmup"]), rx.get("received", 0)
+        n_tx, n_rx = max(0, tx.get("sent", 0) - warmup_of(p, mode)), rx.get("received", 0)
         for role, r, n in (("tx", tx, n_tx), ("rx", rx, n_rx)):
             if "switches" in r and n:
                 row[f"sleeps_per_msg_{role}"] = round(r["switches"][0] / n, 3)
+                if len(r["switches"]) > 2:     # minor page faults of that end
+                    row[f"faults_per_msg_{role}"] = round(r["switches"][2] / n, 3)
             if "cpu_measured_s" in r and n:
                 # CPU of that end per message, measured phase (user + system).
                 row[f"cpu_us_per_msg_{role}"] = round(r["cpu_measured_s"] / n * 1e6, 2)
@@ -163,7 +165,7 @@ def run_case(tcls: type[Transport], mode: str, size_label: str, nbytes: int,
             if set(traced) != {"sender", "receiver"}:
                 errs.append("syscall count: the tracer never attached to both children")
             else:
-                n_tx = max(0, tx.get("sent", 0) - p["warmup"])
+                n_tx = max(0, tx.get("sent", 0) - warmup_of(p, mode))
                 row["syscalls"] = {
                     "sender": syscalls.per_message(traced["sender"], n_tx),
                     "receiver": syscalls.per_message(traced["receiver"],
