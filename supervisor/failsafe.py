@@ -23,6 +23,7 @@ import json
 import mmap
 import os
 import secrets
+import stat
 import tempfile
 import threading
 import time
@@ -176,12 +177,14 @@ def write_latch(dir_fd: int, text: bytes) -> None:
 def _into_reserve(dir_fd: int, text: bytes) -> bool:
     """The text over the reserve's first bytes (JSON whitespace after it), fsynced, and
     the reserve renamed to be the latch: no block is allocated. False: none, or no use."""
-    try:
-        fd = os.open(RESERVE_NAME, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:                                  # (O_NONBLOCK: a FIFO planted there never blocks)
+        fd = os.open(RESERVE_NAME, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                     dir_fd=dir_fd)
     except OSError:
         return False
     try:
-        if os.fstat(fd).st_size != LATCH_BYTES:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != LATCH_BYTES:
             return False
         os.pwrite(fd, text.ljust(LATCH_BYTES, b" "), 0)
         os.fsync(fd)
@@ -196,14 +199,25 @@ def _into_reserve(dir_fd: int, text: bytes) -> bool:
     return True
 
 
+def _whole_reserve(dir_fd: int | None, path: str = RESERVE_NAME) -> bool:
+    """A reserve is there, a regular file with its blocks (not a link planted there)."""
+    try:
+        st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return (stat.S_ISREG(st.st_mode) and st.st_size == LATCH_BYTES
+            and st.st_blocks * 512 >= LATCH_BYTES)
+
+
+def has_reserve(state_dir: str | os.PathLike) -> bool:
+    """The state dir holds a whole latch reserve (check's question: can a latch be made?)."""
+    return _whole_reserve(None, os.path.join(state_dir, RESERVE_NAME))
+
+
 def reserve_latch(dir_fd: int) -> None:
     """Make the reserve (LATCH_BYTES written and fsynced), unless a whole one is there."""
-    try:
-        st = os.stat(RESERVE_NAME, dir_fd=dir_fd, follow_symlinks=False)
-        if st.st_size == LATCH_BYTES and st.st_blocks * 512 >= LATCH_BYTES:
-            return
-    except FileNotFoundError:
-        pass
+    if _whole_reserve(dir_fd):
+        return
     tmp = RESERVE_NAME + ".tmp"
     fd = _open_new(dir_fd, tmp)
     try:

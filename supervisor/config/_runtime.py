@@ -451,10 +451,12 @@ def state_dir_in_use(cfg: Config) -> str:
 
 def _state_dir_problem(state: str) -> str | None:
     """Why the fail-safe latch could not be written in ``state`` (created if missing,
-    parents too, as the latch does), or None. Probed by writing a latch's worth of bytes
-    (fsynced: an empty file needs no block, so a full file system passed) to a temporary
-    file in it, or by a temporary directory in its nearest existing parent, and removing
-    it again: check leaves nothing behind."""
+    parents too, as the latch does), or None. A latch reserve left by a run (failsafe.py)
+    answers it: the latch fits in it, however full the disk is now (red team 8 row 13: a
+    full disk kept the car from starting). Else probed by writing a latch's worth of
+    bytes (fsynced: an empty file needs no block, so a full file system passed) to a
+    temporary file in it, or by a temporary directory in its nearest existing parent,
+    and removing it again: check leaves nothing behind."""
     try:
         path = os.path.abspath(state)
         existing = path
@@ -463,8 +465,10 @@ def _state_dir_problem(state: str) -> str | None:
         if not os.path.isdir(existing):
             return f"{state}: {existing} is not a directory; the fail-safe latch lives here"
         if existing == path:
-            from supervisor.failsafe import LATCH_BYTES
+            from supervisor.failsafe import LATCH_BYTES, has_reserve
 
+            if has_reserve(path):         # a latch fits, however full the disk is now
+                return None
             fd, probe = tempfile.mkstemp(prefix=".trio-check-", dir=path)
             try:
                 os.write(fd, b" " * LATCH_BYTES)

@@ -60,7 +60,9 @@ class _WorkerIO:
         if not chunk:
             return False
         *lines, rest = (inc.status_buf + chunk).split(b"\n")
-        cost = len(lines)
+        # A line, or 512 bytes, whichever costs more: over-long lines at ~400/s cost 2-3
+        # tokens each as lines and were never refused (red team 8 row 15).
+        cost = max(len(lines), len(chunk) // 512)
         if inc.status_skip:
             # The rest of a line already dropped as over-long, up to its newline: never
             # a line of its own (red team: 8 KiB relayed through ctx.status() ending in
@@ -70,8 +72,7 @@ class _WorkerIO:
             else:
                 rest, cost = b"", 1       # each newline-free read costs a line
         if len(rest) > 4096:              # a worker may not grow our memory endlessly
-            self.log.emit("protocol_error", worker=run.cfg.name,
-                          reason="status line over 4096 bytes; dropped")
+            self._protocol_error(run, "status line over 4096 bytes; dropped")
             rest, inc.status_skip, cost = b"", True, cost + 1
         inc.status_buf = rest
         now = time.monotonic()
@@ -90,6 +91,20 @@ class _WorkerIO:
         for line in lines:
             self._on_status(run, line.decode(errors="replace"))
         return True
+
+    def _protocol_error(self, run: WorkerRun, reason: str) -> None:
+        """One `protocol_error` event at once, then at most one a second carrying how
+        many were held: each is a journald line, and journald's per-unit rate limit
+        (10,000 per 30 s) is shared with the supervisor's own fail_safe and refused
+        lines (red team 8 row 15: 305 warnings a second from a research worker)."""
+        inc = run.current
+        now = time.monotonic()
+        if now - inc.proto_err_at < 1.0:
+            inc.proto_err_held += 1
+            return
+        held, inc.proto_err_held, inc.proto_err_at = inc.proto_err_held, 0, now
+        self.log.emit("protocol_error", worker=run.cfg.name, reason=reason,
+                      **({"held": held} if held else {}))
 
     def _status_depth(self, fd: int) -> float:
         """The bucket's depth: a second at the rate, or what the pipe can hold in
