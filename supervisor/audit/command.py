@@ -6,7 +6,7 @@ here; ``python -m supervisor.audit`` is the same):
     supervisor audit --live [--config F] [--pid PID] [--format ...]
     supervisor audit --live --start [--config F] [--settle S] [--timeout S]
     supervisor audit diff OLD.json NEW.json [--format text|markdown|json]
-    supervisor audit verify REPORT SIG PUBKEY
+    supervisor audit verify REPORT SIG PUBKEY [--config F]
 
 ``--live`` inspects the running supervisor (found through /proc: its bwrap children;
 ``--pid`` picks one when several run), read-only; its config is the one the running
@@ -15,7 +15,9 @@ system of its own for the audit instead, and refuses while a vehicle supervisor 
 ``--settle``/``--timeout`` only apply to a system the audit starts: given with ``--live``
 alone they are taken as ``--start`` (what ``--live`` meant before), with a note on stderr.
 ``--sign KEY`` writes the JSON report to ``--output`` and a detached ed25519 signature
-next to it (``FILE.sig``). Progress goes to stderr when it is a terminal.
+next to it (``FILE.sig``); the key file must be its owner's alone (mode 0600). ``verify``
+says what it checked (key, the config and code the report covers) and fails when the
+config in hand (``--config``, else the report's source) is not the one it covers. Progress goes to stderr when it is a terminal.
 
 Exit codes: 0 report made / system matches / diff without weakening / signature good;
 6 differences found live, or the diff weakened isolation; 1 a user's mistake or an
@@ -100,13 +102,22 @@ def cmd_verify(argv: list[str]) -> int:
     p.add_argument("report")
     p.add_argument("signature")
     p.add_argument("pubkey")
+    p.add_argument("--config", "-c", default=None, help="the config that will run "
+                   "(default: the report's own source, where it exists here)")
     a = p.parse_args(argv)
     try:
-        kid = verify_file(a.report, a.signature, a.pubkey)
+        v = verify_file(a.report, a.signature, a.pubkey, a.config)
     except SignError as e:
         print(f"{PROG} verify: FAILED: {e}", file=sys.stderr)
         return int(Exit.ERROR)
-    print(f"{PROG} verify: OK: {a.report} signed by key {kid}")
+    if not v.config_ok:
+        # The signature is good, but what it vouches for is not what is in hand.
+        print(f"{PROG} verify: FAILED: {a.report} is signed by key {v.key_id}, but "
+              f"{v.config_now}", file=sys.stderr)
+        print("\n".join(v.lines()))
+        return int(Exit.ERROR)
+    print(f"{PROG} verify: OK: {a.report} signed by key {v.key_id}")
+    print("\n".join(v.lines()))
     return 0
 
 
@@ -181,6 +192,14 @@ def cmd_report(a: argparse.Namespace) -> int:
         from supervisor import signals
 
         signals.uninstall()
+    if a.sign:
+        # The key is checked before the report is made (seconds; --live --start: minutes).
+        from .sign import SignError, load_signing_key
+
+        try:
+            load_signing_key(a.sign)
+        except SignError as e:
+            raise UsageError(f"{PROG} --sign: {e}") from None
     progress = terminal_progress()
     running = None
     if a.live and not a.start:

@@ -34,8 +34,28 @@ class Change:
     effect: str
 
     def line(self) -> str:
-        return (f"{self.effect.upper():9} {self.section}: {self.subject}: {self.key}: "
-                f"{_short(self.old)} -> {_short(self.new)}")
+        a, b = _pair(self.old, self.new)
+        return f"{self.effect.upper():9} {self.section}: {self.subject}: {self.key}: {a} -> {b}"
+
+
+def _pair(old: Any, new: Any) -> tuple[str, str]:
+    """Both sides short; two long texts cut around where they differ (cut at their
+    start, two long texts that differ late both read the same '...')."""
+    if not (isinstance(old, str) and isinstance(new, str)) or max(len(old), len(new)) <= 120:
+        return _short(old), _short(new)
+    i = 0
+    while i < min(len(old), len(new)) and old[i] == new[i]:
+        i += 1
+    j = 0
+    while j < min(len(old), len(new)) - i and old[-1 - j] == new[-1 - j]:
+        j += 1
+    start = max(0, i - 30)
+
+    def cut(s: str) -> str:
+        mid = s[start:len(s) - j]
+        mid = mid if len(mid) <= 100 else mid[:97] + "..."
+        return ("..." if start else "") + mid + ("..." if j else "")
+    return cut(old), cut(new)
 
 
 def _short(v: Any) -> str:
@@ -125,6 +145,20 @@ def _worker_changes(name: str, o: dict[str, Any], n: dict[str, Any]) -> list[Cha
     if o.get("torch") != n.get("torch"):
         add("torch", o.get("torch"), n.get("torch"),
             WEAKENED if n.get("torch") in ("allowed", "mapped") else TIGHTENED)
+    osch, nsch = o.get("scheduling") or {}, n.get("scheduling") or {}
+    if (osch.get("policy"), osch.get("priority")) != (nsch.get("policy"), nsch.get("priority")):
+        # A control worker that loses real-time priority (or gets less) can be starved
+        # by research again; a research worker that gains it can starve control.
+        rt_old = osch.get("priority") or 0 if osch.get("policy") in ("fifo", "rr") else 0
+        rt_new = nsch.get("priority") or 0 if nsch.get("policy") in ("fifo", "rr") else 0
+        if rt_old == rt_new:
+            eff = CHANGED
+        elif n.get("profile") == "research":
+            eff = WEAKENED if rt_new > rt_old else TIGHTENED
+        else:
+            eff = WEAKENED if rt_new < rt_old else TIGHTENED
+        add("scheduling", f"{osch.get('policy')} {osch.get('priority')}",
+            f"{nsch.get('policy')} {nsch.get('priority')}", eff)
     oh, nh = o.get("host") or {}, n.get("host") or {}
     if (oh.get("user"), oh.get("uid")) != (nh.get("user"), nh.get("uid")):
         add("host", oh, nh, WEAKENED if nh.get("uid") == 0 else CHANGED)
@@ -146,6 +180,10 @@ def _failure_changes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
         if eff:
             out.append(Change("failure", f["worker"], "watchdog_ms", p["watchdog_ms"],
                               f["watchdog_ms"], eff))
+        if p.get("warm_standby") and not f.get("warm_standby") and f["domain"] == "control":
+            # The standby's socket goes (a path fewer), but a control worker's failure
+            # then waits for a cold start: what actuation gets meanwhile is weaker.
+            out.append(Change("failure", f["worker"], "warm_standby", True, False, WEAKENED))
         if p["actuation_meanwhile"] != f["actuation_meanwhile"]:
             out.append(Change("failure", f["worker"], "actuation_meanwhile",
                               p["actuation_meanwhile"], f["actuation_meanwhile"], CHANGED))
@@ -332,7 +370,7 @@ def render(d: dict[str, Any], fmt: str) -> str:
             lines += ["| effect | section | subject | what | old | new |",
                       "|---|---|---|---|---|---|"]
             lines += [f"| {'**weakened**' if c.effect == WEAKENED else c.effect} | {c.section} "
-                      f"| {c.subject} | {c.key} | {_md(c.old)} | {_md(c.new)} |"
+                      f"| {c.subject} | {c.key} | {_md_pair(c.old, c.new)} |"
                       for c in sorted(changes, key=_rank)]
         if d["provenance"]:
             lines += ["", "Provenance differs: " + "; ".join(
@@ -344,6 +382,11 @@ def render(d: dict[str, Any], fmt: str) -> str:
 
 def _md(v: Any) -> str:
     return "-" if v is None else _short(v).replace("|", "\\|")
+
+
+def _md_pair(old: Any, new: Any) -> str:
+    a, b = _pair(old, new)
+    return " | ".join("-" if v is None else t.replace("|", "\\|") for v, t in ((old, a), (new, b)))
 
 
 def _rank(c: Change) -> tuple[int, str, str]:

@@ -6,10 +6,22 @@ What is signed is the report file's exact bytes: ``audit --format json --sign KE
 writes the report to stdout (or ``--output``) and ``REPORT.sig`` next to it, so a
 reviewer signs what they read and ``audit verify REPORT SIG PUBKEY`` checks that
 nothing of it changed, not even whitespace.
+
+A good signature only says the bytes are the signer's. What a reviewer signs off is a
+config at a code version, so ``verify`` also says which config (source, sha256) and
+which code (package version, git commit) the report covers, and checks that config as
+it is now: a config edited after the report was signed fails verify (the report no
+longer describes it), though the signature itself is good.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import stat
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from supervisor.model.errors import BadPublicKey, BadSignature
 
@@ -18,15 +30,44 @@ class SignError(Exception):
     """A key, report or signature that cannot be used: one line for the user."""
 
 
-def sign_bytes(data: bytes, private_key: str) -> tuple[bytes, str]:
-    """(signature, key id of the signer) of ``data`` with the PEM or raw key file."""
-    from supervisor.model.keys import key_id, load_private_key
+def load_signing_key(private_key: str):
+    """The ed25519 private key in ``private_key``: refused in one line when the file is
+    readable or writable by anyone but its owner (a signing key others can read signs
+    for them too; ssh refuses such keys for the same reason), or when it is not an
+    ed25519 private key (a public key given in its place is named as such)."""
+    from supervisor.model.keys import load_private_key
 
     try:
-        key = load_private_key(private_key)
+        st = os.stat(private_key)
+    except OSError as e:
+        raise SignError(f"private key {private_key}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise SignError(f"private key {private_key}: not a regular file")
+    try:
+        data = Path(private_key).read_bytes()
+    except OSError as e:
+        raise SignError(f"private key {private_key}: {e.strerror or e}") from None
+    if b"PUBLIC KEY" in data or (len(data.strip()) == 64 and
+                                 all(c in b"0123456789abcdefABCDEF" for c in data.strip())):
+        raise SignError(f"private key {private_key}: this is a public key; --sign needs the "
+                        f"private one (PEM PKCS#8, ed25519; the public key is for verify)")
+    if st.st_mode & 0o077:
+        raise SignError(f"private key {private_key}: mode {stat.S_IMODE(st.st_mode):04o} "
+                        f"lets others read or change it: chmod 600 {private_key} (and "
+                        f"consider the key exposed)")
+    try:
+        return load_private_key(private_key)
     except (OSError, ValueError, TypeError) as e:
-        raise SignError(f"private key {private_key}: {getattr(e, 'strerror', None) or e}") \
-            from None
+        msg = str(getattr(e, "strerror", None) or e).split(". See https://")[0]
+        raise SignError(f"private key {private_key}: not an ed25519 private key (PEM "
+                        f"PKCS#8 expected): {msg}") from None
+
+
+def sign_bytes(data: bytes, private_key: str) -> tuple[bytes, str]:
+    """(signature, key id of the signer) of ``data`` with the PEM or raw key file."""
+    from supervisor.model.keys import key_id
+
+    key = load_signing_key(private_key)
     return key.sign(data), key_id(key.public_key())
 
 
@@ -42,9 +83,63 @@ def sign_file(report: str, private_key: str, out: str | None = None) -> tuple[st
     return path, kid
 
 
-def verify_file(report: str, signature: str, public_key: str) -> str:
-    """The signer's key id if ``signature`` is ``public_key``'s over the report's
-    bytes; SignError (one line) otherwise."""
+@dataclass
+class Verified:
+    """What ``verify`` checked, for the reviewer to read (and sign off)."""
+    report: str
+    size: int
+    key_id: str
+    public_key: str
+    covers: dict[str, Any] = field(default_factory=dict)   # the report's provenance
+    config_now: str = ""       # how the config in hand compares with the report's
+    config_ok: bool = True
+
+    def lines(self) -> list[str]:
+        c = self.covers
+        cfg, git, pkg = c.get("config") or {}, c.get("git") or {}, c.get("package") or {}
+        commit = git.get("commit") or "not a checkout"
+        if git.get("dirty"):
+            commit += " (with uncommitted changes)"
+        return [
+            f"  checked: ed25519 signature over all {self.size} bytes of {self.report}, "
+            f"public key {self.public_key} (key id {self.key_id})",
+            f"  the report covers: config {cfg.get('source')} sha256 {cfg.get('sha256')}; "
+            f"code {pkg.get('name')} {pkg.get('version')}, git {commit}; made "
+            f"{c.get('time_utc')} on {c.get('host')}; verdict {self.covers.get('_result')}",
+            f"  config now: {self.config_now}",
+        ]
+
+
+def _config_now(covers: dict[str, Any], config: str | None) -> tuple[str, bool]:
+    """Compare the config the report covers with the one in hand (``config``, else the
+    report's own source path when it exists here)."""
+    want = (covers.get("config") or {}).get("sha256")
+    src = (covers.get("config") or {}).get("source") or ""
+    if config is None:
+        if src.startswith("<embedded"):
+            from supervisor.config import PROJECT_ROOT
+
+            config = str(Path(PROJECT_ROOT) / "supervisor" / "default.toml")
+        elif src and os.path.isfile(src):
+            config = src
+        else:
+            return (f"{src or 'the config'} is not here: not checked (give --config F to "
+                    f"check the config that will run)"), True
+    try:
+        now = hashlib.sha256(Path(config).read_bytes()).hexdigest()
+    except OSError as e:
+        return f"{config}: {e.strerror or e}", False
+    if now == want:
+        return f"{config} sha256 {now}: the config the report covers", True
+    return (f"{config} sha256 {now} differs from the report's {want}: the config changed "
+            f"since the report was made; the report does not describe it"), False
+
+
+def verify_file(report: str, signature: str, public_key: str,
+                config: str | None = None) -> Verified:
+    """What was checked if ``signature`` is ``public_key``'s over the report's bytes
+    (and the config in hand is the one it covers: ``config_ok``); SignError (one line)
+    when the signature does not verify."""
     from supervisor.model.keys import key_id, load_public_key, verify
 
     try:
@@ -56,10 +151,21 @@ def verify_file(report: str, signature: str, public_key: str) -> str:
         key = load_public_key(public_key)
     except BadPublicKey as e:
         raise SignError(str(e)) from None
+    if len(sig) != 64:
+        raise SignError(f"{signature}: {len(sig)} bytes, an ed25519 signature has 64 "
+                        f"(is it the signature file `--sign` wrote, REPORT.sig?)")
     try:
         verify(key, sig, data, what=f"{signature} over {report}")
     except BadSignature:
         raise SignError(f"{signature} is not a signature of {report} by key "
                         f"{key_id(key)[:16]}...: the report was altered, or another key "
                         f"signed it") from None
-    return key_id(key)
+    try:
+        doc = json.loads(data)
+        covers = dict(doc["provenance"])
+        covers["_result"] = doc.get("result")
+    except (ValueError, KeyError, TypeError):
+        raise SignError(f"{report}: the signature is good but this is not a JSON audit "
+                        f"report (no provenance): nothing to check it against") from None
+    now, ok = _config_now(covers, config)
+    return Verified(report, len(data), key_id(key), public_key, covers, now, ok)
