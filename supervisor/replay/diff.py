@@ -87,15 +87,22 @@ class ChannelDiff:
     added_tol: int = 0               # presence tolerances (--tol CHANNEL.added=N)
     removed_tol: int = 0
     ignored_fields: list[str] = field(default_factory=list)
+    # Frame ids with more than one message on a side where one per frame is the rule
+    # (every channel but commands, which a live controlsd also publishes between
+    # frames): a model run twice on a frame, or a log with a record written twice. Only
+    # the first of each is compared, so a duplicate is a difference of its own.
+    duplicated: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return (not self.note and len(self.added) <= self.added_tol
-                and len(self.removed) <= self.removed_tol and not self.changed)
+                and len(self.removed) <= self.removed_tol and not self.changed
+                and not any(self.duplicated.values()))
 
     @property
     def first(self) -> int | None:
-        ids = self.added[:1] + self.removed[:1] + self.changed[:1]
+        ids = (self.added[:1] + self.removed[:1] + self.changed[:1]
+           + [d[0] for d in self.duplicated.values() if d])
         return min(ids) if ids else None
 
 
@@ -161,6 +168,13 @@ def compare_channel(channel: str, run: list[Msg], ref: list[Msg], tols: dict[str
             cd.note = (f"not compared: {side}'s {len(msgs)} messages carry no frame id "
                        f"(recorded live, not on log time)")
             return cd
+    if payloads.get(channel) != "control_cmd":
+        for side, msgs in (("run", run), ("ref", ref)):
+            seen: set[int] = set()
+            dups = sorted({m.frame_id for m in msgs if m.frame_id is not None
+                           and (m.frame_id in seen or seen.add(m.frame_id))})
+            if dups:
+                cd.duplicated[side] = dups
     a, b = _keyed(run), _keyed(ref)
     cd.added = sorted(set(a) - set(b))
     cd.removed = sorted(set(b) - set(a))
@@ -269,7 +283,8 @@ def render_text(r: Report) -> str:
     lines = [f"replay {r.run}", f"   vs {r.ref}",
              f"result: {'within tolerance' if r.ok else 'DIFFERS'}"
              + ("" if r.first_divergent_frame is None
-                else f" (first divergent frame {r.first_divergent_frame})")]
+                else f" (first divergent frame {r.first_divergent_frame})")
+             + (f": {_time_only(r)}" if _time_only(r) else "")]
     for c in r.channels:
         tag = "" if c.gated else " (not gated: reported only)"
         if c.note:
@@ -280,6 +295,9 @@ def render_text(r: Report) -> str:
         lines.append(f"{c.channel}{tag}: {c.compared} compared, {len(c.added)} added, "
                      f"{len(c.removed)} removed, {len(c.changed)} changed"
                      + _presence_tol(c))
+        for side, dups in c.duplicated.items():
+            lines.append(f"  duplicated frames ({'REF' if side == 'ref' else 'the run'}: more "
+                         f"than one message, the first compared): {_ids(dups)}")
         if c.added:
             lines.append(f"  added frames: {_ids(c.added)}")
         if c.removed:
@@ -309,6 +327,15 @@ def render_text(r: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _time_only(r: Report) -> str:
+    """Why a run whose gated channels all match still differs: the model time gate
+    alone (a loaded or slower machine reads the same as a slower model: say which)."""
+    if r.ok or r.gate.ok or not all(c.ok for c in r.channels if c.gated):
+        return ""
+    return ("model time only; every gated channel is within tolerance (another machine "
+            "or a loaded one? loosen with --time-p99/--time-max/--time-floor-ms)")
+
+
 def _v(v: float | str) -> str:
     return v if isinstance(v, str) else f"{v:.6g}"
 
@@ -324,6 +351,8 @@ def render_markdown(r: Report) -> str:
            f"- run: `{r.run}`", f"- reference: `{r.ref}`"]
     if r.first_divergent_frame is not None:
         out.append(f"- first divergent frame: **{r.first_divergent_frame}**")
+    if _time_only(r):
+        out.append(f"- {_time_only(r)}")
     out += ["", "| channel | compared | added | removed | changed |",
             "|---|---:|---:|---:|---:|"]
     for c in r.channels:
@@ -333,6 +362,11 @@ def render_markdown(r: Report) -> str:
             continue
         out.append(f"| {name} | {c.compared} | {len(c.added)} | {len(c.removed)} | "
                    f"{len(c.changed)} |")
+    dups = [f"`{c.channel}` ({'REF' if side == 'ref' else 'run'}): {_ids(d)}"
+            for c in r.channels for side, d in c.duplicated.items()]
+    if dups:
+        out.append(f"\nDuplicated frames (more than one message; the first compared): "
+                   f"{'; '.join(dups)}")
     if r.ignored:
         out.append(f"\nIgnored: {', '.join(f'`{c}`' for c in r.ignored)}")
     rows = [(c.channel, f) for c in r.channels for f in c.fields if f.changed or f.max_abs]

@@ -294,6 +294,14 @@ class DriveLog:
         """Add one entry to the log; True for the recorder's start entry."""
         which = e.which()
         if which == "start":
+            # Another schema version: the records may decode, but what they mean may not
+            # be what this reader thinks (a replay gate would compare the wrong fields).
+            # Older logs of this schema (version 1 is the first) read as they are.
+            if not 1 <= e.start.version <= VERSION:
+                raise LogError(f"{path}: drive log schema version {e.start.version}; this "
+                               f"supervisor reads versions 1..{VERSION} (written by "
+                               f"{'a newer' if e.start.version > VERSION else 'another'} "
+                               f"recorder)")
             if e.start.writer == "recorder":
                 info = json.loads(e.start.info or "{}")
                 if not isinstance(info, dict):

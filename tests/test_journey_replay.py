@@ -1,0 +1,98 @@
+"""A developer's first contact with the replay gate (docs/replay.md), the gaps it found:
+a REF (or run) with a model output written twice for one frame passed the gate (only
+the first per frame was compared); a log of another schema version was read as if it
+were this one; a run whose outputs all matched but whose model time failed read
+"DIFFERS" with nothing changed, the same as a model regression.
+
+The comparison and the log reader are the parts under test, so the logs are written
+by the recorder's own writer (`LogWriter`), not recorded by a pipeline: a recording and
+two replays cost a minute here, and tests/test_replay.py already runs those end to end.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from supervisor.replay.diff import TimeGate, compare, render_markdown, render_text
+from supervisor.replay.drivelog import DriveLog, LogWriter
+from supervisor.replay.logfmt import MESSAGES, Entry, frame_record, read_stream
+
+PAYLOADS = {"model_out": "model_out", "control_cmd": "control_cmd"}
+CHANNELS = ["model_out", "control_cmd"]
+
+
+def _write(d: Path, extra: list[tuple[str, int, float]] = ()) -> Path:
+    """Ten frames: a model output and a command each; ``extra``: (channel, frame id,
+    value) written after them (a second message for a frame that has one)."""
+    w = LogWriter(d, CHANNELS, info={"test": "journey"})
+    for i in range(10):
+        w.message("model_out", i, 1000 + i, 1, i, 1000 + i,
+                  np.array([0.1 * i, 0.9, 1.0], np.float32))
+        w.message("control_cmd", i, 1001 + i, 2, i, 1001 + i,
+                  np.array([0.01 * i, 1.0, 0.0], np.float32))
+    for seq, (ch, fid, v) in enumerate(extra, start=100):
+        w.message(ch, seq, 2000 + seq, 1, fid, 1000 + fid, np.array([v, 0.9, 1.0], np.float32))
+    w.close({"frames": 10})
+    return d
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory) -> DriveLog:
+    return DriveLog.open(_write(tmp_path_factory.mktemp("journey_replay") / "ref"))
+
+
+def _cmp(run: DriveLog, ref: DriveLog):
+    return compare(run, ref, channels=CHANNELS, payloads=PAYLOADS, model_channel="model_out",
+                   gated=set(CHANNELS))
+
+
+def test_a_frame_written_twice_fails_the_gate(ref, tmp_path):
+    same = _cmp(DriveLog.open(_write(tmp_path / "same")), ref)
+    assert same.ok
+    # modeld ran twice on frame 3 (or a record was written twice): before, the second
+    # output was never looked at and the gate passed
+    run = DriveLog.open(_write(tmp_path / "dup", [("model_out", 3, 42.0)]))
+    r = _cmp(run, ref)
+    mo = {c.channel: c for c in r.channels}["model_out"]
+    assert not r.ok and mo.duplicated == {"run": [3]} and not mo.changed
+    assert "duplicated frames (the run" in render_text(r)
+    assert "Duplicated frames" in render_markdown(r)
+    assert r.as_dict()["channels"][0]["duplicated"] == {"run": [3]}
+    back = _cmp(ref, run)                          # the same, REF's side
+    assert not back.ok and back.channels[0].duplicated == {"ref": [3]}
+    # A live controlsd publishes between frames: several commands per frame are the
+    # rule there, and the first is compared (docs/replay.md)
+    live = DriveLog.open(_write(tmp_path / "cmd", [("control_cmd", 3, 0.03)]))
+    assert _cmp(live, ref).ok
+
+
+def test_model_time_alone_says_so(ref, tmp_path):
+    r = _cmp(DriveLog.open(_write(tmp_path / "slow")), ref)
+    # what a loaded runner gives (REF's receipts made elsewhere): the outputs all match
+    r.gate = TimeGate(30.0, 6.0, 40.0, 7.0, 1.5, 2.0, 5.0, False, "p99 30.00 ms > 1.5 x REF")
+    r.ok = False
+    text = render_text(r)
+    assert "result: DIFFERS: model time only" in text and "--time-p99" in text
+    assert "model time only" in render_markdown(r)
+
+
+def test_another_schema_version_is_one_line(tmp_path):
+    d = _write(tmp_path / "v9")
+    recs = [body for _, body in read_stream(d / MESSAGES)]
+    with Entry.from_bytes(recs[0]) as e:
+        b = e.as_builder()
+    b.start.version = 9
+    recs[0] = b.to_bytes()
+    (d / MESSAGES).write_bytes(b"".join(frame_record(x) for x in recs))
+    env = {**os.environ, "TRIO_STATE_DIR": str(tmp_path / "state")}
+    p = subprocess.run([sys.executable, "-m", "supervisor.cli", "log", "info", str(d)],
+                       capture_output=True, text=True, timeout=60, env=env,
+                       stdin=subprocess.DEVNULL)
+    # before: read as this version, exit 0
+    assert p.returncode == 2 and "schema version 9" in p.stderr, p.stdout + p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
