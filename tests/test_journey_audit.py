@@ -105,3 +105,15 @@ def test_diff_lost_realtime_and_standby_are_weakenings(reports, capsys):
     assert {("controlsd", "scheduling"), ("controlsd", "warm_standby")} <= weak
     _, out, _ = _main(capsys, "diff", str(reports["plain"]), str(reports["rt"]))
     assert "TIGHTENED worker: controlsd: scheduling: other 0 -> fifo 50" in out
+
+
+def test_diff_refuses_a_report_of_another_schema(reports, capsys, tmp_path):
+    doc = json.loads(reports["rt"].read_text())
+    doc["schema_version"] = doc["schema_version"] + 1      # a newer supervisor's report
+    doc["workers"] = doc["workers"][:1]
+    newer = tmp_path / "newer.json"
+    newer.write_text(json.dumps(doc))
+    # before: compared as this version ("N tightened, ... changed", workers "removed")
+    rc, out, err = _main(capsys, "diff", str(reports["rt"]), str(newer))
+    assert rc == 1 and "schema_version" in err and not out
+    assert len(err.strip().splitlines()) == 1

@@ -79,6 +79,16 @@ def load(path: str) -> dict[str, Any]:
         raise ReportError(f"{path}: not JSON ({e}); make it with `audit --format json`") from None
     if not isinstance(r, dict) or "workers" not in r or "schema_version" not in r:
         raise ReportError(f"{path}: not an audit report (no schema_version/workers)")
+    from . import SCHEMA_VERSION
+
+    # Another schema's keys may mean other things: compared as this one, a newer report
+    # read as every worker removed, "80 tightened", and judged isolation on that.
+    if r["schema_version"] != SCHEMA_VERSION:
+        raise ReportError(f"{path}: audit report schema_version {r['schema_version']!r}; "
+                          f"this supervisor compares version {SCHEMA_VERSION} (regenerate "
+                          f"it with this version's `audit --format json`)")
+    if not isinstance(r["workers"], list) or not r["workers"]:
+        raise ReportError(f"{path}: an audit report of no workers: nothing to compare")
     return r
 
 
