@@ -339,7 +339,11 @@ LEFTOVER_GRACE_S = 2.0        # a killed process or a thread at EOF gets this lo
 # Daemon threads that live as long as the process by design, never a test's leftover:
 # launch._SpawnerThread forks every sandbox from one stable thread (PDEATHSIG follows
 # the forking thread), and trio's thread cache keeps an idle worker ~10 s for reuse.
-_SHARED_THREADS = ("sandbox-spawner",)
+# outstream's writer threads (one per terminal/stream, ending 0.5 s after their last
+# line) and the orphan reaper (ending when a killed sandbox's init is reaped) are the
+# supervisor's own too.
+_SHARED_THREADS = ("sandbox-spawner", "orphan-reaper")
+_SHARED_PREFIXES = ("outstream-",)
 _IDLE_TRIO = os.sep + os.path.join("trio", "_core", "_thread_cache.py")
 _OWN_CODE = (str(REPO / "supervisor") + os.sep, str(REPO / "workers") + os.sep)
 
@@ -414,7 +418,7 @@ def _where(t: threading.Thread) -> str:
 def _shared(t: threading.Thread) -> bool:
     if not t.daemon:
         return False
-    if t.name in _SHARED_THREADS:
+    if t.name in _SHARED_THREADS or t.name.startswith(_SHARED_PREFIXES):
         return True
     frame = sys._current_frames().get(t.ident or -1)      # innermost: idle in trio's cache
     return frame is not None and frame.f_code.co_filename.endswith(_IDLE_TRIO) \

@@ -70,7 +70,6 @@ ATTACKERS = {
     "r-churn": ("research", "status_churn", False),
     "r-escape": ("research", "status_escape", False),
     "r-descr": ("research", "shared_description", False),
-    "c-descr": ("control", "shared_description", False),
     "c-patch": ("control", "patch_library", True),
     "r-weight": ("research", "raise_cpu_weight", False),
     "c-rt": ("control", "raise_priority", False),      # granted SCHED_FIFO 50 at READY
@@ -88,6 +87,9 @@ ATTACKERS = {
     "c-fakewx": ("control", "fake_wx_lock", True),       # READY by hand, a decoy filter
     "c-wx1thread": ("control", "wx_one_thread", True),   # the W^X filter on one thread only
     "c-vmchild": ("control", "shared_vm_child", True),
+    # Late: it looks 3 s after its READY at what r-descr set at its own; with
+    # [supervisor] start_parallel the two could otherwise start together.
+    "c-descr": ("control", "shared_description", False),
     "c-sigcont": ("control", "sigcont_race", True),      # last: it may strand itself (5 s)
 }
 REALTIME = ("c-rt", "c-rtspin", "c-rtpi", "c-rthop", "c-rtmisc")
@@ -108,6 +110,7 @@ def _toml(sock_dir: Path) -> str:
     [supervisor]
     maps_scan_interval_s = 0.5
     status_interval_s = 0.5
+    start_parallel = 3
     [domains.control]
     failure_policy = "restart"
     actuates = true

@@ -96,6 +96,52 @@ def test_a_worker_flooding_its_output_instead_of_stopping_is_killed_and_the_stop
     assert r.events[-1]["event"] == "supervisor_exit"
 
 
+PARALLEL = """
+[supervisor]
+start_parallel = 3
+[domains.control]
+[channels.x]
+slot_size = "4KiB"
+[workers.a]
+domain = "control"
+module = "workers.probe"
+publishes = ["x"]
+args = ["--publish", "x", "--ready-delay-ms", "300"]
+[workers.b]
+domain = "control"
+module = "workers.probe"
+subscribes = ["x"]
+args = ["--read", "x"]
+[workers.c]
+domain = "control"
+module = "workers.probe"
+[workers.d]
+domain = "control"
+module = "workers.probe"
+subscribes = ["x"]
+args = ["--read", "x"]
+"""
+
+
+def test_start_parallel_overlaps_independent_start_ups_and_keeps_the_order_that_matters(sup):
+    """[supervisor] start_parallel = 3: a and c (no inputs) start at once; b and d,
+    which read a's channel, start only after a's READY; the stop is in reverse order."""
+    r = sup(PARALLEL)
+    r.wait_for("all_ready")
+    seq = [(e["event"], e["worker"]) for e in r.events if e["event"] in ("start", "ready")]
+    pos = {item: i for i, item in enumerate(seq)}
+    assert pos[("start", "c")] < pos[("ready", "a")], seq        # overlapped
+    for sub in ("b", "d"):
+        assert pos[("start", sub)] > pos[("ready", "a")], seq    # waited for its input
+    assert [e for e in r.events if e["event"] == "all_ready"][0]["workers"] == [
+        "a", "b", "c", "d"]                                       # said in start order
+    r.proc.send_signal(signal.SIGTERM)
+    assert r.finish() == 0
+    stopped = _names(r.events, "stopped")
+    assert sorted(stopped) == ["a", "b", "c", "d"] and stopped.index("a") > max(
+        stopped.index("b"), stopped.index("d")), stopped
+
+
 def test_crash_is_restarted_with_backoff(sup):
     r = sup(CONTROL.format(policy="fail_safe") + PIPELINE.format(
         a_args=', "--exit-after-ms", "300", "--exit-code", "3"',

@@ -62,6 +62,8 @@ _SUPERVISOR_KEYS: dict[str, Callable[[Any], Any]] = {
     "state_dir": _state_dir,
     "shm_budget": _size(1 << 20, SIZE_MAX),
     "mode": _choice(VEHICLE, SIMULATION),
+    # workers starting at once: more than a machine's CPUs only queues them
+    "start_parallel": _int(1, 64),
 }
 _DOMAIN_KEYS: dict[str, Callable[[Any], Any]] = {
     "profile": _choice(CONTROL, RESEARCH),

@@ -13,7 +13,7 @@ from supervisor.ipc.errors import ConfigError
 from supervisor.ipc.spec import ChannelSpec
 from supervisor.protocol import SIMULATION, VEHICLE, Isolation, printable
 
-from ._graph import topo_sort
+from ._graph import edges, topo_sort
 
 CONTROL = "control"
 RESEARCH = "research"
@@ -99,6 +99,12 @@ class SupervisorConfig:
     # e.g. controlsd's --log-clock), are refused in a vehicle config; `supervisor
     # replay` derives simulation configs, and `supervisor units` renders only vehicle ones.
     mode: str = VEHICLE
+    # How many workers may be starting (spawned, not yet READY) at once. Each starts
+    # only once every worker it subscribes to is READY, whatever this says; 1 starts
+    # them one after another in start order. More overlaps the start-ups of
+    # independent workers (imports, model loads): a fleet boots in less wall time, at
+    # the cost of start-ups competing for the CPUs.
+    start_parallel: int = 1
 
 
 # Built-in domain profiles: supervisor/sandbox/policy.py derives every isolation knob of
@@ -377,4 +383,13 @@ class Config:
         subscriptions impose no order (a log-only reader attaches when it can)."""
         order, _ = topo_sort(self.workers)
         return order
+
+    def start_after(self) -> dict[str, set[str]]:
+        """Each worker -> the workers whose READY it waits for before it starts (the
+        publishers of what it subscribes to; shadow subscriptions wait for nothing)."""
+        after: dict[str, set[str]] = {name: set() for name in self.workers}
+        for pub, subs in edges(self.workers).items():
+            for sub in subs:
+                after[sub].add(pub)
+        return after
 

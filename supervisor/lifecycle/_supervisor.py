@@ -609,7 +609,8 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                     nursery.cancel_scope.cancel()
                     return self.exit_code
                 self.notify.ready(f"{len(self.runs)} workers ready")
-                self.log.emit("all_ready", workers=list(self.runs))
+                self.log.emit("all_ready", workers=[n for n in self.config.start_order()
+                                                    if n in self.runs])
                 if self.status_out is not None:
                     nursery.start_soon(self._run_monitor)
                 task_status.started(self)
@@ -712,12 +713,47 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
     async def _start_all(self, nursery: trio.Nursery, refused: set[str]) -> None:
         nursery.start_soon(self._scan_maps)
         nursery.start_soon(self._heartbeat)
-        for name in self.config.start_order():
-            if name in refused:
-                self.log.emit("skipped", worker=name, reason="refused by admission (optional)")
-                continue
-            run = self.runs[name] = WorkerRun(self.config.workers[name])
-            await nursery.start(self._supervise, run)
+        order = self.config.start_order()
+        width = self.config.supervisor.start_parallel
+        if width <= 1:
+            for name in order:
+                await self._start_one(nursery, name, refused)
+            return
+        # [supervisor] start_parallel > 1: a worker starts once every worker it
+        # subscribes to is READY and fewer than `width` are starting. Its first READY
+        # (or an optional one giving up) is what its subscribers wait for, as in order.
+        after = self.config.start_after()
+        up = {name: trio.Event() for name in order}
+        slots = trio.Semaphore(width)
+
+        async def one(name: str) -> None:
+            for dep in after[name]:
+                await up[dep].wait()
+            async with slots:
+                await self._start_one(nursery, name, refused)
+            up[name].set()
+
+        try:
+            async with trio.open_nursery() as starting:
+                for name in order:
+                    starting.start_soon(one, name)
+        except BaseExceptionGroup as eg:
+            # What the serial start raises, one exception: a fail-safe first, then a
+            # required worker that never became ready (the others were cancelled).
+            for kind in (FailSafe, StartFailed):
+                got, _ = eg.split(kind)
+                while isinstance(got, BaseExceptionGroup):
+                    got = got.exceptions[0]
+                if got is not None:
+                    raise got from None
+            raise
+
+    async def _start_one(self, nursery: trio.Nursery, name: str, refused: set[str]) -> None:
+        if name in refused:
+            self.log.emit("skipped", worker=name, reason="refused by admission (optional)")
+            return
+        run = self.runs[name] = WorkerRun(self.config.workers[name])
+        await nursery.start(self._supervise, run)
 
     async def _run_monitor(self) -> None:
         from supervisor.monitor import Monitor
