@@ -232,6 +232,9 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
                      "first_divergent_frame": report.first_divergent_frame}
         if code == 0 and not report.ok:
             code = DIFFERS
+        # summary.json is what a CI step reads after the fact: its exit code is the
+        # command's, the comparison's verdict included (it said 0 for a run that exited 6).
+        s["exit_code"] = code
         write_run_file(res.run_dir, "summary.json", json.dumps(s, indent=2))
         _write_report(res, args, ref, report, code)
         if args.format == "json":       # one JSON document on stdout, nothing else
