@@ -15,6 +15,8 @@ proven on the real part, as a strict xfail the fix turns green (then the mark go
    planted there hangs `run`'s start for ever (the broker's read_latch does not).
 5. A read-only state dir holding an earlier run's reserve passes check's probe and run's
    reserve(); the fail-safe then latches nothing.
+6. outstream's urgent places are shared by warnings and errors: warnings a research
+   worker causes use them up while the console is stopped, and fail_safe is dropped.
 """
 from __future__ import annotations
 
@@ -176,3 +178,52 @@ def test_a_read_only_state_dir_with_a_reserve_is_a_config_problem(tmp_path):
     assert got.returncode == 0, got.stderr[-2000:]
     res = json.loads(got.stdout.strip().splitlines()[-1])
     assert res["probe"] is not None and res["reserve"] is not None, res
+
+
+@pytest.mark.xfail(strict=True, reason="review5 finding 6: warnings share the urgent places "
+                   "with errors: a research worker's warnings use them up and fail_safe is dropped")
+def test_warnings_of_a_worker_cannot_use_up_the_fail_safe_events_place():
+    """Round 8 row 14's set-up (a stopped pty, a chatty worker's output past the queue),
+    plus the warnings a hostile research worker can cause while the console stays
+    stopped: protocol_error and output_dropped (each at most 1/s per worker since
+    76c7fc7), restart/exit of a crash loop. At ~6/s from a few workers the 2,000 urgent
+    places are gone in ~6 minutes, and the one ERROR line that matters is dropped.
+    Fix: outstream.StreamWriter.put: an ERROR line (level <= Level.ERROR, the fail-safe,
+    gave_up, latch errors: rare by nature) is never dropped for room: it takes the place
+    of the oldest queued line that is not an error (or has places warnings cannot use)."""
+    import pty
+    import select
+    import termios
+
+    from supervisor import outstream
+    from supervisor.events import EventLog
+
+    master, slave = pty.openpty()
+    got = bytearray()
+    stream = open(slave, "w", buffering=1, closefd=False)
+    try:
+        termios.tcflow(slave, termios.TCOOFF)
+        log = EventLog(stream=stream, keep=False, fmt="json")
+        for i in range(2 * outstream.MAX_PENDING + 100):
+            log.emit("output", source="r-chatty", worker="r-chatty", domain="research",
+                     line=f"line {i}")
+        for i in range(outstream.MAX_URGENT + 10):
+            log.emit("protocol_error", worker="r-chatty", reason="status line over 4096 bytes")
+        log.emit("fail_safe", reason="control worker c gave up (review5 finding 6)")
+        termios.tcflow(slave, termios.TCOON)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            r, _, _ = select.select([master], [], [], 0.2)
+            if r:
+                got += os.read(master, 65536)
+            elif b'"log_dropped"' in got and not select.select([master], [], [], 0.5)[0]:
+                break
+    finally:
+        try:
+            termios.tcflow(slave, termios.TCOON)
+        except OSError:
+            pass
+        stream.close()
+        os.close(slave)
+        os.close(master)
+    assert b'"fail_safe"' in got, "the fail_safe event never reached the console"
