@@ -89,6 +89,10 @@ def test_bad_keys_and_signatures_are_one_line(reports, capsys, tmp_path):
                            "--output", str(out), "--sign", str(key))
         assert rc == 1 and words in err and len(err.strip().splitlines()) == 1, err
         assert not out.exists()        # refused before the report was made
+    # before: "internal error: FileNotFoundError", after the report was made
+    rc, _, err = _main(capsys, "--format", "json", "--output", str(tmp_path / "no" / "r.json"),
+                       "--sign", str(d / "review.key"))
+    assert rc == 1 and "no such directory" in err and "internal error" not in err
     short = tmp_path / "short.sig"
     short.write_bytes(b"not a signature\n")
     rc, _, err = _main(capsys, "verify", str(rep), str(short), str(d / "review.pub"))

@@ -192,6 +192,10 @@ def cmd_report(a: argparse.Namespace) -> int:
         from supervisor import signals
 
         signals.uninstall()
+    if a.output and not os.path.isdir(os.path.dirname(os.path.abspath(a.output))):
+        # Before the report is made (seconds; --live --start: minutes), not after.
+        raise UsageError(f"{PROG}: --output {a.output}: no such directory "
+                         f"{os.path.dirname(os.path.abspath(a.output))}")
     if a.sign:
         # The key is checked before the report is made (seconds; --live --start: minutes).
         from .sign import SignError, load_signing_key
@@ -212,8 +216,11 @@ def cmd_report(a: argparse.Namespace) -> int:
                    running=running, progress=progress)
     out = render(report, fmt)
     if a.output:
-        with open(a.output, "w", encoding="utf-8") as f:
-            f.write(out)
+        try:
+            with open(a.output, "w", encoding="utf-8") as f:
+                f.write(out)
+        except OSError as e:
+            raise UsageError(f"{PROG}: --output {a.output}: {e.strerror or e}") from None
     else:
         sys.stdout.write(out)
     if a.sign:
