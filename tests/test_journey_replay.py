@@ -96,3 +96,17 @@ def test_another_schema_version_is_one_line(tmp_path):
     # before: read as this version, exit 0
     assert p.returncode == 2 and "schema version 9" in p.stderr, p.stdout + p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+
+
+def test_a_run_directory_given_as_the_log_is_one_line(tmp_path):
+    run = tmp_path / "run1"                  # what `replay --out run1` leaves
+    _write(run / "log")
+    (run / "replay.toml").write_text("# the derived config\n")
+    (run / "summary.json").write_text('{"log": "/data/drive1"}')
+    env = {**os.environ, "TRIO_STATE_DIR": str(tmp_path / "state")}
+    p = subprocess.run([sys.executable, "-m", "supervisor.cli", "replay", str(run), "--out",
+                        str(tmp_path / "again"), "--no-progress"], capture_output=True,
+                       text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
+    # before: read as a fleet of one log, failed twice ("source.toml: missing"), exit 7
+    assert p.returncode == 2 and "RUN directory" in p.stderr and "/data/drive1" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "again").exists()

@@ -173,6 +173,19 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return _fail("replay", str(e))
     if args.jobs < 1:
         return _fail("replay", f"--jobs {args.jobs}: must be >= 1")
+    run_dir = Path(args.logs[0])
+    if len(args.logs) == 1 and (run_dir / "log" / MESSAGES).is_file() and (
+            run_dir / "replay.toml").is_file():
+        # A RUN directory given as the log: it has one log inside, so it read as a fleet
+        # of one, failed twice ("source.toml: missing") and exited 7, "incomplete".
+        try:
+            came_from = json.loads((run_dir / "summary.json").read_text()).get("log")
+        except (OSError, ValueError, AttributeError):
+            came_from = None
+        return _fail("replay", f"{run_dir} is a replay's RUN directory, not a drive log (its "
+                     f"log/ has no video): replay the drive it played"
+                     + (f" ({came_from})" if came_from else "")
+                     + ", or give it as --ref")
     if len(args.logs) > 1 or args.ray or args.jobs > 1 or not (
             Path(args.logs[0]) / MESSAGES).is_file() and Path(args.logs[0]).is_dir():
         if args.start is not None or args.end is not None:
