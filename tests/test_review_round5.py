@@ -42,6 +42,7 @@ _BLOCKED_EXIT = textwrap.dedent("""
     for i in range(3000):                   # ~700 KB: far past the pipe's 64 KiB
         log.emit("worker_output", worker="camerad", line="x" * 200)
     log.emit("supervisor_exit", code=0, reason="shutdown")
+    print("emitted", flush=True)            # (stdout: the test's clock starts here)
 """)
 
 
@@ -56,8 +57,9 @@ def test_a_blocked_log_stream_does_not_hold_exit(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     env["PYTHONPATH"] = str(ROOT)
     proc = subprocess.Popen([sys.executable, "-c", _BLOCKED_EXIT], stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, env=env, cwd=ROOT)
+                            stdout=subprocess.PIPE, env=env, cwd=ROOT)
     try:
+        assert proc.stdout.readline() == b"emitted\n"
         t0 = time.monotonic()
         try:
             proc.wait(timeout=4.5)           # the atexit drain is 2 s
@@ -68,6 +70,7 @@ def test_a_blocked_log_stream_does_not_hold_exit(tmp_path):
     finally:
         proc.kill()
         proc.stderr.close()
+        proc.stdout.close()
         proc.wait()
 
 
