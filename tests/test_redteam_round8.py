@@ -458,11 +458,7 @@ def test_a_research_worker_killed_by_oom_never_trips_the_fail_safe(fleet):
     assert fleet.proc.poll() is None
 
 
-# ------------------------------------------------------------------ row 12 (BREAK, a race)
-@pytest.mark.xfail(strict=False, reason="redteam8 row 12 (a race, not strict: about 1 fleet "
-                   "run in 5 loses it): _exec._watch_exec takes a batch's verdicts from its "
-                   "thread, then checkpoints (trio.sleep(0)); if the worker's exit cancelled "
-                   "the run meanwhile, a denial is never logged as refused")
+# ------------------------------------------------------------------ row 12 (closed: a race)
 def test_a_denied_exec_request_is_refused_even_if_the_worker_exits_at_once(fleet):
     """c-deny asks for anonymous executable memory before READY (denied: it is not
     declared jit_kernels) and exits 0 at once. The denial must still be a `refused`

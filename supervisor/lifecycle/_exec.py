@@ -205,12 +205,9 @@ class _ExecWindow:
             verdicts = await trio.to_thread.run_sync(functools.partial(
                 watch.handle_pending, max_requests=16,
                 before_judging=lambda: trio.from_thread.run_sync(self._poll_status, run)))
-            await trio.sleep(0)
-            if not verdicts:
-                if watch.hung_up:         # every watched task is gone: the exit follows
-                    return
-                await trio.sleep(0.005)
-                continue
+            # The verdicts are acted on before any checkpoint: a worker that exits right
+            # after its denied request cancels this task at the next one, and a denial
+            # dropped there was an ordinary exit, restarted (red team 8 row 12).
             for v in verdicts:
                 if v.allowed:
                     inc.exec_allowed += 1
@@ -219,6 +216,11 @@ class _ExecWindow:
                 self._refuse(run, "exec_memory", f"{rq.syscall}: {v.reason}",
                              syscall=rq.syscall, pid_in_host=rq.pid,
                              prot=rq.prot, target=rq.target)
+            await trio.sleep(0)
+            if not verdicts:
+                if watch.hung_up:         # every watched task is gone: the exit follows
+                    return
+                await trio.sleep(0.005)
 
 
 @functools.lru_cache(maxsize=1)

@@ -66,7 +66,6 @@ class Incarnation:
     status_skip: bool = False                # inside an over-long line: drop to its newline
     status_tokens: float = 1000.0            # status-line rate limit (token bucket)
     status_ts: float = 0.0
-    status_depth: float = 0.0                # its depth (0: not yet read from the pipe)
     proto_err_at: float = float("-inf")      # the last protocol_error event (monotonic s)
     proto_err_held: int = 0                  # protocol errors not logged since (1/s)
     output: LineLimiter = field(default_factory=LineLimiter)

@@ -3,7 +3,6 @@ READY, WATCHDOG, STATUS, REFUSED, STANDBY; rate limited, a flood is a refusal) a
 stdout+stderr (re-emitted as events whose source is the worker)."""
 from __future__ import annotations
 
-import fcntl
 import os
 import time
 
@@ -14,13 +13,20 @@ from supervisor.protocol import StatusLine, parse_line
 
 from ._run import WorkerRun
 
-_F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
 
 
 class _WorkerIO:
     """Status and output pipes of each run (mixed into `Supervisor`)."""
 
     STATUS_LINES_PER_S = 1000.0
+    # The bucket's depth: a second at the rate, or what a pipe of the default size holds
+    # in shortest honest lines (WATCHDOG=1), whichever is more. A stall of ours (a loaded
+    # machine, a slow fail-safe) leaves at most a pipeful to be read in one burst: charged
+    # to a one-second bucket, an honest worker's backlog after a 6 s stall was
+    # `protocol_flood`, and a required control worker refused fails the car safe (red
+    # team 8 row 5). The default size, not the pipe's own: a worker may enlarge its end
+    # (F_SETPIPE_SZ, up to 1 MiB) to deepen its own bucket (review of that fix).
+    STATUS_DEPTH = max(STATUS_LINES_PER_S, 65536 / len(b"WATCHDOG=1\n"))
     # Status *events* per worker: one per [supervisor] status_interval_s; the changes in
     # between are held and the latest is logged at the interval (with how many were
     # held). A change that matters (_status_matters: engaged flips, a safe-state reason,
@@ -76,9 +82,7 @@ class _WorkerIO:
             rest, inc.status_skip, cost = b"", True, cost + 1
         inc.status_buf = rest
         now = time.monotonic()
-        if not inc.status_depth:
-            inc.status_depth = self._status_depth(inc.status_r)
-        inc.status_tokens = min(inc.status_depth,
+        inc.status_tokens = min(self.STATUS_DEPTH,
                                 inc.status_tokens + (now - inc.status_ts) * self.STATUS_LINES_PER_S)
         inc.status_ts = now
         # Counted as lines, so that newline-free bytes at pipe speed (one protocol_error
@@ -105,20 +109,6 @@ class _WorkerIO:
         held, inc.proto_err_held, inc.proto_err_at = inc.proto_err_held, 0, now
         self.log.emit("protocol_error", worker=run.cfg.name, reason=reason,
                       **({"held": held} if held else {}))
-
-    def _status_depth(self, fd: int) -> float:
-        """The bucket's depth: a second at the rate, or what the pipe can hold in
-        shortest honest lines (WATCHDOG=1), whichever is more. A stall of ours (a loaded
-        machine, a slow fail-safe) leaves at most a pipeful to be read in one burst:
-        charged to a one-second bucket, an honest worker's backlog after a 6 s stall was
-        `protocol_flood`, and a required control worker refused fails the car safe (red
-        team 8 row 5). A worker can queue no more than a pipeful however long it waits,
-        so the depth still bounds a flood; the rate is unchanged."""
-        try:
-            pipe = fcntl.fcntl(fd, _F_GETPIPE_SZ)
-        except OSError:
-            pipe = 65536
-        return max(self.STATUS_LINES_PER_S, pipe / len(b"WATCHDOG=1\n"))
 
     def _on_status(self, run: WorkerRun, line: str) -> None:
         for msg in parse_line(line):

@@ -28,7 +28,6 @@ class _WarmStandby:
     bench). Only one standby of a worker is ever starting at a time."""
 
     STANDBY_DEPTH = 2
-    HAND_OVER_S = 5.0      # bound on the (shielded) wait for a standby's tasks to end
 
     def _fill_standbys(self, run: WorkerRun) -> None:
         """Start one more standby of `run` if it has fewer than the depth and none is
@@ -105,24 +104,21 @@ class _WarmStandby:
             self.log.emit("standby_failed", worker=run.cfg.name, error=f"hand-over: {e}")
             self._kill(sb)
             return False
-        # From the send it holds the channels: one step that no cancellation splits (a
-        # stop signal, or a fail-safe, at the wait below left it in neither `standbys`
-        # nor `current`: never stopped, publishing after the last word; red team 8 row
-        # 7). `adopting` keeps it in `_all_runs()` for a fail-safe meanwhile; the wait
-        # is for its own tasks to end (the exec watch's batch in flight, ~ms).
+        # From the send it holds the channels: it is the run's from here whatever
+        # happens (a stop signal, or a fail-safe, at the wait below left it in neither
+        # `standbys` nor `current`: never stopped, publishing after the last word; red
+        # team 8 row 7). `adopting` keeps it in `_all_runs()` for a fail-safe during the
+        # wait, which is for its own tasks to end (the exec watch's batch in flight,
+        # ~ms); cancelled, the switch is made at once (no wait holds the stop).
         run.adopting = sb
         sb.adopted = True
         sb.scope.cancel()               # its tasks stop; ours take over its pipes
-        with trio.CancelScope(shield=True):
-            with trio.move_on_after(self.HAND_OVER_S) as late:
-                await sb.handed_over.wait()
-        if late.cancelled_caught:
-            self.log.emit("standby_failed", worker=run.cfg.name,
-                          error=f"its tasks did not end in {self.HAND_OVER_S:g} s; "
-                                "adopted all the same (it holds the channels)")
-        run.current = sb.current        # its process, pipes, cgroup and watch: ours now
-        run.adopting = None
-        run.begin(time.monotonic_ns())
+        try:
+            await sb.handed_over.wait()
+        finally:
+            run.current = sb.current    # its process, pipes, cgroup and watch: ours now
+            run.adopting = None
+            run.begin(time.monotonic_ns())
         self.log.emit("standby_adopted", worker=run.cfg.name, pid=run.pid,
                       waited_ms=round((run.started_ns - sb.started_ns) / 1e6, 1))
         return True
