@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from supervisor.config import PROJECT_ROOT
 from supervisor.replay.diff import TimeGate, compare, render_markdown, render_text
 from supervisor.replay.drivelog import DriveLog, LogWriter
 from supervisor.replay.logfmt import MESSAGES, Entry, frame_record, read_stream
@@ -110,3 +111,23 @@ def test_a_run_directory_given_as_the_log_is_one_line(tmp_path):
     # before: read as a fleet of one log, failed twice ("source.toml: missing"), exit 7
     assert p.returncode == 2 and "RUN directory" in p.stderr and "/data/drive1" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "again").exists()
+
+
+@pytest.mark.parametrize("opt,needle", [
+    (["--gate", "shadow_ou"], "no channel 'shadow_ou'"),
+    (["--ignore", "model_out.offst_m"], "has no field 'offst_m'"),
+    (["--tol", "control_cmd.steer_radd=1e-6"], "has no field 'steer_radd'"),
+])
+def test_a_misspelt_gate_ignore_or_tolerance_is_one_line_before_the_replay(
+        ref, tmp_path, opt, needle):
+    """Before: accepted and ignored after a whole replay: `--gate shadow_ou` gated
+    nothing (a changed shadow_out passed); a misspelt tolerance tolerated nothing."""
+    log = _write(tmp_path / "drive")
+    cfg = Path(PROJECT_ROOT) / "supervisor" / "configs" / "minimal.toml"
+    env = {**os.environ, "TRIO_STATE_DIR": str(tmp_path / "state")}
+    p = subprocess.run([sys.executable, "-m", "supervisor.cli", "replay", str(log), "--config",
+                        str(cfg), "--out", str(tmp_path / "run"), "--ref", str(ref.path),
+                        "--no-progress", *opt], capture_output=True, text=True, timeout=60,
+                       env=env, stdin=subprocess.DEVNULL)
+    assert p.returncode == 2 and needle in p.stderr, p.stdout + p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()

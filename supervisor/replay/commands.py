@@ -215,7 +215,9 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
         res = replay(args.logs[0], out=args.out, config=args.config, realtime=args.realtime,
                      step_timeout_s=args.step_timeout, echo=sys.stderr if args.events else None,
                      progress_out=None if args.no_progress else sys.stderr,
-                     start=args.start, end=args.end, plot_signals=args.plot)
+                     start=args.start, end=args.end, plot_signals=args.plot,
+                     compare_names=(args.gate, args.ignore, list(tols))
+                     if args.ref is not None else None)
     except ReplayError as e:
         return _fail("replay", str(e))
     s = res.summary

@@ -220,14 +220,17 @@ def _recorded_config(log: str) -> dict[str, Any]:
 def replay(log: str, *, out: str | None = None, config: str | None = None,
            realtime: bool = False, step_timeout_s: float = 5.0, echo=None,
            progress_out=sys.stderr, start: str | None = None, end: str | None = None,
-           plot_signals: list[str] | None = None) -> ReplayResult:
+           plot_signals: list[str] | None = None,
+           compare_names: tuple[list[str], list[str], list[str]] | None = None
+           ) -> ReplayResult:
     """Replay ``log`` into ``out`` and summarise it (no comparison: see `diff`).
     ``start``/``end`` (`cut` units: ``12.5`` seconds, ``f120`` a frame id) replay that
     part of the log only: it is cut into RUN/input first and that cut is what plays;
-    ``plot_signals`` (CHANNEL.FIELD) choose plot.png's panels. Every bad argument is a
-    `ReplayError` before anything starts."""
+    ``plot_signals`` (CHANNEL.FIELD) choose plot.png's panels; ``compare_names``
+    (--gate, --ignore, --tol's keys) are checked against the config. Every bad argument
+    is a `ReplayError` before anything starts."""
     from .cut import CutError, cut, parse_pos, resolve
-    from .signals import SignalError, parse_signals
+    from .signals import SignalError, check_compare_names, parse_signals
 
     log = os.path.abspath(log)
     try:
@@ -246,6 +249,8 @@ def replay(log: str, *, out: str | None = None, config: str | None = None,
         raise ReplayError(str(e)) from None
     try:
         signals = parse_signals(plot_signals or [], doc, plan_of(doc))
+        if compare_names is not None:
+            check_compare_names(*compare_names, doc)
     except (SignalError, DeriveError) as e:
         raise ReplayError(str(e)) from None
     run_dir = os.path.abspath(out or _default_out(log))

@@ -78,6 +78,37 @@ def parse_signals(specs: list[str], doc: dict[str, Any], plan) -> list[Sig]:
     return out
 
 
+def check_compare_names(gate: list[str], ignore: list[str], tol_keys: list[str],
+                        doc: dict[str, Any]) -> None:
+    """--gate, --ignore and --tol name channels (and fields) of the config: checked
+    before anything starts, as --plot is. Unchecked, a misspelt name did nothing: a
+    `--gate shadow_ou` gated nothing and a changed shadow_out passed; a
+    `--tol control_cmd.steer_radd=1e-6` tolerated nothing."""
+    chans = _channels(doc)
+    listed = ", ".join(sorted(chans))
+
+    def field_ok(opt: str, spec: str, ch: str, f: str, extra: tuple[str, ...] = ()) -> None:
+        names = fields_of(chans[ch])
+        # ("[i]": the position names the diff uses where a payload's names do not fit)
+        if names and f not in names and f not in extra and not (
+                f.startswith("[") and f.endswith("]") and f[1:-1].isdecimal()):
+            raise SignalError(f"{opt} {spec!r}: channel {ch!r} has no field {f!r} (fields: "
+                              f"{', '.join(names + list(extra))})")
+
+    for spec, opt in [(g, "--gate") for g in gate] + [(i, "--ignore") for i in ignore] \
+            + [(t, "--tol") for t in tol_keys]:
+        if opt == "--gate" and spec == "all":
+            continue
+        ch, dot, f = spec.partition(".")
+        if ch not in chans:
+            raise SignalError(f"{opt} {spec!r}: no channel {ch!r} in the config (channels: "
+                              f"{listed})")
+        if dot and opt == "--gate":
+            raise SignalError(f"{opt} {spec!r}: --gate takes a channel, not a field")
+        if dot:
+            field_ok(opt, spec, ch, f, ("added", "removed") if opt == "--tol" else ())
+
+
 def value(msg, sig: Sig) -> float | None:
     """The signal's value in one recorded message (None: not there)."""
     if sig.index is None:
