@@ -64,6 +64,9 @@ def test_a_frame_written_twice_fails_the_gate(ref, tmp_path):
     assert "duplicated frames (the run" in render_text(r)
     assert "Duplicated frames" in render_markdown(r)
     assert r.as_dict()["channels"][0]["duplicated"] == {"run": [3]}
+    from supervisor.replay.report import _diff_html
+
+    assert "duplicated frames" in _diff_html(r)                # report.html
     back = _cmp(ref, run)                          # the same, REF's side
     assert not back.ok and back.channels[0].duplicated == {"ref": [3]}
     # A live controlsd publishes between frames: several commands per frame are the

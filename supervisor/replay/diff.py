@@ -284,7 +284,7 @@ def render_text(r: Report) -> str:
              f"result: {'within tolerance' if r.ok else 'DIFFERS'}"
              + ("" if r.first_divergent_frame is None
                 else f" (first divergent frame {r.first_divergent_frame})")
-             + (f": {_time_only(r)}" if _time_only(r) else "")]
+             + (f": {time_only(r)}" if time_only(r) else "")]
     for c in r.channels:
         tag = "" if c.gated else " (not gated: reported only)"
         if c.note:
@@ -327,7 +327,7 @@ def render_text(r: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _time_only(r: Report) -> str:
+def time_only(r: Report) -> str:
     """Why a run whose gated channels all match still differs: the model time gate
     alone (a loaded or slower machine reads the same as a slower model: say which)."""
     if r.ok or r.gate.ok or not all(c.ok for c in r.channels if c.gated):
@@ -351,8 +351,8 @@ def render_markdown(r: Report) -> str:
            f"- run: `{r.run}`", f"- reference: `{r.ref}`"]
     if r.first_divergent_frame is not None:
         out.append(f"- first divergent frame: **{r.first_divergent_frame}**")
-    if _time_only(r):
-        out.append(f"- {_time_only(r)}")
+    if time_only(r):
+        out.append(f"- {time_only(r)}")
     out += ["", "| channel | compared | added | removed | changed |",
             "|---|---:|---:|---:|---:|"]
     for c in r.channels:

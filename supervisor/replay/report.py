@@ -280,7 +280,10 @@ def _verdict(page: Page) -> tuple[str, str]:
         return "ok", "within tolerance (exit 0)"
     first = ("" if r.first_divergent_frame is None
              else f", first divergent frame {r.first_divergent_frame}")
-    return "bad", f"DIFFERS (exit {code}){first}"
+    from .diff import time_only
+
+    why = f": {time_only(r)}" if time_only(r) else ""
+    return "bad", f"DIFFERS (exit {code}){first}{why}"
 
 
 def _summary_rows(s: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -317,6 +320,12 @@ def _diff_html(r: Report) -> str:
     out.append('<table id="channels">' + _table(
         ["channel", "gated", "compared", "added", "removed", "changed", "result"],
         rows)[len("<table>"):])
+    dups = [f"{c.channel} ({'REF' if side == 'ref' else 'run'}): "
+            f"{', '.join(str(i) for i in d[:8])}{' ...' if len(d) > 8 else ''}"
+            for c in r.channels for side, d in c.duplicated.items()]
+    if dups:
+        out.append(f"<p>duplicated frames (more than one message; the first compared): "
+                   f"{_esc('; '.join(dups))}</p>")
     if r.ignored:
         out.append(f"<p>ignored channels: {_esc(', '.join(r.ignored))}</p>")
     fields = [(c.channel, f) for c in r.channels for f in c.fields if f.changed or f.max_abs]
