@@ -62,6 +62,7 @@ def test_verify_says_what_it_checked_and_fails_on_an_edited_config(reports, caps
     assert prov["config"]["sha256"] in out and str(d / "rt.toml") in out
     assert str((prov["git"] or {}).get("commit") or "not a checkout") in out
     assert prov["package"]["version"] in out and "the config the report covers" in out
+    assert "code here: git" in out
     # The config is edited after the report was signed: the signature is still good,
     # the report no longer describes the config (before: "OK", exit 0).
     cfg = d / "rt.toml"

@@ -91,8 +91,10 @@ class Verified:
     key_id: str
     public_key: str
     covers: dict[str, Any] = field(default_factory=dict)   # the report's provenance
+    result: str | None = None  # the report's own verdict (promise, matches, differs)
     config_now: str = ""       # how the config in hand compares with the report's
     config_ok: bool = True
+    code_here: str = ""        # this checkout's commit against the report's (told, not judged)
 
     def lines(self) -> list[str]:
         c = self.covers
@@ -105,8 +107,9 @@ class Verified:
             f"public key {self.public_key} (key id {self.key_id})",
             f"  the report covers: config {cfg.get('source')} sha256 {cfg.get('sha256')}; "
             f"code {pkg.get('name')} {pkg.get('version')}, git {commit}; made "
-            f"{c.get('time_utc')} on {c.get('host')}; verdict {self.covers.get('_result')}",
+            f"{c.get('time_utc')} on {c.get('host')}; result {self.result}",
             f"  config now: {self.config_now}",
+            f"  code here: {self.code_here}",
         ]
 
 
@@ -162,10 +165,24 @@ def verify_file(report: str, signature: str, public_key: str,
                         f"signed it") from None
     try:
         doc = json.loads(data)
-        covers = dict(doc["provenance"])
-        covers["_result"] = doc.get("result")
+        covers, result = dict(doc["provenance"]), doc.get("result")
     except (ValueError, KeyError, TypeError):
         raise SignError(f"{report}: the signature is good but this is not a JSON audit "
                         f"report (no provenance): nothing to check it against") from None
     now, ok = _config_now(covers, config)
-    return Verified(report, len(data), key_id(key), public_key, covers, now, ok)
+    return Verified(report, len(data), key_id(key), public_key, covers, result, now, ok,
+                    _code_here(covers))
+
+
+def _code_here(covers: dict[str, Any]) -> str:
+    """The commit of the code verifying, beside the report's: the audit's sections are
+    derived from the code, so a report of other code may not describe this one."""
+    from supervisor.config import PROJECT_ROOT
+
+    from .provenance import git_commit
+
+    here = git_commit(str(PROJECT_ROOT))
+    theirs = (covers.get("git") or {}).get("commit")
+    tail = " (with uncommitted changes)" if here.get("dirty") else ""
+    same = "the report's" if here.get("commit") == theirs else f"not the report's ({theirs})"
+    return f"git {here.get('commit')}{tail}: {same}"
