@@ -75,6 +75,17 @@ def test_a_frame_written_twice_fails_the_gate(ref, tmp_path):
     assert _cmp(live, ref).ok
 
 
+def test_nan_on_both_sides_is_never_a_pass(ref, tmp_path):
+    nan = float("nan")
+    a = DriveLog.open(_write(tmp_path / "a", [("model_out", 10, nan)]))
+    b = DriveLog.open(_write(tmp_path / "b", [("model_out", 10, nan)]))
+    r = _cmp(a, b)           # frame 10: NaN in both, equal as values (before: a pass)
+    mo = r.channels[0]
+    assert not r.ok and not mo.changed and mo.nonfinite == {"run": [10], "ref": [10]}
+    assert "NaN or infinity in the run: frames 10" in render_text(r)
+    assert "NaN or infinity in" in render_markdown(r)
+
+
 def test_model_time_alone_says_so(ref, tmp_path):
     r = _cmp(DriveLog.open(_write(tmp_path / "slow")), ref)
     # what a loaded runner gives (REF's receipts made elsewhere): the outputs all match

@@ -92,17 +92,22 @@ class ChannelDiff:
     # frames): a model run twice on a frame, or a log with a record written twice. Only
     # the first of each is compared, so a duplicate is a difference of its own.
     duplicated: dict[str, list[int]] = field(default_factory=dict)
+    # Compared messages holding NaN or infinity, per side. NaN against NaN compares
+    # equal (a determinism gate), but a model that puts out NaN is never a pass: a
+    # golden REF with the same NaN made the gate pass it.
+    nonfinite: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return (not self.note and len(self.added) <= self.added_tol
                 and len(self.removed) <= self.removed_tol and not self.changed
-                and not any(self.duplicated.values()))
+                and not any(self.duplicated.values()) and not any(self.nonfinite.values()))
 
     @property
     def first(self) -> int | None:
         ids = (self.added[:1] + self.removed[:1] + self.changed[:1]
-           + [d[0] for d in self.duplicated.values() if d])
+           + [d[0] for d in self.duplicated.values() if d]
+           + [d[0] for d in self.nonfinite.values() if d])
         return min(ids) if ids else None
 
 
@@ -194,8 +199,13 @@ def compare_channel(channel: str, run: list[Msg], ref: list[Msg], tols: dict[str
         if x.shape != y.shape:
             changed.add(fid)
             continue
+        for side, v in (("run", x), ("ref", y)):
+            keep = [i for i, f in enumerate(fds[:len(v)]) if f.name not in ignore_fields]
+            if not np.isfinite(v[keep]).all():
+                cd.nonfinite.setdefault(side, []).append(fid)
         diff = np.abs(x - y)
-        # NaN == NaN counts as equal; a NaN against a number is a change.
+        # NaN == NaN counts as equal (nonfinite above fails it); a NaN against a number
+        # is a change.
         both_nan = np.isnan(x) & np.isnan(y)
         diff = np.where(both_nan, 0.0, np.where(np.isnan(diff), np.inf, diff))
         for i, fd in enumerate(fds[:len(diff)]):
@@ -295,6 +305,9 @@ def render_text(r: Report) -> str:
         lines.append(f"{c.channel}{tag}: {c.compared} compared, {len(c.added)} added, "
                      f"{len(c.removed)} removed, {len(c.changed)} changed"
                      + _presence_tol(c))
+        for side, bad in c.nonfinite.items():
+            lines.append(f"  NaN or infinity in {'REF' if side == 'ref' else 'the run'}: frames "
+                         f"{_ids(bad)}")
         for side, dups in c.duplicated.items():
             lines.append(f"  duplicated frames ({'REF' if side == 'ref' else 'the run'}: more "
                          f"than one message, the first compared): {_ids(dups)}")
@@ -362,6 +375,10 @@ def render_markdown(r: Report) -> str:
             continue
         out.append(f"| {name} | {c.compared} | {len(c.added)} | {len(c.removed)} | "
                    f"{len(c.changed)} |")
+    bad = [f"`{c.channel}` ({'REF' if side == 'ref' else 'run'}): {_ids(d)}"
+           for c in r.channels for side, d in c.nonfinite.items()]
+    if bad:
+        out.append(f"\nNaN or infinity in: {'; '.join(bad)}")
     dups = [f"`{c.channel}` ({'REF' if side == 'ref' else 'run'}): {_ids(d)}"
             for c in r.channels for side, d in c.duplicated.items()]
     if dups:

@@ -323,6 +323,11 @@ def _diff_html(r: Report) -> str:
     dups = [f"{c.channel} ({'REF' if side == 'ref' else 'run'}): "
             f"{', '.join(str(i) for i in d[:8])}{' ...' if len(d) > 8 else ''}"
             for c in r.channels for side, d in c.duplicated.items()]
+    bad = [f"{c.channel} ({'REF' if side == 'ref' else 'run'}): "
+           f"{', '.join(str(i) for i in d[:8])}{' ...' if len(d) > 8 else ''}"
+           for c in r.channels for side, d in c.nonfinite.items()]
+    if bad:
+        out.append(f"<p>NaN or infinity in: {_esc('; '.join(bad))}</p>")
     if dups:
         out.append(f"<p>duplicated frames (more than one message; the first compared): "
                    f"{_esc('; '.join(dups))}</p>")
