@@ -119,6 +119,7 @@ struct Request {
                               # back (PTRACE_SECCOMP_GET_FILTER) and matched against the
                               # W^X program only (sandbox/wx.py), let go: `filters`
     openMapFiles @17 :OpenMapFiles;   # `links`
+    reserveLatch @18 :Void;   # make state_dir/failsafe.latch.reserve if it is not whole
   }
 }
 

@@ -158,7 +158,8 @@ class EventLog:
         prefix = f"<{int(level)}>" if self.journal else ""
         line = prefix + render(rec, self.fmt) + "\n"
         if self._writer is not None:
-            self._writer.put(line, urgent=level <= Level.WARNING)
+            self._writer.put(line, outstream.VITAL if level <= Level.ERROR
+                             else outstream.URGENT if level <= Level.WARNING else 0)
             return
         try:
             self.stream.write(line)

@@ -19,6 +19,7 @@ failed record under load latched the car, and every `supervisor run` after it ex
 """
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -76,19 +77,26 @@ class FailSafeLatch:
         return cls(run_dir / LATCH_NAME, per_run_base=root)
 
     def read(self) -> dict | None:
+        """The latch, or None when there is none. Anything at its name that is not a
+        readable latch (a symlink, a FIFO, garbage, an empty file) is a latch too."""
         try:
-            text = self.path.read_text()
-            if not text.strip():            # made, but no room for its text: latched
-                return {"reason": "empty latch file (its text could not be written)"}
-            return json.loads(text)
-        except FileNotFoundError:
+            with _dir_fd(self.path.parent) as d:
+                text = read_latch_text(d)
+        except FileNotFoundError:           # no state dir yet: nothing latched
             return None
         except PermissionError:             # not ours to read: still latched, said so
             return {"unreadable": True, "reason": (
                 f"cannot read {self.path}: permission denied; the state dir is root's: "
                 "run as root, or give a developer run its own with TRIO_STATE_DIR")}
-        except (OSError, ValueError) as e:   # unreadable latch: still latched
+        except OSError as e:
+            return {"reason": f"unreadable latch file: {e.strerror}"}
+        if not text:
+            return None
+        try:
+            got = json.loads(text)
+        except ValueError as e:              # unreadable latch: still latched
             return {"reason": f"unreadable latch file: {e}"}
+        return got if isinstance(got, dict) else {"reason": "unreadable latch file"}
 
     def set(self, reason: str) -> None:
         if self.per_run_base is not None:
@@ -128,10 +136,40 @@ class _dir_fd:
 
 
 def latch_text(reason: str, **extra: object) -> bytes:
-    """The latch's JSON: when, why, by which process; at most LATCH_BYTES."""
+    """The latch's JSON: when, why, by which process; at most LATCH_BYTES, the reason
+    shortened to fit (never the JSON cut: a non-ASCII reason is 6 bytes a character
+    escaped, and a cut latch was unreadable, its reason lost; review)."""
     body = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "reason": reason[:2048],
             "pid": os.getpid(), **extra}
-    return json.dumps(body).encode()[:LATCH_BYTES]
+    while len(text := json.dumps(body).encode()) > LATCH_BYTES:
+        body["reason"] = body["reason"][:len(body["reason"]) // 2] + "..."
+    return text
+
+
+def read_latch_text(dir_fd: int) -> str:
+    """The latch file's text in the directory ("" when there is none), for both the
+    direct path and the broker's. Opened without following a link and without blocking
+    (a FIFO planted at its name hung `run`'s start; a link to /dev/zero read for ever:
+    review); a link, anything but a regular file, or an empty file is a latch all the
+    same, said in a JSON reason. At most LATCH_BYTES are read."""
+    try:
+        fd = os.open(LATCH_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                     dir_fd=dir_fd)
+    except FileNotFoundError:
+        return ""
+    except OSError as e:
+        why = "a symlink" if e.errno == errno.ELOOP else e.strerror
+        return json.dumps({"reason": f"unreadable latch file: {why}"})
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return json.dumps({"reason": "unreadable latch file: not a regular file"})
+        data = os.read(fd, LATCH_BYTES)
+    finally:
+        os.close(fd)
+    text = data.decode("utf-8", "replace")
+    if not text.strip():                  # made, but no room for its text: latched
+        return json.dumps({"reason": "empty latch file (its text could not be written)"})
+    return text
 
 
 def _open_new(dir_fd: int, name: str) -> int:
@@ -167,6 +205,10 @@ def write_latch(dir_fd: int, text: bytes) -> None:
         if _into_reserve(dir_fd, text):
             os.unlink(tmp, dir_fd=dir_fd)
             return
+        if _exists(dir_fd, LATCH_NAME):      # latched already: keep that one's reason
+            os.unlink(tmp, dir_fd=dir_fd)
+            raise OSError(e.errno, f"{e.strerror}: the latch already there is kept "
+                                   "(no room for this one's text, no reserve)") from None
         os.rename(tmp, LATCH_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         raise OSError(e.errno, f"{e.strerror}: latched with an empty latch file "
                                "(no room for its text, no reserve)") from None
@@ -184,7 +226,7 @@ def _into_reserve(dir_fd: int, text: bytes) -> bool:
         return False
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != LATCH_BYTES:
+        if not stat.S_ISREG(st.st_mode) or st.st_size != LATCH_BYTES or st.st_nlink != 1:
             return False
         os.pwrite(fd, text.ljust(LATCH_BYTES, b" "), 0)
         os.fsync(fd)
@@ -199,14 +241,25 @@ def _into_reserve(dir_fd: int, text: bytes) -> bool:
     return True
 
 
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
+
+
 def _whole_reserve(dir_fd: int | None, path: str = RESERVE_NAME) -> bool:
-    """A reserve is there, a regular file with its blocks (not a link planted there)."""
+    """A reserve is there, a regular file with its blocks (not a link planted there),
+    on a file system that can still be written (a read-only one, e.g. ext4 after an I/O
+    error, passed with a reserve and latched nothing: review)."""
     try:
         st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+        vfs = os.fstatvfs(dir_fd) if dir_fd is not None else os.statvfs(os.path.dirname(path))
     except OSError:
         return False
-    return (stat.S_ISREG(st.st_mode) and st.st_size == LATCH_BYTES
-            and st.st_blocks * 512 >= LATCH_BYTES)
+    return (stat.S_ISREG(st.st_mode) and st.st_size == LATCH_BYTES and st.st_nlink == 1
+            and st.st_blocks * 512 >= LATCH_BYTES and not vfs.f_flag & os.ST_RDONLY)
 
 
 def has_reserve(state_dir: str | os.PathLike) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import io
 import os
+import stat
 import threading
 import weakref
 from collections import deque
@@ -26,7 +27,8 @@ from collections.abc import Callable
 from typing import TextIO
 
 MAX_PENDING = 10_000          # lines queued while a stream is blocked; then dropped
-MAX_URGENT = 2_000            # places beyond that for urgent lines (warnings, errors)
+MAX_URGENT = 2_000            # places beyond that for urgent lines (warnings)
+URGENT, VITAL = 1, 2          # put()'s ranks: a warning; an error (never dropped)
 DRAIN_AT_EXIT_S = 2.0         # per stream: a console stopped for good cannot hold exit
 IDLE_S = 0.5                  # a writer thread with nothing to write for this long ends
 
@@ -37,7 +39,7 @@ class StreamWriter:
     def __init__(self, stream: TextIO, dropped: Callable[[int], str]) -> None:
         self.stream = stream
         self._dropped_text = dropped
-        self._lines: deque[str] = deque()
+        self._lines: deque[tuple[int, str]] = deque()     # (rank, text)
         self._latest: str | None = None        # the live row's newest version
         self._shown: str | None = None         # the live row on screen (writer thread's)
         self._end = False                      # end the live row with a newline
@@ -45,18 +47,31 @@ class StreamWriter:
         self._busy = False
         self._cond = threading.Condition()
         self._running = False                  # a thread is serving (under _cond)
+        self._fd: int | None = None            # the stream's fd, once flushed (thread's)
 
-    def put(self, text: str, urgent: bool = False) -> None:
-        """Queue a line. When the queue is full it is dropped (and counted), unless it
-        is `urgent` (an event an operator must read: a fail-safe, an exit), which has
-        MAX_URGENT places more (red team 8 row 14: the fail_safe event was dropped
-        behind 10,000 lines of a chatty worker while the console was stopped)."""
+    def put(self, text: str, rank: int = 0) -> None:
+        """Queue a line. When the queue is full it is dropped (and counted), unless its
+        `rank` says otherwise: URGENT (warnings: an exit, a refusal) has MAX_URGENT
+        places more; VITAL (errors: the fail-safe) is never dropped, it takes the place
+        of the oldest line that is not (red team 8 row 14: the fail_safe event was
+        dropped behind 10,000 lines of a chatty worker while the console was stopped;
+        review: a worker's warnings could fill the urgent places)."""
         with self._cond:
-            if len(self._lines) >= MAX_PENDING + (MAX_URGENT if urgent else 0):
-                self._dropped += 1
-                return
-            self._lines.append(text)
+            if len(self._lines) >= MAX_PENDING + (MAX_URGENT if rank >= URGENT else 0):
+                if rank < VITAL or not self._evict():
+                    self._dropped += 1
+                    return
+            self._lines.append((rank, text))
             self._wake()
+
+    def _evict(self) -> bool:
+        """(under _cond) Drop the oldest queued line that is not VITAL."""
+        for i, (rank, _) in enumerate(self._lines):
+            if rank < VITAL:
+                del self._lines[i]
+                self._dropped += 1
+                return True
+        return False
 
     def put_latest(self, text: str) -> None:
         """A live row (it starts with "\\r\\x1b[2K"): it supersedes its own earlier
@@ -97,21 +112,32 @@ class StreamWriter:
                         lambda: self._lines or self._latest is not None or self._end, IDLE_S):
                     self._running = False
                     return
-                batch = list(self._lines)
+                batch = [text for _, text in self._lines]
                 self._lines.clear()
                 latest, self._latest = self._latest, None
                 end, self._end = self._end, False
                 dropped, self._dropped = self._dropped, 0
                 self._busy = True
             try:
-                self.stream.write(self._compose(batch, latest, end, dropped))
-                self.stream.flush()
+                self._write(self._compose(batch, latest, end, dropped))
             except (OSError, ValueError):
                 pass             # a closed stream must not take the supervisor down
             finally:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+
+    def _write(self, text: str) -> None:
+        """To the fd itself, not through the text stream: blocked inside the stream's
+        write, this thread held its buffer's lock, and the interpreter's final flush at
+        exit waited for it for ever (review: `run` with stderr on a stalled pipe never
+        exited after its ordered stop). What others put in the stream is flushed first."""
+        if self._fd is None:
+            self.stream.flush()
+            self._fd = self.stream.fileno()
+        data = text.encode(getattr(self.stream, "encoding", None) or "utf-8", "replace")
+        while data:
+            data = data[os.write(self._fd, data):]
 
     def _compose(self, batch: list[str], latest: str | None, end: bool, dropped: int) -> str:
         if dropped:
@@ -148,8 +174,8 @@ _terminals: "weakref.WeakValueDictionary[int, StreamWriter]" = weakref.WeakValue
 
 def writer_for(stream: TextIO, dropped: Callable[[int], str] | None = None
                ) -> StreamWriter | None:
-    """A writer for `stream`, or None for a stream without a file descriptor (written
-    directly: it cannot block). One per owner (the event log, the monitor), except on a
+    """A writer for `stream`, or None for a stream without a file descriptor or that is
+    a regular file (written directly: neither waits for a reader). One per owner (the event log, the monitor), except on a
     terminal: the event log (stderr) and the live row (stdout) on one terminal share
     one writer, so that events are written above the row instead of through it.
     `dropped`: the text said for n dropped lines (None: an empty string)."""
@@ -158,10 +184,13 @@ def writer_for(stream: TextIO, dropped: Callable[[int], str] | None = None
         return None
     say = dropped or (lambda n: "")
     try:
+        st = os.fstat(fd)
         tty = os.isatty(fd)
-        key = os.fstat(fd).st_rdev if tty else 0
     except OSError:
-        tty = False
+        return None
+    if stat.S_ISREG(st.st_mode):          # a file has no reader to wait for: written
+        return None                       # here, in order with everything else
+    key = st.st_rdev if tty else 0
     if not tty:
         w = StreamWriter(stream, say)
     else:
@@ -175,9 +204,12 @@ def writer_for(stream: TextIO, dropped: Callable[[int], str] | None = None
 
 
 def drain_all(timeout: float = DRAIN_AT_EXIT_S) -> None:
-    """Everything queued, written (each stream gets `timeout`)."""
+    """Everything queued, written, within `timeout` for all streams together."""
+    import time
+
+    end = time.monotonic() + timeout
     for w in list(_all):
-        w.drain(timeout)
+        w.drain(max(0.0, end - time.monotonic()))
 
 
 atexit.register(drain_all)

@@ -1,5 +1,5 @@
 """Review round 5 (a hostile read of this session's safety-core changes): each finding
-proven on the real part, as a strict xfail the fix turns green (then the mark goes).
+proven on the real part, as a strict xfail the fix turned green (all 7 fixed; marks gone).
 
 1. outstream: the writer thread writes through the stream object and so holds its
    BufferedWriter lock while blocked in write(); at exit the interpreter's own flush of
@@ -46,8 +46,6 @@ _BLOCKED_EXIT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="review5 finding 1: exit hangs on a blocked stderr "
-                   "(the writer thread holds the BufferedWriter lock; the final flush waits)")
 def test_a_blocked_log_stream_does_not_hold_exit(tmp_path):
     """stderr a pipe nobody reads (journald stalled, `run 2>&1 | less` not scrolled): the
     process must be gone within the drain bound and a margin, not when the reader
@@ -74,23 +72,20 @@ def test_a_blocked_log_stream_does_not_hold_exit(tmp_path):
         proc.wait()
 
 
-@pytest.mark.xfail(strict=True, reason="review5 finding 2: latch_text cuts the encoded "
-                   "JSON mid-escape: a non-ASCII reason makes an unreadable latch")
 def test_a_long_non_ascii_reason_keeps_a_readable_latch(tmp_path):
     """The reason is cut to fit, the JSON never. Fix: failsafe.latch_text shortens the
     reason until json.dumps(body) fits LATCH_BYTES (the [:LATCH_BYTES] on the bytes goes)."""
     reason = "camerad: Kamera ausgefallen: " + "é" * 2048
     text = latch_text(reason)
     assert len(text) <= LATCH_BYTES
-    assert json.loads(text)["reason"] == reason[:len(json.loads(text)["reason"])]
+    got = json.loads(text)["reason"]
+    assert got.endswith("...") and reason.startswith(got[:-3]), got   # said to be cut
     latch = FailSafeLatch(tmp_path / "failsafe.latch")
     latch.set(reason)
     assert latch.read()["reason"].startswith("camerad: Kamera ausgefallen: é"), latch.read()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the broker runs as root")
-@pytest.mark.xfail(strict=True, reason="review5 finding 3: BrokerLatch.reserve() is a no-op; "
-                   "a long-lived broker reserves only when it opens the state dir")
 def test_a_run_through_a_long_lived_broker_has_a_latch_reserve(tmp_path):
     """The reserve was taken by a latch on a full disk (failsafe._into_reserve renames it
     to be the latch) and the operator cleared the latch; the broker (its own unit) stays
@@ -118,8 +113,6 @@ def test_a_run_through_a_long_lived_broker_has_a_latch_reserve(tmp_path):
         err.close()
 
 
-@pytest.mark.xfail(strict=True, reason="review5 finding 4: FailSafeLatch.read (the direct "
-                   "path) blocks for ever on a FIFO at the latch's name; the broker's read does not")
 def test_a_fifo_at_the_latchs_name_is_a_latch_not_a_hang(tmp_path):
     """Someone who can write the state dir plants a FIFO as failsafe.latch: `run`'s
     _latched() (and clear-fail-safe) must not hang in open(). The broker's
@@ -163,8 +156,6 @@ _READ_ONLY = textwrap.dedent("""
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root and unshare (a private tmpfs)")
-@pytest.mark.xfail(strict=True, reason="review5 finding 5: a read-only state dir that holds "
-                   "a reserve passes check's probe and run's reserve(); the latch is then lost")
 def test_a_read_only_state_dir_with_a_reserve_is_a_config_problem(tmp_path):
     """ext4 remounts read-only after an I/O error (errors=remount-ro): the reserve an
     earlier run made is still a whole regular file, so has_reserve() answers check's
@@ -185,8 +176,6 @@ def test_a_read_only_state_dir_with_a_reserve_is_a_config_problem(tmp_path):
     assert res["probe"] is not None and res["reserve"] is not None, res
 
 
-@pytest.mark.xfail(strict=True, reason="review5 finding 6: warnings share the urgent places "
-                   "with errors: a research worker's warnings use them up and fail_safe is dropped")
 def test_warnings_of_a_worker_cannot_use_up_the_fail_safe_events_place():
     """Round 8 row 14's set-up (a stopped pty, a chatty worker's output past the queue),
     plus the warnings a hostile research worker can cause while the console stays
@@ -258,8 +247,6 @@ _SECOND_LATCH = textwrap.dedent("""
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root and unshare (a private tmpfs)")
-@pytest.mark.xfail(strict=True, reason="review5 finding 7: with no room and no reserve, "
-                   "write_latch renames an empty file over a latch that had its reason")
 def test_a_second_latch_on_a_full_disk_keeps_the_first_ones_reason(tmp_path):
     """The reserve went into the first latch; a second set (the broker's SetLatch may be
     sent again by the supervisor proper) finds no room: the empty fallback must not

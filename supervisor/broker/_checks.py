@@ -14,14 +14,13 @@ request data reaches a decision without passing one of these).
 """
 from __future__ import annotations
 
-import errno
-import json
 import os
 import socket
 import stat
 from dataclasses import dataclass
 
-from supervisor.failsafe import LATCH_NAME, latch_text, reserve_latch, write_latch
+from supervisor.failsafe import (LATCH_NAME, latch_text, read_latch_text, reserve_latch,
+                                 write_latch)
 
 from ._errors import BadFds, Failed, Refused
 
@@ -160,6 +159,13 @@ class StateDir:
         except OSError as e:
             raise Failed(f"latch in {self.path}: {e.strerror}") from None
 
+    def reserve_latch(self) -> None:
+        """failsafe.reserve_latch in the held directory; no room is `failed`."""
+        try:
+            reserve_latch(self.fd)
+        except OSError as e:
+            raise Failed(f"latch reserve in {self.path}: {e.strerror}", e.errno) from None
+
     def clear_latch(self) -> None:
         try:
             os.unlink(LATCH_NAME, dir_fd=self.fd)
@@ -169,20 +175,6 @@ class StateDir:
             raise Failed(f"latch in {self.path}: {e.strerror}") from None
 
     def read_latch(self) -> str:
-        """The latch file's text ("" when there is none). Not parsed here: the broker
-        hands the bytes on. A latch that is a symlink or unreadable is still a latch."""
-        try:
-            fd = os.open(LATCH_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
-                         dir_fd=self.fd)
-        except FileNotFoundError:
-            return ""
-        except OSError as e:
-            why = "a symlink" if e.errno == errno.ELOOP else e.strerror
-            return json.dumps({"reason": f"unreadable latch file: {why}"})
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return json.dumps({"reason": "unreadable latch file: not a regular file"})
-            data = os.read(fd, 4096)
-        finally:
-            os.close(fd)
-        return data.decode("utf-8", "replace") or json.dumps({"reason": "empty latch file"})
+        """The latch file's text ("" when there is none): failsafe.read_latch_text in the
+        held directory. Not parsed here: the broker hands the bytes on."""
+        return read_latch_text(self.fd)

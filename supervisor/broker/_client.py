@@ -276,6 +276,9 @@ class BrokerClient:
     def set_latch(self, reason: str) -> None:
         self.call(P.SetLatch(reason))
 
+    def reserve_latch(self) -> None:
+        self.call(P.ReserveLatch())
+
     def clear_latch(self) -> None:
         self.call(P.ClearLatch())
 

@@ -149,6 +149,11 @@ class ReadLatch:
 
 
 @dataclass(frozen=True)
+class ReserveLatch:
+    pass
+
+
+@dataclass(frozen=True)
 class Realtime:
     worker: str
     incarnation: int
@@ -156,7 +161,7 @@ class Realtime:
 
 Request = Union[Ping, Start, SignalPid, KillSandbox, Reap, Pids, OpenProc, SetLatch,
                 ClearLatch, ReadLatch, Realtime, OpenFd, OpenMapFile, SignalThread,
-                OpenPidNs, ReadFilters, OpenMapFiles]
+                OpenPidNs, ReadFilters, OpenMapFiles, ReserveLatch]
 _SANDBOX_REQUESTS = {"killSandbox": KillSandbox, "reap": Reap, "pids": Pids,
                      "realtime": Realtime}
 _KIND = {Ping: "ping", Start: "start", SignalPid: "signal", KillSandbox: "killSandbox",
@@ -164,7 +169,7 @@ _KIND = {Ping: "ping", Start: "start", SignalPid: "signal", KillSandbox: "killSa
          ClearLatch: "clearLatch", ReadLatch: "readLatch", Realtime: "realtime",
          OpenFd: "openFd", OpenMapFile: "openMapFile", SignalThread: "signalThread",
          OpenPidNs: "openPidNs", ReadFilters: "readFilters",
-         OpenMapFiles: "openMapFiles"}
+         OpenMapFiles: "openMapFiles", ReserveLatch: "reserveLatch"}
 
 
 def kind_of(req: Request) -> str:
@@ -310,6 +315,8 @@ def encode_request(rid: int, req: Request) -> bytes:
         m.clearLatch = None
     elif isinstance(req, ReadLatch):
         m.readLatch = None
+    elif isinstance(req, ReserveLatch):
+        m.reserveLatch = None
     else:
         raise TypeError(f"not a broker request: {req!r}")
     return m.to_bytes()
@@ -449,6 +456,8 @@ def _body(m) -> Request:
         return ClearLatch()
     if which == "readLatch":
         return ReadLatch()
+    if which == "reserveLatch":
+        return ReserveLatch()
     raise Malformed(f"unknown request {which[:32]!r}")
 
 

@@ -348,6 +348,11 @@ class Broker:
                           "(supervisor clear-fail-safe), not through the broker")
         if isinstance(req, P.ReadLatch):
             return P.Latch(self.state.read_latch()), []
+        if isinstance(req, P.ReserveLatch):
+            # Each run's start, as on the direct path: a latch that took the reserve on
+            # a full disk, then cleared, left a long-lived broker without one (review).
+            self.state.reserve_latch()
+            return P.Ok(), []
         if isinstance(req, P.Realtime):
             self._realtime(self._incarnation(req.worker, req.incarnation))
             return P.Ok(), []

@@ -231,7 +231,8 @@ class BrokerLatch:
         return got if isinstance(got, dict) else {"reason": "unreadable latch file"}
 
     def reserve(self) -> None:
-        """The broker reserved the latch's blocks when it opened the state dir."""
+        """The latch's blocks, made by the broker (at each run's start, as directly)."""
+        self._call(self.client.reserve_latch)
 
     def set(self, reason: str) -> None:
         from supervisor.protocol import printable
