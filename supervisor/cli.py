@@ -319,8 +319,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cmd in REPLAY:
         return REPLAY[args.cmd][1](args)
-    return {"run": cmd_run, "check": cmd_check, "units": cmd_units,
-            "clear-fail-safe": cmd_clear_fail_safe}[args.cmd](args)
+    cmd = {"run": cmd_run, "check": cmd_check, "units": cmd_units,
+           "clear-fail-safe": cmd_clear_fail_safe}[args.cmd]
+    if args.cmd == "run" or (args.cmd == "check" and args.start):
+        return cmd(args)
+    # Nothing is started: a stop signal ends it at once (Ctrl-C in one line), not
+    # recorded for a supervisor that does not exist (check ignored Ctrl-C and SIGHUP).
+    _signals.uninstall()
+    try:
+        return cmd(args)
+    except KeyboardInterrupt:
+        print(f"supervisor {args.cmd}: interrupted", file=sys.stderr)
+        return int(Exit.ERROR)
 
 
 if __name__ == "__main__":

@@ -303,6 +303,7 @@ def test_a_different_model_version_gives_a_readable_diff_and_exit_6(work, record
     assert (work / "run-m2" / "diff.md").read_text() in md
     s = json.loads((work / "run-m2" / "summary.json").read_text())
     assert s["diff"]["ok"] is False and s["diff"]["first_divergent_frame"] == first
+    assert s["exit_code"] == 6, s.get("exit_code")     # what the command exited with
 
 
 def test_a_truncated_log_replays_in_real_time_with_the_loss_reported(work, recorded):
