@@ -29,7 +29,7 @@ from typing import TextIO
 MAX_PENDING = 10_000          # lines queued while a stream is blocked; then dropped
 MAX_URGENT = 2_000            # places beyond that for urgent lines (warnings)
 URGENT, VITAL = 1, 2          # put()'s ranks: a warning; an error (never dropped)
-DRAIN_AT_EXIT_S = 2.0         # per stream: a console stopped for good cannot hold exit
+DRAIN_AT_EXIT_S = 2.0         # all streams together: a stopped console cannot hold exit
 IDLE_S = 0.5                  # a writer thread with nothing to write for this long ends
 
 
@@ -93,8 +93,24 @@ class StreamWriter:
             self._cond.notify()
             return
         self._running = True
-        threading.Thread(target=self._run, daemon=True,
-                         name=f"outstream-{_fd(self.stream)}").start()
+        try:
+            threading.Thread(target=self._run, daemon=True,
+                             name=f"outstream-{_fd(self.stream)}").start()
+        except RuntimeError:             # the interpreter is ending: no new threads
+            self._running = False
+            try:
+                self._write(self._compose(*self._take()))
+            except (OSError, ValueError):
+                pass
+
+    def _take(self) -> tuple[list[str], str | None, bool, int]:
+        """(under _cond) Everything pending, taken: lines, live row, end, dropped."""
+        batch = [text for _, text in self._lines]
+        self._lines.clear()
+        latest, self._latest = self._latest, None
+        end, self._end = self._end, False
+        dropped, self._dropped = self._dropped, 0
+        return batch, latest, end, dropped
 
     def drain(self, timeout: float) -> bool:
         """Wait until everything queued is written; False if `timeout` ran out."""
@@ -112,14 +128,10 @@ class StreamWriter:
                         lambda: self._lines or self._latest is not None or self._end, IDLE_S):
                     self._running = False
                     return
-                batch = [text for _, text in self._lines]
-                self._lines.clear()
-                latest, self._latest = self._latest, None
-                end, self._end = self._end, False
-                dropped, self._dropped = self._dropped, 0
+                pending = self._take()
                 self._busy = True
             try:
-                self._write(self._compose(batch, latest, end, dropped))
+                self._write(self._compose(*pending))
             except (OSError, ValueError):
                 pass             # a closed stream must not take the supervisor down
             finally:
