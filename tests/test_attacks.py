@@ -87,8 +87,7 @@ ATTACKERS = {
     "c-fakewx": ("control", "fake_wx_lock", True),       # READY by hand, a decoy filter
     "c-wx1thread": ("control", "wx_one_thread", True),   # the W^X filter on one thread only
     "c-vmchild": ("control", "shared_vm_child", True),
-    # Late: it looks 3 s after its READY at what r-descr set at its own; with
-    # [supervisor] start_parallel the two could otherwise start together.
+    # Late: it looks 3 s after its READY at what r-descr set at its own.
     "c-descr": ("control", "shared_description", False),
     "c-sigcont": ("control", "sigcont_race", True),      # last: it may strand itself (5 s)
 }
@@ -110,7 +109,6 @@ def _toml(sock_dir: Path) -> str:
     [supervisor]
     maps_scan_interval_s = 0.5
     status_interval_s = 0.5
-    start_parallel = 3
     [domains.control]
     failure_policy = "restart"
     actuates = true
