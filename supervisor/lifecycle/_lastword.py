@@ -409,6 +409,7 @@ class _LastResort:
             events = []
             for name in self._actuation_of(run.cfg):
                 payload = self.config.channels[name].payload
+                said_ns = time.monotonic_ns()      # (just before: no reader takes it earlier)
                 try:
                     values = publish_safe(self.channels[name], payload,
                                           trusted_readers(self.config, name))
@@ -416,10 +417,12 @@ class _LastResort:
                     events.append(("last_word_error", dict(
                         worker=run.cfg.name, channel=name, reason=f"{type(e).__name__}: {e}")))
                 else:
+                    # said_ns: when SAFE was published (the thread's event is emitted
+                    # later, from the loop: its own mono_ns can follow a reader's take).
                     events.append(("last_word", dict(
                         worker=run.cfg.name, pid=run.pid, channel=name, payload=payload,
                         waited_ms=round((time.monotonic_ns() - since_ns) / 1e6, 3), by=by,
-                        **values)))
+                        said_ns=said_ns, **values)))
         lw = self._lastword
         for event, fields in events:
             if by == "thread" and lw is not None:
