@@ -108,8 +108,10 @@ _procmap_query_works: bool | None = None  # None: not tried yet
 # How long one judgement may take before it is refused instead ("too slow to judge"),
 # and how many mappings one mprotect may span.
 # Bounds on a hostile worker's cost to us, not deadlines for an honest one: a loaded
-# 2-core machine took 61 ms of CPU for camerad's judgement once (refused at 50 ms).
-JUDGE_BUDGET_S = 0.25  # CPU time of this thread (system time: reading /proc)
+# 2-core machine took 61 ms of CPU for camerad's judgement once (refused at 50 ms), and
+# 334 ms for numpy's C extension through the broker in a full test run (refused at 250
+# ms: an honest control worker refused, the domain failed safe).
+JUDGE_BUDGET_S = 0.6  # CPU time of this thread (system time: reading /proc)
 JUDGE_WALL_S = 2.0  # wall time (a lock held by the worker; a descheduled supervisor)
 MAX_RANGE_MAPPINGS = 1024
 # What all of one worker's requests may cost us (one listener: one incarnation): a
