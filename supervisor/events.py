@@ -155,8 +155,7 @@ class EventLog:
         if not self._writer_made:
             self._writer_made = True
             self._writer = outstream.writer_for(self.stream, self._dropped_line)
-        prefix = f"<{int(level)}>" if self.journal else ""
-        line = prefix + render(rec, self.fmt) + "\n"
+        line = self._line(rec, level)
         if self._writer is not None:
             self._writer.put(line, outstream.VITAL if level <= Level.ERROR
                              else outstream.URGENT if level <= Level.WARNING else 0)
@@ -167,13 +166,17 @@ class EventLog:
         except (OSError, ValueError):
             pass  # a closed log stream must not take the supervisor down
 
+    def _line(self, rec: dict[str, Any], level: Level) -> str:
+        """One event as written: journald's priority prefix under systemd, the render."""
+        return (f"<{int(level)}>" if self.journal else "") + render(rec, self.fmt) + "\n"
+
     def _dropped_line(self, n: int) -> str:
         """Said in place of the lines a blocked stream could not take (queue full)."""
         rec = {"ts": round(time.time(), 6), "mono_ns": time.monotonic_ns(),
                "source": "supervisor", "event": "log_dropped", "level": "warning",
                "lines": n, "reason": "the log stream was blocked (a stopped console, a "
                "stalled pipe or journald); the events are still counted and kept"}
-        return (f"<{int(Level.WARNING)}>" if self.journal else "") + render(rec, self.fmt) + "\n"
+        return self._line(rec, Level.WARNING)
 
     def drain(self, timeout: float = outstream.DRAIN_AT_EXIT_S) -> bool:
         """Every line emitted so far, written (False: the stream stayed blocked)."""

@@ -249,13 +249,13 @@ def _exists(dir_fd: int, name: str) -> bool:
         return False
 
 
-def _whole_reserve(dir_fd: int | None, path: str = RESERVE_NAME) -> bool:
+def _whole_reserve(dir_fd: int) -> bool:
     """A reserve is there, a regular file with its blocks (not a link planted there),
     on a file system that can still be written (a read-only one, e.g. ext4 after an I/O
     error, passed with a reserve and latched nothing: review)."""
     try:
-        st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
-        vfs = os.fstatvfs(dir_fd) if dir_fd is not None else os.statvfs(os.path.dirname(path))
+        st = os.stat(RESERVE_NAME, dir_fd=dir_fd, follow_symlinks=False)
+        vfs = os.fstatvfs(dir_fd)
     except OSError:
         return False
     return (stat.S_ISREG(st.st_mode) and st.st_size == LATCH_BYTES and st.st_nlink == 1
@@ -264,7 +264,11 @@ def _whole_reserve(dir_fd: int | None, path: str = RESERVE_NAME) -> bool:
 
 def has_reserve(state_dir: str | os.PathLike) -> bool:
     """The state dir holds a whole latch reserve (check's question: can a latch be made?)."""
-    return _whole_reserve(None, os.path.join(state_dir, RESERVE_NAME))
+    try:
+        with _dir_fd(Path(state_dir)) as d:
+            return _whole_reserve(d)
+    except OSError:
+        return False
 
 
 def reserve_latch(dir_fd: int) -> None:

@@ -14,7 +14,6 @@ from supervisor.protocol import StatusLine, parse_line
 from ._run import WorkerRun
 
 
-
 class _WorkerIO:
     """Status and output pipes of each run (mixed into `Supervisor`)."""
 
