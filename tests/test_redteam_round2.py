@@ -44,6 +44,7 @@ PIN_MEMORY_MAX_MIB = 64
 ATTACKERS = {
     "r-wide": ("research", "wide_status", ""),        # first: its status leads the row
     "r-nonl": ("research", "status_no_newline", ""),
+    "r-bigpipe": ("research", "status_pipe_enlarged", ""),
     "r-smuggle": ("research", "status_tail_smuggle", ""),
     "r-pin": ("research", "socket_pin", f'memory_max = "{PIN_MEMORY_MAX_MIB}MiB"'),
     "c-pin": ("control", "socket_pin", f'memory_max = "{PIN_MEMORY_MAX_MIB}MiB"'),
@@ -247,6 +248,15 @@ def test_status_bytes_without_newline_cannot_flood_the_log(fleet):
           f"worker during the run: {len(missed)}")
     assert len(errors) <= 20, f"{len(errors)} protocol_error events from one worker in 2 s"
     assert refused, _of(ev, "r-nonl")
+
+
+def test_an_enlarged_status_pipe_buys_no_deeper_burst(fleet):
+    """A worker that enlarges its status pipe to 1 MiB and writes 20,000 pings at once
+    is refused as a flood: the bucket's depth is a default pipe's worth (~5,958 lines),
+    not its own pipe's (review of red team 8 row 5's fix). Written from a real sandbox."""
+    ev = fleet["events"]
+    refused = [e for e in _of(ev, "r-bigpipe", "refused") if e.get("kind") == "protocol_flood"]
+    assert refused, _of(ev, "r-bigpipe")[-5:]
 
 
 def test_the_live_row_is_never_wider_than_the_terminal_in_columns(fleet):

@@ -54,6 +54,23 @@ def status_no_newline(ctx: WorkerContext) -> dict:
     return {"denied": None, "sent": sent}   # the verdict is the supervisor's log
 
 
+def status_pipe_enlarged(ctx: WorkerContext) -> dict:
+    """The status bucket's depth is a default pipe's worth of lines (lifecycle/_io.py):
+    a worker that enlarges its end of the pipe (F_SETPIPE_SZ, 1 MiB) could otherwise
+    queue 16x that and have it read as one honest backlog. Enlarge it, then write 20,000
+    pings at once (fits in the big pipe: the write never blocks)."""
+    import fcntl
+
+    fd = _status_fd()
+    try:
+        size = fcntl.fcntl(fd, 1031, 1 << 20)          # F_SETPIPE_SZ
+    except OSError as e:
+        return {"denied": True, "error": _err(e)}
+    sent = os.write(fd, b"WATCHDOG=1\n" * 20_000)
+    time.sleep(3.0)                                  # the supervisor's turn
+    return {"denied": None, "pipe": size, "sent": sent}
+
+
 def wide_status(ctx: WorkerContext) -> dict:
     """Printable but two columns wide (fullwidth forms): the live row is fitted with
     len(), so 'never wider than the terminal' holds for ASCII only. The row wraps, and
@@ -355,7 +372,7 @@ def many_mappings(ctx: WorkerContext) -> dict:
 
 
 ATTACKS: dict[str, Callable[[WorkerContext], dict]] = {
-    f.__name__: f for f in (status_no_newline, status_tail_smuggle, wide_status, socket_pin, proc_knobs,
+    f.__name__: f for f in (status_no_newline, status_pipe_enlarged, status_tail_smuggle, wide_status, socket_pin, proc_knobs,
                             inherited_fds, signal_out, channel_fd_ops, fs_secrets, exec_watch_flood,
                             many_mappings)
 }
