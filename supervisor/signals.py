@@ -4,10 +4,12 @@ trio's signal receiver restores the default handlers when it closes and re-deliv
 what was pending, so a second signal during the ordered stop (or a Ctrl-C before trio
 started) used to kill the supervisor mid-stop or end in a KeyboardInterrupt traceback.
 These handlers never raise and are never removed: a signal is a byte on a pipe, the
-supervisor reads the first one as "stop in order" and every later one changes nothing.
+supervisor reads the first one as "stop in order" and every later one changes nothing;
+at exit they become SIG_IGN, never the defaults.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import threading
@@ -73,7 +75,19 @@ def install() -> SignalPipe | None:
             _previous[s] = signal.signal(s, _pipe._handler)
         for s in SIG_IGNORED:
             _previous[s] = signal.signal(s, signal.SIG_IGN)
+        atexit.register(_ignore_at_exit)
     return _pipe
+
+
+def _ignore_at_exit() -> None:
+    """The process is ending, its exit code decided: from here on a signal is ignored.
+    Past atexit, Python resets every handled signal to its default, so a second SIGTERM
+    in the last milliseconds of the interpreter's teardown killed the process and lost
+    that code (CI: `check --start` ended -15, not 5). SIG_IGN is left alone there."""
+    if _pipe is None or threading.current_thread() is not threading.main_thread():
+        return
+    for s in (*STOP_SIGNALS, *IGNORED_SIGNALS):
+        signal.signal(s, signal.SIG_IGN)
 
 
 def uninstall() -> None:
@@ -85,4 +99,5 @@ def uninstall() -> None:
     for s, h in _previous.items():
         signal.signal(s, h)
     _previous.clear()
+    atexit.unregister(_ignore_at_exit)
     _pipe = None
