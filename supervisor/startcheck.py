@@ -196,15 +196,32 @@ async def _drive(cfg: Config, log: EventLog, watch: _Watch, timeout_s: float,
     return Exit.SHUTDOWN
 
 
+def _ancestors(pid: int) -> set[int]:
+    """`pid` and the processes above it (parent, its parent, ... up to pid 1), from
+    /proc/PID/stat; a process gone or unreadable ends the chain."""
+    chain: set[int] = set()
+    while pid > 0 and pid not in chain:
+        chain.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return chain
+
+
 def other_supervisors(me: int | None = None) -> list[tuple[int, str]]:
     """Other supervisors running on this machine, from /proc: (pid, command line) of each
     `supervisor run`, `supervisor check --start` and broker. A check started beside a live
     one runs a second pipeline next to it (its cameras, CPU, the real-time slot): worth a
-    line. Found by command line: a process that hides its name is not found."""
-    me = os.getpid() if me is None else me
+    line. Found by command line: a process that hides its name is not found.
+    `me`'s ancestors are not others: `sudo supervisor check --start` (or `timeout 300
+    ...`, `nice ...`) has a parent whose command line is the check's own, and the check
+    named its own sudo as a second pipeline beside it."""
+    mine = _ancestors(os.getpid() if me is None else me)
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
+        if not entry.isdigit() or int(entry) in mine:
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
