@@ -7,12 +7,22 @@ into a plain pass. ``--runxfail`` shows the evidence of each break.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
+import re
+import select
 import shutil
+import signal
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
+import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -98,3 +108,275 @@ def test_a_signed_audit_never_verifies_for_a_config_that_trusts_another_key(sign
     print(r.returncode, r.stdout, r.stderr)
     assert r.returncode != 0, "verify said OK for a config that trusts another model key"
     assert "FAILED" in r.stderr
+
+
+# ---------------------------------------------------------------- the fleet (rows 2-4)
+#
+# One real `supervisor run`: its console (stdout, the live status row) a real
+# pseudo-terminal the test reads, its events (stderr) a file that the supervisor takes
+# for journald's stream ($JOURNAL_STREAM names it: every line gets journald's <N>
+# priority prefix, as under systemd). The hostile worker is research (`rt9w`, written at
+# run time into a root-owned python_path): it writes what a compromised research worker
+# would want an operator or a reviewer to read.
+
+_RT9W = r'''
+"""Red team round 9 workers (tests/test_redteam_round9.py writes this file)."""
+import os
+import sys
+import time
+
+MARK = "PWNED"
+
+# What a hostile worker prints, raw bytes on its stdout/stderr: terminal escapes (a
+# title, the clipboard through OSC 52, a cleared screen), a carriage return that would
+# overwrite the row, NUL, invalid UTF-8, Unicode line breaks, lines that look like the
+# supervisor's own events (JSON, and with journald's priority prefix), and a log record
+# with keys of an event.
+OUTPUT = [
+    b"\x1b]0;PWNED title\x07\x1b[2J\x1b[H control ok\n",
+    b"\x1b]52;c;UFdORUQ=\x07 PWNED clipboard\n",
+    b"PWNED ordinary\rFAIL-SAFE cleared: ENGAGED +0.000 rad\n",
+    b"PWNED nul\x00byte bad utf8 \xff\xfe\xc3\x28 end\n",
+    "PWNED line\u2028break\u0085next\u202eesrever".encode(),
+    b"\n",
+    b'{"ts":1,"mono_ns":1,"source":"supervisor","event":"fail_safe","level":"error",'
+    b'"reason":"PWNED forged"}\n',
+    b'<0>{"ts":1,"source":"supervisor","event":"all_ready","level":"info","x":"PWNED"}\n',
+    b'<3>PWNED journald priority\n',
+    b'{"log":"PWNED rec","data":{"k\\u001b[2J":"\\u001b]0;t\\u0007"},"event":"fail_safe",'
+    b'"source":"supervisor","level":"error","worker":"c","ts":1}\n',
+]
+STATUS = [
+    b"STATUS=PWNED \x1b]0;title\x07\x1b[2J\x1b[1;1H engaged=1 reason=none\r\n",
+    b"STATUS=PWNED\x1b[1A\x1b[2K FAIL-SAFE cleared \xff\n",
+]
+
+
+def ansi(ctx):
+    ctx.ready(status="rt9 ansi")
+    for chunk in OUTPUT:
+        os.write(1, chunk)
+        os.write(2, chunk)
+    ctx.log("PWNED \x1b[31mred\x1b[0m \r", **{"k\x1b]0;x\x07": "v\x1b[2J"})
+    for line in STATUS:
+        os.write(ctx.status_fd, line)
+        time.sleep(0.6)                 # each one a status event and a live row
+    print("rt9 ansi: done", flush=True)
+    while True:
+        ctx.watchdog()
+        time.sleep(0.05)
+
+
+def main(ctx):
+    attack = sys.argv[1]
+    if attack == "ansi":
+        return ansi(ctx)
+    raise SystemExit("unknown attack " + attack)
+'''
+
+
+def _fleet_toml(pp: Path) -> str:
+    return textwrap.dedent(f"""
+    [supervisor]
+    status_interval_s = 0.5
+    [domains.control]
+    actuates = true
+    [domains.research]
+    python_path = ["{pp}"]
+    [channels.cmd]
+    slot_size = "4KiB"
+    dtype = "float32"
+    payload = "control_cmd"
+    max_age_ms = 50
+    [workers.c]
+    domain = "control"
+    module = "workers.probe"
+    publishes = ["cmd"]
+    args = ["--publish", "cmd", "--period-ms", "10", "--ping-ms", "20"]
+    watchdog_ms = 1000
+    ready_timeout_ms = 30000
+    [workers.r-ansi]
+    domain = "research"
+    module = "rt9w"
+    args = ["ansi"]
+    restart = "never"
+    optional = true
+    ready_timeout_ms = 30000
+    """)
+
+
+class Fleet:
+    """`supervisor run` with stdout on a real pty (read and kept by the test, 160
+    columns) and stderr a file that is journald's stream as far as it can tell."""
+
+    def __init__(self) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="rt9-", dir="/tmp"))
+        self.tmp.chmod(0o755)
+        self.pp = self.tmp / "lib"
+        (self.pp / "rt9w").mkdir(parents=True)
+        for d in (self.pp, self.pp / "rt9w"):
+            d.chmod(0o755)
+        (self.pp / "rt9w" / "__init__.py").write_text(_RT9W)
+        (self.pp / "rt9w" / "__init__.py").chmod(0o644)
+        state = self.tmp / "state"
+        state.mkdir(mode=0o700)
+        cfg = self.tmp / "rt9.toml"
+        cfg.write_text(_fleet_toml(self.pp))
+        self.log_path = self.tmp / "journal.log"
+        self.log = open(self.log_path, "wb")
+        st = os.fstat(self.log.fileno())
+        self.master, self.slave = pty.openpty()
+        fcntl.ioctl(self.slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
+        self.console = bytearray()
+        self._stop = False
+        self._drainer = threading.Thread(target=self._drain, daemon=True)
+        self._drainer.start()
+        env = dict(os.environ, TRIO_STATE_DIR=str(state),
+                   JOURNAL_STREAM=f"{st.st_dev}:{st.st_ino}")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.cli", "run", "--config", str(cfg)],
+            stdin=subprocess.DEVNULL, stdout=self.slave, stderr=self.log, cwd=REPO,
+            process_group=0, env=env)
+
+    def _drain(self) -> None:
+        while not self._stop:
+            r, _, _ = select.select([self.master], [], [], 0.2)
+            if not r:
+                continue
+            try:
+                got = os.read(self.master, 65536)
+            except OSError:
+                return
+            if not got:
+                return
+            self.console += got
+
+    def lines(self) -> list[bytes]:
+        return self.log_path.read_bytes().splitlines()
+
+    def events(self) -> list[dict]:
+        out = []
+        for line in self.lines():
+            try:
+                out.append(json.loads(line[3:]))
+            except ValueError:
+                pass             # a line being written now; checked whole at the end
+        return out
+
+    def wait_for(self, pred, timeout_s: float) -> list[dict]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            got = [e for e in self.events() if pred(e)]
+            if got or self.proc.poll() is not None:
+                return got
+            time.sleep(0.05)
+        return []
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(x.decode(errors="replace")[:300] for x in self.lines()[-n:])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._stop = True
+        self._drainer.join(timeout=2)
+        for fd in (self.slave, self.master):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.log.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    if shutil.which("bwrap") is None or os.geteuid() != 0:
+        pytest.skip("the supervisor's sandboxes need bubblewrap and root")
+    f = Fleet()
+    try:
+        got = f.wait_for(lambda e: e.get("event") in ("all_ready", "supervisor_exit")
+                         and e.get("source") == "supervisor", 120)
+        if not got or got[0]["event"] != "all_ready":
+            pytest.fail("the fleet never became ready:\n" + f.tail())
+        done = f.wait_for(lambda e: e.get("event") == "output" and e.get("worker") == "r-ansi"
+                          and e.get("line") == "rt9 ansi: done", 30)
+        if not done:
+            pytest.fail("r-ansi never finished its attack:\n" + f.tail())
+        time.sleep(1.5)                  # one more live row with its last status
+        yield f
+    finally:
+        f.close()
+
+
+def _strict_json(text: str) -> dict:
+    def refuse(c: str):
+        raise ValueError(f"not JSON: {c}")
+    return json.loads(text, parse_constant=refuse)
+
+
+# ------------------------------------------------------------------ row 2 (held)
+@pytest.mark.sandbox
+def test_a_research_workers_text_never_forges_an_event_or_a_journald_priority(fleet):
+    """Every line the supervisor wrote to journald's stream is one event: its own <N>
+    prefix, then strict ASCII JSON. Whatever r-ansi printed (JSON of a `fail_safe`, a
+    `<0>` prefix, a log record with event keys) is an info event naming r-ansi; nothing
+    is a supervisor event it forged, and no byte would act on a terminal."""
+    raw = fleet.log_path.read_bytes()
+    for bad in (b"\x1b", b"\x07", b"\x00", b"\r"):
+        assert bad not in raw, f"{bad!r} reached the journal stream"
+    assert all(b < 0x80 for b in raw), "a non-ASCII byte reached the journal stream"
+    lines = raw.splitlines()
+    evs = []
+    for line in lines:
+        assert re.match(rb"^<[0-7]>\{", line), line[:200]
+        evs.append((int(line[1:2]), _strict_json(line[3:].decode())))
+    mine = [(p, e) for p, e in evs if "PWNED" in json.dumps(e)]
+    assert len(mine) >= 12, f"the attack's lines are missing:\n{fleet.tail()}"
+    for prio, e in mine:
+        assert e.get("worker") == "r-ansi", e
+        assert e["event"] in ("output", "log", "status"), e
+        assert prio == 6 and e["level"] == "info", (prio, e)
+        assert e["source"] in ("r-ansi", "supervisor"), e
+        if e["source"] == "supervisor":
+            assert e["event"] == "status", e      # the supervisor's report, naming r-ansi
+    forged = [e for _, e in evs if e.get("event") == "fail_safe"
+              or (e.get("event") == "all_ready" and e.get("source") != "supervisor")]
+    assert not forged, forged
+    assert sum(e.get("event") == "all_ready" for _, e in evs) == 1
+    rec = [e for _, e in mine if e["event"] == "log" and e.get("msg") == "PWNED rec"]
+    assert rec and set(rec[0]) >= {"msg", "data"} and rec[0]["source"] == "r-ansi", rec
+    assert rec[0]["ts"] != 1, rec[0]
+    # The same events as `--log-format text` renders them: nothing a terminal acts on.
+    from supervisor.events import render
+    for _, e in mine:
+        text = render(e, "text")
+        assert text.isprintable(), repr(text)
+    print(f"{len(lines)} journal lines, {len(mine)} carrying r-ansi's text, all <6> info")
+
+
+# ------------------------------------------------------------------ row 3 (held)
+@pytest.mark.sandbox
+def test_a_research_workers_status_never_acts_on_the_operators_console(fleet):
+    """The live row carries r-ansi's STATUS= text (escapes, a carriage return, a cursor
+    move up): on the console pty the only control sequences are the supervisor's own
+    (carriage return + erase line, and newlines), and the row still leads with the
+    actuation state."""
+    out = bytes(fleet.console)
+    assert b"PWNED" in out, out[-2000:]
+    stripped = out.replace(b"\r\x1b[2K", b"")
+    for bad in (b"\x1b", b"\x07", b"\x00"):
+        assert bad not in stripped, (bad, out[max(0, out.find(bad) - 200):][:400])
+    rows = [r for r in re.split(rb"\r\x1b\[2K|\r?\n", out) if b"PWNED" in r]
+    assert rows
+    for r in rows:
+        assert b"\r" not in r, r
+        assert r.startswith((b"ENGAGED", b"SAFE")), r[:200]
+        assert r.decode("utf-8").isprintable(), r
+    print(f"console: {len(out)} bytes, {len(rows)} rows with r-ansi's status, e.g. "
+          f"{rows[-1][:160]!r}")
