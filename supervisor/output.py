@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from supervisor.events import MAX_DEPTH
+from supervisor.ratelimit import TokenBucket
 
 
 @dataclass
@@ -25,10 +26,12 @@ class LineLimiter:
     burst: int = 200             # lines at once
     _buf: bytearray = field(default_factory=bytearray)
     _overlong: int = 0           # bytes dropped from the current line
-    _tokens: float = -1.0
-    _last: float = 0.0
     dropped: int = 0             # whole lines not emitted (rate limit)
     truncated: int = 0           # lines cut to max_line
+    _bucket: TokenBucket = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._bucket = TokenBucket(self.rate, float(self.burst))
 
     def feed(self, chunk: bytes, now: float | None = None) -> list[str]:
         """Complete lines of `chunk` that may be emitted now (decoded, cut)."""
@@ -73,9 +76,7 @@ class LineLimiter:
 
     def _empty(self, now: float) -> bool:
         """True when the bucket holds no whole line's token now."""
-        if self._tokens < 0:
-            return False
-        return min(float(self.burst), self._tokens + (now - self._last) * self.rate) < 1.0
+        return self._bucket.level(now) < 1.0
 
     def _drop_rest(self, chunk: bytes, start: int) -> list[str]:
         """Every complete line from ``start`` on is dropped (the bucket is empty); the
@@ -95,12 +96,7 @@ class LineLimiter:
         return []
 
     def _admit(self, now: float) -> bool:
-        if self._tokens < 0:
-            self._tokens, self._last = float(self.burst), now
-        self._tokens = min(float(self.burst), self._tokens + (now - self._last) * self.rate)
-        self._last = now
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
+        if self._bucket.take(now):
             return True
         self.dropped += 1
         return False

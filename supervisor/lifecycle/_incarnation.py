@@ -32,6 +32,7 @@ import trio
 
 from supervisor.output import LineLimiter
 from supervisor.protocol import ENV_EXECWATCH_FD, ENV_STANDBY_FD, endpoint_for, worker_env
+from supervisor.ratelimit import TokenBucket
 from supervisor.sandbox.procfs import DIRECT, ProcOpener
 
 
@@ -64,8 +65,7 @@ class Incarnation:
     ctl_sock: socket.socket | None = None    # (standby) our end of the hand-over
     status_buf: bytes = b""                  # an incomplete status line
     status_skip: bool = False                # inside an over-long line: drop to its newline
-    status_tokens: float = 1000.0            # status-line rate limit (token bucket)
-    status_ts: float = 0.0
+    status_bucket: TokenBucket | None = None  # status lines (made at the spawn, _io's rates)
     proto_err_at: float = float("-inf")      # the last protocol_error event (monotonic s)
     proto_err_held: int = 0                  # protocol errors not logged since (1/s)
     output: LineLimiter = field(default_factory=LineLimiter)

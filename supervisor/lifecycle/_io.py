@@ -10,6 +10,7 @@ import trio
 
 from supervisor.output import parse_log_record
 from supervisor.protocol import StatusLine, parse_line
+from supervisor.ratelimit import TokenBucket
 
 from ._run import WorkerRun
 
@@ -80,14 +81,10 @@ class _WorkerIO:
             self._protocol_error(run, "status line over 4096 bytes; dropped")
             rest, inc.status_skip, cost = b"", True, cost + 1
         inc.status_buf = rest
-        now = time.monotonic()
-        inc.status_tokens = min(self.STATUS_DEPTH,
-                                inc.status_tokens + (now - inc.status_ts) * self.STATUS_LINES_PER_S)
-        inc.status_ts = now
         # Counted as lines, so that newline-free bytes at pipe speed (one protocol_error
         # per 8 KiB read before, thousands a second into journald) end in protocol_flood.
-        inc.status_tokens -= cost
-        if inc.status_tokens < -self.STATUS_LINES_PER_S:
+        # Charged, not taken: what was read is read; a second's debt is the limit.
+        if inc.status_bucket.charge(time.monotonic(), cost) < -self.STATUS_LINES_PER_S:
             self._refuse(run, "protocol_flood", f"more than {self.STATUS_LINES_PER_S:g} "
                          f"status lines per second")
             return False
@@ -169,14 +166,13 @@ class _WorkerIO:
         if not run.status_held or run.status == run.status_logged:
             return                # nothing new (held changes that came back stay counted)
         now = time.monotonic()
-        run.status_ev_tokens = min(self.STATUS_EVENT_BURST, run.status_ev_tokens
-                                   + (now - run.status_ev_ts) * self.STATUS_EVENTS_PER_S)
-        run.status_ev_ts = now
+        if run.status_events is None:          # full at the first look
+            run.status_events = TokenBucket(self.STATUS_EVENTS_PER_S, self.STATUS_EVENT_BURST)
         due = now - run.status_logged_at >= self.config.supervisor.status_interval_s
         urgent = not run.status_logged or _status_matters(run.status_logged, run.status)
-        if not final and not due and not (urgent and run.status_ev_tokens >= 1):
+        if not final and not due and not (urgent and run.status_events.level(now) >= 1):
             return
-        run.status_ev_tokens = max(run.status_ev_tokens - 1, 0.0)
+        run.status_events.charge(now, 1, floor=0.0)   # a due or final one uses one, if held
         run.status_logged_at = now
         held, run.status_held, run.status_logged = run.status_held - 1, 0, run.status
         extra = {"held": held} if held else {}

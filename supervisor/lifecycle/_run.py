@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import trio
 
 from supervisor.config import WorkerConfig
+from supervisor.ratelimit import TokenBucket
 
 from ._incarnation import Incarnation
 
@@ -33,8 +34,7 @@ class WorkerRun:
     last_ping_ns: int = 0
     ready: trio.Event = field(default_factory=trio.Event)
     status_logged: str = ""                  # the last status text that became an event
-    status_ev_tokens: float = 0.0            # status-event bucket (filled at first use:
-    status_ev_ts: float = 0.0                # the refill since ts 0 tops it up)
+    status_events: TokenBucket | None = None  # status events let through at once (_io)
     status_held: int = 0                     # changes not logged since (rate limit)
     status_logged_at: float = float("-inf")  # when (monotonic s) it was logged
     exec_snapshot: object | None = None      # maps.ExecSnapshot taken at READY

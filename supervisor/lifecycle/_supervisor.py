@@ -20,6 +20,7 @@ from supervisor.exits import Exit
 from supervisor.failsafe import FailSafeLatch, trusted_readers
 from supervisor.ipc import Channel
 from supervisor.notify import Notifier
+from supervisor.ratelimit import TokenBucket
 from supervisor.sandbox.policy import RESEARCH, worker_sys_path
 
 from ._exec import _ExecWindow
@@ -156,7 +157,9 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         number = self._numbers[w.name] = self._numbers.get(w.name, 0) + 1
         inc = await self.launcher.start(w, number, standby=run.is_standby,
                                         handles={} if run.is_standby else self._handles(w))
-        inc.status_tokens, inc.status_ts = self.STATUS_LINES_PER_S, time.monotonic()
+        # A second's worth of status lines to begin with, up to a pipeful (_io).
+        inc.status_bucket = TokenBucket(self.STATUS_LINES_PER_S, self.STATUS_DEPTH,
+                                        tokens=self.STATUS_LINES_PER_S, at=time.monotonic())
         run.current = inc
         run.begin(time.monotonic_ns())
         self.log.emit("standby_start" if run.is_standby else "start", worker=w.name,

@@ -74,6 +74,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from supervisor.admission.maps import first_foreign_page
+from supervisor.ratelimit import TokenBucket
 from supervisor.sandbox.procfs import DIRECT, ProcOpener
 
 # <linux/seccomp.h>. The ioctl numbers encode the struct sizes, so a kernel whose
@@ -301,10 +302,9 @@ class ExecWatch:
         self.busy_s = 0.0       # wall time spent answering (judging, stopping, checking)
         self.cpu_s = 0.0        # our CPU time spent answering, in all
         self.judged = 0         # requests answered, in all
-        # The buckets (JUDGE_TOTAL_CPU_S, MAX_JUDGEMENTS): what is left, refilled on use.
-        self.judge_total_cpu_s, self.max_judgements = JUDGE_TOTAL_CPU_S, MAX_JUDGEMENTS
-        self._cpu_left, self._judgements_left = JUDGE_TOTAL_CPU_S, float(MAX_JUDGEMENTS)
-        self._refilled = time.monotonic()
+        # What all of this worker's requests may cost us (see JUDGE_TOTAL_CPU_S).
+        self.cpu_bucket = TokenBucket(JUDGE_CPU_REFILL, JUDGE_TOTAL_CPU_S)
+        self.request_bucket = TokenBucket(JUDGEMENTS_REFILL, float(MAX_JUDGEMENTS))
         # What the request being judged may make executable (_mismatch): (dev, inode)
         # of the judged files, and whether private anonymous memory was judged.
         self._judged: set[tuple[tuple[int, int], int]] = set()
@@ -361,8 +361,9 @@ class ExecWatch:
             cpu = _own_cpu() - c0
             self.cpu_s += cpu
             self.judged += 1
-            self._cpu_left -= cpu
-            self._judgements_left -= 1
+            now = time.monotonic()
+            self.cpu_bucket.charge(now, cpu)        # what it cost, known only now
+            self.request_bucket.charge(now, 1)
             if verdict is not None:
                 out.append(verdict)
             if slow:
@@ -373,16 +374,12 @@ class ExecWatch:
         """Why the next request is refused unjudged: this worker's requests have cost
         more than their buckets hold (a flood), else None."""
         now = time.monotonic()
-        dt, self._refilled = now - self._refilled, now
-        self._cpu_left = min(self.judge_total_cpu_s, self._cpu_left + dt * JUDGE_CPU_REFILL)
-        self._judgements_left = min(float(self.max_judgements),
-                                    self._judgements_left + dt * JUDGEMENTS_REFILL)
-        if self._judgements_left < 1:
+        if self.request_bucket.level(now) < 1:
             return (f"exec request flood: {self.judged} requests to judge (bucket "
-                    f"{self.max_judgements}, {JUDGEMENTS_REFILL:g}/s)")
-        if self._cpu_left <= 0:
+                    f"{self.request_bucket.depth:g}, {JUDGEMENTS_REFILL:g}/s)")
+        if self.cpu_bucket.level(now) <= 0:
             return (f"exec request flood: {self.judged} requests took {self.cpu_s:.2f} s "
-                    f"of supervisor CPU (bucket {self.judge_total_cpu_s:.1f} s, "
+                    f"of supervisor CPU (bucket {self.cpu_bucket.depth:.1f} s, "
                     f"{JUDGE_CPU_REFILL:g} s/s)")
         return None
 
