@@ -4,6 +4,12 @@ the first per frame was compared); a log of another schema version was read as i
 were this one; a run whose outputs all matched but whose model time failed read
 "DIFFERS" with nothing changed, the same as a model regression.
 
+Then the gate as a CI merge gate on shared 2-core runners: the model time gate was on by
+default (p99 <= 1.5 x REF's) and failed unchanged code on a loaded runner (two CPU
+hogs: p99 6.56 ms against REF's 0.90, exit 6, "model time only"); it is opt-in now,
+and what a regression changes (the model, the law, dropped frames, a shorter run) still
+fails. A fleet retried a log it could not read (exit 2) and ended "incomplete" (7).
+
 The comparison and the log reader are the parts under test, so the logs are written
 by the recorder's own writer (`LogWriter`), not recorded by a pipeline: a recording and
 two replays cost a minute here, and tests/test_replay.py already runs those end to end.
@@ -94,6 +100,91 @@ def test_model_time_alone_says_so(ref, tmp_path):
     text = render_text(r)
     assert "result: DIFFERS: model time only" in text and "--time-p99" in text
     assert "model time only" in render_markdown(r)
+
+
+def _timed(d: Path, n: int = 12, *, latency_ms: float = 1.0, offset: float = 0.0,
+           steer: float = 0.0, skip: tuple[int, ...] = ()) -> DriveLog:
+    """Model outputs with execution receipts, and commands, one per frame."""
+    from tests.test_replay_format import _receipt
+
+    w = LogWriter(d, CHANNELS, info={"test": "journey"})
+    for i in range(n):
+        if i in skip:
+            continue
+        w.message("model_out", i, 1000 + i, 1, i, 1000 + i,
+                  np.array([0.1 * i + offset, 0.9, 1.0], np.float32), _receipt(i, latency_ms))
+        w.message("control_cmd", i, 1001 + i, 2, i, 1001 + i,
+                  np.array([0.01 * i + steer, 1.0, 0.0], np.float32))
+    w.close({"frames": n})
+    return DriveLog.open(d)
+
+
+def test_timings_are_reported_not_gated_by_default_and_regressions_still_fail(tmp_path):
+    """The CLI's defaults (no --time-*): what a loaded runner does to the model's time
+    (here 10x REF's) passes, labelled as reported only; what a regression does to the
+    outputs fails. `--time-p99` gates on time when asked, and says it was asked."""
+    ref = _timed(tmp_path / "ref")
+    cli = dict(p99_ratio=None, max_ratio=None)           # commands.py's defaults
+    busy = _cmp_t(_timed(tmp_path / "busy", latency_ms=10.0), ref, **cli)
+    assert busy.ok and not busy.gate.gated, busy.gate
+    assert "model time (reported, not gated" in render_text(busy)
+    assert "| p99 | 10.00 ms | 1.00 ms | not gated |" in render_markdown(busy)
+    for name, kw in [("model", dict(offset=0.01)), ("law", dict(steer=0.001)),
+                     ("dropped", dict(skip=(5,))), ("shorter", dict(n=9))]:
+        r = _cmp_t(_timed(tmp_path / name, **kw), ref, **cli)
+        assert not r.ok and r.gate.ok, name                # the outputs decide, not time
+    asked = _cmp_t(_timed(tmp_path / "busy2", latency_ms=10.0), ref, p99_ratio=2.0,
+                   max_ratio=None)
+    assert not asked.ok and asked.gate.gated and "p99 10.00 ms > 2 x REF" in asked.gate.why
+    text = render_text(asked)
+    assert "model time gate (opt-in: --time-p99 2" in text and "model time only" in text
+    # Receipts gone where REF has them: a lost part of the output, gated without asking.
+    w = LogWriter(tmp_path / "noreceipt", CHANNELS)
+    for i in range(12):
+        w.message("model_out", i, 1000 + i, 1, i, 1000 + i,
+                  np.array([0.1 * i, 0.9, 1.0], np.float32))
+        w.message("control_cmd", i, 1001 + i, 2, i, 1001 + i,
+                  np.array([0.01 * i, 1.0, 0.0], np.float32))
+    w.close({"frames": 12})
+    gone = _cmp_t(DriveLog.open(tmp_path / "noreceipt"), ref, **cli)
+    assert not gone.ok and "carries no receipts" in render_text(gone)
+
+
+def _cmp_t(run: DriveLog, ref: DriveLog, **kw):
+    return compare(run, ref, channels=CHANNELS, payloads=PAYLOADS, model_channel="model_out",
+                   gated=set(CHANNELS), **kw)
+
+
+def test_a_fleet_reports_bad_input_once_and_judges_the_other_logs():
+    """A fleet's scheduling and verdict (fleet._execute with outcomes given: the
+    replays themselves run in test_replay's fleet test). Before: a log that could not
+    be read (exit 2) was retried, shown twice, and the fleet exited 7 (incomplete)."""
+    from supervisor.replay.fleet import FleetReport, _execute
+
+    outcomes = {"bad": [2, 2], "flaky": [7, 0], "fine": [0], "changed": [6]}
+    tried: list[str] = []
+
+    def submit(log: str, run_dir: str):
+        code = outcomes[log][sum(t == log for t in tried)]
+        tried.append(log)
+        return lambda: {"exit_code": code, "wall_s": 0.1, "summary": None, "run_dir": run_dir,
+                        "error": "supervisor replay: bad: schema version 9" if code == 2 else ""}
+
+    def fleet(logs: list[str]) -> FleetReport:
+        tried.clear()
+        return FleetReport("out", "jobs 2", 1.0, _execute(logs, "out", [], submit, 60.0))
+
+    rep = fleet(["bad", "flaky", "fine"])
+    by = {j.log: j for j in rep.jobs}
+    assert tried.count("bad") == 1 and by["bad"].status == "bad_input"   # never retried
+    assert tried.count("flaky") == 2 and by["flaky"].status == "ok"      # a crash: once more
+    assert rep.exit_code == 2                      # could not run: not "incomplete" (7)
+    assert by["bad"].line() == ("bad: could not run (bad input, exit 2, not retried): bad: "
+                                "schema version 9")
+    assert "| `bad` | could not run (bad input) (bad: schema version 9) | 1 |" in rep.markdown()
+    assert rep.as_dict()["bad_input"] == 1 and rep.as_dict()["failed"] == 0
+    assert fleet(["bad", "changed"]).exit_code == 6    # a bad log never hides a regression
+    assert fleet(["fine"]).exit_code == 0
 
 
 def test_another_schema_version_is_one_line(tmp_path):

@@ -102,11 +102,10 @@ def recorded(work) -> Path:
 # where the car's law did, so both compare (the steer up to float32's last bit while a
 # ramp the log began in lasts: docs/replay.md); a log cut while the pipeline ran has
 # outputs and commands at its ends whose frames it lacks, or frames whose outputs it
-# lacks (added/removed at the ends), and the time gate is not this module's to judge
-# (two shared cores).
+# lacks (added/removed at the ends). Model time is reported, not gated, by default.
 SELF = ("--ref", "self", *(f"--tol={c}.{k}=2" for c in ("model_out", "control_cmd")
                             for k in ("added", "removed")),
-        "--tol", "control_cmd.steer_rad=1e-6", "--time-p99", "50", "--time-max", "50")
+        "--tol", "control_cmd.steer_rad=1e-6")
 
 
 @pytest.fixture(scope="module")
@@ -187,20 +186,22 @@ def test_record_writes_every_channel_with_receipts_and_lifecycle(recorded):
 
 def test_two_replays_are_bit_identical_under_load_and_match_the_recorded_model_outputs(
         work, recorded, first_run):
-    # The CI gate: the second replay runs while two CPU hogs keep both cores busy, and
-    # must still compare equal (lockstep: a loaded machine is only slower). (The time
-    # gate is tested in test_replay_format: these tests share two cores with whatever
-    # else runs.)
+    # The CI gate, with its defaults: the second replay runs while two CPU hogs keep
+    # both cores busy, and must still compare equal (lockstep: a loaded machine is only
+    # slower). Before, the default model time gate failed it (p99 6.56 ms > 1.5 x REF
+    # 0.90 ms, exit 6, "model time only"): timings are reported, gated only when asked
+    # (test_journey_replay).
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
         r = cli("replay", str(recorded), "--out", str(work / "run2"), "--ref", str(first_run),
-                "--time-p99", "50", "--time-max", "50", "--no-progress", cwd=work)
+                "--no-progress", cwd=work)
     finally:
         for h in hogs:
             h.kill()
             h.wait()
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "result: within tolerance" in r.stdout
+    assert "model time (reported, not gated" in r.stdout
     s2 = json.loads((work / "run2" / "summary.json").read_text())
     assert s2["drops"] == {}, s2["drops"]            # lockstep: the recorder missed nothing
     a, b = DriveLog.open(first_run / "log"), DriveLog.open(work / "run2" / "log")
@@ -292,8 +293,7 @@ def test_a_different_model_version_gives_a_readable_diff_and_exit_6(work, record
     cfg = config(work / "model2.toml", artifact=str(work / "model2"),
                  pubkey=str(work / "keys" / "m2.pub"), name=name)
     r = cli("replay", str(recorded), "--out", str(work / "run-m2"), "--config", str(cfg),
-            "--ref", str(first_run), "--format", "markdown", "--time-p99", "20",
-            "--time-max", "20", "--no-progress", cwd=work)
+            "--ref", str(first_run), "--format", "markdown", "--no-progress", cwd=work)
     assert r.returncode == 6, r.stdout + r.stderr[-3000:]
     md = r.stdout
     first = DriveLog.open(recorded).video("road_frames").index[0].frame_id
@@ -431,7 +431,11 @@ def test_a_slow_recorder_drops_and_counts_never_the_control_domain(clip_log):
     assert bad == []
 
 
-def test_fleet_replays_in_parallel_and_retries_a_failed_job_once(work, recorded, clip_log):
+def test_fleet_replays_in_parallel_and_reports_a_bad_log_once(work, recorded, clip_log):
+    """A log the fleet cannot read is one line naming it, never retried (it would fail
+    the same way: before, it was tried twice and the fleet exited 7, "incomplete"), and
+    the other log is replayed and judged all the same; the fleet exits 2, "could not
+    run". (A failed job's retry: test_journey_replay's fleet test.)"""
     logs = work / "fleet-logs"
     logs.mkdir()
     shutil.copytree(clip_log, logs / "drive1")            # H.264, decoded by camerad
@@ -439,16 +443,20 @@ def test_fleet_replays_in_parallel_and_retries_a_failed_job_once(work, recorded,
     shutil.copytree(recorded, broken)
     os.truncate(broken / "road_frames.vidx", 10)          # no whole frame left: fails
     r = cli("replay", str(logs), "--jobs", "2", "--out", str(work / "fleet"), cwd=work)
-    assert r.returncode == 7, r.stdout + r.stderr[-3000:]
+    assert r.returncode == 2, r.stdout + r.stderr[-3000:]
+    assert r.stderr.strip().splitlines() == [
+        f"supervisor replay: {broken}: could not run (bad input, exit 2, not retried): "
+        f"{broken}: the video of 'road_frames' has no whole frame"], r.stderr
     rep = json.loads((work / "fleet" / "fleet.json").read_text())
     by = {Path(j["log"]).name: j for j in rep["jobs"]}
     assert set(by) == {"drive1", "drive9"}                 # none missing
     assert by["drive1"]["status"] == "ok" and len(by["drive1"]["attempts"]) == 1
     assert by["drive1"]["frames"] == len(DriveLog.open(clip_log).video("road_frames"))
-    assert by["drive9"]["status"] == "failed" and len(by["drive9"]["attempts"]) == 2
+    assert by["drive9"]["status"] == "bad_input" and len(by["drive9"]["attempts"]) == 1
     assert "no whole frame" in by["drive9"]["attempts"][-1]["error"]
-    assert rep["failed"] == 1 and rep["retried"] == 1
-    assert "| `drive9` | failed (" in r.stdout
+    assert rep["bad_input"] == 1 and rep["failed"] == rep["retried"] == 0
+    assert rep["exit_code"] == 2 and not (work / "fleet" / "drive9.retry1").exists()
+    assert "| `drive9` | could not run (bad input) (" in r.stdout
 
 
 def test_fleet_on_a_local_ray_cluster(work, recorded):

@@ -3,9 +3,17 @@
 Each job is one whole ``supervisor replay LOG --out OUT/<name>`` in a process of its own
 (its own supervisor, sandboxes and channels), here in a pool of N, or as Ray tasks on
 an existing cluster (``--ray local`` starts a local one). A job that fails (the replay
-exits with anything but 0 or 6 = differs, or the process dies) is retried once into a
-fresh directory; both attempts are in the report. No log is ever missing from it: a
-job that failed twice is listed as failed with its last error.
+exits with anything but 0, 6 = differs or 2 = bad input, or the process dies) is retried
+once into a fresh directory; both attempts are in the report. Bad input (a corrupt log,
+one of another schema version, a config that does not load: exit 2) is never retried:
+it would fail the same way again, and a CI log would show it twice as a flaky failure.
+No log is ever missing from the report, and one log that could not run loses nothing
+else: the others are replayed and judged all the same.
+
+The fleet's exit code, the most telling of its jobs' (`FleetReport.exit_code`): 6 if
+any log differs (a verdict on the product), else 7 if any replay failed (incomplete, a
+worker died, a timeout: a product crash reads like this too), else 2 if any log could
+not run (bad input: a verdict on the input, named one line each on stderr), else 0.
 
 On a Ray cluster each task runs ``supervisor replay`` on whichever node Ray picks: the
 logs and OUT must be at the same paths on every node (a shared filesystem), and each
@@ -30,6 +38,9 @@ from .progress import FleetProgress
 from .run import DIFFERS
 
 RETRIES = 1
+BAD_INPUT = 2                   # `supervisor replay`'s exit for a log it cannot read
+NO_RETRY = (0, DIFFERS, BAD_INPUT)   # outcomes a second try would only repeat
+UNJUDGED = ("failed", "bad_input")    # statuses of a log the fleet gives no verdict on
 
 
 class FleetError(Exception):
@@ -79,7 +90,15 @@ class JobResult:
     @property
     def status(self) -> str:
         code = self.final.exit_code
-        return "ok" if code == 0 else "differs" if code == DIFFERS else "failed"
+        return {0: "ok", DIFFERS: "differs", BAD_INPUT: "bad_input"}.get(code, "failed")
+
+    def line(self) -> str:
+        """One line for a log that did not get a verdict (stderr, a CI log)."""
+        err = self.final.error.removeprefix("supervisor replay: ") or f"exit {self.final.exit_code}"
+        if self.status == "bad_input":
+            return f"{self.log}: could not run (bad input, exit 2, not retried): {err}"
+        return (f"{self.log}: failed (exit {self.final.exit_code}, {len(self.attempts)} "
+                f"attempts): {err}")
 
 
 def job_argv(log: str, run_dir: str, extra: list[str]) -> list[str]:
@@ -122,7 +141,7 @@ def _execute(logs: list[str], out: str, extra: list[str], submit, timeout_s: flo
         if progress is not None and time.monotonic() - shown >= 1.0:
             shown = time.monotonic()
             done = [r for r in results.values() if r.attempts and r.log not in pending]
-            progress.update(len(done), sum(r.status == "failed" for r in done), len(pending))
+            progress.update(len(done), sum(r.status in UNJUDGED for r in done), len(pending))
         for log, fut in list(pending.items()):
             got = fut()
             if got is None:
@@ -132,12 +151,12 @@ def _execute(logs: list[str], out: str, extra: list[str], submit, timeout_s: flo
             r.attempts.append(Attempt(got["run_dir"], got["exit_code"], round(got["wall_s"], 2),
                                       got["error"]))
             r.summary = got["summary"]
-            if got["exit_code"] not in (0, DIFFERS) and tries[log] < RETRIES:
+            if got["exit_code"] not in NO_RETRY and tries[log] < RETRIES:
                 tries[log] += 1
                 pending[log] = submit(log, _attempt_dir(out, r.name, tries[log]))
         time.sleep(0.05)
     if progress is not None:
-        progress.update(len(logs), sum(r.status == "failed" for r in results.values()), 0)
+        progress.update(len(logs), sum(r.status in UNJUDGED for r in results.values()), 0)
     return [results[log] for log in logs]
 
 
@@ -208,8 +227,14 @@ class FleetReport:
 
     @property
     def exit_code(self) -> int:
-        st = [j.status for j in self.jobs]
-        return 7 if "failed" in st else DIFFERS if "differs" in st else 0
+        """6 any differs, else 7 any failed, else 2 any bad input, else 0: a verdict on
+        the product first (a log that could not run must not hide a regression in
+        another), and never 0 while a log went unjudged."""
+        st = {j.status for j in self.jobs}
+        for status, code in (("differs", DIFFERS), ("failed", 7), ("bad_input", BAD_INPUT)):
+            if status in st:
+                return code
+        return 0
 
     def as_dict(self) -> dict[str, Any]:
         frames = sum(((j.summary or {}).get("frames") or {}).get("replayed", 0) for j in self.jobs)
@@ -218,6 +243,7 @@ class FleetReport:
                 "ok": sum(j.status == "ok" for j in self.jobs),
                 "differs": sum(j.status == "differs" for j in self.jobs),
                 "failed": sum(j.status == "failed" for j in self.jobs),
+                "bad_input": sum(j.status == "bad_input" for j in self.jobs),
                 "retried": sum(len(j.attempts) > 1 for j in self.jobs),
                 "exit_code": self.exit_code,
                 "jobs": [{"log": j.log, "status": j.status,
@@ -231,14 +257,17 @@ class FleetReport:
     def markdown(self) -> str:
         d = self.as_dict()
         lines = [f"### Fleet replay ({d['mode']}): {d['logs']} logs, {d['ok']} ok, "
-                 f"{d['differs']} differ, {d['failed']} failed, {d['retried']} retried, "
+                 f"{d['differs']} differ, {d['failed']} failed, {d['bad_input']} could not "
+                 f"run (bad input), {d['retried']} retried, "
                  f"{d['wall_s']:.1f} s", "",
                  "| log | status | attempts | frames | model p99 ms |", "|---|---|---:|---:|---:|"]
         for j in d["jobs"]:
             p99 = "" if j["model_p99_ms"] is None else f"{j['model_p99_ms']:.2f}"
             err = next((a["error"] for a in reversed(j["attempts"]) if a["error"]), "")
-            lines.append(f"| `{Path(j['log']).name}` | {j['status']}"
-                         f"{' (' + err + ')' if err and j['status'] == 'failed' else ''} | "
+            err = err.removeprefix("supervisor replay: ")
+            status = "could not run (bad input)" if j["status"] == "bad_input" else j["status"]
+            why = f" ({err})" if err and j["status"] in UNJUDGED else ""
+            lines.append(f"| `{Path(j['log']).name}` | {status}{why} | "
                          f"{len(j['attempts'])} | {j['frames'] or ''} | {p99} |")
         return "\n".join(lines) + "\n"
 
