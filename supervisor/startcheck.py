@@ -396,18 +396,77 @@ def install_problems(checkout: str | None = None) -> list[str]:
     return problems
 
 
+# --- The machine as the sandboxes need it (`python -m supervisor.startcheck --machine`).
+# Two layouts of a container stopped every sandbox with a line per worker that named an
+# errno and not the machine: Docker's default seccomp profile (no CAP_SYS_ADMIN) refuses
+# a new mount namespace ('sandbox cannot start: OSError: staging mount namespace failed:
+# unshare: unshare failed: Operation not permitted', four times for minimal.toml), and a
+# read-only /run (`docker run --read-only`) refuses the staging mount point ('OSError:
+# [Errno 30] Read-only file system: '/run/trio-staging''; `run` restarted camerad five
+# times and failed safe, exit 4). One line each here, saying what to do.
+
+_CONTAINER_CAPS = ("run the container with --privileged, or with --cap-add SYS_ADMIN "
+                   "--security-opt seccomp=unconfined --security-opt apparmor=unconfined")
+
+
+def machine_problems() -> list[str]:
+    """What on this machine keeps every sandbox from starting, one line each with what to
+    do; [] when nothing does (or when not root: only root's supervisor makes the staging
+    mount namespace). Looks only: runs `unshare` in a namespace that ends at once and
+    creates nothing outside it."""
+    import shutil
+    import subprocess
+
+    from supervisor.sandbox.staging import BASE
+
+    if os.geteuid() != 0:
+        return []
+    problems: list[str] = []
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        problems.append("namespaces: no `unshare` here (the sandboxes' staging mount "
+                        "namespace needs it): apt-get install util-linux")
+    else:
+        r = subprocess.run([unshare, "--mount", "--propagation", "private", "true"],
+                           capture_output=True, text=True, errors="replace", timeout=30,
+                           env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"})
+        if r.returncode != 0:
+            said = " ".join(r.stderr.split()) or f"exit {r.returncode}"
+            problems.append(f"namespaces: this machine refuses a new mount namespace to root "
+                            f"({said}), so no sandbox can start: a container's default "
+                            f"seccomp profile without CAP_SYS_ADMIN does this; "
+                            f"{_CONTAINER_CAPS}")
+    parent = os.path.dirname(BASE)
+    if not os.path.isdir(BASE) and not os.access(parent, os.W_OK):
+        why = ("read-only" if os.path.isdir(parent) else "missing")
+        problems.append(f"staging: {parent} is {why}, so the sandboxes' staging mount point "
+                        f"{BASE} cannot be made: give the machine a writable {parent} "
+                        f"(docker run --tmpfs {parent}), or make the empty directory "
+                        f"{BASE} in the image")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m supervisor.startcheck --installed [--checkout DIR]``: the install's
-    last step. Exit 0, or 2 with one line per problem on stderr."""
+    last step. Exit 0, or 2 with one line per problem on stderr. ``--machine``: this
+    machine's `machine_problems`, exit 5 (as a sandbox that cannot start) when any."""
     import argparse
     import sys
 
     p = argparse.ArgumentParser(prog="python -m supervisor.startcheck")
-    p.add_argument("--installed", action="store_true", required=True,
-                   help="check the installation as the sandboxes will see it")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--installed", action="store_true",
+                      help="check the installation as the sandboxes will see it")
+    what.add_argument("--machine", action="store_true",
+                      help="check this machine (a container?) lets sandboxes start")
     p.add_argument("--checkout", default=None,
                    help="the checkout an editable install must import from")
     args = p.parse_args(argv)
+    if args.machine:
+        lines = machine_problems()
+        for line in lines:
+            print(f"machine: {line}", file=sys.stderr)
+        return int(Exit.START_FAILED) if lines else 0
     problems = install_problems(args.checkout)
     for line in problems:
         print(f"install: {line}", file=sys.stderr)

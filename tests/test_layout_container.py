@@ -1,0 +1,80 @@
+"""A container-shaped machine: what keeps every sandbox from starting there is said once,
+with what to do (`python -m supervisor.startcheck --machine`, `machine_problems`).
+
+Each layout is made for real and only for the child: Docker's default seccomp profile as
+a seccomp filter on the child (namespaces and mounts refused with EPERM, as without
+CAP_SYS_ADMIN), a read-only /run in a private mount namespace. About a second each."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                                reason="root and unshare (the staging namespace is root's)")
+
+# Docker's default profile without CAP_SYS_ADMIN, the part that matters here: no new
+# namespace, no mount. clone3 is ENOSYS there (glibc falls back to clone).
+DOCKERISH = """
+import errno, os, sys
+import pyseccomp as sc
+f = sc.SyscallFilter(defaction=sc.ALLOW)
+for name in ("unshare", "setns", "mount", "umount2", "pivot_root", "open_tree",
+             "move_mount", "fsopen", "fsmount", "fsconfig", "mount_setattr"):
+    f.add_rule(sc.ERRNO(errno.EPERM), name)
+f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, 0x10000000, 0x10000000))
+f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+f.load()
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+MACHINE = [sys.executable, "-m", "supervisor.startcheck", "--machine"]
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd="/")
+
+
+@needs_root
+def test_this_machine_lets_sandboxes_start():
+    p = _run(MACHINE)
+    assert (p.returncode, p.stderr) == (0, ""), p.stderr
+
+
+@needs_root
+def test_a_container_without_cap_sys_admin_is_one_line_saying_what_to_do():
+    """Under Docker's default seccomp profile `supervisor check` said, once per worker,
+    'sandbox cannot start: OSError: staging mount namespace failed: unshare: unshare
+    failed: Operation not permitted', and nothing about the container."""
+    pytest.importorskip("pyseccomp")
+    p = _run([sys.executable, "-c", DOCKERISH, *MACHINE])
+    assert p.returncode == 5, p.stdout + p.stderr
+    (line,) = p.stderr.strip().splitlines()
+    assert line.startswith("machine: namespaces: this machine refuses a new mount namespace"), line
+    assert "Operation not permitted" in line and "--privileged" in line, line
+
+
+@needs_root
+@pytest.mark.parametrize("premade", [False, True])
+def test_a_read_only_run_is_one_line_and_a_premade_staging_point_is_enough(premade):
+    """`docker run --read-only`: /run read-only. `check` said per worker 'OSError:
+    [Errno 30] Read-only file system: '/run/trio-staging'' and `run` restarted camerad
+    five times, then failed safe (exit 4). The line says to give /run a tmpfs or make the
+    mount point in the image; with the point made, the machine is fine (the staging
+    mounts its tmpfs there inside its own namespace)."""
+    from supervisor.sandbox.staging import BASE
+
+    make = f"mkdir {BASE} && " if premade else ""
+    script = (f"mount --make-rprivate / && mount -t tmpfs -o size=1m tmpfs /run && {make}"
+              f"mount -o remount,ro /run && exec \"$@\"")
+    p = _run(["unshare", "-m", "sh", "-c", script, "sh", *MACHINE])
+    if premade:
+        assert (p.returncode, p.stderr) == (0, ""), p.stderr
+        return
+    assert p.returncode == 5, p.stdout + p.stderr
+    (line,) = p.stderr.strip().splitlines()
+    assert line == (f"machine: staging: /run is read-only, so the sandboxes' staging mount "
+                    f"point {BASE} cannot be made: give the machine a writable /run (docker "
+                    f"run --tmpfs /run), or make the empty directory {BASE} in the image"), line
