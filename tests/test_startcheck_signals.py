@@ -92,24 +92,3 @@ def test_another_supervisor_running_here_is_named():
         p.wait()
     assert p.pid not in dict(other_supervisors())
 
-
-# The CLI's process at its very end: the exit code is decided and Python is tearing
-# down (past atexit it resets every handled signal to its default). A second SIGTERM
-# there killed the process: CI saw the check above end -15 after it had printed its lines.
-LATE_KILL = """
-import builtins, os, signal, sys, time
-import supervisor.cli                      # installs the CLI's signal handling
-class LateKill:                            # freed in the interpreter's last teardown
-    def __del__(self):
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.1)                    # delivered by now
-builtins.late_kill = LateKill()
-sys.exit(5)
-"""
-
-
-def test_a_stop_signal_during_the_interpreters_teardown_keeps_the_exit_code():
-    p = subprocess.run([sys.executable, "-c", LATE_KILL], cwd=ROOT, capture_output=True,
-                       text=True, timeout=60)
-    assert p.returncode == 5, (p.returncode, p.stderr)
-    assert "Traceback" not in p.stderr, p.stderr

@@ -573,12 +573,21 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         cfg = self.config
         self.log.emit("supervisor_start", config=cfg.source, pid=os.getpid(),
                       sandboxed=self.sandboxed, mode=cfg.supervisor.mode)
+        # Stop signals are bytes on a pipe (the CLI installs the handlers before anything
+        # else, for the process's whole life): a second signal, or one during start-up,
+        # can never cut the ordered stop short or raise. Embedded, we give them back.
+        embedded = signals._pipe is None
+        sigpipe = signals.install()
         refused: set[str] = set()
         stop = (self._latched() or self._reserve_latch()
                 or (self._sandbox_preflight() if self.sandboxed else None))
         if stop is None:
             refused = set(self.admit())
             stop = self._refused_required(refused) or self._config_problems(refused)
+        if stop is None and sigpipe is not None and (sig := self._take_signals(sigpipe)):
+            # systemd's stop (or Ctrl-C) during the checks: no worker is started only to
+            # be stopped again (it was, once the loop ran: a camera opened and closed).
+            stop = Exit.SHUTDOWN, f"stopped by {sig} before any worker started"
         if stop is not None:            # one way out before anything has started
             code, reason = stop
             self.exit_code = code
@@ -586,13 +595,10 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                 self.cgroups.close()
                 self.cgroups = None
             self.log.emit("supervisor_exit", code=int(code), reason=reason)
+            if embedded:
+                signals.uninstall()
             task_status.started(self)
             return code
-        # Stop signals are bytes on a pipe (the CLI installs the handlers before anything
-        # else, for the process's whole life): a second signal, or one during start-up,
-        # can never cut the ordered stop short or raise. Embedded, we give them back.
-        embedded = signals._pipe is None
-        sigpipe = signals.install()
         self._make_channels()
         self._start_last_word_thread()
         try:
@@ -833,18 +839,24 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
     async def _watch_signals(self, pipe: signals.SignalPipe, scope: trio.CancelScope) -> None:
         while True:
             await trio.lowlevel.wait_readable(pipe.r)
-            got = pipe.drain()
-            stops = [x for x in got if x in signals.STOP_SIGNALS]
-            for x in got:
-                if x not in signals.STOP_SIGNALS:
-                    self.log.emit("signal_ignored", signal=_signame(x))
-            if stops:
-                self.log.emit("signal", signal=_signame(stops[0]),
-                              **({"also": [_signame(x) for x in stops[1:]]}
-                                 if stops[1:] else {}))
+            if self._take_signals(pipe):
                 self.notify.stopping()
                 scope.cancel()
                 return
+
+    def _take_signals(self, pipe: signals.SignalPipe) -> str | None:
+        """Log the signals received since the last look; the first stop signal's name
+        (an ordered stop is due), else None."""
+        got = pipe.drain()
+        stops = [x for x in got if x in signals.STOP_SIGNALS]
+        for x in got:
+            if x not in signals.STOP_SIGNALS:
+                self.log.emit("signal_ignored", signal=_signame(x))
+        if not stops:
+            return None
+        self.log.emit("signal", signal=_signame(stops[0]),
+                      **({"also": [_signame(x) for x in stops[1:]]} if stops[1:] else {}))
+        return _signame(stops[0])
 
 
 def run_config(config: Config, **kw) -> int:
