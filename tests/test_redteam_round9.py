@@ -380,3 +380,99 @@ def test_a_research_workers_status_never_acts_on_the_operators_console(fleet):
         assert r.decode("utf-8").isprintable(), r
     print(f"console: {len(out)} bytes, {len(rows)} rows with r-ansi's status, e.g. "
           f"{rows[-1][:160]!r}")
+
+
+# ---------------------------------------------------------------- a handed drive log (row 4)
+
+_EVIL_R = '''
+import os, socket, time
+def main(ctx):
+    names = [n for _, n in socket.if_nameindex()]
+    with open(os.path.join(PROOF, "ran"), "w") as f:
+        f.write("uid=%d interfaces=%s\\n" % (os.getuid(), ",".join(names)))
+    print("rt9evil: research code from the drive log, interfaces", names, flush=True)
+    ctx.ready(status="rt9 evil research")
+    while True:
+        ctx.watchdog()
+        time.sleep(0.05)
+'''
+_EVIL_C = '''
+import os, time
+def main(ctx):
+    print("rt9evil-c: control code from the drive log", flush=True)
+    ctx.ready(status="rt9 evil control")
+    while True:
+        ctx.watchdog()
+        time.sleep(0.05)
+'''
+
+
+@pytest.mark.sandbox
+@pytest.mark.xfail(strict=True, reason="redteam9 row 4: `supervisor replay LOG` runs the "
+                   "pipeline the log's source.toml names, code the log carries included "
+                   "(control and research, network, writable binds): a handed log is code")
+def test_a_handed_drive_log_never_runs_code_it_carries(tmp_path):
+    """A colleague's drive log, copied here (`cp -r`, scp, an unpacked archive: the
+    copier owns every file, so `trusted_source` accepts its source.toml). Its config
+    adds a research worker with network and a writable bind outside the log, and a
+    control worker, both of modules inside the log directory. Replaying a log must
+    play its frames through this machine's pipeline, never run code the log brought."""
+    if shutil.which("bwrap") is None or os.geteuid() != 0:
+        pytest.skip("the replay's sandboxes need bubblewrap and root")
+    from supervisor.config import dumps, minimal_doc
+    from tests.test_replay_format import write_log
+
+    tmp_path.chmod(0o755)
+    log = tmp_path / "drive1"
+    write_log(log, n=40)
+    proof = tmp_path / "proof"
+    proof.mkdir()
+    proof.chmod(0o777)
+    for name, src in (("rt9evil", f"PROOF = {str(proof)!r}\n" + _EVIL_R),
+                      ("rt9evilc", _EVIL_C)):
+        (log / "lib" / name).mkdir(parents=True, exist_ok=True)
+        (log / "lib" / name / "__init__.py").write_text(src)
+        (log / "lib" / name / "__init__.py").chmod(0o644)
+        (log / "lib" / name).chmod(0o755)
+    (log / "lib").chmod(0o755)
+    doc = minimal_doc()
+    doc["domains"]["research"].update(python_path=[str(log / "lib")], network=True,
+                                      extra_rw_binds=[str(proof)])
+    doc["domains"]["control"]["python_path"] = [str(log / "lib")]
+    doc["workers"] = {
+        "evil-c": {"domain": "control", "module": "rt9evilc", "restart": "never",
+                   "optional": True},          # first: READY before the research one
+        "evil": {"domain": "research", "module": "rt9evil", "restart": "never",
+                 "optional": True},
+        **doc["workers"]}
+    (log / "source.toml").write_text(dumps(doc))
+    (log / "source.toml").chmod(0o644)
+    run = tmp_path / "run"
+    t0 = time.monotonic()
+    p = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "replay", str(log),
+                          "--out", str(run)], cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, process_group=0)
+    try:
+        while (time.monotonic() - t0 < 60 and p.poll() is None
+               and not (proof / "ran").exists()):
+            time.sleep(0.1)
+        ran_after = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)         # an ordered stop, as Ctrl-C
+        try:
+            out, _ = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+    said = (proof / "ran").read_text() if (proof / "ran").exists() else ""
+    # The control worker's output, in the run's lifecycle log (the events the replay
+    # recorded; the run was stopped early, so read as bytes).
+    life = run / "log" / "lifecycle.tlog"
+    control = [b"rt9evil-c: control code"] if life.exists() and \
+        b"rt9evil-c: control code" in life.read_bytes() else []
+    print(f"after {ran_after:.1f} s: research proof {said.strip()!r}; control output "
+          f"{control}; replay rc {p.returncode}\n"
+          f"{out.decode(errors='replace')[-800:]}")
+    assert not said, f"the log's research code ran, with network: {said}"
+    assert not control, f"the log's control code ran: {control}"
