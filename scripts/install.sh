@@ -112,6 +112,14 @@ for u in trio-control trio-research; do
     fi
 done
 
+# Whether this machine lets a sandbox start at all (a container without CAP_SYS_ADMIN, a
+# read-only /run): its lines ("machine: ...", with what to do), not a failure of the
+# install, which may be a container's build whose run is given more.
+machine_note() {
+    (cd / && "$1" -m supervisor.startcheck --machine) ||
+        echo "install.sh: installed, but on this machine as it is now no sandbox starts (the line above)" >&2
+}
+
 if [ $system -eq 1 ]; then
     base=/usr/bin/python3
     # The same range as pyproject.toml's requires-python (tests/test_install_layouts.py).
@@ -140,6 +148,7 @@ if [ $system -eq 1 ]; then
     fi
     $sudo "$PREFIX/bin/python3" -m pip install -q --upgrade "$stage[research]"
     (cd / && "$PREFIX/bin/python3" -m supervisor.startcheck --installed) || exit 2
+    machine_note "$PREFIX/bin/python3"
     # The supervisor proper of the split units (issue 27): no home, no shell, no
     # capabilities; it reaches root only through the broker's socket.
     if ! getent passwd trio-supervisor >/dev/null; then
@@ -172,6 +181,7 @@ else
     # loadable from this path, `supervisor` imported from this checkout. One line each.
     here="$(pwd)"
     (cd / && "$py" -m supervisor.startcheck --installed --checkout "$here") || exit 2
+    machine_note "$py"
     bin="$("$py" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')/supervisor"
     echo "installed: $(pwd) (editable) into $("$py" -c 'import sys; print(sys.prefix)')"
     if ! command -v supervisor >/dev/null; then

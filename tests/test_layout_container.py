@@ -78,3 +78,55 @@ def test_a_read_only_run_is_one_line_and_a_premade_staging_point_is_enough(prema
     assert line == (f"machine: staging: /run is read-only, so the sandboxes' staging mount "
                     f"point {BASE} cannot be made: give the machine a writable /run (docker "
                     f"run --tmpfs /run), or make the empty directory {BASE} in the image"), line
+
+
+def _install_would_touch_the_machine() -> str:
+    """Why install.sh (development, pip stubbed) would apt-get or useradd here, or ''."""
+    import pwd
+    import sysconfig
+
+    for tool in ("bwrap", "unshare", "gcc", "ldconfig"):
+        if shutil.which(tool) is None:
+            return f"no {tool}: the install would apt-get it"
+    if not os.path.exists("/usr/include/zlib.h") or not os.path.exists(
+            os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+        return "zlib's or Python's headers missing: the install would apt-get them"
+    for user in ("trio-control", "trio-research"):
+        try:
+            pwd.getpwnam(user)
+        except KeyError:
+            return f"no user {user}: the install would create it"
+    return ""
+
+
+@needs_root
+@pytest.mark.skipif(bool(_install_would_touch_the_machine()),
+                    reason=_install_would_touch_the_machine() or "runs")
+def test_the_install_in_such_a_container_says_so_and_still_installs(tmp_path):
+    """`bash scripts/install.sh` in a container without CAP_SYS_ADMIN ended 'installed:'
+    with nothing about a machine on which no sandbox will start. It now ends with the
+    machine's line, and still installs (a container's build may be more confined than its
+    run). PYTHON is this interpreter behind a stand-in that skips pip and runs the
+    machine check under the Docker-like filter."""
+    pytest.importorskip("pyseccomp")
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "dockerish.py").write_text(DOCKERISH)
+    py = tmp_path / "python"
+    py.write_text(f"""#!/bin/sh
+case " $* " in
+    *" pip "*) exit 0 ;;
+    *" --machine"*) exec {sys.executable} {tmp_path}/dockerish.py {sys.executable} "$@" ;;
+esac
+exec {sys.executable} "$@"
+""")
+    py.chmod(0o755)
+    p = subprocess.run(["bash", str(root / "scripts" / "install.sh")], capture_output=True,
+                       text=True, timeout=120, cwd="/", env={**os.environ, "PYTHON": str(py)})
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.startswith("installed: "), p.stdout
+    lines = p.stderr.strip().splitlines()
+    assert lines[0].startswith("machine: namespaces: this machine refuses"), p.stderr
+    assert lines[1] == ("install.sh: installed, but on this machine as it is now no sandbox "
+                        "starts (the line above)"), p.stderr
