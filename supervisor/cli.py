@@ -256,8 +256,12 @@ def cmd_units(args: argparse.Namespace) -> int:
     # trio-broker.service, trio-supervisor-proper.service: `run --broker`); the
     # operator enables one or the other (docs/broker.md, docs/vehicle.md).
     from supervisor.outdir import OutDirError
+    from supervisor.units import hidden_from_units
 
     kw = dict(config_path=args.config, python=args.python, prefix=args.prefix)
+    if (why := hidden_from_units(**kw)) is not None:
+        print(f"supervisor units: {why}", file=sys.stderr)
+        return int(Exit.CONFIG)
     try:
         paths = [*write_units(cfg, Path(args.out), **kw),
                  *write_split_units(cfg, Path(args.out), **kw)]

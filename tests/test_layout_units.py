@@ -65,8 +65,6 @@ def _judge(said: str, err: str) -> None:
         assert line.startswith("supervisor units: "), line
 
 
-@pytest.mark.xfail(strict=True, reason="units.py: PrivateTmp=yes hides a prefix under "
-                   "/tmp or /var/tmp (for the lead: docs/deploy-layouts.md)")
 def test_a_venv_under_tmp_is_refused_or_its_unit_starts(tmp_path):
     """A venv under /tmp (`supervisor units --prefix /tmp/lay/venv`): the unit's
     ExecStart=/tmp/lay/venv/bin/python3 and PrivateTmp=yes, so systemd starts it in an
@@ -77,8 +75,6 @@ def test_a_venv_under_tmp_is_refused_or_its_unit_starts(tmp_path):
 
 @pytest.mark.skipif(not any(os.path.realpath(sys.executable).startswith(h + "/") for h in HOMES),
                     reason="this interpreter does not live under a home directory")
-@pytest.mark.xfail(strict=True, reason="units.py: ProtectHome= judged from the venv's "
-                   "bin/python3, not the interpreter it links to (for the lead)")
 def test_a_venv_whose_interpreter_lives_in_a_home_is_refused_or_its_unit_starts(tmp_path):
     """A venv in /opt made from pyenv's interpreter (/root/.pyenv/...): its bin/python3
     is a link into /root, and the unit says ProtectHome=yes (the link's own path is not

@@ -47,10 +47,15 @@ def _directives(text: str) -> dict[str, list[str]]:
 
 
 def _fake_prefix(tmp_path: Path) -> Path:
-    """An install prefix whose bin/python3 exists (verify checks ExecStart)."""
+    """An install prefix whose bin/python3 exists (verify checks ExecStart), standing in
+    for the car's /opt/trio-supervisor, whose interpreter is the system's: a link into a
+    home (pyenv's, under /root) would rightly make the unit ProtectHome=read-only. Only
+    verify and security read it: any executable outside the homes does."""
     prefix = tmp_path / "opt" / "trio-supervisor"
     (prefix / "bin").mkdir(parents=True)
-    (prefix / "bin" / "python3").symlink_to(sys.executable)
+    system = next(p for p in ("/usr/bin/python3", "/usr/local/bin/python3", "/bin/sh")
+                  if os.access(p, os.X_OK))
+    (prefix / "bin" / "python3").symlink_to(system)
     return prefix
 
 
