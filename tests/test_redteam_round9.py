@@ -476,3 +476,55 @@ def test_a_handed_drive_log_never_runs_code_it_carries(tmp_path):
           f"{out.decode(errors='replace')[-800:]}")
     assert not said, f"the log's research code ran, with network: {said}"
     assert not control, f"the log's control code ran: {control}"
+
+
+# ---------------------------------------------------------------- the output queue (row 5)
+
+# A console that reads 1 MiB/s (an ssh session over a modest link; this machine's own
+# pty, read by a tight loop under load, took 445 KB/s) shows the fail-safe within a second
+# of the stall's end only if at most this much is queued ahead of it.
+FAIL_SAFE_AHEAD_MAX = 1 << 20
+
+
+@pytest.mark.xfail(strict=True, reason="redteam9 row 5: outstream's queue is bounded in "
+                   "lines, not bytes: 10,000 output lines of 2048 invalid bytes (12 KiB "
+                   "each as JSON) put ~123 MB ahead of the fail_safe line")
+def test_a_research_workers_output_never_puts_minutes_of_text_ahead_of_the_fail_safe():
+    """The real EventLog on a real pty (the operator's console) whose output is stopped,
+    as a slow or stalled console is. A research worker prints lines of 2048 bytes of
+    0xff, at most what `LineLimiter` keeps (each an `output` event of 12 KiB: every
+    invalid byte is U+FFFD, `\\ufffd` in JSON), until the queue is full (10,000 lines:
+    200 s of one worker's allowed 50 lines/s, 40 s of five). Then control fails safe.
+    The fail_safe line must not wait behind more than a second's worth of a slow console."""
+    from supervisor import outstream
+    from supervisor.events import EventLog
+    from supervisor.output import LineLimiter
+
+    master, slave = pty.openpty()
+    tty = os.fdopen(slave, "w", encoding="utf-8", closefd=False)
+    termios.tcflow(slave, termios.TCOOFF)
+    try:
+        log = EventLog(stream=tty, keep=False)
+        lim = LineLimiter()
+        line = lim.feed(b"\xff" * 5000 + b"\n", now=0.0)[0]   # what the limiter keeps
+        assert len(line.encode("utf-8")) <= 3 * lim.max_line + 64
+        for _ in range(outstream.MAX_PENDING):
+            log.emit("output", source="r-noise", worker="r-noise", domain="research",
+                     line=line)
+        log.emit("fail_safe", domain="control", reason="controlsd gave up")
+        w = log._writer
+        assert w is not None
+        with w._cond:
+            queued = list(w._lines)
+        vital = next(i for i, (rank, _) in enumerate(queued) if rank == outstream.VITAL)
+        ahead = sum(len(text) for _, text in queued[:vital])
+        print(f"{vital} lines, {ahead / 1e6:.1f} MB queued ahead of the fail_safe line "
+              f"(each {len(queued[0][1])} bytes): {ahead / (1 << 20):.0f} s at 1 MiB/s")
+        assert ahead <= FAIL_SAFE_AHEAD_MAX
+    finally:
+        os.close(master)                 # the writer's blocked write ends (EIO): no leak
+        try:
+            termios.tcflow(slave, termios.TCOON)
+        except OSError:
+            pass
+        os.close(slave)
