@@ -84,9 +84,6 @@ def _resign_artifact(art: Path, pub: Path, attacker_key: Path) -> str:
     return key_id(priv.public_key())
 
 
-@pytest.mark.xfail(strict=True, reason="redteam9 row 1: audit verify hashes only the "
-                   "config's bytes: a swapped public key file (the trust root the config "
-                   "names) verifies OK as 'the config the report covers'")
 def test_a_signed_audit_never_verifies_for_a_config_that_trusts_another_key(signed_minimal):
     """A reviewer signed the audit of a vehicle config that trusts the demo key for its
     model. Then the public key file the config names is replaced (and the artifact

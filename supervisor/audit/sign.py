@@ -132,10 +132,50 @@ def _config_now(covers: dict[str, Any], config: str | None) -> tuple[str, bool]:
         now = hashlib.sha256(Path(config).read_bytes()).hexdigest()
     except OSError as e:
         return f"{config}: {e.strerror or e}", False
-    if now == want:
-        return f"{config} sha256 {now}: the config the report covers", True
-    return (f"{config} sha256 {now} differs from the report's {want}: the config changed "
-            f"since the report was made; the report does not describe it"), False
+    if now != want:
+        return (f"{config} sha256 {now} differs from the report's {want}: the config "
+                f"changed since the report was made; the report does not describe it"), False
+    moved = _models_moved(covers, config)
+    if moved:
+        return (f"{config} sha256 {now} is the report's, but {moved}: the report does "
+                f"not describe what this config trusts now"), False
+    return (f"{config} sha256 {now}: the config the report covers, and the model keys "
+            f"and manifests it names are the report's"), True
+
+
+def _models_moved(covers: dict[str, Any], config: str) -> str | None:
+    """What the config's files trust now that the report does not say, else None. The
+    config's bytes are not all of its meaning: each `[models.X]` names a public key file
+    (the trust root of the model the car runs) and an artifact. Replaced, with the same
+    TOML, `check` and `run` trusted another signer while verify said the report covers
+    the config (red team 9 row 1)."""
+    from supervisor.config import ConfigError, load
+
+    from .promise import trusted_models
+
+    try:
+        cfg = load(config)
+    except ConfigError as e:
+        return f"it no longer loads ({e})"
+    now = {(w.name, m.get("artifact")): m for w in cfg.workers.values()
+           for m in trusted_models(w, cfg)}
+    then = {(a.get("worker"), a.get("artifact")): a for a in covers.get("artifacts") or []}
+    for key in sorted(now.keys() | then.keys(), key=str):
+        a, b = then.get(key), now.get(key)
+        where = f"worker {key[0]}'s model {key[1]}"
+        if a is None or b is None:
+            return f"{where} is {'new' if a is None else 'gone'}"
+        for field_, what in (("key_id", "signing key"), ("manifest_sha256", "manifest"),
+                             ("signature", "signature check")):
+            if a.get(field_) != b.get(field_):
+                return (f"{where}: the report covers {what} {_short(a.get(field_))}, "
+                        f"the files now give {_short(b.get(field_))}")
+    return None
+
+
+def _short(v: Any) -> str:
+    s = str(v)
+    return s[:16] + "..." if len(s) > 24 and " " not in s else s
 
 
 def verify_file(report: str, signature: str, public_key: str,
