@@ -478,8 +478,8 @@ def test_a_handed_drive_log_never_runs_code_it_carries(tmp_path):
 # ---------------------------------------------------------------- the output queue (row 5)
 
 # A console that reads 1 MiB/s (an ssh session over a modest link; this machine's own
-# pty, read by a tight loop, takes ~41 MB/s; a serial console ~11 KB/s) shows the fail-safe within a second
-# of the stall's end only if at most this much is queued ahead of it.
+# pty, read by a tight loop, takes ~41 MB/s; a serial console ~11 KB/s) shows the
+# fail-safe within a second of the stall's end only if at most this much is ahead of it.
 FAIL_SAFE_AHEAD_MAX = 1 << 20
 
 
