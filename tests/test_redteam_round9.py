@@ -50,6 +50,20 @@ def signed_minimal(tmp_path: Path):
     text = text.replace('"models/demo/lane-offset"', f'"{tmp_path}/art"')
     text = text.replace('"models/demo/demo_ed25519.pub"', f'"{tmp_path}/key.pub"')
     assert f"{tmp_path}/key.pub" in text and f"{tmp_path}/art" in text
+    # A control worker of the vehicle's own package, outside the project (row 6): its
+    # python_path root's and writable by no one else, as `check` requires.
+    tmp_path.chmod(0o755)
+    lib = tmp_path / "lib" / "rt9ctl"
+    lib.mkdir(parents=True)
+    (lib / "__init__.py").write_text(_CTL_V1)
+    for p in (tmp_path / "lib", lib):
+        p.chmod(0o755)
+    (lib / "__init__.py").chmod(0o644)
+    assert text.count("[domains.control]\n") == 1
+    text = text.replace("[domains.control]\n",
+                        f'[domains.control]\npython_path = ["{tmp_path}/lib"]\n')
+    text += ('\n[workers.c-own]\ndomain = "control"\nmodule = "rt9ctl"\n'
+             'optional = true\n')
     cfg_path = tmp_path / "vehicle.toml"
     cfg_path.write_text(text)
     cfg = load(str(cfg_path))
@@ -65,6 +79,19 @@ def signed_minimal(tmp_path: Path):
     (tmp_path / "review.pub").write_text(public_key_text(load_private_key(key).public_key()))
     sign_file(str(report), str(key))
     return tmp_path, cfg_path, report
+
+
+_CTL_V1 = """
+import time
+def main(ctx):
+    ctx.ready(status="c-own v1")
+    while True:
+        ctx.watchdog()
+        time.sleep(0.05)
+"""
+# The same worker, changed after the review: it now pulls in a library the review never
+# saw (here the standard library's ctypes, and what it loads; any code would do).
+_CTL_V2 = _CTL_V1.replace("import time", "import ctypes, time  # changed after review")
 
 
 def _resign_artifact(art: Path, pub: Path, attacker_key: Path) -> str:
@@ -104,6 +131,27 @@ def test_a_signed_audit_never_verifies_for_a_config_that_trusts_another_key(sign
                        capture_output=True, text=True, cwd=REPO, timeout=60)
     print(r.returncode, r.stdout, r.stderr)
     assert r.returncode != 0, "verify said OK for a config that trusts another model key"
+    assert "FAILED" in r.stderr
+
+
+@pytest.mark.xfail(strict=True, reason="redteam9 row 6: audit verify compares the config's "
+                   "bytes and its models, not the control code its python_path holds: a "
+                   "control worker's module changed after signing verifies OK")
+def test_a_signed_audit_never_verifies_after_the_control_code_it_covers_changed(
+        signed_minimal):
+    """The reviewed config runs a control worker (`c-own`) from the vehicle's own package
+    (`[domains.control] python_path`, root's, as check requires). After the report was
+    signed, that module is changed (same TOML, same models). The audit's admission of
+    that worker described code that no longer runs: verify must not say OK."""
+    tmp, cfg_path, report = signed_minimal
+    src = tmp / "lib" / "rt9ctl" / "__init__.py"
+    src.write_text(_CTL_V2)
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "audit", "verify",
+                        str(report), f"{report}.sig", str(tmp / "review.pub"),
+                        "--config", str(cfg_path)],
+                       capture_output=True, text=True, cwd=REPO, timeout=60)
+    print(r.returncode, r.stdout, r.stderr)
+    assert r.returncode != 0, "verify said OK after the control code it covers changed"
     assert "FAILED" in r.stderr
 
 
@@ -405,9 +453,6 @@ def main(ctx):
 
 
 @pytest.mark.sandbox
-@pytest.mark.xfail(strict=True, reason="redteam9 row 4: `supervisor replay LOG` runs the "
-                   "pipeline the log's source.toml names, code the log carries included "
-                   "(control and research, network, writable binds): a handed log is code")
 def test_a_handed_drive_log_never_runs_code_it_carries(tmp_path):
     """A colleague's drive log, copied here (`cp -r`, scp, an unpacked archive: the
     copier owns every file, so `trusted_source` accepts its source.toml). Its config
