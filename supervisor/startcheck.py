@@ -249,6 +249,75 @@ def _bug_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}{where}"
 
 
+# v1's "no limit" (PAGE_COUNTER_MAX pages): anything this large is no limit.
+_NO_LIMIT = 1 << 60
+
+
+def enclosing_memory_limit(proc_cgroup: str = "/proc/self/cgroup",
+                           mount: str = "/sys/fs/cgroup") -> tuple[int, str] | None:
+    """(bytes, cgroup) of the smallest memory limit over this process's own cgroup and
+    its ancestors: a container's (`docker run -m`) or a unit's MemoryMax=, which bounds
+    every worker below whatever its own memory_max says. None when there is none, or it
+    cannot be read. v1: the cgroup's `hierarchical_memory_limit` (the kernel's minimum
+    over its ancestors); v2: each `memory.max` from the cgroup up to the mount.
+    `proc_cgroup` and `mount` are a fake tree in tests."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return None
+    v1 = next((path for _, ctrls, path in lines if "memory" in ctrls.split(",")), None)
+    if v1 is not None:
+        try:
+            with open(os.path.join(mount, "memory", v1.lstrip("/"), "memory.stat")) as f:
+                stat = dict(line.split() for line in f if line.count(" ") == 1)
+            limit = int(stat["hierarchical_memory_limit"])
+        except (OSError, KeyError, ValueError):
+            return None
+        return (limit, v1) if limit < _NO_LIMIT else None
+    v2 = next((path for hid, ctrls, path in lines if hid == "0" and ctrls == ""), None)
+    if v2 is None:
+        return None
+    best: tuple[int, str] | None = None
+    path = v2
+    while True:
+        try:
+            with open(os.path.join(mount, path.lstrip("/"), "memory.max")) as f:
+                text = f.read().strip()
+            if text != "max" and (best is None or int(text) < best[0]):
+                best = (int(text), path)
+        except (OSError, ValueError):
+            pass                          # the root, or memory not enabled there
+        if path in ("/", ""):
+            return best
+        path = os.path.dirname(path)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def memory_lines(cfg: Config, failed: list[str],
+                 limit: tuple[int, str] | None) -> list[str]:
+    """For each worker in `failed` whose own memory_max is above `limit` (the enclosing
+    one): the kill came from there, not from its memory_max. In a 700 MiB container the
+    car's modeld said 'out of memory: killed by the kernel at the cgroup limit
+    memory_max=4294967296', which sends the operator to raise a limit that was not hit."""
+    if limit is None:
+        return []
+    size, where = limit
+    out = []
+    for name in failed:
+        mm = cfg.workers[name].memory_max
+        if mm is None or mm > size:
+            out.append(f"memory: {name} was killed at {_mib(size)}, the memory limit of the "
+                       f"supervisor's own cgroup {where} (a container's -m or a unit's "
+                       f"MemoryMax=), below its memory_max "
+                       f"{_mib(mm) if mm is not None else '(none)'}: give the machine more "
+                       f"memory, or lower memory_max to fit")
+    return out
+
+
 def start_check(cfg: Config, *, timeout_s: float | None = None,
                 progress: TextIO | None = None) -> tuple[Exit, list[str]]:
     """Start `cfg` as `run` would, stop it, and return (exit code, one line per worker
@@ -292,6 +361,9 @@ def start_check(cfg: Config, *, timeout_s: float | None = None,
         lines.append(f"config: {ev.get('problem')}")
     for ev in log.of("limits_not_enforced"):
         lines.append(f"limits: {ev.get('reason') or ev.get('detail') or ev}")
+    oom = [w.name for w in watch.workers.values() if "out of memory" in w.failure]
+    if oom:
+        lines += memory_lines(cfg, oom, enclosing_memory_limit())
     return code, beside + lines
 
 

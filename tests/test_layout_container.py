@@ -130,3 +130,52 @@ exec {sys.executable} "$@"
     assert lines[0].startswith("machine: namespaces: this machine refuses"), p.stderr
     assert lines[1] == ("install.sh: installed, but on this machine as it is now no sandbox "
                         "starts (the line above)"), p.stderr
+
+
+# --- A container with a memory limit (`docker run -m 700m`), made for real here in a v1
+# memory cgroup: the car default's modeld was killed by the container's limit and
+# `check --start` said 'out of memory: killed by the kernel at the cgroup limit
+# memory_max=4294967296'. The tests below use a fake cgroup tree (a real one costs a 40 s
+# run of the car's pipeline).
+
+def _fake(tmp_path, proc: str, files: dict[str, str]) -> tuple[str, str]:
+    (tmp_path / "fs").mkdir(parents=True)
+    (tmp_path / "cgroup").write_text(proc)
+    for rel, text in files.items():
+        f = tmp_path / "fs" / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    return str(tmp_path / "cgroup"), str(tmp_path / "fs")
+
+
+def test_the_enclosing_memory_limit_is_found_on_v1_and_v2(tmp_path):
+    from supervisor.startcheck import enclosing_memory_limit
+
+    v1 = _fake(tmp_path / "v1", "4:memory:/docker/abc\n1:cpu:/\n0::/\n",
+               {"memory/docker/abc/memory.stat":
+                "cache 0\nhierarchical_memory_limit 734003200\ntotal_rss 1\n"})
+    assert enclosing_memory_limit(*v1) == (734003200, "/docker/abc")
+    free = _fake(tmp_path / "v1free", "4:memory:/\n",
+                 {"memory/memory.stat": "hierarchical_memory_limit 9223372036854771712\n"})
+    assert enclosing_memory_limit(*free) is None
+    # v2: the smallest memory.max on the way up (the service's own says max)
+    v2 = _fake(tmp_path / "v2", "0::/system.slice/car.service\n",
+               {"system.slice/car.service/memory.max": "max\n",
+                "system.slice/memory.max": "1073741824\n"})
+    assert enclosing_memory_limit(*v2) == (1 << 30, "/system.slice")
+    assert enclosing_memory_limit(str(tmp_path / "none"), str(tmp_path)) is None
+
+
+def test_a_kill_at_the_containers_limit_is_said_to_be_the_containers():
+    from supervisor.config import load
+    from supervisor.startcheck import memory_lines
+
+    cfg = load(None)                               # the car: modeld's memory_max 4 GiB
+    limit = (700 << 20, "/docker/abc")
+    (line,) = memory_lines(cfg, ["modeld"], limit)
+    assert line.startswith("memory: modeld was killed at 700 MiB, the memory limit of the "
+                           "supervisor's own cgroup /docker/abc"), line
+    assert "below its memory_max 4096 MiB" in line, line
+    # a worker killed at its own memory_max (below the enclosing limit): nothing to add
+    assert memory_lines(cfg, ["modeld"], (64 << 30, "/")) == []
+    assert memory_lines(cfg, ["modeld"], None) == []
