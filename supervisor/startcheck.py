@@ -478,7 +478,9 @@ def install_problems(checkout: str | None = None) -> list[str]:
 # times and failed safe, exit 4). One line each here, saying what to do.
 
 _CONTAINER_CAPS = ("run the container with --privileged, or with --cap-add SYS_ADMIN "
-                   "--security-opt seccomp=unconfined --security-opt apparmor=unconfined")
+                   "--security-opt seccomp=unconfined --security-opt apparmor=unconfined "
+                   "(a development container may instead run `supervisor run --no-sandbox`, "
+                   "never the car)")
 
 
 def machine_problems() -> list[str]:
