@@ -570,3 +570,87 @@ def test_a_research_workers_output_never_puts_minutes_of_text_ahead_of_the_fail_
         except OSError:
             pass
         os.close(slave)
+
+
+# ---------------------------------------------------------------- one journald stream (row 7)
+
+
+@pytest.mark.xfail(strict=True, reason="redteam9 row 7: the live row (stdout) and the "
+                   "events (stderr) are written by two threads to one journald stream "
+                   "socket; a partial write lets a row land inside an event line, whose "
+                   "rest is an entry of its own: a worker's '<0>' becomes its priority")
+def test_the_journal_stream_never_splits_an_event_line():
+    """Under systemd stdout and stderr are one journald stream socket (the unit sets
+    neither StandardOutput nor StandardError: stderr inherits stdout's). The real
+    EventLog (stderr) and the real Monitor (stdout, not a terminal: one row per
+    interval) each write it from a writer thread of their own. journald stalls for a
+    second (busy, rotating) while a research worker prints lines of "<0>" (600 lines:
+    12 s of one worker's allowed rate, or a burst of three), then reads on at ~2 MB/s.
+    Every line journald reads must be one whole event (`<N>{...}`) or one whole row;
+    none may start with a worker's text (journald reads a leading <0> as EMERG, which it
+    forwards to every logged-in terminal)."""
+    import socket
+
+    from supervisor.events import EventLog
+    from supervisor.monitor import Monitor
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    err = os.fdopen(os.dup(a.fileno()), "w")
+    out = os.fdopen(os.dup(a.fileno()), "w")
+    st = os.fstat(err.fileno())
+    got = bytearray()
+    resume, stop = threading.Event(), threading.Event()
+
+    def journald() -> None:
+        resume.wait()
+        while not stop.is_set():
+            try:
+                data = b.recv(4096)
+            except OSError:
+                return
+            if not data:
+                return
+            got.extend(data)
+            time.sleep(0.002)
+
+    reader = threading.Thread(target=journald, daemon=True)
+    reader.start()
+    try:
+        log = EventLog(stream=err, keep=False, journal=True)
+        assert f"{st.st_dev}:{st.st_ino}"         # (the unit's JOURNAL_STREAM names it)
+        mon = Monitor({}, {}, out=out)
+        mon.statuses["c"] = "engaged=1 reason=none"
+        line = "<0>" * 682                        # 2046 bytes: what LineLimiter keeps
+        for i in range(600):
+            log.emit("output", source="r-noise", worker="r-noise", domain="research",
+                     line=line)
+            if i % 30 == 0:
+                mon.print_line()                  # the row, every interval
+            time.sleep(0.0015)
+        resume.set()
+        for _ in range(60):                       # rows 50x as often as the real 1 s,
+            mon.print_line()                      # to meet every write of the backlog
+            time.sleep(0.02)
+        log.emit("fail_safe", domain="control", reason="controlsd gave up")
+        assert log.drain(20)
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        a.close()
+        b.close()
+        reader.join(timeout=2)
+        for f in (err, out):
+            try:
+                f.close()
+            except OSError:
+                pass
+    lines = [ln for ln in bytes(got).split(b"\n") if ln]
+    row = mon.line(None).encode()
+    whole = [ln for ln in lines if ln == row
+             or (re.match(rb"^<[346]>\{", ln) and ln.endswith(b"}"))]
+    broken = [ln for ln in lines if ln not in whole]
+    emerg = [ln for ln in lines if ln.startswith(b"<0>")]
+    print(f"{len(lines)} lines read, {len(broken)} not whole, {len(emerg)} starting <0> "
+          f"(EMERG), e.g. {broken[:1]!r:.200}")
+    assert not emerg, f"{len(emerg)} entries journald reads as EMERG"
+    assert not broken, f"{len(broken)} of {len(lines)} lines split or joined"
