@@ -483,11 +483,33 @@ _CONTAINER_CAPS = ("run the container with --privileged, or with --cap-add SYS_A
                    "never the car)")
 
 
-def machine_problems() -> list[str]:
-    """What on this machine keeps every sandbox from starting, one line each with what to
-    do; [] when nothing does (or when not root: only root's supervisor makes the staging
-    mount namespace). Looks only: runs `unshare` in a namespace that ends at once and
-    creates nothing outside it."""
+def staging_needed(cfg: Config) -> bool:
+    """Whether root's sandboxes of `cfg` go through the staging mount namespace: a bound
+    path the domain user cannot reach (a 0700 home holding the interpreter) or a hidden
+    one (a distribution refused in a domain, torch for control: the car's install with
+    its research extra). Without either, a read-only /run does not matter (a venv of
+    Debian's python3 without torch started all of minimal.toml there)."""
+    from supervisor.sandbox.policy import for_worker
+    from supervisor.sandbox.staging import reachable_by_stranger
+
+    for w in cfg.workers.values():
+        try:
+            pol = for_worker(cfg, w)
+        except (LookupError, ValueError):     # no domain user: check says so itself
+            continue
+        if pol.host_uid is None:
+            continue
+        if pol.hidden or not all(map(reachable_by_stranger,
+                                     [*pol.ro_binds, *pol.rw_binds, *pol.dev_binds])):
+            return True
+    return False
+
+
+def machine_problems(cfg: Config | None = None) -> list[str]:
+    """What on this machine keeps every sandbox of `cfg` (default: the embedded car
+    config) from starting, one line each with what to do; [] when nothing does (or when
+    not root: only root's supervisor makes the staging mount namespace). Looks only: runs
+    `unshare` in a namespace that ends at once and creates nothing outside it."""
     import shutil
     import subprocess
 
@@ -495,6 +517,10 @@ def machine_problems() -> list[str]:
 
     if os.geteuid() != 0:
         return []
+    if cfg is None:
+        from supervisor.config import load
+
+        cfg = load(None)
     problems: list[str] = []
     unshare = shutil.which("unshare")
     if unshare is None:
@@ -511,7 +537,8 @@ def machine_problems() -> list[str]:
                             f"seccomp profile without CAP_SYS_ADMIN does this; "
                             f"{_CONTAINER_CAPS}")
     parent = os.path.dirname(BASE)
-    if not os.path.isdir(BASE) and not os.access(parent, os.W_OK):
+    if (not os.path.isdir(BASE) and not os.access(parent, os.W_OK)
+            and staging_needed(cfg)):
         why = ("read-only" if os.path.isdir(parent) else "missing")
         problems.append(f"staging: {parent} is {why}, so the sandboxes' staging mount point "
                         f"{BASE} cannot be made: give the machine a writable {parent} "
@@ -535,9 +562,19 @@ def main(argv: list[str] | None = None) -> int:
                       help="check this machine (a container?) lets sandboxes start")
     p.add_argument("--checkout", default=None,
                    help="the checkout an editable install must import from")
+    p.add_argument("--config", default=None,
+                   help="with --machine: the config to judge for (default: the embedded one)")
     args = p.parse_args(argv)
     if args.machine:
-        lines = machine_problems()
+        from supervisor.config import ConfigError, load
+
+        try:
+            cfg = load(args.config)
+        except ConfigError as e:          # as `supervisor check` says them
+            for line in getattr(e, "problems", None) or [str(e)]:
+                print(f"machine: {line}", file=sys.stderr)
+            return int(Exit.CONFIG)
+        lines = machine_problems(cfg)
         for line in lines:
             print(f"machine: {line}", file=sys.stderr)
         return int(Exit.START_FAILED) if lines else 0
