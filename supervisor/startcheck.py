@@ -450,6 +450,20 @@ def install_problems(checkout: str | None = None) -> list[str]:
             problems.append(f"{path} is mode {_mode(path)}: the sandboxes' users "
                             f"(trio-control, trio-research) cannot read it, so no worker "
                             f"starts (made under umask 077?): chmod -R go+rX {tree}")
+    # The bridge's native module is built by pip with the machine's C compiler, and a
+    # failed build does not fail the install (setup.py: optional): `pip install .`
+    # without gcc (a slim container) ended rc 0, silent, without
+    # supervisor/ipc/_native.*.so, and this check passed. Without it the bridge runs its
+    # pure-Python path on x86-64 (about 3x the CPU per message) and refuses to start on
+    # any other machine (supervisor/ipc/_atomics.py).
+    try:
+        import supervisor.ipc._native  # noqa: F401
+    except ImportError as e:
+        problems.append(f"the bridge's native module supervisor.ipc._native is not built "
+                        f"({e}): no C compiler, Python headers or zlib headers when pip "
+                        f"built the package? On x86-64 the bridge then runs its slower "
+                        f"pure-Python path, on other machines it refuses to start: "
+                        f"apt-get install gcc python3-dev zlib1g-dev, then install again")
     # Load every schema in a child: pycapnp aborts the whole process (C++ terminate, no
     # Python exception) when an import directory is not ASCII (2.2.4 cuts the path by
     # its extra UTF-8 bytes), which would otherwise first show as `supervisor check`

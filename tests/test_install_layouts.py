@@ -70,6 +70,26 @@ def test_a_checkout_path_that_is_not_ascii_loads_its_schemas_or_says_why(tmp_pat
                                f"from {copy}") and "ASCII" in line, line
 
 
+def test_an_install_without_the_native_module_is_named(tmp_path):
+    """`pip install .` where no C compiler is (a slim container; here `CC=/bin/false`)
+    ended rc 0 and silent, without supervisor/ipc/_native.*.so (setup.py builds it
+    `optional`), and the install check passed: the bridge then runs its pure-Python path
+    on x86-64 and refuses to start elsewhere. The check names it. The install is a copy
+    of the packages without the built module, on PYTHONPATH."""
+    copy = tmp_path / "site"
+    for pkg in ("supervisor", "schemas"):
+        shutil.copytree(ROOT / pkg, copy / pkg,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    p = subprocess.run([sys.executable, "-m", "supervisor.startcheck", "--installed"],
+                       capture_output=True, text=True, cwd="/", timeout=60,
+                       env=dict(os.environ, PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1"))
+    assert p.returncode == 2, p.stdout + p.stderr
+    (line,) = p.stderr.strip().splitlines()
+    assert line.startswith("install: the bridge's native module supervisor.ipc._native is "
+                           "not built"), line
+    assert "apt-get install gcc python3-dev zlib1g-dev" in line, line
+
+
 @pytest.mark.skipif(not glob.glob("/usr/lib/python3*/EXTERNALLY-MANAGED")
                     or not os.access(SYSTEM_PY, os.X_OK),
                     reason="no externally managed system Python here")
