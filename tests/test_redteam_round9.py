@@ -1,5 +1,12 @@
 """Red team, round 9 (docs/redteam9.md): what the humans see (console, journald, the
-reviewer's signed audit) against an attacker who knows the code.
+reviewer's signed audit, a developer's replay of a handed log) against an attacker who
+knows the code.
+
+Rows 1 and 6: a signed audit report and `audit verify` (files a reviewer is handed).
+Rows 2 and 3: one real `supervisor run` (bubblewrap sandboxes, cgroups), its console a
+real pty, its stderr journald's stream as far as it can tell, and a hostile research
+worker's text. Row 4: the real `supervisor replay` of a copied drive log. Rows 5, 7 and
+8: the real EventLog, Monitor and writer threads on a real pty or socketpair.
 
 Each test asserts the claim the way it should hold. A claim that fails today is an
 ``xfail(strict=True)`` whose reason starts with "redteam9 row N"; the lead's fix turns it
