@@ -234,6 +234,7 @@ def cut(src_dir: str | os.PathLike, out_dir: str | os.PathLike, start: Pos | Non
     empty), a log `DriveLog.open`, ``supervisor log info`` and ``replay`` accept."""
     from .record import SOURCE
     from .run import ReplayError, trusted_source
+    from .seal import SEAL, SealError, seal
 
     src = Path(src_dir)
     out = Path(out_dir)
@@ -325,9 +326,15 @@ def cut(src_dir: str | os.PathLike, out_dir: str | os.PathLike, start: Pos | Non
             (tmp / LIFECYCLE).write_bytes(read_regular(src / LIFECYCLE))
         copied = False
         try:
-            (tmp / SOURCE).write_bytes(trusted_source(str(src)))
+            data = trusted_source(str(src))
+            (tmp / SOURCE).write_bytes(data)
             os.chmod(tmp / SOURCE, 0o644)
             copied = True
+            try:                                  # trusted here: the cut is sealed here
+                (tmp / SEAL).write_bytes(seal(data))
+                os.chmod(tmp / SEAL, 0o644)
+            except SealError as e:
+                notes.append(f"{SOURCE} not sealed: {e}")
         except ReplayError as e:
             notes.append(f"{SOURCE} not copied: {e}")
         if loss.any:

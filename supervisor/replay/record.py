@@ -90,6 +90,19 @@ def prepare_out(out: str) -> OutDir:
     return d
 
 
+def _seal(out_dir, data: bytes, echo) -> None:
+    """This machine's seal beside the recorded config (seal.py: what a replay runs).
+    Without one, the log replays only with --config: said, not fatal."""
+    from .seal import SEAL, SealError, seal
+
+    try:
+        out_dir.write_bytes(SEAL, seal(data), 0o644)
+    except SealError as e:
+        if echo is not None:
+            print(f"supervisor record: note: {e}: the log is not sealed; replay it with "
+                  "--config", file=echo)
+
+
 def derived_source(derived: dict, orig_cam: dict | None = None) -> dict:
     """The config a clip's log replays with: the clip's pipeline (simulation mode, the
     camera's size) without the recorder and its acknowledgements (a replay adds its
@@ -219,7 +232,9 @@ def record(out: str, *, config: str | None = None, seconds: float | None = None,
     path = out_dir.path
     with out_dir:
         try:
-            out_dir.write_text(SOURCE, dumps(doc), 0o644)   # ours alone to write: replay checks
+            text = dumps(doc)
+            out_dir.write_text(SOURCE, text, 0o644)   # ours alone to write: replay checks
+            _seal(out_dir, text.encode(), echo)
         except OSError as e:
             out_dir.unlink(SOURCE)
             if out_dir.created:

@@ -33,6 +33,7 @@ from .embed import RunOutcome, give_to_recorder, run_supervised
 from .logfmt import MESSAGES, REC, LogError, Loss, open_regular, read_stream
 from .progress import startup_text
 from .record import SOURCE, WRITE_FAILED, _one_line, fault_line
+from .seal import read_seal, sealed_here, shipped_as
 
 # Exit codes of `supervisor replay` beyond the supervisor's own (supervisor/exits.py):
 DIFFERS = int(Exit.DIFFERS)        # compared with --ref: outside tolerance
@@ -195,7 +196,9 @@ def trusted_source(log: str) -> bytes:
     is used only if this (replaying) user still owns it and nobody else may write it, and
     it is read from the descriptor that was checked. A missing one is refused too (never
     the embedded default in its place: a recorder that deleted it would choose what the
-    replay runs, and a user would compare against a pipeline that was never recorded)."""
+    replay runs, and a user would compare against a pipeline that was never recorded).
+    And a log handed over is made this user's by the copy: its config runs only if this
+    machine sealed it, or it is a config this installation ships (seal.py)."""
     path = os.path.join(log, SOURCE)
     if not os.path.lexists(path):
         raise ReplayError(f"{path}: missing (the config this log was recorded with); "
@@ -210,7 +213,19 @@ def trusted_source(log: str) -> bytes:
             raise ReplayError(f"{path}: owned by uid {st.st_uid} with mode "
                               f"{st.st_mode & 0o777:o}, not written by the recording supervisor "
                               "(the recorder's sandbox could have replaced it); pass --config")
-        return f.read()
+        data = f.read()
+    if sealed_here(data, read_seal(log)):
+        return data
+    try:
+        shipped = shipped_as(parse_doc(data, path))
+    except DeriveError as e:
+        raise ReplayError(f"{e}; pass --config") from None
+    if shipped is None:
+        raise ReplayError(f"{path}: not recorded on this machine (no seal of this user's "
+                          f"replay key) and not a config this installation ships; a log's "
+                          f"config chooses the code a replay runs: pass --config F to play "
+                          f"its frames through your own pipeline")
+    return data
 
 
 def _recorded_config(log: str) -> dict[str, Any]:
