@@ -187,6 +187,82 @@ def test_a_fleet_reports_bad_input_once_and_judges_the_other_logs():
     assert fleet(["fine"]).exit_code == 0
 
 
+def test_a_ref_is_a_whole_run_a_runs_summary_or_a_log_never_a_part(ref, tmp_path):
+    """--ref: a RUN's summary.json (what a CI job keeps) means that RUN; a RUN that was
+    interrupted, failed or never finished is refused in one line (compared, its missing
+    tail read as a model regression); a lone file is named as such."""
+    import json
+
+    from supervisor.replay.commands import _ref_log
+    from supervisor.replay.logfmt import LogError
+
+    def run(name: str, summary: dict | None) -> Path:
+        d = tmp_path / name
+        _write(d / "log")
+        (d / "replay.toml").write_text("# the derived config\n")
+        if summary is not None:
+            (d / "summary.json").write_text(json.dumps(summary))
+        return d
+
+    whole = run("whole", {"exit_code": 0})
+    assert _ref_log(str(whole / "summary.json"), "drive").path == whole / "log"
+    assert _ref_log(str(run("differed", {"exit_code": 6})), "drive").path.name == "log"
+    pending = run("pending", {"exit_code": None, "verdict": "pending: ..."})
+    assert _ref_log(str(pending), "drive").path == pending / "log"   # the replay was whole
+    for name, summary, says in [
+            ("stopped", {"exit_code": 7, "interrupted": "SIGINT",
+                         "error": "interrupted by SIGINT after 12 of 42 frames"},
+             "interrupted by SIGINT after 12 of 42"),
+            ("killed", None, "never finished (no summary.json"),
+            ("crashed", {"exit_code": 7, "error": "modeld exited"}, "modeld exited")]:
+        with pytest.raises(LogError, match="not a REF") as e:
+            _ref_log(str(run(name, summary)), "drive")
+        assert says in str(e.value), e.value
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(LogError, match="a file, not a RUN directory"):
+        _ref_log(str(tmp_path / "summary.json"), "drive")
+
+
+def test_two_replays_never_share_a_run_directory(tmp_path, monkeypatch):
+    """Two replays of one drive at once: the default RUN names differ (before: one
+    name per second, so the second failed 'exists and is not an empty directory'), and
+    one --out given to both is held by the first (before: both could write into it)."""
+    from supervisor.replay import run as run_mod
+
+    monkeypatch.chdir(tmp_path)
+    a = run_mod._default_out("drive1")
+    assert a.endswith(f"-{os.getpid()}") and Path(a).name.startswith("drive1.replay-")
+    held: list[int] = []
+    (tmp_path / "out").mkdir()
+    run_mod._claim(str(tmp_path / "out"), held)
+    # (flock is per open file: a second open of RUN, as another replay's, is refused)
+    with pytest.raises(run_mod.ReplayError, match="another replay is writing into it"):
+        run_mod._claim(str(tmp_path / "out"), [])
+    for fd in held:
+        os.close(fd)
+    second: list[int] = []
+    run_mod._claim(str(tmp_path / "out"), second)          # released: free again
+    os.close(second[0])
+
+
+def test_frames_that_time_out_name_who_rejected_them():
+    """A drive recorded at another frame size than the config's model takes: every
+    frame timed out (42 x 5 s) and the one line said only 'supervisor exit 0
+    (shutdown)'."""
+    from supervisor.replay.run import failure_cause
+
+    events = [{"event": "supervisor_exit", "code": 0, "reason": "shutdown"}]
+    summary = {"frames": {"in_log": 42, "step_timeouts": 42, "model_outputs": 0,
+                          "commands": 0},
+               "worker_status": {"camerad": "replay=done frames=42 timeouts=42",
+                                 "modeld": "frames=0 rejected=frame:too_small=42 skipped=0"}}
+    line = failure_cause(events, 0, summary)
+    assert line.startswith("42 of 42 frames timed out waiting for the pipeline (0 model "
+                           "outputs, 0 commands): modeld said 'frames=0 rejected=frame:"
+                           "too_small=42 skipped=0'"), line
+    assert failure_cause(events, 0) == "supervisor exit 0 (shutdown)"
+
+
 def test_another_schema_version_is_one_line(tmp_path):
     d = _write(tmp_path / "v9")
     recs = [body for _, body in read_stream(d / MESSAGES)]

@@ -156,6 +156,8 @@ def test_ref_self_compares_the_cars_commands_and_fails_when_the_law_changes(
     assert "<td>control_cmd</td>" in page and "<td>model_out</td>" in page
     assert page.count("data:image/png;base64,") >= n and "https:" not in page
     assert "within tolerance (exit 0)" in (first_run / "report.html").read_text()
+    s = json.loads((first_run / "summary.json").read_text())
+    assert s["exit_code"] == 0 and "verdict" not in s        # (null, pending, until the diff)
 
 
 def test_record_writes_every_channel_with_receipts_and_lifecycle(recorded):
@@ -457,6 +459,54 @@ def test_fleet_replays_in_parallel_and_reports_a_bad_log_once(work, recorded, cl
     assert rep["bad_input"] == 1 and rep["failed"] == rep["retried"] == 0
     assert rep["exit_code"] == 2 and not (work / "fleet" / "drive9.retry1").exists()
     assert "| `drive9` | could not run (bad input) (" in r.stdout
+
+
+def test_a_stopped_fleet_stops_its_replays_and_passes_nothing(work, recorded):
+    """SIGTERM (a CI job cancelled) to a fleet: before, the fleet only recorded it, ran
+    every replay to the end and exited 0. Now the running replay is stopped in order and
+    says it was interrupted, the next log is never started, the fleet exits 7 in one
+    line, and the interrupted RUN is refused as a REF (its summary.json given, as a CI
+    job keeps it)."""
+    import signal
+    import time
+
+    logs = work / "stop-logs"
+    logs.mkdir()
+    for name in ("a", "b"):
+        shutil.copytree(recorded, logs / name)
+    out = work / "stopped"
+    p = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "replay", str(logs), "--jobs",
+                          "1", "--out", str(out), "--realtime", "--no-progress"], cwd=work,
+                         env={**os.environ, "TRIO_STATE_DIR": str(work / "state")},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "a" / "replay.toml").exists():     # a's pipeline is starting
+            assert p.poll() is None and time.monotonic() < deadline, p.poll()
+            time.sleep(0.1)
+        p.send_signal(signal.SIGTERM)
+        stdout, stderr = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 7, stdout + stderr[-3000:]
+    assert stderr.strip().splitlines() == [
+        "supervisor replay: interrupted by SIGTERM: 2 of 2 logs not judged (fleet.json lists "
+        "them); exit 7"], stderr
+    rep = json.loads((out / "fleet.json").read_text())
+    assert rep["interrupted"] == "SIGTERM" and rep["retried"] == 0
+    assert [(j["status"], len(j["attempts"])) for j in rep["jobs"]] == [("interrupted", 1)] * 2
+    assert rep["jobs"][1]["attempts"][0]["error"] == "not run: the fleet was stopped"
+    s = json.loads((out / "a" / "summary.json").read_text())
+    assert s["exit_code"] == 7 and s["interrupted"] == "SIGTERM", s
+    assert s["error"].startswith("interrupted by SIGTERM after "), s["error"]
+    assert not (out / "a" / "diff.md").exists() and not (out / "b").exists()
+    r = cli("replay", str(recorded), "--out", str(work / "vs-stopped"), "--ref",
+            str(out / "a" / "summary.json"), "--no-progress", cwd=work, timeout=60)
+    assert r.returncode == 2 and "not a REF" in r.stderr, r.stderr
+    assert "interrupted by SIGTERM" in r.stderr and not (work / "vs-stopped").exists()
 
 
 def test_fleet_on_a_local_ray_cluster(work, recorded):

@@ -141,13 +141,48 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 
 def _ref_log(ref: str, log: str):
-    """REF as a log: 'self', a RUN (its log/), or a LOG."""
+    """REF as a log: 'self', a RUN (its log/), a file of a RUN (its summary.json, as a
+    CI job keeps it beside the run: that RUN), or a LOG. A RUN that did not finish (no
+    summary.json: interrupted, or still running) or failed (its summary's error) is
+    refused: compared against, its missing tail read as "added" in every run, exit 6,
+    a model regression that never was. LogError, one line."""
     from .drivelog import DriveLog
+    from .logfmt import LogError
 
     path = Path(log if ref == "self" else ref)
-    if (path / "log" / MESSAGES).is_file():
+    def is_run(d: Path) -> bool:
+        return (d / "replay.toml").is_file() or (d / "log" / MESSAGES).is_file()
+
+    if ref != "self" and path.is_file():
+        if not is_run(path.parent):
+            raise LogError(f"{path}: a file, not a RUN directory or a drive log (REF's "
+                           f"messages are compared: a summary.json alone holds none)")
+        path = path.parent                 # run1/summary.json: run1
+    if ref != "self" and is_run(path):
+        why = _unfinished(path)
+        if why:
+            raise LogError(f"{path}: {why}; not a REF (replay the drive again into a new RUN)")
         path = path / "log"
     return DriveLog.open(path)
+
+
+def _unfinished(run: Path) -> str:
+    """Why RUN is no whole replay to compare with ('' if it is one)."""
+    try:
+        s = json.loads((run / "summary.json").read_text())
+    except FileNotFoundError:
+        return "a replay that never finished (no summary.json: interrupted, or still running)"
+    except (OSError, ValueError) as e:
+        return f"summary.json unreadable ({getattr(e, 'strerror', None) or e})"
+    if not isinstance(s, dict):
+        return "summary.json is not a replay's summary"
+    code = s.get("exit_code")
+    if code is None and s.get("verdict") and not s.get("error"):
+        return ""                 # a whole replay whose own --ref verdict never came
+    if s.get("error") or code not in (0, int(Exit.DIFFERS)):
+        return (f"a replay that did not get through its log (exit {code}: "
+                f"{str(s.get('error') or '')[:200]})")
+    return ""
 
 
 def _payloads(run_dir: str) -> dict[str, str]:
@@ -208,6 +243,7 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
     from .diff import compare, render_json, render_markdown, render_text
     from .drivelog import DriveLog
     from .logfmt import LogError
+    from .record import WRITE_FAILED
     from .run import DIFFERS, ReplayError, replay, write_run_file
 
     ref = None
@@ -222,7 +258,8 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
                      progress_out=None if args.no_progress else sys.stderr,
                      start=args.start, end=args.end, plot_signals=args.plot,
                      compare_names=(args.gate, args.ignore, list(tols))
-                     if args.ref is not None else None)
+                     if args.ref is not None else None,
+                     verdict_pending=args.ref is not None)
     except ReplayError as e:
         return _fail("replay", str(e))
     s = res.summary
@@ -235,6 +272,15 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
         ref = restrict(ref, *s["range"]["frames"])   # frames outside it are not "removed"
     if s.get("error"):               # why it failed, in one line, where errors go
         _fail("replay", s["error"])
+    if s.get("interrupted") or code == WRITE_FAILED:
+        # Stopped (Ctrl-C, a cancelled CI job) or a full disk: a part of a run. Compared,
+        # its missing tail reads as a regression; the user asked to stop, or there is
+        # no room for the diff and the report. summary.json and the one line say so.
+        if args.format == "json":
+            print(json.dumps({"summary": s, "exit_code": code}, indent=2))
+        else:
+            print_summary(s)
+        return code
     if ref is not None and s.get("frames"):
         run = DriveLog.open(Path(res.run_dir) / "log")
         payloads = _payloads(res.run_dir)
@@ -253,8 +299,11 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
         if code == 0 and not report.ok:
             code = DIFFERS
         # summary.json is what a CI step reads after the fact: its exit code is the
-        # command's, the comparison's verdict included (it said 0 for a run that exited 6).
+        # command's, the comparison's verdict included (it said 0 for a run that exited 6;
+        # and it is null, "verdict: pending", until here: a run killed during the
+        # comparison never reads as a pass).
         s["exit_code"] = code
+        s.pop("verdict", None)
         write_run_file(res.run_dir, "summary.json", json.dumps(s, indent=2))
         _write_report(res, args, ref, report, code)
         if args.format == "json":       # one JSON document on stdout, nothing else
@@ -293,12 +342,25 @@ def _write_report(res, args: argparse.Namespace, ref, report, code: int) -> None
     except Exception as e:           # a failed replay: what there is, and why not more
         page = Page(f"replay of {Path(args.logs[0]).name}", summary, report,
                     notes=[f"signals and frames not shown: {type(e).__name__}: {e}"])
+    missing = []
     for dest in [Path(res.run_dir, "report.html"), *([Path(args.report)] if args.report else [])]:
         try:
             write(dest, page)
         except (OSError, OutDirError) as e:
             why = e.strerror if isinstance(e, OSError) else str(e)
-            res.summary.setdefault("notes", []).append(f"{dest} not written: {why}")
+            missing.append(f"{dest} not written: {why}")
+    if missing:
+        # Said where a CI log shows it (a --report artifact missing is otherwise found
+        # only by its absence) and kept in summary.json, written before the report.
+        from .run import write_run_file
+
+        for m in missing:
+            _fail("replay", m)
+        res.summary.setdefault("notes", []).extend(missing)
+        try:
+            write_run_file(res.run_dir, "summary.json", json.dumps(res.summary, indent=2))
+        except (OSError, OutDirError):
+            pass                            # (the disk is full: the line above says so)
 
 
 def _plot_with_ref(run_dir: str, plan, run, ref, log: str, signals: list) -> None:
@@ -385,8 +447,12 @@ def _fleet(args: argparse.Namespace) -> int:
     # One line per log without a verdict, where a CI log shows errors: which log, and
     # whether it could not run (bad input, never retried) or failed (after its retry).
     for j in rep.jobs:
-        if j.status not in ("ok", "differs"):
+        if j.status in ("failed", "bad_input"):
             _fail("replay", j.line())
+    if rep.interrupted:
+        _fail("replay", f"interrupted by {rep.interrupted}: "
+                        f"{sum(j.status == 'interrupted' for j in rep.jobs)} of {len(rep.jobs)} "
+                        f"logs not judged (fleet.json lists them); exit {rep.exit_code}")
     if args.format == "json":
         print(json.dumps(rep.as_dict(), indent=2))
     else:

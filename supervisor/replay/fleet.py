@@ -15,6 +15,13 @@ any log differs (a verdict on the product), else 7 if any replay failed (incompl
 worker died, a timeout: a product crash reads like this too), else 2 if any log could
 not run (bad input: a verdict on the input, named one line each on stderr), else 0.
 
+A stop signal (Ctrl-C, SIGTERM: a CI job cancelled) stops the fleet: it is passed on to
+every running replay (each stops in order and reports itself interrupted), nothing is
+retried or started after it, every log without a verdict is listed `interrupted`, and
+the fleet exits 7 (unless a log already differs: 6). Before, the fleet process only
+recorded the signal: a SIGTERM was never obeyed (the fleet ran on to the end and exited
+0), and a Ctrl-C's interrupted replays were retried.
+
 On a Ray cluster each task runs ``supervisor replay`` on whichever node Ray picks: the
 logs and OUT must be at the same paths on every node (a shared filesystem), and each
 node needs what a replay needs here (root for the sandboxes, bubblewrap, the package).
@@ -23,8 +30,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -40,7 +49,13 @@ from .run import DIFFERS
 RETRIES = 1
 BAD_INPUT = 2                   # `supervisor replay`'s exit for a log it cannot read
 NO_RETRY = (0, DIFFERS, BAD_INPUT)   # outcomes a second try would only repeat
-UNJUDGED = ("failed", "bad_input")    # statuses of a log the fleet gives no verdict on
+UNJUDGED = ("failed", "bad_input", "interrupted")   # a log the fleet gives no verdict on
+NOT_RUN = -1                    # exit_code of a job a stopped fleet never started
+
+# The replays running here (local mode), for passing a stop signal on; and the stop.
+_live: set[subprocess.Popen] = set()
+_live_lock = threading.Lock()
+_stop = threading.Event()
 
 
 class FleetError(Exception):
@@ -82,6 +97,7 @@ class JobResult:
     name: str
     attempts: list[Attempt] = field(default_factory=list)
     summary: dict[str, Any] | None = None
+    interrupted: bool = False        # the fleet was stopped before this log's verdict
 
     @property
     def final(self) -> Attempt:
@@ -90,6 +106,8 @@ class JobResult:
     @property
     def status(self) -> str:
         code = self.final.exit_code
+        if self.interrupted and code not in (0, DIFFERS, BAD_INPUT):
+            return "interrupted"
         return {0: "ok", DIFFERS: "differs", BAD_INPUT: "bad_input"}.get(code, "failed")
 
     def line(self) -> str:
@@ -109,13 +127,24 @@ def job_argv(log: str, run_dir: str, extra: list[str]) -> list[str]:
 def run_job(log: str, run_dir: str, extra: list[str], timeout_s: float) -> dict[str, Any]:
     """One replay in its own process; what it left behind. Runs here or on a Ray node."""
     t0 = time.monotonic()
+    if _stop.is_set():
+        return {"exit_code": NOT_RUN, "wall_s": 0.0, "summary": None,
+                "error": "not run: the fleet was stopped"}
+    p = subprocess.Popen(job_argv(log, run_dir, extra), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    with _live_lock:
+        _live.add(p)
     try:
-        p = subprocess.run(job_argv(log, run_dir, extra), capture_output=True, text=True,
-                           timeout=timeout_s, stdin=subprocess.DEVNULL)
-        code, err = p.returncode, p.stderr.strip().splitlines()[-1:] 
+        _, stderr = p.communicate(timeout=timeout_s)
+        code, err = p.returncode, stderr.strip().splitlines()[-1:]
         err_text = err[0] if err and code not in (0, DIFFERS) else ""
     except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
         code, err_text = 124, f"no result within {timeout_s:.0f} s"
+    finally:
+        with _live_lock:
+            _live.discard(p)
     summary = None
     try:
         summary = json.loads(Path(run_dir, "summary.json").read_text())
@@ -131,13 +160,33 @@ def _attempt_dir(out: str, name: str, k: int) -> str:
     return os.path.join(out, name if k == 0 else f"{name}.retry{k}")
 
 
+def _pass_on(sig: int) -> None:
+    """A stop: no replay starts after it, and each running one gets the signal (it stops
+    in order and reports itself interrupted). A terminal's Ctrl-C reached them already:
+    a second one changes nothing there."""
+    _stop.set()
+    with _live_lock:
+        for p in list(_live):
+            try:
+                p.send_signal(sig)
+            except OSError:
+                pass
+
+
 def _execute(logs: list[str], out: str, extra: list[str], submit, timeout_s: float,
-             progress: FleetProgress | None = None) -> list[JobResult]:
+             progress: FleetProgress | None = None,
+             stop_signal=lambda: None) -> list[JobResult]:
+    """``stop_signal()``: the stop signal received since the last call, or None."""
     results = {log: JobResult(log, Path(log).name) for log in logs}
     pending = {log: submit(log, _attempt_dir(out, Path(log).name, 0)) for log in logs}
     tries = {log: 0 for log in logs}
     shown = -1.0
+    stopped = False
     while pending:
+        if not stopped and stop_signal() is not None:
+            stopped = True
+            for r in results.values():
+                r.interrupted = r.log in pending or not r.attempts
         if progress is not None and time.monotonic() - shown >= 1.0:
             shown = time.monotonic()
             done = [r for r in results.values() if r.attempts and r.log not in pending]
@@ -151,7 +200,9 @@ def _execute(logs: list[str], out: str, extra: list[str], submit, timeout_s: flo
             r.attempts.append(Attempt(got["run_dir"], got["exit_code"], round(got["wall_s"], 2),
                                       got["error"]))
             r.summary = got["summary"]
-            if got["exit_code"] not in NO_RETRY and tries[log] < RETRIES:
+            if stopped:
+                r.interrupted = True
+            elif got["exit_code"] not in NO_RETRY and tries[log] < RETRIES:
                 tries[log] += 1
                 pending[log] = submit(log, _attempt_dir(out, r.name, tries[log]))
         time.sleep(0.05)
@@ -161,7 +212,8 @@ def _execute(logs: list[str], out: str, extra: list[str], submit, timeout_s: flo
 
 
 def run_local(logs: list[str], out: str, jobs: int, extra: list[str],
-              timeout_s: float, progress: FleetProgress | None = None) -> list[JobResult]:
+              timeout_s: float, progress: FleetProgress | None = None,
+              stop_signal=lambda: None) -> list[JobResult]:
     pool = ThreadPoolExecutor(max_workers=max(1, jobs))
 
     def submit(log: str, run_dir: str):
@@ -169,14 +221,14 @@ def run_local(logs: list[str], out: str, jobs: int, extra: list[str],
         return lambda: ({**f.result(), "run_dir": run_dir} if f.done() else None)
 
     try:
-        return _execute(logs, out, extra, submit, timeout_s, progress)
+        return _execute(logs, out, extra, submit, timeout_s, progress, stop_signal)
     finally:
         pool.shutdown(wait=True)
 
 
 def run_ray(logs: list[str], out: str, address: str, extra: list[str], timeout_s: float,
-            cpus_per_job: float = 1.0, progress: FleetProgress | None = None
-            ) -> list[JobResult]:
+            cpus_per_job: float = 1.0, progress: FleetProgress | None = None,
+            stop_signal=lambda: None) -> list[JobResult]:
     try:
         import ray
     except ImportError:
@@ -212,7 +264,8 @@ def run_ray(logs: list[str], out: str, address: str, extra: list[str], timeout_s
         return poll
 
     try:
-        return _execute(logs, out, extra, submit, timeout_s, progress)
+        # (a stop is not passed on to Ray's nodes: they run their replays to the end)
+        return _execute(logs, out, extra, submit, timeout_s, progress, stop_signal)
     finally:
         if started:
             ray.shutdown()
@@ -224,6 +277,7 @@ class FleetReport:
     mode: str
     wall_s: float
     jobs: list[JobResult]
+    interrupted: str | None = None   # the stop signal that ended the fleet early
 
     @property
     def exit_code(self) -> int:
@@ -231,7 +285,10 @@ class FleetReport:
         the product first (a log that could not run must not hide a regression in
         another), and never 0 while a log went unjudged."""
         st = {j.status for j in self.jobs}
-        for status, code in (("differs", DIFFERS), ("failed", 7), ("bad_input", BAD_INPUT)):
+        if self.interrupted:
+            st.add("failed")                # never 0: the fleet did not finish
+        for status, code in (("differs", DIFFERS), ("failed", 7), ("interrupted", 7),
+                             ("bad_input", BAD_INPUT)):
             if status in st:
                 return code
         return 0
@@ -244,6 +301,8 @@ class FleetReport:
                 "differs": sum(j.status == "differs" for j in self.jobs),
                 "failed": sum(j.status == "failed" for j in self.jobs),
                 "bad_input": sum(j.status == "bad_input" for j in self.jobs),
+                "interrupted": self.interrupted,
+                "not_judged": sum(j.status == "interrupted" for j in self.jobs),
                 "retried": sum(len(j.attempts) > 1 for j in self.jobs),
                 "exit_code": self.exit_code,
                 "jobs": [{"log": j.log, "status": j.status,
@@ -259,7 +318,9 @@ class FleetReport:
         lines = [f"### Fleet replay ({d['mode']}): {d['logs']} logs, {d['ok']} ok, "
                  f"{d['differs']} differ, {d['failed']} failed, {d['bad_input']} could not "
                  f"run (bad input), {d['retried']} retried, "
-                 f"{d['wall_s']:.1f} s", "",
+                 f"{d['wall_s']:.1f} s"
+                 + (f"; INTERRUPTED by {self.interrupted}: {d['not_judged']} logs not judged"
+                    if self.interrupted else ""), "",
                  "| log | status | attempts | frames | model p99 ms |", "|---|---|---:|---:|---:|"]
         for j in d["jobs"]:
             p99 = "" if j["model_p99_ms"] is None else f"{j['model_p99_ms']:.2f}"
@@ -286,18 +347,40 @@ def replay_fleet(paths: list[str], out: str, *, jobs: int = 1, ray: str | None =
         out_dir = OutDir.open(out, what="replay --out (fleet)", mode=0o755, parents=True)
     except OutDirError as e:
         raise FleetError(str(e)) from None
+    from supervisor import signals
+
+    # The CLI's signal pipe (a stop signal is a byte there from the process's start):
+    # read here, or a SIGTERM would never be obeyed. Embedded, handlers are ours to give back.
+    embedded = signals._pipe is None
+    pipe = signals.install()
+    got: list[str] = []
+
+    def stop_signal() -> str | None:
+        stops = [x for x in (pipe.drain() if pipe is not None else [])
+                 if x in signals.STOP_SIGNALS]
+        if not stops:
+            return None
+        got.append(signal.Signals(stops[0]).name)
+        _pass_on(stops[0])
+        return got[0]
+
+    _stop.clear()
     with out_dir:
         t0 = time.monotonic()
         bar = FleetProgress(len(logs), progress_out)
         try:
             if ray is not None:
-                res = run_ray(logs, out, ray, extra or [], timeout_s, progress=bar)
+                res = run_ray(logs, out, ray, extra or [], timeout_s, progress=bar,
+                              stop_signal=stop_signal)
             else:
-                res = run_local(logs, out, jobs, extra or [], timeout_s, progress=bar)
+                res = run_local(logs, out, jobs, extra or [], timeout_s, progress=bar,
+                                stop_signal=stop_signal)
         finally:
             bar.close()
+            if embedded:
+                signals.uninstall()
         rep = FleetReport(out, f"ray {ray}" if ray else f"jobs {jobs}",
-                          time.monotonic() - t0, res)
+                          time.monotonic() - t0, res, got[0] if got else None)
         out_dir.write_text("fleet.json", json.dumps(rep.as_dict(), indent=2))
         out_dir.write_text("fleet.md", rep.markdown())
     return rep

@@ -13,6 +13,7 @@ RUN gets ``replay.toml`` (the derived config), ``log/`` (the run as a drive log)
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -147,9 +148,39 @@ def _last_words(events: list[dict[str, Any]], worker: str, upto: int) -> str | N
     return str(e.get("line") if e["event"] == "output" else e.get("msg", ""))[:300]
 
 
-def failure_cause(events: list[dict[str, Any]], exit_code: int | None = None) -> str:
+def interrupted_by(events: list[dict[str, Any]]) -> str | None:
+    """The stop signal the replay's supervisor received (SIGINT: Ctrl-C; SIGTERM: a CI
+    job cancelled), if any."""
+    return next((str(e.get("signal")) for e in events if e.get("event") == "signal"), None)
+
+
+def _interrupted_text(sig: str, replayed: int, total: int) -> str:
+    return (f"interrupted by {sig} after {replayed} of {total} frames: this RUN is "
+            f"incomplete (exit 7): never a pass, nor a REF")
+
+
+def _stalled(summary: dict[str, Any] | None) -> str:
+    """Why frames timed out when no worker failed: a worker that rejected what it was
+    given, in its own status words (modeld's `rejected=frame:too_small=42`: a drive
+    recorded at another frame size than the config's model takes)."""
+    if not summary:
+        return ""
+    f = summary.get("frames") or {}
+    if not f.get("step_timeouts"):
+        return ""
+    who = [f"{w} said {st!r}" for w, st in (summary.get("worker_status") or {}).items()
+           if isinstance(st, str) and any(
+               k.startswith("rejected=") and not k.endswith("=0") for k in st.split())]
+    return (f"{f['step_timeouts']} of {f.get('in_log')} frames timed out waiting for the "
+            f"pipeline ({f.get('model_outputs', 0)} model outputs, {f.get('commands', 0)} "
+            f"commands)" + (f": {'; '.join(who[:2])}" if who else ""))
+
+
+def failure_cause(events: list[dict[str, Any]], exit_code: int | None = None,
+                  summary: dict[str, Any] | None = None) -> str:
     """One line: which worker failed first, how (the event), in its own last words,
-    what followed, and how the supervisor ended."""
+    what followed, and how the supervisor ended; with no worker failed, frames that
+    timed out and who rejected them (``summary``)."""
     bad = [(i, e) for i, e in enumerate(events) if e.get("event") in _BAD]
     end = next((e for e in reversed(events) if e.get("event") == "supervisor_exit"), None)
     tail = ""
@@ -159,6 +190,9 @@ def failure_cause(events: list[dict[str, Any]], exit_code: int | None = None) ->
     elif exit_code is not None:
         tail = f"supervisor exit {exit_code}"
     if not bad:
+        stalled = _stalled(summary)
+        if stalled:
+            return stalled + (f"; {tail}" if tail else "")
         return tail or "no worker failed (see the lifecycle events with --events)"
     i, first = bad[0]
     who = first.get("worker")
@@ -186,8 +220,25 @@ def camera_done(events: list[dict[str, Any]], camera: str) -> dict[str, Any] | N
 
 
 def _default_out(log: str) -> str:
+    """LOG.replay-STAMP-PID: two replays of one drive started in the same second (two CI
+    jobs in one workspace) got one name, and the second failed 'exists and is not an
+    empty directory' (exit 2), or both wrote into it."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return os.path.abspath(f"{Path(log).name}.replay-{stamp}")
+    return os.path.abspath(f"{Path(log).name}.replay-{stamp}-{os.getpid()}")
+
+
+def _claim(run_dir: str, held: list[int]) -> None:
+    """An exclusive lock on RUN for this replay's life (released when `replay` returns,
+    or with the process): two replays given one --out at once both found it empty and
+    both wrote into it. ReplayError if another replay holds it."""
+    fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ReplayError(f"{run_dir}: another replay is writing into it (one --out per "
+                          f"replay)") from None
+    held.append(fd)
 
 
 def trusted_source(log: str) -> bytes:
@@ -232,18 +283,30 @@ def _recorded_config(log: str) -> dict[str, Any]:
     return parse_doc(trusted_source(log), os.path.join(log, SOURCE))
 
 
-def replay(log: str, *, out: str | None = None, config: str | None = None,
+def replay(log: str, **kw: Any) -> ReplayResult:
+    """`_replay`, holding RUN's lock (`_claim`) until it returns."""
+    held: list[int] = []
+    try:
+        return _replay(log, held=held, **kw)
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def _replay(log: str, *, held: list[int], out: str | None = None, config: str | None = None,
            realtime: bool = False, step_timeout_s: float = 5.0, echo=None,
            progress_out=sys.stderr, start: str | None = None, end: str | None = None,
            plot_signals: list[str] | None = None,
-           compare_names: tuple[list[str], list[str], list[str]] | None = None
-           ) -> ReplayResult:
+           compare_names: tuple[list[str], list[str], list[str]] | None = None,
+           verdict_pending: bool = False) -> ReplayResult:
     """Replay ``log`` into ``out`` and summarise it (no comparison: see `diff`).
     ``start``/``end`` (`cut` units: ``12.5`` seconds, ``f120`` a frame id) replay that
     part of the log only: it is cut into RUN/input first and that cut is what plays;
     ``plot_signals`` (CHANNEL.FIELD) choose plot.png's panels; ``compare_names``
     (--gate, --ignore, --tol's keys) are checked against the config. Every bad argument
-    is a `ReplayError` before anything starts."""
+    is a `ReplayError` before anything starts. ``verdict_pending`` (a --ref comparison
+    follows): a whole replay's summary.json says ``"exit_code": null`` and why until
+    the caller writes the verdict, so a run killed in between never reads as a pass."""
     from .cut import CutError, cut, parse_pos, resolve
     from .signals import SignalError, check_compare_names, parse_signals
 
@@ -285,6 +348,9 @@ def replay(log: str, *, out: str | None = None, config: str | None = None,
                 run_out = OutDir.open(run_dir, what="replay --out", mode=0o755, parents=True)
             except OutDirError as e:
                 raise ReplayError(str(e)) from None
+            _claim(run_dir, held)
+            if any(n != "." for n in os.listdir(run_dir)):   # (filled before the lock was ours)
+                raise ReplayError(f"{out or run_dir}: exists and is not an empty directory")
         return run_out
 
     if start is not None or end is not None:
@@ -348,13 +414,17 @@ def replay(log: str, *, out: str | None = None, config: str | None = None,
     bar.close()
     cam = _kv(camera_status(outcome.events))
     fault = fault_line(outcome.fault) if outcome.fault is not None else None
+    sig = interrupted_by(outcome.events)
     try:
         run = DriveLog.open(run_log)
     except LogError as e:
         code = WRITE_FAILED if fault else INCOMPLETE
         summary = {"log": source_log, "run": run_dir, "exit_code": code,
-                   "error": fault or failure_cause(outcome.events, outcome.exit_code),
+                   "error": fault or (_interrupted_text(sig, 0, total) if sig else
+                                      failure_cause(outcome.events, outcome.exit_code)),
                    "run_log": f"none: {e}"}
+        if sig and not fault:
+            summary["interrupted"] = sig
         _write_summary(run_dir, summary)
         return ReplayResult(run_dir, code, summary, outcome, log=log, signals=signals)
     summary = summarize(src, run, plan, cam, outcome, realtime=realtime, log_s=log_s,
@@ -372,10 +442,19 @@ def replay(log: str, *, out: str | None = None, config: str | None = None,
     elif summary["frames"]["replayed"] < total or summary["frames"]["step_timeouts"]:
         code = INCOMPLETE
     if code:
-        summary["error"] = fault or failure_cause(outcome.events, outcome.exit_code)
+        summary["error"] = fault or failure_cause(outcome.events, outcome.exit_code,
+                                                  summary)
         if outcome.reason == "timeout" and not fault:
             summary["error"] = f"no end within {timeout:.0f} s; " + summary["error"]
+        if sig and not fault and outcome.reason != "until":
+            # Ctrl-C, or a CI job cancelled: a part of a run, which must never read as a
+            # pass (nor serve as a REF: commands._ref_log refuses it).
+            summary["interrupted"] = sig
+            summary["error"] = _interrupted_text(sig, summary["frames"]["replayed"], total)
     summary["exit_code"] = code
+    if code == 0 and verdict_pending:
+        summary["exit_code"] = None
+        summary["verdict"] = "pending: the --ref comparison has not finished"
     _write_summary(run_dir, summary)
     try:
         plot(src, run, plan, Path(run_dir, "plot.png"), signals=signals)
@@ -383,15 +462,20 @@ def replay(log: str, *, out: str | None = None, config: str | None = None,
         Path(run_dir, "plot.png").unlink(missing_ok=True)     # (no half-written picture)
         summary.setdefault("notes", []).append(f"plot.png not drawn: {type(e).__name__}: {e}")
         _write_summary(run_dir, summary)
-    return ReplayResult(run_dir, summary["exit_code"], summary, outcome, log=log,
-                        signals=signals)
+    return ReplayResult(run_dir, code if summary["exit_code"] is None else summary["exit_code"],
+                        summary, outcome, log=log, signals=signals)
 
 
 def write_run_file(run_dir: str, name: str, text: str) -> None:
     """RUN/``name`` through RUN's fd (`supervisor.outdir`): never through a link planted
     under the name, never into a RUN another user could swap. OSError or OutDirError."""
     with OutDir.open(run_dir, what="replay --out", create=False, empty=False) as d:
-        d.write_text(name, text)
+        try:
+            d.write_text(name, text)
+        except OSError as e:               # name the file (a full disk said ': No space')
+            if e.filename:
+                raise
+            raise OSError(e.errno, e.strerror, os.path.join(run_dir, name)) from None
 
 
 def _write_summary(run_dir: str, summary: dict[str, Any]) -> None:
