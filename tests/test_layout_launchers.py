@@ -48,3 +48,23 @@ def test_check_start_behind_a_launcher_does_not_name_its_own_launcher(tmp_path):
         other.kill()
         other.wait()
     assert os.getpid() not in dict(found)
+
+
+@pytest.mark.xfail(strict=True, reason="pycapnp (kj) aborts at import without a current "
+                   "directory: supervisor/cli.py main must make one first (for the lead)")
+def test_a_command_from_a_removed_directory_is_one_line_not_an_abort(tmp_path):
+    """An operator's shell left in a directory that was removed (the old install after
+    `rm -r /opt/trio-supervisor` and a reinstall, a CI workspace cleaned under it): every
+    `supervisor` command died at `import capnp` with SIGABRT (rc 134) and a C++ stack
+    ('terminate called after throwing an instance of 'kj::ExceptionImpl' ... getcwd(): No
+    such file or directory'), even `supervisor check --config ABSOLUTE/bad.toml`."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    bad = tmp_path / "bad.toml"
+    bad.write_text("x = [\n")
+    p = subprocess.run(["sh", "-c", 'cd "$1" && rmdir "$1" && exec "$2" -m supervisor.cli '
+                        'check --config "$3"', "sh", str(gone), sys.executable, str(bad)],
+                       capture_output=True, text=True, timeout=60)
+    assert "terminate called" not in p.stderr and p.returncode != -6 and p.returncode != 134, \
+        p.stderr[-600:]
+    assert p.returncode == 2 and "not valid TOML" in p.stderr, p.stderr[-600:]
