@@ -519,6 +519,44 @@ def staging_needed(cfg: Config) -> bool:
     return False
 
 
+def _mapped(ids: int, map_file: str) -> bool | None:
+    """Whether host-side id `ids` of this namespace is mapped in `map_file`
+    (/proc/self/uid_map: 'inside outside count' lines); None if unreadable."""
+    try:
+        with open(map_file) as f:
+            ranges = [tuple(map(int, line.split())) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return None
+    return any(inside <= ids < inside + count for inside, _, count in ranges)
+
+
+def unmapped_domain_users(cfg: Config, proc_self: str = "/proc/self") -> list[str]:
+    """'name (uid N)' for each domain user of `cfg` that this root cannot become: root
+    only inside a user namespace whose map leaves the user out (`unshare -r`, a rootless
+    container without a subordinate id range). There `check` died with a 30-line
+    traceback ending 'SubprocessError: Exception occurred in preexec_fn.', and `run`
+    restarted camerad 5 times on 'start failed: Exception occurred in preexec_fn.' and
+    failed safe. `proc_self` is a fake directory in tests."""
+    import pwd
+
+    from supervisor.sandbox.policy import default_user
+
+    out: list[str] = []
+    for d in sorted({w.domain for w in cfg.workers.values()}):
+        name = cfg.domains[d].user or default_user(d)
+        try:
+            pw = pwd.getpwnam(name)
+        except KeyError:                  # check says that one itself
+            continue
+        uid = _mapped(pw.pw_uid, f"{proc_self}/uid_map")
+        gid = _mapped(pw.pw_gid, f"{proc_self}/gid_map")
+        if uid is False or gid is False:
+            text = f"{name} (uid {pw.pw_uid}, gid {pw.pw_gid})"
+            if text not in out:
+                out.append(text)
+    return out
+
+
 def machine_problems(cfg: Config | None = None) -> list[str]:
     """What on this machine keeps every sandbox of `cfg` (default: the embedded car
     config) from starting, one line each with what to do; [] when nothing does (or when
@@ -550,6 +588,12 @@ def machine_problems(cfg: Config | None = None) -> list[str]:
                             f"({said}), so no sandbox can start: a container's default "
                             f"seccomp profile without CAP_SYS_ADMIN does this; "
                             f"{_CONTAINER_CAPS}")
+    users = unmapped_domain_users(cfg)
+    if users:
+        problems.append(f"users: this root is root only inside a user namespace whose id "
+                        f"map leaves out {', '.join(users)}, so no sandbox can switch to its "
+                        f"domain's user: run as real root, or give the rootless container "
+                        f"a subordinate id range that holds them (/etc/subuid, /etc/subgid)")
     parent = os.path.dirname(BASE)
     if (not os.path.isdir(BASE) and not os.access(parent, os.W_OK)
             and staging_needed(cfg)):

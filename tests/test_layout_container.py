@@ -194,3 +194,39 @@ def test_the_machine_check_of_a_broken_config_is_its_problems_in_lines(tmp_path)
     lines = p.stderr.strip().splitlines()
     assert lines and all(x.startswith("machine: ") for x in lines), p.stderr
     assert "Traceback" not in p.stderr
+
+
+@needs_root
+def test_root_only_inside_a_user_namespace_is_one_line_not_a_traceback():
+    """`unshare -U -r` (a rootless container without a subordinate id range: only uid 0
+    mapped): `supervisor check` died with a 30-line traceback ending 'SubprocessError:
+    Exception occurred in preexec_fn.' (the switch to trio-control), and `run` failed
+    safe after 5 'start failed: Exception occurred in preexec_fn.'."""
+    p = _run(["unshare", "-U", "-r", *MACHINE])
+    if "unshare failed" in p.stderr:
+        pytest.skip(f"no user namespace here: {p.stderr.strip()}")
+    assert p.returncode == 5, p.stdout + p.stderr
+    (line,) = p.stderr.strip().splitlines()
+    assert line.startswith("machine: users: this root is root only inside a user namespace "
+                           "whose id map leaves out trio-control (uid "), line
+    assert "/etc/subuid" in line, line
+
+
+def test_a_full_id_map_leaves_nobody_out_and_root_alone_leaves_out_each_domain_user(tmp_path):
+    import pwd
+
+    from supervisor.config import load
+    from supervisor.startcheck import unmapped_domain_users
+
+    try:
+        users = [pwd.getpwnam(n) for n in ("trio-control", "trio-research")]
+    except KeyError:
+        pytest.skip("no domain users here (scripts/install.sh makes them)")
+    cfg = load(None)
+    for name, text in (("full", "0 0 4294967295\n"), ("root", "0 1000 1\n")):
+        (tmp_path / name).mkdir()
+        for f in ("uid_map", "gid_map"):
+            (tmp_path / name / f).write_text(text)
+    assert unmapped_domain_users(cfg, str(tmp_path / "full")) == []
+    assert unmapped_domain_users(cfg, str(tmp_path / "root")) == [
+        f"{u.pw_name} (uid {u.pw_uid}, gid {u.pw_gid})" for u in users]
