@@ -3,7 +3,9 @@ with what to do (`python -m supervisor.startcheck --machine`, `machine_problems`
 
 Each layout is made for real and only for the child: Docker's default seccomp profile as
 a seccomp filter on the child (namespaces and mounts refused with EPERM, as without
-CAP_SYS_ADMIN), a read-only /run in a private mount namespace. About a second each."""
+CAP_SYS_ADMIN), a read-only /run in a private mount namespace, root only inside a user
+namespace (`unshare -U -r`). A container's memory limit (what `check --start` says of a
+worker killed there) is read from a fake cgroup tree. About a second each."""
 from __future__ import annotations
 
 import os
