@@ -9,11 +9,18 @@ console was stopped). Making fds 1/2 non-blocking is no fix: O_NONBLOCK belongs 
 open file description, shared with the shell that owns the terminal.
 
 So each real stream gets one `StreamWriter`: callers queue text and go on; its thread
-writes. The queue is bounded: when it is full lines are dropped and counted, and the
-next line written says how many (the caller's `dropped` text). A live line (the
-console's status row) keeps only its newest version. A stream without a file
-descriptor (io.StringIO in tests, embedded users) is written directly: it cannot block.
-At exit every writer gets a bounded time to drain (atexit)."""
+writes. The queue is bounded, in lines and in characters: when it is full lines are
+dropped and counted, and the next line written says how many (the caller's `dropped`
+text). An error line (VITAL: the fail-safe) is never dropped and never waits behind more
+than VITAL_AHEAD characters of others: the oldest are dropped for it (red team 9 row 5:
+10,000 lines of a research worker's 12 KiB `output` events, 124 MB, queued ahead of the
+fail_safe line: minutes on an ssh console, hours on a serial one). A live line (the
+console's status row) keeps only its newest version. One stream, one writer: stdout and
+stderr of a systemd unit are one journald socket, and two threads writing it split
+lines (row 7). A stream without a file descriptor (io.StringIO in tests, embedded
+users) is written directly: it cannot block. At exit every writer gets a bounded time
+to drain (atexit), what is queued trimmed first so that the last error lines go out
+(row 8)."""
 from __future__ import annotations
 
 import atexit
@@ -28,6 +35,10 @@ from typing import TextIO
 
 MAX_PENDING = 10_000          # lines queued while a stream is blocked; then dropped
 MAX_URGENT = 2_000            # places beyond that for urgent lines (warnings)
+MAX_PENDING_CHARS = 1 << 20   # and characters: a second of a 1 MiB/s console
+MAX_URGENT_CHARS = 1 << 18    # beyond that for urgent lines
+VITAL_AHEAD = 64 << 10        # what a VITAL line may wait behind (characters)
+BATCH_CHARS = 64 << 10        # written per write: the rest stays queued (and droppable)
 URGENT, VITAL = 1, 2          # put()'s ranks: a warning; an error (never dropped)
 DRAIN_AT_EXIT_S = 2.0         # all streams together: a stopped console cannot hold exit
 IDLE_S = 0.5                  # a writer thread with nothing to write for this long ends
@@ -40,6 +51,7 @@ class StreamWriter:
         self.stream = stream
         self._dropped_text = dropped
         self._lines: deque[tuple[int, str]] = deque()     # (rank, text)
+        self._chars = 0                        # of the queued lines
         self._latest: str | None = None        # the live row's newest version
         self._shown: str | None = None         # the live row on screen (writer thread's)
         self._end = False                      # end the live row with a newline
@@ -57,21 +69,35 @@ class StreamWriter:
         dropped behind 10,000 lines of a chatty worker while the console was stopped;
         review: a worker's warnings could fill the urgent places)."""
         with self._cond:
-            if len(self._lines) >= MAX_PENDING + (MAX_URGENT if rank >= URGENT else 0):
-                if rank < VITAL or not self._evict():
-                    self._dropped += 1
-                    return
+            urgent = rank >= URGENT
+            if rank < VITAL and (
+                    len(self._lines) >= MAX_PENDING + (MAX_URGENT if urgent else 0)
+                    or self._chars + len(text) > MAX_PENDING_CHARS + (
+                        MAX_URGENT_CHARS if urgent else 0)):
+                self._dropped += 1
+                return
+            if rank >= VITAL:
+                self._trim(VITAL_AHEAD)
             self._lines.append((rank, text))
+            self._chars += len(text)
             self._wake()
 
-    def _evict(self) -> bool:
-        """(under _cond) Drop the oldest queued line that is not VITAL."""
-        for i, (rank, _) in enumerate(self._lines):
+    def _trim(self, keep: int) -> None:
+        """(under _cond) Drop the oldest lines that are not VITAL until at most `keep`
+        characters of them stay queued (the newest: what led up to it)."""
+        if self._chars <= keep:
+            return
+        kept: deque[tuple[int, str]] = deque()
+        others = 0
+        for rank, text in reversed(self._lines):
             if rank < VITAL:
-                del self._lines[i]
-                self._dropped += 1
-                return True
-        return False
+                if others + len(text) > keep:
+                    self._dropped += 1
+                    self._chars -= len(text)
+                    continue
+                others += len(text)
+            kept.appendleft((rank, text))
+        self._lines = kept
 
     def put_latest(self, text: str) -> None:
         """A live row (it starts with "\\r\\x1b[2K"): it supersedes its own earlier
@@ -104,13 +130,26 @@ class StreamWriter:
                 pass
 
     def _take(self) -> tuple[list[str], str | None, bool, int]:
-        """(under _cond) Everything pending, taken: lines, live row, end, dropped."""
-        batch = [text for _, text in self._lines]
-        self._lines.clear()
+        """(under _cond) What is pending, taken: up to BATCH_CHARS of lines (one at
+        least), the live row, end, dropped. A blocked write holds only its batch: the
+        rest stays queued, where a VITAL line can still drop it."""
+        batch, size = [], 0
+        while self._lines and (not batch or size + len(self._lines[0][1]) <= BATCH_CHARS):
+            text = self._lines.popleft()[1]
+            batch.append(text)
+            size += len(text)
+        self._chars -= size
         latest, self._latest = self._latest, None
         end, self._end = self._end, False
         dropped, self._dropped = self._dropped, 0
         return batch, latest, end, dropped
+
+    def shed(self) -> None:
+        """At exit: no more than VITAL_AHEAD characters of other lines left queued (the
+        newest), so that the last error lines and the exit line are what the drain's
+        bounded time is spent on."""
+        with self._cond:
+            self._trim(VITAL_AHEAD)
 
     def drain(self, timeout: float) -> bool:
         """Wait until everything queued is written; False if `timeout` ran out."""
@@ -181,15 +220,19 @@ def _fd(stream: object) -> int | None:
         return None
 
 
-_terminals: "weakref.WeakValueDictionary[int, StreamWriter]" = weakref.WeakValueDictionary()
+# One writer per stream: a terminal by its device (stdout and stderr on one console are
+# two open files of it), anything else by its inode (a unit's stdout and stderr are one
+# journald socket). Two writers of one stream interleave partial writes (row 7).
+_writers: "weakref.WeakValueDictionary[tuple, StreamWriter]" = weakref.WeakValueDictionary()
 
 
 def writer_for(stream: TextIO, dropped: Callable[[int], str] | None = None
                ) -> StreamWriter | None:
     """A writer for `stream`, or None for a stream without a file descriptor or that is
-    a regular file (written directly: neither waits for a reader). One per owner (the event log, the monitor), except on a
-    terminal: the event log (stderr) and the live row (stdout) on one terminal share
-    one writer, so that events are written above the row instead of through it.
+    a regular file (written directly: neither waits for a reader). One per stream: the
+    event log (stderr) and the live row (stdout) on one terminal share one writer, so
+    that events are written above the row instead of through it; on one socket or pipe,
+    so that neither is written into the middle of the other's line.
     `dropped`: the text said for n dropped lines (None: an empty string)."""
     fd = _fd(stream)
     if fd is None:
@@ -202,15 +245,12 @@ def writer_for(stream: TextIO, dropped: Callable[[int], str] | None = None
         return None
     if stat.S_ISREG(st.st_mode):          # a file has no reader to wait for: written
         return None                       # here, in order with everything else
-    key = st.st_rdev if tty else 0
-    if not tty:
-        w = StreamWriter(stream, say)
-    else:
-        w = _terminals.get(key)
-        if w is None or getattr(w.stream, "closed", False):   # (a new pty with its number)
-            w = _terminals[key] = StreamWriter(stream, say)
-        elif dropped is not None:
-            w._dropped_text = dropped
+    key = ("tty", st.st_rdev) if tty else ("inode", st.st_dev, st.st_ino)
+    w = _writers.get(key)
+    if w is None or getattr(w.stream, "closed", False):   # (a new pty or pipe, same number)
+        w = _writers[key] = StreamWriter(stream, say)
+    elif dropped is not None:
+        w._dropped_text = dropped
     _all.add(w)
     return w
 
@@ -220,7 +260,11 @@ def drain_all(timeout: float = DRAIN_AT_EXIT_S) -> None:
     import time
 
     end = time.monotonic() + timeout
-    for w in list(_all):
+    writers = list(_all)
+    for w in writers:            # half the time for everything, in order
+        w.drain(max(0.0, end - timeout / 2 - time.monotonic()))
+    for w in writers:            # then the last lines first: a slow console
+        w.shed()
         w.drain(max(0.0, end - time.monotonic()))
 
 

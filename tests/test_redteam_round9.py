@@ -535,9 +535,6 @@ def test_a_handed_drive_log_never_runs_code_it_carries(tmp_path):
 FAIL_SAFE_AHEAD_MAX = 1 << 20
 
 
-@pytest.mark.xfail(strict=True, reason="redteam9 row 5: outstream's queue is bounded in "
-                   "lines, not bytes: 10,000 output lines of 2048 invalid bytes (12 KiB "
-                   "each as JSON) put ~123 MB ahead of the fail_safe line")
 def test_a_research_workers_output_never_puts_minutes_of_text_ahead_of_the_fail_safe():
     """The real EventLog on a real pty (the operator's console) whose output is stopped,
     as a slow or stalled console is. A research worker prints lines of 2048 bytes of
@@ -574,7 +571,7 @@ def test_a_research_workers_output_never_puts_minutes_of_text_ahead_of_the_fail_
         os.close(master)                 # the writer's blocked write ends (EIO): no leak
         try:
             termios.tcflow(slave, termios.TCOON)
-        except OSError:
+        except (OSError, termios.error):  # EIO: the master is gone already
             pass
         os.close(slave)
 
@@ -582,10 +579,6 @@ def test_a_research_workers_output_never_puts_minutes_of_text_ahead_of_the_fail_
 # ---------------------------------------------------------------- one journald stream (row 7)
 
 
-@pytest.mark.xfail(strict=True, reason="redteam9 row 7: the live row (stdout) and the "
-                   "events (stderr) are written by two threads to one journald stream "
-                   "socket; a partial write lets a row land inside an event line, whose "
-                   "rest is an entry of its own: a worker's '<0>' becomes its priority")
 def test_the_journal_stream_never_splits_an_event_line():
     """Under systemd stdout and stderr are one journald stream socket (the unit sets
     neither StandardOutput nor StandardError: stderr inherits stdout's). The real
@@ -680,9 +673,6 @@ sys.exit(4)
 '''
 
 
-@pytest.mark.xfail(strict=True, reason="redteam9 row 8: at exit the output gets 2 s to "
-                   "drain (DRAIN_AT_EXIT_S); with a research worker's backlog ahead of it "
-                   "the fail_safe and supervisor_exit lines never reach the console")
 def test_a_research_workers_backlog_never_loses_the_fail_safe_line_at_exit():
     """Row 5's backlog, then what `run` does after failing safe: it exits (code 4) and
     the interpreter's exit gives every output stream 2 s to drain. The console is a
