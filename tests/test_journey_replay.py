@@ -263,6 +263,26 @@ def test_frames_that_time_out_name_who_rejected_them():
     assert failure_cause(events, 0) == "supervisor exit 0 (shutdown)"
 
 
+def test_a_pipeline_that_puts_out_nothing_ends_the_replay_early(ref, tmp_path):
+    """Before: every frame of the log waited --step-timeout (42 x 5 s), then exit 7.
+    Now three step timeouts with no model output in the run's log end it (still 7); a
+    model that has answered once is never cut short."""
+    from supervisor.replay.run import STALL_STEPS, _StallWatch
+
+    def status(timeouts: int) -> list[dict]:
+        return [{"event": "status", "worker": "camerad",
+                 "status": f"source=log frames={timeouts + 1} timeouts={timeouts}"}]
+
+    empty = tmp_path / "empty"
+    LogWriter(empty, CHANNELS).close({"frames": 0})
+    w = _StallWatch(empty, "camerad", "model_out")
+    assert not w.stalled(status(STALL_STEPS - 1)) and w.stalled(status(STALL_STEPS))
+    assert w.at == STALL_STEPS
+    slow = _StallWatch(ref.path, "camerad", "model_out")       # outputs in its log
+    assert not slow.stalled(status(STALL_STEPS)) and slow.seen_output
+    assert not slow.stalled(status(40)) and slow.at is None
+
+
 def test_another_schema_version_is_one_line(tmp_path):
     d = _write(tmp_path / "v9")
     recs = [body for _, body in read_stream(d / MESSAGES)]

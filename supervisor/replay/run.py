@@ -398,8 +398,12 @@ def _replay(log: str, *, held: list[int], out: str | None = None, config: str | 
         st = [e for e in events if e.get("event") == "status" and e.get("worker") == plan.camera]
         return st[-1]["status"] if st else ""
 
+    watch = _StallWatch(Path(run_log), plan.camera, plan.model_out)
+
     def finished(evlog) -> bool:
         if camera_done(evlog.events, plan.camera) is not None:
+            return True
+        if watch.stalled(evlog.events):
             return True
         # The camera died (it is never restarted in a replay): nothing more will come.
         return any(e["event"] in ("exit", "gave_up") and e.get("worker") == plan.camera
@@ -446,6 +450,10 @@ def _replay(log: str, *, held: list[int], out: str | None = None, config: str | 
                                                   summary)
         if outcome.reason == "timeout" and not fault:
             summary["error"] = f"no end within {timeout:.0f} s; " + summary["error"]
+        if watch.at is not None and not fault:
+            summary["stalled"] = watch.at
+            summary["error"] = (f"stopped early: {watch.at} frames timed out and no model "
+                                f"output came; " + summary["error"])
         if sig and not fault and outcome.reason != "until":
             # Ctrl-C, or a CI job cancelled: a part of a run, which must never read as a
             # pass (nor serve as a REF: commands._ref_log refuses it).
@@ -464,6 +472,43 @@ def _replay(log: str, *, held: list[int], out: str | None = None, config: str | 
         _write_summary(run_dir, summary)
     return ReplayResult(run_dir, code if summary["exit_code"] is None else summary["exit_code"],
                         summary, outcome, log=log, signals=signals)
+
+
+STALL_STEPS = 3     # lockstep frames timed out, with no model output yet, that end a replay
+
+
+class _StallWatch:
+    """A pipeline that puts out nothing: lockstep waited --step-timeout on every frame
+    of the log (a drive at another frame size than the config's model takes: 42 x 5 s,
+    then exit 7). After `STALL_STEPS` step timeouts (the camera's status) with no model
+    output in the run's log the replay ends there; its verdict (7, incomplete) is the
+    one the whole wait would have given. A model that answers, however slowly, is never
+    cut short: once it has, this stops looking."""
+
+    def __init__(self, run_log: Path, camera: str, model_out: str | None) -> None:
+        self.run_log, self.camera, self.model_out = run_log, camera, model_out
+        self.seen_output = model_out is None
+        self.at: int | None = None           # step timeouts when it was judged stalled
+        self.checked = 0
+
+    def stalled(self, events: list[dict[str, Any]]) -> bool:
+        if self.seen_output:
+            return False
+        st = next((e for e in reversed(events[-200:]) if e.get("event") == "status"
+                   and e.get("worker") == self.camera), None)
+        timeouts = int(_kv(str(st.get("status", ""))).get("timeouts", 0) or 0) if st else 0
+        if timeouts < STALL_STEPS or timeouts == self.checked:
+            return False
+        self.checked = timeouts               # (the log is read once per new status)
+        try:
+            run = DriveLog.open(self.run_log, final=False)
+        except LogError:
+            return False
+        if run.messages.get(self.model_out or ""):
+            self.seen_output = True
+            return False
+        self.at = timeouts
+        return True
 
 
 def write_run_file(run_dir: str, name: str, text: str) -> None:
