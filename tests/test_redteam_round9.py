@@ -141,9 +141,6 @@ def test_a_signed_audit_never_verifies_for_a_config_that_trusts_another_key(sign
     assert "FAILED" in r.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="redteam9 row 6: audit verify compares the config's "
-                   "bytes and its models, not the control code its python_path holds: a "
-                   "control worker's module changed after signing verifies OK")
 def test_a_signed_audit_never_verifies_after_the_control_code_it_covers_changed(
         signed_minimal):
     """The reviewed config runs a control worker (`c-own`) from the vehicle's own package

@@ -101,6 +101,52 @@ def _files(artifact: str | None) -> tuple[dict[str, str], bool | None]:
     return files, ok
 
 
+TREE_MAX = 20_000       # entries of one python_path hashed, at most (as config checks)
+
+
+def tree_sha256(path: str) -> str:
+    """One digest of a code tree: every entry's relative path, kind and content (a file's
+    sha256, a link's target), in sorted order; or why there is none."""
+    root = os.path.realpath(path)
+    h, seen = hashlib.sha256(), 0
+    try:
+        for top, dirs, files in os.walk(root, onerror=_raise):
+            dirs.sort()
+            for name in sorted(files) + [d + "/" for d in dirs]:
+                seen += 1
+                if seen > TREE_MAX:
+                    return f"more than {TREE_MAX} entries"
+                full = os.path.join(top, name.rstrip("/"))
+                rel = os.path.relpath(full, root)
+                if os.path.islink(full):
+                    entry = f"link {os.readlink(full)}"
+                elif name.endswith("/"):
+                    entry = "dir"
+                else:
+                    with open(full, "rb") as f:
+                        entry = "file " + hashlib.file_digest(f, "sha256").hexdigest()
+                h.update(f"{rel}\0{entry}\n".encode("utf-8", "surrogateescape"))
+    except OSError as e:
+        return f"unreadable: {e.filename}: {e.strerror}"
+    return h.hexdigest()
+
+
+def _raise(e: OSError) -> None:
+    raise e
+
+
+def code_trees(cfg: Config) -> list[dict[str, Any]]:
+    """Each python_path of a domain whose code admission vouches for (every profile but
+    research: `config._runtime.code_dir_problem`), as a digest: the report's admission
+    rows describe that code as it was (red team 9 row 6: changed after signing, verify
+    said OK)."""
+    from supervisor.config import RESEARCH
+
+    return [{"domain": name, "path": p, "sha256": tree_sha256(p)}
+            for name, d in sorted(cfg.domains.items()) if d.profile != RESEARCH
+            for p in d.python_path]
+
+
 def artifacts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each model artifact the workers load: manifest sha256 and signing key id (the
     manifest lists every file's sha256 and is what the signature covers), the files'
@@ -130,6 +176,7 @@ def provenance(cfg: Config, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "git": git_commit(str(PROJECT_ROOT)),
         "config": {"source": cfg.source, "sha256": config_sha256(cfg)},
         "artifacts": artifacts(rows),
+        "code_trees": code_trees(cfg),
         "python": f"{platform.python_implementation()} {platform.python_version()} "
                   f"({sys.executable})",
         "libraries": {name: _version(name) for name in LIBRARIES},

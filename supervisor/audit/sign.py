@@ -135,28 +135,50 @@ def _config_now(covers: dict[str, Any], config: str | None) -> tuple[str, bool]:
     if now != want:
         return (f"{config} sha256 {now} differs from the report's {want}: the config "
                 f"changed since the report was made; the report does not describe it"), False
-    moved = _models_moved(covers, config)
+    moved = _meaning_moved(covers, config)
     if moved:
         return (f"{config} sha256 {now} is the report's, but {moved}: the report does "
-                f"not describe what this config trusts now"), False
-    return (f"{config} sha256 {now}: the config the report covers, and the model keys "
-            f"and manifests it names are the report's"), True
+                f"not describe what this config runs and trusts now"), False
+    return (f"{config} sha256 {now}: the config the report covers, and the model keys, "
+            f"manifests and control code trees it names are the report's"), True
 
 
-def _models_moved(covers: dict[str, Any], config: str) -> str | None:
-    """What the config's files trust now that the report does not say, else None. The
-    config's bytes are not all of its meaning: each `[models.X]` names a public key file
-    (the trust root of the model the car runs) and an artifact. Replaced, with the same
-    TOML, `check` and `run` trusted another signer while verify said the report covers
-    the config (red team 9 row 1)."""
+def _meaning_moved(covers: dict[str, Any], config: str) -> str | None:
+    """What the config's files trust or run now that the report does not say, else
+    None. The config's bytes are not all of its meaning: each `[models.X]` names a
+    public key file (the trust root of the model the car runs) and an artifact, and a
+    control domain's `python_path` holds the code its workers import. Replaced, with
+    the same TOML, `check` and `run` trusted another signer (red team 9 row 1) or ran
+    other control code (row 6) while verify said the report covers the config."""
     from supervisor.config import ConfigError, load
-
-    from .promise import trusted_models
 
     try:
         cfg = load(config)
     except ConfigError as e:
         return f"it no longer loads ({e})"
+    return _models_moved(covers, cfg) or _code_moved(covers, cfg)
+
+
+def _code_moved(covers: dict[str, Any], cfg) -> str | None:
+    from .provenance import code_trees
+
+    now = {(t["domain"], t["path"]): t["sha256"] for t in code_trees(cfg)}
+    if "code_trees" not in covers:
+        return ("the report records no digest of the control code its python_path "
+                f"holds (an older audit): re-audit") if now else None
+    then = {(t.get("domain"), t.get("path")): t.get("sha256") for t in covers["code_trees"]}
+    for key in sorted(now.keys() | then.keys(), key=str):
+        where = f"domain {key[0]}'s python_path {key[1]}"
+        if key not in then or key not in now:
+            return f"{where} is {'new' if key not in then else 'gone'}"
+        if then[key] != now[key]:
+            return (f"{where}: the report covers code tree {_short(then[key])}, the files "
+                    f"now give {_short(now[key])}")
+    return None
+
+
+def _models_moved(covers: dict[str, Any], cfg) -> str | None:
+    from .promise import trusted_models
     now = {(w.name, m.get("artifact")): m for w in cfg.workers.values()
            for m in trusted_models(w, cfg)}
     then = {(a.get("worker"), a.get("artifact")): a for a in covers.get("artifacts") or []}
