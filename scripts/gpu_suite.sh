@@ -18,6 +18,13 @@
 #   cpu      the CPU-side CUDA tests (format, refusals, sandbox view) on this machine
 # Results in $OUT: log.txt, steps.tsv, and the JSON files the gpu tests write
 # (load, compare, latency, refusal_nvrtc, sandbox, build_here), summary.txt at the end.
+# Started as `sh scripts/gpu_suite.sh` (dash on Debian) it said 'Bad substitution' and
+# went on with its steps from the wrong root. Plain POSIX sh up to the re-run under bash.
+if [ -z "${BASH_VERSION:-}" ]; then
+    if command -v bash >/dev/null 2>&1 && [ -f "$0" ]; then exec bash "$0" "$@"; fi
+    echo "scripts/gpu_suite.sh: needs bash: bash $0" >&2
+    exit 2
+fi
 set -u
 T0=$(date +%s)
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -11,6 +11,13 @@
 #                                    # and the systemd unit written and verified
 #                                    # (docs/vehicle.md: enable, remove)
 # Not --system: into PYTHON if set, else the active venv, else `python`, else `python3`.
+# Started as `sh scripts/install.sh` (dash on Debian) it stopped at once with 'set:
+# Illegal option -o pipefail'. Plain POSIX sh up to the re-run under bash.
+if [ -z "${BASH_VERSION:-}" ]; then
+    if command -v bash >/dev/null 2>&1 && [ -f "$0" ]; then exec bash "$0" "$@"; fi
+    echo "scripts/install.sh: needs bash: bash $0" >&2
+    exit 2
+fi
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -68,3 +69,26 @@ def test_a_command_from_a_removed_directory_is_one_line_not_an_abort(tmp_path):
     assert "terminate called" not in p.stderr and p.returncode != -6 and p.returncode != 134, \
         p.stderr[-600:]
     assert p.returncode == 2 and "not valid TOML" in p.stderr, p.stderr[-600:]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(shutil.which("sh") is None or shutil.which("bash") is None,
+                    reason="needs sh and bash")
+def test_the_scripts_started_with_sh_run_under_bash(tmp_path):
+    """`sh scripts/install.sh` (dash on Debian: the README says bash, people type sh)
+    stopped with 'scripts/install.sh: 14: set: Illegal option -o pipefail'; `sh
+    scripts/gpu_suite.sh` said 'Bad substitution' and went on with its steps. Both now
+    run themselves again under bash (here: their own answers to a bad option and to a
+    spent budget, which touch nothing)."""
+    p = subprocess.run(["sh", str(ROOT / "scripts" / "install.sh"), "--bogus"],
+                       capture_output=True, text=True, timeout=30, cwd="/")
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.strip() == "install.sh: unknown option --bogus (use --dev or --system)", \
+        p.stderr
+    p = subprocess.run(["sh", str(ROOT / "scripts" / "gpu_suite.sh")], capture_output=True,
+                       text=True, timeout=60, cwd="/",
+                       env={**os.environ, "OUT": str(tmp_path / "out"), "TOTAL_S": "0"})
+    assert "Bad substitution" not in p.stderr and "skipped, budget spent" in p.stdout, \
+        p.stdout + p.stderr
