@@ -1,5 +1,6 @@
-"""The supervisor started the way other machines start it: behind a launcher (`sudo`,
-`timeout`, `nice`), whose own command line is the supervisor's. Seconds, no sandbox."""
+"""The supervisor and its scripts started the way other machines start them: behind a
+launcher (`sudo`, `timeout`), whose own command line is the supervisor's; from a current
+directory that was removed; a script with `sh`. Seconds, no sandbox."""
 from __future__ import annotations
 
 import ast
