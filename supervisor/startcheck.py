@@ -326,8 +326,15 @@ def start_check(cfg: Config, *, timeout_s: float | None = None,
         timeout_s = 30.0 + sum(w.ready_timeout_ms for w in cfg.workers.values()) / 1000
     beside = [f"note: another supervisor runs here (pid {pid}: {cmd}); this check ran a "
               f"second pipeline beside it" for pid, cmd in other_supervisors()]
-    with tempfile.TemporaryDirectory(prefix="trio-check-start-") as state, \
-            open(os.devnull, "w") as devnull:
+    # The scratch state dir: with no usable temporary directory (TMPDIR missing, /tmp and
+    # /var/tmp read-only, an unwritable cwd) a config without models got this far and
+    # ended in a 20-line traceback from mkdtemp.
+    try:
+        scratch = tempfile.TemporaryDirectory(prefix="trio-check-start-")
+    except OSError as e:
+        return Exit.CONFIG, [*beside, f"supervisor: no scratch state dir for the check "
+                             f"({e.strerror or e}): set TMPDIR to a writable directory"]
+    with scratch as state, open(os.devnull, "w") as devnull:
         old = os.environ.get("TRIO_STATE_DIR")
         os.environ["TRIO_STATE_DIR"] = state          # never the vehicle's latch
         try:

@@ -232,3 +232,37 @@ def test_a_full_id_map_leaves_nobody_out_and_root_alone_leaves_out_each_domain_u
     assert unmapped_domain_users(cfg, str(tmp_path / "full")) == []
     assert unmapped_domain_users(cfg, str(tmp_path / "root")) == [
         f"{u.pw_name} (uid {u.pw_uid}, gid {u.pw_gid})" for u in users]
+
+
+NO_TMP_PROBE = """
+from supervisor.config import loads
+from supervisor.startcheck import start_check
+code, lines = start_check(loads('''
+[domains.control]
+failure_policy = "restart"
+[workers.one]
+domain = "control"
+module = "workers.probe"
+'''))
+print(int(code))
+print(*lines, sep="\\n")
+"""
+
+
+@needs_root
+def test_check_start_without_a_usable_temporary_directory_is_one_line():
+    """TMPDIR missing, /tmp and /var/tmp read-only, an unwritable cwd (/proc): a config
+    without models passed `check` and `check --start` ended in a 20-line traceback from
+    mkdtemp (its scratch state dir). Now one line naming the directories, exit 2, before
+    any worker starts."""
+    script = ("mount --make-rprivate / && mount -t tmpfs -o ro,size=1m tmpfs /tmp && "
+              "mount -t tmpfs -o ro,size=1m tmpfs /var/tmp && cd /proc && exec \"$@\"")
+    p = subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", sys.executable, "-c",
+                        NO_TMP_PROBE], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "TMPDIR": "/nonexistent"})
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stdout + p.stderr
+    code, *lines = [x for x in p.stdout.strip().splitlines() if not x.startswith("note: ")]
+    assert code == "2", p.stdout
+    assert lines == ["supervisor: no scratch state dir for the check (No usable temporary "
+                     "directory found in ['/nonexistent', '/tmp', '/var/tmp', '/usr/tmp', "
+                     "'/proc']): set TMPDIR to a writable directory"], p.stdout
