@@ -278,9 +278,9 @@ echo "$src" > {tmp_path}/given
 exit 3
 """)
     stub.chmod(0o755)
-    script = (f'mount --make-rprivate / && mount --bind "$0" "$0" && '
-              f'mount -o remount,bind,ro "$0" && cd "$0" && '
-              f'bash scripts/install.sh --system; echo "install exit $?"')
+    script = ('mount --make-rprivate / && mount --bind "$0" "$0" && '
+              'mount -o remount,bind,ro "$0" && cd "$0" && '
+              'bash scripts/install.sh --system; echo "install exit $?"')
     p = subprocess.run(["unshare", "-m", "sh", "-c", script, str(co)], capture_output=True,
                        text=True, timeout=120, cwd="/",
                        env={**os.environ, "TRIO_PREFIX": str(prefix),
