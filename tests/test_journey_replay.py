@@ -283,6 +283,37 @@ def test_a_pipeline_that_puts_out_nothing_ends_the_replay_early(ref, tmp_path):
     assert not slow.stalled(status(40)) and slow.at is None
 
 
+def test_ref_self_compares_where_the_recording_was_there(tmp_path):
+    """A fresh recording replayed against itself failed (exit 6) on one output at its
+    first frame, which modeld published before the recorder attached ('added'), unless
+    four --tol options were given. Now the recorded drive as REF is compared, per
+    channel, only between the frames its recording of that channel began and ended;
+    what is left out is shown, and a frame dropped inside, or a shorter run, still
+    fails."""
+    from supervisor.replay.diff import edge_windows
+    from tests.test_replay_format import write_log
+
+    write_log(tmp_path / "drive", n=12, skip=(0,))     # frame 0: no output recorded
+    drive = DriveLog.open(tmp_path / "drive")
+    win = edge_windows(drive, "road_frames", CHANNELS)
+    assert win == {"model_out": (1, 11), "control_cmd": (1, 11)}
+
+    def vs_drive(name: str, **kw):
+        write_log(tmp_path / name, **kw)
+        return compare(DriveLog.open(tmp_path / name), drive, channels=CHANNELS,
+                       payloads=PAYLOADS, model_channel="model_out", gated=set(CHANNELS),
+                       windows=win, p99_ratio=None, max_ratio=None)
+
+    r = vs_drive("replayed", n=12)
+    assert r.ok and r.channels[0].edges == {"run": 1}, r.channels[0]
+    assert "at the log's edges, not compared" in render_text(r)
+    assert "At the log's edges, not compared" in render_markdown(r)
+    assert not compare(DriveLog.open(tmp_path / "replayed"), drive, channels=CHANNELS,
+                       payloads=PAYLOADS, model_channel="model_out").ok   # (before)
+    assert vs_drive("dropped", n=12, skip=(5,)).channels[0].removed == [5]
+    assert not vs_drive("shorter", n=9).ok
+
+
 def test_another_schema_version_is_one_line(tmp_path):
     d = _write(tmp_path / "v9")
     recs = [body for _, body in read_stream(d / MESSAGES)]

@@ -185,6 +185,13 @@ def _unfinished(run: Path) -> str:
     return ""
 
 
+def _same(a, b) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def _payloads(run_dir: str) -> dict[str, str]:
     from .derive import read_doc
 
@@ -240,7 +247,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
     from .derive import plan_of, read_doc
-    from .diff import compare, render_json, render_markdown, render_text
+    from .diff import compare, edge_windows, render_json, render_markdown, render_text
     from .drivelog import DriveLog
     from .logfmt import LogError
     from .record import WRITE_FAILED
@@ -286,7 +293,11 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
         payloads = _payloads(res.run_dir)
         plan = plan_of(read_doc(os.path.join(res.run_dir, "replay.toml"))[0])
         chans = [c for c in payloads if c in run.messages or c in ref.messages]
-        report = compare(run, ref, channels=chans, payloads=payloads,
+        # The recorded drive itself as REF: only where its recording was there
+        # (`edge_windows`); an earlier RUN played the same frames, edges and all.
+        windows = (edge_windows(ref, plan.frames, chans)
+                   if args.ref == "self" or _same(ref.path, res.log) else None)
+        report = compare(run, ref, channels=chans, payloads=payloads, windows=windows,
                          model_channel=plan.model_out, tolerances=tols,
                          p99_ratio=args.time_p99, max_ratio=args.time_max,
                          floor_ms=args.time_floor_ms,

@@ -104,6 +104,10 @@ class ChannelDiff:
     # equal (a determinism gate), but a model that puts out NaN is never a pass: a
     # golden REF with the same NaN made the gate pass it.
     nonfinite: dict[str, list[int]] = field(default_factory=dict)
+    # With a recorded drive as REF (--ref self): messages left out at the log's edges,
+    # per side, where the recording of this channel had not begun or had ended (see
+    # `edge_windows`); never a difference, always shown.
+    edges: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -177,6 +181,35 @@ class Report:
         return d
 
 
+def edge_windows(log: DriveLog, frames: str, channels: list[str]) -> dict[str, tuple[int, int]]:
+    """Per channel, the frame ids a replay of the recorded ``log`` can be compared on
+    (``--ref self``): within the log's video, and between the first and the last frame
+    id the recording has a message of that channel for. Outside it, the recording was
+    not there: an output whose frame the recorder had not yet got (REF: 'removed'), a
+    first frame whose output came before the recorder attached, or a last one whose
+    output came after it stopped (the run: 'added'). These failed every fresh recording
+    replayed against itself (exit 6 on one message at its start) unless four --tol
+    options were given. A gap inside the window is a difference as ever."""
+    ids = [e.frame_id for e in log.video(frames).index] if frames in log.video_channels() else []
+    if not ids:
+        return {}
+    lo, hi = min(ids), max(ids)
+    out: dict[str, tuple[int, int]] = {}
+    for ch in channels:
+        fids = [m.frame_id for m in log.messages.get(ch, []) if m.frame_id is not None]
+        if fids:
+            out[ch] = (max(lo, min(fids)), min(hi, max(fids)))
+    return out
+
+
+def _inside(msgs: list[Msg], window: tuple[int, int] | None) -> tuple[list[Msg], int]:
+    if window is None:
+        return msgs, 0
+    lo, hi = window
+    kept = [m for m in msgs if m.frame_id is None or lo <= m.frame_id <= hi]
+    return kept, len(msgs) - len(kept)
+
+
 def _fields(channel: str, payloads: dict[str, str], width: int) -> list[str]:
     p = PAYLOADS.get(payloads.get(channel, ""))
     if p is not None and len(p.fields) == width:
@@ -190,11 +223,14 @@ def _keyed(msgs: list[Msg]) -> dict[int, Msg]:
 
 def compare_channel(channel: str, run: list[Msg], ref: list[Msg], tols: dict[str, float],
                     payloads: dict[str, str], default_tol: float, *,
-                    ignore_fields: frozenset[str] = frozenset(), gated: bool = True
-                    ) -> ChannelDiff:
+                    ignore_fields: frozenset[str] = frozenset(), gated: bool = True,
+                    window: tuple[int, int] | None = None) -> ChannelDiff:
     cd = ChannelDiff(channel, gated=gated,
                      added_tol=int(tols.get(f"{channel}.added", 0)),
                      removed_tol=int(tols.get(f"{channel}.removed", 0)))
+    run, n_run = _inside(run, window)
+    ref, n_ref = _inside(ref, window)
+    cd.edges = {k: n for k, n in (("run", n_run), ("ref", n_ref)) if n}
     for side, msgs in (("the run", run), ("REF", ref)):
         if msgs and all(m.frame_id is None for m in msgs):
             # A live controlsd's commands: published between frames too, without the
@@ -290,11 +326,13 @@ def compare(run: DriveLog, ref: DriveLog, *, channels: list[str], payloads: dict
             default_tol: float = DEFAULT_TOL, p99_ratio: float | None = 1.5,
             max_ratio: float | None = 2.0, floor_ms: float = 5.0,
             gated: set[str] | None = None,
-            ignore: list[str] | tuple[str, ...] = ()) -> Report:
+            ignore: list[str] | tuple[str, ...] = (),
+            windows: dict[str, tuple[int, int]] | None = None) -> Report:
     """``gated``: the channels that decide the verdict (None: all); ``ignore``:
     CHANNEL or CHANNEL.FIELD left out of the comparison; ``p99_ratio``/``max_ratio``:
     the model time gate's limits, None for not gated (the CLI's default: see the
-    module's docstring; a library caller asking for a comparison gets the gate)."""
+    module's docstring; a library caller asking for a comparison gets the gate);
+    ``windows``: per channel, the frame ids compared (`edge_windows`, --ref self)."""
     tols = tolerances or {}
     skip = {i for i in ignore if "." not in i}
     fields: dict[str, set[str]] = {}
@@ -305,7 +343,8 @@ def compare(run: DriveLog, ref: DriveLog, *, channels: list[str], payloads: dict
     diffs = [compare_channel(ch, run.messages.get(ch, []), ref.messages.get(ch, []), tols,
                              payloads, default_tol,
                              ignore_fields=frozenset(fields.get(ch, ())),
-                             gated=gated is None or ch in gated)
+                             gated=gated is None or ch in gated,
+                             window=(windows or {}).get(ch))
              for ch in channels if ch not in skip
              and (run.messages.get(ch) or ref.messages.get(ch))]
     gate = time_gate(run, ref, model_channel, p99_ratio=p99_ratio, max_ratio=max_ratio,
@@ -347,6 +386,11 @@ def render_text(r: Report) -> str:
         for side, dups in c.duplicated.items():
             lines.append(f"  duplicated frames ({'REF' if side == 'ref' else 'the run'}: more "
                          f"than one message, the first compared): {_ids(dups)}")
+        if c.edges:
+            lines.append(f"  at the log's edges, not compared (the recording of {c.channel} "
+                         f"had not begun or had ended): "
+                         + ", ".join(f"{'REF' if k == 'ref' else 'the run'} {n}"
+                                     for k, n in c.edges.items()))
         if c.added:
             lines.append(f"  added frames: {_ids(c.added)}")
         if c.removed:
@@ -423,6 +467,11 @@ def render_markdown(r: Report) -> str:
     if dups:
         out.append(f"\nDuplicated frames (more than one message; the first compared): "
                    f"{'; '.join(dups)}")
+    edges = [f"`{c.channel}` ({', '.join(f'{k} {n}' for k, n in c.edges.items())})"
+             for c in r.channels if c.edges]
+    if edges:
+        out.append(f"\nAt the log's edges, not compared (the recording had not begun or "
+                   f"had ended): {'; '.join(edges)}")
     if r.ignored:
         out.append(f"\nIgnored: {', '.join(f'`{c}`' for c in r.ignored)}")
     rows = [(c.channel, f) for c in r.channels for f in c.fields if f.changed or f.max_abs]

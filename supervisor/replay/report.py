@@ -331,6 +331,11 @@ def _diff_html(r: Report) -> str:
     if dups:
         out.append(f"<p>duplicated frames (more than one message; the first compared): "
                    f"{_esc('; '.join(dups))}</p>")
+    edges = [f"{c.channel} ({', '.join(f'{k} {n}' for k, n in c.edges.items())})"
+             for c in r.channels if c.edges]
+    if edges:
+        out.append(f"<p>at the log's edges, not compared (the recording had not begun or "
+                   f"had ended): {_esc('; '.join(edges))}</p>")
     if r.ignored:
         out.append(f"<p>ignored channels: {_esc(', '.join(r.ignored))}</p>")
     fields = [(c.channel, f) for c in r.channels for f in c.fields if f.changed or f.max_abs]
