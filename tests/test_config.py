@@ -692,3 +692,19 @@ publishes = ["x"]
     assert r.returncode == 2 and "domains.perception.profile" in r.stderr and "Traceback" not in r.stderr
     cfg = loads(body.format(name="perception", profile='profile = "control"'), "p.toml")
     assert cfg.profile_of("a") == "control" and cfg.domains["perception"].failure_policy == "fail_safe"
+
+
+def test_a_vehicle_actuation_channel_never_turns_its_age_check_off():
+    """max_age_ms = 0 ("no age check") on an actuation channel: a wedged controlsd's
+    last ENGAGED command would stay current for every reader, for ever. Refused on the
+    vehicle; a simulation (a lockstep replay turns ages off) and a plain channel may."""
+    doc = base()
+    doc["supervisor"] = {"mode": "vehicle"}
+    doc["channels"]["cmd"].update(payload="control_cmd", max_age_ms=0)
+    assert "actuation channel" in one_problem(doc, "channels.cmd.max_age_ms")
+    doc["channels"]["cmd"]["max_age_ms"] = 50
+    doc["channels"]["plan"]["max_age_ms"] = 0
+    load_doc(doc)
+    doc["supervisor"]["mode"] = "simulation"
+    doc["channels"]["cmd"]["max_age_ms"] = 0
+    load_doc(doc)

@@ -363,6 +363,9 @@ def test_replay_knobs_are_refused_in_a_vehicle_config(tmp_path):
     assert cfg.supervisor.mode == "simulation"
     assert not [p for p in check_runtime(cfg, sandboxed=False) if "simulation" in p.reason]
     rdoc["supervisor"]["mode"] = "vehicle"
+    # (lockstep's ages off: on the vehicle the loader refuses that for the actuation
+    # channel itself, tests/test_config.py; given back here to reach the runtime checks)
+    rdoc["channels"]["control_cmd"]["max_age_ms"] = 50
     bad = check_runtime(loads(dumps(rdoc), "vehicle.toml"), sandboxed=False)
     lines = [str(p) for p in bad if "simulation only" in p.reason]
     assert any(f"workers.{plan.controls}.args[" in ln and "'--log-clock'" in ln for ln in lines), lines

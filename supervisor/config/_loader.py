@@ -277,6 +277,7 @@ class _Loader:
         _rules.check_cycles(self.add, workers)
         channels = self.channels(channel_values, bad_channels, workers)
         _rules.check_shm_budget(self.add, supervisor.shm_budget, channels)
+        _rules.check_actuation_age(self.add, supervisor.mode, channels)
 
         if self.problems:
             raise ConfigFileError(self.problems)

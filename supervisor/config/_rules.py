@@ -16,8 +16,8 @@ from typing import Callable
 from supervisor.ipc.spec import ChannelSpec
 
 from ._graph import cycle_through, topo_sort
-from ._model import (CONTROL, MIN_START_CPU_S, REALTIME_TOTAL_PCT, RESEARCH, ChannelConfig,
-                     DomainConfig, WorkerConfig)
+from ._model import (CONTROL, MIN_START_CPU_S, REALTIME_TOTAL_PCT, RESEARCH, VEHICLE,
+                     ChannelConfig, DomainConfig, WorkerConfig)
 from ._values import _key, format_size
 
 Add = Callable[[str, str], None]
@@ -328,6 +328,22 @@ def check_shm_budget(add: Add, budget: int, channels: dict[str, ChannelConfig]) 
             "[supervisor] shm_budget")
 
 
+def check_actuation_age(add: Add, mode: str, channels: dict[str, ChannelConfig]) -> None:
+    """On the vehicle an actuation channel's commands go stale: max_age_ms is what every
+    reader holds a command for at most, the actuator's own fail-safe when the supervisor
+    cannot say SAFE (a wedged controlsd, the last word failed). 0 ("no age check") made a
+    wedged writer's last ENGAGED command current for ever, and the live row said so (red
+    team 9, read). Simulation (a lockstep replay) turns ages off on purpose."""
+    if mode != VEHICLE:
+        return
+    for name, ch in channels.items():
+        if ch.actuation and not ch.spec.max_age_ms:
+            add(f"{_key('channels', name)}.max_age_ms",
+                "0 turns off the age check of an actuation channel: a wedged writer's "
+                "last command would stay current for ever; give the longest a command "
+                "may be acted on (the car's default: 50)")
+
+
 # --------------------------------------------------------------------------- shared memory
 
 
@@ -356,4 +372,5 @@ def _shm_overview(channels: dict[str, ChannelConfig], biggest: int = 3) -> str:
     n = len(sizes)
     return (f"total {_approx_size(total)} of shared memory for {n} channel"
             f"{'' if n == 1 else 's'} (biggest: {top})")
+
 
