@@ -64,10 +64,12 @@ class ChannelView:
 class Monitor:
     def __init__(self, channels: dict[str, Channel], reader_index: dict[str, int],
                  out=None, interval_s: float = 1.0, max_age_ms: dict[str, int] | None = None,
-                 payloads: dict[str, str] | None = None) -> None:
+                 payloads: dict[str, str] | None = None,
+                 shadow: frozenset[str] = frozenset()) -> None:
         self.views: dict[str, ChannelView] = {}
         self.max_age_ms = max_age_ms or {}
         self.payloads = payloads or {}
+        self.shadow = shadow                  # research outputs: never read as control's
         self.fail_safe: str | None = None     # set by the supervisor: SAFE from that moment
         self.statuses: dict[str, str] = {}    # worker -> its latest STATUS= text
         self._handles = {}
@@ -138,8 +140,14 @@ class Monitor:
                 extra.append(rate)
             elif v.latencies_ms:
                 lat = np.percentile(np.array(v.latencies_ms), [50, 99])
-                misses += v.deadline_misses
-                model.append(f"model {v.device} p50 {lat[0]:.1f}/p99 {lat[1]:.1f} ms")
+                seg = f"{v.device} p50 {lat[0]:.1f}/p99 {lat[1]:.1f} ms"
+                if v.name in self.shadow:
+                    # A research writer's receipts read like control's model as "model
+                    # ..." ahead of the drops (red team 9, read): named, with the details.
+                    extra.append(f"shadow {v.name} {seg}")
+                else:
+                    misses += v.deadline_misses
+                    model.append((v.name, seg))
                 extra.append(f"{rate} worst {v.worst_ms:.1f} ms receipts {v.receipts}")
             elif v.kind == "frame":
                 frames.append(rate)
@@ -148,7 +156,10 @@ class Monitor:
         counts = (f"drop {dropped}" + (f" lost {lost}" if lost else "")
                   + (f" miss {misses}" if misses else ""))
         extra += [f"{w}: {text}" for w, text in self.statuses.items()]
-        return _fit([*head, *frames, *model, counts, *worry, *extra], width)
+        # One model: "model CPU ..."; more (the car's driving and driver-monitoring
+        # models): each named by its channel.
+        models = [f"model {seg}" if len(model) == 1 else f"{name} {seg}" for name, seg in model]
+        return _fit([*head, *frames, *models, counts, *worry, *extra], width)
 
     def fail_safe_text(self) -> str:
         return f"FAIL-SAFE ({self.fail_safe})"

@@ -774,7 +774,9 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                                max_age_ms={n: c.spec.max_age_ms
                                            for n, c in self.config.channels.items()},
                                payloads={n: c.payload for n, c in self.config.channels.items()
-                                         if c.payload})
+                                         if c.payload},
+                               shadow=frozenset(n for n, c in self.config.channels.items()
+                                                if c.shadow))
         self.monitor.statuses.update({n: r.status for n, r in self.runs.items() if r.status})
         try:
             await self.monitor.run()
