@@ -65,6 +65,7 @@ max_readers = 2
 slot_size = "4KiB"
 dtype = "float32"
 payload = "control_cmd"
+max_age_ms = 60000    # a vehicle actuation channel has an age limit (never 0)
 max_readers = 2
 [workers.shadow]
 domain = "control"
@@ -92,6 +93,7 @@ ready_timeout_ms = 60000
 slot_size = "4KiB"
 dtype = "float32"
 payload = "control_cmd"
+max_age_ms = 60000    # a vehicle actuation channel has an age limit (never 0)
 max_readers = 3
 [workers.handoff]
 domain = "control"
@@ -270,6 +272,7 @@ payload = "model_out"
 slot_size = "4KiB"
 dtype = "float32"
 payload = "control_cmd"
+max_age_ms = 60000    # a vehicle actuation channel has an age limit (never 0)
 [workers.shadow]
 domain = "research"
 module = "{module}"
