@@ -308,7 +308,9 @@ def test_default_config_runs_every_worker_sandboxed_with_live_status(tmp_path):
             if ("receipts" in line and "engaged" in line and "shadow_out" in line
                     and " 0.0/s" not in line):
                 break
-        assert "model CPU p50" in line and "road_frames" in line, line
+        # two control models (driving, driver monitoring): each named by its channel
+        assert "model_out CPU p50" in line and "driver_state CPU p50" in line, line
+        assert "road_frames" in line, line
         p.send_signal(signal.SIGINT)
         assert p.wait(30) == 0
         events = [json.loads(x) for x in events_file.read_text().splitlines() if x.startswith("{")]
