@@ -153,11 +153,24 @@ def _check_sandboxes(cfg) -> int:
         print("supervisor check: sandboxes not started (needs root and bubblewrap, as run)")
         return 0
     from supervisor.sandbox.launch import rehearse_config
+    from supervisor.startcheck import machine_problems
 
+    # A machine (a container) that refuses every sandbox: one line with what to do,
+    # before a rehearsal that would fail once per worker with the kernel's words.
+    machine = machine_problems(cfg)
+    for line in machine:
+        print(f"supervisor check: machine: {line}", file=sys.stderr)
+    if machine:
+        return len(cfg.workers)
     bad = 0
-    for c in rehearse_config(cfg):
-        print(f"supervisor check: {c.line()}", file=sys.stdout if c.ok else sys.stderr)
-        bad += not c.ok
+    try:
+        for c in rehearse_config(cfg):
+            print(f"supervisor check: {c.line()}", file=sys.stdout if c.ok else sys.stderr)
+            bad += not c.ok
+    except Exception as e:      # a rehearsal that could not even be tried: one line
+        print(f"supervisor check: the sandbox rehearsal failed: {type(e).__name__}: {e}",
+              file=sys.stderr)
+        return max(bad, 1)
     return bad
 
 

@@ -8,10 +8,12 @@ namespace (`unshare -U -r`). A container's memory limit (what `check --start` sa
 worker killed there) is read from a fake cgroup tree. About a second each."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +35,7 @@ f.load()
 os.execv(sys.argv[1], sys.argv[1:])
 """
 MACHINE = [sys.executable, "-m", "supervisor.startcheck", "--machine"]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess:
@@ -266,3 +269,23 @@ def test_check_start_without_a_usable_temporary_directory_is_one_line():
     assert lines == ["supervisor: no scratch state dir for the check (No usable temporary "
                      "directory found in ['/nonexistent', '/tmp', '/var/tmp', '/usr/tmp', "
                      "'/proc']): set TMPDIR to a writable directory"], p.stdout
+
+
+@needs_root
+def test_run_in_such_a_container_starts_nothing_and_latches_nothing(tmp_path):
+    """`supervisor run` under Docker's default profile: camerad failed five times, the
+    control domain failed safe and the latch it wrote outlived the container's fix
+    (every later run exit 4 until clear-fail-safe). Now the supervisor's preflight says
+    the machine's problem and exits 5 before any worker starts."""
+    pytest.importorskip("pyseccomp")
+    env = {**os.environ, "TRIO_STATE_DIR": str(tmp_path / "state")}
+    p = subprocess.run([sys.executable, "-c", DOCKERISH, sys.executable, "-m",
+                        "supervisor.cli", "run", "--quiet", "--config",
+                        str(ROOT / "supervisor" / "configs" / "minimal.toml")],
+                       capture_output=True, text=True, timeout=120, cwd="/", env=env)
+    assert p.returncode == 5, p.stderr[-3000:]
+    events = [json.loads(ln) for ln in p.stderr.splitlines() if ln.startswith("{")]
+    assert not [e for e in events if e["event"] in ("start", "fail_safe")], p.stderr[-3000:]
+    (end,) = [e for e in events if e["event"] == "supervisor_exit"]
+    assert "refuses a new mount namespace" in end["reason"] and "--privileged" in end["reason"]
+    assert not (tmp_path / "state" / "failsafe.latch").exists()

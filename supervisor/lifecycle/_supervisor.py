@@ -691,6 +691,16 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         if shutil.which("bwrap") is None:
             return Exit.ERROR, ("bwrap not installed: run scripts/install.sh "
                                 "(or --no-sandbox for development)")
+        if not self.via_broker:
+            from supervisor.startcheck import machine_problems
+
+            # A machine that refuses every sandbox (a container without CAP_SYS_ADMIN,
+            # a read-only /run, a rootless root): said once, before anything starts.
+            # Found by starting workers, it was a camera failing five times, a
+            # fail-safe and a latch that outlived the machine's fix.
+            problems = machine_problems(self.config)
+            if problems:
+                return Exit.START_FAILED, "; ".join(problems)
         from supervisor.sandbox.policy import host_ids
 
         # Through the broker the domain users are its to check (it refuses a plan
