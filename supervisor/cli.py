@@ -20,9 +20,22 @@ def _std_fds() -> None:
         sys.stderr = open(2, "w", buffering=1, closefd=False)
 
 
+def _cwd() -> None:
+    """A current directory that exists. From one that was removed (a shell left in the
+    old install's directory after a reinstall, a CI workspace cleaned under it) every
+    command died at `import capnp` (kj's getcwd(), SIGABRT, a C++ stack). Relative paths
+    meant nothing there anyway; absolute ones still work from /."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        os.chdir("/")
+        os.environ["PWD"] = "/"
+
+
 # First of all, before anything opens a descriptor (the signal pipe took a closed fd 2,
-# and stderr then wrote into it).
+# and stderr then wrote into it), and before anything imports capnp.
 _std_fds()
+_cwd()
 
 # Then: a Ctrl-C or SIGTERM from now on is recorded, never a traceback.
 from supervisor import signals as _signals  # noqa: E402

@@ -49,8 +49,6 @@ def test_check_start_behind_a_launcher_does_not_name_its_own_launcher(tmp_path):
     assert os.getpid() not in dict(found)
 
 
-@pytest.mark.xfail(strict=True, reason="pycapnp (kj) aborts at import without a current "
-                   "directory: supervisor/cli.py main must make one first (for the lead)")
 def test_a_command_from_a_removed_directory_is_one_line_not_an_abort(tmp_path):
     """An operator's shell left in a directory that was removed (the old install after
     `rm -r /opt/trio-supervisor` and a reinstall, a CI workspace cleaned under it): every
