@@ -420,3 +420,19 @@ def test_gave_up_worker_is_retried_after_cooldown(sup):
     retry = r.wait_for("retry", worker="flaky")[0]
     assert (retry["mono_ns"] - cool["mono_ns"]) / 1e9 >= 0.95
     assert len(r.wait_for("start", count=3, worker="flaky")) >= 3   # 1 + 1 restart + retry
+
+
+def test_a_start_that_made_no_process_is_never_read_as_a_signal():
+    """A failed start (no process) used to be logged as exit -1 'killed by SIGHUP'; an
+    unsandboxed worker really killed by SIGHUP is -1 too, and still says so."""
+    from supervisor.config import loads
+    from supervisor.lifecycle import Supervisor
+    from supervisor.lifecycle._run import WorkerRun
+    from supervisor.lifecycle._supervisor import START_FAILED_CODE
+
+    cfg = loads('[domains.research]\n[workers.w]\ndomain = "research"\n'
+                'module = "workers.probe"\n', "t.toml")
+    sup = Supervisor(cfg, sandboxed=False)
+    run = WorkerRun(cfg.workers["w"])
+    assert sup._exit_cause(run, START_FAILED_CODE) == (None, "")
+    assert sup._exit_cause(run, -1) == ("SIGHUP", "killed by SIGHUP")

@@ -33,6 +33,11 @@ from ._run import FailSafe, StartFailed, WorkerRun, _signame
 from ._standby import _WarmStandby
 
 
+# The exit code of a start that made no process (a failure to the restart policy, like a
+# crash). Outside every real one (0..255, -1..-64 for a signal): as -1 it was logged as
+# "killed by SIGHUP", which an unsandboxed worker's real SIGHUP death also is.
+START_FAILED_CODE = -256
+
 class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
     def __init__(self, config: Config, *, log: EventLog | None = None,
                  notifier: Notifier | None = None, sandboxed: bool = True,
@@ -243,7 +248,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                 # refusing: a failed start,
                 # handled by the restart policy like a crash, never a supervisor crash.
                 self.log.emit("start_failed", worker=w.name, error=f"{type(e).__name__}: {e}")
-                code, why = -1, f"start failed: {e}"
+                code, why = START_FAILED_CODE, f"start failed: {e}"
                 run.started_ns = time.monotonic_ns()
             else:
                 code, why = await self._run_once(run, on_ready)
@@ -357,6 +362,8 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
     def _exit_cause(self, run: WorkerRun, code: int) -> tuple[str | None, str]:
         """(signal name, cause) of an exit. bwrap reports a child killed by signal N
         as exit code 128+N (the runner never exits above 127 itself)."""
+        if code == START_FAILED_CODE:         # no process: nothing killed it
+            return None, run.kill_reason
         sig = -code if code < 0 else (code - 128 if self.sandboxed and 128 < code <= 192 else 0)
         cause = run.kill_reason
         oom = run.current.oom_kills() if run.current is not None else 0
