@@ -54,7 +54,7 @@ def test_a_stop_before_the_first_start_starts_no_worker(tmp_path, sandboxed):
     assert "start" not in kinds, kinds                      # no camera opened to be closed
     assert [e["signal"] for e in events if e["event"] == "signal"] == ["SIGTERM"], kinds
     [end] = [e for e in events if e["event"] == "supervisor_exit"]
-    assert end["code"] == 0 and "SIGTERM" in end["reason"], end
+    assert end == events[-1] and (end["code"], end["reason"]) == (0, "shutdown"), end
 
 
 # The CLI's process at its very end: the exit code is decided and Python is tearing

@@ -591,10 +591,10 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         if stop is None:
             refused = set(self.admit())
             stop = self._refused_required(refused) or self._config_problems(refused)
-        if stop is None and sigpipe is not None and (sig := self._take_signals(sigpipe)):
+        if stop is None and sigpipe is not None and self._take_signals(sigpipe):
             # systemd's stop (or Ctrl-C) during the checks: no worker is started only to
             # be stopped again (it was, once the loop ran: a camera opened and closed).
-            stop = Exit.SHUTDOWN, f"stopped by {sig} before any worker started"
+            stop = Exit.SHUTDOWN, Exit.SHUTDOWN.name.lower()   # as any ordered stop
         if stop is not None:            # one way out before anything has started
             code, reason = stop
             self.exit_code = code
