@@ -150,6 +150,8 @@ def hold_for_run(cfg: Any) -> Refusal | None:
         why = e.strerror or str(e)
         if e.errno == errno.ELOOP:
             why = f"{LOCK_NAME} is a symbolic link"
+        hint = ("; as a user other than root give a state dir of your own: "
+                "TRIO_STATE_DIR=~/.trio-state" if os.geteuid() != 0 else "")
         return Refusal(f"supervisor run: cannot lock the state dir {state}: {why} "
-                       "(the fail-safe latch lives there too)", Exit.CONFIG)
+                       f"(the fail-safe latch lives there too){hint}", Exit.CONFIG)
     return None
