@@ -436,3 +436,24 @@ def test_a_start_that_made_no_process_is_never_read_as_a_signal():
     run = WorkerRun(cfg.workers["w"])
     assert sup._exit_cause(run, START_FAILED_CODE) == (None, "")
     assert sup._exit_cause(run, -1) == ("SIGHUP", "killed by SIGHUP")
+
+
+def test_an_oom_kill_under_a_lower_machine_limit_names_that_limit(monkeypatch):
+    """A container's (docker run -m 700m) limit below a worker's memory_max is what the
+    kernel enforced: the exit's cause says so (the real limit is read from the cgroup
+    tree: tests/test_layout_container.py; here a stand-in of it and of the OOM count)."""
+    import supervisor.startcheck as sc
+    from supervisor.config import loads
+    from supervisor.lifecycle import Supervisor
+    from supervisor.lifecycle._run import WorkerRun
+
+    cfg = loads('[domains.research]\n[workers.w]\ndomain = "research"\n'
+                'module = "workers.probe"\nmemory_max = "4GiB"\n', "t.toml")
+    run = WorkerRun(cfg.workers["w"])
+    run.current = type("Inc", (), {"oom_kills": lambda self: 1})()
+    sup = Supervisor(cfg, sandboxed=True)
+    monkeypatch.setattr(sc, "enclosing_memory_limit", lambda: (700 << 20, "/docker/abc"))
+    _, cause = sup._exit_cause(run, 137)
+    assert "memory_max=4294967296" in cause and "machine's 700 MiB limit at /docker/abc" in cause
+    monkeypatch.setattr(sc, "enclosing_memory_limit", lambda: (64 << 30, "/"))
+    assert "machine's" not in sup._exit_cause(run, 137)[1]

@@ -370,6 +370,15 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         if oom > 0:
             cause = f"out of memory: killed by the kernel at the cgroup limit " \
                     f"memory_max={run.cfg.memory_max}"
+            from supervisor.startcheck import enclosing_memory_limit
+
+            # A container's (docker run -m) or the unit's limit below the worker's own
+            # is what killed it: said, or the operator raises memory_max in vain.
+            outer = enclosing_memory_limit()
+            if outer is not None and (run.cfg.memory_max is None
+                                      or outer[0] < run.cfg.memory_max):
+                cause += (f", under the machine's {outer[0] >> 20} MiB limit at {outer[1]} "
+                          f"(a container's or the unit's): that limit is what was reached")
         elif sig == signal.SIGSYS:
             cause = "killed by seccomp: a forbidden system call"
         elif not cause and sig:
