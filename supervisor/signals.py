@@ -39,6 +39,7 @@ SIG_IGNORED = tuple(getattr(signal, n) for n in ("SIGTTOU",) if hasattr(signal, 
 class SignalPipe:
     def __init__(self) -> None:
         self.r, self.w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._held = b""          # read by `stop_pending`, not yet drained
 
     def _handler(self, signum: int, frame: object) -> None:
         try:
@@ -48,14 +49,22 @@ class SignalPipe:
 
     def drain(self) -> list[int]:
         """Signals received since the last drain (in order)."""
-        out = b""
+        out, self._held = self._read(self._held), b""
+        return list(out)
+
+    def peek(self) -> list[int]:
+        """The same, left to be drained."""
+        self._held = self._read(self._held)
+        return list(self._held)
+
+    def _read(self, out: bytes) -> bytes:
         while True:
             try:
                 chunk = os.read(self.r, 256)
             except BlockingIOError:
-                return list(out)
+                return out
             if not chunk:
-                return list(out)
+                return out
             out += chunk
 
 
@@ -88,6 +97,12 @@ def _ignore_at_exit() -> None:
         return
     for s in (*STOP_SIGNALS, *IGNORED_SIGNALS):
         signal.signal(s, signal.SIG_IGN)
+
+
+def stop_pending() -> bool:
+    """Whether a stop signal has come and not been taken yet: for work that runs before
+    the loop does (admission: seconds on the car), to end early. Never consumes it."""
+    return _pipe is not None and any(s in STOP_SIGNALS for s in _pipe.peek())
 
 
 def uninstall() -> None:

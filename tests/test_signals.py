@@ -33,7 +33,9 @@ from supervisor.lifecycle import Supervisor
 import trio
 os.kill(os.getpid(), signal.SIGTERM)       # recorded on the signal pipe, not obeyed yet
 sup = Supervisor(load(sys.argv[1]), log=EventLog(fmt="json"), sandboxed=sys.argv[2] == "1")
-sys.exit(int(trio.run(sup.run)))
+code = trio.run(sup.run)
+print("admission cut short:", sup._admission is None)   # not judged worker by worker
+sys.exit(int(code))
 """
 
 
@@ -49,9 +51,10 @@ def test_a_stop_before_the_first_start_starts_no_worker(tmp_path, sandboxed):
     p = subprocess.run([sys.executable, "-c", EARLY_STOP, str(cfg), "1" if sandboxed else "0"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr                      # Exit.SHUTDOWN: an ordered stop
+    assert "admission cut short: True" in p.stdout, p.stdout
     events = [json.loads(ln) for ln in p.stderr.splitlines() if ln.startswith("{")]
     kinds = [e["event"] for e in events]
-    assert "start" not in kinds, kinds                      # no camera opened to be closed
+    assert "start" not in kinds and "refused" not in kinds, kinds   # no camera opened
     assert [e["signal"] for e in events if e["event"] == "signal"] == ["SIGTERM"], kinds
     [end] = [e for e in events if e["event"] == "supervisor_exit"]
     assert end == events[-1] and (end["code"], end["reason"]) == (0, "shutdown"), end

@@ -88,6 +88,11 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         self._runtime_problems = check_runtime(self.config, sandboxed=self.sandboxed)
         self._admission = {}
         for name, w in self.config.workers.items():
+            if signals.stop_pending():
+                # systemd's stop during admission (~1-2 s a worker, 14 s for the car
+                # under load) ends it now; nothing was judged, so nothing may start.
+                self._admission = None
+                return
             argv = None if w.module else list(w.command or ())
             try:
                 path = worker_sys_path(self.sandboxed, self.config.domains[w.domain].python_path)
@@ -98,8 +103,11 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                                                  argv, path)
 
     def admit(self) -> list[str]:
-        """Static admission of every worker; returns the names refused."""
+        """Static admission of every worker; returns the names refused (all of them,
+        unlogged, when a stop signal cut admission short)."""
         self.judge_before_start()
+        if self._admission is None:
+            return list(self.config.workers)
         refused = []
         for name, report in self._admission.items():
             if not report.ok:
@@ -599,11 +607,13 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                 or (self._sandbox_preflight() if self.sandboxed else None))
         if stop is None:
             refused = set(self.admit())
-            stop = self._refused_required(refused) or self._config_problems(refused)
-        if stop is None and sigpipe is not None and self._take_signals(sigpipe):
-            # systemd's stop (or Ctrl-C) during the checks: no worker is started only to
-            # be stopped again (it was, once the loop ran: a camera opened and closed).
-            stop = Exit.SHUTDOWN, Exit.SHUTDOWN.name.lower()   # as any ordered stop
+            if sigpipe is not None and self._take_signals(sigpipe):
+                # systemd's stop (or Ctrl-C) during the checks: no worker is started only
+                # to be stopped again (it was, once the loop ran: a camera opened and
+                # closed), and admission cut short by it is no refusal.
+                stop = Exit.SHUTDOWN, Exit.SHUTDOWN.name.lower()   # as any ordered stop
+            else:
+                stop = self._refused_required(refused) or self._config_problems(refused)
         if stop is not None:            # one way out before anything has started
             code, reason = stop
             self.exit_code = code
