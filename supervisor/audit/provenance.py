@@ -136,14 +136,11 @@ def _raise(e: OSError) -> None:
 
 
 def code_trees(cfg: Config) -> list[dict[str, Any]]:
-    """Each python_path of a domain whose code admission vouches for (every profile but
-    research: `config._runtime.code_dir_problem`), as a digest: the report's admission
-    rows describe that code as it was (red team 9 row 6: changed after signing, verify
-    said OK)."""
-    from supervisor.config import RESEARCH
-
+    """Each python_path of a domain whose code admission vouches for
+    (`DomainConfig.code_vouched`), as a digest: the report's admission rows describe
+    that code as it was (red team 9 row 6: changed after signing, verify said OK)."""
     return [{"domain": name, "path": p, "sha256": tree_sha256(p)}
-            for name, d in sorted(cfg.domains.items()) if d.profile != RESEARCH
+            for name, d in sorted(cfg.domains.items()) if d.code_vouched
             for p in d.python_path]
 
 

@@ -169,6 +169,13 @@ class DomainConfig:
     memory_max: int | None = None      # bytes
     pids_max: int | None = None        # processes + threads
 
+    @property
+    def code_vouched(self) -> bool:
+        """Whether admission vouches for this domain's code (every profile but research):
+        its python_path must be root's alone (config checks), and an audit digests it
+        (a signed report covers that code, not whatever is there later)."""
+        return self.profile != RESEARCH
+
     def isolation(self) -> Isolation:
         """The knobs the runner enforces inside each sandbox of this domain."""
         return Isolation(refuse_torch=bool(self.refuse_torch),

@@ -17,7 +17,7 @@ from typing import Any
 
 from supervisor.protocol import simulation_only
 
-from ._model import (ENV_STATE_DIR, PROJECT_ROOT, RESEARCH, SIMULATION, VEHICLE, Config, Problem,
+from ._model import (ENV_STATE_DIR, PROJECT_ROOT, SIMULATION, VEHICLE, Config, Problem,
                      SupervisorConfig, WorkerConfig)
 from ._rules import _approx_size, _shm_overview, channel_shm_bytes, check_binds
 from ._values import _MODULE, _key, _suggest
@@ -119,7 +119,7 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
                         add(f"{path}.{key}[{i}]", f"{bind}: {_strerror(e)}")
                         continue
                     if key == "python_path":
-                        why = code_dir_problem(bind, owners=d.profile != RESEARCH)
+                        why = code_dir_problem(bind, owners=d.code_vouched)
                         if why:
                             add(f"{path}.{key}[{i}]", why)
             try:
