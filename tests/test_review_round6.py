@@ -6,6 +6,10 @@ xfail that the fix turns green. docs/review6.md has the table.
    waits for is bytes. A research worker's `output` line of printable non-ASCII (an
    emoji is printable: `--log-format text` writes it raw, 4 bytes a character) makes
    VITAL_AHEAD + BATCH_CHARS = 128 Ki characters 512 KiB on the wire, 4x the bound.
+2. outstream's one writer per stream (now also per pipe/socket inode) writes to the fd
+   of the *first* stream object it was made for. Its owner closes that stream; the
+   other owner's stream (still open) keeps the shared writer, and its lines go to
+   whatever file next takes the freed descriptor number.
 """
 from __future__ import annotations
 
@@ -73,3 +77,38 @@ def test_vital_wait_ascii_control():
     line = "x" * 600 + "\n"
     ahead, cap = _bytes_ahead_of_vital(line, 3000)
     assert ahead - cap <= outstream.VITAL_AHEAD + outstream.BATCH_CHARS + 8192, ahead
+
+
+@pytest.mark.xfail(strict=True, reason="review6 finding 2: a writer shared by two stream "
+                   "objects writes to the first one's fd; closed and reused, lines go astray")
+def test_shared_writer_survives_the_other_streams_close(tmp_path):
+    """Two stream objects on one pipe (stdout and stderr of one journald socket, or an
+    embedding's log and monitor on dups of one fd) get one writer. The first is closed by
+    its owner; a file opened next takes its descriptor number. The second stream's line
+    must reach the pipe, never that file."""
+    r, w = os.pipe()
+    first = os.fdopen(os.dup(w), "w")
+    second = os.fdopen(os.dup(w), "w")
+    try:
+        wa, wb = outstream.writer_for(first), outstream.writer_for(second)
+        assert wa is wb                                   # the sharing under review
+        wa.put("first\n")
+        assert wa.drain(5)
+        freed = first.fileno()
+        first.close()
+        victim = os.open(tmp_path / "latch", os.O_RDWR | os.O_CREAT, 0o600)
+        if victim != freed:          # (usually the lowest free number already is)
+            os.dup2(victim, freed)
+            os.close(victim)
+            victim = freed
+        wb.put("second\n")
+        assert wb.drain(5)
+        os.close(victim)
+        os.set_blocking(r, False)
+        got = os.read(r, 4096)
+        assert (tmp_path / "latch").read_bytes() == b"", "written into an unrelated file"
+        assert got == b"first\nsecond\n", got
+    finally:
+        second.close()
+        os.close(w)
+        os.close(r)
