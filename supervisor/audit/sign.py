@@ -165,7 +165,7 @@ def _code_moved(covers: dict[str, Any], cfg) -> str | None:
     now = {(t["domain"], t["path"]): t["sha256"] for t in code_trees(cfg)}
     if "code_trees" not in covers:
         return ("the report records no digest of the control code its python_path "
-                f"holds (an older audit): re-audit") if now else None
+                "holds (an older audit): re-audit") if now else None
     then = {(t.get("domain"), t.get("path")): t.get("sha256") for t in covers["code_trees"]}
     for key in sorted(now.keys() | then.keys(), key=str):
         where = f"domain {key[0]}'s python_path {key[1]}"
