@@ -1,0 +1,297 @@
+"""Red team, round 10 (docs/redteam10.md): an attacker who knows the code, and the
+ordinary world a car lives in.
+
+Themes, each with one shared fixture:
+
+* the broker (privsep): the supervisor proper compromised (it reads every hostile
+  byte) asks a real root broker to start a real research sandbox with channel fds that
+  are the right kind and size but not what the config gives a reader;
+* the ordinary world under one real `supervisor run`: a research worker that freezes
+  itself (its cgroup's freezer, then SIGSTOP) must cost control nothing and trip no
+  fail-safe; the clock stepped at boot where the code reads the wall clock.
+
+Each test asserts the claim the way it should hold. A claim that fails today is an
+``xfail(strict=True)`` whose reason starts with "redteam10 row N"; the lead's fix turns
+it into a plain pass. ``--runxfail`` shows the evidence of each break.
+
+The attack workers live in a small package written at run time into a root-owned
+``python_path`` directory (``rt10w``, below), bound read-only into the sandboxes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.sandbox
+if shutil.which("bwrap") is None:
+    pytest.skip("bubblewrap is not installed", allow_module_level=True)
+if os.geteuid() != 0:
+    pytest.skip("the supervisor's isolation (host uids, cgroups) needs root", allow_module_level=True)
+
+REPO = Path(__file__).resolve().parents[1]
+
+_RT10W = '''
+"""Red team round 10 workers (tests/test_redteam_round10.py writes this file)."""
+import json
+import mmap
+import os
+import select
+import socket
+import sys
+import time
+
+
+def _err(e):
+    return "errno %d" % e.errno if isinstance(e, OSError) else "%s: %s" % (type(e).__name__, e)
+
+
+def _handle(ctx):
+    from supervisor.ipc import env_name
+    return next(json.loads(os.environ[env_name(ch)]) for ch in ctx.channels)
+
+
+def broker_fds(ctx):
+    """A research reader, started by the broker with whatever fds the (compromised)
+    supervisor proper sent: write its channel's segment through a shared writable
+    mapping; if its wake-up socket is a SOCK_SEQPACKET (the broker's own connection),
+    speak the broker's protocol on it."""
+    from supervisor.broker import _protocol as P
+    h = _handle(ctx)
+    res = {}
+    try:
+        m = mmap.mmap(h["data_fd"], 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        m[len(m) - 4:] = b"RT10"
+        res["segment_write"] = "ok"
+    except Exception as e:
+        res["segment_write"] = _err(e)
+    s = socket.socket(fileno=os.dup(h["event_fd"]))
+    res["wake_type"] = int(s.type)
+    if s.type == socket.SOCK_SEQPACKET:
+        for rid, req in ((4241, P.Ping()), (4242, P.SetLatch("rt10w: latched by research")),
+                         (4243, P.ReadLatch())):
+            try:
+                s.send(P.encode_request(rid, req))
+                if not select.select([s], [], [], 5)[0]:
+                    res[type(req).__name__] = "no reply"
+                    continue
+                got, rep = P.decode_reply(s.recv(P.MAX_MESSAGE + 1))
+                res[type(req).__name__] = "%d %s" % (got, type(rep).__name__)
+            except Exception as e:
+                res[type(req).__name__] = _err(e)
+    print("RT10 " + json.dumps(res), flush=True)
+    ctx.ready(status="rt10 broker_fds")
+    while True:
+        ctx.watchdog()
+        time.sleep(0.05)
+
+
+def freeze_self(ctx):
+    """Research: once told, try to freeze its own cgroup (v2 cgroup.freeze, v1
+    freezer.state, wherever the sandbox shows a cgroup file system), then stop itself
+    with SIGSTOP: a frozen research worker must cost control nothing."""
+    ctx.ready(status="rt10 freeze_self")
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    while not os.path.exists(os.path.join(here, "go-freeze")):
+        ctx.watchdog()
+        time.sleep(0.02)
+    res = {}
+    for path in ("/sys/fs/cgroup/cgroup.freeze", "/sys/fs/cgroup/freezer/freezer.state",
+                 "/sys/fs/cgroup/unified/cgroup.freeze"):
+        try:
+            with open(path, "w") as f:
+                f.write("1" if path.endswith("freeze") else "FROZEN")
+            res[path] = "written"
+        except Exception as e:
+            res[path] = _err(e)
+    print("RT10 " + json.dumps(res), flush=True)
+    os.kill(os.getpid(), 19)      # SIGSTOP: never caught, never ignored
+    while True:
+        ctx.watchdog()
+        time.sleep(0.05)
+
+
+def main(ctx):
+    return {"broker_fds": broker_fds, "freeze_self": freeze_self}[sys.argv[1]](ctx)
+'''
+
+
+def _package(prefix: str) -> tuple[Path, Path]:
+    """(tmp, python_path): a root-owned 0755 directory holding ``rt10w`` (every parent
+    root's or sticky /tmp), as a control domain's python_path must be."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    tmp.chmod(0o755)
+    pp = tmp / "lib"
+    (pp / "rt10w").mkdir(parents=True)
+    for d in (pp, pp / "rt10w"):
+        d.chmod(0o755)
+    init = pp / "rt10w" / "__init__.py"
+    init.write_text(_RT10W)
+    init.chmod(0o644)
+    return tmp, pp
+
+
+# ================================================================ the broker (privsep)
+
+_BROKER_TOML = """
+[domains.control]
+[domains.research]
+python_path = ["{pp}"]
+[channels.a_out]
+slot_size = "4KiB"
+dtype = "float32"
+[workers.a]
+domain = "control"
+module = "workers.probe"
+publishes = ["a_out"]
+args = ["--publish", "a_out"]
+[workers.r]
+domain = "research"
+module = "rt10w"
+subscribes = ["a_out"]
+args = ["broker_fds"]
+"""
+
+
+class RootBroker:
+    """A real broker (python -m supervisor.broker, root) and this process as the
+    supervisor proper, its client; its events (stderr) in a file."""
+
+    def __init__(self) -> None:
+        from supervisor.broker import BrokerClient
+        from supervisor.config import load
+        from supervisor.ipc import Channel
+
+        self.tmp, pp = _package("rt10b-")
+        cfg = self.tmp / "broker.toml"
+        cfg.write_text(_BROKER_TOML.format(pp=pp))
+        self.config = load(cfg)
+        self.err_path = self.tmp / "broker.err"
+        self._err = open(self.err_path, "w")
+        self.client = BrokerClient.spawn(state_dir=self.tmp / "state", config=cfg,
+                                         stderr=self._err)
+        self.client.ping()
+        self.channel = Channel.create(self.config.channel_specs()["a_out"])
+        self._incarnation = 0
+
+    def events(self, name: str) -> list[dict]:
+        lines = self.err_path.read_text().splitlines()
+        return [e for e in (json.loads(ln) for ln in lines if ln.startswith("{"))
+                if e["event"] == name]
+
+    def start_reader(self, handle) -> tuple[object | None, str]:
+        """Start research worker `r` with `handle` as its a_out; (refusal or None, what
+        the worker printed, if it started: then it is killed and reaped here)."""
+        from supervisor.broker import BrokerError
+
+        self._incarnation += 1
+        inc = self._incarnation
+        try:
+            sb = self.client.start("r", inc, handles={"a_out": handle})
+        except BrokerError as e:
+            return e, ""
+        out = b""
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and b"\n" not in out.partition(b"RT10 ")[2]:
+                if select.select([sb.out_r], [], [], 0.5)[0]:
+                    try:
+                        chunk = os.read(sb.out_r, 65536)
+                    except BlockingIOError:
+                        continue
+                    if not chunk:
+                        break
+                    out += chunk
+        finally:
+            self.client.kill_sandbox("r", inc)
+            select.select([sb.pidfd], [], [], 20)
+            self.client.reap("r", inc)
+            sb.close()
+        return None, out.decode(errors="replace")
+
+    def close(self) -> int | None:
+        self.channel.close()
+        code = self.client.close()
+        self._err.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        return code
+
+
+@pytest.fixture(scope="module")
+def root_broker():
+    b = RootBroker()
+    yield b
+    assert b.close() == 0
+
+
+def _printed(out: str) -> dict:
+    line = out.partition("RT10 ")[2].splitlines()
+    return json.loads(line[0]) if line else {"printed": out[-500:]}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "redteam10 row 1: the broker checks a reader's segment fd by kind and size only: an "
+    "O_RDWR fd of a control writer's memfd starts a research reader that writes control memory"))
+def test_a_research_reader_is_never_started_with_a_writable_segment(root_broker):
+    """The compromised proper hands research reader `r` the channel's read-write segment
+    fd (the writer's: a memfd of the segment's size, as the check wants) instead of the
+    read-only re-open. The config makes `r` a reader; the bridge's rule is "readers get
+    an O_RDONLY re-open: their mappings can never become writable". The broker must
+    refuse (badFds) and say so naming the worker; it started it, and the worker wrote."""
+    from supervisor.broker import BadFds
+    from supervisor.ipc.channel import ReaderHandle
+
+    b = root_broker
+    ch = b.channel
+    good = ch.reader_handle(0)
+    rw = ReaderHandle(good.spec, 0, ch._data_fd, good.lease_fd, good.event_fd)
+    os.pwrite(ch._data_fd, b"\0" * 4, ch.spec.segment_size - 4)
+    n = len(b.events("broker_refused"))
+    refusal, out = b.start_reader(rw)
+    tail = os.pread(ch._data_fd, 4, ch.spec.segment_size - 4)
+    assert isinstance(refusal, BadFds), (
+        f"started; the research worker printed {_printed(out)}; the control segment's "
+        f"last bytes now {tail!r}")
+    new = b.events("broker_refused")[n:]
+    assert new and "r" in (new[-1].get("worker"), *new[-1]["reason"].split()), new
+    assert tail == b"\0" * 4
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "redteam10 row 2: any AF_UNIX socket passes as a wake-up fd, the broker's own "
+    "SEQPACKET connection too: a research sandbox then speaks the root broker's protocol"))
+def test_the_brokers_own_connection_is_never_a_sandboxs_wake_up_socket(root_broker):
+    """The compromised proper hands research reader `r`, as its wake-up socket, its own
+    connection to the broker (a dup of the SOCK_SEQPACKET end). The sandbox then holds a
+    live channel to root: every request of the vocabulary (start, signal and kill of any
+    sandbox, openProc maps/mem of a control worker, setLatch), and the broker's end of
+    stream (kill every sandbox when the proper is gone) never comes while it lives. A
+    wake-up socket is a SOCK_STREAM socketpair end; the broker must refuse (badFds)."""
+    from supervisor.broker import BadFds
+    from supervisor.ipc.channel import ReaderHandle
+
+    b = root_broker
+    good = b.channel.reader_handle(0)
+    own = ReaderHandle(good.spec, 0, good.data_fd, good.lease_fd, b.client.sock.fileno())
+    try:
+        n = len(b.events("broker_refused"))
+        refusal, out = b.start_reader(own)
+        # (the sandbox shared the connection's file description: its own flags too)
+        os.set_blocking(b.client.sock.fileno(), True)
+        assert isinstance(refusal, BadFds), (
+            f"started; the research worker printed {_printed(out)}; the latch now "
+            f"{b.client.read_latch()}")
+        new = b.events("broker_refused")[n:]
+        assert new and "r" in (new[-1].get("worker"), *new[-1]["reason"].split()), new
+    finally:
+        os.set_blocking(b.client.sock.fileno(), True)
