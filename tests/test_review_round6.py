@@ -10,12 +10,22 @@ xfail that the fix turns green. docs/review6.md has the table.
    of the *first* stream object it was made for. Its owner closes that stream; the
    other owner's stream (still open) keeps the shared writer, and its lines go to
    whatever file next takes the freed descriptor number.
+3. units' ProtectHome= is judged from the interpreter's path and its link target, not
+   from where a venv's interpreter finds its base (pyvenv.cfg `home`): a `--copies` venv
+   in /opt made from pyenv's /root/.pyenv interpreter gets ProtectHome=yes, and in the
+   unit's namespace that interpreter loses its stdlib and libpython: here it silently
+   became Debian's /usr Python 3.11 (another build, another stdlib); on a machine
+   without one it does not start.
 """
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -112,3 +122,53 @@ def test_shared_writer_survives_the_other_streams_close(tmp_path):
         second.close()
         os.close(w)
         os.close(r)
+
+
+# $1 the venv (made with --copies on a fresh tmpfs at $3), $2 the units' dir. As
+# tests/test_layout_units.py: the unit's PrivateTmp=/ProtectHome= built for real in a
+# private mount namespace, then its ExecStart interpreter asked where its base is.
+_UNITS = r"""
+set -e
+mount --make-rprivate /
+mount -t tmpfs -o size=64m tmpfs "$3"
+"$PY" -m venv --without-pip --copies "$1"
+set +e
+"$PY" -m supervisor.cli units --prefix "$1" --out "$2" >/dev/null 2>"$2.err"
+rc=$?
+set -e
+echo "units exit $rc"
+[ $rc -eq 0 ] || exit 0
+unit="$2/trio-supervisor.service"
+py=$(sed -n 's/^ExecStart=\([^ ]*\) .*/\1/p' "$unit")
+tmp=$(grep -cx 'PrivateTmp=yes' "$unit" || true)
+home=$(grep -cx 'ProtectHome=yes' "$unit" || true)
+echo "ProtectHome=yes: $home"
+if [ "$tmp" = 1 ]; then
+    for d in /tmp /var/tmp; do mount -t tmpfs -o size=1m tmpfs "$d"; done
+fi
+if [ "$home" = 1 ]; then
+    for d in /root /home /run/user; do [ -d "$d" ] && mount -t tmpfs -o size=1m,mode=000 tmpfs "$d"; done
+fi
+"$py" -c 'import sys; print("base", sys.base_prefix)' 2>&1 || echo "ExecStart $py: cannot start"
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None
+                    or not sys.base_prefix.startswith(("/root/", "/home/")),
+                    reason="root, unshare, and an interpreter in a home (pyenv's)")
+@pytest.mark.xfail(strict=True, reason="review6 finding 3: ProtectHome= ignores a --copies "
+                   "venv's base (pyvenv.cfg home); the unit's interpreter loses its stdlib")
+def test_units_copies_venv_keeps_its_base(tmp_path):
+    """`supervisor units --prefix /opt/VENV` for a venv made with --copies from this
+    (pyenv) interpreter: either refused in one line, or its unit's interpreter is the
+    same Python inside the unit's namespace (same base_prefix) as outside."""
+    out = tmp_path / "units"
+    p = subprocess.run(["unshare", "-m", "sh", "-c", _UNITS, "sh", "/opt/rv6-venv",
+                        str(out), "/opt"], capture_output=True, text=True, timeout=120,
+                       cwd="/", env={**os.environ, "PY": sys.executable,
+                                     "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    said = p.stdout + p.stderr
+    if "units exit 0" not in said:
+        assert "units exit 2" in said, said     # a one-line refusal is a fix
+        return
+    assert f"base {sys.base_prefix}" in said, said
