@@ -16,9 +16,15 @@ xfail that the fix turns green. docs/review6.md has the table.
    unit's namespace that interpreter loses its stdlib and libpython: here it silently
    became Debian's /usr Python 3.11 (another build, another stdlib); on a machine
    without one it does not start.
+4. The audit's code-tree digest (provenance.tree_sha256) records a symlink by its
+   target's *text*: a control module in python_path that is a link to a file outside
+   the tree (root's, as check requires: check follows it) is covered by name only.
+   That file changed after signing, `audit verify --config` still says the report
+   covers the config, and the control worker imports the new code.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -31,6 +37,8 @@ import pytest
 
 from supervisor import outstream
 from supervisor.events import render
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _bytes_ahead_of_vital(line: str, lines: int) -> tuple[int, int]:
@@ -172,3 +180,72 @@ def test_units_copies_venv_keeps_its_base(tmp_path):
         assert "units exit 2" in said, said     # a one-line refusal is a fix
         return
     assert f"base {sys.base_prefix}" in said, said
+
+
+_CTL_V1 = """
+import time
+def main(ctx):
+    ctx.ready(status="c-own v1")
+    while True:
+        ctx.watchdog()
+        time.sleep(0.05)
+"""
+_CTL_V2 = _CTL_V1.replace("import time", "import ctypes, time  # changed after review")
+
+
+def _signed_with_linked_module(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """minimal.toml with a control worker `rv6ctl` from `[domains.control] python_path`
+    (root's, 0755/0644: what check requires), whose module file is a link to a root-owned
+    file outside that tree (/opt/vendor/rv6ctl.py style; here beside it). The audit's
+    provenance of it and a reviewer's signature, as in test_redteam_round9's fixture."""
+    from supervisor.audit.promise import trusted_models
+    from supervisor.audit.provenance import provenance
+    from supervisor.audit.sign import sign_file
+    from supervisor.config import load
+    from supervisor.model.keys import generate_private_key, load_private_key, public_key_text
+
+    tmp_path.chmod(0o755)
+    vendor = tmp_path / "vendor"
+    vendor.mkdir(mode=0o755)
+    (vendor / "rv6ctl.py").write_text(_CTL_V1)
+    (vendor / "rv6ctl.py").chmod(0o644)
+    lib = tmp_path / "lib"
+    lib.mkdir(mode=0o755)
+    (lib / "rv6ctl.py").symlink_to(vendor / "rv6ctl.py")
+    text = (REPO / "supervisor/configs/minimal.toml").read_text()
+    text = text.replace('"models/demo/lane-offset"', f'"{REPO}/models/demo/lane-offset"')
+    text = text.replace('"models/demo/demo_ed25519.pub"',
+                        f'"{REPO}/models/demo/demo_ed25519.pub"')
+    text = text.replace("[domains.control]\n",
+                        f'[domains.control]\npython_path = ["{lib}"]\n', 1)
+    text += '\n[workers.c-own]\ndomain = "control"\nmodule = "rv6ctl"\noptional = true\n'
+    cfg_path = tmp_path / "vehicle.toml"
+    cfg_path.write_text(text)
+    cfg = load(str(cfg_path))
+    rows = [{"worker": w.name, "models": trusted_models(w, cfg)} for w in cfg.workers.values()]
+    report = tmp_path / "audit.json"
+    report.write_text(json.dumps({"provenance": provenance(cfg, rows), "result": "promise"}))
+    key = tmp_path / "review.key"
+    generate_private_key(key)
+    key.chmod(0o600)
+    (tmp_path / "review.pub").write_text(public_key_text(load_private_key(key).public_key()))
+    sign_file(str(report), str(key))
+    return vendor / "rv6ctl.py", cfg_path, report
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="root: check's ownership rule for python_path")
+@pytest.mark.xfail(strict=True, reason="review6 finding 4: the code-tree digest covers a "
+                   "symlinked module by its target's name, not its content")
+def test_audit_verify_sees_a_linked_control_module_change(tmp_path):
+    from supervisor.config import load
+    from supervisor.config._runtime import code_dir_problem
+
+    target, cfg_path, report = _signed_with_linked_module(tmp_path)
+    lib = load(str(cfg_path)).domains["control"].python_path[0]
+    assert code_dir_problem(lib) is None          # check accepts this python_path
+    target.write_text(_CTL_V2)                    # the control code changes
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "audit", "verify",
+                        str(report), f"{report}.sig", str(tmp_path / "review.pub"),
+                        "--config", str(cfg_path)],
+                       capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode != 0, f"verify said OK after the control code changed: {r.stdout}"
