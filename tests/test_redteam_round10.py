@@ -89,6 +89,11 @@ def broker_fds(ctx):
                 res[type(req).__name__] = "%d %s" % (got, type(rep).__name__)
             except Exception as e:
                 res[type(req).__name__] = _err(e)
+    if s.type == socket.SOCK_STREAM:
+        try:                 # whoever holds the other end hears the sandbox
+            res["stream_send"] = s.send(b"RT10 hello from a research sandbox\\n")
+        except Exception as e:
+            res["stream_send"] = _err(e)
     print("RT10 " + json.dumps(res), flush=True)
     ctx.ready(status="rt10 broker_fds")
     while True:
@@ -295,3 +300,232 @@ def test_the_brokers_own_connection_is_never_a_sandboxs_wake_up_socket(root_brok
         assert new and "r" in (new[-1].get("worker"), *new[-1]["reason"].split()), new
     finally:
         os.set_blocking(b.client.sock.fileno(), True)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "redteam10 row 3: a wake-up fd may be a socket connected to any host service: the "
+    "broker starts a sandbox holding a live connection outside it"))
+def test_a_wake_up_socket_is_never_a_connection_to_a_host_service(root_broker, tmp_path):
+    """The compromised proper connects to a host service (here a root listener the
+    test runs in a 0700 directory, as a system daemon's socket would be: the sandbox
+    could never reach its path) and hands the connected end to research reader `r` as
+    its wake-up socket. A wake-up fd is the proper's own socketpair end: its peer is the
+    proper (SO_PEERCRED), never a daemon. The broker must refuse (badFds)."""
+    import socket as _socket
+
+    from supervisor.broker import BadFds
+    from supervisor.ipc.channel import ReaderHandle
+
+    b = root_broker
+    d = tmp_path / "daemon"
+    d.mkdir(mode=0o700)
+    srv = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    srv.bind(str(d / "host.sock"))
+    srv.listen(1)
+    cli = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    cli.connect(str(d / "host.sock"))
+    conn, _ = srv.accept()
+    try:
+        good = b.channel.reader_handle(0)
+        h = ReaderHandle(good.spec, 0, good.data_fd, good.lease_fd, cli.fileno())
+        n = len(b.events("broker_refused"))
+        refusal, out = b.start_reader(h)
+        conn.settimeout(0.5)
+        try:
+            heard = conn.recv(4096)
+        except OSError:
+            heard = b""
+        assert isinstance(refusal, BadFds), (
+            f"started; the research worker printed {_printed(out)}; the host service "
+            f"heard {heard!r}")
+        new = b.events("broker_refused")[n:]
+        assert new and "r" in (new[-1].get("worker"), *new[-1]["reason"].split()), new
+    finally:
+        for s in (conn, cli, srv):
+            s.close()
+
+
+# ================================================================ the ordinary world
+
+_FLEET_TOML = """
+[supervisor]
+status_interval_s = 0.5
+maps_scan_interval_s = 1.0
+[domains.control]
+actuates = true
+python_path = ["{pp}"]
+[domains.research]
+python_path = ["{pp}"]
+[channels.cmd]
+slot_size = "4KiB"
+dtype = "float32"
+payload = "control_cmd"
+max_age_ms = 50
+[workers.c]
+domain = "control"
+module = "workers.probe"
+publishes = ["cmd"]
+args = ["--publish", "cmd", "--period-ms", "10", "--ping-ms", "20"]
+watchdog_ms = 1000
+restart = "always"
+ready_timeout_ms = 30000
+[workers.r-freeze]
+domain = "research"
+module = "rt10w"
+args = ["freeze_self"]
+watchdog_ms = {research_watchdog_ms}
+restart = "never"
+optional = true
+ready_timeout_ms = 30000
+"""
+RESEARCH_WATCHDOG_MS = 500
+
+
+class Fleet:
+    """`supervisor run` (simulation mode: a per-run latch, no state-dir lock) with its
+    events (stderr) in a file; stdout (the live row) to /dev/null."""
+
+    def __init__(self) -> None:
+        self.tmp, self.pp = _package("rt10f-")
+        state = self.tmp / "state"
+        state.mkdir(mode=0o700)
+        cfg = self.tmp / "rt10.toml"
+        cfg.write_text(_FLEET_TOML.format(pp=self.pp, research_watchdog_ms=RESEARCH_WATCHDOG_MS))
+        self.log_path = self.tmp / "supervisor.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.cli", "run", "--config", str(cfg),
+             "--log-level", "debug", "--quiet"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log, cwd=REPO,
+            env=dict(os.environ, TRIO_STATE_DIR=str(state)))
+
+    def events(self) -> list[dict]:
+        out = []
+        with open(self.log_path) as f:
+            for line in f:
+                if line.startswith("{"):
+                    try:
+                        out.append(json.loads(line))
+                    except ValueError:
+                        pass          # a line being written right now
+        return out
+
+    def of(self, event: str, worker: str | None = None) -> list[dict]:
+        return [e for e in self.events() if e.get("event") == event
+                and (worker is None or e.get("worker", e.get("source")) == worker)]
+
+    def wait_for(self, pred, timeout_s: float) -> list[dict]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            got = [e for e in self.events() if pred(e)]
+            if got or self.proc.poll() is not None:
+                return got
+            time.sleep(0.05)
+        return [e for e in self.events() if pred(e)]
+
+    def trigger(self, name: str) -> None:
+        p = self.pp / name
+        p.write_text("go")
+        p.chmod(0o644)
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(json.dumps(e)[:400] for e in self.events()[-n:])
+
+    def close(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        code = self.proc.returncode
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        return code
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    f = Fleet()
+    try:
+        got = f.wait_for(lambda e: e.get("event") in ("all_ready", "supervisor_exit"), 120)
+        if not got or got[0]["event"] != "all_ready":
+            pytest.fail("the fleet never became ready:\n" + f.tail())
+        yield f
+    finally:
+        code = f.close()
+    assert code == 0, f"supervisor run exited {code}"
+
+
+def test_a_research_worker_that_freezes_itself_costs_control_nothing(fleet):
+    """A research worker tries to freeze its own cgroup (v2 cgroup.freeze, v1
+    freezer.state: wherever its sandbox might show a cgroup file system), then stops
+    itself with SIGSTOP (what a freezer or a debugger does to it from outside). The
+    supervisor must conclude "research stopped answering": its watchdog, then its kill,
+    named; control keeps running, nothing fails safe."""
+    f = fleet
+    t0 = time.monotonic()
+    f.trigger("go-freeze")
+    printed = f.wait_for(lambda e: e.get("event") == "output" and e.get("source") == "r-freeze"
+                         and "RT10 " in str(e.get("line", e.get("text", ""))), 30)
+    assert printed, f.tail()
+    tried = json.loads(str(printed[0].get("line", printed[0].get("text"))).partition("RT10 ")[2])
+    assert not [p for p, r in tried.items() if r == "written"], tried
+    missed = f.wait_for(lambda e: e.get("event") == "watchdog_missed"
+                        and e.get("worker") == "r-freeze", 30)
+    exited = f.wait_for(lambda e: e.get("event") == "exit" and e.get("worker") == "r-freeze", 30)
+    took = time.monotonic() - t0
+    assert missed and exited, f.tail()
+    assert not f.of("fail_safe"), f.tail()
+    assert not f.of("watchdog_missed", "c"), f.tail()
+    assert not f.of("exit", "c"), f.tail()
+    assert f.proc.poll() is None
+    print(f"rt10 freeze: cgroup writes {tried}; watchdog_missed then exit after {took:.1f} s; "
+          f"exit cause {exited[0].get('cause')!r}")
+
+
+# ================================================================ the wall clock
+
+YEARS_10_NS = 10 * 365 * 86400 * 10**9
+
+
+@pytest.mark.parametrize("step_ns", [-YEARS_10_NS, YEARS_10_NS], ids=["back", "forward"])
+def test_a_stepped_wall_clock_never_keeps_a_stale_admission_verdict(step_ns, tmp_path,
+                                                                      monkeypatch):
+    """The one wall-clock read on a decision path (every other deadline, age and window
+    is CLOCK_MONOTONIC or trio's clock; events.py's `ts` is only printed): admission's
+    "racy" rule, `check._static_check` keeping a walk only if every file it read was
+    changed before `time.time_ns() - RACY_NS`. A car without an RTC boots with the clock
+    years behind its files and NTP steps it forward once the modem is up (or the other
+    way: a clock saved at shutdown, a GPS fix). The step is injected where the code reads
+    it. A module rewritten after the walk (same size, its mtime put back, as `touch -d`
+    would) must be walked again whatever the clock said; a clock behind the files keeps
+    nothing (a walk per admission: the cost, below)."""
+    from supervisor.admission import _store
+    from supervisor.admission import check as C
+
+    monkeypatch.setattr(_store, "load", lambda key: None)       # memory cache only
+    monkeypatch.setattr(_store, "save", lambda *a, **k: None)
+    real = time.time_ns
+    monkeypatch.setattr(C.time, "time_ns", lambda: real() + step_ns)
+    pkg = tmp_path / "rt10clk"
+    pkg.mkdir()
+    init = pkg / "__init__.py"
+    init.write_text("import json \n")
+    sys_path = [str(tmp_path), *sys.path]
+    C.clear_cache()
+    before = (C.CACHE_STATS.walks, C.CACHE_STATS.hits)
+    first = C._static_check("rt10clk", None, sys_path, None)
+    again = C._static_check("rt10clk", None, sys_path, None)
+    walks, hits = C.CACHE_STATS.walks - before[0], C.CACHE_STATS.hits - before[1]
+    assert not first.walks[0].hits and not again.walks[0].hits
+    # forward: the walk is kept (a hit); back: every file looks changed "in the future",
+    # nothing is kept (two walks): slower, never wrong
+    assert (walks, hits) == ((2, 0) if step_ns < 0 else (1, 1))
+    st = init.stat()
+    init.write_text("import torch\n")                # same size
+    os.utime(init, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = C._static_check("rt10clk", None, sys_path, None)
+    assert [h.forbidden for h in after.walks[0].hits] == ["torch"], after
+    C.clear_cache()
