@@ -21,6 +21,11 @@ xfail that the fix turns green. docs/review6.md has the table.
    the tree (root's, as check requires: check follows it) is covered by name only.
    That file changed after signing, `audit verify --config` still says the report
    covers the config, and the control worker imports the new code.
+5. The same for the control code the config names most: its modules in the installed
+   package (`module = "workers.controlsd"`). Outside a git checkout (the vehicle's /opt
+   install) the report's "git" is "not a checkout" on both sides, `code here` says "the
+   report's", and verify exits 0 after workers/controlsd/__init__.py changed. Row 6's fix covers
+   python_path only.
 """
 from __future__ import annotations
 
@@ -249,3 +254,53 @@ def test_audit_verify_sees_a_linked_control_module_change(tmp_path):
                         "--config", str(cfg_path)],
                        capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.returncode != 0, f"verify said OK after the control code changed: {r.stdout}"
+
+
+_SIGN_IN_COPY = r"""
+import json, sys
+from pathlib import Path
+from supervisor.audit.promise import trusted_models
+from supervisor.audit.provenance import provenance
+from supervisor.audit.sign import sign_file
+from supervisor.config import load
+from supervisor.model.keys import generate_private_key, load_private_key, public_key_text
+tmp, cfg_path = Path(sys.argv[1]), sys.argv[2]
+cfg = load(cfg_path)
+rows = [{"worker": w.name, "models": trusted_models(w, cfg)} for w in cfg.workers.values()]
+(tmp / "audit.json").write_text(json.dumps({"provenance": provenance(cfg, rows),
+                                            "result": "promise"}))
+generate_private_key(tmp / "review.key")
+(tmp / "review.key").chmod(0o600)
+(tmp / "review.pub").write_text(public_key_text(load_private_key(tmp / "review.key").public_key()))
+sign_file(str(tmp / "audit.json"), str(tmp / "review.key"))
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="review6 finding 5: verify covers python_path trees, "
+                   "not the installed package's control modules (workers.controlsd)")
+def test_audit_verify_sees_the_installed_control_module_change(tmp_path):
+    """An install outside git (a copy of supervisor/, workers/, schemas/: what pip puts
+    in site-packages), minimal.toml with absolute model paths. Audited and signed; then
+    the control worker's own package workers/controlsd changes. verify must not say
+    the report covers what this config runs."""
+    inst = tmp_path / "inst"
+    for d in ("supervisor", "workers", "schemas"):
+        shutil.copytree(REPO / d, inst / d, ignore=shutil.ignore_patterns("__pycache__"))
+    text = (REPO / "supervisor/configs/minimal.toml").read_text()
+    text = text.replace('"models/demo/lane-offset"', f'"{REPO}/models/demo/lane-offset"')
+    text = text.replace('"models/demo/demo_ed25519.pub"',
+                        f'"{REPO}/models/demo/demo_ed25519.pub"')
+    cfg_path = tmp_path / "vehicle.toml"
+    cfg_path.write_text(text)
+    env = {**os.environ, "PYTHONPATH": str(inst)}
+    subprocess.run([sys.executable, "-c", _SIGN_IN_COPY, str(tmp_path), str(cfg_path)],
+                   check=True, cwd=inst, env=env, timeout=60)
+    ctl = inst / "workers" / "controlsd" / "__init__.py"
+    ctl.write_text(ctl.read_text() + "\nimport ctypes  # changed after the review\n")
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "audit", "verify",
+                        str(tmp_path / "audit.json"), str(tmp_path / "audit.json.sig"),
+                        str(tmp_path / "review.pub"), "--config", str(cfg_path)],
+                       capture_output=True, text=True, cwd=inst, env=env, timeout=60)
+    assert "the report covers" in r.stdout + r.stderr, r.stderr     # verify ran (the copy)
+    assert "not a checkout" in r.stdout + r.stderr                  # the copy's PROJECT_ROOT
+    assert r.returncode != 0, f"verify said OK after controlsd changed: {r.stdout}"
