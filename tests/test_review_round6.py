@@ -26,6 +26,11 @@ xfail that the fix turns green. docs/review6.md has the table.
    install) the report's "git" is "not a checkout" on both sides, `code here` says "the
    report's", and verify exits 0 after workers/controlsd/__init__.py changed. Row 6's fix covers
    python_path only.
+6. tree_sha256's entries are `rel \0 entry \n` with nothing escaped: a file name and a
+   link target may both hold a newline, so two trees with different importable modules
+   hash alike: (link a -> "t", file "b\njson.py") and (link a -> "t\nb", file json.py).
+   A tree planted before the audit swaps, after signing, to one whose json.py shadows
+   the standard library's in every control worker, with the same digest.
 """
 from __future__ import annotations
 
@@ -304,3 +309,20 @@ def test_audit_verify_sees_the_installed_control_module_change(tmp_path):
     assert "the report covers" in r.stdout + r.stderr, r.stderr     # verify ran (the copy)
     assert "not a checkout" in r.stdout + r.stderr                  # the copy's PROJECT_ROOT
     assert r.returncode != 0, f"verify said OK after controlsd changed: {r.stdout}"
+
+
+@pytest.mark.xfail(strict=True, reason="review6 finding 6: tree_sha256's encoding is "
+                   "ambiguous (newlines in names and link targets): different trees collide")
+def test_code_tree_digest_tells_different_trees_apart(tmp_path):
+    from supervisor.audit.provenance import tree_sha256
+
+    evil = b"import os  # runs in every control worker that imports json\n"
+    audited, swapped = tmp_path / "audited", tmp_path / "swapped"
+    for d in (audited, swapped):
+        d.mkdir(mode=0o755)
+    os.symlink("t", audited / "a")                     # what the reviewer's audit hashed:
+    (audited / "b\njson.py").write_bytes(evil)         # nothing importable by that name
+    os.symlink("t\nb", swapped / "a")                  # after signing: json.py, which
+    (swapped / "json.py").write_bytes(evil)            # shadows the standard library's
+    assert sorted(os.listdir(audited)) != sorted(os.listdir(swapped))
+    assert tree_sha256(str(audited)) != tree_sha256(str(swapped))
