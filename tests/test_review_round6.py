@@ -31,6 +31,10 @@ xfail that the fix turns green. docs/review6.md has the table.
    hash alike: (link a -> "t", file "b\njson.py") and (link a -> "t\nb", file json.py).
    A tree planted before the audit swaps, after signing, to one whose json.py shadows
    the standard library's in every control worker, with the same digest.
+7. The replay key is made in place (O_CREAT|O_EXCL, then written): a second record or
+   cut starting at the same moment (two CI jobs, a fleet) finds the file empty and gets
+   "replay.key: 0 bytes, a replay key has 32; remove it": its log is left unsealed (it
+   then replays only with --config), and the advice, followed, breaks every seal.
 """
 from __future__ import annotations
 
@@ -326,3 +330,39 @@ def test_code_tree_digest_tells_different_trees_apart(tmp_path):
     (swapped / "json.py").write_bytes(evil)            # shadows the standard library's
     assert sorted(os.listdir(audited)) != sorted(os.listdir(swapped))
     assert tree_sha256(str(audited)) != tree_sha256(str(swapped))
+
+
+@pytest.mark.xfail(strict=True, reason="review6 finding 7: the replay key is made in place; "
+                   "a concurrent first seal() reads it empty (SealError, 'remove it')")
+def test_concurrent_first_seals_all_succeed(tmp_path, monkeypatch):
+    """Six real processes seal at once on a machine with no replay key yet (the first
+    records of a fleet); repeated, since it is a race (here 13 of 100 rounds failed)."""
+    from supervisor.replay import seal as S
+
+    def one_round(base: Path) -> list[int]:
+        monkeypatch.setenv("XDG_STATE_HOME", str(base))
+        r, w = os.pipe()
+        kids = []
+        for _ in range(6):
+            pid = os.fork()
+            if pid == 0:                       # (a child: seal, then _exit at once)
+                try:
+                    os.close(w)
+                    os.read(r, 1)
+                    S.seal(b"source.toml")
+                    os._exit(0)
+                except S.SealError:
+                    os._exit(1)
+                except BaseException:
+                    os._exit(2)
+            kids.append(pid)
+        os.close(r)
+        time.sleep(0.02)
+        os.write(w, b"x" * len(kids))        # all at once
+        os.close(w)
+        return [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in kids]
+
+    for i in range(120):
+        codes = one_round(tmp_path / str(i))
+        assert 2 not in codes
+        assert not any(codes), f"round {i}: {codes.count(1)} of 6 seals failed (SealError)"
