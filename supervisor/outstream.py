@@ -125,7 +125,10 @@ class StreamWriter:
         except RuntimeError:             # the interpreter is ending: no new threads
             self._running = False
             try:
-                self._write(self._compose(*self._take()))
+                while True:              # every batch, here and now
+                    self._write(self._compose(*self._take()))
+                    if not self._lines:
+                        break
             except (OSError, ValueError):
                 pass
 
