@@ -60,7 +60,11 @@ before is drained; a transport's rate is its median burst's). A neighbour's burs
 load then lands on both, within a period (a burst) of each other, where the matrix
 gives it to whichever case ran then; and one receiver process serves both, so where
 the scheduler wakes it (on the sender's CPU or the other: 12-25 us of p50 at NV12,
-loaded) is the same for both (printed per size). Last, the issue 26 block: bridge /
+loaded) is the same for both (printed per size). Each paired throughput size also
+prints, per transport, a message's wall time next to the sender's and the receiver's CPU
+per message, the share taken on the sender's CPU and the sender's page faults: at NV12
+(loaded) wall = sender + receiver CPU, taken on the sender's CPU 1.00, for both: the
+two run in turn on one CPU. Last, the issue 26 block: bridge /
 iceoryx2 throughput and latency p50/p99 at 64 B, 64 KiB and NV12 from the paired run
 (from the matrix with ``--paired off``), each ratio with a 90 % interval (latency:
 bootstrap over blocks of 50 consecutive pairs, the same blocks for both, so a burst of
