@@ -60,7 +60,11 @@ before is drained; a transport's rate is its median burst's). A neighbour's burs
 load then lands on both, within a period (a burst) of each other, where the matrix
 gives it to whichever case ran then; and one receiver process serves both, so where
 the scheduler wakes it (on the sender's CPU or the other: 12-25 us of p50 at NV12,
-loaded) is the same for both (printed per size). Last, the issue 26 block: bridge /
+loaded) is the same for both (printed per size). Each paired throughput size also
+prints, per transport, a message's wall time next to the sender's and the receiver's CPU
+per message, the share taken on the sender's CPU and the sender's page faults: at NV12
+(loaded) wall = sender + receiver CPU, taken on the sender's CPU 1.00, for both: the
+two run in turn on one CPU. Last, the issue 26 block: bridge /
 iceoryx2 throughput and latency p50/p99 at 64 B, 64 KiB and NV12 from the paired run
 (from the matrix with ``--paired off``), each ratio with a 90 % interval (latency:
 bootstrap over blocks of 50 consecutive pairs, the same blocks for both, so a burst of
@@ -434,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
             "target": verdict,
             "per_message_cost_us": cost,
             "syscalls": sc,
+            "paired_throughput_cost": (paired or {}).get("throughput_cost"),
             "runs": [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs],
         }
         with open(args.json, "w") as f:
@@ -450,11 +455,12 @@ def _paired_pass(keys: list[str], skipped: dict, sizes, modes, args) -> dict:
     """The bridge and iceoryx2 (event) in the same two children (ipcbench/paired.py), at
     every size: latency message by message, throughput in alternating bursts.
     {"latency": {size label: {key: latencies in ns}}, "throughput": {size label: {key:
-    [(messages - 1, ns), ...] per burst, in round order}}}."""
+    [(messages - 1, ns), ...] per burst, in round order}}, "throughput_cost": {size
+    label: {key: per message wall/sender CPU/receiver CPU us, faults, same_cpu}}}."""
     pair = ("iox2", "bridge")
     if args.paired == "off" or any(k not in keys or k in skipped for k in pair):
         return {}
-    out: dict = {"latency": {}, "throughput": {}}
+    out: dict = {"latency": {}, "throughput": {}, "throughput_cost": {}}
     print(f"-- paired: {' and '.join(pair)} in the same two children; latency message by "
           f"message (A B B A ...), p50 / p99 us; throughput in bursts (A B B A ...), the "
           f"median burst's msg/s")
@@ -482,11 +488,20 @@ def _paired_pass(keys: list[str], skipped: dict, sizes, modes, args) -> dict:
                 print(f"  {size:<15} throughput ERROR {got['error']}  [{got['wall_s']:.1f}s]")
             else:
                 out["throughput"][size] = got["bursts"]
+                out["throughput_cost"][size] = got["cost"]
                 cells = "   ".join(f"{k} {fmt(burst_rate(v), 0)}/s"
                                    for k, v in got["bursts"].items())
                 print(f"  {size:<15} throughput {cells}   {p['rounds']} bursts of "
                       f"{p['burst']} each  [{got['wall_s']:.1f}s, all processes "
                       f"{got.get('busy_cpu_pct', 0):.0f}% CPU]", flush=True)
+                for k, c in got["cost"].items():
+                    # wall ~ sender + receiver CPU with same_cpu ~ 1: the two ran in
+                    # turn on one CPU (the rest of wall: other processes, switches).
+                    print(f"  {'':<15}   {k:<7} per message: wall {c['wall_us']:.1f} us, "
+                          f"sender CPU {c['tx_cpu_us']:.1f} + receiver CPU "
+                          f"{c['rx_cpu_us']:.1f} = {c['tx_cpu_us'] + c['rx_cpu_us']:.1f} "
+                          f"us; taken on the sender's CPU {c['same_cpu']:.2f}; sender "
+                          f"faults {c['tx_faults']:.3f}")
     iox2_cleanup()
     return out
 

@@ -51,3 +51,9 @@ def test_bursts_alternate_and_each_is_timed():
     for bursts in got["bursts"].values():
         assert len(bursts) == 3
         assert all(n == 59 and 0 < ns < 5_000_000_000 for n, ns in bursts)
+    # What the bursts cost each child, per message: both children did real work on
+    # both transports, and the placement share is a share.
+    assert set(got["cost"]) == {"iox2", "bridge"}
+    for c in got["cost"].values():
+        assert c["wall_us"] > 0 and c["tx_cpu_us"] > 0 and c["rx_cpu_us"] > 0, c
+        assert 0.0 <= c["same_cpu"] <= 1.0 and c["tx_faults"] >= 0.0, c

@@ -21,12 +21,22 @@ streamed at ``window`` in flight as the matrix streams, each begun once the one 
 is drained (the bursts never overlap); after a warm-up of each transport (paced, then
 streamed: children.warmup_of). The receiver times each burst from its first message
 taken to its last.
+
+Per burst, each child also notes what the burst cost it (getrusage around the burst):
+CPU time (user + system) and, for the sender, minor page faults; and the receiver
+counts the messages it took on the CPU the sender sent them from (P_TX_CPU, stored
+just before each send: a receiver woken on that CPU takes the message within the send). Why: at NV12 a message is ~200 us, the sender's copy ~150 us of
+it, and the receiver, woken on the sender's CPU (a socket's sync wake-up), runs between
+the sender's sends; a burst's wall time per message then equals sender CPU + receiver
+CPU, where a receiver on the other CPU would overlap them. These columns say which
+regime a run measured, for each transport.
 """
 from __future__ import annotations
 
 import gc
 import mmap
 import os
+import resource
 import signal
 import time
 import traceback
@@ -45,6 +55,10 @@ P_RX_FIRST = 11   # the receivers that create their service (iceoryx2) are open
 P_TX_OPEN = 12    # every sender is open
 P_RX_OPEN = 13    # every receiver is open
 P_DONE = 14       # the receiver has taken the last message
+P_TX_CPU = 15     # throughput: the CPU the sender is on as it sends (stored just before)
+# Columns of a burst's row (_run_stream): the receiver's, then the sender's.
+B_TRANSPORT, B_MSGS, B_NS, B_GAPS, B_RX_CPU_NS, B_SAME_CPU, B_TX_CPU_NS, B_TX_FAULTS = range(8)
+B_COLS = 8
 LOST_S = 2.0      # no message on the expected transport for this long: fail, not hang
 
 
@@ -194,23 +208,34 @@ def _warm(ends, rx, ts, ctrl, p: dict, addr: int | None) -> tuple[int, list[int]
     return g, per
 
 
+def _usage() -> tuple[int, int]:
+    """(CPU ns, user + system, minor page faults) of this process so far."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return int((ru.ru_utime + ru.ru_stime) * 1e9), ru.ru_minflt
+
+
 def _stream_sender(ts: list[Transport], ctrl: np.ndarray, bursts: np.ndarray,
                    p: dict) -> None:
     ends = _open_senders(ts, ctrl)
     k, m, window = len(ts), p["burst"], p["window"]
     src = np.random.default_rng(1).integers(0, 256, ts[0].nbytes, dtype=np.uint8)
+    getcpu = _getcpu()
     gc.collect()
     gc.disable()
     g, per = _warm(ends, None, ts, ctrl, p, None)
     for b in range(len(bursts)):
         j = order(b, k)
+        cpu0, flt0 = _usage()
         for i in range(m):
             # A burst starts once the last one is drained: bursts never overlap.
             _wait_credit(ctrl, g, 1 if i == 0 else window, 0.5, False,
                          credit.SPIN_NS_STREAM)
+            ctrl[P_TX_CPU] = getcpu()     # before: the receiver runs within the send
             ends[j].send(per[j], src, p["fill"])
             per[j] += 1
             g += 1
+        cpu1, flt1 = _usage()
+        bursts[b, B_TX_CPU_NS], bursts[b, B_TX_FAULTS] = cpu1 - cpu0, flt1 - flt0
         if ctrl[C_ABORT]:
             raise RuntimeError("aborted")
     gc.enable()
@@ -224,14 +249,17 @@ def _stream_receiver(ts: list[Transport], ctrl: np.ndarray, bursts: np.ndarray,
     rx = _open_receivers(ts, ctrl)
     k, m = len(ts), p["burst"]
     addr = credit.word_address(ctrl, C_LAST_SEQ)
+    getcpu = _getcpu()
     gc.collect()
     gc.disable()
     g, per = _warm(None, rx, ts, ctrl, p, addr)
     for b in range(len(bursts)):
         j = order(b, k)
-        t_first = gaps = 0
+        t_first = gaps = same = 0
+        cpu0 = _usage()[0]
         for i in range(m):
             _, seq, t_got, _ = _take(rx, ts, j, g, ctrl)
+            same += getcpu() == ctrl[P_TX_CPU]
             if seq != per[j]:
                 gaps += 1
             per[j] = seq + 1
@@ -239,7 +267,8 @@ def _stream_receiver(ts: list[Transport], ctrl: np.ndarray, bursts: np.ndarray,
                 t_first = t_got
             _taken(ctrl, g, addr)
             g += 1
-        bursts[b] = (j, m - 1, t_got - t_first, gaps)
+        bursts[b, :B_TX_CPU_NS] = (j, m - 1, t_got - t_first, gaps, _usage()[0] - cpu0,
+                                   same)
     gc.enable()
     ctrl[P_DONE] = 1
     for r in rx:
@@ -303,10 +332,11 @@ def _run_stream(tclasses: list[type[Transport]], nbytes: int, p: dict) -> dict:
     ts = [c() for c in tclasses]
     k = len(ts)
     nb = k * p["rounds"]
-    shm = mmap.mmap(-1, 8 * (C_WORDS + 4 * nb))
+    shm = mmap.mmap(-1, 8 * (C_WORDS + B_COLS * nb))
     ctrl = np.frombuffer(shm, dtype=np.int64, count=C_WORDS)
-    # Per burst: transport index, messages - 1, ns first -> last taken, sequence gaps.
-    bursts = np.frombuffer(shm, dtype=np.int64, offset=8 * C_WORDS).reshape(nb, 4)
+    # Per burst (B_*): transport index, messages - 1, ns first -> last taken, sequence
+    # gaps, receiver CPU ns, messages taken on the sender's CPU; sender CPU ns, faults.
+    bursts = np.frombuffer(shm, dtype=np.int64, offset=8 * C_WORDS).reshape(nb, B_COLS)
     ctrl[:] = 0
     ctrl[C_LAST_SEQ] = -1
     bursts[:] = -1
@@ -314,15 +344,33 @@ def _run_stream(tclasses: list[type[Transport]], nbytes: int, p: dict) -> dict:
                      limit_s=30 + nb * p["burst"] * 0.01
                      + k * (p["warmup"] + p["warmup_stream"]) * (p["period_s"] + 0.01))
     if "error" not in out:
-        if (bursts[:, 2] <= 0).any():
+        if (bursts[:, B_NS] <= 0).any():
             out["error"] = "a burst without a duration"
         else:
-            out["bursts"] = {t.key: [(int(b[1]), int(b[2])) for b in bursts if b[0] == j]
-                             for j, t in enumerate(ts)}
-            out["gaps"] = int(bursts[:, 3].sum())
+            out["bursts"] = {t.key: [(int(b[B_MSGS]), int(b[B_NS])) for b in bursts
+                                     if b[B_TRANSPORT] == j] for j, t in enumerate(ts)}
+            out["gaps"] = int(bursts[:, B_GAPS].sum())
+            out["cost"] = {t.key: _burst_cost(bursts[bursts[:, B_TRANSPORT] == j])
+                           for j, t in enumerate(ts)}
     del ctrl, bursts
     shm.close()
     return out
+
+
+def _burst_cost(rows: np.ndarray) -> dict:
+    """A transport's bursts, medians over them, per message: wall us (first -> last
+    taken), sender and receiver CPU us; sender minor faults (mean); the share of messages
+    the receiver took on the CPU the sender sent them from. wall ~ tx + rx
+    with same_cpu ~ 1: the two ran one after the other on one CPU."""
+    n = rows[:, B_MSGS] + 1
+    med = lambda a: round(float(np.median(a)), 2)   # noqa: E731
+    return {"wall_us": med(rows[:, B_NS] / rows[:, B_MSGS] / 1e3),
+            "tx_cpu_us": med(rows[:, B_TX_CPU_NS] / n / 1e3),
+            "rx_cpu_us": med(rows[:, B_RX_CPU_NS] / n / 1e3),
+            # All bursts' faults over all their messages: a first touch of a fresh
+            # slot (853 faults at NV12) lands in one burst, which a median would hide.
+            "tx_faults": round(float(rows[:, B_TX_FAULTS].sum() / n.sum()), 3),
+            "same_cpu": med(rows[:, B_SAME_CPU] / n)}
 
 
 def _supervise(ts: list[Transport], nbytes: int, ctrl: np.ndarray, receiver, sender,

@@ -300,6 +300,13 @@ class Reader:
         if self._last_seq >= _MAX_SEQ:
             return None      # nothing can be newer (a hostile writer's last word); as in
                              # the pure-Python path, which compares before it looks
+        if self._seg.load(_OFF_LAST_SEQ) <= self._last_seq:
+            # Nothing new: the take's own first look (R1, the same acquire load of the
+            # writer's last_seq, the same comparison), without the take's 18 arguments.
+            # A sleeping receive looks 2-3 times for nothing (before and after the awake
+            # flag goes down); one such look cost 2.5 us after a 3.5 MB copy had
+            # evicted the caches, this one 1.2 (warm 1.8 vs 0.3).
+            return None
         free = self._free_leases
         k = free[-1] if free else -1
         inline = self._naccept is self._native.accept
