@@ -126,8 +126,22 @@ def freeze_self(ctx):
         time.sleep(0.05)
 
 
+def publish(ctx):
+    """Research: publish 20 messages of 77.0 on its own channel (`out`), as any writer."""
+    import numpy as np
+    w = ctx.writer(next(iter(ctx.channels)))
+    for _ in range(20):
+        w.publish_array(np.full(4, 77.0, w.spec.np_dtype))
+    print("RT10 " + json.dumps({"published": 20}), flush=True)
+    ctx.ready(status="rt10 publish")
+    while True:
+        ctx.watchdog()
+        time.sleep(0.05)
+
+
 def main(ctx):
-    return {"broker_fds": broker_fds, "freeze_self": freeze_self}[sys.argv[1]](ctx)
+    return {"broker_fds": broker_fds, "freeze_self": freeze_self,
+            "publish": publish}[sys.argv[1]](ctx)
 '''
 
 
@@ -165,6 +179,19 @@ domain = "research"
 module = "rt10w"
 subscribes = ["a_out"]
 args = ["broker_fds"]
+[channels.s_out]
+slot_size = "4KiB"
+dtype = "float32"
+[workers.s]
+domain = "research"
+module = "rt10w"
+publishes = ["s_out"]
+args = ["publish"]
+[workers.sr]
+domain = "research"
+module = "workers.probe"
+subscribes = ["s_out"]
+args = ["--read", "s_out"]
 """
 
 
@@ -194,15 +221,16 @@ class RootBroker:
         return [e for e in (json.loads(ln) for ln in lines if ln.startswith("{"))
                 if e["event"] == name]
 
-    def start_reader(self, handle) -> tuple[object | None, str]:
-        """Start research worker `r` with `handle` as its a_out; (refusal or None, what
-        the worker printed, if it started: then it is killed and reaped here)."""
+    def start_reader(self, handle, worker: str = "r", channel: str = "a_out"
+                     ) -> tuple[object | None, str]:
+        """Start research worker `worker` with `handle` as its `channel`; (refusal or
+        None, what the worker printed, if it started: then it is killed and reaped)."""
         from supervisor.broker import BrokerError
 
         self._incarnation += 1
         inc = self._incarnation
         try:
-            sb = self.client.start("r", inc, handles={"a_out": handle})
+            sb = self.client.start(worker, inc, handles={channel: handle})
         except BrokerError as e:
             return e, ""
         out = b""
@@ -218,9 +246,9 @@ class RootBroker:
                         break
                     out += chunk
         finally:
-            self.client.kill_sandbox("r", inc)
+            self.client.kill_sandbox(worker, inc)
             select.select([sb.pidfd], [], [], 20)
-            self.client.reap("r", inc)
+            self.client.reap(worker, inc)
             sb.close()
         return None, out.decode(errors="replace")
 
@@ -343,6 +371,37 @@ def test_a_wake_up_socket_is_never_a_connection_to_a_host_service(root_broker, t
     finally:
         for s in (conn, cli, srv):
             s.close()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "redteam10 row 6: the broker cannot tell one channel's memfd from another's of the "
+    "same size: research writer `s` is started as the writer of control's a_out"))
+def test_a_research_writer_is_never_handed_a_control_channels_segment(root_broker):
+    """Two channels of one spec (a control model's output and a research shadow output
+    often are). The compromised proper hands research worker `s`, the writer of
+    `s_out`, the writer handle of `a_out` (read-write segment, lease tables, wake-up
+    ends: every kind, size and mode right for a writer). `s` then publishes on control's
+    channel as its writer; control readers take it (the layout is all a writer checks).
+    Kind, size and access checks cannot see this; only the broker owning the channels
+    (or pinning each channel's inodes) can. The broker must refuse."""
+    from supervisor.broker import BrokerError
+    from supervisor.ipc import layout as L
+    from supervisor.ipc.channel import WriterHandle
+
+    b = root_broker
+    ch = b.channel
+    wh = ch.writer_handle()
+    as_s = WriterHandle(b.config.channel_specs()["s_out"], *[getattr(wh, f) for f in
+                        ("data_fd", "lease_fds", "event_fds", "resume_above", "anchor")])
+    seq0 = L.U64.unpack_from(os.pread(ch._data_fd, 4096, 0), L.OFF_LAST_SEQ)[0]
+    n = len(b.events("broker_refused"))
+    refusal, out = b.start_reader(as_s, worker="s", channel="s_out")
+    seq1 = L.U64.unpack_from(os.pread(ch._data_fd, 4096, 0), L.OFF_LAST_SEQ)[0]
+    assert isinstance(refusal, BrokerError), (
+        f"started; the research worker printed {_printed(out)}; a_out's last_seq "
+        f"{seq0} -> {seq1}")
+    new = b.events("broker_refused")[n:]
+    assert new and "s" in (new[-1].get("worker"), *new[-1]["reason"].split()), new
 
 
 # ================================================================ the ordinary world
