@@ -40,6 +40,11 @@ xfail that the fix turns green. docs/review6.md has the table.
    --start` (which keeps the CLI's signal recorder) prints "refused 4 worker(s):
    camerad, modeld, controlsd, research" and exits 3 (REFUSED): a CI job cancelled, a
    timeout wrapper's SIGTERM, reads as an admission verdict on code nobody judged.
+9. The live row's shadow rule (956a838) keys on the channel's `shadow = true`, not on
+   who writes it. A research worker may publish a channel not marked shadow (the config
+   loads; the taint rule treats it as research's anyway), and its receipts are then the
+   row's "model CPU p50 ..." segment ahead of the drops (and its misses control's "miss
+   N"): the red team's reading, back with one flag left out.
 """
 from __future__ import annotations
 
@@ -388,3 +393,57 @@ def test_a_stop_during_check_start_is_no_refusal():
                        cwd=REPO, timeout=120)
     said = r.stdout + r.stderr
     assert r.returncode != 3 and "refused" not in said, (r.returncode, said[-500:])
+
+
+@pytest.mark.xfail(strict=True, reason="review6 finding 9: the live row's shadow rule keys "
+                   "on shadow = true, not on a research writer: its receipts read as 'model'")
+def test_a_research_writers_receipts_never_read_as_the_model(tmp_path, monkeypatch):
+    """minimal.toml with shadow_out's `shadow` flag left out (research still its writer:
+    the config loads). The supervisor's own monitor (`_run_monitor`, real channels in
+    shared memory, no workers) and a real writer of research's receipts on shadow_out."""
+    import io
+
+    import numpy as np
+    import trio
+
+    from supervisor.config import dumps, load, minimal_doc
+    from supervisor.config._derive import derive
+    from supervisor.events import EventLog
+    from supervisor.ipc import Receipt, Writer
+    from supervisor.lifecycle import Supervisor
+
+    monkeypatch.setenv("TRIO_STATE_DIR", str(tmp_path / "state"))
+    doc = derive(minimal_doc(), set={"channels.shadow_out.shadow": False})
+    doc["models"]["lane-offset"]["artifact"] = str(REPO / "models/demo/lane-offset")
+    doc["models"]["lane-offset"]["public_key"] = str(REPO / "models/demo/demo_ed25519.pub")
+    (tmp_path / "c.toml").write_text(dumps(doc))
+    cfg = load(str(tmp_path / "c.toml"))
+    assert cfg.workers["research"].domain == "research"
+    sup = Supervisor(cfg, log=EventLog(stream=io.StringIO()), sandboxed=False,
+                     status_out=io.StringIO(), status_interval_s=0.2)
+    sup._make_channels()
+    line = ""
+    try:
+        w = Writer(sup.channels["shadow_out"].writer_handle())
+
+        async def main() -> None:
+            nonlocal line
+            async with trio.open_nursery() as n:
+                n.start_soon(sup._run_monitor)
+                await trio.sleep(0.3)
+                for i in range(1, 21):
+                    now = time.monotonic_ns()
+                    w.publish_array(np.zeros(4, np.float32), frame_id=i,
+                                    capture_ts_ns=now - 40_000_000,
+                                    receipt=Receipt(i, now - 40_000_000, now - 35_000_000,
+                                                    now, "CPU", 100, 16))
+                    await trio.sleep(0.02)
+                await trio.sleep(0.4)
+                line = sup.monitor.line()
+                n.cancel_scope.cancel()
+
+        trio.run(main)
+    finally:
+        sup._close_channels()
+    assert "receipts 20" in line, line                 # the monitor read them
+    assert not line.startswith("model ") and " model CPU" not in line, line
