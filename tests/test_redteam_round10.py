@@ -588,3 +588,27 @@ def test_a_stepped_wall_clock_never_keeps_a_stale_admission_verdict(step_ns, tmp
     after = C._static_check("rt10clk", None, sys_path, None)
     assert [h.forbidden for h in after.walks[0].hits] == ["torch"], after
     C.clear_cache()
+
+
+def test_the_supervisor_stopped_for_seconds_blames_no_worker(fleet):
+    """The supervisor itself is stopped for 3 s and continued (a debugger attached to
+    it on the car, `kill -STOP` by an engineer, a cgroup freezer on its unit that thaws
+    it first): three times control worker c's 1000 ms watchdog. Its workers ran on and
+    pinged into their status pipes. Our own stop must never be blamed on a worker: no
+    watchdog_missed, no refusal, no fail-safe."""
+    f = fleet
+    assert f.proc.poll() is None
+    n_events = len(f.events())
+    f.proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(3.0)
+    finally:
+        f.proc.send_signal(signal.SIGCONT)
+    time.sleep(2.0)                     # what a watchdog would say, it says within this
+    new = f.events()[n_events:]
+    blamed = [e for e in new if e.get("event") in ("watchdog_missed", "refused", "fail_safe",
+                                                   "gave_up", "restart")
+              and not (e.get("worker") == "r-freeze" and (f.pp / "go-freeze").exists())]
+    assert not blamed, "\n".join(json.dumps(e)[:300] for e in blamed)
+    assert f.proc.poll() is None
+    assert not f.of("exit", "c"), f.tail()
