@@ -45,6 +45,9 @@ xfail that the fix turns green. docs/review6.md has the table.
    loads; the taint rule treats it as research's anyway), and its receipts are then the
    row's "model CPU p50 ..." segment ahead of the drops (and its misses control's "miss
    N"): the red team's reading, back with one flag left out.
+10. check_actuation_age refuses only max_age_ms = 0 on the vehicle's actuation channel;
+    3,600,000 (an hour, MS_MAX) loads: a wedged controlsd's last ENGAGED command stays
+    current for an hour, which at 100 Hz is "for ever" by the rule's own reasoning.
 """
 from __future__ import annotations
 
@@ -447,3 +450,18 @@ def test_a_research_writers_receipts_never_read_as_the_model(tmp_path, monkeypat
         sup._close_channels()
     assert "receipts 20" in line, line                 # the monitor read them
     assert not line.startswith("model ") and " model CPU" not in line, line
+
+
+@pytest.mark.xfail(strict=True, reason="review6 finding 10: a vehicle actuation channel's "
+                   "max_age_ms of an hour loads (only 0 is refused)")
+def test_vehicle_actuation_age_of_an_hour_is_refused(tmp_path):
+    from supervisor.config import ConfigError, dumps, load, minimal_doc
+    from supervisor.config._derive import derive
+
+    doc = derive(minimal_doc(), set={"channels.control_cmd.max_age_ms": 3_600_000})
+    doc["models"]["lane-offset"]["artifact"] = str(REPO / "models/demo/lane-offset")
+    doc["models"]["lane-offset"]["public_key"] = str(REPO / "models/demo/demo_ed25519.pub")
+    (tmp_path / "c.toml").write_text(dumps(doc))
+    with pytest.raises(ConfigError, match="max_age_ms"):
+        cfg = load(str(tmp_path / "c.toml"))
+        assert cfg.supervisor.mode == "vehicle" and cfg.channels["control_cmd"].actuation
