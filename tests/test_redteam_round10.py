@@ -404,6 +404,68 @@ def test_a_research_writer_is_never_handed_a_control_channels_segment(root_broke
     assert new and "s" in (new[-1].get("worker"), *new[-1]["reason"].split()), new
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "redteam10 row 2b: with the broker's connection in a sandbox, the proper's death is "
+    "no end of stream: the broker and the sandbox live on, the state dir stays locked"))
+def test_a_broker_whose_proper_died_ends_its_sandboxes_and_frees_the_state_dir():
+    """Row 2's consequence, measured as `run --privsep` arranges it: the proper holds the
+    state dir's lock and passes it to the broker (`statelock.held_fds`); then it hands
+    a research sandbox its broker connection (row 2) and dies (its socket and lock fd
+    closed). The broker must see end of stream, kill the sandbox, exit, and the next
+    `supervisor run` must be able to take the state dir."""
+    from supervisor import statelock
+    from supervisor.broker import BrokerClient, BrokerError
+    from supervisor.config import load
+    from supervisor.ipc import Channel
+    from supervisor.ipc.channel import ReaderHandle
+
+    tmp, pp = _package("rt10d-")
+    cfg = tmp / "broker.toml"
+    cfg.write_text(_BROKER_TOML.format(pp=pp))
+    state = tmp / "state"
+    lock = statelock.acquire(state)
+    err = open(tmp / "broker.err", "w")
+    client = BrokerClient.spawn(state_dir=state, config=cfg, stderr=err, keep_fds=(lock.fd,))
+    broker = client.proc
+    ch = Channel.create(load(cfg).channel_specs()["a_out"])
+    sandbox_pid = 0
+    try:
+        client.ping()
+        good = ch.reader_handle(0)
+        try:
+            sb = client.start("r", 1, handles={"a_out": ReaderHandle(
+                good.spec, 0, good.data_fd, good.lease_fd, client.sock.fileno())})
+        except BrokerError:
+            pass                                  # row 2 fixed: nothing holds it
+        else:
+            sandbox_pid = sb.pid
+            time.sleep(1.0)                       # its worker has the fd by now
+            sb.close()
+        # The proper dies: every fd of its own goes (the lock, the connection).
+        lock.release()
+        client.sock.close()
+        deadline = time.monotonic() + 10
+        while broker.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        alive = broker.poll() is None
+        try:
+            statelock.acquire(state).release()
+            locked = False
+        except statelock.Held:
+            locked = True
+        assert not alive and not locked, (
+            f"10 s after the proper's death: broker alive {alive}, sandbox (bwrap "
+            f"{sandbox_pid}) alive {os.path.exists(f'/proc/{sandbox_pid}')}, state dir "
+            f"still locked {locked} (the next run: exit 9)")
+    finally:
+        if broker.poll() is None:                 # ours: end it (its sandboxes die with it)
+            broker.kill()
+            broker.wait(10)
+        err.close()
+        ch.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 # ================================================================ the ordinary world
 
 _FLEET_TOML = """
