@@ -139,9 +139,24 @@ def publish(ctx):
         time.sleep(0.05)
 
 
+def wake_steal(ctx):
+    """Research: read whatever arrives on its wake-up socket for 2 s (bytes meant for
+    whoever else holds that end), then say how many."""
+    s = socket.socket(fileno=os.dup(_handle(ctx)["event_fd"]))
+    got, end = 0, time.monotonic() + 2.0
+    while time.monotonic() < end:
+        if select.select([s], [], [], 0.1)[0]:
+            got += len(s.recv(4096))
+    print("RT10 " + json.dumps({"stolen_bytes": got}), flush=True)
+    ctx.ready(status="rt10 wake_steal")
+    while True:
+        ctx.watchdog()
+        time.sleep(0.05)
+
+
 def main(ctx):
     return {"broker_fds": broker_fds, "freeze_self": freeze_self,
-            "publish": publish}[sys.argv[1]](ctx)
+            "publish": publish, "wake_steal": wake_steal}[sys.argv[1]](ctx)
 '''
 
 
@@ -169,6 +184,7 @@ python_path = ["{pp}"]
 [channels.a_out]
 slot_size = "4KiB"
 dtype = "float32"
+slot_count = 8
 [workers.a]
 domain = "control"
 module = "workers.probe"
@@ -179,9 +195,20 @@ domain = "research"
 module = "rt10w"
 subscribes = ["a_out"]
 args = ["broker_fds"]
+[workers.k]
+domain = "control"
+module = "workers.probe"
+subscribes = ["a_out"]
+args = ["--read", "a_out"]
+[workers.rs]
+domain = "research"
+module = "rt10w"
+subscribes = ["a_out"]
+args = ["wake_steal"]
 [channels.s_out]
 slot_size = "4KiB"
 dtype = "float32"
+slot_count = 8
 [workers.s]
 domain = "research"
 module = "rt10w"
@@ -192,6 +219,14 @@ domain = "research"
 module = "workers.probe"
 subscribes = ["s_out"]
 args = ["--read", "s_out"]
+[workers.sr2]
+domain = "research"
+module = "workers.probe"
+subscribes = ["s_out"]
+[workers.sr3]
+domain = "research"
+module = "workers.probe"
+subscribes = ["s_out"]
 """
 
 
@@ -464,6 +499,36 @@ def test_a_broker_whose_proper_died_ends_its_sandboxes_and_frees_the_state_dir()
         err.close()
         ch.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "redteam10 row 8: wake-up sockets are not pinned like memfds: research reader rs is "
+    "started holding control reader k's wake-up end and takes its wake-ups"))
+def test_a_research_reader_never_holds_a_control_readers_wake_up_end(root_broker):
+    """An attacker who knows the fix under way for rows 1-3 (access, socket type, peer
+    pid, memfd labels and first-start pins): a wake-up end the proper itself made, of
+    the right type and peer, but control reader `k`'s, handed to research reader `rs`
+    as its own (its segment and lease table its own: every memfd check passes). `rs`
+    then reads the bytes the writer sends to wake `k`: `k` sleeps through its messages
+    until its receive times out (a control deadline miss research decides). No socket
+    may stand for two places: the broker must refuse."""
+    from supervisor.broker import BrokerError
+    from supervisor.ipc.channel import ReaderHandle
+
+    b = root_broker
+    ch = b.channel
+    k = b.config.reader_index("a_out", "k")
+    rs = b.config.reader_index("a_out", "rs")
+    own = ch.reader_handle(rs)
+    h = ReaderHandle(own.spec, rs, own.data_fd, own.lease_fd, ch.reader_handle(k).event_fd)
+    n = len(b.events("broker_refused"))
+    for _ in range(5):                # five wake-ups for k, from the writer's end of k's pair
+        os.write(ch._event_fds[k], b"\x01")
+    refusal, out = b.start_reader(h, worker="rs")
+    assert isinstance(refusal, BrokerError), (
+        f"started; the research worker printed {_printed(out)} (k's wake-ups)")
+    new = b.events("broker_refused")[n:]
+    assert new and "rs" in (new[-1].get("worker"), *new[-1]["reason"].split()), new
 
 
 # ================================================================ the ordinary world
