@@ -67,6 +67,7 @@ def broker_fds(ctx):
     mapping; if its wake-up socket is a SOCK_SEQPACKET (the broker's own connection),
     speak the broker's protocol on it."""
     from supervisor.broker import _protocol as P
+    ctx._activate()                   # a warm standby: blocks here for its channels
     h = _handle(ctx)
     res = {}
     try:
@@ -195,6 +196,12 @@ domain = "research"
 module = "rt10w"
 subscribes = ["a_out"]
 args = ["broker_fds"]
+[workers.rsb]
+domain = "research"
+module = "rt10w"
+subscribes = ["a_out"]
+args = ["broker_fds"]
+warm_standby = true
 [workers.k]
 domain = "control"
 module = "workers.probe"
@@ -224,6 +231,10 @@ domain = "research"
 module = "workers.probe"
 subscribes = ["s_out"]
 [workers.sr3]
+domain = "research"
+module = "workers.probe"
+subscribes = ["s_out"]
+[workers.sr4]
 domain = "research"
 module = "workers.probe"
 subscribes = ["s_out"]
@@ -529,6 +540,56 @@ def test_a_research_reader_never_holds_a_control_readers_wake_up_end(root_broker
         f"started; the research worker printed {_printed(out)} (k's wake-ups)")
     new = b.events("broker_refused")[n:]
     assert new and "rs" in (new[-1].get("worker"), *new[-1]["reason"].split()), new
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "redteam10 row 9: a warm standby's channels go from the proper straight to the "
+    "sandbox over the hand-over socket: no broker check at all (rows 1-3, 6, 8 bypassed)"))
+def test_a_research_standby_is_never_handed_fds_the_broker_has_not_checked(root_broker):
+    """Research worker `rsb` has `warm_standby = true`. The broker starts its standby
+    with no channels (as the request table requires) and hands the proper the standby's
+    control socket; adoption is the proper sending the channel handles over it
+    (`_standby.py`, `socket.send_fds`), which the broker never sees. The compromised
+    proper sends a read-write a_out segment and its own broker connection as the
+    wake-up. The research sandbox must never get them: hand-over through the broker
+    (checked like a start), or no hand-over socket in the proper's hands."""
+    import socket as _socket
+
+    b = root_broker
+    ch = b.channel
+    idx = b.config.reader_index("a_out", "rsb")
+    good = ch.reader_handle(idx)
+    b._incarnation += 1
+    inc = b._incarnation
+    sb = b.client.start("rsb", inc, standby=True)
+    out = b""
+    try:
+        if sb.ctl_sock is None:
+            return                                  # nothing to hand over with
+        text = json.dumps({"role": "reader", "spec": json.loads(good.to_json())["spec"],
+                           "index": idx, "data_fd": 0, "lease_fd": 1, "event_fd": 2})
+        fds = [ch._data_fd, good.lease_fd, b.client.sock.fileno()]
+        _socket.send_fds(sb.ctl_sock, [json.dumps(
+            {"channels": {"a_out": text}, "fds": [0, 1, 2]}).encode()], fds)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and b"\n" not in out.partition(b"RT10 ")[2]:
+            if select.select([sb.out_r], [], [], 0.5)[0]:
+                try:
+                    chunk = os.read(sb.out_r, 65536)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    break
+                out += chunk
+    finally:
+        os.set_blocking(b.client.sock.fileno(), True)
+        b.client.kill_sandbox("rsb", inc)
+        select.select([sb.pidfd], [], [], 20)
+        b.client.reap("rsb", inc)
+        sb.close()
+    got = _printed(out.decode(errors="replace"))
+    assert got.get("segment_write") != "ok" and "Ping" not in got, (
+        f"the research standby printed {got}; the latch now {b.client.read_latch()}")
 
 
 # ================================================================ the ordinary world
