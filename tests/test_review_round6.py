@@ -59,6 +59,11 @@ xfail that the fix turns green. docs/review6.md has the table.
     ReadWritePaths=-/var/tmp/...; each start of the unit gets an empty private /var/tmp,
     so the fail-safe latch written by the last run is gone at the next start: the car
     drives again after a fail-safe nobody cleared. Silent: nothing fails to start.
+13. The live row names a model segment by its channel only when more than one model
+    has receipts (`len(model) == 1`: "model CPU ..."). On the car (two control models:
+    model_out, driver_state) with the driving model stuck (attached, silent), the
+    driver monitor's receipts are the row's bare "model CPU p50 ..." ahead of the drops:
+    it reads as the driving model running.
 """
 from __future__ import annotations
 
@@ -580,3 +585,62 @@ def test_units_never_hide_the_fail_safe_latch_behind_private_tmp(tmp_path):
         return
     assert "run 1 latched" in said, said
     assert "run 2 reads the latch: None" not in said, said
+
+
+def _row_with_receipts_on(cfg, channel: str, silent: str, tmp_path, monkeypatch) -> str:
+    """The supervisor's own monitor (`_run_monitor`) over the config's real channels, a
+    writer of model receipts on `channel` and one attached to `silent` that publishes
+    nothing (a stuck model). Returns the live row."""
+    import io
+
+    import numpy as np
+    import trio
+
+    from supervisor.events import EventLog
+    from supervisor.ipc import Receipt, Writer
+    from supervisor.lifecycle import Supervisor
+
+    monkeypatch.setenv("TRIO_STATE_DIR", str(tmp_path / "state"))
+    sup = Supervisor(cfg, log=EventLog(stream=io.StringIO()), sandboxed=False,
+                     status_out=io.StringIO(), status_interval_s=0.2)
+    sup._make_channels()
+    line = ""
+    try:
+        w = Writer(sup.channels[channel].writer_handle())
+        stuck = Writer(sup.channels[silent].writer_handle())
+        width = sup.channels[channel].spec.slot_size // 4 // 4
+
+        async def main() -> None:
+            nonlocal line
+            async with trio.open_nursery() as n:
+                n.start_soon(sup._run_monitor)
+                await trio.sleep(0.3)
+                for i in range(1, 21):
+                    now = time.monotonic_ns()
+                    w.publish_array(np.zeros(min(width, 4), np.float32), frame_id=i,
+                                    capture_ts_ns=now - 40_000_000,
+                                    receipt=Receipt(i, now - 40_000_000, now - 35_000_000,
+                                                    now, "CPU", 100, 16))
+                    await trio.sleep(0.02)
+                await trio.sleep(0.4)
+                line = sup.monitor.line()
+                n.cancel_scope.cancel()
+
+        trio.run(main)
+        del stuck
+    finally:
+        sup._close_channels()
+    return line
+
+
+@pytest.mark.xfail(strict=True, reason="review6 finding 13: with one of the car's two "
+                   "control models silent, the other's receipts are the bare 'model' segment")
+def test_the_car_row_names_the_model_that_answers(tmp_path, monkeypatch):
+    from supervisor.config import load
+
+    cfg = load(None)                      # the car: model_out and driver_state
+    assert {"model_out", "driver_state"} <= set(cfg.channels)
+    line = _row_with_receipts_on(cfg, "driver_state", "model_out", tmp_path, monkeypatch)
+    assert "receipts 20" in line, line
+    head = line.split(" | drop")[0]
+    assert "driver_state" in head and not head.startswith("model "), line
