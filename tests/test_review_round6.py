@@ -24,8 +24,8 @@ xfail that the fix turns green. docs/review6.md has the table.
 5. The same for the control code the config names most: its modules in the installed
    package (`module = "workers.controlsd"`). Outside a git checkout (the vehicle's /opt
    install) the report's "git" is "not a checkout" on both sides, `code here` says "the
-   report's", and verify exits 0 after workers/controlsd/__init__.py changed. Row 6's fix covers
-   python_path only.
+   report's", and verify exits 0 after workers/controlsd/__init__.py changed. Row 6's
+   fix covers python_path only.
 6. tree_sha256's entries are `rel \0 entry \n` with nothing escaped: a file name and a
    link target may both hold a newline, so two trees with different importable modules
    hash alike: (link a -> "t", file "b\njson.py") and (link a -> "t\nb", file json.py).
@@ -72,7 +72,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
