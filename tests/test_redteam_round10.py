@@ -155,8 +155,21 @@ def wake_steal(ctx):
         time.sleep(0.05)
 
 
+def crash_loop(ctx):
+    """Research: READY, then, while the test's trigger file exists, exit 1 after 200 ms
+    (a research model that crashes on every start: an ordinary bug, for hours)."""
+    ctx.ready(status="rt10 crash_loop")
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    t0 = time.monotonic()
+    while True:
+        if os.path.exists(os.path.join(here, "go-crash")) and time.monotonic() - t0 > 0.2:
+            os._exit(1)
+        ctx.watchdog()
+        time.sleep(0.02)
+
+
 def main(ctx):
-    return {"broker_fds": broker_fds, "freeze_self": freeze_self,
+    return {"broker_fds": broker_fds, "freeze_self": freeze_self, "crash_loop": crash_loop,
             "publish": publish, "wake_steal": wake_steal}[sys.argv[1]](ctx)
 '''
 
@@ -624,6 +637,16 @@ watchdog_ms = {research_watchdog_ms}
 restart = "never"
 optional = true
 ready_timeout_ms = 30000
+[workers.r-crash]
+domain = "research"
+module = "rt10w"
+args = ["crash_loop"]
+restart = "always"
+optional = true
+max_restarts = 1000
+backoff_initial_ms = 10
+backoff_max_ms = 20
+ready_timeout_ms = 30000
 """
 RESEARCH_WATCHDOG_MS = 500
 
@@ -877,3 +900,39 @@ def test_the_supervisor_is_never_the_oom_killers_first_choice(fleet):
     assert sup_score[1] < 0 and sup_score[0] < min(s for s, _ in mine.values()), (
         f"supervisor oom_score {sup_score[0]} (adj {sup_score[1]}, RSS {rss} kB); "
         f"its workers' {sorted(mine.values())}")
+
+
+def test_a_research_worker_in_a_crash_loop_costs_the_supervisor_no_fds(fleet):
+    """An ordinary long drive: a research model that crashes at every start, restarted
+    again and again for hours (here 6 times in a row, as fast as it starts). Whatever a
+    start opens (pipes, sockets, pidfds, the cgroup, the exec watch) must be closed at
+    its exit: a leak of k fds a restart is EMFILE after 1024/k restarts, and then no
+    control worker can be restarted either (a fail-safe on an ordinary day)."""
+    f = fleet
+    sup = f.proc.pid
+
+    def fds() -> int:
+        return len(os.listdir(f"/proc/{sup}/fd"))
+
+    def readies() -> int:
+        return len([e for e in f.of("ready", "r-crash")])
+
+    samples: list[int] = []
+    f.trigger("go-crash")
+    try:
+        seen = readies()
+        deadline = time.monotonic() + 40
+        while len(samples) < 7 and time.monotonic() < deadline:
+            n = readies()
+            if n > seen:
+                seen = n
+                time.sleep(0.1)                 # the same moment of each start
+                samples.append(fds())
+            time.sleep(0.02)
+    finally:
+        (f.pp / "go-crash").unlink()
+    assert len(samples) >= 4, f"only {len(samples)} restarts seen:\n" + f.tail()
+    assert not f.of("fail_safe") and not f.of("exit", "c"), f.tail()
+    grown = samples[-1] - samples[0]
+    print(f"rt10 crash loop: supervisor fds at each READY {samples}")
+    assert grown <= 2, f"supervisor fds at each READY of r-crash: {samples}"
