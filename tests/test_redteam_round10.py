@@ -604,6 +604,29 @@ def test_a_research_standby_is_never_handed_fds_the_broker_has_not_checked(root_
         f"the research standby printed {got}; the latch now {b.client.read_latch()}")
 
 
+def test_restarts_through_the_broker_cost_neither_side_an_fd(root_broker):
+    """Row 12 through the broker (`run --privsep`): a research sandbox started, killed
+    and reaped 6 times with honest handles. Whatever a start opens on either side (the
+    broker's pidfd, pipes, sockets, the cgroup; the client's ends) is closed by the reap
+    and the client's close: a leak is EMFILE after a long drive of research restarts."""
+    b = root_broker
+    counts = []
+    for _ in range(6):
+        idx = b.config.reader_index("a_out", "r")
+        b._incarnation += 1
+        inc = b._incarnation
+        sb = b.client.start("r", inc, handles={"a_out": b.channel.reader_handle(idx)})
+        b.client.kill_sandbox("r", inc)
+        select.select([sb.pidfd], [], [], 20)
+        b.client.reap("r", inc)
+        sb.close()
+        time.sleep(0.2)                 # the broker empties the cgroup off its main thread
+        counts.append((len(os.listdir(f"/proc/{b.client.proc.pid}/fd")),
+                       len(os.listdir("/proc/self/fd"))))
+    print(f"rt10 broker restarts: (broker fds, client fds) after each reap {counts}")
+    assert counts[-1][0] - counts[0][0] <= 1 and counts[-1][1] - counts[0][1] <= 1, counts
+
+
 # ================================================================ the ordinary world
 
 _FLEET_TOML = """
