@@ -167,8 +167,39 @@ def crash_loop(ctx):
         time.sleep(0.02)
 
 
+def exec_requests(ctx):
+    """Control, before READY: once told, map this (read-only, admitted) file R|X 300
+    times, each a request the supervisor's exec watch judges with the worker stopped;
+    then READY. Honest lazy loading, as modeld's imports and kernels make at start."""
+    import ctypes
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    while not os.path.exists(os.path.join(here, "go-exec")):
+        time.sleep(0.02)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    n, t0 = 0, time.monotonic()
+    with open(__file__, "rb") as f:
+        for _ in range(300):
+            at = libc.mmap(None, 4096, mmap.PROT_READ | mmap.PROT_EXEC, mmap.MAP_PRIVATE,
+                           f.fileno(), 0)
+            if at in (None, ctypes.c_void_p(-1).value):
+                break
+            n += 1
+            libc.munmap(at, 4096)
+    print("RT10 " + json.dumps({"exec_mappings": n, "s": round(time.monotonic() - t0, 3)}),
+          flush=True)
+    ctx.ready(status="rt10 exec_requests")
+    while True:
+        ctx.watchdog()
+        time.sleep(0.05)
+
+
 def main(ctx):
     return {"broker_fds": broker_fds, "freeze_self": freeze_self, "crash_loop": crash_loop,
+            "exec_requests": exec_requests,
             "publish": publish, "wake_steal": wake_steal}[sys.argv[1]](ctx)
 '''
 
@@ -330,9 +361,6 @@ def _printed(out: str) -> dict:
     return json.loads(line[0]) if line else {"printed": out[-500:]}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "redteam10 row 1: the broker checks a reader's segment fd by kind and size only: an "
-    "O_RDWR fd of a control writer's memfd starts a research reader that writes control memory"))
 def test_a_research_reader_is_never_started_with_a_writable_segment(root_broker):
     """The compromised proper hands research reader `r` the channel's read-write segment
     fd (the writer's: a memfd of the segment's size, as the check wants) instead of the
@@ -358,9 +386,6 @@ def test_a_research_reader_is_never_started_with_a_writable_segment(root_broker)
     assert tail == b"\0" * 4
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "redteam10 row 2: any AF_UNIX socket passes as a wake-up fd, the broker's own "
-    "SEQPACKET connection too: a research sandbox then speaks the root broker's protocol"))
 def test_the_brokers_own_connection_is_never_a_sandboxs_wake_up_socket(root_broker):
     """The compromised proper hands research reader `r`, as its wake-up socket, its own
     connection to the broker (a dup of the SOCK_SEQPACKET end). The sandbox then holds a
@@ -388,9 +413,6 @@ def test_the_brokers_own_connection_is_never_a_sandboxs_wake_up_socket(root_brok
         os.set_blocking(b.client.sock.fileno(), True)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "redteam10 row 3: a wake-up fd may be a socket connected to any host service: the "
-    "broker starts a sandbox holding a live connection outside it"))
 def test_a_wake_up_socket_is_never_a_connection_to_a_host_service(root_broker, tmp_path):
     """The compromised proper connects to a host service (here a root listener the
     test runs in a 0700 directory, as a system daemon's socket would be: the sandbox
@@ -431,9 +453,6 @@ def test_a_wake_up_socket_is_never_a_connection_to_a_host_service(root_broker, t
             s.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "redteam10 row 6: the broker cannot tell one channel's memfd from another's of the "
-    "same size: research writer `s` is started as the writer of control's a_out"))
 def test_a_research_writer_is_never_handed_a_control_channels_segment(root_broker):
     """Two channels of one spec (a control model's output and a research shadow output
     often are). The compromised proper hands research worker `s`, the writer of
@@ -462,9 +481,6 @@ def test_a_research_writer_is_never_handed_a_control_channels_segment(root_broke
     assert new and "s" in (new[-1].get("worker"), *new[-1]["reason"].split()), new
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "redteam10 row 2b: with the broker's connection in a sandbox, the proper's death is "
-    "no end of stream: the broker and the sandbox live on, the state dir stays locked"))
 def test_a_broker_whose_proper_died_ends_its_sandboxes_and_frees_the_state_dir():
     """Row 2's consequence, measured as `run --privsep` arranges it: the proper holds the
     state dir's lock and passes it to the broker (`statelock.held_fds`); then it hands
@@ -669,6 +685,13 @@ max_restarts = 1000
 backoff_initial_ms = 10
 backoff_max_ms = 20
 ready_timeout_ms = 30000
+[workers.c-exec]
+domain = "control"
+module = "rt10w"
+args = ["exec_requests"]
+restart = "never"
+optional = true
+ready_timeout_ms = 90000
 """
 RESEARCH_WATCHDOG_MS = 500
 
@@ -741,13 +764,45 @@ class Fleet:
 def fleet():
     f = Fleet()
     try:
-        got = f.wait_for(lambda e: e.get("event") in ("all_ready", "supervisor_exit"), 120)
-        if not got or got[0]["event"] != "all_ready":
+        # c-exec waits (before READY) for its test: the others must be up, it started
+        up = {"c", "r-freeze", "r-crash"}
+        got = f.wait_for(lambda e: e.get("event") == "supervisor_exit" or (
+            {x.get("worker") for x in f.of("ready")} >= up
+            and f.of("start", "c-exec")), 120)
+        if not got or f.proc.poll() is not None:
             pytest.fail("the fleet never became ready:\n" + f.tail())
         yield f
     finally:
         code = f.close()
     assert code == 0, f"supervisor run exited {code}"
+
+
+def test_a_supervisor_stopped_while_it_judges_refuses_no_honest_start(fleet):
+    """The supervisor is stopped (SIGSTOP, 2.5 s, three times: a debugger on the car, an
+    engineer's `kill -STOP`, a supervisor stalled in reclaim under memory pressure)
+    while a control worker starts up under the exec watch (300 honest R|X mappings of
+    an admitted file before READY, each judged with the worker stopped). The watch's
+    wall budget (`JUDGE_WALL_S`, 2 s) and freeze deadline bound a hostile worker's cost
+    to us; our own stop must never be charged to the worker: no `refused` "too slow to
+    judge" (for a required control worker that is no restart and a fail-safe)."""
+    f = fleet
+    assert f.of("start", "c-exec") and not f.of("ready", "c-exec"), f.tail()
+    f.trigger("go-exec")
+    time.sleep(0.3)
+    for _ in range(3):
+        f.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(2.5)
+        finally:
+            f.proc.send_signal(signal.SIGCONT)
+        time.sleep(0.2)
+    done = f.wait_for(lambda e: e.get("worker") == "c-exec" and e.get("event") in (
+        "ready", "refused", "exit"), 60)
+    refused = f.of("refused", "c-exec")
+    assert not refused, "\n".join(json.dumps(e)[:400] for e in refused)
+    assert done and done[0]["event"] == "ready", f.tail()
+    said = [e for e in f.of("output", "c-exec") if "RT10" in str(e.get("line", ""))]
+    print(f"rt10 exec watch under stops: {said[0].get('line') if said else None}")
 
 
 def test_a_research_worker_that_freezes_itself_costs_control_nothing(fleet):
@@ -841,7 +896,8 @@ def test_the_supervisor_stopped_for_seconds_blames_no_worker(fleet):
     new = f.events()[n_events:]
     blamed = [e for e in new if e.get("event") in ("watchdog_missed", "refused", "fail_safe",
                                                    "gave_up", "restart")
-              and not (e.get("worker") == "r-freeze" and (f.pp / "go-freeze").exists())]
+              and not (e.get("worker") == "r-freeze" and (f.pp / "go-freeze").exists())
+              and e.get("worker") != "c-exec"]
     assert not blamed, "\n".join(json.dumps(e)[:300] for e in blamed)
     assert f.proc.poll() is None
     assert not f.of("exit", "c"), f.tail()

@@ -4,20 +4,27 @@ request data reaches a decision without passing one of these).
 * `check_plan`: the sandbox a start would build: never host uid 0 (nor the broker's own
   uid when it is root), never "/" or the state dir bound, read-write and device binds
   exactly those the config names for the domain.
-* `check_channel_fds`: the fds a start hands the worker are the channel's own kind and
-  size: memfds of the spec's segment and lease sizes, and AF_UNIX sockets for wake-ups.
-  Never a directory, a device, a pipe or a file of the host (an fd of a host directory
-  in a sandbox is a way out of its mount namespace).
+* `check_channel_fds`: the fds a start hands the worker are the channel's own kind,
+  name, size and access: memfds named for the channel (`ipc.shm.memfd_label`) of the
+  spec's sizes, read-only where the role reads (a reader's segment, a writer's view of
+  the lease tables), each the one the channel's first start brought (`ChannelPins`);
+  wake-ups that are stream socketpair ends (unnamed, connected to no address). Never a
+  directory, a device, a pipe or a file of the host (an fd of a host directory in a
+  sandbox is a way out of its mount namespace), never a connection to anything else
+  (the broker's own socket, a host daemon's): a compromised client cannot hand a
+  reader the writer's segment, nor a research writer a control channel's (red team 10
+  rows 1-3, 6).
 * `StateDir`: the latch is written only inside the state directory the broker opened at
   start (by dir fd, O_NOFOLLOW, O_EXCL): a symlink planted there by anyone cannot make
   it write elsewhere.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from supervisor.failsafe import (LATCH_NAME, latch_text, read_latch_text, reserve_latch,
                                  write_latch)
@@ -62,51 +69,142 @@ def check_plan(policy, *, domain_rw: tuple[str, ...], domain_dev: tuple[str, ...
 # ---------------------------------------------------------------- channel fds
 
 
-def _fd_kind(fd: int) -> tuple[str, int]:
-    """("memfd" | "socket" | what else, size) of an fd received from the client."""
+@dataclass(frozen=True)
+class _Fd:
+    kind: str                  # "memfd" | "socket" | what else it is
+    size: int = 0
+    name: str = ""             # a memfd's label (ipc.shm.memfd_label)
+    access: str = ""           # "r" | "rw" | "w" (the open file's mode)
+    inode: tuple[int, int] = (0, 0)
+    sock_type: int = 0
+    listening: bool = False
+    named: str = ""            # its own or its peer's address: a socketpair has neither
+
+
+_ACCESS = {os.O_RDONLY: "r", os.O_RDWR: "rw", os.O_WRONLY: "w"}
+
+
+def _fd_kind(fd: int) -> _Fd:
+    """What an fd received from the client is."""
     try:
         st = os.fstat(fd)
+        access = _ACCESS.get(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE, "?")
     except OSError as e:
         raise BadFds(f"fd {fd}: {e.strerror}") from None
+    inode = (st.st_dev, st.st_ino)
     if stat.S_ISSOCK(st.st_mode):
         s = socket.socket(fileno=os.dup(fd))
         try:
             fam = s.family
+            kind = "socket" if fam == socket.AF_UNIX else f"socket family {int(fam)}"
+            if fam != socket.AF_UNIX:
+                return _Fd(kind, access=access, inode=inode)
+            try:
+                named = s.getsockname() or s.getpeername()
+            except OSError:                    # not connected: no peer at all
+                named = "(not connected)"
+            return _Fd(kind, access=access, inode=inode,
+                       sock_type=s.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE),
+                       listening=bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)),
+                       named=repr(named)[:80] if named else "")
         finally:
             s.close()
-        return ("socket" if fam == socket.AF_UNIX else f"socket family {int(fam)}"), 0
     if stat.S_ISREG(st.st_mode):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             target = "?"
-        # A memfd (also one reopened read-only through /proc/self/fd) reads "/memfd:NAME".
-        return ("memfd" if target.startswith("/memfd:") else f"file {target[:80]}"), st.st_size
+        # A memfd (also one reopened read-only through /proc/self/fd) reads
+        # "/memfd:NAME (deleted)".
+        if target.startswith("/memfd:"):
+            return _Fd("memfd", st.st_size, target[len("/memfd:"):].removesuffix(" (deleted)"),
+                       access=access, inode=inode)
+        return _Fd(f"file {target[:80]}", st.st_size, access=access, inode=inode)
     kinds = {stat.S_IFDIR: "directory", stat.S_IFCHR: "character device",
              stat.S_IFBLK: "block device", stat.S_IFIFO: "pipe", stat.S_IFLNK: "symlink"}
-    return kinds.get(stat.S_IFMT(st.st_mode), "unknown"), 0
+    return _Fd(kinds.get(stat.S_IFMT(st.st_mode), "unknown"))
 
 
-def expected_fds(spec, role: str) -> list[tuple[str, int]]:
-    """(kind, size) of each fd of a channel handle, in WriterHandle.fds() /
-    ReaderHandle.fds() order; size 0: not checked."""
+def expected_fds(spec, role: str) -> list[tuple[str, int, str, str]]:
+    """(kind, size, access, place) of each fd of a channel handle, in
+    WriterHandle.fds() / ReaderHandle.fds() order; size 0: not checked. The place
+    names the fd within the channel (`ChannelPins`); a reader's lease table and
+    wake-up end are numbered by its index ({index})."""
     if role == "writer":
-        return ([("memfd", spec.segment_size)] + [("memfd", spec.lease_size)] * spec.max_readers
-                + [("socket", 0)] * spec.max_readers)
-    return [("memfd", spec.segment_size), ("memfd", spec.lease_size), ("socket", 0)]
+        n = spec.max_readers
+        return ([("memfd", spec.segment_size, "rw", "segment")]
+                + [("memfd", spec.lease_size, "r", f"lease {i}") for i in range(n)]
+                + [("socket", 0, "rw", f"wake-up {i} (writer's end)") for i in range(n)])
+    return [("memfd", spec.segment_size, "r", "segment"),
+            ("memfd", spec.lease_size, "rw", "lease {index}"),
+            ("socket", 0, "rw", "wake-up {index} (reader's end)")]
 
 
-def check_channel_fds(channel: str, spec, role: str, fds: list[int]) -> None:
+@dataclass
+class ChannelPins:
+    """Which memfd is which channel's (segment, lease table i), fixed by the first start
+    that brings it: a later start must bring the same one, and no memfd may stand for
+    two places. A check of one fd cannot tell two channels of one spec apart (red team
+    10 row 6: a research writer handed the control channel's writer handle)."""
+
+    by_inode: dict[tuple[int, int], tuple[str, str]] = field(default_factory=dict)
+    by_place: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
+
+    def check(self, place: tuple[str, str], inode: tuple[int, int]) -> None:
+        had = self.by_place.get(place)
+        if had is not None and had != inode:
+            raise BadFds(f"channel {place[0]}'s {place[1]} is another memfd than at its "
+                         f"first start")
+        other = self.by_inode.get(inode)
+        if other is not None and other != place:
+            raise BadFds(f"channel {place[0]}'s {place[1]} is channel {other[0]}'s "
+                         f"{other[1]}")
+
+    def pin(self, place: tuple[str, str], inode: tuple[int, int]) -> None:
+        self.by_place[place], self.by_inode[inode] = inode, place
+
+
+def check_channel_fds(channel: str, spec, role: str, fds: list[int], *,
+                      pins: ChannelPins, index: int = 0) -> None:
+    """Each fd as the role's handle has it (`expected_fds`): memfds of the channel's
+    own names (`ipc.shm.memfd_label`), sizes and modes; wake-ups stream socketpair ends;
+    each where `pins` says (pinned when all of them pass). A wake-up end that is the
+    broker's own connection (SEQPACKET) or a connection to a host daemon (its address)
+    is not one (red team 10 rows 2, 3)."""
+    from supervisor.ipc.shm import memfd_label
+
     want = expected_fds(spec, role)
     if len(fds) != len(want):
         raise BadFds(f"channel {channel} ({role}): {len(fds)} fds, its handle has {len(want)}")
-    for i, (fd, (kind, size)) in enumerate(zip(fds, want)):
-        got, got_size = _fd_kind(fd)
-        if got != kind:
-            raise BadFds(f"channel {channel} ({role}) fd #{i}: a {got}, not a {kind}")
-        if size and got_size != size:
-            raise BadFds(f"channel {channel} ({role}) fd #{i}: {got_size} bytes, "
-                         f"the spec says {size}")
+    places = []
+    for i, (fd, (kind, size, access, where)) in enumerate(zip(fds, want)):
+        got = _fd_kind(fd)
+        what = f"channel {channel} ({role}) fd #{i}"
+        if got.kind != kind:
+            raise BadFds(f"{what}: a {got.kind}, not a {kind}")
+        if size and got.size != size:
+            raise BadFds(f"{what}: {got.size} bytes, the spec says {size}")
+        if kind == "memfd" and got.access != access:
+            raise BadFds(f"{what}: open {got.access}, the {role}'s is {access} (a reader "
+                         f"is never handed a writable segment)")
+        if kind == "socket":
+            if got.sock_type != socket.SOCK_STREAM or got.listening or got.named:
+                raise BadFds(f"{what}: not a stream socketpair end (type {got.sock_type}"
+                             f"{', listening' if got.listening else ''}"
+                             f"{', bound or connected to ' + got.named if got.named else ''})")
+        place = (channel, where.format(index=index))
+        if kind == "memfd":
+            label = memfd_label(channel, None if where == "segment" else
+                                int(place[1].split()[1]))
+            if got.name != label:
+                raise BadFds(f"{what}: the memfd {got.name[:80]!r}, not channel {channel}'s "
+                             f"{place[1]} ({label!r})")
+        # A wake-up end has no name to check: pinned, one reader's end is never
+        # another's (red team 10 row 8: control reader k's, handed to research).
+        pins.check(place, got.inode)
+        places.append((place, got.inode))
+    for place, inode in places:
+        pins.pin(place, inode)
 
 
 # ---------------------------------------------------------------- the state dir

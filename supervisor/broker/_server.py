@@ -32,7 +32,7 @@ from supervisor.events import EventLog
 from supervisor.protocol import ENV_EXECWATCH_FD, ENV_STANDBY_FD, endpoint_for, worker_env
 
 from . import _protocol as P
-from ._checks import StateDir, check_channel_fds, check_plan
+from ._checks import ChannelPins, StateDir, check_channel_fds, check_plan
 from ._errors import BadFds, BrokerError, Failed, NotOurs, Refused, UnknownWorker
 
 
@@ -129,6 +129,8 @@ class Broker:
     # before the sandboxes are stopped. Replies leave under `_send_lock`.
     _verifying: list = field(default_factory=list)
     _send_lock: threading.Lock = field(default_factory=threading.Lock)
+    # Which memfd is which channel's, from each channel's first start (_checks).
+    pins: ChannelPins = field(default_factory=ChannelPins)
     rt_reserved: int | None = None     # % of a CPU reserved for the tree's RT leaves (v1)
     rt_error: str = ""                 # why none could be reserved
 
@@ -287,7 +289,10 @@ class Broker:
                 raise BadFds(f"{len(fds)} fds with a {kind} request, which takes none")
             rep, out = self._handle(req, fds)
         except BrokerError as e:
-            self._refused(kind, e)
+            # A start's refusal names the worker it was for (the reason may name only
+            # a channel).
+            self._refused(kind, e, **({"worker": req.worker}
+                                      if isinstance(req, P.Start) else {}))
             rep = P.Error(e.code, e.reason, e.errno)
         except Exception as e:      # a bug of ours: one line, a reply, and on we go
             self.refusals["failed"] += 1
@@ -421,6 +426,13 @@ class Broker:
                           f"(next must be > {self.last_incarnation.get(w.name, 0)})")
         if req.standby and not w.warm_standby:
             raise Refused(f"{w.name} has no warm_standby in the config")
+        if req.standby and not self.config.domains[w.domain].code_vouched:
+            # A standby takes its channels from the client over its control socket, a
+            # hand-over this broker never sees (red team 10 row 9: a research standby
+            # handed a control segment read-write and the broker's own connection).
+            # Until the hand-over is the broker's, no research sandbox gets one.
+            raise Refused(f"{w.name}: a warm standby of a research domain would take "
+                          f"its channels unchecked; not through the broker")
         cap = MAX_LIVE_STANDBY if w.warm_standby else MAX_LIVE
         live = sum(1 for inc in self.live.values() if inc.worker == w.name)
         if live >= cap:
@@ -468,7 +480,8 @@ class Broker:
             spec = specs[g.channel]
             mine = fds[at:at + g.fd_count]
             at += g.fd_count
-            check_channel_fds(g.channel, spec, g.role, mine)
+            index = 0 if g.role == "writer" else self.config.reader_index(g.channel, w.name)
+            check_channel_fds(g.channel, spec, g.role, mine, pins=self.pins, index=index)
             if g.role == "writer":
                 n = spec.max_readers
                 # Whose positions a restarted writer numbers above: the broker's own
@@ -478,7 +491,6 @@ class Broker:
                                               trusted_readers(self.config, g.channel),
                                               self.config.monitor_index(g.channel))
             else:
-                index = self.config.reader_index(g.channel, w.name)
                 out[g.channel] = ReaderHandle(spec, index, *mine)
         return out
 

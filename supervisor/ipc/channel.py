@@ -136,8 +136,8 @@ class Channel:
 
     @classmethod
     def create(cls, spec: ChannelSpec) -> Channel:
-        data = shm.create_segment(f"trio-bridge:{spec.name}", spec.segment_size)
-        leases = [shm.create_segment(f"trio-bridge:{spec.name}:lease{i}", spec.lease_size)
+        data = shm.create_segment(shm.memfd_label(spec.name), spec.segment_size)
+        leases = [shm.create_segment(shm.memfd_label(spec.name, i), spec.lease_size)
                   for i in range(spec.max_readers)]
         # Wake-ups: one stream socketpair per reader. The writer writes a byte to its
         # end (non-blocking, its own description); the reader's end blocks, so that the

@@ -23,6 +23,14 @@ F_SEAL_FUTURE_WRITE = 0x0010
 _SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 
+def memfd_label(channel: str, lease: int | None = None) -> str:
+    """The name a channel's segment (or its reader `lease`'s table) is created with:
+    `/proc/PID/fd/N` reads "/memfd:LABEL (deleted)". One memfd has one name for life,
+    so the broker can tell which channel an fd it is handed belongs to (red team 10 row
+    6: two channels of one spec, the control one handed to a research writer)."""
+    return f"trio-bridge:{channel}" + ("" if lease is None else f":lease{lease}")
+
+
 def create_segment(label: str, size: int) -> int:
     """A new anonymous segment of ``size`` zero bytes whose size can never change."""
     fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
