@@ -285,7 +285,7 @@ def cmd_units(args: argparse.Namespace) -> int:
     from supervisor.units import hidden_from_units
 
     kw = dict(config_path=args.config, python=args.python, prefix=args.prefix)
-    if (why := hidden_from_units(**kw)) is not None:
+    if (why := hidden_from_units(cfg, **kw)) is not None:
         print(f"supervisor units: {why}", file=sys.stderr)
         return int(Exit.CONFIG)
     try:

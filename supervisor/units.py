@@ -210,9 +210,27 @@ def _under(path: str, roots: tuple[str, ...]) -> bool:
 
 def _reached(py: str, conf_file: str | None) -> list[str]:
     """What the unit must reach to start: the interpreter and what it links to (a venv's
-    bin/python3 is a link to the interpreter it was made from), and the config."""
-    paths = [p for p in (py, conf_file) if p]
+    bin/python3 is a link to the interpreter it was made from), the base interpreter a
+    venv names in its pyvenv.cfg (a `--copies` venv's binary is its own, its stdlib and
+    libpython are the base's: under ProtectHome=yes it silently ran the system's
+    Python, review 6 finding 3), and the config."""
+    paths = [p for p in (py, conf_file, _venv_home(py)) if p]
     return paths + [os.path.realpath(p) for p in paths if os.path.isabs(p)]
+
+
+def _venv_home(py: str) -> str | None:
+    """The `home =` of the venv `py` belongs to (its base interpreter's bin), if any."""
+    if not os.path.isabs(py):
+        return None
+    try:
+        with open(os.path.join(os.path.dirname(os.path.dirname(py)), "pyvenv.cfg")) as f:
+            for line in f:
+                key, _, value = line.partition("=")
+                if key.strip() == "home" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return None
 
 
 def _in_home(py: str, conf_file: str | None) -> bool:
@@ -226,12 +244,20 @@ def _in_home(py: str, conf_file: str | None) -> bool:
 _PRIVATE_TMP = ("/tmp", "/var/tmp")   # what PrivateTmp=yes replaces with empty dirs
 
 
-def hidden_from_units(*, config_path: str | None, python: str | None = None,
+def hidden_from_units(cfg: Config, *, config_path: str | None, python: str | None = None,
                       prefix: str | None = None) -> str | None:
     """Why units for this interpreter and config could never start, in one line (else
     None): PrivateTmp=yes gives the unit an empty /tmp and /var/tmp, so an interpreter
     or config there is 'not found' (status 203/EXEC) though verify is clean. The car's
-    install is /opt; PrivateTmp stays (the sandboxes' staging must not be shared)."""
+    install is /opt; PrivateTmp stays (the sandboxes' staging must not be shared). A
+    state dir there is worse: a fresh one at every start, so a latched fail-safe is
+    gone at the next (review 6 finding 12: the car would drive on, nobody cleared it)."""
+    state = cfg.supervisor.state_dir
+    if _under(state, _PRIVATE_TMP) or _under(os.path.realpath(state), _PRIVATE_TMP):
+        return (f"the state dir {state} is under /tmp or /var/tmp, which the units' "
+                "PrivateTmp=yes makes new at every start: a latched fail-safe would be "
+                "forgotten at the next; put [supervisor] state_dir on persistent storage "
+                "(the default /var/lib/trio-supervisor)")
     py = target_python(python, prefix)
     conf_file = str(Path(config_path).resolve()) if config_path else None
     for p in _reached(py, conf_file):

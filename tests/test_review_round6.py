@@ -206,8 +206,6 @@ fi
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None
                     or not sys.base_prefix.startswith(("/root/", "/home/")),
                     reason="root, unshare, and an interpreter in a home (pyenv's)")
-@pytest.mark.xfail(strict=True, reason="review6 finding 3: ProtectHome= ignores a --copies "
-                   "venv's base (pyvenv.cfg home); the unit's interpreter loses its stdlib")
 def test_units_copies_venv_keeps_its_base(tmp_path):
     """`supervisor units --prefix /opt/VENV` for a venv made with --copies from this
     (pyenv) interpreter: either refused in one line, or its unit's interpreter is the
@@ -563,8 +561,6 @@ print("run 2 reads the latch:", L.for_config(load("/opt/rv6.toml")).read())'
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                     reason="root and unshare (a private mount namespace)")
-@pytest.mark.xfail(strict=True, reason="review6 finding 12: units puts a state dir under "
-                   "/var/tmp behind PrivateTmp=yes: the fail-safe latch is gone at the next start")
 def test_units_never_hide_the_fail_safe_latch_behind_private_tmp(tmp_path):
     from supervisor.config import dumps, minimal_doc
     from supervisor.config._derive import derive
