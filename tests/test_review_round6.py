@@ -395,8 +395,6 @@ def test_concurrent_first_seals_all_succeed(tmp_path, monkeypatch):
         assert not any(codes), f"round {i}: {codes.count(1)} of 8 seals failed (SealError)"
 
 
-@pytest.mark.xfail(strict=True, reason="review6 finding 8: a stop signal during check "
-                   "--start's admission reads as 'refused N worker(s)', exit 3")
 def test_a_stop_during_check_start_is_no_refusal():
     """SIGTERM arrives once the CLI's recorder is installed, before admission ends (the
     signal is sent first here, so the timing is certain). Whatever check --start then
