@@ -240,6 +240,16 @@ def cmd_run(args: argparse.Namespace) -> int:
             print("supervisor run: --privsep/--broker start sandboxes; not with --no-sandbox",
                   file=sys.stderr)
             return int(Exit.CONFIG)
+        if args.privsep:
+            from supervisor.startcheck import machine_problems
+
+            # As the direct run's preflight does (the broker says the same at its own
+            # start, for the split units): nothing started, nothing latched.
+            problems = machine_problems(cfg)
+            for line in problems:
+                print(f"supervisor run: machine: {line}", file=sys.stderr)
+            if problems:
+                return int(Exit.START_FAILED)
         try:
             split = (connect_broker(cfg, args.broker) if args.broker
                      else start_privsep(cfg, args.config, before_drop=sup.judge_before_start))

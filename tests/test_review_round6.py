@@ -497,8 +497,6 @@ os.execv(sys.argv[1], sys.argv[1:])
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                     reason="root and unshare (the staging namespace is root's)")
-@pytest.mark.xfail(strict=True, reason="review6 finding 11: the machine preflight is skipped "
-                   "through the broker: run --privsep in such a container latches the fail-safe")
 def test_run_privsep_in_a_container_without_namespaces_latches_nothing(tmp_path):
     """One required control worker (workers.probe, fast restarts: 5 s in all). Direct,
     `run` exits 5 before any start (test_layout_container); through the broker it must

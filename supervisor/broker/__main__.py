@@ -76,6 +76,18 @@ def main(argv: list[str] | None = None) -> int:
     except BrokerError as e:
         print(f"broker: {e}", file=sys.stderr)
         return 2
+    from supervisor.startcheck import machine_problems
+
+    # The sandbox host: a machine that refuses every sandbox (a container) is said
+    # here, once, before any start (review 6 finding 11: through the broker the
+    # proper's preflight skipped it, and the car latched its fail-safe).
+    problems = machine_problems(cfg)
+    if problems:
+        for line in problems:
+            print(f"broker: machine: {line}", file=sys.stderr)
+        from supervisor.exits import Exit
+
+        return int(Exit.START_FAILED)
     if args.listen_fd is not None:
         # Standalone (systemd's socket): the one process of this state dir, so the one
         # to hold its lock (statelock.py). Spawned by `run --privsep`, that run holds it.
