@@ -358,8 +358,6 @@ def test_code_tree_digest_tells_different_trees_apart(tmp_path):
     assert tree_sha256(str(audited)) != tree_sha256(str(swapped))
 
 
-@pytest.mark.xfail(strict=True, reason="review6 finding 7: the replay key is made in place; "
-                   "a concurrent first seal() reads it empty (SealError, 'remove it')")
 def test_concurrent_first_seals_all_succeed(tmp_path, monkeypatch):
     """Eight real processes seal at once on a machine with no replay key yet (the first
     records of a fleet); repeated, since it is a race (here 38 of 100 rounds failed; with

@@ -66,16 +66,26 @@ def _key(*, create: bool) -> bytes | None:
     key = _read_key(path)
     if key is not None or not create:
         return key
+    # Written whole under a name of its own, then linked into place: a second first
+    # seal at the same moment (two CI jobs, a fleet) never reads a short key (review 6
+    # finding 7: "0 bytes, a replay key has 32; remove it", 13-38 rounds in 100).
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
                      0o600)
-    except FileExistsError:            # another record made it meanwhile
-        return _read_key(path)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(KEY_BYTES))
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, path)
+        except FileExistsError:        # another seal made it meanwhile: theirs
+            pass
+        finally:
+            os.unlink(tmp)
     except OSError as e:
         raise SealError(f"{path}: {e.strerror}") from None
-    with os.fdopen(fd, "wb") as f:
-        f.write(secrets.token_bytes(KEY_BYTES))
     return _read_key(path)
 
 
