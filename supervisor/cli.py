@@ -225,6 +225,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if refusal is not None:
         print(refusal.line, file=sys.stderr)
         return int(refusal.code)
+    from supervisor.sandbox import sched
+
+    sched.rank_last()            # its death ends every sandbox unsaid: the OOM killer's last
     log = EventLog(fmt=args.log_format or cfg.supervisor.log_format, keep=False,
                    min_level=LEVEL_NAMES[args.log_level])
     sup = Supervisor(cfg, log=log, sandboxed=not args.no_sandbox, grace_s=args.grace,

@@ -80,6 +80,7 @@ from pathlib import Path
 
 from supervisor.config import Config
 from supervisor.exits import Exit
+from supervisor.sandbox.sched import OOM_SCORE_ADJ
 
 DEFAULT_PREFIX = "/opt/trio-supervisor"   # python3 -m venv; pip install '<pkg>[research]'
 UNIT_NAME = "trio-supervisor.service"
@@ -271,6 +272,26 @@ def hidden_from_units(cfg: Config, *, config_path: str | None, python: str | Non
     return None
 
 
+# The unit's own processes (supervisor, broker: ~120 MB RSS each measured) beside
+# every sandbox's memory_max.
+OWN_MEMORY = 512 << 20
+
+
+def unit_memory_max(cfg: Config) -> int:
+    """MemoryMax= of the sandbox host's unit: what every sandbox may use under its own
+    memory_max, warm standbys included (each its own cgroup, the same limit; up to
+    STANDBY_DEPTH of them), and the unit's own processes. The workers' sum once (18 GiB
+    for the car, whose sandboxes may use 28 GiB) made an ordinary state, every worker
+    within its own limit and its standbys warm, a unit-wide OOM kill of whichever
+    process was largest (red team 10 row 10). 0: no worker has a limit."""
+    from supervisor.lifecycle._standby import _WarmStandby
+
+    sandboxes = sum((w.memory_max or 0) * (1 + (_WarmStandby.STANDBY_DEPTH
+                                                 if w.warm_standby else 0))
+                    for w in cfg.workers.values())
+    return sandboxes + OWN_MEMORY if sandboxes else 0
+
+
 def render(cfg: Config, *, config_path: str | None, python: str | None = None,
            prefix: str | None = None) -> str:
     """The one unit of today: the supervisor and its sandboxes, as root."""
@@ -294,7 +315,7 @@ def _render_host(cfg: Config, *, config_path: str | None, python: str | None = N
     py = target_python(python, prefix)
     conf_file = str(Path(config_path).resolve()) if config_path else None
     conf = f" --config {exec_word(conf_file)}" if conf_file else ""
-    memory = sum(w.memory_max or 0 for w in cfg.workers.values())
+    memory = unit_memory_max(cfg)
     needs_net = any(d.network for d in cfg.domains.values())
     nofile = max((w.nofile or 0 for w in cfg.workers.values()), default=0)
     home = _in_home(py, conf_file)
@@ -365,6 +386,9 @@ def _render_host(cfg: Config, *, config_path: str | None, python: str | None = N
         "Delegate=yes",
         f"ReadWritePaths=-{unit_cgroup(BROKER_UNIT if broker else UNIT_NAME)}",
         *([f"MemoryMax={memory}"] if memory else []),
+        "# Its own process last for the OOM killer: its death ends every sandbox unsaid;",
+        "# the sandboxes rank as any process (supervisor/sandbox/launch.py).",
+        f"OOMScoreAdjust={OOM_SCORE_ADJ}",
         *([f"LimitNOFILE=1024:{nofile}"] if nofile > _DEFAULT_NOFILE_HARD else []),
         "LimitCORE=0",
         *state_lines,
@@ -484,6 +508,7 @@ def render_proper(cfg: Config, *, config_path: str | None, python: str | None = 
         f"RestartPreventExitStatus={int(Exit.CONFIG)} {int(Exit.REFUSED)} {int(Exit.FAIL_SAFE)}",
         "TimeoutStopSec=15s",
         "LimitCORE=0",
+        f"OOMScoreAdjust={OOM_SCORE_ADJ}",
         f"User={SUPERVISOR_USER}",
         f"Group={SUPERVISOR_USER}",
         "CapabilityBoundingSet=",

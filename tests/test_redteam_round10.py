@@ -168,27 +168,42 @@ def crash_loop(ctx):
 
 
 def exec_requests(ctx):
-    """Control, before READY: once told, map this (read-only, admitted) file R|X 300
-    times, each a request the supervisor's exec watch judges with the worker stopped;
-    then READY. Honest lazy loading, as modeld's imports and kernels make at start."""
+    """Control, before READY: once told, map this (read-only, admitted) file R|X again
+    and again (at most 600 times, until told to stop), each a request the supervisor's
+    exec watch judges with the worker stopped (a second thread keeps the worker from
+    being alone: the watch then stops its threads); then READY. Honest lazy loading,
+    as modeld's imports and kernels make at start."""
     import ctypes
+    import threading
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     while not os.path.exists(os.path.join(here, "go-exec")):
         time.sleep(0.02)
+    threading.Thread(target=lambda: time.sleep(3600), daemon=True).start()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                           ctypes.c_int, ctypes.c_long)
     libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    # Each request a library not mapped before (what an import does): the watch
+    # identifies each new file (ELF, build-id) as it judges.
+    import glob
+    import sysconfig
+
+    import numpy
+    libs = sorted(glob.glob(os.path.join(sysconfig.get_paths()["platstdlib"], "lib-dynload",
+                                         "*.so"))
+                  + glob.glob(os.path.join(os.path.dirname(numpy.__file__), "**", "*.so"),
+                              recursive=True))
     n, t0 = 0, time.monotonic()
-    with open(__file__, "rb") as f:
-        for _ in range(300):
+    while n < 600 and not os.path.exists(os.path.join(here, "stop-exec")):
+        with open(libs[n] if n < len(libs) else __file__, "rb") as f:
             at = libc.mmap(None, 4096, mmap.PROT_READ | mmap.PROT_EXEC, mmap.MAP_PRIVATE,
                            f.fileno(), 0)
-            if at in (None, ctypes.c_void_p(-1).value):
-                break
-            n += 1
-            libc.munmap(at, 4096)
+        if at in (None, ctypes.c_void_p(-1).value):
+            break
+        n += 1
+        libc.munmap(at, 4096)
+        time.sleep(0.005)
     print("RT10 " + json.dumps({"exec_mappings": n, "s": round(time.monotonic() - t0, 3)}),
           flush=True)
     ctx.ready(status="rt10 exec_requests")
@@ -777,32 +792,86 @@ def fleet():
     assert code == 0, f"supervisor run exited {code}"
 
 
+def _worker_pid(f: Fleet, marker: bytes) -> int | None:
+    """The host pid of the fleet worker whose command line holds `marker` (the
+    interpreter inside the sandbox, not bwrap)."""
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                argv = (p / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if marker in argv and not argv[0].endswith(b"bwrap") and str(f.tmp).encode() \
+                    not in b"".join(argv):
+                return int(p.name)
+    return None
+
+
+def _stopped_thread(pid: int) -> bool:
+    """Some thread of `pid` stopped (state T/t): the exec watch holds it frozen while it
+    judges one of its requests."""
+    for t in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            if t.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return True
+        except (OSError, IndexError):
+            continue
+    return False
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "redteam10 row 14: the exec watch's wall budget counts the supervisor's own stop: "
+    "an honest control worker is refused 'too slow to judge' (a race: not strict)"))
 def test_a_supervisor_stopped_while_it_judges_refuses_no_honest_start(fleet):
-    """The supervisor is stopped (SIGSTOP, 2.5 s, three times: a debugger on the car, an
+    """The supervisor is stopped for 2.3 s (SIGSTOP: a debugger on the car, an
     engineer's `kill -STOP`, a supervisor stalled in reclaim under memory pressure)
-    while a control worker starts up under the exec watch (300 honest R|X mappings of
-    an admitted file before READY, each judged with the worker stopped). The watch's
-    wall budget (`JUDGE_WALL_S`, 2 s) and freeze deadline bound a hostile worker's cost
-    to us; our own stop must never be charged to the worker: no `refused` "too slow to
-    judge" (for a required control worker that is no restart and a fail-safe)."""
+    while it judges one of a starting control worker's exec requests (honest R|X
+    mappings of an admitted file before READY; the test sends the stop the moment it
+    sees the worker frozen for a judgement). The watch's wall budget (`JUDGE_WALL_S`,
+    2 s) and freeze deadline bound a hostile worker's cost to us; our own stop must
+    never be charged to the worker: no `refused` "too slow to judge" (for a required
+    control worker that is no restart, and a fail-safe). Up to 3 tries: each stop lands
+    inside a judgement (about 1 ms of every 6) only by the test's timing, so the mark is
+    not strict (docs/redteam10.md row 14 gives how often it was refused)."""
     f = fleet
     assert f.of("start", "c-exec") and not f.of("ready", "c-exec"), f.tail()
     f.trigger("go-exec")
-    time.sleep(0.3)
-    for _ in range(3):
-        f.proc.send_signal(signal.SIGSTOP)
-        try:
-            time.sleep(2.5)
-        finally:
-            f.proc.send_signal(signal.SIGCONT)
-        time.sleep(0.2)
+    pid = None
+    deadline = time.monotonic() + 20
+    while pid is None and time.monotonic() < deadline:
+        pid = _worker_pid(f, b"exec_requests")
+        time.sleep(0.05)
+    assert pid, f.tail()
+    tries = 0
+    try:
+        for _ in range(3):
+            # The edge: from running to frozen, the start of a judgement.
+            t_end = time.monotonic() + 3
+            while time.monotonic() < t_end and _stopped_thread(pid):
+                pass
+            while time.monotonic() < t_end and not _stopped_thread(pid):
+                pass
+            if time.monotonic() >= t_end:
+                continue
+            f.proc.send_signal(signal.SIGSTOP)
+            try:
+                tries += 1
+                time.sleep(2.3)
+            finally:
+                f.proc.send_signal(signal.SIGCONT)
+            time.sleep(0.3)
+            if f.of("refused", "c-exec"):
+                break
+    finally:
+        f.trigger("stop-exec")
     done = f.wait_for(lambda e: e.get("worker") == "c-exec" and e.get("event") in (
         "ready", "refused", "exit"), 60)
     refused = f.of("refused", "c-exec")
+    said = [e for e in f.of("output", "c-exec") if "RT10" in str(e.get("line", ""))]
+    print(f"rt10 exec watch: {tries} stop(s); "
+          f"{said[0].get('line') if said else None}; refused {len(refused)}")
     assert not refused, "\n".join(json.dumps(e)[:400] for e in refused)
     assert done and done[0]["event"] == "ready", f.tail()
-    said = [e for e in f.of("output", "c-exec") if "RT10" in str(e.get("line", ""))]
-    print(f"rt10 exec watch under stops: {said[0].get('line') if said else None}")
 
 
 def test_a_research_worker_that_freezes_itself_costs_control_nothing(fleet):
@@ -905,10 +974,6 @@ def test_the_supervisor_stopped_for_seconds_blames_no_worker(fleet):
 
 # ================================================================ memory: the unit and the OOM killer
 
-@pytest.mark.xfail(strict=True, reason=(
-    "redteam10 row 10: the unit's MemoryMax is the sum of the workers' memory_max once, "
-    "but each warm standby (two per worker) has a memory_max of its own, and the "
-    "supervisor none: every worker within its own limit can still OOM the unit"))
 def test_the_units_memory_limit_holds_every_sandbox_within_its_own_limit():
     """`supervisor units` for the car (the embedded default): MemoryMax= bounds the whole
     unit: the supervisor, the broker, every sandbox. Each sandbox has its own
@@ -936,15 +1001,19 @@ def test_the_units_memory_limit_holds_every_sandbox_within_its_own_limit():
         f"own memory besides")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "redteam10 row 11: the supervisor runs at oom_score_adj 0 and is the OOM killer's "
-    "first choice among its own processes; its death ends every control worker unsaid"))
 def test_the_supervisor_is_never_the_oom_killers_first_choice(fleet):
     """When memory runs out (the unit's MemoryMax, a container's limit, the machine), the
     kernel kills the process with the highest oom_score. The supervisor is the one
     process whose death takes every control worker with it (--die-with-parent) with no
     SAFE said and no latch written (systemd then restarts it: the car drives on). It
     must rank below every worker (oom_score_adj < 0), research highest."""
+    cap_eff = next(int(ln.split()[1], 16) for ln in
+                   Path("/proc/self/status").read_text().splitlines()
+                   if ln.startswith("CapEff:"))
+    if not cap_eff >> 24 & 1:      # CAP_SYS_RESOURCE: lowering oom_score_adj needs it
+        pytest.skip("this root cannot lower an oom_score_adj (no CAP_SYS_RESOURCE: a "
+                    "container); on the car the unit's OOMScoreAdjust= is systemd's "
+                    "(tests/test_units.py)")
     f = fleet
     sup = f.proc.pid
 

@@ -76,6 +76,8 @@ def test_renders_for_the_install_target():
                                           "CAP_SYS_PTRACE CAP_DAC_READ_SEARCH CAP_KILL CAP_SYS_NICE"]
     assert d["AmbientCapabilities"] == [""] and d["NoNewPrivileges"] == ["yes"]
     assert d["StateDirectory"] == ["trio-supervisor"]       # the fail-safe latch
+    # last for the OOM killer: its death ends every sandbox unsaid (red team 10 row 11)
+    assert d["OOMScoreAdjust"] == ["-900"]
     assert d["RuntimeDirectory"] == ["trio-staging"]
     d2 = _directives(render(load(), config_path=None, python="/usr/bin/python3"))
     assert d2["ExecStart"] == ["/usr/bin/python3 -m supervisor.cli run --quiet"]

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
-from . import seccomp, staging
+from . import sched, seccomp, staging
 from .bwrap import build_bwrap_argv
 from .policy import SandboxPolicy, for_worker
 
@@ -141,6 +141,7 @@ def _child_setup(spec: LaunchSpec, rlimits: Mapping[str, int], cgroup_fds: Seque
         # the supervisor grants it (sandbox/sched.py), and a worker may only lower it.
         resource.setrlimit(resource.RLIMIT_RTPRIO, (0, 0))
         resource.setrlimit(resource.RLIMIT_NICE, (0, 0))       # nor a nice below 0
+        sched.rank_ordinary()         # never the supervisor's OOM rank (inherited)
         if spec.mntns_fd >= 0 and _libc.setns(spec.mntns_fd, staging.CLONE_NEWNS) != 0:
             raise OSError(ctypes.get_errno(), "setns(staging mount namespace)")
         if spec.host_uid is not None:
