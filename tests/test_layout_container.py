@@ -258,8 +258,9 @@ def test_check_start_without_a_usable_temporary_directory_is_one_line():
     without models passed `check` and `check --start` ended in a 20-line traceback from
     mkdtemp (its scratch state dir). Now one line naming the directories, exit 2, before
     any worker starts."""
-    script = ("mount --make-rprivate / && mount -t tmpfs -o ro,size=1m tmpfs /tmp && "
-              "mount -t tmpfs -o ro,size=1m tmpfs /var/tmp && cd /proc && exec \"$@\"")
+    # Read-only, not replaced: a CI checkout or venv under /tmp stays reachable.
+    script = ("mount --make-rprivate / && for d in /tmp /var/tmp; do mount --bind $d $d && "
+              "mount -o remount,bind,ro $d; done && cd /proc && exec \"$@\"")
     p = subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", sys.executable, "-c",
                         NO_TMP_PROBE], capture_output=True, text=True, timeout=60,
                        env={**os.environ, "TMPDIR": "/nonexistent"})
