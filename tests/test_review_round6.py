@@ -274,8 +274,6 @@ def _signed_with_linked_module(tmp_path: Path) -> tuple[Path, Path, Path]:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="root: check's ownership rule for python_path")
-@pytest.mark.xfail(strict=True, reason="review6 finding 4: the code-tree digest covers a "
-                   "symlinked module by its target's name, not its content")
 def test_audit_verify_sees_a_linked_control_module_change(tmp_path):
     from supervisor.config import load
     from supervisor.config._runtime import code_dir_problem
@@ -311,8 +309,6 @@ sign_file(str(tmp / "audit.json"), str(tmp / "review.key"))
 """
 
 
-@pytest.mark.xfail(strict=True, reason="review6 finding 5: verify covers python_path trees, "
-                   "not the installed package's control modules (workers.controlsd)")
 def test_audit_verify_sees_the_installed_control_module_change(tmp_path):
     """An install outside git (a copy of supervisor/, workers/, schemas/: what pip puts
     in site-packages), minimal.toml with absolute model paths. Audited and signed; then
@@ -341,8 +337,6 @@ def test_audit_verify_sees_the_installed_control_module_change(tmp_path):
     assert r.returncode != 0, f"verify said OK after controlsd changed: {r.stdout}"
 
 
-@pytest.mark.xfail(strict=True, reason="review6 finding 6: tree_sha256's encoding is "
-                   "ambiguous (newlines in names and link targets): different trees collide")
 def test_code_tree_digest_tells_different_trees_apart(tmp_path):
     from supervisor.audit.provenance import tree_sha256
 

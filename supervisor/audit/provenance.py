@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import os
 import platform
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -105,43 +107,93 @@ TREE_MAX = 20_000       # entries of one python_path hashed, at most (as config 
 
 
 def tree_sha256(path: str) -> str:
-    """One digest of a code tree: every entry's relative path, kind and content (a file's
-    sha256, a link's target), in sorted order; or why there is none."""
-    root = os.path.realpath(path)
-    h, seen = hashlib.sha256(), 0
+    """One digest of a code tree: every entry's relative path, kind and content, one
+    JSON array per entry in sorted order (names may hold newlines: joined plainly, two
+    trees re-split into one digest, review 6 finding 6). A link is hashed by what it
+    resolves to as well (a module linked to a file outside the tree is imported through
+    the link: its content, not its target's name, is the code; finding 4). Or why there
+    is no digest."""
+    h = hashlib.sha256(b"tree v2\n")
     try:
-        for top, dirs, files in os.walk(root, onerror=_raise):
-            dirs.sort()
-            for name in sorted(files) + [d + "/" for d in dirs]:
-                seen += 1
-                if seen > TREE_MAX:
-                    return f"more than {TREE_MAX} entries"
-                full = os.path.join(top, name.rstrip("/"))
-                rel = os.path.relpath(full, root)
-                if os.path.islink(full):
-                    entry = f"link {os.readlink(full)}"
-                elif name.endswith("/"):
-                    entry = "dir"
-                else:
-                    with open(full, "rb") as f:
-                        entry = "file " + hashlib.file_digest(f, "sha256").hexdigest()
-                h.update(f"{rel}\0{entry}\n".encode("utf-8", "surrogateescape"))
+        _walk_into(h, os.path.realpath(path), "", [0], set())
+    except _TooBig:
+        return f"more than {TREE_MAX} entries"
     except OSError as e:
         return f"unreadable: {e.filename}: {e.strerror}"
     return h.hexdigest()
 
 
-def _raise(e: OSError) -> None:
-    raise e
+class _TooBig(Exception):
+    pass
+
+
+def _walk_into(h, root: str, prefix: str, seen: list[int], dirs_in: set[str]) -> None:
+    """Hash the tree at `root` (a real directory) under the name `prefix`; `dirs_in`:
+    the real directories being walked (a link back into one is named, not followed)."""
+    dirs_in = dirs_in | {root}
+    for name in sorted(os.listdir(root)):
+        if name == "__pycache__":   # derived, rewritten by any import: not the code
+            continue
+        seen[0] += 1
+        if seen[0] > TREE_MAX:
+            raise _TooBig
+        full, rel = os.path.join(root, name), prefix + name
+        st = os.lstat(full)
+        entry: list = [rel]
+        if stat.S_ISLNK(st.st_mode):
+            entry += ["link", os.readlink(full)]
+            real = os.path.realpath(full)
+            if os.path.isdir(real):
+                if real in dirs_in:
+                    entry.append("loop")
+                else:
+                    h.update(_line(entry + ["dir"]))
+                    _walk_into(h, real, rel + "/", seen, dirs_in)
+                    continue
+            elif os.path.exists(real):
+                entry += ["file", _file_sha256(real)]
+            else:
+                entry.append("dangling")
+        elif stat.S_ISDIR(st.st_mode):
+            h.update(_line(entry + ["dir"]))
+            _walk_into(h, full, rel + "/", seen, dirs_in)
+            continue
+        elif stat.S_ISREG(st.st_mode):
+            entry += ["file", _file_sha256(full)]
+        else:                       # a FIFO or device: named, never opened (it would hang)
+            entry += ["special", stat.S_IFMT(st.st_mode)]
+        h.update(_line(entry))
+
+
+def _line(entry: list) -> bytes:
+    return json.dumps(entry, ensure_ascii=True).encode() + b"\n"
+
+
+def _file_sha256(path: str) -> str:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return "special"
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+INSTALLED = "(installed)"      # code_trees' domain for the project's own packages
+PACKAGES = ("supervisor", "workers", "schemas")
 
 
 def code_trees(cfg: Config) -> list[dict[str, Any]]:
-    """Each python_path of a domain whose code admission vouches for
-    (`DomainConfig.code_vouched`), as a digest: the report's admission rows describe
-    that code as it was (red team 9 row 6: changed after signing, verify said OK)."""
-    return [{"domain": name, "path": p, "sha256": tree_sha256(p)}
-            for name, d in sorted(cfg.domains.items()) if d.code_vouched
-            for p in d.python_path]
+    """The code the report's admission rows describe, as digests: the project's own
+    packages (the control workers' modules, the runner, the guard: review 6 finding 5,
+    an installed copy outside git changed after signing verified OK) and each
+    python_path of a domain whose code admission vouches for
+    (`DomainConfig.code_vouched`; red team 9 row 6)."""
+    from supervisor.config import PROJECT_ROOT
+
+    own = [{"domain": INSTALLED, "path": os.path.join(str(PROJECT_ROOT), pkg),
+            "sha256": tree_sha256(os.path.join(str(PROJECT_ROOT), pkg))} for pkg in PACKAGES]
+    return own + [{"domain": name, "path": p, "sha256": tree_sha256(p)}
+                  for name, d in sorted(cfg.domains.items()) if d.code_vouched
+                  for p in d.python_path]
 
 
 def artifacts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -41,8 +41,11 @@ def _provenance_items(p: dict[str, Any]) -> list[tuple[str, str]]:
                       f"key id {a.get('key_id')}, signature {a.get('signature')}; files "
                       f"(sha256): {files or 'none listed'}; {match}"))
     for t in p.get("code_trees") or []:
-        items.append((f"control code ({t.get('domain')})",
-                      f"python_path {t.get('path')}: tree sha256 {t.get('sha256')}"))
+        installed = t.get("domain") == "(installed)"
+        items.append(("code (installed package)" if installed
+                      else f"control code ({t.get('domain')})",
+                      f"{'' if installed else 'python_path '}{t.get('path')}: tree sha256 "
+                      f"{t.get('sha256')}"))
     items.append(("python", p.get("python")))
     run = p.get("_running")
     if run:

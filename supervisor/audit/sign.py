@@ -160,15 +160,21 @@ def _meaning_moved(covers: dict[str, Any], config: str) -> str | None:
 
 
 def _code_moved(covers: dict[str, Any], cfg) -> str | None:
-    from .provenance import code_trees
+    from .provenance import INSTALLED, code_trees
 
-    now = {(t["domain"], t["path"]): t["sha256"] for t in code_trees(cfg)}
+    def place(t: dict[str, Any]) -> tuple[str, str]:
+        # The project's packages by name: a reviewer may verify another install of them.
+        d, p = t.get("domain") or "", t.get("path") or ""
+        return d, (os.path.basename(p) if d == INSTALLED else p)
+
+    now = {place(t): t["sha256"] for t in code_trees(cfg)}
     if "code_trees" not in covers:
-        return ("the report records no digest of the control code its python_path "
-                "holds (an older audit): re-audit") if now else None
-    then = {(t.get("domain"), t.get("path")): t.get("sha256") for t in covers["code_trees"]}
+        return ("the report records no digest of the code it covers (an older audit): "
+                "re-audit")
+    then = {place(t): t.get("sha256") for t in covers["code_trees"]}
     for key in sorted(now.keys() | then.keys(), key=str):
-        where = f"domain {key[0]}'s python_path {key[1]}"
+        where = (f"the installed package {key[1]}" if key[0] == INSTALLED
+                 else f"domain {key[0]}'s python_path {key[1]}")
         if key not in then or key not in now:
             return f"{where} is {'new' if key not in then else 'gone'}"
         if then[key] != now[key]:
