@@ -309,14 +309,18 @@ class RootBroker:
         from supervisor.ipc import Channel
 
         self.tmp, pp = _package("rt10b-")
-        cfg = self.tmp / "broker.toml"
-        cfg.write_text(_BROKER_TOML.format(pp=pp))
-        self.config = load(cfg)
-        self.err_path = self.tmp / "broker.err"
-        self._err = open(self.err_path, "w")
-        self.client = BrokerClient.spawn(state_dir=self.tmp / "state", config=cfg,
-                                         stderr=self._err)
-        self.client.ping()
+        try:
+            cfg = self.tmp / "broker.toml"
+            cfg.write_text(_BROKER_TOML.format(pp=pp))
+            self.config = load(cfg)
+            self.err_path = self.tmp / "broker.err"
+            self._err = open(self.err_path, "w")
+            self.client = BrokerClient.spawn(state_dir=self.tmp / "state", config=cfg,
+                                             stderr=self._err)
+            self.client.ping()
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)      # nothing left behind
+            raise
         self.channel = Channel.create(self.config.channel_specs()["a_out"])
         self._incarnation = 0
 
