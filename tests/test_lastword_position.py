@@ -181,7 +181,7 @@ kind = "tensor"
 dtype = "float32"
 slot_size = "4KiB"
 payload = "control_cmd"
-max_age_ms = 60000    # a vehicle actuation channel has an age limit (never 0)
+max_age_ms = 1000     # a vehicle actuation channel's age limit (config/_rules.py)
 [workers.controlsd]
 domain = "control"
 module = "workers.controlsd"

@@ -77,7 +77,7 @@ def _toml() -> str:
         payload = "control_cmd"
         slot_count = 8
         max_readers = 2
-        max_age_ms = 5000
+        max_age_ms = 1000     # the vehicle limit for an actuation channel
         """))
     for name in (*CPU_ATTACKS, *PLAIN):
         out.append(textwrap.dedent(f"""

@@ -208,7 +208,7 @@ kind = "tensor"
 dtype = "float32"
 slot_size = "4KiB"
 payload = "control_cmd"
-max_age_ms = 60000    # a vehicle actuation channel has an age limit (never 0)
+max_age_ms = 1000     # a vehicle actuation channel's age limit (config/_rules.py)
 [workers.controlsd]
 domain = "control"
 module = "workers.controlsd"
@@ -484,7 +484,7 @@ dtype = "float32"
 payload = "control_cmd"
 slot_count = 8
 max_readers = 3
-max_age_ms = 5000
+max_age_ms = 1000     # the vehicle limit for an actuation channel (config/_rules.py)
 ''']
     for name, (attack, flag) in RT4_FLEET.items():
         bind = "publishes" if flag == "--pub" else "subscribes"

@@ -363,7 +363,7 @@ dtype = "float32"
 payload = "control_cmd"
 slot_count = 8
 max_readers = 2
-max_age_ms = 5000
+max_age_ms = 1000     # the vehicle limit for an actuation channel (config/_rules.py)
 [workers.c-rt5-victim]
 domain = "control"
 module = "workers.probe.attacks_redteam5"

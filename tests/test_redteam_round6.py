@@ -65,7 +65,7 @@ max_readers = 2
 slot_size = "4KiB"
 dtype = "float32"
 payload = "control_cmd"
-max_age_ms = 60000    # a vehicle actuation channel has an age limit (never 0)
+max_age_ms = 1000     # a vehicle actuation channel's age limit (config/_rules.py)
 max_readers = 2
 [workers.shadow]
 domain = "control"
@@ -93,7 +93,7 @@ ready_timeout_ms = 60000
 slot_size = "4KiB"
 dtype = "float32"
 payload = "control_cmd"
-max_age_ms = 60000    # a vehicle actuation channel has an age limit (never 0)
+max_age_ms = 1000     # a vehicle actuation channel's age limit (config/_rules.py)
 max_readers = 3
 [workers.handoff]
 domain = "control"
@@ -272,7 +272,7 @@ payload = "model_out"
 slot_size = "4KiB"
 dtype = "float32"
 payload = "control_cmd"
-max_age_ms = 60000    # a vehicle actuation channel has an age limit (never 0)
+max_age_ms = 1000     # a vehicle actuation channel's age limit (config/_rules.py)
 [workers.shadow]
 domain = "research"
 module = "{module}"

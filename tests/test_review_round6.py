@@ -456,8 +456,6 @@ def test_a_research_writers_receipts_never_read_as_the_model(tmp_path, monkeypat
     assert not line.startswith("model ") and " model CPU" not in line, line
 
 
-@pytest.mark.xfail(strict=True, reason="review6 finding 10: a vehicle actuation channel's "
-                   "max_age_ms of an hour loads (only 0 is refused)")
 def test_vehicle_actuation_age_of_an_hour_is_refused(tmp_path):
     from supervisor.config import ConfigError, dumps, load, minimal_doc
     from supervisor.config._derive import derive

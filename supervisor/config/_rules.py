@@ -328,21 +328,30 @@ def check_shm_budget(add: Add, budget: int, channels: dict[str, ChannelConfig]) 
             "[supervisor] shm_budget")
 
 
+# The longest an actuation command may be acted on, on the vehicle: at 100 Hz a
+# second is a hundred missed commands (an hour loaded: review 6 finding 10).
+MAX_ACTUATION_AGE_MS = 1000
+
+
 def check_actuation_age(add: Add, mode: str, channels: dict[str, ChannelConfig]) -> None:
     """On the vehicle an actuation channel's commands go stale: max_age_ms is what every
     reader holds a command for at most, the actuator's own fail-safe when the supervisor
     cannot say SAFE (a wedged controlsd, the last word failed). 0 ("no age check") made a
     wedged writer's last ENGAGED command current for ever, and the live row said so (red
-    team 9, read). Simulation (a lockstep replay) turns ages off on purpose."""
+    team 9, read); so would an hour. Simulation (a lockstep replay) turns ages off on
+    purpose."""
     if mode != VEHICLE:
         return
     for name, ch in channels.items():
-        if ch.actuation and not ch.spec.max_age_ms:
+        if not ch.actuation:
+            continue
+        age = ch.spec.max_age_ms
+        if not age or age > MAX_ACTUATION_AGE_MS:
             add(f"{_key('channels', name)}.max_age_ms",
-                "0 turns off the age check of an actuation channel: a wedged writer's "
-                "last command would stay current for ever; give the longest a command "
-                "may be acted on (the car's default: 50)")
-
+                f"{'0 turns off' if not age else f'{age} ms stretches'} the age check of an "
+                f"actuation channel: a wedged writer's last command would stay current "
+                f"{'for ever' if not age else 'that long'}; give the longest a command may "
+                f"be acted on, at most {MAX_ACTUATION_AGE_MS} ms (the car's default: 50)")
 
 # --------------------------------------------------------------------------- shared memory
 
