@@ -823,9 +823,6 @@ def _stopped_thread(pid: int) -> bool:
     return False
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "redteam10 row 14: the exec watch's wall budget counts the supervisor's own stop: "
-    "an honest control worker is refused 'too slow to judge' (a race: not strict)"))
 def test_a_supervisor_stopped_while_it_judges_refuses_no_honest_start(fleet):
     """The supervisor is stopped for 2.3 s (SIGSTOP: a debugger on the car, an
     engineer's `kill -STOP`, a supervisor stalled in reclaim under memory pressure)
