@@ -9,15 +9,18 @@ console was stopped). Making fds 1/2 non-blocking is no fix: O_NONBLOCK belongs 
 open file description, shared with the shell that owns the terminal.
 
 So each real stream gets one `StreamWriter`: callers queue text and go on; its thread
-writes. The queue is bounded, in lines and in characters: when it is full lines are
-dropped and counted, and the next line written says how many (the caller's `dropped`
-text). An error line (VITAL: the fail-safe) is never dropped and never waits behind more
-than VITAL_AHEAD characters of others: the oldest are dropped for it (red team 9 row 5:
+writes. The queue is bounded, in lines and in bytes (encoded as the stream encodes: an
+emoji is 4 of them, review 6 finding 1): when it is full lines are dropped and counted,
+and the next line written says how many (the caller's `dropped` text). An error line
+(VITAL: the fail-safe) is never dropped and never waits behind more than VITAL_AHEAD
+bytes of others, besides the batch in flight: the oldest are dropped for it (red team 9 row 5:
 10,000 lines of a research worker's 12 KiB `output` events, 124 MB, queued ahead of the
 fail_safe line: minutes on an ssh console, hours on a serial one). A live line (the
 console's status row) keeps only its newest version. One stream, one writer: stdout and
 stderr of a systemd unit are one journald socket, and two threads writing it split
-lines (row 7). A stream without a file descriptor (io.StringIO in tests, embedded
+lines (row 7); the writer writes through a descriptor of its own (a dup), so a stream
+object its other owner closes takes nothing with it (finding 2: lines went into the
+file that next took the closed number). A stream without a file descriptor (io.StringIO in tests, embedded
 users) is written directly: it cannot block. At exit every writer gets a bounded time
 to drain (atexit), what is queued trimmed first so that the last error lines go out
 (row 8)."""
@@ -35,10 +38,10 @@ from typing import TextIO
 
 MAX_PENDING = 10_000          # lines queued while a stream is blocked; then dropped
 MAX_URGENT = 2_000            # places beyond that for urgent lines (warnings)
-MAX_PENDING_CHARS = 1 << 20   # and characters: a second of a 1 MiB/s console
-MAX_URGENT_CHARS = 1 << 18    # beyond that for urgent lines
-VITAL_AHEAD = 64 << 10        # what a VITAL line may wait behind (characters)
-BATCH_CHARS = 64 << 10        # written per write: the rest stays queued (and droppable)
+MAX_PENDING_BYTES = 1 << 20   # and bytes: a second of a 1 MiB/s console
+MAX_URGENT_BYTES = 1 << 18    # beyond that for urgent lines
+VITAL_AHEAD = 64 << 10        # what a VITAL line may wait behind in the queue (bytes)
+BATCH_BYTES = 64 << 10        # written per write: the rest stays queued (and droppable)
 URGENT, VITAL = 1, 2          # put()'s ranks: a warning; an error (never dropped)
 DRAIN_AT_EXIT_S = 2.0         # all streams together: a stopped console cannot hold exit
 IDLE_S = 0.5                  # a writer thread with nothing to write for this long ends
@@ -47,11 +50,12 @@ IDLE_S = 0.5                  # a writer thread with nothing to write for this l
 class StreamWriter:
     """One stream's writer thread (see the module docstring)."""
 
-    def __init__(self, stream: TextIO, dropped: Callable[[int], str]) -> None:
+    def __init__(self, stream: TextIO, dropped: Callable[[int], str], fd: int) -> None:
         self.stream = stream
         self._dropped_text = dropped
-        self._lines: deque[tuple[int, str]] = deque()     # (rank, text)
-        self._chars = 0                        # of the queued lines
+        self._encoding = getattr(stream, "encoding", None) or "utf-8"
+        self._lines: deque[tuple[int, bytes]] = deque()   # (rank, encoded line)
+        self._bytes = 0                        # of the queued lines
         self._latest: str | None = None        # the live row's newest version
         self._shown: str | None = None         # the live row on screen (writer thread's)
         self._end = False                      # end the live row with a newline
@@ -59,7 +63,11 @@ class StreamWriter:
         self._busy = False
         self._cond = threading.Condition()
         self._running = False                  # a thread is serving (under _cond)
-        self._fd: int | None = None            # the stream's fd, once flushed (thread's)
+        self._fd = os.dup(fd)                  # ours: the stream's owner may close its own
+        # Closed when the writer goes, but never by weakref's own exit hook: it runs
+        # before the drain at exit (atexit is last in, first out).
+        weakref.finalize(self, os.close, self._fd).atexit = False
+        self._flushed = False                  # what others put in the stream (thread's)
 
     def put(self, text: str, rank: int = 0) -> None:
         """Queue a line. When the queue is full it is dropped (and counted), unless its
@@ -68,35 +76,39 @@ class StreamWriter:
         of the oldest line that is not (red team 8 row 14: the fail_safe event was
         dropped behind 10,000 lines of a chatty worker while the console was stopped;
         review: a worker's warnings could fill the urgent places)."""
+        data = self._encode(text)
         with self._cond:
             urgent = rank >= URGENT
             if rank < VITAL and (
                     len(self._lines) >= MAX_PENDING + (MAX_URGENT if urgent else 0)
-                    or self._chars + len(text) > MAX_PENDING_CHARS + (
-                        MAX_URGENT_CHARS if urgent else 0)):
+                    or self._bytes + len(data) > MAX_PENDING_BYTES + (
+                        MAX_URGENT_BYTES if urgent else 0)):
                 self._dropped += 1
                 return
             if rank >= VITAL:
                 self._trim(VITAL_AHEAD)
-            self._lines.append((rank, text))
-            self._chars += len(text)
+            self._lines.append((rank, data))
+            self._bytes += len(data)
             self._wake()
+
+    def _encode(self, text: str) -> bytes:
+        return text.encode(self._encoding, "replace")
 
     def _trim(self, keep: int) -> None:
         """(under _cond) Drop the oldest lines that are not VITAL until at most `keep`
-        characters of them stay queued (the newest: what led up to it)."""
-        if self._chars <= keep:
+        bytes of them stay queued (the newest: what led up to it)."""
+        if self._bytes <= keep:
             return
-        kept: deque[tuple[int, str]] = deque()
+        kept: deque[tuple[int, bytes]] = deque()
         others = 0
-        for rank, text in reversed(self._lines):
+        for rank, data in reversed(self._lines):
             if rank < VITAL:
-                if others + len(text) > keep:
+                if others + len(data) > keep:
                     self._dropped += 1
-                    self._chars -= len(text)
+                    self._bytes -= len(data)
                     continue
-                others += len(text)
-            kept.appendleft((rank, text))
+                others += len(data)
+            kept.appendleft((rank, data))
         self._lines = kept
 
     def put_latest(self, text: str) -> None:
@@ -132,23 +144,23 @@ class StreamWriter:
             except (OSError, ValueError):
                 pass
 
-    def _take(self) -> tuple[list[str], str | None, bool, int]:
-        """(under _cond) What is pending, taken: up to BATCH_CHARS of lines (one at
+    def _take(self) -> tuple[list[bytes], str | None, bool, int]:
+        """(under _cond) What is pending, taken: up to BATCH_BYTES of lines (one at
         least), the live row, end, dropped. A blocked write holds only its batch: the
         rest stays queued, where a VITAL line can still drop it."""
         batch, size = [], 0
-        while self._lines and (not batch or size + len(self._lines[0][1]) <= BATCH_CHARS):
-            text = self._lines.popleft()[1]
-            batch.append(text)
-            size += len(text)
-        self._chars -= size
+        while self._lines and (not batch or size + len(self._lines[0][1]) <= BATCH_BYTES):
+            data = self._lines.popleft()[1]
+            batch.append(data)
+            size += len(data)
+        self._bytes -= size
         latest, self._latest = self._latest, None
         end, self._end = self._end, False
         dropped, self._dropped = self._dropped, 0
         return batch, latest, end, dropped
 
     def shed(self) -> None:
-        """At exit: no more than VITAL_AHEAD characters of other lines left queued (the
+        """At exit: no more than VITAL_AHEAD bytes of other lines left queued (the
         newest), so that the last error lines and the exit line are what the drain's
         bounded time is spent on."""
         with self._cond:
@@ -181,34 +193,37 @@ class StreamWriter:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _write(self, text: str) -> None:
-        """To the fd itself, not through the text stream: blocked inside the stream's
+    def _write(self, data: bytes) -> None:
+        """To our own fd, not through the text stream: blocked inside the stream's
         write, this thread held its buffer's lock, and the interpreter's final flush at
         exit waited for it for ever (review: `run` with stderr on a stalled pipe never
         exited after its ordered stop). What others put in the stream is flushed first."""
-        if self._fd is None:
-            self.stream.flush()
-            self._fd = self.stream.fileno()
-        data = text.encode(getattr(self.stream, "encoding", None) or "utf-8", "replace")
+        if not self._flushed:
+            self._flushed = True
+            try:
+                self.stream.flush()
+            except (OSError, ValueError):        # closed by its owner: nothing to flush
+                pass
         while data:
             data = data[os.write(self._fd, data):]
 
-    def _compose(self, batch: list[str], latest: str | None, end: bool, dropped: int) -> str:
+    def _compose(self, batch: list[bytes], latest: str | None, end: bool,
+                 dropped: int) -> bytes:
         if dropped:
-            batch.insert(0, self._dropped_text(dropped))
+            batch.insert(0, self._encode(self._dropped_text(dropped)))
         out = []
         if batch:
             if self._shown is not None:
-                out.append("\r\x1b[2K")         # the live row makes way for the lines
+                out.append(b"\r\x1b[2K")        # the live row makes way for the lines
             out += batch
         row = latest if latest is not None else (self._shown if batch else None)
         if row is not None:
-            out.append(row)
+            out.append(self._encode(row))
             self._shown = row
         if end and self._shown is not None:
-            out.append("\n")
+            out.append(b"\n")
             self._shown = None
-        return "".join(out)
+        return b"".join(out)
 
 
 _all: "weakref.WeakSet[StreamWriter]" = weakref.WeakSet()   # for the drain at exit
@@ -249,9 +264,9 @@ def writer_for(stream: TextIO, dropped: Callable[[int], str] | None = None
     if stat.S_ISREG(st.st_mode):          # a file has no reader to wait for: written
         return None                       # here, in order with everything else
     key = ("tty", st.st_rdev) if tty else ("inode", st.st_dev, st.st_ino)
-    w = _writers.get(key)
-    if w is None or getattr(w.stream, "closed", False):   # (a new pty or pipe, same number)
-        w = _writers[key] = StreamWriter(stream, say)
+    w = _writers.get(key)      # (its own dup keeps that pty or pipe, and its number, ours)
+    if w is None:
+        w = _writers[key] = StreamWriter(stream, say, fd)
     elif dropped is not None:
         w._dropped_text = dropped
     _all.add(w)

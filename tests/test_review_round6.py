@@ -114,8 +114,6 @@ def _bytes_ahead_of_vital(line: str, lines: int) -> tuple[int, int]:
     return got.index(b"VITAL-MARK"), cap
 
 
-@pytest.mark.xfail(strict=True, reason="review6 finding 1: VITAL_AHEAD/BATCH_CHARS count "
-                   "characters; a text console's non-ASCII output lines are 4 bytes each")
 def test_vital_wait_is_bounded_in_bytes():
     """What a fail_safe line waits behind on the wire, beyond what the kernel already
     held: at most the in-flight batch and VITAL_AHEAD, as bytes. A research worker
@@ -126,7 +124,7 @@ def test_vital_wait_is_bounded_in_bytes():
     line = render(rec, "text") + "\n"
     assert len(line.encode()) > 3.5 * len(line)       # raw on the wire, 4 bytes a char
     ahead, cap = _bytes_ahead_of_vital(line, 1200)
-    bound = outstream.VITAL_AHEAD + outstream.BATCH_CHARS + 8192
+    bound = outstream.VITAL_AHEAD + outstream.BATCH_BYTES + 8192
     assert ahead - cap <= bound, (
         f"{ahead} bytes written ahead of the VITAL line ({ahead - cap} beyond the pipe's "
         f"{cap}); bound {bound}")
@@ -136,11 +134,9 @@ def test_vital_wait_ascii_control():
     """The same with ASCII lines stays within the bound (the finding is the bytes)."""
     line = "x" * 600 + "\n"
     ahead, cap = _bytes_ahead_of_vital(line, 3000)
-    assert ahead - cap <= outstream.VITAL_AHEAD + outstream.BATCH_CHARS + 8192, ahead
+    assert ahead - cap <= outstream.VITAL_AHEAD + outstream.BATCH_BYTES + 8192, ahead
 
 
-@pytest.mark.xfail(strict=True, reason="review6 finding 2: a writer shared by two stream "
-                   "objects writes to the first one's fd; closed and reused, lines go astray")
 def test_shared_writer_survives_the_other_streams_close(tmp_path):
     """Two stream objects on one pipe (stdout and stderr of one journald socket, or an
     embedding's log and monitor on dups of one fd) get one writer. The first is closed by
