@@ -65,11 +65,13 @@ class Monitor:
     def __init__(self, channels: dict[str, Channel], reader_index: dict[str, int],
                  out=None, interval_s: float = 1.0, max_age_ms: dict[str, int] | None = None,
                  payloads: dict[str, str] | None = None,
-                 shadow: frozenset[str] = frozenset()) -> None:
+                 shadow: frozenset[str] = frozenset(),
+                 models: frozenset[str] = frozenset()) -> None:
         self.views: dict[str, ChannelView] = {}
         self.max_age_ms = max_age_ms or {}
         self.payloads = payloads or {}
         self.shadow = shadow                  # research outputs: never read as control's
+        self.models = models                  # control model outputs the config names
         self.fail_safe: str | None = None     # set by the supervisor: SAFE from that moment
         self.statuses: dict[str, str] = {}    # worker -> its latest STATUS= text
         self._handles = {}
@@ -157,8 +159,10 @@ class Monitor:
                   + (f" miss {misses}" if misses else ""))
         extra += [f"{w}: {text}" for w, text in self.statuses.items()]
         # One model: "model CPU ..."; more (the car's driving and driver-monitoring
-        # models): each named by its channel.
-        models = [f"model {seg}" if len(model) == 1 else f"{name} {seg}" for name, seg in model]
+        # models), by the config or by receipts: each named by its channel, so the one
+        # answering is never read as the other (review 6 finding 13).
+        named = len(model) > 1 or len(self.models) > 1
+        models = [f"{name} {seg}" if named else f"model {seg}" for name, seg in model]
         return _fit([*head, *frames, *models, counts, *worry, *extra], width)
 
     def fail_safe_text(self) -> str:

@@ -398,8 +398,6 @@ def test_a_stop_during_check_start_is_no_refusal():
     assert r.returncode != 3 and "refused" not in said, (r.returncode, said[-500:])
 
 
-@pytest.mark.xfail(strict=True, reason="review6 finding 9: the live row's shadow rule keys "
-                   "on shadow = true, not on a research writer: its receipts read as 'model'")
 def test_a_research_writers_receipts_never_read_as_the_model(tmp_path, monkeypatch):
     """minimal.toml with shadow_out's `shadow` flag left out (research still its writer:
     the config loads). The supervisor's own monitor (`_run_monitor`, real channels in
@@ -610,8 +608,6 @@ def _row_with_receipts_on(cfg, channel: str, silent: str, tmp_path, monkeypatch)
     return line
 
 
-@pytest.mark.xfail(strict=True, reason="review6 finding 13: with one of the car's two "
-                   "control models silent, the other's receipts are the bare 'model' segment")
 def test_the_car_row_names_the_model_that_answers(tmp_path, monkeypatch):
     from supervisor.config import load
 

@@ -800,6 +800,15 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         run = self.runs[name] = WorkerRun(self.config.workers[name])
         await nursery.start(self._supervise, run)
 
+    def _research_outputs(self) -> set[str]:
+        """Channels that are research's, whatever their `shadow` flag says: marked shadow,
+        or written by a worker of a domain whose code is not vouched for (review 6
+        finding 9: unmarked, a research writer's receipts read as control's model)."""
+        cfg = self.config
+        return ({n for n, c in cfg.channels.items() if c.shadow}
+                | {ch for w in cfg.workers.values() if not cfg.domains[w.domain].code_vouched
+                   for ch in w.publishes})
+
     async def _run_monitor(self) -> None:
         from supervisor.monitor import Monitor
 
@@ -811,8 +820,10 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                                            for n, c in self.config.channels.items()},
                                payloads={n: c.payload for n, c in self.config.channels.items()
                                          if c.payload},
-                               shadow=frozenset(n for n, c in self.config.channels.items()
-                                                if c.shadow))
+                               shadow=frozenset(self._research_outputs()),
+                               models=frozenset(
+                                   ch for w in self.config.workers.values() if w.model
+                                   for ch in w.publishes if not self.config.channels[ch].shadow))
         self.monitor.statuses.update({n: r.status for n, r in self.runs.items() if r.status})
         try:
             await self.monitor.run()
