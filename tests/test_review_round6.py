@@ -377,7 +377,7 @@ def test_concurrent_first_seals_all_succeed(tmp_path, monkeypatch):
         os.close(w)
         return [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in kids]
 
-    for i in range(120):
+    for i in range(25):        # 38 % of rounds failed before: 25 pass by chance 6e-6
         codes = one_round(tmp_path / str(i))
         assert 2 not in codes
         assert not any(codes), f"round {i}: {codes.count(1)} of 8 seals failed (SealError)"
