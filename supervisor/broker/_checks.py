@@ -142,10 +142,10 @@ def expected_fds(spec, role: str) -> list[tuple[str, int, str, str]]:
 
 @dataclass
 class ChannelPins:
-    """Which memfd is which channel's (segment, lease table i), fixed by the first start
-    that brings it: a later start must bring the same one, and no memfd may stand for
-    two places. A check of one fd cannot tell two channels of one spec apart (red team
-    10 row 6: a research writer handed the control channel's writer handle)."""
+    """Which fd is which channel's (segment, lease table i, wake-up end i), fixed by the
+    first start that brings it: a later start must bring the same one, and no fd may
+    stand for two places. A check of one fd cannot tell two channels of one spec apart
+    (red team 10 row 6: a research writer handed the control channel's writer handle)."""
 
     by_inode: dict[tuple[int, int], tuple[str, str]] = field(default_factory=dict)
     by_place: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
@@ -153,7 +153,7 @@ class ChannelPins:
     def check(self, place: tuple[str, str], inode: tuple[int, int]) -> None:
         had = self.by_place.get(place)
         if had is not None and had != inode:
-            raise BadFds(f"channel {place[0]}'s {place[1]} is another memfd than at its "
+            raise BadFds(f"channel {place[0]}'s {place[1]} is another fd than at its "
                          f"first start")
         other = self.by_inode.get(inode)
         if other is not None and other != place:

@@ -813,6 +813,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         from supervisor.monitor import Monitor
 
         spare = {name: self.config.monitor_index(name) for name in self.channels}
+        research = self._research_outputs()
         self.monitor = Monitor(self.channels, spare, out=self.status_out,
                                interval_s=(self.status_interval_s
                                            or self.config.supervisor.status_interval_s),
@@ -820,10 +821,10 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                                            for n, c in self.config.channels.items()},
                                payloads={n: c.payload for n, c in self.config.channels.items()
                                          if c.payload},
-                               shadow=frozenset(self._research_outputs()),
+                               shadow=frozenset(research),
                                models=frozenset(
                                    ch for w in self.config.workers.values() if w.model
-                                   for ch in w.publishes if not self.config.channels[ch].shadow))
+                                   for ch in w.publishes if ch not in research))
         self.monitor.statuses.update({n: r.status for n, r in self.runs.items() if r.status})
         try:
             await self.monitor.run()
