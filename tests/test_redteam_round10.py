@@ -1084,3 +1084,44 @@ def test_a_research_worker_in_a_crash_loop_costs_the_supervisor_no_fds(fleet):
     grown = samples[-1] - samples[0]
     print(f"rt10 crash loop: supervisor fds at each READY {samples}")
     assert grown <= 2, f"supervisor fds at each READY of r-crash: {samples}"
+
+
+# ---------------------------------------------------------------- the OOM rank, from inside
+
+_OOM_SELF = r"""
+import json
+out = {}
+for value in ("-1000", "-900", "-1"):
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(value)
+        out[value] = "written"
+    except OSError as e:
+        out[value] = e.strerror
+out["now"] = open("/proc/self/oom_score_adj").read().strip()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize("domain", ["research", "control"])
+def test_a_sandbox_can_never_rank_itself_below_the_supervisor_for_the_oom_killer(domain):
+    """Lead's check of this round's OOM ranking (red team 10 row 11's fix): a worker that
+    knows the supervisor ranks itself at -900 tries to rank itself lower still, so that
+    under memory pressure the kernel kills the supervisor (and with it every control
+    worker, unsaid) before it. Every sandbox starts at 0 (`sched.rank_ordinary`) and
+    has no CAP_SYS_RESOURCE: lowering is refused, it stays at 0."""
+    import json
+
+    if shutil.which("bwrap") is None or os.geteuid() != 0:
+        pytest.skip("real sandboxes need bubblewrap and root")
+    from supervisor.sandbox.launch import spawn
+    from supervisor.sandbox.policy import policy_for_domain
+
+    p = spawn(policy_for_domain(domain), [sys.executable, "-c", _OOM_SELF],
+              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=60)
+    got = json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
+    assert got, err[-2000:]
+    assert got["now"] == "0", got
+    assert all(v != "written" for k, v in got.items() if k != "now"), got
