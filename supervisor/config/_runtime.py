@@ -650,12 +650,34 @@ def _top_level_main(body: list[ast.stmt]) -> ast.AST | None:
     return found
 
 
+def _missing_dependency(name: str, spec: Any, search: list[str]) -> str | None:
+    """The first package the worker imports whenever it starts that its interpreter
+    cannot find (`_deps`: read from the source, never imported), or None."""
+    from ._deps import install_hint, startup_imports
+
+    origin = spec.origin
+    if not isinstance(origin, str) or not origin.endswith(".py"):
+        return None
+    try:
+        tree = _parse(origin)
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return None                  # _entry_problem has read it: not ours to judge
+    for imp in startup_imports(tree):
+        found, _ = _locate(imp.top, search)
+        if found is None:
+            return (f"{name} imports {imp.top!r} ({origin}:{imp.line}, {imp.where}), which "
+                    f"is not installed for the workers' interpreter: {install_hint(imp.top)}")
+    return None
+
+
 def _module_problem(name: str, search: list[str]) -> str | None:
     spec, missing = _locate(name, search)
     if spec is None:
         return missing + _suggest(name, _worker_modules(search))
     reason = _entry_problem(name, spec)
-    if reason is None or not reason.startswith(f"{name} is not a worker"):
+    if reason is None:
+        return _missing_dependency(name, spec, search)
+    if not reason.startswith(f"{name} is not a worker"):
         return reason
     parts = name.split(".")
     for i in range(len(parts) - 1, 0, -1):      # an enclosing package that is a worker?

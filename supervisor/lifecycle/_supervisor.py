@@ -63,6 +63,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         self._numbers: dict[str, int] = {}  # the last incarnation number per worker
         self._admission: dict[str, object] | None = None   # reports by worker (judged once)
         self._runtime_problems: list = []                  # check_runtime's (with it)
+        self._unstartable: dict[str, str] = {}             # optional worker -> its problem
         self.runs: dict[str, WorkerRun] = {}
         self.channels: dict[str, Channel] = {}
         self._reader_index: dict[tuple[str, str], int] = {}
@@ -698,7 +699,10 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
     def _config_problems(self, refused: set[str]) -> tuple[Exit, str] | None:
         """What `supervisor check` knows before start (modules, paths, users, memory):
         one event per problem and exit 2, never six tracebacks and a fail-safe. An
-        optional worker admission refused is skipped: nothing about it can fail."""
+        optional worker admission refused is skipped: nothing about it can fail. An
+        optional worker with a problem of its own (research without its `[research]`
+        extra installed) is skipped too, said once: the car runs without it, as it
+        would had admission refused it, instead of not at all."""
         self.judge_before_start()
         problems = [p for p in self._runtime_problems
                     if not any(p.key.startswith(f"workers.{n}.") for n in refused)
@@ -707,9 +711,24 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                     and not (self.via_broker and p.key == "supervisor.state_dir")]
         for p in problems:
             self.log.emit("config_problem", problem=str(p))
-        if not problems:
+        stopping = []
+        for p in problems:
+            owner = self._problem_owner(p.key)
+            if owner is not None and self.config.workers[owner].optional:
+                self._unstartable.setdefault(owner, p.reason)
+            else:
+                stopping.append(p)
+        refused |= set(self._unstartable)
+        if not stopping:
             return None
-        return Exit.CONFIG, f"{len(problems)} config problem(s): {problems[0]}"
+        return Exit.CONFIG, f"{len(stopping)} config problem(s): {stopping[0]}"
+
+    def _problem_owner(self, key: str) -> str | None:
+        """The worker a config problem's key is about (``workers.NAME.module``)."""
+        for name in self.config.workers:
+            if key.startswith(f"workers.{name}."):
+                return name
+        return None
 
     def _sandbox_preflight(self) -> tuple[Exit, str] | None:
         """What must hold before any sandbox starts: the tools, the domain users, and
@@ -795,7 +814,10 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
 
     async def _start_one(self, nursery: trio.Nursery, name: str, refused: set[str]) -> None:
         if name in refused:
-            self.log.emit("skipped", worker=name, reason="refused by admission (optional)")
+            why = self._unstartable.get(name)
+            self.log.emit("skipped", worker=name,
+                          reason=(f"cannot start here (optional): {why}" if why
+                                  else "refused by admission (optional)"))
             return
         run = self.runs[name] = WorkerRun(self.config.workers[name])
         await nursery.start(self._supervise, run)
