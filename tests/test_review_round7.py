@@ -127,3 +127,58 @@ def test_audit_diff_of_two_install_paths_is_no_weakening(two_installs):
                         str(tmp / "A.json"), str(tmp / "B.json")],
                        capture_output=True, text=True, timeout=60, cwd=tmp)
     assert r.returncode == 0 and "WEAKENED" not in r.stdout, r.stdout[:1500]
+
+
+def _drive(path: Path, *, frames_missing: tuple[int, ...], outputs_missing: tuple[int, ...],
+           dropped: dict[str, int] | None = None) -> None:
+    """A 12-frame drive log as the recorder writes it (the product's LogWriter, raw NV12):
+    `frames_missing` are frames the recorder dropped (no metadata, no pixels: what a
+    loaded machine gives), `outputs_missing` frames with no model output or command."""
+    from schemas.payloads import CONTROL_CMD, MODEL_OUT
+    from supervisor.replay.drivelog import LogWriter
+    from workers.camerad.synthetic import SyntheticRoad
+
+    w_, h_ = 160, 120
+    road = SyntheticRoad(w_, h_, seed=1)
+    w = LogWriter(path, ["road_frames", "model_out", "control_cmd"], video_codec="raw")
+    for k in range(12):
+        t = k * 50_000_000
+        if k not in frames_missing:
+            y, uv, _ = road.render(k)
+            w.frame("road_frames", k + 1, t + 1, 11, k, t, 9000, w_, h_, "nv12", "road", (y, uv))
+        if k not in outputs_missing:
+            w.message("model_out", k + 1, t + 2, 12, k, t,
+                      MODEL_OUT.encode(offset_m=0.01 * k, heading_rad=0.0, confidence=0.9))
+            w.message("control_cmd", k + 1, t + 3, 13, k, t,
+                      CONTROL_CMD.encode(steer_rad=-0.01 * k, engaged=1.0))
+    for ch, n in (dropped or {}).items():
+        w.drops(ch, n, 0, 0, 0)
+    w.close({"frames": 12})
+
+
+@pytest.mark.xfail(strict=True, reason="review7 finding 3: --ref self of a log whose recorder "
+                   "dropped frames is DIFFERS (exit 6): the model outputs of frames the log "
+                   "lacks read as 'removed'")
+def test_ref_self_does_not_read_the_recorders_drops_as_a_model_change(tmp_path):
+    """What `supervisor replay LOG --ref self` does once the pipeline has run (commands.py:
+    edge_windows over the log that played, then compare), on the files it reads. By hand
+    (loaded 2-core machine): `supervisor record d --seconds 4 --video raw` -> 'recorder
+    drops: control_cmd 15, road_frames 2', `log info d` -> 'loss: nothing lost', then
+    `supervisor replay d --ref self` -> exit 6, model_out removed [302, 303] (the two
+    dropped frames), control_cmd added [307] (a command the recorder dropped)."""
+    from supervisor.replay.diff import compare, edge_windows
+    from supervisor.replay.drivelog import DriveLog
+
+    # The recorder dropped frame 3 (the car's model did answer it) on a loaded machine;
+    # the replay plays the 11 frames the log has, and its model answers each.
+    _drive(tmp_path / "log", frames_missing=(3,), outputs_missing=(),
+           dropped={"road_frames": 1})
+    _drive(tmp_path / "run", frames_missing=(3,), outputs_missing=(3,))
+    ref, run = DriveLog.open(tmp_path / "log"), DriveLog.open(tmp_path / "run")
+    chans = ["model_out", "control_cmd"]
+    report = compare(run, ref, channels=chans,
+                     payloads={"model_out": "model_out", "control_cmd": "control_cmd"},
+                     windows=edge_windows(ref, "road_frames", chans),
+                     model_channel="model_out", p99_ratio=None, max_ratio=None)
+    removed = {c.channel: c.removed for c in report.channels}
+    assert report.ok, f"a log's own loss read as a model change: removed {removed}"
