@@ -145,6 +145,40 @@ def test_a_planted_bytecode_cache_changes_the_code_trees_digest(code_dir):
         shutil.rmtree(pkg, ignore_errors=True)
 
 
+
+@pytest.mark.xfail(strict=True, reason="redteam11 row 9: admission admits a sourceless .pyc "
+                   "control module without reading it (its import torch unseen)")
+def test_admission_never_admits_control_code_it_cannot_read(code_dir):
+    """Admission walks a control worker's import graph from source and refuses torch
+    anywhere in it, a function's lazy import included (refused before the car starts,
+    exit 3). The same module shipped as sourceless bytecode (`rt11lazy.pyc` in the
+    python_path, no `.py`: what some vendors ship) is imported by the sandbox just the
+    same; admission must refuse what it cannot read, not admit it."""
+    from supervisor.admission.check import check_worker
+    from supervisor.sandbox.policy import worker_sys_path
+
+    body = "def later():\n    import torch\n    return torch\n\ndef main(ctx):\n    pass\n"
+    src = code_dir / "rt11lazy.py"
+    src.write_text(body)
+    src.chmod(0o644)
+    try:
+        path = worker_sys_path(True, (str(code_dir),))
+        with_source = check_worker("w", "control", "rt11lazy", None, path)
+        assert not with_source.ok, with_source.format()     # the walk sees the lazy import
+        py_compile.compile(str(src), cfile=str(code_dir / "rt11lazy.pyc"), doraise=True)
+        (code_dir / "rt11lazy.pyc").chmod(0o644)
+        src.unlink()
+        ran = _sandboxed(code_dir, "import rt11lazy; print('imported', rt11lazy.__file__)")
+        sourceless = check_worker("w", "control", "rt11lazy", None, path)
+        print(f"rt11 row 9: from source: {with_source.format().splitlines()[0]!r}; "
+              f"sourceless: {sourceless.format().splitlines()[0]!r}; sandbox: "
+              f"{ran.stdout.strip()!r}")
+        assert ran.returncode == 0 and "imported" in ran.stdout, ran.stderr
+        assert not sourceless.ok, sourceless.format()
+    finally:
+        for leftover in ("rt11lazy.py", "rt11lazy.pyc"):
+            (code_dir / leftover).unlink(missing_ok=True)
+
 # ================================================================ the units' own namespace
 
 # $1 the config (put on a fresh tmpfs at /opt, as an install would have it), $2 the
