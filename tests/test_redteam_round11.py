@@ -571,3 +571,48 @@ def test_a_sweep_of_calls_no_round_made_acts_on_nothing_outside(domain):
                   "userfaultfd", "io_uring_setup", "add_key", "bpf", "pidfd_getfd",
                   "process_vm_writev", "open_by_handle_at", "fsopen", "ptrace:attach-init")
         assert all(got[k] == "signal:31" for k in killed), got
+
+
+# ================================================================ a camera's jitter vs a stop
+
+def _drive(deliveries_ms: list[tuple[float, float]], until_ms: float) -> list[tuple[float, bool, str]]:
+    """controlsd's real law stepped at 100 Hz (`--hz 100`) over model outputs that
+    arrive at the given times, each (capture time, arrival time) in ms; every command
+    as (time, engaged, reason)."""
+    from workers.controlsd.law import ControlLaw, ModelOutput
+
+    law = ControlLaw()
+    ms = 1_000_000
+    pending = sorted(deliveries_ms, key=lambda d: d[1])
+    out = []
+    t = 0.0
+    while t <= until_ms:
+        new = None
+        while pending and pending[0][1] <= t:
+            cap, _ = pending.pop(0)
+            new = ModelOutput(0.1, 0.0, 0.9, int(cap * ms))
+        cmd = law.step(new, int(t * ms))
+        out.append((t, cmd.engaged, cmd.reason.name))
+        t += 10.0
+    return out
+
+
+def test_one_frame_twice_late_keeps_control_engaged_and_a_stopped_camera_does_not():
+    """A camera at 20 fps (the car's), the model's output 10 ms after each capture.
+    One frame delivered a period late (its output 100 ms after the one before, itself
+    60 ms old): ordinary jitter, which must not disengage. The camera stopping: the law
+    goes safe within its timeout (150 ms) of the last output, not later."""
+    frames = [(c, c + 10.0) for c in range(0, 2000, 50)]
+    jitter = [(c, a + (50.0 if c == 1000 else 0.0)) for c, a in frames]
+    stopped = [(c, a) for c, a in frames if c < 1000]
+    j = _drive(jitter, 2000)
+    s = _drive(stopped, 2000)
+    engaged_at = next(t for t, e, _ in j if e)
+    dropped = [(t, r) for t, e, r in j if t > engaged_at and not e]
+    last_out = max(a for _, a in stopped)
+    safe_at = next(t for t, e, _ in s if t > last_out and not e)
+    print(f"rt11 row 10: jitter: engaged at {engaged_at:.0f} ms, disengaged {dropped[:3]}; "
+          f"stop: last output {last_out:.0f} ms, safe at {safe_at:.0f} ms "
+          f"({next(r for t, e, r in s if t == safe_at)})")
+    assert not dropped
+    assert safe_at - last_out <= 150 + 10
