@@ -38,6 +38,7 @@ _std_fds()
 _cwd()
 
 # Then: a Ctrl-C or SIGTERM from now on is recorded, never a traceback.
+from supervisor import fdlimit  # noqa: E402
 from supervisor import signals as _signals  # noqa: E402
 
 _signals.install()
@@ -367,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         if name in REPLAY:                 # developer replay: supervisor/replay/
             REPLAY[name][0](s)
     args = p.parse_args(argv)
+    # Before any config is judged: check_runtime names a limit still too low for it.
+    fdlimit.raise_soft_limit()
     if args.cmd in REPLAY:
         return REPLAY[args.cmd][1](args)
     cmd = {"run": cmd_run, "check": cmd_check, "units": cmd_units,

@@ -40,6 +40,8 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
     * each ``command`` executable exists;
     * sandboxed: each ``extra_ro_binds`` path exists and each domain's host user exists
       (`supervisor.sandbox.policy.host_ids`, which only checks when running as root);
+    * this process's open-file limit holds the config's channels and workers
+      (`supervisor.fdlimit`);
     * the channels' shared memory fits the machine's MemAvailable.
     """
     problems: list[Problem] = []
@@ -131,6 +133,12 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
 
     for key, reason in verify_models(cfg)[1]:
         add(key, reason)
+
+    from supervisor.fdlimit import shortfall
+
+    reason = shortfall(len(cfg.workers), len(cfg.channels))
+    if reason:
+        add("workers", reason)
 
     available = _mem_available()
     total = sum(channel_shm_bytes(c.spec) for c in cfg.channels.values())

@@ -12,7 +12,7 @@ import time
 
 import trio
 
-from supervisor import signals
+from supervisor import fdlimit, signals
 from supervisor.admission import check_worker
 from supervisor.config import Config, WorkerConfig
 from supervisor.events import EventLog
@@ -256,7 +256,8 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                 # bwrap/prlimit missing, seccomp unavailable, fork failing, the broker
                 # refusing: a failed start,
                 # handled by the restart policy like a crash, never a supervisor crash.
-                self.log.emit("start_failed", worker=w.name, error=f"{type(e).__name__}: {e}")
+                self.log.emit("start_failed", worker=w.name,
+                              error=f"{type(e).__name__}: {e}{fdlimit.hint(e)}")
                 code, why = START_FAILED_CODE, f"start failed: {e}"
                 run.started_ns = time.monotonic_ns()
             else:

@@ -646,6 +646,14 @@ class CgroupTree:
                 continue
             for c in p[2].split(","):
                 mounts.setdefault(c, (_unescape(f[4]), _unescape(f[3]), "ro" in f[5].split(",")))
+        # A hierarchy with something mounted over it (an empty tmpfs on /sys/fs/cgroup:
+        # a container without a cgroup fs) is still listed in mountinfo but not there.
+        mounts = {c: m for c, m in mounts.items()
+                  if os.path.exists(os.path.join(m[0], "cgroup.procs"))}
+        if not mounts:
+            raise CgroupUnavailable(
+                f"no cgroup file system at {CGROUP_ROOT} (a container without one? "
+                f"mount it, or bind the host's, read-write)")
         missing = [c for c in controllers if c not in mounts or c not in own]
         # A read-only hierarchy is as good as absent (a container's cgroupfs).
         read_only = [c for c in controllers if c not in missing and mounts[c][2]]
