@@ -18,7 +18,6 @@ it into a plain pass. ``--runxfail`` shows the evidence of each break.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import py_compile
@@ -616,3 +615,56 @@ def test_one_frame_twice_late_keeps_control_engaged_and_a_stopped_camera_does_no
           f"({next(r for t, e, r in s if t == safe_at)})")
     assert not dropped
     assert safe_at - last_out <= 150 + 10
+
+
+# ================================================================ the broker's own memory
+
+_BROKER_TOML = """
+[domains.control]
+[channels.a]
+slot_size = "4KiB"
+dtype = "float32"
+[workers.a]
+domain = "control"
+module = "workers.probe"
+publishes = ["a"]
+"""
+
+
+def _rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:"))
+
+
+@pytest.mark.xfail(strict=True, reason="redteam11 row 11: the root broker keeps every event "
+                   "it logs (EventLog keep=True): each refused request of a compromised "
+                   "proper grows root's memory for good")
+def test_refused_broker_requests_cost_the_broker_no_memory_that_stays(tmp_path):
+    """The compromised supervisor proper sends the real root broker requests it refuses
+    (a malformed worker name: `broker_refused`), as fast as one client thread can. Each
+    refusal is logged (a line on stderr: journald's); nothing of it should stay in
+    root's memory, or the proper grows the broker without bound, outside the proper's
+    own unit limits (the broker's unit holds the sandboxes: its MemoryMax is theirs)."""
+    from supervisor.broker import BrokerClient, BrokerError
+
+    cfg = tmp_path / "b.toml"
+    cfg.write_text(_BROKER_TOML)
+    with open(tmp_path / "broker.err", "w") as err:
+        c = BrokerClient.spawn(state_dir=tmp_path / "state", config=cfg, stderr=err)
+        try:
+            c.ping()
+            for _ in range(200):                 # warm: allocator arenas, caches
+                with pytest.raises(BrokerError):
+                    c.pids("x" * 600, 1)
+            before, n = _rss_kb(c.proc.pid), 3000
+            for _ in range(n):
+                with pytest.raises(BrokerError):
+                    c.pids("x" * 600, 1)
+            grown = (_rss_kb(c.proc.pid) - before) * 1024 / n
+        finally:
+            code = c.close()
+    refusals = sum('"broker_refused"' in ln for ln in (tmp_path / "broker.err").open())
+    print(f"rt11 row 11: {n} refused requests: the broker grew {grown:.0f} B a request "
+          f"({refusals} refusals logged); broker exit {code}")
+    assert refusals >= n
+    assert grown < 200, grown
