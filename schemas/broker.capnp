@@ -52,6 +52,15 @@ struct Start {
   channels @3 :List(ChannelGrant);
 }
 
+# A warm standby's hand-over (red team 10 row 9): the channels of `start`, checked as a
+# start's are, sent to the standby by the broker over the control socket it kept (the
+# supervisor proper never holds it). Once per standby; `ok`.
+struct Adopt {
+  worker @0 :Text;
+  incarnation @1 :UInt32;     # a standby the broker started and has not handed over
+  channels @2 :List(ChannelGrant);
+}
+
 struct SignalPid {
   pid @0 :Int32;
   signal @1 :Signal;
@@ -120,6 +129,7 @@ struct Request {
                               # W^X program only (sandbox/wx.py), let go: `filters`
     openMapFiles @17 :OpenMapFiles;   # `links`
     reserveLatch @18 :Void;   # make state_dir/failsafe.latch.reserve if it is not whole
+    adopt @19 :Adopt;         # fds: every grant's fds, in grant order
   }
 }
 
@@ -144,8 +154,9 @@ struct Started {
   hostUid @1 :Int32;          # -1: the broker's own (not root)
   cgroup @2 :Bool;
   execWatch @3 :Bool;         # fds: pidfd, status read end, output read end,
-  control @4 :Bool;           #      [exec-watch socket], [standby control socket]
-}
+                              #      [exec-watch socket]
+  control @4 :Bool;           # a standby: the broker holds its control socket (`adopt`);
+}                             # no fd of it travels
 
 struct Reaped {
   exited @0 :Bool;

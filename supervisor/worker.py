@@ -112,6 +112,17 @@ class WorkerContext:
         finally:
             sock.close()
         data = json.loads(msg)
+        # Only channels the config binds to this worker's roles (ENV_ROLES, set at its
+        # start): a hand-over naming another is refused whole, never installed (red team
+        # 10 row 9; through the broker, `adopt` has checked them already).
+        bound = set(self.roles.values())
+        extra = sorted(set(data["channels"]) - bound)
+        if extra:
+            for fd in fds:
+                os.close(fd)
+            raise RuntimeError(f"worker {self.name!r}: the hand-over names channels "
+                               f"{extra} its config does not bind (bound: "
+                               f"{sorted(bound) or 'none'}): refused")
         fdmap = dict(zip(data["fds"], fds))
 
         def remap(v):

@@ -56,6 +56,12 @@ args = ["--read", "a_out"]
 domain = "research"
 module = "workers.probe"
 warm_standby = true
+[workers.rsb]
+domain = "research"
+module = "workers.probe"
+subscribes = ["a_out"]
+args = ["--read", "a_out"]
+warm_standby = true
 [workers.lone]
 domain = "research"
 module = "workers.probe"
@@ -315,6 +321,84 @@ def _unprivileged_reads(c: BrokerClient, pid: int) -> None:
                    "fd/0 via dir fd": errno.EACCES, "map_files via dir fd": errno.EACCES}, got
 
 
+def _status_text(fd: int, wait_for: bytes = b"", timeout: float = 30.0) -> bytes:
+    """What the status pipe holds now (until `wait_for` is in it, if given)."""
+    buf = b""
+    deadline = time.monotonic() + timeout
+    while not (wait_for and wait_for in buf) and time.monotonic() < deadline:
+        if select.select([fd], [], [], 0.1 if wait_for else 0)[0]:
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                break
+            buf += chunk
+        elif not wait_for:
+            break
+    return buf
+
+
+@pytest.mark.sandbox
+@needs_bwrap
+def test_a_standbys_hand_over_is_the_brokers_checked_as_a_start(broker, channel):
+    """Red team 10 row 9: a standby's control socket stays the broker's (never in the
+    client's hands) and `adopt` hands the standby its channels, checked as a start's. A
+    writer's handle for a reader, a writable segment, the broker's own connection as the
+    wake-up, no channel at all, an adopt of a run (no standby) and a second adopt: each
+    one `broker_refused` line naming the worker, and the standby still waits (no
+    READY); the honest hand-over then makes it READY."""
+    from supervisor.broker import BrokerError
+    from supervisor.ipc.channel import ReaderHandle
+
+    from supervisor.ipc import Writer
+
+    c = broker.client
+    idx = broker.config.reader_index("a_out", "rsb")
+    good = channel.reader_handle(idx)
+    Writer(channel.writer_handle(), domain="control", seal=False).close()   # attached
+    n, run_n = _next(), _next()
+    sb = c.start("rsb", n, standby=True)
+    run = c.start("lone", run_n)
+    try:
+        assert sb.standby and sb.ctl_sock is None
+        hostile = {
+            "a writer's handle": ({"a_out": channel.writer_handle()}, Refused),
+            "a writable segment": ({"a_out": ReaderHandle(
+                good.spec, idx, channel._data_fd, good.lease_fd, good.event_fd)}, BadFds),
+            "the broker's connection": ({"a_out": ReaderHandle(
+                good.spec, idx, good.data_fd, good.lease_fd, c.sock.fileno())}, BadFds),
+            "no channel": ({}, Refused),
+        }
+        for what, (handles, err) in hostile.items():
+            before = len(broker.events("broker_refused"))
+            with pytest.raises(err):
+                c.adopt("rsb", n, handles)
+            e = _refused(broker, before, err.code)
+            assert (e["request"], e["worker"]) == ("adopt", "rsb"), (what, e)
+        for worker, k in (("lone", run_n), ("rsb", n + 1000)):
+            before = len(broker.events("broker_refused"))
+            with pytest.raises(BrokerError) as got:      # a run; no such incarnation
+                c.adopt(worker, k, {})
+            assert got.value.code == ("refused" if worker == "lone" else "notOurs")
+            assert _refused(broker, before, got.value.code)["worker"] == worker
+        assert b"READY=1" not in _status_text(sb.status_r)
+        c.adopt("rsb", n, {"a_out": good})
+        assert b"READY=1" in _status_text(sb.status_r, b"READY=1")
+        before = len(broker.events("broker_refused"))
+        with pytest.raises(Refused, match="not a standby waiting"):
+            c.adopt("rsb", n, {"a_out": good})
+        _refused(broker, before, "refused")
+    finally:
+        for s, worker, k in ((sb, "rsb", n), (run, "lone", run_n)):
+            c.kill_sandbox(worker, k)
+            _wait_exit(s.pidfd)
+            c.reap(worker, k)
+            s.close()
+    assert [(e["worker"], e["channels"]) for e in broker.events("broker_adopted")
+            if e["incarnation"] == n] == [("rsb", ["a_out"])]
+
+
 @pytest.mark.sandbox
 @needs_bwrap
 def test_start_request_latency_and_broker_cpu(broker, capsys):
@@ -338,7 +422,8 @@ def test_start_request_latency_and_broker_cpu(broker, capsys):
         s = c.start("solo", n, standby=i == 0)
         walls.append(time.perf_counter() - t0)
         cpus.append(cpu() - c0)
-        assert (s.ctl_sock is not None) == (i == 0)     # a standby's control socket
+        # A standby's control socket stays the broker's (adopt): never ours.
+        assert s.standby == (i == 0) and s.ctl_sock is None
         c.kill_sandbox("solo", n)
         _wait_exit(s.pidfd)
         c.reap("solo", n)

@@ -337,3 +337,98 @@ def test_run_broker_refuses_root_and_privsep_refuses_no_sandbox(tmp_path):
                             "--config", str(cfg)], capture_output=True, text=True, timeout=60)
         assert p.returncode == code and needle in p.stderr, (p.returncode, p.stderr)
         assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+# A research pipeline whose reader keeps warm standbys: their hand-overs are `adopt`s.
+STANDBYS = """
+[domains.research]
+[channels.a_out]
+slot_size = "4KiB"
+dtype = "float32"
+[workers.a]
+domain = "research"
+module = "workers.probe"
+publishes = ["a_out"]
+args = ["--publish", "a_out"]
+[workers.r]
+domain = "research"
+module = "workers.probe"
+subscribes = ["a_out"]
+args = ["--read", "a_out"]
+warm_standby = true
+restart = "always"
+max_restarts = 10
+backoff_initial_ms = 10
+"""
+
+
+def test_a_standbys_hand_over_goes_through_the_brokers_adopt(tmp_path):
+    """Red team 10 row 9 in the lifecycle: under privsep a warm standby's channels reach
+    it only through the broker (`adopt`, checked as a start's; the proper holds no
+    control socket). A proper whose first hand-over is subverted (its own broker
+    connection as the wake-up) is refused in one `broker_refused` line naming the
+    worker; that standby is discarded and the worker starts cold (a checked start), READY;
+    the next takeover, honest, adopts the other standby through the broker."""
+    from supervisor.ipc.channel import ReaderHandle
+
+    cfg_path = tmp_path / "standbys.toml"
+    cfg_path.write_text(textwrap.dedent(STANDBYS))
+    cfg = load(cfg_path)
+    err = tmp_path / "broker.err"
+    state = Path(os.environ["TRIO_STATE_DIR"])
+    with open(err, "w") as f:
+        client = BrokerClient.spawn(state_dir=state, config=cfg_path, stderr=f)
+    honest, calls = client.adopt, []
+
+    def adopt(worker, incarnation, handles):
+        calls.append(worker)
+        if len(calls) == 1:
+            h = handles["a_out"]
+            handles = {"a_out": ReaderHandle(h.spec, h.index, h.data_fd, h.lease_fd,
+                                             client.sock.fileno())}
+        return honest(worker, incarnation, handles)
+
+    client.adopt = adopt
+    log = EventLog(stream=io.StringIO())
+    sup = Supervisor(cfg, log=log, launcher=BrokerLauncher(client),
+                     latch=BrokerLatch(client, state / "failsafe.latch"))
+
+    async def takeover(outcome: str) -> None:
+        run = sup.runs["r"]
+        while sum(sb.warm for sb in run.standbys) < 2 or not run.ready.is_set():
+            await trio.sleep(0.05)
+        seen = len(log.of(outcome, "r"))
+        run.current.kill()
+        while len(log.of(outcome, "r")) == seen:
+            await trio.sleep(0.02)
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            with trio.fail_after(120):
+                await takeover("standby_failed")
+                starts = len(log.of("start", "r"))
+                while len(log.of("ready", "r")) < 2:      # the cold start's
+                    await trio.sleep(0.05)
+                assert len(log.of("start", "r")) >= starts
+                await takeover("standby_adopted")
+            n.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    except BaseException:
+        print("\n".join(ln for ln in log.stream.getvalue().splitlines()
+                        if '"event":"output"' not in ln)[-6000:])
+        print(err.read_text()[-3000:])
+        raise
+    finally:
+        assert client.close() == 0
+    failed = log.of("standby_failed", "r")
+    assert len(failed) == 1 and "badFds" in failed[0]["error"], failed
+    events = [json.loads(ln) for ln in err.read_text().splitlines() if ln.startswith("{")]
+    refused = [(e["request"], e["code"], e.get("worker")) for e in events
+               if e["event"] == "broker_refused"]
+    assert refused == [("adopt", "badFds", "r")], refused
+    adopted = [e for e in events if e["event"] == "broker_adopted"]
+    assert [e["worker"] for e in adopted] == ["r"] and calls == ["r", "r"], (adopted, calls)
+    assert log.of("standby_adopted", "r")[0]["pid"] == adopted[0]["pid"]

@@ -589,9 +589,6 @@ def test_a_research_reader_never_holds_a_control_readers_wake_up_end(root_broker
     assert new and "rs" in (new[-1].get("worker"), *new[-1]["reason"].split()), new
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "redteam10 row 9: a warm standby's channels go from the proper straight to the "
-    "sandbox over the hand-over socket: no broker check at all (rows 1-3, 6, 8 bypassed)"))
 def test_a_research_standby_is_never_handed_fds_the_broker_has_not_checked(root_broker):
     """Research worker `rsb` has `warm_standby = true`. The broker starts its standby
     with no channels (as the request table requires) and hands the proper the standby's

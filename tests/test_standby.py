@@ -104,3 +104,36 @@ def test_standby_is_sandboxed_like_any_worker_and_takes_over():
     adopted = log.of("standby_adopted", "src")
     assert adopted and log.of("ready", "src")[-1]["mono_ns"] > adopted[0]["mono_ns"]
     assert seen["takeover_ms"] < 1000, seen
+
+
+def test_a_hand_over_naming_a_channel_its_config_does_not_bind_is_refused(monkeypatch):
+    """Defence in depth behind the broker's `adopt` (red team 10 row 9): a standby's
+    `_activate` installs only channels its config's roles bind (ENV_ROLES, set at its
+    start). A hand-over naming another is refused whole, one line naming the worker and
+    the channel, nothing installed, every fd received closed."""
+    import json
+    import socket
+
+    from supervisor.ipc import env_name
+    from supervisor.protocol import ENV_STANDBY_FD
+    from supervisor.worker import WorkerContext
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    monkeypatch.setenv(ENV_STANDBY_FD, str(theirs.detach()))
+    for ch in ("x", "c_out"):
+        monkeypatch.delenv(env_name(ch), raising=False)
+    ctx = WorkerContext(name="sb", domain="research", channels=(), status_fd=None,
+                        roles={"in": "x"})
+    r, w = os.pipe()
+    before = set(os.listdir("/proc/self/fd"))
+    socket.send_fds(ours, [json.dumps({"channels": {"x": "{}", "c_out": "{}"},
+                                       "fds": [r, w]}).encode()], [r, w])
+    with pytest.raises(RuntimeError, match=r"'sb'.*\['c_out'\].*refused"):
+        ctx._activate()
+    ours.close()
+    assert env_name("x") not in os.environ and env_name("c_out") not in os.environ
+    assert ctx.channels == ()
+    # The received copies (and the hand-over socket) are closed: only ours are left.
+    assert set(os.listdir("/proc/self/fd")) <= before
+    os.close(r)
+    os.close(w)

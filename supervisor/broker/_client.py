@@ -39,7 +39,11 @@ class StartedSandbox:
     status_r: int
     out_r: int
     watch_sock: socket.socket | None = None
+    # Always None through the broker: a standby's hand-over socket stays the broker's,
+    # and its channels go through `BrokerClient.adopt` (red team 10 row 9). The field is
+    # the launcher-independent shape of a started sandbox (the direct path has one).
     ctl_sock: socket.socket | None = None
+    standby: bool = False                # waits for `adopt`
 
     def close(self) -> None:
         for fd in (self.pidfd, self.status_r, self.out_r):
@@ -74,6 +78,17 @@ def _expect(rep: P.Reply, cls: type, fds: list[int] = ()):
         P.close_fds(list(fds))
         raise Malformed(f"a {type(rep).__name__} reply where a {cls.__name__} belongs")
     return rep
+
+
+def _grants(handles: dict[str, object]) -> tuple[tuple[P.Grant, ...], list[int]]:
+    """The grants of a start or adopt and their fds, in grant order."""
+    grants, fds = [], []
+    for name, h in handles.items():
+        hf = h.fds()                                       # type: ignore[attr-defined]
+        role = "writer" if type(h).__name__ == "WriterHandle" else "reader"
+        grants.append(P.Grant(name, role, len(hf)))
+        fds += hf
+    return tuple(grants), fds
 
 
 class BrokerClient:
@@ -233,22 +248,22 @@ class BrokerClient:
               handles: dict[str, object] | None = None) -> StartedSandbox:
         """Start `worker`'s sandbox; `handles`: its channels' WriterHandle/ReaderHandle
         by name (their fds travel, the broker checks them against its own specs)."""
-        grants, fds = [], []
-        for name, h in (handles or {}).items():
-            hf = h.fds()                                   # type: ignore[attr-defined]
-            role = "writer" if type(h).__name__ == "WriterHandle" else "reader"
-            grants.append(P.Grant(name, role, len(hf)))
-            fds += hf
-        rep, rfds = self.call(P.Start(worker, incarnation, standby, tuple(grants)), fds)
+        grants, fds = _grants(handles or {})
+        rep, rfds = self.call(P.Start(worker, incarnation, standby, grants), fds)
         rep = _expect(rep, P.Started, rfds)
         pidfd, status_r, out_r, *rest = rfds
         watch = socket.socket(fileno=rest.pop(0)) if rep.exec_watch else None
-        ctl = socket.socket(fileno=rest.pop(0)) if rep.control else None
         for fd in (status_r, out_r):
             os.set_blocking(fd, False)
         return StartedSandbox(worker, incarnation, rep.pid,
                               None if rep.host_uid < 0 else rep.host_uid, rep.cgroup,
-                              pidfd, status_r, out_r, watch, ctl)
+                              pidfd, status_r, out_r, watch, None, rep.control)
+
+    def adopt(self, worker: str, incarnation: int, handles: dict[str, object]) -> None:
+        """Hand standby `incarnation` of `worker` its channels: the broker checks them as
+        a start's and sends them over the standby's control socket, which only it holds."""
+        grants, fds = _grants(handles)
+        self.call(P.Adopt(worker, incarnation, grants), fds)
 
     def signal(self, pid: int, sig: int) -> None:
         name = P.SIGNAL_NAMES.get(int(sig))

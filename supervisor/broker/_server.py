@@ -52,6 +52,15 @@ class _Incarnation:
     proc: subprocess.Popen
     cgroup: object | None = None        # sandbox.cgroups.WorkerCgroup
     oom_before: int = 0
+    # A standby's hand-over socket (our end), held here until `adopt` sends its channels
+    # through it, never handed to the supervisor proper (red team 10 row 9): None for a
+    # run, and once handed over.
+    ctl: socket.socket | None = None
+
+    def close_ctl(self) -> None:
+        if self.ctl is not None:
+            self.ctl.close()
+            self.ctl = None
 
     @property
     def leaves(self) -> tuple[str, ...]:
@@ -231,6 +240,7 @@ class Broker:
             except subprocess.TimeoutExpired as e:
                 self.log.emit("cgroup_error", source="broker", worker=inc.worker, error=str(e))
             self._release(inc)
+            inc.close_ctl()
         self.live.clear()
         if self.cgroups is not None:
             try:
@@ -285,14 +295,14 @@ class Broker:
         try:
             if undecodable is not None:
                 raise undecodable
-            if fds and not isinstance(req, P.Start):
+            if fds and not isinstance(req, P.WITH_CHANNELS):
                 raise BadFds(f"{len(fds)} fds with a {kind} request, which takes none")
             rep, out = self._handle(req, fds)
         except BrokerError as e:
-            # A start's refusal names the worker it was for (the reason may name only
-            # a channel).
+            # A start's or adopt's refusal names the worker it was for (the reason may
+            # name only a channel).
             self._refused(kind, e, **({"worker": req.worker}
-                                      if isinstance(req, P.Start) else {}))
+                                      if isinstance(req, P.WITH_CHANNELS) else {}))
             rep = P.Error(e.code, e.reason, e.errno)
         except Exception as e:      # a bug of ours: one line, a reply, and on we go
             self.refusals["failed"] += 1
@@ -311,6 +321,8 @@ class Broker:
             return P.Ok(), []
         if isinstance(req, P.Start):
             return self._start(req, fds)
+        if isinstance(req, P.Adopt):
+            return self._adopt(req, fds)
         if isinstance(req, P.SignalPid):
             self._signal(req.pid, P.SIGNALS[req.signal])
             return P.Ok(), []
@@ -416,11 +428,7 @@ class Broker:
         w = self.config.workers.get(req.worker)
         if w is None:
             raise UnknownWorker(f"no worker {req.worker!r} in the broker's config")
-        # The latch holds whatever the supervisor proper believes (red team round 4: a
-        # compromised one started workers while the fail-safe was latched).
-        if self.config.profile_of(w.name) == CONTROL and self.state.read_latch():
-            raise Refused(f"{w.name}: the fail-safe is latched: no control worker starts "
-                          f"until the operator clears it (supervisor clear-fail-safe)")
+        self._not_latched(w)
         if req.incarnation <= self.last_incarnation.get(w.name, 0):
             raise Refused(f"{w.name} incarnation {req.incarnation} already used "
                           f"(next must be > {self.last_incarnation.get(w.name, 0)})")
@@ -430,7 +438,9 @@ class Broker:
         live = sum(1 for inc in self.live.values() if inc.worker == w.name)
         if live >= cap:
             raise Refused(f"{w.name} has {live} sandboxes not reaped (at most {cap})")
-        handles = self._handles(w, req, fds)
+        if req.standby and (req.channels or fds):
+            raise BadFds("a standby is handed its channels later (adopt), not at start")
+        handles = {} if req.standby else self._handles(w, req.channels, fds)
         from supervisor.sandbox.policy import for_worker
 
         try:
@@ -447,27 +457,33 @@ class Broker:
         self.last_incarnation[w.name] = req.incarnation
         return self._launch(w, req, pol, handles)
 
-    def _handles(self, w: WorkerConfig, req: P.Start, fds: list[int]) -> dict[str, object]:
+    def _not_latched(self, w: WorkerConfig) -> None:
+        """The latch holds whatever the supervisor proper believes (red team round 4: a
+        compromised one started workers while the fail-safe was latched): no control
+        worker starts, nor takes over from a standby, while it is set."""
+        if self.config.profile_of(w.name) == CONTROL and self.state.read_latch():
+            raise Refused(f"{w.name}: the fail-safe is latched: no control worker starts "
+                          f"until the operator clears it (supervisor clear-fail-safe)")
+
+    def _handles(self, w: WorkerConfig, channels: tuple[P.Grant, ...],
+                 fds: list[int]) -> dict[str, object]:
         """The worker's channel handles over the received fds, each judged against the
-        broker's own spec of the channel (names, roles, reader index, fd kinds, sizes)."""
+        broker's own spec of the channel (names, roles, reader index, fd kinds, sizes):
+        a start's, and a standby's hand-over (`adopt`), alike."""
         from supervisor.failsafe import trusted_readers
         from supervisor.ipc.channel import ReaderHandle, WriterHandle
 
-        if req.standby:
-            if req.channels or fds:
-                raise BadFds("a standby is handed its channels later, not at start")
-            return {}
         want = {**{c: "writer" for c in w.publishes}, **{c: "reader" for c in w.reads}}
-        got = {g.channel: g for g in req.channels}
-        if len(got) != len(req.channels) or set(got) != set(want):
+        got = {g.channel: g for g in channels}
+        if len(got) != len(channels) or set(got) != set(want):
             raise Refused(f"{w.name}: channels {sorted(got)}; the config gives it "
                           f"{sorted(want)}")
-        if sum(g.fd_count for g in req.channels) != len(fds):
-            raise BadFds(f"{len(fds)} fds for grants of {sum(g.fd_count for g in req.channels)}")
+        if sum(g.fd_count for g in channels) != len(fds):
+            raise BadFds(f"{len(fds)} fds for grants of {sum(g.fd_count for g in channels)}")
         specs = self.config.channel_specs()
         out: dict[str, object] = {}
         at = 0
-        for g in req.channels:
+        for g in channels:
             if g.role != want[g.channel]:
                 raise Refused(f"{w.name} is a {want[g.channel]} of {g.channel}, not a {g.role}")
             spec = specs[g.channel]
@@ -487,6 +503,40 @@ class Broker:
                 out[g.channel] = ReaderHandle(spec, index, *mine)
         return out
 
+    def _adopt(self, req: P.Adopt, fds: list[int]) -> tuple[P.Reply, list[int]]:
+        """A warm standby's hand-over, judged as a start's channels are (`_handles`: the
+        config's channels for the worker, each role, reader index, fd kind, size, name,
+        mode and pin; the latch for a control worker), then sent to the standby over the
+        control socket only the broker holds (red team 10 row 9: the proper sent them
+        itself, unchecked). Once: the socket is closed after the send, sent or not."""
+        import json
+
+        inc = self._incarnation(req.worker, req.incarnation)
+        w = self.config.workers[inc.worker]
+        if inc.ctl is None:
+            raise Refused(f"{w.name} incarnation {inc.number} is not a standby waiting "
+                          f"for its channels")
+        self._not_latched(w)
+        handles = self._handles(w, req.channels, fds)
+        hand = [fd for h in handles.values() for fd in h.fds()]
+        # The message worker._activate reads: each handle's JSON, and the fd numbers (ours)
+        # in the order their fds travel.
+        text = json.dumps({"channels": {ch: h.to_json() for ch, h in handles.items()},
+                           "fds": hand})
+        ctl, inc.ctl = inc.ctl, None
+        try:
+            # Never blocks the broker: its queue holds nothing else (the standby's
+            # writes go the other way, never read here).
+            socket.send_fds(ctl, [text.encode()], hand, socket.MSG_DONTWAIT)
+        except OSError as e:
+            raise Failed(f"{w.name}: hand-over to incarnation {inc.number}: {e.strerror}",
+                         e.errno or 0) from None
+        finally:
+            ctl.close()
+        self.log.emit("broker_adopted", source="broker", worker=w.name,
+                      incarnation=inc.number, pid=inc.proc.pid, channels=sorted(handles))
+        return P.Ok(), []
+
     def _launch(self, w: WorkerConfig, req: P.Start, pol, handles: dict) -> tuple[P.Reply, list[int]]:
         from supervisor.sandbox import launch
 
@@ -494,6 +544,7 @@ class Broker:
         mine: list[int] = []      # our ends, handed to the client
         theirs: list[int] = []    # the child's ends, closed once it has them
         cg = None
+        watch = ctl = None
         try:
             # stdout+stderr and the status pipe: read by the supervisor proper, never here.
             status_r, status_w = os.pipe2(os.O_CLOEXEC)
@@ -505,7 +556,6 @@ class Broker:
             env, child_fds = worker_env(endpoint_for(self.config, w, sandboxed=True), status_w,
                                          handles)
             child_fds.append(status_w)
-            watch = ctl = None
             if not domain.exec_memory_after_ready:
                 watch, their_watch = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                 env[ENV_EXECWATCH_FD] = str(their_watch.fileno())
@@ -513,11 +563,11 @@ class Broker:
                 child_fds.append(theirs[-1])
                 mine.append(watch.detach())
             if req.standby:
+                # Ours stays here: the hand-over is `adopt`'s (red team 10 row 9).
                 ctl, their_ctl = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                 env[ENV_STANDBY_FD] = str(their_ctl.fileno())
                 theirs.append(their_ctl.detach())
                 child_fds.append(theirs[-1])
-                mine.append(ctl.detach())
             join_fds: list[int] = []
             if self.cgroups is not None:
                 from supervisor.sandbox.cgroups import Limits
@@ -536,6 +586,8 @@ class Broker:
             pidfd = os.pidfd_open(proc.pid)
         except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
             P.close_fds(mine)
+            if ctl is not None:
+                ctl.close()
             if cg is not None:
                 try:
                     cg.kill_all()
@@ -545,7 +597,7 @@ class Broker:
             raise Failed(f"{w.name}: {type(e).__name__}: {e}") from None
         finally:
             P.close_fds(theirs)
-        inc = _Incarnation(w.name, req.incarnation, proc, cg)
+        inc = _Incarnation(w.name, req.incarnation, proc, cg, ctl=ctl)
         if cg is not None:
             try:
                 inc.oom_before = cg.oom_kills()
@@ -623,6 +675,7 @@ class Broker:
             t.start()
             self._releasing.append(t)
         del self.live[(inc.worker, inc.number)]
+        inc.close_ctl()
         self.reaped.append((inc.worker, inc.number))
         self.log.emit("broker_reaped", source="broker", worker=inc.worker,
                       incarnation=inc.number, pid=inc.proc.pid, code=code, oom_kills=oom)

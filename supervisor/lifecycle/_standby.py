@@ -9,7 +9,34 @@ import time
 
 import trio
 
+from ._incarnation import BrokerIncarnation, Incarnation
 from ._run import WorkerRun
+
+
+def _can_hand_over(inc: Incarnation) -> bool:
+    """Whether the standby's channels have a way in: our end of its control socket
+    (started here), or the broker's (it keeps it and serves `adopt`)."""
+    return isinstance(inc, BrokerIncarnation) or inc.ctl_sock is not None
+
+
+async def _hand_over(inc: Incarnation, handles: dict[str, object]) -> None:
+    """Send a standby its channels. Through the broker, an `adopt` request: the broker
+    checks the fds as a start's and sends them itself over the control socket it never
+    handed us (red team 10 row 9: a compromised supervisor proper handed a research
+    standby a writable control segment and its own broker connection). Direct: over our
+    end of the control socket, as the start's channels are passed. A refusal is an
+    OSError with the broker's one line."""
+    if isinstance(inc, BrokerIncarnation):
+        from supervisor.broker import BrokerError
+
+        try:
+            await trio.to_thread.run_sync(inc.client.adopt, inc.worker, inc.number, handles)
+        except BrokerError as e:
+            raise OSError(f"broker: {e.code}: {e.reason}") from None
+        return
+    chans = {ch: h.to_json() for ch, h in handles.items()}
+    fds = [fd for h in handles.values() for fd in h.fds()]
+    socket.send_fds(inc.ctl_sock, [json.dumps({"channels": chans, "fds": fds}).encode()], fds)
 
 
 class _WarmStandby:
@@ -89,18 +116,17 @@ class _WarmStandby:
             if sb is None:
                 return False
             run.standbys.remove(sb)
-            if (sb.alive and not sb.refused and sb.current.ctl_sock is not None
+            if (sb.alive and not sb.refused and _can_hand_over(sb.current)
                     and (sb.current.watch is not None or not self._strict(sb))):
                 break
             if sb.alive:                        # unfit: the next one
                 self._kill(sb)
-        handles = self._handles(run.cfg)
-        chans = {ch: h.to_json() for ch, h in handles.items()}
-        fds = [fd for h in handles.values() for fd in h.fds()]
         try:
-            socket.send_fds(sb.current.ctl_sock,
-                            [json.dumps({"channels": chans, "fds": fds}).encode()], fds)
+            await _hand_over(sb.current, self._handles(run.cfg))
         except OSError as e:
+            # Refused or failed: this standby is discarded (killed; its exit is logged as
+            # a standby's) and the run starts cold as without one, a start checked as
+            # any start; the standby behind it is kept for the next death.
             self.log.emit("standby_failed", worker=run.cfg.name, error=f"hand-over: {e}")
             self._kill(sb)
             return False
