@@ -170,6 +170,47 @@ def test_admission_never_admits_control_code_it_cannot_read(code_dir):
         for leftover in ("rt11lazy.py", "rt11lazy.pyc"):
             (code_dir / leftover).unlink(missing_ok=True)
 
+
+@pytest.mark.xfail(strict=True, reason="redteam11 row 12: a sourceless .pyc inside a "
+                   "python_path's __pycache__ imports as the namespace package __pycache__; "
+                   "code_dir_problem exempts it and the digest skips it")
+def test_bytecode_under_pycache_without_a_source_is_refused(code_dir, tmp_path):
+    """Rows 1, 2 and 9 as fixed: a sourceless `.pyc` is refused outside `__pycache__`,
+    and a cached `.pyc` must be what its source compiles to. A `.pyc` *inside*
+    `__pycache__` with no source beside it is neither: yet `__pycache__` is an
+    identifier, the directory a namespace package, and `__pycache__/evil.pyc` a module
+    (`importlib.import_module` of a computed name: admission's documented limit, a note).
+    Nothing reads it: code_dir_problem, admission and the audit's digest."""
+    from supervisor.audit.provenance import tree_sha256
+    from supervisor.config._runtime import code_dir_problem
+
+    cache = code_dir / "__pycache__"
+    cache.mkdir(mode=0o755, exist_ok=True)
+    cache.chmod(0o755)
+    src = tmp_path / "_evil.py"            # compiled here: never part of the tree
+    mod = code_dir / "rt11ns.py"
+    try:
+        src.write_text("LIMIT = 5.0  # never reviewed\n")
+        py_compile.compile(str(src), cfile=str(cache / "evil.pyc"), doraise=True)
+        (cache / "evil.pyc").chmod(0o644)
+        mod.write_text("import importlib\n\n"
+                       "m = importlib.import_module('.'.join(['__pycache__', 'evil']))\n")
+        mod.chmod(0o644)
+        before = tree_sha256(str(code_dir))
+        ran = _sandboxed(code_dir, "import rt11ns; print('LIMIT', rt11ns.m.LIMIT)")
+        why = code_dir_problem(str(code_dir), owners=True)
+        src.write_text("LIMIT = 50.0\n")
+        py_compile.compile(str(src), cfile=str(cache / "evil.pyc"), doraise=True)
+        after = tree_sha256(str(code_dir))
+        print(f"rt11 row 12: sandbox {ran.stdout.strip()!r}; code_dir_problem {why!r}; "
+              f"digest {'unchanged' if after == before else 'changed'} after evil.pyc changed")
+        assert ran.returncode == 0 and "LIMIT 5.0" in ran.stdout, ran.stderr
+        assert why is not None and "evil.pyc" in why, why
+    finally:
+        for f in (src, mod):
+            f.unlink(missing_ok=True)
+        shutil.rmtree(cache, ignore_errors=True)
+
 # ================================================================ the units' own namespace
 
 # $1 the config (put on a fresh tmpfs at /opt, as an install would have it), $2 the
