@@ -211,6 +211,50 @@ def test_bytecode_under_pycache_without_a_source_is_refused(code_dir, tmp_path):
             f.unlink(missing_ok=True)
         shutil.rmtree(cache, ignore_errors=True)
 
+
+@pytest.mark.xfail(strict=True, reason="redteam11 row 13: a control python_path that is a zip "
+                   "archive passes the config check; its sitecustomize runs first in every "
+                   "sandbox and its digest is a constant 'unreadable' string")
+def test_a_python_path_that_is_an_archive_is_refused(tmp_path):
+    """`[domains.control] python_path` may name any absolute path that exists: a zip
+    archive passes `check_runtime` (`code_dir_problem` walks nothing: `os.walk` of a file
+    yields nothing, `_hook_in`'s listdir fails quietly), bwrap binds it, and zipimport
+    serves it on the sandbox's PYTHONPATH: its `sitecustomize.py` runs in every control
+    sandbox before the runner's rules. The audit's digest of it is the string
+    'unreadable: ...: Not a directory', the same whatever the archive holds."""
+    import zipfile
+
+    from supervisor.audit.provenance import tree_sha256
+    from supervisor.config import check_runtime, loads
+
+    tmp, _pp = _root_dir("rt11z-")
+    try:
+        archive = tmp / "lib.zip"
+        with zipfile.ZipFile(archive, "w") as z:
+            z.writestr("sitecustomize.py", f"print('{MARK} sitecustomize from an archive', "
+                                           "flush=True)\n")
+        archive.chmod(0o644)
+        cfg = loads(f"""
+[domains.control]
+python_path = ["{archive}"]
+[channels.a]
+slot_size = "4KiB"
+dtype = "float32"
+[workers.a]
+domain = "control"
+module = "workers.probe"
+publishes = ["a"]
+""")
+        problems = [str(p) for p in check_runtime(cfg)]
+        digest = tree_sha256(str(archive))
+        ran = _sandboxed(archive, "print('worker code')")
+        print(f"rt11 row 13: check_runtime {problems}; digest {digest!r}; sandbox "
+              f"{ran.stdout!r}")
+        assert ran.returncode == 0, ran.stderr
+        assert any("lib.zip" in p for p in problems), problems
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
 # ================================================================ the units' own namespace
 
 # $1 the config (put on a fresh tmpfs at /opt, as an install would have it), $2 the
