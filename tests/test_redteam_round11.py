@@ -255,6 +255,47 @@ publishes = ["a"]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
+
+@pytest.mark.xfail(strict=True, reason="redteam11 row 14: admission reads a control module's "
+                   "source and admits it while the sandbox runs a planted __pycache__ .pyc "
+                   "(import torch) in its place")
+def test_admission_judges_the_bytecode_a_control_module_runs(code_dir):
+    """Admission is the gate for every control module, the project's own packages
+    included (`workers/`, `supervisor/`: no `code_dir_problem` runs there, only the
+    audit's digest, which nobody runs at start). A cached `.pyc` stamped with its
+    source's mtime and size runs in place of the source; admission reads the source.
+    Planted here in a python_path package (the project tree is shared); the walk is
+    the same for `workers.controlsd`."""
+    from supervisor.admission.check import check_worker
+    from supervisor.sandbox.policy import worker_sys_path
+
+    pkg = code_dir / "rt11cached"
+    pkg.mkdir(mode=0o755)
+    pkg.chmod(0o755)
+    mod = pkg / "__init__.py"
+    mod.write_text("def main(ctx):\n    pass\n")
+    mod.chmod(0o644)
+    try:
+        st = mod.stat()
+        code = compile("def main(ctx):\n    import torch\n", str(mod), "exec")
+        cache = pkg / "__pycache__"
+        cache.mkdir(mode=0o755)
+        cache.chmod(0o755)
+        pyc = cache / f"__init__.{sys.implementation.cache_tag}.pyc"
+        pyc.write_bytes(_code_to_timestamp_pyc(code, int(st.st_mtime), st.st_size))
+        pyc.chmod(0o644)
+        ran = _sandboxed(code_dir, "import rt11cached, dis; print('imports', "
+                                   "[i.argval for i in dis.get_instructions(rt11cached.main) "
+                                   "if i.opname == 'IMPORT_NAME'])")
+        report = check_worker("w", "control", "rt11cached", None,
+                              worker_sys_path(True, (str(code_dir),)))
+        print(f"rt11 row 14: sandbox runs {ran.stdout.strip()!r}; admission: "
+              f"{report.format().splitlines()[0]!r}")
+        assert ran.returncode == 0 and "torch" in ran.stdout, ran.stderr
+        assert not report.ok, report.format()
+    finally:
+        shutil.rmtree(pkg, ignore_errors=True)
+
 # ================================================================ the units' own namespace
 
 # $1 the config (put on a fresh tmpfs at /opt, as an install would have it), $2 the
