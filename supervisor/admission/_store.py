@@ -98,7 +98,8 @@ def encode(key: list[Any], witness: Witness, s: Static) -> dict[str, Any]:
         "version": code_version(), "key": key,
         "witness": {p: _enc_id(i) for p, i in witness.ids.items()},
         "walks": [{"entry": w.entry, "sys_path": w.sys_path, "notes": w.notes,
-                   "hits": [_enc_hit(h) for h in w.hits]} for w in s.walks],
+                   "hits": [_enc_hit(h) for h in w.hits],
+                   "unreadable": [list(u) for u in w.unreadable]} for w in s.walks],
         "package_roots": s.package_roots,
         "elf": {"notes": s.elf.notes, "checked": s.elf.checked,
                 "hits": [[h.root, h.library, h.resolved, h.chain] for h in s.elf.hits]},
@@ -108,7 +109,8 @@ def encode(key: list[Any], witness: Witness, s: Static) -> dict[str, Any]:
 
 def decode(d: dict[str, Any]) -> tuple[Witness, Static]:
     walks = tuple(WalkResult(str(w["entry"]), list(w["sys_path"]), [_dec_hit(h) for h in w["hits"]],
-                             {}, list(w["notes"])) for w in d["walks"])
+                             {}, list(w["notes"]),
+                             [(str(m), str(f)) for m, f in w["unreadable"]]) for w in d["walks"])
     elf = ElfResult([ElfHit(r, lib, res, list(chain)) for r, lib, res, chain in d["elf"]["hits"]],
                     list(d["elf"]["notes"]), list(d["elf"]["checked"]))
     witness = Witness({str(p): _dec_id(i) for p, i in d["witness"].items()})

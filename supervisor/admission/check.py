@@ -134,6 +134,13 @@ def check_worker(
         display = walk.display
         for import_hit in walk.hits:
             _add_import_hit(report, import_hit, display)
+        for module, file in walk.unreadable:
+            # fail closed: bytecode without source (or code in an archive) is code
+            # this walk cannot read, so cannot show torch-free (red team 11 row 9)
+            report.findings.append(Finding(
+                "import", name, domain, [walk.entry, module],
+                f"control-domain worker {name}: {module} ({display(file)}) is code "
+                f"admission cannot read (no source): ship its source"))
         report.notes.extend(walk.notes)
     for elf_hit in static.elf.hits:
         _add_elf_hit(report, elf_hit, static.package_roots)
@@ -238,7 +245,7 @@ def _static_uncached(module: str | None, argv: list[str] | None, sys_path: list[
     roots = native_files_in([loc for locs in package_roots.values() for loc in locs]) + executables
     elf = check_elf_files(roots, resolver=LibraryResolver(ld_library_path))
     # the module graph (thousands of nodes) has served: keep what the report reads
-    kept = tuple(WalkResult(w.entry, w.sys_path, w.hits, {}, w.notes) for w in walks)
+    kept = tuple(WalkResult(w.entry, w.sys_path, w.hits, {}, w.notes, w.unreadable) for w in walks)
     return Static(kept, package_roots, elf, exe_missing, tuple(notes))
 
 

@@ -106,6 +106,7 @@ class WalkResult:
     hits: list[ImportHit] = field(default_factory=list)
     modules: dict[str, ModuleNode] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    unreadable: list[tuple[str, str]] = field(default_factory=list)   # (module, file)
 
     @property
     def display(self) -> PathDisplay:
@@ -162,6 +163,9 @@ class ImportWalker:
         self.sys_path = [os.path.abspath(p or os.curdir) for p in sys_path]
         self.nodes: dict[str, ModuleNode] = {}
         self.notes: list[str] = []
+        # (module, file) found as code with no source to read (a sourceless .pyc, a
+        # module inside an archive): control refuses them (red team 11 row 9)
+        self.unreadable: list[tuple[str, str]] = []
         self._package_modules: dict[str, list[str]] = {}
         # FileFinder caches directory listings; files created since the last
         # look (tests, freshly deployed workers) must be seen.
@@ -249,6 +253,8 @@ class ImportWalker:
         if node.kind != "source" or not node.file:
             if node.kind == "opaque":
                 self.notes.append(f"{node.name}: no source to read ({node.file}); its imports were not walked")
+                if node.file and node.file not in ("built-in", "frozen"):
+                    self.unreadable.append((node.name, node.file))
             return ()
         try:
             sites, notes = _scan_file(node.file, node.name, node.search_locations is not None)
@@ -346,6 +352,7 @@ class ImportWalker:
 
         result.modules = {k: v for k, v in self.nodes.items() if k in visited}
         result.notes = list(dict.fromkeys(self.notes))
+        result.unreadable = [u for u in dict.fromkeys(self.unreadable) if u[0] in visited]
         return result
 
 

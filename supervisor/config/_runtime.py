@@ -188,15 +188,18 @@ _TREE_MAX = 20_000            # entries of a python_path checked, at most
 
 
 def _hook_in(d: str) -> str | None:
+    """A start-up hook in directory `d`: a package of its name, or a file the path
+    finder would import as it (source, sourceless .pyc, any extension suffix: judged
+    by the import system's own suffixes, red team 11 row 1)."""
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return None
+    suffixes = tuple(importlib.machinery.all_suffixes())
     for hook in _STARTUP_HOOKS:
-        for name in (f"{hook}.py", hook):
-            if os.path.lexists(os.path.join(d, name)):
-                return os.path.join(d, name)
-        try:
-            if any(n.startswith(hook + ".") and n.endswith(".so") for n in os.listdir(d)):
-                return os.path.join(d, hook + ".*.so")
-        except OSError:
-            pass
+        for n in sorted(names):
+            if n == hook or (n.startswith(hook + ".") and n.endswith(suffixes)):
+                return os.path.join(d, n)
     return None
 
 
@@ -245,6 +248,29 @@ def code_dir_problem(path: str, *, owners: bool = True) -> str | None:
             why = bad(name, st, parent=False)
             if why:
                 return f"{path}: {why}: only root may change what control imports"
+            why = _bytecode_problem(name, st)
+            if why:
+                return why
+    return None
+
+
+def _bytecode_problem(name: str, st: os.stat_result) -> str | None:
+    """Bytecode in a vouched code tree that the sandbox would run instead of the source
+    admission read (red team 11 rows 2, 9)."""
+    from supervisor.admission.bytecode import sourceless, unfaithful
+
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    base = os.path.basename(name)
+    if sourceless(base) and os.path.basename(os.path.dirname(name)) != "__pycache__":
+        return (f"{name}: sourceless bytecode, a module admission cannot read: ship its "
+                f"source, never the .pyc alone")
+    if base.endswith(".py"):
+        cached = unfaithful(name)
+        if cached:
+            return (f"{cached}: bytecode the interpreter would run instead of {base}, and "
+                    f"not what {base} compiles to: remove it (admission and the audit read "
+                    f"the source)")
     return None
 
 

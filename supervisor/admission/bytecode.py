@@ -1,0 +1,68 @@
+"""Bytecode the import system would run instead of the source admission read.
+
+A sandbox sets PYTHONDONTWRITEBYTECODE (it never writes a .pyc), but the interpreter
+still reads one: `__pycache__/NAME.cpython-311.pyc` whose header matches the source
+(a timestamp .pyc: the source's mtime and size, both known to whoever can write the
+directory; an unchecked hash .pyc: always) is run in place of NAME.py, and a sourceless
+NAME.pyc beside where NAME.py would be is a module of its own (red team 11 rows 1, 2, 9).
+Admission reads source, and the audit digests source: a .pyc is honest only if it is
+what the source compiles to. Checking that costs a compile of each such source, so it
+is done for the trees whose code is vouched for (control python_paths, the audit's).
+"""
+from __future__ import annotations
+
+import importlib.util
+import marshal
+import os
+
+_MAGIC = importlib.util.MAGIC_NUMBER
+_HEADER = 16
+
+
+def sourceless(name: str) -> bool:
+    """A file name the path finder imports as sourceless bytecode (outside __pycache__)."""
+    return name.endswith(".pyc")
+
+
+def loaded_instead(source: str) -> str | None:
+    """The cached .pyc the import system would load for `source` (its header valid for
+    this source and interpreter), or None when it would compile the source."""
+    try:
+        cfile = importlib.util.cache_from_source(source)
+        with open(cfile, "rb") as f:
+            head = f.read(_HEADER)
+        with open(source, "rb") as f:
+            data = f.read()
+        st = os.stat(source)
+    except (OSError, NotImplementedError, ValueError):
+        return None
+    if len(head) < _HEADER or head[:4] != _MAGIC:
+        return None
+    flags = int.from_bytes(head[4:8], "little")
+    if flags == 0:                 # timestamp: mtime and size as the interpreter compares them
+        if (int.from_bytes(head[8:12], "little") != int(st.st_mtime) & 0xFFFFFFFF
+                or int.from_bytes(head[12:16], "little") != len(data) & 0xFFFFFFFF):
+            return None
+    elif flags & 1:                # hash-based: checked ones must match, unchecked always load
+        if flags & 2 and head[8:16] != importlib.util.source_hash(data):
+            return None
+    else:
+        return None
+    return cfile
+
+
+def unfaithful(source: str) -> str | None:
+    """The cached .pyc the interpreter would run instead of `source` when it is not
+    what `source` compiles to (code objects compared: constants, names, bytecode, line
+    table), or None. An honest cache (written by any import of this source) passes."""
+    cfile = loaded_instead(source)
+    if cfile is None:
+        return None
+    try:
+        with open(cfile, "rb") as f:
+            cached = marshal.loads(f.read()[_HEADER:])
+        with open(source, "rb") as f:
+            fresh = compile(f.read(), source, "exec", dont_inherit=True)
+    except (OSError, ValueError, EOFError, TypeError, SyntaxError):
+        return cfile               # a cache that cannot be read back is not this source
+    return None if cached == fresh else cfile
