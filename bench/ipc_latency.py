@@ -507,7 +507,7 @@ def _paired_pass(keys: list[str], skipped: dict, sizes, modes, args) -> dict:
                           f"sender CPU {c['tx_cpu_us']:.1f} + receiver CPU "
                           f"{c['rx_cpu_us']:.1f} = {c['tx_cpu_us'] + c['rx_cpu_us']:.1f} "
                           f"us; taken on the sender's CPU {c['same_cpu']:.2f}; sender "
-                          f"faults {c['tx_faults']:.3f}")
+                          f"faults {c['tx_faults']:.3f}; window full {c['tx_full']:.2f}")
     iox2_cleanup()
     return out
 
