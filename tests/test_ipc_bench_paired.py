@@ -57,3 +57,4 @@ def test_bursts_alternate_and_each_is_timed():
     for c in got["cost"].values():
         assert c["wall_us"] > 0 and c["tx_cpu_us"] > 0 and c["rx_cpu_us"] > 0, c
         assert 0.0 <= c["same_cpu"] <= 1.0 and c["tx_faults"] >= 0.0, c
+        assert 0.0 <= c["tx_full"] <= 1.0, c

@@ -57,8 +57,9 @@ P_RX_OPEN = 13    # every receiver is open
 P_DONE = 14       # the receiver has taken the last message
 P_TX_CPU = 15     # throughput: the CPU the sender is on as it sends (stored just before)
 # Columns of a burst's row (_run_stream): the receiver's, then the sender's.
-B_TRANSPORT, B_MSGS, B_NS, B_GAPS, B_RX_CPU_NS, B_SAME_CPU, B_TX_CPU_NS, B_TX_FAULTS = range(8)
-B_COLS = 8
+B_TRANSPORT, B_MSGS, B_NS, B_GAPS, B_RX_CPU_NS, B_SAME_CPU, B_TX_CPU_NS, B_TX_FAULTS, \
+    B_TX_FULL = range(9)
+B_COLS = 9
 LOST_S = 2.0      # no message on the expected transport for this long: fail, not hang
 
 
@@ -226,7 +227,12 @@ def _stream_sender(ts: list[Transport], ctrl: np.ndarray, bursts: np.ndarray,
     for b in range(len(bursts)):
         j = order(b, k)
         cpu0, flt0 = _usage()
+        full = 0
         for i in range(m):
+            # Which end bounds the stream: a sender that finds the window full waits
+            # for the receiver (the receiver is the slower end); one that never does
+            # is the slower end itself.
+            full += i > 0 and g - ctrl[C_LAST_SEQ] > window
             # A burst starts once the last one is drained: bursts never overlap.
             _wait_credit(ctrl, g, 1 if i == 0 else window, 0.5, False,
                          credit.SPIN_NS_STREAM)
@@ -235,7 +241,7 @@ def _stream_sender(ts: list[Transport], ctrl: np.ndarray, bursts: np.ndarray,
             per[j] += 1
             g += 1
         cpu1, flt1 = _usage()
-        bursts[b, B_TX_CPU_NS], bursts[b, B_TX_FAULTS] = cpu1 - cpu0, flt1 - flt0
+        bursts[b, B_TX_CPU_NS:] = cpu1 - cpu0, flt1 - flt0, full
         if ctrl[C_ABORT]:
             raise RuntimeError("aborted")
     gc.enable()
@@ -335,7 +341,8 @@ def _run_stream(tclasses: list[type[Transport]], nbytes: int, p: dict) -> dict:
     shm = mmap.mmap(-1, 8 * (C_WORDS + B_COLS * nb))
     ctrl = np.frombuffer(shm, dtype=np.int64, count=C_WORDS)
     # Per burst (B_*): transport index, messages - 1, ns first -> last taken, sequence
-    # gaps, receiver CPU ns, messages taken on the sender's CPU; sender CPU ns, faults.
+    # gaps, receiver CPU ns, messages taken on the sender's CPU; sender CPU ns, faults,
+    # messages the sender found the window full for.
     bursts = np.frombuffer(shm, dtype=np.int64, offset=8 * C_WORDS).reshape(nb, B_COLS)
     ctrl[:] = 0
     ctrl[C_LAST_SEQ] = -1
@@ -370,7 +377,10 @@ def _burst_cost(rows: np.ndarray) -> dict:
             # All bursts' faults over all their messages: a first touch of a fresh
             # slot (853 faults at NV12) lands in one burst, which a median would hide.
             "tx_faults": round(float(rows[:, B_TX_FAULTS].sum() / n.sum()), 3),
-            "same_cpu": med(rows[:, B_SAME_CPU] / n)}
+            "same_cpu": med(rows[:, B_SAME_CPU] / n),
+            # The share of messages (after each burst's first) the sender found the
+            # window full for: ~1, the receiver bounds the stream; ~0, the sender does.
+            "tx_full": med(rows[:, B_TX_FULL] / rows[:, B_MSGS])}
 
 
 def _supervise(ts: list[Transport], nbytes: int, ctrl: np.ndarray, receiver, sender,
