@@ -3,14 +3,17 @@ ordinary world a car lives in.
 
 Themes, each with one shared fixture:
 
-* code the checks do not see: a python_path's start-up hook as a sourceless ``.pyc``
-  (``code_dir_problem`` looks for ``sitecustomize.py``, a package and an ``.so``), and
-  a ``__pycache__`` entry that the audit's code-tree digest skips while the interpreter
-  imports it; each shown running inside a real control sandbox;
-* the ordinary world under one real ``supervisor run`` (vehicle mode, a state dir of
-  its own): a control writer with a warm standby that segfaults once, a research model
-  in a crash loop beside it, and finally the supervisor itself SIGKILLed (what systemd's
-  ``Restart=on-failure`` then finds: orphans, cgroups, the state-dir lock).
+* code the checks do not see (rows 1, 2, 9, 12, 13, 14): start-up hooks, bytecode and
+  archives in a control python_path that `code_dir_problem`, admission or the audit's
+  code-tree digest miss, each shown running inside a real control sandbox;
+* the units' own namespace (row 3): PrivateDevices=yes and a state dir in /dev/shm;
+* a sweep of calls no round made, from inside both domains (row 8); controlsd's law
+  under a camera's jitter and stop (row 10); the root broker's memory under refused
+  requests (row 11);
+* the ordinary world under real vehicle-mode `supervisor run`s (rows 4-7), booted while
+  the rows above run: a control writer with a warm standby that segfaults once, a
+  research model in a crash loop beside it, a stop during a control restart backoff,
+  and a supervisor SIGKILLed (what systemd's Restart=on-failure then finds).
 
 Each test asserts the claim the way it should hold. A claim that fails today is an
 ``xfail(strict=True)`` whose reason starts with "redteam11 row N"; the lead's fix turns
