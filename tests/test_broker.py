@@ -708,6 +708,84 @@ def test_channel_fds_must_be_the_channels_own(broker, channel, tmp_path):
     assert b.fd_count() == before, "the broker kept fds it was sent"
 
 
+def _labelled(ch: Channel) -> Channel:
+    """Each wake-up pair's writer end bound to its label (`_checks.wake_label`), as
+    `Channel.create` is to do (docs/broker.md, "Wake-up ends")."""
+    from supervisor.broker._checks import wake_label
+
+    nonce = os.urandom(8).hex()
+    for i, fd in enumerate(ch._event_fds):
+        with socket.socket(fileno=os.dup(fd)) as s:
+            if not s.getsockname():                 # (once Channel.create binds it: as is)
+                s.bind(wake_label(ch.spec.name, i, nonce))
+    return ch
+
+
+def test_a_wake_up_end_is_its_own_places_by_its_pairs_label():
+    """Red team 10 row 8 at the check: reader k's wake-up end handed to reader rs before
+    either ever started (no pin can know it) carries k's pair's label, and is refused;
+    so are a writer handle with two pairs swapped, another channel's pair, a pair made
+    after the place's first start, and a socket bound to anything but a label. Real
+    memfds and sockets, the broker's own check (`check_channel_fds`)."""
+    from supervisor.broker import _checks
+    from supervisor.broker._checks import ChannelPins, check_channel_fds, wake_label
+    from supervisor.config import loads
+    from supervisor.ipc.channel import ReaderHandle, WriterHandle
+
+    spec = loads(CONFIG.format(rw="/tmp"), "t.toml").channel_specs()["a_out"]
+    pins = ChannelPins()
+    ch = _labelled(Channel.create(spec))
+    other = _labelled(Channel.create(spec))
+    b_spec = loads(CONFIG.replace("a_out", "b_out").format(rw="/tmp"),
+                   "t.toml").channel_specs()["b_out"]
+    b = _labelled(Channel.create(b_spec))
+    stray = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    stray[0].bind(b"\0not-a-wake-label")
+
+    def reader(index: int, event_fd: int) -> list[int]:
+        own = ch.reader_handle(index)
+        return ReaderHandle(own.spec, index, own.data_fd, own.lease_fd, event_fd).fds()
+
+    def check(fds: list[int], role: str = "reader", index: int = 1) -> str:
+        try:
+            check_channel_fds("a_out", spec, role, fds, pins=pins, index=index)
+        except BadFds as e:
+            return e.reason
+        return "ok"
+
+    try:
+        wh = ch.writer_handle()
+        swapped = WriterHandle(spec, wh.data_fd, wh.lease_fds,
+                               (wh.event_fds[1], wh.event_fds[0], *wh.event_fds[2:]),
+                               wh.resume_above, wh.anchor)
+        assert "reader 0, not channel a_out's wake-up 1" in check(reader(1, ch.reader_handle(0).event_fd))
+        assert "channel b_out's reader 1" in check(reader(1, b.reader_handle(1).event_fd))
+        assert "not a stream socketpair end" in check(reader(1, stray[1].fileno()))
+        assert "reader 1, not channel a_out's wake-up 0" in check(swapped.fds(), "writer", 0)
+        assert check(reader(1, ch.reader_handle(1).event_fd)) == "ok"
+        assert check(wh.fds(), "writer", 0) == "ok"
+        # The place is pinned now: another pair labelled for it (a new channel's) is not it.
+        assert "another pair than at its first start" in check(
+            reader(1, other.reader_handle(1).event_fd))
+        assert wake_label("a_out", 1, "0" * 16) != wake_label("a_out", 10, "0" * 16)
+        # An unlabelled pair is checked by its pins only (it passes here: that is row 8's
+        # gap); once Channel.create labels every pair, one is refused too.
+        plain = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            assert check(reader(2, plain[1].fileno()), index=2) == "ok"
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(_checks, "REQUIRE_WAKE_LABELS", True)
+                assert "without its label" in check(reader(0, plain[0].fileno()), index=0)
+        finally:
+            for end in plain:
+                end.close()
+    finally:
+        for c in (ch, other, b):
+            c.close()
+        for s in stray:
+            s.close()
+
+
 def test_malformed_and_oversized_messages_are_refused(broker):
     b = broker
     # (datagram, the refusal, the id it answers: 0 where no id could be read)

@@ -8,7 +8,8 @@ request data reaches a decision without passing one of these).
   name, size and access: memfds named for the channel (`ipc.shm.memfd_label`) of the
   spec's sizes, read-only where the role reads (a reader's segment, a writer's view of
   the lease tables), each the one the channel's first start brought (`ChannelPins`);
-  wake-ups that are stream socketpair ends (unnamed, connected to no address). Never a
+  wake-ups that are stream socketpair ends (unnamed, connected to no address, or
+  labelled for their own place: `wake_label`). Never a
   directory, a device, a pipe or a file of the host (an fd of a host directory in a
   sandbox is a way out of its mount namespace), never a connection to anything else
   (the broker's own socket, a host daemon's): a compromised client cannot hand a
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import socket
 import stat
 from dataclasses import dataclass, field
@@ -78,7 +80,15 @@ class _Fd:
     inode: tuple[int, int] = (0, 0)
     sock_type: int = 0
     listening: bool = False
-    named: str = ""            # its own or its peer's address: a socketpair has neither
+    own: bytes = b""           # its own address (a labelled pair's writer end: wake_label)
+    peer: bytes = b""          # its peer's (a labelled pair's reader end: wake_label)
+    connected: bool = True
+
+    @property
+    def named(self) -> str:
+        """Its own or its peer's address, for a refusal's line."""
+        return "" if self.connected and not (self.own or self.peer) else \
+            repr(self.own or self.peer or "(not connected)")[:80]
 
 
 _ACCESS = {os.O_RDONLY: "r", os.O_RDWR: "rw", os.O_WRONLY: "w"}
@@ -99,14 +109,15 @@ def _fd_kind(fd: int) -> _Fd:
             kind = "socket" if fam == socket.AF_UNIX else f"socket family {int(fam)}"
             if fam != socket.AF_UNIX:
                 return _Fd(kind, access=access, inode=inode)
+            own, peer, connected = _address(s.getsockname()), b"", True
             try:
-                named = s.getsockname() or s.getpeername()
+                peer = _address(s.getpeername())
             except OSError:                    # not connected: no peer at all
-                named = "(not connected)"
+                connected = False
             return _Fd(kind, access=access, inode=inode,
                        sock_type=s.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE),
                        listening=bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)),
-                       named=repr(named)[:80] if named else "")
+                       own=own, peer=peer, connected=connected)
         finally:
             s.close()
     if stat.S_ISREG(st.st_mode):
@@ -123,6 +134,42 @@ def _fd_kind(fd: int) -> _Fd:
     kinds = {stat.S_IFDIR: "directory", stat.S_IFCHR: "character device",
              stat.S_IFBLK: "block device", stat.S_IFIFO: "pipe", stat.S_IFLNK: "symlink"}
     return _Fd(kinds.get(stat.S_IFMT(st.st_mode), "unknown"))
+
+
+def _address(a: str | bytes) -> bytes:
+    """An AF_UNIX address as bytes (Python gives a path as str, an abstract one as
+    bytes starting with NUL; unnamed is empty)."""
+    return a if isinstance(a, bytes) else os.fsencode(a)
+
+
+# A wake-up pair's label (red team 10 row 8): the writer's end bound to an abstract address
+# naming its channel and reader index, with a nonce of the channel's creation (never
+# listening: nothing can connect to it, and a sandbox's own network namespace does not
+# see it). The reader's end reads it as its peer's address. A pair is one place's: the
+# label of the writer's end and the reader's end's peer are the same, which no other pair
+# can have (one abstract address, one socket). `ipc.channel.Channel.create` binds it (the
+# name beside `ipc.shm.memfd_label`'s memfd names).
+_WAKE = re.compile(rb"\0trio-bridge:([A-Za-z0-9_][A-Za-z0-9_.-]{0,63}):wake([0-9]{1,4}):"
+                   rb"[0-9a-f]{16}")
+
+
+# Whether every wake-up pair must carry its label. Off until `Channel.create` binds the
+# labels (docs/broker.md, "Wake-up ends"): an unlabelled pair is checked by its pins only,
+# which cannot tell which reader a pair that never started is for (row 8 stays open);
+# and a writer's end of an unlabelled pair at reader k's place is never tied to k's own.
+REQUIRE_WAKE_LABELS = False
+
+
+def wake_label(channel: str, index: int, nonce: str) -> bytes:
+    """The abstract address of wake-up pair `index` of `channel` (nonce: 16 hex digits,
+    one per channel's creation, so two supervisors on one host never collide)."""
+    return b"\0" + f"trio-bridge:{channel}:wake{index}:{nonce}".encode()
+
+
+def _wake_place(label: bytes) -> tuple[str, int] | None:
+    """(channel, index) a wake-up label names; None if it is not one."""
+    m = _WAKE.fullmatch(label)
+    return (m.group(1).decode(), int(m.group(2))) if m else None
 
 
 def expected_fds(spec, role: str) -> list[tuple[str, int, str, str]]:
@@ -149,6 +196,15 @@ class ChannelPins:
 
     by_inode: dict[tuple[int, int], tuple[str, str]] = field(default_factory=dict)
     by_place: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
+    # A labelled wake-up pair's label, by (channel, reader index): the reader's end and
+    # the writer's end of one place are the two ends of one pair.
+    pairs: dict[tuple[str, int], bytes] = field(default_factory=dict)
+
+    def check_pair(self, channel: str, index: int, label: bytes) -> None:
+        had = self.pairs.get((channel, index))
+        if had is not None and had != label:
+            raise BadFds(f"channel {channel}'s wake-up {index}: another pair than at its "
+                         f"first start")
 
     def check(self, place: tuple[str, str], inode: tuple[int, int]) -> None:
         had = self.by_place.get(place)
@@ -177,6 +233,7 @@ def check_channel_fds(channel: str, spec, role: str, fds: list[int], *,
     if len(fds) != len(want):
         raise BadFds(f"channel {channel} ({role}): {len(fds)} fds, its handle has {len(want)}")
     places = []
+    pairs: list[tuple[tuple[str, int], bytes]] = []
     for i, (fd, (kind, size, access, where)) in enumerate(zip(fds, want)):
         got = _fd_kind(fd)
         what = f"channel {channel} ({role}) fd #{i}"
@@ -187,24 +244,43 @@ def check_channel_fds(channel: str, spec, role: str, fds: list[int], *,
         if kind == "memfd" and got.access != access:
             raise BadFds(f"{what}: open {got.access}, the {role}'s is {access} (a reader "
                          f"is never handed a writable segment)")
+        place = (channel, where.format(index=index))
         if kind == "socket":
-            if got.sock_type != socket.SOCK_STREAM or got.listening or got.named:
+            # The writer's end i, or reader `index`'s end: a labelled pair's label names
+            # that place (its own address for the writer's end, its peer's for the
+            # reader's); an unlabelled pair has no address at either end.
+            wake = i - 1 - spec.max_readers if role == "writer" else index
+            label, other = (got.own, got.peer) if role == "writer" else (got.peer, got.own)
+            labelled = _wake_place(label) if label and not other else None
+            if (got.sock_type != socket.SOCK_STREAM or got.listening or not got.connected
+                    or ((label or other) and labelled is None)):
                 raise BadFds(f"{what}: not a stream socketpair end (type {got.sock_type}"
                              f"{', listening' if got.listening else ''}"
                              f"{', bound or connected to ' + got.named if got.named else ''})")
-        place = (channel, where.format(index=index))
+            if labelled is None and REQUIRE_WAKE_LABELS:
+                raise BadFds(f"{what}: a wake-up pair without its label (made by "
+                             f"Channel.create for one place, never another)")
+            if labelled is not None and labelled != (channel, wake):
+                raise BadFds(f"{what}: the wake-up end of channel {labelled[0]}'s reader "
+                             f"{labelled[1]}, not channel {channel}'s {place[1]}")
+            if labelled is not None:
+                pins.check_pair(channel, wake, label)
+                pairs.append(((channel, wake), label))
         if kind == "memfd":
             label = memfd_label(channel, None if where == "segment" else
                                 int(place[1].split()[1]))
             if got.name != label:
                 raise BadFds(f"{what}: the memfd {got.name[:80]!r}, not channel {channel}'s "
                              f"{place[1]} ({label!r})")
-        # A wake-up end has no name to check: pinned, one reader's end is never
-        # another's (red team 10 row 8: control reader k's, handed to research).
+        # Pinned, one reader's end is never another's once seen; a labelled pair is its
+        # place's from its creation (red team 10 row 8: control reader k's end, handed
+        # to research reader rs before k's first start, carries k's label).
         pins.check(place, got.inode)
         places.append((place, got.inode))
     for place, inode in places:
         pins.pin(place, inode)
+    for where, label in pairs:
+        pins.pairs[where] = label
 
 
 # ---------------------------------------------------------------- the state dir
