@@ -299,6 +299,43 @@ def test_admission_judges_the_bytecode_a_control_module_runs(code_dir):
     finally:
         shutil.rmtree(pkg, ignore_errors=True)
 
+
+_ROW15 = pytest.mark.xfail(strict=True, reason="redteam11 row 15: bytecode.sourceless() "
+                           "(working tree) takes only identifier stems; importlib imports "
+                           "__pycache__/1evil.pyc all the same, unrefused")
+
+
+# The top-level case is refused at HEAD (4bd847f: any *.pyc outside __pycache__) and
+# no longer by the working tree's identifier rule: a plain test, so the regression shows.
+@pytest.mark.parametrize("where", [pytest.param("__pycache__/1evil.pyc", marks=_ROW15),
+                                   "1evil.pyc"])
+def test_sourceless_bytecode_of_any_name_is_refused(code_dir, tmp_path, where):
+    """The fix of row 12 (working tree, 14:38) refuses a sourceless `.pyc` whose stem is
+    an identifier, so that a cache (`NAME.cpython-311.pyc`) is not taken for a module.
+    But `importlib.import_module` imports any stem the path finder finds, identifier or
+    not: `__pycache__.1evil`, `1evil`, `x-y`."""
+    from supervisor.config._runtime import code_dir_problem
+
+    target = code_dir / where
+    target.parent.mkdir(mode=0o755, exist_ok=True)
+    target.parent.chmod(0o755)
+    src = tmp_path / "_evil.py"
+    src.write_text("LIMIT = 5.0  # never reviewed\n")
+    py_compile.compile(str(src), cfile=str(target), doraise=True)
+    target.chmod(0o644)
+    name = where[:-4].replace("/", ".")
+    try:
+        ran = _sandboxed(code_dir, f"import importlib; print('LIMIT', "
+                                   f"importlib.import_module({name!r}).LIMIT)")
+        why = code_dir_problem(str(code_dir), owners=True)
+        print(f"rt11 row 15 ({where}): sandbox {ran.stdout.strip()!r}; code_dir_problem {why!r}")
+        assert ran.returncode == 0 and "LIMIT 5.0" in ran.stdout, ran.stderr
+        assert why is not None and "1evil" in why, why
+    finally:
+        target.unlink()
+        if target.parent != code_dir:
+            shutil.rmtree(target.parent, ignore_errors=True)
+
 # ================================================================ the units' own namespace
 
 # $1 the config (put on a fresh tmpfs at /opt, as an install would have it), $2 the
