@@ -336,6 +336,57 @@ def test_sourceless_bytecode_of_any_name_is_refused(code_dir, tmp_path, where):
         if target.parent != code_dir:
             shutil.rmtree(target.parent, ignore_errors=True)
 
+_PREFIX_CHECK = """
+import sys
+from supervisor.admission.check import check_worker
+from supervisor.config._runtime import code_dir_problem
+from supervisor.sandbox.policy import worker_sys_path
+pp = sys.argv[1]
+r = check_worker("w", "control", "rt11pfx", None, worker_sys_path(True, (pp,)))
+print("prefix", sys.pycache_prefix)
+print("admission", r.format().splitlines()[0])
+print("code_dir_problem", code_dir_problem(pp))
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="redteam11 row 16: with PYTHONPYCACHEPREFIX in the "
+                   "supervisor's environment, admission and code_dir_problem look for caches "
+                   "under the prefix; the sandbox (environment cleared) runs __pycache__'s")
+def test_the_bytecode_checks_look_where_the_sandbox_reads(code_dir, tmp_path):
+    """Rows 2 and 14 as fixed find the cache with `importlib.util.cache_from_source`,
+    which follows the checking process's own `sys.pycache_prefix`. A supervisor started
+    from a developer's shell that sets PYTHONPYCACHEPREFIX (a common way to keep
+    checkouts free of `__pycache__`) then looks under the prefix, while every sandbox,
+    its environment cleared, imports `__pycache__/...pyc`."""
+    pkg = code_dir / "rt11pfx"
+    pkg.mkdir(mode=0o755)
+    pkg.chmod(0o755)
+    mod = pkg / "__init__.py"
+    mod.write_text("def main(ctx):\n    pass\n")
+    mod.chmod(0o644)
+    try:
+        st = mod.stat()
+        cache = pkg / "__pycache__"
+        cache.mkdir(mode=0o755)
+        cache.chmod(0o755)
+        pyc = cache / f"__init__.{sys.implementation.cache_tag}.pyc"
+        pyc.write_bytes(_code_to_timestamp_pyc(
+            compile("def main(ctx):\n    import torch\n", str(mod), "exec"),
+            int(st.st_mtime), st.st_size))
+        pyc.chmod(0o644)
+        said = {}
+        for prefix in (str(tmp_path / "pycache"), ""):
+            p = subprocess.run([PY, "-c", _PREFIX_CHECK, str(code_dir)], capture_output=True,
+                               text=True, timeout=60, cwd=REPO,
+                               env={**os.environ, "PYTHONPYCACHEPREFIX": prefix})
+            assert p.returncode == 0, p.stderr[-2000:]
+            said[prefix or "none"] = dict(ln.split(" ", 1) for ln in p.stdout.splitlines())
+        print(f"rt11 row 16: {said}")
+        for got in said.values():
+            assert got["admission"].startswith("refused") and got["code_dir_problem"] != "None", said
+    finally:
+        shutil.rmtree(pkg, ignore_errors=True)
+
 # ================================================================ the units' own namespace
 
 # $1 the config (put on a fresh tmpfs at /opt, as an install would have it), $2 the
