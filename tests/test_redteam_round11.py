@@ -357,7 +357,9 @@ def test_the_bytecode_checks_look_where_the_sandbox_reads(code_dir, tmp_path):
     which follows the checking process's own `sys.pycache_prefix`. A supervisor started
     from a developer's shell that sets PYTHONPYCACHEPREFIX (a common way to keep
     checkouts free of `__pycache__`) then looks under the prefix, while every sandbox,
-    its environment cleared, imports `__pycache__/...pyc`."""
+    its environment cleared, imports `__pycache__/...pyc`. And the admission cache
+    (TRIO_ADMISSION_CACHE) keeps that verdict for the next supervisor, without the
+    prefix: its witness holds (the prefix's cache path is still missing)."""
     pkg = code_dir / "rt11pfx"
     pkg.mkdir(mode=0o755)
     pkg.chmod(0o755)
@@ -378,7 +380,9 @@ def test_the_bytecode_checks_look_where_the_sandbox_reads(code_dir, tmp_path):
         for prefix in (str(tmp_path / "pycache"), ""):
             p = subprocess.run([PY, "-c", _PREFIX_CHECK, str(code_dir)], capture_output=True,
                                text=True, timeout=60, cwd=REPO,
-                               env={**os.environ, "PYTHONPYCACHEPREFIX": prefix})
+                               env={**os.environ, "PYTHONPYCACHEPREFIX": prefix,
+                                    # one admission cache for both, as a machine has
+                                    "TRIO_ADMISSION_CACHE": str(tmp_path / "admission")})
             assert p.returncode == 0, p.stderr[-2000:]
             said[prefix or "none"] = dict(ln.split(" ", 1) for ln in p.stdout.splitlines())
         print(f"rt11 row 16: {said}")
