@@ -274,3 +274,26 @@ def test_an_incomplete_replay_never_reads_as_a_difference(slow_runner_replay):
     assert "timed out" in err
     assert "DIFFERS" not in out, out[:1200]
     assert not (run / "diff.md").exists() or "differs" not in (run / "diff.md").read_text()
+
+
+@pytest.mark.xfail(strict=True, reason="review7 finding 6: a drive recorded by an older "
+                   "version (a config key since gone) names the derived replay.toml, not "
+                   "the log's source.toml, and not --config")
+def test_a_drive_of_an_older_config_says_which_file_and_what_to_do(tmp_path, monkeypatch):
+    """A drive this machine recorded (sealed here) with last version's config: one key
+    this version no longer knows. The developer should read which file (the log's
+    source.toml) and the way on (--config F: its frames through today's pipeline)."""
+    from supervisor.replay.seal import seal
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    _drive(tmp_path / "old", frames_missing=(), outputs_missing=())
+    doc = (REPO / "supervisor" / "configs" / "minimal.toml").read_text()
+    doc = doc.replace("[supervisor]\n", "[supervisor]\nlegacy_knob = 1\n", 1)
+    (tmp_path / "old" / "source.toml").write_text(doc)
+    (tmp_path / "old" / "source.toml.seal").write_bytes(seal(doc.encode()))
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "replay", str(tmp_path / "old"),
+                        "--out", str(tmp_path / "run"), "--no-progress"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "legacy_knob" in r.stderr
+    assert "source.toml" in r.stderr and "--config" in r.stderr, r.stderr
