@@ -391,6 +391,41 @@ def test_the_bytecode_checks_look_where_the_sandbox_reads(code_dir, tmp_path):
     finally:
         shutil.rmtree(pkg, ignore_errors=True)
 
+_SHADOW = '''import importlib.util, os, sys
+print("RT11 python_path threading.py ran before the runner's rules", flush=True)
+_spec = importlib.util.spec_from_file_location(
+    "threading", os.path.join(os.path.dirname(os.__file__), "threading.py"))
+_real = importlib.util.module_from_spec(_spec)
+sys.modules["threading"] = _real
+_spec.loader.exec_module(_real)
+'''
+
+
+@pytest.mark.xfail(strict=True, reason="redteam11 row 17: a control python_path module named "
+                   "like a stdlib module (threading.py) runs inside the runner's imports, "
+                   "before its rules; code_dir_problem says nothing")
+def test_a_python_path_never_shadows_what_the_runner_imports(code_dir):
+    """A python_path is on the sandbox's PYTHONPATH, ahead of the standard library (and,
+    in a non-editable install, ahead of site-packages and the project's own packages).
+    `threading.py` there is imported by `supervisor.runner` itself, before Landlock, the
+    guard, the exec watch and the lock-down: the start-up hook that `code_dir_problem`
+    refuses as `sitecustomize` (red team 7), under another name. This one hands over to
+    the real module, so nothing else notices."""
+    from supervisor.config._runtime import code_dir_problem
+
+    shadow = code_dir / "threading.py"
+    shadow.write_text(_SHADOW)
+    shadow.chmod(0o644)
+    try:
+        ran = _sandboxed(code_dir, "import supervisor.runner, sys; "
+                                   "print('threading', sys.modules['threading'].__file__)")
+        why = code_dir_problem(str(code_dir), owners=True)
+        print(f"rt11 row 17: sandbox {ran.stdout.strip()!r}; code_dir_problem {why!r}")
+        assert ran.returncode == 0 and "before the runner" in ran.stdout, ran.stderr
+        assert why is not None and "threading" in why, why
+    finally:
+        shadow.unlink()
+
 # ================================================================ the units' own namespace
 
 # $1 the config (put on a fresh tmpfs at /opt, as an install would have it), $2 the
