@@ -174,9 +174,6 @@ def test_admission_never_admits_control_code_it_cannot_read(code_dir):
             (code_dir / leftover).unlink(missing_ok=True)
 
 
-@pytest.mark.xfail(strict=True, reason="redteam11 row 12: a sourceless .pyc inside a "
-                   "python_path's __pycache__ imports as the namespace package __pycache__; "
-                   "code_dir_problem exempts it and the digest skips it")
 def test_bytecode_under_pycache_without_a_source_is_refused(code_dir, tmp_path):
     """Rows 1, 2 and 9 as fixed: a sourceless `.pyc` is refused outside `__pycache__`,
     and a cached `.pyc` must be what its source compiles to. A `.pyc` *inside*
@@ -215,9 +212,6 @@ def test_bytecode_under_pycache_without_a_source_is_refused(code_dir, tmp_path):
         shutil.rmtree(cache, ignore_errors=True)
 
 
-@pytest.mark.xfail(strict=True, reason="redteam11 row 13: a control python_path that is a zip "
-                   "archive passes the config check; its sitecustomize runs first in every "
-                   "sandbox and its digest is a constant 'unreadable' string")
 def test_a_python_path_that_is_an_archive_is_refused(tmp_path):
     """`[domains.control] python_path` may name any absolute path that exists: a zip
     archive passes `check_runtime` (`code_dir_problem` walks nothing: `os.walk` of a file
@@ -259,9 +253,6 @@ publishes = ["a"]
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-@pytest.mark.xfail(strict=True, reason="redteam11 row 14: admission reads a control module's "
-                   "source and admits it while the sandbox runs a planted __pycache__ .pyc "
-                   "(import torch) in its place")
 def test_admission_judges_the_bytecode_a_control_module_runs(code_dir):
     """Admission is the gate for every control module, the project's own packages
     included (`workers/`, `supervisor/`: no `code_dir_problem` runs there, only the
@@ -300,15 +291,8 @@ def test_admission_judges_the_bytecode_a_control_module_runs(code_dir):
         shutil.rmtree(pkg, ignore_errors=True)
 
 
-_ROW15 = pytest.mark.xfail(strict=True, reason="redteam11 row 15: bytecode.sourceless() "
-                           "(working tree) takes only identifier stems; importlib imports "
-                           "__pycache__/1evil.pyc all the same, unrefused")
-
-
-# The top-level case is refused at HEAD (4bd847f: any *.pyc outside __pycache__) and
-# no longer by the working tree's identifier rule: a plain test, so the regression shows.
-@pytest.mark.parametrize("where", [pytest.param("__pycache__/1evil.pyc", marks=_ROW15),
-                                   "1evil.pyc"])
+# A sourceless module of any stem, top-level or inside __pycache__ (row 15).
+@pytest.mark.parametrize("where", ["__pycache__/1evil.pyc", "1evil.pyc"])
 def test_sourceless_bytecode_of_any_name_is_refused(code_dir, tmp_path, where):
     """The fix of row 12 (working tree, 14:38) refuses a sourceless `.pyc` whose stem is
     an identifier, so that a cache (`NAME.cpython-311.pyc`) is not taken for a module.

@@ -17,11 +17,26 @@ import os
 
 _MAGIC = importlib.util.MAGIC_NUMBER
 _HEADER = 16
+# The project's own packages: the code every worker runs (runner, worker API, control
+# workers), checked in admission's walk (red team 11 row 14) wherever they are installed.
+# Other site-packages are the interpreter's, trusted as it is; python_paths are checked
+# by the walk and, whole, by `code_dir_problem`.
+_OWN = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", p)
+             for p in ("supervisor", "workers", "schemas"))
+OWN_TREES = tuple(os.path.realpath(p) + os.sep for p in _OWN)
+
+
+def vouched(path: str) -> bool:
+    """Whether admission checks `path`'s cached bytecode (one of the project's files)."""
+    return os.path.realpath(path).startswith(OWN_TREES)
 
 
 def sourceless(name: str) -> bool:
-    """A file name the path finder imports as sourceless bytecode (outside __pycache__)."""
-    return name.endswith(".pyc")
+    """A file name the path finder imports as a module of sourceless bytecode: NAME.pyc,
+    also inside a __pycache__ directory, which imports as a namespace package (red team
+    11 row 12). Any stem without a dot: importlib imports "1evil" or "x-y" by name (row
+    15). A cache file (NAME.cpython-311.pyc: a dot in the stem) is never a module."""
+    return name.endswith(".pyc") and "." not in name[:-4]
 
 
 def loaded_instead(source: str) -> str | None:

@@ -135,12 +135,15 @@ def check_worker(
         for import_hit in walk.hits:
             _add_import_hit(report, import_hit, display)
         for module, file in walk.unreadable:
-            # fail closed: bytecode without source (or code in an archive) is code
-            # this walk cannot read, so cannot show torch-free (red team 11 row 9)
+            # fail closed: bytecode without source (or code in an archive), or a cache
+            # the interpreter would run instead of the source, is code this walk did
+            # not read, so cannot show torch-free (red team 11 rows 9, 14)
+            what = ("bytecode the interpreter would run instead of its source, not what "
+                    "the source compiles to: remove it" if f"{os.sep}__pycache__{os.sep}" in file
+                    else "code admission cannot read (no source): ship its source")
             report.findings.append(Finding(
                 "import", name, domain, [walk.entry, module],
-                f"control-domain worker {name}: {module} ({display(file)}) is code "
-                f"admission cannot read (no source): ship its source"))
+                f"control-domain worker {name}: {module} ({display(file)}) is {what}"))
         report.notes.extend(walk.notes)
     for elf_hit in static.elf.hits:
         _add_elf_hit(report, elf_hit, static.package_roots)

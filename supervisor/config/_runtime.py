@@ -211,6 +211,11 @@ def code_dir_problem(path: str, *, owners: bool = True) -> str | None:
     else, as sshd's StrictModes (red team round 7 row 1: a directory nobody could write
     was checked, then nobody's code was what the control sandbox imported at its next
     start). A sticky directory above (/tmp) is allowed: no one else can rename in it."""
+    if not os.path.isdir(path):
+        # A zip archive on sys.path is imported from (zipimport), its sitecustomize
+        # too, and is one opaque file to every check here (red team 11 row 13).
+        return (f"{path} is not a directory: a python_path is a directory of source "
+                f"(an archive is imported from, but nothing here can read it)")
     hook = _hook_in(path)
     if hook:
         return (f"{hook} would run in every sandbox before its rules are in place "
@@ -262,7 +267,7 @@ def _bytecode_problem(name: str, st: os.stat_result) -> str | None:
     if not stat.S_ISREG(st.st_mode):
         return None
     base = os.path.basename(name)
-    if sourceless(base) and os.path.basename(os.path.dirname(name)) != "__pycache__":
+    if sourceless(base):
         return (f"{name}: sourceless bytecode, a module admission cannot read: ship its "
                 f"source, never the .pyc alone")
     if base.endswith(".py"):
