@@ -51,6 +51,10 @@ def level_of(event: str, fields: dict[str, Any]) -> Level:
         if code in (0, None) or fields.get("expected"):
             return Level.INFO
         return Level.ERROR if event == "supervisor_exit" else Level.WARNING
+    if event == "gave_up" and fields.get("optional"):
+        # an optional worker's crash loop (research): it cools down and is tried again,
+        # the system goes on; `journalctl -p err` is for what stops it (red team 11 row 5)
+        return Level.WARNING
     return _LEVELS.get(event, Level.INFO)
 
 

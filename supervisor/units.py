@@ -242,34 +242,69 @@ def _in_home(py: str, conf_file: str | None) -> bool:
     return any(_under(p, _HOMES) for p in _reached(py, conf_file))
 
 
-_PRIVATE_TMP = ("/tmp", "/var/tmp")   # what PrivateTmp=yes replaces with empty dirs
+# Every place the units' own namespace makes new at each start, and the setting that
+# does it (both units set both): a path there is gone, or empty, at the next start.
+_MADE_NEW = {"/tmp": "PrivateTmp=yes", "/var/tmp": "PrivateTmp=yes",
+             "/dev": "PrivateDevices=yes"}       # /dev/shm: a fresh tmpfs (red team 11 row 3)
+
+
+def _made_new(path: str) -> tuple[str, str] | None:
+    """(the place, the unit setting) when `path`, as written or resolved, is under a
+    place the units' namespace makes new at every start."""
+    for p in dict.fromkeys((path, os.path.realpath(path))):
+        for root, setting in _MADE_NEW.items():
+            if _under(p, (root,)):
+                return root, setting
+    return None
 
 
 def hidden_from_units(cfg: Config, *, config_path: str | None, python: str | None = None,
                       prefix: str | None = None) -> str | None:
     """Why units for this interpreter and config could never start, in one line (else
-    None): PrivateTmp=yes gives the unit an empty /tmp and /var/tmp, so an interpreter
-    or config there is 'not found' (status 203/EXEC) though verify is clean. The car's
-    install is /opt; PrivateTmp stays (the sandboxes' staging must not be shared). A
-    state dir there is worse: a fresh one at every start, so a latched fail-safe is
-    gone at the next (review 6 finding 12: the car would drive on, nobody cleared it)."""
+    None): PrivateTmp=yes gives the unit an empty /tmp and /var/tmp, PrivateDevices=yes a
+    /dev of its own (a fresh /dev/shm), so an interpreter or config there is 'not found'
+    (status 203/EXEC) though verify is clean, and a model, key or python_path the config
+    names there is missing at every start. The car's install is /opt; the settings stay
+    (the sandboxes' staging must not be shared). A state dir there is worse: a fresh one
+    at every start, so a latched fail-safe is gone at the next (review 6 finding 12, red
+    team 11 row 3: the car would drive on, nobody cleared it)."""
     state = cfg.supervisor.state_dir
-    if _under(state, _PRIVATE_TMP) or _under(os.path.realpath(state), _PRIVATE_TMP):
-        return (f"the state dir {state} is under /tmp or /var/tmp, which the units' "
-                "PrivateTmp=yes makes new at every start: a latched fail-safe would be "
-                "forgotten at the next; put [supervisor] state_dir on persistent storage "
-                "(the default /var/lib/trio-supervisor)")
+    hit = _made_new(state)
+    if hit:
+        return (f"the state dir {state} is under {hit[0]}, which the units' {hit[1]} makes "
+                "new at every start: a latched fail-safe would be forgotten at the next; "
+                "put [supervisor] state_dir on persistent storage (the default "
+                "/var/lib/trio-supervisor)")
     py = target_python(python, prefix)
     conf_file = str(Path(config_path).resolve()) if config_path else None
     for p in _reached(py, conf_file):
-        if _under(p, _PRIVATE_TMP):
+        hit = _made_new(p)
+        if hit:
             what = "config" if conf_file and p in (conf_file, os.path.realpath(conf_file)) \
                 else "interpreter"
-            return (f"the {what} {p} is under {'/tmp' if _under(p, ('/tmp',)) else '/var/tmp'}, "
-                    "which the units' PrivateTmp=yes hides from them (they would fail with "
-                    "203/EXEC or 'config not found'): install into /opt (scripts/install.sh "
-                    "--system) or give --prefix/--python and --config outside /tmp and /var/tmp")
+            return (f"the {what} {p} is under {hit[0]}, which the units' {hit[1]} hides from "
+                    "them (they would fail with 203/EXEC or 'config not found'): install "
+                    "into /opt (scripts/install.sh --system) or give --prefix/--python and "
+                    "--config outside /tmp, /var/tmp and /dev")
+    for key, path in _config_paths(cfg):
+        hit = _made_new(path)
+        if hit:
+            return (f"{key} {path} is under {hit[0]}, which the units' {hit[1]} makes new "
+                    "at every start: the unit would not find it; keep it on persistent "
+                    "storage (under the install, /opt or /etc)")
     return None
+
+
+def _config_paths(cfg: Config) -> list[tuple[str, str]]:
+    """The paths a config names that the unit must reach at every start."""
+    out = []
+    for name, m in cfg.models.items():
+        r = m.resolved()
+        out += [(f"models.{name}.artifact", r.artifact), (f"models.{name}.public_key", r.public_key)]
+    for name, d in cfg.domains.items():
+        out += [(f"domains.{name}.python_path", p) for p in d.python_path]
+        out += [(f"domains.{name}.extra_ro_binds", p) for p in d.extra_ro_binds]
+    return out
 
 
 # The unit's own processes (supervisor, broker: ~120 MB RSS each measured) beside

@@ -333,9 +333,6 @@ print("code_dir_problem", code_dir_problem(pp))
 """
 
 
-@pytest.mark.xfail(strict=True, reason="redteam11 row 16: with PYTHONPYCACHEPREFIX in the "
-                   "supervisor's environment, admission and code_dir_problem look for caches "
-                   "under the prefix; the sandbox (environment cleared) runs __pycache__'s")
 def test_the_bytecode_checks_look_where_the_sandbox_reads(code_dir, tmp_path):
     """Rows 2 and 14 as fixed find the cache with `importlib.util.cache_from_source`,
     which follows the checking process's own `sys.pycache_prefix`. A supervisor started
@@ -385,9 +382,6 @@ _spec.loader.exec_module(_real)
 '''
 
 
-@pytest.mark.xfail(strict=True, reason="redteam11 row 17: a control python_path module named "
-                   "like a stdlib module (threading.py) runs inside the runner's imports, "
-                   "before its rules; code_dir_problem says nothing")
 def test_a_python_path_never_shadows_what_the_runner_imports(code_dir):
     """A python_path is on the sandbox's PYTHONPATH, ahead of the standard library (and,
     in a non-editable install, ahead of site-packages and the project's own packages).
@@ -445,9 +439,6 @@ print("run 2 reads the latch:", L.for_config(load("/opt/rt11.toml")).read())'
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="unshare (a private mount namespace)")
-@pytest.mark.xfail(strict=True, reason="redteam11 row 3: units accepts a state dir under "
-                   "/dev/shm, which the units' PrivateDevices=yes makes new at every start: "
-                   "the latch is forgotten")
 def test_units_never_hide_the_fail_safe_latch_behind_private_devices(tmp_path):
     """`units.hidden_from_units` refuses a state dir under /tmp or /var/tmp (PrivateTmp,
     review 6 finding 12). The units also set PrivateDevices=yes: the unit's /dev is
@@ -836,8 +827,6 @@ def test_a_control_workers_single_segfault_is_taken_over_without_a_fail_safe(wor
     assert not (f.state / "failsafe.latch").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="redteam11 row 5: an optional research worker's "
-                   "crash loop is error-level (gave_up: VITAL, journald err) every cooldown")
 def test_a_research_crash_loop_while_control_drives_is_no_error(world):
     """The ordinary research crash loop (an optional worker, its model crashing at each
     start): control drives on, no fail-safe; and it is not an ERROR, which events.py

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import marshal
 import os
+import sys
 
 _MAGIC = importlib.util.MAGIC_NUMBER
 _HEADER = 16
@@ -39,11 +40,20 @@ def sourceless(name: str) -> bool:
     return name.endswith(".pyc") and "." not in name[:-4]
 
 
+def cache_path(source: str) -> str:
+    """Where a sandbox's interpreter looks for `source`'s cache: beside it, whatever
+    PYTHONPYCACHEPREFIX this process has (the sandbox's environment has none; with one
+    set here, cache_from_source looked elsewhere: red team 11 row 16)."""
+    head, tail = os.path.split(source)
+    stem = tail.rpartition(".")[0]
+    return os.path.join(head, "__pycache__", f"{stem}.{sys.implementation.cache_tag}.pyc")
+
+
 def loaded_instead(source: str) -> str | None:
     """The cached .pyc the import system would load for `source` (its header valid for
     this source and interpreter), or None when it would compile the source."""
     try:
-        cfile = importlib.util.cache_from_source(source)
+        cfile = cache_path(source)
         with open(cfile, "rb") as f:
             head = f.read(_HEADER)
         with open(source, "rb") as f:

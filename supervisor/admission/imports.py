@@ -24,10 +24,9 @@ import sysconfig
 from collections import deque
 from dataclasses import dataclass, field
 from importlib.machinery import EXTENSION_SUFFIXES, ExtensionFileLoader, PathFinder
-from importlib.util import cache_from_source
 
 from ._scan import ImportSite, _scan_file, scan_source  # noqa: F401  (re-exported)
-from .bytecode import unfaithful, vouched
+from .bytecode import cache_path, unfaithful, vouched
 from ._witness import see, walk_dirs
 from .rules import LazyImportWaiver, ModuleRule, find_waiver, forbidden_module_rule
 
@@ -239,7 +238,7 @@ class ImportWalker:
             if _checks_bytecode(origin):
                 # the interpreter runs a valid cache instead of this source: the walk
                 # must read what runs (red team 11 row 14)
-                see(cache_from_source(origin))
+                see(cache_path(origin))
                 cached = unfaithful(origin)
                 if cached:
                     self.unreadable.append((name, cached))

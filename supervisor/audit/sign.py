@@ -177,6 +177,10 @@ def _code_moved(covers: dict[str, Any], cfg) -> str | None:
                  else f"domain {key[0]}'s python_path {key[1]}")
         if key not in then or key not in now:
             return f"{where} is {'new' if key not in then else 'gone'}"
+        if not _is_digest(now[key]):
+            # 'unreadable: ...' or 'more than N entries': equal twice is no evidence
+            # that nothing changed (red team 11 row 13: a zip's digest was a constant)
+            return f"{where} cannot be digested ({now[key]}): the report cannot vouch for it"
         if then[key] != now[key]:
             return (f"{where}: the report covers code tree {_short(then[key])}, the files "
                     f"now give {_short(now[key])}")
@@ -185,9 +189,16 @@ def _code_moved(covers: dict[str, Any], cfg) -> str | None:
 
 def _models_moved(covers: dict[str, Any], cfg) -> str | None:
     from .promise import trusted_models
-    now = {(w.name, m.get("artifact")): m for w in cfg.workers.values()
+    def place(m: dict[str, Any]) -> str:
+        # By the artifact's path below models/: a report is verified at another install
+        # of the same bytes (review 7 finding 1: by absolute path, every other install's
+        # models were 'gone'). Key, manifest and signature are compared below.
+        art = str(m.get("artifact") or "")
+        return art.rpartition("/models/")[2] if "/models/" in art else art
+
+    now = {(w.name, place(m)): m for w in cfg.workers.values()
            for m in trusted_models(w, cfg)}
-    then = {(a.get("worker"), a.get("artifact")): a for a in covers.get("artifacts") or []}
+    then = {(a.get("worker"), place(a)): a for a in covers.get("artifacts") or []}
     for key in sorted(now.keys() | then.keys(), key=str):
         a, b = then.get(key), now.get(key)
         where = f"worker {key[0]}'s model {key[1]}"
@@ -199,6 +210,10 @@ def _models_moved(covers: dict[str, Any], cfg) -> str | None:
                 return (f"{where}: the report covers {what} {_short(a.get(field_))}, "
                         f"the files now give {_short(b.get(field_))}")
     return None
+
+
+def _is_digest(v: Any) -> bool:
+    return isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
 
 
 def _short(v: Any) -> str:

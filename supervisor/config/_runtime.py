@@ -203,6 +203,31 @@ def _hook_in(d: str) -> str | None:
     return None
 
 
+_OWN_PACKAGES = ("supervisor", "workers", "schemas")
+
+
+def _shadow_in(d: str) -> str | None:
+    """A top-level module or package in directory `d` named as one of the standard
+    library's or the project's (red team 11 row 17: a python_path `threading.py` ran
+    inside `import supervisor.runner`)."""
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return None
+    suffixes = tuple(importlib.machinery.all_suffixes())
+    for n in sorted(names):
+        full = os.path.join(d, n)
+        if n.endswith(suffixes):
+            stem = n.split(".", 1)[0]
+        elif os.path.isdir(full) and n.isidentifier():
+            stem = n
+        else:
+            continue
+        if stem in sys.stdlib_module_names or stem in _OWN_PACKAGES:
+            return full
+    return None
+
+
 def code_dir_problem(path: str, *, owners: bool = True) -> str | None:
     """Why `path` (a domain's python_path) may not hold worker code, or None: no
     start-up hook (sitecustomize, usercustomize) in it; and (`owners`: a control-grade
@@ -220,6 +245,11 @@ def code_dir_problem(path: str, *, owners: bool = True) -> str | None:
     if hook:
         return (f"{hook} would run in every sandbox before its rules are in place "
                 "(the interpreter imports it at start-up): never in a python_path")
+    shadow = _shadow_in(path)
+    if shadow:
+        return (f"{shadow} shadows the standard library's or the supervisor's module of "
+                f"that name (a python_path comes first on the sandbox's path: the runner "
+                f"would import it before its rules are in place): rename it")
     if not owners:
         return None
     me = os.geteuid()

@@ -326,7 +326,8 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
 
     async def _give_up(self, run: WorkerRun, task_status, started: bool, why: str) -> None:
         w = run.cfg
-        self.log.emit("gave_up", worker=w.name, domain=w.domain, reason=why)
+        self.log.emit("gave_up", worker=w.name, domain=w.domain, reason=why,
+                      optional=w.optional)
         required = not w.optional
         if required and self.config.domains[w.domain].failure_policy == "fail_safe":
             raise FailSafe(f"{w.domain} worker {w.name} failed: {why}")
