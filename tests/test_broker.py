@@ -721,7 +721,7 @@ def _labelled(ch: Channel) -> Channel:
     return ch
 
 
-def test_a_wake_up_end_is_its_own_places_by_its_pairs_label():
+def test_a_wake_up_end_is_its_own_places_by_its_pairs_label(tmp_path):
     """Red team 10 row 8 at the check: reader k's wake-up end handed to reader rs before
     either ever started (no pin can know it) carries k's pair's label, and is refused;
     so are a writer handle with two pairs swapped, another channel's pair, a pair made
@@ -732,11 +732,11 @@ def test_a_wake_up_end_is_its_own_places_by_its_pairs_label():
     from supervisor.config import loads
     from supervisor.ipc.channel import ReaderHandle, WriterHandle
 
-    spec = loads(CONFIG.format(rw="/tmp"), "t.toml").channel_specs()["a_out"]
+    spec = loads(CONFIG.format(rw=tmp_path), "t.toml").channel_specs()["a_out"]
     pins = ChannelPins()
     ch = _labelled(Channel.create(spec))
     other = _labelled(Channel.create(spec))
-    b_spec = loads(CONFIG.replace("a_out", "b_out").format(rw="/tmp"),
+    b_spec = loads(CONFIG.replace("a_out", "b_out").format(rw=tmp_path),
                    "t.toml").channel_specs()["b_out"]
     b = _labelled(Channel.create(b_spec))
     stray = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -772,8 +772,9 @@ def test_a_wake_up_end_is_its_own_places_by_its_pairs_label():
         # gap); once Channel.create labels every pair, one is refused too.
         plain = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            assert check(reader(2, plain[1].fileno()), index=2) == "ok"
             with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(_checks, "REQUIRE_WAKE_LABELS", False)
+                assert check(reader(2, plain[1].fileno()), index=2) == "ok"
                 mp.setattr(_checks, "REQUIRE_WAKE_LABELS", True)
                 assert "without its label" in check(reader(0, plain[0].fileno()), index=0)
         finally:
