@@ -120,9 +120,11 @@ class WorkerContext:
         if extra:
             for fd in fds:
                 os.close(fd)
-            raise RuntimeError(f"worker {self.name!r}: the hand-over names channels "
-                               f"{extra} its config does not bind (bound: "
-                               f"{sorted(bound) or 'none'}): refused")
+            # SystemExit: the runner prints its one line and exits 1 (no traceback), and
+            # a worker's own `except Exception` cannot go on without its channels.
+            raise SystemExit(f"worker {self.name!r}: the hand-over names channels "
+                             f"{extra} its config does not bind (bound: "
+                             f"{sorted(bound) or 'none'}): refused")
         fdmap = dict(zip(data["fds"], fds))
 
         def remap(v):

@@ -128,8 +128,8 @@ def test_a_hand_over_naming_a_channel_its_config_does_not_bind_is_refused(monkey
     before = set(os.listdir("/proc/self/fd"))
     socket.send_fds(ours, [json.dumps({"channels": {"x": "{}", "c_out": "{}"},
                                        "fds": [r, w]}).encode()], [r, w])
-    with pytest.raises(RuntimeError, match=r"'sb'.*\['c_out'\].*refused"):
-        ctx._activate()
+    with pytest.raises(SystemExit, match=r"'sb'.*\['c_out'\].*refused"):
+        ctx._activate()                  # the runner: one line on stderr, exit 1
     ours.close()
     assert env_name("x") not in os.environ and env_name("c_out") not in os.environ
     assert ctx.channels == ()
