@@ -14,13 +14,14 @@ import pwd
 import shutil
 import signal
 import socket
-import subprocess
-import sys
+import subprocess  # noqa: F401  (test_privsep wraps A.subprocess.Popen)
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
+
+from tests._fleet import LoggedRun, assert_denied, attack_result, killed_by
+from tests._fleet import of as _of
 
 pytestmark = pytest.mark.sandbox
 if shutil.which("bwrap") is None:
@@ -160,7 +161,7 @@ def _toml(sock_dir: Path) -> str:
     return textwrap.dedent("".join(parts))
 
 
-class Fleet:
+class Fleet(LoggedRun):
     def __init__(self, tmp: Path) -> None:
         self.sock_dir = tmp / "socks"
         self.sock_dir.mkdir()
@@ -172,30 +173,12 @@ class Fleet:
         os.chmod(self.sock_dir / "host.sock", 0o777)
         self.host_sock.listen(8)
         self.host_sock.setblocking(False)
-        cfg = tmp / "hostile.toml"
-        cfg.write_text(_toml(self.sock_dir))
-        self.log_path = tmp / "supervisor.log"
-        self.log = open(self.log_path, "w+")
-        self.log.write('{"event":"earlier","note":"must survive"}\n')
-        self.log.flush()
-        state = tmp / "state"     # its own fail-safe latch: never the machine's
-        state.mkdir()
         # stdout: the live status line (not a terminal, so one line per interval)
         self.out_path = tmp / "status.out"
         self.out = open(self.out_path, "wb")
-        # The fleet's evidence includes the workers' own lines (`output`, debug level):
-        # where `run` has --log-level (info by default), ask for everything.
-        cli = Path(__file__).resolve().parent.parent / "supervisor" / "cli.py"
-        level = ["--log-level", "debug"] if '"--log-level"' in cli.read_text() else []
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor.cli", "run", "--config", str(cfg), *level],
-            stdout=self.out, stderr=self.log,
-            env=dict(os.environ, TRIO_STATE_DIR=str(state)))
-        self.t0 = time.monotonic()
-
-    def events(self) -> list[dict]:
-        with open(self.log_path) as f:
-            return [json.loads(x) for x in f if x.startswith("{")]
+        # The fleet's evidence includes the workers' own lines (`output`, debug level).
+        super().__init__(tmp, "hostile", _toml(self.sock_dir), args=["--log-level", "debug"],
+                         stdout=self.out, log_head='{"event":"earlier","note":"must survive"}\n')
 
     def settle(self, stall_s: float = 180, admission_s: float = 600,
                cap_s: float = 1500) -> list[dict]:
@@ -203,41 +186,16 @@ class Fleet:
         attackers start one after another (~1-2.5 s each, ~80 s for the fleet on a quiet
         2-core machine); under load it is longer (load 20: admission alone took 55 s;
         two CPU hogs on a machine shared with other runs: none had started after 240 s).
-        So not a fixed deadline: it gives up when the fleet stops making progress (no
-        worker started, ready or done for ``stall_s``; admission of the whole fleet, before
-        any start, may take ``admission_s``: over 180 s under two hogs on a shared machine)
-        or at ``cap_s``, and returns as soon as all are done."""
-        start = last_change = time.monotonic()
-        seen = -1
-        while time.monotonic() - start < cap_s:
-            ev = self.events()
-            admitted = any(e["event"] == "channels_created" for e in ev)
-            if time.monotonic() - last_change >= (stall_s if admitted else admission_s):
-                break
-            done = {e.get("worker") for e in ev
-                    if e["event"] in ("exit", "refused", "gave_up")
-                    or (e["event"] == "output" and e["line"].startswith("ATTACK "))}
-            if set(ATTACKERS) <= done and any(e["event"] == "all_ready" for e in ev):
-                time.sleep(1.5)   # late kills (maps scan, OOM) and the storm's aftermath
-                return self.events()
-            if self.proc.poll() is not None:
-                break
-            progress = sum(e["event"] in ("start", "ready") for e in ev) + len(done) + admitted
-            if progress != seen:
-                seen, last_change = progress, time.monotonic()
-            time.sleep(0.2)
-        return self.events()
+        So not a fixed deadline (`LoggedRun.settle`); 1.5 s after the last for late
+        kills (maps scan, OOM) and the storm's aftermath. ATTACKERS is read here, when
+        called: test_privsep runs a subset of it."""
+        return super().settle(ATTACKERS, stall_s=stall_s, admission_s=admission_s,
+                              cap_s=cap_s, tail_s=1.5,
+                              finished=lambda ev: any(e["event"] == "all_ready" for e in ev))
 
     def stop(self) -> list[dict]:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.terminate(60)
         self.host_sock.close()
-        self.log.close()
         self.out.close()
         return self.events()
 
@@ -257,32 +215,7 @@ def fleet(tmp_path_factory):
         yield {"events": after, "running": before_stop, "fleet": f,
                "host_connected": host_connected}
     finally:
-        if f.proc.poll() is None:
-            f.proc.kill()
-
-
-def _of(ev: list[dict], worker: str, event: str | None = None) -> list[dict]:
-    return [e for e in ev if e.get("worker") == worker and (event is None or e["event"] == event)]
-
-
-def attack_result(ev: list[dict], worker: str) -> dict | None:
-    for e in _of(ev, worker, "output"):
-        if e["line"].startswith("ATTACK "):
-            return json.loads(e["line"][7:])
-    return None
-
-
-def killed_by(ev: list[dict], worker: str) -> dict:
-    ex = _of(ev, worker, "exit")
-    assert ex, f"no exit event for {worker}: {_of(ev, worker)}"
-    return ex[0]
-
-
-def assert_denied(ev: list[dict], worker: str) -> dict:
-    res = attack_result(ev, worker)
-    assert res is not None, f"{worker} printed no result: {_of(ev, worker)}"
-    assert res["denied"] is True, f"{worker}: attack succeeded: {res}"
-    return res
+        f.kill()
 
 
 # ---------------------------------------------------------------- host root
