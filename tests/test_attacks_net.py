@@ -13,15 +13,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
+
+from tests._fleet import LoggedRun
+from tests._fleet import of as _of
 
 pytestmark = pytest.mark.sandbox
 if shutil.which("bwrap") is None:
@@ -102,7 +101,7 @@ def _toml(sock_dir: Path) -> str:
     return textwrap.dedent("".join(parts))
 
 
-class Host:
+class Host(LoggedRun):
     """What the host offers: the sockets the fleet attacks, and the supervisor."""
 
     def __init__(self, tmp: Path) -> None:
@@ -123,49 +122,21 @@ class Host:
         self.abstract.bind("\0trio-net-" + self.sock_dir.name)
         self.abstract.listen(8)
         self.abstract.setblocking(False)
-        cfg = tmp / "net.toml"
-        cfg.write_text(_toml(self.sock_dir))
-        self.log_path = tmp / "supervisor.log"
-        self.log = open(self.log_path, "w")
-        state = tmp / "state"
-        state.mkdir()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor.cli", "run", "--config", str(cfg)],
-            stdout=subprocess.DEVNULL, stderr=self.log,
-            env=dict(os.environ, TRIO_STATE_DIR=str(state)))
-
-    def events(self) -> list[dict]:
-        with open(self.log_path) as f:
-            return [json.loads(x) for x in f if x.startswith("{")]
+        super().__init__(tmp, "net", _toml(self.sock_dir))
 
     def settle(self, stall_s: float = 180, admission_s: float = 600,
                cap_s: float = 1200) -> list[dict]:
-        """Until every attacker has answered or been killed, and torch has imported. The
-        workers start one after another: on a loaded 2-core machine 60 s was not enough
-        for them all (most of the file failed on events never seen). So not a fixed
-        deadline: it gives up when the fleet stops making progress (no worker started,
-        ready or done for ``stall_s``, or ``admission_s`` before the first start) or at
-        ``cap_s``, and returns as soon as all are done. Each attacker's READY deadline is 30 s for the same reason (a sandbox start
-        took over 5 s under load: killed before its attack, nothing proved)."""
-        start = last_change = time.monotonic()
-        seen = -1
-        while time.monotonic() - start < cap_s and self.proc.poll() is None:
-            ev = self.events()
-            admitted = any(e["event"] == "channels_created" for e in ev)
-            if time.monotonic() - last_change >= (stall_s if admitted else admission_s):
-                break
-            done = {e.get("worker") for e in ev
-                    if e["event"] in ("exit", "refused", "gave_up")
+        """Until every attacker has been killed or answered, and torch has imported, then
+        0.5 s more (`LoggedRun.settle`: not a fixed deadline, the fleet starts one worker
+        after another; on a loaded 2-core machine 60 s was not enough for them all). Each
+        attacker's READY deadline is 30 s for the same reason (a sandbox start took over
+        5 s under load: killed before its attack, nothing proved)."""
+        def done(ev: list[dict]) -> set[str]:
+            return {e.get("worker") for e in ev if e["event"] in ("exit", "refused", "gave_up")
                     or (e["event"] == "output" and e["worker"] == TORCH
                         and "import" in e["line"])}
-            if set(ATTACKERS) | {TORCH} <= done:
-                time.sleep(0.5)
-                return self.events()
-            progress = sum(e["event"] in ("start", "ready") for e in ev) + len(done) + admitted
-            if progress != seen:
-                seen, last_change = progress, time.monotonic()
-            time.sleep(0.2)
-        return self.events()
+        return super().settle({*ATTACKERS, TORCH}, stall_s=stall_s, admission_s=admission_s,
+                              cap_s=cap_s, tail_s=0.5, done=done)
 
     def received(self) -> dict:
         got: dict = {}
@@ -182,16 +153,9 @@ class Host:
         return got
 
     def stop(self) -> list[dict]:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.terminate(30)
         for s in (self.stream, self.dgram, self.abstract):
             s.close()
-        self.log.close()
         return self.events()
 
 
@@ -203,12 +167,7 @@ def fleet(tmp_path_factory):
         received = h.received()
         yield {"events": h.stop(), "running": running, "received": received}
     finally:
-        if h.proc.poll() is None:
-            h.proc.kill()
-
-
-def _of(ev: list[dict], worker: str, event: str | None = None) -> list[dict]:
-    return [e for e in ev if e.get("worker") == worker and (event is None or e["event"] == event)]
+        h.kill()
 
 
 def _lines(ev: list[dict], worker: str, prefix: str) -> list[str]:
