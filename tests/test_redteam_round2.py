@@ -16,7 +16,6 @@ import os
 import pty
 import re
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -29,7 +28,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_attacks import _of, attack_result
+# assert_named: the attack's result from the `output` event the supervisor emitted in
+# the worker's name (the supervisor's log is the evidence), and it was denied.
+from tests._fleet import LoggedRun, attack_result, ended
+from tests._fleet import assert_denied as assert_named
+from tests._fleet import of as _of
 
 pytestmark = pytest.mark.sandbox
 if shutil.which("bwrap") is None:
@@ -110,25 +113,16 @@ def _toml() -> str:
     return head + blocks.pop("r-wide") + src + "".join(blocks.values())
 
 
-class Fleet:
+class Fleet(LoggedRun):
     """One `supervisor run` of every attacker, its stdout a 100-column pty."""
 
     def __init__(self, tmp: Path) -> None:
-        cfg = tmp / "redteam2.toml"
-        cfg.write_text(_toml())
-        self.log_path = tmp / "supervisor.log"
-        self.log = open(self.log_path, "w")
-        state = tmp / "state"          # its own fail-safe latch: never the machine's
-        state.mkdir()
         master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, COLUMNS, 0, 0))
         self.tty = bytearray()
         self._master = master
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor.cli", "run", "--config", str(cfg),
-             "--log-level", "debug"],
-            stdout=slave, stderr=self.log, stdin=subprocess.DEVNULL,
-            env=dict(os.environ, TRIO_STATE_DIR=str(state)))
+        super().__init__(tmp, "redteam2", _toml(), args=["--log-level", "debug"],
+                         stdout=slave, stdin=subprocess.DEVNULL)
         os.close(slave)
         self._reader = threading.Thread(target=self._drain, daemon=True)
         self._reader.start()
@@ -160,23 +154,13 @@ class Fleet:
             self.tty += chunk
 
     def events(self) -> list[dict]:
-        with open(self.log_path) as f:
-            out = []
-            for x in f:
-                try:
-                    out.append(json.loads(x))
-                except ValueError:
-                    pass
-            return out
+        return super().events(strict=False)
 
     def settle(self, timeout: float = 240) -> list[dict]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             ev = self.events()
-            done = {e.get("worker") for e in ev
-                    if e["event"] in ("exit", "refused", "gave_up")
-                    or (e["event"] == "output" and e["line"].startswith("ATTACK "))}
-            if set(ATTACKERS) <= done:
+            if set(ATTACKERS) <= ended(ev):
                 # r-wide's 3 s of rows and socket_pin's 3 s hold end before their ATTACK
                 # line (or their exit): 2 s more after the later of those, which is long
                 # past when another attacker ended last (c-maps holds 6 s, after them).
@@ -191,14 +175,7 @@ class Fleet:
         return self.events()
 
     def stop(self) -> list[dict]:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+        self.terminate(60)
         self._reader.join(timeout=5)
         os.close(self._master)
         return self.events()
@@ -212,23 +189,13 @@ def fleet(tmp_path_factory):
         ev = f.stop()
         yield {"events": ev, "tty": bytes(f.tty), "cpu": list(f.cpu)}
     finally:
-        if f.proc.poll() is None:
-            f.proc.kill()
+        f.kill()
 
 
 def _display_width(text: str) -> int:
     return sum(2 if unicodedata.east_asian_width(c) in ("W", "F") else 1 for c in text)
 
 
-
-
-def assert_named(ev: list[dict], worker: str) -> dict:
-    """The attack's result, from the `output` event the supervisor emitted in the
-    worker's name (the supervisor's log is the evidence), and it was denied."""
-    res = attack_result(ev, worker)
-    assert res is not None, f"{worker} printed no result: {_of(ev, worker)}"
-    assert res["denied"] is True, f"{worker}: attack succeeded: {res}"
-    return res
 
 
 # ---------------------------------------------------------------- what breaks
