@@ -23,7 +23,8 @@ import time
 import numpy as np
 import pytest
 
-from tests.test_attacks import _of, attack_result
+from tests._fleet import attack_result
+from tests._fleet import of as _of
 
 pytestmark = pytest.mark.sandbox
 if shutil.which("bwrap") is None:

@@ -516,7 +516,7 @@ def rt4_fleet(tmp_path_factory) -> list[dict]:
     from supervisor.config import loads
     from supervisor.events import EventLog
     from supervisor.lifecycle import Supervisor
-    from tests.test_attacks import attack_result
+    from tests._fleet import attack_result
 
     tmp = tmp_path_factory.mktemp("rt4fleet")
     cfg = loads(_rt4_toml(), str(tmp / "rt4.toml"))
@@ -542,7 +542,7 @@ def rt4_fleet(tmp_path_factory) -> list[dict]:
 
 def test_the_sandboxed_last_word_attack_ran(rt4_fleet) -> None:
     """Not an xfail: the strict xfail below would pass on a fleet that never attacked."""
-    from tests.test_attacks import _of, attack_result
+    from tests._fleet import attack_result, of as _of
 
     for worker in RT4_FLEET:
         res = attack_result(rt4_fleet, worker)
@@ -554,7 +554,7 @@ def test_the_sandboxed_last_word_attack_ran(rt4_fleet) -> None:
 def test_a_sandboxed_control_reader_cannot_hide_the_last_word(rt4_fleet) -> None:
     """End to end: the honest control reader (its own sandbox) takes SAFE after its writer
     died, whatever the hostile control reader claimed. Broken until 635e2c9."""
-    from tests.test_attacks import _of, attack_result
+    from tests._fleet import attack_result, of as _of
 
     res = attack_result(rt4_fleet, "c-rt4-honest")
     assert res is not None and res.get("saw_safe"), (

@@ -400,7 +400,7 @@ def rt5_fleet(tmp_path_factory) -> list[dict]:
     from supervisor.config import loads
     from supervisor.events import EventLog
     from supervisor.lifecycle import Supervisor
-    from tests.test_attacks import attack_result
+    from tests._fleet import attack_result
 
     tmp = tmp_path_factory.mktemp("rt5fleet")
     cfg = loads(RT5_TOML, str(tmp / "rt5.toml"))
@@ -426,7 +426,7 @@ def rt5_fleet(tmp_path_factory) -> list[dict]:
 
 def test_the_sandboxed_bound_attack_ran(rt5_fleet) -> None:
     """Not an xfail: the strict xfail below would pass on a fleet that never attacked."""
-    from tests.test_attacks import _of, attack_result
+    from tests._fleet import attack_result, of as _of
 
     res = attack_result(rt5_fleet, "c-rt5-victim")
     assert res is not None and res.get("taken"), _of(rt5_fleet, "c-rt5-victim")[-6:]
@@ -436,7 +436,7 @@ def test_the_sandboxed_bound_attack_ran(rt5_fleet) -> None:
 
 # Was a strict xfail (BREAK), fixed: Writer._attach continues words below SEQ_HONEST - 1 only.
 def test_a_sandboxed_writer_cannot_make_its_last_word_unheard(rt5_fleet) -> None:
-    from tests.test_attacks import _of, attack_result
+    from tests._fleet import attack_result, of as _of
 
     res = attack_result(rt5_fleet, "c-rt5-honest")
     assert res is not None and res.get("saw_safe"), (
