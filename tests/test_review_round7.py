@@ -105,6 +105,61 @@ def slow_runner_replay(tmp_path_factory):
         p.communicate(timeout=60)
 
 
+VEHICLE = """
+[supervisor]
+mode = "vehicle"
+state_dir = "{state}"
+[domains.control]
+user = "trio-control"
+network = false
+actuates = true
+failure_policy = "fail_safe"
+[channels.out]
+kind = "tensor"
+dtype = "float32"
+slot_size = "4KiB"
+[workers.one]
+domain = "control"
+module = "workers.probe"
+publishes = {{ out = "out" }}
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vehicle_running(tmp_path_factory):
+    """A vehicle supervisor running as the car's unit runs it (vehicle mode, its own
+    state dir from the config, no TRIO_STATE_DIR): one probe worker, READY in ~7 s
+    loaded. Started at the module's first test, beside the replay."""
+    tmp = tmp_path_factory.mktemp("rv7-vehicle")
+    paths = {}
+    for name in ("car", "check"):
+        (tmp / f"{name}-state").mkdir(mode=0o700)
+        (tmp / f"{name}.toml").write_text(VEHICLE.format(state=tmp / f"{name}-state"))
+        paths[name] = tmp / f"{name}.toml"
+    env = {k: v for k, v in os.environ.items() if k != "TRIO_STATE_DIR"}
+    err = open(tmp / "car.err", "w+")
+    p = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run", "--quiet",
+                          "--config", str(paths["car"])], cwd=tmp, env=env,
+                         stdout=subprocess.DEVNULL, stderr=err)
+
+    def ready() -> tuple[subprocess.Popen, Path, dict]:
+        import time
+        deadline = time.monotonic() + 90
+        while '"all_ready"' not in (tmp / "car.err").read_text():
+            assert p.poll() is None and time.monotonic() < deadline, \
+                (tmp / "car.err").read_text()[-1500:]
+            time.sleep(0.2)
+        return p, paths["check"], env
+    yield ready
+    p.terminate()
+    try:
+        p.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+    err.close()
+
+
 def _reviewer_key(tmp: Path) -> tuple[Path, Path]:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -359,3 +414,20 @@ def test_audit_verify_names_the_file_that_moved(two_installs):
                 over=(edited, rel))
     assert r.returncode != 0 and "code tree" in r.stderr + r.stdout, r.stderr + r.stdout
     assert "probe/__init__.py" in r.stderr + r.stdout, r.stderr
+
+
+@pytest.mark.xfail(strict=True, reason="review7 finding 10: check --start beside a running "
+                   "vehicle supervisor starts a second pipeline (audit --start refuses)")
+def test_check_start_refuses_beside_a_running_vehicle(vehicle_running, tmp_path):
+    """The car's user runs `check --start` as README says, with the unit already active
+    (a reinstall, an upgrade): a second full pipeline starts beside the one driving, its
+    own cameras and a SCHED_FIFO controlsd competing with the car's for CPU; a note says
+    so afterwards. `audit --live --start` refuses exactly this in one line."""
+    car, check_cfg, env = vehicle_running()
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "check", "--start",
+                        "--config", str(check_cfg)], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path, env=env)
+    said = r.stdout + r.stderr
+    assert car.poll() is None
+    assert r.returncode != 0 and "READY" not in said, said[-1500:]
+    assert f"pid {car.pid}" in said, said[-1500:]
