@@ -425,6 +425,12 @@ def _run_line(s: dict) -> str:
 def _fleet(args: argparse.Namespace) -> int:
     from .fleet import FleetError, replay_fleet
 
+    if args.report is not None:
+        # Each job writes its own RUN/report.html; FILE was dropped without a word, and
+        # a CI job then uploaded a missing artifact after a "passed" fleet.
+        return _fail("replay", f"--report {args.report}: writes one log's report; a fleet "
+                               f"writes OUT/LOG/report.html for each log (and OUT/fleet.md): "
+                               f"drop --report, or replay one log")
     extra: list[str] = []
     if args.config:
         extra += ["--config", os.path.abspath(args.config)]
