@@ -81,7 +81,8 @@ def test_locked_process_passes_and_dies_at_any_new_executable_memory():
 
 
 @needs_root
-@pytest.mark.parametrize("what", ["mmap_exec", "mprotect_exec", "memfd", "pkey_mprotect"])
+@pytest.mark.parametrize("what", ["mmap_exec", "mprotect_exec", "memfd", "memfd_secret",
+                                  "pkey_mprotect"])
 def test_the_filter_kills_each_door(what):
     """Judged on register arguments only: no user notification, no supervisor."""
     def body() -> bytes:
@@ -91,6 +92,8 @@ def test_the_filter_kills_each_door(what):
             mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_EXEC)
         elif what == "memfd":
             os.memfd_create("x")
+        elif what == "memfd_secret":
+            libc.syscall(447, 0)          # __NR_memfd_secret (x86-64, aarch64)
         else:
             m = mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE)
             addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
