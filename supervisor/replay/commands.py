@@ -288,6 +288,20 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
         else:
             print_summary(s)
         return code
+    if code and args.ref is not None:
+        # It did not get through the log (step timeouts on a slow runner, a worker that
+        # failed): the outputs never waited for would read as "removed" and the run as
+        # "DIFFERS", a model regression that never was, in diff.md (what CI posts) too.
+        # Nothing is compared; the exit code (7) and the line on stderr say why.
+        _write_report(res, args, None, None, code)
+        if args.format == "json":
+            print(json.dumps({"summary": s, "exit_code": code}, indent=2))
+        else:
+            print_summary(s)
+            print(f"result: INCOMPLETE (exit {code}): "
+                  f"{_short(s.get('error') or 'the replay did not get through the log')}"
+                  f"; not compared with {'the log' if args.ref == 'self' else args.ref}")
+        return code
     if ref is not None and s.get("frames"):
         run = DriveLog.open(Path(res.run_dir) / "log")
         payloads = _payloads(res.run_dir)
@@ -331,6 +345,10 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
     else:
         print_summary(s)
     return code
+
+
+def _short(line: str, n: int = 160) -> str:
+    return line if len(line) <= n else line[:n - 3] + "..."
 
 
 def _write_report(res, args: argparse.Namespace, ref, report, code: int) -> None:
