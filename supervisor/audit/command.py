@@ -19,10 +19,17 @@ next to it (``FILE.sig``); the key file must be its owner's alone (mode 0600). `
 says what it checked (key, the config and code the report covers) and fails when the
 config in hand (``--config``, else the report's source) is not the one it covers. Progress goes to stderr when it is a terminal.
 
-Exit codes: 0 report made / system matches / diff without weakening / signature good;
-6 differences found live, or the diff weakened isolation; 1 a user's mistake or an
-internal error (one line, never a traceback), or a signature that does not verify;
-2 config error; 3, 4, 5 ``--start``: the supervisor's own exit before READY.
+Exit codes (a CI step gates on them: "the tool broke" must not read as "the report was
+tampered with", review 7 finding 7):
+
+- 0 report made / system matches / diff without weakening / verify OK;
+- 2 bad input, one line: a config that does not load, a typo'd or unreadable file, a
+  file that is not a report, a key or signature file of the wrong kind, a usage error;
+- 6 DIFFERS: differences found live, the diff weakened isolation, or ``verify`` FAILED
+  (a signature that does not verify the report's bytes, or a good signature over a
+  report that does not cover the config, models or code in hand);
+- 1 an internal error only (a bug: one line that says where, never a traceback);
+- 3, 4, 5 ``--start``: the supervisor's own exit before READY.
 """
 from __future__ import annotations
 
@@ -37,7 +44,7 @@ PROG = "supervisor audit"
 
 
 class UsageError(Exception):
-    """A user's mistake: one line on stderr, exit 1."""
+    """A user's mistake (bad input): one line on stderr, exit 2 as every command's."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):    # one line, exit 1 (argparse's own exits 2)
+    def error(self, message: str):    # one line, exit 2 (argparse's own: usage + 2)
         raise UsageError(f"{self.prog}: {message}")
 
 
@@ -96,7 +103,7 @@ def cmd_diff(argv: list[str]) -> int:
 
 
 def cmd_verify(argv: list[str]) -> int:
-    from .sign import SignError, verify_file
+    from .sign import NotVerified, SignError, verify_file
 
     p = _Parser(prog=f"{PROG} verify")
     p.add_argument("report")
@@ -107,15 +114,17 @@ def cmd_verify(argv: list[str]) -> int:
     a = p.parse_args(argv)
     try:
         v = verify_file(a.report, a.signature, a.pubkey, a.config)
-    except SignError as e:
+    except NotVerified as e:       # the bytes are not what the key signed: stop
         print(f"{PROG} verify: FAILED: {e}", file=sys.stderr)
-        return int(Exit.ERROR)
+        return int(Exit.DIFFERS)
+    except SignError as e:         # a file missing or of the wrong kind: bad input
+        raise UsageError(f"{PROG} verify: {e}") from None
     if not v.config_ok:
         # The signature is good, but what it vouches for is not what is in hand.
         print(f"{PROG} verify: FAILED: {a.report} is signed by key {v.key_id}, but "
               f"{v.config_now}", file=sys.stderr)
         print("\n".join(v.lines()))
-        return int(Exit.ERROR)
+        return int(Exit.DIFFERS)
     print(f"{PROG} verify: OK: {a.report} signed by key {v.key_id}")
     print("\n".join(v.lines()))
     return 0
@@ -247,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_report(p.parse_args(argv))
     except UsageError as e:
         print(str(e), file=sys.stderr)
-        return int(Exit.ERROR)
+        return int(Exit.CONFIG)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return int(Exit.ERROR)

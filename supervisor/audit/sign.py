@@ -27,7 +27,13 @@ from supervisor.model.errors import BadPublicKey, BadSignature
 
 
 class SignError(Exception):
-    """A key, report or signature that cannot be used: one line for the user."""
+    """A key, report or signature that cannot be used: one line for the user (bad
+    input: `audit` exits 2)."""
+
+
+class NotVerified(SignError):
+    """A signature that does not verify the report's bytes with the key given: the
+    report was altered, or another key signed it (`audit verify` exits 6, DIFFERS)."""
 
 
 def load_signing_key(private_key: str):
@@ -243,7 +249,7 @@ def verify_file(report: str, signature: str, public_key: str,
     try:
         verify(key, sig, data, what=f"{signature} over {report}")
     except BadSignature:
-        raise SignError(f"{signature} is not a signature of {report} by key "
+        raise NotVerified(f"{signature} is not a signature of {report} by key "
                         f"{key_id(key)[:16]}...: the report was altered, or another key "
                         f"signed it") from None
     try:
