@@ -283,6 +283,28 @@ def _recorded_config(log: str) -> dict[str, Any]:
     return parse_doc(trusted_source(log), os.path.join(log, SOURCE))
 
 
+def _loads_here(doc: dict[str, Any], config: str | None, log: str) -> None:
+    """The config the replay derives from loads with this version's loader, or one
+    line naming it: the derived RUN/replay.toml's error named a file the developer
+    never wrote and no way on (review 7, finding 6). A drive recorded by an older
+    version may hold a key since gone; --config plays its frames all the same."""
+    from supervisor.config import ConfigError, dumps, loads
+    from supervisor.protocol import printable
+
+    try:
+        loads(dumps(doc), "")
+    except ConfigError as e:
+        problems = getattr(e, "problems", None) or []
+        what = "; ".join(printable(f"{p.key}: {p.reason}" if p.key else p.reason)
+                         for p in problems) or " ".join(str(e).split())
+        if config:
+            raise ReplayError(f"{config}: {what}") from None
+        raise ReplayError(f"{os.path.join(log, SOURCE)} (the config the drive was recorded "
+                          f"with) does not load here: {what} (recorded by another "
+                          f"version?); pass --config F to play its frames through your own "
+                          f"pipeline") from None
+
+
 def replay(log: str, **kw: Any) -> ReplayResult:
     """`_replay`, holding RUN's lock (`_claim`) until it returns."""
     held: list[int] = []
@@ -319,6 +341,7 @@ def _replay(log: str, *, held: list[int], out: str | None = None, config: str | 
         doc = read_doc(config)[0] if config else _recorded_config(log)
     except DeriveError as e:
         raise ReplayError(str(e)) from None
+    _loads_here(doc, config, log)           # before RUN is made: nothing left half-made
     try:
         bounds = (parse_pos(start, "--start"), parse_pos(end, "--end"))
         if start is not None or end is not None:
