@@ -7,13 +7,16 @@ limits, channels, torch, host user), its failure behaviour, its filesystem view 
 and their access, masked compilers, whiteouts), the syscall policy of its domain's class
 (a syscall that stops being killed, or becomes allowed, weakens), the interference paths
 (a new path weakens, a gone one tightens) and the trust verdict. Provenance (time, host,
-commit) is shown when it differs, never judged.
+commit, the install's project root) is shown when it differs, never judged; paths under
+each report's project root are compared relative to it, so one code installed at two
+paths is no change in isolation.
 """
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 WEAKENED, TIGHTENED, CHANGED = "weakened", "tightened", "changed"
 
@@ -200,36 +203,71 @@ def _failure_changes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
     return out
 
 
+PROJECT = "<project>"     # the project root, whichever install a report was made at
+
+
+def project_root(r: dict[str, Any]) -> str | None:
+    """The install a report was made at: its provenance's ``project_root``, or (a report
+    made before it was recorded) the parent of its installed packages' code trees."""
+    from .provenance import INSTALLED
+
+    prov = r.get("provenance") or {}
+    if prov.get("project_root"):
+        return str(prov["project_root"])
+    for t in prov.get("code_trees") or []:
+        if t.get("domain") == INSTALLED and t.get("path"):
+            return os.path.dirname(str(t["path"]))
+    return None
+
+
+def _placer(root: str | None) -> Callable[[str], str]:
+    """A path as the same place at any install: under the project root, relative to it
+    (review 7 finding 2: the same code at two install paths diffed as 35 binds gone and
+    35 new, "ISOLATION WEAKENED"); anything else as it is."""
+    def place(path: str) -> str:
+        if root and root != "/" and (path == root or path.startswith(root + "/")):
+            return PROJECT + path[len(root):]
+        return path
+    return place
+
+
 def _fs_changes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
     out = []
+    po, pn = _placer(project_root(old)), _placer(project_root(new))
     for name, v in (new.get("filesystem") or {}).items():
         p = (old.get("filesystem") or {}).get(name)
         if p is None:
             continue
-        om = {m["path"]: m for m in p.get("mounts", [])}
-        nm = {m["path"]: m for m in v.get("mounts", [])}
-        for path in nm.keys() - om.keys():
-            out.append(Change("filesystem", name, path, None,
-                              f"{nm[path]['what']} {nm[path]['access']}", WEAKENED))
-        for path in om.keys() - nm.keys():
-            out.append(Change("filesystem", name, path,
-                              f"{om[path]['what']} {om[path]['access']}", None, TIGHTENED))
-        for path in nm.keys() & om.keys():
-            a, b = om[path]["access"], nm[path]["access"]
+        # Keyed by place, named by the new report's path (the old one's when gone).
+        om = {po(m["path"]): m for m in p.get("mounts", [])}
+        nm = {pn(m["path"]): m for m in v.get("mounts", [])}
+        for key in nm.keys() - om.keys():
+            out.append(Change("filesystem", name, nm[key]["path"], None,
+                              f"{nm[key]['what']} {nm[key]['access']}", WEAKENED))
+        for key in om.keys() - nm.keys():
+            out.append(Change("filesystem", name, om[key]["path"],
+                              f"{om[key]['what']} {om[key]['access']}", None, TIGHTENED))
+        for key in nm.keys() & om.keys():
+            path = nm[key]["path"]
+            a, b = om[key]["access"], nm[key]["access"]
             if a != b:
                 out.append(Change("filesystem", name, path, a, b,
                                   WEAKENED if b == "rw" else TIGHTENED))
-            eff = _more(om[path].get("size"), nm[path].get("size")) if nm[path]["what"] == \
+            eff = _more(om[key].get("size"), nm[key].get("size")) if nm[key]["what"] == \
                 "tmpfs" else ""
             if eff:
-                out.append(Change("filesystem", name, f"{path} size", om[path].get("size"),
-                                  nm[path].get("size"), eff))
-        for path in sorted(set(p.get("masked", [])) - set(v.get("masked", []))):
-            out.append(Change("filesystem", name, "masked compiler", path, None, WEAKENED))
-        for path in sorted(set(v.get("masked", [])) - set(p.get("masked", []))):
-            out.append(Change("filesystem", name, "masked compiler", None, path, TIGHTENED))
-        ow = {(d, x) for d, xs in (p.get("whiteouts") or {}).items() for x in xs}
-        nw = {(d, x) for d, xs in (v.get("whiteouts") or {}).items() for x in xs}
+                out.append(Change("filesystem", name, f"{path} size", om[key].get("size"),
+                                  nm[key].get("size"), eff))
+        omask = {po(x): x for x in p.get("masked", [])}
+        nmask = {pn(x): x for x in v.get("masked", [])}
+        for key in sorted(omask.keys() - nmask.keys()):
+            out.append(Change("filesystem", name, "masked compiler", omask[key], None,
+                              WEAKENED))
+        for key in sorted(nmask.keys() - omask.keys()):
+            out.append(Change("filesystem", name, "masked compiler", None, nmask[key],
+                              TIGHTENED))
+        ow = {(po(d), x) for d, xs in (p.get("whiteouts") or {}).items() for x in xs}
+        nw = {(pn(d), x) for d, xs in (v.get("whiteouts") or {}).items() for x in xs}
         for d, x in sorted(ow - nw):
             out.append(Change("filesystem", name, f"whiteout in {d}", x, None, WEAKENED))
         for d, x in sorted(nw - ow):
@@ -355,6 +393,9 @@ def compare(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         a, b = (old.get("provenance") or {}).get(k), (new.get("provenance") or {}).get(k)
         if a != b:
             prov[k] = {"old": a, "new": b}
+    if project_root(old) != project_root(new):
+        # A note, never judged: its paths were compared relative to each install.
+        prov["project_root"] = {"old": project_root(old), "new": project_root(new)}
     from . import EXIT_DIFFERENCES
 
     return {"old": old.get("config"), "new": new.get("config"), "provenance": prov,

@@ -229,6 +229,8 @@ def provenance(cfg: Config, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "distribution": _distribution(),
         "package": {"name": "supervisor", "version": _version("supervisor")},
         "git": git_commit(str(PROJECT_ROOT)),
+        # The install: `audit diff` compares the paths under it relative to it.
+        "project_root": str(PROJECT_ROOT),
         "config": {"source": cfg.source, "sha256": config_sha256(cfg)},
         "artifacts": artifacts(rows),
         "code_trees": code_trees(cfg),

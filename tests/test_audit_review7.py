@@ -1,0 +1,54 @@
+"""Review 7's audit findings, below the CLI: what `audit diff` and `audit verify` now
+name (findings 2, 4, 9) on reports built by hand, in milliseconds. The CLI journeys
+(two installs in private mount namespaces, a vehicle supervisor) are in
+tests/test_review_round7.py."""
+from __future__ import annotations
+
+from typing import Any
+
+from supervisor.audit import diff
+
+
+def _report(root: str, *, models: str = "ro", old_style: bool = False) -> dict[str, Any]:
+    """The parts of a report `audit diff` reads for one sandbox at install ROOT."""
+    mounts = [{"path": "/", "what": "root", "access": "ro", "size": None, "source": ""},
+              {"path": root, "what": "tmpfs", "access": "ro", "size": None, "source": ""},
+              {"path": f"{root}/models", "what": "bind", "access": models, "size": None,
+               "source": f"{root}/models"},
+              {"path": f"{root}/supervisor", "what": "bind", "access": "ro", "size": None,
+               "source": f"{root}/supervisor"},
+              {"path": "/tmp", "what": "tmpfs", "access": "rw", "size": 1 << 20,
+               "source": ""}]
+    prov: dict[str, Any] = {"code_trees": [{"domain": "(installed)",
+                                            "path": f"{root}/supervisor", "sha256": "0" * 64}]}
+    if not old_style:
+        prov["project_root"] = root
+    return {"schema_version": 1, "workers": [{"worker": "one"}], "provenance": prov,
+            "filesystem": {"one": {"mounts": mounts, "masked": [f"{root}/bin/cc"],
+                                   "whiteouts": {f"{root}/site": ["torch"]}}}}
+
+
+def test_one_code_at_two_install_paths_is_no_change_in_isolation():
+    for old_style in (False, True):          # a report from before project_root
+        d = diff.compare(_report("/opt/A", old_style=old_style), _report("/opt/B"))
+        assert (d["weakened"], d["tightened"], d["changed"], d["exit_code"]) == (0, 0, 0, 0), \
+            d["changes"]
+        assert d["provenance"]["project_root"] == {"old": "/opt/A", "new": "/opt/B"}
+    same = diff.compare(_report("/opt/A"), _report("/opt/A"))
+    assert "project_root" not in same["provenance"] and not same["changes"]
+
+
+def test_a_real_weakening_still_shows_across_install_paths():
+    d = diff.compare(_report("/opt/A"), _report("/opt/B", models="rw"))
+    assert d["weakened"] == 1 and d["exit_code"] == 6, d["changes"]
+    (c,) = d["changes"]
+    assert (c["subject"], c["key"], c["old"], c["new"]) == ("one", "/opt/B/models", "ro", "rw")
+    # A bind outside the project (same at both installs) that appears is new.
+    b = _report("/opt/B")
+    b["filesystem"]["one"]["mounts"].append(
+        {"path": "/etc/secret", "what": "bind", "access": "ro", "size": None, "source": "/x"})
+    b["filesystem"]["one"]["masked"] = []
+    d = diff.compare(_report("/opt/A"), b)
+    weak = {(c["key"], c["old"]) for c in d["changes"] if c["effect"] == "weakened"}
+    assert weak == {("/etc/secret", None), ("masked compiler", "/opt/A/bin/cc")}, d["changes"]
+
