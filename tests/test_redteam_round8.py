@@ -780,28 +780,37 @@ print(json.dumps({"problems": problems, "set_error": err, "latched": latch.read(
 """
 
 
-def test_a_full_state_dir_never_loses_the_fail_safe_latch():
-    """The state dir's file system is full (the recorder's logs, a journal, anything
-    sharing /var/lib): a real tmpfs of one page, filled, in a private mount namespace.
-    Either `check`/`run` refuse that state dir up front (it cannot hold the latch), or
-    a fail-safe still leaves the car latched."""
+
+def _probe_in_a_small_state_dir(probe: str, size: str, fill: str = "") -> dict:
+    """`probe` (python source; argv: the state dir, the minimal config) run with
+    TRIO_STATE_DIR on a real tmpfs of `size`, after the shell command `fill` (its
+    {state} the dir), in a private mount namespace: the host's mounts are never
+    touched. Its last stdout line, parsed."""
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare (util-linux)")
     d = Path(tempfile.mkdtemp(prefix="rt8-full-", dir="/tmp"))
     try:
         state = d / "state"
         state.mkdir(mode=0o700)
-        script = (f"mount -t tmpfs -o size=4k,mode=0700 rt8full {state} && "
-                  f"dd if=/dev/zero of={state}/fill bs=4096 count=4 2>/dev/null; "
-                  f"exec {sys.executable} -c \"$PROBE\" {state} "
+        script = (f"mount -t tmpfs -o size={size},mode=0700 rt8full {state} && "
+                  + fill.format(state=state)
+                  + f"exec {sys.executable} -c \"$PROBE\" {state} "
                   f"{REPO / 'supervisor' / 'configs' / 'minimal.toml'}")
         got = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
                              capture_output=True, text=True, timeout=60, cwd=REPO,
-                             env=dict(os.environ, PROBE=_LATCH_PROBE, TRIO_STATE_DIR=str(state)))
+                             env=dict(os.environ, PROBE=probe, TRIO_STATE_DIR=str(state)))
         assert got.returncode == 0 and got.stdout.strip(), got.stderr[-2000:]
-        res = json.loads(got.stdout.strip().splitlines()[-1])
+        return json.loads(got.stdout.strip().splitlines()[-1])
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+def test_a_full_state_dir_never_loses_the_fail_safe_latch():
+    """The state dir's file system is full (the recorder's logs, a journal, anything
+    sharing /var/lib): a real tmpfs of one page, filled, in a private mount namespace.
+    Either `check`/`run` refuse that state dir up front (it cannot hold the latch), or
+    a fail-safe still leaves the car latched."""
+    res = _probe_in_a_small_state_dir(_LATCH_PROBE, "4k", "dd if=/dev/zero of={state}/fill "
+                                      "bs=4096 count=4 2>/dev/null; ")
     print(f"full state dir: check problems {res['problems']}; latch set: "
           f"{res['set_error'] or 'ok'}; latched after: {res['latched']}; files {res['left']}")
     assert res["problems"] or res["latched"] is not None, res
@@ -832,25 +841,10 @@ def test_a_full_disk_with_the_latch_reserved_never_keeps_the_car_from_starting()
     """After row 8's fix a vehicle start reserves the latch's blocks. The file system
     fills later (the recorder's logs). The next start must not be refused for want of
     room the reserve already holds: the latch can still be written."""
-    if shutil.which("unshare") is None:
-        pytest.skip("needs unshare (util-linux)")
     from supervisor import failsafe
     if not hasattr(failsafe.FailSafeLatch, "reserve"):
         pytest.skip("no latch reserve in this tree (row 8's fix)")
-    d = Path(tempfile.mkdtemp(prefix="rt8-full-", dir="/tmp"))
-    try:
-        state = d / "state"
-        state.mkdir(mode=0o700)
-        script = (f"mount -t tmpfs -o size=16k,mode=0700 rt8full {state} && "
-                  f"exec {sys.executable} -c \"$PROBE\" {state} "
-                  f"{REPO / 'supervisor' / 'configs' / 'minimal.toml'}")
-        got = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-                             capture_output=True, text=True, timeout=60, cwd=REPO,
-                             env=dict(os.environ, PROBE=_RESERVED_PROBE, TRIO_STATE_DIR=str(state)))
-        assert got.returncode == 0 and got.stdout.strip(), got.stderr[-2000:]
-        res = json.loads(got.stdout.strip().splitlines()[-1])
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+    res = _probe_in_a_small_state_dir(_RESERVED_PROBE, "16k")
     print(f"full disk, reserve in place: check problems {res['problems']}; latch set: "
           f"{res['set_error'] or 'ok'}; latched after: {res['latched']}; files {res['left']}")
     assert res["latched"] is not None, res       # the reserve does its job
