@@ -52,3 +52,44 @@ def test_a_real_weakening_still_shows_across_install_paths():
     weak = {(c["key"], c["old"]) for c in d["changes"] if c["effect"] == "weakened"}
     assert weak == {("/etc/secret", None), ("masked compiler", "/opt/A/bin/cc")}, d["changes"]
 
+
+
+def _tree(entries: list[list] | None) -> dict[str, Any]:
+    return {"domain": "(installed)", "path": "/opt/A/supervisor", "sha256": "1" * 64,
+            "entries": entries}
+
+
+def test_verify_names_the_files_of_a_code_tree_that_moved(tmp_path):
+    from supervisor.audit.provenance import tree_digest, tree_sha256
+    from supervisor.audit.sign import _files_moved
+
+    (tmp_path / "ipc").mkdir()
+    for name, text in (("ipc/_native.c", "int f;"), ("ipc/_native.so", "ELF-1"),
+                       ("law.py", "K = 1\n"), ("old.py", "")):
+        (tmp_path / name).write_text(text)
+    digest, then = tree_digest(str(tmp_path))
+    assert digest == tree_sha256(str(tmp_path)) and ["ipc", "dir"] in then
+    (tmp_path / "law.py").write_text("K = 2\n")
+    (tmp_path / "new.py").write_text("")
+    (tmp_path / "old.py").unlink()
+    (tmp_path / "ipc" / "_native.so").write_text("ELF-2")       # another compiler
+    said = _files_moved(_tree(then), _tree(tree_digest(str(tmp_path))[1]))
+    assert said.startswith("changed: ipc/_native.so (sha256 "), said
+    assert "law.py (sha256 " in said and "added: new.py; removed: old.py" in said, said
+    assert "ipc/_native.c is the report's (rebuilt here from the report's source" in said
+    (tmp_path / "ipc" / "_native.c").write_text("int g;")
+    said = _files_moved(_tree(then), _tree(tree_digest(str(tmp_path))[1]))
+    assert "its source ipc/_native.c differs too" in said, said
+    # A report made before the entries were kept: verify still runs, and says so.
+    assert "re-audit" in _files_moved({"sha256": "1" * 64}, _tree(then))
+
+
+def test_a_trees_entries_are_kept_up_to_a_bound(tmp_path, monkeypatch):
+    from supervisor.audit import provenance
+
+    for i in range(4):
+        (tmp_path / f"m{i}.py").write_text("")
+    assert len(provenance._tree("x", str(tmp_path))["entries"]) == 4
+    monkeypatch.setattr(provenance, "ENTRIES_MAX", 3)
+    t = provenance._tree("x", str(tmp_path))
+    assert t["entries"] is None and len(t["sha256"]) == 64      # the digest stays

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from supervisor.admission.bytecode import unfaithful
 from supervisor.config import Config
@@ -114,23 +114,40 @@ def tree_sha256(path: str) -> str:
     resolves to as well (a module linked to a file outside the tree is imported through
     the link: its content, not its target's name, is the code; finding 4). Or why there
     is no digest."""
+    return tree_digest(path)[0]
+
+
+ENTRIES_MAX = 5_000     # a tree's entries kept in the report, at most (its size bounded)
+
+
+def tree_digest(path: str) -> tuple[str, list[list] | None]:
+    """(tree_sha256's digest, the entries it hashed in order: [path, kind, ...] as
+    `_walk_into` writes them, or None when there is no digest). The entries let `audit
+    verify` name the files that moved, not only a digest (review 7 finding 9)."""
     h = hashlib.sha256(b"tree v2\n")
+    entries: list[list] = []
+
+    def emit(entry: list) -> None:
+        h.update(_line(entry))
+        entries.append(entry)
     try:
-        _walk_into(h, os.path.realpath(path), "", [0], set())
+        _walk_into(emit, os.path.realpath(path), "", [0], set())
     except _TooBig:
-        return f"more than {TREE_MAX} entries"
+        return f"more than {TREE_MAX} entries", None
     except OSError as e:
-        return f"unreadable: {e.filename}: {e.strerror}"
-    return h.hexdigest()
+        return f"unreadable: {e.filename}: {e.strerror}", None
+    return h.hexdigest(), entries
 
 
 class _TooBig(Exception):
     pass
 
 
-def _walk_into(h, root: str, prefix: str, seen: list[int], dirs_in: set[str]) -> None:
-    """Hash the tree at `root` (a real directory) under the name `prefix`; `dirs_in`:
-    the real directories being walked (a link back into one is named, not followed)."""
+def _walk_into(emit: Callable[[list], None], root: str, prefix: str, seen: list[int],
+               dirs_in: set[str]) -> None:
+    """Emit (to be hashed) each entry of the tree at `root` (a real directory) under the
+    name `prefix`; `dirs_in`: the real directories being walked (a link back into one is
+    named, not followed)."""
     dirs_in = dirs_in | {root}
     for name in sorted(os.listdir(root)):
         if name == "__pycache__":   # derived, rewritten by any import: its own code
@@ -148,16 +165,16 @@ def _walk_into(h, root: str, prefix: str, seen: list[int], dirs_in: set[str]) ->
                 if real in dirs_in:
                     entry.append("loop")
                 else:
-                    h.update(_line(entry + ["dir"]))
-                    _walk_into(h, real, rel + "/", seen, dirs_in)
+                    emit(entry + ["dir"])
+                    _walk_into(emit, real, rel + "/", seen, dirs_in)
                     continue
             elif os.path.exists(real):
                 entry += ["file", _file_sha256(real)]
             else:
                 entry.append("dangling")
         elif stat.S_ISDIR(st.st_mode):
-            h.update(_line(entry + ["dir"]))
-            _walk_into(h, full, rel + "/", seen, dirs_in)
+            emit(entry + ["dir"])
+            _walk_into(emit, full, rel + "/", seen, dirs_in)
             continue
         elif stat.S_ISREG(st.st_mode):
             entry += ["file", _file_sha256(full)]
@@ -168,7 +185,7 @@ def _walk_into(h, root: str, prefix: str, seen: list[int], dirs_in: set[str]) ->
                 entry += ["runs bytecode", _file_sha256(cached)]
         else:                       # a FIFO or device: named, never opened (it would hang)
             entry += ["special", stat.S_IFMT(st.st_mode)]
-        h.update(_line(entry))
+        emit(entry)
 
 
 def _line(entry: list) -> bytes:
@@ -195,11 +212,18 @@ def code_trees(cfg: Config) -> list[dict[str, Any]]:
     (`DomainConfig.code_vouched`; red team 9 row 6)."""
     from supervisor.config import PROJECT_ROOT
 
-    own = [{"domain": INSTALLED, "path": os.path.join(str(PROJECT_ROOT), pkg),
-            "sha256": tree_sha256(os.path.join(str(PROJECT_ROOT), pkg))} for pkg in PACKAGES]
-    return own + [{"domain": name, "path": p, "sha256": tree_sha256(p)}
-                  for name, d in sorted(cfg.domains.items()) if d.code_vouched
-                  for p in d.python_path]
+    own = [_tree(INSTALLED, os.path.join(str(PROJECT_ROOT), pkg)) for pkg in PACKAGES]
+    return own + [_tree(name, p) for name, d in sorted(cfg.domains.items())
+                  if d.code_vouched for p in d.python_path]
+
+
+def _tree(domain: str, path: str) -> dict[str, Any]:
+    """One code tree: its digest and, up to ENTRIES_MAX, the entries digested (None:
+    more, or no digest: verify then cannot name the files)."""
+    digest, entries = tree_digest(path)
+    if entries is not None and len(entries) > ENTRIES_MAX:
+        entries = None
+    return {"domain": domain, "path": path, "sha256": digest, "entries": entries}
 
 
 def artifacts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

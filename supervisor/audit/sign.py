@@ -21,7 +21,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from supervisor.model.errors import BadPublicKey, BadSignature
 
@@ -173,24 +173,83 @@ def _code_moved(covers: dict[str, Any], cfg) -> str | None:
         d, p = t.get("domain") or "", t.get("path") or ""
         return d, (os.path.basename(p) if d == INSTALLED else p)
 
-    now = {place(t): t["sha256"] for t in code_trees(cfg)}
+    now = {place(t): t for t in code_trees(cfg)}
     if "code_trees" not in covers:
         return ("the report records no digest of the code it covers (an older audit): "
                 "re-audit")
-    then = {place(t): t.get("sha256") for t in covers["code_trees"]}
+    then = {place(t): t for t in covers["code_trees"]}
     for key in sorted(now.keys() | then.keys(), key=str):
         where = (f"the installed package {key[1]}" if key[0] == INSTALLED
                  else f"domain {key[0]}'s python_path {key[1]}")
         if key not in then or key not in now:
             return f"{where} is {'new' if key not in then else 'gone'}"
-        if not _is_digest(now[key]):
+        a, b = then[key].get("sha256"), now[key]["sha256"]
+        if not _is_digest(b):
             # 'unreadable: ...' or 'more than N entries': equal twice is no evidence
             # that nothing changed (red team 11 row 13: a zip's digest was a constant)
-            return f"{where} cannot be digested ({now[key]}): the report cannot vouch for it"
-        if then[key] != now[key]:
-            return (f"{where}: the report covers code tree {_short(then[key])}, the files "
-                    f"now give {_short(now[key])}")
+            return f"{where} cannot be digested ({b}): the report cannot vouch for it"
+        if a != b:
+            return (f"{where}: the report covers code tree {_short(a)}, the files now "
+                    f"give {_short(b)}: {_files_moved(then[key], now[key])}")
     return None
+
+
+SHOWN = 3        # files named per kind of change (changed, added, removed)
+
+
+def _files_moved(then: dict[str, Any], now: dict[str, Any]) -> str:
+    """The first files of a code tree that differ (review 7 finding 9: a digest alone
+    told an edited control worker from a native module another compiler built no
+    better than not at all): `changed: probe/__init__.py (sha256 a1b2... in the report,
+    c3d4... here); added: none; removed: none`."""
+    if not isinstance(then.get("entries"), list):
+        return "the report keeps no file list of this tree (an older audit): re-audit to name the files"
+    if not isinstance(now.get("entries"), list):
+        return "the files cannot be named here (too many entries)"
+    old = {str(e[0]): e for e in then["entries"] if isinstance(e, list) and e}
+    new = {str(e[0]): e for e in now["entries"] if e}
+    changed = sorted(p for p in old.keys() & new.keys() if old[p] != new[p])
+    added, removed = sorted(new.keys() - old.keys()), sorted(old.keys() - new.keys())
+
+    def some(paths: list[str], say: Callable[[str], str]) -> str:
+        if not paths:
+            return "none"
+        more = f", and {len(paths) - SHOWN} more" if len(paths) > SHOWN else ""
+        return ", ".join(say(p) for p in paths[:SHOWN]) + more
+
+    def was(p: str) -> str:
+        return f"{p} ({_entry(old[p])} in the report, {_entry(new[p])} here)"
+    out = (f"changed: {some(changed, was)}; added: {some(added, lambda p: p)}; "
+           f"removed: {some(removed, lambda p: p)}")
+    native = [p for p in changed + added + removed if p.endswith(".so")]
+    if native:
+        out += "; " + _native_note(native, old, new)
+    return out
+
+
+def _entry(e: list) -> str:
+    """An entry as a reviewer reads it: a file's sha256 (short), else its kind."""
+    if "runs bytecode" in e:
+        return f"sha256 {_short(e[e.index('runs bytecode') + 1])} (its bytecode)"
+    if "file" in e and e.index("file") + 1 < len(e):
+        return f"sha256 {_short(e[e.index('file') + 1])}"
+    return " ".join(str(x) for x in e[1:])
+
+
+def _native_note(native: list[str], old: dict[str, list], new: dict[str, list]) -> str:
+    """Whether a native module that differs was rebuilt from the report's source: its
+    C files in the same directory unchanged (every install compiles its own .so; another
+    compiler or flags give other bytes)."""
+    dirs = {os.path.dirname(p) for p in native}
+    sources = sorted(p for p in old.keys() | new.keys()
+                     if p.endswith(".c") and os.path.dirname(p) in dirs)
+    if not sources:
+        return f"native module {native[0]}: no C source beside it in the tree"
+    moved = [p for p in sources if old.get(p) != new.get(p)]
+    if moved:
+        return f"native module {native[0]}: its source {', '.join(moved)} differs too"
+    return (f"native module {native[0]}: its source {', '.join(sources)} is the report's "
+            f"(rebuilt here from the report's source: another compiler or flags?)")
 
 
 def _models_moved(covers: dict[str, Any], cfg) -> str | None:
