@@ -5,6 +5,7 @@ recorded pace, camerad plays a plain video file, and a fleet replays in parallel
 failed job retried once and reported (and on a local Ray cluster)."""
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
@@ -45,6 +46,9 @@ def small_demo() -> dict[str, str]:
     if shutil.which("clang") is None:
         pytest.skip("building the small demo model needs clang (scripts/install.sh --dev)")
     out = Path(tempfile.mkdtemp(prefix="small-demo-"))
+    # Gone with the test process (88 of these were left in /tmp here): the sandboxes
+    # that load it are all stopped by then.
+    atexit.register(shutil.rmtree, out, True)
     env = {k: v for k, v in os.environ.items() if k not in ("CACHEDB", "DEV", "PARALLEL")}
     b = subprocess.run([sys.executable, "-m", "workers.modelbuild", "--out", str(out / "m"),
                         "--key", str(out / "k.key"), "--seed", "0", "--frames", "40",
