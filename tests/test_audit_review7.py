@@ -93,3 +93,19 @@ def test_a_trees_entries_are_kept_up_to_a_bound(tmp_path, monkeypatch):
     monkeypatch.setattr(provenance, "ENTRIES_MAX", 3)
     t = provenance._tree("x", str(tmp_path))
     assert t["entries"] is None and len(t["sha256"]) == 64      # the digest stays
+
+
+def test_verify_says_what_moved_in_the_config():
+    from supervisor.audit.sign import _what_moved
+    from supervisor.config import dumps
+
+    text = '[domains.control]\nnetwork = false  # never\nactuates = true\n'
+    covers = {"config": {"canonical": dumps({"domains": {"control": {
+        "network": False, "actuates": True}}})}}
+    comment = _what_moved(covers, (text + "# reviewed\n").encode(), "F")
+    assert comment.startswith("only comments or layout differ"), comment
+    net = _what_moved(covers, text.replace("network = false", "network = true").encode(), "F")
+    assert "the config's meaning moved: domains.control.network false -> true" in net, net
+    assert "supervisor audit --config F" in net
+    assert "no longer parses" in _what_moved(covers, b"[domains", "F")
+    assert "older audit" in _what_moved({"config": {"sha256": "0" * 64}}, text.encode(), "F")

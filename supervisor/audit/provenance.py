@@ -66,18 +66,33 @@ def _tool(argv: list[str]) -> str | None:
     return out[0] if out else None
 
 
-def config_sha256(cfg: Config) -> str | None:
-    """sha256 of the config file's bytes (the embedded default's when no file)."""
+def _config_path(cfg: Config) -> Path:
     from supervisor.config import PROJECT_ROOT
 
-    src = cfg.source
-    if src.startswith("<embedded"):
-        path = Path(PROJECT_ROOT) / "supervisor" / "default.toml"
-    else:
-        path = Path(src)
+    if cfg.source.startswith("<embedded"):
+        return Path(PROJECT_ROOT) / "supervisor" / "default.toml"
+    return Path(cfg.source)
+
+
+def config_sha256(cfg: Config) -> str | None:
+    """sha256 of the config file's bytes (the embedded default's when no file)."""
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
+        return hashlib.sha256(_config_path(cfg).read_bytes()).hexdigest()
     except OSError:
+        return None
+
+
+def config_canonical(cfg: Config) -> str | None:
+    """The config as loaded, without its comments and layout (`supervisor.config.dumps`
+    of its TOML document): `audit verify` of a config whose bytes differ names the keys
+    whose meaning moved, or says only comments or layout did (review 7 finding 4)."""
+    import tomllib
+
+    from supervisor.config import dumps
+
+    try:
+        return dumps(tomllib.loads(_config_path(cfg).read_text("utf-8")))
+    except (OSError, ValueError):
         return None
 
 
@@ -255,7 +270,8 @@ def provenance(cfg: Config, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "git": git_commit(str(PROJECT_ROOT)),
         # The install: `audit diff` compares the paths under it relative to it.
         "project_root": str(PROJECT_ROOT),
-        "config": {"source": cfg.source, "sha256": config_sha256(cfg)},
+        "config": {"source": cfg.source, "sha256": config_sha256(cfg),
+                   "canonical": config_canonical(cfg)},
         "artifacts": artifacts(rows),
         "code_trees": code_trees(cfg),
         "python": f"{platform.python_implementation()} {platform.python_version()} "

@@ -135,18 +135,73 @@ def _config_now(covers: dict[str, Any], config: str | None) -> tuple[str, bool]:
             return (f"{src or 'the config'} is not here: not checked (give --config F to "
                     f"check the config that will run)"), True
     try:
-        now = hashlib.sha256(Path(config).read_bytes()).hexdigest()
+        data = Path(config).read_bytes()
     except OSError as e:
         return f"{config}: {e.strerror or e}", False
+    now = hashlib.sha256(data).hexdigest()
     if now != want:
+        # FAILED either way (the bytes are what was signed), but a comment is not the
+        # control domain going on the network (review 7 finding 4): say which.
         return (f"{config} sha256 {now} differs from the report's {want}: the config "
-                f"changed since the report was made; the report does not describe it"), False
+                f"changed since the report was made; "
+                f"{_what_moved(covers, data, config)}"), False
     moved = _meaning_moved(covers, config)
     if moved:
         return (f"{config} sha256 {now} is the report's, but {moved}: the report does "
                 f"not describe what this config runs and trusts now"), False
     return (f"{config} sha256 {now}: the config the report covers, and the model keys, "
             f"manifests and control code trees it names are the report's"), True
+
+
+SHOWN_KEYS = 3       # config keys named when its meaning moved
+
+
+def _what_moved(covers: dict[str, Any], data: bytes, config: str) -> str:
+    """The config in hand against the report's canonical copy of its config: the first
+    keys whose value differs, or that only comments or layout do."""
+    import tomllib
+
+    then = (covers.get("config") or {}).get("canonical")
+    redo = (f"(run `supervisor audit --config {config}` and `supervisor audit diff` of "
+            f"the report and the new one)")
+    if not isinstance(then, str):
+        return (f"the report keeps no copy of the config it covers (an older audit): what "
+                f"moved cannot be named {redo}")
+    try:
+        now_doc = tomllib.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        return f"it no longer parses as TOML ({str(e).splitlines()[0]})"
+    then_flat, now_flat = _flatten(tomllib.loads(then)), _flatten(now_doc)
+    moved = [k for k in sorted(then_flat.keys() | now_flat.keys())
+             if then_flat.get(k, _ABSENT) != now_flat.get(k, _ABSENT)]
+    if not moved:
+        return ("only comments or layout differ: the loaded config is the report's (the "
+                "signed bytes are not: re-sign, or verify the bytes that were signed)")
+    said = ", ".join(f"{k} {_toml(then_flat.get(k, _ABSENT))} -> "
+                     f"{_toml(now_flat.get(k, _ABSENT))}" for k in moved[:SHOWN_KEYS])
+    more = f", and {len(moved) - SHOWN_KEYS} more" if len(moved) > SHOWN_KEYS else ""
+    return f"the config's meaning moved: {said}{more} {redo}; the report does not describe it"
+
+
+_ABSENT = object()
+
+
+def _flatten(doc: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{dotted key: value} of a TOML document's leaves (arrays are values)."""
+    out: dict[str, Any] = {}
+    for k, v in doc.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _toml(v: Any) -> str:
+    if v is _ABSENT:
+        return "absent"
+    s = json.dumps(v, default=str)
+    return s if len(s) <= 60 else s[:57] + "..."
 
 
 def _meaning_moved(covers: dict[str, Any], config: str) -> str | None:
