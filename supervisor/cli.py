@@ -76,10 +76,21 @@ def cmd_check(args: argparse.Namespace) -> int:
     """Everything that can be known before start: the file (`load`), this machine
     (`check_runtime`), then static admission. One line per problem (``FILE: KEY:
     REASON``) on stderr, never a traceback. Exit 2 for config problems, 3 when
-    admission refuses a worker (as ``run`` would stop there first), else 0."""
+    admission refuses a worker (as ``run`` would stop there first), else 0. ``--start``
+    beside a running vehicle supervisor is refused first, exit 2 (a second pipeline:
+    its own cameras, a SCHED_FIFO controlsd, modeld's CPU; the rule is audit's)."""
     from supervisor.config import ConfigFileError, check_runtime
     from supervisor.lifecycle import Supervisor
 
+    if args.start:
+        from supervisor.audit.running import vehicle_supervisors
+
+        vehicle = ", ".join(str(rs.pid) for rs in vehicle_supervisors())
+        if vehicle:
+            print(f"supervisor check --start: refused: a vehicle supervisor runs (pid "
+                  f"{vehicle}): stop it first (systemctl stop trio-supervisor), or check "
+                  f"without --start", file=sys.stderr)
+            return int(Exit.CONFIG)
     try:
         try:
             cfg = load(args.config)

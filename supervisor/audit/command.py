@@ -148,27 +148,11 @@ def _pick(pid: int | None):
 
 
 def _refuse_start_beside_vehicle() -> None:
-    """--start would be a second full system on the vehicle: refused."""
-    from supervisor.config import ConfigError, load
+    """--start would be a second full system on the vehicle: refused (the rule is
+    running.vehicle_supervisors', shared with `check --start`)."""
+    from .running import vehicle_supervisors
 
-    from .running import find_supervisors
-
-    from .running import is_supervisor_run
-
-    vehicle = []
-    for rs in find_supervisors():
-        if not is_supervisor_run(rs.argv):
-            continue                  # a test or bench holding a Supervisor in-process
-        try:
-            mode = load(rs.config).supervisor.mode
-        except ConfigError:
-            mode = "vehicle"          # unreadable: assume the worst
-        # The vehicle's `supervisor run` latches its config's state dir; a test or
-        # bench run points TRIO_STATE_DIR elsewhere.
-        # (Unreadable environment, a smaller capability set than the supervisor's:
-        # cannot tell, not counted.)
-        if mode == "vehicle" and rs.environ_readable and rs.state_dir is None:
-            vehicle.append(str(rs.pid))
+    vehicle = [str(rs.pid) for rs in vehicle_supervisors()]
     if vehicle:
         raise UsageError(f"{PROG} --live --start: refused: a vehicle supervisor runs (pid "
                          f"{', '.join(vehicle)}); audit it with --live (read-only), or "

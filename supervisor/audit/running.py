@@ -179,6 +179,30 @@ def find_supervisors() -> list[RunningSupervisor]:
     return sorted(found.values(), key=lambda r: r.pid)
 
 
+def vehicle_supervisors() -> list[RunningSupervisor]:
+    """The running ``supervisor run``s that drive a vehicle: the one rule every command
+    that would start a second pipeline beside them applies (``audit --live --start``,
+    ``check --start``: review 7 finding 10, a check started its own cameras and a
+    SCHED_FIFO controlsd beside the car's). A test or bench run is not one: a process
+    holding a Supervisor in-process (not ``supervisor run``), a config in simulation
+    mode, or a ``TRIO_STATE_DIR`` pointed elsewhere (the vehicle's run latches its
+    config's state dir). An environment this process may not read (a smaller capability
+    set than the supervisor's) cannot be told: not counted."""
+    from supervisor.config import ConfigError, load
+
+    out = []
+    for rs in find_supervisors():
+        if not is_supervisor_run(rs.argv):
+            continue
+        try:
+            mode = load(rs.config).supervisor.mode
+        except ConfigError:
+            mode = "vehicle"          # unreadable: assume the worst
+        if mode == "vehicle" and rs.environ_readable and rs.state_dir is None:
+            out.append(rs)
+    return out
+
+
 def _supervisor(pid: int) -> RunningSupervisor | None:
     argv = _cmdline(pid)
     if not argv:
