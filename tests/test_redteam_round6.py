@@ -107,7 +107,7 @@ ready_timeout_ms = 60000
 domain = "research"
 module = "{module}"
 subscribes = ["act"]
-args = ["--attack", "fd_catch", "--sub", "act", "--delay-s", "1.0", "--seconds", "8"]
+args = ["--attack", "fd_catch", "--sub", "act", "--delay-s", "1.0", "--seconds", "5"]
 optional = true
 restart = "never"
 ready_timeout_ms = 60000
@@ -372,6 +372,12 @@ def test_no_engaged_command_after_the_last_word_of_a_writer_that_handed_off_its_
     assert caught is not None and caught.get("error") == "no descriptors came", caught
     died = _of(rt6_fleet["events"], "handoff", "exit")
     assert died and died[0].get("signal") == "SIGSYS", died
+    # catch listened (5 s from its READY) until after the writer's try: it died at the
+    # sendmsg, so anything sent would have been queued for catch before it stopped
+    # (here: died 0.7 s after catch's READY; 8 s of listening cost 7 s of waiting).
+    said = next(e["mono_ns"] for e in _of(rt6_fleet["events"], "catch", "output")
+                if e["line"].startswith("RESULT fd_catch "))
+    assert died[0]["mono_ns"] < said, "catch stopped listening before the writer tried"
 
 
 def test_the_deep_log_attack_ran(rt6_fleet) -> None:
