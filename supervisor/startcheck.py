@@ -212,7 +212,9 @@ def _ancestors(pid: int) -> set[int]:
 
 def other_supervisors(me: int | None = None) -> list[tuple[int, str]]:
     """Other supervisors running on this machine, from /proc: (pid, command line) of each
-    `supervisor run`, `supervisor check --start` and broker. A check started beside a live
+    `supervisor run` and `supervisor check --start` (not a broker, `python -m
+    supervisor.broker`: it runs no pipeline, and the `supervisor run` it serves is named;
+    review 7 finding 10 saw it called a second pipeline). A check started beside a live
     one runs a second pipeline next to it (its cameras, CPU, the real-time slot): worth a
     line. Found by command line: a process that hides its name is not found.
     `me`'s ancestors are not others: `sudo supervisor check --start` (or `timeout 300
@@ -230,8 +232,7 @@ def other_supervisors(me: int | None = None) -> list[tuple[int, str]]:
             continue
         for i, a in enumerate(argv[:6]):
             rest = argv[i + 1:]
-            if a == "supervisor.broker" or (
-                    (a == "supervisor.cli" or os.path.basename(a) == "supervisor") and rest
+            if ((a == "supervisor.cli" or os.path.basename(a) == "supervisor") and rest
                     and (rest[0] == "run" or rest[0] == "check" and "--start" in rest)):
                 found.append((int(entry), " ".join(x for x in argv if x)[:120]))
                 break

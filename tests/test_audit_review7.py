@@ -109,3 +109,23 @@ def test_verify_says_what_moved_in_the_config():
     assert "supervisor audit --config F" in net
     assert "no longer parses" in _what_moved(covers, b"[domains", "F")
     assert "older audit" in _what_moved({"config": {"sha256": "0" * 64}}, text.encode(), "F")
+
+
+def test_check_start_names_no_broker_as_a_second_pipeline():
+    """The note of a check beside a test/bench run names `supervisor run`s, not a broker
+    (`python -m supervisor.broker` runs no pipeline; the run it serves is named)."""
+    import subprocess
+    import sys
+
+    from supervisor.startcheck import other_supervisors
+
+    sleep = [sys.executable, "-c", "import time; time.sleep(30)", "-m"]
+    broker = subprocess.Popen([*sleep, "supervisor.broker", "--socket", "/x"])
+    run = subprocess.Popen([*sleep, "supervisor.cli", "run", "--quiet"])
+    try:              # (Popen returns once the exec is done: the argv is set)
+        found = dict(other_supervisors())
+    finally:
+        for p in (broker, run):
+            p.kill()
+            p.wait()
+    assert run.pid in found and broker.pid not in found, found
