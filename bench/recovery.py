@@ -103,7 +103,7 @@ class _Trace:
 
         from supervisor.broker import _protocol as P
 
-        real, lock = client.call, client._lock
+        real, lock = client.call, client._send_lock
 
         class TimedLock:
             """The client's lock, noting how long each acquire waited."""
@@ -116,7 +116,7 @@ class _Trace:
             def __exit__(self_, *a) -> None:
                 lock.release()
 
-        client._lock = TimedLock()
+        client._send_lock = TimedLock()
 
         def call(req, fds=()):
             t = time.monotonic()

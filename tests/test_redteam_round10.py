@@ -559,9 +559,6 @@ def test_a_broker_whose_proper_died_ends_its_sandboxes_and_frees_the_state_dir()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "redteam10 row 8: wake-up sockets are not pinned like memfds: research reader rs is "
-    "started holding control reader k's wake-up end and takes its wake-ups"))
 def test_a_research_reader_never_holds_a_control_readers_wake_up_end(root_broker):
     """An attacker who knows the fix under way for rows 1-3 (access, socket type, peer
     pid, memfd labels and first-start pins): a wake-up end the proper itself made, of

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from supervisor.failsafe import (LATCH_NAME, latch_text, read_latch_text, reserve_latch,
                                  write_latch)
+from supervisor.ipc.shm import wake_label  # noqa: F401  (the label's one home)
 
 from ._errors import BadFds, Failed, Refused
 
@@ -153,17 +154,8 @@ _WAKE = re.compile(rb"\0trio-bridge:([A-Za-z0-9_][A-Za-z0-9_.-]{0,63}):wake([0-9
                    rb"[0-9a-f]{16}")
 
 
-# Whether every wake-up pair must carry its label. Off until `Channel.create` binds the
-# labels (docs/broker.md, "Wake-up ends"): an unlabelled pair is checked by its pins only,
-# which cannot tell which reader a pair that never started is for (row 8 stays open);
-# and a writer's end of an unlabelled pair at reader k's place is never tied to k's own.
-REQUIRE_WAKE_LABELS = False
-
-
-def wake_label(channel: str, index: int, nonce: str) -> bytes:
-    """The abstract address of wake-up pair `index` of `channel` (nonce: 16 hex digits,
-    one per channel's creation, so two supervisors on one host never collide)."""
-    return b"\0" + f"trio-bridge:{channel}:wake{index}:{nonce}".encode()
+# Every wake-up pair carries its label (Channel.create binds it).
+REQUIRE_WAKE_LABELS = True
 
 
 def _wake_place(label: bytes) -> tuple[str, int] | None:

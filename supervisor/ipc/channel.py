@@ -142,9 +142,13 @@ class Channel:
         # Wake-ups: one stream socketpair per reader. The writer writes a byte to its
         # end (non-blocking, its own description); the reader's end blocks, so that the
         # reader sleeps in one read that also drains it (Reader._wait).
+        # The writer's end is bound to the pair's label (shm.wake_label): whose end it
+        # is, for the broker (red team 10 row 8).
         writer_ends, reader_ends = [], []
-        for _ in range(spec.max_readers):
+        nonce = os.urandom(8).hex()
+        for i in range(spec.max_readers):
             a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            a.bind(shm.wake_label(spec.name, i, nonce))
             a.setblocking(False)
             b.setblocking(True)
             writer_ends.append(a.detach())

@@ -31,6 +31,15 @@ def memfd_label(channel: str, lease: int | None = None) -> str:
     return f"trio-bridge:{channel}" + ("" if lease is None else f":lease{lease}")
 
 
+def wake_label(channel: str, index: int, nonce: str) -> bytes:
+    """The abstract address a channel's wake-up pair `index` is labelled with: the
+    writer's end is bound to it (never listening: nothing can connect), the reader's end
+    reads it as its peer's. One pair has one label for life, so the broker can tell whose
+    wake-up end it is handed (red team 10 row 8). `nonce`: 16 hex digits, one per
+    channel's creation (two supervisors on one host never collide)."""
+    return b"\0" + f"trio-bridge:{channel}:wake{index}:{nonce}".encode()
+
+
 def create_segment(label: str, size: int) -> int:
     """A new anonymous segment of ``size`` zero bytes whose size can never change."""
     fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)

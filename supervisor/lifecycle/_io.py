@@ -111,6 +111,9 @@ class _WorkerIO:
             self._on_message(run, msg)
 
     def _on_message(self, run: WorkerRun, msg: StatusLine) -> None:
+        if run.activating:             # a standby being handed its channels: said later
+            run.held_status.append(msg)
+            return
         now = time.monotonic_ns()
         if run.is_standby and msg.kind in ("READY", "WATCHDOG", "STANDBY"):
             if msg.kind == "READY":   # it has no channels: it cannot be ready

@@ -55,6 +55,11 @@ class WorkerRun:
     # (active run) its standbys, oldest first; at most _WarmStandby.STANDBY_DEPTH
     standbys: list["WorkerRun"] = field(default_factory=list)
     adopted: bool = False
+    # (standby) its channels are on their way through the broker (an `adopt` round trip,
+    # awaited off the loop): what it says meanwhile (READY, as soon as it has them) is
+    # held, never judged as a standby's, and said to the run that adopts it.
+    activating: bool = False
+    held_status: list = field(default_factory=list)
     # (active run) the standby being handed the channels: between the send of its fds
     # and `current = its process`, it is listed by _all_runs() through this.
     adopting: "WorkerRun | None" = None

@@ -121,12 +121,18 @@ class _WarmStandby:
                 break
             if sb.alive:                        # unfit: the next one
                 self._kill(sb)
+        # Through the broker the hand-over is awaited off the loop: the standby may say
+        # READY before it returns (under load it did, and was refused as a standby
+        # claiming READY: the takeover failed). Held until it is the run's, or dropped.
+        sb.activating = True
         try:
             await _hand_over(sb.current, self._handles(run.cfg))
         except OSError as e:
             # Refused or failed: this standby is discarded (killed; its exit is logged as
             # a standby's) and the run starts cold as without one, a start checked as
             # any start; the standby behind it is kept for the next death.
+            sb.activating = False
+            sb.held_status.clear()
             self.log.emit("standby_failed", worker=run.cfg.name, error=f"hand-over: {e}")
             self._kill(sb)
             return False
@@ -147,4 +153,7 @@ class _WarmStandby:
             run.begin(time.monotonic_ns())
         self.log.emit("standby_adopted", worker=run.cfg.name, pid=run.pid,
                       waited_ms=round((run.started_ns - sb.started_ns) / 1e6, 1))
+        held, sb.held_status, sb.activating = sb.held_status, [], False
+        for msg in held:                # what it said during the hand-over, as the run's
+            self._on_message(run, msg)
         return True
