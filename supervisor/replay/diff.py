@@ -108,10 +108,21 @@ class ChannelDiff:
     # per side, where the recording of this channel had not begun or had ended (see
     # `edge_windows`); never a difference, always shown.
     edges: dict[str, int] = field(default_factory=dict)
+    # With a recorded drive as REF, what the log itself lacks (review 7, finding 3: a
+    # recording made on a loaded machine failed its own replay, exit 6). `log_lacks`:
+    # frame ids REF has messages for but the log has no frame of (the recorder dropped
+    # it: the replay cannot play it), REF's messages there set aside and named;
+    # `frame_drops`: the recorder's count of the frames it dropped. `ref_dropped`: its
+    # count of this channel's messages it dropped: up to that many "added" (the run has
+    # a message where the log lost the car's) are noted, not gated. A run's message
+    # where the log has its frame and REF has none beyond that is a difference as ever.
+    log_lacks: list[int] = field(default_factory=list)
+    frame_drops: int = 0
+    ref_dropped: int = 0
 
     @property
     def ok(self) -> bool:
-        return (not self.note and len(self.added) <= self.added_tol
+        return (not self.note and len(self.added) <= self.added_tol + self.ref_dropped
                 and len(self.removed) <= self.removed_tol and not self.changed
                 and not any(self.duplicated.values()) and not any(self.nonfinite.values()))
 
@@ -181,7 +192,25 @@ class Report:
         return d
 
 
-def edge_windows(log: DriveLog, frames: str, channels: list[str]) -> dict[str, tuple[int, int]]:
+class Window(tuple):
+    """``(lo, hi)``: the frame ids of one channel that a replay of the recorded log is
+    compared on (`edge_windows`), with what the log itself lacks inside it: ``frames``,
+    the ids the log has a frame of; ``frame_drops``, the recorder's count of the frames
+    it dropped; ``drops``, its count of this channel's messages it dropped. Still the
+    pair it was (callers compare it with one); a plain ``(lo, hi)`` is taken too."""
+
+    frames: frozenset[int] | None
+    frame_drops: int
+    drops: int
+
+    def __new__(cls, lo: int, hi: int, *, frames: frozenset[int] | None = None,
+                frame_drops: int = 0, drops: int = 0) -> Window:
+        w = super().__new__(cls, (lo, hi))
+        w.frames, w.frame_drops, w.drops = frames, frame_drops, drops
+        return w
+
+
+def edge_windows(log: DriveLog, frames: str, channels: list[str]) -> dict[str, Window]:
     """Per channel, the frame ids a replay of the recorded ``log`` can be compared on
     (``--ref self``): within the log's video, and between the first and the last frame
     id the recording has a message of that channel for. Outside it, the recording was
@@ -189,16 +218,23 @@ def edge_windows(log: DriveLog, frames: str, channels: list[str]) -> dict[str, t
     first frame whose output came before the recorder attached, or a last one whose
     output came after it stopped (the run: 'added'). These failed every fresh recording
     replayed against itself (exit 6 on one message at its start) unless four --tol
-    options were given. A gap inside the window is a difference as ever."""
+    options were given. Inside it, a frame the log lacks (its recorder dropped it on a
+    loaded machine) cannot be played: REF's outputs for it are set aside and named, as
+    are up to the recorder's own drop count of the channel's messages (`Window`). Any
+    other gap is a difference as ever."""
     ids = [e.frame_id for e in log.video(frames).index] if frames in log.video_channels() else []
     if not ids:
         return {}
     lo, hi = min(ids), max(ids)
-    out: dict[str, tuple[int, int]] = {}
+    have = frozenset(ids)
+    lost = log.drops.get(frames)
+    out: dict[str, Window] = {}
     for ch in channels:
         fids = [m.frame_id for m in log.messages.get(ch, []) if m.frame_id is not None]
         if fids:
-            out[ch] = (max(lo, min(fids)), min(hi, max(fids)))
+            d = log.drops.get(ch)
+            out[ch] = Window(max(lo, min(fids)), min(hi, max(fids)), frames=have,
+                             frame_drops=lost.total if lost else 0, drops=d.total if d else 0)
     return out
 
 
@@ -231,6 +267,15 @@ def compare_channel(channel: str, run: list[Msg], ref: list[Msg], tols: dict[str
     run, n_run = _inside(run, window)
     ref, n_ref = _inside(ref, window)
     cd.edges = {k: n for k, n in (("run", n_run), ("ref", n_ref)) if n}
+    have = getattr(window, "frames", None)
+    if have is not None:
+        # REF's side only: a run's message for a frame the log lacks stays "added".
+        cd.log_lacks = sorted({m.frame_id for m in ref
+                               if m.frame_id is not None and m.frame_id not in have})
+        if cd.log_lacks:
+            ref = [m for m in ref if m.frame_id is None or m.frame_id in have]
+            cd.frame_drops = window.frame_drops
+        cd.ref_dropped = window.drops
     for side, msgs in (("the run", run), ("REF", ref)):
         if msgs and all(m.frame_id is None for m in msgs):
             # A live controlsd's commands: published between frames too, without the
@@ -391,6 +436,7 @@ def render_text(r: Report) -> str:
                          f"had not begun or had ended): "
                          + ", ".join(f"{'REF' if k == 'ref' else 'the run'} {n}"
                                      for k, n in c.edges.items()))
+        lines += [f"  {n}" for n in log_loss_notes(c)]
         if c.added:
             lines.append(f"  added frames: {_ids(c.added)}")
         if c.removed:
@@ -436,6 +482,22 @@ def _v(v: float | str) -> str:
     return v if isinstance(v, str) else f"{v:.6g}"
 
 
+def log_loss_notes(c: ChannelDiff) -> list[str]:
+    """What the recorded log lacks on this channel, set aside (`ChannelDiff.log_lacks`,
+    `ref_dropped`): one line each, never silent."""
+    out = []
+    if c.log_lacks:
+        why = (f"the recorder dropped {c.frame_drops} frame(s)" if c.frame_drops
+               else "no pixels of them in its video")
+        out.append(f"not compared: the log lacks frames {_ids(c.log_lacks)} ({why}); "
+                   f"REF's {c.channel} for them set aside")
+    if c.ref_dropped and c.added:
+        n = min(len(c.added), c.ref_dropped)
+        out.append(f"{n} added not gated: the log lacks {c.ref_dropped} {c.channel} "
+                   f"message(s) (the recorder dropped them)")
+    return out
+
+
 def _presence_tol(c: ChannelDiff) -> str:
     t = [f"{k} <= {n}" for k, n in (("added", c.added_tol), ("removed", c.removed_tol)) if n]
     return f" (tolerated: {', '.join(t)})" if t else ""
@@ -472,6 +534,10 @@ def render_markdown(r: Report) -> str:
     if edges:
         out.append(f"\nAt the log's edges, not compared (the recording had not begun or "
                    f"had ended): {'; '.join(edges)}")
+    lost = [f"`{c.channel}`: {'; '.join(log_loss_notes(c))}" for c in r.channels
+            if log_loss_notes(c)]
+    if lost:
+        out.append(f"\nThe log's own loss, set aside: {' | '.join(lost)}")
     if r.ignored:
         out.append(f"\nIgnored: {', '.join(f'`{c}`' for c in r.ignored)}")
     rows = [(c.channel, f) for c in r.channels for f in c.fields if f.changed or f.max_abs]

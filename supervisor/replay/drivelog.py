@@ -353,12 +353,14 @@ class DriveLog:
         return sorted(p.stem for p in self.path.glob("*.video"))
 
     def full_loss(self) -> Loss:
-        """Stream loss plus every video's, whether the recorder closed the log, and the
-        frames whose pixels are not in their video (a log that says "nothing lost" can
-        be replayed whole)."""
+        """Stream loss plus every video's, whether the recorder closed the log, the
+        frames whose pixels are not in their video and the messages the recorder
+        counted as dropped (a log that says "nothing lost" can be replayed whole, and
+        compared whole: its model outputs and commands are all there)."""
         total = Loss()
         total.add(self.loss)
         total.not_closed = not self.closed
+        total.recorder_drops = {ch: d.total for ch, d in self.drops.items() if d.total}
         indexed: dict[str, int] = {}
         for ch in self.video_channels():
             try:

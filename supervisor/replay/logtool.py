@@ -8,7 +8,7 @@
 Reading only: nothing here starts a worker or writes into the log (``cut`` writes a
 new one). Losses are reported
 as `DriveLog.full_loss` counts them (partial or corrupt records, a log never closed,
-frames without video).
+frames without video, messages the recorder dropped).
 """
 from __future__ import annotations
 
@@ -84,6 +84,7 @@ def info(log: DriveLog) -> dict[str, Any]:
             "loss": {"text": loss.text(), "partial_records": loss.truncated_records,
                      "corrupt_records": loss.corrupt_records, "not_closed": loss.not_closed,
                      "frames_without_video": loss.frames_without_video,
+                     "recorder_drops": sum(loss.recorder_drops.values()),
                      "problems": loss.problems[:20]}}
 
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from schemas.payloads import PAYLOADS
 
-from .diff import Report
+from .diff import Report, log_loss_notes
 
 MAX_FRAMES = 100        # frames in the scrubber (evenly spread over the log): ~1-2 MB
 THUMB_W = 192           # their width in pixels (grey: the Y plane, area-averaged)
@@ -336,6 +336,10 @@ def _diff_html(r: Report) -> str:
     if edges:
         out.append(f"<p>at the log's edges, not compared (the recording had not begun or "
                    f"had ended): {_esc('; '.join(edges))}</p>")
+    lost = [f"{c.channel}: {'; '.join(log_loss_notes(c))}" for c in r.channels
+            if log_loss_notes(c)]
+    if lost:
+        out.append(f"<p>the log's own loss, set aside: {_esc(' | '.join(lost))}</p>")
     if r.ignored:
         out.append(f"<p>ignored channels: {_esc(', '.join(r.ignored))}</p>")
     fields = [(c.channel, f) for c in r.channels for f in c.fields if f.changed or f.max_abs]
