@@ -8,7 +8,8 @@ exit 2, never a traceback. Exit status of both commands:
     2  bad input: the log, the config, an argument; a missing optional extra
     3-5  the supervisor's own (supervisor/exits.py): refused, fail-safe, start failed
     6  replay --ref: differs (outside tolerance)
-    7  replay: incomplete (did not get through the log; the cause is named)
+    7  replay: incomplete (did not get through the log; the cause is named; with --ref,
+       nothing is compared: outputs never waited for are no model change)
     8  a drive log could not be written (disk full, I/O error): one line says where
 """
 from __future__ import annotations
