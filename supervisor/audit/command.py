@@ -28,7 +28,8 @@ tampered with", review 7 finding 7):
 - 6 DIFFERS: differences found live, the diff weakened isolation, or ``verify`` FAILED
   (a signature that does not verify the report's bytes, or a good signature over a
   report that does not cover the config, models or code in hand);
-- 1 an internal error only (a bug: one line that says where, never a traceback);
+- 1 the audit did not finish: an internal error (a bug: one line that says where,
+  never a traceback) or an interruption (Ctrl-C), as for every command;
 - 3, 4, 5 ``--start``: the supervisor's own exit before READY.
 """
 from __future__ import annotations
