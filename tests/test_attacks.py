@@ -109,6 +109,7 @@ def _toml(sock_dir: Path) -> str:
     parts = [f"""
     [supervisor]
     maps_scan_interval_s = 0.5
+    start_parallel = 3                # (in start order: r-descr reports before c-descr)
     status_interval_s = 0.5
     [domains.control]
     failure_policy = "restart"

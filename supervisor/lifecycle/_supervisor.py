@@ -788,21 +788,39 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         # [supervisor] start_parallel > 1: a worker starts once every worker it
         # subscribes to is READY and fewer than `width` are starting. Its first READY
         # (or an optional one giving up) is what its subscribers wait for, as in order.
+        # Of the workers free to start, a slot goes to the first in start order: tasks
+        # woken together by one READY run in trio's order, which is random (the attack
+        # fleet's order broke), so each waits one checkpoint for its batch to line up.
         after = self.config.start_after()
         up = {name: trio.Event() for name in order}
-        slots = trio.Semaphore(width)
+        waiting: dict[int, trio.Event] = {}      # start position -> its go
+        free = width
 
-        async def one(name: str) -> None:
+        def dispatch() -> None:
+            nonlocal free
+            while free and waiting:
+                free -= 1
+                waiting.pop(min(waiting)).set()
+
+        async def one(i: int, name: str) -> None:
+            nonlocal free
             for dep in after[name]:
                 await up[dep].wait()
-            async with slots:
+            go = waiting[i] = trio.Event()
+            await trio.sleep(0)                  # the others woken with it line up
+            dispatch()
+            await go.wait()
+            try:
                 await self._start_one(nursery, name, refused)
+            finally:
+                free += 1
+                dispatch()
             up[name].set()
 
         try:
             async with trio.open_nursery() as starting:
-                for name in order:
-                    starting.start_soon(one, name)
+                for i, name in enumerate(order):
+                    starting.start_soon(one, i, name)
         except BaseExceptionGroup as eg:
             # What the serial start raises, one exception: a fail-safe first, then a
             # required worker that never became ready (the others were cancelled).
