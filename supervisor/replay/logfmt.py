@@ -214,9 +214,7 @@ class Loss:
         return bool(self.truncated_bytes or self.corrupt_records or self.not_closed
                     or self.frames_without_video or any(self.recorder_drops.values()))
 
-    def text(self, *, drops: bool = True) -> str:
-        """One line; ``drops=False`` leaves the recorder's drops out (`record` names
-        them itself, per channel, on the line before)."""
+    def text(self) -> str:
         parts = []
         if self.truncated_bytes or self.corrupt_records:
             parts.append(f"dropped {self.truncated_records} partial record(s) at the end "
@@ -233,7 +231,7 @@ class Loss:
             parts.append(f"{self.frames_without_video} of {self.frames} frames have no video "
                          f"({', '.join(why)})")
         dropped = {ch: n for ch, n in sorted(self.recorder_drops.items()) if n}
-        if drops and dropped:
+        if dropped:
             parts.append(f"the recorder dropped {sum(dropped.values())} message(s) "
                          f"({', '.join(f'{ch} {n}' for ch, n in dropped.items())}): not in "
                          f"the log")

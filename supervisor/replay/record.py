@@ -279,4 +279,4 @@ def record(out: str, *, config: str | None = None, seconds: float | None = None,
     return Recorded(path, WRITE_FAILED if fault else outcome.exit_code,
                     frames, {k: len(v) for k, v in log.messages.items()},
                     {k: d.total for k, d in log.drops.items()}, outcome.wall_s, fault,
-                    log.full_loss().text(drops=False))    # (drops: named per channel)
+                    log.full_loss().text())     # (as `log info` says it, drops and all)
