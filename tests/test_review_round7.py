@@ -224,8 +224,6 @@ def two_installs(tmp_path_factory):
     return tmp, pub
 
 
-@pytest.mark.xfail(strict=True, reason="review7 finding 1: audit verify fails another "
-                   "install of the same code: models matched by absolute path")
 def test_audit_verify_accepts_the_same_models_at_another_install_path(two_installs):
     tmp, pub = two_installs
     r = _cli_at(tmp / "opt" / "B", ["audit", "verify", str(tmp / "A.json"),
@@ -234,8 +232,6 @@ def test_audit_verify_accepts_the_same_models_at_another_install_path(two_instal
     assert r.returncode == 0, r.stderr + r.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="review7 finding 2: audit diff of one code at two "
-                   "install paths says ISOLATION WEAKENED, exit 6")
 def test_audit_diff_of_two_install_paths_is_no_weakening(two_installs):
     tmp, _ = two_installs
     r = subprocess.run([sys.executable, "-m", "supervisor.cli", "audit", "diff",
@@ -271,9 +267,6 @@ def _drive(path: Path, *, frames_missing: tuple[int, ...], outputs_missing: tupl
     w.close({"frames": 12})
 
 
-@pytest.mark.xfail(strict=True, reason="review7 finding 3: --ref self of a log whose recorder "
-                   "dropped frames is DIFFERS (exit 6): the model outputs of frames the log "
-                   "lacks read as 'removed'")
 def test_ref_self_does_not_read_the_recorders_drops_as_a_model_change(tmp_path):
     """What `supervisor replay LOG --ref self` does once the pipeline has run (commands.py:
     edge_windows over the log that played, then compare), on the files it reads. By hand
@@ -299,8 +292,6 @@ def test_ref_self_does_not_read_the_recorders_drops_as_a_model_change(tmp_path):
     assert report.ok, f"a log's own loss read as a model change: removed {removed}"
 
 
-@pytest.mark.xfail(strict=True, reason="review7 finding 4: audit verify says 'the config "
-                   "changed' and not what: a comment and the control domain's network read alike")
 def test_audit_verify_names_what_moved_in_the_config(two_installs):
     """A reviewer holds a signed report; the config in hand differs. A comment added and
     the control domain given the network get one and the same line (the sha256 of the
@@ -315,14 +306,12 @@ def test_audit_verify_names_what_moved_in_the_config(two_installs):
                                         str(tmp / "A.json.sig"), str(pub),
                                         "--config", str(tmp / f"edit-{name}.toml")],
                     cwd=tmp)
-        assert r.returncode == 1, r.stderr
+        assert r.returncode == 6, r.stderr
         outs[name] = r.stderr + r.stdout
     assert "network" in outs["net"], outs["net"][-800:]
     assert "network" not in outs["comment"], outs["comment"][-800:]
 
 
-@pytest.mark.xfail(strict=True, reason="review7 finding 5: an incomplete replay (step "
-                   "timeouts, exit 7) still prints 'result: DIFFERS' and writes diff.md")
 def test_an_incomplete_replay_never_reads_as_a_difference(slow_runner_replay):
     """A slow CI runner: frames time out (exit 7, 'incomplete', the CI snippet's 'see
     summary.json'), but stdout and diff.md (what the doc's CI job posts) say 'DIFFERS'
@@ -335,9 +324,6 @@ def test_an_incomplete_replay_never_reads_as_a_difference(slow_runner_replay):
     assert not (run / "diff.md").exists() or "differs" not in (run / "diff.md").read_text()
 
 
-@pytest.mark.xfail(strict=True, reason="review7 finding 6: a drive recorded by an older "
-                   "version (a config key since gone) names the derived replay.toml, not "
-                   "the log's source.toml, and not --config")
 def test_a_drive_of_an_older_config_says_which_file_and_what_to_do(tmp_path, monkeypatch):
     """A drive this machine recorded (sealed here) with last version's config: one key
     this version no longer knows. The developer should read which file (the log's
@@ -358,8 +344,6 @@ def test_a_drive_of_an_older_config_says_which_file_and_what_to_do(tmp_path, mon
     assert "source.toml" in r.stderr and "--config" in r.stderr, r.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="review7 finding 7: audit's exit 1 means a bug, a "
-                   "typo and a signature that does not verify alike")
 def test_audit_exit_codes_tell_a_bad_signature_from_bad_input_and_a_bug(two_installs):
     """A reviewer's CI gates on `audit verify`. Exit 1 is README's 'internal error (a
     bug)'; audit also gives it for a typo'd path and for a report that is not what was
@@ -378,8 +362,6 @@ def test_audit_exit_codes_tell_a_bad_signature_from_bad_input_and_a_bug(two_inst
     assert bad_sig.returncode not in (0, 1, 2), bad_sig.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="review7 finding 8: a fleet ignores --report FILE "
-                   "without a word (no artifact, exit as if asked nothing)")
 def test_a_fleet_says_what_it_does_with_report(tmp_path):
     """The doc's CI job (`--report artifacts/highway-01.html`) pointed at a directory of
     logs: no file is written and nothing says so; CI uploads a missing artifact. (Logs
@@ -396,8 +378,6 @@ def test_a_fleet_says_what_it_does_with_report(tmp_path):
     assert report.exists() or "--report" in r.stderr, r.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="review7 finding 9: audit verify names a code tree's "
-                   "digest, never the file that moved")
 def test_audit_verify_names_the_file_that_moved(two_installs):
     """At the install the report was signed at, one file of the project's code differs
     (a line added to workers/probe, the one worker's module). verify fails, rightly, but
@@ -416,8 +396,6 @@ def test_audit_verify_names_the_file_that_moved(two_installs):
     assert "probe/__init__.py" in r.stderr + r.stdout, r.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="review7 finding 10: check --start beside a running "
-                   "vehicle supervisor starts a second pipeline (audit --start refuses)")
 def test_check_start_refuses_beside_a_running_vehicle(vehicle_running, tmp_path):
     """The car's user runs `check --start` as README says, with the unit already active
     (a reinstall, an upgrade): a second full pipeline starts beside the one driving, its
