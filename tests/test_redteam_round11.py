@@ -591,9 +591,6 @@ def _rss_kb(pid: int) -> int:
         return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:"))
 
 
-@pytest.mark.xfail(strict=True, reason="redteam11 row 11: the root broker keeps every event "
-                   "it logs (EventLog keep=True): each refused request of a compromised "
-                   "proper grows root's memory for good")
 def test_refused_broker_requests_cost_the_broker_no_memory_that_stays(tmp_path):
     """The compromised supervisor proper sends the real root broker requests it refuses
     (a malformed worker name: `broker_refused`), as fast as one client thread can. Each
