@@ -296,7 +296,10 @@ def hidden_from_units(cfg: Config, *, config_path: str | None, python: str | Non
 
 
 def _config_paths(cfg: Config) -> list[tuple[str, str]]:
-    """The paths a config names that the unit must reach at every start."""
+    """The paths a config names that the unit must reach at every start, outside the
+    project's own tree (the bundled models: where the install is, judged with it)."""
+    from supervisor.config import PROJECT_ROOT
+
     out = []
     for name, m in cfg.models.items():
         r = m.resolved()
@@ -304,7 +307,8 @@ def _config_paths(cfg: Config) -> list[tuple[str, str]]:
     for name, d in cfg.domains.items():
         out += [(f"domains.{name}.python_path", p) for p in d.python_path]
         out += [(f"domains.{name}.extra_ro_binds", p) for p in d.extra_ro_binds]
-    return out
+    own = os.path.realpath(PROJECT_ROOT)
+    return [(k, p) for k, p in out if not _under(os.path.realpath(p), (own,))]
 
 
 # The unit's own processes (supervisor, broker: ~120 MB RSS each measured) beside
