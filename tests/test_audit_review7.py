@@ -116,14 +116,19 @@ def test_check_start_names_no_broker_as_a_second_pipeline():
     (`python -m supervisor.broker` runs no pipeline; the run it serves is named)."""
     import subprocess
     import sys
+    import time
 
     from supervisor.startcheck import other_supervisors
 
     sleep = [sys.executable, "-c", "import time; time.sleep(30)", "-m"]
     broker = subprocess.Popen([*sleep, "supervisor.broker", "--socket", "/x"])
     run = subprocess.Popen([*sleep, "supervisor.cli", "run", "--quiet"])
-    try:              # (Popen returns once the exec is done: the argv is set)
-        found = dict(other_supervisors())
+    try:              # until the run's command line is read (a loaded runner: not at once)
+        for _ in range(100):
+            found = dict(other_supervisors())
+            if run.pid in found:
+                break
+            time.sleep(0.02)
     finally:
         for p in (broker, run):
             p.kill()
