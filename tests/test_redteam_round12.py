@@ -1,0 +1,129 @@
+"""Red team, round 12 (docs/redteam12.md): an attacker who knows the code, against what
+changed in the two hours before it (the bytecode rules, the broker's adopt, the ordered
+start slots, start-up dependencies and the open-file rule).
+
+Themes, each with one shared fixture:
+
+* bytecode admission did not read (rows 1-): `.pyc` headers, caches and trees that
+  `admission/bytecode.py` and its users (`code_dir_problem`, admission's walk, the
+  audit's tree digest) judge differently from the interpreter, each shown running in a
+  real control sandbox.
+
+Each test asserts the claim the way it should hold. A claim that fails today is an
+``xfail(strict=True)`` whose reason starts with "redteam12 row N"; the fix turns it into
+a plain pass. ``--runxfail -s`` shows the evidence of each break.
+"""
+from __future__ import annotations
+
+import importlib.util
+import marshal
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.sandbox
+if shutil.which("bwrap") is None:
+    pytest.skip("bubblewrap is not installed", allow_module_level=True)
+if os.geteuid() != 0:
+    pytest.skip("the supervisor's isolation (host uids, cgroups) needs root", allow_module_level=True)
+
+PY = sys.executable
+TAG = sys.implementation.cache_tag
+
+
+def _sandboxed(pp: Path, code: str):
+    """`python -c code` in a real control sandbox whose domain's python_path is `pp`."""
+    from supervisor.sandbox.launch import run
+    from supervisor.sandbox.policy import policy_for_domain
+
+    return run(policy_for_domain("control", python_path=[str(pp)]), [PY, "-c", code],
+               timeout=60)
+
+
+def _pyc(code, flags: int, src: Path) -> bytes:
+    """A .pyc as the interpreter reads it: magic, flags, then (flags bit 0 clear) the
+    source's mtime and size, or (bit 0 set) its hash; then the marshalled code."""
+    st = src.stat()
+    if flags & 1:
+        tail = importlib.util.source_hash(src.read_bytes())
+    else:
+        tail = ((int(st.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
+                + (st.st_size & 0xFFFFFFFF).to_bytes(4, "little"))
+    return importlib.util.MAGIC_NUMBER + flags.to_bytes(4, "little") + tail + marshal.dumps(code)
+
+
+def _package(pp: Path, name: str, source: str) -> Path:
+    """A root-owned 0755 package `name` in `pp` whose __init__.py is `source`."""
+    pkg = pp / name
+    pkg.mkdir(mode=0o755)
+    pkg.chmod(0o755)
+    mod = pkg / "__init__.py"
+    mod.write_text(source)
+    mod.chmod(0o644)
+    return mod
+
+
+def _plant(mod: Path, data: bytes, name: str | None = None) -> Path:
+    cache = mod.parent / "__pycache__"
+    cache.mkdir(mode=0o755, exist_ok=True)
+    cache.chmod(0o755)
+    pyc = cache / (name or f"{mod.stem}.{TAG}.pyc")
+    pyc.write_bytes(data)
+    pyc.chmod(0o644)
+    return pyc
+
+
+# ================================================================ bytecode not read
+
+@pytest.fixture(scope="module")
+def code_dir():
+    tmp = Path(tempfile.mkdtemp(prefix="rt12c-", dir="/tmp"))
+    tmp.chmod(0o755)
+    pp = tmp / "lib"
+    pp.mkdir(mode=0o755)
+    pp.chmod(0o755)
+    try:
+        yield pp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+CLEAN = "LIMIT = 0.5\ndef main(ctx):\n    pass\n"
+EVIL = "LIMIT = 5.0\ndef main(ctx):\n    import torch\n"
+
+
+@pytest.mark.xfail(strict=True, reason="redteam12 row 1: a .pyc whose flags word is 2 "
+                   "(check_source without hash) is validated by timestamp and run; "
+                   "bytecode.loaded_instead takes it for one the interpreter ignores")
+def test_a_cache_with_flags_two_is_judged_as_the_interpreter_loads_it(code_dir):
+    """The interpreter (importlib's SourceLoader.get_code) reads a cache's flags word:
+    bit 0 hash-based, bit 1 check_source, any other bit refused. Flags 2 (bit 1 alone)
+    is not hash-based, so it is validated by the source's mtime and size, as flags 0,
+    and runs. `bytecode.loaded_instead` treats every value but 0 and 'bit 0 set' as a
+    cache the interpreter would not load."""
+    from supervisor.admission.check import check_worker
+    from supervisor.audit.provenance import tree_sha256
+    from supervisor.config._runtime import code_dir_problem
+    from supervisor.sandbox.policy import worker_sys_path
+
+    mod = _package(code_dir, "rt12flag", CLEAN)
+    try:
+        before = tree_sha256(str(code_dir))
+        _plant(mod, _pyc(compile(EVIL, str(mod), "exec"), 2, mod))
+        ran = _sandboxed(code_dir, "import rt12flag; print('LIMIT', rt12flag.LIMIT)")
+        why = code_dir_problem(str(code_dir))
+        report = check_worker("w", "control", "rt12flag", None,
+                              worker_sys_path(True, (str(code_dir),)))
+        after = tree_sha256(str(code_dir))
+        print(f"rt12 row 1: sandbox {ran.stdout.strip()!r}; code_dir_problem {why!r}; "
+              f"admission {report.format().splitlines()[0]!r}; digest moved {after != before}")
+        assert ran.returncode == 0 and "LIMIT 5.0" in ran.stdout, ran.stderr
+        assert why is not None and "rt12flag" in why, why
+        assert not report.ok, report.format()
+        assert after != before
+    finally:
+        shutil.rmtree(mod.parent, ignore_errors=True)
