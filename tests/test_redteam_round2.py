@@ -73,6 +73,7 @@ def _toml() -> str:
     [supervisor]
     status_interval_s = 0.5
     maps_scan_interval_s = 0.5
+    start_parallel = 3
     [domains.control]
     failure_policy = "restart"
     [domains.research]
