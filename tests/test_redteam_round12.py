@@ -127,3 +127,86 @@ def test_a_cache_with_flags_two_is_judged_as_the_interpreter_loads_it(code_dir):
         assert after != before
     finally:
         shutil.rmtree(mod.parent, ignore_errors=True)
+
+
+@pytest.mark.xfail(strict=True, reason="redteam12 row 3: a source file inside __pycache__ "
+                   "(from .__pycache__ import law) runs in control and the audit's tree "
+                   "digest skips it: the signed law changes, verify passes")
+def test_source_inside_pycache_is_code_the_digest_covers(code_dir):
+    """`audit/provenance._walk_into` skips every `__pycache__` ("derived, rewritten by
+    any import"), and `code_dir_problem` refuses only sourceless `.pyc` there (red team
+    11 rows 12, 15). But `__pycache__` is an identifier: a package's `__pycache__` is a
+    namespace subpackage, and a `.py` in it a module that a literal import reaches."""
+    from supervisor.admission.check import check_worker
+    from supervisor.audit.provenance import tree_sha256
+    from supervisor.config._runtime import code_dir_problem
+    from supervisor.sandbox.policy import worker_sys_path
+
+    mod = _package(code_dir, "rt12pc", "from .__pycache__ import law\nLIMIT = law.LIMIT\n"
+                                       "def main(ctx):\n    pass\n")
+    cache = mod.parent / "__pycache__"
+    cache.mkdir(mode=0o755)
+    cache.chmod(0o755)
+    law = cache / "law.py"
+    law.write_text("LIMIT = 0.5  # the reviewed steering limit\n")
+    law.chmod(0o644)
+    try:
+        signed = tree_sha256(str(code_dir))
+        law.write_text("LIMIT = 5.0  # after the review\n")
+        ran = _sandboxed(code_dir, "import rt12pc; print('LIMIT', rt12pc.LIMIT)")
+        why = code_dir_problem(str(code_dir))
+        report = check_worker("w", "control", "rt12pc", None,
+                              worker_sys_path(True, (str(code_dir),)))
+        now = tree_sha256(str(code_dir))
+        print(f"rt12 row 3: sandbox {ran.stdout.strip()!r}; code_dir_problem {why!r}; "
+              f"admission {report.format().splitlines()[0]!r}; digest moved {now != signed}")
+        assert ran.returncode == 0 and "LIMIT 5.0" in ran.stdout, ran.stderr
+        # Either the tree refuses code in __pycache__, or the digest covers it.
+        assert why is not None or now != signed
+    finally:
+        shutil.rmtree(mod.parent, ignore_errors=True)
+
+
+_DEEP_CONFIG = """
+[domains.control]
+actuates = true
+python_path = ["{lib}"]
+[channels.x]
+slot_size = "4KiB"
+[workers.w]
+domain = "control"
+publishes = ["x"]
+module = "rt12deep"
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="redteam12 row 2: a control source too deep to "
+                   "compile (its planted cache runs) ends check with 'internal error: "
+                   "MemoryError (ast.py:50)', exit 1: no file, no worker named")
+def test_a_source_that_does_not_compile_is_named_not_an_internal_error(code_dir):
+    """`bytecode.unfaithful` compiles the source to compare it with its cache and
+    catches SyntaxError/ValueError; admission parses it with `ast.parse`. A source
+    nested beyond the parser (`x = ----...1`, 100 000 minus signs: MemoryError, or
+    RecursionError at other depths) is never compiled in the sandbox, whose
+    interpreter runs the valid cache beside it. Refused (good), but as a bug."""
+    import subprocess
+
+    mod = _package(code_dir, "rt12deep", "x = " + "-" * 100_000 + "1\n"
+                                         "def main(ctx):\n    pass\n")
+    _plant(mod, _pyc(compile(EVIL, str(mod), "exec"), 0, mod))
+    cfg = code_dir.parent / "deep.toml"
+    cfg.write_text(_DEEP_CONFIG.format(lib=code_dir))
+    try:
+        ran = _sandboxed(code_dir, "import rt12deep; print('LIMIT', rt12deep.LIMIT)")
+        chk = subprocess.run([shutil.which("supervisor") or "supervisor", "check",
+                              "--config", str(cfg)], capture_output=True, text=True,
+                             timeout=120)
+        out = (chk.stdout + chk.stderr).strip()
+        print(f"rt12 row 2: sandbox {ran.stdout.strip()!r}; check exit {chk.returncode}: "
+              f"{out[-300:]!r}")
+        assert ran.returncode == 0 and "LIMIT 5.0" in ran.stdout, ran.stderr
+        assert chk.returncode != 0                       # refused: it must be
+        assert chk.returncode != 1 and "rt12deep" in out, out   # as bad input, named
+    finally:
+        shutil.rmtree(mod.parent, ignore_errors=True)
+        cfg.unlink()
