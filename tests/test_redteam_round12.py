@@ -210,3 +210,40 @@ def test_a_source_that_does_not_compile_is_named_not_an_internal_error(code_dir)
     finally:
         shutil.rmtree(mod.parent, ignore_errors=True)
         cfg.unlink()
+
+
+@pytest.mark.xfail(strict=True, reason="redteam12 row 4: a control command worker run "
+                   "with python -O loads __pycache__/*.opt-1.pyc; every bytecode check "
+                   "looks at the optimization-0 cache only")
+def test_an_optimized_interpreter_runs_only_caches_the_checks_judged(code_dir):
+    """A control worker may be a `command` (`[python, "-O", "-m", "supervisor.runner",
+    "mod"]`: `supervisor check` exit 0, 'all admitted'). Under -O (or -OO) the
+    interpreter reads `__pycache__/NAME.cpython-311.opt-1.pyc` (opt-2), validated by the
+    source's mtime and size as the plain cache is. `bytecode.cache_path` names only
+    `NAME.cpython-311.pyc`, and `sourceless` takes the opt-1 name (dots in the stem)
+    for a cache: nothing reads it."""
+    from supervisor.admission.check import check_worker
+    from supervisor.audit.provenance import tree_sha256
+    from supervisor.config._runtime import code_dir_problem
+    from supervisor.sandbox.launch import run
+    from supervisor.sandbox.policy import policy_for_domain, worker_sys_path
+
+    mod = _package(code_dir, "rt12opt", CLEAN)
+    try:
+        signed = tree_sha256(str(code_dir))
+        _plant(mod, _pyc(compile(EVIL, str(mod), "exec"), 0, mod), f"__init__.{TAG}.opt-1.pyc")
+        ran = run(policy_for_domain("control", python_path=[str(code_dir)]),
+                  [PY, "-O", "-c", "import rt12opt; print('LIMIT', rt12opt.LIMIT)"], timeout=60)
+        why = code_dir_problem(str(code_dir))
+        report = check_worker("w", "control", None,
+                              [PY, "-O", "-m", "supervisor.runner", "rt12opt"],
+                              worker_sys_path(True, (str(code_dir),)))
+        now = tree_sha256(str(code_dir))
+        print(f"rt12 row 4: sandbox (-O) {ran.stdout.strip()!r}; code_dir_problem {why!r}; "
+              f"admission {report.format().splitlines()[0]!r}; digest moved {now != signed}")
+        assert ran.returncode == 0 and "LIMIT 5.0" in ran.stdout, ran.stderr
+        assert why is not None and "opt-1" in why, why
+        assert not report.ok, report.format()
+        assert now != signed
+    finally:
+        shutil.rmtree(mod.parent, ignore_errors=True)
