@@ -247,3 +247,41 @@ def test_an_optimized_interpreter_runs_only_caches_the_checks_judged(code_dir):
         assert now != signed
     finally:
         shutil.rmtree(mod.parent, ignore_errors=True)
+
+
+NOBODY = 65534
+
+
+@pytest.mark.xfail(strict=True, reason="redteam12 row 5: code_dir_problem's os.walk never "
+                   "descends a symlinked directory: nobody's file in it passes the owner "
+                   "rule and the control sandbox runs what nobody wrote")
+def test_a_symlinked_directory_in_a_python_path_is_checked_as_its_own(code_dir):
+    """`code_dir_problem` requires everything in a control python_path to be root's and
+    writable by no one else (red team 7 row 1). Its walk is `os.walk(real)`, which lists
+    a symlink to a directory in `dirs` (its target's owner is checked) but never walks
+    into it; the sandbox follows it (the target is under /usr, visible read-only)."""
+    import subprocess
+
+    from supervisor.config._runtime import code_dir_problem
+
+    target = Path(tempfile.mkdtemp(prefix="rt12-", dir="/usr/local/share"))
+    link = code_dir / "rt12sym"
+    try:
+        target.chmod(0o755)
+        init = target / "__init__.py"
+        init.write_text("OWNER = 'root'\n")
+        init.chmod(0o644)
+        os.chown(init, NOBODY, -1)          # a vendor tree with one file left to its user
+        link.symlink_to(target)
+        why = code_dir_problem(str(code_dir))
+        wrote = subprocess.run(["su", "nobody", "-s", "/bin/sh", "-c",
+                                f"echo \"OWNER = 'nobody'\" > {init}"],
+                               capture_output=True, text=True, timeout=30)
+        ran = _sandboxed(code_dir, "import rt12sym; print('OWNER', rt12sym.OWNER)")
+        print(f"rt12 row 5: code_dir_problem {why!r}; nobody wrote rc {wrote.returncode}; "
+              f"sandbox {ran.stdout.strip()!r}")
+        assert wrote.returncode == 0 and "OWNER nobody" in ran.stdout, (wrote.stderr, ran.stderr)
+        assert why is not None and "uid 65534" in why, why
+    finally:
+        link.unlink(missing_ok=True)
+        shutil.rmtree(target, ignore_errors=True)
