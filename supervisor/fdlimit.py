@@ -5,17 +5,23 @@ Too many open files" and no word of the limit).
 The supervisor holds every channel's memfds and wake-up ends, and for each worker its
 pipes, control sockets, pidfd and cgroup files, for the active process and its warm
 standby. Counted on the running car (7 workers, 7 channels): 162 fds; the one-camera
-config (4 and 4): 117. `needed` is that fit; a start holds a few more for a moment.
+config (4 and 4): 117. `needed` is that count; a start holds a few more for a moment.
 """
 from __future__ import annotations
 
 import errno
 import resource
 
-_BASE = 60          # the interpreter, trio, the log, the state lock, the heartbeat
-_PER_WORKER = 12    # active + standby: pipes, control sockets, pidfd, cgroup files
-_PER_CHANNEL = 3    # segment, leases, the writer's wake-up end
+_BASE = 24          # the interpreter, trio, the log, the state lock, the signal pipe
+_PER_WORKER = 8     # its pipes, control socket, pidfd, cgroup files
+_PER_STANDBY = 12   # a warm_standby worker's two standbys (the same, each)
 _CEILING = 1 << 16  # never ask for more than this, whatever the hard limit
+
+
+def _per_channel(max_readers: int) -> int:
+    """The segment, and for each reader slot its lease table and both ends of its
+    wake-up pair (red team 12 row 6: a 64-reader channel is 193, not 3)."""
+    return 1 + 3 * max_readers
 
 
 def raise_soft_limit() -> int:
@@ -33,19 +39,25 @@ def raise_soft_limit() -> int:
     return soft
 
 
-def needed(workers: int, channels: int) -> int:
-    return _BASE + _PER_WORKER * workers + _PER_CHANNEL * channels
+def needed(cfg) -> int:
+    """The fds the supervisor holds for `cfg` running: fitted to the running car (7
+    workers, 3 with standbys, channels of 1-3 readers: 162) and the one-camera config
+    (117), exactly."""
+    specs = cfg.channel_specs().values()
+    standbys = sum(1 for w in cfg.workers.values() if w.warm_standby)
+    return (_BASE + _PER_WORKER * len(cfg.workers) + _PER_STANDBY * standbys
+            + sum(_per_channel(s.max_readers) for s in specs))
 
 
-def shortfall(workers: int, channels: int) -> str | None:
-    """Why this process cannot hold a config of this size, or None."""
+def shortfall(cfg) -> str | None:
+    """Why this process cannot hold `cfg`'s channels and workers, or None."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = needed(workers, channels)
+    need = needed(cfg)
     if soft == resource.RLIM_INFINITY or soft >= need:
         return None
-    return (f"{workers} workers and {channels} channels need about {need} open files; this "
-            f"process may open {soft} (ulimit -n; hard limit {_shown(hard)}): raise it "
-            f"(ulimit -n 1024, or LimitNOFILE= in the unit)")
+    return (f"{len(cfg.workers)} workers and {len(cfg.channels)} channels need about {need} "
+            f"open files; this process may open {soft} (ulimit -n; hard limit "
+            f"{_shown(hard)}): raise it (ulimit -n 1024, or LimitNOFILE= in the unit)")
 
 
 def hint(e: BaseException) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import marshal
 import os
+import re
 import sys
 
 _MAGIC = importlib.util.MAGIC_NUMBER
@@ -40,20 +41,35 @@ def sourceless(name: str) -> bool:
     return name.endswith(".pyc") and "." not in name[:-4]
 
 
-def cache_path(source: str) -> str:
-    """Where a sandbox's interpreter looks for `source`'s cache: beside it, whatever
-    PYTHONPYCACHEPREFIX this process has (the sandbox's environment has none; with one
-    set here, cache_from_source looked elsewhere: red team 11 row 16)."""
+# The optimization levels an interpreter may run at (-O, -OO: a control `command` may
+# pass them), each with a cache of its own (red team 12 row 4).
+_LEVELS = (0, 1, 2)
+_CACHE_NAME = re.compile(r"[^.]+\." + re.escape(sys.implementation.cache_tag or "")
+                         + r"(\.opt-[12])?\.pyc")
+
+
+def cache_name(name: str) -> bool:
+    """A file name in __pycache__ that is a cache of a module (STEM.TAG[.opt-N].pyc)."""
+    return bool(_CACHE_NAME.fullmatch(name))
+
+
+def cache_path(source: str, level: int = 0) -> str:
+    """Where a sandbox's interpreter at optimization `level` looks for `source`'s cache:
+    beside it, whatever PYTHONPYCACHEPREFIX this process has (the sandbox's environment
+    has none; with one set here, cache_from_source looked elsewhere: red team 11 row 16)."""
     head, tail = os.path.split(source)
     stem = tail.rpartition(".")[0]
-    return os.path.join(head, "__pycache__", f"{stem}.{sys.implementation.cache_tag}.pyc")
+    opt = f".opt-{level}" if level else ""
+    return os.path.join(head, "__pycache__", f"{stem}.{sys.implementation.cache_tag}{opt}.pyc")
 
 
-def loaded_instead(source: str) -> str | None:
-    """The cached .pyc the import system would load for `source` (its header valid for
-    this source and interpreter), or None when it would compile the source."""
+def loaded_instead(source: str, level: int = 0) -> str | None:
+    """The cached .pyc the import system at optimization `level` would load for `source`
+    (its header valid for this source and interpreter, read as the interpreter reads
+    it: importlib._bootstrap_external's _classify_pyc and validators), or None when it
+    would compile the source."""
     try:
-        cfile = cache_path(source)
+        cfile = cache_path(source, level)
         with open(cfile, "rb") as f:
             head = f.read(_HEADER)
         with open(source, "rb") as f:
@@ -64,30 +80,37 @@ def loaded_instead(source: str) -> str | None:
     if len(head) < _HEADER or head[:4] != _MAGIC:
         return None
     flags = int.from_bytes(head[4:8], "little")
-    if flags == 0:                 # timestamp: mtime and size as the interpreter compares them
-        if (int.from_bytes(head[8:12], "little") != int(st.st_mtime) & 0xFFFFFFFF
-                or int.from_bytes(head[12:16], "little") != len(data) & 0xFFFFFFFF):
-            return None
-    elif flags & 1:                # hash-based: checked ones must match, unchecked always load
-        if flags & 2 and head[8:16] != importlib.util.source_hash(data):
-            return None
-    else:
+    if flags & ~0b11:              # the interpreter refuses the cache: compiles the source
         return None
+    if flags & 0b1:
+        # Hash-based: an unchecked one always loads, and a checked one whose hash is wrong
+        # loads too under --check-hash-based-pycs never (a control command may pass it:
+        # red team 12 row 4): judged as loaded, so compared with the source either way.
+        pass
+    elif (int.from_bytes(head[8:12], "little") != int(st.st_mtime) & 0xFFFFFFFF
+          or int.from_bytes(head[12:16], "little") != len(data) & 0xFFFFFFFF):
+        return None                # timestamp (flags 0 and 2 alike: red team 12 row 1)
     return cfile
 
 
 def unfaithful(source: str) -> str | None:
-    """The cached .pyc the interpreter would run instead of `source` when it is not
-    what `source` compiles to (code objects compared: constants, names, bytecode, line
-    table), or None. An honest cache (written by any import of this source) passes."""
-    cfile = loaded_instead(source)
-    if cfile is None:
-        return None
-    try:
-        with open(cfile, "rb") as f:
-            cached = marshal.loads(f.read()[_HEADER:])
-        with open(source, "rb") as f:
-            fresh = compile(f.read(), source, "exec", dont_inherit=True)
-    except (OSError, ValueError, EOFError, TypeError, SyntaxError):
-        return cfile               # a cache that cannot be read back is not this source
-    return None if cached == fresh else cfile
+    """A cached .pyc the interpreter (at any optimization level) would run instead of
+    `source` that is not what `source` compiles to at that level (code objects compared:
+    constants, names, bytecode, line table), or None. An honest cache (written by any
+    import of this source) passes; a source this process cannot compile (nested past
+    the parser: red team 12 row 2) has no faithful cache."""
+    for level in _LEVELS:
+        cfile = loaded_instead(source, level)
+        if cfile is None:
+            continue
+        try:
+            with open(cfile, "rb") as f:
+                cached = marshal.loads(f.read()[_HEADER:])
+            with open(source, "rb") as f:
+                fresh = compile(f.read(), source, "exec", dont_inherit=True, optimize=level)
+        except (OSError, ValueError, EOFError, TypeError, SyntaxError, MemoryError,
+                RecursionError):
+            return cfile           # a cache that cannot be read back is not this source
+        if cached != fresh:
+            return cfile
+    return None

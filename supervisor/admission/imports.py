@@ -277,8 +277,12 @@ class ImportWalker:
             return ()
         try:
             sites, notes = _scan_file(node.file, node.name, node.search_locations is not None)
-        except (OSError, SyntaxError, ValueError) as exc:
-            self.notes.append(f"{node.name}: could not parse {node.file}: {exc}")
+        except (OSError, SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+            # (nested past the parser's stack: RecursionError/MemoryError, red team 12
+            # row 2; a source no one can parse has no imports the interpreter would run
+            # from it, unless a cache runs instead: judged by `unfaithful`)
+            self.notes.append(f"{node.name}: could not parse {node.file}: "
+                              f"{type(exc).__name__}: {exc}"[:300])
             return ()
         self.notes.extend(notes)
         return sites

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from supervisor.admission.bytecode import unfaithful
+from supervisor.admission.bytecode import cache_name, unfaithful
 from supervisor.config import Config
 
 # Libraries whose versions change what is enforced or checked.
@@ -159,14 +159,24 @@ class _TooBig(Exception):
 
 
 def _walk_into(emit: Callable[[list], None], root: str, prefix: str, seen: list[int],
-               dirs_in: set[str]) -> None:
+               dirs_in: set[str], caches: bool = False) -> None:
     """Emit (to be hashed) each entry of the tree at `root` (a real directory) under the
     name `prefix`; `dirs_in`: the real directories being walked (a link back into one is
     named, not followed)."""
     dirs_in = dirs_in | {root}
     for name in sorted(os.listdir(root)):
-        if name == "__pycache__":   # derived, rewritten by any import: its own code
-            continue                # only where it is not its source's (below)
+        if name == "__pycache__":
+            # Derived, rewritten by any import: its caches count only where one is not
+            # its source's (below). Anything else in it is a module (it imports as a
+            # package: red team 12 row 3), hashed as any entry; honest trees add nothing.
+            full = os.path.join(root, name)
+            if os.path.isdir(full) and not os.path.islink(full):
+                _walk_into(emit, full, prefix + name + "/", seen, dirs_in, caches=True)
+            else:
+                emit([prefix + name, "not a directory"])
+            continue
+        if caches and cache_name(name) and stat.S_ISREG(os.lstat(os.path.join(root, name)).st_mode):
+            continue
         seen[0] += 1
         if seen[0] > TREE_MAX:
             raise _TooBig

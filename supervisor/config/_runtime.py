@@ -136,7 +136,7 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
 
     from supervisor.fdlimit import shortfall
 
-    reason = shortfall(len(cfg.workers), len(cfg.channels))
+    reason = shortfall(cfg)
     if reason:
         add("workers", reason)
 
@@ -276,6 +276,14 @@ def code_dir_problem(path: str, *, owners: bool = True) -> str | None:
             seen += 1
             if seen > _TREE_MAX:
                 return f"{path}: more than {_TREE_MAX} entries to check"
+            if os.path.islink(name):
+                # The sandbox follows it; this walk would not enter a linked directory,
+                # nor judge where it leads (red team 12 row 5). Inside the tree it is
+                # judged there; out of it, it is code from anywhere.
+                target = os.path.realpath(name)
+                if target != real and not target.startswith(real + os.sep):
+                    return (f"{name} -> {target}: a link out of the python_path (what it "
+                            f"leads to is not checked): copy the code in")
             try:
                 st = os.stat(name)
             except OSError as e:
@@ -292,11 +300,17 @@ def code_dir_problem(path: str, *, owners: bool = True) -> str | None:
 def _bytecode_problem(name: str, st: os.stat_result) -> str | None:
     """Bytecode in a vouched code tree that the sandbox would run instead of the source
     admission read (red team 11 rows 2, 9)."""
-    from supervisor.admission.bytecode import sourceless, unfaithful
+    from supervisor.admission.bytecode import cache_name, sourceless, unfaithful
 
+    base = os.path.basename(name)
+    if os.path.basename(os.path.dirname(name)) == "__pycache__" and not (
+            stat.S_ISREG(st.st_mode) and cache_name(base)):
+        # A __pycache__ imports as a namespace package: anything in it but a cache is a
+        # module (a .py, a .so, a package) under a name nobody reviewed (red team 12 row 3)
+        return (f"{name}: not a bytecode cache, in a __pycache__ (which imports as a "
+                f"package): remove it")
     if not stat.S_ISREG(st.st_mode):
         return None
-    base = os.path.basename(name)
     if sourceless(base):
         return (f"{name}: sourceless bytecode, a module admission cannot read: ship its "
                 f"source, never the .pyc alone")
@@ -379,6 +393,8 @@ def _entry_problem(name: str, spec: Any) -> str | None:
         tree = _parse(origin)
     except SyntaxError as e:
         return f"cannot parse {origin}: {e.msg} (line {e.lineno})"
+    except (RecursionError, MemoryError):
+        return f"cannot parse {origin}: nested too deep for the parser"
     except (OSError, UnicodeDecodeError, ValueError) as e:
         return f"cannot read {origin}: {_strerror(e) if isinstance(e, OSError) else e}"
     main = _top_level_main(tree.body)
@@ -432,7 +448,7 @@ def _declared(name: str, search: list[str], variable: str) -> Any:
         return None
     try:
         tree = _parse(origin)
-    except (SyntaxError, OSError, UnicodeDecodeError, ValueError):
+    except (SyntaxError, OSError, UnicodeDecodeError, ValueError, RecursionError, MemoryError):
         return None
     for node in tree.body:
         target = (node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1
@@ -729,7 +745,7 @@ def _missing_dependency(name: str, spec: Any, search: list[str]) -> str | None:
         return None
     try:
         tree = _parse(origin)
-    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError, RecursionError, MemoryError):
         return None                  # _entry_problem has read it: not ours to judge
     for imp in startup_imports(tree):
         found, _ = _locate(imp.top, search)

@@ -617,6 +617,13 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                 stop = Exit.SHUTDOWN, Exit.SHUTDOWN.name.lower()   # as any ordered stop
             else:
                 stop = self._refused_required(refused) or self._config_problems(refused)
+        if stop is None:
+            try:
+                self._make_channels()
+            except OSError as e:        # EMFILE past the rule's count, ENOMEM, a full memfd
+                self._close_channels()
+                stop = Exit.START_FAILED, (f"the channels could not be made: "
+                                           f"{type(e).__name__}: {e}{fdlimit.hint(e)}")
         if stop is not None:            # one way out before anything has started
             code, reason = stop
             self.exit_code = code
@@ -628,7 +635,6 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                 signals.uninstall()
             task_status.started(self)
             return code
-        self._make_channels()
         self._start_last_word_thread()
         try:
             async with trio.open_nursery() as nursery:
