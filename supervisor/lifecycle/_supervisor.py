@@ -64,6 +64,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         self._admission: dict[str, object] | None = None   # reports by worker (judged once)
         self._runtime_problems: list = []                  # check_runtime's (with it)
         self._unstartable: dict[str, str] = {}             # optional worker -> its problem
+        self._notified_ready = False                       # READY=1 sent to systemd
         self.runs: dict[str, WorkerRun] = {}
         self.channels: dict[str, Channel] = {}
         self._reader_index: dict[tuple[str, str], int] = {}
@@ -240,6 +241,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         w = run.cfg
         started = False
         attempt = 0
+        unready = 0     # attempts in a row that never said READY (whatever the window)
 
         def on_ready() -> None:
             # The first READY lets the supervisor start the next worker in order.
@@ -270,10 +272,17 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                 return await self._give_up(run, task_status, started, "refused at runtime")
             if not self._restart_allowed(run, code):
                 return await self._give_up(run, task_status, started, f"restart={w.restart}")
-            if not self._budget_left(run):
+            # An attempt as long as its ready timeout leaves the window before the next
+            # ends: the budget by window alone was never spent by a worker that never
+            # says READY, and the car's start waited on it for ever (red team 12 row 7).
+            unready = 0 if run.ready_ns else unready + 1
+            if not self._budget_left(run) or unready > w.max_restarts:
                 await self._give_up(run, task_status, started,
+                                    f"never READY in {unready} attempts"
+                                    if unready > w.max_restarts else
                                     f"more than {w.max_restarts} restarts in "
                                     f"{w.restart_window_s:g}s")
+                unready = 0
                 if not w.cooldown_s:
                     return
                 # Not a failed-safe domain (that raised above): try again after the
@@ -652,7 +661,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                     self.log.emit("start_failed_required", reason=str(e))
                     nursery.cancel_scope.cancel()
                     return self.exit_code
-                self.notify.ready(f"{len(self.runs)} workers ready")
+                self._notify_ready(final=True)
                 self.log.emit("all_ready", workers=[n for n in self.config.start_order()
                                                     if n in self.runs])
                 if self.status_out is not None:
@@ -847,6 +856,21 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
             return
         run = self.runs[name] = WorkerRun(self.config.workers[name])
         await nursery.start(self._supervise, run)
+        self._notify_ready()
+
+    def _notify_ready(self, final: bool = False) -> None:
+        """READY=1 to systemd once every required worker is READY: the car is up, and an
+        optional worker still starting (research importing torch for minutes on a loaded
+        machine) must not hold the unit past its start timeout, which stops the whole
+        car and restarts it (red team 12 row 7). `all_ready` still waits for all."""
+        if self._notified_ready:
+            return
+        required = [n for n, w in self.config.workers.items() if not w.optional]
+        if final or all(n in self.runs and self.runs[n].ready.is_set() for n in required):
+            self._notified_ready = True
+            ready = sum(r.ready.is_set() for r in self.runs.values())
+            self.notify.ready(f"{ready} workers ready" + ("" if final else ", optional "
+                                                          "workers still starting"))
 
     def _research_outputs(self) -> set[str]:
         """Channels that are research's, whatever their `shadow` flag says: marked shadow,
