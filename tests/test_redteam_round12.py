@@ -483,3 +483,74 @@ def test_an_optional_worker_never_ready_does_not_hold_the_cars_start(tmp_path, m
     assert ("ready", "c") in kinds, kinds
     assert ready1                                   # systemd hears the car has started
     assert ("gave_up", "r") in kinds                # and r's start ends
+
+
+_FIRST = """
+[domains.control]
+[domains.research]
+[channels.x]
+slot_size = "4KiB"
+[workers.r]
+domain = "research"
+module = "workers.probe"
+optional = true
+args = ["--ready-delay-ms", "100000"]
+ready_timeout_ms = 1000
+backoff_initial_ms = 10
+max_restarts = 2
+[workers.c]
+domain = "control"
+module = "workers.probe"
+publishes = ["x"]
+args = ["--publish", "x"]
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="redteam12 row 10: serial start in declaration "
+                   "order: a required control worker declared after an optional one that "
+                   "never says READY starts only when that one gives up (ready timeout x "
+                   "(max_restarts + 1): 30 min for the car's research settings)")
+def test_a_required_worker_never_waits_on_an_optional_one_it_does_not_read(tmp_path, monkeypatch):
+    """(against 024e717) READY=1 now follows the required workers' READY, but `_start_all`
+    still starts in `start_order()`: publishers first, ties in declaration order. An
+    optional research worker declared before control, that never says READY, holds the
+    one start slot (start_parallel = 1, the default) for its whole budget; control, which
+    reads nothing of it, waits. With the car's research settings (ready_timeout_ms =
+    300000, max_restarts 5) that is 30 minutes of a car that does not drive."""
+    import socket
+    import time
+
+    from tests._fleet import LoggedRun
+
+    sock_path = tmp_path / "notify"
+    listen = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listen.bind(str(sock_path))
+    listen.setblocking(False)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(sock_path))
+    monkeypatch.delenv("WATCHDOG_USEC", raising=False)
+    run = LoggedRun(tmp_path, "first", _FIRST)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and run.proc.poll() is None:
+            ev = run.events(strict=False)
+            if any(e["event"] == "ready" and e.get("worker") == "c" for e in ev):
+                break
+            time.sleep(0.2)
+    finally:
+        run.terminate()
+        listen.close()
+    ev = run.events(strict=False)
+    at = {}
+    for e in ev:
+        at.setdefault((e["event"], e.get("worker")), e["mono_ns"])
+    t0 = at.get(("channels_created", None), 0)
+
+    def ms(key):
+        return None if key not in at else round((at[key] - t0) / 1e6)
+
+    print(f"rt12 row 10: after channels_created: r start {ms(('start', 'r'))} ms, r gave_up "
+          f"{ms(('gave_up', 'r'))} ms, c start {ms(('start', 'c'))} ms, c ready "
+          f"{ms(('ready', 'c'))} ms")
+    assert ("ready", "c") in at, sorted(at)
+    # control is not held behind r's ready timeouts
+    assert ("gave_up", "r") not in at or at[("start", "c")] < at[("gave_up", "r")]
