@@ -554,3 +554,64 @@ def test_a_required_worker_never_waits_on_an_optional_one_it_does_not_read(tmp_p
     assert ("ready", "c") in at, sorted(at)
     # control is not held behind r's ready timeouts
     assert ("gave_up", "r") not in at or at[("start", "c")] < at[("gave_up", "r")]
+
+
+_STANDBY = """
+[domains.control]
+[channels.x]
+slot_size = "4KiB"
+[workers.c]
+domain = "control"
+module = "workers.probe"
+publishes = ["x"]
+args = ["--publish", "x"]
+warm_standby = true
+[workers.d]
+domain = "control"
+module = "workers.probe"
+subscribes = ["x"]
+args = ["--read", "x"]
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="redteam12 row 11: the open-file rule's 'exact' fit "
+                   "(221a352) admits a limit of exactly needed(cfg): the second warm "
+                   "standby then fails 'Too many open files' (standby_failed, no hint)")
+def test_a_limit_the_open_file_rule_admits_holds_the_running_config(tmp_path):
+    """(against 221a352) `fdlimit.needed` is fitted "exactly" to the running car's fds,
+    with no margin for what a start holds for a moment (the old rule said so). With
+    RLIMIT_NOFILE at exactly `needed(cfg)`, `check` passes; the run must then hold its
+    workers and both standbys."""
+    import resource
+    import time
+
+    from supervisor.config import load
+    from supervisor.fdlimit import needed, shortfall
+    from tests._fleet import LoggedRun
+
+    path = tmp_path / "cfg.toml"
+    path.write_text(_STANDBY)
+    n = needed(load(path))
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+
+    run = LoggedRun(tmp_path, "fit", _STANDBY, preexec_fn=limit)
+    try:
+        deadline = time.monotonic() + 25
+        while time.monotonic() < deadline and run.proc.poll() is None:
+            ev = run.events(strict=False)
+            warm = [e for e in ev if e["event"] == "standby_warm"]
+            failed = [e for e in ev if e["event"] in ("standby_failed", "start_failed")]
+            if len(warm) >= 2 or failed:
+                break
+            time.sleep(0.2)
+    finally:
+        run.terminate()
+    ev = run.events(strict=False)
+    failed = [e.get("error", "") for e in ev if e["event"] in ("standby_failed", "start_failed")]
+    warm = sum(e["event"] == "standby_warm" for e in ev)
+    print(f"rt12 row 11: needed(cfg) {n}; standbys warm {warm}; failed {failed}")
+    assert any(e["event"] == "all_ready" for e in ev)     # the run got that far
+    assert not any("Too many open files" in f for f in failed), failed
+    assert warm >= 2
