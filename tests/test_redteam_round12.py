@@ -341,6 +341,48 @@ def test_a_symlinked_directory_in_a_python_path_is_checked_as_its_own(code_dir):
         shutil.rmtree(target, ignore_errors=True)
 
 
+def test_sourceless_bytecode_in_a_nested_namespace_dir_is_refused(code_dir, tmp_path):
+    """(held, row 12) `ns/deeper/1evil.pyc` (namespace directories, no __init__, a stem
+    that is no identifier): the whole-tree walk judges every file's name."""
+    import py_compile
+
+    from supervisor.config._runtime import code_dir_problem
+
+    deep = code_dir / "rt12ns" / "deeper"
+    deep.mkdir(parents=True, mode=0o755)
+    for d in (deep, deep.parent):
+        d.chmod(0o755)
+    src = tmp_path / "_e.py"
+    src.write_text("LIMIT = 5.0\n")
+    target = deep / "1evil.pyc"
+    py_compile.compile(str(src), cfile=str(target), doraise=True)
+    target.chmod(0o644)
+    try:
+        ran = _sandboxed(code_dir, "import importlib; print('LIMIT', "
+                                   "importlib.import_module('rt12ns.deeper.1evil').LIMIT)")
+        why = code_dir_problem(str(code_dir))
+        print(f"rt12 row 12: sandbox {ran.stdout.strip()!r}; code_dir_problem {why!r}")
+        assert "LIMIT 5.0" in ran.stdout, ran.stderr
+        assert why is not None and "1evil.pyc" in why, why
+    finally:
+        shutil.rmtree(code_dir / "rt12ns", ignore_errors=True)
+
+
+def test_a_pth_file_in_a_python_path_runs_nothing(code_dir):
+    """(held, row 13) site.py runs a .pth file's `import` lines only in site
+    directories; a python_path is on PYTHONPATH, not one of them."""
+    pth = code_dir / "rt12.pth"
+    pth.write_text("import sys; print('RT12 pth ran', flush=True)\n")
+    pth.chmod(0o644)
+    try:
+        ran = _sandboxed(code_dir, "print('worker code')")
+        print(f"rt12 row 13: sandbox {ran.stdout.strip()!r}")
+        assert ran.returncode == 0, ran.stderr
+        assert "RT12 pth ran" not in ran.stdout
+    finally:
+        pth.unlink()
+
+
 # ================================================================ the open-file rule
 
 _WIDE = "".join(f'[channels.c{i}]\nslot_size = "64B"\nslot_count = 200\nmax_readers = 64\n'
