@@ -287,6 +287,35 @@ def test_a_command_through_the_runner_is_admitted_as_its_module(code_dir):
         shutil.rmtree(mod.parent, ignore_errors=True)
 
 
+@pytest.mark.xfail(strict=True, reason="redteam12 row 14: python's combined short options "
+                   "(-Bm MOD: -B then -m MOD) hide the module from admission/check."
+                   "_python_target, which skips '-Bm' as an option and walks nothing")
+def test_combined_short_options_name_the_module_admission_walks(code_dir):
+    """`_python_target` knows `-m MOD`, `-mMOD`, and options with an argument; any other
+    word starting with '-' is skipped whole. CPython reads `-Bm MOD` as `-B -m MOD`
+    (likewise `-Em`, `-Im`, `-sm`, ...), so a control command `[python, "-Bm", MOD]`
+    runs MOD, which nothing walked."""
+    from supervisor.admission.check import check_worker
+    from supervisor.sandbox.launch import run
+    from supervisor.sandbox.policy import policy_for_domain, worker_sys_path
+
+    mod = _package(code_dir, "rt12bm", "print('RT12 rt12bm ran', flush=True)\nimport torch\n"
+                                       "def main(ctx):\n    pass\n")
+    try:
+        sys_path = worker_sys_path(True, (str(code_dir),))
+        apart = check_worker("w", "control", None, [PY, "-B", "-m", "rt12bm"], sys_path)
+        joined = check_worker("w", "control", None, [PY, "-Bm", "rt12bm"], sys_path)
+        ran = run(policy_for_domain("control", python_path=[str(code_dir)]),
+                  [PY, "-Bm", "rt12bm"], timeout=60)
+        print(f"rt12 row 14: -B -m: {apart.format().splitlines()[0]!r}; -Bm: "
+              f"{joined.format().splitlines()[0]!r}; sandbox stdout {ran.stdout.strip()!r}")
+        assert "RT12 rt12bm ran" in ran.stdout, ran.stderr    # the sandbox runs it
+        assert not apart.ok
+        assert not joined.ok, joined.format()
+    finally:
+        shutil.rmtree(mod.parent, ignore_errors=True)
+
+
 def test_a_python_path_that_links_to_an_archive_is_refused(code_dir):
     """(held, row 9) red team 11 row 13's rule follows a symlink: `os.path.isdir` of a link to
     a zip is False."""
