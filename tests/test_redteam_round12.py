@@ -259,28 +259,45 @@ def test_interpreter_options_run_only_caches_the_checks_judged(code_dir, option)
         shutil.rmtree(mod.parent, ignore_errors=True)
 
 
-@pytest.mark.xfail(strict=True, reason="redteam12 row 8: a control command worker "
-                   "[python, -m, supervisor.runner, MOD] is admitted from the runner's "
-                   "imports: MOD (import torch) is never walked; as module = MOD, exit 3")
-def test_a_command_through_the_runner_is_admitted_as_its_module(code_dir):
+_LAUNCHERS = {                 # a module that runs another, named by its argument
+    "runner": ["-m", "supervisor.runner", "rt12torch"],
+    "runpy": ["-m", "runpy", "rt12torch"],
+    "cProfile": ["-m", "cProfile", "-m", "rt12torch"],
+}
+
+
+@pytest.mark.parametrize("launcher", sorted(_LAUNCHERS))
+@pytest.mark.xfail(strict=True, reason="redteam12 row 8: a control command whose module "
+                   "runs another named by argument (supervisor.runner, runpy, cProfile) is "
+                   "admitted from the launcher's imports: MOD (import torch) never walked")
+def test_a_command_through_a_launcher_is_admitted_as_its_module(code_dir, launcher):
     """`admission/check._python_target` takes `python -m supervisor.runner MOD` for the
     module `supervisor.runner` and walks it; MOD, which the runner imports by name
     (importlib), is a computed import: a note. The same worker as `module = "MOD"` is
     refused before the car starts (`supervisor check` exit 3); as this command, exit 0
-    'all admitted' (checked by hand with the CLI), and the runtime guard refuses
-    torch only at the start, in the car: a fail-safe instead of a car that never
-    starts."""
+    'all admitted' (checked by hand with the CLI), and only the runtime guard (or the
+    whiteout) stops torch, in the car. The standard library's launchers (`runpy`,
+    `cProfile -m`) run MOD just the same (shown in the sandbox: MOD's first line ran)."""
     from supervisor.admission.check import check_worker
-    from supervisor.sandbox.policy import worker_sys_path
+    from supervisor.sandbox.launch import run
+    from supervisor.sandbox.policy import policy_for_domain, worker_sys_path
 
-    mod = _package(code_dir, "rt12torch", "import torch\ndef main(ctx):\n    pass\n")
+    mod = _package(code_dir, "rt12torch", "print('RT12 rt12torch ran', flush=True)\n"
+                                          "import torch\ndef main(ctx):\n    pass\n")
     try:
         sys_path = worker_sys_path(True, (str(code_dir),))
         as_module = check_worker("w", "control", "rt12torch", None, sys_path)
-        as_command = check_worker("w", "control", None,
-                                  [PY, "-m", "supervisor.runner", "rt12torch"], sys_path)
-        print(f"rt12 row 8: module = rt12torch: {as_module.format().splitlines()[0]!r}; "
-              f"command through the runner: {as_command.format().splitlines()[0]!r}")
+        argv = [PY, *_LAUNCHERS[launcher]]
+        as_command = check_worker("w", "control", None, argv, sys_path)
+        ran = None
+        if launcher != "runner":           # (the runner needs a worker's environment)
+            ran = run(policy_for_domain("control", python_path=[str(code_dir)]), argv,
+                      timeout=60)
+        print(f"rt12 row 8 ({launcher}): module = rt12torch: "
+              f"{as_module.format().splitlines()[0]!r}; {argv[1:]}: "
+              f"{as_command.format().splitlines()[0]!r}; sandbox "
+              f"{ran.stdout.strip()[:40] if ran else None!r}")
+        assert ran is None or "RT12 rt12torch ran" in ran.stdout, ran.stderr
         assert not as_module.ok
         assert not as_command.ok, as_command.format()
     finally:
