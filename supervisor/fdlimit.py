@@ -16,6 +16,8 @@ _BASE = 24          # the interpreter, trio, the log, the state lock, the signal
 _PER_WORKER = 8     # its pipes, control socket, pidfd, cgroup files
 _PER_STANDBY = 12   # a warm_standby worker's two standbys (the same, each)
 _CEILING = 1 << 16  # never ask for more than this, whatever the hard limit
+_MARGIN = 16        # what a start holds for a moment (pipes, a standby's hand-over):
+                    # at exactly the count, a second standby's start failed (red team 12 row 11)
 
 
 def _per_channel(max_readers: int) -> int:
@@ -40,13 +42,13 @@ def raise_soft_limit() -> int:
 
 
 def needed(cfg) -> int:
-    """The fds the supervisor holds for `cfg` running: fitted to the running car (7
+    """The fds the supervisor holds for `cfg` running, fitted to the running car (7
     workers, 3 with standbys, channels of 1-3 readers: 162) and the one-camera config
-    (117), exactly."""
+    (117) exactly, and the margin a start needs beside them."""
     specs = cfg.channel_specs().values()
     standbys = sum(1 for w in cfg.workers.values() if w.warm_standby)
     return (_BASE + _PER_WORKER * len(cfg.workers) + _PER_STANDBY * standbys
-            + sum(_per_channel(s.max_readers) for s in specs))
+            + sum(_per_channel(s.max_readers) for s in specs) + _MARGIN)
 
 
 def shortfall(cfg) -> str | None:

@@ -45,7 +45,7 @@ def test_an_open_file_limit_too_low_for_the_car_is_a_config_problem():
             "print([str(p) for p in check_runtime(load(None)) if ': workers: ' in str(p)])\n")
     low = _python(code, pre="ulimit -n 128")
     assert low.returncode == 0, low.stderr
-    assert ("workers: 7 workers and 7 channels need about 162 open files; this process may "
+    assert ("workers: 7 workers and 7 channels need about 178 open files; this process may "
             "open 128 (ulimit -n; hard limit 128): raise it (ulimit -n 1024, or LimitNOFILE= "
             "in the unit)") in low.stdout, low.stdout
     enough = _python(code, pre="ulimit -n 256")

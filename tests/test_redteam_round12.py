@@ -267,9 +267,6 @@ _LAUNCHERS = {                 # a module that runs another, named by its argume
 
 
 @pytest.mark.parametrize("launcher", sorted(_LAUNCHERS))
-@pytest.mark.xfail(strict=True, reason="redteam12 row 8: a control command whose module "
-                   "runs another named by argument (supervisor.runner, runpy, cProfile) is "
-                   "admitted from the launcher's imports: MOD (import torch) never walked")
 def test_a_command_through_a_launcher_is_admitted_as_its_module(code_dir, launcher):
     """`admission/check._python_target` takes `python -m supervisor.runner MOD` for the
     module `supervisor.runner` and walks it; MOD, which the runner imports by name
@@ -304,9 +301,6 @@ def test_a_command_through_a_launcher_is_admitted_as_its_module(code_dir, launch
         shutil.rmtree(mod.parent, ignore_errors=True)
 
 
-@pytest.mark.xfail(strict=True, reason="redteam12 row 14: python's combined short options "
-                   "(-Bm MOD: -B then -m MOD) hide the module from admission/check."
-                   "_python_target, which skips '-Bm' as an option and walks nothing")
 def test_combined_short_options_name_the_module_admission_walks(code_dir):
     """`_python_target` knows `-m MOD`, `-mMOD`, and options with an argument; any other
     word starting with '-' is skipped whole. CPython reads `-Bm MOD` as `-B -m MOD`
@@ -594,10 +588,6 @@ args = ["--publish", "x"]
 """
 
 
-@pytest.mark.xfail(strict=True, reason="redteam12 row 10: serial start in declaration "
-                   "order: a required control worker declared after an optional one that "
-                   "never says READY starts only when that one gives up (ready timeout x "
-                   "(max_restarts + 1): 30 min for the car's research settings)")
 def test_a_required_worker_never_waits_on_an_optional_one_it_does_not_read(tmp_path, monkeypatch):
     """(against 024e717) READY=1 now follows the required workers' READY, but `_start_all`
     still starts in `start_order()`: publishers first, ties in declaration order. An
@@ -662,9 +652,6 @@ args = ["--read", "x"]
 """
 
 
-@pytest.mark.xfail(strict=True, reason="redteam12 row 11: the open-file rule's 'exact' fit "
-                   "(221a352) admits a limit of exactly needed(cfg): the second warm "
-                   "standby then fails 'Too many open files' (standby_failed, no hint)")
 def test_a_limit_the_open_file_rule_admits_holds_the_running_config(tmp_path):
     """(against 221a352) `fdlimit.needed` is fitted "exactly" to the running car's fds,
     with no margin for what a start holds for a moment (the old rule said so). With

@@ -53,29 +53,61 @@ def _shebang_python(path: str) -> bool:
     return bool(_PYTHON_NAME.match(os.path.basename(interp)))
 
 
-def _python_target(args: list[str]) -> tuple[str, str] | None:
-    """What ``python ARGS`` runs: ("module", m) / ("code", c) / ("script", path) / None."""
+def _python_target(args: list[str]) -> tuple[str, str, list[str]] | None:
+    """What ``python ARGS`` runs, read as CPython reads its options (a short option
+    may be combined with others: ``-Bm MOD``, red team 12 row 14): ("module", m, rest) /
+    ("code", c, rest) / ("script", path, rest) / None; `rest`: the arguments after it."""
     i = 0
     while i < len(args):
         a = args[i]
-        if a == "-m" or a == "-c":
-            if i + 1 < len(args):
-                return ("module" if a == "-m" else "code", args[i + 1])
-            return None
-        if a.startswith("-m") and len(a) > 2:
-            return ("module", a[2:])
-        if a.startswith("-c") and len(a) > 2:
-            return ("code", a[2:])
-        if a in _PY_OPTS_WITH_ARG:
-            i += 2
-            continue
         if a == "-" or a == "--":
             return None
-        if a.startswith("-"):
-            i += 1
+        if a.startswith("--"):
+            i += 2 if a in _PY_OPTS_WITH_ARG else 1
             continue
-        return ("script", a)
+        if a.startswith("-") and len(a) > 1:
+            j, step = 1, 1
+            while j < len(a):
+                ch, tail = a[j], a[j + 1:]
+                if ch in "mc":
+                    value = tail or (args[i + 1] if i + 1 < len(args) else None)
+                    if value is None:
+                        return None
+                    rest = args[i + 1:] if tail else args[i + 2:]
+                    return ("module" if ch == "m" else "code", value, rest)
+                if ch in "WX":          # takes the rest of the token, or the next one
+                    step = 1 if tail else 2
+                    break
+                j += 1
+            i += step
+            continue
+        return ("script", a, args[i + 1:])
     return None
+
+
+# Modules that run another named by their arguments: the one they run is walked too
+# (red team 12 row 8: `python -m supervisor.runner MOD` was admitted from the runner's
+# own imports, MOD's `import torch` never walked). value: whether the first positional
+# argument is a module (else a script); a "-m NAME" among the arguments always is.
+_LAUNCHERS = {"supervisor.runner": True, "runpy": True, "cProfile": False,
+              "profile": False, "pdb": False, "trace": False}
+
+
+def _launched(module: str, rest: list[str]) -> tuple[str, str] | None:
+    """("module", m) / ("script", path) that launcher `module` runs, or None."""
+    if module not in _LAUNCHERS:
+        return None
+    if module == "supervisor.runner":       # runner.main: its first argument, whatever
+        return ("module", rest[0]) if rest else None
+    for k, a in enumerate(rest):
+        if a == "-m" and k + 1 < len(rest):
+            return ("module", rest[k + 1])
+        if a.startswith("-m") and len(a) > 2 and not _LAUNCHERS[module]:
+            return ("module", a[2:])
+    positional = [a for a in rest if not a.startswith("-")]
+    if not positional:
+        return None
+    return ("module" if _LAUNCHERS[module] else "script", positional[0])
 
 
 def _package_of(path: str, roots: dict[str, list[str]]) -> str | None:
@@ -234,6 +266,13 @@ def _static_uncached(module: str | None, argv: list[str] | None, sys_path: list[
                     notes.append(f"{argv!r}: no module/script/code to walk (interactive or stdin)")
                 elif target[0] == "module":
                     walks.append(walk_module(target[1], sys_path))
+                    launched = _launched(target[1], target[2])
+                    if launched is None and target[1] in _LAUNCHERS:
+                        notes.append(f"{argv!r}: {target[1]} runs nothing named")
+                    elif launched is not None and launched[0] == "module":
+                        walks.append(walk_module(launched[1], sys_path))
+                    elif launched is not None:
+                        walks.append(walk_script(launched[1], sys_path))
                 elif target[0] == "code":
                     walks.append(walk_code(target[1], sys_path))
                 else:

@@ -387,9 +387,16 @@ class Config:
 
     def start_order(self) -> list[str]:
         """Publishers before their subscribers; ties keep declaration order. Shadow
-        subscriptions impose no order (a log-only reader attaches when it can)."""
+        subscriptions impose no order (a log-only reader attaches when it can). Required
+        workers before optional ones where no required worker reads an optional one's
+        output: a serial start never holds the car behind an optional worker that is
+        slow to become READY, or never does (red team 12 row 10)."""
         order, _ = topo_sort(self.workers)
-        return order
+        after = self.start_after()
+        required = [n for n in order if not self.workers[n].optional]
+        if any(self.workers[d].optional for n in required for d in after[n]):
+            return order
+        return required + [n for n in order if self.workers[n].optional]
 
     def start_after(self) -> dict[str, set[str]]:
         """Each worker -> the workers whose READY it waits for before it starts (the

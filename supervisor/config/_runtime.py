@@ -262,13 +262,29 @@ def code_dir_problem(path: str, *, owners: bool = True) -> str | None:
             return f"{p} is writable by {'others' if st.st_mode & stat.S_IWOTH else 'its group'}"
         return None
 
+    return _owned_tree_problem(path, bad, set())
+
+
+def _owned_tree_problem(path: str, bad, walked: set[str]) -> str | None:
+    """`bad` of `path`'s real directory, every directory above it and everything in it;
+    a link met in the tree is judged by where it leads, as the sandbox follows it: a
+    linked directory outside is walked as a tree of its own (os.walk never entered it:
+    red team 12 row 5), a linked file's directories above it are judged too."""
     real = os.path.realpath(path)
-    parts = real.split("/")
-    for n in range(1, len(parts)):
-        above = "/".join(parts[:n]) or "/"
-        why = bad(above, os.stat(above), parent=True)
-        if why:
-            return f"{path}: {why}: only root may change what control imports"
+    walked.add(real)
+
+    def above(p: str) -> str | None:
+        parts = p.split("/")
+        for n in range(1, len(parts)):
+            d = "/".join(parts[:n]) or "/"
+            why = bad(d, os.stat(d), parent=True)
+            if why:
+                return f"{path}: {why}: only root may change what control imports"
+        return None
+
+    why = above(real)
+    if why:
+        return why
     seen = 0
     for top, dirs, files in os.walk(real):
         for name in ((top,) if top == real else ()) + tuple(
@@ -276,14 +292,6 @@ def code_dir_problem(path: str, *, owners: bool = True) -> str | None:
             seen += 1
             if seen > _TREE_MAX:
                 return f"{path}: more than {_TREE_MAX} entries to check"
-            if os.path.islink(name):
-                # The sandbox follows it; this walk would not enter a linked directory,
-                # nor judge where it leads (red team 12 row 5). Inside the tree it is
-                # judged there; out of it, it is code from anywhere.
-                target = os.path.realpath(name)
-                if target != real and not target.startswith(real + os.sep):
-                    return (f"{name} -> {target}: a link out of the python_path (what it "
-                            f"leads to is not checked): copy the code in")
             try:
                 st = os.stat(name)
             except OSError as e:
@@ -291,6 +299,16 @@ def code_dir_problem(path: str, *, owners: bool = True) -> str | None:
             why = bad(name, st, parent=False)
             if why:
                 return f"{path}: {why}: only root may change what control imports"
+            if os.path.islink(name):
+                target = os.path.realpath(name)
+                if target != real and not target.startswith(real + os.sep):
+                    if stat.S_ISDIR(st.st_mode):
+                        why = (None if target in walked
+                               else _owned_tree_problem(target, bad, walked))
+                    else:
+                        why = above(target)
+                    if why:
+                        return f"{name} -> {why}"
             why = _bytecode_problem(name, st)
             if why:
                 return why

@@ -9,6 +9,8 @@ import time
 
 import trio
 
+from supervisor import fdlimit
+
 from ._incarnation import BrokerIncarnation, Incarnation
 from ._run import WorkerRun
 
@@ -77,7 +79,8 @@ class _WarmStandby:
             await self._spawn(sb)
         except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
             run.standbys.remove(sb)
-            self.log.emit("standby_failed", worker=run.cfg.name, error=f"{type(e).__name__}: {e}")
+            self.log.emit("standby_failed", worker=run.cfg.name,
+                          error=f"{type(e).__name__}: {e}{fdlimit.hint(e)}")
             return
         code = None
         try:
