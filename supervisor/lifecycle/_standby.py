@@ -139,6 +139,15 @@ class _WarmStandby:
             self.log.emit("standby_failed", worker=run.cfg.name, error=f"hand-over: {e}")
             self._kill(sb)
             return False
+        if sb.handed_over.is_set() or not sb.alive:
+            # It died during the broker's round trip: its own task has logged its exit
+            # and closed it; adopting it would make a closed process the run's (red team
+            # 12's note). As a refused hand-over: a cold start.
+            sb.activating = False
+            sb.held_status.clear()
+            self.log.emit("standby_failed", worker=run.cfg.name,
+                          error="hand-over: the standby exited during it")
+            return False
         # From the send it holds the channels: it is the run's from here whatever
         # happens (a stop signal, or a fail-safe, at the wait below left it in neither
         # `standbys` nor `current`: never stopped, publishing after the last word; red
