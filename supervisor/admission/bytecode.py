@@ -17,15 +17,16 @@ import os
 import re
 import sys
 
+from supervisor.config._model import PROJECT_PACKAGES, PROJECT_ROOT
+
 _MAGIC = importlib.util.MAGIC_NUMBER
 _HEADER = 16
 # The project's own packages: the code every worker runs (runner, worker API, control
 # workers), checked in admission's walk (red team 11 row 14) wherever they are installed.
 # Other site-packages are the interpreter's, trusted as it is; python_paths are checked
 # by the walk and, whole, by `code_dir_problem`.
-_OWN = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", p)
-             for p in ("supervisor", "workers", "schemas"))
-OWN_TREES = tuple(os.path.realpath(p) + os.sep for p in _OWN)
+OWN_TREES = tuple(os.path.realpath(os.path.join(PROJECT_ROOT, p)) + os.sep
+                  for p in PROJECT_PACKAGES)
 
 
 def vouched(path: str) -> bool:
@@ -72,8 +73,6 @@ def loaded_instead(source: str, level: int = 0) -> str | None:
         cfile = cache_path(source, level)
         with open(cfile, "rb") as f:
             head = f.read(_HEADER)
-        with open(source, "rb") as f:
-            data = f.read()
         st = os.stat(source)
     except (OSError, NotImplementedError, ValueError):
         return None
@@ -82,14 +81,14 @@ def loaded_instead(source: str, level: int = 0) -> str | None:
     flags = int.from_bytes(head[4:8], "little")
     if flags & ~0b11:              # the interpreter refuses the cache: compiles the source
         return None
-    if flags & 0b1:
-        # Hash-based: an unchecked one always loads, and a checked one whose hash is wrong
-        # loads too under --check-hash-based-pycs never (a control command may pass it:
-        # red team 12 row 4): judged as loaded, so compared with the source either way.
-        pass
-    elif (int.from_bytes(head[8:12], "little") != int(st.st_mtime) & 0xFFFFFFFF
-          or int.from_bytes(head[12:16], "little") != len(data) & 0xFFFFFFFF):
-        return None                # timestamp (flags 0 and 2 alike: red team 12 row 1)
+    # A hash-based cache is judged as loaded whatever its hash: an unchecked one always
+    # loads, a checked one with a wrong hash too under --check-hash-based-pycs never (a
+    # control command may pass it: red team 12 row 4). A timestamp one (flags 0 and 2
+    # alike: row 1) loads while the source's mtime and size are the header's.
+    if not flags & 0b1 and (
+            int.from_bytes(head[8:12], "little") != int(st.st_mtime) & 0xFFFFFFFF
+            or int.from_bytes(head[12:16], "little") != st.st_size & 0xFFFFFFFF):
+        return None
     return cfile
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from supervisor.admission.bytecode import cache_name, unfaithful
-from supervisor.config import Config
+from supervisor.config import PROJECT_PACKAGES, Config
 
 # Libraries whose versions change what is enforced or checked.
 LIBRARIES = ("trio", "numpy", "cryptography", "pyseccomp", "pycapnp", "tinygrad", "torch")
@@ -50,7 +50,7 @@ def git_commit(root: str) -> dict[str, Any]:
                               text=True, timeout=10, check=True).stdout.strip()
         # Only the shipped packages count: a dirty test file changes nothing enforced.
         status = subprocess.run(["git", "-C", root, "status", "--porcelain", "--",
-                                 "supervisor", "workers", "schemas"], capture_output=True,
+                                 *PROJECT_PACKAGES], capture_output=True,
                                 text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return {"commit": "not a checkout", "dirty": None}
@@ -226,7 +226,7 @@ def _file_sha256(path: str) -> str:
 
 
 INSTALLED = "(installed)"      # code_trees' domain for the project's own packages
-PACKAGES = ("supervisor", "workers", "schemas")
+PACKAGES = PROJECT_PACKAGES
 
 
 def code_trees(cfg: Config) -> list[dict[str, Any]]:

@@ -44,7 +44,7 @@ from supervisor.ipc.spec import DTYPES, KINDS, PIXEL_FORMATS, ChannelSpec
 from ._derive import default_doc, derive, dumps, minimal_doc
 from ._loader import load, loads
 from ._model import (CONTROL, DEFAULT_SHM_BUDGET, DEFAULT_SOURCE, MIN_WORKER_MEMORY,
-                     PROFILE_LIMITS, PROFILES, PROJECT_ROOT, RESEARCH, SIMULATION, VEHICLE, ChannelConfig, Config, ConfigFileError,
+                     PROFILE_LIMITS, PROFILES, PROJECT_PACKAGES, PROJECT_ROOT, RESEARCH, SIMULATION, VEHICLE, ChannelConfig, Config, ConfigFileError,
                      DomainConfig, ModelConfig, Problem, SupervisorConfig, WorkerConfig)
 from ._rules import channel_shm_bytes
 from ._runtime import check_runtime
@@ -52,7 +52,7 @@ from ._values import format_size, parse_size
 
 __all__ = [
     "CONTROL", "DEFAULT_SHM_BUDGET", "DEFAULT_SOURCE", "DTYPES", "KINDS", "MIN_WORKER_MEMORY",
-    "PIXEL_FORMATS", "PROFILE_LIMITS", "PROFILES", "PROJECT_ROOT", "RESEARCH", "SIMULATION", "VEHICLE", "ChannelConfig", "ChannelSpec",
+    "PIXEL_FORMATS", "PROFILE_LIMITS", "PROFILES", "PROJECT_PACKAGES", "PROJECT_ROOT", "RESEARCH", "SIMULATION", "VEHICLE", "ChannelConfig", "ChannelSpec",
     "Config", "ConfigError", "ConfigFileError", "DomainConfig", "ModelConfig", "Problem", "SupervisorConfig",
     "WorkerConfig", "channel_shm_bytes", "check_runtime", "default_doc", "derive", "dumps", "format_size", "load", "loads",
     "minimal_doc", "parse_size",

@@ -33,6 +33,9 @@ ENV_STATE_DIR = "TRIO_STATE_DIR"
 # The checkout holding supervisor/ and workers/: on the workers' PYTHONPATH (see
 # supervisor.sandbox.policy.PROJECT_ROOT), so module names are looked up here too.
 PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
+# The project's own packages there: what every worker runs (the runner, the worker API,
+# the workers) and what the audit digests; never shadowed by a python_path.
+PROJECT_PACKAGES = ("supervisor", "workers", "schemas")
 
 # The smallest memory_max a module worker (python -m supervisor.runner MODULE) may have.
 # Its cgroup is charged for the interpreter, the libraries it maps, its heap and the

@@ -17,8 +17,8 @@ from typing import Any
 
 from supervisor.protocol import simulation_only
 
-from ._model import (ENV_STATE_DIR, PROJECT_ROOT, SIMULATION, VEHICLE, Config, Problem,
-                     SupervisorConfig, WorkerConfig)
+from ._model import (ENV_STATE_DIR, PROJECT_PACKAGES, PROJECT_ROOT, SIMULATION, VEHICLE, Config,
+                     Problem, SupervisorConfig, WorkerConfig)
 from ._rules import _approx_size, _shm_overview, channel_shm_bytes, check_binds
 from ._values import _MODULE, _key, _suggest
 
@@ -203,9 +203,6 @@ def _hook_in(d: str) -> str | None:
     return None
 
 
-_OWN_PACKAGES = ("supervisor", "workers", "schemas")
-
-
 def _shadow_in(d: str) -> str | None:
     """A top-level module or package in directory `d` named as one of the standard
     library's or the project's (red team 11 row 17: a python_path `threading.py` ran
@@ -223,7 +220,7 @@ def _shadow_in(d: str) -> str | None:
             stem = n
         else:
             continue
-        if stem in sys.stdlib_module_names or stem in _OWN_PACKAGES:
+        if stem in sys.stdlib_module_names or stem in PROJECT_PACKAGES:
             return full
     return None
 

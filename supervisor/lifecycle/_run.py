@@ -102,6 +102,11 @@ class WorkerRun:
         return next((sb for sb in self.standbys if sb.warm),
                     self.standbys[0] if self.standbys else None)
 
+    def end_activation(self) -> list:
+        """(standby) Its hand-over is over, either way: what it said meanwhile."""
+        held, self.held_status, self.activating = self.held_status, [], False
+        return held
+
     def begin(self, now_ns: int) -> None:
         """A new process is this run's (spawned, or a standby adopted): what was true of
         the last one's start-up and readiness is not of this one. One place, so that a

@@ -134,8 +134,7 @@ class _WarmStandby:
             # Refused or failed: this standby is discarded (killed; its exit is logged as
             # a standby's) and the run starts cold as without one, a start checked as
             # any start; the standby behind it is kept for the next death.
-            sb.activating = False
-            sb.held_status.clear()
+            sb.end_activation()         # dropped with it
             self.log.emit("standby_failed", worker=run.cfg.name, error=f"hand-over: {e}")
             self._kill(sb)
             return False
@@ -143,8 +142,7 @@ class _WarmStandby:
             # It died during the broker's round trip: its own task has logged its exit
             # and closed it; adopting it would make a closed process the run's (red team
             # 12's note). As a refused hand-over: a cold start.
-            sb.activating = False
-            sb.held_status.clear()
+            sb.end_activation()         # dropped with it
             self.log.emit("standby_failed", worker=run.cfg.name,
                           error="hand-over: the standby exited during it")
             return False
@@ -165,7 +163,6 @@ class _WarmStandby:
             run.begin(time.monotonic_ns())
         self.log.emit("standby_adopted", worker=run.cfg.name, pid=run.pid,
                       waited_ms=round((run.started_ns - sb.started_ns) / 1e6, 1))
-        held, sb.held_status, sb.activating = sb.held_status, [], False
-        for msg in held:                # what it said during the hand-over, as the run's
+        for msg in sb.end_activation():  # what it said during the hand-over, as the run's
             self._on_message(run, msg)
         return True

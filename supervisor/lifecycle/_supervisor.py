@@ -722,7 +722,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         would had admission refused it, instead of not at all."""
         self.judge_before_start()
         problems = [p for p in self._runtime_problems
-                    if not any(p.key.startswith(f"workers.{n}.") for n in refused)
+                    if self._problem_owner(p.key) not in refused
                     # through the broker the state dir is the broker's (it opened it
                     # as root at its start), never written by this unprivileged process
                     and not (self.via_broker and p.key == "supervisor.state_dir")]
