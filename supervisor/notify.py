@@ -1,4 +1,5 @@
-"""systemd notify protocol (sd_notify): READY=1, WATCHDOG=1, STATUS=, STOPPING=1."""
+"""systemd notify protocol (sd_notify): READY=1, WATCHDOG=1, STATUS=, STOPPING=1,
+EXTEND_TIMEOUT_USEC=."""
 from __future__ import annotations
 
 import os
@@ -49,3 +50,9 @@ class Notifier:
 
     def stopping(self) -> None:
         self.send(stopping=1)
+
+    def extend(self, seconds: float) -> None:
+        """systemd's start or stop timeout, whichever runs now, becomes "another message
+        within `seconds`": a start or stop that makes progress is never cut off by the
+        unit's fixed TimeoutStartSec=/TimeoutStopSec=, one that hangs still is."""
+        self.send(extend_timeout_usec=max(1, round(seconds * 1e6)))

@@ -337,6 +337,17 @@ def render(cfg: Config, *, config_path: str | None, python: str | None = None,
     return _render_host(cfg, config_path=config_path, python=python, prefix=prefix)
 
 
+# The supervisor keeps both timeouts alive while it makes progress (EXTEND_TIMEOUT_USEC
+# per admitted worker, per start, per worker stopped: lifecycle/_supervisor.py), so these
+# bound only the time until its first word and a phase that hangs.
+_START_STOP_TIMEOUTS = (
+    "# Start and stop: each phase asks systemd for its own bound (EXTEND_TIMEOUT_USEC),",
+    "# so a slow but progressing start is never stopped and restarted; these bound the",
+    "# time to the supervisor's first word.",
+    "TimeoutStartSec=90s",
+)
+
+
 def render_broker(cfg: Config, *, config_path: str | None, python: str | None = None,
                   prefix: str | None = None) -> str:
     """The broker's unit (issue 27): the sandbox host. It needs everything the one unit
@@ -407,6 +418,7 @@ def _render_host(cfg: Config, *, config_path: str | None, python: str | None = N
             "# not latin-1 could not start (UnicodeEncodeError encoding its argv).",
             "Environment=PYTHONDONTWRITEBYTECODE=1 PYTHONUTF8=1",
             "WatchdogSec=2s",
+            *_START_STOP_TIMEOUTS,
             "Restart=on-failure",
             "RestartSec=1s",
             "# 2 config error, 3 admission refused a required worker, 4 fail-safe latched:",
@@ -542,6 +554,7 @@ def render_proper(cfg: Config, *, config_path: str | None, python: str | None = 
         "# not latin-1 could not start (UnicodeEncodeError encoding its argv).",
         "Environment=PYTHONDONTWRITEBYTECODE=1 PYTHONUTF8=1",
         "WatchdogSec=2s",
+        *_START_STOP_TIMEOUTS,
         "Restart=on-failure",
         "RestartSec=1s",
         f"RestartPreventExitStatus={int(Exit.CONFIG)} {int(Exit.REFUSED)} {int(Exit.FAIL_SAFE)}",

@@ -12,6 +12,9 @@ import time
 
 import pytest
 
+from supervisor.config import WorkerConfig
+from supervisor.lifecycle._supervisor import ADMISSION_STEP_S, START_SLACK_S, STOP_SLACK_S
+
 pytestmark = pytest.mark.sandbox
 if shutil.which("bwrap") is None:
     pytest.skip("bubblewrap is not installed", allow_module_level=True)
@@ -259,7 +262,30 @@ def test_sd_notify_protocol(sup, tmp_path):
     while not any("STOPPING=1" in m for m in got):
         got.append(sock.recv(4096).decode())
     assert r.finish() == 0
+    sock.settimeout(0.5)
+    try:
+        while True:
+            got.append(sock.recv(4096).decode())
+    except TimeoutError:
+        pass
     assert any(m.startswith("STATUS=") or "\nSTATUS=" in m for m in got)
+    # systemd's start and stop timeouts follow progress: each worker's admission and
+    # each start ask for their own bound before READY=1, none while running, and the
+    # ordered stop asks again per worker (the car's 200 s of ready timeouts against
+    # TimeoutStartSec's 90 had the unit stopped and restarted on a slow boot).
+    ready = next(i for i, m in enumerate(got) if "READY=1" in m)
+    stopping = next(i for i, m in enumerate(got) if "STOPPING=1" in m)
+
+    def extensions(msgs: list[str]) -> list[int]:
+        return [int(line.split("=", 1)[1]) for m in msgs for line in m.split("\n")
+                if line.startswith("EXTEND_TIMEOUT_USEC=")]
+
+    ready_s = WorkerConfig(name="x", domain="control", module="m").ready_timeout_ms / 1000
+    start = extensions(got[:ready])
+    assert start.count(round(ADMISSION_STEP_S * 1e6)) == 3, got[:ready]
+    assert start.count(round((ready_s + START_SLACK_S) * 1e6)) == 3, got[:ready]
+    assert extensions(got[ready:stopping]) == []
+    assert extensions(got[stopping:]).count(round((3.0 + STOP_SLACK_S) * 1e6)) == 3
 
 
 def test_optional_refused_worker_is_skipped_and_the_rest_runs(sup, tmp_path):

@@ -38,6 +38,15 @@ from ._standby import _WarmStandby
 # "killed by SIGHUP", which an unsandboxed worker's real SIGHUP death also is.
 START_FAILED_CODE = -256
 
+# systemd's start and stop timeouts are kept alive by progress (EXTEND_TIMEOUT_USEC),
+# not sized once in the unit: the car's required ready timeouts alone add up to 200 s
+# where TimeoutStartSec= defaults to 90 (a slow or loaded first boot was stopped and
+# restarted for ever), and its serial stop to 7 x the grace period against 15 s.
+# Each phase asks for its own bound, so a phase that hangs is still cut off.
+ADMISSION_STEP_S = 60.0     # one worker's admission: a cold walk of the car is ~30 s
+START_SLACK_S = 30.0        # a start beyond its ready timeout: launch, checks, standby
+STOP_SLACK_S = 10.0         # a stop beyond the grace period: kill, reap, last word
+
 class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
     def __init__(self, config: Config, *, log: EventLog | None = None,
                  notifier: Notifier | None = None, sandboxed: bool = True,
@@ -95,6 +104,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                 # under load) ends it now; nothing was judged, so nothing may start.
                 self._admission = None
                 return
+            self._extend_start(ADMISSION_STEP_S)
             argv = None if w.module else list(w.command or ())
             try:
                 path = worker_sys_path(self.sandboxed, self.config.domains[w.domain].python_path)
@@ -425,6 +435,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                 # Counts the worker's start-up only: it ends when its READY line was
                 # read, not when the supervisor's checks of that READY are done.
                 nonlocal why
+                self._extend_start(w.ready_timeout_ms / 1000 + START_SLACK_S)
                 with trio.move_on_after(w.ready_timeout_ms / 1000):
                     await run.ready_said.wait()
                     return
@@ -563,6 +574,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
             inc = run.current
             if inc is None:
                 continue
+            self.notify.extend(self.grace_s + STOP_SLACK_S)
             stopped = inc.alive
             if stopped:
                 self._kill(run, signal.SIGTERM)
@@ -857,6 +869,11 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         run = self.runs[name] = WorkerRun(self.config.workers[name])
         await nursery.start(self._supervise, run)
         self._notify_ready()
+
+    def _extend_start(self, seconds: float) -> None:
+        """systemd's start timeout, while the unit is starting (before READY=1)."""
+        if not self._notified_ready:
+            self.notify.extend(seconds)
 
     def _notify_ready(self, final: bool = False) -> None:
         """READY=1 to systemd once every required worker is READY: the car is up, and an
