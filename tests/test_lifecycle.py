@@ -484,3 +484,46 @@ def test_an_oom_kill_under_a_lower_machine_limit_names_that_limit(monkeypatch):
     assert "memory_max=4294967296" in cause and "machine's 700 MiB limit at /docker/abc" in cause
     monkeypatch.setattr(sc, "enclosing_memory_limit", lambda: (64 << 30, "/"))
     assert "machine's" not in sup._exit_cause(run, 137)[1]
+
+
+def test_ready_to_systemd_at_a_restarted_required_workers_ready(sup, tmp_path):
+    """Red team 12's note: READY=1 was judged only when a start returned. A required
+    worker restarting at that moment (here `a`, killed while `b` starts, restarted at
+    once and READY 3 s later) left READY=1 to the next start's return: a slow optional worker's
+    (`c`, 15 s), or the end of the whole start. It comes at `a`'s own READY now."""
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    r = sup("""
+        [domains.control]
+        failure_policy = "restart"
+        [workers.a]
+        domain = "control"
+        module = "workers.probe"
+        args = ["--ready-delay-ms", "3000"]
+        restart = "always"
+        backoff_initial_ms = 100
+        [workers.b]
+        domain = "control"
+        module = "workers.probe"
+        args = ["--ready-delay-ms", "1500"]
+        [workers.c]
+        domain = "control"
+        module = "workers.probe"
+        args = ["--ready-delay-ms", "15000"]
+        ready_timeout_ms = 30000
+        optional = true
+        """, env={"NOTIFY_SOCKET": path})
+    a1 = r.wait_for("ready", worker="a")[0]
+    r.wait_for("start", worker="b")
+    os.kill(a1["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    sock.settimeout(30)
+    got = []
+    while not any("READY=1" in m for m in got):
+        got.append(sock.recv(4096).decode())
+    # `c` cannot be READY before 15 s after `b`'s READY, which came after the kill.
+    assert time.monotonic() - killed < 12, got
+    assert "optional workers still starting" in got[-1]
+    a2 = r.wait_for("ready", count=2, worker="a")[1]
+    assert a2["pid"] != a1["pid"]

@@ -427,6 +427,9 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
             async def announce() -> None:
                 await run.ready.wait()
                 on_ready()
+                # Judged at every READY, not only when a start returns: a required
+                # worker that restarted during another's start is READY again here.
+                self._notify_ready()
                 self._fill_standbys(run)
 
             nursery.start_soon(announce)
