@@ -112,8 +112,28 @@ def grandchild(ctx):
     return 0
 
 
+def spew(ctx):
+    """A research worker that writes its stdout as fast as the pipe takes it (64 KiB
+    writes, no newline) while the test's trigger file SPEW exists."""
+    trigger = os.path.join(os.path.dirname(__file__), "SPEW")
+    blob = b"x" * 65536
+    ctx.ready(status="rt13 spew")
+    n = 0
+    while True:
+        ctx.watchdog()
+        if not os.path.exists(trigger):
+            if n:
+                os.write(1, b"\n")         # the over-long line ends here
+                _say("spew", bytes=n)
+                n = 0
+            time.sleep(0.05)
+            continue
+        for _ in range(64):
+            n += os.write(1, blob)
+
+
 def main(ctx):
-    return {"watch": watch, "grandchild": grandchild}[sys.argv[1]](ctx)
+    return {"watch": watch, "grandchild": grandchild, "spew": spew}[sys.argv[1]](ctx)
 '''
 
 
@@ -155,6 +175,12 @@ module = "rt13w"
 args = ["grandchild"]
 optional = true
 restart = "never"
+ready_timeout_ms = 30000
+[workers.spew]
+domain = "research"
+module = "rt13w"
+args = ["spew"]
+optional = true
 ready_timeout_ms = 30000
 [workers.c]
 domain = "control"
@@ -277,8 +303,8 @@ def _launch_early():
     tmp, pp = _package("rt13-")
     ftmp = tmp / "fleet"
     ftmp.mkdir()
-    _launched.update(tmp=tmp, fleet=LoggedRun(ftmp, "fleet", _FLEET_TOML.format(pp=pp),
-                                              args=("--log-level", "debug", "--quiet"),
+    _launched.update(tmp=tmp, pp=pp, fleet=LoggedRun(ftmp, "fleet", _FLEET_TOML.format(pp=pp),
+                                              args=("--log-level", "debug"),
                                               cwd=REPO),
                      full=FullRun(tmp))
     try:
@@ -457,3 +483,44 @@ def test_a_stopped_standby_is_not_what_takes_over(fleet):
     assert not of(ev, None, "fail_safe")
     back = [ms for e, ms in seq if e == "ready"]
     assert back and back[0] < 3000, f"no READY of `s` within 3 s of its death: {seq}"
+
+
+def _cpu_s(pid: int) -> float:
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _share(pids: list[int], secs: float) -> list[float]:
+    """CPU of each pid over `secs` of wall time, in cores."""
+    c0, t0 = [_cpu_s(p) for p in pids], time.monotonic()
+    time.sleep(secs)
+    dt = time.monotonic() - t0
+    return [round((_cpu_s(p) - c) / dt, 3) for p, c in zip(pids, c0)]
+
+
+@pytest.mark.xfail(strict=True, reason="round13 6: a research worker's stdout at pipe speed "
+                   "costs the supervisor 3-4x the writer's own CPU, outside research's weight")
+def test_a_research_worker_cannot_buy_the_supervisors_cpu_with_output(fleet):
+    """Research worker `spew` writes its stdout as fast as the pipe takes it (64 KiB
+    writes, no newline: one over-long line, cut to 2 KiB). The supervisor reads every
+    byte (`_read_output`: one 64 KiB read per loop turn, no bound on bytes a second)."""
+    run = fleet
+    trigger = _launched["pp"] / "rt13w" / "SPEW"
+    spewer = list(_procs(b"spew"))
+    sup = run.proc.pid
+    quiet = _share([sup], 2.0)[0]
+    trigger.write_text("")
+    try:
+        time.sleep(0.5)
+        busy, sp = _share([sup, *spewer[:1]], 3.0)
+    finally:
+        trigger.unlink()
+    ev = _wait(run, lambda e: e.get("worker") == "spew" and e["event"] == "output"
+               and e["line"].startswith("RT13 "), 5)
+    said = _rt13(ev, "spew", "spew")
+    print(f"round13 6: supervisor CPU {quiet} core before, {busy} while research writes "
+          f"its stdout ({said[-1]['bytes'] / 3.5e6 if said else None:.0f} MB/s, the "
+          f"writer itself {sp} core)")
+    cut = [e for e in of(run.events(), "spew", "output") if "bytes cut]" in e["line"]]
+    assert said and cut, "the spew never ran (or the supervisor never logged it)"
+    assert busy - quiet < 0.15, (quiet, busy)
