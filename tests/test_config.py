@@ -540,13 +540,17 @@ def test_required_worker_depending_on_optional():
 
 
 def test_the_writer_of_actuation_commands_is_never_optional():
-    """Skipped as optional (refused, a missing import), the car would run on with no
-    commands at all, said only by the actuator's max age (red team 12's note)."""
+    """In a domain that actuates: skipped as optional (refused, a missing import), the
+    car would run on with no commands at all, said only by the actuator's max age (red
+    team 12's note)."""
     doc = base()
     doc["channels"]["cmd"].update(payload="control_cmd", max_age_ms=100)
     doc["workers"]["ctl"]["optional"] = True
     reason = one_problem(doc, "workers.ctl.optional")
     assert reason.startswith("worker 'ctl' writes actuation channel 'cmd'")
+    doc["domains"]["control"]["actuates"] = False   # a bench's domain that does not actuate
+    assert load_doc(doc).workers["ctl"].optional
+    doc["domains"]["control"]["actuates"] = True
     doc["channels"]["cmd"].pop("payload")        # a plain tensor channel may be optional
     assert load_doc(doc).workers["ctl"].optional
 

@@ -369,6 +369,7 @@ domain = "control"
 module = "workers.probe.attacks_redteam5"
 publishes = ["ch_rt5"]
 args = ["--attack", "lastword_bound", "--pub", "ch_rt5"]
+optional = true
 restart = "never"
 ready_timeout_ms = 60000
 memory_max = "256MiB"

@@ -303,13 +303,16 @@ def check_optional(add: Add, workers: dict[str, WorkerConfig], writers: dict[str
 
 
 def check_actuating_required(add: Add, workers: dict[str, WorkerConfig],
+                              domains: dict[str, DomainConfig],
                               channels: dict[str, ChannelConfig]) -> None:
-    """The writer of an actuation channel is never optional. Optional, a refusal or a
-    missing import skips it with one line and the car runs on with no commands at all,
-    which only the actuator's max age says (red team 12's note); required, the run
-    stops and says why."""
+    """In a domain that actuates, the writer of an actuation channel is never optional.
+    Optional, a refusal or a missing import skips it with one line and the car runs on
+    with no commands at all, which only the actuator's max age says (red team 12's
+    note); required, the run stops and says why. (A domain that does not declare
+    `actuates`, a test bench's, may keep a hostile or flaky writer optional.)"""
     for w in workers.values():
-        if not w.optional:
+        d = domains.get(w.domain)
+        if not w.optional or d is None or not d.actuates:
             continue
         for ch in w.publishes:
             c = channels.get(ch)
