@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "DOMAINS": "check",
     "check_running": "check",
     "check_worker": "check",
+    "one_pass": "_witness",
     "ElfHit": "elf",
     "ElfInfo": "elf",
     "ElfResult": "elf",
@@ -106,6 +107,7 @@ __all__ = [
     "install",
     "is_forbidden_module",
     "native_files_in",
+    "one_pass",
     "read_elf",
     "refused_build_ids",
     "scan_maps_text",
@@ -131,6 +133,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from ._witness import one_pass
     from .check import DOMAINS, check_running, check_worker
     from .elf import (
         ElfHit,

@@ -13,7 +13,7 @@ import time
 import trio
 
 from supervisor import fdlimit, signals
-from supervisor.admission import check_worker
+from supervisor.admission import check_worker, one_pass
 from supervisor.config import Config, WorkerConfig
 from supervisor.events import EventLog
 from supervisor.exits import Exit
@@ -98,6 +98,10 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
             return
         self._runtime_problems = check_runtime(self.config, sandboxed=self.sandboxed)
         self._admission = {}
+        with one_pass():
+            self._judge_workers()
+
+    def _judge_workers(self) -> None:
         for name, w in self.config.workers.items():
             if signals.stop_pending():
                 # systemd's stop during admission (~1-2 s a worker, 14 s for the car
