@@ -1,9 +1,15 @@
 """Red team, round 13 (docs/redteam13.md): a hostile worker who knows the code, and the
 faults of an ordinary day, each inside real sandboxes started by the real supervisor.
 
+Rows: 1 a warm standby killed while waiting is never replaced; 2 research's inotify
+sees control's sandbox starts; 3 a research grandchild outliving its worker (held);
+4 the event log and live row on a full device (held); 5 a stopped standby is adopted and
+judged by the ready timeout; 6 a research worker's stdout at pipe speed buys the
+supervisor's CPU.
+
 One `supervisor run` (the fleet below) carries every row that needs workers; a second,
 tiny run writes its event log and live row to a full device. Both start at the module's
-first test and boot while the others are judged.
+first test and boot while the fleet settles.
 
 Each test asserts the claim the way it should hold. A claim that fails today is an
 ``xfail(strict=True)`` whose reason starts with "round13 N"; the fix turns it into a
@@ -363,11 +369,13 @@ def test_a_warm_standby_that_dies_waiting_is_replaced(fleet):
     os.kill(active[0], signal.SIGKILL)
     ev = _wait(run, lambda e: (e.get("worker") == "c" and e["mono_ns"] > t_active
                                and e["event"] in ("standby_adopted", "ready")), 30)
-    after = [e["event"] for e in ev if e.get("worker") == "c" and e["mono_ns"] > t_active
-             and e["event"] in ("exit", "last_word", "standby_adopted", "start", "ready")]
+    seq = [(e["event"], round((e["mono_ns"] - t_active) / 1e6)) for e in ev
+           if e.get("worker") == "c" and e["mono_ns"] > t_active
+           and e["event"] in ("exit", "last_word", "standby_adopted", "start", "ready")]
+    after = [e for e, _ in seq]
     print(f"round13 1: standby_start before {before}; standby_exit after the kills "
           f"{[(x.get('signal'), x.get('level')) for x in exits]}; standby_start in 6 s "
-          f"after {len(restarted)}; the active's death then: {after}")
+          f"after {len(restarted)}; the active's death then (ms): {seq}")
     assert len(exits) == 2          # each standby's death is logged
     assert not of(ev, None, "fail_safe")
     assert restarted, "no standby started behind the two that died"
