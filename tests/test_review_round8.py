@@ -338,6 +338,35 @@ def test_the_unit_can_make_a_state_dir_of_the_config(where, tmp_path):
             shutil.rmtree(top, ignore_errors=True)
 
 
+# ---------------------------------------------------------------- 7. clear-fail-safe (car)
+
+@ROOT
+@pytest.mark.xfail(strict=True, reason="review8 7: clear-fail-safe that cannot remove the "
+                   "latch (not root: EACCES; a read-only state dir: EROFS) is a traceback, "
+                   "exit 1")
+def test_clear_fail_safe_that_cannot_clear_says_so_in_one_line(tmp_path):
+    """The operator after a fail-safe, on a car whose state dir is read-only here (or
+    logged in without sudo: the same path, EACCES; reproduced as uid 65534 in
+    docs/review8.md): `supervisor clear-fail-safe --config F` prints a 16-line
+    traceback ending 'OSError: [Errno 30] Read-only file system: .../failsafe.latch',
+    exit 1 (README: internal error). Right: one line naming the latch, why it cannot be
+    removed and what to do (run as root; a writable state dir), exit 2, the latch kept."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    latch = state / "failsafe.latch"
+    latch.write_text('{"time": "2026-12-05T17:00:00Z", "reason": "control worker camerad '
+                     'failed: more than 5 restarts in 60s"}')
+    (tmp_path / "car.toml").write_text(VEHICLE.format(state=state))
+    script = ('mount --bind "$S" "$S" && mount -o remount,bind,ro "$S" && exec env -u '
+              f'TRIO_STATE_DIR {sys.executable} -m supervisor.cli clear-fail-safe --config "$C"')
+    r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+                       env={**os.environ, "S": str(state), "C": str(tmp_path / "car.toml")},
+                       capture_output=True, text=True, timeout=60)
+    assert latch.exists()
+    assert r.returncode == 2 and "Traceback" not in r.stderr, (r.returncode, r.stderr[-600:])
+    assert len(r.stderr.strip().splitlines()) == 1 and "failsafe.latch" in r.stderr, r.stderr
+
+
 # ---------------------------------------------------------------- 6. a config's own paths
 
 @pytest.mark.xfail(strict=True, reason="review8 6: a relative model path in a user's config "
