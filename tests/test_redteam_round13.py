@@ -511,7 +511,9 @@ def _share(pids: list[int], secs: float) -> list[float]:
 def test_a_research_worker_cannot_buy_the_supervisors_cpu_with_output(fleet):
     """Research worker `spew` writes its stdout as fast as the pipe takes it (64 KiB
     writes, no newline: one over-long line, cut to 2 KiB). The supervisor reads every
-    byte (`_read_output`: one 64 KiB read per loop turn, no bound on bytes a second)."""
+    byte (`_read_output`: one 64 KiB read per loop turn, no bound on bytes a second), on
+    its own CPU, which no cgroup weight of research's bounds. Meanwhile the actuation
+    writer `c` is killed: SAFE is still said at once (held)."""
     run = fleet
     trigger = _launched["pp"] / "rt13w" / "SPEW"
     spewer = list(_procs(b"spew"))
@@ -521,14 +523,24 @@ def test_a_research_worker_cannot_buy_the_supervisors_cpu_with_output(fleet):
     try:
         time.sleep(0.5)
         busy, sp = _share([sup, *spewer[:1]], 3.0)
+        # Meanwhile the actuation writer `c` dies: SAFE must still be said at once.
+        active = [p for p, sb in _procs(b"rt13-c").items() if not sb]
+        t_kill = time.monotonic_ns()
+        for p in active[:1]:
+            os.kill(p, signal.SIGKILL)
+        ev = _wait(run, lambda e: (e.get("worker") == "c" and e["event"] == "last_word"
+                                   and e["mono_ns"] > t_kill), 5)
     finally:
         trigger.unlink()
+    said_safe = [round((e["mono_ns"] - t_kill) / 1e6, 1) for e in of(ev, "c", "last_word")
+                 if e["mono_ns"] > t_kill]
     ev = _wait(run, lambda e: e.get("worker") == "spew" and e["event"] == "output"
                and e["line"].startswith("RT13 "), 5)
     said = _rt13(ev, "spew", "spew")
     print(f"round13 6: supervisor CPU {quiet} core before, {busy} while research writes "
           f"its stdout ({said[-1]['bytes'] / 3.5e6 if said else None:.0f} MB/s, the "
-          f"writer itself {sp} core)")
+          f"writer itself {sp} core); SAFE of `c` killed meanwhile after {said_safe} ms")
     cut = [e for e in of(run.events(), "spew", "output") if "bytes cut]" in e["line"]]
     assert said and cut, "the spew never ran (or the supervisor never logged it)"
+    assert said_safe and said_safe[0] < 50, said_safe     # held: the last word's own path
     assert busy - quiet < 0.15, (quiet, busy)
