@@ -7,7 +7,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from . import codec, layout as L
+from . import _atomics, codec, layout as L
 from ._types import FrameFormat, Layout, plane_view
 from .errors import BridgeError, LeaseLost, Rejected
 from .receipt import Receipt
@@ -38,13 +38,23 @@ class FrameInfo:
     gain: float | None
 
 
-class Message:
+# A message's fields. With the native module built they live in its C type, whose
+# ``array`` and ``release`` run in C for a message of a native reader (`_core` set) and
+# call ``_py_array`` / ``_py_release`` below for any other; ``check()`` is Python's
+# either way, and the C methods call it for anything but a held, stable slot.
+_MessageBase = getattr(_atomics.NATIVE, "MessageBase", None)
+if _MessageBase is None:
+    class _MessageBase:               # noqa: N801 - the native type's stand-in
+        __slots__ = ("_reader", "_core", "_slot", "_gen", "_lease", "_layout", "stamp",
+                     "_array", "_released", "_lost", "_raw_header", "_receipt")
+
+
+class Message(_MessageBase):
     """One received message, built only by `Reader` (see ``Reader._accept``). Holds a
     lease until released; the views are valid only while ``check()`` passes (the writer
     may reuse the slot once the lease expires)."""
 
-    __slots__ = ("_reader", "_slot", "_gen", "_lease", "_layout", "stamp", "_array",
-                 "_released", "_lost", "_raw_header", "_receipt")
+    __slots__ = ()
 
     @property
     def sequence(self) -> int:
@@ -95,9 +105,8 @@ class Message:
                             f"{self._slot} was reused by the writer (lease expired or "
                             f"reader too slow); discard anything computed from it")
 
-    @property
-    def array(self) -> np.ndarray:
-        """Read-only zero-copy view with the published shape, dtype and strides."""
+    def _py_array(self) -> np.ndarray:
+        """``array`` of a message the native type does not hold (or without it)."""
         a = self._array
         if a is None:
             a = self._array = self._kept_array().view()
@@ -163,8 +172,8 @@ class Message:
     def __dlpack_device__(self):
         return self.array.__dlpack_device__()
 
-    def release(self) -> None:
-        """Give the lease back; raises LeaseLost if the data changed while held."""
+    def _py_release(self) -> None:
+        """``release`` of a message the native type does not hold (or without it)."""
         if self._released and not self._lost:
             return
         self.check()
@@ -172,10 +181,15 @@ class Message:
         self._array = None
         self._reader._drop_lease(self._lease)
 
-    def __enter__(self) -> Message:
+    if not hasattr(_MessageBase, "release"):     # no native module: Python's own
+        array = property(_py_array, doc="Read-only zero-copy view with the published "
+                         "shape, dtype and strides.")
+        release = _py_release
+
+    def _py_enter(self) -> Message:
         return self
 
-    def __exit__(self, exc_type, *rest: object) -> None:
+    def _py_exit(self, exc_type, *rest: object) -> None:
         if exc_type is None:
             self.release()
         else:
@@ -183,3 +197,6 @@ class Message:
                 self.release()
             except LeaseLost:
                 pass  # the body's own exception is the one to report
+
+    if not hasattr(_MessageBase, "__exit__"):    # no native module: Python's own
+        __enter__, __exit__ = _py_enter, _py_exit

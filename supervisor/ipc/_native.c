@@ -79,6 +79,7 @@
 #include <time.h>
 #include <unistd.h>
 #include <zlib.h>
+#include <structmember.h>
 
 #define RELAXED __ATOMIC_RELAXED
 #define ACQUIRE __ATOMIC_ACQUIRE
@@ -1061,6 +1062,63 @@ enum { F_VERSION, F_CHANNEL, F_SEQ, F_GEN, F_PID, F_CRC_WHICH, F_FRAME_WHICH, F_
  * ctx: (crc_n, crc_is, frame_n, frame_is, exp_n, exp_is, gain_n, gain_is, channel_id,
  *       need_crc, need_frame, tolerance_ns, max_age_ns, receipt captureTsNs offset in
  *       the Receipt's data section, Stamp type) */
+/* A compiled structure's native table, read once (ReaderCore keeps the one it used
+ * last, by the identity of the compiled entry). */
+typedef struct {
+    Py_ssize_t end, rpos, nfields;
+    uint64_t has_meta, meta_word;
+    Py_ssize_t pos[F_MAX];
+    int code[F_MAX];
+} Plan;
+
+/* The plan of compiled entry `st`: 1, 0 (no native table for this structure: the
+ * Python path decides), or -1 with an exception set. */
+static int plan_of(PyObject *st, Plan *p) {
+    if (!PyTuple_Check(st) || PyTuple_GET_SIZE(st) < 1)
+        return 0;
+    PyObject *nt = PyTuple_GET_ITEM(st, PyTuple_GET_SIZE(st) - 1);
+    if (!PyTuple_Check(nt) || PyTuple_GET_SIZE(nt) < 4)
+        return 0;                             /* no native table for this structure */
+    p->nfields = (PyTuple_GET_SIZE(nt) - 4) / 2;
+    if (p->nfields != F_WORD && p->nfields != F_MAX)
+        return 0;
+    if (get_ssize(PyTuple_GET_ITEM(nt, 0), &p->end) < 0
+            || get_ssize(PyTuple_GET_ITEM(nt, 1), &p->rpos) < 0
+            || get_u64(PyTuple_GET_ITEM(nt, 2), &p->has_meta) < 0
+            || get_u64(PyTuple_GET_ITEM(nt, 3), &p->meta_word) < 0)
+        return -1;
+    if ((p->has_meta != 0) != (p->nfields == F_MAX))
+        return 0;
+    for (Py_ssize_t i = 0; i < p->nfields; i++) {
+        Py_ssize_t cc;
+        if (get_ssize(PyTuple_GET_ITEM(nt, 4 + 2 * i), &p->pos[i]) < 0
+                || get_ssize(PyTuple_GET_ITEM(nt, 5 + 2 * i), &cc) < 0)
+            return -1;
+        p->code[i] = (int)cc;
+        int sz = scalar_size(p->code[i]);
+        if (sz == 0 || p->pos[i] < 0 || p->pos[i] + sz > p->end)
+            return 0;
+    }
+    /* Integer fields the checks need as integers (everything but gain). */
+    for (int i = 0; i < p->nfields; i++)
+        if (i != F_GAIN && (p->code[i] == 'f' || p->code[i] == 'd'))
+            return 0;
+    return 1;
+}
+
+/* The 14 integers at the head of ctx: 0, or -1 with an exception set. */
+static int ctx_values(PyObject *ctx, uint64_t c[14]) {
+    for (int i = 0; i < 14; i++)
+        if (get_u64(PyTuple_GET_ITEM(ctx, i), &c[i]) < 0)
+            return -1;
+    return 0;
+}
+
+static PyObject *accept_plan(const Plan *p, const uint64_t c[14], PyObject *ctx,
+                             const unsigned char *raw, Py_ssize_t len, uint64_t want_seq,
+                             uint64_t want_gen, uint64_t now, uint64_t last_capture,
+                             PyObject **receipt);
+
 static PyObject *accept_core(PyObject *rawo, PyObject *compiled, PyObject *ctx,
                              uint64_t want_seq, uint64_t want_gen, uint64_t now,
                              uint64_t last_capture, PyObject **receipt) {
@@ -1074,9 +1132,8 @@ static PyObject *accept_core(PyObject *rawo, PyObject *compiled, PyObject *ctx,
     if (len < 16)
         Py_RETURN_NONE;
     uint64_t c[14];
-    for (int i = 0; i < 14; i++)
-        if (get_u64(PyTuple_GET_ITEM(ctx, i), &c[i]) < 0)
-            return NULL;
+    if (ctx_values(ctx, c) < 0)
+        return NULL;
     PyObject *key = PyBytes_FromStringAndSize((const char *)raw, 16);
     if (key == NULL)
         return NULL;
@@ -1087,38 +1144,25 @@ static PyObject *accept_core(PyObject *rawo, PyObject *compiled, PyObject *ctx,
             return NULL;
         Py_RETURN_NONE;
     }
-    if (!PyTuple_Check(st) || PyTuple_GET_SIZE(st) < 1)
-        Py_RETURN_NONE;
-    PyObject *nt = PyTuple_GET_ITEM(st, PyTuple_GET_SIZE(st) - 1);
-    if (!PyTuple_Check(nt) || PyTuple_GET_SIZE(nt) < 4)
-        Py_RETURN_NONE;                       /* no native table for this structure */
-    Py_ssize_t nfields = (PyTuple_GET_SIZE(nt) - 4) / 2;
-    if (nfields != F_WORD && nfields != F_MAX)
-        Py_RETURN_NONE;
-    Py_ssize_t end, rpos;
-    uint64_t has_meta, meta_word;
-    if (get_ssize(PyTuple_GET_ITEM(nt, 0), &end) < 0 || get_ssize(PyTuple_GET_ITEM(nt, 1), &rpos) < 0
-            || get_u64(PyTuple_GET_ITEM(nt, 2), &has_meta) < 0
-            || get_u64(PyTuple_GET_ITEM(nt, 3), &meta_word) < 0)
-        return NULL;
-    if (len < end || len % 8 || (has_meta != 0) != (nfields == F_MAX))
+    Plan plan;
+    int got = plan_of(st, &plan);
+    if (got <= 0)
+        return got < 0 ? NULL : Py_NewRef(Py_None);
+    return accept_plan(&plan, c, ctx, raw, len, want_seq, want_gen, now, last_capture,
+                       receipt);
+}
+
+/* accept_core's checks once the structure's plan is known. */
+static PyObject *accept_plan(const Plan *p, const uint64_t c[14], PyObject *ctx,
+                             const unsigned char *raw, Py_ssize_t len, uint64_t want_seq,
+                             uint64_t want_gen, uint64_t now, uint64_t last_capture,
+                             PyObject **receipt) {
+    Py_ssize_t end = p->end, rpos = p->rpos, nfields = p->nfields;
+    uint64_t has_meta = p->has_meta, meta_word = p->meta_word;
+    const Py_ssize_t *pos = p->pos;
+    const int *code = p->code;
+    if (len < end || len % 8)
         Py_RETURN_NONE;                       /* pycapnp refuses partial words too */
-    Py_ssize_t pos[F_MAX];
-    int code[F_MAX];
-    for (Py_ssize_t i = 0; i < nfields; i++) {
-        Py_ssize_t cc;
-        if (get_ssize(PyTuple_GET_ITEM(nt, 4 + 2 * i), &pos[i]) < 0
-                || get_ssize(PyTuple_GET_ITEM(nt, 5 + 2 * i), &cc) < 0)
-            return NULL;
-        code[i] = (int)cc;
-        int sz = scalar_size(code[i]);
-        if (sz == 0 || pos[i] < 0 || pos[i] + sz > end)
-            Py_RETURN_NONE;
-    }
-    /* Integer fields the checks need as integers (everything but gain). */
-    for (int i = 0; i < nfields; i++)
-        if (i != F_GAIN && (code[i] == 'f' || code[i] == 'd'))
-            Py_RETURN_NONE;
     uint64_t v[F_MAX];
     for (int i = 0; i < nfields; i++)
         v[i] = i == F_GAIN ? 0 : read_u(raw, pos[i], code[i]);
@@ -1538,6 +1582,773 @@ static PyObject *h_accept(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     return accept_core(a[0], a[1], a[2], want_seq, want_gen, now, last_capture, NULL);
 }
 
+/* ------------------------------------------------------------- native receive */
+
+/* The reader's hot path as objects (round 8 in docs/ipc-wakeups.md): a ReaderCore holds
+ * one reader's constants (its regions, every slot's offsets as C arrays, the compiled
+ * header table and check context), bound once, where `take` was given 18 arguments per
+ * call; its try_receive is `take` plus the reader's bookkeeping and a Message built in
+ * C. MessageBase is that Message's storage, with `array` and `release` in C (the
+ * Python class supervisor.ipc._message.Message derives from it and adds the rest).
+ *
+ * What it decides alone is only the common case: a message in the layout the reader
+ * validated last, that `accept` passes whole, its CRC (if the channel has one)
+ * confirmed here, no cadence or burst configured, no test hook in place. Everything
+ * else goes to the reader's Python methods, unchanged: Reader._try_receive_native (a
+ * hook, no lease free, state it does not recognise) or Reader._took (anything the take
+ * found and did not accept itself: a new layout, a header `accept` left to Python, a
+ * CRC not confirmed, a sequence past SEQ_HONEST). Likewise a Message's `array` and
+ * `release` call its Python `check()` for anything but a slot still stable and held.
+ *
+ * The reader's mutable state stays in its __dict__ (one truth for both paths: the
+ * Python code, the rehearsal's save and restore, tests), read and written here by
+ * interned name. Only the segment's Region (read-only) is read; the only stores are
+ * into this reader's own lease table. Every offset is checked against the regions
+ * once, at construction, and again (cheap comparisons) where it is used. */
+
+static PyObject *S_ntake, *S_naccept, *S_cadence, *S_burst, *S_last_seq, *S_free_leases,
+    *S_last_capture, *S_last_take, *S_last_layout, *S_received, *S_rejected, *S_dropped,
+    *S_pos, *S_delivered, *S_views, *S_drop_lease, *S_check, *S_kept_array, *S_view,
+    *S_py_array, *S_py_release, *S_one, *S_release;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *reader, *rdict, *seg_o, *lease_o, *take_fn, *accept_fn, *compiled, *ctx;
+    PyObject *msg_type, *fallback, *took;
+    PyObject *last_take;      /* the reader's _last_take parsed last (by identity) */
+    PyObject *last_raw;       /* its layout bytes; NULL: none */
+    Py_ssize_t span_lo, span_hi;
+    Py_ssize_t count, hdr_max, lay_max, last_seq_off, last_slot_off, retries;
+    Py_ssize_t *off;          /* ctl, hdr, lay, pay: count each */
+    uint64_t lease_ns, seq_honest;
+    int need_crc;
+    uint64_t cvals[14];       /* ctx's integers, read once (ctx is an immutable tuple) */
+    PyObject *key;            /* the compiled table's key looked up last (its hash kept) */
+    PyObject *plan_st;        /* the compiled entry `plan` was read from (identity) */
+    Plan plan;
+} Core;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *reader, *core, *layout, *stamp, *array, *raw_header, *receipt;
+    Py_ssize_t slot, lease;
+    unsigned long long gen;
+    char released, lost;
+} Msg;
+
+static PyTypeObject CoreType, MsgType;
+
+static int core_traverse(Core *c, visitproc visit, void *arg) {
+    Py_VISIT(c->reader); Py_VISIT(c->rdict); Py_VISIT(c->seg_o); Py_VISIT(c->lease_o);
+    Py_VISIT(c->take_fn); Py_VISIT(c->accept_fn); Py_VISIT(c->compiled); Py_VISIT(c->ctx);
+    Py_VISIT(c->msg_type); Py_VISIT(c->fallback); Py_VISIT(c->took);
+    Py_VISIT(c->last_take); Py_VISIT(c->last_raw); Py_VISIT(c->key); Py_VISIT(c->plan_st);
+    return 0;
+}
+
+static int core_clear(Core *c) {
+    Py_CLEAR(c->reader); Py_CLEAR(c->rdict); Py_CLEAR(c->seg_o); Py_CLEAR(c->lease_o);
+    Py_CLEAR(c->take_fn); Py_CLEAR(c->accept_fn); Py_CLEAR(c->compiled); Py_CLEAR(c->ctx);
+    Py_CLEAR(c->msg_type); Py_CLEAR(c->fallback); Py_CLEAR(c->took);
+    Py_CLEAR(c->last_take); Py_CLEAR(c->last_raw); Py_CLEAR(c->key); Py_CLEAR(c->plan_st);
+    return 0;
+}
+
+static void core_dealloc(Core *c) {
+    PyObject_GC_UnTrack(c);
+    core_clear(c);
+    PyMem_Free(c->off);
+    c->off = NULL;
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static int offsets_into(PyObject *t, Py_ssize_t count, Py_ssize_t *out, const char *what) {
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != count) {
+        PyErr_Format(PyExc_TypeError, "ReaderCore(): %s must be a tuple of %zd offsets",
+                     what, count);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (get_ssize(PyTuple_GET_ITEM(t, i), &out[i]) < 0)
+            return -1;
+    return 0;
+}
+
+/* ReaderCore(reader, seg, lease, ctl, hdr, lay, pay, hdr_max, lay_max, last_seq_off,
+ *            last_slot_off, retries, lease_ns, seq_honest, compiled, ctx, take, accept,
+ *            message_type) */
+static int core_init(Core *c, PyObject *args, PyObject *kw) {
+    PyObject *reader, *seg_o, *lease_o, *ctl, *hdr, *lay, *pay, *compiled, *ctx, *take,
+        *accept, *mtype;
+    Py_ssize_t hdr_max, lay_max, lso, lslo, retries;
+    unsigned long long lease_ns, seq_honest;
+    if (c->off != NULL) {
+        PyErr_SetString(PyExc_TypeError, "ReaderCore is initialised once");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "OO!O!OOOOnnnnnKKO!O!OOO!:ReaderCore", &reader,
+                          &RegionType, &seg_o, &RegionType, &lease_o, &ctl, &hdr, &lay,
+                          &pay, &hdr_max, &lay_max, &lso, &lslo, &retries, &lease_ns,
+                          &seq_honest, &PyDict_Type, &compiled, &PyTuple_Type, &ctx,
+                          &take, &accept, &PyType_Type, &mtype))
+        return -1;
+    Region *seg = (Region *)seg_o, *lease = (Region *)lease_o;
+    if (!PyType_IsSubtype((PyTypeObject *)mtype, &MsgType)) {
+        PyErr_SetString(PyExc_TypeError, "ReaderCore(): message_type must derive from "
+                        "MessageBase");
+        return -1;
+    }
+    if (PyTuple_GET_SIZE(ctx) != CTX_LEN) {
+        PyErr_SetString(PyExc_TypeError, "ReaderCore(): bad ctx");
+        return -1;
+    }
+    if (seg->base == NULL || lease->base == NULL || !lease->writable) {
+        PyErr_SetString(PyExc_ValueError, "ReaderCore(): regions released, or the lease "
+                        "table read-only");
+        return -1;
+    }
+    Py_ssize_t count = PyTuple_Check(ctl) ? PyTuple_GET_SIZE(ctl) : -1;
+    if (count < 1 || count > MAX_SLOTS || hdr_max < 0 || lay_max < 0 || retries < 0) {
+        PyErr_SetString(PyExc_ValueError, "ReaderCore(): bad slot count or limits");
+        return -1;
+    }
+    Py_ssize_t *off = PyMem_Calloc(4 * (size_t)count, sizeof(Py_ssize_t));
+    if (off == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (offsets_into(ctl, count, off, "ctl") < 0
+            || offsets_into(hdr, count, off + count, "hdr") < 0
+            || offsets_into(lay, count, off + 2 * count, "lay") < 0
+            || offsets_into(pay, count, off + 3 * count, "pay") < 0) {
+        PyMem_Free(off);
+        return -1;
+    }
+    int ok = in_bounds(seg, lso, 8) && lso % 8 == 0 && in_bounds(seg, lslo, 4)
+        && lslo % 4 == 0 && in_bounds(lease, TAKEN_OFF, 8);
+    for (Py_ssize_t i = 0; ok && i < count; i++)
+        ok = in_bounds(seg, off[i], 32) && off[i] % 8 == 0
+            && in_bounds(seg, off[count + i], hdr_max)
+            && in_bounds(seg, off[2 * count + i], lay_max)
+            && in_bounds(seg, off[3 * count + i], 0);
+    if (!ok) {
+        PyMem_Free(off);
+        PyErr_SetString(PyExc_ValueError, "ReaderCore(): offsets outside the mappings");
+        return -1;
+    }
+    if (ctx_values(ctx, c->cvals) < 0) {
+        PyMem_Free(off);
+        return -1;
+    }
+    PyObject *rdict = PyObject_GenericGetDict(reader, NULL);
+    if (rdict == NULL) {
+        PyMem_Free(off);
+        return -1;
+    }
+    PyObject *fallback = PyObject_GetAttrString(reader, "_try_receive_native");
+    PyObject *took = fallback ? PyObject_GetAttrString(reader, "_took") : NULL;
+    if (took == NULL) {
+        Py_XDECREF(fallback);
+        Py_DECREF(rdict);
+        PyMem_Free(off);
+        return -1;
+    }
+    c->off = off;
+    c->count = count;
+    c->hdr_max = hdr_max;
+    c->lay_max = lay_max;
+    c->last_seq_off = lso;
+    c->last_slot_off = lslo;
+    c->retries = retries;
+    c->lease_ns = lease_ns;
+    c->seq_honest = seq_honest;
+    c->need_crc = need_crc_of(ctx);
+    c->reader = Py_NewRef(reader);
+    c->rdict = rdict;
+    c->seg_o = Py_NewRef(seg_o);
+    c->lease_o = Py_NewRef(lease_o);
+    c->compiled = Py_NewRef(compiled);
+    c->ctx = Py_NewRef(ctx);
+    c->take_fn = Py_NewRef(take);
+    c->accept_fn = Py_NewRef(accept);
+    c->msg_type = Py_NewRef(mtype);
+    c->fallback = fallback;
+    c->took = took;
+    return 0;
+}
+
+/* The u64 value of an exact int, or 0 (not one: the Python path decides). */
+static int exact_u64(PyObject *o, uint64_t *out) {
+    if (o == NULL || !PyLong_CheckExact(o))
+        return 0;
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    *out = v;
+    return 1;
+}
+
+/* The reader's _last_take, parsed when it is not the tuple parsed last: 0, or -1 (not
+ * the shape the reader writes: the Python path decides). */
+static int core_last_take(Core *c, PyObject *lt) {
+    if (lt == c->last_take)
+        return 0;
+    PyObject *raw = NULL;
+    Py_ssize_t lo = 0, hi = 0;
+    if (lt != Py_None) {
+        if (!PyTuple_CheckExact(lt) || PyTuple_GET_SIZE(lt) != 3
+                || !PyBytes_CheckExact(PyTuple_GET_ITEM(lt, 0)))
+            return -1;
+        lo = PyLong_AsSsize_t(PyTuple_GET_ITEM(lt, 1));
+        hi = PyLong_AsSsize_t(PyTuple_GET_ITEM(lt, 2));
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+            return -1;
+        }
+        if (lo < 0 || hi < lo)
+            return -1;
+        raw = PyTuple_GET_ITEM(lt, 0);
+    }
+    Py_XSETREF(c->last_take, Py_NewRef(lt));
+    Py_XSETREF(c->last_raw, Py_XNewRef(raw));
+    c->span_lo = lo;
+    c->span_hi = hi;
+    return 0;
+}
+
+/* accept_core for this reader: its ctx's integers read once, the compiled entry's plan
+ * reread only when the entry found is another object; the lookup itself is made every
+ * time (the entry is whatever the table holds now), with the key object kept when the
+ * 16 bytes repeat (its hash cached). */
+static PyObject *core_accept(Core *c, PyObject *rawo, uint64_t want_seq, uint64_t want_gen,
+                             uint64_t now, uint64_t last_capture, PyObject **receipt) {
+    const unsigned char *raw = (const unsigned char *)PyBytes_AS_STRING(rawo);
+    Py_ssize_t len = PyBytes_GET_SIZE(rawo);
+    if (len < 16)
+        Py_RETURN_NONE;
+    if (c->key == NULL || memcmp(PyBytes_AS_STRING(c->key), raw, 16) != 0) {
+        PyObject *key = PyBytes_FromStringAndSize((const char *)raw, 16);
+        if (key == NULL)
+            return NULL;
+        Py_XSETREF(c->key, key);
+    }
+    PyObject *st = PyDict_GetItemWithError(c->compiled, c->key);   /* borrowed */
+    if (st == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    if (st != c->plan_st) {
+        Plan plan;
+        int got = plan_of(st, &plan);
+        if (got <= 0)
+            return got < 0 ? NULL : Py_NewRef(Py_None);
+        c->plan = plan;
+        Py_XSETREF(c->plan_st, Py_NewRef(st));
+    }
+    return accept_plan(&c->plan, c->cvals, c->ctx, raw, len, want_seq, want_gen, now,
+                       last_capture, receipt);
+}
+
+static inline PyObject *dget(PyObject *d, PyObject *k) {
+    return PyDict_GetItemWithError(d, k);     /* borrowed; str keys raise nothing */
+}
+
+/* Lease k given back (L4) and k put back on the free list, after a failure past the
+ * pop: as Reader._drop_lease. */
+static void core_unlease(Core *c, PyObject *free, Py_ssize_t k) {
+    Region *lr = (Region *)c->lease_o;
+    Py_ssize_t off = LEASE_BASE + LEASE_STRIDE * k;
+    if (in_bounds(lr, off, LEASE_STRIDE))
+        __atomic_store_n((uint64_t *)(lr->base + off + 8), 0, RELEASE);
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    PyObject *ko = PyLong_FromSsize_t(k);
+    if (ko != NULL) {
+        if (PySequence_Contains(free, ko) == 0)
+            PyList_Append(free, ko);
+        Py_DECREF(ko);
+    }
+    PyErr_Clear();
+    PyErr_Restore(et, ev, tb);
+}
+
+/* The fast path's bookkeeping, as Reader._try_receive_native then Reader._message do
+ * it: dropped, last_seq, last_capture, the position (OFF_TAKEN), received, delivered.
+ * 0, or -1 with an exception set. */
+static int core_account(Core *c, PyObject *d, uint64_t last_seq, uint64_t seq,
+                        Py_ssize_t slot, uint64_t gen, PyObject *stamp) {
+    PyObject *received = dget(d, S_received), *rejected = dget(d, S_rejected);
+    if (received == NULL || rejected == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_AttributeError, "reader state missing");
+        return -1;
+    }
+    Py_INCREF(received);
+    uint64_t gap = seq - last_seq - 1;
+    int rc = -1;
+    PyObject *seq_o = PyLong_FromUnsignedLongLong(seq), *tmp = NULL, *gap_o = NULL;
+    if (seq_o == NULL)
+        goto done;
+    if (gap) {
+        int any = PyObject_IsTrue(received);
+        if (any == 0)
+            any = PyObject_IsTrue(rejected);
+        if (any < 0)
+            goto done;
+        if (any) {
+            PyObject *dropped = dget(d, S_dropped);
+            gap_o = PyLong_FromUnsignedLongLong(gap);
+            if (dropped == NULL || gap_o == NULL)
+                goto done;
+            tmp = PyNumber_Add(dropped, gap_o);
+            if (tmp == NULL || PyDict_SetItem(d, S_dropped, tmp) < 0)
+                goto done;
+            Py_CLEAR(tmp);
+        }
+    }
+    if (PyDict_SetItem(d, S_last_seq, seq_o) < 0)
+        goto done;
+    PyObject *capture = PyTuple_GET_ITEM(stamp, 6);
+    if (capture != Py_None && PyDict_SetItem(d, S_last_capture, capture) < 0)
+        goto done;
+    uint64_t pos;
+    if (!exact_u64(dget(d, S_pos), &pos) || seq > pos) {
+        if (PyDict_SetItem(d, S_pos, seq_o) < 0)
+            goto done;
+        Region *lr = (Region *)c->lease_o;
+        if (!in_bounds(lr, TAKEN_OFF, 8)) {
+            PyErr_SetString(PyExc_ValueError, "lease table released");
+            goto done;
+        }
+        __atomic_store_n((uint64_t *)(lr->base + TAKEN_OFF), seq, RELAXED);
+    }
+    tmp = PyNumber_Add(received, S_one);
+    if (tmp == NULL || PyDict_SetItem(d, S_received, tmp) < 0)
+        goto done;
+    Py_CLEAR(tmp);
+    tmp = Py_BuildValue("(OnK)", seq_o, slot, (unsigned long long)gen);
+    if (tmp == NULL || PyDict_SetItem(d, S_delivered, tmp) < 0)
+        goto done;
+    rc = 0;
+done:
+    Py_XDECREF(tmp);
+    Py_XDECREF(gap_o);
+    Py_XDECREF(seq_o);
+    Py_DECREF(received);
+    return rc;
+}
+
+static PyObject *core_try_receive(Core *c, PyObject *unused) {
+    PyObject *d = c->rdict;
+    if (d == NULL || c->off == NULL) {
+        PyErr_SetString(PyExc_ValueError, "ReaderCore not initialised or cleared");
+        return NULL;
+    }
+    Region *seg = (Region *)c->seg_o, *lease = (Region *)c->lease_o;
+    uint64_t last_seq, last_capture;
+    /* A hook in place (tests replace the take or the check), a cadence or burst (their
+     * bookkeeping is Python's), released regions, state not as the reader writes it:
+     * the Python path, which decides (and raises what it raises). */
+    if (seg->base == NULL || lease->base == NULL
+            || dget(d, S_ntake) != c->take_fn || dget(d, S_naccept) != c->accept_fn
+            || dget(d, S_cadence) != Py_None || dget(d, S_burst) != Py_None
+            || !exact_u64(dget(d, S_last_seq), &last_seq)
+            || !exact_u64(dget(d, S_last_capture), &last_capture))
+        return PyObject_CallNoArgs(c->fallback);
+    if (last_seq == UINT64_MAX)
+        Py_RETURN_NONE;     /* nothing can be newer (a hostile writer's last word) */
+    char *b = seg->base;
+    /* The look for nothing: R1 and the take's own comparison (round 6). */
+    if (__atomic_load_n((uint64_t *)(b + c->last_seq_off), ACQUIRE) <= last_seq)
+        Py_RETURN_NONE;
+    PyObject *free = dget(d, S_free_leases);
+    if (free == NULL || !PyList_CheckExact(free) || PyList_GET_SIZE(free) == 0
+            || core_last_take(c, dget(d, S_last_take)) < 0)
+        return PyObject_CallNoArgs(c->fallback);    /* no lease free: it raises, or None */
+    Py_ssize_t nfree = PyList_GET_SIZE(free);
+    Py_ssize_t k = PyLong_AsSsize_t(PyList_GET_ITEM(free, nfree - 1));
+    Py_ssize_t lease_off = LEASE_BASE + LEASE_STRIDE * k;
+    if ((k == -1 && PyErr_Occurred()) || k < 0 || !in_bounds(lease, lease_off, LEASE_STRIDE)) {
+        PyErr_Clear();
+        return PyObject_CallNoArgs(c->fallback);
+    }
+    Py_INCREF(free);
+    PyObject *last_raw = Py_XNewRef(c->last_raw);
+    Py_ssize_t span_lo = c->span_lo, span_hi = c->span_hi;
+    PyObject *out = NULL;
+    const Py_ssize_t count = c->count, *ctl = c->off, *hdr = c->off + count,
+        *lay = c->off + 2 * count, *pay = c->off + 3 * count;
+    uint64_t want = last_seq + 1, deadline = monotonic_ns() + c->lease_ns;
+    for (Py_ssize_t attempt = 0; attempt < c->retries; attempt++) {
+        uint64_t latest = __atomic_load_n((uint64_t *)(b + c->last_seq_off), ACQUIRE); /* R1 */
+        if (latest < want)
+            break;
+        uint32_t hint = __atomic_load_n((uint32_t *)(b + c->last_slot_off), RELAXED);
+        Py_ssize_t slot = -1, cb = 0;
+        uint64_t g1 = 0, seq = 0;
+        if (hint < (uint64_t)count) {
+            cb = ctl[hint];
+            g1 = __atomic_load_n((uint64_t *)(b + cb), ACQUIRE);                   /* R2 */
+            seq = __atomic_load_n((uint64_t *)(b + cb + 8), RELAXED);
+            if (seq == want && !(g1 & 1))
+                slot = hint;
+        }
+        if (slot < 0) {
+            uint64_t best_seq = 0;
+            for (Py_ssize_t i = 0; i < count; i++) {
+                uint64_t g = __atomic_load_n((uint64_t *)(b + ctl[i]), ACQUIRE);   /* R2 */
+                uint64_t s = __atomic_load_n((uint64_t *)(b + ctl[i] + 8), RELAXED);
+                if (!(g & 1) && s >= want && (slot < 0 || s < best_seq)) {
+                    slot = i;
+                    best_seq = s;
+                    g1 = g;
+                    cb = ctl[i];
+                }
+            }
+            if (slot < 0)
+                break;
+            seq = best_seq;
+        }
+        uint32_t hlen = __atomic_load_n((uint32_t *)(b + cb + 24), RELAXED);
+        uint32_t llen = __atomic_load_n((uint32_t *)(b + cb + 28), RELAXED);
+        /* Lengths from the writer, capped by the areas checked at construction. */
+        Py_ssize_t hn = hlen < (uint64_t)c->hdr_max ? (Py_ssize_t)hlen : c->hdr_max;
+        Py_ssize_t ln = llen < (uint64_t)c->lay_max ? (Py_ssize_t)llen : c->lay_max;
+        if (!in_bounds(seg, hdr[slot], hn) || !in_bounds(seg, lay[slot], ln)) {
+            PyErr_SetString(PyExc_ValueError, "try_receive(): slot offsets outside the segment");
+            goto out;
+        }
+        char *e = lease->base + lease_off;
+        __atomic_store_n((uint32_t *)e, (uint32_t)slot, RELAXED);                 /* L1 */
+        __atomic_store_n((uint64_t *)(e + 16), deadline, RELAXED);
+        __atomic_store_n((uint64_t *)(e + 8), g1, RELEASE);                        /* L2 */
+        __atomic_thread_fence(SEQ_CST);                                            /* L3 */
+        PyObject *raw_h = PyBytes_FromStringAndSize(b + hdr[slot], hn);            /* R3 */
+        /* The layout compared in place (plain loads, judged by R5 like the copy); its
+         * bytes are copied only when they differ (the Python path then decodes them). */
+        int same = raw_h != NULL && last_raw != NULL && PyBytes_GET_SIZE(last_raw) == ln
+            && memcmp(PyBytes_AS_STRING(last_raw), b + lay[slot], ln) == 0;
+        PyObject *raw_l = raw_h != NULL && !same
+            ? PyBytes_FromStringAndSize(b + lay[slot], ln) : NULL;
+        __atomic_thread_fence(ACQUIRE);                                            /* R4 */
+        uint64_t g2 = __atomic_load_n((uint64_t *)(b + cb), RELAXED);              /* R5 */
+        if (raw_h == NULL || (!same && raw_l == NULL) || g2 != g1) {
+            __atomic_store_n((uint64_t *)(e + 8), 0, RELEASE);                     /* L4 */
+            Py_XDECREF(raw_h);
+            Py_XDECREF(raw_l);
+            if (PyErr_Occurred())
+                goto out;
+            continue;   /* the writer took the slot while we leased it: look again */
+        }
+        if (same)
+            raw_l = Py_NewRef(last_raw);
+        PyObject *stamp, *receipt = NULL;
+        int crc_ok = 0;
+        if (same)
+            stamp = core_accept(c, raw_h, seq, g1, monotonic_ns(), last_capture, &receipt);
+        else
+            stamp = Py_NewRef(Py_None);
+        if (stamp != NULL && stamp != Py_None && PyTuple_GET_ITEM(stamp, 4) != Py_None
+                && c->need_crc && in_bounds(seg, pay[slot] + span_lo, span_hi - span_lo)) {
+            /* The payload against the header's CRC-32, then the seqlock again (as take). */
+            const Bytef *p = (const Bytef *)(b + pay[slot] + span_lo);
+            uLong crc = crc32_z(crc32(0L, Z_NULL, 0), p, (z_size_t)(span_hi - span_lo));
+            __atomic_thread_fence(ACQUIRE);                                        /* R4 */
+            uint64_t g3 = __atomic_load_n((uint64_t *)(b + cb), RELAXED);          /* R5 */
+            unsigned long want_crc = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(stamp, 4));
+            if (want_crc == (unsigned long)-1 && PyErr_Occurred())
+                Py_CLEAR(stamp);
+            else
+                crc_ok = g3 == g1 && crc == want_crc;
+        }
+        if (stamp == NULL) {
+            __atomic_store_n((uint64_t *)(e + 8), 0, RELEASE);
+            Py_DECREF(raw_h);
+            Py_DECREF(raw_l);
+            Py_XDECREF(receipt);
+            goto out;
+        }
+        if (receipt == NULL)
+            receipt = Py_NewRef(PyTuple_GET_ITEM(c->ctx, CTX_SLOW));
+        PyObject *layout = dget(d, S_last_layout);
+        int fast = stamp != Py_None && seq < c->seq_honest && layout != NULL
+            && (crc_ok || !c->need_crc || PyTuple_GET_ITEM(stamp, 4) == Py_None);
+        /* The lease is the reader's now (Reader._try_receive_native's free.pop()). */
+        if (PyList_SetSlice(free, nfree - 1, nfree, NULL) < 0) {
+            __atomic_store_n((uint64_t *)(e + 8), 0, RELEASE);
+            Py_DECREF(raw_h);
+            Py_DECREF(raw_l);
+            Py_DECREF(stamp);
+            Py_DECREF(receipt);
+            goto out;
+        }
+        if (!fast) {
+            out = PyObject_CallFunction(c->took, "nKKNNNNin", slot, (unsigned long long)g1,
+                                        (unsigned long long)seq, raw_h, raw_l, stamp,
+                                        receipt, crc_ok, k);
+            goto out;
+        }
+        Py_DECREF(raw_l);
+        Py_INCREF(layout);
+        if (core_account(c, d, last_seq, seq, slot, g1, stamp) < 0) {
+            core_unlease(c, free, k);
+            Py_DECREF(layout);
+            Py_DECREF(raw_h);
+            Py_DECREF(stamp);
+            Py_DECREF(receipt);
+            goto out;
+        }
+        PyTypeObject *mt = (PyTypeObject *)c->msg_type;
+        Msg *msg = (Msg *)mt->tp_alloc(mt, 0);
+        if (msg == NULL) {
+            core_unlease(c, free, k);
+            Py_DECREF(layout);
+            Py_DECREF(raw_h);
+            Py_DECREF(stamp);
+            Py_DECREF(receipt);
+            goto out;
+        }
+        msg->reader = Py_NewRef(c->reader);
+        msg->core = Py_NewRef((PyObject *)c);
+        msg->layout = layout;
+        msg->stamp = stamp;
+        msg->raw_header = raw_h;
+        msg->receipt = receipt;
+        msg->array = NULL;
+        msg->slot = slot;
+        msg->lease = k;
+        msg->gen = g1;
+        msg->released = msg->lost = 0;
+        out = (PyObject *)msg;
+        goto out;
+    }
+    out = Py_NewRef(Py_None);
+out:
+    Py_DECREF(free);
+    Py_XDECREF(last_raw);
+    return out;
+}
+
+static PyMethodDef core_methods[] = {
+    {"try_receive", (PyCFunction)core_try_receive, METH_NOARGS,
+     "Reader.try_receive on the native path (see _native.c, native receive)"},
+    {NULL}
+};
+
+static PyTypeObject CoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "supervisor.ipc._native.ReaderCore",
+    .tp_basicsize = sizeof(Core),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "One reader's receive path with its constants bound (built by Reader)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)core_init,
+    .tp_dealloc = (destructor)core_dealloc,
+    .tp_traverse = (traverseproc)core_traverse,
+    .tp_clear = (inquiry)core_clear,
+    .tp_methods = core_methods,
+};
+
+/* ---- MessageBase */
+
+static int msg_traverse(Msg *m, visitproc visit, void *arg) {
+    Py_VISIT(m->reader); Py_VISIT(m->core); Py_VISIT(m->layout); Py_VISIT(m->stamp);
+    Py_VISIT(m->array); Py_VISIT(m->raw_header); Py_VISIT(m->receipt);
+    return 0;
+}
+
+static int msg_clear(Msg *m) {
+    Py_CLEAR(m->reader); Py_CLEAR(m->core); Py_CLEAR(m->layout); Py_CLEAR(m->stamp);
+    Py_CLEAR(m->array); Py_CLEAR(m->raw_header); Py_CLEAR(m->receipt);
+    return 0;
+}
+
+static void msg_dealloc(Msg *m) {
+    PyObject_GC_UnTrack(m);
+    msg_clear(m);
+    Py_TYPE(m)->tp_free((PyObject *)m);
+}
+
+/* The message's core when the fast checks may run: built by a native reader whose
+ * regions are live and the slot is one of its slots; else NULL (the Python methods). */
+static inline Core *msg_core(Msg *m) {
+    Core *c = (Core *)m->core;
+    if (c == NULL || Py_TYPE(c) != &CoreType || c->off == NULL || c->rdict == NULL
+            || ((Region *)c->seg_o)->base == NULL || ((Region *)c->lease_o)->base == NULL
+            || m->slot < 0 || m->slot >= c->count)
+        return NULL;
+    return c;
+}
+
+static int msg_check(Msg *m) {
+    PyObject *r = PyObject_CallMethodNoArgs((PyObject *)m, S_check);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* Message.array: the Python property's steps (_message.py), with the seqlock look (R2)
+ * and the per-slot cache read here; anything but a held, stable slot goes to check(). */
+static PyObject *msg_array(Msg *m, void *unused) {
+    Core *c = msg_core(m);
+    if (c == NULL)
+        return PyObject_CallMethodNoArgs((PyObject *)m, S_py_array);
+    Py_INCREF(c);
+    PyObject *out = NULL, *kept = NULL;
+    char *b = ((Region *)c->seg_o)->base;
+    if ((m->released || m->lost
+         || __atomic_load_n((uint64_t *)(b + c->off[m->slot]), ACQUIRE) != m->gen)  /* R2 */
+            && msg_check(m) < 0)
+        goto done;
+    PyObject *views = dget(c->rdict, S_views);
+    if (views != NULL && PyList_CheckExact(views) && m->slot < PyList_GET_SIZE(views)) {
+        PyObject *t = PyList_GET_ITEM(views, m->slot);
+        if (PyTuple_CheckExact(t) && PyTuple_GET_SIZE(t) == 2
+                && PyTuple_GET_ITEM(t, 0) == m->layout)
+            kept = Py_NewRef(PyTuple_GET_ITEM(t, 1));
+    }
+    if (kept == NULL && (kept = PyObject_CallMethodNoArgs((PyObject *)m, S_kept_array)) == NULL)
+        goto done;
+    if (m->array == NULL || m->array == Py_None) {     /* Python writes None there */
+        PyObject *v = PyObject_CallMethodNoArgs(kept, S_view);
+        if (v == NULL)
+            goto done;
+        Py_XSETREF(m->array, v);
+    }
+    out = Py_NewRef(m->array);
+done:
+    Py_XDECREF(kept);
+    Py_DECREF(c);
+    return out;
+}
+
+/* Message.release: the lease given back (L4) after the seqlock check (R4 + R5). */
+static PyObject *msg_release(Msg *m, PyObject *unused) {
+    Core *c = msg_core(m);
+    if (c == NULL)
+        return PyObject_CallMethodNoArgs((PyObject *)m, S_py_release);
+    if (m->released && !m->lost)
+        Py_RETURN_NONE;
+    Py_INCREF(c);
+    PyObject *out = NULL;
+    int stable = 0;
+    if (!m->lost) {
+        char *b = ((Region *)c->seg_o)->base;
+        __atomic_thread_fence(ACQUIRE);                                            /* R4 */
+        stable = __atomic_load_n((uint64_t *)(b + c->off[m->slot]), RELAXED) == m->gen;
+    }
+    if (!stable && msg_check(m) < 0)                   /* LeaseLost, counted there */
+        goto done;
+    m->released = 1;
+    Py_CLEAR(m->array);
+    PyObject *d = c->rdict, *drop = dget(d, S_drop_lease);
+    Region *lr = (Region *)c->lease_o;
+    Py_ssize_t off = LEASE_BASE + LEASE_STRIDE * m->lease;
+    PyObject *free = dget(d, S_free_leases);
+    if (drop != NULL || m->lease < 0 || lr->base == NULL || !in_bounds(lr, off, LEASE_STRIDE)
+            || free == NULL || !PyList_CheckExact(free)) {
+        /* A replaced _drop_lease (tests), or anything unusual: the reader's method. */
+        out = PyObject_CallMethod(c->reader, "_drop_lease", "n", m->lease);
+        goto done;
+    }
+    __atomic_store_n((uint64_t *)(lr->base + off + 8), 0, RELEASE);               /* L4 */
+    PyObject *ko = PyLong_FromSsize_t(m->lease);
+    if (ko == NULL || PyList_Append(free, ko) < 0) {
+        Py_XDECREF(ko);
+        goto done;
+    }
+    Py_DECREF(ko);
+    out = Py_NewRef(Py_None);
+done:
+    Py_DECREF(c);
+    return out;
+}
+
+static PyObject *msg_enter(Msg *m, PyObject *unused) {
+    return Py_NewRef((PyObject *)m);
+}
+
+/* Message.__exit__: release; with the body's own exception on its way, a LeaseLost from
+ * the release is dropped (the body's is the one to report), as the Python one. */
+static PyObject *msg_exit(Msg *m, PyObject *const *a, Py_ssize_t n) {
+    PyObject *r = PyObject_CallMethodNoArgs((PyObject *)m, S_release);
+    if (r != NULL) {
+        Py_DECREF(r);
+        Py_RETURN_NONE;
+    }
+    if (n < 1 || a[0] == Py_None)
+        return NULL;
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    PyObject *errors = PyImport_ImportModule("supervisor.ipc.errors");
+    PyObject *lost = errors ? PyObject_GetAttrString(errors, "LeaseLost") : NULL;
+    Py_XDECREF(errors);
+    if (lost == NULL) {                      /* cannot tell: the release's error stands */
+        PyErr_Clear();
+        PyErr_Restore(et, ev, tb);
+        return NULL;
+    }
+    int match = PyErr_GivenExceptionMatches(et, lost);
+    Py_DECREF(lost);
+    if (!match) {
+        PyErr_Restore(et, ev, tb);
+        return NULL;
+    }
+    Py_XDECREF(et);
+    Py_XDECREF(ev);
+    Py_XDECREF(tb);
+    Py_RETURN_NONE;
+}
+
+static PyMemberDef msg_members[] = {
+    {"_reader", T_OBJECT, offsetof(Msg, reader), 0, NULL},
+    {"_core", T_OBJECT, offsetof(Msg, core), 0, NULL},
+    {"_layout", T_OBJECT, offsetof(Msg, layout), 0, NULL},
+    {"stamp", T_OBJECT, offsetof(Msg, stamp), 0, NULL},
+    {"_array", T_OBJECT, offsetof(Msg, array), 0, NULL},
+    {"_raw_header", T_OBJECT, offsetof(Msg, raw_header), 0, NULL},
+    {"_receipt", T_OBJECT, offsetof(Msg, receipt), 0, NULL},
+    {"_slot", T_PYSSIZET, offsetof(Msg, slot), 0, NULL},
+    {"_lease", T_PYSSIZET, offsetof(Msg, lease), 0, NULL},
+    {"_gen", T_ULONGLONG, offsetof(Msg, gen), 0, NULL},
+    {"_released", T_BOOL, offsetof(Msg, released), 0, NULL},
+    {"_lost", T_BOOL, offsetof(Msg, lost), 0, NULL},
+    {NULL}
+};
+
+static PyGetSetDef msg_getset[] = {
+    {"array", (getter)msg_array, NULL,
+     "Read-only zero-copy view with the published shape, dtype and strides.", NULL},
+    {NULL}
+};
+
+static PyMethodDef msg_methods[] = {
+    {"release", (PyCFunction)msg_release, METH_NOARGS,
+     "Give the lease back; raises LeaseLost if the data changed while held."},
+    {"__enter__", (PyCFunction)msg_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)(void (*)(void))msg_exit, METH_FASTCALL, NULL},
+    {NULL}
+};
+
+static PyTypeObject MsgType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "supervisor.ipc._native.MessageBase",
+    .tp_basicsize = sizeof(Msg),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A received message's storage, array and release (see _message.Message)",
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)msg_dealloc,
+    .tp_traverse = (traverseproc)msg_traverse,
+    .tp_clear = (inquiry)msg_clear,
+    .tp_members = msg_members,
+    .tp_getset = msg_getset,
+    .tp_methods = msg_methods,
+};
+
 /* ------------------------------------------------------------- module */
 
 static PyMethodDef module_methods[] = {
@@ -1571,14 +2382,36 @@ PyMODINIT_FUNC PyInit__native(void) {
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the bridge's wire format (capnp, the control blocks) is little-endian"
 #endif
-    if (PyType_Ready(&RegionType) < 0)
+    if (PyType_Ready(&RegionType) < 0 || PyType_Ready(&CoreType) < 0
+            || PyType_Ready(&MsgType) < 0)
         return NULL;
+#define INTERN(v, s) if ((v = PyUnicode_InternFromString(s)) == NULL) return NULL
+    INTERN(S_ntake, "_ntake"); INTERN(S_naccept, "_naccept"); INTERN(S_cadence, "_cadence");
+    INTERN(S_burst, "_burst"); INTERN(S_last_seq, "_last_seq");
+    INTERN(S_free_leases, "_free_leases"); INTERN(S_last_capture, "_last_capture");
+    INTERN(S_last_take, "_last_take"); INTERN(S_last_layout, "_last_layout");
+    INTERN(S_received, "_received"); INTERN(S_rejected, "_rejected");
+    INTERN(S_dropped, "_dropped"); INTERN(S_pos, "_pos"); INTERN(S_delivered, "_delivered");
+    INTERN(S_views, "_views"); INTERN(S_drop_lease, "_drop_lease"); INTERN(S_check, "check");
+    INTERN(S_kept_array, "_kept_array"); INTERN(S_view, "view");
+    INTERN(S_py_array, "_py_array"); INTERN(S_py_release, "_py_release");
+    INTERN(S_release, "release");
+    if ((S_one = PyLong_FromLong(1)) == NULL)
+        return NULL;
+#undef INTERN
     PyObject *mod = PyModule_Create(&moduledef);
     if (mod == NULL)
         return NULL;
     Py_INCREF(&RegionType);
     if (PyModule_AddObject(mod, "Region", (PyObject *)&RegionType) < 0) {
         Py_DECREF(&RegionType);
+        Py_DECREF(mod);
+        return NULL;
+    }
+    Py_INCREF(&CoreType);
+    Py_INCREF(&MsgType);
+    if (PyModule_AddObject(mod, "ReaderCore", (PyObject *)&CoreType) < 0
+            || PyModule_AddObject(mod, "MessageBase", (PyObject *)&MsgType) < 0) {
         Py_DECREF(mod);
         return NULL;
     }

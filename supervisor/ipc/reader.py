@@ -45,7 +45,7 @@ _READ_MIN_MS = 30
 _READ_MARGIN_MS = 15
 _READ_QUANTUM_MS = 10
 _TIMEVAL = struct.Struct("@ll")
-_new_message = object.__new__
+_new_message = Message.__new__   # no __init__: a call frame less per message
 _OFF_LAST_SEQ = L.OFF_LAST_SEQ
 _OFF_LAST_SLOT = L.OFF_LAST_SLOT
 _OFF_TAKEN = L.OFF_TAKEN
@@ -215,6 +215,7 @@ class Reader:
         self._burst = Burst(spin_us * 1000) if spin_us else None
         if self._cadence is not None:        # wake me for announcements (Writer.announce)
             L.U64.pack_into(self._lease_mm, L.OFF_POLLS, L.READER_POLLS)
+        self._core = None
         if nat is not None:
             self.try_receive = self._try_receive_native   # the native hot path
             self._stable = self._seg.check
@@ -222,6 +223,16 @@ class Reader:
             self._actx = codec.native_ctx(spec, _UNREAD, FUTURE_TOLERANCE_NS,
                                           self._max_age_ns)
             self._pay_at = geo.payload
+            if hasattr(nat, "ReaderCore"):     # a module built before it: the above
+                # The receive path with this reader's constants bound once, its Message
+                # built in C (_native.c, native receive); it hands what it does not
+                # decide itself to _try_receive_native and _took.
+                self._core = nat.ReaderCore(
+                    self, self._seg, self._lease_r, self._ctl, self._hdr_at, self._lay_at,
+                    self._pay_at, HEADER_MAX, LAYOUT_MAX, _OFF_LAST_SEQ, _OFF_LAST_SLOT,
+                    _RETRIES, self._lease_ns, _SEQ_HONEST, self._compiled, self._actx,
+                    nat.take, nat.accept, Message)
+                self.try_receive = self._core.try_receive
 
     @property
     def native(self) -> bool:
@@ -321,7 +332,15 @@ class Reader:
             raise BridgeError(f"channel {self.spec.name!r}: all {self.spec.max_leases} "
                               f"leases are held; release a message before receiving another")
         free.pop()
-        slot, gen, seq, raw_h, raw_l, stamp, receipt, crc_ok = got
+        return self._took(*got, k, inline)
+
+    def _took(self, slot: int, gen: int, seq: int, raw_h: bytes, raw_l: bytes, stamp,
+              receipt, crc_ok: int, k: int, inline: bool = True) -> Message | None:
+        """The rest of a native take whose lease ``k`` is held: what the take did not
+        accept itself goes to ``_accept``, a CRC it did not confirm is checked here;
+        the lease goes back on any exception. (The native core's take calls this for
+        every message it does not build itself.)"""
+        free = self._free_leases
         try:
             if not inline and raw_l == self._last_layout_raw:
                 stamp = self._naccept(raw_h, self._compiled, self._actx, seq, gen, _now(),
@@ -376,6 +395,7 @@ class Reader:
         self._delivered = (stamp[0], slot, gen)
         msg = _new_message(Message)
         msg._reader = self
+        msg._core = self._core
         msg._slot = slot
         msg._gen = gen
         msg._lease = k
