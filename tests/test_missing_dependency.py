@@ -129,3 +129,46 @@ def test_run_starts_the_rest_without_the_optional_worker(tmp_path):
     assert not [e for e in events if e.get("worker") == "shadow"
                 and e.get("event") in ("spawned", "started", "exit", "restart", "ready")], events
     assert any(e.get("event") == "ready" and e.get("worker") == "w" for e in events), kinds
+
+
+def test_an_editable_dependency_the_sandbox_cannot_see_is_named_with_the_fix(tmp_path):
+    """A developer's `pip install -e` of a dependency: its tree is found through
+    setuptools' import hook here, but the worker's sandbox binds only the interpreter's
+    directories, the project and the config's paths, so the import failed at start-up
+    (ModuleNotFoundError) after `check` had said all was fine. `check` now names where
+    the tree is and both fixes; with the tree bound, the worker's problem is gone."""
+    import types
+
+    from setuptools.command.editable_wheel import _finder_template
+
+    from supervisor.config import check_runtime, loads
+
+    name = "trio_test_editable_dep"
+    tree = tmp_path / "devtree" / "src_odd" / name
+    tree.mkdir(parents=True)
+    (tree / "__init__.py").write_text("X = 1\n")
+    code = tmp_path / "code"
+    (code / "edworker").mkdir(parents=True)
+    (code / "edworker" / "__init__.py").write_text(
+        f"import {name}\n\n\ndef main(ctx):\n    return 0\n")
+    finder = types.ModuleType("__editable___trio_test_finder")
+    exec(_finder_template(finder.__name__, {name: str(tree)}, {}), finder.__dict__)
+    toml = ('[domains.research]\nprofile = "research"\npython_path = ["{code}"]\n{binds}'
+            '[workers.ed]\ndomain = "research"\nmodule = "edworker"\n')
+    before = list(sys.meta_path)
+    finder.install()                          # what the .pth of an editable install runs
+    try:
+        cfg = loads(toml.format(code=code, binds=""), str(tmp_path / "ed.toml"))
+        [problem] = [p for p in check_runtime(cfg, sandboxed=True) if p.key == "workers.ed.module"]
+        assert f"imports {name!r}" in problem.reason
+        assert f"installed editable at {tree}" in problem.reason
+        assert "install it without -e" in problem.reason
+        assert f"add {str(tree.parent)!r} to the domain's extra_ro_binds" in problem.reason
+        bound = loads(toml.format(code=code, binds=f'extra_ro_binds = ["{tree.parent}"]\n'),
+                      str(tmp_path / "ed.toml"))
+        assert not [p for p in check_runtime(bound, sandboxed=True)
+                    if p.key == "workers.ed.module"]
+    finally:
+        sys.meta_path[:] = before
+        sys.path_hooks[:] = [h for h in sys.path_hooks
+                             if getattr(h, "__module__", "") != finder.__name__]

@@ -51,7 +51,7 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
 
     from supervisor.sandbox.policy import worker_sys_path
 
-    verdicts: dict[tuple[str, tuple[str, ...]], str | None] = {}
+    verdicts: dict[tuple[str, tuple[str, ...], tuple[str, ...] | None], str | None] = {}
     for w in cfg.workers.values():
         path = _key("workers", w.name)
         extra = cfg.domains[w.domain].python_path
@@ -62,9 +62,10 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
             continue
         verdict = None
         if w.module:
-            if (w.module, extra) not in verdicts:
-                verdicts[w.module, extra] = _module_problem(w.module, search)
-            verdict = verdicts[w.module, extra]
+            binds = _sandbox_binds(cfg, w) if sandboxed else None
+            if (w.module, extra, binds) not in verdicts:
+                verdicts[w.module, extra, binds] = _module_problem(w.module, search, binds)
+            verdict = verdicts[w.module, extra, binds]
             if verdict:
                 add(f"{path}.module", verdict)
             else:
@@ -750,9 +751,45 @@ def _top_level_main(body: list[ast.stmt]) -> ast.AST | None:
     return found
 
 
-def _missing_dependency(name: str, spec: Any, search: list[str]) -> str | None:
+def _sandbox_binds(cfg: Any, w: Any) -> tuple[str, ...] | None:
+    """What the worker's sandbox sees of the host's files (its read-only binds), or
+    None when its policy cannot be made (a domain user missing: said by its own check)."""
+    from supervisor.sandbox.policy import for_worker
+
+    try:
+        return tuple(for_worker(cfg, w).ro_binds)
+    except (ValueError, OSError, LookupError):
+        return None
+
+
+def _unseen_editable(top: str, spec: Any, search: list[str],
+                     binds: tuple[str, ...] | None) -> str | None:
+    """Where an editable install (an import hook, a tree outside every path entry)
+    keeps package ``top``, when the worker's sandbox does not see it: found here, the
+    import fails in there (ModuleNotFoundError at start-up, after `check` said fine)."""
+    if binds is None or spec is None:
+        return None
+    try:
+        if importlib.machinery.PathFinder.find_spec(top, list(search)) is not None:
+            return None          # on the worker's own path: not a hook's
+    except (ImportError, ValueError, OSError):
+        return None
+    where = list(spec.submodule_search_locations or ()) or [spec.origin]
+    where = [os.path.realpath(p) for p in where if isinstance(p, str) and os.path.isabs(p)]
+    if not where or any(any(_under(p, os.path.realpath(b)) for b in binds) for p in where):
+        return None
+    return where[0]
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _missing_dependency(name: str, spec: Any, search: list[str],
+                        binds: tuple[str, ...] | None = None) -> str | None:
     """The first package the worker imports whenever it starts that its interpreter
-    cannot find (`_deps`: read from the source, never imported), or None."""
+    cannot find (`_deps`: read from the source, never imported), or that an editable
+    install keeps where the worker's sandbox (``binds``: None unsandboxed) cannot see."""
     from ._deps import install_hint, startup_imports
 
     origin = spec.origin
@@ -767,16 +804,23 @@ def _missing_dependency(name: str, spec: Any, search: list[str]) -> str | None:
         if found is None:
             return (f"{name} imports {imp.top!r} ({origin}:{imp.line}, {imp.where}), which "
                     f"is not installed for the workers' interpreter: {install_hint(imp.top)}")
+        unseen = _unseen_editable(imp.top, found, search, binds)
+        if unseen is not None:
+            return (f"{name} imports {imp.top!r} ({origin}:{imp.line}, {imp.where}), which "
+                    f"is installed editable at {unseen}, outside what the worker's sandbox "
+                    f"sees: install it without -e, or add {os.path.dirname(unseen)!r} to "
+                    f"the domain's extra_ro_binds")
     return None
 
 
-def _module_problem(name: str, search: list[str]) -> str | None:
+def _module_problem(name: str, search: list[str],
+                    binds: tuple[str, ...] | None = None) -> str | None:
     spec, missing = _locate(name, search)
     if spec is None:
         return missing + _suggest(name, _worker_modules(search))
     reason = _entry_problem(name, spec)
     if reason is None:
-        return _missing_dependency(name, spec, search)
+        return _missing_dependency(name, spec, search, binds)
     if not reason.startswith(f"{name} is not a worker"):
         return reason
     parts = name.split(".")
