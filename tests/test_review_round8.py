@@ -49,7 +49,9 @@ def first_recording(tmp_path_factory):
     --quiet): the test reads them up to the recorder's first READY or first exit."""
     tmp = tmp_path_factory.mktemp("rv8-record")
     err = open(tmp / "record.err", "w+")
-    env = {k: v for k, v in os.environ.items() if k != "TRIO_STATE_DIR"}
+    # A state dir of its own (README's developer run): never the car's lock or latch,
+    # and no exit 9 beside another vehicle supervisor on this shared machine.
+    env = {**os.environ, "TRIO_STATE_DIR": str(tmp / "state")}
     p = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "record",
                           str(tmp / "drive1"), "--seconds", "1", "--video", "raw"],
                          cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=err)
