@@ -361,8 +361,6 @@ def fleet() -> LoggedRun:
 # ================================================================ rows
 
 
-@pytest.mark.xfail(strict=True, reason="round13 1: a standby that dies while warm is never "
-                   "replaced until the active worker's next READY")
 def test_a_warm_standby_that_dies_waiting_is_replaced(fleet):
     """(ordinary day) Control writer `c` runs with its two warm standbys; both are killed
     (SIGKILL: what the OOM killer does to the largest idle process under memory
@@ -406,8 +404,6 @@ def test_a_warm_standby_that_dies_waiting_is_replaced(fleet):
     assert "standby_adopted" in after, after
 
 
-@pytest.mark.xfail(strict=True, reason="round13 2: research's inotify on read-only shared "
-                   "files sees each control sandbox start (no seccomp rule for inotify)")
 def test_research_cannot_watch_control_start_through_inotify(fleet):
     """Research worker `ino` (declared first: started before control) puts inotify
     watches on the control worker package's directory and its `__pycache__`, bound
@@ -497,9 +493,6 @@ def test_the_event_log_on_a_full_disk_costs_control_nothing():
     assert code == 0
 
 
-@pytest.mark.xfail(strict=True, reason="round13 5: a stopped standby is adopted; the worker "
-                   "is then judged by its ready timeout (the car's controlsd: 20 s), not its "
-                   "watchdog")
 def test_a_stopped_standby_is_not_what_takes_over(fleet):
     """(ordinary day) Control writer `s` has two warm standbys; both are stopped (SIGSTOP:
     an engineer's `kill -STOP`, a debugger attached, a process hung in the kernel), then

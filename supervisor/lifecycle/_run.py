@@ -55,6 +55,12 @@ class WorkerRun:
     # (active run) its standbys, oldest first; at most _WarmStandby.STANDBY_DEPTH
     standbys: list["WorkerRun"] = field(default_factory=list)
     adopted: bool = False
+    # (active run) its current process is an adopted standby's: warm already, so its
+    # READY is due within ADOPTED_READY_S, not the cold start's ready timeout.
+    took_over: bool = False
+    # (active run) the pause before a standby that died waiting is replaced (doubling
+    # from backoff_initial_ms to backoff_max_ms, back to 0 when one is warm).
+    standby_backoff_s: float = 0.0
     # (standby) its channels are on their way through the broker (an `adopt` round trip,
     # awaited off the loop): what it says meanwhile (READY, as soon as it has them) is
     # held, never judged as a standby's, and said to the run that adopts it.

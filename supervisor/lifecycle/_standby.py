@@ -41,6 +41,25 @@ async def _hand_over(inc: Incarnation, handles: dict[str, object]) -> None:
     socket.send_fds(inc.ctl_sock, [json.dumps({"channels": chans, "fds": fds}).encode()], fds)
 
 
+def _stopped(sb: WorkerRun) -> bool:
+    """A standby stopped (SIGSTOP, a freezer): alive, and would never say READY. Its
+    sandbox's processes are judged, any of them stopped is enough (red team 13 row 5)."""
+    todo, seen = [sb.pid] if sb.pid else [], 0
+    while todo and seen < 32:           # bwrap, its init, the worker (and its children)
+        pid = todo.pop()
+        seen += 1
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+            if stat[stat.rindex(b")") + 2:][:1] in (b"T", b"t"):
+                return True
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                todo.extend(map(int, f.read().split()))
+        except (OSError, ValueError):
+            continue                    # gone meanwhile: its exit is judged elsewhere
+    return False
+
+
 class _WarmStandby:
     """Keeping and adopting standbys (mixed into `Supervisor`).
 
@@ -93,6 +112,7 @@ class _WarmStandby:
 
                     async def then_the_next() -> None:
                         await sb.warmed.wait()
+                        run.standby_backoff_s = 0.0
                         self._fill_standbys(run)
 
                     n.start_soon(then_the_next)
@@ -110,6 +130,18 @@ class _WarmStandby:
         if not self._stopping and not sb.stopped:
             self.log.emit("standby_exit", worker=run.cfg.name, pid=sb.pid, code=code,
                           signal=sig, cause=cause or sb.refused or None)
+            await self._replace_standby(run)
+
+    async def _replace_standby(self, run: WorkerRun) -> None:
+        """A standby that died waiting (the OOM killer's pick, a crash) is replaced after
+        a backoff of its own, outside the active run's restart budget: it had been
+        replaced only at the active run's next READY, so a car whose standbys were both
+        killed kept none, and its next crash started cold (red team 13 row 1)."""
+        w = run.cfg
+        delay = run.standby_backoff_s or w.backoff_initial_ms / 1000
+        run.standby_backoff_s = min(delay * 2, w.backoff_max_ms / 1000)
+        await trio.sleep(delay)
+        self._fill_standbys(run)
 
     async def _adopt_standby(self, run: WorkerRun) -> bool:
         """Hand the channels to the waiting standby and make it the run: no cold start.
@@ -120,7 +152,8 @@ class _WarmStandby:
                 return False
             run.standbys.remove(sb)
             if (sb.alive and not sb.refused and _can_hand_over(sb.current)
-                    and (sb.current.watch is not None or not self._strict(sb))):
+                    and (sb.current.watch is not None or not self._strict(sb))
+                    and not _stopped(sb)):
                 break
             if sb.alive:                        # unfit: the next one
                 self._kill(sb)
@@ -153,7 +186,7 @@ class _WarmStandby:
         # wait, which is for its own tasks to end (the exec watch's batch in flight,
         # ~ms); cancelled, the switch is made at once (no wait holds the stop).
         run.adopting = sb
-        sb.adopted = True
+        run.took_over = sb.adopted = True
         sb.scope.cancel()               # its tasks stop; ours take over its pipes
         try:
             await sb.handed_over.wait()
