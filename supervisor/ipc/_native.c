@@ -1049,19 +1049,6 @@ static PyObject *h_receipt(PyObject *m, PyObject *const *a, Py_ssize_t n) {
 enum { F_VERSION, F_CHANNEL, F_SEQ, F_GEN, F_PID, F_CRC_WHICH, F_FRAME_WHICH, F_TS, F_CRC,
        F_WORD, F_FRAME_ID, F_CAPTURE, F_EXP_WHICH, F_GAIN_WHICH, F_EXP, F_GAIN, F_MAX };
 
-/* accept(raw, compiled, ctx, seq, gen, now, last_capture) -> Stamp | None
- *
- * The reader's every check on a SlotHeader, for headers whose structure the compiled
- * Python path has already seen (`_fast_header._Structure.native`) and that pass all of
- * them: the structural checks of `_HeaderReading.decode`, the control block's sequence
- * and generation, future timestamps (the receipt's too), capture order, age. Anything else,
- * accepted or not, is None: the reader then runs its Python checks on the same bytes,
- * which decide (and raise the typed rejection). So this path only ever shortens an
- * acceptance the Python path would make with the same Stamp (the tests compare).
- *
- * ctx: (crc_n, crc_is, frame_n, frame_is, exp_n, exp_is, gain_n, gain_is, channel_id,
- *       need_crc, need_frame, tolerance_ns, max_age_ns, receipt captureTsNs offset in
- *       the Receipt's data section, Stamp type) */
 /* A compiled structure's native table, read once (ReaderCore keeps the one it used
  * last, by the identity of the compiled entry). */
 typedef struct {
@@ -1114,6 +1101,19 @@ static int ctx_values(PyObject *ctx, uint64_t c[14]) {
     return 0;
 }
 
+/* accept(raw, compiled, ctx, seq, gen, now, last_capture) -> Stamp | None
+ *
+ * The reader's every check on a SlotHeader, for headers whose structure the compiled
+ * Python path has already seen (`_fast_header._Structure.native`) and that pass all of
+ * them: the structural checks of `_HeaderReading.decode`, the control block's sequence
+ * and generation, future timestamps (the receipt's too), capture order, age. Anything else,
+ * accepted or not, is None: the reader then runs its Python checks on the same bytes,
+ * which decide (and raise the typed rejection). So this path only ever shortens an
+ * acceptance the Python path would make with the same Stamp (the tests compare).
+ *
+ * ctx: (crc_n, crc_is, frame_n, frame_is, exp_n, exp_is, gain_n, gain_is, channel_id,
+ *       need_crc, need_frame, tolerance_ns, max_age_ns, receipt captureTsNs offset in
+ *       the Receipt's data section, Stamp type) */
 static PyObject *accept_plan(const Plan *p, const uint64_t c[14], PyObject *ctx,
                              const unsigned char *raw, Py_ssize_t len, uint64_t want_seq,
                              uint64_t want_gen, uint64_t now, uint64_t last_capture,
