@@ -35,7 +35,8 @@ _LEVELS: dict[str, Level] = {
     "limits_not_enforced": Level.WARNING, "realtime_unavailable": Level.WARNING,
     "cgroup_error": Level.WARNING, "start_failed": Level.WARNING,
     "standby_failed": Level.WARNING, "protocol_error": Level.WARNING,
-    "output_dropped": Level.WARNING, "monitor_error": Level.WARNING,
+    "output_dropped": Level.WARNING, "output_throttled": Level.WARNING,
+    "monitor_error": Level.WARNING,
     "config_problem": Level.WARNING, "restart": Level.WARNING, "cooldown": Level.WARNING,
     "broker_refused": Level.WARNING, "broker_error": Level.ERROR,   # supervisor/broker
 }

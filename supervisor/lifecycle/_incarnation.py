@@ -69,6 +69,7 @@ class Incarnation:
     proto_err_at: float = float("-inf")      # the last protocol_error event (monotonic s)
     proto_err_held: int = 0                  # protocol errors not logged since (1/s)
     output: LineLimiter = field(default_factory=LineLimiter)
+    output_read: int = 0                     # bytes read of its stdout+stderr
     watch: Any = None                        # sandbox.execwatch.ExecWatch of this process
     exec_allowed: int = 0                    # executable mappings admitted before READY
     # The worker process itself (pid 2 of its sandbox) as a pidfd: readable the moment
