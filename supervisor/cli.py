@@ -290,11 +290,19 @@ def cmd_clear_fail_safe(args: argparse.Namespace) -> int:
     from supervisor.lifecycle import FailSafeLatch
 
     latch = FailSafeLatch.for_config(_config(args.config))
-    info = latch.read()
-    if info is None:
-        print(f"supervisor: no fail-safe latched ({latch.path})")
-        return 0
-    latch.clear()
+    try:
+        info = latch.read()
+        if info is None:
+            print(f"supervisor: no fail-safe latched ({latch.path})")
+            return 0
+        latch.clear()
+    except OSError as e:
+        # Not root, a read-only state dir: the latch stays, said in one line (it was a
+        # 16-line traceback, exit 1: review 8 finding 7).
+        print(f"supervisor clear-fail-safe: cannot clear {latch.path}: "
+              f"{e.strerror or e}; the fail-safe stays latched (run it as the "
+              f"supervisor's user, root on the vehicle)", file=sys.stderr)
+        return int(Exit.CONFIG)
     print(f"supervisor: cleared the fail-safe latched at {info.get('time', '?')}: "
           f"{info.get('reason', '?')}")
     return 0

@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass, field
 
 from supervisor.ipc import Reader, ReaderHandle, Writer, WriterHandle, env_name
+from supervisor.ipc.layout import writer_attached
 
 from supervisor.protocol import (ENV_BUSY_POLL, ENV_CHANNELS, ENV_DOMAIN, ENV_MODE,
                                  ENV_MODEL, ENV_NAME, ENV_NETWORK, ENV_PROFILE, ENV_ROLES, ENV_SHADOW_ROLES, ENV_STANDBY_FD,
@@ -171,11 +172,20 @@ class WorkerContext:
                            "shadow_reader")
         return self._reader(role)
 
-    def shadow_reader(self, role: str) -> Reader:
-        """A read-only reader of a role bound through shadow_subscribes (log only)."""
+    def shadow_reader(self, role: str, *, wait: bool = True) -> Reader | None:
+        """A read-only reader of a role bound through shadow_subscribes (log only).
+        Shadow reads impose no start order (config `start_after`): the writer may be an
+        optional worker that starts after this one, or never. ``wait=False`` returns
+        None while its writer has not attached, so a log-only reader attaches when it
+        can (the recorder had waited 5 s for research's output, then failed: review 8
+        finding 1); the default waits as `reader` does."""
         if role not in self.shadow_roles:
             raise KeyError(f"worker {self.name!r}: role {role!r} is not bound through "
                            "shadow_subscribes")
+        if not wait and self.channel_of(role) not in self._readers:
+            handle = ReaderHandle.from_json(self._handle_json(role))
+            if not writer_attached(handle.data_fd):
+                return None
         return self._reader(role)
 
     def _reader(self, role: str) -> Reader:

@@ -85,9 +85,6 @@ def first_recording(tmp_path_factory):
 
 
 @ROOT
-@pytest.mark.xfail(strict=True, reason="review8 1: record and replay always fail: the "
-                   "recorder (required) now starts before research (optional) and gives "
-                   "up on shadow_out's writer after 5 s")
 def test_record_starts_its_recorder_on_the_default_pipeline(first_recording):
     """bb9a64d starts required workers before optional ones; the recorder that `record`
     and `replay` add is required and reads every channel, shadow_out (research's, the
@@ -397,9 +394,6 @@ def test_the_unit_can_make_a_state_dir_of_the_config(where, tmp_path):
 # ---------------------------------------------------------------- 7. clear-fail-safe (car)
 
 @ROOT
-@pytest.mark.xfail(strict=True, reason="review8 7: clear-fail-safe that cannot remove the "
-                   "latch (not root: EACCES; a read-only state dir: EROFS) is a traceback, "
-                   "exit 1")
 def test_clear_fail_safe_that_cannot_clear_says_so_in_one_line(tmp_path):
     """The operator after a fail-safe, on a car whose state dir is read-only here (or
     logged in without sudo: the same path, EACCES; reproduced as uid 65534 in

@@ -128,3 +128,11 @@ GEN_SEQ = struct.Struct("<QQ")
 
 def lease_offset(k: int) -> int:
     return LEASE_BASE + LEASE_STRIDE * k
+
+
+def writer_attached(data_fd: int) -> bool:
+    """The channel's writer has set its segment up (the magic is its "ready"): what a
+    reader waits for before it attaches. One 8-byte read."""
+    import os
+
+    return os.pread(data_fd, 8, 0) == U64.pack(MAGIC)

@@ -26,9 +26,11 @@ exits with a traceback, and nothing is restarted: the control domain never notic
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +39,7 @@ from supervisor.ipc import BridgeError, LeaseLost, Reader, Rejected
 from supervisor.worker import WorkerContext
 
 IDLE_S = 0.002          # nothing new on any channel: sleep this long
+ATTACH_EVERY_S = 0.1    # a shadow channel's writer not up yet: looked for this often
 PING_S = 0.1
 DROPS_EVERY_S = 1.0
 FINAL_DRAIN_S = 1.0
@@ -67,14 +70,29 @@ class Tap:
     """One channel being recorded, and what was reported of its losses so far."""
 
     name: str
-    reader: Reader
+    reader: Reader | None            # None: a shadow channel whose writer is not up yet
     video: bool = True               # store frame pixels (else metadata only)
     recorded: int = 0
     skipped: int = 0                 # our own failures (lost lease while copying)
     reported: tuple[int, int, int, int] = (0, 0, 0, 0)
     last: dict[str, int] = field(default_factory=dict)
+    # A shadow channel's writer may be an optional worker starting after the recorder
+    # (research), or never: its reader is opened when the writer is up, looked for at
+    # most every ATTACH_EVERY_S.
+    attach: Callable[[], Reader | None] | None = None
+    looked_at: float = float("-inf")
+
+    def attached(self) -> bool:
+        if self.reader is None and self.attach is not None:
+            now = time.monotonic()
+            if now - self.looked_at >= ATTACH_EVERY_S:
+                self.looked_at = now
+                self.reader = self.attach()
+        return self.reader is not None
 
     def counts(self) -> tuple[int, int, int, int]:
+        if self.reader is None:
+            return 0, 0, 0, self.skipped
         s = self.reader.stats
         return s.dropped, sum(s.rejected.values()), s.leases_lost, self.skipped
 
@@ -146,6 +164,8 @@ def drain(taps: list[Tap], log, limit: int = 16, ack: Ack | None = None,
     many were taken."""
     got = 0
     for tap in taps:
+        if not tap.attached():
+            continue
         until = time.monotonic() + slice_s
         for _ in range(limit):
             if time.monotonic() > until:
@@ -173,6 +193,13 @@ def report_drops(taps: list[Tap], log) -> None:
             tap.reported = now
 
 
+def _tap(ctx: WorkerContext, name: str, *, video: bool) -> Tap:
+    if name not in ctx.shadow_roles:
+        return Tap(name, ctx.reader(name), video=video)
+    attach = functools.partial(ctx.shadow_reader, name, wait=False)
+    return Tap(name, attach(), video=video, attach=attach)
+
+
 def main(ctx: WorkerContext) -> int:
     from supervisor.replay.drivelog import LogWriter  # (PyAV loads here, before READY)
     from supervisor.replay.logfmt import is_no_space
@@ -184,8 +211,7 @@ def main(ctx: WorkerContext) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     names = [c for c in a.channels.split(",") if c] or list(ctx.channels)
     try:
-        taps = [Tap(n, ctx.shadow_reader(n) if n in ctx.shadow_roles else ctx.reader(n),
-                    video=a.video != "none") for n in names]
+        taps = [_tap(ctx, n, video=a.video != "none") for n in names]
         ack = Ack(ctx.writer(a.ack), a.ack_on) if a.ack else None
         if ack is not None:
             ack.others = [t for t in taps if t.name != a.ack_on]
