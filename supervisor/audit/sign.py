@@ -132,12 +132,12 @@ def _config_now(covers: dict[str, Any], config: str | None) -> tuple[str, bool]:
         elif src and os.path.isfile(src):
             config = src
         else:
-            return (f"{src or 'the config'} is not here: not checked (give --config F to "
-                    f"check the config that will run)"), True
+            return _as_reported(covers, src)
     try:
         data = Path(config).read_bytes()
     except OSError as e:
-        return f"{config}: {e.strerror or e}", False
+        # The reviewer's own input: bad input (exit 2), never "does not verify" (6).
+        raise SignError(f"--config {config}: {e.strerror or e}") from None
     now = hashlib.sha256(data).hexdigest()
     if now != want:
         # FAILED either way (the bytes are what was signed), but a comment is not the
@@ -151,6 +151,31 @@ def _config_now(covers: dict[str, Any], config: str | None) -> tuple[str, bool]:
                 f"not describe what this config runs and trusts now"), False
     return (f"{config} sha256 {now}: the config the report covers, and the model keys, "
             f"manifests and control code trees it names are the report's"), True
+
+
+def _as_reported(covers: dict[str, Any], src: str) -> tuple[str, bool]:
+    """The report's config is not on this machine: what it names still is. Its control
+    code trees and models are judged from the report's own copy of the config; saying
+    "not checked" and OK verified a report against edited control code (review 8
+    finding 2)."""
+    from supervisor.config import ConfigError, loads
+
+    where = f"{src or 'the config'} is not here"
+    then = (covers.get("config") or {}).get("canonical")
+    if not isinstance(then, str):
+        return (f"{where} and the report keeps no copy of it (an older audit): not "
+                f"checked (give --config F to check the config that will run)"), True
+    try:
+        cfg = loads(then, src or "<report>")
+    except ConfigError as e:
+        return (f"{where}; the report's copy of it does not load here ({e}): the code and "
+                f"models it names cannot be checked"), False
+    moved = _models_moved(covers, cfg) or _code_moved(covers, cfg)
+    if moved:
+        return (f"{where}; by the report's copy of it, {moved}: the report does not "
+                f"describe the code and models here"), False
+    return (f"{where} (give --config F to check the config that will run); the control "
+            f"code trees and models its copy in the report names are the report's"), True
 
 
 SHOWN_KEYS = 3       # config keys named when its meaning moved
@@ -387,5 +412,12 @@ def _code_here(covers: dict[str, Any]) -> str:
     here = git_commit(str(PROJECT_ROOT))
     theirs = (covers.get("git") or {}).get("commit")
     tail = " (with uncommitted changes)" if here.get("dirty") else ""
-    same = "the report's" if here.get("commit") == theirs else f"not the report's ({theirs})"
+    if here.get("commit") != theirs:
+        same = f"not the report's ({theirs})"
+    elif here.get("dirty") or (covers.get("git") or {}).get("dirty"):
+        # The same commit is not the same code once either side has changes of its own
+        # (review 8 finding 2): the code trees above say which files.
+        same = "the report's commit, but not its code (uncommitted changes)"
+    else:
+        same = "the report's"
     return f"git {here.get('commit')}{tail}: {same}"
