@@ -197,9 +197,6 @@ def signed(clones, tmp_path_factory):
     return tmp, cfg, pub
 
 
-@pytest.mark.xfail(strict=True, reason="review8 2: audit verify without --config says OK "
-                   "(exit 0) of edited control code when the report's config path is not "
-                   "here: code trees and models are checked only beside a config")
 def test_verify_without_config_still_checks_the_code(clones, signed):
     """A reviewer's verify on another machine (the report's config path is not there)
     without --config: the config is 'not checked', and so is everything else: an edited
@@ -242,8 +239,6 @@ def test_a_fresh_clone_of_the_same_commit_verifies_the_signed_report(clones, sig
                                r.stdout + r.stderr)
 
 
-@pytest.mark.xfail(strict=True, reason="review8 5: audit verify --config with a typo is "
-                   "FAILED, exit 6 (does not verify), not bad input, exit 2")
 def test_verify_with_a_mistyped_config_is_bad_input(clones, signed):
     """A CI step `audit verify R SIG PUB --config /etc/trio/car.tmol`: 'FAILED: ... but
     /etc/trio/car.tmol: No such file or directory', exit 6, the code review 7 finding 7
