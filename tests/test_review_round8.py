@@ -219,9 +219,6 @@ def test_verify_without_config_still_checks_the_code(clones, signed):
         (r.returncode, r.stdout + r.stderr)
 
 
-@pytest.mark.xfail(strict=True, reason="review8 3: a signed report never verifies on a "
-                   "fresh clone of its own commit: the native module's bytes hold the "
-                   "build directory (debug info), so its digest differs")
 def test_a_fresh_clone_of_the_same_commit_verifies_the_signed_report(clones, signed):
     """The reviewer signs in clone a; clone b is the same commit, built by the same
     compiler with the same flags at another path. verify: FAILED, exit 6, 'changed:
