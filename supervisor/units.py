@@ -258,6 +258,14 @@ def _made_new(path: str) -> tuple[str, str] | None:
     return None
 
 
+def _state_directory(state: str) -> str | None:
+    """The StateDirectory= that makes ``state`` (systemd makes nested ones too, each
+    level), or None outside /var/lib."""
+    state = os.path.normpath(state)
+    rel = state[len("/var/lib/"):] if state.startswith("/var/lib/") else ""
+    return rel if rel and ".." not in rel.split("/") else None
+
+
 def hidden_from_units(cfg: Config, *, config_path: str | None, python: str | None = None,
                       prefix: str | None = None) -> str | None:
     """Why units for this interpreter and config could never start, in one line (else
@@ -275,6 +283,13 @@ def hidden_from_units(cfg: Config, *, config_path: str | None, python: str | Non
                 "new at every start: a latched fail-safe would be forgotten at the next; "
                 "put [supervisor] state_dir on persistent storage (the default "
                 "/var/lib/trio-supervisor)")
+    if _state_directory(state) is None and not os.path.isdir(state):
+        # ReadWritePaths= of a missing path: ignored with '-' (the state dir read-only,
+        # the supervisor exiting 2 at every start, review 8 finding 4), a failed start
+        # (226/NAMESPACE) without. systemd makes only what StateDirectory= names.
+        return (f"the state dir {state} does not exist, and the units can make one only "
+                f"under /var/lib: make it first (install -d -m 0700 {state}), or put "
+                "[supervisor] state_dir under /var/lib")
     py = target_python(python, prefix)
     conf_file = str(Path(config_path).resolve()) if config_path else None
     for p in _reached(py, conf_file):
@@ -374,10 +389,13 @@ def _render_host(cfg: Config, *, config_path: str | None, python: str | None = N
     deny = (tuple(x for x in SYSCALL_DENY if x != "@resources") + RESOURCES_BUT_SCHED
             if realtime else SYSCALL_DENY)
     state = cfg.supervisor.state_dir.rstrip("/")
-    if state.startswith("/var/lib/") and "/" not in state[len("/var/lib/"):]:
-        state_lines = [f"StateDirectory={state[len('/var/lib/'):]}", "StateDirectoryMode=0700"]
+    made = _state_directory(state)
+    if made is not None:
+        state_lines = [f"StateDirectory={path_word(made)}", "StateDirectoryMode=0700"]
     else:
-        state_lines = [f"ReadWritePaths={path_word('-' + state)}"]
+        # Exists (hidden_from_units refuses a missing one): writable through the
+        # namespace, and a start fails, naming it, if it is gone later.
+        state_lines = [f"ReadWritePaths={path_word(state)}"]
     staging = ([f"RuntimeDirectory={STAGING[len('/run/'):]}", "RuntimeDirectoryMode=0755"]
                if STAGING.startswith("/run/") else [f"ReadWritePaths=-{STAGING}"])
     if broker:

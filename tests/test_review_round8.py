@@ -329,9 +329,6 @@ def _state_at_start(unit: str, state: str) -> str:
 
 @ROOT
 @pytest.mark.parametrize("where", ["/var/lib/rv8-{pid}/car", "/srv/rv8-{pid}/state"])
-@pytest.mark.xfail(strict=True, reason="review8 4: a state_dir other than /var/lib/NAME "
-                   "gets ReadWritePaths=-DIR, which systemd ignores while DIR does not "
-                   "exist: the unit's supervisor exits 2 'cannot lock the state dir' for ever")
 def test_the_unit_can_make_a_state_dir_of_the_config(where, tmp_path):
     """`supervisor units --config F` for a config whose state dir is nested under
     /var/lib or elsewhere (/srv), not yet made (a fresh car: install.sh makes only
