@@ -408,9 +408,6 @@ def test_clear_fail_safe_that_cannot_clear_says_so_in_one_line(tmp_path):
 
 # ---------------------------------------------------------------- 6. a config's own paths
 
-@pytest.mark.xfail(strict=True, reason="review8 6: a relative model path in a user's config "
-                   "is read from the project root (site-packages when installed), and the "
-                   "refusal never says so")
 def test_a_relative_path_in_a_config_says_where_it_is_read_from(tmp_path):
     """The operator's own config in its own directory, its signed model and key beside
     it (`artifact = "mymodel"`, `public_key = "key.pub"`): `check` says 'public key

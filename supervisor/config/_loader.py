@@ -6,6 +6,7 @@ entry on its own; the rules that need the whole file are `_rules`'.
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 from importlib import resources
 from pathlib import Path
@@ -297,8 +298,28 @@ class _Loader:
                 parse_version(values["min_version"])
             except ValueError as e:
                 self.add(f"{path}.min_version", str(e))
-        return ModelConfig(name, **{k: v or "" if k != "min_version" else v
-                                    for k, v in values.items()})
+        model = ModelConfig(name, **{k: v or "" if k != "min_version" else v
+                                     for k, v in values.items()})
+        self._beside_config(path, model)
+        return model
+
+    def _beside_config(self, path: str, model: ModelConfig) -> None:
+        """A relative artifact or key is read from the project root (where the bundled
+        models are); one that is missing there but beside the config file is the
+        operator's own, named as such (review 8 finding 6: 'public key <project
+        root>/key.pub: No such file or directory', never how the path was read)."""
+        here = os.path.dirname(os.path.abspath(self.source))
+        if not os.path.isfile(self.source) or here == PROJECT_ROOT:
+            return
+        for key in ("artifact", "public_key"):
+            given = getattr(model, key)
+            if not given or os.path.isabs(given):
+                continue
+            if not os.path.exists(os.path.join(PROJECT_ROOT, given)) and \
+                    os.path.exists(os.path.join(here, given)):
+                self.add(f"{path}.{key}", f"{given!r} is read relative to the project root "
+                         f"({PROJECT_ROOT}), not the config's directory, and is not there; "
+                         f"give its absolute path: {os.path.join(here, given)!r}")
 
     # -- domains
 
