@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import _atomics
 from ._types import FrameFormat, PlaneInfo, plane_view, tensor_span
 from .errors import BridgeError
 from .receipt import Receipt
@@ -13,56 +14,75 @@ if TYPE_CHECKING:
     from .writer import Writer
 
 
-class Loan:
+# A loan's fields. With the native module built they live in its C type, which makes a
+# Loan (``Loan(writer, slot)``) and runs ``__enter__``, ``__exit__`` and ``array``'s cache
+# hit (a stream's repeat description) in C; everything else is the Python below.
+_LoanBase = getattr(_atomics.NATIVE, "LoanBase", None)
+if _LoanBase is None:
+    class _LoanBase:                  # noqa: N801 - the native type's stand-in
+        __slots__ = ("_w", "slot", "_payload", "_desc", "_frame", "_lkey", "_span",
+                     "_done")
+
+        def __init__(self, writer: Writer, slot: int) -> None:
+            self._w = writer
+            self.slot = slot
+            self._payload = writer._payloads[slot]
+            self._desc: tuple | None = None
+            self._frame: FrameFormat | None = None
+            self._lkey: tuple | None = None  # what the slot's SlotLayout is encoded from
+            self._span: tuple[int, int] | None = None  # tensor_span of _desc (the CRC's)
+            self._done = False
+
+
+class Loan(_LoanBase):
     """A slot the writer owns until ``publish`` or ``discard``. Fill it through the
     writable arrays it hands out; they must not be used after publish."""
 
-    __slots__ = ("_w", "slot", "_payload", "_desc", "_frame", "_lkey", "_span", "_done")
-
-    def __init__(self, writer: Writer, slot: int) -> None:
-        self._w = writer
-        self.slot = slot
-        self._payload = writer._payloads[slot]
-        self._desc: tuple | None = None
-        self._frame: FrameFormat | None = None
-        self._lkey: tuple | None = None      # what the slot's SlotLayout is encoded from
-        self._span: tuple[int, int] | None = None   # tensor_span of _desc (the CRC's bytes)
-        self._done = False
+    __slots__ = ()
 
     @property
     def capacity(self) -> int:
         return len(self._payload)
 
-    def array(self, shape: tuple[int, ...] | int, dtype: str | np.dtype | None = None,
-              strides: tuple[int, ...] | None = None, offset: int = 0) -> np.ndarray:
+    def _py_array(self, shape: tuple[int, ...] | int, dtype: str | np.dtype | None = None,
+                  strides: tuple[int, ...] | None = None, offset: int = 0) -> np.ndarray:
         """A writable view that becomes the published tensor (C-contiguous by default)."""
         w = self._w
         key = None
         if w._native is not None and self._frame is None:
             # The native path's cache: a stream repeats one description, so it is
-            # checked once per (shape, dtype, strides, offset) and its array kept per
-            # slot; a fresh view of that is what the caller gets.
+            # checked once per (shape, dtype, strides, offset) and, per slot, kept with
+            # its array: (desc, lkey, span, array), one lookup for a repeat (the C
+            # LoanBase.array reads the same entry); a fresh view is what the caller gets.
             key = (shape, dtype, strides, offset)
             try:
-                made = w._array_cache.get(key)
-            except TypeError:
-                made = key = None       # unhashable (a list shape): the general path
-            if made is not None:
                 kept = w._array_views[self.slot].get(key)
-                if kept is not None:
-                    self._desc, self._lkey, self._span = made
-                    return kept.view()
-        a = self._array(shape, dtype, strides, offset)
+            except TypeError:
+                kept = key = None       # unhashable (a list shape): the general path
+            if kept is not None:
+                self._desc, self._lkey, self._span, a = kept
+                return a.view()
+        made = None if key is None else w._array_cache.get(key)
+        if made is not None:            # checked already, for another slot
+            self._desc, self._lkey, self._span = made
+            dt, shp, strd, off = made[0]
+            a = np.ndarray(shp, dt, buffer=self._payload, offset=off, strides=strd)
+        else:
+            a = self._array(shape, dtype, strides, offset)
+            if key is not None:
+                if len(w._array_cache) >= 64:
+                    w._array_cache.clear()
+                made = w._array_cache[key] = (self._desc, self._lkey, self._span)
         if key is not None:
-            if len(w._array_cache) >= 64:
-                w._array_cache.clear()
-            w._array_cache[key] = (self._desc, self._lkey, self._span)
             views = w._array_views[self.slot]
             if len(views) >= 8:
                 views.clear()
-            views[key] = a
+            views[key] = (*made, a)
             return a.view()
         return a
+
+    if not hasattr(_LoanBase, "array"):          # no native module: Python's own
+        array = _py_array
 
     def _array(self, shape, dtype, strides, offset) -> np.ndarray:
         shape = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
@@ -109,11 +129,13 @@ class Loan:
             planes = kept[key] = tuple(plane_view(self._payload, p) for p in fmt.planes)
         return tuple([p.view() for p in planes])
 
-    def publish(self, *, frame_id: int | None = None, capture_ts_ns: int | None = None,
-                exposure_us: int | None = None, gain: float | None = None,
-                publish_ts_ns: int | None = None, receipt: Receipt | None = None) -> int:
+    def _py_publish(self, *, frame_id: int | None = None, capture_ts_ns: int | None = None,
+                    exposure_us: int | None = None, gain: float | None = None,
+                    publish_ts_ns: int | None = None, receipt: Receipt | None = None) -> int:
         """Make the slot visible to readers and wake them. Returns the sequence number.
-        ``receipt``: the execution receipt of the inference that produced this output."""
+        ``receipt``: the execution receipt of the inference that produced this output.
+        (The native LoanBase.publish runs the fast path below in C, step for step, and
+        calls this for everything else.)"""
         w = self._w
         fast = w._fast
         if (fast is not None and fast[0] is self._lkey and receipt is None
@@ -150,17 +172,21 @@ class Loan:
         return self._w._publish(self, frame_id, capture_ts_ns, exposure_us, gain,
                                 publish_ts_ns, receipt)
 
+    if not hasattr(_LoanBase, "publish"):        # no native module: Python's own
+        publish = _py_publish
+
     def discard(self) -> None:
         if not self._done:
             self._done = True
             self._w._discard(self)
 
-    def __enter__(self) -> Loan:
-        return self
+    if not hasattr(_LoanBase, "__exit__"):       # no native module: Python's own
+        def __enter__(self) -> Loan:
+            return self
 
-    def __exit__(self, exc_type, *rest: object) -> None:
-        if not self._done:
-            self.discard()   # an unpublished loan (or an exception) returns the slot
+        def __exit__(self, exc_type, *rest: object) -> None:
+            if not self._done:
+                self.discard()   # an unpublished loan (or an exception) returns the slot
 
 
 class NextLoan:

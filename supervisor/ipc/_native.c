@@ -1609,7 +1609,7 @@ static PyObject *h_accept(PyObject *m, PyObject *const *a, Py_ssize_t n) {
 static PyObject *S_ntake, *S_naccept, *S_cadence, *S_burst, *S_last_seq, *S_free_leases,
     *S_last_capture, *S_last_take, *S_last_layout, *S_received, *S_rejected, *S_dropped,
     *S_pos, *S_delivered, *S_views, *S_drop_lease, *S_check, *S_kept_array, *S_view,
-    *S_py_array, *S_py_release, *S_one, *S_release;
+    *S_py_array, *S_py_release, *S_one, *S_zero, *S_release;
 
 typedef struct {
     PyObject_HEAD
@@ -2117,7 +2117,7 @@ static PyObject *core_try_receive(Core *c, PyObject *unused) {
         msg->stamp = stamp;
         msg->raw_header = raw_h;
         msg->receipt = receipt;
-        msg->array = NULL;
+        msg->array = Py_NewRef(Py_None);
         msg->slot = slot;
         msg->lease = k;
         msg->gen = g1;
@@ -2244,7 +2244,7 @@ static PyObject *msg_release(Msg *m, PyObject *unused) {
     if (!stable && msg_check(m) < 0)                   /* LeaseLost, counted there */
         goto done;
     m->released = 1;
-    Py_CLEAR(m->array);
+    Py_XSETREF(m->array, Py_NewRef(Py_None));
     PyObject *d = c->rdict, *drop = dget(d, S_drop_lease);
     Region *lr = (Region *)c->lease_o;
     Py_ssize_t off = LEASE_BASE + LEASE_STRIDE * m->lease;
@@ -2305,13 +2305,13 @@ static PyObject *msg_exit(Msg *m, PyObject *const *a, Py_ssize_t n) {
 }
 
 static PyMemberDef msg_members[] = {
-    {"_reader", T_OBJECT, offsetof(Msg, reader), 0, NULL},
-    {"_core", T_OBJECT, offsetof(Msg, core), 0, NULL},
-    {"_layout", T_OBJECT, offsetof(Msg, layout), 0, NULL},
-    {"stamp", T_OBJECT, offsetof(Msg, stamp), 0, NULL},
-    {"_array", T_OBJECT, offsetof(Msg, array), 0, NULL},
-    {"_raw_header", T_OBJECT, offsetof(Msg, raw_header), 0, NULL},
-    {"_receipt", T_OBJECT, offsetof(Msg, receipt), 0, NULL},
+    {"_reader", T_OBJECT_EX, offsetof(Msg, reader), 0, NULL},
+    {"_core", T_OBJECT_EX, offsetof(Msg, core), 0, NULL},
+    {"_layout", T_OBJECT_EX, offsetof(Msg, layout), 0, NULL},
+    {"stamp", T_OBJECT_EX, offsetof(Msg, stamp), 0, NULL},
+    {"_array", T_OBJECT_EX, offsetof(Msg, array), 0, NULL},
+    {"_raw_header", T_OBJECT_EX, offsetof(Msg, raw_header), 0, NULL},
+    {"_receipt", T_OBJECT_EX, offsetof(Msg, receipt), 0, NULL},
     {"_slot", T_PYSSIZET, offsetof(Msg, slot), 0, NULL},
     {"_lease", T_PYSSIZET, offsetof(Msg, lease), 0, NULL},
     {"_gen", T_ULONGLONG, offsetof(Msg, gen), 0, NULL},
@@ -2349,6 +2349,283 @@ static PyTypeObject MsgType = {
     .tp_methods = msg_methods,
 };
 
+/* ------------------------------------------------------------- the writer's Loan */
+
+/* LoanBase: a Loan's storage (supervisor.ipc._loan.Loan derives from it), made in C
+ * (`Loan(writer, slot)`), with `__enter__`, `__exit__` and the cache hit of `array` in
+ * C: a stream's repeat description on the native path, found in the slot's cache
+ * (writer._array_views[slot][(shape, dtype, strides, offset)] = (desc, lkey, span,
+ * array), filled only by Loan._py_array, which checked it). Anything else is
+ * `_py_array`'s (keywords, a frame, a miss, an unhashable shape). No memory is read
+ * here: the array is numpy's view of the writer's own payload view. */
+
+static PyObject *S_w_native, *S_array_views, *S_payloads, *S_py_array_l, *S_discard;
+
+/* Every field an object member (T_OBJECT_EX, never NULL once made): the interpreter
+ * specialises attribute access to those (Loan.publish reads five per call). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *w, *payload, *desc, *frame, *lkey, *span, *slot, *done;
+} LoanObj;
+
+static int loan_traverse(LoanObj *l, visitproc visit, void *arg) {
+    Py_VISIT(l->w); Py_VISIT(l->payload); Py_VISIT(l->desc); Py_VISIT(l->frame);
+    Py_VISIT(l->lkey); Py_VISIT(l->span); Py_VISIT(l->slot); Py_VISIT(l->done);
+    return 0;
+}
+
+static int loan_clear(LoanObj *l) {
+    Py_CLEAR(l->w); Py_CLEAR(l->payload); Py_CLEAR(l->desc); Py_CLEAR(l->frame);
+    Py_CLEAR(l->lkey); Py_CLEAR(l->span); Py_CLEAR(l->slot); Py_CLEAR(l->done);
+    return 0;
+}
+
+static void loan_dealloc(LoanObj *l) {
+    PyObject_GC_UnTrack(l);
+    loan_clear(l);
+    Py_TYPE(l)->tp_free((PyObject *)l);
+}
+
+/* Loan(writer, slot): Loan.__init__ as it was in Python. */
+static int loan_init(LoanObj *l, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"writer", "slot", NULL};
+    PyObject *w, *slot_o;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO:Loan", kwlist, &w, &slot_o))
+        return -1;
+    PyObject *payloads = PyObject_GetAttr(w, S_payloads);
+    PyObject *payload = payloads ? PyObject_GetItem(payloads, slot_o) : NULL;
+    Py_XDECREF(payloads);
+    if (payload == NULL)
+        return -1;
+    Py_XSETREF(l->w, Py_NewRef(w));
+    Py_XSETREF(l->payload, payload);
+    Py_XSETREF(l->desc, Py_NewRef(Py_None));
+    Py_XSETREF(l->frame, Py_NewRef(Py_None));
+    Py_XSETREF(l->lkey, Py_NewRef(Py_None));    /* what the SlotLayout is encoded from */
+    Py_XSETREF(l->span, Py_NewRef(Py_None));    /* tensor_span of desc (the CRC's bytes) */
+    Py_XSETREF(l->slot, Py_NewRef(slot_o));
+    Py_XSETREF(l->done, Py_NewRef(Py_False));
+    return 0;
+}
+
+static PyObject *loan_enter(LoanObj *l, PyObject *unused) {
+    return Py_NewRef((PyObject *)l);
+}
+
+/* An unpublished loan (or an exception) returns the slot, as Loan.__exit__ did. */
+static PyObject *loan_exit(LoanObj *l, PyObject *const *a, Py_ssize_t n) {
+    int done = l->done == NULL ? 0 : PyObject_IsTrue(l->done);
+    if (done < 0)
+        return NULL;
+    if (!done) {
+        PyObject *r = PyObject_CallMethodNoArgs((PyObject *)l, S_discard);
+        if (r == NULL)
+            return NULL;
+        Py_DECREF(r);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *loan_py_array(LoanObj *l, PyObject *const *a, size_t nargsf, PyObject *kwn) {
+    PyObject *m = PyObject_GetAttr((PyObject *)l, S_py_array_l);
+    if (m == NULL)
+        return NULL;
+    PyObject *r = PyObject_Vectorcall(m, a, nargsf, kwn);
+    Py_DECREF(m);
+    return r;
+}
+
+/* Loan.array(shape, dtype=None, strides=None, offset=0) */
+static PyObject *loan_array(LoanObj *l, PyObject *const *a, Py_ssize_t nargs, PyObject *kwn) {
+    if (kwn != NULL || nargs < 1 || nargs > 4 || l->w == NULL || l->slot == NULL
+            || l->frame != Py_None || !PyLong_CheckExact(l->slot))
+        return loan_py_array(l, a, nargs, kwn);
+    Py_ssize_t slot = PyLong_AsSsize_t(l->slot);
+    if (slot == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *wd = PyObject_GenericGetDict(l->w, NULL);
+    if (wd == NULL)
+        return NULL;
+    PyObject *out = NULL, *key = NULL;
+    PyObject *nat = PyDict_GetItemWithError(wd, S_w_native);
+    PyObject *views = PyDict_GetItemWithError(wd, S_array_views);
+    if (nat == NULL || nat == Py_None || views == NULL || !PyList_CheckExact(views)
+            || slot < 0 || slot >= PyList_GET_SIZE(views))
+        goto python;
+    PyObject *per = PyList_GET_ITEM(views, slot);
+    if (!PyDict_CheckExact(per))
+        goto python;
+    key = PyTuple_Pack(4, a[0], nargs > 1 ? a[1] : Py_None, nargs > 2 ? a[2] : Py_None,
+                       nargs > 3 ? a[3] : S_zero);
+    if (key == NULL)
+        goto done;
+    PyObject *kept = PyDict_GetItemWithError(per, key);     /* borrowed */
+    if (kept == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError) && PyErr_Occurred())
+            goto done;
+        PyErr_Clear();                  /* a miss, or unhashable: Python decides */
+        goto python;
+    }
+    if (!PyTuple_CheckExact(kept) || PyTuple_GET_SIZE(kept) != 4)
+        goto python;
+    Py_INCREF(kept);
+    out = PyObject_CallMethodNoArgs(PyTuple_GET_ITEM(kept, 3), S_view);
+    if (out != NULL) {
+        Py_XSETREF(l->desc, Py_NewRef(PyTuple_GET_ITEM(kept, 0)));
+        Py_XSETREF(l->lkey, Py_NewRef(PyTuple_GET_ITEM(kept, 1)));
+        Py_XSETREF(l->span, Py_NewRef(PyTuple_GET_ITEM(kept, 2)));
+    }
+    Py_DECREF(kept);
+    goto done;
+python:
+    out = loan_py_array(l, a, nargs, kwn);
+done:
+    Py_XDECREF(key);
+    Py_DECREF(wd);
+    return out;
+}
+
+/* Loan.publish(*, frame_id, capture_ts_ns, exposure_us, gain, publish_ts_ns, receipt):
+ * the Python method's fast path, step for step (a stream's repeat publish: the
+ * description the writer published last, by identity, no receipt, the same frame-ness,
+ * not done): the writer's `_nhot` (publish_hot, or what a test put there) called with
+ * the same 9 arguments; its False (a value outside its field) and every other case go
+ * to the Python paths (`writer._publish`, `_py_publish`), an exception to
+ * `writer._hot_failed` first, as there. */
+static PyObject *S_frame_id, *S_capture_ts_ns, *S_exposure_us, *S_gain, *S_publish_ts_ns,
+    *S_receipt, *S_fast, *S_nhot, *S_hot, *S_last_seq_w, *S_published, *S_hot_failed,
+    *S_publish_w, *S_py_publish;
+
+static PyObject *loan_publish(LoanObj *l, PyObject *const *a, Py_ssize_t nargs, PyObject *kwn) {
+    /* frame_id, capture_ts_ns, exposure_us, gain, publish_ts_ns, receipt */
+    PyObject *kv[6] = {Py_None, Py_None, Py_None, Py_None, Py_None, Py_None};
+    PyObject *names[6] = {S_frame_id, S_capture_ts_ns, S_exposure_us, S_gain,
+                          S_publish_ts_ns, S_receipt};
+    int plain = nargs == 0 && l->w != NULL && l->done == Py_False && l->slot != NULL;
+    Py_ssize_t nk = kwn == NULL ? 0 : PyTuple_GET_SIZE(kwn);
+    for (Py_ssize_t i = 0; plain && i < nk; i++) {
+        PyObject *k = PyTuple_GET_ITEM(kwn, i);
+        int j = 0;
+        while (j < 6 && k != names[j])
+            j++;                        /* interned: the call's names are the same objects */
+        if (j == 6)
+            plain = 0;
+        else
+            kv[j] = a[nargs + i];
+    }
+    if (!plain || kv[5] != Py_None)
+        goto python;
+    PyObject *wd = PyObject_GenericGetDict(l->w, NULL);
+    if (wd == NULL)
+        return NULL;
+    PyObject *fast = PyDict_GetItemWithError(wd, S_fast);
+    if (fast == NULL || !PyTuple_CheckExact(fast) || PyTuple_GET_SIZE(fast) < 5
+            || PyTuple_GET_ITEM(fast, 0) != l->lkey
+            || PyTuple_GET_ITEM(fast, 1) != ((kv[0] == Py_None) ? Py_True : Py_False)) {
+        Py_DECREF(wd);
+        if (PyErr_Occurred())
+            return NULL;
+        goto python;
+    }
+    Py_INCREF(fast);
+    PyObject *out = NULL, *seq = NULL, *nhot = NULL, *hot = NULL, *ts = NULL;
+    Py_XSETREF(l->done, Py_NewRef(Py_True));
+    PyObject *last = PyDict_GetItemWithError(wd, S_last_seq_w);
+    nhot = Py_XNewRef(PyDict_GetItemWithError(wd, S_nhot));
+    hot = Py_XNewRef(PyDict_GetItemWithError(wd, S_hot));
+    if (last == NULL || nhot == NULL || hot == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_AttributeError, "writer state missing");
+        goto done;
+    }
+    seq = PyNumber_Add(last, S_one);
+    if (seq == NULL)
+        goto done;
+    PyObject *args[9] = {hot, PyTuple_GET_ITEM(fast, 4), l->slot, seq, kv[4], kv[0], kv[1],
+                         kv[2], kv[3]};
+    ts = PyObject_Vectorcall(nhot, args, 9, NULL);
+    if (ts != NULL && ts != Py_False) {
+        PyObject *pub = PyDict_GetItemWithError(wd, S_published);
+        PyObject *np = pub ? PyNumber_Add(pub, S_one) : NULL;
+        if (np != NULL && PyDict_SetItem(wd, S_last_seq_w, seq) == 0
+                && PyDict_SetItem(wd, S_published, np) == 0)
+            out = Py_NewRef(seq);
+        Py_XDECREF(np);
+    } else if (ts == Py_False) {
+        out = PyObject_CallMethodObjArgs(l->w, S_publish_w, (PyObject *)l, kv[0], kv[1],
+                                         kv[2], kv[3], kv[4], kv[5], NULL);
+        goto done;
+    }
+    if (out == NULL) {
+        /* Went out or not: Writer._hot_failed decides (counted; else the slot goes back). */
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        PyObject *r = PyObject_CallMethodObjArgs(l->w, S_hot_failed, (PyObject *)l, seq, NULL);
+        if (r == NULL) {
+            Py_XDECREF(et);
+            Py_XDECREF(ev);
+            Py_XDECREF(tb);
+        } else {
+            Py_DECREF(r);
+            PyErr_Restore(et, ev, tb);
+        }
+    }
+done:
+    Py_XDECREF(ts);
+    Py_XDECREF(seq);
+    Py_XDECREF(nhot);
+    Py_XDECREF(hot);
+    Py_DECREF(fast);
+    Py_DECREF(wd);
+    return out;
+python:
+    {
+        PyObject *m = PyObject_GetAttr((PyObject *)l, S_py_publish);
+        if (m == NULL)
+            return NULL;
+        PyObject *r = PyObject_Vectorcall(m, a, nargs, kwn);
+        Py_DECREF(m);
+        return r;
+    }
+}
+
+static PyMemberDef loan_members[] = {
+    {"_w", T_OBJECT_EX, offsetof(LoanObj, w), 0, NULL},
+    {"_payload", T_OBJECT_EX, offsetof(LoanObj, payload), 0, NULL},
+    {"_desc", T_OBJECT_EX, offsetof(LoanObj, desc), 0, NULL},
+    {"_frame", T_OBJECT_EX, offsetof(LoanObj, frame), 0, NULL},
+    {"_lkey", T_OBJECT_EX, offsetof(LoanObj, lkey), 0, NULL},
+    {"_span", T_OBJECT_EX, offsetof(LoanObj, span), 0, NULL},
+    {"slot", T_OBJECT_EX, offsetof(LoanObj, slot), 0, NULL},
+    {"_done", T_OBJECT_EX, offsetof(LoanObj, done), 0, NULL},
+    {NULL}
+};
+
+static PyMethodDef loan_methods[] = {
+    {"array", (PyCFunction)(void (*)(void))loan_array, METH_FASTCALL | METH_KEYWORDS,
+     "A writable view that becomes the published tensor (C-contiguous by default)."},
+    {"publish", (PyCFunction)(void (*)(void))loan_publish, METH_FASTCALL | METH_KEYWORDS,
+     "Make the slot visible to readers and wake them. Returns the sequence number."},
+    {"__enter__", (PyCFunction)loan_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)(void (*)(void))loan_exit, METH_FASTCALL, NULL},
+    {NULL}
+};
+
+static PyTypeObject LoanType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "supervisor.ipc._native.LoanBase",
+    .tp_basicsize = sizeof(LoanObj),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A loan's storage, __enter__/__exit__ and array's cache hit (see _loan.Loan)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)loan_init,
+    .tp_dealloc = (destructor)loan_dealloc,
+    .tp_traverse = (traverseproc)loan_traverse,
+    .tp_clear = (inquiry)loan_clear,
+    .tp_members = loan_members,
+    .tp_methods = loan_methods,
+};
+
 /* ------------------------------------------------------------- module */
 
 static PyMethodDef module_methods[] = {
@@ -2383,7 +2660,7 @@ PyMODINIT_FUNC PyInit__native(void) {
 #error "the bridge's wire format (capnp, the control blocks) is little-endian"
 #endif
     if (PyType_Ready(&RegionType) < 0 || PyType_Ready(&CoreType) < 0
-            || PyType_Ready(&MsgType) < 0)
+            || PyType_Ready(&MsgType) < 0 || PyType_Ready(&LoanType) < 0)
         return NULL;
 #define INTERN(v, s) if ((v = PyUnicode_InternFromString(s)) == NULL) return NULL
     INTERN(S_ntake, "_ntake"); INTERN(S_naccept, "_naccept"); INTERN(S_cadence, "_cadence");
@@ -2396,7 +2673,17 @@ PyMODINIT_FUNC PyInit__native(void) {
     INTERN(S_kept_array, "_kept_array"); INTERN(S_view, "view");
     INTERN(S_py_array, "_py_array"); INTERN(S_py_release, "_py_release");
     INTERN(S_release, "release");
-    if ((S_one = PyLong_FromLong(1)) == NULL)
+    INTERN(S_w_native, "_native"); INTERN(S_array_views, "_array_views");
+    INTERN(S_payloads, "_payloads"); INTERN(S_py_array_l, "_py_array");
+    INTERN(S_discard, "discard");
+    INTERN(S_frame_id, "frame_id"); INTERN(S_capture_ts_ns, "capture_ts_ns");
+    INTERN(S_exposure_us, "exposure_us"); INTERN(S_gain, "gain");
+    INTERN(S_publish_ts_ns, "publish_ts_ns"); INTERN(S_receipt, "receipt");
+    INTERN(S_fast, "_fast"); INTERN(S_nhot, "_nhot"); INTERN(S_hot, "_hot");
+    INTERN(S_last_seq_w, "_last_seq"); INTERN(S_published, "_published");
+    INTERN(S_hot_failed, "_hot_failed"); INTERN(S_publish_w, "_publish");
+    INTERN(S_py_publish, "_py_publish");
+    if ((S_one = PyLong_FromLong(1)) == NULL || (S_zero = PyLong_FromLong(0)) == NULL)
         return NULL;
 #undef INTERN
     PyObject *mod = PyModule_Create(&moduledef);
@@ -2410,8 +2697,10 @@ PyMODINIT_FUNC PyInit__native(void) {
     }
     Py_INCREF(&CoreType);
     Py_INCREF(&MsgType);
+    Py_INCREF(&LoanType);
     if (PyModule_AddObject(mod, "ReaderCore", (PyObject *)&CoreType) < 0
-            || PyModule_AddObject(mod, "MessageBase", (PyObject *)&MsgType) < 0) {
+            || PyModule_AddObject(mod, "MessageBase", (PyObject *)&MsgType) < 0
+            || PyModule_AddObject(mod, "LoanBase", (PyObject *)&LoanType) < 0) {
         Py_DECREF(mod);
         return NULL;
     }
