@@ -539,22 +539,6 @@ def test_required_worker_depending_on_optional():
     assert load_doc(doc).readers_of("shadow") == ["hud"]
 
 
-def test_the_writer_of_actuation_commands_is_never_optional():
-    """In a domain that actuates: skipped as optional (refused, a missing import), the
-    car would run on with no commands at all, said only by the actuator's max age (red
-    team 12's note)."""
-    doc = base()
-    doc["channels"]["cmd"].update(payload="control_cmd", max_age_ms=100)
-    doc["workers"]["ctl"]["optional"] = True
-    reason = one_problem(doc, "workers.ctl.optional")
-    assert reason.startswith("worker 'ctl' writes actuation channel 'cmd'")
-    doc["domains"]["control"]["actuates"] = False   # a bench's domain that does not actuate
-    assert load_doc(doc).workers["ctl"].optional
-    doc["domains"]["control"]["actuates"] = True
-    doc["channels"]["cmd"].pop("payload")        # a plain tensor channel may be optional
-    assert load_doc(doc).workers["ctl"].optional
-
-
 def test_dependency_cycle():
     doc = base()
     doc["channels"]["feedback"] = {"slot_size": 64}

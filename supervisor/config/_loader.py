@@ -279,7 +279,6 @@ class _Loader:
         channels = self.channels(channel_values, bad_channels, workers)
         _rules.check_shm_budget(self.add, supervisor.shm_budget, channels)
         _rules.check_actuation_age(self.add, supervisor.mode, channels)
-        _rules.check_actuating_required(self.add, workers, domains, channels)
 
         if self.problems:
             raise ConfigFileError(self.problems)

@@ -302,28 +302,6 @@ def check_optional(add: Add, workers: dict[str, WorkerConfig], writers: dict[str
                     f"{w.name!r} optional too or {pub!r} required")
 
 
-def check_actuating_required(add: Add, workers: dict[str, WorkerConfig],
-                              domains: dict[str, DomainConfig],
-                              channels: dict[str, ChannelConfig]) -> None:
-    """In a domain that actuates, the writer of an actuation channel is never optional.
-    Optional, a refusal or a missing import skips it with one line and the car runs on
-    with no commands at all, which only the actuator's max age says (red team 12's
-    note); required, the run stops and says why. (A domain that does not declare
-    `actuates`, a test bench's, may keep a hostile or flaky writer optional.)"""
-    for w in workers.values():
-        d = domains.get(w.domain)
-        if not w.optional or d is None or not d.actuates:
-            continue
-        for ch in w.publishes:
-            c = channels.get(ch)
-            if c is not None and c.actuation:
-                add(f"{_key('workers', w.name)}.optional",
-                    f"worker {w.name!r} writes actuation channel {ch!r}: the car's "
-                    f"commands cannot be optional (skipped, the car would run with none); "
-                    f"remove optional = true")
-                break
-
-
 def check_cycles(add: Add, workers: dict[str, WorkerConfig]) -> None:
     _, stuck = topo_sort(workers)
     reported: set[str] = set()
