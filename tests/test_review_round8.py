@@ -12,6 +12,7 @@ and units tests run this tree's package, as the other rounds' do.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -425,3 +426,17 @@ def test_a_relative_path_in_a_config_says_where_it_is_read_from(tmp_path):
         return                          # read beside the config
     said = r.stdout + r.stderr
     assert "key.pub" in said and "relative to" in said, said
+
+
+# ---------------------------------------------------------------- noted: replay --format json
+
+def test_replay_json_refused_before_it_runs_still_prints_one_document(tmp_path):
+    """A CI script parses `replay --format json`'s stdout: a refusal (exit 2, bad input)
+    printed nothing there, only the line on stderr. Now one JSON document with the same
+    error, and the one line on stderr as ever."""
+    r = _cli(["replay", str(tmp_path / "no-such-drive"), "--format", "json", "--ref", "self"],
+             cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["exit_code"] == 2 and "no-such-drive" in doc["error"]
+    assert r.stderr.strip().splitlines() == [f"supervisor replay: {doc['error']}"]

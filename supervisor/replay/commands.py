@@ -15,6 +15,7 @@ exit 2, never a traceback. Exit status of both commands:
 from __future__ import annotations
 
 import argparse
+import contextvars
 import json
 import os
 import sys
@@ -97,8 +98,17 @@ def add_replay_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--events", action="store_true", help="lifecycle events on stderr")
 
 
+# The one-line errors said during a command whose stdout is one JSON document
+# (`--format json`): a script that parses stdout gets the error too (review 8: exit 2
+# printed nothing there).
+_SAID: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("said", default=None)
+
+
 def _fail(prog: str, msg: str, code: int = int(Exit.CONFIG)) -> int:
     print(f"supervisor {prog}: {msg}", file=sys.stderr)
+    said = _SAID.get()
+    if said is not None:
+        said.append(msg)
     return code
 
 
@@ -213,6 +223,20 @@ def _gated(run_dir: str, extra: list[str]) -> set[str] | None:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    if args.format != "json":
+        return _cmd_replay(args)
+    said: list[str] = []
+    token = _SAID.set(said)
+    try:
+        code = _cmd_replay(args)
+    finally:
+        _SAID.reset(token)
+    if code == int(Exit.CONFIG) and said:     # refused before anything ran: no document yet
+        print(json.dumps({"error": said[-1], "exit_code": code}, indent=2))
+    return code
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
     from .diff import ToleranceError, parse_tolerances
 
     try:
