@@ -24,9 +24,11 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -596,3 +598,46 @@ def test_a_research_worker_cannot_buy_the_supervisors_cpu_with_output(fleet):
     assert said_safe and said_safe[0] < 50, said_safe     # held: the last word's own path
     assert busy - quiet < 0.15, (quiet, busy)
     assert of(run.events(), "spew", "output_throttled"), "the supervisor never said it"
+
+
+# ---------------------------------------------------------------- notes, closed
+def test_read_backs_in_flight_are_bounded(tmp_path):
+    """Each readFilters is answered from a root thread of its own (it may take up to
+    wx.VERIFY_WALL_S): a compromised supervisor proper asking in a loop had one started
+    per request, without bound (red team 13's note). Past MAX_VERIFYING in flight, a
+    request is refused at once (`refused`, logged) and no thread is started. The replies
+    are held here by the broker's own send lock, so the threads stay in flight."""
+    import io
+
+    from supervisor.broker import _protocol as P
+    from supervisor.broker._checks import StateDir
+    from supervisor.config import loads
+    from supervisor.broker._server import MAX_VERIFYING, Broker as Server
+    from supervisor.events import EventLog
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    cfg = loads('[domains.control]\n[workers.a]\ndomain = "control"\nmodule = "workers.probe"\n',
+                str(tmp_path / "b.toml"))
+    srv = Server(cfg,
+                 StateDir.open(str(state)), theirs, EventLog(stream=io.StringIO(), keep=True))
+    asked = threading.Thread(target=lambda: [
+        srv._one(P.encode_request(i + 1, P.ReadFilters(os.getpid())), [])
+        for i in range(MAX_VERIFYING + 1)], daemon=True)
+    with srv._send_lock:
+        asked.start()
+        end = time.monotonic() + 10
+        while srv.refusals["refused"] < 1 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert srv.refusals["refused"] == 1
+        assert len([t for t in srv._verifying if t.is_alive()]) == MAX_VERIFYING
+    asked.join(10)
+    for t in srv._verifying:
+        t.join(10)
+    refused = [e for e in srv.log.events if e["event"] == "broker_refused"]
+    assert any("readFilters requests already in flight" in e["reason"] for e in refused)
+    replies = [P.decode_reply(P.recv(ours)[0]) for _ in range(MAX_VERIFYING + 1)]
+    assert sum(isinstance(r, P.Error) and r.code == "refused" for _, r in replies) >= 1
+    ours.close()
+    theirs.close()

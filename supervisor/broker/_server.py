@@ -41,6 +41,9 @@ from ._errors import BadFds, BrokerError, Failed, NotOurs, Refused, UnknownWorke
 # (lifecycle/_standby.py STANDBY_DEPTH). More is a client starting sandboxes in a loop.
 MAX_LIVE = 2
 MAX_LIVE_STANDBY = 2 + 2
+# readFilters answered at once, each on a thread of its own for up to wx.VERIFY_WALL_S:
+# one per READY of a sandbox is what an honest client asks (the car: 7 at most at once).
+MAX_VERIFYING = 32
 
 
 @dataclass
@@ -282,6 +285,13 @@ class Broker:
             # seizing thread, and it seizes and lets go within the one call); the
             # proper's client matches replies by id.
             self._verifying = [t for t in self._verifying if t.is_alive()]
+            if len(self._verifying) >= MAX_VERIFYING:
+                # One per READY of a sandbox is what an honest proper asks; a
+                # compromised one asking in a loop had a root thread started for each
+                # (red team 13's note): refused while the others are in flight.
+                self._answer(rid, kind, None, fds, undecodable=Refused(
+                    f"{len(self._verifying)} readFilters requests already in flight"))
+                return
             t = threading.Thread(target=self._answer, args=(rid, kind, req, fds),
                                  daemon=True, name="broker-readFilters")
             self._verifying.append(t)
