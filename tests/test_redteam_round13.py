@@ -641,3 +641,58 @@ def test_read_backs_in_flight_are_bounded(tmp_path):
     assert sum(isinstance(r, P.Error) and r.code == "refused" for _, r in replies) >= 1
     ours.close()
     theirs.close()
+
+
+def test_the_monitor_samples_a_flooded_channel_and_keeps_its_rate(make_channel):
+    """A writer publishing as fast as it can (research's shadow output: 100-200k
+    messages a second) had every message read by the supervisor's live-row monitor,
+    0.13-0.38 of a core of the supervisor's (red team 13's note). The monitor now reads
+    at most MESSAGES_PER_S a second per channel (plus a burst) and samples the newest
+    past that (what it passes over is skipped, or lapped by the writer's ring), and the
+    rate it shows is still the writer's."""
+    import io
+
+    import numpy as np
+    import trio
+
+    from supervisor.ipc import Writer
+    from supervisor.monitor import MESSAGES_BURST, MESSAGES_PER_S, Monitor
+
+    ch = make_channel(name="flood", slot_size=4096, dtype="float32", max_readers=2)
+    w = Writer(ch.writer_handle())
+    mon = Monitor({"flood": ch}, {"flood": 1}, out=io.StringIO())
+    view = mon.views["flood"]
+    published = []
+    done = threading.Event()
+
+    def flood() -> None:
+        one = np.zeros(4, np.float32)
+        t0, n = time.monotonic(), 0
+        while not done.is_set():
+            w.publish_array(one)
+            n += 1
+        published.append((n, time.monotonic() - t0))
+
+    async def main() -> float:
+        async with trio.open_nursery() as n:
+            n.start_soon(mon._follow, view)
+            while view.reader is None:
+                await trio.sleep(0.01)
+            t = threading.Thread(target=flood)
+            t.start()
+            await trio.sleep(1.5)
+            shown = view.rate()
+            done.set()
+            await trio.to_thread.run_sync(t.join)
+            n.cancel_scope.cancel()
+        return shown
+
+    shown = trio.run(main)
+    (n, secs), = published
+    s = view.reader.stats
+    true_rate = n / secs
+    assert true_rate > 5 * MESSAGES_PER_S, true_rate        # a flood, or nothing is shown
+    assert s.received <= MESSAGES_PER_S * secs * 1.3 + MESSAGES_BURST, (s.received, n)
+    assert s.skipped + s.dropped > n / 2, (s.skipped, s.dropped, n)
+    assert 0.5 * true_rate < shown < 1.5 * true_rate, (shown, true_rate)
+    w.close()
