@@ -440,3 +440,20 @@ def test_replay_json_refused_before_it_runs_still_prints_one_document(tmp_path):
     doc = json.loads(r.stdout)
     assert doc["exit_code"] == 2 and "no-such-drive" in doc["error"]
     assert r.stderr.strip().splitlines() == [f"supervisor replay: {doc['error']}"]
+
+
+def test_a_lossy_drive_replayed_against_itself_says_why_it_differs():
+    """A developer's first `record` (h264, the default) then `replay --ref self`: every
+    model output differs a little (the car's model saw the camera's frames, the replay's
+    the decoded ones) and the result read as a regression. The note says why and the
+    way to a bit-exact gate; a raw log, a pass, or another REF gets none."""
+    from types import SimpleNamespace as NS
+
+    from supervisor.replay.commands import _lossy_hint
+
+    differs, same = NS(ok=False), NS(ok=True)
+    hint = _lossy_hint(NS(info={"video": "h264"}), differs, True)
+    assert "h264 (lossy)" in hint and "--video raw" in hint and "--tol" in hint
+    assert _lossy_hint(NS(info={"video": "raw"}), differs, True) is None
+    assert _lossy_hint(NS(info={"video": "h264"}), same, True) is None
+    assert _lossy_hint(NS(info={"video": "h264"}), differs, False) is None

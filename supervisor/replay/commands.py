@@ -363,6 +363,9 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
         out = {"text": render_text, "markdown": render_markdown}[args.format]
         print_summary(s)
         sys.stdout.write(out(report))
+        hint = _lossy_hint(ref, report, windows is not None)
+        if hint:
+            print(hint)
         return code
     _write_report(res, args, None, None, code)
     if args.format == "json":
@@ -370,6 +373,19 @@ def _replay_one(args: argparse.Namespace, tols: dict[str, float]) -> int:
     else:
         print_summary(s)
     return code
+
+
+def _lossy_hint(ref, report, own_log: bool) -> str | None:
+    """A drive replayed against itself whose video is lossy (h264, `record`'s default)
+    differs by what the codec changed: the car's model saw the camera's frames, the
+    replay's the decoded ones. Said, with the way to a bit-exact gate, so a first
+    `record` + `replay --ref self` is not read as a model regression."""
+    codec = (getattr(ref, "info", None) or {}).get("video")
+    if not own_log or report.ok or codec in (None, "raw", "none"):
+        return None
+    return (f"note: this log's video is {codec} (lossy): the car's model saw the camera's "
+            f"frames, this replay's the decoded ones, so outputs differ by the codec; for a "
+            f"bit-exact gate record with --video raw, or gate with --tol CHANNEL.FIELD=X")
 
 
 def _short(line: str, n: int = 160) -> str:
