@@ -527,3 +527,38 @@ def test_ready_to_systemd_at_a_restarted_required_workers_ready(sup, tmp_path):
     assert "optional workers still starting" in got[-1]
     a2 = r.wait_for("ready", count=2, worker="a")[1]
     assert a2["pid"] != a1["pid"]
+
+
+def test_standbys_that_die_at_every_start_are_given_up_until_the_next_ready(sup, tmp_path):
+    """A standby that dies waiting is replaced after a backoff (red team 13 row 1); one
+    that dies at every start (its model replaced under it, a broken import) would cost a
+    sandbox and a start-up every backoff_max_ms for ever. After max_restarts in a row
+    that never got warm: one `standby_failed`, and no more until the worker's next
+    READY. The active worker is untouched throughout."""
+    pkg = tmp_path / "code" / "sbdie"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        "import os, sys, time\n\n\ndef main(ctx):\n"
+        "    if os.environ.get('TRIO_STANDBY_FD'):\n        sys.exit(3)   # a standby: dies at once\n"
+        "    ctx.ready()\n    while True:\n        ctx.watchdog()\n        time.sleep(0.1)\n")
+    r = sup(f"""
+        [domains.research]
+        profile = "research"
+        python_path = ["{tmp_path / 'code'}"]
+        [workers.w]
+        domain = "research"
+        module = "sbdie"
+        warm_standby = true
+        max_restarts = 2
+        backoff_initial_ms = 100
+        backoff_max_ms = 200
+        """)
+    active = r.wait_for("ready", worker="w")[0]["pid"]
+    gave_up = r.wait_for("standby_failed", worker="w", timeout=40)[0]
+    assert "2 standbys in a row died" in gave_up["error"]
+    assert len(r.wait_for("standby_exit", count=3, worker="w")) == 3
+    time.sleep(1.5)
+    r.wait_until(lambda ev: True, timeout=0.1)
+    after = [e for e in r.events if e["event"] == "standby_start" and e["mono_ns"] > gave_up["mono_ns"]]
+    assert after == [], after
+    assert [e["pid"] for e in r.events if e["event"] == "ready" and e["worker"] == "w"] == [active]

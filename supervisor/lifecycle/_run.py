@@ -61,6 +61,7 @@ class WorkerRun:
     # (active run) the pause before a standby that died waiting is replaced (doubling
     # from backoff_initial_ms to backoff_max_ms, back to 0 when one is warm).
     standby_backoff_s: float = 0.0
+    standby_deaths: int = 0                  # standbys dead in a row before one was warm
     # (standby) its channels are on their way through the broker (an `adopt` round trip,
     # awaited off the loop): what it says meanwhile (READY, as soon as it has them) is
     # held, never judged as a standby's, and said to the run that adopts it.

@@ -113,6 +113,7 @@ class _WarmStandby:
                     async def then_the_next() -> None:
                         await sb.warmed.wait()
                         run.standby_backoff_s = 0.0
+                        run.standby_deaths = 0
                         self._fill_standbys(run)
 
                     n.start_soon(then_the_next)
@@ -138,6 +139,16 @@ class _WarmStandby:
         replaced only at the active run's next READY, so a car whose standbys were both
         killed kept none, and its next crash started cold (red team 13 row 1)."""
         w = run.cfg
+        run.standby_deaths += 1
+        if run.standby_deaths > w.max_restarts:
+            # One that dies at every start (its model replaced under it, an import
+            # broken) would cost a sandbox and a start-up every backoff_max_ms for
+            # ever: given up until the active run's next READY (`_fill_standbys`).
+            if run.standby_deaths == w.max_restarts + 1:
+                self.log.emit("standby_failed", worker=w.name,
+                              error=f"{w.max_restarts} standbys in a row died before "
+                                    "they were warm: none until the worker's next READY")
+            return
         delay = run.standby_backoff_s or w.backoff_initial_ms / 1000
         run.standby_backoff_s = min(delay * 2, w.backoff_max_ms / 1000)
         await trio.sleep(delay)

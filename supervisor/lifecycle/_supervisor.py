@@ -438,6 +438,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                 # Judged at every READY, not only when a start returns: a required
                 # worker that restarted during another's start is READY again here.
                 self._notify_ready()
+                run.standby_deaths = 0
                 self._fill_standbys(run)
 
             nursery.start_soon(announce)
