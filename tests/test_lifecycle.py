@@ -562,3 +562,24 @@ def test_standbys_that_die_at_every_start_are_given_up_until_the_next_ready(sup,
     after = [e for e in r.events if e["event"] == "standby_start" and e["mono_ns"] > gave_up["mono_ns"]]
     assert after == [], after
     assert [e["pid"] for e in r.events if e["event"] == "ready" and e["worker"] == "w"] == [active]
+
+
+def test_a_start_beside_a_slower_one_never_shortens_systemds_deadline(tmp_path):
+    """Each EXTEND_TIMEOUT_USEC sets systemd's deadline anew: with start_parallel, a
+    worker with a 20 s ready timeout starting after one with 60 s must not cut the slow
+    one's bound to 20 s (systemd would stop the car while modeld loads its model)."""
+    from supervisor.config import load
+    from supervisor.lifecycle import Supervisor
+    from supervisor.notify import Notifier
+
+    path = str(tmp_path / "n.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(5)
+    sup = Supervisor(load(), notifier=Notifier({"NOTIFY_SOCKET": path}))
+    sup._extend_start(60)
+    sup._extend_start(20)
+    first, second = (int(sock.recv(256).decode().split("=")[1]) for _ in range(2))
+    assert first == 60_000_000 and 59_000_000 < second <= 60_000_000, (first, second)
+    sup._extend_start(90)
+    assert int(sock.recv(256).decode().split("=")[1]) == 90_000_000

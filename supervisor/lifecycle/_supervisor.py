@@ -77,6 +77,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         self._runtime_problems: list = []                  # check_runtime's (with it)
         self._unstartable: dict[str, str] = {}             # optional worker -> its problem
         self._notified_ready = False                       # READY=1 sent to systemd
+        self._start_deadline = 0.0                         # systemd's, as last extended
         self.runs: dict[str, WorkerRun] = {}
         self.channels: dict[str, Channel] = {}
         self._reader_index: dict[tuple[str, str], int] = {}
@@ -103,6 +104,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         self._admission = {}
         with one_pass():
             self._judge_workers()
+        self._start_deadline = 0.0      # admission's bound ends with it; the starts' begin
 
     def _judge_workers(self) -> None:
         for name, w in self.config.workers.items():
@@ -890,9 +892,15 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         self._notify_ready()
 
     def _extend_start(self, seconds: float) -> None:
-        """systemd's start timeout, while the unit is starting (before READY=1)."""
-        if not self._notified_ready:
-            self.notify.extend(seconds)
+        """systemd's start timeout, while the unit is starting (before READY=1). Each
+        message sets systemd's deadline anew (now + its value): never shorter than one
+        asked for before, or a worker starting beside a slower one (start_parallel)
+        would cut the slower one's bound short."""
+        if self._notified_ready:
+            return
+        now = time.monotonic()
+        self._start_deadline = max(self._start_deadline, now + seconds)
+        self.notify.extend(self._start_deadline - now)
 
     def _notify_ready(self, final: bool = False) -> None:
         """READY=1 to systemd once every required worker is READY: the car is up, and an
