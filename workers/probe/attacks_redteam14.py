@@ -130,6 +130,27 @@ def lastline(ctx) -> int:
     os._exit(3)
 
 
+def flaky(ctx) -> int:
+    """Research, required: READY, then (once the test's trigger file exists) it exits 1,
+    and every start after exits 1 before READY (a sensor unplugged, a disk gone)."""
+    trigger = sys.argv[2]
+    if os.path.exists(trigger):
+        _say("flaky", ready=False)
+        return 1
+    ctx.ready(status="rt14 flaky")
+    while not os.path.exists(trigger):
+        time.sleep(0.05)
+    return 1
+
+
+def slow(ctx) -> int:
+    """Research, required: READY after `argv[2]` seconds (imports on a loaded machine)."""
+    time.sleep(float(sys.argv[2]))
+    ctx.ready(status="rt14 slow")
+    while True:
+        time.sleep(0.5)
+
+
 def main(ctx) -> int:
     return {"sysobs": sysobs, "sbloop": sbloop, "badhdr": badhdr,
-            "lastline": lastline, "hold": hold}[sys.argv[1]](ctx)
+            "lastline": lastline, "hold": hold, "flaky": flaky, "slow": slow}[sys.argv[1]](ctx)
