@@ -117,6 +117,15 @@ def test_cpp_reader_reads_python_frames_bit_exact(reader_binary, make_channel):
     w.close()
 
 
+def _forge_and_wake(w: Writer, header: bytes, layout: bytes) -> None:
+    """`forge` writes the slot and bumps the sequence but says nothing on the readers'
+    wake-up fds: the C++ reader, asleep in poll(), saw the message only at its 5 s
+    timeout. A forged message announced as a publish announces it (one byte each)."""
+    forge(w, header, layout)
+    for fd in w._events:
+        os.write(fd, b"\x01")
+
+
 def test_cpp_reader_strided_crc_channel_and_rejections(reader_binary, make_channel):
     ch = make_channel(name="model_out", slot_size=4096, slot_count=4, dtype="float32",
                       max_readers=1, crc=True, channel_id=9)
@@ -140,7 +149,7 @@ def test_cpp_reader_strided_crc_channel_and_rejections(reader_binary, make_chann
                                       publish_ts_ns=time.monotonic_ns(), crc32=0,
                                       frame_id=None, capture_ts_ns=None, exposure_us=None,
                                       gain=None)
-    forge(w, good_header, bad_layout)
+    _forge_and_wake(w, good_header, bad_layout)
     assert cpp.line()["rejected"] == "dtype"
     good_layout = codec.encode_layout(np.dtype("float32"), (4,), (4,), 0, None)
     other = codec.encode_header(dataclasses.replace(ch.spec, channel_id=3),
@@ -148,7 +157,7 @@ def test_cpp_reader_strided_crc_channel_and_rejections(reader_binary, make_chann
                                 domain="control", publish_ts_ns=time.monotonic_ns(),
                                 crc32=0, frame_id=None, capture_ts_ns=None,
                                 exposure_us=None, gain=None)
-    forge(w, other, good_layout)
+    _forge_and_wake(w, other, good_layout)
     assert cpp.line()["rejected"] == "malformed"
     seq = w.publish_array(np.full(5, 2.5, np.float32))
     got = cpp.line()
