@@ -56,6 +56,22 @@ args = ["sbloop"]
 warm_standby = true
 restart = "always"
 ready_timeout_ms = 30000
+[workers.sbs]
+domain = "control"
+module = "{MOD}"
+args = ["sbadopt", "stop"]
+warm_standby = true
+restart = "always"
+watchdog_ms = 200
+ready_timeout_ms = 30000
+[workers.sbd]
+domain = "control"
+module = "{MOD}"
+args = ["sbadopt", "die"]
+warm_standby = true
+restart = "always"
+watchdog_ms = 200
+ready_timeout_ms = 30000
 [workers.obs]
 domain = "research"
 module = "{MOD}"
@@ -414,6 +430,71 @@ def test_a_throttled_workers_last_line_before_a_crash_is_logged(fleet):
     assert ex and ex[0]["code"] == 3, ex
     assert last and last[0]["logged_ns"] <= ex[0]["mono_ns"], (last, ex)
     assert last[0]["blocked_s"] > 0.5, last      # it did wait in its writes
+
+
+def _after_kill(run: LoggedRun, worker: str, wait_s: float) -> tuple[list, list, Events]:
+    """SIGKILL `worker`'s active sandbox (bwrap, pid of its READY) once its two standbys
+    are warm; (its events after the kill as (event, ms), the first cold READY's
+    start_to_ready_ms of the run, the log)."""
+    ev = _until(run, lambda ev: len(of(ev, worker, "standby_warm")) >= 2, 60)
+    assert len(of(ev, worker, "standby_warm")) >= 2, of(ev, worker)[-10:]
+    first = of(ev, worker, "ready")[0]
+    t0 = time.monotonic_ns()
+    os.kill(first["pid"], signal.SIGKILL)
+    ev = _until(run, lambda ev: any(e.get("worker") == worker and e["mono_ns"] > t0
+                                    and e["event"] == "ready" for e in ev), wait_s)
+    seq = [(e["event"], round((e["mono_ns"] - t0) / 1e6)) for e in of(ev, worker)
+           if e["mono_ns"] > t0 and e["event"] in (
+               "exit", "standby_adopted", "ready_timeout", "start", "ready", "restart",
+               "standby_failed", "gave_up", "standby_exit")]
+    return seq, [first["start_to_ready_ms"]], ev
+
+
+def test_a_standby_that_stops_after_the_check_costs_one_bound_each(fleet):
+    """(today's change) Control worker `sbs` (watchdog 200 ms as controlsd) has two warm
+    standbys; each, once handed the channels (after `_stopped` judged it runnable),
+    stops itself: a process hung right after the check. The active is killed. Each
+    adopted standby must say READY within max(2 s, 2 watchdogs): two cost 2 x 2 s, then
+    a cold start, spending two restarts of the budget; never the cold ready timeout
+    (30 s here), never a fail-safe, and nothing of them left stopped."""
+    run = fleet
+    seq, cold, ev = _after_kill(run, "sbs", 20)
+    back = [ms for e, ms in seq if e == "ready"]
+    timeouts = [ms for e, ms in seq if e == "ready_timeout"]
+    print(f"round14 7: after the kill (ms): {seq}; the first cold start's READY took "
+          f"{cold[0]} ms")
+    assert not [e for e in ev if e["event"] == "fail_safe"]
+    assert len(timeouts) == 2 and all(ms < 2 * 2000 + 1500 for ms in timeouts), seq
+    assert back and back[0] < 2 * 2000 + cold[0] + 3000, seq
+    assert not [p for p in _stopped_pids(b"sbadopt")], "a stopped standby was left behind"
+
+
+def _stopped_pids(marker: bytes) -> list[int]:
+    out = []
+    for p in _procs(marker):
+        try:
+            st = Path(f"/proc/{p}/stat").read_bytes()
+        except OSError:
+            continue
+        if st[st.rindex(b")") + 2:][:1] in (b"T", b"t"):
+            out.append(p)
+    return out
+
+
+def test_a_standby_that_dies_at_its_adoption_costs_a_cold_start_at_most(fleet):
+    """(today's change) Control worker `sbd`'s standbys exit the moment they are handed
+    the channels. The active is killed: the first standby is adopted and dies, the run
+    restarts at once (a standby waits: no backoff), the second is adopted and dies, then
+    a cold start. The worker is back within a cold start and a few hand-overs, with no
+    give-up and no fail-safe."""
+    run = fleet
+    seq, cold, ev = _after_kill(run, "sbd", 20)
+    back = [ms for e, ms in seq if e == "ready"]
+    print(f"round14 8: after the kill (ms): {seq}; the first cold start's READY took "
+          f"{cold[0]} ms")
+    assert not [e for e in ev if e["event"] in ("fail_safe", "gave_up")
+                and e.get("worker") == "sbd"], seq
+    assert back and back[0] < cold[0] + 3000, seq
 
 
 def test_zz_the_stop_of_a_worker_blocked_in_a_throttled_write_is_bounded(fleet):

@@ -151,6 +151,27 @@ def slow(ctx) -> int:
         time.sleep(0.5)
 
 
+def sbadopt(ctx) -> int:
+    """Control: every warm standby of this worker, once handed the channels (after the
+    supervisor's checks: alive, not stopped, reachable), either stops itself (`stop`:
+    SIGSTOP, as a process hung right after the check) or exits at once (`die`: dies
+    exactly at its adoption). The active instance pings every 50 ms."""
+    import signal
+
+    mode = sys.argv[2]
+    if os.environ.get("TRIO_STANDBY_FD"):
+        ctx._activate()                  # blocks until the hand-over
+        _say("adopted", mode=mode, mono_ns=time.monotonic_ns())
+        if mode == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        os._exit(9)
+    ctx.ready(status=f"rt14 sbadopt {mode}")
+    while True:
+        ctx.watchdog()
+        time.sleep(0.05)
+
+
 def main(ctx) -> int:
     return {"sysobs": sysobs, "sbloop": sbloop, "badhdr": badhdr,
-            "lastline": lastline, "hold": hold, "flaky": flaky, "slow": slow}[sys.argv[1]](ctx)
+            "lastline": lastline, "hold": hold, "flaky": flaky, "slow": slow,
+            "sbadopt": sbadopt}[sys.argv[1]](ctx)
