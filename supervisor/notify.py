@@ -6,6 +6,11 @@ import os
 import socket
 
 
+# Fields whose message is said late rather than never: systemd acts on them once.
+_KEPT = ("ready", "stopping", "extend_timeout_usec")
+MAX_HELD = 32
+
+
 class Notifier:
     """Sends datagrams to $NOTIFY_SOCKET; does nothing when it is not set."""
 
@@ -23,8 +28,17 @@ class Notifier:
         if usec.isdigit() and (not pid or pid == str(os.getpid())):
             self.watchdog_s = int(usec) / 1e6
         self._sock: socket.socket | None = None
+        # What systemd has not taken yet (its socket full): READY=1, STOPPING=1 and the
+        # timeouts are said again, in order, before anything newer; pings and status
+        # texts are only news while they are new.
+        self._held: list[bytes] = []
         if self._addr is not None:
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            # Non-blocking: PID 1 reading its notify socket late (a daemon-reload, a
+            # reexec, memory pressure) filled the queue (net.unix.max_dgram_qlen) and
+            # the supervisor's event loop blocked in sendto: no last word, no exit, no
+            # watchdog for as long (red team 14 row 6).
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC
+                                       | socket.SOCK_NONBLOCK)
 
     @property
     def enabled(self) -> bool:
@@ -33,11 +47,36 @@ class Notifier:
     def send(self, **fields: str | int) -> None:
         if self._sock is None:
             return
-        msg = "\n".join(f"{k.upper()}={v}" for k, v in fields.items())
+        msg = "\n".join(f"{k.upper()}={v}" for k, v in fields.items()).encode()
+        keep = any(k in _KEPT for k in fields)
+        if self._held and not self._flush():
+            if keep:
+                self._hold(msg)
+            return
         try:
-            self._sock.sendto(msg.encode(), self._addr)
+            self._sock.sendto(msg, self._addr)
+        except BlockingIOError:
+            if keep:
+                self._hold(msg)
         except OSError:
-            pass  # systemd gone or socket full: never fatal for the supervisor
+            pass  # systemd gone: never fatal for the supervisor
+
+    def _flush(self) -> bool:
+        """Send what was held, oldest first; True once nothing is held."""
+        while self._held:
+            try:
+                self._sock.sendto(self._held[0], self._addr)
+            except BlockingIOError:
+                return False
+            except OSError:
+                self._held.clear()          # systemd gone: nobody to tell
+                return True
+            self._held.pop(0)
+        return True
+
+    def _hold(self, msg: bytes) -> None:
+        if len(self._held) < MAX_HELD:
+            self._held.append(msg)
 
     def ready(self, status: str = "") -> None:
         self.send(ready=1, **({"status": status} if status else {}))

@@ -583,3 +583,31 @@ def test_a_start_beside_a_slower_one_never_shortens_systemds_deadline(tmp_path):
     assert first == 60_000_000 and 59_000_000 < second <= 60_000_000, (first, second)
     sup._extend_start(90)
     assert int(sock.recv(256).decode().split("=")[1]) == 90_000_000
+
+
+def test_a_full_notify_socket_never_blocks_and_ready_is_said_late_not_never(tmp_path):
+    """systemd reading its notify socket late (red team 14 row 6): the send never
+    blocks; pings and status texts that do not fit are dropped, READY=1 is held and
+    said, in order, once there is room (at the next send: the heartbeat's)."""
+    from supervisor.notify import Notifier
+
+    path = str(tmp_path / "n.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    n = Notifier({"NOTIFY_SOCKET": path})
+    t0 = time.monotonic()
+    for i in range(200):                 # far past net.unix.max_dgram_qlen
+        n.send(watchdog=1, status=f"ping {i}")
+    n.ready("all up")
+    assert time.monotonic() - t0 < 1.0
+    sock.settimeout(0.2)
+    got = []
+    try:
+        while True:
+            got.append(sock.recv(4096).decode())
+    except TimeoutError:
+        pass
+    assert got and not any("READY=1" in m for m in got)    # no room when it was said
+    n.watchdog()                                            # the heartbeat's next send
+    later = [sock.recv(4096).decode() for _ in range(2)]
+    assert later[0].startswith("READY=1") and later[1] == "WATCHDOG=1", later
