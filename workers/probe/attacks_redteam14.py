@@ -171,7 +171,71 @@ def sbadopt(ctx) -> int:
         time.sleep(0.05)
 
 
+def lagger(ctx) -> int:
+    """Control, a reader of `in` (as modeld reads frames): 1 s keeping up (takes every
+    message within 2 ms), 1 s taking nothing (a long model step), and so on. Each
+    switch is printed: the ground truth of row 9."""
+    from supervisor.ipc.errors import Rejected
+
+    r = ctx.reader("in")
+    ctx.ready(status="rt14 lagger")
+    while True:
+        _say("phase", keep=True, mono_ns=time.monotonic_ns())
+        until = time.monotonic() + 1.0
+        while time.monotonic() < until:
+            for _ in range(64):
+                try:
+                    m = r.try_receive()
+                except Rejected:            # stale after a lag: counted, passed over
+                    continue
+                if m is None:
+                    break
+                m.release()
+            ctx.watchdog()
+            time.sleep(0.002)
+        _say("phase", keep=False, mono_ns=time.monotonic_ns())
+        until = time.monotonic() + 1.0
+        while time.monotonic() < until:
+            ctx.watchdog()
+            time.sleep(0.05)
+
+
+def slotwatch(ctx) -> int:
+    """Research, another reader of `in`: keeps up itself, and reads the segment's header
+    (last_seq, last_slot: the writer's, in the mapping every reader has) after each
+    take. The writer reuses the newest slot every reader has taken (`_choose`); while a
+    reader lags it goes round the ring. Per 200 ms: how many distinct slots the writer
+    used: ~1-2 while control keeps up, the whole ring while it lags."""
+    from supervisor.ipc.channel import ReaderHandle
+    from supervisor.ipc.errors import Rejected
+
+    r = ctx.reader("in")
+    h = ReaderHandle.from_json(ctx._handle_json("in"))
+    mm = mmap.mmap(h.data_fd, 4096, mmap.MAP_SHARED, mmap.PROT_READ)
+    ctx.ready(status="rt14 slotwatch")
+    last, slots, t0 = 0, [], time.monotonic()
+    while True:
+        for _ in range(64):
+            try:
+                m = r.try_receive()
+            except Rejected:
+                continue
+            if m is None:
+                break
+            m.release()
+        seq, slot = struct.unpack_from("<QI", mm, 48)   # last_seq, last_slot
+        if seq != last:
+            last = seq
+            slots.append(slot)
+        if time.monotonic() - t0 >= 0.2:
+            if slots:
+                _say("slots", mono_ns=time.monotonic_ns(), distinct=len(set(slots)),
+                     n=len(slots))
+            slots, t0 = [], time.monotonic()
+        time.sleep(0.002)
+
+
 def main(ctx) -> int:
     return {"sysobs": sysobs, "sbloop": sbloop, "badhdr": badhdr,
             "lastline": lastline, "hold": hold, "flaky": flaky, "slow": slow,
-            "sbadopt": sbadopt}[sys.argv[1]](ctx)
+            "sbadopt": sbadopt, "lagger": lagger, "slotwatch": slotwatch}[sys.argv[1]](ctx)
