@@ -2546,6 +2546,8 @@ static PyObject *loan_publish(LoanObj *l, PyObject *const *a, Py_ssize_t nargs, 
     ts = PyObject_Vectorcall(nhot, args, 9, NULL);
     if (ts != NULL && ts != Py_False) {
         PyObject *pub = PyDict_GetItemWithError(wd, S_published);
+        if (pub == NULL && !PyErr_Occurred())
+            PyErr_SetString(PyExc_AttributeError, "writer state missing");
         PyObject *np = pub ? PyNumber_Add(pub, S_one) : NULL;
         if (np != NULL && PyDict_SetItem(wd, S_last_seq_w, seq) == 0
                 && PyDict_SetItem(wd, S_published, np) == 0)
