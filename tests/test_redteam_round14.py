@@ -375,8 +375,6 @@ def test_a_research_writers_bad_header_never_takes_the_recorder_down():
     assert "never closed" not in out, out
 
 
-@pytest.mark.xfail(strict=True, reason="round14 2: a standby that dies soon after it is "
-                   "warm is replaced at the initial backoff for ever (backoff reset at warm)")
 def test_a_standby_crash_loop_is_bounded(fleet):
     """(ordinary day) Control worker `sbl` (warm_standby) runs; each of its standbys dies
     0.4 s after it is warm (the OOM killer picking the standby at its peak memory, once

@@ -125,6 +125,7 @@ class _WorkerIO:
                 self._refuse(run, "protocol", "standby claimed READY before activation")
             elif msg.kind == "STANDBY" and not run.warm:
                 run.warm = True
+                run.warm_ns = now
                 run.warmed.set()
                 self.log.emit("standby_warm", worker=run.cfg.name, pid=run.pid,
                               start_ms=round((now - run.started_ns) / 1e6, 1))

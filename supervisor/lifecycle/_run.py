@@ -61,7 +61,7 @@ class WorkerRun:
     # (active run) the pause before a standby that died waiting is replaced (doubling
     # from backoff_initial_ms to backoff_max_ms, back to 0 when one is warm).
     standby_backoff_s: float = 0.0
-    standby_deaths: int = 0                  # standbys dead in a row before one was warm
+    standby_deaths: int = 0                  # standbys dead in a row, none warm for long
     # (standby) its channels are on their way through the broker (an `adopt` round trip,
     # awaited off the loop): what it says meanwhile (READY, as soon as it has them) is
     # held, never judged as a standby's, and said to the run that adopts it.
@@ -71,6 +71,7 @@ class WorkerRun:
     # and `current = its process`, it is listed by _all_runs() through this.
     adopting: "WorkerRun | None" = None
     warm: bool = False                       # (standby) said STANDBY=1: start-up done
+    warm_ns: int = 0                         # (standby) when (monotonic ns)
     warmed: trio.Event = field(default_factory=trio.Event)   # (standby) set with `warm`
     stopped: bool = False                    # (standby) stopped by the supervisor
     scope: trio.CancelScope | None = None

@@ -112,8 +112,6 @@ class _WarmStandby:
 
                     async def then_the_next() -> None:
                         await sb.warmed.wait()
-                        run.standby_backoff_s = 0.0
-                        run.standby_deaths = 0
                         self._fill_standbys(run)
 
                     n.start_soon(then_the_next)
@@ -131,14 +129,19 @@ class _WarmStandby:
         if not self._stopping and not sb.stopped:
             self.log.emit("standby_exit", worker=run.cfg.name, pid=sb.pid, code=code,
                           signal=sig, cause=cause or sb.refused or None)
-            await self._replace_standby(run)
+            await self._replace_standby(run, sb)
 
-    async def _replace_standby(self, run: WorkerRun) -> None:
+    async def _replace_standby(self, run: WorkerRun, sb: WorkerRun) -> None:
         """A standby that died waiting (the OOM killer's pick, a crash) is replaced after
         a backoff of its own, outside the active run's restart budget: it had been
         replaced only at the active run's next READY, so a car whose standbys were both
         killed kept none, and its next crash started cold (red team 13 row 1)."""
         w = run.cfg
+        if sb.warm and time.monotonic_ns() - sb.warm_ns > w.backoff_max_ms * 4e6:
+            # It waited well for a while (the active run's rule for its backoff): this
+            # death starts a new count. Not at warm: one that dies soon after every
+            # warm-up had its backoff reset each time (red team 14 row 2).
+            run.standby_deaths, run.standby_backoff_s = 0, 0.0
         run.standby_deaths += 1
         if run.standby_deaths > w.max_restarts:
             # One that dies at every start (its model replaced under it, an import
@@ -147,7 +150,8 @@ class _WarmStandby:
             if run.standby_deaths == w.max_restarts + 1:
                 self.log.emit("standby_failed", worker=w.name,
                               error=f"{w.max_restarts} standbys in a row died before "
-                                    "they were warm: none until the worker's next READY")
+                                    "they had waited well: none until the worker's "
+                                    "next READY")
             return
         delay = run.standby_backoff_s or w.backoff_initial_ms / 1000
         run.standby_backoff_s = min(delay * 2, w.backoff_max_ms / 1000)
