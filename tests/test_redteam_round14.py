@@ -7,11 +7,16 @@ reader's attach when the writer is up); 2 a warm standby that dies soon after it
 is replaced for ever at the initial backoff; 3 research reads the machine's task and fork
 counters (control's sandbox starts and ends); 4 a throttled worker's last line before it
 crashes (held); 5 the stop of a worker blocked in a throttled write, seen through
-systemd's notify socket (held).
+systemd's notify socket (held); 6 an unread notify socket blocks the supervisor's event
+loop; 7 standbys that stop themselves after the hand-over's check (held, bounded); 8
+standbys that die at their adoption (held); 9 the writer's slot choice shows a research
+reader a control reader's pace.
 
-One `supervisor run` (the fleet below, its NOTIFY_SOCKET a datagram socket of the
-test's) carries rows 2-5; a `supervisor record` run beside it carries row 1. Both start
-at the module's first test. The hostile workers are `workers/probe/attacks_redteam14.py`.
+One `supervisor run` (the fleet below, its NOTIFY_SOCKET a datagram socket read by a
+thread of the test's, as systemd would) carries rows 2-5 and 7-9; a `supervisor record`
+run beside it carries row 1, and a run whose notify socket nobody reads row 6. All three
+start at the module's first test (a `-k` of one row still starts them). The hostile
+workers are `workers/probe/attacks_redteam14.py`; `RT14_KEEP=1` keeps the logs.
 
 A claim that fails today is an ``xfail(strict=True)`` whose reason starts with
 "round14 N"; the fix turns it into a plain pass. ``--runxfail -s`` prints the evidence.
