@@ -359,8 +359,6 @@ def _cpu_s(pid: int) -> float:
 # ================================================================ rows
 
 
-@pytest.mark.xfail(strict=True, reason="round14 1: a research writer's magic over a bad "
-                   "header kills the recorder (BridgeError at attach), record exits 0")
 def test_a_research_writers_bad_header_never_takes_the_recorder_down():
     """`supervisor record` taps research's shadow output, attached when its writer is up
     (the magic: `writer_attached`). Research, the writer, sets the magic over a header
