@@ -404,8 +404,6 @@ def test_a_standby_crash_loop_is_bounded(fleet):
     assert len(starts) <= 3, f"{len(starts)} standby starts in 5 s"
 
 
-@pytest.mark.xfail(strict=True, reason="round14 3: research reads the machine's thread and "
-                   "fork counts (/proc/loadavg, /proc/stat): control's sandbox starts/ends")
 def test_research_cannot_count_controls_processes(fleet):
     """Research worker `obs` reads /proc/loadavg (the machine's thread count) and
     /proc/stat (its fork count) every 2 ms. Both are machine-wide, not per pid

@@ -47,8 +47,9 @@ ADMISSION_STEP_S = 60.0     # one worker's admission: a cold walk of the car is 
 START_SLACK_S = 30.0        # a start beyond its ready timeout: launch, checks, standby
 STOP_SLACK_S = 10.0         # a stop beyond the grace period: kill, reap, last word
 # An adopted standby's READY: it is warm, so only its channels are new (the takeover's
-# p99 is 140 ms with two busy loops beside it, bench/faults.py); at least 2 watchdogs.
-ADOPTED_READY_MS = 2000
+# p99 is 140 ms with two busy loops beside it, bench/faults.py); at least 2 watchdogs
+# (red team 14 row 7: two hung standbys at 2 s each made a recovery 5x a cold start).
+ADOPTED_READY_MS = 1000
 
 class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
     def __init__(self, config: Config, *, log: EventLog | None = None,
