@@ -250,8 +250,11 @@ def test_a_research_readers_lock_on_a_channel_binds_nothing_of_controls(fleet):
     nothing on control's path ever asks: no lock call in the bridge, Python or C."""
     ev = fleet["events"]
     r = assert_named(ev, "r-chfd")
-    assert r["flock_ex"] == "ok", r          # research holds it, before control starts
-    assert_named(ev, "c-chfd")               # and control's reader started and ran
+    c = assert_named(ev, "c-chfd")           # and control's reader started and ran
+    # The lock is one on the shared inode: whichever reader asked first holds it (the
+    # fleet starts 3 at a time, so under load control's may ask first); the other's
+    # non-blocking ask is refused (EAGAIN). What matters is below: the bridge never asks.
+    assert sorted([r["flock_ex"], c["flock_ex"]]) == ["EAGAIN", "ok"], (r, c)
     ipc = Path(__file__).resolve().parent.parent / "supervisor" / "ipc"
     calls = re.compile(r"\b(flock|lockf|F_SETLKW?|F_OFD_SETLKW?|LOCK_EX|LOCK_SH)\b")
     found = [f"{p.name}:{n}" for p in sorted(ipc.rglob("*")) if p.suffix in (".py", ".c", ".h")
