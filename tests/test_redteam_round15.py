@@ -143,6 +143,71 @@ def test_4_a_lease_index_outside_the_table_is_refused(make_channel):
     held.release()
 
 
+_INTERRUPTED = r'''
+import gc, signal, threading, _thread
+ch = Channel.create(ChannelSpec(name="ki", slot_size=4096, slot_count=16, max_readers=1,
+                                max_leases=4))
+w = Writer(ch.writer_handle(), native=True)
+r = Reader(ch.reader_handle(0), native=NATIVE)
+def send(v):
+    with w.loan() as l:
+        l.array((64,), "uint8")[...] = v
+        l.publish()
+for i in range(3):
+    send(i); r.try_receive().release()
+armed = [False]
+def on_int(*a):
+    if armed[0]:
+        raise KeyboardInterrupt
+signal.signal(signal.SIGINT, on_int)
+stop = [False]
+def pester():                     # Ctrl-C, as often as every 0.1 ms
+    rnd = random.Random(15)
+    while not stop[0]:
+        time.sleep(rnd.random() * 0.0002)
+        _thread.interrupt_main()
+threading.Thread(target=pester, daemon=True).start()
+held, kis = [], 0
+end = time.monotonic() + 1.0
+while time.monotonic() < end and len(r._free_leases) + len(held) == 4:
+    armed[0] = False
+    if len(held) < 4:
+        send(kis % 256)
+    try:
+        armed[0] = True
+        if r._free_leases:
+            m = r.try_receive()
+            if m is not None:
+                held.append(m)
+        if held:
+            held[0].release()
+            held.pop(0)
+        armed[0] = False
+    except KeyboardInterrupt:
+        armed[0] = False
+        kis += 1
+stop[0] = True
+armed[0] = False
+for m in held:
+    m.release()
+gc.collect()
+print("RESULT", kis, sorted(set(r._free_leases)), len(r._free_leases))
+'''
+
+
+@BOTH
+@pytest.mark.xfail(strict=True, reason="round15 14: Ctrl-C between try_receive's return "
+                   "and the caller's name for it (or inside the Python release) loses the "
+                   "lease for good: every lease gone within ~1 s of interrupts")
+def test_14_interrupts_between_take_and_release_lose_no_lease(native):
+    p = _run(_INTERRUPTED.replace("NATIVE", str(native)))
+    assert p.returncode == 0, (p.returncode, p.stderr[-1500:])
+    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT")][0]
+    kis, free, n = json.loads("[" + line[7:].replace(" [", ", [").replace("] ", "], ") + "]")
+    assert kis >= 1                        # it was interrupted
+    assert free == [0, 1, 2, 3] and n == 4
+
+
 # ---------------------------------------------------------------- held
 
 _TORN = r'''
@@ -268,6 +333,9 @@ def outcome(r):
     finally:
         m.release()
 
+py_built = []                          # messages the native reader built in Python
+_message = rn._message
+rn._message = lambda *a: py_built.append(1) or _message(*a)
 diffs = []
 for i in range(400):
     shape = ((64,), (8, 8))[(i // 3) % 2]       # the core's layout repeats, then switches
@@ -287,7 +355,7 @@ for i in range(400):
     elif kind == 1:                     # header / layout lengths
         L.U32.pack_into(buf, c + rnd.choice((24, 28)), rnd.choice(SPECIAL))
     elif kind == 2:                     # the control block's sequence
-        L.U64.pack_into(buf, c + 8, rnd.choice([seq - 1, seq + 1, seq + 2 ** 40, 2 ** 64 - 1]))
+        L.U64.pack_into(buf, c + 8, rnd.choice([seq - 1, seq + 1, seq + 3]))
     elif kind == 3:                     # last_slot out of range / elsewhere
         L.U32.pack_into(buf, L.OFF_LAST_SLOT, rnd.choice([8, 2 ** 31, 2 ** 32 - 1,
                                                            (slot + 1) % 8]))
@@ -301,8 +369,17 @@ for i in range(400):
     if rn._last_seq != rp._last_seq:     # keep the two comparable after a divergence
         diffs.append([i, kind, "last_seq", rn._last_seq, rp._last_seq])
         break
+for last in (2 ** 40, 2 ** 63, 2 ** 64 - 1):    # the sequence games' extremes, last
+    loan = w.loan()
+    loan.array((64,), "uint8")[...] = 1
+    seq = loan.publish()
+    slot = L.U32.unpack_from(buf, L.OFF_LAST_SLOT)[0]
+    L.U64.pack_into(buf, geo.control[slot] + 8, seq + last if last < 2 ** 63 else last)
+    a, b = outcome(rn), outcome(rp)
+    if a != b or a[0] == "UNTYPED":
+        diffs.append(["extreme", last, a, b])
 sn, sp = rn.stats, rp.stats
-print("RESULT", json.dumps({"diffs": diffs[:5], "n": len(diffs),
+print("RESULT", json.dumps({"diffs": diffs[:5], "n": len(diffs), "trials": i + 1, "in_c": rn.stats.received - len(py_built),
       "stats": [[sn.received, sn.dropped, sn.rejected], [sp.received, sp.dropped, sp.rejected]],
       "free": [sorted(rn._free_leases), sorted(rp._free_leases)]}))
 '''
@@ -319,6 +396,8 @@ def test_6_native_and_python_give_the_same_verdict_on_hostile_bytes(crc):
     res = json.loads([x for x in p.stdout.splitlines() if x.startswith("RESULT")][0][7:])
     assert res["n"] == 0, res["diffs"]
     assert res["stats"][0] == res["stats"][1]
+    assert res["trials"] == 400 and res["stats"][0][0] > 100    # it kept on receiving
+    assert res["in_c"] > 50            # and the core itself judged most of those
     assert res["free"] == [[0, 1], [0, 1]]
 
 
