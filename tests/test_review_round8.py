@@ -457,3 +457,22 @@ def test_a_lossy_drive_replayed_against_itself_says_why_it_differs():
     assert _lossy_hint(NS(info={"video": "raw"}), differs, True) is None
     assert _lossy_hint(NS(info={"video": "h264"}), same, True) is None
     assert _lossy_hint(NS(info={"video": "h264"}), differs, False) is None
+
+
+def test_a_lockstep_replay_floors_the_cars_watchdogs(tmp_path):
+    """A replay on a loaded CI runner judges what the pipeline computes: controlsd's
+    200 ms watchdog missed by a worker waiting for a CPU ended replays in a fail-safe (or
+    named the wrong cause of a real failure). In lockstep every watchdog is at least
+    REPLAY_WATCHDOG_MS; --realtime keeps the car's."""
+    from supervisor.replay.derive import REPLAY_WATCHDOG_MS, read_doc, replay_doc
+
+    doc, _ = read_doc(REPO / "supervisor" / "configs" / "minimal.toml")
+    car = {n: w.get("watchdog_ms") for n, w in doc["workers"].items()}
+    assert 0 < min(v for v in car.values() if v) < REPLAY_WATCHDOG_MS, car
+    lock, _ = replay_doc(doc, str(tmp_path), str(tmp_path / "run"), str(tmp_path / "s"))
+    real, _ = replay_doc(doc, str(tmp_path), str(tmp_path / "run"), str(tmp_path / "s"),
+                         realtime=True)
+    for name, ms in car.items():
+        if ms:
+            assert lock["workers"][name]["watchdog_ms"] == max(ms, REPLAY_WATCHDOG_MS)
+            assert real["workers"][name]["watchdog_ms"] == ms

@@ -20,6 +20,7 @@ RECORDER_DOMAIN = "recorder"
 RECORDER = "recorder"
 ACK = "replay_ack"       # the recorder's "recorded the command of frame N" (lockstep)
 REPLAY_READY_TIMEOUT_MS = 30000   # the least READY deadline of a replay's workers
+REPLAY_WATCHDOG_MS = 5000        # the least watchdog of a lockstep replay's workers (the step timeout)
 CLIP_RESTART_MS = 3_600_000       # record --clip: the camera's restart after the clip ended
 CAMERA = "workers.camerad"
 CONTROLS = "workers.controlsd"
@@ -310,6 +311,13 @@ def replay_doc(doc: dict[str, Any], log_dir: str, run_log: str, state_dir: str, 
         for spec in (doc.get("channels") or {}).values():
             if isinstance(spec, dict):
                 spec["max_age_ms"] = 0
+        # So are the car's watchdogs (controlsd's 200 ms): on a loaded CI runner one
+        # missed by a worker waiting for a CPU ended a replay in a fail-safe, or named
+        # the wrong cause of a real failure. A worker that hangs is still found: by its
+        # watchdog at REPLAY_WATCHDOG_MS, and by the step timeout.
+        for w in workers.values():
+            if int(w.get("watchdog_ms", 0) or 0):
+                w["watchdog_ms"] = max(int(w["watchdog_ms"]), REPLAY_WATCHDOG_MS)
         # Lockstep closes the loop through the recorder: camerad publishes frame n+1
         # once the recorder has written controlsd's command for frame n, so nothing is
         # dropped anywhere, the recorder included, and the run is a function of the log.
