@@ -609,3 +609,32 @@ def test_13_readers_made_and_closed_in_a_loop_leak_no_fd_and_no_object():
     line = [x for x in p.stdout.splitlines() if x.startswith("RESULT")][0]
     a, b = eval(line[6:].replace(") (", "), ("))
     assert b[1] == a[1] and b[2] <= a[2] and b[0] - a[0] < 1024, (a, b)
+
+
+def test_16_a_receipt_that_lies_about_its_capture_is_refused_by_both_paths(make_channel):
+    """Row 16: a writer's Receipt whose capture time is ahead of the reader's clock by
+    more than the tolerance (6 ms, 1000 s, near 2**63): FutureTimestamp on the native
+    core and the pure-Python reader alike, each repeat (the core's own repeat path),
+    counted, leases back; within the tolerance (4 ms) or in the past: delivered."""
+    from supervisor.ipc import FutureTimestamp, Receipt
+    import time
+    ch = make_channel(slot_size=4096, slot_count=8, max_readers=2, max_leases=2)
+    w = Writer(ch.writer_handle(), native=True)
+    rs = [Reader(ch.reader_handle(0), native=True), Reader(ch.reader_handle(1), native=False)]
+    verdicts: list[list[str]] = [[], []]
+    for ahead in (-10_000, 4_000_000, 6_000_000, 10 ** 12, 2 ** 62):
+        for _ in range(3):
+            t = time.monotonic_ns()
+            with w.loan() as loan:
+                loan.array((64,), "uint8")[...] = 1
+                loan.publish(receipt=Receipt(1, t + ahead, t, t + 1, "GPU:0", 5, 6))
+            for r, got in zip(rs, verdicts):
+                try:
+                    with r.try_receive() as m:
+                        got.append(f"ok {m.receipt.capture_ts_ns - t}")
+                except FutureTimestamp:
+                    got.append("future")
+    assert verdicts[0] == verdicts[1]
+    assert verdicts[0] == (["ok -10000"] * 3 + ["ok 4000000"] * 3 + ["future"] * 9)
+    for r in rs:
+        assert r.stats.rejected == {"future": 9} and sorted(r._free_leases) == [0, 1]
