@@ -119,7 +119,14 @@ class Reader:
     """Reader ``handle.index`` of a channel. In-order delivery: every receive returns
     the oldest message newer than the last one still in the ring; what the writer
     reused before we got to it counts as dropped. A new reader starts at the newest
-    message already published (subject to max_age), never at older history."""
+    message already published (subject to max_age), never at older history.
+
+    Two paths, chosen once in ``__init__`` (STYLE.md's "make the swap visible"):
+    with the native module, ``try_receive`` is the C ``ReaderCore``'s take (the common
+    message in the layout validated last, taken, checked and built as a Message in C)
+    falling back to ``_try_receive_native`` and ``_accept`` for anything unusual;
+    without it (``native=False``, x86-64 only), the pure-Python ``try_receive`` below.
+    Both give the same verdict on the same bytes (tests/test_ipc_native_message.py)."""
 
     def __init__(self, handle: ReaderHandle, *, attach_timeout_s: float = ATTACH_TIMEOUT_S,
                  native: bool | None = None, busy_poll_us: int = 0,
