@@ -15,15 +15,18 @@ import gc
 import json
 import os
 import pickle
+import statistics
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
-from supervisor.ipc import (BridgeError, Channel, ChannelSpec, LeaseLost, Reader, Writer,
+from supervisor.ipc import (BridgeError, FutureTimestamp, LeaseLost, Reader, Receipt, Writer,
                             _atomics, layout as L)
+from supervisor.ipc._geometry import SlotGeometry
 
 pytestmark = pytest.mark.skipif(
     _atomics.NATIVE is None or not hasattr(_atomics.NATIVE, "ReaderCore"),
@@ -227,9 +230,6 @@ def _pad_header(w: Writer, geo, k: int) -> None:
                    "process, 32 entries, cleared whole: a shadow writer rotating 33 valid "
                    "header prefixes makes control's take of its own channel ~36x slower")
 def test_15_a_shadow_writers_headers_never_slow_another_channels_take(make_channel):
-    from supervisor.ipc._geometry import SlotGeometry
-    import statistics
-    import time
     chc = make_channel(name="control", slot_size=4096, slot_count=8, max_readers=1)
     chh = make_channel(name="shadow", slot_size=4096, slot_count=8, max_readers=1)
     wc, wh = Writer(chc.writer_handle(), native=True), Writer(chh.writer_handle(), native=True)
@@ -430,7 +430,8 @@ for last in (2 ** 40, 2 ** 63, 2 ** 64 - 1):    # the sequence games' extremes, 
     if a != b or a[0] == "UNTYPED":
         diffs.append(["extreme", last, a, b])
 sn, sp = rn.stats, rp.stats
-print("RESULT", json.dumps({"diffs": diffs[:5], "n": len(diffs), "trials": i + 1, "in_c": rn.stats.received - len(py_built),
+print("RESULT", json.dumps({"diffs": diffs[:5], "n": len(diffs), "trials": i + 1,
+      "in_c": rn.stats.received - len(py_built),
       "stats": [[sn.received, sn.dropped, sn.rejected], [sp.received, sp.dropped, sp.rejected]],
       "free": [sorted(rn._free_leases), sorted(rp._free_leases)]}))
 '''
@@ -619,8 +620,6 @@ def test_16_a_receipt_that_lies_about_its_capture_is_refused_by_both_paths(make_
     more than the tolerance (6 ms, 1000 s, near 2**63): FutureTimestamp on the native
     core and the pure-Python reader alike, each repeat (the core's own repeat path),
     counted, leases back; within the tolerance (4 ms) or in the past: delivered."""
-    from supervisor.ipc import FutureTimestamp, Receipt
-    import time
     ch = make_channel(slot_size=4096, slot_count=8, max_readers=2, max_leases=2)
     w = Writer(ch.writer_handle(), native=True)
     rs = [Reader(ch.reader_handle(0), native=True), Reader(ch.reader_handle(1), native=False)]
