@@ -320,6 +320,16 @@ static PyObject *fence_full(PyObject *m, PyObject *unused) {
 /* Lease entry layout (layout.py LEASE_ENTRY "<IxxxxQQ" at 64 + 32 k). */
 #define LEASE_BASE 64
 #define LEASE_STRIDE 32
+
+/* Lease k's entry offset in lease table `lr`, or -1 when k is not one of its entries:
+ * compared before it is multiplied (a k near 2**59 had wrapped onto lease 0: red team
+ * 15 row 4). */
+static inline Py_ssize_t lease_offset(Region *lr, Py_ssize_t k) {
+    if (k < 0 || lr->base == NULL || lr->len < LEASE_BASE + LEASE_STRIDE
+            || k > (lr->len - LEASE_BASE) / LEASE_STRIDE - 1)
+        return -1;
+    return LEASE_BASE + LEASE_STRIDE * k;
+}
 #define MAX_SLOTS 1024
 
 /* loan(seg, leases, ctl, gens, seqs, loaned, now, limit, max_entries) -> (slot, honoured)
@@ -706,10 +716,11 @@ static PyObject *r_take(PyObject *m, PyObject *const *a, Py_ssize_t n) {
         PyErr_SetString(PyExc_TypeError, "take(): bad ctx");
         return NULL;
     }
-    Py_ssize_t lease_off = LEASE_BASE + LEASE_STRIDE * k;
+    Py_ssize_t lease_off = k >= 0 ? lease_offset(lease, k) : -1;
     if (!in_bounds(seg, last_seq_off, 8) || last_seq_off % 8
             || !in_bounds(seg, last_slot_off, 4) || last_slot_off % 4
-            || (k >= 0 && (!lease->writable || !in_bounds(lease, lease_off, LEASE_STRIDE)))) {
+            || (k >= 0 && (!lease->writable || lease_off < 0
+                           || !in_bounds(lease, lease_off, LEASE_STRIDE)))) {
         PyErr_SetString(PyExc_ValueError, "take(): offsets outside the mappings");
         return NULL;
     }
@@ -1860,8 +1871,8 @@ static inline PyObject *dget(PyObject *d, PyObject *k) {
  * pop: as Reader._drop_lease. */
 static void core_unlease(Core *c, PyObject *free, Py_ssize_t k) {
     Region *lr = (Region *)c->lease_o;
-    Py_ssize_t off = LEASE_BASE + LEASE_STRIDE * k;
-    if (in_bounds(lr, off, LEASE_STRIDE))
+    Py_ssize_t off = lease_offset(lr, k);
+    if (off >= 0 && in_bounds(lr, off, LEASE_STRIDE))
         __atomic_store_n((uint64_t *)(lr->base + off + 8), 0, RELEASE);
     PyObject *et, *ev, *tb;
     PyErr_Fetch(&et, &ev, &tb);
@@ -1970,8 +1981,9 @@ static PyObject *core_try_receive(Core *c, PyObject *unused) {
         return PyObject_CallNoArgs(c->fallback);    /* no lease free: it raises, or None */
     Py_ssize_t nfree = PyList_GET_SIZE(free);
     Py_ssize_t k = PyLong_AsSsize_t(PyList_GET_ITEM(free, nfree - 1));
-    Py_ssize_t lease_off = LEASE_BASE + LEASE_STRIDE * k;
-    if ((k == -1 && PyErr_Occurred()) || k < 0 || !in_bounds(lease, lease_off, LEASE_STRIDE)) {
+    Py_ssize_t lease_off = lease_offset(lease, k);
+    if ((k == -1 && PyErr_Occurred()) || lease_off < 0
+            || !in_bounds(lease, lease_off, LEASE_STRIDE)) {
         PyErr_Clear();
         return PyObject_CallNoArgs(c->fallback);
     }
@@ -2166,7 +2178,11 @@ static int msg_clear(Msg *m) {
     return 0;
 }
 
+static void msg_finalize(Msg *m);
+
 static void msg_dealloc(Msg *m) {
+    if (PyObject_CallFinalizerFromDealloc((PyObject *)m) < 0)
+        return;                                         /* resurrected */
     PyObject_GC_UnTrack(m);
     msg_clear(m);
     Py_TYPE(m)->tp_free((PyObject *)m);
@@ -2181,6 +2197,41 @@ static inline Core *msg_core(Msg *m) {
             || m->slot < 0 || m->slot >= c->count)
         return NULL;
     return c;
+}
+
+/* A message dropped without release() (an exception between the take and the with,
+ * a KeyboardInterrupt, a caller that forgot): its lease is given back here, as release's
+ * own store would (L4), without the seqlock check (nothing of it is read any more). It
+ * had kept the lease for ever: after max_leases such drops every take raised "all
+ * leases are held" (red team 15 rows 1, 14). Errors are swallowed: a finalizer has no
+ * caller to tell, and a reader already closed has no lease table to give back to. */
+static void msg_finalize(Msg *m) {
+    if (m->released || m->lost || m->lease < 0 || m->reader == NULL)
+        return;
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    m->released = 1;
+    Core *c = msg_core(m);
+    PyObject *d = c != NULL ? c->rdict : NULL;
+    PyObject *free = d != NULL ? dget(d, S_free_leases) : NULL;
+    Region *lr = c != NULL ? (Region *)c->lease_o : NULL;
+    int done = 0;
+    if (c != NULL && dget(d, S_drop_lease) == NULL && free != NULL && PyList_CheckExact(free)
+            && lr->base != NULL) {
+        Py_ssize_t off = lease_offset(lr, m->lease);
+        if (off >= 0 && in_bounds(lr, off, LEASE_STRIDE)) {
+            __atomic_store_n((uint64_t *)(lr->base + off + 8), 0, RELEASE);           /* L4 */
+            PyObject *ko = PyLong_FromSsize_t(m->lease);
+            done = ko != NULL && PyList_Append(free, ko) == 0;
+            Py_XDECREF(ko);
+        }
+    }
+    if (!done) {
+        PyObject *r = PyObject_CallMethod(m->reader, "_drop_lease", "n", m->lease);
+        Py_XDECREF(r);
+    }
+    PyErr_Clear();
+    PyErr_Restore(et, ev, tb);
 }
 
 static int msg_check(Msg *m) {
@@ -2247,9 +2298,9 @@ static PyObject *msg_release(Msg *m, PyObject *unused) {
     Py_XSETREF(m->array, Py_NewRef(Py_None));
     PyObject *d = c->rdict, *drop = dget(d, S_drop_lease);
     Region *lr = (Region *)c->lease_o;
-    Py_ssize_t off = LEASE_BASE + LEASE_STRIDE * m->lease;
+    Py_ssize_t off = lease_offset(lr, m->lease);
     PyObject *free = dget(d, S_free_leases);
-    if (drop != NULL || m->lease < 0 || lr->base == NULL || !in_bounds(lr, off, LEASE_STRIDE)
+    if (drop != NULL || off < 0 || lr->base == NULL || !in_bounds(lr, off, LEASE_STRIDE)
             || free == NULL || !PyList_CheckExact(free)) {
         /* A replaced _drop_lease (tests), or anything unusual: the reader's method. */
         out = PyObject_CallMethod(c->reader, "_drop_lease", "n", m->lease);
@@ -2342,6 +2393,7 @@ static PyTypeObject MsgType = {
     .tp_doc = "A received message's storage, array and release (see _message.Message)",
     .tp_new = PyType_GenericNew,
     .tp_dealloc = (destructor)msg_dealloc,
+    .tp_finalize = (destructor)msg_finalize,
     .tp_traverse = (traverseproc)msg_traverse,
     .tp_clear = (inquiry)msg_clear,
     .tp_members = msg_members,
