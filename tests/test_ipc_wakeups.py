@@ -161,9 +161,30 @@ def test_a_spinning_reader_looks_on_only_in_a_burst(make_channel):
     r.close()
 
 
-def test_spin_us_is_bounded_and_off_by_default(make_channel):
+def test_spin_us_is_bounded_on_by_default_and_never_in_a_realtime_class(make_channel):
+    """On by default (SPIN_US, _burst.py's measurements), off with spin_us=0, bounded;
+    a reader whose thread runs in a real-time class never spins (above its writer on a
+    shared CPU it would take the CPU the writer needs)."""
+    from supervisor.ipc._burst import SPIN_US
+
     ch = make_channel(slot_count=4, max_readers=1, max_leases=1)
-    Writer(ch.writer_handle())
-    assert Reader(ch.reader_handle(0))._burst is None
+    w = Writer(ch.writer_handle())
+    assert Reader(ch.reader_handle(0))._burst.spin_ns == SPIN_US * 1000
+    assert Reader(ch.reader_handle(0), spin_us=0)._burst is None
     with pytest.raises(ValueError, match="spin_us"):
         Reader(ch.reader_handle(0), spin_us=5000)
+    r = Reader(ch.reader_handle(0), spin_us=1000)
+    for _ in range(2):                       # a burst: two messages close together
+        w.publish_array(np.zeros(4, np.uint8))
+        r.receive(timeout=1).release()
+    old = os.sched_getscheduler(0), os.sched_getparam(0)
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+    except PermissionError:
+        pytest.skip("SCHED_FIFO not allowed here")
+    try:
+        t0 = time.monotonic()
+        assert r._spin(None, r.try_receive) is None      # no look-on at all
+        assert time.monotonic() - t0 < 0.0005 and r._burst.misses == 0
+    finally:
+        os.sched_setscheduler(0, old[0], old[1])

@@ -19,7 +19,7 @@ class BridgeTransport(Transport):
     module = "supervisor.ipc"
     poll = False
     native: bool | None = None     # None: the module's default (native when built)
-    spin_us: int | None = None     # None: the Reader's default (no spin: ipc/_burst.py)
+    spin_us: int | None = None     # None: the Reader's default (SPIN_US: ipc/_burst.py)
     SLOTS = 8
     _count = 0
 
@@ -181,10 +181,12 @@ class BridgePollTransport(BridgeTransport):
 
 
 class BridgeSpinTransport(BridgeTransport):
-    key = "bridge-spin"
-    label = "trio-bridge (spin 50us)"
-    spin_us = 50
-    note = "the reader looks on for up to 50 us in a burst before sleeping (_burst)"
+    """The reader's spin off (spin_us=0): the comparison with the default, which spins
+    for up to SPIN_US in a burst (_burst.py, on by default since round 8)."""
+    key = "bridge-nospin"
+    label = "trio-bridge (no spin)"
+    spin_us = 0
+    note = "the reader sleeps as soon as it finds nothing (spin_us=0)"
 
 
 class BridgePyTransport(BridgeTransport):

@@ -22,14 +22,17 @@ sleeps as usual. So:
   last one, so after it the reader does not spin again until two messages have come
   within ``spin_ns`` of each other: a writer that times its messages to just miss the
   spin gets at most one spin per two messages.
-Off by default (``spin_us=0``): measured on the loaded 2-core VM (load 8-14, other
-work at ~90 % of the CPUs), a 64 B stream with the spin ran at 0.3-1.1x the rate
-without it: a reader that spins spends its share of a contended CPU and is then
-descheduled for whole time slices, while one that sleeps is woken promptly. Where
-CPUs are not oversubscribed it saves the wake-up; ``bench/ipc_latency.py
---transports bridge,bridge-spin`` compares the two. Never for a reader in a real-time
-class above its writer on a shared CPU: there the spin takes the CPU the writer needs
-(the rule config/_rules.check_busy_poll states for busy_poll_us).
+On by default (``SPIN_US``) since the native receive path (round 8) keeps a spinning
+reader on its C take: a faster receiver caught up with its writer and slept on ~1 in 10
+messages of a 64 KiB stream, and each wake-up cost the writer more than the receive
+saved (bench/ipc_latency.py, quiet, throughput msgs/s, iceoryx2 / no spin / spin:
+64 KiB 209,880 / 163,115 / 263,195; 64 B 296,100 / 397,355 / 399,660; with two CPU
+hogs beside it 64 KiB 64,005 / 69,350 / 124,570, 64 B 132,865 / 179,510 / 181,660).
+It had been off: on the Python path, loaded, a spinning 64 B stream ran at 0.3-1.1x.
+``spin_us=0`` turns it off; ``--transports bridge,bridge-nospin`` compares. Never for
+a reader in a real-time class (checked once a second in Reader._spin): above its writer on a shared CPU the
+spin takes the CPU the writer needs (the rule config/_rules.check_busy_poll states for
+busy_poll_us).
 """
 from __future__ import annotations
 

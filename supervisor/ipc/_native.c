@@ -1620,7 +1620,7 @@ static PyObject *h_accept(PyObject *m, PyObject *const *a, Py_ssize_t n) {
 static PyObject *S_ntake, *S_naccept, *S_cadence, *S_burst, *S_last_seq, *S_free_leases,
     *S_last_capture, *S_last_take, *S_last_layout, *S_received, *S_rejected, *S_dropped,
     *S_pos, *S_delivered, *S_views, *S_drop_lease, *S_check, *S_kept_array, *S_view,
-    *S_py_array, *S_py_release, *S_one, *S_zero, *S_release;
+    *S_py_array, *S_py_release, *S_one, *S_zero, *S_release, *S_took_m;
 
 typedef struct {
     PyObject_HEAD
@@ -1960,12 +1960,13 @@ static PyObject *core_try_receive(Core *c, PyObject *unused) {
     }
     Region *seg = (Region *)c->seg_o, *lease = (Region *)c->lease_o;
     uint64_t last_seq, last_capture;
-    /* A hook in place (tests replace the take or the check), a cadence or burst (their
-     * bookkeeping is Python's), released regions, state not as the reader writes it:
-     * the Python path, which decides (and raises what it raises). */
+    /* A hook in place (tests replace the take or the check), a cadence (its bookkeeping
+     * is Python's), released regions, state not as the reader writes it: the Python
+     * path, which decides (and raises what it raises). A burst (spin_us) stays here: its
+     * one step per message, Burst.took(now), is called below as _message calls it. */
     if (seg->base == NULL || lease->base == NULL
             || dget(d, S_ntake) != c->take_fn || dget(d, S_naccept) != c->accept_fn
-            || dget(d, S_cadence) != Py_None || dget(d, S_burst) != Py_None
+            || dget(d, S_cadence) != Py_None
             || !exact_u64(dget(d, S_last_seq), &last_seq)
             || !exact_u64(dget(d, S_last_capture), &last_capture))
         return PyObject_CallNoArgs(c->fallback);
@@ -2135,6 +2136,17 @@ static PyObject *core_try_receive(Core *c, PyObject *unused) {
         msg->gen = g1;
         msg->released = msg->lost = 0;
         out = (PyObject *)msg;
+        PyObject *burst = dget(d, S_burst);
+        if (burst != NULL && burst != Py_None) {
+            PyObject *now = PyLong_FromUnsignedLongLong(monotonic_ns());
+            PyObject *r = now ? PyObject_CallMethodOneArg(burst, S_took_m, now) : NULL;
+            Py_XDECREF(now);
+            if (r == NULL) {            /* the message is the caller's; the error too */
+                Py_CLEAR(out);
+                goto out;
+            }
+            Py_DECREF(r);
+        }
         goto out;
     }
     out = Py_NewRef(Py_None);
@@ -2726,7 +2738,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     INTERN(S_views, "_views"); INTERN(S_drop_lease, "_drop_lease"); INTERN(S_check, "check");
     INTERN(S_kept_array, "_kept_array"); INTERN(S_view, "view");
     INTERN(S_py_array, "_py_array"); INTERN(S_py_release, "_py_release");
-    INTERN(S_release, "release");
+    INTERN(S_release, "release"); INTERN(S_took_m, "took");
     INTERN(S_w_native, "_native"); INTERN(S_array_views, "_array_views");
     INTERN(S_payloads, "_payloads"); INTERN(S_py_array_l, "_py_array");
     INTERN(S_discard, "discard");

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import _atomics, codec, layout as L, shm
-from ._burst import MAX_SPIN_US, Burst
+from ._burst import MAX_SPIN_US, SPIN_US, Burst
 from ._cadence import Cadence
 from ._geometry import HEADER_MAX, LAYOUT_MAX, SlotGeometry
 from ._message import UNREAD as _UNREAD, Message
@@ -130,7 +130,7 @@ class Reader:
 
     def __init__(self, handle: ReaderHandle, *, attach_timeout_s: float = ATTACH_TIMEOUT_S,
                  native: bool | None = None, busy_poll_us: int = 0,
-                 spin_us: int = 0) -> None:
+                 spin_us: int = SPIN_US) -> None:
         self.spec = spec = handle.spec
         # Stay awake through a burst before sleeping (_burst); 0: sleep at once.
         if not 0 <= spin_us <= MAX_SPIN_US:
@@ -220,6 +220,7 @@ class Reader:
         self._rehearsal_error = ""
         self._delivered: tuple[int, int, int] | None = None   # (seq, slot, gen) last
         self._burst = Burst(spin_us * 1000) if spin_us else None
+        self._class_seen, self._realtime = -(1 << 62), False   # (_spin: never in RT)
         if self._cadence is not None:        # wake me for announcements (Writer.announce)
             L.U64.pack_into(self._lease_mm, L.OFF_POLLS, L.READER_POLLS)
         self._core = None
@@ -687,8 +688,17 @@ class Reader:
         (_burst): the awake flag stays up, so the writer sends no wake-up meanwhile."""
         burst = self._burst
         stop = burst.until(None if end is None else int(end * 1e9))
-        if stop <= _now():
+        now = _now()
+        if stop <= now:
             return None             # not in a burst, or its spin is over already
+        if now - self._class_seen > 1_000_000_000:
+            # A reader in a real-time class never spins: above its writer on a shared
+            # CPU it would take the CPU the writer needs to publish (_burst). Its class
+            # is given from outside (the supervisor, at READY): looked at once a second.
+            self._class_seen = now
+            self._realtime = os.sched_getscheduler(0) != os.SCHED_OTHER
+        if self._realtime:
+            return None
         msg = self._watch_until(stop, take)
         if msg is None:
             burst.misses += 1
