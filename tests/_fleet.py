@@ -147,3 +147,19 @@ class LoggedRun:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process `pid` so far."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def until(run: "LoggedRun", cond: Callable[[Events], bool], timeout_s: float) -> Events:
+    """The log once `cond(events)` holds (or the supervisor is gone, or the time is up)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ev = run.events(strict=False)
+        if cond(ev) or run.proc.poll() is not None or time.monotonic() > deadline:
+            return ev
+        time.sleep(0.05)

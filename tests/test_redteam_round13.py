@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._fleet import Events, LoggedRun, of
+from tests._fleet import Events, LoggedRun, cpu_s, of, until
 
 pytestmark = pytest.mark.sandbox
 if shutil.which("bwrap") is None:
@@ -306,14 +306,6 @@ def _wait(run: LoggedRun, pred, timeout_s: float) -> Events:
     return run.events(strict=False)
 
 
-def _until(run: LoggedRun, cond, timeout_s: float) -> Events:
-    """The log once `cond(events)` holds (or the supervisor is gone, or the time is up)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        ev = run.events(strict=False)
-        if cond(ev) or run.proc.poll() is not None or time.monotonic() > deadline:
-            return ev
-        time.sleep(0.05)
 
 
 class FullRun:
@@ -389,7 +381,7 @@ def test_a_warm_standby_that_dies_waiting_is_replaced(fleet):
     standby covers; a new standby starts behind one that is gone. Then the active `c` is
     killed: a standby should take over."""
     run = fleet
-    ev = _until(run, lambda ev: len(of(ev, "c", "standby_warm")) >= 2, 60)
+    ev = until(run, lambda ev: len(of(ev, "c", "standby_warm")) >= 2, 60)
     warm = of(ev, "c", "standby_warm")
     assert len(warm) >= 2, [e for e in ev if e.get("worker") == "c"][-10:]
     procs = _procs(b"rt13-c")
@@ -443,7 +435,7 @@ def test_research_cannot_watch_control_start_through_inotify(fleet):
     def refused(ev: Events) -> bool:        # (fixed) nothing set: nothing to wait for
         w = _rt13(ev, "ino", "watch")
         return bool(w) and w[0]["watches"] == 0 and w[0]["dnotify"] != "set"
-    ev = _until(run, lambda ev: code_seen(ev) or refused(ev), 10)
+    ev = until(run, lambda ev: code_seen(ev) or refused(ev), 10)
     time.sleep(0.3)
     ev = run.events()
     watch = _rt13(ev, "ino", "watch")
@@ -520,7 +512,7 @@ def test_a_stopped_standby_is_not_what_takes_over(fleet):
     the active `s` dies (SIGKILL). A standby is there to cut the time without commands;
     one that cannot run must not be what the supervisor waits on."""
     run = fleet
-    ev = _until(run, lambda ev: len(of(ev, "s", "standby_warm")) >= 2, 60)
+    ev = until(run, lambda ev: len(of(ev, "s", "standby_warm")) >= 2, 60)
     assert len(of(ev, "s", "standby_warm")) >= 2, [e for e in ev if e.get("worker") == "s"][-10:]
     procs = _procs(b"rt13-s")
     standbys = [p for p, sb in procs.items() if sb]
@@ -548,17 +540,14 @@ def test_a_stopped_standby_is_not_what_takes_over(fleet):
     assert back and back[0] < 4000, f"no READY of `s` within 4 s of its death: {seq}"
 
 
-def _cpu_s(pid: int) -> float:
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _share(pids: list[int], secs: float) -> list[float]:
     """CPU of each pid over `secs` of wall time, in cores."""
-    c0, t0 = [_cpu_s(p) for p in pids], time.monotonic()
+    c0, t0 = [cpu_s(p) for p in pids], time.monotonic()
     time.sleep(secs)
     dt = time.monotonic() - t0
-    return [round((_cpu_s(p) - c) / dt, 3) for p, c in zip(pids, c0)]
+    return [round((cpu_s(p) - c) / dt, 3) for p, c in zip(pids, c0)]
 
 
 def test_a_research_worker_cannot_buy_the_supervisors_cpu_with_output(fleet):

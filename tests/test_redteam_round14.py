@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._fleet import Events, LoggedRun, of
+from tests._fleet import Events, LoggedRun, cpu_s, of, until
 
 pytestmark = pytest.mark.sandbox
 if shutil.which("bwrap") is None:
@@ -322,7 +322,7 @@ def _notes() -> list[tuple[int, str]]:
 @pytest.fixture(scope="module")
 def fleet() -> LoggedRun:
     run: LoggedRun = _launched["fleet"]
-    ev = _until(run, lambda ev: any(e["event"] in ("all_ready", "supervisor_exit")
+    ev = until(run, lambda ev: any(e["event"] in ("all_ready", "supervisor_exit")
                                     for e in ev), 120)
     if not any(e["event"] == "all_ready" for e in ev):
         pytest.fail("the fleet never became ready:\n"
@@ -330,14 +330,6 @@ def fleet() -> LoggedRun:
     return run
 
 
-def _until(run: LoggedRun, cond, timeout_s: float) -> Events:
-    """The log once `cond(events)` holds (or the supervisor is gone, or the time is up)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        ev = run.events(strict=False)
-        if cond(ev) or run.proc.poll() is not None or time.monotonic() > deadline:
-            return ev
-        time.sleep(0.05)
 
 
 def _rt14(ev: Events, worker: str, row: str) -> list[dict]:
@@ -351,9 +343,6 @@ def _rt14(ev: Events, worker: str, row: str) -> list[dict]:
     return out
 
 
-def _cpu_s(pid: int) -> float:
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ================================================================ rows
@@ -386,11 +375,11 @@ def test_a_standby_crash_loop_is_bounded(fleet):
     backoff; the standbys' must be too: after six deaths, the next 5 s see at most three
     standby starts (not one per start-up, each a model load on the car's two cores)."""
     run = fleet
-    ev = _until(run, lambda ev: len(of(ev, "sbl", "standby_exit")) >= 6, 30)
+    ev = until(run, lambda ev: len(of(ev, "sbl", "standby_exit")) >= 6, 30)
     assert len(of(ev, "sbl", "standby_exit")) >= 6, of(ev, "sbl")[-10:]
-    t0, c0 = time.monotonic_ns(), _cpu_s(run.proc.pid)
+    t0, c0 = time.monotonic_ns(), cpu_s(run.proc.pid)
     time.sleep(5.0)
-    t1, c1 = time.monotonic_ns(), _cpu_s(run.proc.pid)
+    t1, c1 = time.monotonic_ns(), cpu_s(run.proc.pid)
     ev = run.events()
     starts = [e for e in of(ev, "sbl", "standby_start") if t0 < e["mono_ns"] <= t1]
     exits = of(ev, "sbl", "standby_exit")
@@ -413,7 +402,7 @@ def test_research_cannot_count_controls_processes(fleet):
     CLOCK_MONOTONIC stamps shared with the host. The claim (round 13 row 2's): research
     never sees control."""
     run = fleet
-    ev = _until(run, lambda ev: len(of(ev, "sbl", "standby_exit")) >= 6, 30)
+    ev = until(run, lambda ev: len(of(ev, "sbl", "standby_exit")) >= 6, 30)
     ev = run.events()
     said = (_rt14(ev, "obs", "sysobs") or [{}])[0]
     readable = said.get("readable", {})
@@ -448,7 +437,7 @@ def test_research_cannot_read_a_control_readers_pace_from_the_slot_choice(fleet)
     the writer goes round the ring. Research must not learn control's pace (when modeld
     takes a frame: its step time) from the channel it is allowed to read."""
     run = fleet
-    ev = _until(run, lambda ev: len(_rt14(ev, "cr", "phase")) >= 6
+    ev = until(run, lambda ev: len(_rt14(ev, "cr", "phase")) >= 6
                 and len(_rt14(ev, "rr", "slots")) >= 20, 30)
     phases = _rt14(ev, "cr", "phase")
     windows = _rt14(ev, "rr", "slots")
@@ -478,7 +467,7 @@ def test_a_throttled_workers_last_line_before_a_crash_is_logged(fleet):
     stderr, then exits 3 at once. The throttle must cost it time, never its last words:
     the line is logged, before its exit, and the exit is judged (code 3)."""
     run = fleet
-    ev = _until(run, lambda ev: bool(of(ev, "last", "exit")), 30)
+    ev = until(run, lambda ev: bool(of(ev, "last", "exit")), 30)
     time.sleep(0.2)
     ev = run.events()
     ex = of(ev, "last", "exit")
@@ -496,12 +485,12 @@ def _after_kill(run: LoggedRun, worker: str, wait_s: float) -> tuple[list, list,
     """SIGKILL `worker`'s active sandbox (bwrap, pid of its READY) once its two standbys
     are warm; (its events after the kill as (event, ms), the first cold READY's
     start_to_ready_ms of the run, the log)."""
-    ev = _until(run, lambda ev: len(of(ev, worker, "standby_warm")) >= 2, 60)
+    ev = until(run, lambda ev: len(of(ev, worker, "standby_warm")) >= 2, 60)
     assert len(of(ev, worker, "standby_warm")) >= 2, of(ev, worker)[-10:]
     first = of(ev, worker, "ready")[0]
     t0 = time.monotonic_ns()
     os.kill(first["pid"], signal.SIGKILL)
-    ev = _until(run, lambda ev: any(e.get("worker") == worker and e["mono_ns"] > t0
+    ev = until(run, lambda ev: any(e.get("worker") == worker and e["mono_ns"] > t0
                                     and e["event"] == "ready" for e in ev), wait_s)
     seq = [(e["event"], round((e["mono_ns"] - t0) / 1e6)) for e in of(ev, worker)
            if e["mono_ns"] > t0 and e["event"] in (
