@@ -573,7 +573,8 @@ def test_native_take_with_receipts_and_rejections_does_not_leak(make_channel):
     # there gave +331 blocks in CI with no leak. Each is checked against its bound, then
     # emptied, so both snapshots see them at the same point and only growth is counted.
     bounded = [(codec.HEADER._plans, 64), (codec.HEADER._compiled, 32),
-               (codec.HEADER._rcompiled, 32), (w._receipt_plans, 16), (r._layouts, 16)]
+               (codec.HEADER._rcompiled, 32), (w._receipt_plans, 16), (r._layouts, 16),
+               (r._hdr._compiled, 32), (r._hdr._rcompiled, 32)]     # the reader's own
 
     def settle():
         for cache, bound in bounded:

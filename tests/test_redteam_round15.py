@@ -221,9 +221,6 @@ def _pad_header(w: Writer, geo, k: int) -> None:
     L.U32.pack_into(buf, c + 24, hlen + 8 * k)
 
 
-@pytest.mark.xfail(strict=True, reason="round15 15: the compiled-header table is one per "
-                   "process, 32 entries, cleared whole: a shadow writer rotating 33 valid "
-                   "header prefixes makes control's take of its own channel ~36x slower")
 def test_15_a_shadow_writers_headers_never_slow_another_channels_take(make_channel):
     chc = make_channel(name="control", slot_size=4096, slot_count=8, max_readers=1)
     chh = make_channel(name="shadow", slot_size=4096, slot_count=8, max_readers=1)

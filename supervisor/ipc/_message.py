@@ -13,7 +13,6 @@ from .errors import BridgeError, LeaseLost, Rejected
 from .receipt import Receipt
 
 _gen_of = L.U64.unpack_from
-_compiled_receipt = codec.HEADER.receipt
 _SLOW = codec.SLOW
 UNREAD = object()           # Message._receipt before the first decode
 # map() with these builds FrameInfo's tuples in C (a generator is a frame per plane).
@@ -71,7 +70,7 @@ class Message(_MessageBase):
         try:
             # codec.decode_receipt's two steps, without its call: the compiled reading,
             # else pycapnp's (which decides anything unusual).
-            r = _compiled_receipt(self._raw_header)
+            r = self._reader._hdr.receipt(self._raw_header)
             if r is _SLOW:
                 r = codec.decode_receipt(self._raw_header, self._reader.spec,
                                          self.stamp.sequence, fast=False)

@@ -28,8 +28,6 @@ _gen_seq_of = L.GEN_SEQ.unpack_from
 _last_of = L.LAST.unpack_from
 _control_of = L.CONTROL.unpack_from
 _lease_pack = L.LEASE_ENTRY.pack_into
-_decode_header = codec.HEADER.decode
-_receipt_capture = codec.HEADER.receipt_capture
 _SLOW = codec.SLOW
 _now = time.monotonic_ns
 _cpu_ns = time.thread_time_ns      # CPU this thread spent: what the busy-poll bound counts
@@ -169,6 +167,9 @@ class Reader:
             self._lease_r.store(L.OFF_AWAKE, L.READER_AWAKE)
         self._free_leases = list(range(spec.max_leases))
         self._layouts: dict[bytes, Layout] = {}
+        # Compiled header and receipt readers of this reader's own (a writer's header
+        # shapes never evict another channel's: red team 15 row 15).
+        self._hdr = codec.HEADER.own()
         self._last_layout_raw: bytes | None = None
         self._last_layout: Layout | None = None
         # What the native take needs of it: (bytes, payload span lo, hi).
@@ -227,7 +228,7 @@ class Reader:
         if nat is not None:
             self.try_receive = self._try_receive_native   # the native hot path
             self._stable = self._seg.check
-            self._compiled = codec.HEADER._compiled
+            self._compiled = self._hdr._compiled
             self._actx = codec.native_ctx(spec, _UNREAD, FUTURE_TOLERANCE_NS,
                                           self._max_age_ns)
             self._pay_at = geo.payload
@@ -501,7 +502,7 @@ class Reader:
                     self._layouts[raw_l] = layout
                 self._last_layout_raw, self._last_layout = raw_l, layout
                 self._last_take = (raw_l, *layout.span)
-            stamp = _decode_header(raw_h, spec)
+            stamp = self._hdr.decode(raw_h, spec)
             if stamp[0] != seq or stamp[1] != gen:        # sequence, generation
                 raise MalformedHeader(spec.name, f"header says seq {stamp.sequence} gen "
                                       f"{stamp.generation}, control block says seq {seq} "
@@ -529,7 +530,7 @@ class Reader:
             # message whose receipt claims a future capture is ever delivered. Only that
             # field is read; the Receipt itself is decoded on demand (msg.receipt).
             receipt = _UNREAD
-            r_capture = _receipt_capture(raw_h)
+            r_capture = self._hdr.receipt_capture(raw_h)
             if r_capture is _SLOW:      # an unusual encoding: pycapnp reads it now
                 try:
                     receipt = codec.decode_receipt(raw_h, spec, seq, fast=False)
