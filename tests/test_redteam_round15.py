@@ -112,9 +112,6 @@ def test_2_a_loans_array_written_after_publish_never_changes_a_held_message(
 
 
 @BOTH
-@pytest.mark.xfail(strict=True, reason="round15 3: a Message used after its Reader's "
-                   "close raises ValueError('region released' / 'released memoryview'), "
-                   "not a BridgeError naming the channel")
 def test_3_a_message_used_after_its_reader_closed_is_a_bridge_error(make_channel, native):
     w, r = _pair(make_channel, native)
     _send(w, 5)

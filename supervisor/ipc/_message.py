@@ -94,6 +94,11 @@ class Message(_MessageBase):
         if self._released and not self._lost:
             raise BridgeError("message already released")
         r = self._reader
+        if r._closed:
+            # Its mappings are gone: a BridgeError naming the channel, never numpy's
+            # or the region's ValueError (red team 15 row 3).
+            raise BridgeError(f"channel {r.spec.name!r}: its reader was closed; message "
+                              f"seq {self.sequence} is gone with it")
         if self._lost or not r._stable(r._ctl[self._slot], self._gen):
             if not self._lost:
                 self._lost = self._released = True
@@ -123,7 +128,7 @@ class Message(_MessageBase):
         still ours (LeaseLost if not). ``array`` hands out fresh views of it."""
         r, slot = self._reader, self._slot
         seg = r._seg
-        if (self._released or self._lost
+        if (self._released or self._lost or r._closed
                 or (_gen_of(r._buf, r._ctl[slot])[0] if seg is None
                     else seg.load(r._ctl[slot])) != self._gen):   # acquire (R2)
             self.check()

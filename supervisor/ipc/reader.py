@@ -170,6 +170,7 @@ class Reader:
         # Compiled header and receipt readers of this reader's own (a writer's header
         # shapes never evict another channel's: red team 15 row 15).
         self._hdr = codec.HEADER.own()
+        self._closed = False
         self._last_layout_raw: bytes | None = None
         self._last_layout: Layout | None = None
         # What the native take needs of it: (bytes, payload span lo, hi).
@@ -904,6 +905,7 @@ class Reader:
                            self._skipped)
 
     def close(self) -> None:
+        self._closed = True               # its messages say so (Message.check)
         if self._wake is not None:
             self._wake.close()            # our duplicate only; the handle's fd stays
             self._wake = None
