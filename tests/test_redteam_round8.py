@@ -438,7 +438,10 @@ def test_an_actuation_writer_that_stops_itself_gets_the_watchdog_and_the_last_wo
     assert said[0]["channel"] == "cmd2" and said[0]["engaged"] == 0.0, said[0]
     print(f"c-stop: silent {missed[0]['silent_ms']} ms at the watchdog (limit {WATCHDOG_MS}); "
           f"last word {said[0]['waited_ms']} ms after its death was seen, by {said[0]['by']}")
-    ex = fleet.of("exit", "c-stop")
+    # The last word is said the moment the death is seen; the exit is logged once the
+    # sandbox is reaped, a few ms later: waited for, not read at once (a fresh-clone run
+    # read the log between the two).
+    ex = fleet.wait_for(lambda e: e.get("event") == "exit" and e.get("worker") == "c-stop", 10)
     assert ex and ex[0]["cause"] == "watchdog", ex
     assert not fleet.of("fail_safe")
 
