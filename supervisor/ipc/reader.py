@@ -698,7 +698,7 @@ class Reader:
             # CPU it would take the CPU the writer needs to publish (_burst). Its class
             # is given from outside (the supervisor, at READY): looked at once a second.
             self._class_seen = now
-            self._realtime = os.sched_getscheduler(0) != os.SCHED_OTHER
+            self._realtime = os.sched_getscheduler(0) in (os.SCHED_FIFO, os.SCHED_RR)
         if self._realtime:
             return None
         msg = self._watch_until(stop, take)
