@@ -767,6 +767,8 @@ def _unseen_editable(top: str, spec: Any, search: list[str],
     """Where an editable install (an import hook, a tree outside every path entry)
     keeps package ``top``, when the worker's sandbox does not see it: found here, the
     import fails in there (ModuleNotFoundError at start-up, after `check` said fine)."""
+    from supervisor.sandbox.policy import _under
+
     if binds is None or spec is None:
         return None
     try:
@@ -779,10 +781,6 @@ def _unseen_editable(top: str, spec: Any, search: list[str],
     if not where or any(any(_under(p, os.path.realpath(b)) for b in binds) for p in where):
         return None
     return where[0]
-
-
-def _under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
 
 
 def _missing_dependency(name: str, spec: Any, search: list[str],

@@ -2227,18 +2227,10 @@ static void msg_finalize(Msg *m) {
     PyObject *d = c != NULL ? c->rdict : NULL;
     PyObject *free = d != NULL ? dget(d, S_free_leases) : NULL;
     Region *lr = c != NULL ? (Region *)c->lease_o : NULL;
-    int done = 0;
     if (c != NULL && dget(d, S_drop_lease) == NULL && free != NULL && PyList_CheckExact(free)
-            && lr->base != NULL) {
-        Py_ssize_t off = lease_offset(lr, m->lease);
-        if (off >= 0 && in_bounds(lr, off, LEASE_STRIDE)) {
-            __atomic_store_n((uint64_t *)(lr->base + off + 8), 0, RELEASE);           /* L4 */
-            PyObject *ko = PyLong_FromSsize_t(m->lease);
-            done = ko != NULL && PyList_Append(free, ko) == 0;
-            Py_XDECREF(ko);
-        }
-    }
-    if (!done) {
+            && lease_offset(lr, m->lease) >= 0)
+        core_unlease(c, free, m->lease);               /* L4, k back on the free list */
+    else {
         PyObject *r = PyObject_CallMethod(m->reader, "_drop_lease", "n", m->lease);
         Py_XDECREF(r);
     }
