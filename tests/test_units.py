@@ -331,6 +331,9 @@ def _remove_sim_cgroups(name: str) -> None:
         for c in set(ctrls.split(",")) & {"memory", "pids", "cpu"}:
             d = Path(f"/sys/fs/cgroup/{c}{own.rstrip('/')}/{name}")
             if d.is_dir():
+                if (d / "cpu.rt_runtime_us").exists():
+                    # A removed group's RT runtime counts against its parent's for seconds.
+                    (d / "cpu.rt_runtime_us").write_text("0")
                 d.rmdir()
 
 
