@@ -320,6 +320,77 @@ def test_model_checks_come_before_the_driver():
     assert cmds[-1].reason == SafeReason.TIMEOUT
 
 
+def test_after_a_suspend_nothing_captured_before_it_steers():
+    """CLOCK_MONOTONIC stops in a suspend: an output from just before one looks as young
+    after the resume. The law, told the clock stopped, judges every output and driver
+    state captured before the resume STALE, and engages again only on engage_count
+    captured after it."""
+    for cfg, make in [(CFG, lambda t: out(0.3, ts=t - 5 * MS)), (DCFG, None)]:
+        law = ControlLaw(cfg)
+        cmds = run(law, 0, 30, make=make) if make else drive(law, 0, 500)
+        assert cmds[-1].engaged
+        t = 600 * MS                     # the resume, 0 ms of monotonic time later
+        law.clock_stopped(t)
+        before = out(0.3, ts=t - 5 * MS)     # young by the stopped clock, seconds old
+        c = law.step(before, t, driver=DriverState(0.9, 0.9, 0.9, t - 5 * MS))
+        assert not c.engaged and c.reason == SafeReason.STALE, c
+        assert law.judge(before, t, t + 1 * MS) == SafeReason.STALE
+        after = run(law, t + 20 * MS, 4, make=lambda u: out(0.3, ts=u - 1 * MS)) if make \
+            else drive(law, 620, 300)
+        assert after[-1].engaged and after[-1].reason == SafeReason.OK
+        if not make:
+            # a driver state from before the resume is no driver state
+            law.clock_stopped(1000 * MS)
+            law.see_driver(DriverState(0.9, 0.9, 0.9, 995 * MS))
+            assert law.judge_driver(1000 * MS) == SafeReason.DRIVER_STALE
+
+
+def test_the_suspend_watch_sees_a_suspend_and_nothing_else():
+    """BOOTTIME - MONOTONIC grows only in a suspend: the watch reports one past its
+    threshold, not a preemption between the reads, not the first look."""
+    from workers.controlsd.suspend import READ_NS, THRESHOLD_NS, SuspendWatch
+
+    w = SuspendWatch()
+    assert not w.check(1000, 5000, 1010)                       # first look: no verdict
+    assert not w.check(2000, 6000 + THRESHOLD_NS // 2, 2010)  # under the threshold
+    assert w.check(3000, 7000 + 2 * THRESHOLD_NS, 3010) and w.suspends == 1
+    assert not w.check(4000, 8000 + 2 * THRESHOLD_NS, 4010)   # the new offset holds
+    # preempted between the reads: the stamps are too far apart to judge
+    assert not w.check(5000, 9000 + 9 * THRESHOLD_NS, 5000 + READ_NS + 1)
+    assert w.suspends == 1
+
+
+def test_the_suspend_watch_never_fires_on_a_running_machine():
+    """The real clocks, looked at as controlsd does, with the process descheduled by a
+    CPU hog beside it: never a suspend (a false one would disengage the car)."""
+    import multiprocessing as mp
+
+    from workers.controlsd.suspend import SuspendWatch
+
+    hogs = [mp.get_context("fork").Process(target=_spin, args=(1.5,)) for _ in range(2)]
+    for h in hogs:
+        h.start()
+    try:
+        w = SuspendWatch()
+        end = time.monotonic() + 1.5
+        looks = 0
+        while time.monotonic() < end:
+            w.look()
+            looks += 1
+            if looks % 1000 == 0:
+                time.sleep(0.001)
+    finally:
+        for h in hogs:
+            h.join()
+    assert looks > 10_000 and w.suspends == 0
+
+
+def _spin(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
 def test_model_output_of_a_real_message(make_channel):
     ch = make_channel(name="model_out", dtype="float32", slot_size=4096, crc=True)
     with Writer(ch.writer_handle()) as w, Reader(ch.reader_handle(0)) as r:

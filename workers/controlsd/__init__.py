@@ -51,6 +51,7 @@ from supervisor.ipc import (BridgeError, ChannelTimeout, FutureTimestamp, LeaseL
                             NextLoan, Rejected)
 from supervisor.worker import WorkerContext
 
+from . import suspend
 from .law import Command, ControlLaw, DriverState, LawConfig, ModelOutput, SafeReason
 
 __all__ = ["Command", "ControlLaw", "DriverState", "LawConfig", "ModelOutput", "SafeReason",
@@ -278,6 +279,7 @@ def main(ctx: WorkerContext) -> int:
     last: Command | None = None
     last_latency_ns = None
     next_ping = now
+    watch = suspend.SuspendWatch()
     while not stop:
         now = time.monotonic_ns()
         if now >= next_ping:
@@ -315,7 +317,11 @@ def main(ctx: WorkerContext) -> int:
             d = newest_driver_state(driver, driver_counts)
             if d is not None:
                 driver_state, drivers = d, drivers + 1
-        now = time.monotonic_ns()
+        mono_a, boot, now = suspend.read()
+        if watch.check(mono_a, boot, now):
+            law.clock_stopped(now)
+            ctx.log("the machine was suspended: model outputs and driver states captured "
+                    "before the resume are stale", suspends=watch.suspends)
         if new is None and now < next_tick:
             continue
         if new is not None and new.latency_ns is not None:
@@ -338,7 +344,7 @@ def main(ctx: WorkerContext) -> int:
                 f"latency_ms={'-' if last_latency_ns is None else f'{last_latency_ns / 1e6:.2f}'} "
                 f"commands={published} rejected={sum(rej.values())}"
                 f"{'' if not rej else ' ' + ','.join(f'{k}:{v}' for k, v in sorted(rej.items()))} "
-                f"future={future} leases_lost={lost}"
+                f"future={future} leases_lost={lost} suspends={watch.suspends}"
                 f"{f' driver_states={drivers}' if driver is not None else ''}"
                 f"{''.join(f' driver_{k}={v}' for k, v in sorted(driver_counts.items()))}"
                 f"{f' busy_poll={st.busy_poll_hits}/{st.busy_poll_misses}' if poll else ''}"

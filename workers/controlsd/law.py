@@ -27,7 +27,8 @@ reason (`SafeReason`), in this order:
                   ``future_tolerance_ms`` ahead of now: a negative age is a lie, never
                   freshness
   STALE           the output is older than ``max_age_ms`` (age from the frame's capture
-                  time when known, else from the output's publish time)
+                  time when known, else from the output's publish time), or its age
+                  reference is before the clock last stopped (a suspend: `clock_stopped`)
   LOW_CONFIDENCE  confidence < ``min_confidence``
 
 With a driver monitor (``LawConfig.watch_driver``: controlsd reads a ``driver_state``
@@ -226,6 +227,8 @@ class ControlLaw:
         self._driver: DriverState | None = None
         self._absent_since: int | None = None      # capture time of the first bad state
         self._distracted_since: int | None = None
+        # Nothing captured before this can be aged (the clock stopped: a suspend).
+        self._floor_ns = -(1 << 63)
 
     def resume(self, steer_rad: float, engaged: bool, streak: int, at_ns: int) -> None:
         """Start from where another law was (a replay that begins mid-drive: the car's
@@ -236,6 +239,13 @@ class ControlLaw:
         self.engaged = bool(engaged)
         self._streak = max(int(streak), 0)
         self._last_ns = at_ns
+
+    def clock_stopped(self, now_ns: int) -> None:
+        """The clock did not run for a while before ``now_ns`` (the machine was
+        suspended: workers/controlsd/suspend.py): every output and driver state
+        captured before now is of unknown age, so each is STALE (DRIVER_STALE), and
+        engaging again needs ``engage_count`` outputs captured after now."""
+        self._floor_ns = now_ns
 
     @property
     def last_ns(self) -> int | None:
@@ -258,7 +268,7 @@ class ControlLaw:
             return _NOT_HOST_VISIBLE
         if out.ts_ns - now_ns > c.future_tolerance_ms * 1e6:
             return _FUTURE
-        if now_ns - out.ts_ns > c.max_age_ms * 1e6:
+        if now_ns - out.ts_ns > c.max_age_ms * 1e6 or out.ts_ns < self._floor_ns:
             return _STALE
         if out.confidence < c.min_confidence:
             return _LOW_CONFIDENCE
@@ -285,7 +295,8 @@ class ControlLaw:
         """Why the driver may not be trusted with an engaged system now, or OK."""
         c = self.cfg
         d = self._driver
-        if d is None or now_ns - d.ts_ns > c.driver_max_age_ms * 1e6:
+        if d is None or now_ns - d.ts_ns > c.driver_max_age_ms * 1e6 \
+                or d.ts_ns < self._floor_ns:
             return _DRIVER_STALE
         grace = c.driver_grace_ms * 1e6
         if self._absent_since is not None and now_ns - self._absent_since >= grace:
