@@ -5,19 +5,22 @@ The claim: control integrity holds without races, and the fail-safe (SAFE comman
 latch, `clear-fail-safe`) trips when control is really lost and never on an ordinary
 crash the design covers.
 
-Rows: 1 SIGSTOP of a control worker shorter than its watchdog; 2 kill -9 of an
-actuation writer with warm standbys (the hand-over: old messages after the new writer,
-sequence, the gap); 3 an actuation writer whose main loop wedges while a thread pings
-the watchdog; 4-8 a model writer that says READY and never publishes, publishes a
-frozen capture time, future capture times, closes and reopens its writer, goes quiet
-(what the real controlsd makes of each); 9 a research crash loop; 10 research OOM;
-11 two CPU hogs; 12 the whole fleet paused 2 s (SIGSTOP/SIGCONT, suspend's stand-in);
-13 SIGKILL of the supervisor, then the restarts systemd would make; 14 a real
-fail-safe: latched, seen by the next start, cleared; 15 the wall clock on decision
-paths (read).
+Rows: 1 SIGSTOP of a control worker shorter than its watchdog; 2-3 kill -9 of an
+actuation writer (its worker, then its whole sandbox) with warm standbys: old messages
+after the new writer, the loan in flight, sequence, SAFE and the gap; 4 the reason the
+last word of such a covered crash gives; 5 an actuation writer whose main loop wedges
+while a thread pings the watchdog; 6-10 a model writer that says READY and never
+publishes, publishes a frozen capture time, future capture times, closes and reopens
+its writer, goes quiet (what the real controlsd makes of each); 11 a research crash
+loop; 12 research OOM; 13 two CPU hogs; 14 the whole fleet paused 2 s (SIGSTOP/SIGCONT,
+suspend's stand-in), 15 the supervisor alone paused 1 s, 16 the whole fleet paused and
+the supervisor continued first; 17 the supervisor's descriptors after every restart
+above; 18 SIGKILL of the supervisor, then the restarts systemd would make; 19 a real
+fail-safe: latched, seen by the next start, cleared; 20 hand-overs under an open-file
+limit of exactly what the config needs; 21 the wall clock on decision paths (read).
 
 One `supervisor run` (the fleet below, `failure_policy = "fail_safe"` for control as
-in the car) carries rows 1-12; rows 13-14 start small runs of their own on the fleet's
+in the car) carries rows 1-17; rows 18-20 start small runs of their own on the fleet's
 state dir after it. The workers are `workers/probe/attacks_redteam16.py`;
 `RT16_KEEP=1` keeps the logs.
 
@@ -199,6 +202,8 @@ def fleet() -> LoggedRun:
     if not any(e["event"] == "all_ready" for e in ev):
         pytest.fail("the fleet never became ready:\n"
                     + "\n".join(json.dumps(e)[:300] for e in ev[-40:]))
+    time.sleep(1.0)                     # the standbys' starts after READY
+    _launched["fds0"] = len(os.listdir(f"/proc/{run.proc.pid}/fd"))
     return run
 
 
@@ -306,47 +311,105 @@ def test_01_a_stop_shorter_than_the_watchdog_is_no_fault(fleet):
     assert gaps and max(gaps) >= 150, gaps          # the stop did happen
 
 
-def test_02_a_hand_over_mixes_no_writers_and_never_goes_backwards(fleet):
-    """(ordinary day, race) `act` publishes every 2 ms, each command tagged by its
-    process; its worker process is SIGKILLed mid-stream with two warm standbys. The
-    control reader `spy` must see: the old tag never again once the new one appeared
-    (no message of the dead run after the new run's first), sequence numbers only
-    rising, the supervisor's SAFE between them (its last word), and no fail-safe or
-    latch. The gap from the last old command to the first new one is measured against
-    the channel's max_age (50 ms)."""
-    run = fleet
-    ev = until(run, lambda ev: len(of(ev, "act", "standby_warm")) >= 2, 60)
-    assert len(of(ev, "act", "standby_warm")) >= 2, of(ev, "act")[-8:]
-    victim = _worker_of(_active_pid(ev, "act"))
-    assert victim
+def _warm_enough(ev: Events) -> bool:
+    """`act` has two warm standbys (after an adoption: one new beside the one left)."""
+    adopted = of(ev, "act", "standby_adopted")
+    since = adopted[-1]["mono_ns"] if adopted else 0
+    warm = [e for e in of(ev, "act", "standby_warm") if e["mono_ns"] > since]
+    return len(warm) >= (1 if adopted else 2)
+
+
+def _hand_over(run: LoggedRun, *, sandbox: bool) -> dict:
+    """SIGKILL `act`'s worker process (or its whole sandbox: bwrap) with two warm
+    standbys, mid-stream; what the supervisor and the reader `spy` saw after it."""
+    ev = until(run, _warm_enough, 60)
+    assert _warm_enough(ev), of(ev, "act")[-8:]
     time.sleep(0.3)
+    bw = _active_pid(ev, "act")
+    victim = bw if sandbox else _worker_of(bw)
+    assert victim
+    n_old = len(_rt16(ev, "spy", "old_after_new"))
     t0 = time.monotonic_ns()
     os.kill(victim, signal.SIGKILL)
     ev = until(run, lambda ev: any(s["logged_ns"] > t0 for s in _rt16(ev, "spy", "switch")), 15)
     time.sleep(1.0)
     ev = run.events()
-    switches = [s for s in _rt16(ev, "spy", "switch") if s["logged_ns"] > t0]
-    old = _rt16(ev, "spy", "old_after_new")
-    regress = [r for r in _rt16(ev, "spy", "regress") if r["role"] == "a"]
-    seq = [(e["event"], round((e["mono_ns"] - t0) / 1e6, 1)) for e in of(ev, "act")
-           if e["mono_ns"] > t0 and e["event"] in ("last_word", "exit", "standby_adopted",
-                                                   "ready", "start", "restart")]
-    sw = switches[0] if switches else {}
-    print(f"round16 2: after the kill (ms) {seq}; switch {sw and {k: sw[k] for k in ('gap_ms', 'safe_between', 'seq')}}; "
-          f"old-after-new {len(old)}; regressions {len(regress)}; latch "
-          f"{(_launched['tmp'] / 'state' / 'failsafe.latch').exists()}")
-    assert switches, "no new writer seen after the kill"
-    assert not old, old[:3]
-    assert not regress, regress[:3]
-    assert sw["safe_between"] >= 1, sw          # the last word came between them
-    assert of(ev, "act", "standby_adopted"), seq
+    return dict(
+        t0=t0, ev=ev,
+        switches=[s for s in _rt16(ev, "spy", "switch") if s["logged_ns"] > t0],
+        old=_rt16(ev, "spy", "old_after_new")[n_old:],
+        safe=[x for x in _rt16(ev, "spy", "safe") if x["logged_ns"] > t0],
+        regress=[r for r in _rt16(ev, "spy", "regress") if r["role"] == "a"],
+        seq=[(e["event"], round((e["mono_ns"] - t0) / 1e6, 1)) for e in of(ev, "act")
+             if e["mono_ns"] > t0 and e["event"] in (
+                 "last_word", "exit", "standby_adopted", "ready", "start", "restart",
+                 "standby_exit")])
+
+
+def _check_hand_over(row: int, h: dict) -> None:
+    sw = h["switches"][0] if h["switches"] else {}
+    latch = _launched["tmp"] / "state" / "failsafe.latch"
+    print(f"round16 {row}: after the kill (ms) {h['seq']}; switch "
+          f"{sw and {k: sw[k] for k in ('gap_ms', 'safe_between', 'seq')}}; SAFE "
+          f"{h['safe'][0]['since_ms'] if h['safe'] else None} ms after the last old command; old-after-new "
+          f"{len(h['old'])}; regressions {len(h['regress'])}; latch {latch.exists()}")
+    assert h["switches"], "no new writer seen after the kill"
+    assert not h["old"], h["old"][:3]
+    assert not h["regress"], h["regress"][:3]
+    # The last word came between them, within the channel's max_age of the last old
+    # command: a consumer never holds an engaged command past its age without a SAFE
+    # after it (the new writer's own gap is measured, not judged: under load it can
+    # pass 50 ms, and SAFE covers it).
+    assert sw["safe_between"] >= 1, sw
+    assert h["safe"] and h["safe"][0]["since_ms"] < 50, h["safe"][:1]
+    assert any(e == "standby_adopted" for e, _ in h["seq"]), h["seq"]
+    assert not [e for e in h["ev"] if e["event"] == "fail_safe"]
+    assert not latch.exists()
+
+
+def test_02_a_hand_over_mixes_no_writers_and_never_goes_backwards(fleet):
+    """(ordinary day, race) `act` publishes every 2 ms through NextLoan (a slot always
+    on loan, as controlsd), each command tagged by its process; its worker process is
+    SIGKILLed mid-stream with two warm standbys. The control reader `spy` must see:
+    the old tag never again once the new one appeared (no message of the dead run after
+    the new run's first, nor its loan in flight), sequence numbers only rising, the
+    supervisor's SAFE between them (its last word), the gap from the last old command
+    to the first new one within the channel's max_age (50 ms), no fail-safe, no latch."""
+    _check_hand_over(2, _hand_over(fleet, sandbox=False))
+
+
+def test_03_a_sandbox_killed_whole_hands_over_as_cleanly(fleet):
+    """(ordinary day, race) As row 2, but the sandbox is killed (bwrap, SIGKILL): the
+    worker outlives bwrap for a few ms (bwrap -> its init -> the worker), still mapped
+    writable, while the supervisor already sees an exit. The standby must not get the
+    channel before the old worker is dead."""
+    _check_hand_over(3, _hand_over(fleet, sandbox=True))
+
+
+@pytest.mark.xfail(strict=True, reason="round16 4: the last word of a crash a warm standby "
+                   "covers says FAIL_SAFE, the code law.py reserves for a failed-safe domain")
+def test_04_the_last_word_of_a_covered_crash_is_not_a_fail_safe(fleet):
+    """(ordinary day) Rows 2-3: the supervisor's last word (SAFE) between the dead writer
+    and its adopted standby carries reason FAIL_SAFE (10), which `law.SafeReason`
+    documents as "published by the supervisor when the control domain failed safe".
+    The domain did not fail safe: a consumer, the live row or a drive log reading the
+    reason tells a crash a standby covered in ~25 ms from the car's latch. The word
+    must say what happened (its writer died), not that control is lost."""
+    ev = fleet.events()
+    words = of(ev, "act", "last_word")
+    covered = [w for w in words if any(
+        0 < a["mono_ns"] - w["mono_ns"] < 2e9 for a in of(ev, "act", "standby_adopted"))]
+    print(f"round16 4: last words before an adoption: reasons "
+          f"{[w.get('reason') for w in covered]}, engaged {[w.get('engaged') for w in covered]};"
+          f" fail_safe events {len([e for e in ev if e['event'] == 'fail_safe'])}")
+    assert covered, words
     assert not [e for e in ev if e["event"] == "fail_safe"]
-    assert not (_launched["tmp"] / "state" / "failsafe.latch").exists()
+    assert all(w.get("reason") != FAIL_SAFE for w in covered), covered[:2]
 
 
-@pytest.mark.xfail(strict=True, reason="round16 3: a watchdog pinged from a thread hides a "
+@pytest.mark.xfail(strict=True, reason="round16 5: a watchdog pinged from a thread hides a "
                    "wedged actuation writer: no restart, no SAFE, no event, for ever")
-def test_03_a_wedged_writer_pinging_from_a_thread_is_found(fleet):
+def test_05_a_wedged_writer_pinging_from_a_thread_is_found(fleet):
     """(must trip) `wedge`, an actuation writer (watchdog 300 ms), publishes engaged=1
     for 6 s, then its main loop blocks for ever while a thread keeps pinging the
     watchdog. Control is lost: no command comes any more. The supervisor must find it
@@ -364,7 +427,7 @@ def test_03_a_wedged_writer_pinging_from_a_thread_is_found(fleet):
             if e["mono_ns"] > t0 and e["event"] in ("watchdog_missed", "last_word", "exit",
                                                     "restart", "refused")]
     newest = wins[-1] if wins else {}
-    print(f"round16 3: wedged; 2 s later the supervisor said {said}; cmd2's newest "
+    print(f"round16 5: wedged; 2 s later the supervisor said {said}; cmd2's newest "
           f"{newest.get('newest')} aged {newest.get('newest_age_ms')} ms (max_age 50)")
     assert wins and newest["newest"][1] == 1.0, wins[-1:]    # the attack held: engaged, old
     assert said, "nothing said of a writer silent for 2 s"
@@ -395,16 +458,16 @@ def _reasons(ws: list[dict]) -> tuple[set, set]:
     return ({r for w in ws for r in w["reasons"]}, {e for w in ws for e in w["engaged"]})
 
 
-def test_04_ready_then_never_publishing_never_engages(phased):
+def test_06_ready_then_never_publishing_never_engages(phased):
     """(must trip) `mw` says READY and publishes nothing for 5 s: controlsd must command
     not engaged, reason NO_INPUT, from its first command."""
     ws = _during(phased, "silent", 100)
     reasons, engaged = _reasons(ws)
-    print(f"round16 4: silent after READY: controlsd's reasons {reasons}, engaged {engaged}")
+    print(f"round16 6: silent after READY: controlsd's reasons {reasons}, engaged {engaged}")
     assert ws and engaged == {0} and reasons <= {NO_INPUT}, ws[:3]
 
 
-def test_05_a_frozen_capture_time_goes_safe_within_its_age(phased):
+def test_07_a_frozen_capture_time_goes_safe_within_its_age(phased):
     """(must trip) `mw` publishes every 20 ms, every value and the capture time the same
     as its last good one (a frozen camera pipeline, a replayed buffer). From 400 ms in
     (the model channel's max_age 200 ms + controlsd's 150 ms): never engaged, reason
@@ -412,22 +475,22 @@ def test_05_a_frozen_capture_time_goes_safe_within_its_age(phased):
     good = _reasons(_during(phased, "good", 600))
     ws = _during(phased, "frozen", 400)
     reasons, engaged = _reasons(ws)
-    print(f"round16 5: good phase {good}; frozen capture time: reasons {reasons}, engaged "
+    print(f"round16 7: good phase {good}; frozen capture time: reasons {reasons}, engaged "
           f"{engaged}; rejected by the reader {ws[-1]['rejected'] if ws else None}")
     assert 1 in good[1], good
     assert ws and engaged == {0} and reasons <= {STALE, TIMEOUT}, ws[:3]
 
 
-def test_06_future_capture_times_go_safe_at_once(phased):
+def test_08_future_capture_times_go_safe_at_once(phased):
     """(must trip) `mw` stamps every output's capture time 1 s in the future: a lie
     about time. controlsd: not engaged, reason FUTURE, from 100 ms in."""
     ws = _during(phased, "future", 100)
     reasons, engaged = _reasons(ws)
-    print(f"round16 6: future capture times: reasons {reasons}, engaged {engaged}")
+    print(f"round16 8: future capture times: reasons {reasons}, engaged {engaged}")
     assert ws and engaged == {0} and reasons <= {FUTURE}, ws[:3]
 
 
-def test_07_a_writer_closed_and_reopened_continues_its_sequence(phased):
+def test_09_a_writer_closed_and_reopened_continues_its_sequence(phased):
     """`mw` closes its Writer and opens a new one on the same handle, then publishes
     good outputs. Readers must see the sequence go on (no regression, nothing
     refused as a jump), and controlsd engages again on them."""
@@ -438,7 +501,7 @@ def test_07_a_writer_closed_and_reopened_continues_its_sequence(phased):
     mwins = [w for w in _rt16(ev, "spy", "mwin") if lo < w["t1"] <= hi + 200e6]
     ws = _during(ev, "reopen", 400)
     reasons, engaged = _reasons(ws)
-    print(f"round16 7: reopened {re_}; spy's model windows {[(w['n'], w['seqs']) for w in mwins][:6]}"
+    print(f"round16 9: reopened {re_}; spy's model windows {[(w['n'], w['seqs']) for w in mwins][:6]}"
           f" rejected {mwins[-1]['rejected'] if mwins else None}; regressions {regress[:3]}; "
           f"controlsd {reasons}, engaged {engaged}")
     assert re_ and re_[0]["after"] >= re_[0]["before"], re_
@@ -446,22 +509,22 @@ def test_07_a_writer_closed_and_reopened_continues_its_sequence(phased):
     assert ws and 1 in engaged, ws[:3]
 
 
-def test_08_a_model_gone_quiet_times_out(phased):
+def test_10_a_model_gone_quiet_times_out(phased):
     """(must trip) `mw` alive, pinging, publishing nothing: TIMEOUT after 150 ms."""
     ws = _during(phased, "quiet", 300)
     reasons, engaged = _reasons(ws)
-    print(f"round16 8: quiet model: reasons {reasons}, engaged {engaged}")
+    print(f"round16 10: quiet model: reasons {reasons}, engaged {engaged}")
     assert ws and engaged == {0} and reasons <= {TIMEOUT}, ws[:3]
 
 
-def test_09_a_research_crash_loop_never_touches_control(fleet):
+def test_11_a_research_crash_loop_never_touches_control(fleet):
     """(ordinary day) Research worker `crash` (optional) exits 1 0.3 s after each READY:
     it gives up after 3 restarts, cools down 2 s, tries again. Nothing of control is
     touched: no fail-safe, no control worker's exit, no latch."""
     run = fleet
     ev = until(run, lambda ev: bool(of(ev, "crash", "retry")), 30)
     gave = of(ev, "crash", "gave_up")
-    print(f"round16 9: crash exits {len(of(ev, 'crash', 'exit'))}, gave_up {len(gave)}, "
+    print(f"round16 11: crash exits {len(of(ev, 'crash', 'exit'))}, gave_up {len(gave)}, "
           f"retries {len(of(ev, 'crash', 'retry'))}; fail_safe "
           f"{[e for e in ev if e['event'] == 'fail_safe']}")
     assert gave and of(ev, "crash", "retry"), of(ev, "crash")[-5:]
@@ -469,14 +532,14 @@ def test_09_a_research_crash_loop_never_touches_control(fleet):
     assert not (_launched["tmp"] / "state" / "failsafe.latch").exists()
 
 
-def test_10_research_oom_is_research_s_alone(fleet):
+def test_12_research_oom_is_research_s_alone(fleet):
     """(ordinary day) Research worker `oom` touches memory past its memory_max
     (128 MiB): the kernel kills it at its cgroup's limit, the exit names the cause, and
     control goes on (no fail-safe)."""
     run = fleet
     ev = until(run, lambda ev: bool(of(ev, "oom", "exit")), 30)
     ex = of(ev, "oom", "exit")
-    print(f"round16 10: oom exit {[(x.get('code'), x.get('signal'), x.get('cause')) for x in ex]}")
+    print(f"round16 12: oom exit {[(x.get('code'), x.get('signal'), x.get('cause')) for x in ex]}")
     assert ex, of(ev, "oom")[-5:]
     assert ex[0]["signal"] == "SIGKILL" and "out of memory" in (ex[0].get("cause") or ""), ex
     assert not [e for e in ev if e["event"] == "fail_safe"]
@@ -485,7 +548,7 @@ def test_10_research_oom_is_research_s_alone(fleet):
 _HOG = "import time\nt = time.monotonic() + {s}\nwhile time.monotonic() < t: pass\n"
 
 
-def test_11_two_cpu_hogs_on_two_cores_trip_nothing(fleet):
+def test_13_two_cpu_hogs_on_two_cores_trip_nothing(fleet):
     """(ordinary day) Two busy loops (one per core, as a root process outside every
     sandbox: a log compressor, an update) for 4 s. No control worker misses its
     watchdog (300-1000 ms), none dies, no fail-safe; the command stream's worst gap is
@@ -500,7 +563,7 @@ def test_11_two_cpu_hogs_on_two_cores_trip_nothing(fleet):
     ev = run.events()
     gaps = [g["max_ms"] for g in _rt16(ev, "spy", "gaps") if g["mono_ns"] > t0]
     bad = [b for b in _bad(ev, t0) if b[1] != "wedge"]
-    print(f"round16 11: two hogs 4 s: command gaps per 0.5 s {gaps}; bad {bad}")
+    print(f"round16 13: two hogs 4 s: command gaps per 0.5 s {gaps}; bad {bad}")
     assert not bad, bad
 
 
@@ -508,7 +571,7 @@ def _fleet_pids(run: LoggedRun) -> list[int]:
     return sorted(_tree(run.proc.pid))
 
 
-def test_12_a_suspend_like_pause_of_everything_is_no_fault(fleet):
+def test_14_a_suspend_like_pause_of_everything_is_no_fault(fleet):
     """(ordinary day) The whole fleet, supervisor included, stopped for 2 s and continued
     (suspend's stand-in: in a real suspend CLOCK_MONOTONIC stops too; under SIGSTOP it
     runs on, the harder case). Every process was paused alike: no worker is to blame.
@@ -527,15 +590,89 @@ def test_12_a_suspend_like_pause_of_everything_is_no_fault(fleet):
     time.sleep(2.0)
     ev = run.events()
     bad = [b for b in _bad(ev, t0) if b[1] != "wedge"]
-    print(f"round16 12: fleet paused 2 s ({len(pids)} processes): after it {bad}")
+    print(f"round16 14: fleet paused 2 s ({len(pids)} processes): after it {bad}")
     assert not [e for e in ev if e["event"] == "fail_safe"]
     assert not bad, bad
 
 
-def _small(tmp: Path, name: str, toml: str) -> tuple[subprocess.Popen, Path]:
+def test_15_a_paused_supervisor_alone_blames_no_worker(fleet):
+    """(ordinary day) The supervisor alone stopped for 1 s (a debugger attached, an
+    operator's kill -STOP, the supervisor paged out) while its workers run on and ping
+    into their pipes: longer than every control watchdog here (300-1000 ms). Its own lag
+    must not be blamed on a worker: it reads the pings waiting before it judges."""
+    run = fleet
+    time.sleep(0.3)
+    t0 = time.monotonic_ns()
+    os.kill(run.proc.pid, signal.SIGSTOP)
+    time.sleep(1.0)
+    os.kill(run.proc.pid, signal.SIGCONT)
+    time.sleep(1.5)
+    ev = run.events()
+    bad = [b for b in _bad(ev, t0) if b[1] != "wedge"]
+    print(f"round16 15: supervisor alone paused 1 s: after it {bad}")
+    assert not bad, bad
+
+
+@pytest.mark.xfail(strict=True, reason="round16 16: after a pause of everything, a supervisor "
+                   "that runs first kills every control worker by watchdog and discards its "
+                   "still-stopped standbys")
+def test_16_a_pause_of_everything_thawed_supervisor_first_is_no_fault(fleet):
+    """(ordinary day) As row 12, but the supervisor is continued 30 ms before its
+    workers (a freezer's thaw, `systemctl thaw`, a VM resumed by its host: the order in
+    which tasks run again is nobody's choice; on 2 cores the supervisor's loop can run
+    first). Every process was paused alike: no worker is to blame, none may be killed,
+    no standby discarded, no SAFE said."""
+    run = fleet
+    ev = until(run, _warm_enough, 30)
+    time.sleep(0.3)
+    pids = _fleet_pids(run)
+    t0 = time.monotonic_ns()
+    os.kill(run.proc.pid, signal.SIGSTOP)
+    for p in pids:
+        _kill(p, signal.SIGSTOP)
+    time.sleep(2.0)
+    os.kill(run.proc.pid, signal.SIGCONT)
+    time.sleep(0.03)
+    for p in pids:
+        _kill(p, signal.SIGCONT)
+    time.sleep(2.5)
+    ev = run.events()
+    bad = [b for b in _bad(ev, t0) if b[1] != "wedge"]
+    missed = [(e["worker"], e.get("silent_ms")) for e in ev
+              if e["mono_ns"] > t0 and e["event"] == "watchdog_missed"]
+    dropped = [(e["worker"], e.get("cause")) for e in ev
+               if e["mono_ns"] > t0 and e["event"] == "standby_exit"]
+    words = [e["worker"] for e in ev if e["mono_ns"] > t0 and e["event"] == "last_word"]
+    cold = [e["worker"] for e in ev if e["mono_ns"] > t0 and e["event"] == "start"]
+    print(f"round16 16: thawed supervisor first: watchdog kills {missed}; standbys "
+          f"discarded {dropped}; last words {words}; cold starts {cold}; fail_safe "
+          f"{[e['reason'] for e in ev if e['event'] == 'fail_safe']}")
+    assert not [e for e in ev if e["event"] == "fail_safe"]
+    assert not bad, bad
+
+
+def test_17_restarts_leave_no_file_descriptor_behind(fleet):
+    """(ordinary day, long) After every restart, hand-over and cold start the rows above
+    made (a research crash loop, three adoptions, OOM), the supervisor holds no more
+    descriptors than at READY: a leak of a few per restart is EMFILE after a week of an
+    optional worker's crash loop, and a failed start of a control worker then counts
+    toward its fail-safe."""
+    run = fleet
+    fds0 = _launched["fds0"]
+    fds = len(os.listdir(f"/proc/{run.proc.pid}/fd"))
+    ev = run.events()
+    restarts = sum(e["event"] in ("start", "standby_start") for e in ev)
+    print(f"round16 17: supervisor fds at READY {fds0}, now {fds} after {restarts} "
+          f"starts in all")
+    assert restarts > 20, restarts
+    assert fds <= fds0 + 8, (fds0, fds)
+
+
+def _small(tmp: Path, name: str, toml: str,
+           prefix: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
     (tmp / f"{name}.toml").write_text(toml)
     log = tmp / f"{name}.log"
-    proc = subprocess.Popen([PY, "-m", "supervisor.cli", "run", "--config",
+    proc = subprocess.Popen([*prefix, PY, "-m", "supervisor.cli", "run", "--config",
                              str(tmp / f"{name}.toml")],
                             stdout=subprocess.DEVNULL, stderr=open(log, "w"), cwd=REPO,
                             env=dict(os.environ, TRIO_STATE_DIR=str(tmp / "state")))
@@ -572,7 +709,7 @@ def _stop(proc: subprocess.Popen) -> int:
     return proc.wait()
 
 
-def test_13_a_killed_supervisor_leaves_nothing_and_restarts_clean(fleet):
+def test_18_a_killed_supervisor_leaves_nothing_and_restarts_clean(fleet):
     """(ordinary day: the OOM killer's pick, a crash of the supervisor itself) SIGKILL of
     the supervisor: every sandbox goes with it (nothing of control runs unsupervised;
     no SAFE is said: nobody is left to say it, and the channels die with their
@@ -600,7 +737,7 @@ def test_13_a_killed_supervisor_leaves_nothing_and_restarts_clean(fleet):
     p2, log2 = _small(tmp, "after-term", _SMALL_TOML)
     ev2 = _wait_log(p2, log2, {"all_ready", "supervisor_exit"}, 60)
     code2 = _stop(p2)
-    print(f"round16 13: {len(tree)} processes under the killed supervisor; "
+    print(f"round16 18: {len(tree)} processes under the killed supervisor; "
           f"{len(left)} left after {gone_s:.2f} s; latch {latch.exists()}; next start "
           f"{[e['event'] for e in ev1 if e['event'] in ('all_ready', 'supervisor_exit')]} "
           f"exit {code1}; latch after SIGTERM {latch_after_term}; start after "
@@ -613,7 +750,7 @@ def test_13_a_killed_supervisor_leaves_nothing_and_restarts_clean(fleet):
     assert code2 == 0
 
 
-def test_14_a_real_loss_latches_and_the_latch_holds_until_cleared(fleet):
+def test_19_a_real_loss_latches_and_the_latch_holds_until_cleared(fleet):
     """(must trip) A required actuation writer that dies at every start (max_restarts 1):
     control is really lost. The fail-safe trips (event, SAFE command, exit 4, latch);
     the next start sees the latch and starts nothing (exit 4); `clear-fail-safe`
@@ -636,7 +773,7 @@ def test_14_a_real_loss_latches_and_the_latch_holds_until_cleared(fleet):
     ev3 = _wait_log(p3, log3, {"all_ready", "supervisor_exit"}, 60)
     code3 = _stop(p3)
     fs = [e for e in ev1 if e["event"] in ("fail_safe", "fail_safe_command", "last_word")]
-    print(f"round16 14: doomed run exit {code1}, {[(e['event'], e.get('reason')) for e in fs][:4]};"
+    print(f"round16 19: doomed run exit {code1}, {[(e['event'], e.get('reason')) for e in fs][:4]};"
           f" latch {latched}; next start exit {code2} "
           f"{[e.get('reason') for e in ev2 if e['event'] == 'supervisor_exit']}; clear rc "
           f"{clear.returncode}; start after clear "
@@ -648,12 +785,64 @@ def test_14_a_real_loss_latches_and_the_latch_holds_until_cleared(fleet):
     assert any(e["event"] == "all_ready" for e in ev3) and code3 == 0, ev3[-5:]
 
 
+_NOFILE_TOML = _SMALL_TOML.replace('restart = "always"', 'restart = "always"\nwarm_standby = true') + f"""
+[workers.spy]
+domain = "control"
+module = "{MOD}"
+args = ["spy"]
+subscribes = {{ a = "cmd" }}
+restart = "always"
+ready_timeout_ms = 30000
+"""
+
+
+def test_20_hand_overs_at_the_open_file_limit_check_allowed(fleet):
+    """(ordinary day) The supervisor under a hard RLIMIT_NOFILE of exactly what `check`
+    (fdlimit.needed) says the config needs (a unit's LimitNOFILE= sized by it). Three
+    kills of the actuation writer's sandbox, each with its standbys warm: every
+    hand-over and standby start goes through (no EMFILE: no start_failed, no
+    standby_failed), no fail-safe, and the stop is clean."""
+    from supervisor.config import load
+    from supervisor import fdlimit
+
+    tmp: Path = _launched["tmp"]
+    if _launched["fleet"].proc.poll() is None:
+        _launched["fleet"].terminate(30)
+    (tmp / "nofile.toml").write_text(_NOFILE_TOML)
+    need = fdlimit.needed(load(str(tmp / "nofile.toml")))
+    proc, log = _small(tmp, "nofile", _NOFILE_TOML,
+                       prefix=("prlimit", f"--nofile={need}:{need}"))
+    try:
+        _wait_log(proc, log, {"all_ready", "supervisor_exit"}, 60)
+        fds = []
+        for _ in range(3):
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not _warm_enough(_log(log)):
+                time.sleep(0.1)
+            fds.append(len(os.listdir(f"/proc/{proc.pid}/fd")))
+            _kill(_active_pid(_log(log), "act"))
+            time.sleep(0.3)
+        time.sleep(1.5)
+        fds.append(len(os.listdir(f"/proc/{proc.pid}/fd")))
+    finally:
+        code = _stop(proc)
+    ev = _log(log)
+    failed = [(e["event"], e.get("error")) for e in ev
+              if e["event"] in ("start_failed", "standby_failed", "fail_safe")]
+    adopted = of(ev, "act", "standby_adopted")
+    print(f"round16 20: RLIMIT_NOFILE {need}; supervisor fds before each kill and after "
+          f"{fds}; adoptions {len(adopted)}; failures {failed}; exit {code}")
+    assert not failed, failed
+    assert len(adopted) == 3, [e["event"] for e in of(ev, "act")]
+    assert code == 0
+
+
 # Ages, deadlines and watchdogs: CLOCK_MONOTONIC only (a wall-clock step back must move
 # nothing). The wall clock is allowed for event stamps (`ts`) and the latch's text.
 _WALL = re.compile(r"time\.time(_ns)?\(\)|CLOCK_REALTIME|datetime\.now|time\.strftime")
 
 
-def test_15_no_decision_reads_the_wall_clock():
+def test_21_no_decision_reads_the_wall_clock():
     """(read) CLOCK_REALTIME set back (NTP's step at boot, a GPS fix) must move no age,
     deadline or watchdog. Every read of the wall clock in the lifecycle, the bridge,
     the fail-safe, notify and controlsd is listed; only stamps for people are allowed
@@ -669,5 +858,5 @@ def test_15_no_decision_reads_the_wall_clock():
                 if _WALL.search(line) and not line.lstrip().startswith(("#", "//", "*")):
                     hits.append(f"{f.relative_to(REPO)}:{i}: {line.strip()[:90]}")
     allowed = [h for h in hits if h.startswith("supervisor/failsafe.py") and "strftime" in h]
-    print(f"round16 15: wall-clock reads {hits}")
+    print(f"round16 21: wall-clock reads {hits}")
     assert sorted(hits) == sorted(allowed), hits

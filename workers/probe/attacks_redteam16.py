@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 from schemas.payloads import CONTROL_CMD
+from supervisor.ipc import NextLoan
 
 
 def _say(row: str, **data) -> None:
@@ -40,7 +41,9 @@ def act(ctx) -> int:
     w = ctx.writer("out")                       # a standby blocks here until adopted
     ctx.ready(status=f"rt16 act tag {tag:g}")
     _say("act", tag=tag, mono_ns=time.monotonic_ns())
-    cmd = np.zeros(CONTROL_CMD.shape, np.float32)
+    # As controlsd: the next slot always on loan (NextLoan), so a kill always leaves a
+    # loan in flight, half written: the hand-over must never show it.
+    out = NextLoan(w, CONTROL_CMD.shape, np.float32)
     n, next_ping = 0, 0
     while True:
         now = time.monotonic_ns()
@@ -48,8 +51,12 @@ def act(ctx) -> int:
             ctx.watchdog()
             next_ping = now + 20_000_000
         n += 1
-        cmd[:] = (tag, 1.0, 0.0, float(n % 4096))
-        w.publish_array(cmd)
+        a = out.array
+        a[0] = tag
+        a[1] = 1.0
+        a[2] = 0.0
+        a[3] = float(n % 4096)
+        out.publish()
         time.sleep(0.002)
 
 
@@ -166,7 +173,8 @@ def spy(ctx) -> int:
                     t, reason = vals[0], int(vals[2])
                     if reason == 10:               # FAIL_SAFE: the last word
                         safe_since_switch += 1
-                        _say("safe", seq=seq, pub=pub, after=tag)
+                        _say("safe", seq=seq, pub=pub, after=tag, since_ms=None
+                             if last_pub is None else (pub - last_pub) / 1e6)
                         continue
                     if t in retired:
                         _say("old_after_new", seq=seq, tag=t, current=tag, pub=pub)
