@@ -265,6 +265,74 @@ def test_check_start_never_writes_a_workers_control_characters(work):
         assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", text), repr(text[-600:])
 
 
+# ------------------------------------------------------------------ 10-11. other users
+
+
+ESCAPES = "\x1b]0;PWNED\x07\x1b]52;c;cm0gLXJmIH4K\x07\x1b[2J\x1b[Hno other supervisor\x1b[8m"
+
+
+def _lookalike(env_extra: dict[str, str] | None = None) -> subprocess.Popen:
+    """Any local user's process whose command line reads like `supervisor.cli run`
+    (an unprivileged account, nothing installed: /usr/bin/python3 sleeping)."""
+    if shutil.which("setpriv") is None or not os.path.exists("/usr/bin/python3"):
+        pytest.skip("setpriv and /usr/bin/python3 make another user's process")
+    env = {"PATH": "/usr/bin:/bin", **(env_extra or {})}
+    p = subprocess.Popen(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+                          "/usr/bin/python3", "-c", "import time; time.sleep(120)",
+                          "supervisor.cli", "run", ESCAPES], env=env, cwd="/")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:           # setpriv has exec'd python3
+        try:
+            if b"supervisor.cli" in Path(f"/proc/{p.pid}/cmdline").read_bytes():
+                return p
+        except OSError:
+            pass
+        time.sleep(0.05)
+    p.kill()
+    pytest.fail("the look-alike process did not start")
+
+
+@pytest.mark.xfail(strict=True, reason="review9 10: check --start prints any local user's "
+                   "look-alike command line raw in its 'another supervisor runs here' note")
+def test_check_start_never_prints_another_users_command_line_raw(work):
+    """`nobody` runs a process whose argv holds 'supervisor.cli run' and escape
+    sequences (TRIO_STATE_DIR set, so it is not taken for the vehicle's)."""
+    p = _lookalike({"TRIO_STATE_DIR": "/nonexistent"})
+    try:
+        r = _check_start([*CLI, "check", "--start", "--config", str(work / "one.toml")])
+    finally:
+        p.kill()
+        p.wait()
+    # Named escaped, or not named at all (it is no supervisor): never written raw.
+    for text in (r.stdout, r.stderr):
+        assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", text), repr(text[-600:])
+
+
+@pytest.mark.xfail(strict=True, reason="review9 11: any local user blocks check --start: a "
+                   "process named like 'supervisor.cli run' is taken for the vehicle's")
+def test_another_users_lookalike_does_not_block_check_start(work):
+    """The vehicle supervisor is root's (or trio-supervisor's, split) and holds its state
+    dir's lock; `nobody`'s sleeping python3 is neither."""
+    p = _lookalike()
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            r = subprocess.run([*CLI, "check", "--start", "--config", str(work / "one.toml")],
+                               capture_output=True, text=True, errors="replace", timeout=150,
+                               env=_env(), cwd="/")
+            m = re.search(r"refused: a vehicle supervisor runs \(pid ([\d, ]+)\)", r.stderr)
+            if m is None or str(p.pid) in m.group(1).replace(",", " ").split():
+                break
+            if time.monotonic() > deadline:      # only another suite's vehicle run
+                pytest.skip("another suite's vehicle supervisor ran for 90 s")
+            time.sleep(3)
+    finally:
+        p.kill()
+        p.wait()
+    assert m is None, r.stderr[-800:]
+    assert r.returncode == 0, (r.returncode, r.stderr[-800:])
+
+
 # ------------------------------------------------------------------ 5. realtime
 
 
