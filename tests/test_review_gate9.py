@@ -78,17 +78,18 @@ def cfg(clone) -> Path:
     return p
 
 
-def _write_drive(path: Path, n: int, w: int, h: int) -> None:
+def _write_drive(path: Path, n: int, w: int, h: int, *, seed: int = 1,
+                 t0: int = 1_000_000_000) -> None:
     """A drive log as the recorder writes one (raw video, an output and a command per
     frame), written in-process from this tree's writer: no pipeline needed."""
     from schemas.payloads import CONTROL_CMD, MODEL_OUT
     from supervisor.replay.drivelog import LogWriter
     from workers.camerad.synthetic import SyntheticRoad
 
-    road = SyntheticRoad(w, h, seed=1)
+    road = SyntheticRoad(w, h, seed=seed)
     lw = LogWriter(path, ["road_frames", "model_out", "control_cmd"], video_codec="raw")
     for k in range(n):
-        t = 1_000_000_000 + k * 50_000_000
+        t = t0 + k * 50_000_000
         y, uv, _ = road.render(k)
         lw.frame("road_frames", k + 1, t + 1, 11, k, t, 9000, w, h, "nv12", "road", (y, uv))
         lw.message("model_out", k + 1, t + 2, 12, k, t,
@@ -183,6 +184,25 @@ def test_format_json_gives_a_document_for_a_usage_error_too(clone, drive):
     assert r.returncode == 2, r.stderr
     doc = json.loads(r.stdout)
     assert doc["exit_code"] == 2 and "--tol-p99" in doc["error"]
+
+
+@pytest.mark.xfail(strict=True, reason="gate9 10: a REF of another drive is compared frame "
+                   "id by frame id: 'DIFFERS' (exit 6), a model regression that never was")
+def test_a_ref_of_another_drive_is_refused_not_a_difference(clone, cfg, drive):
+    """A CI job whose golden is mixed up (`--ref golden/highway-02` for highway-01's
+    log): REF here is another drive's log (other pixels, other capture times, the same
+    frame ids 0..5, as two drives of one camera restart have). Messages are matched by
+    frame id only, so every model output 'changed' and the job fails as a model
+    regression, exit 6 ('the model changed what the car does', docs/replay.md's CI
+    step), naming no mix-up. Whether REF is of this drive is known before anything
+    starts (its frames' ids and capture times, or a RUN's summary.json `log`)."""
+    other = clone.parent / "other-drive"
+    _write_drive(other, 6, W, H, seed=7, t0=9_000_000_000)
+    r = _cli(["replay", str(drive), "--config", str(cfg), "--out",
+              str(clone.parent / "run-mix"), "--ref", str(other), "--no-progress"],
+             root=clone, timeout=180)
+    assert "frame" in r.stdout + r.stderr, r.stdout + r.stderr
+    assert r.returncode == 2, (r.returncode, r.stdout[-800:], r.stderr[-400:])
 
 
 @pytest.mark.xfail(strict=True, reason="gate9 7: log info says 'nothing lost' of a log "
@@ -330,3 +350,49 @@ def test_the_report_says_what_research_can_observe_of_control(signed):
                      and "modeld" in p["writer"] + p.get("carries", "")]
     assert into_research or "last_slot" in text, [p["id"] for p in paths
                                                   if p["reader"] == "research"]
+
+
+def _md_filesystem(clone: Path, report: Path) -> str:
+    """The markdown filesystem view the clone renders of a JSON report."""
+    r = subprocess.run([sys.executable, "-c", "import json, sys\n"
+                        "from supervisor.audit.review import md_filesystem\n"
+                        "print('\\n'.join(md_filesystem(json.load(open(sys.argv[1])))))",
+                        str(report)], env={**os.environ, "PYTHONPATH": str(clone),
+                                           "PYTHONDONTWRITEBYTECODE": "1"},
+                       cwd=clone, capture_output=True, text=True, timeout=60, check=True)
+    return r.stdout
+
+
+@pytest.mark.xfail(strict=True, reason="gate9 9: docs/audit-default.md's filesystem view "
+                   "is stale: no /proc counter masked, no /proc/pressure emptied (27331ca)")
+def test_the_published_filesystem_view_is_heads(clone, signed):
+    """docs/review.md's threat model says the machine's counters under /proc are empty
+    in every sandbox (red team 14 row 3, 27331ca, 18:21); docs/audit-default.md was
+    regenerated at 17:55 (69766f3) and names none of them. Review 8's guard of the
+    published audit leaves the filesystem view out (it names install paths), so
+    nothing noticed. Compared here: every masked or emptied path of HEAD's report
+    (none of them an install path) is in the published document."""
+    doc = json.loads(signed.read_text())
+    published = (REPO / "docs" / "audit-default.md").read_text()
+    want = sorted({p for v in doc["filesystem"].values() if isinstance(v, dict)
+                   for p in v.get("masked", []) + [m["path"] for m in v.get("mounts", [])
+                                                   if m.get("what") == "emptied"]
+                   if p.startswith("/proc")})
+    assert want, "HEAD's report masks nothing under /proc"
+    missing = [p for p in want if p not in published]
+    assert missing == [], missing
+
+
+@pytest.mark.xfail(strict=True, reason="gate9 11: the report calls /proc/loadavg and ten "
+                   "other /proc counters 'Compilers masked'")
+def test_masked_proc_counters_are_not_called_compilers(clone, signed):
+    """The markdown (and text) filesystem view prints every /dev/null bind as
+    `Compilers masked (bound over by /dev/null, cannot run): /proc/loadavg, /proc/stat,
+    ..., /usr/bin/c89-gcc, ...`: the JSON's `masked` list (audit/fsview.py: "a compiler
+    bound over by /dev/null") holds both, and review.py:235 names them all compilers.
+    A reviewer reads that the machine's counters are compilers, and cannot find them
+    where the threat model says they are closed."""
+    md = _md_filesystem(clone, signed)
+    lines = [x for x in md.splitlines() if x.startswith("Compilers masked")]
+    assert lines, md[:2000]
+    assert not any("/proc/" in x for x in lines), lines[0][:400]
