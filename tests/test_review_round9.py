@@ -333,6 +333,38 @@ def test_another_users_lookalike_does_not_block_check_start(work):
     assert r.returncode == 0, (r.returncode, r.stderr[-800:])
 
 
+# ------------------------------------------------------------------ 12. TERM=dumb
+
+
+@pytest.mark.xfail(strict=True, reason="review9 12: TERM=dumb still gets the live row's "
+                   "erase-line escape (rounds 4-5's open note)")
+def test_the_live_row_on_a_dumb_terminal_has_no_escape(monkeypatch):
+    """Emacs' shell, a serial console set to dumb, some CI runners' ptys: the row is
+    redrawn with a carriage return and padding, never an escape sequence."""
+    import pty
+    import select
+
+    from supervisor.monitor import Monitor
+
+    monkeypatch.setenv("TERM", "dumb")
+    master, slave = pty.openpty()
+    try:
+        out = open(slave, "w", buffering=1, closefd=False)
+        mon = Monitor({}, {}, out=out)
+        mon.print_line()
+        mon.finish()
+        got = b""
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and b"\n" not in got:
+            if select.select([master], [], [], 0.2)[0]:
+                got += os.read(master, 4096)
+        assert b"drop" in got, got                 # the row was drawn
+        assert b"\x1b" not in got, got
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
 # ------------------------------------------------------------------ 5. realtime
 
 
