@@ -17,10 +17,11 @@ suspend's stand-in), 15 the supervisor alone paused 1 s, 16 the whole fleet paus
 the supervisor continued first; 17 the supervisor's descriptors after every restart
 above; 18 SIGKILL of the supervisor, then the restarts systemd would make; 19 a real
 fail-safe: latched, seen by the next start, cleared; 20 hand-overs under an open-file
-limit of exactly what the config needs; 21 the wall clock on decision paths (read).
+limit of exactly what the config needs; 21 the wall clock on decision paths (read);
+22 /run and /dev/shm full; 23 an actuation writer without a watchdog (config).
 
 One `supervisor run` (the fleet below, `failure_policy = "fail_safe"` for control as
-in the car) carries rows 1-17; rows 18-20 start small runs of their own on the fleet's
+in the car) carries rows 1-17; rows 18-20 and 22 start small runs of their own on the fleet's
 state dir after it. The workers are `workers/probe/attacks_redteam16.py`;
 `RT16_KEEP=1` keeps the logs.
 
@@ -617,11 +618,12 @@ def test_15_a_paused_supervisor_alone_blames_no_worker(fleet):
                    "that runs first kills every control worker by watchdog and discards its "
                    "still-stopped standbys")
 def test_16_a_pause_of_everything_thawed_supervisor_first_is_no_fault(fleet):
-    """(ordinary day) As row 12, but the supervisor is continued 30 ms before its
+    """(ordinary day) As row 14, but the supervisor is continued 200 ms before its
     workers (a freezer's thaw, `systemctl thaw`, a VM resumed by its host: the order in
-    which tasks run again is nobody's choice; on 2 cores the supervisor's loop can run
-    first). Every process was paused alike: no worker is to blame, none may be killed,
-    no standby discarded, no SAFE said."""
+    which tasks run again is nobody's choice, and on a loaded 2-core machine a worker
+    waits for a CPU that long; at a 30 ms lead the kills came in 1 run of 3). Every
+    process was paused alike: no worker is to blame, none may be killed, no standby
+    discarded, no SAFE said."""
     run = fleet
     ev = until(run, _warm_enough, 30)
     time.sleep(0.3)
@@ -632,7 +634,7 @@ def test_16_a_pause_of_everything_thawed_supervisor_first_is_no_fault(fleet):
         _kill(p, signal.SIGSTOP)
     time.sleep(2.0)
     os.kill(run.proc.pid, signal.SIGCONT)
-    time.sleep(0.03)
+    time.sleep(0.2)
     for p in pids:
         _kill(p, signal.SIGCONT)
     time.sleep(2.5)
@@ -644,7 +646,7 @@ def test_16_a_pause_of_everything_thawed_supervisor_first_is_no_fault(fleet):
                if e["mono_ns"] > t0 and e["event"] == "standby_exit"]
     words = [e["worker"] for e in ev if e["mono_ns"] > t0 and e["event"] == "last_word"]
     cold = [e["worker"] for e in ev if e["mono_ns"] > t0 and e["event"] == "start"]
-    print(f"round16 16: thawed supervisor first: watchdog kills {missed}; standbys "
+    print(f"round16 16: thawed supervisor 200 ms first: watchdog kills {missed}; standbys "
           f"discarded {dropped}; last words {words}; cold starts {cold}; fail_safe "
           f"{[e['reason'] for e in ev if e['event'] == 'fail_safe']}")
     assert not [e for e in ev if e["event"] == "fail_safe"]
@@ -860,3 +862,71 @@ def test_21_no_decision_reads_the_wall_clock():
     allowed = [h for h in hits if h.startswith("supervisor/failsafe.py") and "strftime" in h]
     print(f"round16 21: wall-clock reads {hits}")
     assert sorted(hits) == sorted(allowed), hits
+
+
+_FULL = """set -e
+mount -t tmpfs -o size=64k tmpfs /run
+dd if=/dev/zero of=/run/fill bs=4k 2>/dev/null || true
+mount -t tmpfs -o size=64k tmpfs /dev/shm
+dd if=/dev/zero of=/dev/shm/fill bs=4k 2>/dev/null || true
+exec "$@"
+"""
+
+
+def test_22_a_full_run_and_dev_shm_cost_control_nothing(fleet):
+    """(ordinary day) /run and /dev/shm full (a runaway log in /run, another program's
+    POSIX shared memory), in a private mount namespace of the test's (the machine's own
+    are never touched): the supervisor starts, its staging namespace and channels are
+    made (memfd: no name in /dev/shm), a kill of the actuation writer's sandbox hands
+    over to a standby, and the stop is clean."""
+    tmp: Path = _launched["tmp"]
+    if _launched["fleet"].proc.poll() is None:
+        _launched["fleet"].terminate(30)
+    (tmp / "full.sh").write_text(_FULL)
+    proc, log = _small(tmp, "full", _NOFILE_TOML,
+                       prefix=("unshare", "--mount", "--propagation", "private", "sh",
+                               str(tmp / "full.sh")))
+    try:
+        ev = _wait_log(proc, log, {"all_ready", "supervisor_exit"}, 60)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not _warm_enough(_log(log)):
+            time.sleep(0.1)
+        ready = any(e["event"] == "all_ready" for e in ev)
+        if ready:
+            _kill(_active_pid(_log(log), "act"))
+            time.sleep(1.5)
+    finally:
+        code = _stop(proc)
+    ev = _log(log)
+    problems = [(e["event"], e.get("error") or e.get("reason") or e.get("problem"))
+                for e in ev if e["event"] in ("start_failed", "standby_failed", "fail_safe",
+                                              "config_problem", "start_failed_required")]
+    print(f"round16 22: /run and /dev/shm full: all_ready {ready}; adoptions "
+          f"{len(of(ev, 'act', 'standby_adopted'))}; problems {problems}; exit {code}")
+    assert ready and not problems, problems or ev[-5:]
+    assert of(ev, "act", "standby_adopted")
+    assert code == 0
+
+
+@pytest.mark.xfail(strict=True, reason="round16 23: a vehicle config whose actuation writer has "
+                   "no watchdog is accepted: a hung controlsd is never found")
+def test_23_an_actuation_writer_without_a_watchdog_is_refused():
+    """(config) The car's controlsd without `watchdog_ms` (0: no watchdog). A deadlocked
+    or stopped controlsd is then alive for ever to the supervisor: no restart, no
+    standby adoption, no SAFE; only the consumer's max_age (50 ms) stands. `check` must
+    refuse a vehicle config whose actuation writer has no watchdog, as it refuses an
+    actuation channel without a max_age (`_rules.check_actuation_age`)."""
+    from supervisor.config import dumps, loads, minimal_doc
+    from supervisor.ipc.errors import ConfigError
+
+    doc = minimal_doc()
+    del doc["workers"]["controlsd"]["watchdog_ms"]
+    try:
+        cfg = loads(dumps(doc))
+    except ConfigError as e:
+        print(f"round16 23: refused: {e}")
+        assert "watchdog" in str(e)
+        return
+    print(f"round16 23: accepted; controlsd watchdog_ms {cfg.workers['controlsd'].watchdog_ms}, "
+          f"mode {cfg.supervisor.mode}, writes {cfg.workers['controlsd'].publishes}")
+    pytest.fail("a vehicle config with a watchdog-less actuation writer was accepted")
