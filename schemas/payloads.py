@@ -21,6 +21,10 @@ class Payload:
     # An actuation payload: what it says when nothing may act on it (the fail-safe's
     # last word). None for payloads that never reach actuators.
     safe: Mapping[str, float] | None = None
+    # The same, said the moment its writer died (the supervisor's last word for a
+    # crash): nothing may act on it either, but a standby or a restart may follow, so
+    # it must not read as the domain failed safe. None: ``safe`` serves.
+    lost: Mapping[str, float] | None = None
 
     @property
     def shape(self) -> tuple[int]:
@@ -52,7 +56,8 @@ CONTROL_CMD = Payload(
     "control_cmd", ("steer_rad", "engaged", "reason", "model_age_ms"),
     doc="steering angle command, engaged 0/1, safe-state reason code "
         "(workers.controlsd.law.SafeReason), age of the model output it came from",
-    safe={"steer_rad": 0.0, "engaged": 0.0, "reason": 10.0})   # 10 = FAIL_SAFE
+    safe={"steer_rad": 0.0, "engaged": 0.0, "reason": 10.0},   # 10 = FAIL_SAFE
+    lost={"steer_rad": 0.0, "engaged": 0.0, "reason": 14.0})   # 14 = WRITER_LOST
 SHADOW_OUT = Payload(
     "shadow_out", ("lane_offset_m", "heading_rad", "left_line_prob", "right_line_prob",
                    "frame_id_mod_2_24", "latency_ms", "age_ms", "pipeline_ms"),

@@ -5,7 +5,10 @@ Last word: when the control domain fails safe, every control process is killed f
 (nothing of it can publish any more), then the supervisor itself publishes the
 channel payload's safe value (schemas/payloads.py, e.g. control_cmd engaged=0, reason
 FAIL_SAFE) as the channel's writer of last resort. One writer at a time still holds:
-the worker that owned the channel is dead when the supervisor writes.
+the worker that owned the channel is dead when the supervisor writes. When one
+actuation writer dies on its own (a crash a standby or a restart may cover), its last
+word is the payload's ``lost`` value instead (control_cmd reason WRITER_LOST): as safe,
+but never to be read as the domain failed safe.
 
 Latch: a small JSON file in the state directory. While it exists `supervisor run`
 starts nothing and exits 4; `supervisor clear-fail-safe` removes it. The generated
@@ -348,8 +351,9 @@ def trusted_readers(config, channel: str) -> tuple[int, ...]:
 
 
 def publish_safe(channel: Channel, payload_name: str,
-                 readers: Iterable[int] | None = None) -> dict[str, float]:
-    """Publish the payload's safe value on `channel` (its worker must be dead), whatever
+                 readers: Iterable[int] | None = None, *, lost: bool = False) -> dict[str, float]:
+    """Publish the payload's safe value on `channel` (its worker must be dead; ``lost``:
+    the value for a writer that died, `Payload.lost`, where it has one), whatever
     state the dead writer left the segment in: once above what the segment holds, and
     once above the position of each reader in ``readers`` (default: all) that is
     further on, so each reader's next message is a SAFE (trusted_readers says which).
@@ -359,6 +363,7 @@ def publish_safe(channel: Channel, payload_name: str,
     payload = PAYLOADS[payload_name]
     if payload.safe is None:
         raise ValueError(f"payload {payload_name} has no safe value")
+    values = payload.lost if lost and payload.lost is not None else payload.safe
     with _channel_lock(channel):
         w = _writer(channel, tuple(range(channel.spec.max_readers)) if readers is None
                     else tuple(readers))
@@ -372,8 +377,8 @@ def publish_safe(channel: Channel, payload_name: str,
                 w.continue_from(at)
                 with w.loan() as loan:
                     payload.encode(loan.array(payload.shape, np.dtype(payload.dtype)),
-                                   **payload.safe)
+                                   **values)
                     loan.publish()
         finally:
             w.close()
-    return dict(payload.safe)
+    return dict(values)

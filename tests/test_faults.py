@@ -153,7 +153,7 @@ def _pipeline() -> str:
 @sandbox
 def test_the_commanders_death_is_safe_at_once_and_the_next_writer_goes_on():
     """kill -9 of controlsd (its worker process, then its whole sandbox): the next
-    command on control_cmd is the supervisor's SAFE (engaged=0, reason FAIL_SAFE),
+    command on control_cmd is the supervisor's SAFE (engaged=0, reason WRITER_LOST),
     said by the last-word thread, once per death; nothing but the supervisor publishes
     until the channel is handed to the next writer, which continues the sequence. (How
     fast: bench/faults.py, not here.)"""
@@ -212,7 +212,8 @@ def test_the_commanders_death_is_safe_at_once_and_the_next_writer_goes_on():
     for t in kills:
         # (the old writer may publish between our clock read and the kill landing)
         safe = next(s for s in seen if s[0] > t and s[2] == me)
-        assert safe[3]["engaged"] == 0.0 and safe[3]["reason"] == float(SafeReason.FAIL_SAFE)
+        # a crash a standby covers: WRITER_LOST, never the latch's FAIL_SAFE (red team 16 row 4)
+        assert safe[3]["engaged"] == 0.0 and safe[3]["reason"] == float(SafeReason.WRITER_LOST)
         # SAFE before the channel was handed to the next writer, which went on from it
         handover = next(h for h in handovers if h > t)
         assert handover > safe[0]

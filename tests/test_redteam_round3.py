@@ -242,7 +242,8 @@ def _refused(fleet, worker: str) -> list[dict]:
 
 
 def _is_safe(cmd: dict) -> bool:
-    return cmd["engaged"] == 0.0 and cmd["reason"] == 10.0      # SafeReason.FAIL_SAFE
+    # The supervisor's word: WRITER_LOST for a death (14), FAIL_SAFE if the domain failed (10).
+    return cmd["engaged"] == 0.0 and cmd["reason"] in (10.0, 14.0)
 
 
 # ---------------------------------------------------------------- the last word

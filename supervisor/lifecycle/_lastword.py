@@ -412,7 +412,7 @@ class _LastResort:
                 said_ns = time.monotonic_ns()      # (just before: no reader takes it earlier)
                 try:
                     values = publish_safe(self.channels[name], payload,
-                                          trusted_readers(self.config, name))
+                                          trusted_readers(self.config, name), lost=True)
                 except Exception as e:   # logged: the reader-side max age still guards it
                     events.append(("last_word_error", dict(
                         worker=run.cfg.name, channel=name, reason=f"{type(e).__name__}: {e}")))

@@ -81,6 +81,8 @@ class SafeReason(IntEnum):
     DRIVER_ABSENT = 11      # driver monitor: no face (or unsure) for the grace time
     DRIVER_DISTRACTED = 12  # driver monitor: eyes off the road for the grace time
     DRIVER_STALE = 13       # driver monitor: no driver state, or too old
+    WRITER_LOST = 14  # published by the supervisor the moment controlsd died (its last
+    #                   word: a standby or a restart may follow; FAIL_SAFE is the latch's)
 
 
 # The members the law names on every step, as module globals: ``SafeReason.OK`` is a class
