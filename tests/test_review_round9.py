@@ -244,9 +244,12 @@ def test_a_setuid_bwrap_is_named_with_the_fix(work):
     suid = work / "bwrap-setuid"
     shutil.copy2(bwrap, suid)
     os.chmod(suid, 0o4755)
-    assert os.stat(suid).st_mode & stat.S_ISUID
-    r = _in_ns(f"mount --bind {suid} {bwrap}", [*CLI, "check", "--config",
-                                                 str(work / "one.toml")])
+    try:
+        assert os.stat(suid).st_mode & stat.S_ISUID
+        r = _in_ns(f"mount --bind {suid} {bwrap}", [*CLI, "check", "--config",
+                                                     str(work / "one.toml")])
+    finally:
+        suid.unlink()                  # no setuid-root copy left behind in pytest's tmp
     if r.returncode == 0:
         assert "sandbox ok" in r.stdout
         return
