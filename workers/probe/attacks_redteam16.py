@@ -171,9 +171,11 @@ def spy(ctx) -> int:
                 newest[r] = (seq, pub, vals)
                 if r == "a":
                     t, reason = vals[0], int(vals[2])
-                    if reason == 10:               # FAIL_SAFE: the last word
+                    # The supervisor's word: FAIL_SAFE (10), or WRITER_LOST (14)
+                    # where the payload has a `lost` value (a writer that died).
+                    if reason in (10, 14):
                         safe_since_switch += 1
-                        _say("safe", seq=seq, pub=pub, after=tag, since_ms=None
+                        _say("safe", seq=seq, pub=pub, after=tag, reason=reason, since_ms=None
                              if last_pub is None else (pub - last_pub) / 1e6)
                         continue
                     if t in retired:
