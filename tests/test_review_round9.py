@@ -187,8 +187,6 @@ def nouserns(work: Path) -> Path:
 # ------------------------------------------------------------------ 1. user namespaces
 
 
-@pytest.mark.xfail(strict=True, reason="review9 1: user namespaces off: startcheck --machine "
-                   "(install's last word) says nothing; run latches the fail-safe")
 def test_user_namespaces_off_is_one_machine_line_and_no_fail_safe(work, nouserns):
     """Debian's kernel.unprivileged_userns_clone=0 (EPERM) and any kernel's
     user.max_user_namespaces=0 (ENOSPC): every sandbox's bwrap runs as the domain user
