@@ -23,6 +23,7 @@ import trio
 from supervisor.config import Config
 from supervisor.events import EventLog
 from supervisor.exits import Exit
+from supervisor.protocol import printable
 
 # Events that end a worker's first start as a failure (before its READY).
 _FAILED = ("exit", "ready_timeout", "refused", "start_failed", "standby_failed")
@@ -66,7 +67,8 @@ class WorkerCheck:
             return f"{self.name} ({self.domain}): not started (the check stopped first)"
         out = f"{self.name} ({self.domain}): FAILED: {self.failure}"
         if self.last_output:
-            out += f"; last output: {self.last_output[:200]}"
+            # a `log` record's msg is the worker's text too: never raw to the terminal
+            out += f"; last output: {printable(self.last_output)[:200]}"
         elif self.ready_ms is None:
             waited = (time.monotonic_ns() - self.started_ns) / 1e6 if self.started_ns else 0
             out += f"; no output in {waited:.0f} ms"
@@ -151,10 +153,10 @@ def _describe(ev: dict) -> str:
     kind = ev["event"]
     if kind == "exit":
         why = ev.get("cause") or ev.get("reason") or ""
-        return f"exited with code {ev.get('code')}" + (f" ({why})" if why else "")
+        return f"exited with code {ev.get('code')}" + (f" ({printable(str(why))})" if why else "")
     if kind == "ready_timeout":
         return "not ready within its ready_timeout_ms"
-    return f"{kind}: {ev.get('reason') or ev.get('error') or ''}".rstrip(": ")
+    return printable(f"{kind}: {ev.get('reason') or ev.get('error') or ''}".rstrip(": "))
 
 
 async def _drive(cfg: Config, log: EventLog, watch: _Watch, timeout_s: float,

@@ -259,8 +259,6 @@ def test_a_setuid_bwrap_is_named_with_the_fix(work):
 # ------------------------------------------------------------------ 4. the console
 
 
-@pytest.mark.xfail(strict=True, reason="review9 4: check --start prints a hostile worker's "
-                   "last output raw: research writes escape sequences to the operator's tty")
 def test_check_start_never_writes_a_workers_control_characters(work):
     r = _check_start([*CLI, "check", "--start", "--config", str(work / "paint.toml")])
     assert r.returncode == 5, (r.returncode, r.stderr[-800:])

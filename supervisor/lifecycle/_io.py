@@ -245,10 +245,16 @@ class _WorkerIO:
     def _emit_output(self, run: WorkerRun, line: str) -> None:
         """A worker's output line as an event whose source is that worker: a record of
         `WorkerContext.log` becomes a `log` event, anything else an `output` event."""
+        from supervisor.protocol import printable
+
         name, domain = run.cfg.name, run.cfg.domain
         rec = parse_log_record(line)
         if rec is None:
-            self.log.emit("output", source=name, worker=name, domain=domain, line=line)
+            # Escaped here, once, so no consumer of `output` events (check --start's
+            # "last output", review 9 finding 4) can hand a worker's escape sequences
+            # to the operator's terminal.
+            self.log.emit("output", source=name, worker=name, domain=domain,
+                          line=printable(line))
         else:
             self.log.emit("log", source=name, worker=name, domain=domain, **rec)
 
