@@ -177,6 +177,42 @@ def unit_cgroup(unit: str = UNIT_NAME) -> str:
     return f"{CGROUP_MOUNT}/{SLICE}/{unit}"
 
 
+# The v1 controllers the supervisor writes (sandbox/cgroups.py: memory, pids, cpu;
+# cpuacct is mounted with cpu on most machines).
+V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
+
+
+def v1_mounts(mountinfo: str = "/proc/self/mountinfo") -> list[str]:
+    """Mount points of the cgroup v1 hierarchies holding V1_CONTROLLERS, as this
+    machine's mountinfo has them (`/sys/fs/cgroup/cpu,cpuacct`), each once, in order."""
+    out: list[str] = []
+    try:
+        with open(mountinfo) as f:
+            for line in f:
+                pre, _, post = line.partition(" - ")
+                fields = post.split()
+                if len(fields) >= 3 and fields[0] == "cgroup" and any(
+                        c in V1_CONTROLLERS for c in fields[2].split(",")):
+                    point = pre.split()[4]
+                    if point not in out:
+                        out.append(point)
+    except OSError:
+        pass
+    return out
+
+
+def unit_cgroups(unit: str = UNIT_NAME) -> list[str]:
+    """Every directory of the cgroup file system the unit may write: `unit_cgroup`,
+    and on a v1 (hybrid or legacy) machine the unit's cgroup in each hierarchy the
+    supervisor writes (review 9 finding 6: with the v2 path only, ProtectControlGroups=
+    left every v1 hierarchy read-only: no memory, pids or cpu limit for any worker and
+    no RT budget). Judged where `units` runs: the car itself."""
+    paths = [unit_cgroup(unit)]
+    if not os.path.exists(f"{CGROUP_MOUNT}/cgroup.controllers"):
+        paths += [f"{m}/{SLICE}/{unit}" for m in v1_mounts()]
+    return paths
+
+
 def exec_word(arg: str, *, command: bool = False) -> str:
     """One argument of ExecStart= as systemd reads it back: `%` starts a specifier even
     inside quotes (doubled), and so does `$` a variable in the arguments after the
@@ -453,7 +489,12 @@ def _render_host(cfg: Config, *, config_path: str | None, python: str | None = N
         "# nothing else of the cgroup file system (ProtectControlGroups=yes below).",
         f"Slice={SLICE}",
         "Delegate=yes",
-        f"ReadWritePaths=-{unit_cgroup(BROKER_UNIT if broker else UNIT_NAME)}",
+        # v1: its cgroup in each hierarchy; '-': one missing hierarchy never fails the
+        # start. (v1 RT budget: the supervisor writes its cgroup's cpu.rt_runtime_us; the
+        # kernel grants it only from what system.slice holds, 0 unless the owner gives
+        # it some: realtime_unavailable says so.)
+        *(f"ReadWritePaths=-{path_word(p)}"
+          for p in unit_cgroups(BROKER_UNIT if broker else UNIT_NAME)),
         *([f"MemoryMax={memory}"] if memory else []),
         "# Its own process last for the OOM killer: its death ends every sandbox unsaid;",
         "# the sandboxes rank as any process (supervisor/sandbox/launch.py).",

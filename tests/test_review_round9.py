@@ -421,8 +421,6 @@ def _v1_mounts() -> dict[str, str]:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="review9 6: on a cgroup v1 (hybrid) machine the unit "
-                   "gives back only the v2 cgroup path: no limits, no RT under the unit")
 def test_the_unit_gives_back_its_own_cgroups_on_a_v1_machine(tmp_path):
     """ProtectControlGroups=yes makes /sys/fs/cgroup read-only; the unit gives back its
     own cgroup with ReadWritePaths=. On cgroup v1 (a hybrid or legacy systemd, this
