@@ -19,7 +19,8 @@ above; 18 SIGKILL of the supervisor, then the restarts systemd would make; 19 a 
 fail-safe: latched, seen by the next start, cleared; 20 hand-overs under an open-file
 limit of exactly what the config needs; 21 the wall clock on decision paths (read);
 22 /run and /dev/shm full; 23 an actuation writer without a watchdog (config); 24 the
-recorder killed (placed after row 12).
+recorder killed (placed after row 12); 25 an actuation writer whose law froze: the same
+command, the same capture time, new sequence numbers (placed after row 5).
 
 One `supervisor run` (the fleet below, `failure_policy = "fail_safe"` for control as
 in the car) carries rows 1-17; rows 18-20 and 22 start small runs of their own on the fleet's
@@ -55,7 +56,10 @@ if os.geteuid() != 0:
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 MOD = "workers.probe.attacks_redteam16"
-CONTROL = ("act", "wedge", "mw", "cd", "spy")
+CONTROL = ("act", "wedge", "frozen", "mw", "cd", "spy")
+# Rows 5 and 25's writers: lost control on purpose; once found they are killed, which
+# no ordinary-day row counts against the fleet.
+HOSTILE = ("wedge", "frozen")
 # schemas/payloads.py / workers/controlsd/law.py SafeReason
 OK, NO_INPUT, TIMEOUT, STALE, FUTURE, RECOVERING, FAIL_SAFE = 0, 1, 2, 3, 9, 7, 10
 
@@ -81,6 +85,8 @@ actuates = true                 # failure_policy: the control profile's, fail_sa
 {_CMD}
 [channels.cmd3]
 {_CMD}
+[channels.cmd4]
+{_CMD}
 [channels.model]
 kind = "tensor"
 dtype = "float32"
@@ -104,6 +110,16 @@ module = "{MOD}"
 args = ["wedge", "6"]
 publishes = {{ out = "cmd2" }}
 restart = "always"
+max_restarts = 100              # once found, it is killed every ~6 s: never the fleet's fail-safe
+watchdog_ms = 300
+ready_timeout_ms = 30000
+[workers.frozen]
+domain = "control"
+module = "{MOD}"
+args = ["frozen", "6"]
+publishes = {{ out = "cmd4" }}
+restart = "always"
+max_restarts = 100              # once found, it is killed every ~6 s: never the fleet's fail-safe
 watchdog_ms = 300
 ready_timeout_ms = 30000
 [workers.mw]
@@ -127,7 +143,7 @@ ready_timeout_ms = 30000
 domain = "control"
 module = "{MOD}"
 args = ["spy"]
-subscribes = {{ a = "cmd", b = "cmd2", c = "cmd3", m = "model" }}
+subscribes = {{ a = "cmd", b = "cmd2", c = "cmd3", d = "cmd4", m = "model" }}
 restart = "always"
 watchdog_ms = 1000
 ready_timeout_ms = 30000
@@ -457,6 +473,34 @@ def test_05_a_wedged_writer_pinging_from_a_thread_is_found(fleet):
     assert said, "nothing said of a writer silent for 2 s"
 
 
+@pytest.mark.xfail(strict=True, reason="round16 25: an actuation writer republishing its last "
+                   "command with its old capture time is never found: every reader refuses it "
+                   "as stale, the supervisor says nothing")
+def test_25_a_frozen_actuation_writer_is_found(fleet):
+    """(must trip) `frozen`, an actuation writer (watchdog 300 ms, `cmd4` max_age 50 ms),
+    publishes good commands for 6 s, then its law freezes while its loop goes on: the
+    same engaged command every 10 ms, new sequence numbers, the capture time of its last
+    step, the watchdog pinged from the main loop. Every reader refuses the commands as
+    stale (control is lost), and the supervisor must find it within 2 s as it finds a
+    silent writer: kill (its last word is SAFE), restart, said in the log."""
+    run = fleet
+    ev = until(run, lambda ev: bool(_rt16(ev, "frozen", "frozen")), 30)
+    marks = _rt16(ev, "frozen", "frozen")
+    assert marks, of(ev, "frozen")[-5:]
+    t0 = marks[0]["logged_ns"]
+    ev = until(run, lambda ev: time.monotonic_ns() - t0 > 2.0e9, 10)
+    wins = [w for w in _rt16(ev, "spy", "win") if w["role"] == "d" and w["t1"] > t0 + 0.5e9]
+    said = [(e["event"], round((e["mono_ns"] - t0) / 1e6)) for e in of(ev, "frozen")
+            if e["mono_ns"] > t0 and e["event"] in ("watchdog_missed", "last_word", "exit",
+                                                    "restart", "refused")]
+    taken = sum(w["n"] for w in wins)
+    stale = wins[-1]["rejected"].get("stale", 0) if wins else 0
+    print(f"round16 25: frozen; 2 s later the supervisor said {said}; the control reader "
+          f"took {taken} commands since, refused {stale} as stale in all")
+    assert wins and taken == 0 and stale > 50, wins[-1:]    # the attack held: all refused
+    assert said, "nothing said of a writer whose every command is refused as stale"
+
+
 def _phases(ev: Events) -> dict[str, tuple[int, int]]:
     marks = _rt16(ev, "mw", "phase")
     return {m["phase"]: (m["mono_ns"], n["mono_ns"]) for m, n in zip(marks, marks[1:])}
@@ -582,7 +626,7 @@ def test_24_the_recorder_killed_restarts_and_control_never_notices(fleet):
     ev = until(run, lambda ev: any(e["mono_ns"] > t0 for e in of(ev, "recorder", "ready")), 30)
     seq = [(e["event"], round((e["mono_ns"] - t0) / 1e6)) for e in of(ev, "recorder")
            if e["mono_ns"] > t0 and e["event"] in ("exit", "restart", "start", "ready")]
-    bad = [b for b in _bad(ev, t0) if b[1] != "wedge"]
+    bad = [b for b in _bad(ev, t0) if b[1] not in HOSTILE]
     print(f"round16 24: recorder killed: {seq}; control: {bad}")
     assert any(e == "ready" for e, _ in seq), seq
     assert not bad, bad
@@ -605,7 +649,7 @@ def test_13_two_cpu_hogs_on_two_cores_trip_nothing(fleet):
     time.sleep(0.5)
     ev = run.events()
     gaps = [g["max_ms"] for g in _rt16(ev, "spy", "gaps") if g["mono_ns"] > t0]
-    bad = [b for b in _bad(ev, t0) if b[1] != "wedge"]
+    bad = [b for b in _bad(ev, t0) if b[1] not in HOSTILE]
     print(f"round16 13: two hogs 4 s: command gaps per 0.5 s {gaps}; bad {bad}")
     assert not bad, bad
 
@@ -632,7 +676,7 @@ def test_14_a_suspend_like_pause_of_everything_is_no_fault(fleet):
     os.kill(run.proc.pid, signal.SIGCONT)
     time.sleep(2.0)
     ev = run.events()
-    bad = [b for b in _bad(ev, t0) if b[1] != "wedge"]
+    bad = [b for b in _bad(ev, t0) if b[1] not in HOSTILE]
     print(f"round16 14: fleet paused 2 s ({len(pids)} processes): after it {bad}")
     assert not [e for e in ev if e["event"] == "fail_safe"]
     assert not bad, bad
@@ -651,7 +695,7 @@ def test_15_a_paused_supervisor_alone_blames_no_worker(fleet):
     os.kill(run.proc.pid, signal.SIGCONT)
     time.sleep(1.5)
     ev = run.events()
-    bad = [b for b in _bad(ev, t0) if b[1] != "wedge"]
+    bad = [b for b in _bad(ev, t0) if b[1] not in HOSTILE]
     print(f"round16 15: supervisor alone paused 1 s: after it {bad}")
     assert not bad, bad
 
@@ -681,7 +725,7 @@ def test_16_a_pause_of_everything_thawed_supervisor_first_is_no_fault(fleet):
         _kill(p, signal.SIGCONT)
     time.sleep(2.5)
     ev = run.events()
-    bad = [b for b in _bad(ev, t0) if b[1] != "wedge"]
+    bad = [b for b in _bad(ev, t0) if b[1] not in HOSTILE]
     missed = [(e["worker"], e.get("silent_ms")) for e in ev
               if e["mono_ns"] > t0 and e["event"] == "watchdog_missed"]
     dropped = [(e["worker"], e.get("cause")) for e in ev

@@ -9,10 +9,12 @@ evidence as `RT16 {json}` lines on stdout, which the supervisor logs as `output`
             reader tells which process wrote a message, across a standby's hand-over
     wedge   an actuation writer that publishes engaged=1 for N s (1.5), then wedges its
             main loop for ever while a thread goes on pinging the watchdog
+    frozen  an actuation writer that publishes engaged=1 for N s, then the same command
+            with the same capture time for ever, its main loop pinging
     model   a model_out writer (role `out`) walking through phases on its own clock:
             silent after READY (N s, 1.2), good, frozen (same capture time), good, future capture
             times, good, writer closed and reopened, silent
-    spy     a control reader of several channels (roles `a`, `b`, `c`, `m`): what each
+    spy     a control reader of several channels (roles `a`, `b`, `c`, `d`, `m`): what each
             message was, as compact lines (hand-overs, gaps, reasons per window)
     crash   research: READY, then exit 1 after 0.3 s, every time
     oom     research: READY, then touch more memory than its memory_max
@@ -81,6 +83,28 @@ def wedge(ctx) -> int:
     return 0
 
 
+def frozen(ctx) -> int:
+    """An actuation writer whose law froze but whose loop goes on: for N s good commands
+    (engaged, stamped with the step time), then the same command again every 10 ms with
+    the capture time of its last step, pinging from the main loop all along. The
+    sequence moves; the command is no younger."""
+    w = ctx.writer("out")
+    ctx.ready(status="rt16 frozen")
+    cmd = np.array([0.02, 1.0, 0.0, 0.0], np.float32)
+    until = time.monotonic() + (float(sys.argv[2]) if len(sys.argv) > 2 else 1.5)
+    ts = time.monotonic_ns()
+    while time.monotonic() < until:
+        ctx.watchdog()
+        ts = time.monotonic_ns()
+        w.publish_array(cmd, frame_id=1, capture_ts_ns=ts)
+        time.sleep(0.01)
+    _say("frozen", mono_ns=time.monotonic_ns(), capture_ts_ns=ts)
+    while True:
+        ctx.watchdog()
+        w.publish_array(cmd, frame_id=1, capture_ts_ns=ts)
+        time.sleep(0.01)
+
+
 PHASES = ("silent", "good", "frozen", "good2", "future", "good3", "reopen", "quiet")
 PHASE_S = 1.2
 
@@ -131,7 +155,7 @@ def spy(ctx) -> int:
     the reasons seen per 100 ms window (`b`, `c`), sequence regressions (all)."""
     from supervisor.ipc import Rejected
 
-    roles = [r for r in ("a", "b", "c", "m") if ctx.has(r)]
+    roles = [r for r in ("a", "b", "c", "d", "m") if ctx.has(r)]
     readers = {r: ctx.reader(r) for r in roles}
     ctx.ready(status="rt16 spy")
     last_seq = dict.fromkeys(roles, 0)
@@ -190,7 +214,7 @@ def spy(ctx) -> int:
                     elif last_pub is not None:
                         gap_max = max(gap_max, (pub - last_pub) / 1e6)
                     last_pub = pub
-                elif r in ("b", "c"):
+                elif r in ("b", "c", "d"):
                     win[r].append((int(vals[2]), int(vals[1])))
                 else:
                     win[r].append((seq, st.capture_ts_ns))
@@ -199,7 +223,7 @@ def spy(ctx) -> int:
             gap_max, gap_t0 = 0.0, time.monotonic()
         now = time.monotonic_ns()
         if now - win_t0 >= 100_000_000:
-            for r in ("b", "c"):
+            for r in ("b", "c", "d"):
                 if r in readers:
                     got = win[r]
                     age = None
@@ -234,5 +258,5 @@ def oom(ctx) -> int:
 
 
 def main(ctx) -> int:
-    return {"act": act, "wedge": wedge, "model": model, "spy": spy, "crash": crash,
-            "oom": oom}[sys.argv[1]](ctx)
+    return {"act": act, "wedge": wedge, "frozen": frozen, "model": model, "spy": spy,
+            "crash": crash, "oom": oom}[sys.argv[1]](ctx)
