@@ -218,14 +218,22 @@ def other_supervisors(me: int | None = None) -> list[tuple[int, str]]:
     supervisor.broker`: it runs no pipeline, and the `supervisor run` it serves is named;
     review 7 finding 10 saw it called a second pipeline). A check started beside a live
     one runs a second pipeline next to it (its cameras, CPU, the real-time slot): worth a
-    line. Found by command line: a process that hides its name is not found.
+    line. Found by command line, of root's or trio-supervisor's processes only: a
+    process that hides its name is not found.
     `me`'s ancestors are not others: `sudo supervisor check --start` (or `timeout 300
     ...`, `nice ...`) has a parent whose command line is the check's own, and the check
     named its own sudo as a second pipeline beside it."""
+    from supervisor.audit.running import run_by_supervisor_user
+
     mine = _ancestors(os.getpid() if me is None else me)
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) in mine:
+            continue
+        # Only root's or trio-supervisor's: any local user's process may read like one,
+        # and its command line must never reach the operator's terminal raw (review 9
+        # finding 10); printable below for what is left.
+        if not run_by_supervisor_user(int(entry)):
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
@@ -236,7 +244,7 @@ def other_supervisors(me: int | None = None) -> list[tuple[int, str]]:
             rest = argv[i + 1:]
             if ((a == "supervisor.cli" or os.path.basename(a) == "supervisor") and rest
                     and (rest[0] == "run" or rest[0] == "check" and "--start" in rest)):
-                found.append((int(entry), " ".join(x for x in argv if x)[:120]))
+                found.append((int(entry), printable(" ".join(x for x in argv if x))[:120]))
                 break
     return found
 

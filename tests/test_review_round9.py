@@ -294,8 +294,6 @@ def _lookalike(env_extra: dict[str, str] | None = None) -> subprocess.Popen:
     pytest.fail("the look-alike process did not start")
 
 
-@pytest.mark.xfail(strict=True, reason="review9 10: check --start prints any local user's "
-                   "look-alike command line raw in its 'another supervisor runs here' note")
 def test_check_start_never_prints_another_users_command_line_raw(work):
     """`nobody` runs a process whose argv holds 'supervisor.cli run' and escape
     sequences (TRIO_STATE_DIR set, so it is not taken for the vehicle's)."""
@@ -310,8 +308,6 @@ def test_check_start_never_prints_another_users_command_line_raw(work):
         assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", text), repr(text[-600:])
 
 
-@pytest.mark.xfail(strict=True, reason="review9 11: any local user blocks check --start: a "
-                   "process named like 'supervisor.cli run' is taken for the vehicle's")
 def test_another_users_lookalike_does_not_block_check_start(work):
     """The vehicle supervisor is root's (or trio-supervisor's, split) and holds its state
     dir's lock; `nobody`'s sleeping python3 is neither."""

@@ -116,6 +116,39 @@ def is_supervisor_run(argv: list[str]) -> bool:
         os.path.basename(a) == "supervisor" for a in argv[:2]))
 
 
+def supervisor_uids() -> set[int]:
+    """The uids a vehicle's supervisor runs as: root, and trio-supervisor (the split
+    units' supervisor proper) where that user exists."""
+    import pwd
+
+    uids = {0}
+    try:
+        uids.add(pwd.getpwnam("trio-supervisor").pw_uid)
+    except KeyError:
+        pass
+    return uids
+
+
+def process_uid(pid: int) -> int | None:
+    """`pid`'s effective uid from /proc/PID/status; None if gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    return int(line.split()[2])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def run_by_supervisor_user(pid: int) -> bool:
+    """Whether `pid` runs as a user a vehicle's supervisor runs as: any local user can
+    start a process whose command line reads `supervisor.cli run` (review 9 findings
+    10-11: `nobody`'s sleeping python3 refused root's `check --start`, and its argv,
+    escape sequences and all, reached the operator's terminal)."""
+    return process_uid(pid) in supervisor_uids()
+
+
 def _segments(pid: int) -> ev.Segments:
     """The channel segments of the supervisor `pid` stands for: its own, and, when it is
     a broker (which hands the segments on and keeps none), those of the `supervisor
@@ -186,13 +219,15 @@ def vehicle_supervisors() -> list[RunningSupervisor]:
     SCHED_FIFO controlsd beside the car's). A test or bench run is not one: a process
     holding a Supervisor in-process (not ``supervisor run``), a config in simulation
     mode, or a ``TRIO_STATE_DIR`` pointed elsewhere (the vehicle's run latches its
-    config's state dir). An environment this process may not read (a smaller capability
-    set than the supervisor's) cannot be told: not counted."""
+    config's state dir), or a process of any user but root or trio-supervisor (whose
+    unreadable "config" was taken for the worst case). An environment this process may
+    not read (a smaller capability set than the supervisor's) cannot be told: not
+    counted."""
     from supervisor.config import ConfigError, load
 
     out = []
     for rs in find_supervisors():
-        if not is_supervisor_run(rs.argv):
+        if not is_supervisor_run(rs.argv) or not run_by_supervisor_user(rs.pid):
             continue
         try:
             mode = load(rs.config).supervisor.mode
