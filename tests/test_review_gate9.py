@@ -106,18 +106,16 @@ def bench(clone):
 @pytest.fixture(scope="module")
 def cfg(clone, bench) -> Path:
     """The one-camera pipeline without research (torch's start-up is not what is
-    tested), no standbys: the shipped demo model and its frame size."""
-    sys.path.insert(0, str(clone))
-    try:
-        from supervisor.config import derive, dumps, minimal_doc
-        doc = derive(minimal_doc(), drop=("workers.research", "channels.shadow_out"),
-                     set={f"workers.{w}.warm_standby": False
-                          for w in ("camerad", "modeld", "controlsd")})
-        text = dumps(doc)
-    finally:
-        sys.path.remove(str(clone))
+    tested), no standbys: the shipped demo model and its frame size. (Derived with this
+    tree's config module, as the logs are written with its LogWriter: files, which the
+    clone's CLI then reads.)"""
+    from supervisor.config import derive, dumps, minimal_doc
+
+    doc = derive(minimal_doc(), drop=("workers.research", "channels.shadow_out"),
+                 set={f"workers.{w}.warm_standby": False
+                      for w in ("camerad", "modeld", "controlsd")})
     p = clone.parent / "pipe.toml"
-    p.write_text(text)
+    p.write_text(dumps(doc))
     return p
 
 
