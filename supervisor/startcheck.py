@@ -659,6 +659,12 @@ def machine_problems(cfg: Config | None = None) -> list[str]:
 
         cfg = load(None)
     problems: list[str] = []
+    # Every sandbox is a bwrap: without it `check` said "all admitted", exit 0, and
+    # `check --start` ended as an internal error (review 9 finding 2).
+    if shutil.which("bwrap") is None:
+        problems.append("bwrap: not installed (or not executable) on PATH, and every "
+                        "sandbox is one: apt-get install bubblewrap (or bash "
+                        "scripts/install.sh)")
     unshare = shutil.which("unshare")
     if unshare is None:
         problems.append("namespaces: no `unshare` here (the sandboxes' staging mount "

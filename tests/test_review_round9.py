@@ -215,8 +215,6 @@ def test_user_namespaces_off_is_one_machine_line_and_no_fail_safe(work, nouserns
 # ------------------------------------------------------------------ 2. bwrap missing
 
 
-@pytest.mark.xfail(strict=True, reason="review9 2: bwrap missing: check says 'all admitted', "
-                   "exit 0; check --start exit 1 (internal error)")
 def test_check_without_bwrap_is_not_all_admitted(work):
     bwrap = os.path.realpath(shutil.which("bwrap"))
     r = _in_ns(f"mount --bind /dev/null {bwrap}", [*CLI, "check", "--config",
