@@ -379,6 +379,14 @@ def start_check(cfg: Config, *, timeout_s: float | None = None,
         lines.append(f"config: {ev.get('problem')}")
     for ev in log.of("limits_not_enforced"):
         lines.append(f"limits: {ev.get('reason') or ev.get('detail') or ev}")
+    # run goes on with such a worker in the normal class (exit 0 is right), but the car's
+    # owner must hear it: "all READY" alone hid a controlsd refused SCHED_FIFO (review 9
+    # finding 5). The tree's reservation (worker None) first, then each worker.
+    for ev in log.of("realtime_unavailable"):
+        why = printable(str(ev.get("reason") or "refused"))
+        who = ev.get("worker")
+        lines.append(f"realtime: {who} runs in the normal class, not SCHED_FIFO ({why})"
+                     if who else f"realtime: no RT budget for the real-time workers ({why})")
     oom = [w.name for w in watch.workers.values() if "out of memory" in w.failure]
     if oom:
         lines += memory_lines(cfg, oom, enclosing_memory_limit())

@@ -384,8 +384,6 @@ def rt_less_cpu_cgroup():
                 pass
 
 
-@pytest.mark.xfail(strict=True, reason="review9 5: check --start says 'all READY' while the "
-                   "RT worker is refused SCHED_FIFO (realtime_unavailable unreported)")
 def test_check_start_says_when_a_worker_cannot_be_real_time(work, rt_less_cpu_cgroup):
     procs = f"{rt_less_cpu_cgroup}/cgroup.procs"
 
