@@ -918,11 +918,19 @@ def test_20_hand_overs_at_the_open_file_limit_check_allowed(fleet):
     failed = [(e["event"], e.get("error")) for e in ev
               if e["event"] in ("start_failed", "standby_failed", "fail_safe")]
     adopted = of(ev, "act", "standby_adopted")
+    # Below it: refused before anything starts, one line naming the limit, no latch.
+    low, low_log = _small(tmp, "nofile-low", _NOFILE_TOML,
+                          prefix=("prlimit", f"--nofile={need - 25}:{need - 25}"))
+    low_code = low.wait(60)
+    said = [e.get("problem", "") for e in _log(low_log) if e["event"] == "config_problem"]
     print(f"round16 20: RLIMIT_NOFILE {need}; supervisor fds before each kill and after "
-          f"{fds}; adoptions {len(adopted)}; failures {failed}; exit {code}")
+          f"{fds}; adoptions {len(adopted)}; failures {failed}; exit {code}; at "
+          f"{need - 25}: exit {low_code}, {said[:1]}")
     assert not failed, failed
     assert len(adopted) == 3, [e["event"] for e in of(ev, "act")]
     assert code == 0
+    assert low_code == 2 and any("open files" in p for p in said), said
+    assert not (tmp / "state" / "failsafe.latch").exists()
 
 
 # Ages, deadlines and watchdogs: CLOCK_MONOTONIC only (a wall-clock step back must move
