@@ -7,13 +7,17 @@ reader. Endpoints get fds, never names: nothing here has a name to open.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import socket
+import struct
 from dataclasses import asdict, dataclass
 
-from . import shm
+from . import layout, shm
 from .errors import ConfigError
 from .spec import ChannelSpec
+
+_U64 = struct.Struct("<Q")
 
 ENV_PREFIX = "TRIO_BRIDGE_"
 
@@ -126,6 +130,7 @@ class Channel:
         # until the supervisor says which it trusts (trust()).
         self._resume_above: tuple[int, ...] = tuple(range(spec.max_readers))
         self._anchor: int | None = None
+        self._head: mmap.mmap | None = None       # the header, read-only (last_sequence)
 
     def trust(self, readers: tuple[int, ...], anchor: int | None) -> None:
         """The reader indexes whose positions a (re)started writer continues above, and
@@ -168,6 +173,15 @@ class Channel:
         return ReaderHandle(self.spec, index, self._data_ro[index], self._lease_fds[index],
                             self._reader_event_fds[index])
 
+    def last_sequence(self) -> int:
+        """The sequence number of the newest message published (0: none yet), from the
+        channel header, whoever writes it: the supervisor's proof that an actuation
+        writer still writes (its watchdog, red team 16 row 5). One aligned 8-byte load."""
+        if self._head is None:
+            self._head = mmap.mmap(self._data_fd, min(mmap.PAGESIZE, self.spec.segment_size),
+                                   flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        return _U64.unpack_from(self._head, layout.OFF_LAST_SEQ)[0]
+
     def writer_sealed(self) -> bool:
         """True once the writer has mapped the segment and sealed out other writers."""
         return shm.is_write_sealed(self._data_fd)
@@ -176,6 +190,8 @@ class Channel:
         if self._closed:
             return
         self._closed = True
+        if self._head is not None:
+            self._head.close()
         ends = [*self._event_fds, *(fd for fd in self._reader_event_fds
                                     if fd not in self._event_fds)]
         for fd in [self._data_fd, *self._data_ro.values(), *self._lease_fds, *self._lease_ro,

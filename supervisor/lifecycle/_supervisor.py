@@ -27,6 +27,7 @@ from ._exec import _ExecWindow
 from ._incarnation import BrokerLauncher, DirectLauncher
 from ._io import _WorkerIO
 from ._lastword import _LastResort
+from ._ownpause import OwnPause
 from ._procstate import process_exiting
 from ._realtime import _Realtime
 from ._run import FailSafe, StartFailed, WorkerRun, _signame
@@ -87,6 +88,8 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         self.status_out = status_out       # a stream for the live status line, or None
         self.status_interval_s = status_interval_s
         self.monitor = None
+        # Silence while the supervisor itself was stopped is no worker's (red team 16 row 16).
+        self.own_pause = OwnPause(self.log.emit)
 
     # ---------------------------------------------------------------- admission
 
@@ -457,15 +460,20 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                     # whole cold-start timeout (red team 13 row 5: 2 x 60 s for modeld).
                     limit_ms = min(limit_ms, max(ADOPTED_READY_MS, 2 * w.watchdog_ms))
                 self._extend_start(limit_ms / 1000 + START_SLACK_S)
-                with trio.move_on_after(limit_ms / 1000):
-                    await run.ready_said.wait()
-                    return
-                # Our own lag must never be blamed on the worker: read what it sent.
-                for _ in range(64):
-                    if run.ready_said.is_set() or not self._poll_status(run):
+                since = time.monotonic_ns()
+                while True:
+                    with trio.move_on_after(limit_ms / 1000):
+                        await run.ready_said.wait()
+                        return
+                    # Our own lag must never be blamed on the worker: read what it sent.
+                    for _ in range(64):
+                        if run.ready_said.is_set() or not self._poll_status(run):
+                            break
+                    if run.ready_said.is_set() or run.refused or not run.alive:
+                        return
+                    if self.own_pause.check() <= since:
                         break
-                if run.ready_said.is_set() or run.refused or not run.alive:
-                    return
+                    since = self.own_pause.resumed_ns   # we were stopped: a whole one again
                 why = (f"not ready within {limit_ms} ms"
                        + (" of its adoption (a warm standby)" if run.took_over else ""))
                 run.kill_reason = "ready timeout"
@@ -478,8 +486,16 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                     return
                 await run.ready.wait()
                 limit = w.watchdog_ms * 1_000_000
+                own = self.own_pause
+                # An actuation writer must also write: pings from a thread while its loop
+                # is wedged are not control (red team 16 row 5). Its channels' sequence
+                # must move within the same bound as its pings.
+                outs = {c: self.channels[c] for c in w.publishes
+                        if c in self.channels and self.config.channels[c].actuation}
+                seqs = [ch.last_sequence() for ch in outs.values()]
+                wrote_ns = time.monotonic_ns()
                 while True:
-                    late = time.monotonic_ns() - run.last_ping_ns
+                    late = time.monotonic_ns() - own.silent_since(run.last_ping_ns)
                     if late > limit:
                         # Our own lag must never be blamed on the worker: read what it
                         # sent before judging.
@@ -487,15 +503,29 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                             if (not self._poll_status(run)
                                     or time.monotonic_ns() - run.last_ping_ns <= limit):
                                 break
-                        late = time.monotonic_ns() - run.last_ping_ns
-                    if late > limit:
-                        why = f"watchdog: no ping for {late / 1e6:.0f} ms"
+                        late = time.monotonic_ns() - own.silent_since(run.last_ping_ns)
+                    quiet = 0
+                    if outs:
+                        now = [ch.last_sequence() for ch in outs.values()]
+                        if now != seqs:
+                            seqs, wrote_ns = now, time.monotonic_ns()
+                        quiet = time.monotonic_ns() - own.silent_since(wrote_ns)
+                    if late > limit or quiet > limit:
+                        if late > limit:
+                            why = f"watchdog: no ping for {late / 1e6:.0f} ms"
+                            said = dict(silent_ms=round(late / 1e6, 1))
+                        else:
+                            names = ", ".join(outs)
+                            why = (f"watchdog: pings, but nothing published on {names} "
+                                   f"for {quiet / 1e6:.0f} ms")
+                            said = dict(silent_ms=round(quiet / 1e6, 1), channel=names,
+                                        note="its actuation channel is silent: its pings "
+                                             "are not control")
                         run.kill_reason = "watchdog"
-                        self.log.emit("watchdog_missed", worker=w.name, pid=run.pid,
-                                      silent_ms=round(late / 1e6, 1))
+                        self.log.emit("watchdog_missed", worker=w.name, pid=run.pid, **said)
                         self._kill(run)
                         return
-                    await trio.sleep((limit - late) / 1e9 + 0.001)
+                    await trio.sleep((limit - max(late, quiet)) / 1e9 + 0.001)
 
             nursery.start_soon(ready_deadline)
             nursery.start_soon(watchdog)
@@ -828,6 +858,7 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
     async def _start_all(self, nursery: trio.Nursery, refused: set[str]) -> None:
         nursery.start_soon(self._scan_maps)
         nursery.start_soon(self._heartbeat)
+        nursery.start_soon(self.own_pause.run)
         order = self.config.start_order()
         width = self.config.supervisor.start_parallel
         if width <= 1:
