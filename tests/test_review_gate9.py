@@ -359,8 +359,6 @@ def _verify(clone: Path, rep: Path, pub: Path, **kw) -> subprocess.CompletedProc
     return _cli(["audit", "verify", str(rep), f"{rep}.sig", str(pub)], root=clone, **kw)
 
 
-@pytest.mark.xfail(strict=True, reason="gate9 4: verify says OK (the models 'are the "
-                   "report's') of an artifact whose file bytes differ from the report's")
 def test_verify_checks_the_model_files_the_report_lists(clone, keys, signed):
     """The report lists each artifact file's sha256 (`provenance.artifacts[].files`,
     'all match the manifest'); verify compares key id, manifest sha256 and the

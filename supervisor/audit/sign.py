@@ -354,6 +354,32 @@ def _models_moved(covers: dict[str, Any], cfg) -> str | None:
             if a.get(field_) != b.get(field_):
                 return (f"{where}: the report covers {what} {_short(a.get(field_))}, "
                         f"the files now give {_short(b.get(field_))}")
+        moved = _model_files_moved(a, b.get("artifact"))
+        if moved:
+            return f"{where}: {moved}"
+    return None
+
+
+def _model_files_moved(then: dict[str, Any], artifact: str | None) -> str | None:
+    """The first file of a model artifact whose bytes are not the report's (gate 9
+    finding 4): the signature is over the manifest, so a file changed under an
+    unchanged manifest still 'verifies'; the loader refuses it (HashMismatch) and so
+    must verify. Each file is hashed here, not read from the manifest."""
+    files = then.get("files")
+    if not isinstance(files, dict) or not artifact:
+        return None
+    for name in sorted(files):
+        try:
+            with open(os.path.join(artifact, name), "rb") as f:
+                here = hashlib.file_digest(f, "sha256").hexdigest()
+        except OSError as e:
+            here = f"unreadable: {e.strerror or e}"
+        if here != files[name]:
+            return (f"{name} (sha256 {_short(files[name])} in the report, "
+                    f"{_short(here)} here)")
+    if then.get("files_match_manifest") is False:
+        return ("the report says its files did not match the manifest when it was made "
+                "(re-audit a model the loader accepts)")
     return None
 
 
