@@ -35,6 +35,29 @@ case "${1:-}" in
 esac
 PREFIX="${TRIO_PREFIX:-/opt/trio-supervisor}"
 
+# The same range as pyproject.toml's requires-python (tests/test_install_layouts.py);
+# the probe runs under Python 2.7 too (version_info[:2] exists there).
+in_range() {
+    "$1" -c 'import sys; sys.exit(not ((3, 11) <= sys.version_info[:2] < (3, 14)))' 2>/dev/null
+}
+version_of() {
+    "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null
+}
+# The interpreter's C headers, where pip builds the bridge's native module against them.
+include_of() {
+    "$1" -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null
+}
+# Debian's python3-dev (python3.X-dev) holds /usr/include/python3.X only: a pyenv,
+# /usr/local or other interpreter without its headers looped on that advice (review 9
+# finding 9). One line naming this interpreter's missing header; nothing when present.
+headers_line() {
+    local inc
+    inc="$(include_of "$1")" || return 0
+    [ -e "$inc/Python.h" ] && return 0
+    case "$inc" in /usr/include/*) return 0 ;; esac     # apt's python3-dev below
+    echo "$2: the bridge's native module cannot be built: this interpreter's headers $inc/Python.h are missing (python3-dev serves /usr/bin/python3 only): install this Python's headers (pyenv: reinstall it; /usr/local: make install from its source), or use a venv of /usr/bin/python3"
+}
+
 # The interpreter the package goes into (not --system, which makes its own venv): PYTHON
 # if given, else the active venv's, else `python`, else `python3` (Debian has no `python`).
 py="${PYTHON:-}"
@@ -45,6 +68,16 @@ fi
 if [ $system -eq 0 ]; then
     if [ -z "$py" ]; then
         echo "install.sh: no python or python3 on PATH: apt-get install python3 python3-venv, make a venv (python3 -m venv DIR; . DIR/bin/activate) and run this again" >&2
+        exit 2
+    fi
+    # The version first, before apt and pip (review 9 finding 14): a `python` 2.7 was
+    # called "externally managed", a 3.9 venv ended in pip's resolver errors.
+    if ! ver="$(version_of "$py")"; then
+        echo "install.sh: $py does not run: set PYTHON to a Python 3.11, 3.12 or 3.13, or activate its venv" >&2
+        exit 2
+    fi
+    if ! in_range "$py"; then
+        echo "install.sh: $py is Python $ver; the package needs 3.11, 3.12 or 3.13: set PYTHON to one, or activate its venv" >&2
         exit 2
     fi
     # Debian's own interpreter refuses pip (PEP 668, "externally-managed-environment"):
@@ -65,6 +98,30 @@ if [ $system -eq 0 ]; then
         echo "install.sh: $(pwd) is read-only: the development install writes into the checkout (supervisor.egg-info, the native module); use a writable clone, or install a copy: bash scripts/install.sh --system" >&2
         exit 2
     fi
+    said="$(headers_line "$py" install)"
+    if [ -n "$said" ]; then echo "$said" >&2; exit 2; fi
+else
+    # The vehicle install's base interpreter: /usr/bin/python3, or one named with PYTHON
+    # (Ubuntu 22.04 / Jetson L4T 36: 3.10 as python3, 3.11 beside it; review 9 finding
+    # 13). Outside /root, /home and /tmp: the unit hides them (ProtectHome=, PrivateTmp=).
+    base="${PYTHON:-/usr/bin/python3}"
+    case "$base" in
+        /root/*|/home/*|/tmp/*)
+            echo "install.sh --system: $base is under /root, /home or /tmp, which the unit hides (ProtectHome=yes, PrivateTmp=yes): name a system interpreter, e.g. PYTHON=/usr/bin/python3.11" >&2
+            exit 2 ;;
+        /*) ;;
+        *) echo "install.sh --system: PYTHON=$base: give the interpreter's absolute path (e.g. /usr/bin/python3.11)" >&2
+           exit 2 ;;
+    esac
+    if [ -e "$base" ] || [ -n "${PYTHON:-}" ]; then
+        # Before apt and useradd: nothing is installed for an interpreter refused here.
+        if ! in_range "$base"; then
+            echo "install.sh --system: $base is not Python 3.11, 3.12 or 3.13 (it is $(version_of "$base" || echo 'not runnable')): install python3.11 (apt-get install python3.11 python3.11-venv python3.11-dev) and run PYTHON=/usr/bin/python3.11 bash scripts/install.sh --system" >&2
+            exit 2
+        fi
+        said="$(headers_line "$base" "install.sh --system")"
+        if [ -n "$said" ]; then echo "$said" >&2; exit 2; fi
+    fi
 fi
 UNIT_DIR="${TRIO_UNIT_DIR:-/etc/systemd/system}"
 
@@ -77,10 +134,13 @@ command -v unshare >/dev/null || need+=(util-linux)   # staging mount namespace
 ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2' || need+=(libseccomp2)
 # The bridge's native module (memory ordering, hot path) is compiled at install.
 command -v gcc >/dev/null || need+=(gcc)
-if [ $system -eq 0 ]; then
-    "$py" -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
-        2>/dev/null || need+=(python3-dev)
-fi
+# Debian's headers (/usr/include/python3.X): the python3.X-dev of that version
+dev_pkg() {
+    local inc
+    inc="$(include_of "$1")" || return 0
+    [ -e "$inc/Python.h" ] || need+=("${inc#/usr/include/}-dev")
+}
+[ $system -eq 0 ] && dev_pkg "$py"
 [ -e /usr/include/zlib.h ] || need+=(zlib1g-dev)      # its CRC-32 (crc32_z)
 if [ $dev -eq 1 ]; then
     command -v systemd-analyze >/dev/null || need+=(systemd)
@@ -100,10 +160,14 @@ if [ $system -eq 1 ]; then
     # The unit's ExecStart is PREFIX/bin/python3 and the unit hides /root and /home
     # (ProtectHome=yes): the venv's base interpreter must live outside them.
     command -v systemd-analyze >/dev/null || need+=(systemd)
-    [ -x /usr/bin/python3 ] || need+=(python3)
-    /usr/bin/python3 -c 'import ensurepip' 2>/dev/null || need+=(python3-venv)
-    /usr/bin/python3 -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
-        2>/dev/null || need+=(python3-dev)
+    if [ -x "$base" ]; then
+        if ! "$base" -c 'import ensurepip' 2>/dev/null; then
+            [ "$base" = /usr/bin/python3 ] && need+=(python3-venv) || need+=("python$(version_of "$base")-venv")
+        fi
+        dev_pkg "$base"
+    else
+        need+=(python3 python3-venv python3-dev)
+    fi
 fi
 if [ ${#need[@]} -gt 0 ]; then
     $sudo apt-get update -qq
@@ -128,13 +192,30 @@ machine_note() {
 }
 
 if [ $system -eq 1 ]; then
-    base=/usr/bin/python3
-    # The same range as pyproject.toml's requires-python (tests/test_install_layouts.py).
-    if ! "$base" -c 'import sys; sys.exit(not ((3, 11) <= sys.version_info[:2] < (3, 14)))'; then
-        echo "install.sh --system: $base is not Python 3.11, 3.12 or 3.13 (the package needs one)" >&2
+    # Again after apt (it may have brought /usr/bin/python3 just now).
+    if ! in_range "$base"; then
+        echo "install.sh --system: $base is not Python 3.11, 3.12 or 3.13 (it is $(version_of "$base" || echo 'not runnable')): install python3.11 (apt-get install python3.11 python3.11-venv python3.11-dev) and run PYTHON=/usr/bin/python3.11 bash scripts/install.sh --system" >&2
         exit 2
     fi
-    [ -x "$PREFIX/bin/python3" ] || $sudo "$base" -m venv "$PREFIX"
+    # A venv a failed run left (ensurepip died: a full TMPDIR, a Ctrl-C) has python3 and
+    # no pip: every later run said only "No module named pip" (review 9 finding 8). Made
+    # again with --clear, and only then: a whole venv keeps its packages, and a PREFIX
+    # that is no venv (no pyvenv.cfg) is never cleared.
+    clear=""
+    if [ -x "$PREFIX/bin/python3" ]; then
+        if [ -e "$PREFIX/pyvenv.cfg" ] && ! "$PREFIX/bin/python3" -m pip --version >/dev/null 2>&1; then
+            clear="--clear"
+        fi
+    else
+        clear="new"
+    fi
+    if [ -n "$clear" ]; then
+        [ "$clear" = new ] && clear=""
+        if ! $sudo "$base" -m venv $clear "$PREFIX"; then
+            echo "install.sh --system: $base -m venv $PREFIX failed (the line above; ensurepip unpacks pip under TMPDIR=${TMPDIR:-/tmp}: full or read-only?): fix that and run this again (the half-made venv is made again)" >&2
+            exit 2
+        fi
+    fi
     # A real install, not a link into this checkout: the car runs what was installed.
     # Built from a private copy of the package's sources: setuptools writes build/ and
     # *.egg-info beside them, so a read-only checkout failed inside pip (15 lines ending
