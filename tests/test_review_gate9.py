@@ -289,8 +289,6 @@ def test_format_json_gives_a_document_for_a_usage_error_too(clone, drive):
     assert doc["exit_code"] == 2 and "--tol-p99" in doc["error"]
 
 
-@pytest.mark.xfail(strict=True, reason="gate9 10: a REF of another drive is compared frame "
-                   "id by frame id: 'DIFFERS' (exit 6), a model regression that never was")
 def test_a_ref_of_another_drive_is_refused_not_a_difference(runs):
     """A CI job whose golden is mixed up (`--ref golden/highway-02` for highway-01's
     log): REF here is another drive's log (other pixels, other capture times, the same

@@ -169,12 +169,67 @@ def _ref_log(ref: str, log: str):
             raise LogError(f"{path}: a file, not a RUN directory or a drive log (REF's "
                            f"messages are compared: a summary.json alone holds none)")
         path = path.parent                 # run1/summary.json: run1
-    if ref != "self" and is_run(path):
+    if ref == "self":
+        return DriveLog.open(path)
+    source: DriveLog | None = None
+    if is_run(path):
         why = _unfinished(path)
         if why:
             raise LogError(f"{path}: {why}; not a REF (replay the drive again into a new RUN)")
+        source = _run_source(path)
         path = path / "log"
-    return DriveLog.open(path)
+    out = DriveLog.open(path)
+    _same_drive(ref, source or out, DriveLog.open(log))
+    return out
+
+
+def _run_source(run: Path):
+    """The drive log a RUN played (its summary's range input, else its log), when it
+    is still here; None otherwise. A RUN's own frames carry the replay's capture times,
+    not the recording's: only its source says which drive it is."""
+    from .drivelog import DriveLog
+    from .logfmt import LogError
+
+    try:
+        s = json.loads((run / "summary.json").read_text())
+        src = (s.get("range") or {}).get("input") or s.get("log")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(src, str) or not (Path(src) / MESSAGES).is_file():
+        return None
+    try:
+        return DriveLog.open(src)
+    except LogError:
+        return None
+
+
+def _same_drive(ref: str, theirs, ours) -> None:
+    """LogError unless REF records the drive this replay plays (gate 9 finding 10): the
+    frames both have by id must have been captured at the same times, and one frame at
+    least must be shared. Messages are matched by frame id, so another drive's golden
+    (ids 0..N again after a camera restart) read as 'every output changed', exit 6, a
+    model regression that never was. A --start/--end part keeps its ids and times."""
+    from .logfmt import LogError
+
+    def times(log) -> dict[tuple[str, int], set[int]]:
+        out: dict[tuple[str, int], set[int]] = {}
+        for ch, frames in log.frames.items():
+            for f in frames:
+                out.setdefault((ch, f.frame_id), set()).add(f.capture_ts_ns)
+        return out
+
+    a, b = times(theirs), times(ours)
+    if not a or not b or not {k[0] for k in a} & {k[0] for k in b}:
+        return                          # no frames to tell by: nothing to judge
+    shared = sorted(a.keys() & b.keys(), key=lambda k: (k[1], k[0]))
+    for k in shared:
+        if not a[k] & b[k]:
+            raise LogError(f"{ref}: a recording of another drive (frame {k[1]} captured at "
+                           f"{min(a[k]) / 1e9:.3f} s there, {min(b[k]) / 1e9:.3f} s here)")
+    if not shared:
+        ids = sorted(k[1] for k in a)
+        raise LogError(f"{ref}: a recording of another drive (no frame in common with "
+                       f"{ours.path}: its frame ids {ids[0]}..{ids[-1]})")
 
 
 def _unfinished(run: Path) -> str:
