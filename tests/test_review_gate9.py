@@ -224,9 +224,6 @@ def runs(clone, cfg, drive) -> dict[str, tuple[subprocess.CompletedProcess, str]
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="gate9 1: a hostile control_cmd record that the log "
-                   "reader skips as corrupt kills controlsd's log clock: replay exit 7, "
-                   "supervisor fail-safe")
 def test_a_record_the_reader_skips_is_skipped_by_the_log_clock_too(runs):
     """`log info` and DriveLog count a message whose dtype is not a number type as one
     corrupt record and skip it (red team 2 and 6); controlsd's `--log-clock` reads the

@@ -41,6 +41,7 @@ from .logfmt import (
     VideoReader,
     VideoWriter,
     read_entries,
+    tensor_of,
 )
 
 # What decoding one hostile record can raise (json, numpy's dtype/reshape, capnp's
@@ -310,12 +311,7 @@ class DriveLog:
             return True
         if which == "message":
             m = e.message
-            dt = np.dtype(m.dtype)
-            # Tensors only: the bridge carries numbers (a string dtype made `log cat`
-            # and the replay gate end in a traceback: red team round 6 row 7).
-            if dt.hasobject or dt.kind not in "biuf" or dt.subdtype is not None:
-                raise ValueError(f"dtype {m.dtype!r} is not a number type")
-            arr = np.frombuffer(bytes(m.data), dt).reshape(tuple(m.shape))
+            arr = tensor_of(m)            # (numbers only, filling the shape: logfmt)
             rec = read_receipt(m.receipt) if m._has("receipt") else None
             self.messages.setdefault(m.channel, []).append(Msg(
                 m.channel, m.sequence, m.publishTsNs, m.writerPid,

@@ -619,6 +619,22 @@ def frame_times(directory: str | os.PathLike, channel: str) -> dict[int, int]:
     return out
 
 
+BAD_TENSOR = (ValueError, TypeError, OverflowError, capnp.KjException)
+
+
+def tensor_of(m: Any):
+    """A message record's tensor, the one decoder of it (DriveLog and the log clock):
+    a number dtype only (the bridge carries numbers; a string dtype was a traceback,
+    red team round 6 row 7) whose data fills its shape exactly; else one of
+    BAD_TENSOR, which a reader counts as a corrupt record and skips."""
+    import numpy as np
+
+    dt = np.dtype(m.dtype)
+    if dt.hasobject or dt.kind not in "biuf" or dt.subdtype is not None:
+        raise ValueError(f"dtype {m.dtype!r} is not a number type")
+    return np.frombuffer(bytes(m.data), dt).reshape(tuple(m.shape))
+
+
 def command_steps(directory: str | os.PathLike, channel: str
                   ) -> list[tuple[int, int, tuple[float, ...]]]:
     """(step time ns, frame id, payload values) of each recorded command on ``channel``
@@ -627,15 +643,19 @@ def command_steps(directory: str | os.PathLike, channel: str
     clock reading its law stepped at (header capture time), so this is the car's own
     control clock. Empty for a log recorded before commands carried frame ids. Bad
     records are skipped (the replay's summary reports the input log's loss)."""
-    import numpy as np
-
     out: list[tuple[int, int, int, tuple[float, ...]]] = []
     for e in read_entries(Path(directory) / MESSAGES):
         if e.which() != "message":
             continue
         m = e.message
         if m.channel == channel and m.hasFrameId and m.captureTsNs > 0:
-            vals = tuple(np.frombuffer(bytes(m.data), np.dtype(m.dtype)).astype(float).tolist())
+            try:
+                vals = tuple(tensor_of(m).astype(float).ravel().tolist())
+            except BAD_TENSOR:
+                # DriveLog skips it as a corrupt record (counted in the input's loss);
+                # so must the log clock: a hostile dtype killed controlsd at start
+                # in every replay of the drive (gate 9 finding 1).
+                continue
             out.append((m.sequence, m.captureTsNs, m.frameId, vals))
     out.sort()
     return [(t, fid, vals) for _, t, fid, vals in out]
