@@ -442,6 +442,34 @@ def _within(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
+def _build_tools_missing() -> tuple[list[str], str]:
+    """What pip needed to build the native module and this machine lacks now, and the
+    fix: Debian's python3.X-dev serves /usr/include/python3.X only, so an interpreter
+    whose headers live elsewhere (pyenv, /usr/local) was told to apt-get install it for
+    ever (review 9 finding 9). ([], "") when all are here."""
+    import shutil
+    import sysconfig
+
+    missing, apt, other = [], [], []
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(cc) is None:
+        missing.append(f"the C compiler {cc}")
+        apt.append("gcc")
+    inc = sysconfig.get_paths()["include"]
+    if not os.path.exists(os.path.join(inc, "Python.h")):
+        missing.append(f"this interpreter's headers {inc}/Python.h")
+        if _within(inc, "/usr/include"):
+            apt.append(f"{os.path.basename(inc)}-dev")
+        else:
+            other.append("install this Python's headers (pyenv: reinstall it; /usr/local: "
+                         "make install from its source), or use a venv of /usr/bin/python3")
+    if not os.path.exists("/usr/include/zlib.h"):
+        missing.append("zlib's headers /usr/include/zlib.h")
+        apt.append("zlib1g-dev")
+    fix = "; ".join(([f"apt-get install {' '.join(apt)}"] if apt else []) + other)
+    return missing, fix
+
+
 def install_problems(checkout: str | None = None) -> list[str]:
     """What would keep every sandbox from starting although the install succeeded, one
     line each, saying what to do: a tree the domain users cannot read, schemas the
@@ -485,11 +513,14 @@ def install_problems(checkout: str | None = None) -> list[str]:
     try:
         import supervisor.ipc._native  # noqa: F401
     except ImportError as e:
+        missing, fix = _build_tools_missing()
+        why = (f"{' and '.join(missing)} missing." if missing else
+               "no C compiler, Python headers or zlib headers when pip built the package?")
         problems.append(f"the bridge's native module supervisor.ipc._native is not built "
-                        f"({e}): no C compiler, Python headers or zlib headers when pip "
-                        f"built the package? On x86-64 the bridge then runs its slower "
+                        f"({e}): {why} On x86-64 the bridge then runs its slower "
                         f"pure-Python path, on other machines it refuses to start: "
-                        f"apt-get install gcc python3-dev zlib1g-dev, then install again")
+                        f"{fix or 'apt-get install gcc python3-dev zlib1g-dev'}, then "
+                        f"install again")
     # Load every schema in a child: pycapnp aborts the whole process (C++ terminate, no
     # Python exception) when an import directory is not ASCII (2.2.4 cuts the path by
     # its extra UTF-8 bytes), which would otherwise first show as `supervisor check`
