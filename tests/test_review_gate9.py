@@ -240,9 +240,6 @@ def test_a_record_the_reader_skips_is_skipped_by_the_log_clock_too(runs):
     assert doc["exit_code"] == r.returncode
 
 
-@pytest.mark.xfail(strict=True, reason="gate9 13: a frame record's exposure_us 2**62 crashes "
-                   "camerad in a replay (struct.error, exit 1): replay exit 7, fail-safe; "
-                   "log info says 'nothing lost'")
 def test_a_frame_records_absurd_exposure_never_crashes_the_camera(runs):
     """camerad's LogSource takes each frame's exposure from the log's frame records
     (workers/camerad/video.py:49) and publishes it; the bridge's header holds it in 32

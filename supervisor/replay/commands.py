@@ -500,6 +500,19 @@ def _plot_with_ref(run_dir: str, plan, run, ref, log: str, signals: list) -> Non
         pass
 
 
+def _rate(s: dict) -> str:
+    """'; N frames/s = Mx real time (after T s of pipeline start-up)', each part only
+    when the run has it (a run that stopped early printed 'None frames/s = Nonex')."""
+    fps, speed, start = (s.get(k) for k in ("frames_per_s", "speed_vs_realtime",
+                                             "pipeline_start_s"))
+    out = ""
+    if fps is not None:
+        out += f"; {fps} frames/s" + (f" = {speed}x real time" if speed is not None else "")
+    if start is not None:
+        out += f"{'' if out else ';'} (after {start} s of pipeline start-up)"
+    return out
+
+
 def print_summary(s: dict) -> None:
     if "frames" not in s:            # it never got to replay a frame (the error says why)
         print(_run_line(s))
@@ -512,9 +525,7 @@ def print_summary(s: dict) -> None:
           f"{f.get('model_outputs', 0)} model outputs, {f.get('commands', 0)} commands, "
           f"{f.get('step_timeouts', 0)} step timeouts, {drops} drops; model latency p50 "
           f"{fmt(lat.get('p50'))} p99 {fmt(lat.get('p99'))} max {fmt(lat.get('max'))} ms, "
-          f"{s.get('deadline_misses', 0)} deadline misses; {s.get('frames_per_s')} frames/s "
-          f"= {s.get('speed_vs_realtime')}x real time (after {s.get('pipeline_start_s')} s "
-          f"of pipeline start-up)")
+          f"{s.get('deadline_misses', 0)} deadline misses{_rate(s)}")
     rng = s.get("range")
     if rng:
         fr = rng.get("frames") or ["?", "?"]

@@ -31,7 +31,7 @@ class LogSource:
     """The frames of one channel of a drive log, in recorded order."""
 
     def __init__(self, path: str | os.PathLike, channel: str = "road_frames") -> None:
-        from supervisor.replay.drivelog import DriveLog
+        from supervisor.replay.drivelog import EXPOSURE_MAX, DriveLog
         from supervisor.replay.logfmt import LogError
 
         try:
@@ -46,7 +46,10 @@ class LogSource:
         self.width, self.height, self.format = info.width, info.height, info.pixel_format
         self.fps = info.fps
         self.channel = channel
-        self._exposure = {f.frame_id: f.exposure_us for f in self.log.frames.get(channel, [])}
+        # (DriveLog skips a record whose exposure the bridge cannot carry; None is
+        # "unknown", what a frame with no record plays with)
+        self._exposure = {f.frame_id: f.exposure_us for f in self.log.frames.get(channel, [])
+                          if f.exposure_us is None or 0 <= f.exposure_us <= EXPOSURE_MAX}
         self.total = len(self.video)
 
     @property
