@@ -681,6 +681,15 @@ def userns_problem(cfg: Config, unshare: str) -> str | None:
             f"{errno_}), and every sandbox's bwrap runs as one: {fix}")
 
 
+def _setuid(path: str) -> bool:
+    import stat
+
+    try:
+        return bool(os.stat(path).st_mode & stat.S_ISUID)
+    except OSError:
+        return False
+
+
 def machine_problems(cfg: Config | None = None) -> list[str]:
     """What on this machine keeps every sandbox of `cfg` (default: the embedded car
     config) from starting, one line each with what to do; [] when nothing does (or when
@@ -700,10 +709,18 @@ def machine_problems(cfg: Config | None = None) -> list[str]:
     problems: list[str] = []
     # Every sandbox is a bwrap: without it `check` said "all admitted", exit 0, and
     # `check --start` ended as an internal error (review 9 finding 2).
-    if shutil.which("bwrap") is None:
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
         problems.append("bwrap: not installed (or not executable) on PATH, and every "
                         "sandbox is one: apt-get install bubblewrap (or bash "
                         "scripts/install.sh)")
+    elif _setuid(bwrap):
+        # Older and hardened distributions install it so; it refuses --size (and runs
+        # its own privileged code for a domain user): every worker failed with
+        # "--size option is not permitted in setuid mode" (review 9 finding 3).
+        problems.append(f"bwrap: {bwrap} is setuid root: the sandboxes need the "
+                        f"unprivileged one (chmod u-s {os.path.realpath(bwrap)}, with user "
+                        f"namespaces on)")
     unshare = shutil.which("unshare")
     if unshare is None:
         problems.append("namespaces: no `unshare` here (the sandboxes' staging mount "

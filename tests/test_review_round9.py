@@ -230,8 +230,6 @@ def test_check_without_bwrap_is_not_all_admitted(work):
 # ------------------------------------------------------------------ 3. setuid bwrap
 
 
-@pytest.mark.xfail(strict=True, reason="review9 3: a setuid bwrap: one bwrap error per worker "
-                   "('--size not permitted in setuid mode'), never what to do")
 def test_a_setuid_bwrap_is_named_with_the_fix(work):
     """Older distributions (and admins on kernels without unprivileged user namespaces)
     install bwrap setuid root. Either the sandboxes work with it, or `check` says once
