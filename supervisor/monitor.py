@@ -245,7 +245,13 @@ class Monitor:
             line = _encodable(self.line(width), getattr(self.out, "encoding", None))
         except (OSError, ValueError):
             return
-        if live:                           # only its newest version matters
+        if live and os.environ.get("TERM") == "dumb":
+            # Emacs' shell, a serial console: no erase-line escape (it showed as ^[[2K
+            # every second; review 9 finding 12). A carriage return and spaces over
+            # whatever the previous row left, as the replay's progress line does.
+            prev, self._drawn = getattr(self, "_drawn", 0), len(line)
+            self._put("\r" + line.ljust(prev), latest=True)
+        elif live:                         # only its newest version matters
             self._put("\r\x1b[2K" + line, latest=True)
         else:
             self._put(line + "\n")

@@ -330,8 +330,6 @@ def test_another_users_lookalike_does_not_block_check_start(work):
 # ------------------------------------------------------------------ 12. TERM=dumb
 
 
-@pytest.mark.xfail(strict=True, reason="review9 12: TERM=dumb still gets the live row's "
-                   "erase-line escape (rounds 4-5's open note)")
 def test_the_live_row_on_a_dumb_terminal_has_no_escape(monkeypatch):
     """Emacs' shell, a serial console set to dumb, some CI runners' ptys: the row is
     redrawn with a carriage return and padding, never an escape sequence."""
