@@ -171,8 +171,9 @@ def _limits_line() -> str | None:
         off = limits_off(None, str(e))
     if off is None:
         return None
-    return (f"supervisor check: limits not enforced: {', '.join(off.limits)} "
-            f"({off.reason}); workers run without them")
+    from supervisor.startcheck import limits_text
+
+    return f"supervisor check: {limits_text(off.limits, off.reason)}"
 
 
 def _check_sandboxes(cfg) -> int:

@@ -249,6 +249,14 @@ def other_supervisors(me: int | None = None) -> list[tuple[int, str]]:
     return found
 
 
+def limits_text(off: list[str] | tuple[str, ...], reason: str) -> str:
+    """The one wording of limits a machine cannot enforce, for `check` and `check
+    --start` alike: which are off, why, and what it means (review 9 finding 7: the
+    --start line named the cause only)."""
+    which = ", ".join(off) or "some limits"
+    return f"limits not enforced: {which} ({reason}); workers run without them"
+
+
 def _bug_line(e: BaseException) -> str:
     """The innermost exception of a (trio) exception group, where it was raised."""
     import traceback
@@ -378,7 +386,8 @@ def start_check(cfg: Config, *, timeout_s: float | None = None,
     for ev in log.of("config_problem"):
         lines.append(f"config: {ev.get('problem')}")
     for ev in log.of("limits_not_enforced"):
-        lines.append(f"limits: {ev.get('reason') or ev.get('detail') or ev}")
+        lines.append(limits_text(ev.get("off") or [], str(ev.get("reason") or ev.get("detail")
+                                                          or ev)))
     # run goes on with such a worker in the normal class (exit 0 is right), but the car's
     # owner must hear it: "all READY" alone hid a controlsd refused SCHED_FIFO (review 9
     # finding 5). The tree's reservation (worker None) first, then each worker.

@@ -437,8 +437,6 @@ def test_the_unit_gives_back_its_own_cgroups_on_a_v1_machine(tmp_path):
 # ------------------------------------------------------------------ 7. limits line
 
 
-@pytest.mark.xfail(strict=True, reason="review9 7: check --start's limits line names neither "
-                   "the limits that are off nor that workers run without them")
 def test_check_start_names_the_limits_it_cannot_enforce(work):
     """cgroup v1 without the cpu controller mounted: `check` says `limits not enforced:
     cpu_quota, cpu_weight (...); workers run without them`; `check --start`, the
