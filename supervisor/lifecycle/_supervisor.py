@@ -20,6 +20,7 @@ from supervisor.exits import Exit
 from supervisor.failsafe import FailSafeLatch, trusted_readers
 from supervisor.ipc import Channel
 from supervisor.notify import Notifier
+from supervisor.protocol import VEHICLE
 from supervisor.ratelimit import TokenBucket
 from supervisor.sandbox.policy import RESEARCH, worker_sys_path
 
@@ -487,11 +488,13 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                 await run.ready.wait()
                 limit = w.watchdog_ms * 1_000_000
                 own = self.own_pause
-                # An actuation writer must also write: pings from a thread while its loop
-                # is wedged are not control (red team 16 row 5). Its channels' sequence
-                # must move within the same bound as its pings.
+                # On the car an actuation writer must also write: pings from a thread
+                # while its loop is wedged are not control (red team 16 row 5). Its
+                # channels' sequence must move within the same bound as its pings. Not in
+                # a simulation: a replay's commands follow the log's steps, not the clock.
                 outs = {c: self.channels[c] for c in w.publishes
-                        if c in self.channels and self.config.channels[c].actuation}
+                        if c in self.channels and self.config.channels[c].actuation
+                        and self.config.supervisor.mode == VEHICLE}
                 seqs = [ch.last_sequence() for ch in outs.values()]
                 wrote_ns = time.monotonic_ns()
                 while True:
