@@ -373,8 +373,6 @@ def test_verify_checks_the_model_files_the_report_lists(clone, keys, signed):
         p.write_bytes(orig)
 
 
-@pytest.mark.xfail(strict=True, reason="gate9 5: the report signs 'exposure 3.3' for "
-                   "trio-supervisor.service; the unit `supervisor units` writes scores 3.6")
 def test_the_reports_exposure_is_the_units_own_score(clone, signed):
     """What runs as root: the report's exposure is `_score(units.EXPOSURE)`, a
     hand-kept table (audit/privilege.py:72), never the unit: `systemd-analyze security

@@ -9,7 +9,14 @@ sandboxes, or else the broker's unit installed under /etc/systemd/system. Capabi
 supervisor/units.py, the code that writes the units, not from a copy here."""
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +43,85 @@ def _score(points: dict[str, str], weight: int) -> float:
     (ceil(100 * sum / weight) / 10, as units.py documents it)."""
     total = sum(int(v.split(":", 1)[0]) for v in points.values())
     return math.ceil(100 * total / weight) / 10
+
+
+@dataclass(frozen=True)
+class UnitScore:
+    """A unit's exposure as the reviewer signs it, and which unit text it is of."""
+    exposure: float
+    source: str                  # how the number was found
+    unit_sha256: str | None      # of the unit text `supervisor units` renders
+
+
+_RENDER = {"trio-supervisor.service": "render", "trio-broker.service": "render_broker",
+           "trio-supervisor-proper.service": "render_proper"}
+
+
+def unit_score(cfg: Config, unit: str, table: dict[str, str], weight: int) -> UnitScore:
+    """The exposure of the unit `supervisor units` renders for ``cfg``, measured by
+    `systemd-analyze security --offline` where it is installed (gate 9 finding 5: the
+    report signed units.py's hand-kept table, 3.3, while the unit scored 3.6), else
+    the table's sum, said so; with the rendered text's sha256 (what `--live` compares
+    the installed unit with)."""
+    from supervisor import units
+
+    fallback = _score(table, weight)
+    try:
+        src = cfg.source if cfg.source and not cfg.source.startswith("<") else None
+        text = getattr(units, _RENDER[unit])(cfg, config_path=src)
+    except Exception as e:              # a config no unit is rendered for: the table
+        return UnitScore(fallback, f"units.py's EXPOSURE table (no unit rendered: "
+                                   f"{type(e).__name__}: {e})", None)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    measured = _measure(text, unit)
+    if measured is None:
+        return UnitScore(fallback, "units.py's EXPOSURE table (systemd-analyze security "
+                                   "--offline is not available here)", digest)
+    return UnitScore(measured, "systemd-analyze security --offline of the unit "
+                               "`supervisor units` renders", digest)
+
+
+@functools.lru_cache(maxsize=8)
+def _measure(text: str, unit: str) -> float | None:
+    exe = shutil.which("systemd-analyze")
+    if exe is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="audit-unit-") as d:
+        path = os.path.join(d, unit)
+        Path(path).write_text(text)
+        try:
+            r = subprocess.run([exe, "security", "--offline=true", path],
+                               capture_output=True, text=True, timeout=60,
+                               stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+    for line in r.stdout.splitlines():
+        if "Overall exposure level" in line:
+            try:
+                return float(line.split(":", 1)[1].split()[0])
+            except (IndexError, ValueError):
+                return None
+    return None
+
+
+def installed_unit(unit: str, rendered_sha256: str | None,
+                   unit_dir: Path = UNIT_DIR) -> str:
+    """Whether the unit installed here is the text the exposure is of (a live audit:
+    an operator's edit of the installed unit changes what runs, not the report)."""
+    path = unit_dir / unit
+    try:
+        here = hashlib.sha256(path.read_bytes()).hexdigest()
+    except FileNotFoundError:
+        return f"{path}: not installed"
+    except OSError as e:
+        return f"{path}: unreadable ({e.strerror or e})"
+    if rendered_sha256 is None:
+        return f"{path}: sha256 {here} (no rendered unit to compare with)"
+    if here == rendered_sha256:
+        return f"{path}: the rendered unit (sha256 {here})"
+    return (f"{path}: sha256 {here}, not the rendered unit's {rendered_sha256} (edited, "
+            f"or rendered with another --prefix/--python/--config): its exposure is not "
+            f"the one above")
 
 
 def split_in_use(running: dict[str, Any] | None = None,
@@ -69,21 +155,30 @@ def privilege(cfg: Config, *, split: bool | None = None, running: dict[str, Any]
     caps = [*units.CAPABILITIES, *([units.REALTIME_CAPABILITY] if realtime else [])]
     why = list(ROOT_WORK) + (["SCHED_FIFO for real-time workers (CAP_SYS_NICE)"]
                              if realtime else [])
-    root_exposure = _score(units.EXPOSURE, 56135)
+    def scored(unit: str, table: dict[str, str], weight: int) -> dict[str, Any]:
+        sc = unit_score(cfg, unit, table, weight)
+        row = {"exposure": sc.exposure, "exposure_source": sc.source,
+               "unit_sha256": sc.unit_sha256}
+        if running is not None:
+            row["installed_unit"] = installed_unit(unit, sc.unit_sha256, unit_dir)
+        return row
+
     if not split:
         rows = [{"process": "supervisor", "unit": units.UNIT_NAME, "user": "root",
-                 "root": True, "capabilities": caps, "exposure": root_exposure,
+                 "root": True, "capabilities": caps,
+                 **scored(units.UNIT_NAME, units.EXPOSURE, 56135),
                  "reads_hostile_input": True,
                  "why": why + [f"and in the same process: {PROPER_WORK}"]}]
     else:
         rows = [{"process": "broker", "unit": units.BROKER_UNIT, "user": "root",
-                 "root": True, "capabilities": caps, "exposure": root_exposure,
+                 "root": True, "capabilities": caps,
+                 **scored(units.BROKER_UNIT, units.EXPOSURE, 56135),
                  "reads_hostile_input": False,
                  "why": why + ["nothing else: a fixed Cap'n Proto vocabulary, each request "
                                "checked against the config it loaded itself"]},
                 {"process": "supervisor proper", "unit": units.PROPER_UNIT,
                  "user": units.SUPERVISOR_USER, "root": False, "capabilities": [],
-                 "exposure": _score(units.PROPER_EXPOSURE, 56435),
+                 **scored(units.PROPER_UNIT, units.PROPER_EXPOSURE, 56435),
                  "reads_hostile_input": True, "why": [PROPER_WORK]}]
     return {"split": split, "found": found, "processes": rows}
 
@@ -105,6 +200,12 @@ def md_lines(report: dict[str, Any]) -> list[str]:
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
     for r in p["processes"]:
+        if r.get("exposure_source"):
+            lines += ["", f"Exposure of {r['unit']}: {r['exposure_source']}"
+                      + (f" (unit text sha256 {r['unit_sha256']})" if r.get("unit_sha256")
+                         else "") + "."]
+        if r.get("installed_unit"):
+            lines += ["", f"Installed: {r['installed_unit']}."]
         lines += ["", f"Why the {r['process']} {'is root' if r['root'] else 'runs'}:", ""]
         lines += [f"- {w}" for w in r["why"]]
     return lines + [""]
@@ -121,5 +222,11 @@ def text_lines(report: dict[str, Any]) -> list[str]:
                      f"{', '.join(r['capabilities']) or 'none'}, exposure "
                      f"{r['exposure']:.1f}, reads hostile input: "
                      f"{'yes' if r['reads_hostile_input'] else 'no'}")
+        if r.get("exposure_source"):
+            lines.append(f"    exposure: {r['exposure_source']}"
+                         + (f", unit sha256 {r['unit_sha256']}" if r.get("unit_sha256")
+                            else ""))
+        if r.get("installed_unit"):
+            lines.append(f"    installed: {r['installed_unit']}")
         lines += [f"    - {w}" for w in r["why"]]
     return lines
