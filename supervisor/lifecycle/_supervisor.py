@@ -33,6 +33,7 @@ from ._procstate import process_exiting
 from ._realtime import _Realtime
 from ._run import FailSafe, StartFailed, WorkerRun, _signame
 from ._standby import _WarmStandby
+from ._watchdog import Watchdog
 
 
 # The exit code of a start that made no process (a failure to the restart policy, like a
@@ -486,52 +487,13 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
                 if not w.watchdog_ms:
                     return
                 await run.ready.wait()
-                limit = w.watchdog_ms * 1_000_000
-                own = self.own_pause
-                # On the car an actuation writer must also write: pings from a thread
-                # while its loop is wedged are not control (red team 16 row 5). Its
-                # channels' sequence must move within the same bound as its pings. Not in
-                # a simulation: a replay's commands follow the log's steps, not the clock.
-                outs = {c: self.channels[c] for c in w.publishes
-                        if c in self.channels and self.config.channels[c].actuation
-                        and self.config.supervisor.mode == VEHICLE}
-                seqs = [ch.last_sequence() for ch in outs.values()]
-                wrote_ns = time.monotonic_ns()
-                while True:
-                    late = time.monotonic_ns() - own.silent_since(run.last_ping_ns)
-                    if late > limit:
-                        # Our own lag must never be blamed on the worker: read what it
-                        # sent before judging.
-                        for _ in range(64):
-                            if (not self._poll_status(run)
-                                    or time.monotonic_ns() - run.last_ping_ns <= limit):
-                                break
-                        late = time.monotonic_ns() - own.silent_since(run.last_ping_ns)
-                    quiet = 0
-                    if outs:
-                        now = [ch.last_sequence() for ch in outs.values()]
-                        if now != seqs:
-                            seqs, wrote_ns = now, time.monotonic_ns()
-                        quiet = time.monotonic_ns() - own.silent_since(wrote_ns)
-                    if late > limit or quiet > limit:
-                        if late > limit:
-                            why = f"watchdog: no ping for {late / 1e6:.0f} ms"
-                            said = dict(silent_ms=round(late / 1e6, 1))
-                        else:
-                            names = ", ".join(outs)
-                            why = (f"watchdog: pings, but nothing published on {names} "
-                                   f"for {quiet / 1e6:.0f} ms")
-                            said = dict(silent_ms=round(quiet / 1e6, 1), channel=names,
-                                        note="its actuation channel is silent: its pings "
-                                             "are not control")
-                        run.kill_reason = "watchdog"
-                        self.log.emit("watchdog_missed", worker=w.name, pid=run.pid, **said)
-                        self._kill(run)
-                        return
-                    wait = (limit - max(late, quiet)) / 1e9 + 0.001
-                    # A change is seen when looked for: looking 4 times a period finds a
-                    # silent channel within 1.25 periods of its last publish.
-                    await trio.sleep(min(wait, limit / 4e9) if outs else wait)
+                car = self.config.supervisor.mode == VEHICLE
+                outs = {c: self.channels[c] for c in w.publishes if car
+                        and c in self.channels and self.config.channels[c].actuation}
+                why = await Watchdog(run, w.watchdog_ms * 1_000_000, outs, self.own_pause,
+                                     self._poll_status, self.log.emit).watch()
+                run.kill_reason = "watchdog"
+                self._kill(run)
 
             nursery.start_soon(ready_deadline)
             nursery.start_soon(watchdog)
