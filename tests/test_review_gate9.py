@@ -493,9 +493,6 @@ CAP_NAMES = ("CHOWN DAC_OVERRIDE DAC_READ_SEARCH FOWNER FSETID KILL SETGID SETUI
              "AUDIT_READ PERFMON BPF CHECKPOINT_RESTORE").split()
 
 
-@pytest.mark.xfail(strict=True, reason="gate9 12: audit --live's 'What runs as root' lists "
-                   "the unit's capability table, not the running supervisor's: 7 listed, "
-                   "40 held")
 def test_live_audit_lists_the_capabilities_the_supervisor_holds(clone, bench):
     """`audit --live --pid PID` of a supervisor started from a root shell (a bench, and
     what `audit --live --start` itself starts): the report says `found: the sandboxes'

@@ -228,10 +228,21 @@ def audit(cfg: Config, *, live: bool = False, factory: Callable[[Config, Any], A
     from .privilege import privilege
 
     # What runs as root: --live --start runs the system in this (root) process.
+    import os
+
+    from .privilege import differences as privilege_differences
     report["privilege"] = privilege(cfg, running=report.get("running"),
-                                    split=False if live and running is None else None)
+                                    split=False if live and running is None else None,
+                                    pid=(running.pid if running is not None else os.getpid())
+                                    if live else None)
     if live and running is None:
         report["privilege"]["found"] = "the audit started the system itself, as root"
+    if live:
+        more = privilege_differences(report["privilege"])
+        if more:
+            report["differences"] = report.get("differences", []) + more
+            if report.get("result") == "matches":
+                report.update(result="differences", exit_code=EXIT_DIFFERENCES)
     return report
 
 

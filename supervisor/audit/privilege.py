@@ -124,6 +124,69 @@ def installed_unit(unit: str, rendered_sha256: str | None,
             f"the one above")
 
 
+# Capability numbers as the kernel counts them (linux/capability.h), for CapEff & co.
+CAP_NAMES = tuple(f"CAP_{n}" for n in (
+    "CHOWN DAC_OVERRIDE DAC_READ_SEARCH FOWNER FSETID KILL SETGID SETUID SETPCAP "
+    "LINUX_IMMUTABLE NET_BIND_SERVICE NET_BROADCAST NET_ADMIN NET_RAW IPC_LOCK IPC_OWNER "
+    "SYS_MODULE SYS_RAWIO SYS_CHROOT SYS_PTRACE SYS_PACCT SYS_ADMIN SYS_BOOT SYS_NICE "
+    "SYS_RESOURCE SYS_TIME SYS_TTY_CONFIG MKNOD LEASE AUDIT_WRITE AUDIT_CONTROL SETFCAP "
+    "MAC_OVERRIDE MAC_ADMIN SYSLOG WAKE_ALARM BLOCK_SUSPEND AUDIT_READ PERFMON BPF "
+    "CHECKPOINT_RESTORE").split())
+
+
+def caps_of(mask: int) -> list[str]:
+    return [CAP_NAMES[i] if i < len(CAP_NAMES) else f"CAP_{i}"
+            for i in range(mask.bit_length()) if mask >> i & 1]
+
+
+def held(pid: int) -> dict[str, Any] | None:
+    """What process ``pid`` holds, from /proc/PID/status and its cgroup: uids,
+    effective and bounding capabilities, no_new_privs (None if it is gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        cgroup = Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return None
+    f = {k: v.strip() for k, _, v in (x.partition(":") for x in status.splitlines())}
+    eff, bnd = int(f.get("CapEff", "0"), 16), int(f.get("CapBnd", "0"), 16)
+    return {"pid": pid, "uid": [int(x) for x in f.get("Uid", "").split()],
+            "CapEff": f"{eff:016x}", "CapBnd": f"{bnd:016x}",
+            "no_new_privs": f.get("NoNewPrivs") == "1",
+            "effective": caps_of(eff), "bounding": caps_of(bnd),
+            "cgroup": cgroup.strip().splitlines()[-1].partition("::")[2] if cgroup else ""}
+
+
+def _read_process(row: dict[str, Any], unit_caps: list[str], pid: int, how: str) -> None:
+    """A live row lists what the process holds (gate 9 finding 12: it listed the unit's
+    table, 7, of a supervisor holding 40); the unit's table stays beside it, and what
+    goes beyond it is judged where the unit is what started the process."""
+    got = held(pid)
+    if got is None:
+        row["process_read"] = f"pid {pid}: gone before /proc/{pid}/status was read"
+        return
+    under = f"/{row['unit']}" in got["cgroup"]
+    row.update(capabilities=got["effective"], capabilities_unit=unit_caps,
+               beyond_unit=[c for c in got["effective"] if c not in unit_caps],
+               under_unit=under, process_read=dict(got, how=how))
+
+
+def differences(p: dict[str, Any]) -> list[dict[str, Any]]:
+    """A live audit's differences of 'What runs as root': a process its unit started
+    that holds a capability beyond the unit's table (an edited or removed
+    CapabilityBoundingSet=). One started from a shell is bound by no unit: its
+    capabilities are listed, not judged."""
+    out = []
+    for r in p.get("processes", []):
+        if r.get("beyond_unit") and r.get("under_unit"):
+            pid = (r.get("process_read") or {}).get("pid")
+            out.append({"worker": None, "key": "privilege.capabilities",
+                        "expected": r.get("capabilities_unit"), "observed": r["capabilities"],
+                        "detail": f"the {r['process']} (pid {pid}, {r['unit']}) holds "
+                                  f"{len(r['beyond_unit'])} capabilities beyond its unit's "
+                                  f"table: {', '.join(r['beyond_unit'])}"})
+    return out
+
+
 def split_in_use(running: dict[str, Any] | None = None,
                  unit_dir: Path = UNIT_DIR) -> tuple[bool, str]:
     """(split, how it was found). A live audit knows the process that holds the
@@ -143,9 +206,11 @@ def split_in_use(running: dict[str, Any] | None = None,
 
 
 def privilege(cfg: Config, *, split: bool | None = None, running: dict[str, Any] | None = None,
-              unit_dir: Path = UNIT_DIR) -> dict[str, Any]:
+              unit_dir: Path = UNIT_DIR, pid: int | None = None) -> dict[str, Any]:
     """{split, found, processes: [{process, unit, user, root, capabilities, exposure,
-    reads_hostile_input, why}]}."""
+    reads_hostile_input, why}]}. With ``pid`` (a live audit: the running supervisor or
+    broker, or this process when it started the system), the root row's capabilities
+    are that process's (CapEff), beside the unit's table (capabilities_unit)."""
     from supervisor import units
 
     found = "given"
@@ -180,6 +245,9 @@ def privilege(cfg: Config, *, split: bool | None = None, running: dict[str, Any]
                  "user": units.SUPERVISOR_USER, "root": False, "capabilities": [],
                  **scored(units.PROPER_UNIT, units.PROPER_EXPOSURE, 56435),
                  "reads_hostile_input": True, "why": [PROPER_WORK]}]
+    if pid is not None and rows[0]["root"]:
+        _read_process(rows[0], caps, pid, "the running supervisor" if running is not None
+                      else "this process: the audit started the system itself")
     return {"split": split, "found": found, "processes": rows}
 
 
@@ -194,7 +262,10 @@ def md_lines(report: dict[str, Any]) -> list[str]:
              + f" Found: {p['found']}.", ""]
     # Six columns at most (the report's tables stay readable); the reasons follow.
     head = ["process", "unit", "user", "capabilities", "exposure", "reads hostile input"]
-    rows = [[r["process"], r["unit"], r["user"], ", ".join(r["capabilities"]) or "none",
+    def named(r: dict[str, Any]) -> str:
+        beyond = set(r.get("beyond_unit") or [])
+        return ", ".join(f"!!{c}" if c in beyond else c for c in r["capabilities"]) or "none"
+    rows = [[r["process"], r["unit"], r["user"], named(r),
              f"{r['exposure']:.1f}", "yes" if r["reads_hostile_input"] else "no"]
             for r in p["processes"]]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -206,6 +277,7 @@ def md_lines(report: dict[str, Any]) -> list[str]:
                          else "") + "."]
         if r.get("installed_unit"):
             lines += ["", f"Installed: {r['installed_unit']}."]
+        lines += _held_lines(r, "")
         lines += ["", f"Why the {r['process']} {'is root' if r['root'] else 'runs'}:", ""]
         lines += [f"- {w}" for w in r["why"]]
     return lines + [""]
@@ -228,5 +300,24 @@ def text_lines(report: dict[str, Any]) -> list[str]:
                             else ""))
         if r.get("installed_unit"):
             lines.append(f"    installed: {r['installed_unit']}")
+        lines += [f"    {x}" for x in _held_lines(r, "") if x]
         lines += [f"    - {w}" for w in r["why"]]
     return lines
+
+
+def _held_lines(r: dict[str, Any], pad: str) -> list[str]:
+    got = r.get("process_read")
+    if not got:
+        return []
+    if isinstance(got, str):
+        return ["", f"{pad}Read: {got}."]
+    beyond = r.get("beyond_unit") or []
+    judged = ("a difference: its unit started it" if r.get("under_unit") else
+              f"not judged: not started by {r['unit']} (cgroup {got.get('cgroup')}), so "
+              f"no unit bounds it")
+    return ["", f"{pad}Read from /proc/{got['pid']}/status ({got['how']}): uid "
+                f"{'/'.join(map(str, got['uid']))}, CapEff {got['CapEff']} "
+                f"({len(r['capabilities'])} capabilities), CapBnd {got['CapBnd']}, "
+                f"NoNewPrivs {'1' if got['no_new_privs'] else '0'}; the unit's table: "
+                f"{', '.join(r.get('capabilities_unit') or []) or 'none'}"
+                + (f"; beyond it (!!): {len(beyond)}, {judged}" if beyond else "") + "."]
