@@ -415,9 +415,6 @@ def test_verify_names_another_bubblewrap_than_the_reports(clone, keys, signed):
     assert "0.4.0" in v.stdout + v.stderr, v.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="gate9 8: the report alone never says what research "
-                   "can observe of control (the writer's slot choice, CPU contention); only "
-                   "docs/review.md does")
 def test_the_report_says_what_research_can_observe_of_control(signed):
     """docs/review.md, 'What research can still observe of control (known, not closed)':
     a research reader of road_frames sees in the header's last_slot which slot camerad

@@ -133,6 +133,44 @@ def _channel_paths(cfg: Config, name: str) -> list[Path]:
     return out
 
 
+OBSERVATION = "observation (slot choice)"
+
+
+def _observation_paths(cfg: Config, name: str) -> list[Path]:
+    """What a non-actuating domain can observe of an actuating one through a channel
+    they both read (gate 9 finding 8; red team 14 row 9, known, not closed): the writer
+    skips the slots a reader's leases hold, and every reader reads the header's
+    last_slot to find the newest message, so one reader sees the other's pace. No
+    bytes of the observed reader's and no effect on it: an inference, listed so that
+    the signed report, not only docs/review.md, says it. (The reverse, control seeing
+    research's pace, carries nothing control acts on; research's leases are bounded as
+    the lease table's path says.)"""
+    writer = cfg.writer_of(name)
+    readers = [r for r in cfg.readers_of(name) if r in cfg.workers]
+    out: list[Path] = []
+    for seen in readers:
+        sd = cfg.domains.get(_domain(cfg, seen))
+        if sd is None or not sd.actuates:
+            continue
+        for by in readers:
+            bd = cfg.domains.get(_domain(cfg, by))
+            if bd is None or bd.actuates:
+                continue
+            out.append(Path(
+                id=f"{name}.slotchoice.{by}", kind=OBSERVATION, channel=name,
+                source=_domain(cfg, seen), target=_domain(cfg, by),
+                writer=f"{seen} (through {writer}'s slot choice)", reader=by,
+                carries=(f"which slot {writer} chose (the header's last_slot, which {by} "
+                         f"reads to find the newest message): {writer} skips the slots "
+                         f"{seen}'s leases hold, so the choice follows {seen}'s read pace"),
+                worst=(f"{by} infers when {seen} reads and how long it holds a slot (red "
+                       f"team 14 row 9: modeld's pace guessed 20 of 20); no bytes of "
+                       f"{seen}'s, no effect on it"),
+                bound="none (known, not closed): every reader of a channel sees the "
+                      "writer's slot choice"))
+    return out
+
+
 def _pipe_paths(cfg: Config) -> list[Path]:
     from supervisor.lifecycle import Supervisor
     from supervisor.output import LineLimiter
@@ -318,6 +356,8 @@ def interference_paths(cfg: Config) -> list[dict[str, Any]]:
     paths: list[Path] = []
     for name in cfg.channels:
         paths += _channel_paths(cfg, name)
+    for name in cfg.channels:
+        paths += _observation_paths(cfg, name)
     paths += (_pipe_paths(cfg) + _file_paths(cfg) + _resource_paths(cfg)
               + _network_paths(cfg) + _process_paths(cfg))
     return [p.as_dict() for p in paths]
