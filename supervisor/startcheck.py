@@ -750,7 +750,8 @@ def machine_problems(cfg: Config | None = None) -> list[str]:
                         f"map leaves out {', '.join(users)}, so no sandbox can switch to its "
                         f"domain's user: run as real root, or give the rootless container "
                         f"a subordinate id range that holds them (/etc/subuid, /etc/subgid)")
-    elif unshare is not None:
+    elif unshare is not None and not any(p.startswith("namespaces:") for p in problems):
+        # (a machine that refuses root a mount namespace refuses the rest too: one line)
         userns = userns_problem(cfg, unshare)
         if userns:
             problems.append(userns)
