@@ -396,8 +396,6 @@ def test_the_reports_exposure_is_the_units_own_score(clone, signed):
     assert said == [measured], (said, measured)
 
 
-@pytest.mark.xfail(strict=True, reason="gate9 6: verify never compares the bubblewrap, "
-                   "interpreter or libraries the report names: another bwrap verifies OK")
 def test_verify_names_another_bubblewrap_than_the_reports(clone, keys, signed):
     """The report's provenance names `tools.bwrap` (bubblewrap 0.8.0) and the libraries
     that enforce isolation (pyseccomp, ...); verify checks config, models and code

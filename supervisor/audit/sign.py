@@ -101,6 +101,7 @@ class Verified:
     config_now: str = ""       # how the config in hand compares with the report's
     config_ok: bool = True
     code_here: str = ""        # this checkout's commit against the report's (told, not judged)
+    tools_here: list[str] = field(default_factory=list)   # what builds the policy here
 
     def lines(self) -> list[str]:
         c = self.covers
@@ -116,6 +117,7 @@ class Verified:
             f"{c.get('time_utc')} on {c.get('host')}; result {self.result}",
             f"  config now: {self.config_now}",
             f"  code here: {self.code_here}",
+            *(f"  tools here: {t}" for t in self.tools_here),
         ]
 
 
@@ -425,7 +427,44 @@ def verify_file(report: str, signature: str, public_key: str,
                         f"report (no provenance): nothing to check it against") from None
     now, ok = _config_now(covers, config)
     return Verified(report, len(data), key_id(key), public_key, covers, result, now, ok,
-                    _code_here(covers))
+                    _code_here(covers), _tools_moved(covers))
+
+
+# What the policy is built and enforced with, as the report's provenance names it: the
+# sandboxes are bubblewrap's, the seccomp filters pyseccomp's, the models tinygrad's.
+WHY_TOOL = {"bwrap": "the sandboxes are built by it", "pyseccomp": "the seccomp filters "
+            "are compiled by it", "python": "the supervisor and the workers run on it"}
+
+
+def _tools_moved(covers: dict[str, Any]) -> list[str]:
+    """The bubblewrap, interpreter and libraries here against the report's (gate 9
+    finding 6: a bwrap 0.4.0 first on PATH verified OK, not a word). Told, not judged:
+    a reviewer verifies on other machines; the line says what the report's isolation
+    claims were not made with. One line when all are the report's."""
+    import platform
+    import sys
+
+    from .provenance import LIBRARIES, _tool, _version
+
+    now: dict[str, Any] = {"bwrap": _tool(["bwrap", "--version"]),
+                           "python": f"{platform.python_implementation()} "
+                                     f"{platform.python_version()} ({sys.executable})"}
+    then: dict[str, Any] = {"bwrap": (covers.get("tools") or {}).get("bwrap"),
+                            "python": covers.get("python")}
+    libs = covers.get("libraries") or {}
+    for name in LIBRARIES:
+        if name in libs:
+            then[name], now[name] = libs[name], _version(name)
+    out = []
+    for name in then:
+        if then[name] != now[name]:
+            why = WHY_TOOL.get(name)
+            out.append(f"{name}: {now[name] or 'absent'} here, the report's "
+                       f"{then[name] or 'absent'}" + (f" ({why})" if why else "")
+                       + ": the report's claims were not made with this one")
+    if not out:
+        return [f"bwrap, python and {len(then) - 2} libraries are the report's"]
+    return out
 
 
 def _code_here(covers: dict[str, Any]) -> str:
