@@ -182,7 +182,9 @@ def _check_sandboxes(cfg) -> int:
     import os
 
     if os.geteuid() != 0:
-        print("supervisor check: sandboxes not started (needs root, as run)")
+        # (as another user, run and check --start still start sandboxes: user namespaces)
+        print("supervisor check: sandboxes not rehearsed (root's check only; check --start "
+              "starts them as this user)")
         return 0
     from supervisor.sandbox.launch import rehearse_config
     from supervisor.startcheck import machine_problems
