@@ -89,7 +89,8 @@ schema_version; a renamed or removed key or a changed meaning bumps it.
                      window_s}, backoff_ms: {initial, max}, backoff_text, cooldown_s,
                      watchdog_ms, ready_timeout_ms, warm_standby, optional,
                      failure_policy, on_give_up, actuation_meanwhile}] (failure.py)
-    filesystem       {worker: {mounts: [{path, what, access, source, size}], masked,
+    filesystem       {worker: {mounts: [{path, what, access, source, size}], masked
+                     (compilers), hidden (/proc counters, empty inside),
                      whiteouts: {dir: [names]}, writable, error}} (fsview.py)
     syscalls         {classes: {key: {domains, launch, runtime, exec_watch, network,
                      default, killed, errno: {name: errno}, notified, conditional:

@@ -258,13 +258,14 @@ def _fs_changes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
             if eff:
                 out.append(Change("filesystem", name, f"{path} size", om[key].get("size"),
                                   nm[key].get("size"), eff))
-        omask = {po(x): x for x in p.get("masked", [])}
-        nmask = {pn(x): x for x in v.get("masked", [])}
+        # (an older report kept the /proc counters under "masked": compared as one set)
+        omask = {po(x): x for x in p.get("masked", []) + p.get("hidden", [])}
+        nmask = {pn(x): x for x in v.get("masked", []) + v.get("hidden", [])}
         for key in sorted(omask.keys() - nmask.keys()):
-            out.append(Change("filesystem", name, "masked compiler", omask[key], None,
+            out.append(Change("filesystem", name, _masked_kind(omask[key]), omask[key], None,
                               WEAKENED))
         for key in sorted(nmask.keys() - omask.keys()):
-            out.append(Change("filesystem", name, "masked compiler", None, nmask[key],
+            out.append(Change("filesystem", name, _masked_kind(nmask[key]), None, nmask[key],
                               TIGHTENED))
         ow = {(po(d), x) for d, xs in (p.get("whiteouts") or {}).items() for x in xs}
         nw = {(pn(d), x) for d, xs in (v.get("whiteouts") or {}).items() for x in xs}
@@ -442,3 +443,7 @@ def _md_pair(old: Any, new: Any) -> str:
 
 def _rank(c: Change) -> tuple[int, str, str]:
     return ({WEAKENED: 0, CHANGED: 1, TIGHTENED: 2}[c.effect], c.section, c.subject)
+
+
+def _masked_kind(path: str) -> str:
+    return "hidden counter" if path.startswith("/proc/") else "masked compiler"

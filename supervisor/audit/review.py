@@ -237,6 +237,9 @@ def md_filesystem(report: dict[str, Any]) -> list[str]:
         if v["masked"]:
             out += [f"Compilers masked (bound over by /dev/null, cannot run): "
                     f"{', '.join(v['masked'])}.", ""]
+        if v.get("hidden"):
+            out += [f"The machine's counters, empty inside (bound over by /dev/null): "
+                    f"{', '.join(v['hidden'])}.", ""]
         for d, names_ in v["whiteouts"].items():
             out += [f"Whiteouts in {d} (absent inside): {', '.join(names_)}.", ""]
         out += [_device_line(v), ""]
@@ -354,6 +357,9 @@ def text_sections(report: dict[str, Any]) -> list[str]:
                 out.append(f"    {row[0]}  {row[1]} {row[2]} {row[3]}".rstrip())
             if v.get("masked"):
                 out.append(f"    masked compilers: {', '.join(v['masked'])}")
+            if v.get("hidden"):
+                out.append(f"    the machine's counters, empty inside: "
+                           f"{', '.join(v['hidden'])}")
             for d, names_ in (v.get("whiteouts") or {}).items():
                 out.append(f"    whiteouts in {d}: {', '.join(names_)}")
             if not v.get("error"):
