@@ -252,9 +252,6 @@ def test_a_frame_records_absurd_exposure_never_crashes_the_camera(runs):
     assert json.loads(r.stdout)["exit_code"] == r.returncode
 
 
-@pytest.mark.xfail(strict=True, reason="gate9 2: admission refusing a control worker is "
-                   "replay exit 7 and record exit 2, not the supervisor's 3 that "
-                   "docs/replay.md's exit table promises")
 def test_an_admission_refusal_is_the_supervisors_exit_3(runs):
     """docs/replay.md, exit codes of `record` and `replay`: `3, 4, 5: the supervisor's
     own: admission refused, fail-safe, start failed`. A control worker that imports torch

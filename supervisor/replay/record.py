@@ -266,8 +266,11 @@ def record(out: str, *, config: str | None = None, seconds: float | None = None,
             raise RecordError(fault, WRITE_FAILED) from None
         from .run import failure_cause
 
+        # The supervisor's own code (3, 4, 5) is the command's (gate 9 finding 2: it
+        # was 2, "bad input", for an admission refusal).
         raise RecordError(f"no usable log was written ({e}); "
-                          f"{failure_cause(outcome.events, outcome.exit_code)}") from None
+                          f"{failure_cause(outcome.events, outcome.exit_code)}",
+                          outcome.exit_code or int(Exit.INCOMPLETE)) from None
     frames = sum(len(v) for v in log.frames.values())
     if clip is not None and seconds is None:
         from .run import camera_done, failure_cause

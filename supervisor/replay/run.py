@@ -194,6 +194,16 @@ def failure_cause(events: list[dict[str, Any]], exit_code: int | None = None,
         if stalled:
             return stalled + (f"; {tail}" if tail else "")
         return tail or "no worker failed (see the lifecycle events with --events)"
+    return _one_line(_cause(bad, events, tail))
+
+
+def _one_line(text: str) -> str:
+    """A refusal's detail lists its findings on lines of their own: one line on stderr
+    (gate 9 finding 2), the lines joined with '; '."""
+    return "; ".join(x.strip() for x in text.splitlines() if x.strip())
+
+
+def _cause(bad: list, events: list[dict[str, Any]], tail: str) -> str:
     i, first = bad[0]
     who = first.get("worker")
     head = f"{who} {_describe(first)}" if who else _describe(first)
@@ -445,7 +455,10 @@ def _replay(log: str, *, held: list[int], out: str | None = None, config: str | 
     try:
         run = DriveLog.open(run_log)
     except LogError as e:
-        code = WRITE_FAILED if fault else INCOMPLETE
+        # No run log: the supervisor ended before the recorder wrote one. Its own code
+        # (3 admission refused, 4 fail-safe, 5 start failed) is the command's, as with
+        # a run log (gate 9 finding 2: it was 7, "incomplete").
+        code = WRITE_FAILED if fault else (outcome.exit_code or INCOMPLETE)
         summary = {"log": source_log, "run": run_dir, "exit_code": code,
                    "error": fault or (_interrupted_text(sig, 0, total) if sig else
                                       failure_cause(outcome.events, outcome.exit_code)),
