@@ -293,8 +293,6 @@ def test_a_ref_of_another_drive_is_refused_not_a_difference(runs):
     assert r.returncode == 2, (r.returncode, r.stdout[-800:], r.stderr[-400:])
 
 
-@pytest.mark.xfail(strict=True, reason="gate9 7: log info says 'nothing lost' of a log "
-                   "whose video description contradicts its frames' size")
 def test_a_video_description_that_contradicts_the_frames_is_said(clone):
     """Every frame record says 64x48; the video's description says 128x24 (the same
     bytes per frame, so every index record passes). `log info`: `road_frames: 12 frames

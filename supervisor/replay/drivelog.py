@@ -372,6 +372,13 @@ class DriveLog:
                 continue
             total.add(v.loss)
             indexed[ch] = len(v)
+            sizes = sorted({(f.width, f.height) for f in self.frames.get(ch, [])
+                            if f.pixel_format == v.info.pixel_format})
+            if sizes and (v.info.width, v.info.height) not in sizes:
+                total.contradictions.append(
+                    f"{ch}.video describes {v.info.width}x{v.info.height} frames, its frame "
+                    f"records say {', '.join(f'{w}x{h}' for w, h in sizes)} (the pixels "
+                    f"would be played at another stride)")
             v.close()
         if self.info.get("video") == "none":       # a replay's own log: metadata only
             return total

@@ -191,6 +191,9 @@ class Loss:
     # (overrun, rejected, lease lost, skipped: its `drops` entries). "nothing lost"
     # beside "recorder drops: control_cmd 15" read as a whole log (review 7, finding 3).
     recorder_drops: dict[str, int] = field(default_factory=dict)
+    # A video whose description contradicts its channel's frame records (gate 9 finding
+    # 7: 128x24 over 64x48 frames, the same bytes per frame): played at another stride.
+    contradictions: list[str] = field(default_factory=list)
 
     def add(self, other: Loss) -> None:
         self.truncated_bytes += other.truncated_bytes
@@ -204,6 +207,7 @@ class Loss:
         self.frames_unwritten += other.frames_unwritten
         for ch, n in other.recorder_drops.items():
             self.recorder_drops[ch] = self.recorder_drops.get(ch, 0) + n
+        self.contradictions.extend(other.contradictions)
 
     @property
     def frames_without_video(self) -> int:
@@ -212,7 +216,8 @@ class Loss:
     @property
     def any(self) -> bool:
         return bool(self.truncated_bytes or self.corrupt_records or self.not_closed
-                    or self.frames_without_video or any(self.recorder_drops.values()))
+                    or self.frames_without_video or any(self.recorder_drops.values())
+                    or self.contradictions)
 
     def text(self) -> str:
         parts = []
@@ -235,6 +240,7 @@ class Loss:
             parts.append(f"the recorder dropped {sum(dropped.values())} message(s) "
                          f"({', '.join(f'{ch} {n}' for ch, n in dropped.items())}): not in "
                          f"the log")
+        parts += self.contradictions
         return "; ".join(parts) or "nothing lost"
 
 

@@ -347,6 +347,9 @@ def _replay(log: str, *, held: list[int], out: str | None = None, config: str | 
         src = DriveLog.open(log)
     except LogError as e:
         raise ReplayError(str(e)) from None
+    said = src.full_loss().contradictions
+    if said:       # played, the pipeline started and ended too_small (exit 7): refuse now
+        raise ReplayError(f"{log}: {said[0]}")
     try:
         doc = read_doc(config)[0] if config else _recorded_config(log)
     except DeriveError as e:
