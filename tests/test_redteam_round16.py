@@ -20,7 +20,8 @@ fail-safe: latched, seen by the next start, cleared; 20 hand-overs under an open
 limit of exactly what the config needs; 21 the wall clock on decision paths (read);
 22 /run and /dev/shm full; 23 an actuation writer without a watchdog (config); 24 the
 recorder killed (placed after row 12); 25 an actuation writer whose law froze: the same
-command, the same capture time, new sequence numbers (placed after row 5).
+command, the same capture time, new sequence numbers (placed after row 5); 26 a worker
+stopped for good across the supervisor's own pause (placed after row 16).
 
 One `supervisor run` (the fleet below, `failure_policy = "fail_safe"` for control as
 in the car) carries rows 1-17; rows 18-20 and 22 start small runs of their own on the fleet's
@@ -447,14 +448,13 @@ def test_04_the_last_word_of_a_covered_crash_is_not_a_fail_safe(fleet):
     assert all(w.get("reason") != FAIL_SAFE for w in covered), covered[:2]
 
 
-@pytest.mark.xfail(strict=True, reason="round16 5: a watchdog pinged from a thread hides a "
-                   "wedged actuation writer: no restart, no SAFE, no event, for ever")
 def test_05_a_wedged_writer_pinging_from_a_thread_is_found(fleet):
     """(must trip) `wedge`, an actuation writer (watchdog 300 ms), publishes engaged=1
     for 6 s, then its main loop blocks for ever while a thread keeps pinging the
     watchdog. Control is lost: no command comes any more. The supervisor must find it
     (its actuation channel silent past max_age while the worker claims to be alive) and
-    act: kill it (its last word is SAFE) and restart it, said in the log."""
+    act: kill it (its last word is SAFE) and restart it, said in the log. (Broke at
+    aad2453; closed by 01c02f3: the channel's sequence must move within watchdog_ms.)"""
     run = fleet
     ev = until(run, lambda ev: bool(_rt16(ev, "wedge", "wedged")), 30)
     wedged = _rt16(ev, "wedge", "wedged")
@@ -700,16 +700,13 @@ def test_15_a_paused_supervisor_alone_blames_no_worker(fleet):
     assert not bad, bad
 
 
-@pytest.mark.xfail(strict=True, reason="round16 16: after a pause of everything, a supervisor "
-                   "that runs first kills every control worker by watchdog and discards its "
-                   "still-stopped standbys")
 def test_16_a_pause_of_everything_thawed_supervisor_first_is_no_fault(fleet):
     """(ordinary day) As row 14, but the supervisor is continued 200 ms before its
     workers (a freezer's thaw, `systemctl thaw`, a VM resumed by its host: the order in
     which tasks run again is nobody's choice, and on a loaded 2-core machine a worker
     waits for a CPU that long; at a 30 ms lead the kills came in 1 run of 3). Every
     process was paused alike: no worker is to blame, none may be killed, no standby
-    discarded, no SAFE said."""
+    discarded, no SAFE said. (Broke at aad2453; closed by 01c02f3: OwnPause.)"""
     run = fleet
     ev = until(run, _warm_enough, 30)
     time.sleep(0.3)
@@ -737,6 +734,33 @@ def test_16_a_pause_of_everything_thawed_supervisor_first_is_no_fault(fleet):
           f"{[e['reason'] for e in ev if e['event'] == 'fail_safe']}")
     assert not [e for e in ev if e["event"] == "fail_safe"]
     assert not bad, bad
+
+
+def test_26_a_worker_really_stopped_across_the_supervisors_pause_is_still_found(fleet):
+    """(must trip; 01c02f3's own-pause grace attacked) `act`'s active worker is stopped
+    for good, then the supervisor is stopped 1 s and continued. The pause forgives the
+    silence the supervisor could not see, once: the worker, still stopped, must be
+    found within its watchdog (500 ms) of the resume (and a beat), and a standby takes
+    over. A grace that renewed itself would let a hung controlsd drive on a pause."""
+    run = fleet
+    ev = until(run, _warm_enough, 30)
+    victim = _worker_of(_active_pid(ev, "act"))
+    assert victim
+    os.kill(victim, signal.SIGSTOP)
+    os.kill(run.proc.pid, signal.SIGSTOP)
+    time.sleep(1.0)
+    resumed = time.monotonic_ns()
+    os.kill(run.proc.pid, signal.SIGCONT)
+    ev = until(run, lambda ev: any(e["mono_ns"] > resumed for e in of(ev, "act", "ready")), 10)
+    _kill(victim, signal.SIGKILL)                 # whatever happened: never left stopped
+    seq = [(e["event"], round((e["mono_ns"] - resumed) / 1e6)) for e in ev
+           if e["mono_ns"] > resumed and (e.get("worker") == "act" or e["event"] == "supervisor_paused")
+           and e["event"] in ("supervisor_paused", "watchdog_missed", "last_word", "exit",
+                              "standby_adopted", "ready")]
+    print(f"round16 26: act stopped, supervisor paused 1 s; after its resume (ms): {seq}")
+    missed = [ms for e, ms in seq if e == "watchdog_missed"]
+    assert missed and missed[0] < 500 + 300, seq
+    assert any(e == "standby_adopted" for e, _ in seq), seq
 
 
 def test_17_restarts_leave_no_file_descriptor_behind(fleet):
