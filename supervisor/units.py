@@ -182,23 +182,51 @@ def unit_cgroup(unit: str = UNIT_NAME) -> str:
 V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
 
 
-def v1_mounts(mountinfo: str = "/proc/self/mountinfo") -> list[str]:
-    """Mount points of the cgroup v1 hierarchies holding V1_CONTROLLERS, as this
-    machine's mountinfo has them (`/sys/fs/cgroup/cpu,cpuacct`), each once, in order."""
-    out: list[str] = []
+def _v1_hierarchies(mountinfo: str = "/proc/self/mountinfo") -> dict[str, str]:
+    """controller -> mount point of each cgroup v1 hierarchy in this machine's
+    mountinfo (`cpu` -> `/sys/fs/cgroup/cpu,cpuacct` where they share one)."""
+    out: dict[str, str] = {}
     try:
         with open(mountinfo) as f:
             for line in f:
                 pre, _, post = line.partition(" - ")
                 fields = post.split()
-                if len(fields) >= 3 and fields[0] == "cgroup" and any(
-                        c in V1_CONTROLLERS for c in fields[2].split(",")):
-                    point = pre.split()[4]
-                    if point not in out:
-                        out.append(point)
+                if len(fields) >= 3 and fields[0] == "cgroup":
+                    for c in fields[2].split(","):
+                        out.setdefault(c, pre.split()[4])
     except OSError:
         pass
     return out
+
+
+def v1_mounts(mountinfo: str = "/proc/self/mountinfo") -> list[str]:
+    """Mount points of the cgroup v1 hierarchies holding V1_CONTROLLERS, each once."""
+    found = _v1_hierarchies(mountinfo)
+    return list(dict.fromkeys(found[c] for c in sorted(V1_CONTROLLERS) if c in found))
+
+
+def v1_rt_lines(cfg: Config, unit: str) -> list[str]:
+    """On a v1 machine with RT group scheduling (the cpu hierarchy has
+    cpu.rt_runtime_us), systemd makes system.slice and the unit's cpu cgroup with no RT
+    runtime, and a child's budget must fit its parent's: the supervisor's reservation
+    failed (EINVAL) and controlsd ran in the normal class (review 9 finding 6). Before
+    the start, with full privileges (`+`; `-`: a refusal only costs real-time, which
+    the supervisor then reports), each of the two is raised to the share the supervisor
+    reserves (`_reserve_realtime`: every budget plus the largest, at most 90 %) of its
+    own period, never lowered. [] elsewhere (v2; no RT groups; no RT worker)."""
+    budgets = [w.realtime().budget_pct for w in cfg.workers.values()
+               if w.realtime_priority is not None]
+    cpu = _v1_hierarchies().get("cpu")
+    if (not budgets or cpu is None or os.path.exists(f"{CGROUP_MOUNT}/cgroup.controllers")
+            or not os.path.exists(f"{cpu}/cpu.rt_runtime_us")):
+        return []
+    pct = min(sum(budgets) + max(budgets), 90)
+    dirs = f"{cpu}/{SLICE} {cpu}/{SLICE}/{unit}"
+    script = (f"for d in {dirs}; do p=$$(cat $$d/cpu.rt_period_us) || exit 1; "
+              f"r=$$((p / 100 * {pct})); [ $$(cat $$d/cpu.rt_runtime_us) -ge $$r ] || "
+              f"echo $$r > $$d/cpu.rt_runtime_us || exit 1; done")
+    return [f"# cgroup v1 RT groups ({cpu}): {pct} % of a CPU for the real-time workers",
+            f"ExecStartPre=-+/bin/sh -c {_quoted(script.replace('%', '%%'))}"]
 
 
 def unit_cgroups(unit: str = UNIT_NAME) -> list[str]:
@@ -490,11 +518,10 @@ def _render_host(cfg: Config, *, config_path: str | None, python: str | None = N
         f"Slice={SLICE}",
         "Delegate=yes",
         # v1: its cgroup in each hierarchy; '-': one missing hierarchy never fails the
-        # start. (v1 RT budget: the supervisor writes its cgroup's cpu.rt_runtime_us; the
-        # kernel grants it only from what system.slice holds, 0 unless the owner gives
-        # it some: realtime_unavailable says so.)
+        # start; and the RT runtime its parents lack (v1_rt_lines).
         *(f"ReadWritePaths=-{path_word(p)}"
           for p in unit_cgroups(BROKER_UNIT if broker else UNIT_NAME)),
+        *v1_rt_lines(cfg, BROKER_UNIT if broker else UNIT_NAME),
         *([f"MemoryMax={memory}"] if memory else []),
         "# Its own process last for the OOM killer: its death ends every sandbox unsaid;",
         "# the sandboxes rank as any process (supervisor/sandbox/launch.py).",

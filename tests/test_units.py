@@ -214,12 +214,14 @@ MAX_PROPER_EXPOSURE = 1.5
 
 
 def _as_on_v2(text: str) -> str:
-    """A rendered unit without the v1 hierarchies' ReadWritePaths= lines, which `units`
-    adds on a cgroup v1 machine only (review 9 finding 6): systemd/ holds the vehicle's
-    (cgroup v2) units, and this machine may be v1."""
-    v1 = tuple(f"ReadWritePaths=-{m}/" for m in v1_mounts())
+    """A rendered unit without the lines `units` adds on a cgroup v1 machine only
+    (review 9 finding 6: ReadWritePaths= of each v1 hierarchy, and with RT groups the
+    ExecStartPre= that gives the slice and the unit RT runtime, with its comment), each
+    naming a v1 mount: systemd/ holds the vehicle's (cgroup v2) units, and this machine
+    may be v1."""
+    v1 = [f"{m}{end}" for m in v1_mounts() for end in ("/", ")")]
     return "".join(ln for ln in text.splitlines(keepends=True)
-                   if not (v1 and ln.startswith(v1)))
+                   if not any(m in ln for m in v1))
 
 
 def _security(unit: Path) -> tuple[float, set[str], str]:
@@ -518,3 +520,44 @@ def _is_sleep_below(pid: int, ancestor: int) -> bool:
     except (OSError, ValueError, IndexError):
         pass
     return False
+
+
+def test_on_v1_with_rt_groups_the_unit_gives_its_cgroup_rt_runtime(tmp_path):
+    """Review 9 finding 6: systemd makes system.slice and the unit's v1 cpu cgroup with
+    no RT runtime, so the supervisor's reservation below them was refused (EINVAL) and
+    controlsd ran in the normal class. The unit's ExecStartPre= (full privileges) raises
+    both to what the supervisor reserves. Here its script runs for real against a
+    scratch slice/unit pair of cgroups (made and removed), and then a child takes the
+    supervisor's reservation (20 % per 100 ms) as the tree does."""
+    from supervisor.units import _v1_hierarchies, v1_rt_lines
+
+    cpu = _v1_hierarchies().get("cpu")
+    if (os.geteuid() != 0 or cpu is None or os.path.exists("/sys/fs/cgroup/cgroup.controllers")
+            or not os.path.exists(f"{cpu}/cpu.rt_runtime_us")):
+        pytest.skip("root on a cgroup v1 machine with RT group scheduling")
+    lines = v1_rt_lines(load(), UNIT_NAME)           # the car's controlsd is real-time
+    (pre,) = [ln for ln in lines if ln.startswith("ExecStartPre=-+/bin/sh -c ")]
+    script = pre.split(" -c ", 1)[1]
+    assert script[0] == script[-1] == '"'
+    script = script[1:-1].replace("$$", "$")          # as systemd hands it to sh
+    assert f"{cpu}/system.slice {cpu}/system.slice/{UNIT_NAME};" in script
+    slice_ = f"{cpu}/rv9-slice-{os.getpid()}"
+    unit = f"{slice_}/unit"
+    script = script.replace(f"{cpu}/system.slice/{UNIT_NAME}", unit) \
+        .replace(f"{cpu}/system.slice", slice_)
+    os.makedirs(unit)
+    tree = f"{unit}/tree"
+    try:
+        for _ in range(2):                            # a restart: the same, no error
+            r = subprocess.run(["sh", "-c", script], capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr
+            for d in (slice_, unit):
+                assert Path(f"{d}/cpu.rt_runtime_us").read_text().strip() == "200000"
+        os.mkdir(tree)
+        Path(f"{tree}/cpu.rt_period_us").write_text("100000")
+        Path(f"{tree}/cpu.rt_runtime_us").write_text("20000")   # refused before: EINVAL
+    finally:
+        for d in (tree, unit, slice_):
+            if os.path.isdir(d):
+                Path(f"{d}/cpu.rt_runtime_us").write_text("0")
+                os.rmdir(d)
