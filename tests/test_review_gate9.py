@@ -440,8 +440,6 @@ def _md_filesystem(clone: Path, report: Path) -> str:
     return r.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="gate9 9: docs/audit-default.md's filesystem view "
-                   "is stale: no /proc counter masked, no /proc/pressure emptied (27331ca)")
 def test_the_published_filesystem_view_is_heads(clone, signed):
     """docs/review.md's threat model says the machine's counters under /proc are empty
     in every sandbox (red team 14 row 3, 27331ca, 18:21); docs/audit-default.md was
