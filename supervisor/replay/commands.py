@@ -277,6 +277,33 @@ def _gated(run_dir: str, extra: list[str]) -> set[str] | None:
     return verdict_channels(load(os.path.join(run_dir, "replay.toml"))) | set(extra)
 
 
+class UsageParser(argparse.ArgumentParser):
+    """argparse, whose usage errors under ``--format json`` are the JSON document every
+    other bad input gives (gate 9 finding 3: a mistyped option printed argparse's usage
+    on stderr and nothing on stdout, and a CI script's json.loads('') crashed): one
+    line on stderr, ``{"error": ..., "exit_code": 2}`` on stdout, exit 2. Subparsers
+    are made of the parser's own class, so the top parser is the one to swap; its
+    ``argv`` (main's, else sys.argv's) is what is looked at, by the subparsers too."""
+
+    ARGV: list[str] | None = None        # the command line being parsed (set by the top)
+
+    def __init__(self, *args, argv: list[str] | None = None, **kw) -> None:
+        super().__init__(*args, **kw)
+        if argv is not None:
+            UsageParser.ARGV = list(argv)
+
+    def error(self, message: str):  # type: ignore[override]
+        argv = UsageParser.ARGV if UsageParser.ARGV is not None else sys.argv[1:]
+        wants_json = any(a == "--format=json" for a in argv) or any(
+            a == "--format" and b == "json" for a, b in zip(argv, argv[1:]))
+        if not wants_json:
+            super().error(message)
+        line = f"{self.prog}: {' '.join(message.split())}"
+        print(line, file=sys.stderr)
+        print(json.dumps({"error": line, "exit_code": int(Exit.CONFIG)}, indent=2))
+        raise SystemExit(int(Exit.CONFIG))
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     if args.format != "json":
         return _cmd_replay(args)
