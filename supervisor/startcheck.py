@@ -703,7 +703,8 @@ def machine_problems(cfg: Config | None = None) -> list[str]:
     """What on this machine keeps every sandbox of `cfg` (default: the embedded car
     config) from starting, one line each with what to do; [] when nothing does (or when
     not root: only root's supervisor makes the staging mount namespace). Looks only: runs
-    `unshare` in a namespace that ends at once and creates nothing outside it."""
+    `unshare` (as root for a mount namespace, as a domain user for a user namespace) in
+    a namespace that ends at once, and creates nothing outside it."""
     import shutil
     import subprocess
 
