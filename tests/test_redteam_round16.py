@@ -21,10 +21,12 @@ limit of exactly what the config needs; 21 the wall clock on decision paths (rea
 22 /run and /dev/shm full; 23 an actuation writer without a watchdog (config); 24 the
 recorder killed (placed after row 12); 25 an actuation writer whose law froze: the same
 command, the same capture time, new sequence numbers (placed after row 5); 26 a worker
-stopped for good across the supervisor's own pause (placed after row 16).
+stopped for good across the supervisor's own pause (placed after row 16); 27 a config
+whose controlsd publishes slower than its watchdog (after 01c02f3); 28 the own-pause
+event at a start with no pause (first in the file).
 
 One `supervisor run` (the fleet below, `failure_policy = "fail_safe"` for control as
-in the car) carries rows 1-17; rows 18-20 and 22 start small runs of their own on the fleet's
+in the car) carries rows 1-17; rows 18-20, 22 and 27 start small runs of their own on the fleet's
 state dir after it. The workers are `workers/probe/attacks_redteam16.py`;
 `RT16_KEEP=1` keeps the logs.
 
@@ -328,6 +330,26 @@ def _bad(ev: Events, since_ns: int, workers=CONTROL) -> list[tuple]:
 
 
 # ================================================================ rows
+
+
+@pytest.mark.xfail(strict=True, reason="round16 28: every start logs supervisor_paused (its "
+                   "admission's seconds read as a pause of its own at the first judgement)")
+def test_00_a_supervisor_never_paused_says_no_pause(fleet):
+    """(01c02f3's own-pause rule, read in the log) Up to the fleet's READY nothing paused
+    the supervisor: no `supervisor_paused` may be logged. One at every start is noise an
+    operator learns to ignore, and it forgives every worker's silence up to that moment
+    (the first judgement after admission)."""
+    ev = fleet.events()
+    ready = [e for e in ev if e["event"] == "all_ready"]
+    before = [e for e in ev if e["event"] == "supervisor_paused"
+              and (not ready or e["mono_ns"] <= ready[0]["mono_ns"])]
+    admitted = [e for e in ev if e["event"] == "channels_created"]
+    print(f"round16 28: supervisor_paused before READY: "
+          f"{[(e.get('paused_ms'), round((e['mono_ns'] - ev[0]['mono_ns']) / 1e6)) for e in before]}"
+          f" (ms paused, ms after the start); admission ended "
+          f"{round((admitted[0]['mono_ns'] - ev[0]['mono_ns']) / 1e6) if admitted else None} ms in")
+    assert ready
+    assert not before, before
 
 
 def test_01_a_stop_shorter_than_the_watchdog_is_no_fault(fleet):
@@ -1048,3 +1070,74 @@ def test_23_an_actuation_writer_without_a_watchdog_is_refused():
     print(f"round16 23: accepted; controlsd watchdog_ms {cfg.workers['controlsd'].watchdog_ms}, "
           f"mode {cfg.supervisor.mode}, writes {cfg.workers['controlsd'].publishes}")
     pytest.fail("a vehicle config with a watchdog-less actuation writer was accepted")
+
+
+_HZ_TOML = f"""
+[supervisor]
+status_interval_s = 0.5
+[domains.control]
+actuates = true
+[channels.model]
+kind = "tensor"
+dtype = "float32"
+slot_size = "64KiB"
+max_age_ms = 200
+crc = true
+payload = "model_out"
+[channels.cmd]
+{_CMD}
+[workers.mw]
+domain = "control"
+module = "{MOD}"
+args = ["model", "60"]
+publishes = {{ out = "model" }}
+restart = "always"
+watchdog_ms = 1000
+ready_timeout_ms = 30000
+[workers.cd]
+domain = "control"
+module = "workers.controlsd"
+args = ["--hz", "2"]
+subscribes = {{ model = "model" }}
+publishes = {{ command = "cmd" }}
+restart = "always"
+max_restarts = 2                # the car's 5 latch the same, ~7 s in (by hand): time
+watchdog_ms = 300
+ready_timeout_ms = 30000
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="round16 27: a config check accepts (controlsd --hz 2, "
+                   "watchdog 300 ms) fails safe at boot with no fault: its commands are slower "
+                   "than the actuation watchdog")
+def test_27_a_config_check_accepts_never_fails_safe_on_a_quiet_start(fleet):
+    """(ordinary day, after 01c02f3) controlsd with `--hz 2` (a command at least every
+    500 ms: its documented minimum rate) and `watchdog_ms = 300`, its model silent at
+    start (the camera still warming up). Since 01c02f3 an actuation writer must publish
+    within its watchdog. Either `check` refuses the pair (one line naming both), or the
+    run does not fail safe: a car whose config passed `check` must never latch on a
+    quiet start."""
+    from supervisor.config import loads
+    from supervisor.ipc.errors import ConfigError
+
+    try:
+        loads(_HZ_TOML)
+    except ConfigError as e:
+        print(f"round16 27: refused by check: {e}")
+        assert "hz" in str(e) and "watchdog" in str(e)
+        return
+    tmp: Path = _launched["tmp"]
+    if _launched["fleet"].proc.poll() is None:
+        _launched["fleet"].terminate(30)
+    proc, log = _small(tmp, "hz", _HZ_TOML)
+    try:
+        ev = _wait_log(proc, log, {"fail_safe", "supervisor_exit"}, 25)
+    finally:
+        code = _stop(proc)
+    ev = _log(log)
+    misses = [e.get("silent_ms") for e in of(ev, "cd", "watchdog_missed")]
+    fs = [e.get("reason") for e in ev if e["event"] == "fail_safe"]
+    print(f"round16 27: accepted by check; the run: cd watchdog misses {misses}, fail_safe "
+          f"{fs}, exit {code}, latch {(tmp / 'state' / 'failsafe.latch').exists()}")
+    (tmp / "state" / "failsafe.latch").unlink(missing_ok=True)
+    assert not fs, fs
