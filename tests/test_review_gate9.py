@@ -150,29 +150,32 @@ def drive(clone) -> Path:
 # ------------------------------------------------------------------ the CI developer
 
 @pytest.fixture(scope="module")
-def runs(clone, cfg, drive) -> dict[str, tuple[subprocess.CompletedProcess, str]]:
-    """Every pipeline run of the developer's findings, started at once (a loaded machine
-    only makes a lockstep replay slower; the module stays short): name -> (the command,
-    `log info` of its log or '').
+def jobs(clone, cfg, drive, keys) -> dict[str, subprocess.Popen]:
+    """Every slow command of the module, started at once (a loaded machine only makes a
+    lockstep replay slower; the module stays short): name -> the running command.
 
-    'dtype', 'exposure': two copies of the drive, each with one more whole, CRC-framed
-    record as a hostile recorder writes it (the recorder runs in the research profile
-    and owns the log directory): a control_cmd message whose dtype is not a number type;
-    a second frame record of frame 2 with exposure_us 2**62; replayed `--format json`.
+    'hostile': a copy of the drive with two more whole, CRC-framed records as a hostile
+    recorder writes them (the recorder runs in the research profile and owns the log
+    directory): a control_cmd message whose dtype is not a number type (finding 1) and
+    a second frame record of frame 2 with exposure_us 2**62 (finding 13); replayed once
+    `--format json` (one pipeline for both: each alone killed the replay).
+    'info-dtype', 'info-exposure': `log info` of a copy with one of the two records.
     'mixup': the drive replayed against another drive's log as REF.
-    'adm-replay', 'adm-record': a config whose control worker imports torch."""
+    'adm-replay', 'adm-record': a config whose control worker imports torch.
+    'audit': the reviewer's signed report of the car's default (see `signed`)."""
     import tomllib
 
     from supervisor.config import dumps
     from supervisor.replay.logfmt import MESSAGES, Entry, frame_record
 
-    def forged(name: str, fill) -> Path:
+    def forged(name: str, *fills) -> Path:
         bad = clone.parent / f"hostile-{name}"
         shutil.copytree(drive, bad)
-        e = Entry.new_message(monoNs=time.monotonic_ns())
-        fill(e)
-        with open(bad / MESSAGES, "ab") as f:
-            f.write(frame_record(e.to_bytes()))
+        for fill in fills:
+            e = Entry.new_message(monoNs=time.monotonic_ns())
+            fill(e)
+            with open(bad / MESSAGES, "ab") as f:
+                f.write(frame_record(e.to_bytes()))
         return bad
 
     def dtype(e) -> None:
@@ -188,16 +191,18 @@ def runs(clone, cfg, drive) -> dict[str, tuple[subprocess.CompletedProcess, str]
         f.width, f.height, f.pixelFormat, f.sensor, f.videoIndex = W, H, "nv12", "road", 2
 
     top = clone.parent
-    cmds: dict[str, tuple[list[str], str]] = {}
-    for name, fill in (("dtype", dtype), ("exposure", exposure)):
-        log = forged(name, fill)
-        cmds[name] = (["replay", str(log), "--config", str(cfg), "--out",
-                       str(top / f"run-{name}"), "--no-progress", "--format", "json"],
-                      _cli(["log", "info", str(log)], root=clone).stdout)
+    key, _ = keys
+    cmds: dict[str, list[str]] = {
+        "hostile": ["replay", str(forged("both", dtype, exposure)), "--config", str(cfg),
+                    "--out", str(top / "run-hostile"), "--no-progress", "--format", "json"],
+        "info-dtype": ["log", "info", str(forged("dtype", dtype))],
+        "info-exposure": ["log", "info", str(forged("exposure", exposure))],
+        "audit": ["audit", "--format", "json", "-o", str(top / "A.json"), "--sign", str(key)],
+    }
     other = top / "other-drive"
     _write_drive(other, 6, W, H, seed=7, t0=9_000_000_000)
-    cmds["mixup"] = (["replay", str(drive), "--config", str(cfg), "--out",
-                      str(top / "run-mix"), "--ref", str(other), "--no-progress"], "")
+    cmds["mixup"] = ["replay", str(drive), "--config", str(cfg), "--out",
+                     str(top / "run-mix"), "--ref", str(other), "--no-progress"]
     mod = top / "ctl"
     mod.mkdir(mode=0o755)
     (mod / "torchctl.py").write_text("import torch  # refused in the control domain\n")
@@ -206,22 +211,34 @@ def runs(clone, cfg, drive) -> dict[str, tuple[subprocess.CompletedProcess, str]
     doc["workers"]["controlsd"]["module"] = "torchctl"
     bad = top / "torchctl.toml"
     bad.write_text(dumps(doc))
-    cmds["adm-replay"] = (["replay", str(drive), "--config", str(bad), "--out",
-                           str(top / "run-adm"), "--no-progress"], "")
-    cmds["adm-record"] = (["record", str(top / "rec-adm"), "--config", str(bad),
-                           "--seconds", "1", "--video", "raw", "--quiet"], "")
+    cmds["adm-replay"] = ["replay", str(drive), "--config", str(bad), "--out",
+                          str(top / "run-adm"), "--no-progress"]
+    cmds["adm-record"] = ["record", str(top / "rec-adm"), "--config", str(bad),
+                          "--seconds", "1", "--video", "raw", "--quiet"]
     env = {**os.environ, "PYTHONPATH": str(clone), "PYTHONDONTWRITEBYTECODE": "1",
            "TRIO_STATE_DIR": str(top / "state")}
-    procs = {name: (subprocess.Popen([sys.executable, "-m", "supervisor.cli", *args],
-                                     cwd=clone, env=env, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True), info)
-             for name, (args, info) in cmds.items()}
-    out = {}
-    for name, (p, info) in procs.items():
-        so, se = p.communicate(timeout=240)
-        out[name] = (subprocess.CompletedProcess(p.args, p.returncode, so, se), info)
-    return out
+    procs = {name: subprocess.Popen([sys.executable, "-m", "supervisor.cli", *args],
+                                    cwd=clone, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, args in cmds.items()}
+    yield procs
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def _done(p: subprocess.Popen, timeout: float = 240) -> subprocess.CompletedProcess:
+    if not hasattr(p, "_done"):
+        so, se = p.communicate(timeout=timeout)
+        p._done = subprocess.CompletedProcess(p.args, p.returncode, so, se)
+    return p._done
+
+
+@pytest.fixture(scope="module")
+def runs(jobs) -> dict[str, subprocess.CompletedProcess]:
+    """The developer's commands of `jobs`, finished: name -> the command's result."""
+    return {name: _done(p) for name, p in jobs.items() if name != "audit"}
 
 
 def test_a_record_the_reader_skips_is_skipped_by_the_log_clock_too(runs):
@@ -230,7 +247,7 @@ def test_a_record_the_reader_skips_is_skipped_by_the_log_clock_too(runs):
     same stream through `logfmt.command_steps`, which calls np.dtype() on it unguarded:
     controlsd exits 2 at start five times, the supervisor latches fail-safe, and the
     gate reads `INCOMPLETE (exit 7)` of a log whose every frame is whole."""
-    r, info = runs["dtype"]
+    r, info = runs["hostile"], runs["info-dtype"].stdout
     assert "1 corrupt record" in info, info
     doc = json.loads(r.stdout)                       # (it is one document: that holds)
     # Right: the record skipped and counted as the input's loss (exit 0), or the log
@@ -246,7 +263,8 @@ def test_a_frame_records_absurd_exposure_never_crashes_the_camera(runs):
     bits: `struct.error: 'I' format requires 0 <= number <= 4294967295`, camerad exit 1
     (a bug's code) at frame 2, `gave_up camerad, fail_safe`, exit 7, and the result
     line `None frames/s = Nonex real time`. `log info` of the log: `nothing lost`."""
-    r, info = runs["exposure"]
+    r, info = runs["hostile"], runs["info-exposure"].stdout
+    assert "nothing lost" not in info, info
     assert r.returncode in (0, 2), (r.returncode, r.stderr[-600:])
     assert "struct.error" not in r.stderr and "camerad exited" not in r.stderr, r.stderr[-600:]
     assert json.loads(r.stdout)["exit_code"] == r.returncode
@@ -259,7 +277,7 @@ def test_an_admission_refusal_is_the_supervisors_exit_3(runs):
     refused required worker(s): controlsd`); `replay` says exit 7 ("incomplete": the CI
     script of docs/replay.md reads it as a run that did not get through the log) and
     `record` exit 2 ("bad input"), each on two lines of stderr."""
-    rp, rc = runs["adm-replay"][0], runs["adm-record"][0]
+    rp, rc = runs["adm-replay"], runs["adm-record"]
     assert "admission refused" in rp.stderr, rp.stderr[-800:]
     assert "admission refused" in rc.stderr, rc.stderr[-800:]
     assert (rp.returncode, rc.returncode) == (3, 3), (rp.returncode, rc.returncode)
@@ -288,7 +306,7 @@ def test_a_ref_of_another_drive_is_refused_not_a_difference(runs):
     regression, exit 6 ('the model changed what the car does', docs/replay.md's CI
     step), naming no mix-up. Whether REF is of this drive is known before anything
     starts (its frames' ids and capture times, or a RUN's summary.json `log`)."""
-    r = runs["mixup"][0]
+    r = runs["mixup"]
     assert "frame" in r.stdout + r.stderr, r.stdout + r.stderr
     assert r.returncode == 2, (r.returncode, r.stdout[-800:], r.stderr[-400:])
 
@@ -329,13 +347,13 @@ def keys(clone):
 
 
 @pytest.fixture(scope="module")
-def signed(clone, keys) -> Path:
+def signed(clone, keys, jobs) -> Path:
     """The reviewer's signed report of the car's default config, made in the clone (as
-    docs/review.md step 1), and checked: it verifies there."""
-    key, pub = keys
+    docs/review.md step 1: `audit --format json -o A.json --sign KEY`, started with the
+    module's other slow commands in `jobs`), and checked: it verifies there."""
+    _, pub = keys
     rep = clone.parent / "A.json"
-    r = _cli(["audit", "--format", "json", "-o", str(rep), "--sign", str(key)], root=clone,
-             timeout=180)
+    r = _done(jobs["audit"], timeout=180)
     assert r.returncode == 0, r.stderr[-1500:]
     v = _cli(["audit", "verify", str(rep), f"{rep}.sig", str(pub)], root=clone)
     assert v.returncode == 0 and "OK" in v.stdout, v.stdout + v.stderr
