@@ -457,3 +457,29 @@ def test_a_link_in_a_control_python_path_is_judged_by_where_it_leads(tmp_path):
     path = config(tmp_path, 'module = "mypkg"', domain=f'python_path = ["{lib}"]')
     got = [p for p in check_runtime(load(path)) if p.key == "domains.control.python_path[0]"]
     assert got and "is owned by uid 65534" in got[0].reason, got
+
+
+def test_an_actuation_writer_slower_than_its_watchdog_or_max_age_is_refused():
+    """controlsd declares its rate argument (RATE_ARG = --hz). On the car its channel must
+    move within its watchdog, else the supervisor finds it silent: --hz 2 beside
+    watchdog_ms = 300 failed safe at boot with no fault (red team 16 row 27). Slower than
+    the channel's max_age, every reader is without a current command between publishes.
+    Both are config problems naming the argument; the car's own rate is none."""
+    from supervisor.config import dumps, loads, minimal_doc
+
+    def problems(hz: str | None, watchdog: int) -> dict[str, str]:
+        doc = minimal_doc()
+        w = doc["workers"]["controlsd"]
+        w["args"] = [a for a in w.get("args", []) if a != "--hz"][:0] + (
+            ["--hz", hz] if hz is not None else [])
+        w["watchdog_ms"] = watchdog
+        return {p.key: p.reason for p in check_runtime(loads(dumps(doc), "t.toml"))
+                if p.key.startswith("workers.controlsd")}
+
+    slow = problems("2", 300)
+    assert list(slow) == ["workers.controlsd.args[1]"], slow
+    assert "--hz 2 publishes every 500 ms" in slow["workers.controlsd.args[1]"]
+    assert "watchdog_ms (300 ms)" in slow["workers.controlsd.args[1]"]
+    stale = problems("10", 1000)           # 100 ms apart, control_cmd's max_age is 50
+    assert "max_age_ms" in stale["workers.controlsd.args[1]"], stale
+    assert problems("100", 200) == {} and problems(None, 200) == {}   # default --hz 50

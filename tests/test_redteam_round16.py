@@ -332,8 +332,6 @@ def _bad(ev: Events, since_ns: int, workers=CONTROL) -> list[tuple]:
 # ================================================================ rows
 
 
-@pytest.mark.xfail(strict=True, reason="round16 28: every start logs supervisor_paused (its "
-                   "admission's seconds read as a pause of its own at the first judgement)")
 def test_00_a_supervisor_never_paused_says_no_pause(fleet):
     """(01c02f3's own-pause rule, read in the log) Up to the fleet's READY nothing paused
     the supervisor: no `supervisor_paused` may be logged. One at every start is noise an
@@ -1107,9 +1105,6 @@ ready_timeout_ms = 30000
 """
 
 
-@pytest.mark.xfail(strict=True, reason="round16 27: a config check accepts (controlsd --hz 2, "
-                   "watchdog 300 ms) fails safe at boot with no fault: its commands are slower "
-                   "than the actuation watchdog")
 def test_27_a_config_check_accepts_never_fails_safe_on_a_quiet_start(fleet):
     """(ordinary day, after 01c02f3) controlsd with `--hz 2` (a command at least every
     500 ms: its documented minimum rate) and `watchdog_ms = 300`, its model silent at

@@ -4,6 +4,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.machinery
+import math
 import os
 import pkgutil
 import re
@@ -88,6 +89,8 @@ def check_runtime(cfg: Config, *, sandboxed: bool = True) -> list[Problem]:
                 add(f"{path}.{key}", reason)
             if cfg.supervisor.mode == VEHICLE:
                 for key, reason in _simulation_problems(w, search):
+                    add(f"{path}.{key}", reason)
+                for key, reason in _rate_problems(w, cfg, search):
                     add(f"{path}.{key}", reason)
 
     # The fail-safe latch must be writable before anything can fail safe: else the latch
@@ -512,6 +515,52 @@ def _simulation_problems(w: WorkerConfig, search: list[str]) -> list[tuple[str, 
              f"not give it to {module} (a replay's derived config sets [supervisor] mode = "
              f"\"{SIMULATION}\")")
             for i, shown, why in simulation_only(declared, [t for _, t in argv])]
+
+
+def _rate_problems(w: WorkerConfig, cfg: Config, search: list[str]) -> list[tuple[str, str]]:
+    """An actuation writer whose module declares ``RATE_ARG = ("--hz", default)`` (the
+    argument that sets its least publish rate, per second): on the car its channel must
+    move within its watchdog (lifecycle/_watchdog.py), so a rate slower than two publishes
+    per watchdog fails safe at boot with no fault (red team 16 row 27: --hz 2 beside
+    watchdog_ms = 300), and one slower than the channel's max_age leaves every reader
+    without a current command between publishes."""
+    acts = [c for c in w.publishes if c in cfg.channels and cfg.channels[c].actuation]
+    runs = runs_module(w)
+    if not acts or runs is None:
+        return []
+    module, argv = runs
+    declared = _declared(module, search, "RATE_ARG")
+    if declared is None:
+        return []
+    if (declared is _UNREADABLE or not isinstance(declared, tuple) or len(declared) != 2
+            or not isinstance(declared[0], str)
+            or not isinstance(declared[1], (int, float))):
+        return [("module" if w.module else "command",
+                 f"{module}: RATE_ARG must be a literal (\"--flag\", default per second)")]
+    flag, hz = declared
+    key = "args"
+    for i, (k, a) in enumerate(argv):
+        given = (a[len(flag) + 1:], k) if a.startswith(flag + "=") else (
+            argv[i + 1][::-1] if a == flag and i + 1 < len(argv) else None)
+        if given is not None:
+            try:
+                hz, key = float(given[0]), given[1]
+            except ValueError:
+                return []              # the worker refuses it itself, in one line
+    if hz <= 0:
+        return []
+    period = 1000.0 / hz
+    bounds = [(w.watchdog_ms / 2, f"half its watchdog_ms ({w.watchdog_ms} ms): the "
+                                  "supervisor would find its actuation channel silent")
+              ] if w.watchdog_ms else []
+    bounds += [(cfg.channels[c].spec.max_age_ms, f"{c}'s max_age_ms: between publishes "
+                f"no reader would have a current command") for c in acts
+               if cfg.channels[c].spec.max_age_ms]
+    for bound, why in bounds:
+        if period > bound:
+            return [(key, f"{flag} {hz:g} publishes every {period:g} ms, more than {why}; "
+                          f"give {flag} {math.ceil(1000.0 / bound)} or more")]
+    return []
 
 
 def _model_problems(w: WorkerConfig, cfg: Config, search: list[str]) -> list[tuple[str, str]]:

@@ -220,6 +220,9 @@ def newest_driver_state(reader, counts: dict[str, int]) -> DriverState | None:
             got = state
         except LeaseLost:
             counts["leases_lost"] = counts.get("leases_lost", 0) + 1
+# The argument that sets the least command rate (per second) and its default: `supervisor
+# check` refuses a car whose rate its watchdog or its channel's max_age cannot hold.
+RATE_ARG = ("--hz", 50.0)
 # Refused by `supervisor check` in a vehicle config (supervisor/config/_runtime.py).
 SIMULATION_ONLY = {"--log-clock": "the control law steps on recorded time, not the clock"}
 
