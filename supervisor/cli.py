@@ -351,7 +351,10 @@ def main(argv: list[str] | None = None) -> int:
         from supervisor.audit.command import main as audit_main
 
         return audit_main(argv[1:])
-    p = argparse.ArgumentParser(prog="supervisor", description=__doc__)
+    from supervisor.replay.commands import UsageParser
+
+    # A usage error under --format json is one JSON document too (gate 9 finding 3).
+    p = UsageParser(prog="supervisor", description=__doc__, argv=argv)
     sub = p.add_subparsers(dest="cmd", required=True)
     from supervisor.replay.commands import SUBCOMMANDS as REPLAY   # record, replay, log
 

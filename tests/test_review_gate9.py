@@ -284,8 +284,6 @@ def test_an_admission_refusal_is_the_supervisors_exit_3(runs):
     assert len(rp.stderr.strip().splitlines()) == 1, rp.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="gate9 3: a usage error under --format json prints "
-                   "argparse's usage on stderr and no JSON document on stdout")
 def test_format_json_gives_a_document_for_a_usage_error_too(clone, drive):
     """A CI script that parses `replay ... --format json`'s stdout gets one document for
     every other bad input (missing log, bad log, --ref missing, version: checked here);

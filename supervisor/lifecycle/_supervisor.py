@@ -783,8 +783,11 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         """What must hold before any sandbox starts: the tools, the domain users, and
         the cgroups that enforce memory/pids/CPU limits (logged when unavailable)."""
         if shutil.which("bwrap") is None:
-            return Exit.ERROR, ("bwrap not installed: run scripts/install.sh "
-                                "(or --no-sandbox for development)")
+            # A machine problem (review 9 finding 2): exit 5 as machine_problems' others,
+            # never 1, an internal error, and never a latch.
+            return Exit.START_FAILED, ("bwrap: not installed (or not executable) on PATH: "
+                                       "run scripts/install.sh (or --no-sandbox for "
+                                       "development)")
         if not self.via_broker:
             from supervisor.startcheck import machine_problems
 
