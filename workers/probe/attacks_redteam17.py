@@ -14,6 +14,9 @@ with its CLOCK_MONOTONIC, which every sandbox shares), an attack's verdict as on
             newest sequence, rejections by reason, engaged flags and reasons seen
     stopsup research: tries to stop, freeze or trace anything outside its sandbox
             (the supervisor above all), so that the supervisor would look paused
+    fat     research: pings for N s, then holds M MiB in small pages, forks K children
+            sharing them, and stops pinging (its watchdog kills it; the kernel unmaps
+            them K + 1 times after bwrap has exited)
 """
 from __future__ import annotations
 
@@ -154,8 +157,9 @@ def stopsup(ctx) -> int:
     # is usually small; try a range), and kill(-1).
     libc = ctypes.CDLL(None, use_errno=True)
     outside = []
+    mine = {int(t) for t in os.listdir("/proc/self/task")}     # our threads' ids answer too
     for pid in range(2, 4096):
-        if pid in pids:
+        if pid in pids or pid in mine:
             continue
         if libc.kill(pid, 0) == 0:
             outside.append(pid)
@@ -183,9 +187,44 @@ def stopsup(ctx) -> int:
         time.sleep(1)
 
 
+def fat(ctx) -> int:
+    """Pings for DELAY s, then holds MB MiB (every page touched) and stops pinging: the
+    watchdog kills it, and its sandbox's processes free that much memory after bwrap
+    is gone, while the supervisor's loop waits for its cgroup to be empty."""
+    mb, delay, kids = int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+    ctx.ready(status="rt17 fat")
+    until = time.monotonic() + delay
+    while time.monotonic() < until:
+        ctx.watchdog()
+        time.sleep(0.1)
+    import mmap
+
+    # Small pages: 4 KiB each to free at the kill (transparent huge pages free 512 at a
+    # time: 3 GiB of them were gone in 0.3 ms here, 3 GiB of small ones in 113 ms).
+    m = mmap.mmap(-1, mb << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_NOHUGEPAGE)
+    blob = np.frombuffer(m, np.uint8)
+    blob[::4096] = 1
+    # Children share those pages (copy on write: no more memory), and each must unmap
+    # all of them when the sandbox is killed: the kernel's work at the kill, times kids.
+    forked = 0
+    for _ in range(kids):
+        try:
+            pid = os.fork()
+        except OSError:
+            break
+        if pid == 0:
+            while True:
+                time.sleep(10)
+        forked += 1
+    _say("fat", mono_ns=time.monotonic_ns(), mb=mb, kids=forked, sum=int(blob[::4096].sum()))
+    threading.Event().wait()         # no more pings
+    return 0
+
+
 def main(ctx) -> int:
     role = sys.argv[1] if len(sys.argv) > 1 else ""
-    fn = {"poke": poke, "model": model, "spy": spy, "stopsup": stopsup}.get(role)
+    fn = {"poke": poke, "model": model, "spy": spy, "stopsup": stopsup, "fat": fat}.get(role)
     if fn is None:
         print(f"attacks_redteam17: unknown role {role!r}", file=sys.stderr)
         return 2
