@@ -10,10 +10,12 @@ with its CLOCK_MONOTONIC, which every sandbox shares), an attack's verdict as on
             1 to the channel header's last_seq every 20 ms, publishing no message at all
             (the header is in its own writable mapping: it is the writer)
     model   a model_out writer (role `out`): a good output every 20 ms, fresh capture time
-    spy     a control reader (roles `a`, `b`): per 0.5 s, per role, messages taken, their
+    spy     a control reader (roles `a`, `b`, `c`): per 0.5 s, per role, messages taken, their
             newest sequence, rejections by reason, engaged flags and reasons seen
     stopsup research: tries to stop, freeze or trace anything outside its sandbox
             (the supervisor above all), so that the supervisor would look paused
+    two     an actuation writer of two channels (`a`, `b`) whose `b` goes silent after
+            N s while `a` and its pings go on
     fat     research: pings for N s, then holds M MiB in small pages, forks K children
             sharing them, and stops pinging (its watchdog kills it; the kernel unmaps
             them K + 1 times after bwrap has exited)
@@ -78,7 +80,7 @@ def model(ctx) -> int:
 def spy(ctx) -> int:
     from supervisor.ipc import Rejected
 
-    roles = [r for r in ("a", "b") if ctx.has(r)]
+    roles = [r for r in ("a", "b", "c") if ctx.has(r)]
     readers = {r: ctx.reader(r) for r in roles}
     ctx.ready(status="rt17 spy")
     zero = lambda: {"n": 0, "seq": None, "rejected": {}, "engaged": set(), "reasons": set(),
@@ -204,7 +206,9 @@ def fat(ctx) -> int:
     m = mmap.mmap(-1, mb << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     m.madvise(mmap.MADV_NOHUGEPAGE)
     blob = np.frombuffer(m, np.uint8)
-    blob[::4096] = 1
+    for i in range(0, len(blob), 256 << 20):      # pinging: the kill is the watchdog's, later
+        blob[i:i + (256 << 20):4096] = 1
+        ctx.watchdog()
     # Children share those pages (copy on write: no more memory), and each must unmap
     # all of them when the sandbox is killed: the kernel's work at the kill, times kids.
     forked = 0
@@ -217,14 +221,36 @@ def fat(ctx) -> int:
             while True:
                 time.sleep(10)
         forked += 1
+        ctx.watchdog()
     _say("fat", mono_ns=time.monotonic_ns(), mb=mb, kids=forked, sum=int(blob[::4096].sum()))
     threading.Event().wait()         # no more pings
     return 0
 
 
+def two(ctx) -> int:
+    """An actuation writer of two channels (roles `a`, `b`: steering and, say, braking):
+    both every 10 ms for N s, then `b`'s half of its loop is gone (a thread wedged, an
+    exception swallowed) while `a` and the pings go on."""
+    wa, wb = ctx.writer("a"), ctx.writer("b")
+    ctx.ready(status="rt17 two")
+    cmd = np.array([0.04, 1.0, 0.0, 0.0], np.float32)
+    until = time.monotonic() + (float(sys.argv[2]) if len(sys.argv) > 2 else 1.5)
+    said = False
+    while True:
+        ctx.watchdog()
+        wa.publish_array(cmd)
+        if time.monotonic() < until:
+            wb.publish_array(cmd)
+        elif not said:
+            _say("b_silent", mono_ns=time.monotonic_ns(), seq_b=wb.last_sequence)
+            said = True
+        time.sleep(0.01)
+
+
 def main(ctx) -> int:
     role = sys.argv[1] if len(sys.argv) > 1 else ""
-    fn = {"poke": poke, "model": model, "spy": spy, "stopsup": stopsup, "fat": fat}.get(role)
+    fn = {"poke": poke, "model": model, "spy": spy, "stopsup": stopsup, "fat": fat,
+          "two": two}.get(role)
     if fn is None:
         print(f"attacks_redteam17: unknown role {role!r}", file=sys.stderr)
         return 2
