@@ -121,11 +121,19 @@ ready_timeout_ms = 30000
 [workers.fat]
 domain = "research"
 module = "{MOD}"
-args = ["fat", "2048", "13", "15"]    # 2 GiB, 13 s after its READY (after rows 1-5), 15 children
+args = ["fat", "2048", "15"]    # 2 GiB and 15 children, at the test's SIGUSR1 (rows 17, 14)
 optional = true
 restart = "never"
 memory_max = "3GiB"
 watchdog_ms = 2000
+ready_timeout_ms = 30000
+[workers.victim]
+domain = "control"
+module = "{MOD}"
+args = ["victim"]
+restart = "always"
+max_restarts = 100
+watchdog_ms = 300
 ready_timeout_ms = 30000
 [workers.stopsup]
 domain = "research"
@@ -381,6 +389,58 @@ def test_06_nothing_paused_the_supervisor_so_it_says_no_pause(fleet):
     assert not paused, paused
 
 
+def _fire_fat(fleet: LoggedRun) -> dict:
+    """Cue `fat` (SIGUSR1, once) and return its `fat` line: it has mapped its memory and
+    forked, and its last ping was just before the line (its watchdog: 2000 ms)."""
+    if "fat_cued" not in _launched:
+        ev = fleet.events()
+        pid = _worker_of(_active_pid(ev, "fat"))
+        assert pid, "fat's worker process not found"
+        os.kill(pid, signal.SIGUSR1)
+        _launched["fat_cued"] = time.monotonic_ns()
+    ev = until(fleet, lambda ev: bool(_rt17(ev, "fat", "fat")), 30)
+    fat = _rt17(ev, "fat", "fat")
+    assert fat, of(ev, "fat")[-5:]
+    return fat[0]
+
+
+@needs_fleet
+@pytest.mark.xfail(strict=True, reason="round17 17: a research worker's death blocks the "
+                   "loop and reads as a pause: a stopped control worker is found late")
+def test_17_a_research_death_never_shields_a_stopped_control_worker(fleet):
+    """(hostile worker: the shield, after row 6) `victim` (control, watchdog 300 ms) is
+    SIGSTOPped 1.8 s after `fat`'s last ping, 200 ms before `fat`'s watchdog kills it
+    (row 14's 2 GiB mapped 16 times). A stopped control worker must be found within 1.25
+    watchdogs of its stop (+150 ms of slack), whatever another domain's worker does."""
+    fat = _fire_fat(fleet)
+    wait_s = (fat["mono_ns"] + 1_800_000_000 - time.monotonic_ns()) / 1e9
+    assert wait_s > 0, f"the cue came {-wait_s:.2f} s too late"
+    time.sleep(wait_s)
+    ev = fleet.events()
+    pid = _worker_of(_active_pid(ev, "victim"))
+    assert pid
+    t0 = time.monotonic_ns()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        ev = until(fleet, lambda ev: any(e["mono_ns"] > t0 for e in of(ev, "victim", "watchdog_missed")),
+                   5)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass                       # killed by its watchdog: gone
+    time.sleep(0.5)
+    ev = fleet.events()
+    miss = [e for e in of(ev, "victim", "watchdog_missed") if e["mono_ns"] > t0]
+    marks = [(e["event"], e.get("worker"), round((e["mono_ns"] - t0) / 1e6), e.get("paused_ms"))
+             for e in ev if e["mono_ns"] > t0 and (
+                 e["event"] == "supervisor_paused" or (e.get("worker") in ("fat", "victim") and
+                                                       e["event"] in ("exit", "watchdog_missed")))]
+    print(f"round17 17: after victim's stop (event, worker, ms, paused_ms) {marks}")
+    assert miss, of(ev, "victim")[-5:]
+    assert (miss[0]["mono_ns"] - t0) / 1e6 < 1.25 * 300 + 150, marks
+
+
 @needs_fleet
 @pytest.mark.xfail(strict=True, reason="round17 14: a worker killed with 2 GiB mapped 16 "
                    "times makes the loop sleep in _kill_tree while the kernel unmaps it: "
@@ -394,6 +454,7 @@ def test_14_a_fat_workers_death_is_not_a_supervisor_pause(fleet):
     which neither runs nor waits runnable meanwhile). Nothing stopped the supervisor: no
     `supervisor_paused` may be logged, since it forgives every worker's silence up to its
     end (a wedged controlsd's too)."""
+    _fire_fat(fleet)
     ev = until(fleet, lambda ev: bool(of(ev, "fat", "exit")), 45)
     ex = of(ev, "fat", "exit")
     assert ex, of(ev, "fat")[-5:]

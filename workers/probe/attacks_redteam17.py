@@ -16,9 +16,10 @@ with its CLOCK_MONOTONIC, which every sandbox shares), an attack's verdict as on
             (the supervisor above all), so that the supervisor would look paused
     two     an actuation writer of two channels (`a`, `b`) whose `b` goes silent after
             N s while `a` and its pings go on
-    fat     research: pings for N s, then holds M MiB in small pages, forks K children
-            sharing them, and stops pinging (its watchdog kills it; the kernel unmaps
-            them K + 1 times after bwrap has exited)
+    fat     research: pings until SIGUSR1, then holds M MiB in small pages, forks K
+            children sharing them, and stops pinging (its watchdog kills it; the kernel
+            unmaps them K + 1 times after bwrap has exited)
+    victim  control: pings every 20 ms, nothing else
 """
 from __future__ import annotations
 
@@ -190,15 +191,16 @@ def stopsup(ctx) -> int:
 
 
 def fat(ctx) -> int:
-    """Pings for DELAY s, then holds MB MiB (every page touched) and stops pinging: the
-    watchdog kills it, and its sandbox's processes free that much memory after bwrap
-    is gone, while the supervisor's loop waits for its cgroup to be empty."""
-    mb, delay, kids = int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+    """Pings until SIGUSR1 (the test's cue: its timing is then known), then holds MB MiB
+    in small pages, forks KIDS children sharing them and stops pinging: the watchdog
+    kills it, and its sandbox's processes unmap all of it after bwrap is gone, while
+    the supervisor's loop waits for its cgroup to be empty."""
+    mb, kids = int(sys.argv[2]), int(sys.argv[3])
+    cue = threading.Event()
+    signal.signal(signal.SIGUSR1, lambda *_: cue.set())
     ctx.ready(status="rt17 fat")
-    until = time.monotonic() + delay
-    while time.monotonic() < until:
+    while not cue.wait(0.1):
         ctx.watchdog()
-        time.sleep(0.1)
     import mmap
 
     # Small pages: 4 KiB each to free at the kill (transparent huge pages free 512 at a
@@ -247,10 +249,18 @@ def two(ctx) -> int:
         time.sleep(0.01)
 
 
+def victim(ctx) -> int:
+    """A control worker that pings every 20 ms and does nothing else (the test stops it)."""
+    ctx.ready(status="rt17 victim")
+    while True:
+        ctx.watchdog()
+        time.sleep(0.02)
+
+
 def main(ctx) -> int:
     role = sys.argv[1] if len(sys.argv) > 1 else ""
     fn = {"poke": poke, "model": model, "spy": spy, "stopsup": stopsup, "fat": fat,
-          "two": two}.get(role)
+          "two": two, "victim": victim}.get(role)
     if fn is None:
         print(f"attacks_redteam17: unknown role {role!r}", file=sys.stderr)
         return 2
