@@ -38,8 +38,9 @@ class Watchdog:
 
     async def watch(self) -> str:
         run, limit = self.run, self.limit_ns
-        seqs = [ch.last_sequence() for ch in self.outs.values()]
-        wrote_ns = time.monotonic_ns()
+        # Each channel on its own: one that moves never covers another that is silent.
+        seqs = {name: ch.last_sequence() for name, ch in self.outs.items()}
+        wrote = dict.fromkeys(self.outs, time.monotonic_ns())
         while True:
             late = self._late()
             if late > limit:
@@ -48,22 +49,23 @@ class Watchdog:
                     if not self.poll_status(run) or self._late() <= limit:
                         break
                 late = self._late()
-            quiet = 0
-            if self.outs:
-                now = [ch.last_sequence() for ch in self.outs.values()]
-                if now != seqs:
-                    seqs, wrote_ns = now, time.monotonic_ns()
-                quiet = time.monotonic_ns() - self.own.silent_since(wrote_ns)
+            quiet, silent = 0, ""
+            for name, ch in self.outs.items():
+                seq, now = ch.last_sequence(), time.monotonic_ns()
+                if seq != seqs[name]:
+                    seqs[name], wrote[name] = seq, now
+                q = now - self.own.silent_since(wrote[name], now)
+                if q > quiet:
+                    quiet, silent = q, name
             if late > limit:
                 self.emit("watchdog_missed", worker=run.cfg.name, pid=run.pid,
                           silent_ms=round(late / 1e6, 1))
                 return f"watchdog: no ping for {late / 1e6:.0f} ms"
             if quiet > limit:
-                names = ", ".join(self.outs)
                 self.emit("watchdog_missed", worker=run.cfg.name, pid=run.pid,
-                          silent_ms=round(quiet / 1e6, 1), channel=names,
+                          silent_ms=round(quiet / 1e6, 1), channel=silent,
                           note="its actuation channel is silent: its pings are not control")
-                return f"watchdog: pings, but nothing published on {names} for {quiet / 1e6:.0f} ms"
+                return f"watchdog: pings, but nothing published on {silent} for {quiet / 1e6:.0f} ms"
             wait = (limit - max(late, quiet)) / 1e9 + 0.001
             # A change is seen when looked for: looking 4 times a period finds a silent
             # channel within 1.25 periods of its last publish.
