@@ -121,7 +121,7 @@ ready_timeout_ms = 30000
 [workers.fat]
 domain = "research"
 module = "{MOD}"
-args = ["fat", "2048", "15"]    # 2 GiB and 15 children, at the test's SIGUSR1 (rows 17, 14)
+args = ["fat", "2048", "23"]    # 2 GiB and 23 children, at the test's SIGUSR1 (rows 17, 14)
 optional = true
 restart = "never"
 memory_max = "3GiB"
@@ -410,7 +410,7 @@ def _fire_fat(fleet: LoggedRun) -> dict:
 def test_17_a_research_death_never_shields_a_stopped_control_worker(fleet):
     """(hostile worker: the shield, after row 6) `victim` (control, watchdog 300 ms) is
     SIGSTOPped 1.8 s after `fat`'s last ping, 200 ms before `fat`'s watchdog kills it
-    (row 14's 2 GiB mapped 16 times). A stopped control worker must be found within 1.25
+    (row 14's 2 GiB mapped 24 times). A stopped control worker must be found within 1.25
     watchdogs of its stop (+150 ms of slack), whatever another domain's worker does."""
     fat = _fire_fat(fleet)
     wait_s = (fat["mono_ns"] + 1_800_000_000 - time.monotonic_ns()) / 1e9
@@ -442,13 +442,13 @@ def test_17_a_research_death_never_shields_a_stopped_control_worker(fleet):
 
 
 @needs_fleet
-@pytest.mark.xfail(strict=True, reason="round17 14: a worker killed with 2 GiB mapped 16 "
+@pytest.mark.xfail(strict=True, reason="round17 14: a worker killed with 2 GiB mapped 24 "
                    "times makes the loop sleep in _kill_tree while the kernel unmaps it: "
                    "supervisor_paused")
 def test_14_a_fat_workers_death_is_not_a_supervisor_pause(fleet):
     """(hostile worker, after row 6) `fat` (research, memory_max 3 GiB) holds 2 GiB in small
-    pages, forks 15 children sharing them (copy on write: no more memory) and stops
-    pinging: its watchdog kills it (SIGKILL of bwrap; the sandbox's 16 processes die after
+    pages, forks 23 children sharing them (copy on write: no more memory) and stops
+    pinging: its watchdog kills it (SIGKILL of bwrap; the sandbox's 24 processes die after
     bwrap, each unmapping the 2 GiB). The supervisor's loop then waits for the cgroup to
     be empty (`_release_cgroup` -> `cgroups._kill_tree`: time.sleep on the loop's thread,
     which neither runs nor waits runnable meanwhile). Nothing stopped the supervisor: no
