@@ -8,15 +8,20 @@ thread, publishing nothing; 2 the real controlsd killed with a warm standby (doe
 adopted one publish inside the watchdog?); 3 its model writer killed and restarted; 4 two
 CPU hogs beside it; 5 a research worker that tries to stop, trace or freeze anything
 outside its sandbox (the supervisor's "pause" would shield a wedged worker); 6 the
-fleet's whole life: any `supervisor_paused` while nothing paused the supervisor; 7 the
-own-pause rule's verdict on a loop thread that was blocked (asleep in a syscall), not
-stopped; 8 controlsd rates `check` accepts that controlsd refuses or dies of; 9 controlsd
-run through a shell form RATE_ARG does not read; 10 a suspend faked (time namespaces,
-load); 11 a worker's control bytes through the text log; 12 who reads the last word's
-reason (monitor); 13 what the v1 ExecStartPre (run as root) is made of.
+fleet's life up to row 14: any `supervisor_paused` while nothing paused the supervisor;
+7 the own-pause rule's verdict on a loop thread that was blocked (asleep in a syscall),
+not stopped; 8 controlsd rates `check` accepts that controlsd refuses, dies of or spins
+on; 9 controlsd run through a shell form RATE_ARG does not read; 10 a suspend faked
+(time namespaces, load); 11 a worker's control bytes through the text log; 12 who reads
+the last word's reason (monitor); 13 what the v1 ExecStartPre (run as root) is made of;
+14 a research worker that dies holding 2 GiB mapped 24 times (the loop sleeps in
+`_kill_tree`); 15 a recorded NaN command and the replay's log clock; 16 an actuation
+writer of two channels, one gone silent; 17 a control worker stopped just before row
+14's death (the shield).
 
-One `supervisor run` (vehicle mode, control fails safe, as in the car) carries rows 1-6;
-rows 7-13 need no fleet. A break is an ``xfail(strict=True)`` whose reason starts with
+One `supervisor run` (vehicle mode, control fails safe, as in the car) carries rows 1-6,
+14, 16 and 17 (16 placed after 1; 17 and 14 after 6, `fat` cued by SIGUSR1); rows 7-13
+and 15 need no fleet. A break is an ``xfail(strict=True)`` whose reason starts with
 "round17 N"; ``--runxfail -s`` prints every row's evidence. `RT17_KEEP=1` keeps the logs.
 """
 from __future__ import annotations
