@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -504,7 +505,6 @@ def test_07_a_blocked_loop_is_not_a_paused_supervisor():
         else:
             r, w = os.pipe()
             try:
-                import threading
                 threading.Timer(0.3, lambda: os.write(w, b"x")).start()
                 os.read(r, 1)
             finally:
