@@ -491,28 +491,39 @@ def test_07_a_blocked_loop_is_not_a_paused_supervisor():
     real `OwnPause` (real /proc/thread-self/schedstat) beats, then its thread sleeps
     300 ms in time.sleep, then in a read of a pipe written 300 ms later; a worker last
     heard 2 s before must not be forgiven."""
+    import dataclasses
+
     from supervisor.lifecycle._ownpause import OwnPause
 
     said: list[dict] = []
-    own = OwnPause(emit=lambda ev, **f: said.append({"event": ev, **f}))
-    got = []
-    for how in ("time.sleep", "pipe read"):
-        own.check()
-        own.check()
-        last_ping = time.monotonic_ns() - 2_000_000_000      # a worker silent for 2 s
-        if how == "time.sleep":
-            time.sleep(0.3)
-        else:
-            r, w = os.pipe()
-            try:
-                threading.Timer(0.3, lambda: os.write(w, b"x")).start()
-                os.read(r, 1)
-            finally:
-                os.close(r)
-                os.close(w)
-        now = time.monotonic_ns()
-        since = own.silent_since(last_ping, now)
-        got.append((how, round((now - since) / 1e6), len(said)))
+    # A worker that runs all along (a busy child), for a rule that also asks whether the
+    # judged workers ran over the gap (its `fleet`, where it has one).
+    busy = subprocess.Popen([PY, "-c", "while True: pass"])
+    try:
+        kw = {"fleet": lambda: [busy.pid]} if "fleet" in {
+            f.name for f in dataclasses.fields(OwnPause)} else {}
+        own = OwnPause(emit=lambda ev, **f: said.append({"event": ev, **f}), **kw)
+        got = []
+        for how in ("time.sleep", "pipe read"):
+            own.check()
+            own.check()
+            last_ping = time.monotonic_ns() - 2_000_000_000      # a worker silent for 2 s
+            if how == "time.sleep":
+                time.sleep(0.3)
+            else:
+                r, w = os.pipe()
+                try:
+                    threading.Timer(0.3, lambda: os.write(w, b"x")).start()
+                    os.read(r, 1)
+                finally:
+                    os.close(r)
+                    os.close(w)
+            now = time.monotonic_ns()
+            since = own.silent_since(last_ping, now)
+            got.append((how, round((now - since) / 1e6), len(said)))
+    finally:
+        busy.kill()
+        busy.wait()
     print(f"round17 7: (blocked how, the 2 s-silent worker's silence as judged in ms, "
           f"supervisor_paused so far) {got}; events {said}")
     assert not said, said
