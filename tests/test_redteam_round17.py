@@ -272,8 +272,6 @@ def test_01_a_writer_that_only_bumps_last_seq_is_found(fleet):
 
 
 @needs_fleet
-@pytest.mark.xfail(strict=True, reason="round17 16: the watchdog compares the list of a "
-                   "writer's sequences: one channel moving hides another's silence")
 def test_16_one_silent_channel_of_two_is_found(fleet):
     """(ordinary day, placed after row 1) `two` writes two actuation channels (t1, t2;
     watchdog 300 ms); after 4 s its t2 half stops (a wedged thread, a swallowed
@@ -292,8 +290,10 @@ def test_16_one_silent_channel_of_two_is_found(fleet):
     print(f"round17 16: t2 silent from seq {quiet[0]['seq_b']}; 2 s after: watchdog_missed "
           f"{[(round((e['mono_ns'] - t0) / 1e6), e.get('channel')) for e in miss]}; the reader "
           f"of t2 per 0.5 s took {[w['n'] for w in wins]}")
-    assert wins and sum(w["n"] for w in wins[1:]) == 0, wins   # t2 really silent
-    assert miss and (miss[0]["mono_ns"] - t0) / 1e6 < 1.25 * 300 + 150, miss
+    # t2 really went silent (its reader's window after the stop took nothing), unless the
+    # miss came first and its restart made t2 move again: then the miss names t2.
+    assert miss and (miss[0]["mono_ns"] - t0) / 1e6 < 1.25 * 300 + 150, (miss, wins)
+    assert miss[0].get("channel") == "t2", miss
 
 
 @needs_fleet
@@ -411,8 +411,6 @@ def _fire_fat(fleet: LoggedRun) -> dict:
 
 
 @needs_fleet
-@pytest.mark.xfail(strict=True, reason="round17 17: a research worker's death blocks the "
-                   "loop and reads as a pause: a stopped control worker is found late")
 def test_17_a_research_death_never_shields_a_stopped_control_worker(fleet):
     """(hostile worker: the shield, after row 6) `victim` (control, watchdog 300 ms) is
     SIGSTOPped 1.8 s after `fat`'s last ping, 200 ms before `fat`'s watchdog kills it
@@ -448,9 +446,6 @@ def test_17_a_research_death_never_shields_a_stopped_control_worker(fleet):
 
 
 @needs_fleet
-@pytest.mark.xfail(strict=True, reason="round17 14: a worker killed with 2 GiB mapped 24 "
-                   "times makes the loop sleep in _kill_tree while the kernel unmaps it: "
-                   "supervisor_paused")
 def test_14_a_fat_workers_death_is_not_a_supervisor_pause(fleet):
     """(hostile worker, after row 6) `fat` (research, memory_max 3 GiB) holds 2 GiB in small
     pages, forks 23 children sharing them (copy on write: no more memory) and stops
@@ -479,8 +474,6 @@ def test_14_a_fat_workers_death_is_not_a_supervisor_pause(fleet):
 # ================================================================ rows without a fleet
 
 
-@pytest.mark.xfail(strict=True, reason="round17 7: a loop thread asleep in a syscall "
-                   "(time.sleep, a blocking read) reads as stopped: a supervisor_paused")
 def test_07_a_blocked_loop_is_not_a_paused_supervisor():
     """(the own-pause rule) The rule calls a gap > 150 ms a pause when the loop's thread
     neither ran nor waited runnable over it. A thread asleep in a syscall does neither:

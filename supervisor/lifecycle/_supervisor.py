@@ -91,7 +91,8 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
         self.status_interval_s = status_interval_s
         self.monitor = None
         # Silence while the supervisor itself was stopped is no worker's (red team 16 row 16).
-        self.own_pause = OwnPause(self.log.emit)
+        self._judged: dict[int, int] = {}         # OwnPause's fleet: incarnation -> pid
+        self.own_pause = OwnPause(self.log.emit, fleet=self._judged_pids)
 
     # ---------------------------------------------------------------- admission
 
@@ -352,6 +353,20 @@ class Supervisor(_WorkerIO, _ExecWindow, _WarmStandby, _Realtime, _LastResort):
             if r.adopting is not None:
                 out.append(r.adopting)
         return out
+
+    def _judged_pids(self) -> list[int]:
+        """The worker processes whose silence a watchdog judges (OwnPause's fleet),
+        each found once per process (its counters only are read: a reused pid would
+        only make a pause look like none)."""
+        found: dict[int, int] = {}
+        for r in self.runs.values():
+            inc = r.current
+            if r.cfg.watchdog_ms and inc is not None and r.alive and r.ready.is_set():
+                pid = self._judged.get(id(inc)) or inc.main_pid or self._worker_pid(r)
+                if pid != r.pid:                   # the worker itself, not bwrap
+                    found[id(inc)] = pid
+        self._judged = found
+        return list(found.values())
 
     def _release_cgroup(self, run: WorkerRun) -> None:
         """Nothing of a finished run survives it: leftovers are killed, the cgroup removed."""
