@@ -554,8 +554,6 @@ def _controlsd_start(hz: str) -> str:
     return "runs"
 
 
-@pytest.mark.xfail(strict=True, reason="round17 8: check passes --hz nan/0/-1/0x2/inf (the "
-                   "rate check skips what it cannot compare); controlsd dies at every start")
 def test_08_a_rate_controlsd_cannot_run_is_refused_by_check():
     """(config) RATE_ARG was added so that a config `check` accepts never fails safe at
     boot (red team 16 row 27). For each --hz below, controlsd exits 2 or dies with a
@@ -571,8 +569,6 @@ def test_08_a_rate_controlsd_cannot_run_is_refused_by_check():
     assert all(p for _, _, p in rows), [h for h, _, p in rows if not p]
 
 
-@pytest.mark.xfail(strict=True, reason="round17 9: a shell form RATE_ARG's parser does not "
-                   "follow (sh -ec, bash -lc, 'cd / && python3 -m') runs --hz 2 unchecked")
 def test_09_controlsd_through_a_shell_is_rate_checked():
     """(config) `runs_module` follows `python -m`, `env`, `sh -c "exec python -m ..."`;
     a command worker that starts controlsd as `sh -ec "..."`, `bash -lc "..."` or
@@ -654,8 +650,6 @@ def test_10_nothing_but_a_suspend_reads_as_one():
         assert isinstance(v, dict) and v["looks"] > 1000 and v["suspends"] == 0, (k, v)
 
 
-@pytest.mark.xfail(strict=True, reason="round17 15: DriveClock resumes the law from a recorded "
-                   "command's steer unchecked: one NaN steers every replayed command NaN")
 def test_15_a_recorded_nan_command_never_steers_the_replay():
     """(hostile recording, gate 9's log clock) The replay's controlsd (--log-clock) resumes
     its law from the car's command before the first output (`DriveClock._resume`); the

@@ -546,9 +546,12 @@ def _rate_problems(w: WorkerConfig, cfg: Config, search: list[str]) -> list[tupl
             try:
                 hz, key = float(given[0]), given[1]
             except ValueError:
-                return []              # the worker refuses it itself, in one line
-    if hz <= 0:
-        return []
+                hz, key = math.nan, given[1]
+    if not (hz > 0 and math.isfinite(hz)):
+        # The worker refuses it at every start: on the car, restarts and the fail-safe
+        # at boot (red team 17 row 8: nan, 0, -1, 0x2, 1e-400, inf).
+        return [(key, f"{flag} {hz if isinstance(hz, float) else hz!r} is not a rate "
+                      f"(a finite number of publishes per second > 0)")]
     period = 1000.0 / hz
     bounds = [(w.watchdog_ms / 2, f"half its watchdog_ms ({w.watchdog_ms} ms): the "
                                   "supervisor would find its actuation channel silent")
@@ -672,16 +675,30 @@ _SHELLS = ("sh", "bash", "dash")
 def _python_module(argv: list[tuple[str, str]]) -> tuple[str, list[tuple[str, str]]] | None:
     i = 0
     if argv and os.path.basename(argv[0][1]) in _SHELLS:       # sh -c "python -m ..."
-        at = next((k for k, (_, t) in enumerate(argv) if t == "-c"), None)
+        # -c alone or in a cluster (-ec, -lc: red team 17 row 9)
+        at = next((k for k, (_, t) in enumerate(argv)
+                   if re.fullmatch(r"-[a-zA-Z]*c[a-zA-Z]*", t)), None)
         if at is None or at + 1 >= len(argv):
             return None
         key, script = argv[at + 1]
         try:
-            words = shlex.split(script)
+            lex = shlex.shlex(script, posix=True, punctuation_chars=True)
+            lex.whitespace_split = True
+            words = list(lex)
         except ValueError:
             return None
-        words = words[1:] if words[:1] == ["exec"] else words
-        return _python_module([(key, t) for t in words]) if words else None
+        # Each command of a list (`cd / && exec python3 -m ...`): the first that runs one.
+        segment: list[str] = []
+        for word in [*words, ";"]:
+            if word and set(word) <= set("&|;()"):
+                seg = segment[1:] if segment[:1] == ["exec"] else segment
+                found = _python_module([(key, t) for t in seg]) if seg else None
+                if found is not None:
+                    return found
+                segment = []
+            else:
+                segment.append(word)
+        return None
     if argv and os.path.basename(argv[0][1]) == "env":       # env [-i] [NAME=VALUE...] prog
         i = 1
         while i < len(argv) and (argv[i][1].startswith("-") or "=" in argv[i][1]):

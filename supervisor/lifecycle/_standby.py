@@ -124,7 +124,7 @@ class _WarmStandby:
         if sb in run.standbys:
             run.standbys.remove(sb)
         sig, cause = self._exit_cause(sb, code)
-        self._release_cgroup(sb)
+        await self._release_cgroup_off_loop(sb)
         self._close_run_fds(sb)
         if not self._stopping and not sb.stopped:
             self.log.emit("standby_exit", worker=run.cfg.name, pid=sb.pid, code=code,

@@ -236,7 +236,10 @@ class ControlLaw:
         """Start from where another law was (a replay that begins mid-drive: the car's
         law had been running before the log did): its steer, engagement and count of
         good outputs in a row, as of its step at ``at_ns``. The newest output is not
-        carried over: the next step must bring one."""
+        carried over: the next step must bring one. A steer that is not a finite number
+        (a hostile or broken log) resumes nothing: it would steer every step after it."""
+        if not math.isfinite(steer_rad):
+            return
         self.steer = self._filtered = float(steer_rad)
         self.engaged = bool(engaged)
         self._streak = max(int(streak), 0)

@@ -28,6 +28,7 @@ command and is counted (status ``unplaced=``). On SIGTERM one last SHUTDOWN comm
 from __future__ import annotations
 
 import copy
+import math
 import signal
 import time
 
@@ -79,8 +80,8 @@ class DriveClock:
         then moves nothing, and the command is the car's."""
         j = max(k - 1, 0)
         t, _, cmd = self.steps[j]
-        if len(cmd) != len(CONTROL_CMD.fields):
-            return
+        if len(cmd) != len(CONTROL_CMD.fields) or not all(map(math.isfinite, cmd)):
+            return      # a bad record (a NaN steer: red team 17 row 15) resumes nothing
         first = self.steps[k][1]
         seen = set()
         for _, f, c in reversed(self.steps[:j + 1]):
