@@ -26,10 +26,12 @@ from dataclasses import dataclass, field
 
 import trio
 
-TICK_S = 0.05
-# More than a loaded loop's ordinary lag (tens of ms on 2 cores beside two CPU hogs),
-# less than the car's watchdogs (controlsd 200 ms, the others 500 ms).
-GAP_NS = 150_000_000
+# A beat costs the loop a wake-up and one /proc read per judged worker (~40 us with 7):
+# 10 a second, so a gap is a beat missed by more than the loaded loop's lag.
+TICK_S = 0.1
+# More than a beat plus a loaded loop's ordinary lag (tens of ms on 2 cores beside two
+# CPU hogs), less than the car's watchdogs (controlsd 200 ms, the others 500 ms).
+GAP_NS = 180_000_000
 # What a stopped worker may still show around a gap (its last ms before its own stop,
 # taking the SIGSTOP, resuming): more, and it ran meanwhile.
 STILL = 2

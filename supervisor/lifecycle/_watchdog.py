@@ -67,6 +67,6 @@ class Watchdog:
                           note="its actuation channel is silent: its pings are not control")
                 return f"watchdog: pings, but nothing published on {silent} for {quiet / 1e6:.0f} ms"
             wait = (limit - max(late, quiet)) / 1e9 + 0.001
-            # A change is seen when looked for: looking 4 times a period finds a silent
-            # channel within 1.25 periods of its last publish.
-            await trio.sleep(min(wait, limit / 4e9) if self.outs else wait)
+            # A change is seen when looked for: looking 3 times a period finds a silent
+            # channel within 1.33 periods of its last publish.
+            await trio.sleep(min(wait, limit / 3e9) if self.outs else wait)
