@@ -92,8 +92,8 @@ class OwnPause:
     def check(self, now_ns: int | None = None) -> int:
         """The end of the supervisor's last pause (the pause just found, if any)."""
         now = time.monotonic_ns() if now_ns is None else now_ns
-        if now <= self._beat_ns:
-            return self.resumed_ns
+        if now - self._beat_ns < TICK_S * 5e8:
+            return self.resumed_ns         # looked within half a beat: nothing new to see
         gap = now - self._beat_ns
         seen = self._look()
         paused = gap > self.gap_ns and self._stood_still(seen, gap)
