@@ -25,6 +25,9 @@ class Payload:
     # crash): nothing may act on it either, but a standby or a restart may follow, so
     # it must not read as the domain failed safe. None: ``safe`` serves.
     lost: Mapping[str, float] | None = None
+    # The same, said after its writer was stopped (the supervisor is stopping: a planned
+    # stop, not a loss). None: ``lost`` (else ``safe``) serves.
+    stopped: Mapping[str, float] | None = None
 
     @property
     def shape(self) -> tuple[int]:
@@ -57,7 +60,8 @@ CONTROL_CMD = Payload(
     doc="steering angle command, engaged 0/1, safe-state reason code "
         "(workers.controlsd.law.SafeReason), age of the model output it came from",
     safe={"steer_rad": 0.0, "engaged": 0.0, "reason": 10.0},   # 10 = FAIL_SAFE
-    lost={"steer_rad": 0.0, "engaged": 0.0, "reason": 14.0})   # 14 = WRITER_LOST
+    lost={"steer_rad": 0.0, "engaged": 0.0, "reason": 14.0},   # 14 = WRITER_LOST
+    stopped={"steer_rad": 0.0, "engaged": 0.0, "reason": 8.0})  # 8 = SHUTDOWN
 SHADOW_OUT = Payload(
     "shadow_out", ("lane_offset_m", "heading_rad", "left_line_prob", "right_line_prob",
                    "frame_id_mod_2_24", "latency_ms", "age_ms", "pipeline_ms"),

@@ -7,8 +7,9 @@ channel payload's safe value (schemas/payloads.py, e.g. control_cmd engaged=0, r
 FAIL_SAFE) as the channel's writer of last resort. One writer at a time still holds:
 the worker that owned the channel is dead when the supervisor writes. When one
 actuation writer dies on its own (a crash a standby or a restart may cover), its last
-word is the payload's ``lost`` value instead (control_cmd reason WRITER_LOST): as safe,
-but never to be read as the domain failed safe.
+word is the payload's ``lost`` value instead (control_cmd reason WRITER_LOST), and after
+the supervisor stopped it, its ``stopped`` value (SHUTDOWN): as safe, but never to be
+read as the domain failed safe.
 
 Latch: a small JSON file in the state directory. While it exists `supervisor run`
 starts nothing and exits 4; `supervisor clear-fail-safe` removes it. The generated
@@ -351,9 +352,11 @@ def trusted_readers(config, channel: str) -> tuple[int, ...]:
 
 
 def publish_safe(channel: Channel, payload_name: str,
-                 readers: Iterable[int] | None = None, *, lost: bool = False) -> dict[str, float]:
+                 readers: Iterable[int] | None = None, *, lost: bool = False,
+                 stopped: bool = False) -> dict[str, float]:
     """Publish the payload's safe value on `channel` (its worker must be dead; ``lost``:
-    the value for a writer that died, `Payload.lost`, where it has one), whatever
+    the value for a writer that died, `Payload.lost`; ``stopped``: for one the supervisor
+    stopped, `Payload.stopped`; each where the payload has one), whatever
     state the dead writer left the segment in: once above what the segment holds, and
     once above the position of each reader in ``readers`` (default: all) that is
     further on, so each reader's next message is a SAFE (trusted_readers says which).
@@ -363,7 +366,11 @@ def publish_safe(channel: Channel, payload_name: str,
     payload = PAYLOADS[payload_name]
     if payload.safe is None:
         raise ValueError(f"payload {payload_name} has no safe value")
-    values = payload.lost if lost and payload.lost is not None else payload.safe
+    values = payload.safe
+    if (lost or stopped) and payload.lost is not None:
+        values = payload.lost
+    if stopped and payload.stopped is not None:
+        values = payload.stopped
     with _channel_lock(channel):
         w = _writer(channel, tuple(range(channel.spec.max_readers)) if readers is None
                     else tuple(readers))

@@ -228,6 +228,47 @@ def test_the_commanders_death_is_safe_at_once_and_the_next_writer_goes_on():
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
 
 
+@sandbox
+def test_a_planned_stop_says_shutdown_not_a_loss():
+    """The supervisor's word after it stopped the actuation writer (SIGINT, systemctl
+    stop) is engaged=0 with reason SHUTDOWN: not WRITER_LOST (a crash a standby covers)
+    and not FAIL_SAFE (the latch's), so a consumer or a drive log tells the three apart."""
+    cfg = loads(_pipeline(), "stop.toml")
+    log = EventLog(stream=io.StringIO())
+    box: dict[str, Reader] = {}
+
+    async def main() -> None:
+        sup = Supervisor(cfg, log=log)
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            r = box["r"] = Reader(sup.channels["control_cmd"].reader_handle(1))
+            with trio.fail_after(90):            # controlsd publishes
+                while True:
+                    m = r.try_receive()
+                    if m is not None:
+                        m.release()
+                        if m.stamp.writer_pid != os.getpid():
+                            break
+                    await trio.sleep(0.02)
+            n.cancel_scope.cancel()           # the stop: workers stopped, last words said
+
+    trio.run(main)
+    last = None
+    while True:                               # the reader's mapping outlives the channel
+        try:
+            m = box["r"].try_receive()
+        except Rejected:
+            continue
+        if m is None:
+            break
+        with m:
+            last = (m.stamp.writer_pid, CONTROL_CMD.decode(np.array(m.array)))
+    words = log.of("last_word")
+    assert words and words[-1]["reason"] == float(SafeReason.SHUTDOWN), words
+    assert last is not None and last[0] == os.getpid(), last
+    assert last[1]["engaged"] == 0.0 and last[1]["reason"] == float(SafeReason.SHUTDOWN), last
+
+
 # ---------------------------------------------------------------- simulation's own latch
 
 SIM_FAILS = """

@@ -242,8 +242,9 @@ def _refused(fleet, worker: str) -> list[dict]:
 
 
 def _is_safe(cmd: dict) -> bool:
-    # The supervisor's word: WRITER_LOST for a death (14), FAIL_SAFE if the domain failed (10).
-    return cmd["engaged"] == 0.0 and cmd["reason"] in (10.0, 14.0)
+    # The supervisor's word: WRITER_LOST for a death (14), FAIL_SAFE if the domain failed
+    # (10), SHUTDOWN after a stop (8).
+    return cmd["engaged"] == 0.0 and cmd["reason"] in (8.0, 10.0, 14.0)
 
 
 # ---------------------------------------------------------------- the last word

@@ -411,8 +411,11 @@ class _LastResort:
                 payload = self.config.channels[name].payload
                 said_ns = time.monotonic_ns()      # (just before: no reader takes it earlier)
                 try:
+                    # A stop's word is SHUTDOWN, a death's WRITER_LOST: neither reads
+                    # as the domain failed safe (red team 16 row 4).
                     values = publish_safe(self.channels[name], payload,
-                                          trusted_readers(self.config, name), lost=True)
+                                          trusted_readers(self.config, name), lost=True,
+                                          stopped=self._stopping)
                 except Exception as e:   # logged: the reader-side max age still guards it
                     events.append(("last_word_error", dict(
                         worker=run.cfg.name, channel=name, reason=f"{type(e).__name__}: {e}")))

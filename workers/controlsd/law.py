@@ -51,7 +51,7 @@ Any failing check disengages at once (``engaged = False``) and the target become
 steer ramps to 0 at the rate limit. Re-engaging (also the first engagement) needs
 ``engage_count`` consecutive new outputs that pass every check; until then the reason is
 RECOVERING. ``SHUTDOWN`` is the reason of a step called with ``hold=SafeReason.SHUTDOWN``
-(the worker is stopping).
+(the worker is stopping), and of the supervisor's last word after it stopped controlsd.
 """
 from __future__ import annotations
 
