@@ -10,14 +10,11 @@ import json
 import mmap
 import os
 import socket
-import struct
 from dataclasses import asdict, dataclass
 
 from . import layout, shm
 from .errors import ConfigError
 from .spec import ChannelSpec
-
-_U64 = struct.Struct("<Q")
 
 ENV_PREFIX = "TRIO_BRIDGE_"
 
@@ -180,7 +177,7 @@ class Channel:
         if self._head is None:
             self._head = mmap.mmap(self._data_fd, min(mmap.PAGESIZE, self.spec.segment_size),
                                    flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        return _U64.unpack_from(self._head, layout.OFF_LAST_SEQ)[0]
+        return layout.U64.unpack_from(self._head, layout.OFF_LAST_SEQ)[0]
 
     def writer_sealed(self) -> bool:
         """True once the writer has mapped the segment and sealed out other writers."""
