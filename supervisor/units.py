@@ -185,18 +185,13 @@ V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
 def _v1_hierarchies(mountinfo: str = "/proc/self/mountinfo") -> dict[str, str]:
     """controller -> mount point of each cgroup v1 hierarchy in this machine's
     mountinfo (`cpu` -> `/sys/fs/cgroup/cpu,cpuacct` where they share one)."""
-    out: dict[str, str] = {}
+    from supervisor.sandbox.cgroups import v1_hierarchies
+
     try:
         with open(mountinfo) as f:
-            for line in f:
-                pre, _, post = line.partition(" - ")
-                fields = post.split()
-                if len(fields) >= 3 and fields[0] == "cgroup":
-                    for c in fields[2].split(","):
-                        out.setdefault(c, pre.split()[4])
+            return {c: m[0] for c, m in v1_hierarchies(f.read()).items()}
     except OSError:
-        pass
-    return out
+        return {}
 
 
 def v1_mounts(mountinfo: str = "/proc/self/mountinfo") -> list[str]:

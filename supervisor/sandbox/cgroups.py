@@ -148,6 +148,21 @@ def _set_rt(cpu_dir: str | None, runtime_us: int, period_us: int) -> bool:
     return True
 
 
+def v1_hierarchies(mountinfo: str) -> dict[str, tuple[str, str, bool]]:
+    """controller -> (mount point, root, read-only) of each cgroup v1 hierarchy in a
+    /proc/PID/mountinfo text: the first mount of each, paths unescaped (a space is
+    \\040 there)."""
+    mounts: dict[str, tuple[str, str, bool]] = {}
+    for ln in mountinfo.splitlines():
+        pre, _, post = ln.partition(" - ")
+        f, p = pre.split(), post.split()
+        if len(f) < 6 or len(p) < 3 or p[0] != "cgroup":
+            continue
+        for c in p[2].split(","):
+            mounts.setdefault(c, (_unescape(f[4]), _unescape(f[3]), "ro" in f[5].split(",")))
+    return mounts
+
+
 def rt_budget_of(pid: int) -> tuple[int, int] | None:
     """(cpu.rt_runtime_us, cpu.rt_period_us) of `pid`'s v1 cpu cgroup as the kernel has
     them; None where it has none (cgroup v2, no RT group scheduling, cpu not mounted) or
@@ -163,14 +178,10 @@ def rt_budget_of(pid: int) -> tuple[int, int] | None:
                  if ln.count(":") >= 2 and "cpu" in ln.split(":", 2)[1].split(",")), None)
     if path is None:
         return None
-    for ln in mountinfo.splitlines():
-        pre, _, post = ln.partition(" - ")
-        f, fs = pre.split(), post.split()
-        if len(f) >= 5 and len(fs) >= 3 and fs[0] == "cgroup" and "cpu" in fs[2].split(","):
-            mountpoint, mroot = _unescape(f[4]), _unescape(f[3])
-            break
-    else:
+    cpu = v1_hierarchies(mountinfo).get("cpu")
+    if cpu is None:
         return None
+    mountpoint, mroot, _ = cpu
     if mroot != "/":                    # a container's view of a sub-tree
         if path != mroot and not path.startswith(mroot + "/"):
             return None
@@ -638,14 +649,7 @@ class CgroupTree:
             _id, ctrls, path = ln.split(":", 2)
             for c in ctrls.split(","):
                 own[c] = path
-        mounts: dict[str, tuple[str, str, bool]] = {}      # controller -> (mountpoint, root, ro)
-        for ln in mountinfo.splitlines():
-            pre, _, post = ln.partition(" - ")
-            f, p = pre.split(), post.split()
-            if len(p) < 3 or p[0] != "cgroup":
-                continue
-            for c in p[2].split(","):
-                mounts.setdefault(c, (_unescape(f[4]), _unescape(f[3]), "ro" in f[5].split(",")))
+        mounts = v1_hierarchies(mountinfo)      # controller -> (mountpoint, root, ro)
         # A hierarchy with something mounted over it (an empty tmpfs on /sys/fs/cgroup:
         # a container without a cgroup fs) is still listed in mountinfo but not there.
         mounts = {c: m for c, m in mounts.items()
